@@ -1,0 +1,2 @@
+// PENDING IMPLEMENTATION (scaffold).
+#include "kvshade/kernels/rope.h"

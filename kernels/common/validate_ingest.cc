@@ -1,0 +1,2 @@
+// PENDING IMPLEMENTATION (scaffold).
+#include "common/validate.h"

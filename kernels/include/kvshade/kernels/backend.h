@@ -1,0 +1,347 @@
+// The kernel backend interface: every compression and decode operation of ALGORITHM.md,
+// implemented once per backend (CPU reference in kernels/cpu, CUDA in kernels/cuda).
+//
+// Contract
+// - Memory: every pointer and span passed to a backend lives in that backend's memory
+//   space (`space()`): host memory for the CPU backend, device memory for CUDA, unless the
+//   comment says "host" (ordinary host memory) or "host-visible" (memory from
+//   `AllocateHostVisible`: pinned and mapped for CUDA, so kernels read it over PCIe).
+// - Shapes are written outer-to-inner, row-major; `n` tokens, `h` KV heads, `g` query
+//   heads per KV head, `d` head dim, `D = h*d`, `C` chunk size, `r` rank, `k` top-k.
+// - Launchers validate shapes and options and return InvalidArgument naming the problem
+//   before touching memory; kernels never allocate on the request path: callers pass a
+//   workspace of at least `*WorkspaceBytes(...)` bytes (backend memory).
+// - Ops are asynchronous on `stream` (the CPU backend runs them to completion); outputs
+//   are ready after `Synchronize(stream)`. Ops returning a host value (StatusOr) are
+//   synchronous.
+// - Determinism: same inputs on the same backend give bit-identical outputs.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kvshade/kernels/codec.h"
+#include "kvshade/kernels/rope.h"
+#include "kvshade/kernels/types.h"
+
+namespace kvshade::kernels {
+
+enum class MemorySpace { kHost, kDevice };
+
+// An opaque execution stream (a cudaStream_t for CUDA; ignored by the CPU backend).
+// A default-constructed Stream is the backend's default stream.
+struct Stream {
+  void* handle = nullptr;
+};
+
+// Scratch memory in the backend's space, owned by the caller.
+struct Workspace {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+
+// Move-only owner of one allocation from a backend.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(void* data, size_t bytes, std::function<void(void*)> release)
+      : data_(data), bytes_(bytes), release_(std::move(release)) {}
+  Buffer(Buffer&& o) noexcept { *this = std::move(o); }
+  Buffer& operator=(Buffer&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      data_ = o.data_;
+      bytes_ = o.bytes_;
+      release_ = std::move(o.release_);
+      o.data_ = nullptr;
+      o.bytes_ = 0;
+    }
+    return *this;
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { Reset(); }
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  template <typename T>
+  absl::Span<T> span() const {
+    return absl::Span<T>(static_cast<T*>(data_), bytes_ / sizeof(T));
+  }
+  Workspace workspace() const { return Workspace{data_, bytes_}; }
+
+ private:
+  void Reset() {
+    if (data_ != nullptr && release_) release_(data_);
+    data_ = nullptr;
+    bytes_ = 0;
+  }
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  std::function<void(void*)> release_;
+};
+
+// Dimensions of one attention layer.
+struct LayerShape {
+  int h = 8;    // KV heads
+  int g = 4;    // query heads per KV head (GQA group), >= 1
+  int d = 128;  // head dim
+  int D() const { return h * d; }
+  int query_heads() const { return h * g; }
+};
+
+// ---------------------------------------------------------------------------------------
+// Low-rank keys
+struct FactorizeOptions {
+  int rank = 160;             // multiple of 8, <= D; the rank used when energy_target == 0
+  double energy_target = 0;   // in (0, 1]: adaptive rank, the smallest multiple of 8 whose
+                              // captured energy reaches it, capped at `rank`
+};
+
+struct FactorizeResult {
+  int rank = 0;                // rank chosen (== options.rank unless adaptive)
+  double captured_energy = 0;  // sum(top rank eigenvalues) / trace(K^T K)
+};
+
+// Energies of a projection onto an existing basis.
+struct ProjectionResult {
+  double key_energy = 0;       // ||K||_F^2
+  double residual_energy = 0;  // ||K - K W W^T||_F^2 / ||K||_F^2 (0 when K == 0)
+};
+
+// ---------------------------------------------------------------------------------------
+// One session's compressed state for one layer, as the decode ops read it. A session is
+// a chain of immutable segments (a shared prefix first, then its own turns); their chunks
+// form one chunk-id space in order (segment 0's chunks first). All segments share the
+// basis `b` (later segments were projected onto it).
+inline constexpr int kMaxSegments = 8;
+
+struct SegmentView {
+  int32_t n_chunks = 0;           // chunks of this segment (selectable or static)
+  int64_t first_position = 0;     // absolute position of the segment's first token;
+                                  // chunk j covers positions first_position + j*C + [0, C)
+  const bf16* landmarks = nullptr;     // [n_chunks, h, d] bf16 (post-RoPE chunk means)
+  const uint8_t* excluded = nullptr;   // [h, n_chunks] u8, 1 = static for that head (not
+                                       // selectable); null = all selectable
+  const bf16* a = nullptr;             // [n_chunks*C, r] bf16 token coordinates
+  const std::byte* values = nullptr;   // encoded value chunks, host-visible:
+                                       // chunk j of head hh at
+                                       // values + hh*value_head_stride + j*value_chunk_stride
+  int64_t value_head_stride = 0;       // bytes
+  int64_t value_chunk_stride = 0;      // bytes (>= ValueChunkBytes)
+};
+
+struct SessionLayerView {
+  std::array<SegmentView, kMaxSegments> segments{};
+  int n_segments = 0;
+  const bf16* b = nullptr;  // [h, r, d] bf16 basis shared by all segments
+  int r = 0;
+  int total_chunks() const {
+    int t = 0;
+    for (int i = 0; i < n_segments; ++i) t += segments[i].n_chunks;
+    return t;
+  }
+};
+
+// Per-session state and outputs of one decode step for one layer.
+//   q           : [h*g, d] bf16, post-RoPE query of the newest token
+//   slots       : [h, k] int32, in/out slot table (chunk id, or -1 for an empty slot)
+//   selected    : [h, k] int32 out, top-k chunk ids by descending score (ties: lower id)
+//   miss_slot   : [h, k] int32 out, entries [0, miss_count[hh]) of row hh are the slots
+//                 filled this step, ascending
+//   miss_chunk  : [h, k] int32 out, the chunk now in miss_slot (ascending chunk id)
+//   miss_count  : [h] int32 out
+struct SelectItem {
+  SessionLayerView view;
+  const bf16* q = nullptr;
+  int32_t* slots = nullptr;
+  int32_t* selected = nullptr;
+  int32_t* miss_slot = nullptr;
+  int32_t* miss_chunk = nullptr;
+  int32_t* miss_count = nullptr;
+};
+
+// Output of reconstruction for one session: keys and values of the missed chunks.
+//   keys   : [h, k, C, d] bf16 out; row (hh, j) holds miss j of head hh (post-RoPE K)
+//   values : [h, k, C, d] bf16 out; same rows, decoded V
+// Rows j >= miss_count[hh] are left untouched.
+struct ReconstructItem {
+  SessionLayerView view;
+  const int32_t* miss_chunk = nullptr;  // [h, k]
+  const int32_t* miss_count = nullptr;  // [h]
+  bf16* keys = nullptr;
+  bf16* values = nullptr;
+};
+
+// One block of keys/values an attention reads. Element (head hh, token t, channel c) is
+// at ptr[hh*head_stride + t*token_stride + c] (elements). Tokens [0, len_per_head[hh])
+// (or [0, len) when len_per_head is null) of each head are attended.
+struct KvBlock {
+  const bf16* k = nullptr;
+  const bf16* v = nullptr;
+  int64_t len = 0;
+  const int32_t* len_per_head = nullptr;  // [h] int32, backend memory, or null
+  int64_t head_stride = 0;
+  int64_t token_stride = 0;
+};
+
+inline constexpr int kMaxKvBlocks = 4;
+
+// One decode attention: o = softmax(q K^T * scale) V over the union of blocks, per query
+// head against its KV head (query head qh uses KV head qh / g).
+//   q   : [h*g, d] bf16
+//   out : [h*g, d] f32
+struct AttendItem {
+  const bf16* q = nullptr;
+  std::array<KvBlock, kMaxKvBlocks> blocks{};
+  int n_blocks = 0;
+  float* out = nullptr;
+};
+
+// ---------------------------------------------------------------------------------------
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual std::string_view name() const = 0;  // "cpu" or "cuda"
+  virtual MemorySpace space() const = 0;
+
+  // --- Memory and streams (set-up time, never on the request path) ---
+  virtual absl::StatusOr<Buffer> Allocate(size_t bytes) = 0;
+  // Host memory the backend's kernels can read directly (pinned + mapped for CUDA).
+  virtual absl::StatusOr<Buffer> AllocateHostVisible(size_t bytes) = 0;
+  virtual absl::Status CopyFromHost(void* dst, const void* src_host, size_t bytes,
+                                    Stream stream = {}) = 0;
+  virtual absl::Status CopyToHost(void* dst_host, const void* src, size_t bytes,
+                                  Stream stream = {}) = 0;
+  virtual absl::Status Fill(void* dst, uint8_t byte, size_t bytes, Stream stream = {}) = 0;
+  virtual absl::StatusOr<Stream> CreateStream() = 0;
+  virtual absl::Status DestroyStream(Stream stream) = 0;
+  virtual absl::Status Synchronize(Stream stream = {}) = 0;
+
+  // --- RoPE ---
+  // x [n, heads, d] bf16, in place; positions [n] int64 absolute.
+  virtual absl::Status ApplyRope(const RopeSpec& rope, absl::Span<const int64_t> positions,
+                                 int heads, int d, absl::Span<bf16> x, Stream stream = {}) = 0;
+
+  // --- Low-rank factorization (ingest) ---
+  // k [n, D] bf16 pre-RoPE keys -> a [n, rank] bf16 (= K W), b [h, rank, d] bf16 (= W^T per
+  // head), eigenvalues [D] f32 host, descending. a and b are sized for options.rank; an
+  // adaptive rank r' <= rank fills a as [n, r'] and b as [h, r', d] (dense at r').
+  virtual size_t FactorizeWorkspaceBytes(int n, const LayerShape& shape,
+                                         const FactorizeOptions& options) const = 0;
+  virtual absl::StatusOr<FactorizeResult> Factorize(absl::Span<const bf16> k, int n,
+                                                    const LayerShape& shape,
+                                                    const FactorizeOptions& options,
+                                                    absl::Span<bf16> a, absl::Span<bf16> b,
+                                                    absl::Span<float> eigenvalues_host,
+                                                    Workspace ws, Stream stream = {}) = 0;
+  // Projects new pre-RoPE keys k [n, D] bf16 onto an existing basis b [h, r, d] bf16:
+  // a [n, r] bf16 = K W, and the residual energy of the projection.
+  virtual size_t ProjectWorkspaceBytes(int n, const LayerShape& shape, int r) const = 0;
+  virtual absl::StatusOr<ProjectionResult> ProjectKeys(absl::Span<const bf16> k, int n,
+                                                       const LayerShape& shape,
+                                                       absl::Span<const bf16> b, int r,
+                                                       absl::Span<bf16> a, Workspace ws,
+                                                       Stream stream = {}) = 0;
+
+  // --- Landmarks and outliers (ingest) ---
+  // kr [n, h, d] bf16 post-RoPE keys, n >= n_chunks*C ->
+  //   landmarks [n_chunks, h, d] bf16 (fp32 mean of each chunk, rounded once),
+  //   min_cos   [h, n_chunks] f32 (min over the chunk's tokens of cos(landmark, key);
+  //             a zero vector has cosine 1 with itself and 0 with anything else)
+  virtual absl::Status BuildLandmarks(absl::Span<const bf16> kr, int n, int h, int d, int C,
+                                      int n_chunks, absl::Span<bf16> landmarks,
+                                      absl::Span<float> min_cos, Stream stream = {}) = 0;
+
+  // Per row, the k best columns of scores [rows, cols] f32: largest (or smallest) first,
+  // ties by lower column; columns with mask[row, col] != 0 are never chosen.
+  //   mask : [rows, cols] u8 or empty;  out : [rows, k] int32
+  // InvalidArgument when a row has fewer than k eligible columns.
+  virtual size_t TopKWorkspaceBytes(int rows, int cols, int k) const = 0;
+  virtual absl::Status TopK(absl::Span<const float> scores, absl::Span<const uint8_t> mask,
+                            int rows, int cols, int k, bool largest, absl::Span<int32_t> out,
+                            Workspace ws, Stream stream = {}) = 0;
+
+  // --- Heavy hitters (ingest) ---
+  // Cumulative attention of observation queries, per KV head and token:
+  //   qobs  [w, h*g, d] bf16 post-RoPE;  q_positions [w] int64
+  //   kr    [n, h, d] bf16 post-RoPE;    k_positions [n] int64
+  //   mass  [h, n] f32 out: sum over rows t and the head's g query heads of
+  //         softmax_j(q_t . k_j / sqrt(d)) over keys with k_positions[j] <= q_positions[t]
+  virtual size_t ObservationWorkspaceBytes(int w, int n, const LayerShape& shape) const = 0;
+  virtual absl::Status ObservationMass(absl::Span<const bf16> qobs,
+                                       absl::Span<const int64_t> q_positions, int w,
+                                       absl::Span<const bf16> kr,
+                                       absl::Span<const int64_t> k_positions, int n,
+                                       const LayerShape& shape, absl::Span<float> mass,
+                                       Workspace ws, Stream stream = {}) = 0;
+  // chunk_mass [h, n_chunks] f32 = sums of mass [h, n] over each chunk of C tokens.
+  virtual absl::Status ChunkSum(absl::Span<const float> mass, int h, int n, int C, int n_chunks,
+                                absl::Span<float> chunk_mass, Stream stream = {}) = 0;
+
+  // --- Codecs ---
+  // v [n, h, d] bf16 -> out: chunk j of head hh (tokens j*C..j*C+C-1) encoded at
+  // out + (hh*n_chunks + j) * ValueChunkBytes(spec, C, d).
+  virtual absl::Status EncodeValueChunks(absl::Span<const bf16> v, int n, int h, int d, int C,
+                                         int n_chunks, const ValueCodecSpec& spec,
+                                         absl::Span<std::byte> out, Stream stream = {}) = 0;
+  // encoded [m, ValueChunkBytes] -> out [m, C, d] bf16.
+  virtual absl::Status DecodeValueChunks(absl::Span<const std::byte> encoded, int m, int C,
+                                         int d, const ValueCodecSpec& spec, absl::Span<bf16> out,
+                                         Stream stream = {}) = 0;
+  // KIVI quantization of x [rows, cols] bf16 (layout in codec.h).
+  virtual absl::Status KiviQuantize(absl::Span<const bf16> x, const KiviLayout& layout,
+                                    absl::Span<uint32_t> codes, absl::Span<fp16> scale,
+                                    absl::Span<fp16> mn, Stream stream = {}) = 0;
+  virtual absl::Status KiviDequantize(absl::Span<const uint32_t> codes,
+                                      absl::Span<const fp16> scale, absl::Span<const fp16> mn,
+                                      const KiviLayout& layout, absl::Span<bf16> x,
+                                      Stream stream = {}) = 0;
+
+  // --- Decode: select, reconstruct, attend ---
+  // For each item: scores p = softmax over the head's selectable chunks of q.L/sqrt(d)
+  // (fp32) per query head, s = max over the group, top-k per KV head, then the slot-table
+  // diff (hits stay; misses fill freed slots, ascending chunk into ascending slot).
+  // Items are independent; `items` is host memory. k <= view.total_chunks() is checked;
+  // when a head has fewer than k selectable chunks its trailing `selected` entries are -1,
+  // and those slots end up empty (-1).
+  virtual size_t SelectWorkspaceBytes(const LayerShape& shape, int k,
+                                      absl::Span<const SelectItem> items) const = 0;
+  virtual absl::Status Select(const LayerShape& shape, int k,
+                              absl::Span<const SelectItem> items, Workspace ws,
+                              Stream stream = {}) = 0;
+  // Reconstructs the missed chunks: keys k_hat = A[token] . B_h, RoPE'd at each token's
+  // absolute position; values decoded from the host-visible store (fused gather+decode).
+  virtual absl::Status Reconstruct(const LayerShape& shape, int C, int k, const RopeSpec& rope,
+                                   const ValueCodecSpec& codec,
+                                   absl::Span<const ReconstructItem> items, Workspace ws,
+                                   Stream stream = {}) = 0;
+  virtual size_t ReconstructWorkspaceBytes(const LayerShape& shape, int k,
+                                           absl::Span<const ReconstructItem> items) const = 0;
+
+  // Decode attention (flash-decoding style, fp32 accumulation). scale is usually 1/sqrt(d).
+  virtual size_t AttendWorkspaceBytes(const LayerShape& shape,
+                                      absl::Span<const AttendItem> items) const = 0;
+  virtual absl::Status Attend(const LayerShape& shape, float scale,
+                              absl::Span<const AttendItem> items, Workspace ws,
+                              Stream stream = {}) = 0;
+};
+
+// Backends compiled into this build, by name ("cpu" always; "cuda" when built and a device
+// is visible).
+std::vector<std::string> AvailableBackends();
+// Creates a backend: "cpu", "cuda" (device 0), "cuda:N", or "auto" (cuda when available,
+// else cpu). Unavailable when the backend is not built or no device is present.
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view name);
+
+}  // namespace kvshade::kernels

@@ -1,0 +1,79 @@
+// Helpers shared by the kernel tests: seeded random inputs (fresh each run, seed logged,
+// reproducible with KVSHADE_TEST_SEED=<n>), and moving host vectors in and out of a
+// backend's memory.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvshade/kernels/backend.h"
+
+namespace kvshade::kernels::testing {
+
+// The seed of this test run: KVSHADE_TEST_SEED if set, else fresh from the OS. Logged
+// once per test (as a gtest property and on stdout) so that a failure can be replayed.
+uint64_t TestSeed();
+
+// An engine seeded from TestSeed() mixed with `stream` (so that different inputs of one
+// test differ).
+std::mt19937_64 MakeRng(uint64_t stream = 0);
+
+// Uniform in [-scale, scale], never all zeros.
+std::vector<float> RandomFloats(size_t n, std::mt19937_64& rng, float scale = 1.0f);
+// Normal(0, stddev) rounded to bf16.
+std::vector<bf16> RandomBf16(size_t n, std::mt19937_64& rng, float stddev = 1.0f);
+std::vector<float> ToFloat(const std::vector<bf16>& x);
+std::vector<bf16> ToBf16(const std::vector<float>& x);
+
+// The CPU backend (always present).
+std::unique_ptr<Backend> Cpu();
+// The CUDA backend, or nullptr when this build has none or no device is visible; GPU
+// tests call `GTEST_SKIP()` on nullptr (see KVSHADE_CUDA_OR_SKIP).
+std::unique_ptr<Backend> CudaOrNull();
+
+#define KVSHADE_CUDA_OR_SKIP(var)                                                    \
+  auto var = ::kvshade::kernels::testing::CudaOrNull();                              \
+  if (!var) GTEST_SKIP() << "no CUDA device visible (or CUDA backend not built)"
+
+// Copies a host vector into a new buffer of `backend`.
+template <typename T>
+Buffer Upload(Backend& backend, const std::vector<T>& host) {
+  auto buf = backend.Allocate(std::max<size_t>(host.size() * sizeof(T), 1));
+  EXPECT_TRUE(buf.ok()) << buf.status();
+  if (!host.empty()) {
+    auto st = backend.CopyFromHost(buf->data(), host.data(), host.size() * sizeof(T));
+    EXPECT_TRUE(st.ok()) << st;
+  }
+  return std::move(buf).value();
+}
+
+// A buffer of `count` elements filled with 0xFF bytes (so that
+// untouched outputs are visible as NaN / -1).
+template <typename T>
+Buffer Scratch(Backend& backend, size_t count) {
+  auto buf = backend.Allocate(std::max<size_t>(count * sizeof(T), 1));
+  EXPECT_TRUE(buf.ok()) << buf.status();
+  EXPECT_TRUE(backend.Fill(buf->data(), 0xFF, count * sizeof(T)).ok());
+  return std::move(buf).value();
+}
+
+// Copies `count` elements of a backend buffer to the host (synchronizing first).
+template <typename T>
+std::vector<T> Download(Backend& backend, const void* src, size_t count) {
+  std::vector<T> out(count);
+  EXPECT_TRUE(backend.Synchronize().ok());
+  auto st = backend.CopyToHost(out.data(), src, count * sizeof(T));
+  EXPECT_TRUE(st.ok()) << st;
+  EXPECT_TRUE(backend.Synchronize().ok());
+  return out;
+}
+
+// Relative Frobenius error ||a - b|| / ||b||.
+double RelativeError(const std::vector<float>& a, const std::vector<float>& b);
+// Max |a - b|.
+double MaxAbsError(const std::vector<float>& a, const std::vector<float>& b);
+
+}  // namespace kvshade::kernels::testing
