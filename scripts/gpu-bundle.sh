@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Builds the CUDA-enabled test and benchmark binaries for Hopper (sm_90) and gathers them
+# with the Debian shared libraries they need into one folder (default .gpu/), to run on a
+# GPU machine that has the CUDA 13 runtime libraries but not our Debian packages.
+# Excluded from the bundle: glibc, libstdc++, libgcc, the driver (libcuda) and CUDA's own
+# libraries (cudart, cuBLAS, cuSOLVER...), which the GPU machine provides.
+# Usage: scripts/gpu-bundle.sh [bundle-dir] [build-dir]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUNDLE=${1:-.gpu}
+BUILD=${2:-build-gpu}
+TARGETS=(kernels_test kernels_gpu_test kvshade_kernel_bench)
+
+cmake -S . -B "$BUILD" -G Ninja -DKVSHADE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DCMAKE_BUILD_TYPE=Release >/dev/null
+cmake --build "$BUILD" -j "$(nproc)" --target "${TARGETS[@]}"
+
+rm -rf "$BUNDLE"
+mkdir -p "$BUNDLE/bin" "$BUNDLE/lib"
+for t in "${TARGETS[@]}"; do
+  f=$(find "$BUILD" -type f -name "$t" -perm -u+x | head -1)
+  cp "$f" "$BUNDLE/bin/"
+  strip "$BUNDLE/bin/$t"
+done
+# Shared libraries named by ldd, minus the ones the GPU machine has.
+skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcuda\.so|libcudart|libcublas|libcublasLt|libcusolver|libcusparse|libnvJitLink|libcufft|libcurand)'
+for bin in "$BUNDLE"/bin/*; do
+  ldd "$bin" | awk '/=>/ {print $1, $3}' | while read -r name path; do
+    [[ "$name" =~ $skip ]] && continue
+    [ -f "$path" ] && cp -L -n "$path" "$BUNDLE/lib/" || true
+  done
+done
+cp scripts/gpu-run.sh "$BUNDLE/"
+du -sh "$BUNDLE"
