@@ -1,0 +1,32 @@
+// Footprint arithmetic of the shadow profile; formulas documented in footprint.h.
+#include "kvshade/kernels/footprint.h"
+
+#include "common/validate.h"
+#include "kvshade/kernels/status_macros.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvshade::kernels {
+namespace {
+constexpr double kBf16Bytes = 2.0;
+}
+
+absl::StatusOr<double> ShadowGpuBytesPerToken(const LayerShape& shape, int r, int C) {
+  KVSHADE_RETURN_IF_ERROR(validate::Shape(shape));
+  if (r < 1) return absl::InvalidArgumentError(absl::StrCat("footprint: r must be >= 1, got ", r));
+  if (C < 1) return absl::InvalidArgumentError(absl::StrCat("footprint: C must be >= 1, got ", C));
+  const double D = static_cast<double>(shape.D());
+  return kBf16Bytes * r + kBf16Bytes * D / C;
+}
+
+absl::StatusOr<double> FullKvBytesPerToken(const LayerShape& shape) {
+  KVSHADE_RETURN_IF_ERROR(validate::Shape(shape));
+  return 2.0 * kBf16Bytes * static_cast<double>(shape.D());  // K and V
+}
+
+absl::StatusOr<double> ShadowCompressionRatio(const LayerShape& shape, int r, int C) {
+  KVSHADE_ASSIGN_OR_RETURN(double shadow, ShadowGpuBytesPerToken(shape, r, C));
+  KVSHADE_ASSIGN_OR_RETURN(double full, FullKvBytesPerToken(shape));
+  return full / shadow;
+}
+
+}  // namespace kvshade::kernels

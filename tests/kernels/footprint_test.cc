@@ -1,0 +1,35 @@
+// Shadow-profile memory footprint: the T6 vector and argument checks.
+#include "gtest/gtest.h"
+#include "kvshade/kernels/footprint.h"
+
+namespace kvshade::kernels {
+namespace {
+
+TEST(AlgorithmVectors, T6Memory) {
+  const LayerShape shape{8, 4, 128};
+  auto shadow = ShadowGpuBytesPerToken(shape, 160, 8);
+  auto full = FullKvBytesPerToken(shape);
+  auto ratio = ShadowCompressionRatio(shape, 160, 8);
+  ASSERT_TRUE(shadow.ok() && full.ok() && ratio.ok());
+  EXPECT_EQ(*shadow, 576.0);  // 2*160 + 2*1024/8
+  EXPECT_EQ(*full, 4096.0);   // 4*1024
+  EXPECT_NEAR(*ratio, 4096.0 / 576.0, 1e-12);
+  EXPECT_NEAR(*ratio, 7.1, 0.05);
+}
+
+TEST(Footprint, FractionalLandmarkShareAndBadArguments) {
+  auto s = ShadowGpuBytesPerToken(LayerShape{1, 1, 12}, 8, 8);  // 16 + 24/8
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(*s, 19.0);
+  auto f = ShadowGpuBytesPerToken(LayerShape{1, 1, 10}, 8, 8);  // 16 + 20/8
+  ASSERT_TRUE(f.ok());
+  EXPECT_EQ(*f, 18.5);
+  const auto bad = absl::StatusCode::kInvalidArgument;
+  EXPECT_EQ(ShadowGpuBytesPerToken(LayerShape{8, 4, 128}, 0, 8).status().code(), bad);
+  EXPECT_EQ(ShadowGpuBytesPerToken(LayerShape{8, 4, 128}, 160, 0).status().code(), bad);
+  EXPECT_EQ(FullKvBytesPerToken(LayerShape{0, 4, 128}).status().code(), bad);
+  EXPECT_EQ(ShadowCompressionRatio(LayerShape{8, 4, -1}, 160, 8).status().code(), bad);
+}
+
+}  // namespace
+}  // namespace kvshade::kernels
