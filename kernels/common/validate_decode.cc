@@ -1,2 +1,214 @@
-// PENDING IMPLEMENTATION (scaffold).
+// Argument checks of the codec and decode ops (EncodeValueChunks, DecodeValueChunks, KIVI,
+// Select, Reconstruct, Attend), shared by the CPU and CUDA launchers so that both reject
+// the same inputs with the same messages. Only host-readable facts are checked here
+// (sizes, counts, pointers, strides, options); contents of backend memory are not read.
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
 #include "common/validate.h"
+#include "kvshade/kernels/status_macros.h"
+
+namespace kvshade::kernels::validate {
+namespace {
+
+absl::Status Bad(std::string_view op, std::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(std::string(op), ": ", std::string(what)));
+}
+
+// Spans must match their shapes exactly (as in validate_ingest.cc).
+absl::Status Exact(std::string_view op, std::string_view name, size_t actual, size_t expected,
+                   std::string_view unit = "elements") {
+  if (actual == expected) return absl::OkStatus();
+  return Bad(op, absl::StrCat(std::string(name), " must have ", expected, " ", std::string(unit),
+                              ", got ", actual));
+}
+
+absl::Status CheckWorkspace(std::string_view op, const Workspace& ws, size_t needed) {
+  if (needed == 0) return absl::OkStatus();
+  if (ws.data == nullptr || ws.bytes < needed) {
+    return Bad(op, absl::StrCat("workspace has ", ws.data == nullptr ? 0 : ws.bytes,
+                                " bytes, expected at least ", needed));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckChunkBytes(std::string_view op, const ValueCodecSpec& spec, int C, int d,
+                             size_t* bytes) {
+  auto b = ValueChunkBytes(spec, C, d);
+  if (!b.ok()) return Bad(op, std::string(b.status().message()));
+  *bytes = *b;
+  return absl::OkStatus();
+}
+
+// Segment count, basis, k range and the per-segment facts shared by Select and
+// Reconstruct. `item` names the item in messages.
+absl::Status CheckView(std::string_view op, const std::string& item,
+                       const SessionLayerView& view, int k) {
+  if (view.n_segments < 1 || view.n_segments > kMaxSegments) {
+    return Bad(op, absl::StrCat(item, ".view.n_segments must be in [1, ", kMaxSegments,
+                                "], got ", view.n_segments));
+  }
+  if (view.r <= 0) return Bad(op, absl::StrCat(item, ".view.r must be > 0, got ", view.r));
+  if (view.b == nullptr) return Bad(op, absl::StrCat(item, ".view.b is null"));
+  int64_t total = 0;
+  for (int s = 0; s < view.n_segments; ++s) {
+    const SegmentView& seg = view.segments[s];
+    if (seg.n_chunks < 0) {
+      return Bad(op, absl::StrCat(item, ".view.segments[", s, "].n_chunks must be >= 0, got ",
+                                  seg.n_chunks));
+    }
+    if (seg.first_position < 0) {
+      return Bad(op, absl::StrCat(item, ".view.segments[", s,
+                                  "].first_position must be >= 0, got ", seg.first_position));
+    }
+    total += seg.n_chunks;
+  }
+  if (total > INT32_MAX) return Bad(op, absl::StrCat(item, ": total chunks overflow int32"));
+  if (k < 1 || k > total) {
+    return Bad(op, absl::StrCat("k must be in [1, total_chunks = ", total, "] for ", item,
+                                ", got ", k));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status EncodeValueChunks(size_t v, int n, int h, int d, int C, int n_chunks,
+                               const ValueCodecSpec& spec, size_t out_bytes) {
+  constexpr std::string_view kOp = "EncodeValueChunks";
+  if (n < 0) return Bad(kOp, absl::StrCat("n must be >= 0, got ", n));
+  if (h <= 0) return Bad(kOp, absl::StrCat("h must be > 0, got ", h));
+  if (n_chunks < 0) return Bad(kOp, absl::StrCat("n_chunks must be >= 0, got ", n_chunks));
+  size_t chunk_bytes = 0;
+  KVSHADE_RETURN_IF_ERROR(CheckChunkBytes(kOp, spec, C, d, &chunk_bytes));
+  if (int64_t(n_chunks) * C > n) {
+    return Bad(kOp, absl::StrCat("n_chunks * C = ", int64_t(n_chunks) * C,
+                                 " exceeds n = ", n));
+  }
+  KVSHADE_RETURN_IF_ERROR(Exact(kOp, "v [n, h, d]", v, size_t(n) * h * d));
+  return Exact(kOp, "out [h, n_chunks, ValueChunkBytes]", out_bytes,
+               size_t(h) * n_chunks * chunk_bytes, "bytes");
+}
+
+absl::Status DecodeValueChunks(size_t encoded_bytes, int m, int C, int d,
+                               const ValueCodecSpec& spec, size_t out) {
+  constexpr std::string_view kOp = "DecodeValueChunks";
+  if (m < 0) return Bad(kOp, absl::StrCat("m must be >= 0, got ", m));
+  size_t chunk_bytes = 0;
+  KVSHADE_RETURN_IF_ERROR(CheckChunkBytes(kOp, spec, C, d, &chunk_bytes));
+  KVSHADE_RETURN_IF_ERROR(Exact(kOp, "encoded [m, ValueChunkBytes]", encoded_bytes,
+                                size_t(m) * chunk_bytes, "bytes"));
+  return Exact(kOp, "out [m, C, d]", out, size_t(m) * C * d);
+}
+
+absl::Status Kivi(size_t x, const KiviLayout& layout, size_t codes, size_t scale, size_t mn) {
+  constexpr std::string_view kOp = "Kivi";
+  if (absl::Status st = ValidateKiviLayout(layout); !st.ok()) return Bad(kOp, std::string(st.message()));
+  KVSHADE_RETURN_IF_ERROR(Exact(kOp, "x [rows, cols]", x, size_t(layout.rows) * layout.cols));
+  KVSHADE_RETURN_IF_ERROR(Exact(kOp, "codes", codes, layout.code_words()));
+  KVSHADE_RETURN_IF_ERROR(Exact(kOp, "scale", scale, layout.n_groups()));
+  return Exact(kOp, "mn", mn, layout.n_groups());
+}
+
+absl::Status Select(const LayerShape& shape, int k, absl::Span<const SelectItem> items,
+                    const Workspace& ws, size_t ws_needed) {
+  constexpr std::string_view kOp = "Select";
+  KVSHADE_RETURN_IF_ERROR(Shape(shape));
+  if (k < 1) return Bad(kOp, absl::StrCat("k must be >= 1, got ", k));
+  for (size_t i = 0; i < items.size(); ++i) {
+    const SelectItem& it = items[i];
+    const std::string name = absl::StrCat("items[", i, "]");
+    if (it.q == nullptr) return Bad(kOp, absl::StrCat(name, ".q is null"));
+    if (it.slots == nullptr) return Bad(kOp, absl::StrCat(name, ".slots is null"));
+    if (it.selected == nullptr) return Bad(kOp, absl::StrCat(name, ".selected is null"));
+    if (it.miss_slot == nullptr) return Bad(kOp, absl::StrCat(name, ".miss_slot is null"));
+    if (it.miss_chunk == nullptr) return Bad(kOp, absl::StrCat(name, ".miss_chunk is null"));
+    if (it.miss_count == nullptr) return Bad(kOp, absl::StrCat(name, ".miss_count is null"));
+    KVSHADE_RETURN_IF_ERROR(CheckView(kOp, name, it.view, k));
+    for (int s = 0; s < it.view.n_segments; ++s) {
+      if (it.view.segments[s].n_chunks > 0 && it.view.segments[s].landmarks == nullptr) {
+        return Bad(kOp, absl::StrCat(name, ".view.segments[", s, "].landmarks is null"));
+      }
+    }
+  }
+  return CheckWorkspace(kOp, ws, ws_needed);
+}
+
+absl::Status Reconstruct(const LayerShape& shape, int C, int k, const RopeSpec& rope,
+                         const ValueCodecSpec& codec, absl::Span<const ReconstructItem> items,
+                         const Workspace& ws, size_t ws_needed) {
+  constexpr std::string_view kOp = "Reconstruct";
+  KVSHADE_RETURN_IF_ERROR(Shape(shape));
+  if (C <= 0) return Bad(kOp, absl::StrCat("C must be > 0, got ", C));
+  if (k < 1) return Bad(kOp, absl::StrCat("k must be >= 1, got ", k));
+  if (auto table = MakeRopeTable(rope, shape.d); !table.ok()) {
+    return Bad(kOp, std::string(table.status().message()));
+  }
+  size_t chunk_bytes = 0;
+  KVSHADE_RETURN_IF_ERROR(CheckChunkBytes(kOp, codec, C, shape.d, &chunk_bytes));
+  for (size_t i = 0; i < items.size(); ++i) {
+    const ReconstructItem& it = items[i];
+    const std::string name = absl::StrCat("items[", i, "]");
+    if (it.miss_chunk == nullptr) return Bad(kOp, absl::StrCat(name, ".miss_chunk is null"));
+    if (it.miss_count == nullptr) return Bad(kOp, absl::StrCat(name, ".miss_count is null"));
+    if (it.keys == nullptr) return Bad(kOp, absl::StrCat(name, ".keys is null"));
+    if (it.values == nullptr) return Bad(kOp, absl::StrCat(name, ".values is null"));
+    KVSHADE_RETURN_IF_ERROR(CheckView(kOp, name, it.view, k));
+    for (int s = 0; s < it.view.n_segments; ++s) {
+      const SegmentView& seg = it.view.segments[s];
+      if (seg.n_chunks == 0) continue;
+      const std::string sname = absl::StrCat(name, ".view.segments[", s, "]");
+      if (seg.a == nullptr) return Bad(kOp, absl::StrCat(sname, ".a is null"));
+      if (seg.values == nullptr) return Bad(kOp, absl::StrCat(sname, ".values is null"));
+      if (seg.value_chunk_stride < int64_t(chunk_bytes)) {
+        return Bad(kOp, absl::StrCat(sname, ".value_chunk_stride is ", seg.value_chunk_stride,
+                                     " bytes, expected at least ValueChunkBytes = ",
+                                     chunk_bytes));
+      }
+      if (seg.value_head_stride < 0 || (shape.h > 1 && seg.value_head_stride == 0)) {
+        return Bad(kOp, absl::StrCat(sname, ".value_head_stride must be > 0, got ",
+                                     seg.value_head_stride));
+      }
+    }
+  }
+  return CheckWorkspace(kOp, ws, ws_needed);
+}
+
+absl::Status Attend(const LayerShape& shape, float scale, absl::Span<const AttendItem> items,
+                    const Workspace& ws, size_t ws_needed) {
+  constexpr std::string_view kOp = "Attend";
+  KVSHADE_RETURN_IF_ERROR(Shape(shape));
+  if (!std::isfinite(scale) || scale <= 0.0f) {
+    return Bad(kOp, absl::StrCat("scale must be finite and > 0, got ", scale));
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    const AttendItem& it = items[i];
+    const std::string name = absl::StrCat("items[", i, "]");
+    if (it.q == nullptr) return Bad(kOp, absl::StrCat(name, ".q is null"));
+    if (it.out == nullptr) return Bad(kOp, absl::StrCat(name, ".out is null"));
+    if (it.n_blocks < 1 || it.n_blocks > kMaxKvBlocks) {
+      return Bad(kOp, absl::StrCat(name, ".n_blocks must be in [1, ", kMaxKvBlocks, "], got ",
+                                   it.n_blocks));
+    }
+    for (int b = 0; b < it.n_blocks; ++b) {
+      const KvBlock& blk = it.blocks[b];
+      const std::string bname = absl::StrCat(name, ".blocks[", b, "]");
+      if (blk.len < 0) return Bad(kOp, absl::StrCat(bname, ".len must be >= 0, got ", blk.len));
+      if (blk.len == 0 && blk.len_per_head == nullptr) continue;  // empty block
+      if (blk.k == nullptr || blk.v == nullptr) {
+        return Bad(kOp, absl::StrCat(bname, ": k and v must be non-null"));
+      }
+      if (blk.token_stride < shape.d) {
+        return Bad(kOp, absl::StrCat(bname, ".token_stride must be >= d = ", shape.d, ", got ",
+                                     blk.token_stride));
+      }
+      if (blk.head_stride < 0 || (shape.h > 1 && blk.head_stride == 0)) {
+        return Bad(kOp, absl::StrCat(bname, ".head_stride must be > 0, got ", blk.head_stride));
+      }
+    }
+  }
+  return CheckWorkspace(kOp, ws, ws_needed);
+}
+
+}  // namespace kvshade::kernels::validate

@@ -1,0 +1,406 @@
+// CompressShadowLayer: ALGORITHM.md "Prefill / ingest" steps 1-7 for one layer of one
+// segment, composed from Backend ops (layouts in shadow_layer.h).
+//
+// Order of work: positions; Factorize(K_pre) -> A, B; Kr = RoPE(K_pre); BuildLandmarks(Kr)
+// -> landmarks, min-cosine; TopK(smallest min-cosine, sink masked) -> outliers;
+// [ObservationMass(Qobs, Kr) -> ChunkSum -> TopK(largest, static masked) -> heavy chunks];
+// EncodeValueChunks(V) -> host-visible store; then the static set and the tail are gathered.
+// The Backend interface has no device-side gather or device-to-device copy, so gathers go
+// through host staging (CopyToHost / CopyFromHost; a plain pointer on host-space backends).
+// That costs two n x D downloads per layer on a device backend; acceptable on the ingest
+// path, and the place to add a gather op if ingest bandwidth ever matters.
+#include "kvshade/kernels/shadow_layer.h"
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "common/validate.h"
+#include "kvshade/kernels/status_macros.h"
+
+namespace kvshade::kernels {
+namespace {
+
+absl::Status Bad(const std::string& what) {
+  return absl::InvalidArgumentError(absl::StrCat("CompressShadowLayer: ", what));
+}
+
+template <typename T>
+absl::StatusOr<Buffer> AllocElems(Backend& be, size_t count) {
+  return be.Allocate(count * sizeof(T));
+}
+
+template <typename T>
+absl::StatusOr<Buffer> Upload(Backend& be, const T* host, size_t count, Stream stream) {
+  KVSHADE_ASSIGN_OR_RETURN(Buffer buf, be.Allocate(count * sizeof(T)));
+  if (count > 0) KVSHADE_RETURN_IF_ERROR(be.CopyFromHost(buf.data(), host, count * sizeof(T), stream));
+  return buf;
+}
+
+// A host-readable pointer to `count` elements of backend memory: the pointer itself on a
+// host-space backend, else a synchronized copy in `staging`.
+template <typename T>
+absl::StatusOr<const T*> HostRead(Backend& be, const T* src, size_t count, std::vector<T>& staging,
+                                  Stream stream) {
+  KVSHADE_RETURN_IF_ERROR(be.Synchronize(stream));
+  if (be.space() == MemorySpace::kHost) return src;
+  staging.resize(count);
+  if (count > 0) {
+    KVSHADE_RETURN_IF_ERROR(be.CopyToHost(staging.data(), src, count * sizeof(T), stream));
+    KVSHADE_RETURN_IF_ERROR(be.Synchronize(stream));
+  }
+  return staging.data();
+}
+
+template <typename T>
+absl::Span<T> SpanOf(const Buffer& b, size_t count) {
+  return absl::Span<T>(static_cast<T*>(b.data()), count);
+}
+
+// Per-head TopK on the backend, downloaded and sorted ascending per head.
+absl::StatusOr<std::vector<int32_t>> TopKChunks(Backend& be, const Buffer& scores,
+                                                const std::vector<uint8_t>& mask, int h,
+                                                int n_chunks, int k, bool largest,
+                                                Stream stream) {
+  KVSHADE_ASSIGN_OR_RETURN(Buffer mask_buf, Upload(be, mask.data(), mask.size(), stream));
+  KVSHADE_ASSIGN_OR_RETURN(Buffer out, AllocElems<int32_t>(be, size_t(h) * k));
+  KVSHADE_ASSIGN_OR_RETURN(Buffer ws, be.Allocate(be.TopKWorkspaceBytes(h, n_chunks, k)));
+  KVSHADE_RETURN_IF_ERROR(be.TopK(SpanOf<const float>(scores, size_t(h) * n_chunks),
+                                  SpanOf<const uint8_t>(mask_buf, mask.size()), h, n_chunks, k,
+                                  largest, SpanOf<int32_t>(out, size_t(h) * k), ws.workspace(),
+                                  stream));
+  std::vector<int32_t> ids(size_t(h) * k);
+  KVSHADE_RETURN_IF_ERROR(be.Synchronize(stream));
+  KVSHADE_RETURN_IF_ERROR(be.CopyToHost(ids.data(), out.data(), ids.size() * sizeof(int32_t), stream));
+  KVSHADE_RETURN_IF_ERROR(be.Synchronize(stream));
+  for (int hh = 0; hh < h; ++hh) std::sort(ids.begin() + size_t(hh) * k, ids.begin() + size_t(hh + 1) * k);
+  return ids;
+}
+
+}  // namespace
+
+SegmentView ShadowLayer::Segment() const {
+  SegmentView s;
+  s.n_chunks = n_chunks;
+  s.first_position = first_position;
+  s.landmarks = static_cast<const bf16*>(landmarks.data());
+  s.excluded = static_cast<const uint8_t*>(excluded.data());
+  s.a = static_cast<const bf16*>(a.data());
+  s.values = static_cast<const std::byte*>(values.data());
+  s.value_head_stride = int64_t(n_chunks) * int64_t(value_chunk_bytes);
+  s.value_chunk_stride = int64_t(value_chunk_bytes);
+  return s;
+}
+
+SessionLayerView ShadowLayer::View() const {
+  SessionLayerView v;
+  v.segments[0] = Segment();
+  v.n_segments = 1;
+  v.b = static_cast<const bf16*>(b.data());
+  v.r = r;
+  return v;
+}
+
+KvBlock ShadowLayer::SlotBlock(const bf16* slot_k, const bf16* slot_v, int k_slots,
+                               const int32_t* len_per_head) const {
+  KvBlock blk;
+  blk.k = slot_k;
+  blk.v = slot_v;
+  blk.len = int64_t(k_slots) * C;
+  blk.len_per_head = len_per_head;
+  blk.head_stride = int64_t(k_slots) * C * shape.d;
+  blk.token_stride = shape.d;
+  return blk;
+}
+
+AttendItem ShadowLayer::MakeAttendItem(const bf16* q, const KvBlock& slots, float* out,
+                                       const KvBlock* extra) const {
+  AttendItem item;
+  item.q = q;
+  item.out = out;
+  if (static_capacity > 0) {
+    KvBlock& s = item.blocks[0];
+    s.k = static_cast<const bf16*>(static_k.data());
+    s.v = static_cast<const bf16*>(static_v.data());
+    s.len = int64_t(static_capacity) * C;
+    s.len_per_head = static_cast<const int32_t*>(static_len.data());
+    s.head_stride = int64_t(static_capacity) * C * shape.d;
+    s.token_stride = shape.d;
+  }  // else an empty block (len 0), skipped by Attend
+  item.blocks[1] = slots;
+  KvBlock& t = item.blocks[2];
+  t.k = static_cast<const bf16*>(tail_k.data());
+  t.v = static_cast<const bf16*>(tail_v.data());
+  t.len = n_tail;
+  t.head_stride = shape.d;
+  t.token_stride = int64_t(shape.h) * shape.d;
+  item.n_blocks = 3;
+  if (extra != nullptr) item.blocks[item.n_blocks++] = *extra;
+  return item;
+}
+
+size_t ShadowLayer::ResidentBytes() const {
+  size_t total = 0;
+  for (const Buffer* buf : {&a, &b, &landmarks, &excluded, &static_k, &static_v, &static_len,
+                            &heavy_k_codes, &heavy_k_scale, &heavy_k_min, &heavy_v_codes,
+                            &heavy_v_scale, &heavy_v_min, &tail_k, &tail_v}) {
+    total += buf->bytes();
+  }
+  return total;
+}
+
+absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& shape,
+                                                const RopeSpec& rope, const ShadowParams& p,
+                                                absl::Span<const bf16> k_pre,
+                                                absl::Span<const bf16> v, int n,
+                                                int64_t first_position,
+                                                const ShadowObservation* obs, Stream stream) {
+  // --- arguments ---
+  KVSHADE_RETURN_IF_ERROR(validate::Shape(shape));
+  const int h = shape.h, d = shape.d, D = shape.D();
+  if (p.C < 1) return Bad(absl::StrCat("params.C must be >= 1, got ", p.C));
+  if (p.local_min < 0) return Bad(absl::StrCat("params.local_min must be >= 0, got ", p.local_min));
+  if (p.outliers < 0) return Bad(absl::StrCat("params.outliers must be >= 0, got ", p.outliers));
+  if (p.heavy_chunks < 0) {
+    return Bad(absl::StrCat("params.heavy_chunks must be >= 0, got ", p.heavy_chunks));
+  }
+  if (int64_t(n) < int64_t(p.local_min) + p.C) {
+    return Bad(absl::StrCat("n must be >= local_min + C = ", int64_t(p.local_min) + p.C,
+                            ", got ", n));
+  }
+  if (first_position < 0) return Bad(absl::StrCat("first_position must be >= 0, got ", first_position));
+  if (k_pre.size() != size_t(n) * D) {
+    return Bad(absl::StrCat("k_pre must have n*h*d = ", size_t(n) * D, " elements, got ",
+                            k_pre.size()));
+  }
+  if (v.size() != size_t(n) * D) {
+    return Bad(absl::StrCat("v must have n*h*d = ", size_t(n) * D, " elements, got ", v.size()));
+  }
+  auto chunk_bytes = ValueChunkBytes(p.codec, p.C, d);
+  if (!chunk_bytes.ok()) return Bad(std::string(chunk_bytes.status().message()));
+  const bool want_heavy = obs != nullptr && p.heavy_chunks > 0;
+  if (want_heavy) {
+    if (obs->w < 1) return Bad(absl::StrCat("observation.w must be >= 1, got ", obs->w));
+    if (obs->qobs.size() != size_t(obs->w) * shape.query_heads() * d) {
+      return Bad(absl::StrCat("observation.qobs must have w*h*g*d = ",
+                              size_t(obs->w) * shape.query_heads() * d, " elements, got ",
+                              obs->qobs.size()));
+    }
+    if (obs->q_positions.size() != size_t(obs->w)) {
+      return Bad(absl::StrCat("observation.q_positions must have w = ", obs->w,
+                              " elements, got ", obs->q_positions.size()));
+    }
+    // The INT2 group must divide d (values) and be a multiple of 16; the key tokens are
+    // padded to a multiple of it.
+    const KiviLayout probe{p.heavy_group, d, 2, p.heavy_group, KiviAxis::kPerToken};
+    if (absl::Status st = ValidateKiviLayout(probe); !st.ok()) {
+      return Bad(absl::StrCat("params.heavy_group = ", p.heavy_group, ": ", st.message()));
+    }
+  }
+
+  ShadowLayer L;
+  L.shape = shape;
+  L.C = p.C;
+  L.n = n;
+  L.first_position = first_position;
+  L.n_chunks = (n - p.local_min) / p.C;
+  L.n_tail = n - L.n_chunks * p.C;
+  L.codec = p.codec;
+  L.value_chunk_bytes = *chunk_bytes;
+  const int C = p.C, n_chunks = L.n_chunks;
+
+  std::vector<int64_t> pos_host(n);
+  std::iota(pos_host.begin(), pos_host.end(), first_position);
+  KVSHADE_ASSIGN_OR_RETURN(Buffer pos, Upload(be, pos_host.data(), pos_host.size(), stream));
+  const auto positions = SpanOf<const int64_t>(pos, n);
+
+  // --- 1. low-rank keys ---
+  {
+    FactorizeOptions fo;
+    fo.rank = p.rank;
+    fo.energy_target = p.energy_target;
+    const size_t alloc_rank = size_t(std::max(p.rank, 0));
+    KVSHADE_ASSIGN_OR_RETURN(L.a, AllocElems<bf16>(be, size_t(n) * alloc_rank));
+    KVSHADE_ASSIGN_OR_RETURN(L.b, AllocElems<bf16>(be, size_t(h) * alloc_rank * d));
+    L.eigenvalues.assign(D, 0.0f);
+    KVSHADE_ASSIGN_OR_RETURN(Buffer ws, be.Allocate(be.FactorizeWorkspaceBytes(n, shape, fo)));
+    KVSHADE_ASSIGN_OR_RETURN(
+        L.factorize,
+        be.Factorize(k_pre, n, shape, fo, SpanOf<bf16>(L.a, size_t(n) * alloc_rank),
+                     SpanOf<bf16>(L.b, size_t(h) * alloc_rank * d),
+                     absl::MakeSpan(L.eigenvalues), ws.workspace(), stream));
+    L.r = L.factorize.rank;
+  }
+
+  // --- 2. post-RoPE keys ---
+  KVSHADE_ASSIGN_OR_RETURN(Buffer kr, AllocElems<bf16>(be, size_t(n) * D));
+  {
+    std::vector<bf16> staging;
+    KVSHADE_ASSIGN_OR_RETURN(const bf16* k_host,
+                             HostRead(be, k_pre.data(), k_pre.size(), staging, stream));
+    KVSHADE_RETURN_IF_ERROR(be.CopyFromHost(kr.data(), k_host, size_t(n) * D * sizeof(bf16), stream));
+    KVSHADE_RETURN_IF_ERROR(be.Synchronize(stream));  // staging goes out of scope
+  }
+  const auto kr_span = SpanOf<bf16>(kr, size_t(n) * D);
+  KVSHADE_RETURN_IF_ERROR(be.ApplyRope(rope, positions, h, d, kr_span, stream));
+
+  // --- 3-4. chunks and landmarks ---
+  KVSHADE_ASSIGN_OR_RETURN(L.landmarks, AllocElems<bf16>(be, size_t(n_chunks) * h * d));
+  KVSHADE_ASSIGN_OR_RETURN(Buffer min_cos, AllocElems<float>(be, size_t(h) * n_chunks));
+  KVSHADE_RETURN_IF_ERROR(be.BuildLandmarks(
+      kr_span, n, h, d, C, n_chunks, SpanOf<bf16>(L.landmarks, size_t(n_chunks) * h * d),
+      SpanOf<float>(min_cos, size_t(h) * n_chunks), stream));
+
+  // --- 5. outliers (and the sink) ---
+  const int sink = p.keep_sink ? 1 : 0;
+  std::vector<uint8_t> excluded(size_t(h) * n_chunks, 0);
+  if (sink) {
+    for (int hh = 0; hh < h; ++hh) excluded[size_t(hh) * n_chunks] = 1;
+  }
+  L.n_outliers = std::min(p.outliers, n_chunks - sink);
+  if (L.n_outliers > 0) {
+    KVSHADE_ASSIGN_OR_RETURN(L.outlier_chunks,
+                             TopKChunks(be, min_cos, excluded, h, n_chunks, L.n_outliers,
+                                        /*largest=*/false, stream));
+  }
+  for (int hh = 0; hh < h; ++hh)
+    for (int i = 0; i < L.n_outliers; ++i)
+      excluded[size_t(hh) * n_chunks + L.outlier_chunks[size_t(hh) * L.n_outliers + i]] = 1;
+
+  // --- 6. heavy chunks ---
+  if (want_heavy) L.n_heavy = std::min(p.heavy_chunks, n_chunks - sink - L.n_outliers);
+  if (L.n_heavy > 0) {
+    KVSHADE_ASSIGN_OR_RETURN(Buffer qpos, Upload(be, obs->q_positions.data(), size_t(obs->w), stream));
+    KVSHADE_ASSIGN_OR_RETURN(Buffer mass, AllocElems<float>(be, size_t(h) * n));
+    KVSHADE_ASSIGN_OR_RETURN(Buffer ws, be.Allocate(be.ObservationWorkspaceBytes(obs->w, n, shape)));
+    KVSHADE_RETURN_IF_ERROR(be.ObservationMass(
+        obs->qobs, SpanOf<const int64_t>(qpos, obs->w), obs->w, kr_span, positions, n, shape,
+        SpanOf<float>(mass, size_t(h) * n), ws.workspace(), stream));
+    KVSHADE_ASSIGN_OR_RETURN(Buffer chunk_mass, AllocElems<float>(be, size_t(h) * n_chunks));
+    KVSHADE_RETURN_IF_ERROR(be.ChunkSum(SpanOf<const float>(mass, size_t(h) * n), h, n, C,
+                                        n_chunks, SpanOf<float>(chunk_mass, size_t(h) * n_chunks),
+                                        stream));
+    KVSHADE_ASSIGN_OR_RETURN(L.heavy_chunks, TopKChunks(be, chunk_mass, excluded, h, n_chunks,
+                                                        L.n_heavy, /*largest=*/true, stream));
+    for (int hh = 0; hh < h; ++hh)
+      for (int i = 0; i < L.n_heavy; ++i)
+        excluded[size_t(hh) * n_chunks + L.heavy_chunks[size_t(hh) * L.n_heavy + i]] = 1;
+  }
+  KVSHADE_ASSIGN_OR_RETURN(L.excluded, Upload(be, excluded.data(), excluded.size(), stream));
+
+  // --- 7. values to the host-visible store ---
+  {
+    const size_t bytes = size_t(h) * n_chunks * L.value_chunk_bytes;
+    KVSHADE_ASSIGN_OR_RETURN(L.values, be.AllocateHostVisible(bytes));
+    KVSHADE_RETURN_IF_ERROR(be.EncodeValueChunks(v, n, h, d, C, n_chunks, p.codec,
+                                                 SpanOf<std::byte>(L.values, bytes), stream));
+  }
+
+  // --- static set: exact sink/outlier chunks, then heavy chunks; and the tail ---
+  std::vector<bf16> kr_staging, v_staging;
+  KVSHADE_ASSIGN_OR_RETURN(const bf16* kr_host,
+                           HostRead(be, static_cast<const bf16*>(kr.data()), size_t(n) * D,
+                                    kr_staging, stream));
+  KVSHADE_ASSIGN_OR_RETURN(const bf16* v_host, HostRead(be, v.data(), v.size(), v_staging, stream));
+
+  const int n_exact = sink + L.n_outliers;
+  L.static_capacity = n_exact + L.n_heavy;
+  L.static_count.assign(h, L.static_capacity);
+  L.static_chunks.assign(size_t(h) * L.static_capacity, -1);
+  for (int hh = 0; hh < h; ++hh) {
+    int32_t* row = L.static_chunks.data() + size_t(hh) * L.static_capacity;
+    int i = 0;
+    if (sink) row[i++] = 0;  // chunk 0 is masked out of the outlier TopK: no duplicate
+    for (int j = 0; j < L.n_outliers; ++j) row[i++] = L.outlier_chunks[size_t(hh) * L.n_outliers + j];
+    std::sort(row, row + n_exact);
+    for (int j = 0; j < L.n_heavy; ++j) row[i++] = L.heavy_chunks[size_t(hh) * L.n_heavy + j];
+  }
+  const size_t rows_per_head = size_t(L.static_capacity) * C;
+  std::vector<bf16> sk(size_t(h) * rows_per_head * d), sv(sk.size());
+  auto copy_chunk = [&](int hh, int slot, int chunk) {
+    for (int t = 0; t < C; ++t) {
+      const size_t src = (size_t(chunk) * C + t) * D + size_t(hh) * d;
+      const size_t dst = (size_t(hh) * rows_per_head + size_t(slot) * C + t) * d;
+      std::memcpy(&sk[dst], kr_host + src, d * sizeof(bf16));
+      std::memcpy(&sv[dst], v_host + src, d * sizeof(bf16));
+    }
+  };
+  for (int hh = 0; hh < h; ++hh)
+    for (int i = 0; i < n_exact; ++i)
+      copy_chunk(hh, i, L.static_chunks[size_t(hh) * L.static_capacity + i]);
+
+  if (L.n_heavy > 0) {
+    const int G = p.heavy_group;
+    const int heavy_rows = L.n_heavy * C;
+    L.heavy_rows_per_head = (heavy_rows + G - 1) / G * G;
+    const int rows = h * L.heavy_rows_per_head;
+    L.heavy_k_layout = KiviLayout{rows, d, 2, G, KiviAxis::kPerChannel};
+    L.heavy_v_layout = KiviLayout{rows, d, 2, G, KiviAxis::kPerToken};
+    // Gather [h * rows_per_head, d], padding each head with copies of its last heavy token.
+    std::vector<bf16> hk(size_t(rows) * d), hv(hk.size());
+    for (int hh = 0; hh < h; ++hh) {
+      for (int rr = 0; rr < L.heavy_rows_per_head; ++rr) {
+        const int tr = std::min(rr, heavy_rows - 1);
+        const int chunk = L.heavy_chunks[size_t(hh) * L.n_heavy + tr / C];
+        const size_t src = (size_t(chunk) * C + tr % C) * D + size_t(hh) * d;
+        const size_t dst = (size_t(hh) * L.heavy_rows_per_head + rr) * d;
+        std::memcpy(&hk[dst], kr_host + src, d * sizeof(bf16));
+        std::memcpy(&hv[dst], v_host + src, d * sizeof(bf16));
+      }
+    }
+    struct Quantized {
+      const std::vector<bf16>* x;
+      const KiviLayout* layout;
+      Buffer *codes, *scale, *mn;
+      std::vector<bf16> dequantized;
+    };
+    Quantized parts[2] = {{&hk, &L.heavy_k_layout, &L.heavy_k_codes, &L.heavy_k_scale,
+                           &L.heavy_k_min, {}},
+                          {&hv, &L.heavy_v_layout, &L.heavy_v_codes, &L.heavy_v_scale,
+                           &L.heavy_v_min, {}}};
+    for (Quantized& q : parts) {
+      const KiviLayout& l = *q.layout;
+      KVSHADE_ASSIGN_OR_RETURN(Buffer x, Upload(be, q.x->data(), q.x->size(), stream));
+      KVSHADE_ASSIGN_OR_RETURN(*q.codes, AllocElems<uint32_t>(be, l.code_words()));
+      KVSHADE_ASSIGN_OR_RETURN(*q.scale, AllocElems<fp16>(be, l.n_groups()));
+      KVSHADE_ASSIGN_OR_RETURN(*q.mn, AllocElems<fp16>(be, l.n_groups()));
+      KVSHADE_RETURN_IF_ERROR(be.KiviQuantize(
+          SpanOf<const bf16>(x, q.x->size()), l, SpanOf<uint32_t>(*q.codes, l.code_words()),
+          SpanOf<fp16>(*q.scale, l.n_groups()), SpanOf<fp16>(*q.mn, l.n_groups()), stream));
+      // Dequantize back into x (its original values are no longer needed).
+      KVSHADE_RETURN_IF_ERROR(be.KiviDequantize(
+          SpanOf<const uint32_t>(*q.codes, l.code_words()),
+          SpanOf<const fp16>(*q.scale, l.n_groups()), SpanOf<const fp16>(*q.mn, l.n_groups()), l,
+          SpanOf<bf16>(x, q.x->size()), stream));
+      std::vector<bf16> staging;
+      KVSHADE_ASSIGN_OR_RETURN(const bf16* deq,
+                               HostRead(be, static_cast<const bf16*>(x.data()), q.x->size(),
+                                        staging, stream));
+      q.dequantized.assign(deq, deq + q.x->size());
+    }
+    for (int hh = 0; hh < h; ++hh) {
+      const size_t src = size_t(hh) * L.heavy_rows_per_head * d;
+      const size_t dst = (size_t(hh) * rows_per_head + size_t(n_exact) * C) * d;
+      std::memcpy(&sk[dst], &parts[0].dequantized[src], size_t(heavy_rows) * d * sizeof(bf16));
+      std::memcpy(&sv[dst], &parts[1].dequantized[src], size_t(heavy_rows) * d * sizeof(bf16));
+    }
+  }
+  if (L.static_capacity > 0) {
+    KVSHADE_ASSIGN_OR_RETURN(L.static_k, Upload(be, sk.data(), sk.size(), stream));
+    KVSHADE_ASSIGN_OR_RETURN(L.static_v, Upload(be, sv.data(), sv.size(), stream));
+    std::vector<int32_t> lens(h);
+    for (int hh = 0; hh < h; ++hh) lens[hh] = L.static_count[hh] * C;
+    KVSHADE_ASSIGN_OR_RETURN(L.static_len, Upload(be, lens.data(), lens.size(), stream));
+  }
+
+  // Tail: tokens [n_chunks*C, n) are contiguous in [n, h, d].
+  const size_t tail_offset = size_t(n_chunks) * C * D, tail_elems = size_t(L.n_tail) * D;
+  KVSHADE_ASSIGN_OR_RETURN(L.tail_k, Upload(be, kr_host + tail_offset, tail_elems, stream));
+  KVSHADE_ASSIGN_OR_RETURN(L.tail_v, Upload(be, v_host + tail_offset, tail_elems, stream));
+  KVSHADE_RETURN_IF_ERROR(be.Synchronize(stream));  // staging and scratch die with this scope
+  return L;
+}
+
+}  // namespace kvshade::kernels
