@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=${1:-.gpu}
 BUILD=${2:-build-gpu}
-TARGETS=(kernels_test kernels_gpu_test kvshade_kernel_bench)
+TARGETS=(kernels_gpu_test kvshade_kernel_bench)
 
 cmake -S . -B "$BUILD" -G Ninja -DKVSHADE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_BUILD_TYPE=Release >/dev/null
@@ -30,5 +30,6 @@ for bin in "$BUNDLE"/bin/*; do
     [ -f "$path" ] && cp -L -n "$path" "$BUNDLE/lib/" || true
   done
 done
+strip --strip-unneeded "$BUNDLE"/lib/*.so* 2>/dev/null || true
 cp scripts/gpu-run.sh "$BUNDLE/"
 du -sh "$BUNDLE"
