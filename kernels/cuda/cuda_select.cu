@@ -1,14 +1,835 @@
-// PENDING IMPLEMENTATION (scaffold).
+// CUDA Select (ALGORITHM.md decode steps 1-3) for a batch of session items: landmark
+// scores, per-query-head softmax over the selectable chunks, GQA max, top-k per KV head
+// and the temporal-cache slot diff, all on the device, with no host synchronization.
+//
+// Two kernels per call (after the descriptor copy, see cuda_decode_common.cuh):
+//   1. ScoreKernel, grid (chunk slices, head groups, items): one pass over the landmarks
+//      [n_chunks, h, d] (the HBM-bound part: 32 MiB per 128K-token session at h=8, d=128).
+//      Tiles of 16 chunks x (up to 8 heads) stream through 3 shared-memory stages filled
+//      by bulk (TMA) row copies;
+//      each warp owns one KV head and computes the 16 x g logits of a tile with bf16 tensor
+//      cores (mma m16n8k16, q as the 8-wide B operand, fp32 accumulation). It writes the
+//      logits [h, total, g] f32 (NaN marks an excluded chunk) and a softmax partial
+//      (max, sum of exp) per query head and slice.
+//   2. TopKKernel, grid (h, items), 512 or 1024 threads: merges the partials into each
+//      query head's (max, sum), turns logits into a 32-bit order key monotone in
+//      s = max_g exp(x - max_g) / sum_g (computed in the log domain, see OrderKey), finds
+//      the k-th largest key by a 4-pass 8-bit radix select, gathers the winners in chunk
+//      order (ties at the threshold key go to the lowest chunk ids), sorts them by
+//      (score desc, id asc) for `selected`, and does the slot diff with a sort of the slot
+//      table and binary searches (ALGORITHM.md T3; duplicate slot entries: first one hits).
+// Arithmetic follows the CPU reference (cpu_select.cc): logit = dot * (1/sqrtf(d)), a NaN
+// logit ranks as -inf, ranking by p = exp(x - max) / sum with NaN p last and underflowed
+// p = 0 tied (ids break ties). The GPU ranks by log p = x - (max + log sum), which orders
+// chunks the same way up to rounding, and accumulates dot products and softmax sums in a
+// different order than the CPU's sequential loops: ids whose scores tie to within fp32
+// rounding can swap. Everything is deterministic (fixed reduction trees, no atomics on
+// values).
+//
+// Workspace (per item, 256-byte aligned pieces): logits [h, total, g] f32, partials
+// [h*g, ceil(total/64)] float2, keys [h, total] u32 (used when they do not fit in shared
+// memory), plus the item descriptors. At h=8, g=4 and 16384 chunks: 2 MiB + 64 KiB +
+// 512 KiB per session.
+//
+// Limits of this backend: d % 16 == 0, g <= 16, k <= 4096, landmark pointers 16-byte
+// aligned (InvalidArgument otherwise).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include <cub/block/block_scan.cuh>
+
+#include "common/validate.h"
 #include "cuda/cuda_backend_impl.h"
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_decode_common.cuh"
+#include "kvshade/kernels/status_macros.h"
 
 namespace kvshade::kernels {
+namespace {
 
-size_t CudaBackend::SelectWorkspaceBytes(const LayerShape& shape, int k, absl::Span<const SelectItem> items) const {
-  return 0;
+using cuda::DevSegment;
+using cuda::DevView;
+
+constexpr int kTileRows = 16;         // chunks per mma tile (the M dimension)
+constexpr int kStages = 3;            // cp.async pipeline depth of the score kernel
+constexpr int kMaxHeadsPerBlock = 8;  // warps of a score block, one KV head each
+constexpr int kMinTilesPerBlock = 4;  // sizes the partials: slices are >= 64 chunks
+constexpr int kMaxTilesPerBlock = 32;
+// TopK block size: 1024 threads when the batch has fewer (item, head) pairs than SMs
+// (latency), 512 otherwise (two blocks per SM: the whole batch in one wave).
+constexpr int kMaxK = 4096;
+constexpr int kMaxG = 16;
+// Score-block shared memory above which fewer heads go into one block (2 blocks per SM).
+constexpr size_t kScoreSmemTarget = 110 * 1024;
+// Top-k shared memory (arrays + keys) up to which the keys are kept on chip (beyond, e.g.
+// above ~45K chunks at k = 256, they stream from the workspace through L2).
+constexpr size_t kTopKSmemKeysLimit = 200 * 1024;
+
+struct SelectDesc {
+  DevView view;
+  const __nv_bfloat16* q;  // [h*g, d] bf16
+  int* slots;              // [h, k] in/out
+  int* selected;           // [h, k]
+  int* miss_slot;          // [h, k]
+  int* miss_chunk;         // [h, k]
+  int* miss_count;         // [h]
+  float* logits;           // [h, total, g] f32, workspace; NaN = excluded
+  float2* partials;        // [h*g, n_blocks] (max, sum exp), workspace
+  uint32_t* keys;          // [h, total] order keys, workspace
+  int n_blocks;            // score slices of this item
+  int pad;
+};
+
+int64_t MaxScoreBlocks(int64_t total) {
+  return std::max<int64_t>(1, cuda::CeilDiv<int64_t>(total, kTileRows * kMinTilesPerBlock));
 }
 
-absl::Status CudaBackend::Select(const LayerShape& shape, int k, absl::Span<const SelectItem> items, Workspace ws, Stream) {
-  return absl::UnimplementedError("Select");
+// Carves the workspace (base == nullptr: sizing only) and, when `descs` is given, fills
+// the per-item workspace pointers.
+size_t PlanSelect(const LayerShape& shape, absl::Span<const SelectItem> items, void* base,
+                  SelectDesc** dev_descs, std::vector<SelectDesc>* descs) {
+  const int64_t h = std::max(shape.h, 0), g = std::max(shape.g, 0);
+  cuda::WorkspaceCarver c(base);
+  SelectDesc* d = c.Take<SelectDesc>(items.size());
+  if (dev_descs != nullptr) *dev_descs = d;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const int64_t total = cuda::SafeTotalChunks(items[i].view);
+    float* logits = c.Take<float>(size_t(h * total * g));
+    float2* partials = c.Take<float2>(size_t(h * g * MaxScoreBlocks(total)));
+    uint32_t* keys = c.Take<uint32_t>(size_t(h * total));
+    if (descs != nullptr) {
+      SelectDesc& o = (*descs)[i];
+      o.logits = logits;
+      o.partials = partials;
+      o.keys = keys;
+    }
+  }
+  return c.bytes();
+}
+
+// (m, z) <- merge of two softmax partials (max, sum of exp(x - max)).
+__device__ __forceinline__ void MergeSoftmax(float& m, float& z, float m2, float z2) {
+  const float mx = fmaxf(m, m2);
+  if (mx == -INFINITY) {
+    m = mx;
+    z = 0.0f;
+    return;
+  }
+  z = z * expf(m - mx) + z2 * expf(m2 - mx);
+  m = mx;
+}
+
+__device__ __forceinline__ void CopyView(const DevView& src, DevView& dst) {
+  const uint32_t* s = reinterpret_cast<const uint32_t*>(&src);
+  uint32_t* o = reinterpret_cast<uint32_t*>(&dst);
+  for (int i = threadIdx.x; i < int(sizeof(DevView) / 4); i += blockDim.x) o[i] = s[i];
+}
+
+// One warp's share of a landmark tile: the 16 x g logits of its head (tensor cores),
+// stored, and folded into the warp's running softmax partials.
+template <int kNT, int kKS>
+__device__ __forceinline__ void ScoreTile(const uint8_t* tile, int row_bytes,
+                                          const uint32_t (&qf)[kKS][kNT][2], int ksteps, int warp,
+                                          int lane, int d, int g, int hh, int total, int c0,
+                                          int c_end, int c_begin, const uint8_t* ex, float scale,
+                                          float* logits, float (&run_m)[kNT][2],
+                                          float (&run_z)[kNT][2]) {
+  float acc[kNT][4];
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+  const uint8_t* a_row = tile + (lane & 15) * row_bytes + (warp * d + (lane >> 4) * 8) * 2;
+#pragma unroll
+  for (int ks = 0; ks < kKS; ++ks) {
+    if (ks < ksteps) {
+      uint32_t a[4];
+      cuda::LdMatrixX4(a, a_row + ks * 32);
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) cuda::MmaBf16(acc[nt], a, qf[ks][nt][0], qf[ks][nt][1]);
+    }
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int c = c0 + (lane >> 2) + half * 8;
+    if (c >= c_end) continue;
+    const bool excluded = ex[c - c_begin] != 0;
+    float* out = logits + (static_cast<long long>(hh) * total + c) * g;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int n = nt * 8 + (lane & 3) * 2 + e;
+        if (n >= g) continue;
+        if (excluded) {
+          out[n] = __int_as_float(0x7fc00000);  // NaN: not selectable
+          continue;
+        }
+        float x = acc[nt][half * 2 + e] * scale;
+        if (isnan(x)) x = -INFINITY;
+        out[n] = x;
+        if (x == -INFINITY) continue;  // weight 0
+        float& m = run_m[nt][e];
+        float& z = run_z[nt][e];
+        if (x > m) {
+          z = z * expf(m - x) + 1.0f;
+          m = x;
+        } else {
+          z += expf(x - m);
+        }
+      }
+    }
+  }
+}
+
+//   landmarks (via descs) : [n_chunks, h, d] bf16 per segment
+//   logits, partials      : see SelectDesc
+// Block (slice x, head group y, item z): chunks [x*chunks_per_block, ...) of heads
+// [y*heads_per_block, ...); warp w computes head y*heads_per_block + w.
+// kNT: 8-wide n-tiles of query heads (g <= 8*kNT); kKS: max k-steps (d <= 16*kKS).
+// Shared memory: q [hb*g, d+8] bf16 | excluded flags [hb, chunks_per_block] u8 |
+// kStages landmark tiles [kTileRows, hb*d + 8] bf16, filled by bulk (TMA) copies, one
+// per chunk row, issued by the lanes of warp 0 and completing on the stage's mbarrier.
+template <int kNT, int kKS>
+__global__ void __launch_bounds__(32 * kMaxHeadsPerBlock)
+    ScoreKernel(const SelectDesc* __restrict__ descs, int h, int g, int d, int heads_per_block,
+                int chunks_per_block, float scale) {
+  __shared__ DevView view;
+  __shared__ uint64_t bars[kStages];
+  extern __shared__ __align__(16) uint8_t smem[];
+  const SelectDesc& it = descs[blockIdx.z];
+  const int total = it.view.total;
+  const int c_begin = blockIdx.x * chunks_per_block;
+  if (c_begin >= total) return;
+  const int c_end = min(total, c_begin + chunks_per_block);
+  const int h0 = blockIdx.y * heads_per_block;
+  const int hb = min(heads_per_block, h - h0);
+  const __nv_bfloat16* q = it.q;
+  float* logits = it.logits;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  CopyView(it.view, view);
+
+  const int q_stride = d + 8;  // padded rows: conflict-free B-fragment loads
+  __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem);
+  const int q_bytes = (hb * g * q_stride * 2 + 15) / 16 * 16;
+  uint8_t* ex_s = smem + q_bytes;
+  uint8_t* tiles = ex_s + (hb * chunks_per_block + 15) / 16 * 16;
+  for (int i = threadIdx.x; i < hb * g * d; i += blockDim.x) {
+    const int row = i / d, col = i - row * d;
+    qs[row * q_stride + col] = q[(static_cast<long long>(h0) * g + row) * d + col];
+  }
+  const int copy_bytes = hb * d * 2;      // one chunk row of the block's heads
+  const int row_bytes = copy_bytes + 16;  // padded: conflict-free ldmatrix
+  const int stage_bytes = kTileRows * row_bytes;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) cuda::MbarInit(&bars[s], 1);
+    cuda::MbarInitFence();
+  }
+  __syncthreads();  // view, q, barriers
+
+  // Called by warp 0: lane r copies row r (16 bulk copies in parallel). Rows past the
+  // slice are not copied; their stale logits are never stored.
+  auto issue_tile = [&](int tile, int stage) {
+    const int c0 = c_begin + tile * kTileRows;
+    const int rows = min(kTileRows, c_end - c0);
+    if (lane == 0) {
+      cuda::MbarArriveExpectTx(&bars[stage], static_cast<uint32_t>(rows * copy_bytes));
+    }
+    __syncwarp();
+    if (lane < rows) {
+      const int c = c0 + lane;
+      const DevSegment& sg = view.seg[cuda::SegmentOf(view, c)];
+      cuda::BulkCopy(tiles + stage * stage_bytes + lane * row_bytes,
+                     sg.landmarks + (static_cast<long long>(c - sg.begin) * h + h0) * d,
+                     static_cast<uint32_t>(copy_bytes), &bars[stage]);
+    }
+  };
+  const int n_tiles = cuda::CeilDiv(c_end - c_begin, kTileRows);
+  if (warp == 0) {
+    for (int s = 0; s < kStages && s < n_tiles; ++s) issue_tile(s, s);
+  }
+
+  // Excluded flags of the whole slice, once (their latency overlaps the tile loads).
+  for (int i = threadIdx.x; i < hb * chunks_per_block; i += blockDim.x) {
+    const int w = i / chunks_per_block, c = c_begin + (i - w * chunks_per_block);
+    uint8_t f = 0;
+    if (c < c_end) {
+      const DevSegment& sg = view.seg[cuda::SegmentOf(view, c)];
+      if (sg.excluded != nullptr) {
+        f = sg.excluded[static_cast<long long>(h0 + w) * sg.n_chunks + (c - sg.begin)] != 0;
+      }
+    }
+    ex_s[i] = f;
+  }
+  __syncthreads();  // flags
+
+  const bool has_head = warp < hb;
+  const int hh = h0 + warp;
+  const int ksteps = d / 16;
+  // This warp's q as mma B fragments, for every k-step (constant over the slice).
+  uint32_t qf[kKS][kNT][2];
+#pragma unroll
+  for (int ks = 0; ks < kKS; ++ks) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      const int n = nt * 8 + (lane >> 2);
+      qf[ks][nt][0] = qf[ks][nt][1] = 0;
+      if (has_head && ks < ksteps && n < g) {
+        const __nv_bfloat16* qrow = qs + (warp * g + n) * q_stride + ks * 16 + (lane & 3) * 2;
+        qf[ks][nt][0] = *reinterpret_cast<const uint32_t*>(qrow);
+        qf[ks][nt][1] = *reinterpret_cast<const uint32_t*>(qrow + 8);
+      }
+    }
+  }
+  float run_m[kNT][2], run_z[kNT][2];
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+    run_m[nt][0] = run_m[nt][1] = -INFINITY;
+    run_z[nt][0] = run_z[nt][1] = 0.0f;
+  }
+
+  for (int t = 0; t < n_tiles; ++t) {
+    cuda::MbarWait(&bars[t % kStages], static_cast<uint32_t>((t / kStages) & 1));
+    if (has_head) {
+      ScoreTile<kNT, kKS>(tiles + (t % kStages) * stage_bytes, row_bytes, qf, ksteps, warp, lane, d,
+                          g, hh, total, c_begin + t * kTileRows, c_end, c_begin,
+                          ex_s + warp * chunks_per_block, scale, logits, run_m, run_z);
+    }
+    __syncthreads();  // every warp is done with this stage
+    if (warp == 0 && t + kStages < n_tiles) issue_tile(t + kStages, t % kStages);
+  }
+  if (!has_head) return;
+  // Merge the 8 lanes that share a query-head column (same lane % 4), fixed tree.
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float m = run_m[nt][e], z = run_z[nt][e];
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float z2 = __shfl_xor_sync(0xffffffffu, z, o);
+        MergeSoftmax(m, z, m2, z2);
+      }
+      const int n = nt * 8 + lane * 2 + e;
+      if (lane < 4 && n < g) {
+        it.partials[(static_cast<long long>(hh) * g + n) * it.n_blocks + blockIdx.x] =
+            make_float2(m, z);
+      }
+    }
+  }
+}
+
+// Adds 1 to hist[bin] for each active lane (warp-aggregated). Every lane of the warp calls.
+__device__ __forceinline__ void HistAdd(uint32_t* hist, uint32_t bin, bool active) {
+  const unsigned mask = __ballot_sync(0xffffffffu, active);
+  if (active) {
+    const unsigned peers = __match_any_sync(mask, bin);
+    if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+  }
+}
+
+// In-place bitonic sorts of two arrays of n (a power of two) in shared memory, sharing
+// one network: a descending, b ascending. Block-cooperative.
+__device__ void BitonicSort2(uint64_t* a, uint64_t* b, int n) {
+  for (int size = 2; size <= n; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const int pair = i % (n / 2);
+        uint64_t* arr = i < n / 2 ? a : b;
+        const bool descending = i < n / 2;
+        const int lo = 2 * pair - (pair & (stride - 1));
+        const int hi = lo + stride;
+        const bool up = ((lo & size) == 0) != descending;
+        const uint64_t x = arr[lo], y = arr[hi];
+        if ((x > y) == up) {
+          arr[lo] = y;
+          arr[hi] = x;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Whether sorted ids[0, n) contain v.
+__device__ __forceinline__ bool SortedContains(const int* ids, int n, int v) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (ids[mid] < v)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo < n && ids[lo] == v;
+}
+
+// Whether the slot pairs sp[0, n), sorted by their high word, hold chunk key `hi`.
+__device__ __forceinline__ bool PairsContain(const uint64_t* sp, int n, uint32_t hi) {
+  int lo = 0, top = n;
+  while (lo < top) {
+    const int mid = (lo + top) >> 1;
+    if (static_cast<uint32_t>(sp[mid] >> 32) < hi)
+      lo = mid + 1;
+    else
+      top = mid;
+  }
+  return lo < n && static_cast<uint32_t>(sp[lo] >> 32) == hi;
+}
+
+// Order key of one chunk from its g logits x, monotone in the CPU's score
+// s = max_n exp(x_n - max_n) / sum_n (p = exp(x - c) with c = max + log(sum)), computed as
+// s' = max_n (x_n - c_n) so that no exp or division runs per chunk:
+//   0  excluded (NaN x[0]);  1  s = -inf (every head's softmax is empty: 0/0 on the CPU);
+//   2  p underflows to 0 in fp32 (the CPU ties these, so ids break the tie);
+//   else the order-preserving bit pattern of s' (> 2 for every s' >= kUnderflow).
+// c_n = +inf marks a head whose softmax is empty.
+constexpr float kUnderflow = -103.97f;  // exp below this is 0 in fp32
+
+__device__ __forceinline__ uint32_t OrderKey(const float* x, int g, const float* c) {
+  if (isnan(x[0])) return 0u;
+  float s = -INFINITY;
+  bool any = false;
+  for (int n = 0; n < g; ++n) {
+    if (c[n] == INFINITY) continue;
+    any = true;
+    s = fmaxf(s, x[n] - c[n]);
+  }
+  if (!any) return 1u;
+  if (!(s >= kUnderflow)) return 2u;
+  const uint32_t b = __float_as_uint(s);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Bytes of TopKKernel's fixed shared arrays (the keys follow, 16-byte aligned).
+__host__ __device__ inline int TopKArraysBytes(int k, int kpow2) {
+  return (kpow2 * 16 + k * 20 + 15) / 16 * 16;
+}
+
+// Block (hh, item): scores, top-k and slot diff of one KV head of one item.
+// Dynamic shared memory: buf [kpow2] u64, sp [kpow2] u64, sel_id [k], sel_key [k],
+// free_flag [k], free_list [k], miss_flag [k] (32-bit), then the order keys [total] u32
+// when `smem_keys` (else they live in the workspace). Warp w owns the contiguous chunk
+// range [w*per_warp, (w+1)*per_warp) and lane l reads chunk base + 32*i + l, so the
+// passes over the keys need no block barrier and the warps' ranges are in chunk order.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads)
+    TopKKernel(const SelectDesc* __restrict__ descs, int g, int k, int kpow2, int smem_keys) {
+  constexpr int kWarps = kThreads / 32;
+  using BlockScan = cub::BlockScan<uint32_t, kThreads>;
+  __shared__ typename BlockScan::TempStorage scan_tmp;
+  __shared__ uint32_t hist[256];
+  __shared__ float s_c[kMaxG];
+  __shared__ uint32_t s_digit, s_rank, s_count;
+  __shared__ uint32_t warp_gt[kWarps], warp_eq[kWarps];
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint64_t* buf = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* sp = buf + kpow2;
+  int* sel_id = reinterpret_cast<int*>(sp + kpow2);
+  uint32_t* sel_key = reinterpret_cast<uint32_t*>(sel_id + k);
+  int* free_flag = reinterpret_cast<int*>(sel_key + k);
+  int* free_list = free_flag + k;
+  int* miss_flag = free_list + k;
+
+  const SelectDesc& it = descs[blockIdx.y];
+  const int hh = blockIdx.x;
+  const int total = it.view.total;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int nb = it.n_blocks;
+  uint32_t* keys = smem_keys ? reinterpret_cast<uint32_t*>(smem + TopKArraysBytes(k, kpow2))
+                             : it.keys + static_cast<long long>(hh) * total;
+  const int per_warp = cuda::CeilDiv(total, kWarps * 128) * 128;  // 4 rounds of 32 at once
+  const int w0 = warp * per_warp;
+  const unsigned lt_mask = (1u << lane) - 1u;
+
+  // 1. Per query head: (max, sum) over all slices, fixed merge order.
+  if (warp < g) {
+    float m = -INFINITY, z = 0.0f;
+    const float2* part = it.partials + (static_cast<long long>(hh) * g + warp) * nb;
+#pragma unroll 8
+    for (int b = lane; b < nb; b += 32) {
+      const float2 p = part[b];
+      MergeSoftmax(m, z, p.x, p.y);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+      const float z2 = __shfl_xor_sync(0xffffffffu, z, o);
+      MergeSoftmax(m, z, m2, z2);
+    }
+    if (lane == 0) s_c[warp] = (m == -INFINITY || !(z > 0.0f)) ? INFINITY : m + logf(z);
+  }
+  for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+  if (tid == 0) s_count = 0;
+  __syncthreads();
+
+  // 2. Order keys, the histogram of their top byte, and the count of selectable chunks.
+  // Four elements per lane per round, their logits loaded before any is used.
+  const float* lg = it.logits + static_cast<long long>(hh) * total * g;
+  uint32_t n_pos = 0;
+  for (int i = 0; i < per_warp; i += 128) {
+    uint32_t key[4];
+    if (g == 4) {
+      float4 x[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int c = w0 + i + 32 * u + lane;
+        if (c < total) x[u] = *reinterpret_cast<const float4*>(lg + static_cast<long long>(c) * 4);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int c = w0 + i + 32 * u + lane;
+        key[u] = 0;
+        if (c < total) {
+          const float xs[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+          key[u] = OrderKey(xs, 4, s_c);
+          keys[c] = key[u];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int c = w0 + i + 32 * u + lane;
+        key[u] = 0;
+        if (c < total) {
+          key[u] = OrderKey(lg + static_cast<long long>(c) * g, g, s_c);
+          keys[c] = key[u];
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int c = w0 + i + 32 * u + lane;
+      HistAdd(hist, key[u] >> 24, c < total);
+      n_pos += __popc(__ballot_sync(0xffffffffu, c < total && key[u] > 0));
+    }
+  }
+  if (lane == 0) atomicAdd(&s_count, n_pos);
+  __syncthreads();
+  const int kk = min(k, static_cast<int>(s_count));
+
+  // 3. Radix select: the kk-th largest key T, and how many keys equal to T to take.
+  uint32_t prefix = 0, pmask = 0, rank = static_cast<uint32_t>(kk);
+  if (kk > 0) {
+    for (int pass = 0; pass < 4; ++pass) {
+      const int shift = 24 - 8 * pass;
+      if (pass > 0) {
+        for (int i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (int i = 0; i < per_warp; i += 32) {
+          const int c = w0 + i + lane;
+          const uint32_t key = c < total ? keys[c] : 0u;
+          HistAdd(hist, (key >> shift) & 255u, c < total && (key & pmask) == prefix);
+        }
+        __syncthreads();
+      }
+      if (warp == 0) {
+        uint32_t cnt[8], sum = 0;
+#pragma unroll
+        for (int b = 0; b < 8; ++b) {
+          cnt[b] = hist[lane * 8 + b];
+          sum += cnt[b];
+        }
+        uint32_t incl = sum;  // bins of lanes >= lane
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const uint32_t v = __shfl_down_sync(0xffffffffu, incl, o);
+          if (lane + o < 32) incl += v;
+        }
+        const uint32_t above = incl - sum;
+        if (above < rank && rank <= incl) {
+          uint32_t cum = above;
+          bool found = false;
+#pragma unroll
+          for (int b = 7; b >= 0; --b) {
+            if (!found && cum + cnt[b] >= rank) {
+              s_digit = static_cast<uint32_t>(lane * 8 + b);
+              s_rank = rank - cum;
+              found = true;
+            }
+            cum += cnt[b];
+          }
+        }
+      }
+      __syncthreads();
+      prefix |= s_digit << shift;
+      pmask |= 255u << shift;
+      rank = s_rank;
+      __syncthreads();
+    }
+  }
+  const uint32_t threshold = prefix;
+  const uint32_t need_eq = rank;  // keys == threshold to take (lowest chunk ids)
+
+  // 4. Winners in chunk-id order: per-warp counts, then positions from ballots.
+  if (kk > 0) {
+    uint32_t gt_n = 0, eq_n = 0;
+    for (int i = 0; i < per_warp; i += 32) {
+      const int c = w0 + i + lane;
+      const uint32_t key = c < total ? keys[c] : 0u;
+      gt_n += __popc(__ballot_sync(0xffffffffu, c < total && key > threshold));
+      eq_n += __popc(__ballot_sync(0xffffffffu, c < total && key == threshold));
+    }
+    if (lane == 0) {
+      warp_gt[warp] = gt_n;
+      warp_eq[warp] = eq_n;
+    }
+    __syncthreads();
+    uint32_t gt_off = 0, eq_off = 0;
+    for (int w = 0; w < warp; ++w) {
+      gt_off += warp_gt[w];
+      eq_off += warp_eq[w];
+    }
+    for (int i = 0; i < per_warp; i += 32) {
+      const int c = w0 + i + lane;
+      const uint32_t key = c < total ? keys[c] : 0u;
+      const bool gt = c < total && key > threshold;
+      const bool eq = c < total && key == threshold;
+      const unsigned bg = __ballot_sync(0xffffffffu, gt);
+      const unsigned be = __ballot_sync(0xffffffffu, eq);
+      const uint32_t gt_before = gt_off + __popc(bg & lt_mask);
+      const uint32_t eq_before = eq_off + __popc(be & lt_mask);
+      if (gt || (eq && eq_before < need_eq)) {
+        const uint32_t pos = gt_before + min(eq_before, need_eq);
+        sel_id[pos] = c;
+        sel_key[pos] = key;
+      }
+      gt_off += __popc(bg);
+      eq_off += __popc(be);
+    }
+  }
+  __syncthreads();
+
+  // 5. `selected`: (score desc, id asc), -1 padded.
+  for (int i = tid; i < kpow2; i += blockDim.x) {
+    buf[i] = i < kk ? (static_cast<uint64_t>(sel_key[i]) << 32) |
+                          (0xffffffffu - static_cast<uint32_t>(sel_id[i]))
+                    : 0ull;
+  }
+  int* slots = it.slots + static_cast<long long>(hh) * k;
+  for (int i = tid; i < kpow2; i += blockDim.x) {
+    sp[i] = i < k ? (static_cast<uint64_t>(static_cast<uint32_t>(slots[i]) ^ 0x80000000u) << 32) |
+                        static_cast<uint32_t>(i)
+                  : ~0ull;
+  }
+  __syncthreads();
+  BitonicSort2(buf, sp, kpow2);
+  int* selected = it.selected + static_cast<long long>(hh) * k;
+  for (int i = tid; i < k; i += blockDim.x) {
+    selected[i] = i < kk ? static_cast<int>(0xffffffffu - static_cast<uint32_t>(buf[i])) : -1;
+  }
+
+  // 6. Slot diff. A slot hits when its chunk is selected and no lower slot holds it.
+  for (int i = tid; i < k; i += blockDim.x) {
+    const uint64_t p = sp[i];
+    const uint32_t hi = static_cast<uint32_t>(p >> 32);
+    const int chunk = static_cast<int>(hi ^ 0x80000000u);
+    const int slot = static_cast<int>(static_cast<uint32_t>(p));
+    const bool first = i == 0 || static_cast<uint32_t>(sp[i - 1] >> 32) != hi;
+    const bool hit = first && chunk >= 0 && SortedContains(sel_id, kk, chunk);
+    free_flag[slot] = hit ? 0 : 1;
+  }
+  for (int i = tid; i < kk; i += blockDim.x) {
+    miss_flag[i] = PairsContain(sp, k, static_cast<uint32_t>(sel_id[i]) ^ 0x80000000u) ? 0 : 1;
+  }
+  __syncthreads();
+  uint32_t n_free = 0;
+  for (int base = 0; base < k; base += blockDim.x) {
+    const int i = base + tid;
+    const uint32_t f = i < k ? static_cast<uint32_t>(free_flag[i]) : 0u;
+    uint32_t excl, agg;
+    BlockScan(scan_tmp).ExclusiveSum(f, excl, agg);
+    if (f) free_list[n_free + excl] = i;
+    n_free += agg;
+    __syncthreads();
+  }
+  int* miss_slot = it.miss_slot + static_cast<long long>(hh) * k;
+  int* miss_chunk = it.miss_chunk + static_cast<long long>(hh) * k;
+  uint32_t n_miss = 0;
+  for (int base = 0; base < kk; base += blockDim.x) {
+    const int i = base + tid;
+    const uint32_t f = i < kk ? static_cast<uint32_t>(miss_flag[i]) : 0u;
+    uint32_t excl, agg;
+    BlockScan(scan_tmp).ExclusiveSum(f, excl, agg);
+    const uint32_t j = n_miss + excl;
+    if (f && j < n_free) {  // j < n_free always holds for a well-formed table
+      const int slot = free_list[j];
+      slots[slot] = sel_id[i];
+      miss_slot[j] = slot;
+      miss_chunk[j] = sel_id[i];
+    }
+    n_miss += agg;
+    __syncthreads();
+  }
+  n_miss = min(n_miss, n_free);
+  for (uint32_t j = n_miss + tid; j < n_free; j += blockDim.x) slots[free_list[j]] = -1;
+  for (int j = static_cast<int>(n_miss) + tid; j < k; j += blockDim.x) {
+    miss_slot[j] = -1;
+    miss_chunk[j] = -1;
+  }
+  if (tid == 0) it.miss_count[hh] = static_cast<int>(n_miss);
+}
+
+size_t ScoreSmemBytes(int hb, int g, int d, int chunks_per_block) {
+  const size_t q_bytes = (size_t(hb) * g * (d + 8) * 2 + 15) / 16 * 16;
+  const size_t ex_bytes = (size_t(hb) * chunks_per_block + 15) / 16 * 16;
+  return q_bytes + ex_bytes + size_t(kStages) * kTileRows * (size_t(hb) * d * 2 + 16);
+}
+
+template <int kNT, int kKS>
+absl::Status LaunchScore(dim3 grid, int hb, size_t smem, cudaStream_t st, const SelectDesc* descs,
+                         int h, int g, int d, int chunks_per_block, float scale) {
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      ScoreKernel<kNT, kKS>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  ScoreKernel<kNT, kKS><<<grid, 32 * hb, smem, st>>>(descs, h, g, d, hb, chunks_per_block, scale);
+  KVSHADE_CUDA_LAUNCH_CHECK();
+  return absl::OkStatus();
+}
+
+template <int kThreads>
+absl::Status LaunchTopK(dim3 grid, size_t smem, cudaStream_t st, const SelectDesc* descs, int g,
+                        int k, int kpow2, bool smem_keys) {
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      TopKKernel<kThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  TopKKernel<kThreads><<<grid, kThreads, smem, st>>>(descs, g, k, kpow2, smem_keys ? 1 : 0);
+  KVSHADE_CUDA_LAUNCH_CHECK();
+  return absl::OkStatus();
+}
+
+int NextPow2(int x) {
+  int p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+
+}  // namespace
+
+size_t CudaBackend::SelectWorkspaceBytes(const LayerShape& shape, int k,
+                                         absl::Span<const SelectItem> items) const {
+  (void)k;
+  return PlanSelect(shape, items, nullptr, nullptr, nullptr);
+}
+
+absl::Status CudaBackend::Select(const LayerShape& shape, int k, absl::Span<const SelectItem> items,
+                                 Workspace ws, Stream stream) {
+  KVSHADE_RETURN_IF_ERROR(
+      validate::Select(shape, k, items, ws, SelectWorkspaceBytes(shape, k, items)));
+  if (items.empty()) return absl::OkStatus();
+  const int h = shape.h, g = shape.g, d = shape.d;
+  if (d % 16 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Select: the CUDA backend needs d % 16 == 0, got d = ", d));
+  }
+  if (g > kMaxG) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Select: the CUDA backend supports g <= ", kMaxG, ", got g = ", g));
+  }
+  if (k > kMaxK) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Select: the CUDA backend supports k <= ", kMaxK, ", got k = ", k));
+  }
+  if (h > 65535 || items.size() > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("Select: h (", h, ") and the item count (",
+                                                   items.size(), ") must be <= 65535"));
+  }
+  for (size_t i = 0; i < items.size(); ++i) {
+    for (int s = 0; s < items[i].view.n_segments; ++s) {
+      const SegmentView& seg = items[i].view.segments[s];
+      if (seg.n_chunks > 0 && !cuda::Aligned16(seg.landmarks)) {
+        return absl::InvalidArgumentError(absl::StrCat("Select: items[", i, "].view.segments[", s,
+                                                       "].landmarks must be 16-byte aligned"));
+      }
+    }
+  }
+  KVSHADE_RETURN_IF_ERROR(cuda::UseDevice(device_));
+  const cudaStream_t st = cuda::ToCudaStream(stream);
+
+  int sms = 0, optin = 0;
+  KVSHADE_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
+  KVSHADE_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_));
+  const size_t smem_limit = size_t(optin) - sizeof(DevView);
+
+  // Heads per score block: up to 8, fewer when their tiles would not leave room for two
+  // blocks per SM.
+  constexpr int kMaxChunksPerBlock = kMaxTilesPerBlock * kTileRows;
+  int hb = std::min(h, kMaxHeadsPerBlock);
+  while (hb > 1 && ScoreSmemBytes(hb, g, d, kMaxChunksPerBlock) > kScoreSmemTarget) --hb;
+  if (ScoreSmemBytes(hb, g, d, kMaxChunksPerBlock) > smem_limit) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Select: head dim ", d, " with g = ", g, " needs ",
+                     ScoreSmemBytes(hb, g, d, kMaxChunksPerBlock),
+                     " bytes of shared memory per block, above the device limit ", smem_limit));
+  }
+  const int head_groups = cuda::CeilDiv(h, hb);
+
+  // Chunk slices: about 4 blocks per SM over the whole batch, 2..32 tiles each.
+  int64_t total_tiles = 0;
+  for (const SelectItem& it : items) {
+    total_tiles += cuda::CeilDiv<int64_t>(it.view.total_chunks(), kTileRows) * head_groups;
+  }
+  const int tiles_per_block = static_cast<int>(
+      std::clamp<int64_t>(cuda::CeilDiv<int64_t>(total_tiles, int64_t(4) * std::max(sms, 1)),
+                          kMinTilesPerBlock, kMaxTilesPerBlock));
+  const int chunks_per_block = tiles_per_block * kTileRows;
+  const size_t score_smem = ScoreSmemBytes(hb, g, d, chunks_per_block);
+
+  std::vector<SelectDesc> descs(items.size());
+  SelectDesc* dev_descs = nullptr;
+  PlanSelect(shape, items, ws.data, &dev_descs, &descs);
+  int max_blocks = 1;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const SelectItem& in = items[i];
+    SelectDesc& o = descs[i];
+    o.view = cuda::MakeDevView(in.view);
+    o.q = cuda::AsNv(in.q);
+    o.slots = in.slots;
+    o.selected = in.selected;
+    o.miss_slot = in.miss_slot;
+    o.miss_chunk = in.miss_chunk;
+    o.miss_count = in.miss_count;
+    o.n_blocks = cuda::CeilDiv(o.view.total, chunks_per_block);
+    o.pad = 0;
+    max_blocks = std::max(max_blocks, o.n_blocks);
+  }
+  KVSHADE_RETURN_IF_ERROR(
+      cuda::StageDescriptors(descs.data(), static_cast<int>(descs.size()), dev_descs, st));
+
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const dim3 score_grid(max_blocks, head_groups, static_cast<unsigned>(items.size()));
+  if (g <= 8 && d <= 128) {
+    KVSHADE_RETURN_IF_ERROR((LaunchScore<1, 8>(score_grid, hb, score_smem, st, dev_descs, h, g, d,
+                                               chunks_per_block, scale)));
+  } else if (g <= 8) {
+    KVSHADE_RETURN_IF_ERROR((LaunchScore<1, 16>(score_grid, hb, score_smem, st, dev_descs, h, g, d,
+                                                chunks_per_block, scale)));
+  } else if (d <= 128) {
+    KVSHADE_RETURN_IF_ERROR((LaunchScore<2, 8>(score_grid, hb, score_smem, st, dev_descs, h, g, d,
+                                               chunks_per_block, scale)));
+  } else {
+    KVSHADE_RETURN_IF_ERROR((LaunchScore<2, 16>(score_grid, hb, score_smem, st, dev_descs, h, g, d,
+                                                chunks_per_block, scale)));
+  }
+
+  // Top-k: the order keys stay in shared memory when the longest item's fit.
+  const int kpow2 = NextPow2(k);
+  int max_total = 0;
+  for (const SelectDesc& o : descs) max_total = std::max(max_total, o.view.total);
+  const size_t arrays = size_t(TopKArraysBytes(k, kpow2));
+  const size_t keys_bytes = size_t(max_total) * 4;
+  const bool smem_keys = arrays + keys_bytes <= std::min<size_t>(kTopKSmemKeysLimit, optin);
+  const size_t topk_smem = arrays + (smem_keys ? keys_bytes : 0);
+  const dim3 topk_grid(h, static_cast<unsigned>(items.size()));
+  if (int64_t(h) * int64_t(items.size()) < sms) {
+    KVSHADE_RETURN_IF_ERROR(
+        LaunchTopK<1024>(topk_grid, topk_smem, st, dev_descs, g, k, kpow2, smem_keys));
+  } else {
+    KVSHADE_RETURN_IF_ERROR(
+        LaunchTopK<512>(topk_grid, topk_smem, st, dev_descs, g, k, kpow2, smem_keys));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvshade::kernels
