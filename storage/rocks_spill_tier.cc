@@ -1,0 +1,759 @@
+// RocksSpillTier: the spill tier on RocksDB. Column families: "metadata" (one record per
+// segment: the commit record), "factors" and "values" (blobs split into pieces), and
+// "default" (the format record). Layout and checksums: record_format.h, README.md.
+//
+// Commit protocol. A segment of at most max_batch_bytes goes in one WriteBatch (pieces +
+// metadata), atomic by construction. A larger one is staged: its pieces are written first
+// in several batches, then the metadata record alone commits it; readers only ever reach
+// pieces through a metadata record, and pieces without one are deleted at the next open.
+// Either way no partial segment is ever visible.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <functional>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "kvshade/kernels/status_macros.h"
+#include "kvshade/storage/spill_tier.h"
+#include "record_format.h"
+#include "sync.h"
+#include "rocksdb/cache.h"
+#include "rocksdb/convenience.h"
+#include "rocksdb/db.h"
+#include "rocksdb/options.h"
+#include "rocksdb/slice.h"
+#include "rocksdb/table.h"
+#include "rocksdb/write_batch.h"
+
+namespace kvshade::storage {
+namespace {
+
+using internal::RecordType;
+
+// Converts a RocksDB status into an absl::Status naming the operation and the call site.
+absl::Status FromRocks(const rocksdb::Status& s, std::string_view what, const char* file,
+                       int line) {
+  if (s.ok()) return absl::OkStatus();
+  std::string msg =
+      absl::StrCat("rocksdb ", std::string(what), ": ", s.ToString(), " (", file, ":", line, ")");
+  switch (s.code()) {
+    case rocksdb::Status::kNotFound: return absl::NotFoundError(msg);
+    case rocksdb::Status::kCorruption: return absl::DataLossError(msg);
+    case rocksdb::Status::kInvalidArgument: return absl::InvalidArgumentError(msg);
+    case rocksdb::Status::kNotSupported: return absl::UnimplementedError(msg);
+    case rocksdb::Status::kIOError:
+      if (s.IsNoSpace()) return absl::ResourceExhaustedError(msg);
+      return absl::UnavailableError(msg);
+    case rocksdb::Status::kBusy:
+    case rocksdb::Status::kTimedOut:
+    case rocksdb::Status::kTryAgain:
+    case rocksdb::Status::kIncomplete: return absl::UnavailableError(msg);
+    case rocksdb::Status::kAborted: return absl::AbortedError(msg);
+    default: return absl::InternalError(msg);
+  }
+}
+#define KVSHADE_ROCKS(expr, what) FromRocks((expr), (what), __FILE__, __LINE__)
+
+rocksdb::CompressionType PickCompression(SpillCompression c, rocksdb::CompressionType dflt) {
+  rocksdb::CompressionType want = dflt;
+  switch (c) {
+    case SpillCompression::kAuto: break;
+    case SpillCompression::kNone: want = rocksdb::kNoCompression; break;
+    case SpillCompression::kLz4: want = rocksdb::kLZ4Compression; break;
+    case SpillCompression::kZstd: want = rocksdb::kZSTD; break;
+  }
+  for (rocksdb::CompressionType t : rocksdb::GetSupportedCompressions()) {
+    if (t == want) return want;
+  }
+  return rocksdb::kNoCompression;  // this librocksdb was built without it
+}
+
+uint64_t PieceCount(uint64_t bytes, uint64_t piece_bytes) {
+  return (bytes + piece_bytes - 1) / piece_bytes;
+}
+
+rocksdb::Slice ToSlice(absl::Span<const std::byte> b) {
+  return rocksdb::Slice(reinterpret_cast<const char*>(b.data()), b.size());
+}
+
+// Puts header + payload as one record without copying the payload first.
+rocksdb::Status PutRecord(rocksdb::WriteBatch* batch, rocksdb::ColumnFamilyHandle* cf,
+                          RecordType type, const std::string& key,
+                          absl::Span<const std::byte> payload) {
+  const std::string header = internal::EncodeRecordHeader(type, key, payload);
+  rocksdb::Slice key_slice(key);
+  rocksdb::Slice parts[2] = {rocksdb::Slice(header), ToSlice(payload)};
+  return batch->Put(cf, rocksdb::SliceParts(&key_slice, 1), rocksdb::SliceParts(parts, 2));
+}
+
+// Owner of a column family handle; destroyed through its DB before the DB closes.
+struct CfDeleter {
+  rocksdb::DB* db = nullptr;
+  void operator()(rocksdb::ColumnFamilyHandle* h) const {
+    if (db != nullptr && h != nullptr) db->DestroyColumnFamilyHandle(h).PermitUncheckedError();
+  }
+};
+using CfHandle = std::unique_ptr<rocksdb::ColumnFamilyHandle, CfDeleter>;
+
+}  // namespace
+
+const SegmentMeta::Factor* SegmentMeta::FindFactor(int layer, FactorKind kind) const {
+  for (const Factor& f : factors) {
+    if (f.layer == layer && f.kind == kind) return &f;
+  }
+  return nullptr;
+}
+
+struct RocksSpillTier::Impl {
+  RocksSpillOptions options;
+  std::shared_ptr<rocksdb::Cache> block_cache;
+  // Declaration order matters: handles are destroyed before the DB.
+  std::unique_ptr<rocksdb::DB> db;
+  CfHandle default_cf, meta_cf, factors_cf, values_cf;
+  // Serializes the metadata read-modify-write of WriteSegment / AddFactors / DeleteSegment.
+  internal::Mutex write_mu;
+  std::atomic<uint64_t> segments_written{0}, bytes_written{0}, bytes_read{0},
+      segments_deleted{0}, checksum_failures{0};
+  uint64_t dropped_on_open = 0;
+
+  ~Impl() {
+    default_cf.reset();
+    meta_cf.reset();
+    factors_cf.reset();
+    values_cf.reset();
+    if (db) db->Close().PermitUncheckedError();
+  }
+
+  absl::Status CheckFormat();
+  absl::Status DropCacheSegments();
+  absl::StatusOr<SegmentMeta> ReadMetaLocked(const SegmentId& id);
+  absl::Status AddBlobPieces(rocksdb::WriteBatch* batch, rocksdb::ColumnFamilyHandle* cf,
+                             RecordType type, absl::Span<const std::byte> blob,
+                             const std::function<std::string(uint32_t)>& key_of);
+  absl::Status ReadBlob(rocksdb::ColumnFamilyHandle* cf, RecordType type, uint64_t bytes,
+                        uint64_t piece_bytes, const std::function<std::string(uint32_t)>& key_of,
+                        absl::Span<std::byte> dst);
+  absl::Status Commit(rocksdb::WriteBatch* batch, Durability durability, std::string_view what);
+};
+
+absl::Status RocksSpillTier::Impl::CheckFormat() {
+  std::string stored;
+  rocksdb::Status s = db->Get(rocksdb::ReadOptions(), default_cf.get(), internal::kFormatKey, &stored);
+  if (s.IsNotFound()) {
+    // A new database: nothing but the format record may be written before this check.
+    std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions(), meta_cf.get()));
+    it->SeekToFirst();
+    if (it->Valid()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "spill tier at ", options.path, ": segments present but no format record; not a kvshade "
+          "database of a known version"));
+    }
+    KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(it->status(), "scan metadata"));
+    std::string payload;
+    for (int i = 0; i < 4; ++i) payload.push_back(char((uint32_t(kFormatVersion) >> (8 * i)) & 0xff));
+    rocksdb::WriteBatch batch;
+    KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(
+        PutRecord(&batch, default_cf.get(), RecordType::kFormat, internal::kFormatKey,
+                  internal::AsBytes(payload)),
+        "put format"));
+    rocksdb::WriteOptions wo;
+    wo.sync = true;
+    return KVSHADE_ROCKS(db->Write(wo, &batch), "write format record");
+  }
+  KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(s, "read format record"));
+  // Report another version as such before checking the rest of the header.
+  if (stored.size() >= 6) {
+    uint16_t version = uint16_t(uint8_t(stored[4])) | uint16_t(uint8_t(stored[5])) << 8;
+    uint32_t magic = 0;
+    std::memcpy(&magic, stored.data(), 4);
+    if (magic == internal::kRecordMagic && version != kFormatVersion) {
+      return absl::FailedPreconditionError(absl::StrCat("spill tier at ", options.path,
+                                                        ": on-disk format version ", version,
+                                                        "; this build reads version ",
+                                                        kFormatVersion));
+    }
+  }
+  absl::StatusOr<std::string_view> payload =
+      internal::DecodeRecord(RecordType::kFormat, internal::kFormatKey, stored);
+  if (!payload.ok()) return payload.status();
+  return absl::OkStatus();
+}
+
+absl::Status RocksSpillTier::Impl::DropCacheSegments() {
+  // Durable segments survive; everything else (cache segments, pieces of a staged write
+  // that never committed) goes.
+  absl::flat_hash_set<SegmentId> keep;
+  rocksdb::WriteBatch batch;
+  {
+    std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions(), meta_cf.get()));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      const std::string_view key(it->key().data(), it->key().size());
+      absl::StatusOr<std::string_view> payload =
+          internal::DecodeRecord(RecordType::kSegmentMeta, key, std::string_view(it->value().data(), it->value().size()));
+      absl::StatusOr<SegmentMeta> meta =
+          payload.ok() ? internal::DecodeMetaPayload(*payload) : payload.status();
+      SegmentId id;
+      if (!internal::SegmentIdOfKey(key, &id)) continue;
+      if (!meta.ok()) {
+        // Keep a damaged record (and its pieces) for inspection; it is never listed.
+        checksum_failures.fetch_add(1);
+        keep.insert(id);
+        continue;
+      }
+      if (meta->durability == Durability::kDurable) {
+        keep.insert(id);
+      } else {
+        KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(batch.Delete(meta_cf.get(), it->key()), "delete"));
+        ++dropped_on_open;
+      }
+    }
+    KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(it->status(), "scan metadata"));
+  }
+  for (rocksdb::ColumnFamilyHandle* cf : {factors_cf.get(), values_cf.get()}) {
+    std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions(), cf));
+    it->SeekToFirst();
+    while (it->Valid()) {
+      SegmentId id;
+      const std::string_view key(it->key().data(), it->key().size());
+      if (!internal::SegmentIdOfKey(key, &id)) {
+        KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(batch.Delete(cf, it->key()), "delete"));
+        it->Next();
+        continue;
+      }
+      const std::string upper = internal::SegmentUpperBound(id);
+      if (!keep.contains(id)) {
+        KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(
+            batch.DeleteRange(cf, internal::SegmentPrefix(id), upper), "delete range"));
+      }
+      it->Seek(upper);  // jump to the next segment
+    }
+    KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(it->status(), "scan pieces"));
+  }
+  if (batch.Count() == 0) return absl::OkStatus();
+  rocksdb::WriteOptions wo;
+  wo.sync = true;
+  return KVSHADE_ROCKS(db->Write(wo, &batch), "drop cache segments");
+}
+
+absl::StatusOr<SegmentMeta> RocksSpillTier::Impl::ReadMetaLocked(const SegmentId& id) {
+  const std::string key = internal::MetaKey(id);
+  rocksdb::PinnableSlice stored;
+  rocksdb::Status s = db->Get(rocksdb::ReadOptions(), meta_cf.get(), key, &stored);
+  if (s.IsNotFound()) {
+    return absl::NotFoundError(absl::StrCat("spill tier: no segment ", id.ToHex()));
+  }
+  KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(s, "read metadata"));
+  absl::StatusOr<std::string_view> payload = internal::DecodeRecord(
+      RecordType::kSegmentMeta, key, std::string_view(stored.data(), stored.size()));
+  if (!payload.ok()) {
+    checksum_failures.fetch_add(1);
+    return payload.status();
+  }
+  absl::StatusOr<SegmentMeta> meta = internal::DecodeMetaPayload(*payload);
+  if (meta.ok() && meta->id != id) {
+    return absl::DataLossError(absl::StrCat("spill tier: metadata under ", id.ToHex(),
+                                            " names segment ", meta->id.ToHex()));
+  }
+  return meta;
+}
+
+absl::Status RocksSpillTier::Impl::AddBlobPieces(
+    rocksdb::WriteBatch* batch, rocksdb::ColumnFamilyHandle* cf, RecordType type,
+    absl::Span<const std::byte> blob, const std::function<std::string(uint32_t)>& key_of) {
+  const uint64_t piece = options.piece_bytes;
+  const uint64_t n = PieceCount(blob.size(), piece);
+  for (uint64_t p = 0; p < n; ++p) {
+    const size_t off = size_t(p * piece);
+    KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(
+        PutRecord(batch, cf, type, key_of(uint32_t(p)),
+                  blob.subspan(off, std::min<size_t>(piece, blob.size() - off))),
+        "put piece"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status RocksSpillTier::Impl::ReadBlob(rocksdb::ColumnFamilyHandle* cf, RecordType type,
+                                            uint64_t bytes, uint64_t piece_bytes,
+                                            const std::function<std::string(uint32_t)>& key_of,
+                                            absl::Span<std::byte> dst) {
+  rocksdb::ReadOptions ro;
+  ro.verify_checksums = true;
+  ro.fill_cache = false;  // big, read once per page-in
+  const uint64_t n = PieceCount(bytes, piece_bytes);
+  for (uint64_t p = 0; p < n; ++p) {
+    const std::string key = key_of(uint32_t(p));
+    rocksdb::PinnableSlice stored;
+    rocksdb::Status s = db->Get(ro, cf, key, &stored);
+    if (s.IsNotFound()) {
+      return absl::DataLossError(absl::StrCat("spill tier: piece ", p, " of ", n, " missing"));
+    }
+    KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(s, "read piece"));
+    absl::StatusOr<std::string_view> payload =
+        internal::DecodeRecord(type, key, std::string_view(stored.data(), stored.size()));
+    if (!payload.ok()) {
+      checksum_failures.fetch_add(1);
+      return payload.status();
+    }
+    const size_t off = size_t(p * piece_bytes);
+    const size_t want = size_t(std::min<uint64_t>(piece_bytes, bytes - off));
+    if (payload->size() != want) {
+      return absl::DataLossError(absl::StrCat("spill tier: piece ", p, " holds ", payload->size(),
+                                              " bytes, expected ", want));
+    }
+    std::memcpy(dst.data() + off, payload->data(), want);
+  }
+  bytes_read.fetch_add(bytes);
+  return absl::OkStatus();
+}
+
+absl::Status RocksSpillTier::Impl::Commit(rocksdb::WriteBatch* batch, Durability durability,
+                                          std::string_view what) {
+  rocksdb::WriteOptions wo;
+  if (durability == Durability::kDurable) {
+    wo.sync = true;
+  } else {
+    wo.disableWAL = true;  // dropped at the next open anyway; halves the bytes written
+  }
+  return KVSHADE_ROCKS(db->Write(wo, batch), what);
+}
+
+RocksSpillTier::RocksSpillTier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+RocksSpillTier::~RocksSpillTier() = default;
+
+absl::StatusOr<std::unique_ptr<RocksSpillTier>> RocksSpillTier::Open(
+    const RocksSpillOptions& options) {
+  if (options.path.empty()) return absl::InvalidArgumentError("spill tier: path is empty");
+  if (options.piece_bytes < 4096 || options.piece_bytes > (size_t{256} << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spill tier: piece_bytes must be in [4096, 268435456], got ", options.piece_bytes));
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->block_cache = rocksdb::NewLRUCache(std::max<size_t>(options.block_cache_bytes, 1 << 20));
+
+  rocksdb::DBOptions dbo;
+  dbo.create_if_missing = true;
+  dbo.create_missing_column_families = true;
+  dbo.paranoid_checks = true;
+  dbo.max_background_jobs = 2;
+  dbo.keep_log_file_num = 2;
+  dbo.max_total_wal_size = uint64_t{256} << 20;
+  dbo.bytes_per_sync = 1 << 20;
+  dbo.info_log_level = rocksdb::InfoLogLevel::WARN_LEVEL;
+
+  auto table_options = [&](bool cache_data) {
+    rocksdb::BlockBasedTableOptions t;
+    t.checksum = rocksdb::kXXH3;
+    t.block_cache = impl->block_cache;
+    t.no_block_cache = !cache_data;
+    return std::shared_ptr<rocksdb::TableFactory>(rocksdb::NewBlockBasedTableFactory(t));
+  };
+  rocksdb::ColumnFamilyOptions default_opts;
+  default_opts.table_factory = table_options(true);
+  rocksdb::ColumnFamilyOptions meta_opts;
+  meta_opts.table_factory = table_options(true);
+  meta_opts.compression = PickCompression(options.metadata_compression, rocksdb::kZSTD);
+  meta_opts.write_buffer_size = 8 << 20;
+  rocksdb::ColumnFamilyOptions factor_opts;
+  factor_opts.table_factory = table_options(false);
+  factor_opts.compression = PickCompression(options.factors_compression, rocksdb::kZSTD);
+  factor_opts.write_buffer_size = options.write_buffer_bytes;
+  rocksdb::ColumnFamilyOptions value_opts;
+  value_opts.table_factory = table_options(false);
+  value_opts.compression = PickCompression(options.values_compression, rocksdb::kNoCompression);
+  value_opts.write_buffer_size = options.write_buffer_bytes;
+  if (options.values_in_blob_files) {
+    value_opts.enable_blob_files = true;
+    value_opts.min_blob_size = 4096;
+    value_opts.blob_compression_type = value_opts.compression;
+    value_opts.enable_blob_garbage_collection = true;
+  }
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
+      {rocksdb::kDefaultColumnFamilyName, default_opts},
+      {"metadata", meta_opts},
+      {"factors", factor_opts},
+      {"values", value_opts},
+  };
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* raw = nullptr;
+  rocksdb::Status s = rocksdb::DB::Open(dbo, options.path, cfs, &handles, &raw);
+  KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(s, absl::StrCat("open ", options.path)));
+  impl->db.reset(raw);
+  CfDeleter del{raw};
+  impl->default_cf = CfHandle(handles[0], del);
+  impl->meta_cf = CfHandle(handles[1], del);
+  impl->factors_cf = CfHandle(handles[2], del);
+  impl->values_cf = CfHandle(handles[3], del);
+
+  KVSHADE_RETURN_IF_ERROR(impl->CheckFormat());
+  if (options.drop_cache_segments_on_open) KVSHADE_RETURN_IF_ERROR(impl->DropCacheSegments());
+  return std::unique_ptr<RocksSpillTier>(new RocksSpillTier(std::move(impl)));
+}
+
+absl::Status RocksSpillTier::WriteSegment(const SegmentWrite& seg) {
+  const SegmentValueLayout& l = seg.layout;
+  // Validate against a freshly derived layout, so that chunk sizes cannot be forged.
+  KVSHADE_ASSIGN_OR_RETURN(SegmentValueLayout check,
+                           SegmentValueLayout::Make(l.n_layers, l.h, l.n_chunks, l.C, l.d, l.codec));
+  if (!(check == l)) return absl::InvalidArgumentError("WriteSegment: inconsistent layout sizes");
+  if (seg.values.size() != size_t(l.n_layers) && !(seg.values.empty() && l.layer_bytes() == 0)) {
+    return absl::InvalidArgumentError(absl::StrCat("WriteSegment: values has ", seg.values.size(),
+                                                   " layers, layout has ", l.n_layers));
+  }
+  for (size_t i = 0; i < seg.values.size(); ++i) {
+    if (seg.values[i].size() != l.layer_bytes()) {
+      return absl::InvalidArgumentError(absl::StrCat("WriteSegment: values[", i, "] has ",
+                                                     seg.values[i].size(), " bytes, expected ",
+                                                     l.layer_bytes()));
+    }
+  }
+  SegmentMeta meta;
+  meta.id = seg.id;
+  meta.layout = l;
+  meta.durability = seg.durability;
+  meta.piece_bytes = impl_->options.piece_bytes;
+  meta.commit_unix_micros = uint64_t(std::chrono::duration_cast<std::chrono::microseconds>(
+                                         std::chrono::system_clock::now().time_since_epoch())
+                                         .count());
+  meta.user_metadata = std::string(seg.user_metadata);
+  for (const FactorBlob& f : seg.factors) {
+    if (f.layer < 0 || f.layer >= l.n_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("WriteSegment: factor layer ", f.layer,
+                                                     " outside [0, ", l.n_layers, ")"));
+    }
+    if (!IsValidFactorKind(uint8_t(f.kind))) {
+      return absl::InvalidArgumentError(absl::StrCat("WriteSegment: bad factor kind ", int(f.kind)));
+    }
+    if (meta.FindFactor(f.layer, f.kind) != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("WriteSegment: factor (", f.layer, ", ",
+                                                     std::string(FactorKindName(f.kind)),
+                                                     ") given twice"));
+    }
+    meta.factors.push_back({f.layer, f.kind, f.bytes.size()});
+  }
+  const std::string meta_payload = internal::EncodeMetaPayload(meta);
+
+  Impl& im = *impl_;
+  internal::MutexLock lock(&im.write_mu);
+  {
+    rocksdb::PinnableSlice existing;
+    rocksdb::Status s =
+        im.db->Get(rocksdb::ReadOptions(), im.meta_cf.get(), internal::MetaKey(seg.id), &existing);
+    if (s.ok()) {
+      return absl::AlreadyExistsError(absl::StrCat("spill tier: segment ", seg.id.ToHex(),
+                                                   " is already stored"));
+    }
+    if (!s.IsNotFound()) return KVSHADE_ROCKS(s, "read metadata");
+  }
+  // Pieces go in batches of about max_batch_bytes; when everything fits in one, the
+  // metadata joins it (one atomic batch), otherwise it commits alone after the pieces.
+  const uint64_t total = l.total_bytes() + [&] {
+    uint64_t t = 0;
+    for (const FactorBlob& f : seg.factors) t += f.bytes.size();
+    return t;
+  }();
+  const uint64_t max_batch = std::max<uint64_t>(im.options.max_batch_bytes, im.options.piece_bytes);
+  rocksdb::WriteBatch batch;
+  uint64_t batch_bytes = 0;
+  auto maybe_flush = [&](uint64_t added) -> absl::Status {
+    batch_bytes += added;
+    if (total <= max_batch || batch_bytes < max_batch) return absl::OkStatus();
+    KVSHADE_RETURN_IF_ERROR(im.Commit(&batch, seg.durability, "stage pieces"));
+    if (im.options.sync_point) im.options.sync_point("stage");
+    batch.Clear();
+    batch_bytes = 0;
+    return absl::OkStatus();
+  };
+  for (size_t layer = 0; layer < seg.values.size(); ++layer) {
+    const uint64_t n = PieceCount(seg.values[layer].size(), im.options.piece_bytes);
+    for (uint64_t p = 0; p < n; ++p) {
+      const size_t off = size_t(p * im.options.piece_bytes);
+      auto piece = seg.values[layer].subspan(
+          off, std::min<size_t>(im.options.piece_bytes, seg.values[layer].size() - off));
+      KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(
+          PutRecord(&batch, im.values_cf.get(), RecordType::kValuePiece,
+                    internal::ValuePieceKey(seg.id, uint32_t(layer), uint32_t(p)), piece),
+          "put value piece"));
+      KVSHADE_RETURN_IF_ERROR(maybe_flush(piece.size()));
+    }
+  }
+  for (const FactorBlob& f : seg.factors) {
+    const uint64_t n = PieceCount(f.bytes.size(), im.options.piece_bytes);
+    for (uint64_t p = 0; p < n; ++p) {
+      const size_t off = size_t(p * im.options.piece_bytes);
+      auto piece = f.bytes.subspan(off, std::min<size_t>(im.options.piece_bytes, f.bytes.size() - off));
+      KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(
+          PutRecord(&batch, im.factors_cf.get(), RecordType::kFactorPiece,
+                    internal::FactorPieceKey(seg.id, uint32_t(f.layer), f.kind, uint32_t(p)), piece),
+          "put factor piece"));
+      KVSHADE_RETURN_IF_ERROR(maybe_flush(piece.size()));
+    }
+  }
+  const std::string meta_key = internal::MetaKey(seg.id);
+  KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(PutRecord(&batch, im.meta_cf.get(), RecordType::kSegmentMeta,
+                                                  meta_key, internal::AsBytes(meta_payload)),
+                                        "put metadata"));
+  if (im.options.sync_point) im.options.sync_point("commit");
+  KVSHADE_RETURN_IF_ERROR(im.Commit(&batch, seg.durability, "commit segment"));
+  im.segments_written.fetch_add(1);
+  im.bytes_written.fetch_add(total + meta_payload.size());
+  return absl::OkStatus();
+}
+
+absl::Status RocksSpillTier::AddFactors(const SegmentId& id, absl::Span<const FactorBlob> factors) {
+  Impl& im = *impl_;
+  internal::MutexLock lock(&im.write_mu);
+  KVSHADE_ASSIGN_OR_RETURN(SegmentMeta meta, im.ReadMetaLocked(id));
+  uint64_t total = 0;
+  for (const FactorBlob& f : factors) {
+    if (f.layer < 0 || f.layer >= meta.layout.n_layers) {
+      return absl::InvalidArgumentError(absl::StrCat("AddFactors: factor layer ", f.layer,
+                                                     " outside [0, ", meta.layout.n_layers, ")"));
+    }
+    if (!IsValidFactorKind(uint8_t(f.kind))) {
+      return absl::InvalidArgumentError(absl::StrCat("AddFactors: bad factor kind ", int(f.kind)));
+    }
+    if (meta.FindFactor(f.layer, f.kind) != nullptr) {
+      return absl::AlreadyExistsError(absl::StrCat("AddFactors: factor (", f.layer, ", ",
+                                                   std::string(FactorKindName(f.kind)),
+                                                   ") of segment ", id.ToHex(), " is already stored"));
+    }
+    meta.factors.push_back({f.layer, f.kind, f.bytes.size()});
+    total += f.bytes.size();
+  }
+  rocksdb::WriteBatch batch;
+  for (const FactorBlob& f : factors) {
+    const uint64_t n = PieceCount(f.bytes.size(), meta.piece_bytes);
+    for (uint64_t p = 0; p < n; ++p) {
+      const size_t off = size_t(p * meta.piece_bytes);
+      auto piece = f.bytes.subspan(off, std::min<size_t>(meta.piece_bytes, f.bytes.size() - off));
+      KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(
+          PutRecord(&batch, im.factors_cf.get(), RecordType::kFactorPiece,
+                    internal::FactorPieceKey(id, uint32_t(f.layer), f.kind, uint32_t(p)), piece),
+          "put factor piece"));
+    }
+  }
+  const std::string payload = internal::EncodeMetaPayload(meta);
+  KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(PutRecord(&batch, im.meta_cf.get(), RecordType::kSegmentMeta,
+                                                  internal::MetaKey(id), internal::AsBytes(payload)),
+                                        "put metadata"));
+  KVSHADE_RETURN_IF_ERROR(im.Commit(&batch, meta.durability, "add factors"));
+  im.bytes_written.fetch_add(total + payload.size());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SegmentMeta> RocksSpillTier::ReadMeta(const SegmentId& id) {
+  return impl_->ReadMetaLocked(id);
+}
+
+absl::Status RocksSpillTier::ReadValues(const SegmentId& id, int layer, absl::Span<std::byte> dst) {
+  KVSHADE_ASSIGN_OR_RETURN(SegmentMeta meta, impl_->ReadMetaLocked(id));
+  if (layer < 0 || layer >= meta.layout.n_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("ReadValues: layer ", layer, " outside [0, ",
+                                                   meta.layout.n_layers, ")"));
+  }
+  if (dst.size() != meta.layout.layer_bytes()) {
+    return absl::InvalidArgumentError(absl::StrCat("ReadValues: dst has ", dst.size(),
+                                                   " bytes, the layer has ",
+                                                   meta.layout.layer_bytes()));
+  }
+  return impl_->ReadBlob(
+      impl_->values_cf.get(), RecordType::kValuePiece, dst.size(), meta.piece_bytes,
+      [&](uint32_t p) { return internal::ValuePieceKey(id, uint32_t(layer), p); }, dst);
+}
+
+absl::Status RocksSpillTier::ReadFactor(const SegmentId& id, int layer, FactorKind kind,
+                                        absl::Span<std::byte> dst) {
+  KVSHADE_ASSIGN_OR_RETURN(SegmentMeta meta, impl_->ReadMetaLocked(id));
+  const SegmentMeta::Factor* f = meta.FindFactor(layer, kind);
+  if (f == nullptr) {
+    return absl::NotFoundError(absl::StrCat("spill tier: segment ", id.ToHex(), " has no factor (",
+                                            layer, ", ", std::string(FactorKindName(kind)), ")"));
+  }
+  if (dst.size() != f->bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("ReadFactor: dst has ", dst.size(),
+                                                   " bytes, the factor has ", f->bytes));
+  }
+  return impl_->ReadBlob(
+      impl_->factors_cf.get(), RecordType::kFactorPiece, f->bytes, meta.piece_bytes,
+      [&](uint32_t p) { return internal::FactorPieceKey(id, uint32_t(layer), kind, p); }, dst);
+}
+
+absl::Status RocksSpillTier::DeleteSegment(const SegmentId& id) {
+  Impl& im = *impl_;
+  internal::MutexLock lock(&im.write_mu);
+  absl::StatusOr<SegmentMeta> meta = im.ReadMetaLocked(id);
+  if (absl::IsNotFound(meta.status())) return absl::OkStatus();
+  rocksdb::WriteBatch batch;
+  Durability durability = Durability::kDurable;
+  if (meta.ok()) {
+    durability = meta->durability;
+    const uint64_t n = PieceCount(meta->layout.layer_bytes(), meta->piece_bytes);
+    for (int layer = 0; layer < meta->layout.n_layers; ++layer) {
+      for (uint64_t p = 0; p < n; ++p) {
+        KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(
+            batch.Delete(im.values_cf.get(), internal::ValuePieceKey(id, layer, uint32_t(p))),
+            "delete"));
+      }
+    }
+    for (const SegmentMeta::Factor& f : meta->factors) {
+      for (uint64_t p = 0; p < PieceCount(f.bytes, meta->piece_bytes); ++p) {
+        KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(
+            batch.Delete(im.factors_cf.get(),
+                         internal::FactorPieceKey(id, uint32_t(f.layer), f.kind, uint32_t(p))),
+            "delete"));
+      }
+    }
+  } else {
+    // Damaged metadata: remove every record of the segment.
+    for (rocksdb::ColumnFamilyHandle* cf : {im.values_cf.get(), im.factors_cf.get()}) {
+      KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(
+          batch.DeleteRange(cf, internal::SegmentPrefix(id), internal::SegmentUpperBound(id)),
+          "delete range"));
+    }
+  }
+  KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(batch.Delete(im.meta_cf.get(), internal::MetaKey(id)), "delete"));
+  // Deletes always go through the log (a cache segment's pieces may already be in SST files).
+  rocksdb::WriteOptions wo;
+  wo.sync = durability == Durability::kDurable;
+  KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(im.db->Write(wo, &batch), "delete segment"));
+  im.segments_deleted.fetch_add(1);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<SegmentMeta>> RocksSpillTier::ListSegments() {
+  Impl& im = *impl_;
+  std::vector<SegmentMeta> out;
+  std::unique_ptr<rocksdb::Iterator> it(im.db->NewIterator(rocksdb::ReadOptions(), im.meta_cf.get()));
+  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+    const std::string_view key(it->key().data(), it->key().size());
+    absl::StatusOr<std::string_view> payload = internal::DecodeRecord(
+        RecordType::kSegmentMeta, key, std::string_view(it->value().data(), it->value().size()));
+    absl::StatusOr<SegmentMeta> meta =
+        payload.ok() ? internal::DecodeMetaPayload(*payload) : payload.status();
+    if (!meta.ok()) {
+      im.checksum_failures.fetch_add(1);  // never listed; CheckConsistency reports it
+      continue;
+    }
+    out.push_back(std::move(meta).value());
+  }
+  KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(it->status(), "list segments"));
+  return out;
+}
+
+SpillStats RocksSpillTier::Stats() const {
+  SpillStats s;
+  s.segments_written = impl_->segments_written.load();
+  s.bytes_written = impl_->bytes_written.load();
+  s.bytes_read = impl_->bytes_read.load();
+  s.segments_deleted = impl_->segments_deleted.load();
+  s.checksum_failures = impl_->checksum_failures.load();
+  return s;
+}
+
+absl::Status RocksSpillTier::Flush() {
+  rocksdb::FlushOptions fo;
+  fo.wait = true;
+  std::vector<rocksdb::ColumnFamilyHandle*> cfs = {impl_->default_cf.get(), impl_->meta_cf.get(),
+                                                   impl_->factors_cf.get(), impl_->values_cf.get()};
+  return KVSHADE_ROCKS(impl_->db->Flush(fo, cfs), "flush");
+}
+
+uint64_t RocksSpillTier::dropped_on_open() const { return impl_->dropped_on_open; }
+
+absl::StatusOr<ConsistencyReport> RocksSpillTier::CheckConsistency() {
+  Impl& im = *impl_;
+  ConsistencyReport r;
+  absl::flat_hash_map<SegmentId, SegmentMeta> metas;
+  absl::flat_hash_map<SegmentId, uint64_t> pieces_seen;
+  {
+    std::unique_ptr<rocksdb::Iterator> it(im.db->NewIterator(rocksdb::ReadOptions(), im.meta_cf.get()));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      const std::string_view key(it->key().data(), it->key().size());
+      absl::StatusOr<std::string_view> payload = internal::DecodeRecord(
+          RecordType::kSegmentMeta, key, std::string_view(it->value().data(), it->value().size()));
+      absl::StatusOr<SegmentMeta> meta =
+          payload.ok() ? internal::DecodeMetaPayload(*payload) : payload.status();
+      if (!meta.ok()) {
+        ++r.bad_records;
+        continue;
+      }
+      ++r.segments;
+      if (meta->durability == Durability::kDurable) ++r.durable_segments;
+      metas.emplace(meta->id, std::move(meta).value());
+    }
+    KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(it->status(), "scan metadata"));
+  }
+  absl::flat_hash_set<SegmentId> damaged;
+  for (int pass = 0; pass < 2; ++pass) {
+    const bool values = pass == 0;
+    std::unique_ptr<rocksdb::Iterator> it(im.db->NewIterator(
+        rocksdb::ReadOptions(), values ? im.values_cf.get() : im.factors_cf.get()));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      const std::string_view key(it->key().data(), it->key().size());
+      internal::PieceKeyParts parts;
+      const bool parsed = values ? internal::ParseValuePieceKey(key, &parts)
+                                 : internal::ParseFactorPieceKey(key, &parts);
+      if (!parsed) {
+        ++r.bad_records;
+        continue;
+      }
+      (values ? r.value_pieces : r.factor_pieces) += 1;
+      auto m = metas.find(parts.id);
+      if (m == metas.end()) {
+        ++r.orphan_pieces;
+        continue;
+      }
+      absl::StatusOr<std::string_view> payload = internal::DecodeRecord(
+          values ? RecordType::kValuePiece : RecordType::kFactorPiece, key,
+          std::string_view(it->value().data(), it->value().size()));
+      const SegmentMeta& meta = m->second;
+      uint64_t blob_bytes = 0;
+      bool known = parts.layer < uint32_t(meta.layout.n_layers);
+      if (known && values) {
+        blob_bytes = meta.layout.layer_bytes();
+      } else if (known) {
+        const SegmentMeta::Factor* f = meta.FindFactor(int(parts.layer), parts.kind);
+        known = f != nullptr;
+        if (f) blob_bytes = f->bytes;
+      }
+      const uint64_t n = PieceCount(blob_bytes, meta.piece_bytes);
+      if (!payload.ok() || !known || parts.piece >= n ||
+          payload->size() != std::min<uint64_t>(meta.piece_bytes,
+                                                blob_bytes - uint64_t(parts.piece) * meta.piece_bytes)) {
+        ++r.bad_records;
+        damaged.insert(parts.id);
+        continue;
+      }
+      pieces_seen[parts.id] += 1;
+    }
+    KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(it->status(), "scan pieces"));
+  }
+  for (const auto& [id, meta] : metas) {
+    uint64_t want = uint64_t(meta.layout.n_layers) * PieceCount(meta.layout.layer_bytes(), meta.piece_bytes);
+    for (const SegmentMeta::Factor& f : meta.factors) want += PieceCount(f.bytes, meta.piece_bytes);
+    auto seen = pieces_seen.find(id);
+    const uint64_t got = seen == pieces_seen.end() ? 0 : seen->second;
+    if (got != want || damaged.contains(id)) ++r.incomplete_segments;
+  }
+  return r;
+}
+
+absl::Status VerifySegment(SpillTier& tier, const SegmentId& id) {
+  KVSHADE_ASSIGN_OR_RETURN(SegmentMeta meta, tier.ReadMeta(id));
+  std::vector<std::byte> buf(meta.layout.layer_bytes());
+  for (int layer = 0; layer < meta.layout.n_layers; ++layer) {
+    KVSHADE_RETURN_IF_ERROR(tier.ReadValues(id, layer, absl::MakeSpan(buf)));
+  }
+  for (const SegmentMeta::Factor& f : meta.factors) {
+    std::vector<std::byte> fb(f.bytes);
+    KVSHADE_RETURN_IF_ERROR(tier.ReadFactor(id, f.layer, f.kind, absl::MakeSpan(fb)));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvshade::storage
