@@ -14,6 +14,7 @@ PACKAGES=(
   libucx-dev
   prometheus-cpp-dev
   libcli11-dev libspdlog-dev libyaml-cpp-dev
+  libssl-dev openssl
 )
 
 missing=()

@@ -1,0 +1,429 @@
+// kvshade-server configuration: YAML loading (yaml-cpp), byte-size parsing, tenant tokens
+// and validation. Every key the loader accepts is documented in deploy/kvshade.yaml and
+// service/README.md; an unknown key is an error so that a typo never silently falls back
+// to a default. yaml-cpp reports errors by exception; they are converted to Status here
+// and never leave this file.
+#include "kvshade/service/config.h"
+
+#include <unistd.h>
+
+#include <cctype>
+#include <cmath>
+#include <fstream>
+#include <functional>
+#include <limits>
+#include <set>
+#include <sstream>
+
+#include <yaml-cpp/yaml.h>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace kvshade::service {
+namespace {
+
+std::string Where(const YAML::Node& node, std::string_view key) {
+  const YAML::Mark m = node.Mark();
+  if (m.line < 0) return std::string(key);
+  return absl::StrCat(std::string(key), " (line ", m.line + 1, ")");
+}
+
+// Reads a scalar of type T; the caller catches YAML exceptions.
+template <typename T>
+absl::Status ReadScalar(const YAML::Node& node, std::string_view key, T* out) {
+  if (!node.IsScalar()) {
+    return absl::InvalidArgumentError(absl::StrCat("config: ", Where(node, key), " must be a scalar"));
+  }
+  try {
+    if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, std::string> ||
+                  std::is_floating_point_v<T>) {
+      *out = node.as<T>();
+    } else {
+      // Integers: reject negatives and overflow explicitly (yaml-cpp wraps unsigned).
+      const std::string text = node.as<std::string>();
+      uint64_t v = 0;
+      if (!absl::SimpleAtoi(text, &v) || v > std::numeric_limits<T>::max()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config: ", Where(node, key), " must be an integer in [0, ",
+                         static_cast<uint64_t>(std::numeric_limits<T>::max()), "], got '", text, "'"));
+      }
+      *out = static_cast<T>(v);
+    }
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: ", Where(node, key), ": ", e.what()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadBytes(const YAML::Node& node, std::string_view key, uint64_t* out) {
+  if (!node.IsScalar()) {
+    return absl::InvalidArgumentError(absl::StrCat("config: ", Where(node, key), " must be a size"));
+  }
+  auto v = ParseByteSize(node.Scalar());
+  if (!v.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: ", Where(node, key), ": ", v.status().message()));
+  }
+  *out = *v;
+  return absl::OkStatus();
+}
+
+// A map of key -> reader; keys not in the table are rejected.
+using Reader = std::function<absl::Status(const YAML::Node&)>;
+absl::Status ReadMap(const YAML::Node& node, std::string_view section,
+                     const std::map<std::string, Reader>& readers) {
+  if (!node.IsMap()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: ", Where(node, section), " must be a mapping"));
+  }
+  for (const auto& kv : node) {
+    const std::string key = kv.first.as<std::string>();
+    auto it = readers.find(key);
+    if (it == readers.end()) {
+      std::vector<std::string> known;
+      for (const auto& [k, _] : readers) known.push_back(k);
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config: unknown key '", section.empty() ? "" : absl::StrCat(std::string(section), "."),
+          key, "' (line ", kv.first.Mark().line + 1, "); known keys: ", absl::StrJoin(known, ", ")));
+    }
+    const std::string path = section.empty() ? key : absl::StrCat(std::string(section), ".", key);
+    if (kv.second.IsNull()) continue;  // "key:" with no value keeps the default
+    absl::Status s = it->second(kv.second);
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
+
+template <typename T>
+Reader Scalar(std::string path, T* out) {
+  return [path, out](const YAML::Node& n) { return ReadScalar(n, path, out); };
+}
+Reader Bytes(std::string path, uint64_t* out) {
+  return [path, out](const YAML::Node& n) { return ReadBytes(n, path, out); };
+}
+
+bool ValidTenantName(std::string_view name) {
+  if (name.empty() || name.size() > 64) return false;
+  for (char c : name) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.')) {
+      return false;
+    }
+  }
+  return true;
+}
+
+absl::Status AddToken(std::string name, std::string token, ServerConfig* config) {
+  if (!ValidTenantName(name)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tenant name '", name, "' must be 1-64 characters of [A-Za-z0-9._-]"));
+  }
+  if (token.size() < 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("token of tenant '", name, "' must be at least 8 characters, got ", token.size()));
+  }
+  for (char c : token) {
+    if (c <= ' ' || c > '~') {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "token of tenant '", name, "' must be printable ASCII without spaces"));
+    }
+  }
+  auto [it, inserted] = config->tenant_tokens.emplace(token, name);
+  if (!inserted && it->second != name) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the same token is given to tenants '", it->second, "' and '", name, "'"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ReadTenants(const YAML::Node& node, ServerConfig* config) {
+  if (!node.IsSequence()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: ", Where(node, "tenants"), " must be a list of {name, token} or {name, token_file}"));
+  }
+  for (const auto& item : node) {
+    std::string name, token, token_file;
+    absl::Status s = ReadMap(item, "tenants[]",
+                             {{"name", Scalar("tenants[].name", &name)},
+                              {"token", Scalar("tenants[].token", &token)},
+                              {"token_file", Scalar("tenants[].token_file", &token_file)}});
+    if (!s.ok()) return s;
+    if (!token.empty() == !token_file.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config: tenant '", name, "' (line ", item.Mark().line + 1,
+          ") needs exactly one of token or token_file"));
+    }
+    if (!token_file.empty()) {
+      std::ifstream in(token_file);
+      if (!in) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config: cannot read token_file '", token_file, "' of tenant '", name, "'"));
+      }
+      std::getline(in, token);
+      token = std::string(absl::StripAsciiWhitespace(token));
+    }
+    s = AddToken(name, token, config);
+    if (!s.ok()) return absl::InvalidArgumentError(absl::StrCat("config: ", s.message()));
+  }
+  return absl::OkStatus();
+}
+
+bool Readable(const std::string& path) { return access(path.c_str(), R_OK) == 0; }
+
+}  // namespace
+
+absl::StatusOr<uint64_t> ParseByteSize(std::string_view text) {
+  std::string t = absl::AsciiStrToLower(absl::StripAsciiWhitespace(std::string(text)));
+  size_t i = 0;
+  while (i < t.size() && (std::isdigit(static_cast<unsigned char>(t[i])) || t[i] == '.')) ++i;
+  const std::string number = t.substr(0, i);
+  const std::string unit(absl::StripAsciiWhitespace(t.substr(i)));
+  double value = 0;
+  if (number.empty() || !absl::SimpleAtod(number, &value)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("byte size '", std::string(text), "' must look like 4096, 512MiB or 8GiB"));
+  }
+  static const std::map<std::string, double> kUnits = {
+      {"", 1},           {"b", 1},
+      {"k", 1024.0},     {"kb", 1024.0},     {"kib", 1024.0},
+      {"m", 1048576.0},  {"mb", 1048576.0},  {"mib", 1048576.0},
+      {"g", 1073741824.0}, {"gb", 1073741824.0}, {"gib", 1073741824.0},
+      {"t", 1099511627776.0}, {"tb", 1099511627776.0}, {"tib", 1099511627776.0}};
+  auto it = kUnits.find(unit);
+  if (it == kUnits.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "byte size '", std::string(text), "': unknown unit '", unit, "' (use B, KiB, MiB, GiB or TiB)"));
+  }
+  const double bytes = value * it->second;
+  if (!(bytes < 1.8e19)) {
+    return absl::InvalidArgumentError(absl::StrCat("byte size '", std::string(text), "' is too large"));
+  }
+  return static_cast<uint64_t>(std::llround(bytes));
+}
+
+absl::Status AddTenantToken(std::string_view name_colon_token, ServerConfig* config) {
+  const size_t colon = name_colon_token.find(':');
+  if (colon == std::string_view::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "tenant token must be NAME:TOKEN, got a value without ':' (", name_colon_token.size(),
+        " characters)"));
+  }
+  return AddToken(std::string(name_colon_token.substr(0, colon)),
+                  std::string(name_colon_token.substr(colon + 1)), config);
+}
+
+absl::Status LoadTokensFile(const std::string& path, ServerConfig* config) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read tokens file '", path, "'"));
+  std::string line;
+  int line_no = 0;
+  while (std::getline(in, line)) {
+    ++line_no;
+    const std::string l(absl::StripAsciiWhitespace(line));
+    if (l.empty() || l[0] == '#') continue;
+    absl::Status s = AddTenantToken(l, config);
+    if (!s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tokens file '", path, "' line ", line_no, ": ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {
+  ServerConfig c;
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::BadFile&) {
+    return absl::NotFoundError(absl::StrCat("config: cannot read '", path, "'"));
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("config: '", path, "' is not valid YAML: ", e.what()));
+  }
+  if (root.IsNull()) return c;  // an empty file keeps every default
+
+  std::string tokens_file;
+  LimitsConfig& l = c.limits;
+  ProfileDefaults& p = c.profile;
+  uint32_t metrics_port = c.metrics_port;
+  try {
+    absl::Status s = ReadMap(
+        root, "",
+        {
+            {"listen", Scalar("listen", &c.listen)},
+            {"backend", Scalar("backend", &c.backend)},
+            {"device_budget", Bytes("device_budget", &c.device_budget_bytes)},
+            {"host_budget", Bytes("host_budget", &c.host_budget_bytes)},
+            {"spill_budget", Bytes("spill_budget", &c.spill_budget_bytes)},
+            {"spill_path", Scalar("spill_path", &c.spill_path)},
+            {"prefix_secret", Scalar("prefix_secret", &c.prefix_secret)},
+            {"metrics_port", Scalar("metrics_port", &metrics_port)},
+            {"metrics_listen", Scalar("metrics_listen", &c.metrics_listen)},
+            {"worker_threads", Scalar("worker_threads", &c.worker_threads)},
+            {"tokens_file", Scalar("tokens_file", &tokens_file)},
+            {"tenants", [&](const YAML::Node& n) { return ReadTenants(n, &c); }},
+            {"tls",
+             [&](const YAML::Node& n) {
+               return ReadMap(n, "tls",
+                              {{"cert_file", Scalar("tls.cert_file", &c.tls.cert_file)},
+                               {"key_file", Scalar("tls.key_file", &c.tls.key_file)},
+                               {"client_ca_file", Scalar("tls.client_ca_file", &c.tls.client_ca_file)},
+                               {"require_client_cert",
+                                Scalar("tls.require_client_cert", &c.tls.require_client_cert)}});
+             }},
+            {"limits",
+             [&](const YAML::Node& n) {
+               return ReadMap(
+                   n, "limits",
+                   {{"max_tokens_per_session", Scalar("limits.max_tokens_per_session", &l.max_tokens_per_session)},
+                    {"max_sessions_per_tenant", Scalar("limits.max_sessions_per_tenant", &l.max_sessions_per_tenant)},
+                    {"max_message_bytes", Bytes("limits.max_message_bytes", &l.max_message_bytes)},
+                    {"max_batch", Scalar("limits.max_batch", &l.max_batch)},
+                    {"max_attachments_per_session",
+                     Scalar("limits.max_attachments_per_session", &l.max_attachments_per_session)},
+                    {"default_lease_ms", Scalar("limits.default_lease_ms", &l.default_lease_ms)},
+                    {"max_lease_ms", Scalar("limits.max_lease_ms", &l.max_lease_ms)},
+                    {"max_layers", Scalar("limits.max_layers", &l.max_layers)},
+                    {"max_head_dim", Scalar("limits.max_head_dim", &l.max_head_dim)}});
+             }},
+            {"profile",
+             [&](const YAML::Node& n) {
+               return ReadMap(
+                   n, "profile",
+                   {{"rank", Scalar("profile.rank", &p.rank)},
+                    {"chunk_size", Scalar("profile.chunk_size", &p.chunk_size)},
+                    {"sparse_budget", Scalar("profile.sparse_budget", &p.sparse_budget)},
+                    {"outliers", Scalar("profile.outliers", &p.outliers)},
+                    {"local_window", Scalar("profile.local_window", &p.local_window)},
+                    {"heavy_chunks", Scalar("profile.heavy_chunks", &p.heavy_chunks)},
+                    {"min_tokens", Scalar("profile.min_tokens", &p.min_tokens)},
+                    {"kivi_group", Scalar("profile.kivi_group", &p.kivi_group)},
+                    {"keep_sink", Scalar("profile.keep_sink", &p.keep_sink)},
+                    {"refactor_threshold", Scalar("profile.refactor_threshold", &p.refactor_threshold)},
+                    {"mini_recent_ratio", Scalar("profile.mini_recent_ratio", &p.mini_recent_ratio)},
+                    {"mini_heavy_ratio", Scalar("profile.mini_heavy_ratio", &p.mini_heavy_ratio)},
+                    {"value_codec", Scalar("profile.value_codec", &p.value_codec)}});
+             }},
+        });
+    if (!s.ok()) return s;
+  } catch (const YAML::Exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat("config: '", path, "': ", e.what()));
+  }
+  if (metrics_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("config: metrics_port must be in [0, 65535], got ", metrics_port));
+  }
+  c.metrics_port = static_cast<uint16_t>(metrics_port);
+  if (!tokens_file.empty()) {
+    absl::Status s = LoadTokensFile(tokens_file, &c);
+    if (!s.ok()) return s;
+  }
+  return c;
+}
+
+absl::Status ValidateConfig(const ServerConfig& c) {
+  auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
+  // listen: host:port, [v6]:port, or unix:path.
+  if (!absl::StartsWith(c.listen, "unix:")) {
+    const size_t colon = c.listen.rfind(':');
+    int port = -1;
+    if (colon == std::string::npos || colon == 0 ||
+        !absl::SimpleAtoi(c.listen.substr(colon + 1), &port) || port < 0 || port > 65535) {
+      return bad("listen must be HOST:PORT (port 0-65535) or unix:PATH, got '", c.listen, "'");
+    }
+  }
+  if (!(c.backend == "cpu" || c.backend == "cuda" || c.backend == "auto" ||
+        absl::StartsWith(c.backend, "cuda:"))) {
+    return bad("backend must be cpu, cuda, cuda:N or auto, got '", c.backend, "'");
+  }
+  if (c.device_budget_bytes == 0) return bad("device_budget must be > 0");
+  if (c.host_budget_bytes == 0) return bad("host_budget must be > 0");
+  if (c.spill_budget_bytes != 0 && c.spill_path.empty()) {
+    return bad("spill_budget is set but spill_path is empty");
+  }
+  // TLS
+  const TlsConfig& t = c.tls;
+  if (t.cert_file.empty() != t.key_file.empty()) {
+    return bad("tls.cert_file and tls.key_file must be given together");
+  }
+  if (!t.cert_file.empty() && !Readable(t.cert_file)) return bad("tls.cert_file '", t.cert_file, "' is not readable");
+  if (!t.key_file.empty() && !Readable(t.key_file)) return bad("tls.key_file '", t.key_file, "' is not readable");
+  if (!t.client_ca_file.empty()) {
+    if (t.cert_file.empty()) return bad("tls.client_ca_file needs tls.cert_file and tls.key_file");
+    if (!Readable(t.client_ca_file)) return bad("tls.client_ca_file '", t.client_ca_file, "' is not readable");
+  }
+  if (t.require_client_cert && t.client_ca_file.empty()) {
+    return bad("tls.require_client_cert needs tls.client_ca_file");
+  }
+  for (const auto& [token, name] : c.tenant_tokens) {
+    if (!ValidTenantName(name)) return bad("tenant name '", name, "' must be 1-64 characters of [A-Za-z0-9._-]");
+    if (token.size() < 8) return bad("token of tenant '", name, "' is shorter than 8 characters");
+  }
+  // Limits
+  const LimitsConfig& l = c.limits;
+  if (l.max_tokens_per_session == 0) return bad("limits.max_tokens_per_session must be > 0");
+  if (l.max_tokens_per_session > (uint64_t{1} << 31)) {
+    return bad("limits.max_tokens_per_session must be <= 2^31, got ", l.max_tokens_per_session);
+  }
+  if (l.max_sessions_per_tenant == 0) return bad("limits.max_sessions_per_tenant must be > 0");
+  if (l.max_message_bytes < (1u << 20) || l.max_message_bytes > (uint64_t{2047} << 20)) {
+    return bad("limits.max_message_bytes must be in [1MiB, 2047MiB], got ", l.max_message_bytes);
+  }
+  if (l.max_batch == 0) return bad("limits.max_batch must be > 0");
+  if (l.max_attachments_per_session == 0) return bad("limits.max_attachments_per_session must be > 0");
+  if (l.default_lease_ms == 0) return bad("limits.default_lease_ms must be > 0");
+  if (l.default_lease_ms > l.max_lease_ms) {
+    return bad("limits.default_lease_ms (", l.default_lease_ms, ") must be <= limits.max_lease_ms (",
+               l.max_lease_ms, ")");
+  }
+  if (l.max_layers == 0) return bad("limits.max_layers must be > 0");
+  if (l.max_head_dim == 0 || l.max_head_dim % 2 != 0) {
+    return bad("limits.max_head_dim must be a positive even number, got ", l.max_head_dim);
+  }
+  // Profile defaults
+  const ProfileDefaults& p = c.profile;
+  if (p.rank == 0 || p.rank % 8 != 0) return bad("profile.rank must be a positive multiple of 8, got ", p.rank);
+  if (p.chunk_size == 0 || p.chunk_size > 256) return bad("profile.chunk_size must be in [1, 256], got ", p.chunk_size);
+  if (p.sparse_budget == 0) return bad("profile.sparse_budget must be > 0");
+  if (p.kivi_group == 0 || (p.kivi_group & (p.kivi_group - 1)) != 0) {
+    return bad("profile.kivi_group must be a power of two, got ", p.kivi_group);
+  }
+  static const std::set<std::string> kCodecs = {"bf16", "fp8", "int4", "int2"};
+  if (!kCodecs.count(p.value_codec)) {
+    return bad("profile.value_codec must be bf16, fp8, int4 or int2, got '", p.value_codec, "'");
+  }
+  if (!(p.refactor_threshold > 0 && p.refactor_threshold <= 1)) {
+    return bad("profile.refactor_threshold must be in (0, 1], got ", p.refactor_threshold);
+  }
+  if (!(p.mini_recent_ratio > 0 && p.mini_recent_ratio < 1)) {
+    return bad("profile.mini_recent_ratio must be in (0, 1), got ", p.mini_recent_ratio);
+  }
+  if (!(p.mini_heavy_ratio >= 0 && p.mini_heavy_ratio < 1)) {
+    return bad("profile.mini_heavy_ratio must be in [0, 1), got ", p.mini_heavy_ratio);
+  }
+  if (c.metrics_listen.empty()) return bad("metrics_listen must not be empty");
+  if (c.worker_threads > 1024) return bad("worker_threads must be <= 1024, got ", c.worker_threads);
+  return absl::OkStatus();
+}
+
+std::string DescribeConfig(const ServerConfig& c) {
+  std::set<std::string> tenants;
+  for (const auto& [_, name] : c.tenant_tokens) tenants.insert(name);
+  return absl::StrFormat(
+      "listen=%s backend=%s device_budget=%d host_budget=%d spill=%s tls=%s mtls=%s tenants=[%s] "
+      "metrics=%s",
+      c.listen, c.backend, c.device_budget_bytes, c.host_budget_bytes,
+      c.spill_path.empty() ? "off" : c.spill_path, c.tls.cert_file.empty() ? "off" : "on",
+      c.tls.require_client_cert ? "required" : (c.tls.client_ca_file.empty() ? "off" : "optional"),
+      tenants.empty() ? "open" : absl::StrJoin(tenants, ","),
+      c.metrics_port ? absl::StrCat(c.metrics_listen, ":", c.metrics_port) : "off");
+}
+
+}  // namespace kvshade::service

@@ -1,0 +1,859 @@
+// Durability and background refactorization.
+//
+// Durable sessions are written through to the spill tier (RocksDB) at every commit: each
+// of their segments is sealed in the HostValueStore with durable = true (values, every
+// layer's factors and a metadata record, in one atomic batch), and the session itself is a
+// small record (model, profile, prompt, chain of segment ids, exact tail) written as a
+// value-less durable spill segment. Engine::Create restores them: segments first (values
+// page in on first use), then sessions, re-registering their prefixes.
+//
+// Record formats (user_metadata, little-endian, versioned by the magic):
+//   segment "KVSHSEG1": kind, first_position, n_tokens, C, L, tokens, prefix key, base id
+//            (refactorized segments), then per layer: n_chunks, a_rows, r, s_cap, s_len[h],
+//            n_tail, int2 blocks (rows, valid), energies.
+//            Factors per layer: kA, kB, kLandmarks, kExcluded, kStatic (sk, sv, tk, tv,
+//            then each INT2 block's k codes, scale, min, v codes, scale, min).
+//   session "KVSHSES1": id, tenant, version, ModelSpec, Profile, label, prompt, reused,
+//            tokens, created, chain ids, appended tokens, tail length; factors kOther per
+//            layer: tail k_pre, k, v.
+//
+// Refactorization (ALGORITHM.md "later turns"): when a suffix's projection residual
+// exceeds refactor_threshold, a background job refits the layer's basis on the whole
+// session's keys (the prefix's A B reconstruction and the suffix's exact keys), recomputes
+// A for every segment, and swaps new segment objects (sharing everything but A and B with
+// the old ones) into the session. Chunk ids do not change, so slot tables stay valid.
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "engine_impl.h"
+#include "kvshade/kernels/status_macros.h"
+
+namespace kvshade::service {
+namespace {
+
+using kernels::bf16;
+using storage::ArenaKind;
+using storage::FactorKind;
+
+constexpr char kSegMagic[] = "KVSHSEG1";
+constexpr char kSesMagic[] = "KVSHSES1";
+
+class Writer {
+ public:
+  template <typename T>
+  void Put(const T& v) {
+    const char* p = reinterpret_cast<const char*>(&v);
+    out_.append(p, sizeof(T));
+  }
+  void Str(std::string_view s) {
+    Put<uint32_t>(static_cast<uint32_t>(s.size()));
+    out_.append(s.data(), s.size());
+  }
+  template <typename T>
+  void Vec(const std::vector<T>& v) {
+    Put<uint32_t>(static_cast<uint32_t>(v.size()));
+    if (!v.empty()) out_.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
+  }
+  void Id(const storage::Id128& id) {
+    Put(id.hi);
+    Put(id.lo);
+  }
+  std::string& out() { return out_; }
+
+ private:
+  std::string out_;
+};
+
+class Reader {
+ public:
+  explicit Reader(std::string_view s) : s_(s) {}
+  template <typename T>
+  bool Get(T* v) {
+    if (s_.size() < sizeof(T)) return ok_ = false;
+    std::memcpy(v, s_.data(), sizeof(T));
+    s_.remove_prefix(sizeof(T));
+    return true;
+  }
+  bool Str(std::string* out) {
+    uint32_t n = 0;
+    if (!Get(&n) || s_.size() < n) return ok_ = false;
+    out->assign(s_.data(), n);
+    s_.remove_prefix(n);
+    return true;
+  }
+  template <typename T>
+  bool Vec(std::vector<T>* v) {
+    uint32_t n = 0;
+    if (!Get(&n) || s_.size() < size_t(n) * sizeof(T)) return ok_ = false;
+    v->resize(n);
+    if (n > 0) std::memcpy(v->data(), s_.data(), size_t(n) * sizeof(T));
+    s_.remove_prefix(size_t(n) * sizeof(T));
+    return true;
+  }
+  bool Id(storage::Id128* id) { return Get(&id->hi) && Get(&id->lo); }
+  bool Magic(std::string_view m) {
+    if (s_.substr(0, m.size()) != m) return ok_ = false;
+    s_.remove_prefix(m.size());
+    return true;
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  std::string_view s_;
+  bool ok_ = true;
+};
+
+template <typename T>
+T* Ptr(const DeviceBlock& b) {
+  return static_cast<T*>(b.data());
+}
+
+// Host copy of `bytes` of a device block (empty block -> nothing).
+absl::Status Fetch(EngineImpl& e, const DeviceBlock& b, size_t bytes, std::vector<std::byte>* out) {
+  const size_t at = out->size();
+  out->resize(at + bytes);
+  if (bytes == 0) return absl::OkStatus();
+  return e.Download(out->data() + at, b.data(), bytes);
+}
+
+absl::StatusOr<DeviceBlock> Put(EngineImpl& e, const std::byte* src, size_t bytes, ArenaKind kind) {
+  if (bytes == 0) return DeviceBlock();
+  return e.Upload(src, bytes, kind);
+}
+
+}  // namespace
+
+std::string EngineImpl::SegmentMetadata(const Segment& seg, const ModelInfo& m) const {
+  Writer w;
+  w.out().append(kSegMagic);
+  w.Put<int32_t>(seg.kind);
+  w.Put<int64_t>(seg.first_position);
+  w.Put<int64_t>(seg.n_tokens);
+  w.Put<int32_t>(seg.chunk_size);
+  w.Put<int32_t>(m.layers);
+  w.Vec(seg.tokens);
+  w.Put<uint8_t>(seg.prefix_key ? 1 : 0);
+  w.Id(seg.prefix_key.value_or(storage::Id128{}));
+  w.Put<uint8_t>(seg.base ? 1 : 0);
+  w.Id(seg.base ? seg.base->id : storage::Id128{});
+  for (int l = 0; l < m.layers; ++l) {
+    const LayerData& d = seg.data(l);
+    const LayerData& own = seg.layers[l];
+    const int r = own.basis ? own.basis->r : 0;
+    w.Put<int32_t>(d.n_chunks);
+    w.Put<int64_t>(own.a && r > 0 ? int64_t(own.a->bytes() / Bf16Bytes(r)) : 0);
+    w.Put<int32_t>(r);
+    w.Put<int32_t>(d.s_cap);
+    w.Vec(d.s_len);
+    w.Put<int32_t>(d.n_tail);
+    w.Put<uint32_t>(static_cast<uint32_t>(d.int2.size()));
+    for (const KiviBlock& kb : d.int2) {
+      w.Put<int32_t>(kb.rows);
+      w.Put<int32_t>(kb.valid);
+      for (const DeviceBlock* b : {&kb.k_codes, &kb.k_scale, &kb.k_min, &kb.v_codes,
+                                   &kb.v_scale, &kb.v_min}) {
+        w.Put<uint64_t>(b->bytes());
+      }
+    }
+    w.Put<double>(d.captured_energy);
+    w.Put<double>(d.residual_energy);
+  }
+  return w.out();
+}
+
+absl::Status EngineImpl::SealSegmentValues(Segment& seg, bool durable, const ModelInfo& m) {
+  storage::SealOptions o;
+  o.durable = durable;
+  std::string meta;
+  std::vector<std::vector<std::byte>> blobs;
+  if (durable) {
+    StageTimer timer(metrics_, "spill");
+    meta = SegmentMetadata(seg, m);
+    o.user_metadata = meta;
+    const int h = m.shape.h, d = m.shape.d, D = m.shape.D();
+    for (int l = 0; l < m.layers; ++l) {
+      const LayerData& own = seg.layers[l];
+      const LayerData& ld = seg.data(l);
+      if (own.a && own.basis) {
+        std::vector<std::byte> a, b;
+        KVSHADE_RETURN_IF_ERROR(Fetch(*this, *own.a, own.a->bytes(), &a));
+        KVSHADE_RETURN_IF_ERROR(Fetch(*this, own.basis->b, Bf16Bytes(size_t(h) * own.basis->r * d), &b));
+        blobs.push_back(std::move(a));
+        o.factors.push_back({l, FactorKind::kA, {}});
+        blobs.push_back(std::move(b));
+        o.factors.push_back({l, FactorKind::kB, {}});
+      }
+      if (seg.base) continue;  // everything else is the base segment's
+      if (ld.n_chunks > 0) {
+        std::vector<std::byte> lm, ex;
+        KVSHADE_RETURN_IF_ERROR(Fetch(*this, ld.landmarks, Bf16Bytes(size_t(ld.n_chunks) * D), &lm));
+        blobs.push_back(std::move(lm));
+        o.factors.push_back({l, FactorKind::kLandmarks, {}});
+        if (ld.excluded) {
+          KVSHADE_RETURN_IF_ERROR(Fetch(*this, ld.excluded, size_t(h) * ld.n_chunks, &ex));
+          blobs.push_back(std::move(ex));
+          o.factors.push_back({l, FactorKind::kExcluded, {}});
+        }
+      }
+      std::vector<std::byte> st;
+      KVSHADE_RETURN_IF_ERROR(Fetch(*this, ld.sk, Bf16Bytes(size_t(h) * ld.s_cap * d), &st));
+      KVSHADE_RETURN_IF_ERROR(Fetch(*this, ld.sv, Bf16Bytes(size_t(h) * ld.s_cap * d), &st));
+      KVSHADE_RETURN_IF_ERROR(Fetch(*this, ld.tk, Bf16Bytes(size_t(ld.n_tail) * D), &st));
+      KVSHADE_RETURN_IF_ERROR(Fetch(*this, ld.tv, Bf16Bytes(size_t(ld.n_tail) * D), &st));
+      for (const KiviBlock& kb : ld.int2) {
+        for (const DeviceBlock* b : {&kb.k_codes, &kb.k_scale, &kb.k_min, &kb.v_codes,
+                                     &kb.v_scale, &kb.v_min}) {
+          KVSHADE_RETURN_IF_ERROR(Fetch(*this, *b, b->bytes(), &st));
+        }
+      }
+      if (!st.empty()) {
+        blobs.push_back(std::move(st));
+        o.factors.push_back({l, FactorKind::kStatic, {}});
+      }
+    }
+    for (size_t i = 0; i < blobs.size(); ++i) o.factors[i].bytes = blobs[i];
+  }
+  absl::Status st = store_->Seal(seg.id, o);
+  if (st.ok() && durable) seg.durable = true;
+  return st;
+}
+
+// ---------------------------------------------------------------------------------------
+// Session records
+
+// A value-less layout with `layers` layers (factor blobs are per layer).
+static storage::SegmentValueLayout EmptyLayout(int layers) {
+  return *storage::SegmentValueLayout::Make(layers, 1, 0, 1, 1, kernels::ValueCodecSpec{});
+}
+
+absl::Status EngineImpl::PersistSession(Session& s) {
+  if (!spill_ || !s.durable) return absl::OkStatus();
+  if (s.open) KVSHADE_RETURN_IF_ERROR(SealOpen(s));
+  StageTimer timer(metrics_, "spill");
+  // Segments of the chain written through (a reused non-durable segment is not possible:
+  // durable sessions only reuse durable prefixes; a refactorized one is written here).
+  for (const auto& seg : s.chain) {
+    if (seg->durable) continue;
+    auto* mut = const_cast<Segment*>(seg.get());
+    if (seg->base) {
+      // A refactorized segment: its own A and B as a value-less durable segment.
+      storage::SegmentWrite w;
+      w.id = seg->id;
+      w.layout = EmptyLayout(s.model.layers);
+      w.durability = storage::Durability::kDurable;
+      const std::string meta = SegmentMetadata(*seg, s.model);
+      w.user_metadata = meta;
+      std::vector<std::vector<std::byte>> blobs;
+      for (int l = 0; l < s.model.layers; ++l) {
+        const LayerData& own = seg->layers[l];
+        if (!own.a || !own.basis) continue;
+        std::vector<std::byte> a, b;
+        KVSHADE_RETURN_IF_ERROR(Fetch(*this, *own.a, own.a->bytes(), &a));
+        KVSHADE_RETURN_IF_ERROR(Fetch(*this, own.basis->b,
+                                      Bf16Bytes(size_t(s.model.shape.h) * own.basis->r * s.model.shape.d), &b));
+        blobs.push_back(std::move(a));
+        w.factors.push_back({l, FactorKind::kA, {}});
+        blobs.push_back(std::move(b));
+        w.factors.push_back({l, FactorKind::kB, {}});
+      }
+      for (size_t i = 0; i < blobs.size(); ++i) w.factors[i].bytes = blobs[i];
+      absl::Status st = spill_->WriteSegment(w);
+      if (!st.ok() && !absl::IsAlreadyExists(st)) return st;
+      mut->durable = true;
+      continue;
+    }
+    return absl::FailedPreconditionError(absl::StrCat(
+        "durable session '", s.id, "' holds a segment that is not durable"));
+  }
+  Writer w;
+  w.out().append(kSesMagic);
+  w.Str(s.id);
+  w.Str(s.tenant);
+  w.Put<uint64_t>(++s.durable_record_version);
+  w.Str(s.model.spec.SerializeAsString());
+  w.Str(s.profile.ToProto().SerializeAsString());
+  w.Str(s.label);
+  w.Vec(s.prompt);
+  w.Put<uint64_t>(s.reused_tokens);
+  w.Put<uint64_t>(s.tokens);
+  w.Put<int64_t>(s.created_unix_ms);
+  w.Put<uint32_t>(static_cast<uint32_t>(s.chain.size()));
+  for (const auto& seg : s.chain) w.Id(seg->id);
+  w.Vec(s.appended_tokens);
+  const size_t tok = size_t(s.model.shape.h) * s.model.shape.d;
+  const uint32_t t = s.tail.empty() ? 0 : static_cast<uint32_t>(s.tail[0].k.size() / tok);
+  w.Put<uint32_t>(t);
+  storage::SegmentWrite rec;
+  rec.id = *storage::Id128::FromHex(SessionManager::NewId());
+  rec.layout = EmptyLayout(s.model.layers);
+  rec.durability = storage::Durability::kDurable;
+  rec.user_metadata = w.out();
+  std::vector<std::vector<std::byte>> blobs;
+  for (int l = 0; l < s.model.layers && t > 0; ++l) {
+    const TailLayer& tl = s.tail[l];
+    std::vector<std::byte> b(Bf16Bytes(tl.k_pre.size() + tl.k.size() + tl.v.size()));
+    std::byte* p = b.data();
+    for (const auto* v : {&tl.k_pre, &tl.k, &tl.v}) {
+      if (!v->empty()) std::memcpy(p, v->data(), Bf16Bytes(v->size()));
+      p += Bf16Bytes(v->size());
+    }
+    blobs.push_back(std::move(b));
+    rec.factors.push_back({l, FactorKind::kOther, {}});
+  }
+  for (size_t i = 0; i < blobs.size(); ++i) rec.factors[i].bytes = blobs[i];
+  KVSHADE_RETURN_IF_ERROR(spill_->WriteSegment(rec));
+  // The new record is in; the previous one (if any) can go.
+  if (s.durable_record_version > 1) {
+    spill_->DeleteSegment(s.record_id).IgnoreError();
+  }
+  s.record_id = rec.id;
+  return absl::OkStatus();
+}
+
+void EngineImpl::DeleteDurableRecord(const Session& s) {
+  if (!spill_ || s.durable_record_version == 0) return;
+  if (!store_->Erase(s.record_id).ok()) spill_->DeleteSegment(s.record_id).IgnoreError();
+}
+
+// ---------------------------------------------------------------------------------------
+// Restore
+
+namespace {
+
+struct SegRecord {
+  storage::SegmentMeta meta;
+  int kind = 0;
+  int64_t first = 0, n_tokens = 0;
+  int C = 8, L = 0;
+  std::vector<int32_t> tokens;
+  bool has_key = false, has_base = false;
+  storage::Id128 key, base;
+  struct Layer {
+    int32_t n_chunks = 0, r = 0, s_cap = 0, n_tail = 0;
+    int64_t a_rows = 0;
+    std::vector<int32_t> s_len;
+    struct Int2 {
+      int32_t rows = 0, valid = 0;
+      uint64_t bytes[6] = {};
+    };
+    std::vector<Int2> int2;
+    double captured = 0, residual = 0;
+  };
+  std::vector<Layer> layers;
+};
+
+bool ParseSegment(const storage::SegmentMeta& meta, SegRecord* r) {
+  Reader rd(meta.user_metadata);
+  if (!rd.Magic(kSegMagic)) return false;
+  r->meta = meta;
+  uint8_t hk = 0, hb = 0;
+  rd.Get(&r->kind);
+  rd.Get(&r->first);
+  rd.Get(&r->n_tokens);
+  rd.Get(&r->C);
+  rd.Get(&r->L);
+  rd.Vec(&r->tokens);
+  rd.Get(&hk);
+  rd.Id(&r->key);
+  rd.Get(&hb);
+  rd.Id(&r->base);
+  r->has_key = hk != 0;
+  r->has_base = hb != 0;
+  if (!rd.ok() || r->L < 1 || r->L > 4096) return false;
+  r->layers.resize(r->L);
+  for (auto& l : r->layers) {
+    uint32_t nb = 0;
+    rd.Get(&l.n_chunks);
+    rd.Get(&l.a_rows);
+    rd.Get(&l.r);
+    rd.Get(&l.s_cap);
+    rd.Vec(&l.s_len);
+    rd.Get(&l.n_tail);
+    rd.Get(&nb);
+    if (!rd.ok() || nb > 1024) return false;
+    for (uint32_t i = 0; i < nb; ++i) {
+      SegRecord::Layer::Int2 b;
+      rd.Get(&b.rows);
+      rd.Get(&b.valid);
+      for (auto& x : b.bytes) rd.Get(&x);
+      l.int2.push_back(b);
+    }
+    rd.Get(&l.captured);
+    rd.Get(&l.residual);
+  }
+  return rd.ok();
+}
+
+}  // namespace
+
+absl::Status EngineImpl::RestoreDurable() {
+  KVSHADE_ASSIGN_OR_RETURN(std::vector<storage::SegmentMeta> metas, store_->RestoreDurable());
+  std::vector<SegRecord> segs;
+  std::vector<const storage::SegmentMeta*> sessions;
+  for (const auto& m : metas) {
+    SegRecord r;
+    if (ParseSegment(m, &r)) {
+      segs.push_back(std::move(r));
+    } else if (m.user_metadata.rfind(kSesMagic, 0) == 0) {
+      sessions.push_back(&m);
+    }
+  }
+  // Session records first (they carry the model geometry the segments need); the newest
+  // record of each session wins.
+  struct SesRecord {
+    std::shared_ptr<Session> s;
+    std::vector<storage::Id128> chain;
+    uint64_t version = 0;
+    storage::Id128 record;
+    uint32_t tail = 0;
+  };
+  absl::flat_hash_map<std::string, SesRecord> recs;
+  std::vector<storage::Id128> stale;
+  for (const storage::SegmentMeta* m : sessions) {
+    Reader rd(m->user_metadata);
+    rd.Magic(kSesMagic);
+    auto s = std::make_shared<Session>();
+    SesRecord rec;
+    std::string spec, prof;
+    rd.Str(&s->id);
+    rd.Str(&s->tenant);
+    rd.Get(&rec.version);
+    rd.Str(&spec);
+    rd.Str(&prof);
+    rd.Str(&s->label);
+    rd.Vec(&s->prompt);
+    rd.Get(&s->reused_tokens);
+    rd.Get(&s->tokens);
+    rd.Get(&s->created_unix_ms);
+    uint32_t nchain = 0;
+    rd.Get(&nchain);
+    for (uint32_t i = 0; i < nchain && rd.ok(); ++i) {
+      storage::Id128 id;
+      rd.Id(&id);
+      rec.chain.push_back(id);
+    }
+    rd.Vec(&s->appended_tokens);
+    rd.Get(&rec.tail);
+    v1::ModelSpec ms;
+    v1::Profile pp;
+    if (!rd.ok() || !ms.ParseFromString(spec) || !pp.ParseFromString(prof)) {
+      stale.push_back(m->id);
+      continue;
+    }
+    auto model = ResolveModel(ms, config_->limits);
+    if (!model.ok()) continue;
+    auto profile = ResolveProfile(pp, config_->profile, *model, s->prompt.size());
+    if (!profile.ok()) continue;
+    s->model = *model;
+    s->profile = *profile;
+    s->durable = true;
+    s->state = SessionState::kReady;
+    s->durable_record_version = rec.version;
+    s->record_id = m->id;
+    rec.record = m->id;
+    rec.s = s;
+    auto it = recs.find(s->id);
+    if (it != recs.end()) {
+      if (it->second.version >= rec.version) {
+        stale.push_back(m->id);
+        continue;
+      }
+      stale.push_back(it->second.record);
+    }
+    recs[s->id] = std::move(rec);
+  }
+  for (const auto& id : stale) DeleteSegmentRecord(id);
+
+  // Segments: base segments before the refactorized ones that reference them.
+  std::sort(segs.begin(), segs.end(), [](const SegRecord& a, const SegRecord& b) {
+    return a.has_base < b.has_base;
+  });
+  absl::flat_hash_map<storage::Id128, std::shared_ptr<const Segment>> built;
+  absl::flat_hash_map<storage::Id128, const ModelInfo*> model_of;
+  for (const auto& [sid, rec] : recs) {
+    for (const auto& id : rec.chain) model_of[id] = &rec.s->model;
+  }
+  for (const SegRecord& r : segs) {
+    auto mit = model_of.find(r.meta.id);
+    if (mit == model_of.end() && !r.has_base) {
+      // Might be the base of a refactorized segment: find its user's model.
+      for (const SegRecord& o : segs) {
+        if (o.has_base && o.base == r.meta.id) {
+          auto m2 = model_of.find(o.meta.id);
+          if (m2 != model_of.end()) mit = m2;
+        }
+      }
+    }
+    if (mit == model_of.end()) {
+      DeleteSegmentRecord(r.meta.id);  // an orphan of a crash between writes
+      continue;
+    }
+    const ModelInfo& m = *mit->second;
+    const int h = m.shape.h, d = m.shape.d, D = m.shape.D();
+    if (r.L != m.layers) continue;
+    auto seg = std::make_shared<Segment>();
+    seg->id = r.meta.id;
+    seg->kind = static_cast<v1::ProfileKind>(r.kind);
+    seg->first_position = r.first;
+    seg->n_tokens = r.n_tokens;
+    seg->chunk_size = r.C;
+    seg->tokens = r.tokens;
+    seg->layers.resize(r.L);
+    seg->values_in_store = !r.has_base;
+    seg->value_layout = r.meta.layout;
+    seg->store = store_link_;
+    seg->durable = true;
+    if (r.has_key) seg->prefix_key = r.key;
+    if (r.has_base) {
+      auto b = built.find(r.base);
+      if (b == built.end()) continue;
+      seg->base = b->second;
+      seg->values_in_store = false;
+    }
+    absl::Status st = absl::OkStatus();
+    auto read = [&](int l, FactorKind kind, std::vector<std::byte>* out) -> absl::Status {
+      const storage::SegmentMeta::Factor* f = r.meta.FindFactor(l, kind);
+      out->clear();
+      if (f == nullptr) return absl::OkStatus();
+      out->resize(f->bytes);
+      return spill_->ReadFactor(r.meta.id, l, kind, absl::MakeSpan(*out));
+    };
+    for (int l = 0; l < r.L && st.ok(); ++l) {
+      const SegRecord::Layer& lr = r.layers[l];
+      LayerData& ld = seg->layers[l];
+      std::vector<std::byte> buf;
+      if (lr.r > 0) {
+        st = read(l, FactorKind::kA, &buf);
+        if (!st.ok()) break;
+        auto a = std::make_shared<DeviceBlock>();
+        auto blk = Put(*this, buf.data(), buf.size(), ArenaKind::kA);
+        if (!blk.ok()) { st = blk.status(); break; }
+        *a = std::move(blk).value();
+        ld.a = std::move(a);
+        st = read(l, FactorKind::kB, &buf);
+        if (!st.ok()) break;
+        auto basis = std::make_shared<Basis>();
+        basis->r = lr.r;
+        auto bb = Put(*this, buf.data(), buf.size(), ArenaKind::kB);
+        if (!bb.ok()) { st = bb.status(); break; }
+        basis->b = std::move(bb).value();
+        ld.basis = std::move(basis);
+      }
+      if (r.has_base) continue;
+      ld.n_chunks = ld.cap_chunks = lr.n_chunks;
+      ld.s_cap = lr.s_cap;
+      ld.s_len = lr.s_len;
+      ld.n_tail = ld.cap_tail = lr.n_tail;
+      ld.captured_energy = lr.captured;
+      ld.residual_energy = lr.residual;
+      if (lr.n_chunks > 0) {
+        st = read(l, FactorKind::kLandmarks, &buf);
+        if (!st.ok()) break;
+        auto lm = Put(*this, buf.data(), buf.size(), ArenaKind::kLandmarks);
+        if (!lm.ok()) { st = lm.status(); break; }
+        ld.landmarks = std::move(lm).value();
+        st = read(l, FactorKind::kExcluded, &buf);
+        if (!st.ok()) break;
+        auto ex = Put(*this, buf.data(), buf.size(), ArenaKind::kLandmarks);
+        if (!ex.ok()) { st = ex.status(); break; }
+        ld.excluded = std::move(ex).value();
+      }
+      st = read(l, FactorKind::kStatic, &buf);
+      if (!st.ok()) break;
+      size_t off = 0;
+      auto take = [&](size_t bytes, ArenaKind kind, DeviceBlock* out) -> absl::Status {
+        if (off + bytes > buf.size()) return absl::DataLossError("static blob too short");
+        KVSHADE_ASSIGN_OR_RETURN(*out, Put(*this, buf.data() + off, bytes, kind));
+        off += bytes;
+        return absl::OkStatus();
+      };
+      const size_t srows = Bf16Bytes(size_t(h) * lr.s_cap * d);
+      const size_t trows = Bf16Bytes(size_t(lr.n_tail) * D);
+      st = take(srows, ArenaKind::kStatic, &ld.sk);
+      if (st.ok()) st = take(srows, ArenaKind::kStatic, &ld.sv);
+      if (st.ok()) st = take(trows, ArenaKind::kStatic, &ld.tk);
+      if (st.ok()) st = take(trows, ArenaKind::kStatic, &ld.tv);
+      for (const auto& ib : lr.int2) {
+        if (!st.ok()) break;
+        KiviBlock kb;
+        kb.rows = ib.rows;
+        kb.valid = ib.valid;
+        DeviceBlock* parts[6] = {&kb.k_codes, &kb.k_scale, &kb.k_min, &kb.v_codes, &kb.v_scale, &kb.v_min};
+        for (int x = 0; x < 6 && st.ok(); ++x) st = take(ib.bytes[x], ArenaKind::kStatic, parts[x]);
+        ld.int2.push_back(std::move(kb));
+      }
+    }
+    if (!st.ok()) continue;  // the sessions using it are skipped below
+    built[seg->id] = seg;
+  }
+
+  // Sessions: chains, tails, prefix registrations.
+  for (auto& [sid, rec] : recs) {
+    Session& s = *rec.s;
+    bool complete = true;
+    for (const auto& id : rec.chain) {
+      auto it = built.find(id);
+      if (it == built.end()) {
+        complete = false;
+        break;
+      }
+      s.chain.push_back(it->second);
+    }
+    if (!complete) continue;
+    const int L = s.model.layers;
+    const size_t tok = size_t(s.model.shape.h) * s.model.shape.d;
+    s.tail.resize(L);
+    s.cache.resize(L);
+    s.captured_energy.assign(L, 0.0);
+    s.residual_energy.assign(L, 0.0);
+    s.drift.assign(L, 0.0);
+    const storage::SegmentMeta* meta = nullptr;
+    for (const auto* m : sessions) {
+      if (m->id == rec.record) meta = m;
+    }
+    bool ok = true;
+    for (int l = 0; l < L && rec.tail > 0 && meta != nullptr; ++l) {
+      const storage::SegmentMeta::Factor* f = meta->FindFactor(l, FactorKind::kOther);
+      if (f == nullptr) { ok = false; break; }
+      std::vector<std::byte> buf(f->bytes);
+      if (!spill_->ReadFactor(meta->id, l, FactorKind::kOther, absl::MakeSpan(buf)).ok()) {
+        ok = false;
+        break;
+      }
+      const size_t n = size_t(rec.tail) * tok;
+      const bool has_pre = buf.size() == Bf16Bytes(3 * n);
+      TailLayer& tl = s.tail[l];
+      const bf16* p = reinterpret_cast<const bf16*>(buf.data());
+      if (has_pre) {
+        tl.k_pre.assign(p, p + n);
+        p += n;
+      }
+      tl.k.assign(p, p + n);
+      tl.v.assign(p + n, p + 2 * n);
+    }
+    if (!ok) continue;
+    if (!sessions_.AddSession(rec.s).ok()) continue;
+    // Prefix registrations of the chain (in order, so that parents come first).
+    const Tenant tenant{s.tenant, TenantSalt(s.tenant, config_->prefix_secret)};
+    auto hasher = Hasher(tenant, s.model, s.profile);
+    std::optional<storage::SegmentId> parent;
+    for (const auto& seg : s.chain) {
+      if (seg->prefix_key && hasher.ok()) {
+        bool known = false;
+        {
+          absl::MutexLock lock(&seg_mu_);
+          known = registered_.contains(seg->id);
+        }
+        storage::SegmentRef ref;
+        if (known) {
+          auto acquired = prefix_.Acquire(seg->id);
+          if (acquired.ok()) ref = std::move(acquired).value();
+        } else {
+          ref = RegisterPrefix(seg, hasher->Chain(s.prompt), hasher->block_tokens(), parent);
+        }
+        if (ref) s.prefix_refs.push_back(std::move(ref));
+      }
+      parent = seg->id;
+    }
+  }
+  UpdateGauges();
+  return absl::OkStatus();
+}
+
+void EngineImpl::DeleteSegmentRecord(const storage::Id128& id) {
+  if (!store_->Erase(id).ok() && spill_) spill_->DeleteSegment(id).IgnoreError();
+}
+
+// ---------------------------------------------------------------------------------------
+// Refactorization
+
+bool EngineImpl::Refactor(const std::shared_ptr<Session>& sp) {
+  Session& s = *sp;
+  std::vector<std::vector<bf16>> keys;
+  std::vector<std::shared_ptr<const Segment>> chain;
+  int64_t suffix_first = 0;
+  {
+    std::shared_lock lock(s.mu);
+    if (s.state != SessionState::kReady || !s.refactor_pending) return false;
+    keys = s.refactor_keys;
+    chain = s.chain;
+    suffix_first = s.refactor_first_position;
+  }
+  const ModelInfo& m = s.model;
+  const int h = m.shape.h, d = m.shape.d, D = m.shape.D(), L = m.layers;
+  std::vector<std::shared_ptr<const Basis>> new_basis(L);
+  std::vector<std::vector<std::shared_ptr<DeviceBlock>>> new_a(L);  // [layer][segment]
+  for (int l = 0; l < L; ++l) {
+    if (keys[l].empty()) continue;
+    StageTimer timer(metrics_, "ingest_factorize");
+    // K_all: every segment's rows that have coordinates (A B, pre-RoPE) and the suffix's
+    // exact keys, in chain order.
+    std::vector<bf16> k_all;
+    std::vector<int64_t> rows_of(chain.size(), 0);
+    bool ok = true;
+    for (size_t i = 0; i < chain.size() && ok; ++i) {
+      const Segment& seg = *chain[i];
+      const LayerData& own = seg.layers[l];
+      if (seg.first_position == suffix_first) {
+        k_all.insert(k_all.end(), keys[l].begin(), keys[l].end());
+        rows_of[i] = int64_t(keys[l].size() / D);
+        continue;
+      }
+      if (!own.a || !own.basis) continue;
+      const int r = own.basis->r;
+      // a may have spare capacity rows (a sealed open segment): only the segment's tokens.
+      const int64_t rows = std::min<int64_t>(int64_t(own.a->bytes() / Bf16Bytes(r)), seg.n_tokens);
+      std::vector<bf16> a(size_t(rows) * r), b(size_t(h) * r * d);
+      ok = Download(a.data(), own.a->data(), Bf16Bytes(a.size())).ok() &&
+           Download(b.data(), own.basis->b.data(), Bf16Bytes(b.size())).ok();
+      std::vector<float> bf(b.size());
+      for (size_t x = 0; x < b.size(); ++x) bf[x] = kernels::Bf16ToFloat(b[x]);
+      const size_t at = k_all.size();
+      k_all.resize(at + size_t(rows) * D);
+      std::vector<float> acc(d);
+      for (int64_t t = 0; t < rows; ++t) {
+        for (int hh = 0; hh < h; ++hh) {
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          for (int rr = 0; rr < r; ++rr) {
+            const float av = kernels::Bf16ToFloat(a[size_t(t) * r + rr]);
+            const float* brow = bf.data() + (size_t(hh) * r + rr) * d;
+            for (int c = 0; c < d; ++c) acc[c] += av * brow[c];
+          }
+          for (int c = 0; c < d; ++c) k_all[at + (size_t(t) * h + hh) * d + c] = kernels::FloatToBf16(acc[c]);
+        }
+      }
+      rows_of[i] = rows;
+    }
+    const int n = static_cast<int>(k_all.size() / D);
+    if (!ok || n < 8) continue;
+    kernels::FactorizeOptions fo;
+    fo.rank = std::min({s.profile.rank, D, n / 8 * 8});
+    auto kd = Upload(k_all.data(), Bf16Bytes(k_all.size()), ArenaKind::kOther);
+    auto ad = Alloc(Bf16Bytes(size_t(n) * fo.rank), ArenaKind::kOther);
+    auto bd = Alloc(Bf16Bytes(size_t(h) * fo.rank * d), ArenaKind::kB);
+    const size_t wsb = backend_->FactorizeWorkspaceBytes(n, m.shape, fo);
+    auto ws = Alloc(wsb, ArenaKind::kOther);
+    if (!kd.ok() || !ad.ok() || !bd.ok() || !ws.ok()) continue;
+    std::vector<float> eig(D);
+    auto fr = backend_->Factorize(
+        absl::Span<const bf16>(Ptr<const bf16>(*kd), k_all.size()), n, m.shape, fo,
+        absl::Span<bf16>(Ptr<bf16>(*ad), size_t(n) * fo.rank),
+        absl::Span<bf16>(Ptr<bf16>(*bd), size_t(h) * fo.rank * d), absl::MakeSpan(eig),
+        kernels::Workspace{ws->data(), wsb});
+    if (!fr.ok() || !backend_->Synchronize().ok()) continue;
+    const int r = fr->rank;
+    metrics_->ReconstructionEnergy(fr->captured_energy);
+    std::vector<bf16> a_all(size_t(n) * r);
+    if (!Download(a_all.data(), ad->data(), Bf16Bytes(a_all.size())).ok()) continue;
+    auto basis = std::make_shared<Basis>();
+    basis->r = r;
+    basis->b = std::move(bd).value();
+    new_basis[l] = basis;
+    new_a[l].resize(chain.size());
+    int64_t row = 0;
+    for (size_t i = 0; i < chain.size() && ok; ++i) {
+      const LayerData& own = chain[i]->layers[l];
+      const int64_t rows = rows_of[i];
+      if (own.a && rows > 0) {
+        auto blk = Upload(a_all.data() + size_t(row) * r, Bf16Bytes(size_t(rows) * r), ArenaKind::kA);
+        if (!blk.ok()) {
+          ok = false;
+          break;
+        }
+        new_a[l][i] = std::make_shared<DeviceBlock>(std::move(blk).value());
+      }
+      row += rows;
+    }
+    if (!ok) {
+      new_basis[l].reset();
+      new_a[l].clear();
+    }
+  }
+  // Swap in new segment objects; the open segment's rows are re-projected.
+  std::unique_lock lock(s.mu);
+  if (s.state != SessionState::kReady || s.chain != chain) return false;  // changed meanwhile
+  bool any = false;
+  std::vector<std::shared_ptr<const Segment>> next;
+  for (size_t i = 0; i < chain.size(); ++i) {
+    auto seg = std::make_shared<Segment>();
+    const Segment& old = *chain[i];
+    seg->id = *storage::Id128::FromHex(SessionManager::NewId());
+    seg->kind = old.kind;
+    seg->first_position = old.first_position;
+    seg->n_tokens = old.n_tokens;
+    seg->chunk_size = old.chunk_size;
+    seg->tokens = old.tokens;
+    seg->base = chain[i];
+    seg->store = store_link_;
+    seg->layers.resize(L);
+    for (int l = 0; l < L; ++l) {
+      seg->layers[l].a = old.layers[l].a;
+      seg->layers[l].basis = old.layers[l].basis;
+      if (new_basis[l]) {
+        any = true;
+        seg->layers[l].basis = new_basis[l];
+        if (!new_a[l].empty() && new_a[l][i]) seg->layers[l].a = new_a[l][i];
+      }
+    }
+    next.push_back(std::move(seg));
+  }
+  if (!any) {
+    s.refactor_pending = false;
+    s.refactor_keys.clear();
+    return false;
+  }
+  // The open segment's rows move to the new bases too; any failure leaves everything as
+  // it was (a basis shared by part of a layer's chain would be wrong).
+  std::vector<std::shared_ptr<DeviceBlock>> open_a(L);
+  if (s.open) {
+    for (int l = 0; l < L; ++l) {
+      LayerData& ld = s.open->layers[l];
+      if (!new_basis[l] || !ld.basis || ld.n_chunks == 0) continue;
+      const int ro = ld.basis->r, rn = new_basis[l]->r;
+      const int rows = ld.n_chunks * s.profile.chunk_size;
+      std::vector<bf16> a(size_t(rows) * ro), b(size_t(h) * ro * d), k(size_t(rows) * D);
+      if (!Download(a.data(), ld.a->data(), Bf16Bytes(a.size())).ok() ||
+          !Download(b.data(), ld.basis->b.data(), Bf16Bytes(b.size())).ok()) {
+        return false;
+      }
+      for (int t = 0; t < rows; ++t) {
+        for (int hh = 0; hh < h; ++hh) {
+          for (int c = 0; c < d; ++c) {
+            float acc = 0;
+            for (int rr = 0; rr < ro; ++rr) {
+              acc += kernels::Bf16ToFloat(a[size_t(t) * ro + rr]) *
+                     kernels::Bf16ToFloat(b[(size_t(hh) * ro + rr) * d + c]);
+            }
+            k[(size_t(t) * h + hh) * d + c] = kernels::FloatToBf16(acc);
+          }
+        }
+      }
+      auto kd = Upload(k.data(), Bf16Bytes(k.size()), ArenaKind::kOther);
+      auto na = Alloc(Bf16Bytes(size_t(ld.cap_chunks) * s.profile.chunk_size * rn), ArenaKind::kA);
+      const size_t wsb = backend_->ProjectWorkspaceBytes(rows, m.shape, rn);
+      auto ws = Alloc(wsb, ArenaKind::kOther);
+      if (!kd.ok() || !na.ok() || !ws.ok()) return false;
+      auto pr = backend_->ProjectKeys(
+          absl::Span<const bf16>(Ptr<const bf16>(*kd), k.size()), rows, m.shape,
+          absl::Span<const bf16>(Ptr<const bf16>(new_basis[l]->b), size_t(h) * rn * d), rn,
+          absl::Span<bf16>(Ptr<bf16>(*na), size_t(rows) * rn), kernels::Workspace{ws->data(), wsb});
+      if (!pr.ok() || !backend_->Synchronize().ok()) return false;
+      open_a[l] = std::make_shared<DeviceBlock>(std::move(na).value());
+    }
+    for (int l = 0; l < L; ++l) {
+      if (!new_basis[l]) continue;
+      if (open_a[l]) s.open->layers[l].a = open_a[l];
+      s.open->layers[l].basis = new_basis[l];
+    }
+  }
+  s.chain = std::move(next);
+  s.refactor_pending = false;
+  s.refactor_keys.clear();
+  std::fill(s.drift.begin(), s.drift.end(), 0.0);
+  ++s.static_version;
+  if (s.durable) PersistSession(s).IgnoreError();
+  return true;
+}
+
+}  // namespace kvshade::service

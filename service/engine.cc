@@ -1,0 +1,897 @@
+// Engine: sessions, fork, prefix lookup, attachments, stats, drain and the shared helpers
+// (memory, views, gauges). The data paths are in ingest.cc, append.cc and select.cc;
+// durability in durable.cc.
+#include "kvshade/service/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "engine_impl.h"
+#include "kvshade/kernels/pyramid.h"
+#include "kvshade/kernels/status_macros.h"
+
+namespace kvshade::service {
+
+using storage::ArenaKind;
+
+// ---------------------------------------------------------------------------------------
+// Small shared helpers
+
+size_t Bf16Bytes(size_t elements) { return elements * sizeof(kernels::bf16); }
+
+std::vector<int64_t> Positions(int64_t first, int64_t n) {
+  std::vector<int64_t> p(static_cast<size_t>(n));
+  std::iota(p.begin(), p.end(), first);
+  return p;
+}
+
+StageTimer::StageTimer(Metrics* m, std::string_view stage)
+    : m_(m), stage_(stage),
+      start_ns_(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::steady_clock::now().time_since_epoch())
+                    .count()) {}
+
+StageTimer::~StageTimer() {
+  if (m_ == nullptr) return;
+  const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now().time_since_epoch())
+                          .count();
+  m_->ObserveStage(stage_, double(now - start_ns_) * 1e-9);
+}
+
+Segment::~Segment() {
+  if (values_in_store && store && store->store != nullptr && !store->keep.load()) {
+    // Values go with the segment (a durable one leaves the spill tier too). Nothing pins
+    // a dying segment: pins are held only by calls that also hold the segment.
+    store->store->Erase(id).IgnoreError();
+  }
+}
+
+size_t Segment::DeviceBytes() const {
+  size_t b = 0;
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerData& own = layers[l];
+    if (own.a) b += own.a->bytes();
+    if (base) continue;  // the rest belongs to the base segment
+    b += own.landmarks.bytes() + own.excluded.bytes() + own.sk.bytes() + own.sv.bytes() +
+         own.tk.bytes() + own.tv.bytes();
+    for (const KiviBlock& k : own.int2) {
+      b += k.k_codes.bytes() + k.k_scale.bytes() + k.k_min.bytes() + k.v_codes.bytes() +
+           k.v_scale.bytes() + k.v_min.bytes();
+    }
+  }
+  return b;
+}
+
+size_t Segment::HostBytes() const {
+  if (base) return 0;
+  size_t b = values_in_store ? value_layout.total_bytes() : 0;
+  for (const LayerData& l : layers) b += l.open_values.buffer.bytes();
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------
+// Engine (public shell)
+
+Engine::Engine(std::unique_ptr<EngineImpl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(kernels::Backend* backend,
+                                                       const ServerConfig* config,
+                                                       Metrics* metrics, EngineOptions options) {
+  if (backend == nullptr || config == nullptr || metrics == nullptr) {
+    return absl::InvalidArgumentError("Engine::Create: backend, config and metrics must be set");
+  }
+  auto impl = std::make_unique<EngineImpl>(backend, config, metrics, std::move(options));
+  KVSHADE_RETURN_IF_ERROR(impl->Init());
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+absl::StatusOr<v1::CreateSessionResponse> Engine::CreateSession(
+    const Tenant& t, const v1::CreateSessionRequest& r) {
+  return impl_->CreateSession(t, r);
+}
+absl::StatusOr<v1::ForkSessionResponse> Engine::ForkSession(const Tenant& t,
+                                                            const v1::ForkSessionRequest& r) {
+  return impl_->ForkSession(t, r);
+}
+absl::StatusOr<v1::LookupPrefixResponse> Engine::LookupPrefix(const Tenant& t,
+                                                              const v1::LookupPrefixRequest& r) {
+  return impl_->LookupPrefix(t, r);
+}
+absl::StatusOr<v1::SessionInfo> Engine::GetSession(const Tenant& t,
+                                                   const v1::GetSessionRequest& r) {
+  return impl_->GetSession(t, r);
+}
+absl::StatusOr<v1::ListSessionsResponse> Engine::ListSessions(const Tenant& t,
+                                                              const v1::ListSessionsRequest&) {
+  return impl_->ListSessions(t);
+}
+absl::StatusOr<v1::CloseSessionResponse> Engine::CloseSession(const Tenant& t,
+                                                              const v1::CloseSessionRequest& r) {
+  return impl_->CloseSession(t, r);
+}
+absl::StatusOr<std::unique_ptr<Engine::IngestStream>> Engine::BeginIngest(
+    const Tenant& t, const v1::IngestRequest& header) {
+  return impl_->BeginIngest(t, header);
+}
+absl::StatusOr<v1::IngestResponse> Engine::Ingest(const Tenant& t,
+                                                  absl::Span<const v1::IngestRequest> stream) {
+  if (stream.empty()) {
+    return absl::InvalidArgumentError(
+        "Ingest: the stream is empty; the first message must be the header");
+  }
+  KVSHADE_ASSIGN_OR_RETURN(auto s, impl_->BeginIngest(t, stream[0]));
+  for (size_t i = 1; i < stream.size(); ++i) KVSHADE_RETURN_IF_ERROR(s->Add(stream[i]));
+  if (!s->committed()) {
+    return absl::InvalidArgumentError(
+        "Ingest: the stream ended without an IngestCommit; nothing was committed");
+  }
+  return s->response();
+}
+absl::StatusOr<v1::AppendTokensResponse> Engine::AppendTokens(const Tenant& t,
+                                                              const v1::AppendTokensRequest& r) {
+  return impl_->AppendTokens(t, r);
+}
+absl::StatusOr<v1::AttachResponse> Engine::Attach(const Tenant& t, const v1::AttachRequest& r) {
+  return impl_->Attach(t, r);
+}
+absl::StatusOr<v1::DetachResponse> Engine::Detach(const Tenant& t, const v1::DetachRequest& r) {
+  return impl_->Detach(t, r);
+}
+absl::StatusOr<v1::GetStaticSetResponse> Engine::GetStaticSet(const Tenant& t,
+                                                              const v1::GetStaticSetRequest& r) {
+  return impl_->GetStaticSet(t, r);
+}
+absl::StatusOr<v1::SelectAndReconstructResponse> Engine::SelectAndReconstruct(
+    const Tenant& t, const v1::SelectAndReconstructRequest& r) {
+  return impl_->SelectAndReconstruct(t, r);
+}
+absl::StatusOr<v1::AttendResponse> Engine::Attend(const Tenant& t, const v1::AttendRequest& r) {
+  return impl_->Attend(t, r);
+}
+absl::StatusOr<v1::StatsResponse> Engine::Stats(const Tenant&, const v1::StatsRequest&) {
+  return impl_->Stats();
+}
+absl::Status Engine::Drain() { return impl_->Drain(); }
+bool Engine::draining() const { return impl_->draining_.load(); }
+int Engine::RunMaintenance() { return impl_->RunMaintenance(); }
+
+// ---------------------------------------------------------------------------------------
+// EngineImpl: set-up
+
+EngineImpl::EngineImpl(kernels::Backend* backend, const ServerConfig* config, Metrics* metrics,
+                       EngineOptions options)
+    : backend_(backend), config_(config), metrics_(metrics), options_(std::move(options)),
+      sessions_(config->limits, options_.clock) {}
+
+EngineImpl::~EngineImpl() {
+  {
+    std::lock_guard<std::mutex> lock(bg_mu_);
+    stop_ = true;
+  }
+  bg_cv_.notify_all();
+  if (bg_thread_.joinable()) bg_thread_.join();
+  // Durable segments stay in the spill tier when the process ends; cached ones are
+  // dropped by the spill tier at its next open.
+  if (store_link_) store_link_->keep = true;
+}
+
+absl::Status EngineImpl::Init() {
+  KVSHADE_ASSIGN_OR_RETURN(arena_,
+                           storage::DeviceArena::Create(*backend_, config_->device_budget_bytes));
+  if (!config_->spill_path.empty()) {
+    storage::RocksSpillOptions o;
+    o.path = config_->spill_path;
+    KVSHADE_ASSIGN_OR_RETURN(spill_, storage::RocksSpillTier::Open(o));
+  }
+  storage::HostValueStoreOptions ho;
+  ho.budget_bytes = config_->host_budget_bytes;
+  ho.slab_bytes = std::min<size_t>(ho.slab_bytes, std::max<size_t>(config_->host_budget_bytes / 4, 1 << 20));
+  ho.prefetch_thread = false;
+  KVSHADE_ASSIGN_OR_RETURN(store_, storage::HostValueStore::Create(*backend_, ho, spill_.get()));
+  store_link_ = std::make_shared<StoreLink>();
+  store_link_->store = store_.get();
+  if (spill_) KVSHADE_RETURN_IF_ERROR(RestoreDurable());
+  if (options_.background_thread) bg_thread_ = std::thread([this] { BackgroundLoop(); });
+  UpdateGauges();
+  return absl::OkStatus();
+}
+
+absl::Status EngineImpl::CheckNotDraining(std::string_view what) const {
+  if (draining_.load()) {
+    return absl::UnavailableError(
+        absl::StrCat(std::string(what), ": the server is draining (shutting down); retry on "
+                                        "another replica"));
+  }
+  return absl::OkStatus();
+}
+
+// ---------------------------------------------------------------------------------------
+// Memory helpers
+
+absl::StatusOr<DeviceBlock> EngineImpl::Alloc(size_t bytes, ArenaKind kind) {
+  bytes = std::max<size_t>(bytes, 1);
+  auto b = arena_->Allocate(bytes, kind);
+  if (b.ok() || !absl::IsResourceExhausted(b.status())) return b;
+  // Make room from cached prefixes nobody uses, then try once more.
+  EvictPrefixes(0);
+  b = arena_->Allocate(bytes, kind);
+  if (!b.ok()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "device memory budget exhausted (device_budget_bytes = ", config_->device_budget_bytes,
+        "): ", b.status().message()));
+  }
+  return b;
+}
+
+absl::StatusOr<DeviceBlock> EngineImpl::Upload(const void* host, size_t bytes, ArenaKind kind) {
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock b, Alloc(bytes, kind));
+  if (bytes > 0) KVSHADE_RETURN_IF_ERROR(backend_->CopyFromHost(b.data(), host, bytes));
+  return b;
+}
+
+absl::StatusOr<DeviceBlock> EngineImpl::DevicePositions(int64_t first, int64_t n) {
+  const std::vector<int64_t> p = Positions(first, n);
+  return Upload(p.data(), p.size() * sizeof(int64_t), ArenaKind::kOther);
+}
+
+absl::Status EngineImpl::Download(void* host, const void* src, size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  KVSHADE_RETURN_IF_ERROR(backend_->Synchronize());
+  KVSHADE_RETURN_IF_ERROR(backend_->CopyToHost(host, src, bytes));
+  return backend_->Synchronize();
+}
+
+// ---------------------------------------------------------------------------------------
+// Prefix index
+
+absl::StatusOr<storage::PrefixHasher> EngineImpl::Hasher(const Tenant& t, const ModelInfo& m,
+                                                         const ProfileInfo& p) const {
+  storage::PrefixScope scope;
+  scope.model_id = m.Fingerprint();
+  scope.profile = p.Fingerprint();
+  scope.tenant_salt = t.salt;  // from the Authenticator, never from a request
+  return storage::PrefixHasher::Create(scope, storage::kDefaultPrefixBlockTokens);
+}
+
+storage::SegmentRef EngineImpl::RegisterPrefix(const std::shared_ptr<const Segment>& seg,
+                                               const std::vector<storage::PrefixKey>& keys,
+                                               int block_tokens,
+                                               std::optional<storage::SegmentId> parent) {
+  const int64_t first = seg->first_position;
+  const int64_t end = seg->first_position + seg->n_tokens;
+  if (first % block_tokens != 0) return {};
+  const int64_t first_block = first / block_tokens;
+  const int64_t end_block = std::min<int64_t>(end / block_tokens, int64_t(keys.size()));
+  if (end_block <= first_block) return {};
+  if (first_block > 0) {
+    if (!parent) return {};
+    auto info = prefix_.Info(*parent);
+    if (!info || info->end_token != first) return {};
+  }
+  std::vector<storage::PrefixKey> mine(keys.begin() + first_block, keys.begin() + end_block);
+  auto ref = prefix_.Insert(seg->id, first_block > 0 ? parent : std::nullopt, block_tokens,
+                            first_block, mine, seg->DeviceBytes() + seg->HostBytes());
+  if (!ref.ok()) return {};  // e.g. the same prefix was cached concurrently: keep ours private
+  {
+    absl::MutexLock lock(&seg_mu_);
+    registered_[seg->id] = seg;
+  }
+  EvictPrefixes(config_->device_budget_bytes / 2);
+  return std::move(ref).value();
+}
+
+void EngineImpl::EvictPrefixes(size_t max_bytes) {
+  std::vector<storage::PrefixSegmentInfo> gone = prefix_.Evict(max_bytes);
+  if (gone.empty()) return;
+  std::vector<std::shared_ptr<const Segment>> drop;  // destroyed outside the lock
+  {
+    absl::MutexLock lock(&seg_mu_);
+    for (const auto& info : gone) {
+      auto it = registered_.find(info.segment);
+      if (it != registered_.end()) {
+        drop.push_back(std::move(it->second));
+        registered_.erase(it);
+      }
+      metrics_->Eviction();
+    }
+  }
+}
+
+// Matches the longest reusable chain of registered segments for `tokens`.
+namespace {
+
+struct ReuseMatch {
+  std::vector<std::shared_ptr<const Segment>> chain;
+  std::vector<storage::SegmentRef> refs;
+  int64_t tokens = 0;
+};
+
+}  // namespace
+
+static ReuseMatch FindReusable(EngineImpl& e, const storage::PrefixHasher& hasher,
+                               absl::Span<const int32_t> tokens, bool need_durable) {
+  ReuseMatch out;
+  std::vector<storage::PrefixKey> keys = hasher.Chain(tokens);
+  if (keys.empty()) return out;
+  storage::PrefixMatch m = e.prefix_.Lookup(keys);
+  int64_t pos = 0;
+  for (storage::SegmentRef& ref : m.chain) {
+    std::shared_ptr<const Segment> seg;
+    {
+      absl::MutexLock lock(&e.seg_mu_);
+      auto it = e.registered_.find(ref.segment());
+      if (it != e.registered_.end()) seg = it->second;
+    }
+    if (!seg || seg->first_position != pos) break;
+    const int64_t end = pos + seg->n_tokens;
+    if (end > int64_t(tokens.size())) break;
+    if (need_durable && !seg->durable) break;
+    // Room for the session's own segment and its open segment in the kernels' view.
+    if (int64_t(out.chain.size()) + 2 >= kernels::kMaxSegments) break;
+    if (!std::equal(seg->tokens.begin(), seg->tokens.end(), tokens.begin() + pos)) break;
+    out.chain.push_back(seg);
+    out.refs.push_back(std::move(ref));
+    pos = end;
+  }
+  out.tokens = pos;
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// Sessions
+
+absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
+    const Tenant& t, const v1::CreateSessionRequest& r) {
+  KVSHADE_RETURN_IF_ERROR(CheckNotDraining("CreateSession"));
+  if (!r.has_model()) return absl::InvalidArgumentError("model is required");
+  KVSHADE_ASSIGN_OR_RETURN(ModelInfo model, ResolveModel(r.model(), config_->limits));
+  if (r.token_ids().empty()) {
+    return absl::InvalidArgumentError("token_ids must not be empty (the prompt to cache)");
+  }
+  const absl::Span<const int32_t> tokens(r.token_ids().data(), r.token_ids().size());
+  KVSHADE_RETURN_IF_ERROR(ValidateTokens(tokens, 0, config_->limits, "token_ids"));
+  if (r.label().size() > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("label must be <= 256 bytes, got ", r.label().size()));
+  }
+  KVSHADE_ASSIGN_OR_RETURN(ProfileInfo profile,
+                           ResolveProfile(r.profile(), config_->profile, model, tokens.size()));
+  if (r.durable() && !spill_) {
+    return absl::FailedPreconditionError(
+        "durable sessions need a spill tier, and this server has none (spill_path is empty)");
+  }
+
+  auto s = std::make_shared<Session>();
+  s->id = SessionManager::NewId();
+  s->tenant = t.name;
+  s->model = model;
+  s->profile = profile;
+  s->durable = r.durable();
+  s->label = r.label();
+  s->prompt.assign(tokens.begin(), tokens.end());
+  s->created_unix_ms = sessions_.Now();
+  s->tail.resize(model.layers);
+  s->cache.resize(model.layers);
+  s->captured_energy.assign(model.layers, 0.0);
+  s->residual_energy.assign(model.layers, 0.0);
+  s->drift.assign(model.layers, 0.0);
+
+  // Prefix reuse: shadow and exact segments are content-addressed; mini keeps per-prompt
+  // budgets (fractions of the prompt length), so its segments are not reusable by others.
+  if (profile.kind != v1::PROFILE_KIND_MINI) {
+    KVSHADE_ASSIGN_OR_RETURN(storage::PrefixHasher hasher, Hasher(t, model, profile));
+    ReuseMatch m = FindReusable(*this, hasher, tokens, s->durable);
+    ++prefix_lookups_;
+    if (m.tokens > 0) ++prefix_hits_;
+    metrics_->PrefixLookup(m.tokens > 0, m.tokens);
+    s->chain = std::move(m.chain);
+    s->prefix_refs = std::move(m.refs);
+    s->reused_tokens = m.tokens;
+  }
+  if (profile.kind == v1::PROFILE_KIND_SHADOW && s->reused_tokens == 0 &&
+      tokens.size() < size_t(profile.local_window + profile.chunk_size)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "token_ids: a shadow session needs at least local_window + chunk_size = ",
+        profile.local_window + profile.chunk_size, " prompt tokens, got ", tokens.size(),
+        " (use the auto, mini or exact profile for short prompts)"));
+  }
+  if (profile.kind == v1::PROFILE_KIND_MINI) {
+    if (auto b = kernels::PyramidBudgets(model.layers, profile.mini_heavy_ratio); !b.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "profile.mini_heavy_ratio = ", profile.mini_heavy_ratio,
+          " gives an invalid pyramid over ", model.layers, " layers: ", b.status().message()));
+    }
+  }
+  s->tokens = s->reused_tokens;
+  if (s->reused_tokens == tokens.size()) s->state = SessionState::kReady;
+  KVSHADE_RETURN_IF_ERROR(sessions_.AddSession(s));
+  if (s->state == SessionState::kReady && s->durable) {
+    std::unique_lock lock(s->mu);
+    if (absl::Status st = PersistSession(*s); !st.ok()) {
+      lock.unlock();
+      sessions_.RemoveSession(t.name, s->id).IgnoreError();
+      return st;
+    }
+  }
+  UpdateGauges();
+
+  v1::CreateSessionResponse resp;
+  resp.set_session_id(s->id);
+  resp.set_reused_tokens(s->reused_tokens);
+  resp.set_effective_profile(profile.kind);
+  resp.set_tokens_to_ingest(tokens.size() - s->reused_tokens);
+  return resp;
+}
+
+absl::StatusOr<v1::LookupPrefixResponse> EngineImpl::LookupPrefix(
+    const Tenant& t, const v1::LookupPrefixRequest& r) {
+  if (!r.has_model()) return absl::InvalidArgumentError("model is required");
+  KVSHADE_ASSIGN_OR_RETURN(ModelInfo model, ResolveModel(r.model(), config_->limits));
+  const absl::Span<const int32_t> tokens(r.token_ids().data(), r.token_ids().size());
+  KVSHADE_RETURN_IF_ERROR(ValidateTokens(tokens, 0, config_->limits, "token_ids"));
+  KVSHADE_ASSIGN_OR_RETURN(ProfileInfo profile,
+                           ResolveProfile(r.profile(), config_->profile, model, tokens.size()));
+  v1::LookupPrefixResponse resp;
+  if (profile.kind == v1::PROFILE_KIND_MINI || tokens.empty()) return resp;
+  KVSHADE_ASSIGN_OR_RETURN(storage::PrefixHasher hasher, Hasher(t, model, profile));
+  ReuseMatch m = FindReusable(*this, hasher, tokens, /*need_durable=*/false);
+  ++prefix_lookups_;
+  if (m.tokens > 0) ++prefix_hits_;
+  metrics_->PrefixLookup(m.tokens > 0, m.tokens);
+  resp.set_reusable_tokens(m.tokens);
+  resp.set_cached_segments(m.chain.size());
+  return resp;
+}
+
+absl::StatusOr<v1::ForkSessionResponse> EngineImpl::ForkSession(const Tenant& t,
+                                                                const v1::ForkSessionRequest& r) {
+  KVSHADE_RETURN_IF_ERROR(CheckNotDraining("ForkSession"));
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> parent,
+                           sessions_.FindSession(t.name, r.parent_session_id()));
+  auto child = std::make_shared<Session>();
+  {
+    std::unique_lock lock(parent->mu);
+    if (parent->state != SessionState::kReady) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("session '", parent->id, "' is ", SessionStateName(parent->state),
+                       "; only a ready session can be forked"));
+    }
+    const uint64_t at = r.at_token();
+    std::vector<uint64_t> bounds;
+    uint64_t pos = 0;
+    for (const auto& seg : parent->chain) {
+      pos += seg->n_tokens;
+      bounds.push_back(pos);
+    }
+    size_t keep = parent->chain.size();
+    const bool at_end = at == parent->tokens;
+    if (!at_end) {
+      auto it = std::find(bounds.begin(), bounds.end(), at);
+      if (at == 0 || it == bounds.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "at_token must be a committed segment boundary (one of [", absl::StrJoin(bounds, ", "),
+            "]) or the end of the committed tokens (", parent->tokens, "), got ", at));
+      }
+      keep = size_t(it - bounds.begin()) + 1;
+    } else {
+      // Everything the parent has: its open segment is sealed so that both share it. The
+      // chain must leave room for a later open segment in the kernels' view.
+      int chain_chunks = 0;
+      for (const auto& seg : parent->chain) chain_chunks += seg->data(0).n_chunks > 0;
+      const bool open_chunks = parent->open && parent->open->layers[0].n_chunks > 0;
+      if (open_chunks && chain_chunks + 2 > kernels::kMaxSegments) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "forking session '", parent->id, "' at its end would give it more than ",
+            kernels::kMaxSegments, " segments; fork at a segment boundary or create a new "
+            "session over the whole token list (its cached prefix is reused)"));
+      }
+      KVSHADE_RETURN_IF_ERROR(SealOpen(*parent));
+      keep = parent->chain.size();
+      child->tail = parent->tail;
+      child->appended_tokens = parent->appended_tokens;
+    }
+    child->id = SessionManager::NewId();
+    child->tenant = t.name;
+    child->model = parent->model;
+    child->profile = parent->profile;
+    child->durable = parent->durable;
+    child->label = parent->label;
+    child->prompt.assign(parent->prompt.begin(),
+                         parent->prompt.begin() + std::min<size_t>(at, parent->prompt.size()));
+    child->created_unix_ms = sessions_.Now();
+    child->chain.assign(parent->chain.begin(), parent->chain.begin() + keep);
+    child->tokens = at;
+    child->reused_tokens = at;
+    child->state = SessionState::kReady;
+    if (child->tail.empty()) child->tail.resize(child->model.layers);
+    child->cache.resize(child->model.layers);
+    child->captured_energy = parent->captured_energy;
+    child->residual_energy = parent->residual_energy;
+    child->drift.assign(child->model.layers, 0.0);
+  }
+  for (const auto& seg : child->chain) {
+    if (!seg->prefix_key) continue;
+    auto ref = prefix_.Acquire(seg->id);
+    if (ref.ok()) child->prefix_refs.push_back(std::move(ref).value());
+  }
+  KVSHADE_RETURN_IF_ERROR(sessions_.AddSession(child));
+  if (child->durable) {
+    std::unique_lock lock(child->mu);
+    if (absl::Status st = PersistSession(*child); !st.ok()) {
+      lock.unlock();
+      sessions_.RemoveSession(t.name, child->id).IgnoreError();
+      return st;
+    }
+  }
+  UpdateGauges();
+  v1::ForkSessionResponse resp;
+  resp.set_session_id(child->id);
+  resp.set_shared_tokens(child->tokens);
+  return resp;
+}
+
+absl::StatusOr<v1::SessionInfo> EngineImpl::GetSession(const Tenant& t,
+                                                       const v1::GetSessionRequest& r) {
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, sessions_.FindSession(t.name, r.session_id()));
+  v1::SessionInfo info;
+  const int attachments = sessions_.AttachmentCount(*s);
+  std::shared_lock lock(s->mu);
+  info.set_session_id(s->id);
+  info.set_model_id(s->model.model_id);
+  info.set_profile(s->profile.kind);
+  info.set_tokens(s->tokens);
+  info.set_reused_tokens(s->reused_tokens);
+  info.set_attachments(static_cast<uint32_t>(attachments));
+  info.set_durable(s->durable);
+  info.set_state(std::string(SessionStateName(s->state)));
+  uint64_t gpu = 0, host = 0;
+  for (const auto& seg : s->chain) {
+    if (seg->prefix_key) continue;  // shared prefix: not this session's own
+    gpu += seg->DeviceBytes();
+    host += seg->HostBytes();
+  }
+  if (s->open) {
+    gpu += s->open->DeviceBytes();
+    host += s->open->HostBytes();
+  }
+  info.set_gpu_bytes(gpu);
+  info.set_host_bytes(host);
+  info.set_label(s->label);
+  info.set_layers_ingested(s->state == SessionState::kReady ? s->model.layers
+                                                            : s->layers_ingested.load());
+  return info;
+}
+
+absl::StatusOr<v1::ListSessionsResponse> EngineImpl::ListSessions(const Tenant& t) {
+  v1::ListSessionsResponse resp;
+  for (const auto& s : sessions_.ListSessions(t.name)) {
+    v1::GetSessionRequest req;
+    req.set_session_id(s->id);
+    auto info = GetSession(t, req);
+    if (info.ok()) *resp.add_sessions() = std::move(info).value();
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::CloseSessionResponse> EngineImpl::CloseSession(
+    const Tenant& t, const v1::CloseSessionRequest& r) {
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
+                           sessions_.RemoveSession(t.name, r.session_id()));
+  std::vector<std::shared_ptr<const Segment>> chain;
+  std::shared_ptr<Segment> open;
+  std::vector<storage::SegmentRef> refs;
+  {
+    std::unique_lock lock(s->mu);
+    s->state = SessionState::kClosed;
+    chain.swap(s->chain);
+    open.swap(s->open);
+    refs.swap(s->prefix_refs);
+    s->tail.clear();
+    s->cache.clear();
+    s->refactor_keys.clear();
+  }
+  if (s->durable && spill_) DeleteDurableRecord(*s);
+  refs.clear();
+  chain.clear();
+  open.reset();
+  UpdateGauges();
+  return v1::CloseSessionResponse();
+}
+
+// ---------------------------------------------------------------------------------------
+// Attachments
+
+absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1::AttachRequest& r) {
+  KVSHADE_RETURN_IF_ERROR(CheckNotDraining("Attach"));
+  if (r.worker_id().size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("worker_id must be <= 128 bytes, got ", r.worker_id().size()));
+  }
+  if (r.delivery() != v1::DELIVERY_MODE_INLINE) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "delivery must be DELIVERY_MODE_INLINE (the only mode of v1), got ", r.delivery()));
+  }
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, sessions_.FindSession(t.name, r.session_id()));
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> a,
+                           sessions_.Attach(t.name, s, r.worker_id(), r.lease_ms(), r.writer()));
+  v1::AttachResponse resp;
+  resp.set_attachment_id(a->id);
+  resp.set_lease_expires_unix_ms(sessions_.LeaseExpiry(*a));
+  resp.set_chunk_size(s->profile.chunk_size);
+  resp.set_slots_per_head(s->profile.kind == v1::PROFILE_KIND_SHADOW ? s->profile.sparse_budget : 0);
+  resp.set_local_window(s->profile.local_window);
+  resp.set_writer(a->writer);
+  UpdateGauges();
+  return resp;
+}
+
+absl::StatusOr<v1::DetachResponse> EngineImpl::Detach(const Tenant& t, const v1::DetachRequest& r) {
+  KVSHADE_RETURN_IF_ERROR(sessions_.Detach(t.name, r.attachment_id()));
+  UpdateGauges();
+  return v1::DetachResponse();
+}
+
+// ---------------------------------------------------------------------------------------
+// Views and caches
+
+absl::StatusOr<LayerViewHold> EngineImpl::BuildView(const Session& s, int layer) {
+  LayerViewHold hold;
+  kernels::SessionLayerView& v = hold.view;
+  auto add = [&](const Segment& seg) -> absl::Status {
+    const LayerData& d = seg.data(layer);
+    const LayerData& own = seg.layers[layer];
+    if (d.n_chunks == 0) return absl::OkStatus();
+    if (v.n_segments == kernels::kMaxSegments) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session '", s.id, "' has more than ", kernels::kMaxSegments,
+          " segments with selectable chunks; fork it at its end to compact"));
+    }
+    if (!own.basis || !own.a) {
+      return absl::InternalError(absl::StrCat("segment of session '", s.id, "' has no factors"));
+    }
+    if (v.b == nullptr) {
+      v.b = static_cast<const kernels::bf16*>(own.basis->b.data());
+      v.r = own.basis->r;
+    } else if (own.basis->r != v.r) {
+      return absl::InternalError("segments of one session disagree on the rank");
+    }
+    kernels::SegmentView& sv = v.segments[v.n_segments++];
+    sv.n_chunks = d.n_chunks;
+    sv.first_position = seg.first_position;
+    sv.landmarks = static_cast<const kernels::bf16*>(d.landmarks.data());
+    sv.excluded = d.excluded ? static_cast<const uint8_t*>(d.excluded.data()) : nullptr;
+    sv.a = static_cast<const kernels::bf16*>(own.a->data());
+    const Segment& vo = seg.values_owner();
+    if (vo.values_in_store) {
+      absl::StatusOr<storage::SegmentPin> pin = store_->Pin(vo.id);
+      if (!pin.ok()) {
+        return absl::Status(pin.status().code(),
+                            absl::StrCat("values of a segment of session '", s.id,
+                                         "' are unavailable: ", pin.status().message()));
+      }
+      pin->layer(layer).FillView(&sv);
+      hold.pins.push_back(std::move(pin).value());
+    } else {
+      sv.values = static_cast<const std::byte*>(d.open_values.buffer.data());
+      sv.value_head_stride = d.open_values.head_stride();
+      sv.value_chunk_stride = d.open_values.chunk_stride;
+    }
+    hold.total_chunks += d.n_chunks;
+    return absl::OkStatus();
+  };
+  for (const auto& seg : s.chain) KVSHADE_RETURN_IF_ERROR(add(*seg));
+  if (s.open) KVSHADE_RETURN_IF_ERROR(add(*s.open));
+  return hold;
+}
+
+absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer) {
+  std::lock_guard<std::mutex> lock(s.cache_mu);
+  StaticCache& c = s.cache[layer];
+  const int h = s.model.shape.h, d = s.model.shape.d;
+  const size_t row = size_t(d);
+  if (c.static_version != s.static_version) {
+    // Per head: every segment's static rows (exact, or dequantized INT2), in chain order.
+    std::vector<std::vector<kernels::bf16>> hk(h), hv(h);
+    auto add_segment = [&](const Segment& seg) -> absl::Status {
+      const LayerData& ld = seg.data(layer);
+      if (ld.s_cap == 0) return absl::OkStatus();
+      std::vector<kernels::bf16> k(size_t(h) * ld.s_cap * d), v(k.size());
+      KVSHADE_RETURN_IF_ERROR(Download(k.data(), ld.sk.data(), Bf16Bytes(k.size())));
+      KVSHADE_RETURN_IF_ERROR(Download(v.data(), ld.sv.data(), Bf16Bytes(v.size())));
+      for (int hh = 0; hh < h; ++hh) {
+        const size_t off = size_t(hh) * ld.s_cap * row;
+        const size_t len = size_t(ld.s_len[hh]) * row;
+        hk[hh].insert(hk[hh].end(), k.begin() + off, k.begin() + off + len);
+        hv[hh].insert(hv[hh].end(), v.begin() + off, v.begin() + off + len);
+      }
+      return absl::OkStatus();
+    };
+    for (const auto& seg : s.chain) KVSHADE_RETURN_IF_ERROR(add_segment(*seg));
+    if (s.open) KVSHADE_RETURN_IF_ERROR(add_segment(*s.open));
+    int sn = 0;
+    c.host_lengths.assign(h, 0);
+    for (int hh = 0; hh < h; ++hh) {
+      c.host_lengths[hh] = static_cast<int32_t>(hk[hh].size() / row);
+      sn = std::max(sn, c.host_lengths[hh]);
+    }
+    c.s = sn;
+    c.host_k.assign(size_t(h) * sn * row, kernels::bf16{});
+    c.host_v.assign(c.host_k.size(), kernels::bf16{});
+    for (int hh = 0; hh < h; ++hh) {
+      std::copy(hk[hh].begin(), hk[hh].end(), c.host_k.begin() + size_t(hh) * sn * row);
+      std::copy(hv[hh].begin(), hv[hh].end(), c.host_v.begin() + size_t(hh) * sn * row);
+    }
+    c.k = DeviceBlock();
+    c.v = DeviceBlock();
+    c.lengths = DeviceBlock();
+    if (sn > 0) {
+      KVSHADE_ASSIGN_OR_RETURN(c.k, Upload(c.host_k.data(), Bf16Bytes(c.host_k.size()), ArenaKind::kStatic));
+      KVSHADE_ASSIGN_OR_RETURN(c.v, Upload(c.host_v.data(), Bf16Bytes(c.host_v.size()), ArenaKind::kStatic));
+      KVSHADE_ASSIGN_OR_RETURN(c.lengths, Upload(c.host_lengths.data(), h * 4, ArenaKind::kStatic));
+    }
+    c.static_version = s.static_version;
+    c.tail_version = ~0ull;  // segment remainders live in the tail part: rebuild it too
+  }
+  if (c.tail_version != s.tail_version) {
+    c.host_tk.clear();
+    c.host_tv.clear();
+    const size_t tok = size_t(h) * d;
+    auto add_tail = [&](const Segment& seg) -> absl::Status {
+      const LayerData& ld = seg.data(layer);
+      if (ld.n_tail == 0) return absl::OkStatus();
+      const size_t n = size_t(ld.n_tail) * tok;
+      const size_t at = c.host_tk.size();
+      c.host_tk.resize(at + n);
+      c.host_tv.resize(at + n);
+      KVSHADE_RETURN_IF_ERROR(Download(c.host_tk.data() + at, ld.tk.data(), Bf16Bytes(n)));
+      return Download(c.host_tv.data() + at, ld.tv.data(), Bf16Bytes(n));
+    };
+    if (s.profile.kind != v1::PROFILE_KIND_EXACT) {
+      for (const auto& seg : s.chain) KVSHADE_RETURN_IF_ERROR(add_tail(*seg));
+      if (s.open) KVSHADE_RETURN_IF_ERROR(add_tail(*s.open));
+    }
+    const TailLayer& tl = s.tail[layer];
+    c.host_tk.insert(c.host_tk.end(), tl.k.begin(), tl.k.end());
+    c.host_tv.insert(c.host_tv.end(), tl.v.begin(), tl.v.end());
+    c.t = static_cast<int>(c.host_tk.size() / tok);
+    c.tk = DeviceBlock();
+    c.tv = DeviceBlock();
+    if (c.t > 0) {
+      KVSHADE_ASSIGN_OR_RETURN(c.tk, Upload(c.host_tk.data(), Bf16Bytes(c.host_tk.size()), ArenaKind::kStatic));
+      KVSHADE_ASSIGN_OR_RETURN(c.tv, Upload(c.host_tv.data(), Bf16Bytes(c.host_tv.size()), ArenaKind::kStatic));
+    }
+    c.tail_version = s.tail_version;
+  }
+  return &c;
+}
+
+// ---------------------------------------------------------------------------------------
+// Stats, gauges, drain, maintenance
+
+void EngineImpl::UpdateGauges() {
+  const SessionCounts c = sessions_.Counts();
+  metrics_->SetSessions(double(c.sessions));
+  metrics_->SetAttachments(double(c.attachments));
+  size_t segs = 0;
+  {
+    absl::MutexLock lock(&seg_mu_);
+    segs = registered_.size();
+  }
+  const storage::HostStoreStats hs = store_->Stats();
+  metrics_->SetSegments(double(std::max(segs, hs.segments)));
+  {
+    std::lock_guard<std::mutex> lock(reported_mu_);
+    const uint64_t spills = hs.spills - std::min(hs.spills, reported_.spills);
+    const uint64_t spill_bytes = hs.spill_bytes_written - std::min(hs.spill_bytes_written, reported_.spill_bytes_written);
+    for (uint64_t i = 0; i < spills; ++i) metrics_->Spill(spill_bytes / spills);
+    const uint64_t ins = hs.page_ins - std::min(hs.page_ins, reported_.page_ins);
+    const uint64_t in_bytes = hs.page_in_bytes - std::min(hs.page_in_bytes, reported_.page_in_bytes);
+    for (uint64_t i = 0; i < ins; ++i) metrics_->PageIn(in_bytes / ins);
+    reported_ = hs;
+  }
+  const storage::ArenaStats as = arena_->Stats();
+  for (int k = 0; k < storage::kArenaKinds; ++k) {
+    metrics_->SetTierBytes("device", storage::ArenaKindName(ArenaKind(k)),
+                           double(as.used_by_kind[k]));
+  }
+  metrics_->SetTierBytes("host", "values", double(hs.resident_bytes));
+  if (spill_) metrics_->SetTierBytes("spill", "values", double(hs.spill_bytes_written));
+}
+
+absl::StatusOr<v1::StatsResponse> EngineImpl::Stats() {
+  UpdateGauges();
+  v1::StatsResponse r;
+  const SessionCounts c = sessions_.Counts();
+  const storage::ArenaStats as = arena_->Stats();
+  const storage::HostStoreStats hs = store_->Stats();
+  r.set_backend(std::string(backend_->name()));
+  r.set_sessions(c.sessions);
+  r.set_attachments(c.attachments);
+  {
+    absl::MutexLock lock(&seg_mu_);
+    r.set_segments(std::max(registered_.size(), hs.segments));
+  }
+  r.set_device_bytes_used(as.used);
+  r.set_device_bytes_budget(as.capacity);
+  r.set_host_bytes_used(hs.resident_bytes);
+  r.set_host_bytes_budget(hs.budget_bytes);
+  r.set_spilled_bytes(hs.spill_bytes_written);
+  r.set_prefix_lookups(prefix_lookups_.load());
+  r.set_prefix_hits(prefix_hits_.load());
+  r.set_chunks_selected(chunks_selected_.load());
+  r.set_chunk_hits(chunk_hits_.load());
+#ifdef KVSHADE_VERSION
+  r.set_version(KVSHADE_VERSION);
+#endif
+  return r;
+}
+
+absl::Status EngineImpl::Drain() {
+  draining_ = true;
+  {
+    std::unique_lock<std::mutex> lock(bg_mu_);
+    stop_ = true;
+    refactor_queue_.clear();
+    bg_cv_.notify_all();
+    bg_cv_.wait(lock, [&] { return bg_running_ == 0; });
+  }
+  if (bg_thread_.joinable()) bg_thread_.join();
+  absl::Status first = absl::OkStatus();
+  for (const auto& s : sessions_.AllSessions()) {
+    if (!s->durable) continue;
+    std::unique_lock lock(s->mu);
+    if (s->state != SessionState::kReady) continue;
+    absl::Status st = SealOpen(*s);
+    if (st.ok()) st = PersistSession(*s);
+    if (!st.ok() && first.ok()) first = st;
+  }
+  return first;
+}
+
+int EngineImpl::RunMaintenance() {
+  sessions_.ReapExpired();
+  UpdateGauges();
+  int done = 0;
+  for (;;) {
+    std::shared_ptr<Session> s;
+    {
+      std::lock_guard<std::mutex> lock(bg_mu_);
+      if (refactor_queue_.empty()) break;
+      s = refactor_queue_.front().lock();
+      refactor_queue_.pop_front();
+    }
+    if (s && Refactor(s)) ++done;
+  }
+  return done;
+}
+
+void EngineImpl::ScheduleRefactor(const std::shared_ptr<Session>& s) {
+  {
+    std::lock_guard<std::mutex> lock(bg_mu_);
+    if (stop_) return;
+    refactor_queue_.push_back(s);
+  }
+  bg_cv_.notify_all();
+}
+
+void EngineImpl::BackgroundLoop() {
+  std::unique_lock<std::mutex> lock(bg_mu_);
+  while (!stop_) {
+    bg_cv_.wait_for(lock, std::chrono::seconds(1),
+                    [&] { return stop_ || !refactor_queue_.empty(); });
+    if (stop_) break;
+    ++bg_running_;
+    lock.unlock();
+    RunMaintenance();
+    lock.lock();
+    --bg_running_;
+    bg_cv_.notify_all();
+  }
+}
+
+}  // namespace kvshade::service

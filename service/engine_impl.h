@@ -1,0 +1,178 @@
+// EngineImpl: the state and helpers behind Engine (engine.h). Split over engine.cc
+// (sessions, fork, lookup, attach, stats, drain, durability), ingest.cc (the ingest
+// pipeline per profile), append.cc (appended tokens and chunk migration) and select.cc
+// (select-and-reconstruct, attend, static sets).
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kvshade/kernels/backend.h"
+#include "kvshade/service/engine.h"
+#include "kvshade/service/session.h"
+#include "kvshade/service/session_manager.h"
+#include "kvshade/storage/device_arena.h"
+#include "kvshade/storage/host_value_store.h"
+#include "kvshade/storage/prefix_index.h"
+#include "kvshade/storage/spill_tier.h"
+
+namespace kvshade::service {
+
+struct StoreLink {
+  storage::HostValueStore* store = nullptr;
+  std::atomic<bool> keep{false};  // engine shutting down: leave values where they are
+};
+
+// Times a stage into Metrics::ObserveStage on destruction.
+class StageTimer {
+ public:
+  StageTimer(Metrics* m, std::string_view stage);
+  ~StageTimer();
+
+ private:
+  Metrics* m_;
+  std::string_view stage_;
+  int64_t start_ns_;
+};
+
+// A session's layer as the decode kernels read it, with the value pins that keep it valid.
+struct LayerViewHold {
+  kernels::SessionLayerView view;
+  std::vector<storage::SegmentPin> pins;
+  int total_chunks = 0;
+};
+
+class EngineImpl {
+ public:
+  EngineImpl(kernels::Backend* backend, const ServerConfig* config, Metrics* metrics,
+             EngineOptions options);
+  ~EngineImpl();
+
+  absl::Status Init();
+
+  // --- engine.cc ---
+  absl::StatusOr<v1::CreateSessionResponse> CreateSession(const Tenant& t,
+                                                          const v1::CreateSessionRequest& r);
+  absl::StatusOr<v1::ForkSessionResponse> ForkSession(const Tenant& t,
+                                                      const v1::ForkSessionRequest& r);
+  absl::StatusOr<v1::LookupPrefixResponse> LookupPrefix(const Tenant& t,
+                                                        const v1::LookupPrefixRequest& r);
+  absl::StatusOr<v1::SessionInfo> GetSession(const Tenant& t, const v1::GetSessionRequest& r);
+  absl::StatusOr<v1::ListSessionsResponse> ListSessions(const Tenant& t);
+  absl::StatusOr<v1::CloseSessionResponse> CloseSession(const Tenant& t,
+                                                        const v1::CloseSessionRequest& r);
+  absl::StatusOr<v1::AttachResponse> Attach(const Tenant& t, const v1::AttachRequest& r);
+  absl::StatusOr<v1::DetachResponse> Detach(const Tenant& t, const v1::DetachRequest& r);
+  absl::StatusOr<v1::StatsResponse> Stats();
+  absl::Status Drain();
+  int RunMaintenance();
+
+  // --- ingest.cc ---
+  absl::StatusOr<std::unique_ptr<Engine::IngestStream>> BeginIngest(
+      const Tenant& t, const v1::IngestRequest& header);
+
+  // --- append.cc ---
+  absl::StatusOr<v1::AppendTokensResponse> AppendTokens(const Tenant& t,
+                                                        const v1::AppendTokensRequest& r);
+
+  // --- select.cc ---
+  absl::StatusOr<v1::GetStaticSetResponse> GetStaticSet(const Tenant& t,
+                                                        const v1::GetStaticSetRequest& r);
+  absl::StatusOr<v1::SelectAndReconstructResponse> SelectAndReconstruct(
+      const Tenant& t, const v1::SelectAndReconstructRequest& r);
+  absl::StatusOr<v1::AttendResponse> Attend(const Tenant& t, const v1::AttendRequest& r);
+
+  // --- shared helpers (engine.cc) ---
+  // Backend memory from the arena; on exhaustion, unreferenced cached prefixes are
+  // evicted and the allocation retried once.
+  absl::StatusOr<DeviceBlock> Alloc(size_t bytes, storage::ArenaKind kind);
+  absl::StatusOr<DeviceBlock> Upload(const void* host, size_t bytes, storage::ArenaKind kind);
+  absl::Status Download(void* host, const void* src, size_t bytes);
+  // Absolute positions first .. first+n-1 as int64 in backend memory (RoPE and
+  // observation kernels read positions from the backend's memory space).
+  absl::StatusOr<DeviceBlock> DevicePositions(int64_t first, int64_t n);
+  // Builds the decode view of `layer` (caller holds the session lock, shared at least).
+  absl::StatusOr<LayerViewHold> BuildView(const Session& s, int layer);
+  // The attention working set of `layer`, rebuilt when stale (caller holds s.mu shared).
+  absl::StatusOr<const StaticCache*> GetCache(Session& s, int layer);
+  // A new segment object bound to the store.
+  std::shared_ptr<StoreLink> store_link() const { return store_link_; }
+  // Makes an open segment's state immutable and appends it to the chain (exclusive lock).
+  absl::Status SealOpen(Session& s);
+  // Writes a durable session's record (and any unwritten own segments) through.
+  absl::Status PersistSession(Session& s);
+  void DeleteDurableRecord(const Session& s);
+  void DeleteSegmentRecord(const storage::Id128& id);
+  absl::Status CheckNotDraining(std::string_view what) const;
+  void ScheduleRefactor(const std::shared_ptr<Session>& s);
+  void UpdateGauges();
+  absl::StatusOr<storage::PrefixHasher> Hasher(const Tenant& t, const ModelInfo& m,
+                                               const ProfileInfo& p) const;
+  // Writes a sealed segment's values (already in the store) and factors through as
+  // durable; sets seg.durable.
+  absl::Status SealSegmentValues(Segment& seg, bool durable, const ModelInfo& m);
+  std::string SegmentMetadata(const Segment& seg, const ModelInfo& m) const;
+
+  // Registers a sealed segment in the prefix index (and the engine's cache of registered
+  // segments); returns the index reference, or an empty one when it cannot be registered.
+  storage::SegmentRef RegisterPrefix(const std::shared_ptr<const Segment>& seg,
+                                     const std::vector<storage::PrefixKey>& keys,
+                                     int block_tokens, std::optional<storage::SegmentId> parent);
+  void EvictPrefixes(size_t max_bytes);
+
+  kernels::Backend* backend_;
+  const ServerConfig* config_;
+  Metrics* metrics_;
+  EngineOptions options_;
+  std::unique_ptr<storage::DeviceArena> arena_;
+  std::unique_ptr<storage::RocksSpillTier> spill_;
+  std::unique_ptr<storage::HostValueStore> store_;
+  std::shared_ptr<StoreLink> store_link_;
+  storage::PrefixIndex prefix_;
+  SessionManager sessions_;
+
+  absl::Mutex seg_mu_;
+  absl::flat_hash_map<storage::SegmentId, std::shared_ptr<const Segment>> registered_
+      ABSL_GUARDED_BY(seg_mu_);
+
+  std::atomic<bool> draining_{false};
+  std::atomic<uint64_t> prefix_lookups_{0}, prefix_hits_{0};
+  std::atomic<uint64_t> chunks_selected_{0}, chunk_hits_{0};
+  // Store counters already reported to Metrics (spills and page-ins happen inside it).
+  std::mutex reported_mu_;
+  storage::HostStoreStats reported_;
+
+  // Background maintenance.
+  std::mutex bg_mu_;
+  std::condition_variable bg_cv_;
+  std::deque<std::weak_ptr<Session>> refactor_queue_;
+  bool stop_ = false;
+  int bg_running_ = 0;
+  std::thread bg_thread_;
+  void BackgroundLoop();
+  // Runs one session's refactorization; true when it swapped in a new basis.
+  bool Refactor(const std::shared_ptr<Session>& s);
+  absl::Status RestoreDurable();
+};
+
+// INT2 KIVI of k, v [rows, d] bf16 host (keys per-channel, values per-token groups of G):
+// the codes into *kb (device), the dequantized rows into *dk, *dv (host).
+absl::Status QuantizeKivi(EngineImpl& e, int d, int G, const std::vector<kernels::bf16>& k,
+                          const std::vector<kernels::bf16>& v, int rows, KiviBlock* kb,
+                          std::vector<kernels::bf16>* dk, std::vector<kernels::bf16>* dv);
+
+// Helpers shared by the .cc files.
+size_t Bf16Bytes(size_t elements);
+std::vector<int64_t> Positions(int64_t first, int64_t n);
+
+}  // namespace kvshade::service

@@ -1,0 +1,79 @@
+// kvshade-server configuration: the YAML file (deploy/kvshade.yaml documents every key) and
+// the structs the rest of the service reads. Flags (main.cc) override the file. A config is
+// checked once by ValidateConfig before the server starts; nothing re-reads it afterwards.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvshade::service {
+
+// gRPC transport security. All empty: plaintext. cert_file + key_file: TLS.
+// client_ca_file additionally verifies client certificates (mTLS when require_client_cert).
+struct TlsConfig {
+  std::string cert_file, key_file, client_ca_file;
+  bool require_client_cert = false;
+};
+
+// Per-request and per-tenant limits; a request over a limit gets RESOURCE_EXHAUSTED or
+// INVALID_ARGUMENT naming the limit.
+struct LimitsConfig {
+  uint64_t max_tokens_per_session = 1 << 20;
+  uint32_t max_sessions_per_tenant = 1024;
+  uint64_t max_message_bytes = 512 << 20;  // gRPC max receive/send message size
+  uint32_t max_batch = 256;                // queries per SelectAndReconstruct / Attend
+  uint32_t max_attachments_per_session = 64;
+  uint32_t default_lease_ms = 30000;
+  uint32_t max_lease_ms = 600000;
+  uint32_t max_layers = 256;
+  uint32_t max_head_dim = 256;
+};
+
+// Server-side defaults for every Profile field a request leaves at zero.
+struct ProfileDefaults {
+  uint32_t rank = 160, chunk_size = 8, sparse_budget = 256, outliers = 48, local_window = 32,
+           heavy_chunks = 0, min_tokens = 8192, kivi_group = 16;
+  bool keep_sink = true;
+  float refactor_threshold = 0.05f, mini_recent_ratio = 0.1f, mini_heavy_ratio = 0.1f;
+  std::string value_codec = "bf16";  // bf16 | fp8 | int4 | int2
+};
+
+struct ServerConfig {
+  std::string listen = "127.0.0.1:50551";  // gRPC host:port
+  std::string backend = "cpu";             // cpu | cuda | auto
+  uint64_t device_budget_bytes = 8ull << 30, host_budget_bytes = 32ull << 30,
+           spill_budget_bytes = 0;         // 0 = unbounded spill tier
+  std::string spill_path;                  // RocksDB directory; empty = no spill, no durability
+  TlsConfig tls;
+  std::map<std::string, std::string> tenant_tokens;  // token -> tenant name
+  std::string prefix_secret;  // mixed into tenant salts; keep stable across restarts
+  LimitsConfig limits;
+  ProfileDefaults profile;
+  uint16_t metrics_port = 0;  // 0 = no /metrics endpoint
+  std::string metrics_listen = "127.0.0.1";
+  uint32_t worker_threads = 0;  // 0 = hardware concurrency
+};
+
+// Parses a YAML config file. Unknown keys are an error (a typo must not silently fall back
+// to a default). Missing keys keep the defaults above.
+absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path);
+
+// Checks ranges and cross-field rules (TLS files readable, budgets non-zero, ...).
+absl::Status ValidateConfig(const ServerConfig&);
+
+// Helpers shared by the YAML loader and the command-line flags.
+// "8GiB", "512MiB", "64M", "1G", "4096" (bytes). K/M/G/T are powers of 1024 too.
+absl::StatusOr<uint64_t> ParseByteSize(std::string_view text);
+// Adds one "NAME:TOKEN" pair (a flag value or a tokens-file line).
+absl::Status AddTenantToken(std::string_view name_colon_token, ServerConfig* config);
+// Reads a tokens file: one "NAME:TOKEN" per line; blank lines and '#' comments skipped.
+absl::Status LoadTokensFile(const std::string& path, ServerConfig* config);
+// A one-line summary for the start-up log; never prints tokens or secrets.
+std::string DescribeConfig(const ServerConfig& config);
+
+}  // namespace kvshade::service

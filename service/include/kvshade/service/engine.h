@@ -1,0 +1,112 @@
+// Engine: everything the kvshade.v1.KvShade service does, without the transport. Each
+// operation takes the authenticated Tenant and a v1 request and returns the v1 response
+// or an absl::Status whose code is the gRPC code to answer with (validation in model.h;
+// rules in service/README.md "Sessions and workers").
+//
+// Storage it creates from the ServerConfig: the DeviceArena (device_budget_bytes; factors,
+// landmarks, static sets, slot tables, per-call scratch), the HostValueStore
+// (host_budget_bytes; sealed segments' values, LRU spill), the RocksDB spill tier when
+// spill_path is set (spill target and durable sessions), and the prefix index.
+//
+// Threading: every operation may be called from any thread. No global lock on the decode
+// path: SelectAndReconstruct and Attend take the registry lock briefly to resolve ids, then
+// each session's lock shared (appends take it exclusively) and each attachment's own lock.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kvshade/kernels/backend.h"
+#include "kvshade/service/auth.h"
+#include "kvshade/service/config.h"
+#include "kvshade/service/metrics.h"
+#include "kvshade/service/session_manager.h"
+#include "kvshade/v1/kvshade.pb.h"
+
+namespace kvshade::service {
+
+struct EngineOptions {
+  Clock clock;                   // default: system clock (leases)
+  bool background_thread = true; // lease reaper + background refactorization; when off,
+                                 // RunMaintenance() does that work (tests)
+};
+
+class EngineImpl;
+
+class Engine {
+ public:
+  // backend, config and metrics must outlive the engine. Restores durable sessions from
+  // the spill tier (config.spill_path).
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(kernels::Backend* backend,
+                                                        const ServerConfig* config,
+                                                        Metrics* metrics,
+                                                        EngineOptions options = {});
+  ~Engine();
+
+  absl::StatusOr<v1::CreateSessionResponse> CreateSession(const Tenant& t,
+                                                          const v1::CreateSessionRequest& r);
+  absl::StatusOr<v1::ForkSessionResponse> ForkSession(const Tenant& t,
+                                                      const v1::ForkSessionRequest& r);
+  absl::StatusOr<v1::LookupPrefixResponse> LookupPrefix(const Tenant& t,
+                                                        const v1::LookupPrefixRequest& r);
+  absl::StatusOr<v1::SessionInfo> GetSession(const Tenant& t, const v1::GetSessionRequest& r);
+  absl::StatusOr<v1::ListSessionsResponse> ListSessions(const Tenant& t,
+                                                        const v1::ListSessionsRequest& r);
+  absl::StatusOr<v1::CloseSessionResponse> CloseSession(const Tenant& t,
+                                                        const v1::CloseSessionRequest& r);
+
+  // One Ingest stream: Begin with the header, Add each following message (layer parts;
+  // the commit message commits), or Commit directly. Destroying an uncommitted stream
+  // discards everything it received (the session stays "ingesting" and may be ingested
+  // again).
+  class IngestStream {
+   public:
+    virtual ~IngestStream() = default;
+    // A layer part or the commit. After a commit, further messages are INVALID_ARGUMENT.
+    virtual absl::Status Add(const v1::IngestRequest& msg) = 0;
+    // Whether a commit message has been accepted; response() is then valid.
+    virtual bool committed() const = 0;
+    virtual const v1::IngestResponse& response() const = 0;
+  };
+  absl::StatusOr<std::unique_ptr<IngestStream>> BeginIngest(const Tenant& t,
+                                                            const v1::IngestRequest& header);
+  // The whole stream at once (header first, commit last).
+  absl::StatusOr<v1::IngestResponse> Ingest(const Tenant& t,
+                                            absl::Span<const v1::IngestRequest> stream);
+
+  absl::StatusOr<v1::AppendTokensResponse> AppendTokens(const Tenant& t,
+                                                        const v1::AppendTokensRequest& r);
+  absl::StatusOr<v1::AttachResponse> Attach(const Tenant& t, const v1::AttachRequest& r);
+  absl::StatusOr<v1::DetachResponse> Detach(const Tenant& t, const v1::DetachRequest& r);
+  absl::StatusOr<v1::GetStaticSetResponse> GetStaticSet(const Tenant& t,
+                                                        const v1::GetStaticSetRequest& r);
+  absl::StatusOr<v1::SelectAndReconstructResponse> SelectAndReconstruct(
+      const Tenant& t, const v1::SelectAndReconstructRequest& r);
+  absl::StatusOr<v1::AttendResponse> Attend(const Tenant& t, const v1::AttendRequest& r);
+  absl::StatusOr<v1::StatsResponse> Stats(const Tenant& t, const v1::StatsRequest& r);
+
+  // Stops new sessions, ingests, attachments and appends (UNAVAILABLE), finishes
+  // background work, and writes durable sessions' state through. Idempotent.
+  absl::Status Drain();
+  bool draining() const;
+
+  // Reaps expired leases and runs pending refactorizations now (what the background
+  // thread does). Returns the number of refactorizations completed.
+  int RunMaintenance();
+
+  EngineImpl& impl() { return *impl_; }
+
+ private:
+  explicit Engine(std::unique_ptr<EngineImpl> impl);
+  std::unique_ptr<EngineImpl> impl_;
+};
+
+}  // namespace kvshade::service

@@ -1,0 +1,106 @@
+// Prometheus metrics of the daemon (prometheus-cpp). Every name, type and label is listed
+// in service/README.md; labels are low-cardinality only (method, code, stage, tier, kind,
+// result). Thread-safe: every method may be called from any RPC thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <thread>
+
+#include <prometheus/counter.h>
+#include <prometheus/family.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+
+#include "absl/status/statusor.h"
+
+namespace kvshade::service {
+
+class Metrics {
+ public:
+  Metrics();
+  std::shared_ptr<prometheus::Registry> registry() const { return registry_; }
+
+  // One finished RPC (method = the proto method name, e.g. "CreateSession"). A non-OK code
+  // is also counted in kvshade_errors_total; call Error() only for failures that are not
+  // reported through ObserveRpc.
+  void ObserveRpc(std::string_view method, int grpc_code, double seconds);
+  // stages: ingest_rope, ingest_factorize, ingest_project, ingest_landmarks, ingest_values,
+  // select, reconstruct, attend, append, spill, page_in
+  void ObserveStage(std::string_view stage, double seconds);
+  void SetTierBytes(std::string_view tier, std::string_view kind, double bytes);  // tier: device|host|spill
+  void SetSessions(double n);
+  void SetAttachments(double n);
+  void SetSegments(double n);
+  void PrefixLookup(bool hit, uint64_t reused_tokens);
+  void ChunkSelection(uint64_t selected, uint64_t hits);
+  void ReconstructionEnergy(double captured_energy);
+  void ProjectionResidual(double residual_energy);
+  void Spill(uint64_t bytes);
+  void PageIn(uint64_t bytes);
+  void Eviction();
+  void IngestedTokens(uint64_t n);
+  void Error(int grpc_code);
+
+ private:
+  // Label children are created lazily; prometheus-cpp's Family::Add is thread-safe and
+  // returns the same child for the same labels, so no cache of ours is needed.
+  std::shared_ptr<prometheus::Registry> registry_;
+  prometheus::Family<prometheus::Histogram>* rpc_seconds_;
+  prometheus::Family<prometheus::Counter>* rpc_total_;
+  prometheus::Family<prometheus::Histogram>* stage_seconds_;
+  prometheus::Family<prometheus::Gauge>* tier_bytes_;
+  prometheus::Gauge* sessions_;
+  prometheus::Gauge* attachments_;
+  prometheus::Gauge* segments_;
+  prometheus::Counter* prefix_lookups_;
+  prometheus::Counter* prefix_hits_;
+  prometheus::Counter* prefix_reused_tokens_;
+  prometheus::Counter* chunks_selected_;
+  prometheus::Counter* chunk_hits_;
+  prometheus::Histogram* reconstruction_energy_;
+  prometheus::Histogram* projection_residual_;
+  prometheus::Counter* spill_bytes_;
+  prometheus::Counter* spills_;
+  prometheus::Counter* page_in_bytes_;
+  prometheus::Counter* page_ins_;
+  prometheus::Counter* evictions_;
+  prometheus::Counter* ingested_tokens_;
+  prometheus::Family<prometheus::Counter>* errors_;
+};
+
+// Serves the registry in the Prometheus text format on GET /metrics (HTTP/1.0 and 1.1,
+// one request per connection). Our own ~100 lines instead of prometheus::Exposer:
+// Debian's civetweb runs handlers on 100 KiB thread stacks, and in this process (which
+// loads libquadmath through OpenBLAS/LAPACKE, registering printf hooks that send glibc's
+// printf down its stack-hungry positional path) every scrape overflowed that stack and
+// killed the daemon.
+class MetricsEndpoint {
+ public:
+  // Binds host:port (port 0 picks a free one) and starts the serving thread.
+  static absl::StatusOr<std::unique_ptr<MetricsEndpoint>> Start(
+      const std::string& host, uint16_t port, std::shared_ptr<prometheus::Registry> registry);
+  ~MetricsEndpoint();  // stops the thread and closes the socket
+  MetricsEndpoint(const MetricsEndpoint&) = delete;
+  MetricsEndpoint& operator=(const MetricsEndpoint&) = delete;
+  int port() const { return port_; }
+
+ private:
+  MetricsEndpoint() = default;
+  void Serve();
+  void HandleConnection(int fd);
+  std::shared_ptr<prometheus::Registry> registry_;
+  int listen_fd_ = -1;
+  int wake_fd_ = -1;  // eventfd: wakes the poll() at shutdown
+  int port_ = 0;
+  std::thread thread_;
+};
+
+// The canonical name of a gRPC status code ("OK", "INVALID_ARGUMENT", ...), used as the
+// `code` label.
+std::string_view GrpcCodeName(int grpc_code);
+
+}  // namespace kvshade::service

@@ -1,0 +1,86 @@
+// Validated, resolved descriptors of a session: the model geometry (from v1::ModelSpec)
+// and the compression profile (from v1::Profile with the server's defaults filled in),
+// plus the tensor conversions every data RPC shares. Every check returns
+// InvalidArgument with a message naming the field, the expected and the actual value.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "kvshade/kernels/backend.h"
+#include "kvshade/service/config.h"
+#include "kvshade/v1/kvshade.pb.h"
+
+namespace kvshade::service {
+
+// The geometry of a model's attention, as the kernels need it.
+struct ModelInfo {
+  std::string model_id;
+  int layers = 0;
+  kernels::LayerShape shape;  // h, g, d
+  kernels::RopeSpec rope;
+  v1::DType dtype = v1::DTYPE_BF16;  // wire dtype of K/V/Q tensors
+  v1::ModelSpec spec;                // as given (normalized: dtype filled in)
+
+  // Identity of everything that makes two caches interchangeable (part of prefix keys).
+  std::string Fingerprint() const;
+};
+
+// A profile with every default resolved. `kind` is never AUTO here.
+struct ProfileInfo {
+  v1::ProfileKind kind = v1::PROFILE_KIND_SHADOW;
+  v1::ProfileKind requested = v1::PROFILE_KIND_AUTO;
+  int rank = 160;
+  int chunk_size = 8;
+  int sparse_budget = 256;
+  int outliers = 48;
+  bool keep_sink = true;
+  int local_window = 32;
+  int heavy_chunks = 0;
+  kernels::ValueCodecSpec codec;
+  int min_tokens = 8192;
+  float refactor_threshold = 0.05f;
+  float energy_target = 0;
+  float mini_recent_ratio = 0.1f;
+  float mini_heavy_ratio = 0.1f;
+  int kivi_group = 16;
+
+  // The fields that change what is stored (part of prefix keys).
+  std::string Fingerprint() const;
+  v1::Profile ToProto() const;
+};
+
+absl::StatusOr<ModelInfo> ResolveModel(const v1::ModelSpec& spec, const LimitsConfig& limits);
+
+// Resolves `profile` for a session of `n_tokens` prompt tokens (AUTO: MINI below
+// min_tokens, SHADOW at or above) and checks it against the model.
+absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& profile,
+                                           const ProfileDefaults& defaults,
+                                           const ModelInfo& model, uint64_t n_tokens);
+
+absl::StatusOr<kernels::ValueCodec> CodecFromProto(v1::ValueCodec c, const std::string& fallback);
+v1::ValueCodec CodecToProto(kernels::ValueCodec c);
+
+// Checks token ids (>= 0) and the per-session limit. `what` names the field.
+absl::Status ValidateTokens(absl::Span<const int32_t> tokens, uint64_t already,
+                            const LimitsConfig& limits, std::string_view what);
+
+// Decodes an inline tensor of exactly `shape` in dtype `dtype` (BF16, FP16 or FP32) to bf16,
+// checking dtype, shape, byte size and that every value is finite. `what` names the tensor
+// in messages (e.g. "layers[3].k").
+absl::StatusOr<std::vector<kernels::bf16>> DecodeTensor(const v1::Tensor& t,
+                                                        absl::Span<const int64_t> shape,
+                                                        v1::DType dtype, std::string_view what);
+// True when the tensor carries no shape and no data (an omitted optional tensor).
+bool TensorEmpty(const v1::Tensor& t);
+
+// Writes `data` as a tensor of `shape` (bf16 or fp32).
+void EncodeBf16(absl::Span<const kernels::bf16> data, absl::Span<const int64_t> shape,
+                v1::Tensor* out);
+void EncodeF32(absl::Span<const float> data, absl::Span<const int64_t> shape, v1::Tensor* out);
+
+}  // namespace kvshade::service

@@ -1,0 +1,74 @@
+// The kvshade-server process around the KvShade gRPC service: builds the grpc::Server
+// (plaintext, TLS or mTLS; message size limits; grpc.health.v1; proto reflection),
+// registers the KvShadeService, serves Prometheus /metrics (MetricsEndpoint), and shuts
+// down gracefully.
+//
+// Life cycle: Start() -> SERVING. Shutdown() (or a SIGTERM/SIGINT seen by
+// RunUntilSignal()) sets health NOT_SERVING, drains the service (no new sessions; durable
+// state flushed), then stops the gRPC server with a deadline for in-flight calls.
+// Durable sessions are restored by KvShadeService::Create at start.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include <grpcpp/server.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvshade/kernels/backend.h"
+#include "kvshade/service/auth.h"
+#include "kvshade/service/config.h"
+#include "kvshade/service/metrics.h"
+
+namespace kvshade::service {
+
+class KvShadeService;
+
+class Server {
+ public:
+  // Validates `config`, creates the backend, the service (which restores durable sessions)
+  // and starts listening. Fails with the cause (bad config, port in use, unreadable TLS
+  // files, backend unavailable).
+  static absl::StatusOr<std::unique_ptr<Server>> Start(const ServerConfig& config);
+  ~Server();
+
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // The bound gRPC port (useful with listen "host:0") and the metrics port (0 = none).
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_port_; }
+  std::string_view backend_name() const;
+
+  // Waits for SIGTERM or SIGINT, then Shutdown(grace). The signals must be blocked in every
+  // thread: call BlockSignals() first thing in main, before any thread exists.
+  absl::Status RunUntilSignal(absl::Duration grace);
+
+  // Health NOT_SERVING, Drain(), stop the server (in-flight calls get `grace` to finish).
+  // Idempotent.
+  absl::Status Shutdown(absl::Duration grace);
+
+  // Blocks SIGTERM and SIGINT in the calling thread (and so in threads it creates later).
+  static void BlockSignals();
+
+ private:
+  Server() = default;
+
+  ServerConfig config_;
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<Authenticator> auth_;
+  std::unique_ptr<KvShadeService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<MetricsEndpoint> exposer_;  // /metrics
+  int port_ = 0;
+  int metrics_port_ = 0;
+  std::mutex shutdown_mu_;
+  bool shut_down_ = false;
+};
+
+}  // namespace kvshade::service

@@ -1,0 +1,214 @@
+// Sessions and segments: the in-memory state of kvshade's cache (ARCHITECTURE.md "Data
+// model").
+//
+// A Segment is the compressed state of a token range for every layer. Once sealed it is
+// immutable and shared (std::shared_ptr<const Segment>) by every session whose chain holds
+// it: a cached document prefix, a fork's shared part. A Session is a chain of sealed
+// segments (shared prefix first), an open segment that whole chunks of appended tokens move
+// into, and a small exact tail of appended tokens.
+//
+// Memory: "device" blocks come from the storage DeviceArena (backend memory: device memory
+// for CUDA, host memory for the CPU backend). Values of sealed shadow segments live in the
+// storage HostValueStore under the segment id (pinned per call; spilled when cold); the
+// open segment's values live in a growable host-visible buffer of its own (the store's
+// blocks have a fixed size).
+//
+// Locking: Session::mu is a reader/writer lock. Select, Attend and GetStaticSet hold it
+// shared; Ingest commit, AppendTokens, Fork sealing and the refactorization swap hold it
+// exclusively. Segment contents never change after sealing, so no lock guards them.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <shared_mutex>
+#include <string>
+#include <vector>
+
+#include "kvshade/kernels/backend.h"
+#include "kvshade/service/model.h"
+#include "kvshade/storage/device_arena.h"
+#include "kvshade/storage/prefix_index.h"
+#include "kvshade/storage/types.h"
+
+namespace kvshade::service {
+
+// Backend memory owned by the session state: a block of the storage DeviceArena, or a
+// Buffer made by a kernel composite (CompressShadowLayer allocates its own outputs).
+class DeviceBlock {
+ public:
+  DeviceBlock() = default;
+  DeviceBlock(storage::ArenaBlock b) : block_(std::move(b)) {}  // NOLINT: implicit by design
+  DeviceBlock(kernels::Buffer b) : buffer_(std::move(b)) {}     // NOLINT
+  void* data() const { return block_ ? block_.data() : buffer_.data(); }
+  size_t bytes() const { return block_ ? block_.bytes() : buffer_.bytes(); }
+  explicit operator bool() const { return data() != nullptr; }
+
+ private:
+  storage::ArenaBlock block_;
+  kernels::Buffer buffer_;
+};
+
+// A layer's shared key basis B [h, r, d] bf16 (device), with the rank r.
+struct Basis {
+  int r = 0;
+  DeviceBlock b;
+};
+
+// INT2 (KIVI) K and V of `rows` tokens per head for every head of a layer:
+// keys [h*rows, d] in per-channel groups of G rows (rows % G == 0, so groups never cross
+// heads), values [h*rows, d] in per-token groups of G channels. Only the first `valid`
+// rows of each head are tokens; the rest repeat the last token (padding that leaves the
+// group minima and maxima unchanged) and are never attended.
+struct KiviBlock {
+  int rows = 0;
+  int valid = 0;
+  DeviceBlock k_codes, k_scale, k_min;
+  DeviceBlock v_codes, v_scale, v_min;
+};
+
+// Growable host-visible value chunks of an open segment: [h, cap_chunks, chunk_stride].
+struct OpenValues {
+  kernels::Buffer buffer;
+  int cap_chunks = 0;
+  int64_t chunk_stride = 0;
+  int64_t head_stride() const { return int64_t(cap_chunks) * chunk_stride; }
+};
+
+// One layer of one segment.
+struct LayerData {
+  // --- selectable chunks (shadow) ---
+  int n_chunks = 0;    // chunks covering tokens [0, n_chunks*C) of the segment
+  int cap_chunks = 0;  // capacity of a, landmarks (== n_chunks once sealed)
+  std::shared_ptr<const Basis> basis;
+  // [cap_chunks*C, r] bf16 token coordinates; shared so that a refactorized copy of a
+  // segment can keep the layers it did not change.
+  std::shared_ptr<DeviceBlock> a;
+  DeviceBlock landmarks;  // [cap_chunks, h, d] bf16 post-RoPE chunk means
+  DeviceBlock excluded;   // [h, n_chunks] u8 (1 = static for that head), or empty
+  OpenValues open_values; // open segments only; sealed ones use the HostValueStore
+  // --- always-attended pieces ---
+  int s_cap = 0;                // static rows per head (capacity)
+  std::vector<int32_t> s_len;   // [h] valid static rows per head (host)
+  DeviceBlock sk, sv;           // [h, s_cap, d] bf16 post-RoPE K / V: sink, outlier and
+                                // (dequantized) heavy chunks; mini: the retained tokens
+                                // (dequantized from their KIVI codes)
+  std::vector<KiviBlock> int2;  // the INT2 codes behind the dequantized rows (resident
+                                // compressed form; what durability writes)
+  int n_tail = 0;         // exact tokens shared by all heads
+  int cap_tail = 0;
+  DeviceBlock tk, tv;     // [cap_tail, h, d] bf16 post-RoPE K / V (the segment's local
+                          // remainder; exact profile: every token)
+  // --- reporting ---
+  double captured_energy = 0;
+  double residual_energy = 0;
+  int static_chunks_per_head = 0;
+};
+
+// Frees a segment's values in the HostValueStore when the segment dies (unless the
+// engine is shutting down: durable segments must survive in the spill tier).
+struct StoreLink;
+
+struct Segment {
+  ~Segment();
+  storage::SegmentId id;
+  v1::ProfileKind kind = v1::PROFILE_KIND_SHADOW;
+  int64_t first_position = 0;
+  int64_t n_tokens = 0;
+  int chunk_size = 8;
+  std::vector<int32_t> tokens;  // token ids of [first_position, +n_tokens) (ingested segments)
+  std::vector<LayerData> layers;
+  // Values are in the HostValueStore under `id` (sealed shadow segments with chunks).
+  bool values_in_store = false;
+  storage::SegmentValueLayout value_layout;
+  // Registered in the prefix index under this key (ingested segments of a prompt).
+  std::optional<storage::PrefixKey> prefix_key;
+  bool durable = false;  // written through to the spill tier
+  std::shared_ptr<StoreLink> store;  // set when values_in_store
+  // A refactorized segment: every layer's a/basis are its own; all other fields are read
+  // from `base` (the segment it replaces), which it keeps alive.
+  std::shared_ptr<const Segment> base;
+  const LayerData& data(int layer) const { return base ? base->data(layer) : layers[layer]; }
+  const Segment& values_owner() const { return base ? base->values_owner() : *this; }
+
+  // Convention: `layers[l].a` and `layers[l].basis` are always this segment's own (a
+  // refactorized segment replaces them); every other field is read through data(l).
+  size_t DeviceBytes() const;
+  size_t HostBytes() const;
+};
+
+// Appended tokens not yet in whole chunks, per layer (host copies; shadow and mini).
+struct TailLayer {
+  std::vector<kernels::bf16> k_pre;  // [t, h, d] pre-RoPE (shadow: projected when chunked)
+  std::vector<kernels::bf16> k;      // [t, h, d] post-RoPE
+  std::vector<kernels::bf16> v;      // [t, h, d]
+};
+
+// The attention working set of one layer, built from a session's state when first needed
+// and rebuilt after it changes (versions below).
+struct StaticCache {
+  uint64_t static_version = ~0ull;
+  uint64_t tail_version = ~0ull;
+  int s = 0;                   // static rows per head (max over heads)
+  std::vector<int32_t> host_lengths;  // [h] valid rows per head
+  DeviceBlock k, v;            // [h, s, d] bf16
+  DeviceBlock lengths;         // [h] int32
+  std::vector<kernels::bf16> host_k, host_v;  // host copies for GetStaticSet
+  int t = 0;                   // exact tokens (segment remainders + appended tail)
+  DeviceBlock tk, tv;          // [t, h, d] bf16
+  std::vector<kernels::bf16> host_tk, host_tv;
+};
+
+enum class SessionState { kIngesting, kReady, kClosed };
+const char* SessionStateName(SessionState s);
+
+struct Session {
+  std::string id;
+  std::string tenant;
+  ModelInfo model;
+  ProfileInfo profile;
+  bool durable = false;
+  std::string label;
+  std::vector<int32_t> prompt;   // token ids given at create (for prefix registration)
+  uint64_t reused_tokens = 0;
+  int64_t created_unix_ms = 0;
+
+  // Guards everything below (see the file comment).
+  mutable std::shared_mutex mu;
+  SessionState state = SessionState::kIngesting;
+  std::vector<std::shared_ptr<const Segment>> chain;
+  std::shared_ptr<Segment> open;        // appended whole chunks (created lazily)
+  std::vector<TailLayer> tail;          // [L]
+  std::vector<int32_t> appended_tokens; // token ids appended after the prompt
+  uint64_t tokens = 0;                  // committed tokens (chain + open + tail)
+  uint64_t static_version = 0;          // bumped when chain/open static parts change
+  uint64_t tail_version = 0;            // bumped when the tail changes
+  std::vector<double> captured_energy;  // per layer, of the last ingest
+  std::vector<double> residual_energy;
+  std::vector<double> drift;            // per layer: worst residual since the last factorization
+  bool refactor_pending = false;
+  uint64_t durable_record_version = 0;
+  storage::Id128 record_id;  // the spill-tier record of a durable session
+  // References that keep this session's registered (prefix) segments from eviction.
+  std::vector<storage::SegmentRef> prefix_refs;
+  // Refactorization input: exact pre-RoPE keys of the last suffix ingest per layer
+  // ([n, h, d] bf16 host; empty for layers under the threshold), kept until it runs.
+  std::vector<std::vector<kernels::bf16>> refactor_keys;
+  int64_t refactor_first_position = 0;
+
+  // Ingest stream in progress (at most one at a time).
+  std::atomic<bool> ingest_active{false};
+  std::atomic<int> layers_ingested{0};
+
+  // The attention working set per layer, under its own lock (readers share `mu`).
+  std::mutex cache_mu;
+  std::vector<StaticCache> cache;  // [L]
+
+  // Attachments: guarded by the SessionManager's registry lock.
+  int attachments = 0;
+  std::string writer_attachment;  // id of the live writer attachment, or empty
+};
+
+}  // namespace kvshade::service

@@ -1,0 +1,134 @@
+// SessionManager: the registry of sessions and attachments, per tenant, with leases.
+//
+// Rules (service/README.md, "Sessions and workers"):
+// - Sessions and attachments are scoped by tenant: an id of another tenant's session or
+//   attachment is NOT_FOUND, exactly like an unknown id (existence is not revealed).
+// - A tenant holds at most limits.max_sessions_per_tenant sessions (RESOURCE_EXHAUSTED).
+// - Attach gives a lease of lease_ms (0 = default_lease_ms; at most max_lease_ms); every
+//   use of the attachment (select, attend, static set, append) renews it. An expired
+//   attachment is removed; using its id gets FAILED_PRECONDITION ("lease expired",
+//   re-attach) while its tombstone is remembered (the most recent kMaxTombstones), then
+//   NOT_FOUND.
+// - At most one live writer attachment per session (FAILED_PRECONDITION for a second one);
+//   its lease expiring or a Detach frees the role.
+// - A session holds at most limits.max_attachments_per_session live attachments.
+//
+// Concurrency: one short registry lock (absl::Mutex) for the maps; nothing slow runs under
+// it. Per-attachment work (slot tables) is serialized by Attachment::mu.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "kvshade/service/config.h"
+#include "kvshade/service/session.h"
+
+namespace kvshade::service {
+
+// Milliseconds since the Unix epoch; injectable so that lease tests need no sleeps.
+using Clock = std::function<int64_t()>;
+int64_t SystemNowMs();
+
+// A slot table of one layer: [h, k] int32 chunk ids (-1 = empty), backend memory.
+struct SlotTable {
+  int k = 0;
+  DeviceBlock slots;
+};
+
+struct Attachment {
+  std::string id;
+  std::string tenant;
+  std::string worker_id;
+  bool writer = false;
+  uint32_t lease_ms = 0;
+  std::shared_ptr<Session> session;
+  // Guarded by the manager's registry lock.
+  int64_t expires_ms = 0;
+
+  // Serializes selects of this attachment (its slot tables).
+  std::mutex mu;
+  std::vector<SlotTable> slots;  // [L], allocated on first use of a layer
+  uint64_t selected = 0, hits = 0;
+};
+
+struct SessionCounts {
+  size_t sessions = 0;
+  size_t attachments = 0;
+};
+
+class SessionManager {
+ public:
+  static constexpr size_t kMaxTombstones = 65536;
+
+  SessionManager(const LimitsConfig& limits, Clock clock);
+
+  // Random 128-bit ids, 32 hex digits.
+  static std::string NewId();
+
+  // Registers a session (its id and tenant set). RESOURCE_EXHAUSTED over the tenant's
+  // session limit.
+  absl::Status AddSession(std::shared_ptr<Session> session);
+  // NOT_FOUND for an unknown id or another tenant's session.
+  absl::StatusOr<std::shared_ptr<Session>> FindSession(const std::string& tenant,
+                                                       const std::string& id) const;
+  // Unregisters a session and its attachments (their ids become tombstones).
+  absl::StatusOr<std::shared_ptr<Session>> RemoveSession(const std::string& tenant,
+                                                         const std::string& id);
+  std::vector<std::shared_ptr<Session>> ListSessions(const std::string& tenant) const;
+  std::vector<std::shared_ptr<Session>> AllSessions() const;
+
+  // A new attachment to a registered session. lease_ms 0 = default; over max_lease_ms is
+  // INVALID_ARGUMENT.
+  absl::StatusOr<std::shared_ptr<Attachment>> Attach(const std::string& tenant,
+                                                     std::shared_ptr<Session> session,
+                                                     const std::string& worker_id,
+                                                     uint32_t lease_ms, bool writer);
+  absl::Status Detach(const std::string& tenant, const std::string& attachment_id);
+  // Looks an attachment up for use and renews its lease. NOT_FOUND (unknown, other
+  // tenant), FAILED_PRECONDITION (lease expired).
+  absl::StatusOr<std::shared_ptr<Attachment>> Use(const std::string& tenant,
+                                                  const std::string& attachment_id);
+  // Whether `attachment_id` (may be empty) may append to `session`: with a live writer
+  // attachment only that attachment may (PERMISSION_DENIED otherwise); without one the
+  // owner tenant may append with no attachment or with any of its live attachments.
+  absl::Status CheckWriter(const std::string& tenant, const Session& session,
+                           const std::string& attachment_id);
+
+  // Removes expired attachments; returns how many.
+  int ReapExpired();
+  int64_t LeaseExpiry(const Attachment& a) const;
+  int AttachmentCount(const Session& s) const;
+  SessionCounts Counts() const;
+  int64_t Now() const { return clock_(); }
+
+ private:
+  absl::Status ExpiredOrMissing(const std::string& attachment_id) const
+      ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void RemoveAttachmentLocked(const std::shared_ptr<Attachment>& a, bool expired)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  LimitsConfig limits_;
+  Clock clock_;
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, size_t> per_tenant_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<Attachment>> attachments_
+      ABSL_GUARDED_BY(mu_);
+  // Expired attachment id -> (tenant, expiry), bounded FIFO.
+  absl::flat_hash_map<std::string, std::pair<std::string, int64_t>> tombstones_
+      ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvshade::service

@@ -1,0 +1,628 @@
+// The ingest pipeline (ALGORITHM.md, per profile): one Ingest stream receives a session's
+// prompt K/V (after the reused prefix) layer by layer, compresses each layer as soon as it
+// is complete, and commits a new immutable segment at the end.
+//
+// shadow : kernels::CompressShadowLayer (factorize, RoPE, landmarks, outliers, heavy
+//          chunks, values, static set, tail). A suffix after a reused prefix is then
+//          projected onto the prefix's basis (ProjectKeys) and its residual energy
+//          reported; past refactor_threshold a background refactorization is scheduled.
+//          Segments shorter than local_window + C are all exact tail.
+// mini   : recent window + heavy hitters by observation mass (token-granular, per head,
+//          pyramid budgets over layers), stored INT2 (KIVI) in whole groups of G tokens;
+//          the newest retained tokens that do not fill a group stay exact. Without
+//          observation queries the heavy budget goes to the recent window.
+// exact  : post-RoPE K and V as given.
+//
+// Nothing is visible to other calls before the commit; an abandoned stream frees what it
+// built and leaves the session "ingesting".
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "engine_impl.h"
+#include "kvshade/kernels/pyramid.h"
+#include "kvshade/kernels/shadow_layer.h"
+#include "kvshade/kernels/status_macros.h"
+
+namespace kvshade::service {
+namespace {
+
+using kernels::bf16;
+using storage::ArenaKind;
+
+// Heavy-chunk counts per layer: the pyramid (ALGORITHM.md) scaled to a mean of `mean`.
+std::vector<int> HeavyPerLayer(int layers, int mean) {
+  std::vector<int> out(layers, 0);
+  if (mean <= 0) return out;
+  constexpr double kX = 0.25;  // any x keeping every layer's fraction in [0, 1]
+  auto b = kernels::PyramidBudgets(layers, kX);
+  for (int l = 0; l < layers; ++l) {
+    out[l] = b.ok() ? static_cast<int>(std::lround(mean * (*b)[l] / kX)) : mean;
+  }
+  return out;
+}
+
+class IngestStreamImpl final : public Engine::IngestStream {
+ public:
+  IngestStreamImpl(EngineImpl& e, Tenant tenant, std::shared_ptr<Session> s)
+      : e_(e), tenant_(std::move(tenant)), s_(std::move(s)) {
+    const Session& s_ref = *s_;
+    first_ = static_cast<int64_t>(s_ref.reused_tokens);
+    n_ = static_cast<int>(s_ref.prompt.size() - s_ref.reused_tokens);
+    L_ = s_ref.model.layers;
+    bufs_.resize(L_);
+    out_.resize(L_);
+    captured_.assign(L_, 0.0);
+    residual_.assign(L_, 0.0);
+    refactor_keys_.resize(L_);
+    const ProfileInfo& p = s_ref.profile;
+    if (p.kind == v1::PROFILE_KIND_SHADOW) {
+      heavy_ = HeavyPerLayer(L_, p.heavy_chunks);
+      std::shared_lock lock(s_->mu);
+      if (!s_->chain.empty()) {
+        prefix_basis_.resize(L_);
+        for (int l = 0; l < L_; ++l) prefix_basis_[l] = s_->chain.back()->layers[l].basis;
+      }
+    }
+    if (p.kind == v1::PROFILE_KIND_MINI) {
+      auto b = kernels::PyramidBudgets(L_, p.mini_heavy_ratio);
+      mini_heavy_ = b.ok() ? *b : std::vector<double>(L_, p.mini_heavy_ratio);
+    }
+    seg_id_ = *storage::Id128::FromHex(SessionManager::NewId());
+  }
+
+  ~IngestStreamImpl() override {
+    if (!committed_ && store_created_) e_.store_->Erase(seg_id_).IgnoreError();
+    s_->layers_ingested = 0;
+    s_->ingest_active = false;
+  }
+
+  bool committed() const override { return committed_; }
+  const v1::IngestResponse& response() const override { return resp_; }
+
+  absl::Status Add(const v1::IngestRequest& msg) override {
+    if (committed_) {
+      return absl::InvalidArgumentError("Ingest: no message may follow the IngestCommit");
+    }
+    switch (msg.body_case()) {
+      case v1::IngestRequest::kHeader:
+        return absl::InvalidArgumentError(
+            "Ingest: the IngestHeader may only be the first message of the stream");
+      case v1::IngestRequest::kLayer: return AddLayer(msg.layer());
+      case v1::IngestRequest::kCommit: return Commit();
+      default: return absl::InvalidArgumentError("Ingest: a message has no body");
+    }
+  }
+
+ private:
+  struct LayerBuf {
+    std::vector<bf16> k, v;   // [n, h, d]
+    int received = 0;
+    bool done = false;
+    std::vector<bf16> qobs;   // [w, hq, d]
+    int w = 0;
+  };
+
+  absl::Status AddLayer(const v1::IngestLayer& m) {
+    const ModelInfo& model = s_->model;
+    const int h = model.shape.h, d = model.shape.d, hq = model.shape.query_heads();
+    if (m.layer() >= static_cast<uint32_t>(L_)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layer must be < num_layers = ", L_, ", got ", m.layer()));
+    }
+    const int l = static_cast<int>(m.layer());
+    LayerBuf& b = bufs_[l];
+    const std::string name = absl::StrCat("layer ", l);
+    if (b.done) return absl::InvalidArgumentError(absl::StrCat(name, " is already complete"));
+    if (m.token_offset() != static_cast<uint64_t>(b.received)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": token_offset must be ", b.received,
+                       " (parts of a layer arrive in order), got ", m.token_offset()));
+    }
+    if (m.k().shape_size() != 3 || m.k().shape(0) < 1 ||
+        m.k().shape(0) > int64_t(n_) - b.received) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": k.shape must be [n_part, h, d] = [1..", int64_t(n_) - b.received, ", ", h,
+          ", ", d, "] (", n_, " tokens to ingest, ", b.received, " received), got [",
+          absl::StrJoin(m.k().shape(), ", "), "]"));
+    }
+    const int64_t n_part = m.k().shape(0);
+    const std::vector<int64_t> shape = {n_part, h, d};
+    KVSHADE_ASSIGN_OR_RETURN(std::vector<bf16> k,
+                             DecodeTensor(m.k(), shape, model.dtype, absl::StrCat(name, " k")));
+    KVSHADE_ASSIGN_OR_RETURN(std::vector<bf16> v,
+                             DecodeTensor(m.v(), shape, model.dtype, absl::StrCat(name, " v")));
+    const bool completes = b.received + n_part == n_;
+    if (m.last_part() && !completes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": last_part is set but the layer has ", b.received + n_part, " of ", n_,
+          " tokens"));
+    }
+    if (!TensorEmpty(m.observation_queries())) {
+      if (!completes) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, ": observation_queries must come with the layer's final part"));
+      }
+      const v1::Tensor& q = m.observation_queries();
+      if (q.shape_size() != 3 || q.shape(0) < 1 || q.shape(0) > n_) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, ": observation_queries.shape must be [w, hq, d] with 1 <= w <= ", n_,
+            ", got [", absl::StrJoin(q.shape(), ", "), "]"));
+      }
+      const int64_t w = q.shape(0);
+      KVSHADE_ASSIGN_OR_RETURN(
+          b.qobs, DecodeTensor(q, {w, hq, d}, model.dtype, absl::StrCat(name, " observation_queries")));
+      b.w = static_cast<int>(w);
+    }
+    if (b.k.empty()) {
+      b.k.reserve(size_t(n_) * h * d);
+      b.v.reserve(size_t(n_) * h * d);
+    }
+    b.k.insert(b.k.end(), k.begin(), k.end());
+    b.v.insert(b.v.end(), v.begin(), v.end());
+    b.received += static_cast<int>(n_part);
+    if (!completes) return absl::OkStatus();
+    absl::Status st = ProcessLayer(l);
+    b = LayerBuf();
+    b.done = st.ok();
+    if (!st.ok()) return st;
+    ++s_->layers_ingested;
+    return absl::OkStatus();
+  }
+
+  // Reserves the segment's value block in the store (every profile: the store is also
+  // where a durable segment is written through, factors included).
+  absl::Status EnsureStoreSegment(int n_chunks) {
+    if (store_created_) return absl::OkStatus();
+    const ModelInfo& m = s_->model;
+    const ProfileInfo& p = s_->profile;
+    KVSHADE_ASSIGN_OR_RETURN(layout_, storage::SegmentValueLayout::Make(
+                                          L_, m.shape.h, n_chunks, p.chunk_size, m.shape.d, p.codec));
+    KVSHADE_RETURN_IF_ERROR(e_.store_->Create(seg_id_, layout_));
+    store_created_ = true;
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<DeviceBlock> RopeCopy(const std::vector<bf16>& k, int64_t first) {
+    const ModelInfo& m = s_->model;
+    const int n = static_cast<int>(k.size() / (size_t(m.shape.h) * m.shape.d));
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kr, e_.Upload(k.data(), Bf16Bytes(k.size()), ArenaKind::kOther));
+    StageTimer timer(e_.metrics_, "ingest_rope");
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock posd, e_.DevicePositions(first, n));
+    KVSHADE_RETURN_IF_ERROR(e_.backend_->ApplyRope(
+        m.rope, absl::Span<const int64_t>(static_cast<const int64_t*>(posd.data()), size_t(n)),
+        m.shape.h, m.shape.d,
+        absl::Span<bf16>(static_cast<bf16*>(kr.data()), k.size())));
+    KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
+    return kr;
+  }
+
+  absl::Status ProcessLayer(int l) {
+    switch (s_->profile.kind) {
+      case v1::PROFILE_KIND_SHADOW: return ProcessShadow(l);
+      case v1::PROFILE_KIND_MINI: return ProcessMini(l);
+      default: return ProcessExact(l);
+    }
+  }
+
+  absl::Status ProcessExact(int l) {
+    LayerBuf& b = bufs_[l];
+    KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(0));
+    LayerData& out = out_[l];
+    KVSHADE_ASSIGN_OR_RETURN(out.tk, RopeCopy(b.k, first_));
+    KVSHADE_ASSIGN_OR_RETURN(out.tv, e_.Upload(b.v.data(), Bf16Bytes(b.v.size()), ArenaKind::kStatic));
+    out.n_tail = out.cap_tail = n_;
+    return absl::OkStatus();
+  }
+
+  // Residual of projecting k [n, h, d] onto `basis` (optionally keeping the coordinates).
+  absl::StatusOr<double> Project(const std::vector<bf16>& k, const Basis& basis,
+                                 DeviceBlock* a_out) {
+    const ModelInfo& m = s_->model;
+    const int n = static_cast<int>(k.size() / m.shape.D());
+    StageTimer timer(e_.metrics_, "ingest_project");
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kd, e_.Upload(k.data(), Bf16Bytes(k.size()), ArenaKind::kOther));
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock a, e_.Alloc(Bf16Bytes(size_t(n) * basis.r), ArenaKind::kA));
+    const size_t wsb = e_.backend_->ProjectWorkspaceBytes(n, m.shape, basis.r);
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e_.Alloc(wsb, ArenaKind::kOther));
+    KVSHADE_ASSIGN_OR_RETURN(
+        kernels::ProjectionResult pr,
+        e_.backend_->ProjectKeys(
+            absl::Span<const bf16>(static_cast<const bf16*>(kd.data()), k.size()), n, m.shape,
+            absl::Span<const bf16>(static_cast<const bf16*>(basis.b.data()),
+                                   size_t(m.shape.h) * basis.r * m.shape.d),
+            basis.r, absl::Span<bf16>(static_cast<bf16*>(a.data()), size_t(n) * basis.r),
+            kernels::Workspace{ws.data(), wsb}));
+    KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
+    if (a_out != nullptr) *a_out = std::move(a);
+    return pr.residual_energy;
+  }
+
+  absl::Status ProcessShadow(int l) {
+    LayerBuf& b = bufs_[l];
+    const ModelInfo& m = s_->model;
+    const ProfileInfo& p = s_->profile;
+    const int C = p.chunk_size;
+    LayerData& out = out_[l];
+    const std::shared_ptr<const Basis> pb =
+        prefix_basis_.empty() ? nullptr : prefix_basis_[l];
+
+    if (n_ < p.local_window + C) {
+      // Too short to chunk: every token is exact tail (CreateSession guarantees a basis
+      // from the prefix in this case).
+      KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(0));
+      KVSHADE_ASSIGN_OR_RETURN(out.tk, RopeCopy(b.k, first_));
+      KVSHADE_ASSIGN_OR_RETURN(out.tv, e_.Upload(b.v.data(), Bf16Bytes(b.v.size()), ArenaKind::kStatic));
+      out.n_tail = out.cap_tail = n_;
+      if (!pb) {
+        return absl::FailedPreconditionError(
+            "shadow segment without a basis: the prompt is shorter than local_window + "
+            "chunk_size");
+      }
+      out.basis = pb;
+      KVSHADE_ASSIGN_OR_RETURN(residual_[l], Project(b.k, *pb, nullptr));
+      if (residual_[l] > p.refactor_threshold) refactor_keys_[l] = b.k;
+      return absl::OkStatus();
+    }
+
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kd, e_.Upload(b.k.data(), Bf16Bytes(b.k.size()), ArenaKind::kOther));
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock vd, e_.Upload(b.v.data(), Bf16Bytes(b.v.size()), ArenaKind::kOther));
+    DeviceBlock qd;
+    std::vector<int64_t> qpos;
+    kernels::ShadowObservation obs;
+    const bool use_obs = b.w > 0 && heavy_[l] > 0;
+    if (use_obs) {
+      KVSHADE_ASSIGN_OR_RETURN(qd, e_.Upload(b.qobs.data(), Bf16Bytes(b.qobs.size()), ArenaKind::kOther));
+      qpos = Positions(first_ + n_ - b.w, b.w);
+      obs.qobs = absl::Span<const bf16>(static_cast<const bf16*>(qd.data()), b.qobs.size());
+      obs.q_positions = qpos;
+      obs.w = b.w;
+    }
+    kernels::ShadowParams sp;
+    sp.C = C;
+    sp.rank = std::min({p.rank, m.shape.D(), n_ / 8 * 8});
+    sp.energy_target = pb ? 0.0 : p.energy_target;
+    sp.outliers = p.outliers;
+    sp.keep_sink = p.keep_sink && first_ == 0;  // the sink is the session's first chunk
+    sp.local_min = p.local_window;
+    sp.heavy_chunks = use_obs ? heavy_[l] : 0;
+    sp.heavy_group = p.kivi_group;
+    sp.codec = p.codec;
+    kernels::ShadowLayer sl;
+    {
+      StageTimer timer(e_.metrics_, "ingest_factorize");
+      KVSHADE_ASSIGN_OR_RETURN(
+          sl, kernels::CompressShadowLayer(
+                  *e_.backend_, m.shape, m.rope, sp,
+                  absl::Span<const bf16>(static_cast<const bf16*>(kd.data()), b.k.size()),
+                  absl::Span<const bf16>(static_cast<const bf16*>(vd.data()), b.v.size()), n_,
+                  first_, use_obs ? &obs : nullptr));
+    }
+    KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(sl.n_chunks));
+    {
+      StageTimer timer(e_.metrics_, "ingest_values");
+      const size_t bytes = size_t(m.shape.h) * sl.n_chunks * sl.value_chunk_bytes;
+      KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
+      KVSHADE_RETURN_IF_ERROR(e_.store_->WriteLayer(
+          seg_id_, l, absl::Span<const std::byte>(static_cast<const std::byte*>(sl.values.data()), bytes)));
+    }
+    out.n_chunks = out.cap_chunks = sl.n_chunks;
+    if (pb) {
+      auto a = std::make_shared<DeviceBlock>();
+      KVSHADE_ASSIGN_OR_RETURN(residual_[l], Project(b.k, *pb, a.get()));
+      out.a = std::move(a);
+      out.basis = pb;
+      if (residual_[l] > p.refactor_threshold) refactor_keys_[l] = b.k;
+    } else {
+      auto basis = std::make_shared<Basis>();
+      basis->r = sl.r;
+      basis->b = DeviceBlock(std::move(sl.b));
+      out.basis = std::move(basis);
+      out.a = std::make_shared<DeviceBlock>(std::move(sl.a));
+      captured_[l] = sl.factorize.captured_energy;
+    }
+    out.landmarks = DeviceBlock(std::move(sl.landmarks));
+    out.excluded = DeviceBlock(std::move(sl.excluded));
+    out.s_cap = sl.static_capacity * C;
+    out.s_len.resize(m.shape.h);
+    for (int hh = 0; hh < m.shape.h; ++hh) out.s_len[hh] = sl.static_count[hh] * C;
+    out.sk = DeviceBlock(std::move(sl.static_k));
+    out.sv = DeviceBlock(std::move(sl.static_v));
+    out.static_chunks_per_head = sl.static_capacity;
+    if (sl.n_heavy > 0) {
+      KiviBlock kb;
+      kb.rows = sl.heavy_rows_per_head;
+      kb.valid = sl.n_heavy * C;
+      kb.k_codes = DeviceBlock(std::move(sl.heavy_k_codes));
+      kb.k_scale = DeviceBlock(std::move(sl.heavy_k_scale));
+      kb.k_min = DeviceBlock(std::move(sl.heavy_k_min));
+      kb.v_codes = DeviceBlock(std::move(sl.heavy_v_codes));
+      kb.v_scale = DeviceBlock(std::move(sl.heavy_v_scale));
+      kb.v_min = DeviceBlock(std::move(sl.heavy_v_min));
+      out.int2.push_back(std::move(kb));
+    }
+    out.n_tail = out.cap_tail = sl.n_tail;
+    out.tk = DeviceBlock(std::move(sl.tail_k));
+    out.tv = DeviceBlock(std::move(sl.tail_v));
+    return absl::OkStatus();
+  }
+
+  absl::Status ProcessMini(int l) {
+    LayerBuf& b = bufs_[l];
+    const ModelInfo& m = s_->model;
+    const ProfileInfo& p = s_->profile;
+    const int h = m.shape.h, d = m.shape.d, G = p.kivi_group, n = n_;
+    KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(0));
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kr, RopeCopy(b.k, first_));
+    std::vector<bf16> krh(b.k.size());
+    KVSHADE_RETURN_IF_ERROR(e_.Download(krh.data(), kr.data(), Bf16Bytes(krh.size())));
+
+    int window = std::clamp(static_cast<int>(std::ceil(p.mini_recent_ratio * n)), 1, n);
+    int heavy = std::min(static_cast<int>(std::floor(mini_heavy_[l] * n)), n - window);
+    std::vector<float> mass;
+    if (b.w > 0 && heavy > 0) {
+      DeviceBlock qd;
+      KVSHADE_ASSIGN_OR_RETURN(qd, e_.Upload(b.qobs.data(), Bf16Bytes(b.qobs.size()), ArenaKind::kOther));
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qposd, e_.DevicePositions(first_ + n - b.w, b.w));
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kposd, e_.DevicePositions(first_, n));
+      const absl::Span<const int64_t> qpos(static_cast<const int64_t*>(qposd.data()), size_t(b.w));
+      const absl::Span<const int64_t> kpos(static_cast<const int64_t*>(kposd.data()), size_t(n));
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock md, e_.Alloc(size_t(h) * n * 4, ArenaKind::kOther));
+      const size_t wsb = e_.backend_->ObservationWorkspaceBytes(b.w, n, m.shape);
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e_.Alloc(wsb, ArenaKind::kOther));
+      KVSHADE_RETURN_IF_ERROR(e_.backend_->ObservationMass(
+          absl::Span<const bf16>(static_cast<const bf16*>(qd.data()), b.qobs.size()), qpos, b.w,
+          absl::Span<const bf16>(static_cast<const bf16*>(kr.data()), b.k.size()), kpos, n, m.shape,
+          absl::Span<float>(static_cast<float*>(md.data()), size_t(h) * n),
+          kernels::Workspace{ws.data(), wsb}));
+      mass.resize(size_t(h) * n);
+      KVSHADE_RETURN_IF_ERROR(e_.Download(mass.data(), md.data(), mass.size() * 4));
+    } else {
+      window = std::min(n, window + heavy);  // no observation: the budget goes to recency
+      heavy = 0;
+    }
+    const int keep = window + heavy;
+    const int mq = keep / G * G;  // whole KIVI groups; the newest leftovers stay exact
+    std::vector<bf16> rk(size_t(h) * keep * d), rv(rk.size());
+    std::vector<int32_t> idx(n);
+    for (int hh = 0; hh < h; ++hh) {
+      std::vector<int32_t> kept;
+      if (heavy > 0) {
+        std::vector<int32_t> cand(n - window);
+        std::iota(cand.begin(), cand.end(), 0);
+        const float* mh = mass.data() + size_t(hh) * n;
+        std::partial_sort(cand.begin(), cand.begin() + heavy, cand.end(), [&](int32_t a, int32_t c) {
+          return mh[a] > mh[c] || (mh[a] == mh[c] && a < c);
+        });
+        kept.assign(cand.begin(), cand.begin() + heavy);
+        std::sort(kept.begin(), kept.end());
+      }
+      for (int t = n - window; t < n; ++t) kept.push_back(t);
+      for (int i = 0; i < keep; ++i) {
+        const size_t src = (size_t(kept[i]) * h + hh) * d;
+        const size_t dst = (size_t(hh) * keep + i) * d;
+        std::copy_n(krh.begin() + src, d, rk.begin() + dst);
+        std::copy_n(b.v.begin() + src, d, rv.begin() + dst);
+      }
+    }
+    LayerData& out = out_[l];
+    if (mq > 0) {
+      // [h, mq, d] per head contiguous == [h*mq, d]: per-channel key groups of G rows never
+      // cross heads because mq % G == 0.
+      std::vector<bf16> qk(size_t(h) * mq * d), qv(qk.size());
+      for (int hh = 0; hh < h; ++hh) {
+        std::copy_n(rk.begin() + size_t(hh) * keep * d, size_t(mq) * d, qk.begin() + size_t(hh) * mq * d);
+        std::copy_n(rv.begin() + size_t(hh) * keep * d, size_t(mq) * d, qv.begin() + size_t(hh) * mq * d);
+      }
+      KiviBlock kb;
+      std::vector<bf16> dk, dv;
+      KVSHADE_RETURN_IF_ERROR(Quantize(qk, qv, h * mq, &kb, &dk, &dv));
+      kb.rows = kb.valid = mq;
+      for (int hh = 0; hh < h; ++hh) {
+        std::copy_n(dk.begin() + size_t(hh) * mq * d, size_t(mq) * d, rk.begin() + size_t(hh) * keep * d);
+        std::copy_n(dv.begin() + size_t(hh) * mq * d, size_t(mq) * d, rv.begin() + size_t(hh) * keep * d);
+      }
+      out.int2.push_back(std::move(kb));
+    }
+    out.s_cap = keep;
+    out.s_len.assign(h, keep);
+    KVSHADE_ASSIGN_OR_RETURN(out.sk, e_.Upload(rk.data(), Bf16Bytes(rk.size()), ArenaKind::kStatic));
+    KVSHADE_ASSIGN_OR_RETURN(out.sv, e_.Upload(rv.data(), Bf16Bytes(rv.size()), ArenaKind::kStatic));
+    return absl::OkStatus();
+  }
+
+ public:
+  // INT2 KIVI of k, v [rows, d] (keys per-channel, values per-token), returning the codes
+  // and the dequantized rows.
+  absl::Status Quantize(const std::vector<bf16>& k, const std::vector<bf16>& v, int rows,
+                        KiviBlock* kb, std::vector<bf16>* dk, std::vector<bf16>* dv) {
+    return QuantizeKivi(e_, s_->model.shape.d, s_->profile.kivi_group, k, v, rows, kb, dk, dv);
+  }
+
+ private:
+  absl::Status Commit() {
+    std::vector<int> missing;
+    for (int l = 0; l < L_; ++l) {
+      if (!bufs_[l].done) missing.push_back(l);
+    }
+    if (!missing.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "IngestCommit before every layer was complete; incomplete layers: [",
+          absl::StrJoin(missing.begin(), missing.begin() + std::min<size_t>(missing.size(), 16), ", "),
+          missing.size() > 16 ? ", ..." : "", "]"));
+    }
+    KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(0));
+    const ModelInfo& m = s_->model;
+    const ProfileInfo& p = s_->profile;
+    auto seg = std::make_shared<Segment>();
+    seg->id = seg_id_;
+    seg->kind = p.kind;
+    seg->first_position = first_;
+    seg->n_tokens = n_;
+    seg->chunk_size = p.chunk_size;
+    seg->tokens.assign(s_->prompt.begin() + first_, s_->prompt.end());
+    seg->layers = std::move(out_);
+    seg->values_in_store = true;
+    seg->value_layout = layout_;
+    seg->store = e_.store_link();
+    seg->durable = s_->durable;
+    // Content-addressed registration (shadow, exact): later sessions with the same
+    // tokens reuse this segment. The key is known before sealing so that a durable
+    // segment's record carries it.
+    std::optional<storage::PrefixHasher> hasher;
+    std::vector<storage::PrefixKey> keys;
+    if (p.kind != v1::PROFILE_KIND_MINI) {
+      if (auto h = e_.Hasher(tenant_, m, p); h.ok()) {
+        hasher = *h;
+        keys = hasher->Chain(s_->prompt);
+        const int64_t end_block = (first_ + n_) / hasher->block_tokens();
+        if (end_block > 0 && size_t(end_block) <= keys.size()) seg->prefix_key = keys[end_block - 1];
+      }
+    }
+    KVSHADE_RETURN_IF_ERROR(e_.SealSegmentValues(*seg, s_->durable, m));
+    store_created_ = false;  // the segment owns its values now
+    storage::SegmentRef ref;
+    if (hasher && seg->prefix_key) {
+      std::optional<storage::SegmentId> parent;
+      {
+        std::shared_lock lock(s_->mu);
+        if (!s_->chain.empty()) parent = s_->chain.back()->id;
+      }
+      ref = e_.RegisterPrefix(seg, keys, hasher->block_tokens(), parent);
+      if (!ref) seg->prefix_key.reset();
+    }
+
+    bool scheduled = false;
+    {
+      std::unique_lock lock(s_->mu);
+      if (s_->state != SessionState::kIngesting) {
+        return absl::NotFoundError(absl::StrCat("session '", s_->id, "' was closed"));
+      }
+      s_->chain.push_back(seg);
+      if (ref) s_->prefix_refs.push_back(std::move(ref));
+      s_->tokens += n_;
+      s_->state = SessionState::kReady;
+      ++s_->static_version;
+      ++s_->tail_version;
+      s_->captured_energy = captured_;
+      s_->residual_energy = residual_;
+      bool any = false;
+      for (int l = 0; l < L_; ++l) any = any || !refactor_keys_[l].empty();
+      if (any) {
+        s_->refactor_keys = std::move(refactor_keys_);
+        s_->refactor_first_position = first_;
+        s_->refactor_pending = true;
+        scheduled = true;
+      }
+      if (s_->durable) KVSHADE_RETURN_IF_ERROR(e_.PersistSession(*s_));
+    }
+    committed_ = true;
+    if (scheduled) e_.ScheduleRefactor(s_);
+    e_.metrics_->IngestedTokens(n_);
+    for (int l = 0; l < L_; ++l) {
+      if (p.kind != v1::PROFILE_KIND_SHADOW) continue;
+      if (prefix_basis_.empty()) e_.metrics_->ReconstructionEnergy(captured_[l]);
+      else e_.metrics_->ProjectionResidual(residual_[l]);
+    }
+    e_.UpdateGauges();
+    resp_.set_tokens(s_->tokens);
+    if (p.kind == v1::PROFILE_KIND_SHADOW) {
+      for (int l = 0; l < L_; ++l) {
+        resp_.add_captured_energy(static_cast<float>(captured_[l]));
+        if (!prefix_basis_.empty()) resp_.add_residual_energy(static_cast<float>(residual_[l]));
+      }
+    }
+    resp_.set_refactorization_scheduled(scheduled);
+    return absl::OkStatus();
+  }
+
+  EngineImpl& e_;
+  Tenant tenant_;
+  std::shared_ptr<Session> s_;
+  int64_t first_ = 0;
+  int n_ = 0;
+  int L_ = 0;
+  std::vector<LayerBuf> bufs_;
+  std::vector<LayerData> out_;
+  std::vector<double> captured_, residual_;
+  std::vector<std::vector<bf16>> refactor_keys_;
+  std::vector<std::shared_ptr<const Basis>> prefix_basis_;
+  std::vector<int> heavy_;
+  std::vector<double> mini_heavy_;
+  storage::SegmentId seg_id_;
+  storage::SegmentValueLayout layout_;
+  bool store_created_ = false;
+  bool committed_ = false;
+  v1::IngestResponse resp_;
+};
+
+}  // namespace
+
+absl::Status QuantizeKivi(EngineImpl& e, int d, int G, const std::vector<bf16>& k,
+                          const std::vector<bf16>& v, int rows, KiviBlock* kb,
+                          std::vector<bf16>* dk, std::vector<bf16>* dv) {
+  const kernels::KiviLayout kl{rows, d, 2, G, kernels::KiviAxis::kPerChannel};
+  const kernels::KiviLayout vl{rows, d, 2, G, kernels::KiviAxis::kPerToken};
+  const size_t n = size_t(rows) * d;
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kd, e.Upload(k.data(), Bf16Bytes(n), ArenaKind::kOther));
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock vd, e.Upload(v.data(), Bf16Bytes(n), ArenaKind::kOther));
+  KVSHADE_ASSIGN_OR_RETURN(kb->k_codes, e.Alloc(kl.code_words() * 4, ArenaKind::kStatic));
+  KVSHADE_ASSIGN_OR_RETURN(kb->k_scale, e.Alloc(kl.n_groups() * 2, ArenaKind::kStatic));
+  KVSHADE_ASSIGN_OR_RETURN(kb->k_min, e.Alloc(kl.n_groups() * 2, ArenaKind::kStatic));
+  KVSHADE_ASSIGN_OR_RETURN(kb->v_codes, e.Alloc(vl.code_words() * 4, ArenaKind::kStatic));
+  KVSHADE_ASSIGN_OR_RETURN(kb->v_scale, e.Alloc(vl.n_groups() * 2, ArenaKind::kStatic));
+  KVSHADE_ASSIGN_OR_RETURN(kb->v_min, e.Alloc(vl.n_groups() * 2, ArenaKind::kStatic));
+  auto u32 = [](const DeviceBlock& b, size_t c) {
+    return absl::Span<uint32_t>(static_cast<uint32_t*>(b.data()), c);
+  };
+  auto f16 = [](const DeviceBlock& b, size_t c) {
+    return absl::Span<kernels::fp16>(static_cast<kernels::fp16*>(b.data()), c);
+  };
+  KVSHADE_RETURN_IF_ERROR(e.backend_->KiviQuantize(
+      absl::Span<const bf16>(static_cast<const bf16*>(kd.data()), n), kl,
+      u32(kb->k_codes, kl.code_words()), f16(kb->k_scale, kl.n_groups()), f16(kb->k_min, kl.n_groups())));
+  KVSHADE_RETURN_IF_ERROR(e.backend_->KiviQuantize(
+      absl::Span<const bf16>(static_cast<const bf16*>(vd.data()), n), vl,
+      u32(kb->v_codes, vl.code_words()), f16(kb->v_scale, vl.n_groups()), f16(kb->v_min, vl.n_groups())));
+  // Dequantize in place of the inputs (they are scratch).
+  KVSHADE_RETURN_IF_ERROR(e.backend_->KiviDequantize(
+      u32(kb->k_codes, kl.code_words()), f16(kb->k_scale, kl.n_groups()), f16(kb->k_min, kl.n_groups()),
+      kl, absl::Span<bf16>(static_cast<bf16*>(kd.data()), n)));
+  KVSHADE_RETURN_IF_ERROR(e.backend_->KiviDequantize(
+      u32(kb->v_codes, vl.code_words()), f16(kb->v_scale, vl.n_groups()), f16(kb->v_min, vl.n_groups()),
+      vl, absl::Span<bf16>(static_cast<bf16*>(vd.data()), n)));
+  dk->resize(n);
+  dv->resize(n);
+  KVSHADE_RETURN_IF_ERROR(e.Download(dk->data(), kd.data(), Bf16Bytes(n)));
+  return e.Download(dv->data(), vd.data(), Bf16Bytes(n));
+}
+
+absl::StatusOr<std::unique_ptr<Engine::IngestStream>> EngineImpl::BeginIngest(
+    const Tenant& t, const v1::IngestRequest& header) {
+  if (header.body_case() != v1::IngestRequest::kHeader) {
+    return absl::InvalidArgumentError(
+        "Ingest: the first message of the stream must be an IngestHeader");
+  }
+  KVSHADE_RETURN_IF_ERROR(CheckNotDraining("Ingest"));
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
+                           sessions_.FindSession(t.name, header.header().session_id()));
+  {
+    std::shared_lock lock(s->mu);
+    if (s->state != SessionState::kIngesting) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session '", s->id, "' is ", SessionStateName(s->state),
+          "; it has nothing to ingest (its prompt is committed)"));
+    }
+  }
+  bool expected = false;
+  if (!s->ingest_active.compare_exchange_strong(expected, true)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session '", s->id, "' already has an Ingest stream in progress"));
+  }
+  return std::unique_ptr<Engine::IngestStream>(new IngestStreamImpl(*this, t, std::move(s)));
+}
+
+}  // namespace kvshade::service

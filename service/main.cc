@@ -1,0 +1,174 @@
+// kvshade-server: the KV-cache daemon's entry point. Reads the YAML config (--config),
+// applies command-line flags on top (a flag given always wins over the file), starts the
+// Server and runs until SIGTERM/SIGINT, then drains and exits 0. Exit codes: 0 clean
+// shutdown, 1 start-up failure (bad config, port in use, backend unavailable), 2 bad flags.
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "kvshade/service/config.h"
+#include "kvshade/service/server.h"
+
+namespace {
+
+using kvshade::service::ServerConfig;
+
+struct Flags {
+  std::string config_file;
+  std::string listen, backend, device_budget, host_budget, spill_budget, spill_path;
+  int metrics_port = -1;
+  std::string metrics_listen;
+  std::string tls_cert, tls_key, tls_client_ca;
+  bool require_client_cert = false;
+  std::vector<std::string> tenant_tokens;
+  std::string tokens_file;
+  std::string prefix_secret_file;
+  uint64_t max_tokens_per_session = 0;
+  uint32_t max_sessions_per_tenant = 0;
+  std::string max_message_bytes;
+  uint32_t max_batch = 0, default_lease_ms = 0, max_lease_ms = 0;
+  uint32_t worker_threads = 0;
+  std::string log_level = "info";
+  double grace_s = 10;
+  bool check_config = false;
+  std::string port_file;
+};
+
+int Fail(const std::string& what) {
+  spdlog::error("{}", what);
+  return 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Before any thread exists, so that every thread inherits the mask and only
+  // RunUntilSignal's sigwait sees SIGTERM/SIGINT.
+  kvshade::service::Server::BlockSignals();
+
+  Flags f;
+  CLI::App app{"kvshade-server: KV-cache daemon for long-context LLM inference"};
+  app.set_version_flag("--version", std::string(KVSHADE_VERSION));
+  app.add_option("-c,--config", f.config_file, "YAML config file (deploy/kvshade.yaml documents every key)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--listen", f.listen, "gRPC address HOST:PORT (port 0 picks a free one)");
+  app.add_option("--backend", f.backend, "Kernel backend: cpu, cuda, cuda:N or auto");
+  app.add_option("--device-budget", f.device_budget, "Device tier budget, e.g. 8GiB");
+  app.add_option("--host-budget", f.host_budget, "Host tier budget, e.g. 32GiB");
+  app.add_option("--spill-budget", f.spill_budget, "Spill tier budget (0 = unbounded)");
+  app.add_option("--spill-path", f.spill_path, "RocksDB directory for spill and durable sessions");
+  app.add_option("--metrics-port", f.metrics_port, "Prometheus /metrics port (0 = off)")
+      ->check(CLI::Range(0, 65535));
+  app.add_option("--metrics-listen", f.metrics_listen, "Address /metrics binds to");
+  app.add_option("--tls-cert", f.tls_cert, "PEM server certificate (enables TLS)");
+  app.add_option("--tls-key", f.tls_key, "PEM server private key");
+  app.add_option("--tls-client-ca", f.tls_client_ca, "PEM CA that verifies client certificates");
+  app.add_flag("--require-client-cert", f.require_client_cert, "mTLS: reject clients without a certificate");
+  app.add_option("--tenant-token", f.tenant_tokens, "NAME:TOKEN (repeatable); adds to the file's tenants");
+  app.add_option("--tokens-file", f.tokens_file, "File of NAME:TOKEN lines")->check(CLI::ExistingFile);
+  app.add_option("--prefix-secret-file", f.prefix_secret_file,
+                 "File whose first line is the prefix secret (mixed into tenant salts)")
+      ->check(CLI::ExistingFile);
+  app.add_option("--max-tokens-per-session", f.max_tokens_per_session, "Limit");
+  app.add_option("--max-sessions-per-tenant", f.max_sessions_per_tenant, "Limit");
+  app.add_option("--max-message-bytes", f.max_message_bytes, "gRPC message size limit, e.g. 512MiB");
+  app.add_option("--max-batch", f.max_batch, "Queries per SelectAndReconstruct/Attend call");
+  app.add_option("--default-lease-ms", f.default_lease_ms, "Attachment lease when the request says 0");
+  app.add_option("--max-lease-ms", f.max_lease_ms, "Longest lease a worker may ask for");
+  app.add_option("--worker-threads", f.worker_threads, "gRPC worker threads (0 = gRPC default)");
+  app.add_option("--log-level", f.log_level, "trace, debug, info, warn, error")
+      ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
+  app.add_option("--grace", f.grace_s, "Seconds in-flight calls get at shutdown")->check(CLI::Range(0.0, 3600.0));
+  app.add_flag("--check-config", f.check_config, "Validate the configuration and exit");
+  app.add_option("--port-file", f.port_file,
+                 "Write the bound gRPC port here once listening (useful with --listen HOST:0)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  spdlog::set_level(spdlog::level::from_str(f.log_level));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ kvshade-server: %v");
+
+  ServerConfig config;
+  if (!f.config_file.empty()) {
+    auto loaded = kvshade::service::LoadConfigFile(f.config_file);
+    if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
+    config = *std::move(loaded);
+  }
+  auto bytes = [&](const std::string& flag, const std::string& text, uint64_t* out) -> bool {
+    if (text.empty()) return true;
+    auto v = kvshade::service::ParseByteSize(text);
+    if (!v.ok()) {
+      spdlog::error("{}: {}", flag, std::string(v.status().message()));
+      return false;
+    }
+    *out = *v;
+    return true;
+  };
+  if (!f.listen.empty()) config.listen = f.listen;
+  if (!f.backend.empty()) config.backend = f.backend;
+  if (!bytes("--device-budget", f.device_budget, &config.device_budget_bytes) ||
+      !bytes("--host-budget", f.host_budget, &config.host_budget_bytes) ||
+      !bytes("--spill-budget", f.spill_budget, &config.spill_budget_bytes) ||
+      !bytes("--max-message-bytes", f.max_message_bytes, &config.limits.max_message_bytes)) {
+    return 2;
+  }
+  if (!f.spill_path.empty()) config.spill_path = f.spill_path;
+  if (f.metrics_port >= 0) config.metrics_port = static_cast<uint16_t>(f.metrics_port);
+  if (!f.metrics_listen.empty()) config.metrics_listen = f.metrics_listen;
+  if (!f.tls_cert.empty()) config.tls.cert_file = f.tls_cert;
+  if (!f.tls_key.empty()) config.tls.key_file = f.tls_key;
+  if (!f.tls_client_ca.empty()) config.tls.client_ca_file = f.tls_client_ca;
+  if (f.require_client_cert) config.tls.require_client_cert = true;
+  for (const auto& t : f.tenant_tokens) {
+    absl::Status s = kvshade::service::AddTenantToken(t, &config);
+    if (!s.ok()) return Fail(absl::StrCat("--tenant-token: ", s.message()));
+  }
+  if (!f.tokens_file.empty()) {
+    absl::Status s = kvshade::service::LoadTokensFile(f.tokens_file, &config);
+    if (!s.ok()) return Fail(std::string(s.message()));
+  }
+  if (!f.prefix_secret_file.empty()) {
+    std::ifstream in(f.prefix_secret_file);
+    std::getline(in, config.prefix_secret);
+  } else if (const char* env = std::getenv("KVSHADE_PREFIX_SECRET"); env != nullptr && *env) {
+    config.prefix_secret = env;
+  }
+  if (f.max_tokens_per_session) config.limits.max_tokens_per_session = f.max_tokens_per_session;
+  if (f.max_sessions_per_tenant) config.limits.max_sessions_per_tenant = f.max_sessions_per_tenant;
+  if (f.max_batch) config.limits.max_batch = f.max_batch;
+  if (f.default_lease_ms) config.limits.default_lease_ms = f.default_lease_ms;
+  if (f.max_lease_ms) config.limits.max_lease_ms = f.max_lease_ms;
+  if (f.worker_threads) config.worker_threads = f.worker_threads;
+
+  absl::Status valid = kvshade::service::ValidateConfig(config);
+  if (!valid.ok()) return Fail(absl::StrCat("invalid configuration: ", valid.message()));
+  spdlog::info("config: {}", kvshade::service::DescribeConfig(config));
+  if (f.check_config) {
+    std::cout << "configuration OK" << std::endl;
+    return 0;
+  }
+
+  auto server = kvshade::service::Server::Start(config);
+  if (!server.ok()) return Fail(absl::StrCat("start-up failed: ", server.status().ToString()));
+  if (!f.port_file.empty()) {
+    // Write then rename, so a reader never sees a partial file.
+    const std::string tmp = f.port_file + ".tmp";
+    std::ofstream(tmp) << (*server)->port() << "\n";
+    if (std::rename(tmp.c_str(), f.port_file.c_str()) != 0) {
+      return Fail(absl::StrCat("cannot write --port-file ", f.port_file));
+    }
+  }
+  absl::Status s = (*server)->RunUntilSignal(absl::Milliseconds(static_cast<int64_t>(f.grace_s * 1000)));
+  if (!s.ok()) {
+    spdlog::error("shutdown: {}", std::string(s.message()));
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,342 @@
+// Prometheus metrics of the daemon. Names, types and labels are documented in
+// service/README.md ("Metrics"); keep the two in step. Label values come from small fixed
+// sets (stage, tier, kind, code); method names are capped so that a caller passing
+// unexpected strings cannot blow up the series count.
+#include "kvshade/service/metrics.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <set>
+
+#include <grpcpp/support/status.h>
+#include <prometheus/text_serializer.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvshade::service {
+namespace {
+
+// 25 us .. ~13 s, x2 per bucket: covers a cached select (tens of us) to a long ingest.
+prometheus::Histogram::BucketBoundaries LatencyBuckets() {
+  prometheus::Histogram::BucketBoundaries b;
+  for (double v = 25e-6; v < 15.0; v *= 2) b.push_back(v);
+  return b;
+}
+
+prometheus::Histogram::BucketBoundaries FractionBuckets() {
+  return {0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 1.0};
+}
+
+const std::set<std::string, std::less<>>& KnownStages() {
+  static const auto* s = new std::set<std::string, std::less<>>{
+      "ingest_rope", "ingest_factorize", "ingest_project", "ingest_landmarks", "ingest_values",
+      "ingest_heavy", "ingest_commit", "select", "reconstruct", "attend", "append", "spill",
+      "page_in", "refactorize", "static_set"};
+  return *s;
+}
+
+std::string Bounded(std::string_view v, const std::set<std::string, std::less<>>& known) {
+  return known.count(v) ? std::string(v) : std::string("other");
+}
+
+std::mutex g_method_mu;
+std::set<std::string, std::less<>>* g_methods = new std::set<std::string, std::less<>>;
+constexpr size_t kMaxMethods = 48;
+
+std::string MethodLabel(std::string_view method) {
+  std::lock_guard<std::mutex> lock(g_method_mu);
+  if (g_methods->count(method)) return std::string(method);
+  if (g_methods->size() >= kMaxMethods || method.empty() || method.size() > 64) return "other";
+  return *g_methods->emplace(method).first;
+}
+
+}  // namespace
+
+std::string_view GrpcCodeName(int code) {
+  static constexpr std::string_view kNames[] = {
+      "OK",        "CANCELLED",           "UNKNOWN",        "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
+      "NOT_FOUND", "ALREADY_EXISTS",      "PERMISSION_DENIED", "RESOURCE_EXHAUSTED",
+      "FAILED_PRECONDITION", "ABORTED",   "OUT_OF_RANGE",   "UNIMPLEMENTED",    "INTERNAL",
+      "UNAVAILABLE", "DATA_LOSS",         "UNAUTHENTICATED"};
+  if (code < 0 || code >= static_cast<int>(std::size(kNames))) return "UNKNOWN";
+  return kNames[code];
+}
+
+Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
+  using prometheus::BuildCounter;
+  using prometheus::BuildGauge;
+  using prometheus::BuildHistogram;
+  auto& r = *registry_;
+  rpc_seconds_ = &BuildHistogram()
+                      .Name("kvshade_rpc_duration_seconds")
+                      .Help("Server-side latency of each gRPC call, by method")
+                      .Register(r);
+  rpc_total_ = &BuildCounter()
+                    .Name("kvshade_rpc_total")
+                    .Help("gRPC calls finished, by method and status code")
+                    .Register(r);
+  stage_seconds_ = &BuildHistogram()
+                        .Name("kvshade_stage_duration_seconds")
+                        .Help("Latency of one pipeline stage (ingest steps, select, reconstruct, ...)")
+                        .Register(r);
+  tier_bytes_ = &BuildGauge()
+                     .Name("kvshade_tier_bytes")
+                     .Help("Bytes held per storage tier (device|host|spill) and kind of data")
+                     .Register(r);
+  sessions_ = &BuildGauge().Name("kvshade_sessions").Help("Open sessions").Register(r).Add({});
+  attachments_ = &BuildGauge()
+                      .Name("kvshade_attachments")
+                      .Help("Live worker attachments (leases not expired)")
+                      .Register(r)
+                      .Add({});
+  segments_ = &BuildGauge()
+                   .Name("kvshade_segments")
+                   .Help("Immutable compressed segments held (shared prefixes counted once)")
+                   .Register(r)
+                   .Add({});
+  prefix_lookups_ = &BuildCounter()
+                         .Name("kvshade_prefix_lookups_total")
+                         .Help("Prefix-index lookups (CreateSession and LookupPrefix)")
+                         .Register(r)
+                         .Add({});
+  prefix_hits_ = &BuildCounter()
+                      .Name("kvshade_prefix_hits_total")
+                      .Help("Prefix-index lookups that reused at least one token")
+                      .Register(r)
+                      .Add({});
+  prefix_reused_tokens_ = &BuildCounter()
+                               .Name("kvshade_prefix_reused_tokens_total")
+                               .Help("Tokens covered by reused cached segments")
+                               .Register(r)
+                               .Add({});
+  chunks_selected_ = &BuildCounter()
+                          .Name("kvshade_chunks_selected_total")
+                          .Help("Chunks selected by select-and-reconstruct (hit-ratio denominator)")
+                          .Register(r)
+                          .Add({});
+  chunk_hits_ = &BuildCounter()
+                     .Name("kvshade_chunk_hits_total")
+                     .Help("Selected chunks already in the attachment's slot table (no bytes moved)")
+                     .Register(r)
+                     .Add({});
+  reconstruction_energy_ = &BuildHistogram()
+                                .Name("kvshade_captured_energy_ratio")
+                                .Help("Key energy captured by the rank-r basis, per layer factorized")
+                                .Register(r)
+                                .Add({}, FractionBuckets());
+  projection_residual_ = &BuildHistogram()
+                              .Name("kvshade_projection_residual_ratio")
+                              .Help("Residual energy of suffix keys projected onto a cached basis, per layer")
+                              .Register(r)
+                              .Add({}, FractionBuckets());
+  spill_bytes_ = &BuildCounter()
+                      .Name("kvshade_spill_bytes_total")
+                      .Help("Bytes written to the spill tier (RocksDB)")
+                      .Register(r)
+                      .Add({});
+  spills_ = &BuildCounter().Name("kvshade_spills_total").Help("Spill operations").Register(r).Add({});
+  page_in_bytes_ = &BuildCounter()
+                        .Name("kvshade_page_in_bytes_total")
+                        .Help("Bytes read back from the spill tier")
+                        .Register(r)
+                        .Add({});
+  page_ins_ = &BuildCounter().Name("kvshade_page_ins_total").Help("Page-in operations").Register(r).Add({});
+  evictions_ = &BuildCounter()
+                    .Name("kvshade_evictions_total")
+                    .Help("Segments evicted from a tier to make room")
+                    .Register(r)
+                    .Add({});
+  ingested_tokens_ = &BuildCounter()
+                          .Name("kvshade_ingested_tokens_total")
+                          .Help("Tokens compressed by Ingest and AppendTokens (reused tokens excluded)")
+                          .Register(r)
+                          .Add({});
+  errors_ = &BuildCounter()
+                 .Name("kvshade_errors_total")
+                 .Help("Failed gRPC calls, by status code")
+                 .Register(r);
+}
+
+void Metrics::ObserveRpc(std::string_view method, int grpc_code, double seconds) {
+  const std::string m = MethodLabel(method);
+  rpc_seconds_->Add({{"method", m}}, LatencyBuckets()).Observe(seconds);
+  rpc_total_->Add({{"method", m}, {"code", std::string(GrpcCodeName(grpc_code))}}).Increment();
+  if (grpc_code != 0) Error(grpc_code);
+}
+
+void Metrics::ObserveStage(std::string_view stage, double seconds) {
+  stage_seconds_->Add({{"stage", Bounded(stage, KnownStages())}}, LatencyBuckets()).Observe(seconds);
+}
+
+void Metrics::SetTierBytes(std::string_view tier, std::string_view kind, double bytes) {
+  static const std::set<std::string, std::less<>> kTiers = {"device", "host", "spill"};
+  // a = token coordinates A, b = per-head basis B (ALGORITHM.md), as storage names them.
+  static const std::set<std::string, std::less<>> kKinds = {
+      "a", "b", "landmarks", "static", "heavy", "tail", "slots", "values", "other", "total"};
+  tier_bytes_->Add({{"tier", Bounded(tier, kTiers)}, {"kind", Bounded(kind, kKinds)}}).Set(bytes);
+}
+
+void Metrics::SetSessions(double n) { sessions_->Set(n); }
+void Metrics::SetAttachments(double n) { attachments_->Set(n); }
+void Metrics::SetSegments(double n) { segments_->Set(n); }
+
+void Metrics::PrefixLookup(bool hit, uint64_t reused_tokens) {
+  prefix_lookups_->Increment();
+  if (hit) prefix_hits_->Increment();
+  prefix_reused_tokens_->Increment(static_cast<double>(reused_tokens));
+}
+
+void Metrics::ChunkSelection(uint64_t selected, uint64_t hits) {
+  chunks_selected_->Increment(static_cast<double>(selected));
+  chunk_hits_->Increment(static_cast<double>(hits));
+}
+
+void Metrics::ReconstructionEnergy(double captured_energy) {
+  reconstruction_energy_->Observe(captured_energy);
+}
+void Metrics::ProjectionResidual(double residual_energy) {
+  projection_residual_->Observe(residual_energy);
+}
+
+void Metrics::Spill(uint64_t bytes) {
+  spills_->Increment();
+  spill_bytes_->Increment(static_cast<double>(bytes));
+}
+void Metrics::PageIn(uint64_t bytes) {
+  page_ins_->Increment();
+  page_in_bytes_->Increment(static_cast<double>(bytes));
+}
+void Metrics::Eviction() { evictions_->Increment(); }
+void Metrics::IngestedTokens(uint64_t n) { ingested_tokens_->Increment(static_cast<double>(n)); }
+void Metrics::Error(int grpc_code) {
+  errors_->Add({{"code", std::string(GrpcCodeName(grpc_code))}}).Increment();
+}
+
+// --- /metrics over HTTP -------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
+    const std::string& host, uint16_t port, std::shared_ptr<prometheus::Registry> registry) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const std::string service = std::to_string(port);
+  if (int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &res); rc != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics_listen '", host, "': ", gai_strerror(rc)));
+  }
+  int fd = -1;
+  int err = 0;
+  for (addrinfo* ai = res; ai != nullptr && fd < 0; ai = ai->ai_next) {
+    fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 16) != 0) {
+      err = errno;
+      close(fd);
+      fd = -1;
+    }
+  }
+  freeaddrinfo(res);
+  if (fd < 0) {
+    return absl::UnavailableError(absl::StrCat("cannot serve /metrics on ", host, ":", port, ": ",
+                                               std::strerror(err)));
+  }
+  std::unique_ptr<MetricsEndpoint> e(new MetricsEndpoint());
+  e->registry_ = std::move(registry);
+  e->listen_fd_ = fd;
+  sockaddr_storage addr{};
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  e->port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
+                                              : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
+  e->wake_fd_ = eventfd(0, EFD_CLOEXEC);
+  if (e->wake_fd_ < 0) return absl::InternalError("eventfd failed");
+  e->thread_ = std::thread([p = e.get()] { p->Serve(); });
+  return e;
+}
+
+MetricsEndpoint::~MetricsEndpoint() {
+  if (wake_fd_ >= 0) {
+    const uint64_t one = 1;
+    (void)!write(wake_fd_, &one, sizeof(one));
+  }
+  if (thread_.joinable()) thread_.join();
+  if (listen_fd_ >= 0) close(listen_fd_);
+  if (wake_fd_ >= 0) close(wake_fd_);
+}
+
+void MetricsEndpoint::Serve() {
+  while (true) {
+    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    if (poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return;
+    }
+    if (fds[1].revents != 0) return;
+    if (fds[0].revents & POLLIN) {
+      const int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (conn >= 0) {
+        HandleConnection(conn);
+        close(conn);
+      }
+    }
+  }
+}
+
+void MetricsEndpoint::HandleConnection(int fd) {
+  // A scraper that stalls must not hold the endpoint: bounded reads and writes.
+  timeval tv{2, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  std::string req;
+  char buf[2048];
+  while (req.find("\r\n\r\n") == std::string::npos && req.find("\n\n") == std::string::npos &&
+         req.size() < 16384) {
+    const ssize_t r = recv(fd, buf, sizeof(buf), 0);
+    if (r <= 0) break;
+    req.append(buf, static_cast<size_t>(r));
+  }
+  const size_t eol = req.find_first_of("\r\n");
+  const std::string line = req.substr(0, eol == std::string::npos ? req.size() : eol);
+  std::string status = "200 OK", type = "text/plain; version=0.0.4; charset=utf-8", body;
+  if (line.rfind("GET ", 0) != 0 && line.rfind("HEAD ", 0) != 0) {
+    status = "405 Method Not Allowed";
+    body = "only GET /metrics\n";
+  } else {
+    std::string path = line.substr(line.find(' ') + 1);
+    path = path.substr(0, path.find(' '));
+    path = path.substr(0, path.find('?'));
+    if (path == "/metrics") {
+      body = prometheus::TextSerializer().Serialize(registry_->Collect());
+    } else if (path == "/") {
+      type = "text/plain; charset=utf-8";
+      body = "kvshade-server: metrics at /metrics\n";
+    } else {
+      status = "404 Not Found";
+      body = "not found; metrics are at /metrics\n";
+    }
+  }
+  std::string out = absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", type,
+                                 "\r\nContent-Length: ", body.size(),
+                                 "\r\nConnection: close\r\n\r\n");
+  if (line.rfind("HEAD ", 0) != 0) out += body;
+  size_t sent = 0;
+  while (sent < out.size()) {
+    const ssize_t w = send(fd, out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
+    if (w <= 0) break;
+    sent += static_cast<size_t>(w);
+  }
+}
+
+}  // namespace kvshade::service

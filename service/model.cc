@@ -1,0 +1,347 @@
+// Model and profile resolution and the inline-tensor conversions (see model.h).
+#include "kvshade/service/model.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "kvshade/kernels/status_macros.h"
+
+namespace kvshade::service {
+namespace {
+
+using kernels::bf16;
+
+absl::Status Bad(std::string_view field, std::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(std::string(field), " ", std::string(what)));
+}
+
+size_t DTypeBytes(v1::DType d) {
+  switch (d) {
+    case v1::DTYPE_BF16:
+    case v1::DTYPE_FP16: return 2;
+    case v1::DTYPE_FP32:
+    case v1::DTYPE_INT32: return 4;
+    default: return 0;
+  }
+}
+
+std::string ShapeString(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+}  // namespace
+
+std::string ModelInfo::Fingerprint() const {
+  const auto& r = rope;
+  return absl::StrCat("model=", model_id, ";L=", layers, ";h=", shape.h, ";g=", shape.g,
+                      ";d=", shape.d, ";rope=", r.theta, ",", r.rotary_dim, ",",
+                      static_cast<int>(r.scaling), ",", static_cast<int>(r.pairing), ",",
+                      r.factor, ",", r.low_freq_factor, ",", r.high_freq_factor, ",",
+                      r.original_max_position, ",", r.beta_fast, ",", r.beta_slow);
+}
+
+std::string ProfileInfo::Fingerprint() const {
+  return absl::StrCat("kind=", static_cast<int>(kind), ";r=", rank, ";C=", chunk_size,
+                      ";O=", outliers, ";sink=", keep_sink ? 1 : 0, ";w=", local_window,
+                      ";H=", heavy_chunks, ";codec=", static_cast<int>(codec.codec), "/",
+                      codec.group, ";e=", energy_target, ";rw=", mini_recent_ratio,
+                      ";hh=", mini_heavy_ratio, ";G=", kivi_group);
+}
+
+v1::Profile ProfileInfo::ToProto() const {
+  v1::Profile p;
+  p.set_kind(kind);
+  p.set_rank(rank);
+  p.set_chunk_size(chunk_size);
+  p.set_sparse_budget(sparse_budget);
+  p.set_outliers(outliers);
+  p.set_keep_sink(keep_sink);
+  p.set_local_window(local_window);
+  p.set_heavy_chunks(heavy_chunks);
+  p.set_value_codec(CodecToProto(codec.codec));
+  p.set_min_tokens(min_tokens);
+  p.set_refactor_threshold(refactor_threshold);
+  p.set_energy_target(energy_target);
+  p.set_mini_recent_ratio(mini_recent_ratio);
+  p.set_mini_heavy_ratio(mini_heavy_ratio);
+  p.set_kivi_group(kivi_group);
+  return p;
+}
+
+absl::StatusOr<ModelInfo> ResolveModel(const v1::ModelSpec& spec, const LimitsConfig& limits) {
+  ModelInfo m;
+  if (spec.model_id().empty()) return Bad("model.model_id", "must not be empty");
+  if (spec.model_id().size() > 256) {
+    return Bad("model.model_id", absl::StrCat("must be <= 256 bytes, got ", spec.model_id().size()));
+  }
+  if (spec.num_layers() < 1 || spec.num_layers() > limits.max_layers) {
+    return Bad("model.num_layers", absl::StrCat("must be in [1, ", limits.max_layers, "], got ",
+                                                spec.num_layers()));
+  }
+  if (spec.num_kv_heads() < 1 || spec.num_kv_heads() > 1024) {
+    return Bad("model.num_kv_heads", absl::StrCat("must be in [1, 1024], got ", spec.num_kv_heads()));
+  }
+  if (spec.num_query_heads() < spec.num_kv_heads() ||
+      spec.num_query_heads() % spec.num_kv_heads() != 0 || spec.num_query_heads() > 8192) {
+    return Bad("model.num_query_heads",
+               absl::StrCat("must be a multiple of num_kv_heads = ", spec.num_kv_heads(),
+                            " (and <= 8192), got ", spec.num_query_heads()));
+  }
+  if (spec.head_dim() < 2 || spec.head_dim() > limits.max_head_dim || spec.head_dim() % 2 != 0) {
+    return Bad("model.head_dim", absl::StrCat("must be even and in [2, ", limits.max_head_dim,
+                                              "], got ", spec.head_dim()));
+  }
+  v1::DType dtype = spec.dtype() == v1::DTYPE_UNSPECIFIED ? v1::DTYPE_BF16 : spec.dtype();
+  if (dtype != v1::DTYPE_BF16 && dtype != v1::DTYPE_FP16 && dtype != v1::DTYPE_FP32) {
+    return Bad("model.dtype", absl::StrCat("must be BF16, FP16 or FP32, got ",
+                                           v1::DType_Name(spec.dtype())));
+  }
+  m.model_id = spec.model_id();
+  m.layers = static_cast<int>(spec.num_layers());
+  m.shape.h = static_cast<int>(spec.num_kv_heads());
+  m.shape.g = static_cast<int>(spec.num_query_heads() / spec.num_kv_heads());
+  m.shape.d = static_cast<int>(spec.head_dim());
+  m.dtype = dtype;
+
+  const v1::RopeSpec& r = spec.rope();
+  kernels::RopeSpec& k = m.rope;
+  if (!std::isfinite(r.theta()) || r.theta() < 0) {
+    return Bad("model.rope.theta", absl::StrCat("must be finite and >= 0, got ", r.theta()));
+  }
+  if (r.theta() > 0) k.theta = r.theta();
+  k.rotary_dim = static_cast<int>(r.rotary_dim());
+  switch (r.scaling()) {
+    case v1::ROPE_SCALING_NONE: k.scaling = kernels::RopeScaling::kNone; break;
+    case v1::ROPE_SCALING_LINEAR: k.scaling = kernels::RopeScaling::kLinear; break;
+    case v1::ROPE_SCALING_LLAMA3: k.scaling = kernels::RopeScaling::kLlama3; break;
+    case v1::ROPE_SCALING_YARN: k.scaling = kernels::RopeScaling::kYarn; break;
+    default: return Bad("model.rope.scaling", absl::StrCat("is unknown: ", r.scaling()));
+  }
+  switch (r.pairing()) {
+    case v1::ROPE_PAIRING_HALF_SPLIT: k.pairing = kernels::RopePairing::kHalfSplit; break;
+    case v1::ROPE_PAIRING_INTERLEAVED: k.pairing = kernels::RopePairing::kInterleaved; break;
+    default: return Bad("model.rope.pairing", absl::StrCat("is unknown: ", r.pairing()));
+  }
+  for (auto [name, v] : {std::pair{"factor", r.factor()}, {"low_freq_factor", r.low_freq_factor()},
+                         {"high_freq_factor", r.high_freq_factor()},
+                         {"beta_fast", r.beta_fast()}, {"beta_slow", r.beta_slow()}}) {
+    if (!std::isfinite(v) || v < 0) {
+      return Bad(absl::StrCat("model.rope.", name), absl::StrCat("must be finite and >= 0, got ", v));
+    }
+  }
+  if (r.factor() > 0) k.factor = r.factor();
+  if (r.low_freq_factor() > 0) k.low_freq_factor = r.low_freq_factor();
+  if (r.high_freq_factor() > 0) k.high_freq_factor = r.high_freq_factor();
+  if (r.original_max_position() > 0) k.original_max_position = static_cast<int>(r.original_max_position());
+  if (r.beta_fast() > 0) k.beta_fast = r.beta_fast();
+  if (r.beta_slow() > 0) k.beta_slow = r.beta_slow();
+  if (auto t = kernels::MakeRopeTable(k, m.shape.d); !t.ok()) {
+    return Bad("model.rope", absl::StrCat("is invalid: ", std::string(t.status().message())));
+  }
+  m.spec = spec;
+  m.spec.set_dtype(dtype);
+  return m;
+}
+
+absl::StatusOr<kernels::ValueCodec> CodecFromProto(v1::ValueCodec c, const std::string& fallback) {
+  switch (c) {
+    case v1::VALUE_CODEC_UNSPECIFIED: {
+      auto parsed = kernels::ParseValueCodec(fallback);
+      if (!parsed.ok()) return Bad("profile.value_codec", "server default is invalid");
+      return *parsed;
+    }
+    case v1::VALUE_CODEC_BF16: return kernels::ValueCodec::kBF16;
+    case v1::VALUE_CODEC_FP8: return kernels::ValueCodec::kFP8;
+    case v1::VALUE_CODEC_INT4: return kernels::ValueCodec::kINT4;
+    case v1::VALUE_CODEC_INT2: return kernels::ValueCodec::kINT2;
+    default: return Bad("profile.value_codec", absl::StrCat("is unknown: ", static_cast<int>(c)));
+  }
+}
+
+v1::ValueCodec CodecToProto(kernels::ValueCodec c) {
+  switch (c) {
+    case kernels::ValueCodec::kBF16: return v1::VALUE_CODEC_BF16;
+    case kernels::ValueCodec::kFP8: return v1::VALUE_CODEC_FP8;
+    case kernels::ValueCodec::kINT4: return v1::VALUE_CODEC_INT4;
+    case kernels::ValueCodec::kINT2: return v1::VALUE_CODEC_INT2;
+  }
+  return v1::VALUE_CODEC_UNSPECIFIED;
+}
+
+absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& p, const ProfileDefaults& def,
+                                           const ModelInfo& model, uint64_t n_tokens) {
+  ProfileInfo o;
+  auto pick = [](uint32_t v, uint32_t d) { return static_cast<int>(v != 0 ? v : d); };
+  auto pickf = [](float v, float d) { return v != 0 ? v : d; };
+  o.requested = p.kind() == v1::PROFILE_KIND_UNSPECIFIED ? v1::PROFILE_KIND_AUTO : p.kind();
+  if (!v1::ProfileKind_IsValid(p.kind())) {
+    return Bad("profile.kind", absl::StrCat("is unknown: ", static_cast<int>(p.kind())));
+  }
+  for (auto [name, v] : {std::pair{"rank", p.rank()}, {"chunk_size", p.chunk_size()},
+                         {"sparse_budget", p.sparse_budget()}, {"outliers", p.outliers()},
+                         {"local_window", p.local_window()}, {"heavy_chunks", p.heavy_chunks()},
+                         {"min_tokens", p.min_tokens()}, {"kivi_group", p.kivi_group()}}) {
+    if (v > (1u << 24)) {
+      return Bad(absl::StrCat("profile.", name), absl::StrCat("is out of range: ", v));
+    }
+  }
+  o.rank = pick(p.rank(), def.rank);
+  o.chunk_size = pick(p.chunk_size(), def.chunk_size);
+  o.sparse_budget = pick(p.sparse_budget(), def.sparse_budget);
+  o.outliers = pick(p.outliers(), def.outliers);
+  o.keep_sink = p.has_keep_sink() ? p.keep_sink() : def.keep_sink;
+  o.local_window = pick(p.local_window(), def.local_window);
+  o.heavy_chunks = pick(p.heavy_chunks(), def.heavy_chunks);
+  o.min_tokens = pick(p.min_tokens(), def.min_tokens);
+  o.kivi_group = pick(p.kivi_group(), def.kivi_group);
+  for (auto [name, v] : {std::pair{"refactor_threshold", p.refactor_threshold()},
+                         {"energy_target", p.energy_target()},
+                         {"mini_recent_ratio", p.mini_recent_ratio()},
+                         {"mini_heavy_ratio", p.mini_heavy_ratio()}}) {
+    if (!std::isfinite(v) || v < 0 || v > 1) {
+      return Bad(absl::StrCat("profile.", name), absl::StrCat("must be in [0, 1], got ", v));
+    }
+  }
+  o.refactor_threshold = pickf(p.refactor_threshold(), def.refactor_threshold);
+  o.energy_target = p.energy_target();
+  o.mini_recent_ratio = pickf(p.mini_recent_ratio(), def.mini_recent_ratio);
+  o.mini_heavy_ratio = pickf(p.mini_heavy_ratio(), def.mini_heavy_ratio);
+  KVSHADE_ASSIGN_OR_RETURN(o.codec.codec, CodecFromProto(p.value_codec(), def.value_codec));
+  o.codec.group = o.kivi_group;
+
+  switch (o.requested) {
+    case v1::PROFILE_KIND_AUTO:
+      o.kind = n_tokens < static_cast<uint64_t>(o.min_tokens) ? v1::PROFILE_KIND_MINI
+                                                               : v1::PROFILE_KIND_SHADOW;
+      break;
+    default: o.kind = o.requested;
+  }
+
+  const int D = model.shape.D();
+  const int d = model.shape.d;
+  if (o.chunk_size < 1 || o.chunk_size > 256) {
+    return Bad("profile.chunk_size", absl::StrCat("must be in [1, 256], got ", o.chunk_size));
+  }
+  if (o.sparse_budget < 1 || o.sparse_budget > 65536) {
+    return Bad("profile.sparse_budget", absl::StrCat("must be in [1, 65536], got ", o.sparse_budget));
+  }
+  if (o.local_window < 1 || o.local_window > 65536) {
+    return Bad("profile.local_window", absl::StrCat("must be in [1, 65536], got ", o.local_window));
+  }
+  if (o.kind == v1::PROFILE_KIND_SHADOW) {
+    if (o.rank < 8 || o.rank % 8 != 0 || o.rank > D) {
+      return Bad("profile.rank", absl::StrCat("must be a multiple of 8 in [8, h*d = ", D,
+                                              "], got ", o.rank));
+    }
+    if (o.codec.codec == kernels::ValueCodec::kINT2 || o.codec.codec == kernels::ValueCodec::kINT4 ||
+        o.heavy_chunks > 0) {
+      // KIVI groups run along the head dim for values.
+      if (o.kivi_group < 1 || d % o.kivi_group != 0 ||
+          o.kivi_group % (32 / (o.codec.codec == kernels::ValueCodec::kINT4 ? 4 : 2)) != 0) {
+        return Bad("profile.kivi_group",
+                   absl::StrCat("must divide head_dim = ", d, " and be a multiple of 16 (8 for "
+                                "int4), got ", o.kivi_group));
+      }
+    }
+    if (auto b = kernels::ValueChunkBytes(o.codec, o.chunk_size, d); !b.ok()) {
+      return Bad("profile.value_codec", std::string(b.status().message()));
+    }
+  }
+  if (o.kind == v1::PROFILE_KIND_MINI) {
+    if (o.kivi_group < 16 || o.kivi_group % 16 != 0 || d % o.kivi_group != 0) {
+      return Bad("profile.kivi_group",
+                 absl::StrCat("must be a multiple of 16 dividing head_dim = ", d, ", got ",
+                              o.kivi_group));
+    }
+  }
+  return o;
+}
+
+absl::Status ValidateTokens(absl::Span<const int32_t> tokens, uint64_t already,
+                            const LimitsConfig& limits, std::string_view what) {
+  if (already + tokens.size() > limits.max_tokens_per_session) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        std::string(what), ": session would hold ", already + tokens.size(),
+        " tokens, over the limit max_tokens_per_session = ", limits.max_tokens_per_session));
+  }
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0) {
+      return Bad(absl::StrCat(std::string(what), "[", i, "]"),
+                 absl::StrCat("must be >= 0, got ", tokens[i]));
+    }
+  }
+  return absl::OkStatus();
+}
+
+bool TensorEmpty(const v1::Tensor& t) { return t.shape_size() == 0 && t.data().empty(); }
+
+absl::StatusOr<std::vector<bf16>> DecodeTensor(const v1::Tensor& t, absl::Span<const int64_t> shape,
+                                               v1::DType dtype, std::string_view what) {
+  const std::string name(what);
+  if (t.dtype() != dtype) {
+    return Bad(absl::StrCat(name, ".dtype"),
+               absl::StrCat("must be ", v1::DType_Name(dtype), " (the model's dtype), got ",
+                            v1::DType_Name(t.dtype())));
+  }
+  bool same = t.shape_size() == static_cast<int>(shape.size());
+  for (int i = 0; same && i < t.shape_size(); ++i) same = t.shape(i) == shape[i];
+  if (!same) {
+    return Bad(absl::StrCat(name, ".shape"),
+               absl::StrCat("must be ", ShapeString(shape), ", got ",
+                            ShapeString(absl::MakeConstSpan(t.shape().data(), t.shape_size()))));
+  }
+  size_t count = 1;
+  for (int64_t s : shape) count *= static_cast<size_t>(s);
+  const size_t eb = DTypeBytes(dtype);
+  if (t.data().size() != count * eb) {
+    return Bad(absl::StrCat(name, ".data"),
+               absl::StrCat("must hold ", count * eb, " bytes for shape ", ShapeString(shape), " of ",
+                            v1::DType_Name(dtype), ", got ", t.data().size()));
+  }
+  std::vector<bf16> out(count);
+  const char* src = t.data().data();
+  auto non_finite = [&](size_t i) {
+    return Bad(name, absl::StrCat("holds a non-finite value at flat index ", i));
+  };
+  if (dtype == v1::DTYPE_BF16) {
+    if (count > 0) std::memcpy(out.data(), src, count * 2);
+    for (size_t i = 0; i < count; ++i) {
+      if ((out[i].bits & 0x7f80u) == 0x7f80u) return non_finite(i);  // inf or NaN
+    }
+  } else if (dtype == v1::DTYPE_FP16) {
+    for (size_t i = 0; i < count; ++i) {
+      kernels::fp16 h;
+      std::memcpy(&h.bits, src + 2 * i, 2);
+      if ((h.bits & 0x7c00u) == 0x7c00u) return non_finite(i);
+      out[i] = kernels::FloatToBf16(kernels::Fp16ToFloat(h));
+    }
+  } else {
+    for (size_t i = 0; i < count; ++i) {
+      float f;
+      std::memcpy(&f, src + 4 * i, 4);
+      if (!std::isfinite(f)) return non_finite(i);
+      kernels::bf16 b = kernels::FloatToBf16(f);
+      if ((b.bits & 0x7f80u) == 0x7f80u) return non_finite(i);  // overflowed bf16
+      out[i] = b;
+    }
+  }
+  return out;
+}
+
+void EncodeBf16(absl::Span<const bf16> data, absl::Span<const int64_t> shape, v1::Tensor* out) {
+  out->Clear();
+  for (int64_t s : shape) out->add_shape(s);
+  out->set_dtype(v1::DTYPE_BF16);
+  out->set_data(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(bf16));
+}
+
+void EncodeF32(absl::Span<const float> data, absl::Span<const int64_t> shape, v1::Tensor* out) {
+  out->Clear();
+  for (int64_t s : shape) out->add_shape(s);
+  out->set_dtype(v1::DTYPE_FP32);
+  out->set_data(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(float));
+}
+
+}  // namespace kvshade::service

@@ -1,0 +1,492 @@
+// The decode paths: SelectAndReconstruct (per attachment, per layer, per KV head slot
+// tables; batched Backend::Select then Reconstruct of the misses; SlotDelta responses),
+// Attend (static set + selected chunks + exact tail through Backend::Attend) and
+// GetStaticSet.
+//
+// Locking: ids are resolved under the registry lock (SessionManager::Use, which also
+// renews leases); then every session of the batch is locked shared, in address order (so
+// two batches and an append can never deadlock), then every attachment's own mutex, in
+// address order. Nothing global is held while kernels run.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <shared_mutex>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "engine_impl.h"
+#include "kvshade/kernels/status_macros.h"
+
+namespace kvshade::service {
+namespace {
+
+using kernels::bf16;
+using storage::ArenaKind;
+
+// Reconstruct outputs of one sub-batch are bounded by this many bytes.
+constexpr size_t kReconstructScratchBytes = size_t{64} << 20;
+
+struct Query {
+  std::shared_ptr<Attachment> attachment;
+  std::shared_ptr<Session> session;
+  std::vector<bf16> q;  // [hq, d]
+};
+
+// Resolves and validates every (attachment, query) of a batch.
+template <typename Q>
+absl::StatusOr<std::vector<Query>> Resolve(SessionManager& sm, const LimitsConfig& limits,
+                                           const Tenant& t, uint32_t layer,
+                                           const google::protobuf::RepeatedPtrField<Q>& in) {
+  if (in.size() > static_cast<int>(limits.max_batch)) {
+    return absl::InvalidArgumentError(absl::StrCat("queries has ", in.size(),
+                                                   " entries, over the limit max_batch = ",
+                                                   limits.max_batch));
+  }
+  std::vector<Query> out;
+  absl::flat_hash_set<std::string> seen;
+  for (int i = 0; i < in.size(); ++i) {
+    const Q& qi = in[i];
+    if (!seen.insert(qi.attachment_id()).second) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "queries[", i, "]: attachment '", qi.attachment_id(),
+          "' appears more than once in the batch (one query per attachment per call)"));
+    }
+    auto a = sm.Use(t.name, qi.attachment_id());
+    if (!a.ok()) {
+      return absl::Status(a.status().code(),
+                          absl::StrCat("queries[", i, "]: ", a.status().message()));
+    }
+    Query q;
+    q.attachment = *a;
+    q.session = (*a)->session;
+    const ModelInfo& m = q.session->model;
+    if (layer >= static_cast<uint32_t>(m.layers)) {
+      return absl::InvalidArgumentError(absl::StrCat("layer must be < num_layers = ", m.layers,
+                                                     " of session '", q.session->id,
+                                                     "', got ", layer));
+    }
+    KVSHADE_ASSIGN_OR_RETURN(
+        q.q, DecodeTensor(qi.q(), {m.shape.query_heads(), m.shape.d}, m.dtype,
+                          absl::StrCat("queries[", i, "].q")));
+    out.push_back(std::move(q));
+  }
+  return out;
+}
+
+// Shared locks on every distinct session of a batch, in address order; checks each is
+// ready.
+class BatchLocks {
+ public:
+  absl::Status Lock(const std::vector<Query>& qs) {
+    std::vector<Session*> ss;
+    for (const Query& q : qs) ss.push_back(q.session.get());
+    std::sort(ss.begin(), ss.end());
+    ss.erase(std::unique(ss.begin(), ss.end()), ss.end());
+    for (Session* s : ss) {
+      locks_.emplace_back(s->mu);
+      if (s->state == SessionState::kClosed) {
+        return absl::NotFoundError(absl::StrCat("session '", s->id, "' not found (closed)"));
+      }
+      if (s->state != SessionState::kReady) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "session '", s->id, "' is ", SessionStateName(s->state), "; commit its ingest first"));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::vector<std::shared_lock<std::shared_mutex>> locks_;
+};
+
+template <typename T>
+T* Ptr(const DeviceBlock& b) {
+  return static_cast<T*>(b.data());
+}
+
+// One decode step's selection for a group of sessions that share the geometry and k.
+struct SelectGroup {
+  kernels::LayerShape shape;
+  int k = 0;
+  int C = 0;
+  kernels::RopeSpec rope;
+  kernels::ValueCodecSpec codec;
+  std::vector<size_t> items;  // indices into the batch
+};
+
+std::string GroupKey(const Session& s, int k) {
+  return absl::StrCat(s.model.Fingerprint(), "|", s.profile.chunk_size, "|",
+                      static_cast<int>(s.profile.codec.codec), "/", s.profile.codec.group, "|", k);
+}
+
+}  // namespace
+
+// Result of selecting (and reconstructing) one sub-batch: host copies of what the callers
+// need. Rows are [item][h][k].
+struct SelectRun {
+  std::vector<int32_t> selected, miss_slot, miss_chunk, miss_count;
+  DeviceBlock keys, values;  // [items, h, k, C, d] bf16
+};
+
+// Runs Select and Reconstruct over `items` (views, queries, slot tables in backend memory).
+static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, const SelectGroup& g,
+                                           std::vector<kernels::SelectItem>& sel,
+                                           std::vector<kernels::ReconstructItem>& rec,
+                                           const std::vector<std::vector<bf16>*>& queries,
+                                           bool reconstruct) {
+  const int h = g.shape.h, k = g.k, n = static_cast<int>(sel.size());
+  const size_t hk = size_t(h) * k;
+  SelectRun run;
+  std::vector<bf16> qhost;
+  for (auto* q : queries) qhost.insert(qhost.end(), q->begin(), q->end());
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qd, e.Upload(qhost.data(), Bf16Bytes(qhost.size()), ArenaKind::kOther));
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock outs, e.Alloc(size_t(n) * (3 * hk + h) * 4, ArenaKind::kOther));
+  int32_t* base = Ptr<int32_t>(outs);
+  const size_t qstride = size_t(g.shape.query_heads()) * g.shape.d;
+  for (int i = 0; i < n; ++i) {
+    sel[i].q = Ptr<bf16>(qd) + i * qstride;
+    sel[i].selected = base + i * hk;
+    sel[i].miss_slot = base + n * hk + i * hk;
+    sel[i].miss_chunk = base + 2 * n * hk + i * hk;
+    sel[i].miss_count = base + 3 * n * hk + i * h;
+  }
+  {
+    StageTimer timer(e.metrics_, "select");
+    const size_t wsb = e.backend_->SelectWorkspaceBytes(g.shape, k, sel);
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
+    KVSHADE_RETURN_IF_ERROR(e.backend_->Select(g.shape, k, sel, kernels::Workspace{ws.data(), wsb}));
+    KVSHADE_RETURN_IF_ERROR(e.backend_->Synchronize());
+  }
+  std::vector<int32_t> all(size_t(n) * (3 * hk + h));
+  KVSHADE_RETURN_IF_ERROR(e.Download(all.data(), base, all.size() * 4));
+  run.selected.assign(all.begin(), all.begin() + n * hk);
+  run.miss_slot.assign(all.begin() + n * hk, all.begin() + 2 * n * hk);
+  run.miss_chunk.assign(all.begin() + 2 * n * hk, all.begin() + 3 * n * hk);
+  run.miss_count.assign(all.begin() + 3 * n * hk, all.end());
+  int64_t misses = 0;
+  for (int32_t m : run.miss_count) misses += m;
+  if (!reconstruct || misses == 0) return run;
+
+  StageTimer timer(e.metrics_, "reconstruct");
+  const size_t per_item = hk * g.C * g.shape.d;
+  KVSHADE_ASSIGN_OR_RETURN(run.keys, e.Alloc(Bf16Bytes(n * per_item), ArenaKind::kSlots));
+  KVSHADE_ASSIGN_OR_RETURN(run.values, e.Alloc(Bf16Bytes(n * per_item), ArenaKind::kSlots));
+  rec.resize(n);
+  for (int i = 0; i < n; ++i) {
+    rec[i].view = sel[i].view;
+    rec[i].miss_chunk = sel[i].miss_chunk;
+    rec[i].miss_count = sel[i].miss_count;
+    rec[i].keys = Ptr<bf16>(run.keys) + i * per_item;
+    rec[i].values = Ptr<bf16>(run.values) + i * per_item;
+  }
+  const size_t wsb = e.backend_->ReconstructWorkspaceBytes(g.shape, k, rec);
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
+  KVSHADE_RETURN_IF_ERROR(e.backend_->Reconstruct(g.shape, g.C, k, g.rope, g.codec, rec,
+                                                  kernels::Workspace{ws.data(), wsb}));
+  KVSHADE_RETURN_IF_ERROR(e.backend_->Synchronize());
+  return run;
+}
+
+// Makes sure an attachment's slot table for `layer` has k slots per head, keeping the
+// slots it had (the session only ever gains chunks, so k only grows).
+static absl::Status EnsureSlots(EngineImpl& e, Attachment& a, int layer, int h, int k) {
+  SlotTable& t = a.slots[layer];
+  if (t.slots && t.k == k) return absl::OkStatus();
+  std::vector<int32_t> table(size_t(h) * k, -1);
+  if (t.slots) {
+    std::vector<int32_t> old(size_t(h) * t.k);
+    KVSHADE_RETURN_IF_ERROR(e.Download(old.data(), t.slots.data(), old.size() * 4));
+    const int keep = std::min(t.k, k);
+    for (int hh = 0; hh < h; ++hh) {
+      std::copy_n(old.begin() + size_t(hh) * t.k, keep, table.begin() + size_t(hh) * k);
+    }
+  }
+  KVSHADE_ASSIGN_OR_RETURN(storage::ArenaBlock b,
+                           e.arena_->Allocate(std::max<size_t>(table.size() * 4, 1), ArenaKind::kSlots));
+  KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(b.data(), table.data(), table.size() * 4));
+  t.slots = DeviceBlock(std::move(b));
+  t.k = k;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::SelectAndReconstructResponse> EngineImpl::SelectAndReconstruct(
+    const Tenant& t, const v1::SelectAndReconstructRequest& r) {
+  KVSHADE_ASSIGN_OR_RETURN(std::vector<Query> qs,
+                           Resolve(sessions_, config_->limits, t, r.layer(), r.queries()));
+  const int layer = static_cast<int>(r.layer());
+  BatchLocks locks;
+  KVSHADE_RETURN_IF_ERROR(locks.Lock(qs));
+  std::vector<Attachment*> as;
+  for (const Query& q : qs) as.push_back(q.attachment.get());
+  std::sort(as.begin(), as.end());
+  std::vector<std::unique_lock<std::mutex>> alocks;
+  for (Attachment* a : as) alocks.emplace_back(a->mu);
+
+  v1::SelectAndReconstructResponse resp;
+  std::vector<v1::SlotDelta*> deltas;
+  for (const Query& q : qs) {
+    v1::SlotDelta* d = resp.add_deltas();
+    d->set_attachment_id(q.attachment->id);
+    deltas.push_back(d);
+  }
+  // Views (pins held until the response is built) and groups.
+  std::vector<LayerViewHold> holds(qs.size());
+  std::vector<int> ks(qs.size(), 0);
+  std::map<std::string, SelectGroup> groups;
+  for (size_t i = 0; i < qs.size(); ++i) {
+    const Session& s = *qs[i].session;
+    if (s.profile.kind != v1::PROFILE_KIND_SHADOW) continue;  // no per-query selection
+    KVSHADE_ASSIGN_OR_RETURN(holds[i], BuildView(s, layer));
+    if (holds[i].total_chunks == 0) continue;
+    ks[i] = std::min(s.profile.sparse_budget, holds[i].total_chunks);
+    KVSHADE_RETURN_IF_ERROR(EnsureSlots(*this, *qs[i].attachment, layer, s.model.shape.h, ks[i]));
+    SelectGroup& g = groups[GroupKey(s, ks[i])];
+    g.shape = s.model.shape;
+    g.k = ks[i];
+    g.C = s.profile.chunk_size;
+    g.rope = s.model.rope;
+    g.codec = s.profile.codec;
+    g.items.push_back(i);
+  }
+  uint64_t total_selected = 0, total_hits = 0;
+  for (auto& [key, g] : groups) {
+    const int h = g.shape.h, d = g.shape.d, C = g.C, k = g.k;
+    const size_t per_item_bytes = Bf16Bytes(size_t(h) * k * C * d) * 2;
+    const size_t step = std::max<size_t>(1, kReconstructScratchBytes / std::max<size_t>(per_item_bytes, 1));
+    for (size_t b0 = 0; b0 < g.items.size(); b0 += step) {
+      const size_t b1 = std::min(g.items.size(), b0 + step);
+      std::vector<kernels::SelectItem> sel(b1 - b0);
+      std::vector<kernels::ReconstructItem> rec;
+      std::vector<std::vector<bf16>*> queries;
+      for (size_t j = b0; j < b1; ++j) {
+        const size_t i = g.items[j];
+        sel[j - b0].view = holds[i].view;
+        sel[j - b0].slots = Ptr<int32_t>(qs[i].attachment->slots[layer].slots);
+        queries.push_back(&qs[i].q);
+      }
+      KVSHADE_ASSIGN_OR_RETURN(SelectRun run, RunSelect(*this, g, sel, rec, queries, true));
+      const size_t hk = size_t(h) * k;
+      const size_t row = size_t(C) * d;
+      for (size_t j = b0; j < b1; ++j) {
+        const size_t i = g.items[j], jj = j - b0;
+        v1::SlotDelta* delta = deltas[i];
+        uint32_t selected = 0, misses = 0;
+        std::vector<bf16> keys, values;
+        for (int hh = 0; hh < h; ++hh) {
+          for (int x = 0; x < k; ++x) selected += run.selected[jj * hk + hh * k + x] >= 0;
+          const int mc = run.miss_count[jj * h + hh];
+          for (int x = 0; x < mc; ++x) {
+            delta->add_head(hh);
+            delta->add_slot(run.miss_slot[jj * hk + hh * k + x]);
+            delta->add_chunk(run.miss_chunk[jj * hk + hh * k + x]);
+          }
+          if (mc > 0) {
+            // A head's misses are rows [0, mc) of its [k, C, d] block: one copy each.
+            const size_t off = (jj * hk + size_t(hh) * k) * row;
+            const size_t at = keys.size();
+            keys.resize(at + mc * row);
+            values.resize(at + mc * row);
+            KVSHADE_RETURN_IF_ERROR(Download(keys.data() + at, Ptr<bf16>(run.keys) + off, Bf16Bytes(mc * row)));
+            KVSHADE_RETURN_IF_ERROR(Download(values.data() + at, Ptr<bf16>(run.values) + off, Bf16Bytes(mc * row)));
+          }
+          misses += mc;
+        }
+        EncodeBf16(keys, {int64_t(misses), C, d}, delta->mutable_keys());
+        EncodeBf16(values, {int64_t(misses), C, d}, delta->mutable_values());
+        delta->set_selected(selected);
+        delta->set_hits(selected - misses);
+        qs[i].attachment->selected += selected;
+        qs[i].attachment->hits += selected - misses;
+        total_selected += selected;
+        total_hits += selected - misses;
+      }
+    }
+  }
+  chunks_selected_ += total_selected;
+  chunk_hits_ += total_hits;
+  metrics_->ChunkSelection(total_selected, total_hits);
+  return resp;
+}
+
+absl::StatusOr<v1::AttendResponse> EngineImpl::Attend(const Tenant& t, const v1::AttendRequest& r) {
+  KVSHADE_ASSIGN_OR_RETURN(std::vector<Query> qs,
+                           Resolve(sessions_, config_->limits, t, r.layer(), r.queries()));
+  const int layer = static_cast<int>(r.layer());
+  BatchLocks locks;
+  KVSHADE_RETURN_IF_ERROR(locks.Lock(qs));
+  StageTimer timer(metrics_, "attend");
+  v1::AttendResponse resp;
+  for (size_t i = 0; i < qs.size(); ++i) {
+    Session& s = *qs[i].session;
+    const kernels::LayerShape& shape = s.model.shape;
+    const int h = shape.h, d = shape.d, C = s.profile.chunk_size;
+    kernels::AttendItem item;
+    std::vector<DeviceBlock> keep;  // scratch alive until Attend ran
+    SelectRun run;
+    auto add_block = [&](const kernels::KvBlock& b) -> absl::Status {
+      if (item.n_blocks == kernels::kMaxKvBlocks) {
+        return absl::InternalError("too many attention blocks");
+      }
+      item.blocks[item.n_blocks++] = b;
+      return absl::OkStatus();
+    };
+    if (s.profile.kind == v1::PROFILE_KIND_EXACT) {
+      // Every token: the segments' exact blocks (gathered into one when there are more
+      // than the kernel takes).
+      std::vector<const LayerData*> parts;
+      for (const auto& seg : s.chain) {
+        if (seg->data(layer).n_tail > 0) parts.push_back(&seg->data(layer));
+      }
+      if (s.open && s.open->layers[layer].n_tail > 0) parts.push_back(&s.open->layers[layer]);
+      const int64_t tok = int64_t(h) * d;
+      if (parts.size() <= size_t(kernels::kMaxKvBlocks)) {
+        for (const LayerData* p : parts) {
+          KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(p->tk), Ptr<const bf16>(p->tv),
+                                                             p->n_tail, nullptr, d, tok}));
+        }
+      } else {
+        std::vector<bf16> hk, hv;
+        for (const LayerData* p : parts) {
+          const size_t n = size_t(p->n_tail) * tok;
+          const size_t at = hk.size();
+          hk.resize(at + n);
+          hv.resize(at + n);
+          KVSHADE_RETURN_IF_ERROR(Download(hk.data() + at, p->tk.data(), Bf16Bytes(n)));
+          KVSHADE_RETURN_IF_ERROR(Download(hv.data() + at, p->tv.data(), Bf16Bytes(n)));
+        }
+        KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kb, Upload(hk.data(), Bf16Bytes(hk.size()), ArenaKind::kOther));
+        KVSHADE_ASSIGN_OR_RETURN(DeviceBlock vb, Upload(hv.data(), Bf16Bytes(hv.size()), ArenaKind::kOther));
+        KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(kb), Ptr<const bf16>(vb),
+                                                           int64_t(hk.size() / tok), nullptr, d, tok}));
+        keep.push_back(std::move(kb));
+        keep.push_back(std::move(vb));
+      }
+    } else {
+      KVSHADE_ASSIGN_OR_RETURN(const StaticCache* c, GetCache(s, layer));
+      if (c->s > 0) {
+        KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(c->k), Ptr<const bf16>(c->v), c->s,
+                                                           Ptr<const int32_t>(c->lengths),
+                                                           int64_t(c->s) * d, d}));
+      }
+      if (c->t > 0) {
+        KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(c->tk), Ptr<const bf16>(c->tv), c->t,
+                                                           nullptr, d, int64_t(h) * d}));
+      }
+      if (s.profile.kind == v1::PROFILE_KIND_SHADOW) {
+        KVSHADE_ASSIGN_OR_RETURN(LayerViewHold hold, BuildView(s, layer));
+        if (hold.total_chunks > 0) {
+          SelectGroup g;
+          g.shape = shape;
+          g.k = std::min(s.profile.sparse_budget, hold.total_chunks);
+          g.C = C;
+          g.rope = s.model.rope;
+          g.codec = s.profile.codec;
+          // A fresh, empty slot table: every selected chunk is a miss and lands in slots
+          // 0.. in ascending chunk order, so each head's first miss_count*C rows are its
+          // selected chunks.
+          std::vector<int32_t> empty(size_t(h) * g.k, -1);
+          KVSHADE_ASSIGN_OR_RETURN(DeviceBlock slots, Upload(empty.data(), empty.size() * 4, ArenaKind::kOther));
+          std::vector<kernels::SelectItem> sel(1);
+          std::vector<kernels::ReconstructItem> rec;
+          sel[0].view = hold.view;
+          sel[0].slots = Ptr<int32_t>(slots);
+          std::vector<std::vector<bf16>*> queries = {&qs[i].q};
+          KVSHADE_ASSIGN_OR_RETURN(run, RunSelect(*this, g, sel, rec, queries, true));
+          std::vector<int32_t> lens(h);
+          int64_t any = 0;
+          for (int hh = 0; hh < h; ++hh) {
+            lens[hh] = run.miss_count[hh] * C;
+            any += lens[hh];
+          }
+          if (any > 0) {
+            KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ld, Upload(lens.data(), lens.size() * 4, ArenaKind::kOther));
+            KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{
+                Ptr<const bf16>(run.keys), Ptr<const bf16>(run.values), int64_t(g.k) * C,
+                Ptr<const int32_t>(ld), int64_t(g.k) * C * d, d}));
+            keep.push_back(std::move(ld));
+          }
+          keep.push_back(std::move(slots));
+        }
+      }
+    }
+    if (item.n_blocks == 0) {
+      return absl::FailedPreconditionError(absl::StrCat("session '", s.id, "' has no tokens to attend"));
+    }
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qd, Upload(qs[i].q.data(), Bf16Bytes(qs[i].q.size()), ArenaKind::kOther));
+    const size_t out_n = size_t(shape.query_heads()) * d;
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock od, Alloc(out_n * 4, ArenaKind::kOther));
+    item.q = Ptr<const bf16>(qd);
+    item.out = Ptr<float>(od);
+    std::vector<kernels::AttendItem> items = {item};
+    const size_t wsb = backend_->AttendWorkspaceBytes(shape, items);
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, Alloc(wsb, ArenaKind::kOther));
+    KVSHADE_RETURN_IF_ERROR(backend_->Attend(shape, 1.0f / std::sqrt(float(d)), items,
+                                             kernels::Workspace{ws.data(), wsb}));
+    std::vector<float> out(out_n);
+    KVSHADE_RETURN_IF_ERROR(Download(out.data(), od.data(), out_n * 4));
+    EncodeF32(out, {shape.query_heads(), d}, resp.add_outputs());
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::GetStaticSetResponse> EngineImpl::GetStaticSet(const Tenant& t,
+                                                                  const v1::GetStaticSetRequest& r) {
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> a, sessions_.Use(t.name, r.attachment_id()));
+  Session& s = *a->session;
+  if (r.layer() >= static_cast<uint32_t>(s.model.layers)) {
+    return absl::InvalidArgumentError(absl::StrCat("layer must be < num_layers = ", s.model.layers,
+                                                   ", got ", r.layer()));
+  }
+  const int layer = static_cast<int>(r.layer());
+  std::shared_lock lock(s.mu);
+  if (s.state != SessionState::kReady) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session '", s.id, "' is ", SessionStateName(s.state), "; commit its ingest first"));
+  }
+  const int h = s.model.shape.h, d = s.model.shape.d;
+  const int64_t tok = int64_t(h) * d;
+  v1::GetStaticSetResponse resp;
+  if (s.profile.kind == v1::PROFILE_KIND_EXACT) {
+    // No selection for exact sessions: every token is "tail".
+    std::vector<bf16> hk, hv;
+    size_t total = 0;
+    for (const auto& seg : s.chain) total += seg->data(layer).n_tail;
+    if (s.open) total += s.open->layers[layer].n_tail;
+    if (Bf16Bytes(total * tok) * 2 > config_->limits.max_message_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the exact session's ", total, " tokens do not fit one response (max_message_bytes = ",
+          config_->limits.max_message_bytes, "); use Attend"));
+    }
+    auto add = [&](const LayerData& p) -> absl::Status {
+      const size_t n = size_t(p.n_tail) * tok;
+      const size_t at = hk.size();
+      hk.resize(at + n);
+      hv.resize(at + n);
+      KVSHADE_RETURN_IF_ERROR(Download(hk.data() + at, p.tk.data(), Bf16Bytes(n)));
+      return Download(hv.data() + at, p.tv.data(), Bf16Bytes(n));
+    };
+    for (const auto& seg : s.chain) KVSHADE_RETURN_IF_ERROR(add(seg->data(layer)));
+    if (s.open) KVSHADE_RETURN_IF_ERROR(add(s.open->layers[layer]));
+    EncodeBf16({}, {h, 0, d}, resp.mutable_k());
+    EncodeBf16({}, {h, 0, d}, resp.mutable_v());
+    for (int hh = 0; hh < h; ++hh) resp.add_lengths(0);
+    EncodeBf16(hk, {int64_t(hk.size() / tok), h, d}, resp.mutable_tail_k());
+    EncodeBf16(hv, {int64_t(hv.size() / tok), h, d}, resp.mutable_tail_v());
+    return resp;
+  }
+  KVSHADE_ASSIGN_OR_RETURN(const StaticCache* c, GetCache(s, layer));
+  if (Bf16Bytes(c->host_k.size() + c->host_tk.size()) * 2 > config_->limits.max_message_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the static set does not fit one response (max_message_bytes = ",
+        config_->limits.max_message_bytes, ")"));
+  }
+  EncodeBf16(c->host_k, {h, c->s, d}, resp.mutable_k());
+  EncodeBf16(c->host_v, {h, c->s, d}, resp.mutable_v());
+  for (int32_t len : c->host_lengths) resp.add_lengths(static_cast<uint32_t>(len));
+  EncodeBf16(c->host_tk, {c->t, h, d}, resp.mutable_tail_k());
+  EncodeBf16(c->host_tv, {c->t, h, d}, resp.mutable_tail_v());
+  return resp;
+}
+
+}  // namespace kvshade::service

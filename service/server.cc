@@ -1,0 +1,185 @@
+// kvshade-server's process shell: gRPC server construction (credentials, limits, health,
+// reflection), the Prometheus exposer, and graceful shutdown. The service logic itself is
+// KvShadeService (grpc_service.h); this file never looks inside a request.
+#include "kvshade/service/server.h"
+
+#include <signal.h>
+
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/server_credentials.h>
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "kvshade/service/grpc_service.h"
+
+namespace kvshade::service {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, std::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", std::string(what), " '", path, "'"));
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(const TlsConfig& tls) {
+  if (tls.cert_file.empty()) return grpc::InsecureServerCredentials();
+  auto cert = ReadFile(tls.cert_file, "tls.cert_file");
+  if (!cert.ok()) return cert.status();
+  auto key = ReadFile(tls.key_file, "tls.key_file");
+  if (!key.ok()) return key.status();
+  grpc_ssl_client_certificate_request_type request = GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE;
+  std::string client_ca;
+  if (!tls.client_ca_file.empty()) {
+    auto ca = ReadFile(tls.client_ca_file, "tls.client_ca_file");
+    if (!ca.ok()) return ca.status();
+    client_ca = *std::move(ca);
+    // With a CA configured a presented client certificate is always verified; mTLS
+    // proper (require_client_cert) also rejects clients that present none.
+    request = tls.require_client_cert ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                                      : GRPC_SSL_REQUEST_CLIENT_CERTIFICATE_AND_VERIFY;
+  }
+  grpc::SslServerCredentialsOptions options(request);
+  options.pem_root_certs = client_ca;
+  options.pem_key_cert_pairs.push_back({*key, *cert});
+  return grpc::SslServerCredentials(options);
+}
+
+constexpr char kServiceName[] = "kvshade.v1.KvShade";
+
+}  // namespace
+
+Server::~Server() {
+  absl::Status s = Shutdown(absl::Seconds(5));
+  if (!s.ok()) spdlog::warn("shutdown: {}", std::string(s.message()));
+}
+
+std::string_view Server::backend_name() const { return backend_ ? backend_->name() : ""; }
+
+void Server::BlockSignals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+}
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config) {
+  absl::Status valid = ValidateConfig(config);
+  if (!valid.ok()) return valid;
+  std::unique_ptr<Server> s(new Server());
+  s->config_ = config;
+
+  auto backend = kernels::CreateBackend(config.backend);
+  if (!backend.ok()) {
+    return absl::Status(backend.status().code(),
+                        absl::StrCat("backend '", config.backend, "': ", backend.status().message()));
+  }
+  s->backend_ = *std::move(backend);
+  s->metrics_ = std::make_unique<Metrics>();
+  s->auth_ = std::make_unique<Authenticator>(s->config_);
+
+  ServiceDeps deps;
+  deps.backend = s->backend_.get();
+  deps.config = &s->config_;
+  deps.metrics = s->metrics_.get();
+  deps.auth = s->auth_.get();
+  auto service = KvShadeService::Create(deps);
+  if (!service.ok()) return service.status();
+  s->service_ = *std::move(service);
+
+  auto creds = MakeCredentials(config.tls);
+  if (!creds.ok()) return creds.status();
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  // gRPC sets SO_REUSEPORT by default, which would let a second server silently share the
+  // port; a daemon must fail loudly instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Idle clients are pinged so that dead workers' connections are noticed; leases, not
+  // connections, decide when an attachment dies.
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, 60000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 10000);
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  const int max_msg = static_cast<int>(config.limits.max_message_bytes);
+  builder.SetMaxReceiveMessageSize(max_msg);
+  builder.SetMaxSendMessageSize(max_msg);
+  if (config.worker_threads > 0) {
+    grpc::ResourceQuota quota("kvshade");
+    // Sync-server threads; a floor of 4 keeps health checks answerable under load.
+    quota.SetMaxThreads(static_cast<int>(std::max<uint32_t>(config.worker_threads, 4)));
+    builder.SetResourceQuota(quota);
+  }
+  builder.AddListeningPort(config.listen, *creds, &s->port_);
+  builder.RegisterService(s->service_.get());
+  s->server_ = builder.BuildAndStart();
+  if (!s->server_ || (s->port_ == 0 && !absl::StartsWith(config.listen, "unix:"))) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on '", config.listen, "' (address in use or not local?)"));
+  }
+  auto* health = s->server_->GetHealthCheckService();
+  health->SetServingStatus(true);
+  health->SetServingStatus(kServiceName, true);
+
+  if (config.metrics_port != 0) {
+    auto endpoint = MetricsEndpoint::Start(config.metrics_listen, config.metrics_port,
+                                           s->metrics_->registry());
+    if (!endpoint.ok()) {
+      s->server_->Shutdown(std::chrono::system_clock::now());
+      return endpoint.status();
+    }
+    s->exposer_ = *std::move(endpoint);
+    s->metrics_port_ = s->exposer_->port();
+  }
+  spdlog::info("kvshade-server {} serving on {} (port {}), backend {}, metrics {}", KVSHADE_VERSION,
+               config.listen, s->port_, std::string(s->backend_->name()),
+               s->metrics_port_ ? absl::StrCat(config.metrics_listen, ":", s->metrics_port_, "/metrics")
+                                : std::string("off"));
+  return s;
+}
+
+absl::Status Server::RunUntilSignal(absl::Duration grace) {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGINT);
+  int sig = 0;
+  if (sigwait(&set, &sig) != 0) return absl::InternalError("sigwait failed");
+  spdlog::info("received {}, draining", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+  return Shutdown(grace);
+}
+
+absl::Status Server::Shutdown(absl::Duration grace) {
+  std::lock_guard<std::mutex> lock(shutdown_mu_);
+  if (shut_down_ || !server_) return absl::OkStatus();
+  shut_down_ = true;
+  // 1. Tell load balancers and clients to go elsewhere; new sessions are refused by Drain.
+  auto* health = server_->GetHealthCheckService();
+  health->SetServingStatus(kServiceName, false);
+  health->SetServingStatus(false);
+  // 2. Drain: refuse new work, flush durable sessions.
+  const absl::Time t0 = absl::Now();
+  absl::Status drained = service_ ? service_->Drain() : absl::OkStatus();
+  if (!drained.ok()) spdlog::error("drain: {}", std::string(drained.message()));
+  const absl::Time t1 = absl::Now();
+  // 3. Stop: in-flight calls get `grace`, then are cancelled.
+  // gRPC also waits for connected clients to acknowledge its GOAWAY; an idle client that
+  // nothing polls adds a few seconds here (bounded by gRPC, not by `grace`).
+  server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(grace));
+  server_->Wait();
+  exposer_.reset();
+  spdlog::info("kvshade-server stopped (drain {}, gRPC stop {})", absl::FormatDuration(t1 - t0),
+               absl::FormatDuration(absl::Now() - t1));
+  return drained;
+}
+
+}  // namespace kvshade::service

@@ -1,0 +1,263 @@
+// SessionManager: tenant-scoped registry of sessions and attachments with leases (see
+// session_manager.h for the rules).
+#include "kvshade/service/session_manager.h"
+
+#include <algorithm>
+#include <chrono>
+#include <random>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvshade::service {
+
+int64_t SystemNowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+const char* SessionStateName(SessionState s) {
+  switch (s) {
+    case SessionState::kIngesting: return "ingesting";
+    case SessionState::kReady: return "ready";
+    case SessionState::kClosed: return "closed";
+  }
+  return "unknown";
+}
+
+SessionManager::SessionManager(const LimitsConfig& limits, Clock clock)
+    : limits_(limits), clock_(clock ? std::move(clock) : Clock(SystemNowMs)) {}
+
+std::string SessionManager::NewId() {
+  // Ids are capabilities within a tenant: unguessable, from the OS entropy source.
+  thread_local std::random_device rd;
+  uint64_t w[2];
+  for (auto& x : w) x = (uint64_t(rd()) << 32) ^ uint64_t(rd());
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(w), sizeof(w)));
+}
+
+absl::Status SessionManager::AddSession(std::shared_ptr<Session> session) {
+  absl::MutexLock lock(&mu_);
+  size_t& n = per_tenant_[session->tenant];
+  if (n >= limits_.max_sessions_per_tenant) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tenant '", session->tenant, "' already holds ", n,
+                     " sessions (limit max_sessions_per_tenant = ",
+                     limits_.max_sessions_per_tenant, "); close some first"));
+  }
+  if (!sessions_.emplace(session->id, session).second) {
+    return absl::AlreadyExistsError(absl::StrCat("session id ", session->id, " exists"));
+  }
+  ++n;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindSession(
+    const std::string& tenant, const std::string& id) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end() || it->second->tenant != tenant) {
+    return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::shared_ptr<Session>> SessionManager::RemoveSession(const std::string& tenant,
+                                                                       const std::string& id) {
+  absl::MutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end() || it->second->tenant != tenant) {
+    return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
+  }
+  std::shared_ptr<Session> s = it->second;
+  sessions_.erase(it);
+  if (--per_tenant_[tenant] == 0) per_tenant_.erase(tenant);
+  std::vector<std::shared_ptr<Attachment>> gone;
+  for (const auto& [aid, a] : attachments_) {
+    if (a->session == s) gone.push_back(a);
+  }
+  for (const auto& a : gone) RemoveAttachmentLocked(a, /*expired=*/false);
+  return s;
+}
+
+std::vector<std::shared_ptr<Session>> SessionManager::ListSessions(const std::string& tenant) const {
+  absl::ReaderMutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Session>> out;
+  for (const auto& [id, s] : sessions_) {
+    if (s->tenant == tenant) out.push_back(s);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return a->created_unix_ms != b->created_unix_ms ? a->created_unix_ms < b->created_unix_ms
+                                                    : a->id < b->id;
+  });
+  return out;
+}
+
+std::vector<std::shared_ptr<Session>> SessionManager::AllSessions() const {
+  absl::ReaderMutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Session>> out;
+  for (const auto& [id, s] : sessions_) out.push_back(s);
+  return out;
+}
+
+absl::StatusOr<std::shared_ptr<Attachment>> SessionManager::Attach(
+    const std::string& tenant, std::shared_ptr<Session> session, const std::string& worker_id,
+    uint32_t lease_ms, bool writer) {
+  if (lease_ms > limits_.max_lease_ms) {
+    return absl::InvalidArgumentError(absl::StrCat("lease_ms must be <= max_lease_ms = ",
+                                                   limits_.max_lease_ms, ", got ", lease_ms));
+  }
+  if (lease_ms == 0) lease_ms = limits_.default_lease_ms;
+  absl::MutexLock lock(&mu_);
+  ReapLocked();
+  auto it = sessions_.find(session->id);
+  if (it == sessions_.end() || it->second != session || session->tenant != tenant) {
+    return absl::NotFoundError(absl::StrCat("session '", session->id, "' not found"));
+  }
+  if (session->attachments >= static_cast<int>(limits_.max_attachments_per_session)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("session '", session->id, "' already has ", session->attachments,
+                     " attachments (limit max_attachments_per_session = ",
+                     limits_.max_attachments_per_session, ")"));
+  }
+  if (writer && !session->writer_attachment.empty()) {
+    const auto w = attachments_.find(session->writer_attachment);
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session '", session->id, "' already has a writer attachment",
+        w != attachments_.end() ? absl::StrCat(" (worker '", w->second->worker_id, "')") : "",
+        "; detach it or let its lease expire, or attach as a reader"));
+  }
+  auto a = std::make_shared<Attachment>();
+  a->id = NewId();
+  a->tenant = tenant;
+  a->worker_id = worker_id;
+  a->writer = writer;
+  a->lease_ms = lease_ms;
+  a->session = session;
+  a->expires_ms = clock_() + lease_ms;
+  a->slots.resize(session->model.layers);
+  attachments_[a->id] = a;
+  ++session->attachments;
+  if (writer) session->writer_attachment = a->id;
+  return a;
+}
+
+void SessionManager::RemoveAttachmentLocked(const std::shared_ptr<Attachment>& a, bool expired) {
+  attachments_.erase(a->id);
+  --a->session->attachments;
+  if (a->session->writer_attachment == a->id) a->session->writer_attachment.clear();
+  if (expired) {
+    tombstones_[a->id] = {a->tenant, a->expires_ms};
+    tombstone_order_.push_back(a->id);
+    while (tombstone_order_.size() > kMaxTombstones) {
+      tombstones_.erase(tombstone_order_.front());
+      tombstone_order_.pop_front();
+    }
+  }
+}
+
+void SessionManager::ReapLocked() {
+  const int64_t now = clock_();
+  std::vector<std::shared_ptr<Attachment>> expired;
+  for (const auto& [id, a] : attachments_) {
+    if (a->expires_ms <= now) expired.push_back(a);
+  }
+  for (const auto& a : expired) RemoveAttachmentLocked(a, /*expired=*/true);
+}
+
+int SessionManager::ReapExpired() {
+  absl::MutexLock lock(&mu_);
+  const size_t before = attachments_.size();
+  ReapLocked();
+  return static_cast<int>(before - attachments_.size());
+}
+
+absl::Status SessionManager::ExpiredOrMissing(const std::string& attachment_id) const {
+  return absl::NotFoundError(absl::StrCat("attachment '", attachment_id, "' not found"));
+}
+
+absl::Status SessionManager::Detach(const std::string& tenant, const std::string& attachment_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = attachments_.find(attachment_id);
+  if (it == attachments_.end() || it->second->tenant != tenant) {
+    auto t = tombstones_.find(attachment_id);
+    if (t != tombstones_.end() && t->second.first == tenant) return absl::OkStatus();  // gone
+    return ExpiredOrMissing(attachment_id);
+  }
+  std::shared_ptr<Attachment> a = it->second;
+  // Detaching an attachment whose lease has just run out is not an error: it is gone
+  // either way.
+  RemoveAttachmentLocked(a, /*expired=*/false);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Attachment>> SessionManager::Use(const std::string& tenant,
+                                                                const std::string& attachment_id) {
+  absl::MutexLock lock(&mu_);
+  const int64_t now = clock_();
+  auto it = attachments_.find(attachment_id);
+  if (it != attachments_.end() && it->second->tenant == tenant) {
+    std::shared_ptr<Attachment> a = it->second;
+    if (a->expires_ms > now) {
+      a->expires_ms = now + a->lease_ms;
+      return a;
+    }
+    RemoveAttachmentLocked(a, /*expired=*/true);
+  }
+  auto t = tombstones_.find(attachment_id);
+  if (t != tombstones_.end() && t->second.first == tenant) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("attachment '", attachment_id, "': lease expired ", now - t->second.second,
+                     " ms ago; attach again"));
+  }
+  return ExpiredOrMissing(attachment_id);
+}
+
+absl::Status SessionManager::CheckWriter(const std::string& tenant, const Session& session,
+                                         const std::string& attachment_id) {
+  absl::MutexLock lock(&mu_);
+  ReapLocked();
+  std::shared_ptr<Attachment> a;
+  if (!attachment_id.empty()) {
+    auto it = attachments_.find(attachment_id);
+    if (it == attachments_.end() || it->second->tenant != tenant) {
+      auto t = tombstones_.find(attachment_id);
+      if (t != tombstones_.end() && t->second.first == tenant) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("attachment '", attachment_id, "': lease expired; attach again"));
+      }
+      return ExpiredOrMissing(attachment_id);
+    }
+    a = it->second;
+    if (a->session.get() != &session) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attachment '", attachment_id, "' belongs to another session than '", session.id, "'"));
+    }
+    a->expires_ms = clock_() + a->lease_ms;
+  }
+  if (!session.writer_attachment.empty() && session.writer_attachment != attachment_id) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "session '", session.id, "' has a writer attachment; only it may append (pass its id "
+        "as attachment_id)"));
+  }
+  return absl::OkStatus();
+}
+
+int64_t SessionManager::LeaseExpiry(const Attachment& a) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return a.expires_ms;
+}
+
+int SessionManager::AttachmentCount(const Session& s) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return s.attachments;
+}
+
+SessionCounts SessionManager::Counts() const {
+  absl::ReaderMutexLock lock(&mu_);
+  return SessionCounts{sessions_.size(), attachments_.size()};
+}
+
+}  // namespace kvshade::service

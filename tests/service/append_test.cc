@@ -1,0 +1,151 @@
+// AppendTokens: the exact tail, whole chunks migrating out of it (projected keys, values,
+// landmarks), slot tables growing with the session, the writer rule, and every profile's
+// Attend against exact attention over all tokens.
+#include "service_test_util.h"
+
+namespace kvshade::service::testing {
+namespace {
+
+constexpr int kG = 2, kH = 2, kD = 64;
+
+v1::AppendTokensRequest AppendOf(const std::string& session, const Stream& s, int from, int to,
+                                 const std::string& attachment = "") {
+  v1::AppendTokensRequest r;
+  r.set_session_id(session);
+  r.set_attachment_id(attachment);
+  const size_t tok = size_t(kH) * kD;
+  for (int t = from; t < to; ++t) r.add_token_ids(s.tokens[t]);
+  for (int l = 0; l < s.L; ++l) {
+    auto* lk = r.add_layers();
+    lk->set_layer(l);
+    std::vector<bf16> k(s.k[l].begin() + from * tok, s.k[l].begin() + to * tok);
+    std::vector<bf16> v(s.v[l].begin() + from * tok, s.v[l].begin() + to * tok);
+    *lk->mutable_k() = ToTensor(k, {to - from, kH, kD});
+    *lk->mutable_v() = ToTensor(v, {to - from, kH, kD});
+  }
+  return r;
+}
+
+int TailLength(Harness& hx, const std::string& attachment, int layer) {
+  v1::GetStaticSetRequest r;
+  r.set_attachment_id(attachment);
+  r.set_layer(layer);
+  auto st = hx.engine->GetStaticSet(hx.tenant, r);
+  EXPECT_TRUE(st.ok()) << st.status();
+  return st.ok() ? static_cast<int>(st->tail_k().shape(0)) : -1;
+}
+
+TEST(AppendTest, ShadowChunksMigrateOutOfTheTail) {
+  Harness hx;
+  Stream s = MakeStream(560, hx.model, 21);
+  v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  p.set_rank(128);
+  p.set_sparse_budget(64);  // more than the 46 chunks at first: k grows with the session
+  p.set_outliers(2);
+  auto o = hx.Open(s, p, 400);
+  EXPECT_EQ(TailLength(hx, o.attachment, 0), 32);
+  auto d0 = hx.Select(o.attachment, 0, hx.Query(1));
+  ASSERT_TRUE(d0.ok());
+  EXPECT_EQ(d0->selected(), uint32_t(kH * (46 - 3)));  // every selectable chunk
+  int pos = 400;
+  // One token at a time, then a block of 100.
+  for (; pos < 460; ++pos) {
+    auto r = hx.engine->AppendTokens(hx.tenant, AppendOf(o.session, s, pos, pos + 1));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->tokens(), uint64_t(pos + 1));
+    // 400 prompt tokens keep a 32-token remainder; appended tokens keep at most
+    // local_window + C in the tail.
+    const int tail = TailLength(hx, o.attachment, 1);
+    EXPECT_LE(tail, 32 + 32 + 8);
+  }
+  auto r = hx.engine->AppendTokens(hx.tenant, AppendOf(o.session, s, 460, 560));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tokens(), 560u);
+  // 160 appended tokens: (160 - 32) / 8 = 16 chunks left the tail, 32 remain.
+  EXPECT_EQ(TailLength(hx, o.attachment, 0), 32 + 32);
+  auto d1 = hx.Select(o.attachment, 0, hx.Query(1));
+  ASSERT_TRUE(d1.ok()) << d1.status();
+  EXPECT_EQ(d1->selected(), uint32_t(kH * 59));  // min(64, 43 + 16) per head
+  for (int i = 0; i < d1->slot_size(); ++i) EXPECT_LT(d1->slot(i), 64u);
+  // Full rank and full budget: Attend over everything equals exact attention.
+  for (int l = 0; l < 2; ++l) {
+    auto q = hx.Query(50 + l);
+    auto out = hx.Attend(o.attachment, l, q);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_LT(RelErr(*out, ExactAttend(s, l, kG, q, 560)), 2e-2) << l;
+  }
+}
+
+TEST(AppendTest, ExactAndMiniAppend) {
+  Harness hx;
+  Stream s = MakeStream(400, hx.model, 22);
+  auto e = hx.Open(s, ProfileOf(v1::PROFILE_KIND_EXACT), 100);
+  ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, AppendOf(e.session, s, 100, 103)).ok());
+  ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, AppendOf(e.session, s, 103, 400)).ok());
+  auto q = hx.Query(60);
+  auto out = hx.Attend(e.attachment, 1, q);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_LT(RelErr(*out, ExactAttend(s, 1, kG, q, 400)), 1e-2);
+
+  v1::Profile mp = ProfileOf(v1::PROFILE_KIND_MINI);
+  mp.set_mini_recent_ratio(1.0f);  // keep the whole prompt: only INT2 error remains
+  auto m = hx.Open(s, mp, 100);
+  ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, AppendOf(m.session, s, 100, 250)).ok());
+  // 150 appended: 128 quantized into the open segment, 22 in the bf16 residual.
+  v1::GetStaticSetRequest sr;
+  sr.set_attachment_id(m.attachment);
+  sr.set_layer(0);
+  auto st = hx.engine->GetStaticSet(hx.tenant, sr);
+  ASSERT_TRUE(st.ok()) << st.status();
+  ASSERT_EQ(st->tail_k().shape(0), 150);
+  const std::vector<bf16> tk = TensorBf16(st->tail_k());
+  const std::vector<float> kr = PostRope(s, 0);
+  const size_t tok = size_t(kH) * kD;
+  double num = 0, den = 0, resid = 0;
+  for (size_t i = 0; i < 150 * tok; ++i) {
+    const double ref = kr[100 * tok + i], got = kernels::Bf16ToFloat(tk[i]);
+    if (i < 128 * tok) {
+      num += (got - ref) * (got - ref);
+      den += ref * ref;
+    } else {
+      resid = std::max(resid, std::abs(got - ref));
+    }
+  }
+  EXPECT_LT(std::sqrt(num / den), 0.35);  // INT2 (KIVI) rows
+  EXPECT_LT(resid, 0.05);                  // bf16 residual rows
+  auto mo = hx.Attend(m.attachment, 0, q);
+  ASSERT_TRUE(mo.ok()) << mo.status();
+  EXPECT_LT(RelErr(*mo, ExactAttend(s, 0, kG, q, 250)), 0.6);
+}
+
+TEST(AppendTest, OneWriterAtATime) {
+  Harness hx;
+  Stream s = MakeStream(200, hx.model, 23);
+  auto o = hx.Open(s, ProfileOf(v1::PROFILE_KIND_EXACT), 100);
+  // No writer attachment: the owner may append without one.
+  ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, AppendOf(o.session, s, 100, 101)).ok());
+  const std::string w = hx.AttachTo(o.session, /*writer=*/true);
+  v1::AttachRequest second;
+  second.set_session_id(o.session);
+  second.set_writer(true);
+  EXPECT_EQ(hx.engine->Attach(hx.tenant, second).status().code(), absl::StatusCode::kFailedPrecondition);
+  auto anon = hx.engine->AppendTokens(hx.tenant, AppendOf(o.session, s, 101, 102));
+  EXPECT_EQ(anon.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_NE(anon.status().message().find("writer"), std::string::npos);
+  auto reader = hx.engine->AppendTokens(hx.tenant, AppendOf(o.session, s, 101, 102, o.attachment));
+  EXPECT_EQ(reader.status().code(), absl::StatusCode::kPermissionDenied);
+  ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, AppendOf(o.session, s, 101, 102, w)).ok());
+  // The writer's lease runs out: the role is free again.
+  hx.now_ms += 31'000;
+  EXPECT_EQ(hx.engine->AppendTokens(hx.tenant, AppendOf(o.session, s, 102, 103, w)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, AppendOf(o.session, s, 102, 103)).ok());
+  const std::string w2 = hx.AttachTo(o.session, /*writer=*/true);
+  EXPECT_FALSE(w2.empty());
+  v1::GetSessionRequest gr;
+  gr.set_session_id(o.session);
+  EXPECT_EQ(hx.engine->GetSession(hx.tenant, gr)->tokens(), 103u);
+}
+
+}  // namespace
+}  // namespace kvshade::service::testing

@@ -1,0 +1,315 @@
+// Unit tests of the daemon's shell: YAML config loading and validation, byte sizes,
+// tenant tokens, bearer authentication and tenant salts, and the metrics registry and its
+// /metrics endpoint.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <set>
+
+#include "gtest/gtest.h"
+#include "kvshade/service/auth.h"
+#include "kvshade/service/config.h"
+#include "kvshade/service/metrics.h"
+
+namespace kvshade::service {
+namespace {
+
+class TempFile {
+ public:
+  explicit TempFile(const std::string& text) {
+    char name[] = "/tmp/kvshade-config-test-XXXXXX";
+    const int fd = mkstemp(name);
+    path_ = name;
+    (void)!write(fd, text.data(), text.size());
+    close(fd);
+  }
+  ~TempFile() { std::remove(path_.c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+TEST(Config, ByteSizes) {
+  EXPECT_EQ(*ParseByteSize("4096"), 4096u);
+  EXPECT_EQ(*ParseByteSize("8GiB"), 8ull << 30);
+  EXPECT_EQ(*ParseByteSize("512 MiB"), 512ull << 20);
+  EXPECT_EQ(*ParseByteSize("1.5k"), 1536u);
+  EXPECT_EQ(*ParseByteSize("2T"), 2ull << 40);
+  EXPECT_FALSE(ParseByteSize("").ok());
+  EXPECT_FALSE(ParseByteSize("lots").ok());
+  EXPECT_FALSE(ParseByteSize("8 parsecs").ok());
+  EXPECT_FALSE(ParseByteSize("-1").ok());
+  EXPECT_FALSE(ParseByteSize("99999999TiB").ok());
+}
+
+TEST(Config, LoadsEveryKeyAndKeepsDefaultsForTheRest) {
+  TempFile tokens("# comment\nbob:bob-token-12345678\n\n");
+  TempFile f(R"(
+listen: "0.0.0.0:6000"
+backend: auto
+device_budget: 2GiB
+host_budget: 16GiB
+spill_budget: 100GiB
+spill_path: /var/lib/kvshade
+prefix_secret: s3cret
+metrics_port: 9464
+metrics_listen: 0.0.0.0
+worker_threads: 16
+tokens_file: )" + tokens.path() + R"(
+tenants:
+  - name: alice
+    token: alice-token-123456
+limits:
+  max_tokens_per_session: 200000
+  max_sessions_per_tenant: 10
+  max_message_bytes: 64MiB
+  max_batch: 32
+  max_attachments_per_session: 4
+  default_lease_ms: 1000
+  max_lease_ms: 2000
+  max_layers: 80
+  max_head_dim: 128
+profile:
+  rank: 96
+  chunk_size: 16
+  sparse_budget: 128
+  outliers: 12
+  local_window: 64
+  heavy_chunks: 2
+  min_tokens: 4096
+  kivi_group: 32
+  keep_sink: false
+  refactor_threshold: 0.1
+  mini_recent_ratio: 0.2
+  mini_heavy_ratio: 0.05
+  value_codec: fp8
+)");
+  auto c = LoadConfigFile(f.path());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->listen, "0.0.0.0:6000");
+  EXPECT_EQ(c->backend, "auto");
+  EXPECT_EQ(c->device_budget_bytes, 2ull << 30);
+  EXPECT_EQ(c->host_budget_bytes, 16ull << 30);
+  EXPECT_EQ(c->spill_budget_bytes, 100ull << 30);
+  EXPECT_EQ(c->spill_path, "/var/lib/kvshade");
+  EXPECT_EQ(c->prefix_secret, "s3cret");
+  EXPECT_EQ(c->metrics_port, 9464);
+  EXPECT_EQ(c->metrics_listen, "0.0.0.0");
+  EXPECT_EQ(c->worker_threads, 16u);
+  ASSERT_EQ(c->tenant_tokens.size(), 2u);
+  EXPECT_EQ(c->tenant_tokens.at("alice-token-123456"), "alice");
+  EXPECT_EQ(c->tenant_tokens.at("bob-token-12345678"), "bob");
+  EXPECT_EQ(c->limits.max_tokens_per_session, 200000u);
+  EXPECT_EQ(c->limits.max_sessions_per_tenant, 10u);
+  EXPECT_EQ(c->limits.max_message_bytes, 64ull << 20);
+  EXPECT_EQ(c->limits.max_batch, 32u);
+  EXPECT_EQ(c->limits.max_attachments_per_session, 4u);
+  EXPECT_EQ(c->limits.default_lease_ms, 1000u);
+  EXPECT_EQ(c->limits.max_lease_ms, 2000u);
+  EXPECT_EQ(c->limits.max_layers, 80u);
+  EXPECT_EQ(c->limits.max_head_dim, 128u);
+  EXPECT_EQ(c->profile.rank, 96u);
+  EXPECT_EQ(c->profile.chunk_size, 16u);
+  EXPECT_EQ(c->profile.sparse_budget, 128u);
+  EXPECT_EQ(c->profile.outliers, 12u);
+  EXPECT_EQ(c->profile.local_window, 64u);
+  EXPECT_EQ(c->profile.heavy_chunks, 2u);
+  EXPECT_EQ(c->profile.min_tokens, 4096u);
+  EXPECT_EQ(c->profile.kivi_group, 32u);
+  EXPECT_FALSE(c->profile.keep_sink);
+  EXPECT_FLOAT_EQ(c->profile.refactor_threshold, 0.1f);
+  EXPECT_FLOAT_EQ(c->profile.mini_recent_ratio, 0.2f);
+  EXPECT_FLOAT_EQ(c->profile.mini_heavy_ratio, 0.05f);
+  EXPECT_EQ(c->profile.value_codec, "fp8");
+  EXPECT_TRUE(ValidateConfig(*c).ok()) << ValidateConfig(*c);
+
+  // An empty file is every default, and the defaults are valid.
+  TempFile empty("");
+  auto d = LoadConfigFile(empty.path());
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->listen, ServerConfig().listen);
+  EXPECT_TRUE(ValidateConfig(*d).ok());
+}
+
+TEST(Config, RejectsTyposBadValuesAndBadFiles) {
+  auto load = [](const std::string& text) {
+    TempFile f(text);
+    return LoadConfigFile(f.path()).status();
+  };
+  const absl::Status typo = load("listne: 1.2.3.4:5\n");
+  EXPECT_EQ(typo.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(typo.message().find("listne"), std::string::npos) << typo;
+  EXPECT_EQ(load("limits:\n  max_batchh: 3\n").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(load("limits: 5\n").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(load("metrics_port: 70000\n").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(load("worker_threads: -3\n").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(load("host_budget: plenty\n").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(load("listen: [unclosed\n").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(load("tenants:\n  - name: x\n").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(load("tenants:\n  - name: x\n    token: short\n").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(load("tenants:\n  - name: 'bad name'\n    token: long-enough-token\n").code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(LoadConfigFile("/nonexistent/kvshade.yaml").status().code(), absl::StatusCode::kNotFound);
+
+  auto invalid = [](auto edit) {
+    ServerConfig c;
+    edit(c);
+    return ValidateConfig(c).code();
+  };
+  using C = absl::StatusCode;
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.listen = "nohostport"; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.listen = "h:99999"; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.backend = "tpu"; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.host_budget_bytes = 0; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.spill_budget_bytes = 1; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.tls.cert_file = "/etc/hostname"; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) {
+              c.tls.cert_file = c.tls.key_file = "/nonexistent.pem";
+            }),
+            C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.tls.require_client_cert = true; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.limits.default_lease_ms = c.limits.max_lease_ms + 1; }),
+            C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.limits.max_message_bytes = 1000; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.rank = 100; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.value_codec = "int3"; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.kivi_group = 12; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.refactor_threshold = 0; }), C::kInvalidArgument);
+}
+
+TEST(Config, TenantTokensFromFlagsAndDescribeHidesSecrets) {
+  ServerConfig c;
+  EXPECT_TRUE(AddTenantToken("alice:alice-token-123456", &c).ok());
+  EXPECT_TRUE(AddTenantToken("alice:alice-token-123456", &c).ok());  // same pair: fine
+  EXPECT_FALSE(AddTenantToken("bob:alice-token-123456", &c).ok());  // token reused
+  EXPECT_FALSE(AddTenantToken("no-colon", &c).ok());
+  EXPECT_FALSE(AddTenantToken("carol:short", &c).ok());
+  EXPECT_FALSE(AddTenantToken("carol:has space in it", &c).ok());
+  c.prefix_secret = "do-not-print-me";
+  const std::string d = DescribeConfig(c);
+  EXPECT_NE(d.find("alice"), std::string::npos);
+  EXPECT_EQ(d.find("alice-token"), std::string::npos) << d;
+  EXPECT_EQ(d.find("do-not-print-me"), std::string::npos) << d;
+}
+
+TEST(Auth, BearerTokensNameTenantsAndSaltsAreDerived) {
+  ServerConfig c;
+  ASSERT_TRUE(AddTenantToken("alice:alice-token-123456", &c).ok());
+  ASSERT_TRUE(AddTenantToken("bob:bob-token-12345678", &c).ok());
+  c.prefix_secret = "k1";
+  Authenticator auth(c);
+  EXPECT_FALSE(auth.open());
+  auto a = auth.AuthenticateHeader("Bearer alice-token-123456");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(a->name, "alice");
+  auto b = auth.AuthenticateHeader("  bearer bob-token-12345678 ");
+  ASSERT_TRUE(b.ok()) << b.status();
+  EXPECT_EQ(b->name, "bob");
+  EXPECT_NE(a->salt, b->salt);
+  EXPECT_EQ(a->salt, TenantSalt("alice", "k1"));
+  EXPECT_NE(a->salt, TenantSalt("alice", "k2"));  // the secret keys the salt
+  EXPECT_EQ(a->salt.size(), 64u);                  // hex HMAC-SHA256
+  using C = absl::StatusCode;
+  EXPECT_EQ(auth.AuthenticateHeader("").status().code(), C::kUnauthenticated);
+  EXPECT_EQ(auth.AuthenticateHeader("Bearer wrong-token-0000").status().code(), C::kUnauthenticated);
+  EXPECT_EQ(auth.AuthenticateHeader("Basic YWxpY2U6").status().code(), C::kUnauthenticated);
+  EXPECT_EQ(auth.AuthenticateHeader("Bearer alice-token-12345").status().code(), C::kUnauthenticated);
+  EXPECT_EQ(auth.AuthenticateHeader("alice-token-123456").status().code(), C::kUnauthenticated);
+
+  // No tenants configured: everyone is "default", whatever they send.
+  Authenticator open(ServerConfig{});
+  EXPECT_TRUE(open.open());
+  auto d = open.AuthenticateHeader("");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->name, "default");
+  EXPECT_EQ(open.AuthenticateHeader("Bearer anything")->salt, d->salt);
+}
+
+TEST(Metrics, FamiliesLabelsAndEndpoint) {
+  Metrics m;
+  m.ObserveRpc("SelectAndReconstruct", 0, 0.002);
+  m.ObserveRpc("SelectAndReconstruct", 5, 0.001);
+  m.ObserveStage("select", 0.001);
+  m.ObserveStage("some-unlisted-stage", 0.001);  // folded into stage="other"
+  m.SetTierBytes("device", "landmarks", 1024);
+  m.SetTierBytes("nvme", "values", 1);  // unknown tier -> "other"
+  m.SetSessions(3);
+  m.PrefixLookup(true, 100);
+  m.PrefixLookup(false, 0);
+  m.ChunkSelection(64, 48);
+  m.ReconstructionEnergy(0.97);
+  m.ProjectionResidual(0.01);
+  m.Spill(4096);
+  m.PageIn(2048);
+  m.Eviction();
+  m.IngestedTokens(512);
+  for (int i = 0; i < 200; ++i) m.ObserveRpc("junk-" + std::to_string(i), 0, 0.0);  // capped
+
+  auto endpoint = MetricsEndpoint::Start("127.0.0.1", 0, m.registry());
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  const int port = (*endpoint)->port();
+  ASSERT_GT(port, 0);
+  auto get = [port](const std::string& path) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    std::string out;
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+      const std::string req = "GET " + path + " HTTP/1.1\r\nHost: x\r\n\r\n";
+      (void)!send(fd, req.data(), req.size(), 0);
+      char buf[4096];
+      ssize_t r;
+      while ((r = recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(r));
+    }
+    close(fd);
+    return out;
+  };
+  const std::string body = get("/metrics");
+  ASSERT_EQ(body.rfind("HTTP/1.1 200 OK", 0), 0u) << body.substr(0, 200);
+  for (const char* want : {
+           "kvshade_rpc_duration_seconds_bucket{method=\"SelectAndReconstruct\"",
+           "kvshade_rpc_total{code=\"OK\",method=\"SelectAndReconstruct\"} 1",
+           "kvshade_rpc_total{code=\"NOT_FOUND\",method=\"SelectAndReconstruct\"} 1",
+           "kvshade_errors_total{code=\"NOT_FOUND\"} 1",
+           "kvshade_stage_duration_seconds_count{stage=\"select\"} 1",
+           "kvshade_stage_duration_seconds_count{stage=\"other\"} 1",
+           "kvshade_tier_bytes{kind=\"landmarks\",tier=\"device\"} 1024",
+           "kvshade_tier_bytes{kind=\"values\",tier=\"other\"} 1",
+           "kvshade_sessions 3",
+           "kvshade_prefix_lookups_total 2",
+           "kvshade_prefix_hits_total 1",
+           "kvshade_prefix_reused_tokens_total 100",
+           "kvshade_chunks_selected_total 64",
+           "kvshade_chunk_hits_total 48",
+           "kvshade_captured_energy_ratio_count 1",
+           "kvshade_projection_residual_ratio_count 1",
+           "kvshade_spill_bytes_total 4096",
+           "kvshade_spills_total 1",
+           "kvshade_page_in_bytes_total 2048",
+           "kvshade_page_ins_total 1",
+           "kvshade_evictions_total 1",
+           "kvshade_ingested_tokens_total 512",
+           "method=\"other\"",
+       }) {
+    EXPECT_NE(body.find(want), std::string::npos) << "missing: " << want;
+  }
+  // Method label values are capped (48 distinct at most, the rest "other").
+  std::set<std::string> methods;
+  for (size_t p = body.find("kvshade_rpc_total{"); p != std::string::npos; p = body.find("kvshade_rpc_total{", p + 1)) {
+    const size_t s = body.find("method=\"", p) + 8;
+    methods.insert(body.substr(s, body.find('"', s) - s));
+  }
+  EXPECT_LE(methods.size(), 49u);
+  EXPECT_EQ(get("/nope").rfind("HTTP/1.1 404", 0), 0u);
+  endpoint->reset();  // stops cleanly
+}
+
+}  // namespace
+}  // namespace kvshade::service

@@ -1,0 +1,197 @@
+// Ingest per profile: what a committed session holds and how closely Attend over it
+// matches exact attention over the same tokens.
+#include "service_test_util.h"
+
+namespace kvshade::service::testing {
+namespace {
+
+constexpr int kG = 2;  // query heads per KV head of TestModel()
+
+TEST(IngestTest, ExactProfileAttendMatchesReference) {
+  Harness hx;
+  Stream s = MakeStream(300, hx.model, 1);
+  auto o = hx.Open(s, ProfileOf(v1::PROFILE_KIND_EXACT));
+  for (int l = 0; l < 2; ++l) {
+    auto q = hx.Query(10 + l);
+    auto out = hx.Attend(o.attachment, l, q);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_LT(RelErr(*out, ExactAttend(s, l, kG, q)), 1e-2);
+  }
+  v1::GetSessionRequest gr;
+  gr.set_session_id(o.session);
+  auto info = hx.engine->GetSession(hx.tenant, gr);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->state(), "ready");
+  EXPECT_EQ(info->tokens(), 300u);
+  EXPECT_EQ(info->profile(), v1::PROFILE_KIND_EXACT);
+}
+
+TEST(IngestTest, ShadowFullRankFullBudgetIsExact) {
+  // T1 through the service: r = D and a budget covering every chunk -> exact attention.
+  Harness hx;
+  Stream s = MakeStream(512, hx.model, 2);
+  v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  p.set_rank(128);
+  p.set_sparse_budget(256);
+  auto o = hx.Open(s, p);
+  ASSERT_EQ(o.ingest.captured_energy_size(), 2);
+  for (float e : o.ingest.captured_energy()) EXPECT_GT(e, 0.999f);
+  for (int l = 0; l < 2; ++l) {
+    auto q = hx.Query(20 + l);
+    auto out = hx.Attend(o.attachment, l, q);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_LT(RelErr(*out, ExactAttend(s, l, kG, q)), 2e-2);
+  }
+}
+
+TEST(IngestTest, ShadowStaticSetHoldsSinkOutliersAndTail) {
+  Harness hx;
+  Stream s = MakeStream(400, hx.model, 3);
+  v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  p.set_rank(32);
+  p.set_outliers(3);
+  p.set_local_window(32);
+  auto o = hx.Open(s, p);
+  v1::GetStaticSetRequest r;
+  r.set_attachment_id(o.attachment);
+  r.set_layer(1);
+  auto st = hx.engine->GetStaticSet(hx.tenant, r);
+  ASSERT_TRUE(st.ok()) << st.status();
+  // (400 - 32) / 8 = 46 chunks; tail 400 - 368 = 32 tokens; sink + 3 outliers per head.
+  ASSERT_EQ(st->lengths_size(), 2);
+  for (uint32_t len : st->lengths()) EXPECT_EQ(len, 4u * 8u);
+  EXPECT_EQ(st->tail_k().shape(0), 32);
+  EXPECT_EQ(st->tail_k().shape(1), 2);
+  // The tail is exact: post-RoPE keys of tokens 368..399.
+  std::vector<float> ref = PostRope(s, 1);
+  std::vector<bf16> tk = TensorBf16(st->tail_k());
+  const size_t tok = 2 * 64;
+  double max_err = 0;
+  for (size_t i = 0; i < tk.size(); ++i) {
+    max_err = std::max<double>(max_err, std::abs(kernels::Bf16ToFloat(tk[i]) - ref[368 * tok + i]));
+  }
+  EXPECT_LT(max_err, 0.05);
+}
+
+// Plants, for every layer and KV head, keys at `positions` whose post-RoPE value is
+// `scale` times the head's first query head of q.
+void PlantNeedles(Stream& s, const std::vector<std::vector<bf16>>& q, int g,
+                  const std::vector<int>& positions, float scale) {
+  auto table = kernels::MakeRopeTable(kernels::RopeSpec{}, s.d);
+  ASSERT_TRUE(table.ok());
+  for (int l = 0; l < s.L; ++l) {
+    for (int t : positions) {
+      for (int hh = 0; hh < s.h; ++hh) {
+        std::vector<float> x(s.d);
+        for (int c = 0; c < s.d; ++c) x[c] = scale * kernels::Bf16ToFloat(q[l][size_t(hh * g) * s.d + c]);
+        kernels::ApplyRopeReference(*table, kernels::RopePairing::kHalfSplit, -t, x.data(), s.d);
+        for (int c = 0; c < s.d; ++c) s.k[l][(size_t(t) * s.h + hh) * s.d + c] = kernels::FloatToBf16(x[c]);
+      }
+    }
+  }
+}
+
+double Cosine(const bf16* a, const bf16* b, int d) {
+  double ab = 0, aa = 0, bb = 0;
+  for (int i = 0; i < d; ++i) {
+    const double x = kernels::Bf16ToFloat(a[i]), y = kernels::Bf16ToFloat(b[i]);
+    ab += x * y;
+    aa += x * x;
+    bb += y * y;
+  }
+  return ab / std::sqrt(std::max(aa * bb, 1e-30));
+}
+
+TEST(IngestTest, MiniKeepsRecentWindowAndHeavyHittersInt2) {
+  Harness hx;
+  Stream s = MakeStream(200, hx.model, 4);
+  v1::Profile p = ProfileOf(v1::PROFILE_KIND_MINI);
+  p.set_mini_recent_ratio(0.2f);
+  p.set_mini_heavy_ratio(0.2f);
+  std::vector<std::vector<bf16>> qobs;  // one observation query per layer (w = 1)
+  for (int l = 0; l < 2; ++l) qobs.push_back(hx.Query(30 + l));
+  const std::vector<int> needles = {10, 55, 101};  // outside the recent window [160, 200)
+  PlantNeedles(s, qobs, kG, needles, 3.0f);
+  v1::CreateSessionRequest cr;
+  *cr.mutable_model() = hx.model;
+  *cr.mutable_profile() = p;
+  cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+  auto c = hx.engine->CreateSession(hx.tenant, cr);
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->effective_profile(), v1::PROFILE_KIND_MINI);
+  auto ing = hx.engine->Ingest(hx.tenant, IngestStreamOf(c->session_id(), s, 0, 200, &qobs, 1));
+  ASSERT_TRUE(ing.ok()) << ing.status();
+  const std::string a = hx.AttachTo(c->session_id());
+  v1::GetStaticSetRequest r;
+  r.set_attachment_id(a);
+  // Pyramid over 2 layers, mean 0.2: layer 0 keeps floor(0.3714 * 200) = 74 heavy tokens,
+  // layer 1 floor(0.0286 * 200) = 5; plus the window of 40.
+  const uint32_t want[2] = {40 + 74, 40 + 5};
+  for (int l = 0; l < 2; ++l) {
+    r.set_layer(l);
+    auto st = hx.engine->GetStaticSet(hx.tenant, r);
+    ASSERT_TRUE(st.ok()) << st.status();
+    for (uint32_t len : st->lengths()) EXPECT_EQ(len, want[l]) << "layer " << l;
+    // Every head kept the needles (as INT2: direction preserved, not bits).
+    const std::vector<bf16> k = TensorBf16(st->k());
+    const int srows = static_cast<int>(st->k().shape(1));
+    for (int hh = 0; hh < 2; ++hh) {
+      const bf16* target = qobs[l].data() + size_t(hh * kG) * 64;
+      int found = 0;
+      for (uint32_t row = 0; row < st->lengths(hh); ++row) {
+        found += Cosine(k.data() + (size_t(hh) * srows + row) * 64, target, 64) > 0.8;
+      }
+      EXPECT_GE(found, 3) << "layer " << l << " head " << hh;
+    }
+    auto d = hx.Select(a, l, hx.Query(40));
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(d->selected(), 0u);  // mini: no per-query selection
+    auto out = hx.Attend(a, l, qobs[l]);
+    ASSERT_TRUE(out.ok()) << out.status();
+  }
+}
+
+TEST(IngestTest, AutoPicksMiniBelowMinTokensAndShadowAbove) {
+  Harness hx;  // min_tokens = 256 in the harness
+  for (auto [n, want] : {std::pair{100, v1::PROFILE_KIND_MINI}, {300, v1::PROFILE_KIND_SHADOW}}) {
+    Stream s = MakeStream(n, hx.model, 5 + n, 16, 7 * n);
+    v1::CreateSessionRequest cr;
+    *cr.mutable_model() = hx.model;
+    cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+    auto c = hx.engine->CreateSession(hx.tenant, cr);
+    ASSERT_TRUE(c.ok()) << c.status();
+    EXPECT_EQ(c->effective_profile(), want);
+  }
+}
+
+TEST(IngestTest, AbandonedStreamLeavesSessionIngestingAndRetryable) {
+  Harness hx;
+  Stream s = MakeStream(120, hx.model, 6);
+  v1::CreateSessionRequest cr;
+  *cr.mutable_model() = hx.model;
+  *cr.mutable_profile() = ProfileOf(v1::PROFILE_KIND_EXACT);
+  cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+  auto c = hx.engine->CreateSession(hx.tenant, cr);
+  ASSERT_TRUE(c.ok());
+  auto msgs = IngestStreamOf(c->session_id(), s, 0, 120);
+  {
+    auto st = hx.engine->BeginIngest(hx.tenant, msgs[0]);
+    ASSERT_TRUE(st.ok());
+    ASSERT_TRUE((*st)->Add(msgs[1]).ok());
+    // A second stream while the first is open is refused.
+    auto second = hx.engine->BeginIngest(hx.tenant, msgs[0]);
+    EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  }  // abandoned
+  v1::GetSessionRequest gr;
+  gr.set_session_id(c->session_id());
+  EXPECT_EQ(hx.engine->GetSession(hx.tenant, gr)->state(), "ingesting");
+  auto ing = hx.engine->Ingest(hx.tenant, msgs);
+  ASSERT_TRUE(ing.ok()) << ing.status();
+  EXPECT_EQ(ing->tokens(), 120u);
+  EXPECT_EQ(hx.engine->GetSession(hx.tenant, gr)->state(), "ready");
+  // Committed: a further ingest is refused.
+  EXPECT_EQ(hx.engine->Ingest(hx.tenant, msgs).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+}  // namespace
+}  // namespace kvshade::service::testing

@@ -1,0 +1,264 @@
+// The select engine over several decode steps: per-attachment slot tables, deltas that a
+// worker can apply, reconstructed chunks, batching, and agreement between a worker's own
+// attention (static set + its slots + tail) and the service's Attend.
+#include <map>
+#include <set>
+#include <thread>
+
+#include "service_test_util.h"
+
+namespace kvshade::service::testing {
+namespace {
+
+constexpr int kG = 2, kH = 2, kD = 64, kC = 8;
+
+// What a worker keeps: per head, slot -> (chunk, K [C, d], V [C, d]).
+struct WorkerSlots {
+  struct Slot {
+    int chunk = -1;
+    std::vector<bf16> k, v;
+  };
+  explicit WorkerSlots(int k) : slots(kH, std::vector<Slot>(k)) {}
+  void Apply(const v1::SlotDelta& d) {
+    const std::vector<bf16> keys = TensorBf16(d.keys()), values = TensorBf16(d.values());
+    const size_t row = size_t(kC) * kD;
+    for (int i = 0; i < d.head_size(); ++i) {
+      Slot& s = slots[d.head(i)][d.slot(i)];
+      s.chunk = d.chunk(i);
+      s.k.assign(keys.begin() + i * row, keys.begin() + (i + 1) * row);
+      s.v.assign(values.begin() + i * row, values.begin() + (i + 1) * row);
+    }
+  }
+  std::vector<std::vector<Slot>> slots;
+};
+
+// Attention of q [hq, d] over, per KV head, static rows + the worker's slots + tail.
+std::vector<float> WorkerAttend(const v1::GetStaticSetResponse& st, const WorkerSlots& w,
+                                const std::vector<bf16>& q) {
+  const std::vector<bf16> sk = TensorBf16(st.k()), sv = TensorBf16(st.v());
+  const std::vector<bf16> tk = TensorBf16(st.tail_k()), tv = TensorBf16(st.tail_v());
+  const int s_max = static_cast<int>(st.k().shape(1));
+  const int t = static_cast<int>(st.tail_k().shape(0));
+  std::vector<float> out(size_t(kH) * kG * kD, 0.0f);
+  for (int qh = 0; qh < kH * kG; ++qh) {
+    const int hh = qh / kG;
+    std::vector<const bf16*> ks, vs;
+    for (uint32_t r = 0; r < st.lengths(hh); ++r) {
+      ks.push_back(sk.data() + (size_t(hh) * s_max + r) * kD);
+      vs.push_back(sv.data() + (size_t(hh) * s_max + r) * kD);
+    }
+    for (const auto& slot : w.slots[hh]) {
+      if (slot.chunk < 0) continue;
+      for (int r = 0; r < kC; ++r) {
+        ks.push_back(slot.k.data() + r * kD);
+        vs.push_back(slot.v.data() + r * kD);
+      }
+    }
+    for (int r = 0; r < t; ++r) {
+      ks.push_back(tk.data() + (size_t(r) * kH + hh) * kD);
+      vs.push_back(tv.data() + (size_t(r) * kH + hh) * kD);
+    }
+    std::vector<double> logit(ks.size());
+    double mx = -1e300;
+    for (size_t j = 0; j < ks.size(); ++j) {
+      double dot = 0;
+      for (int c = 0; c < kD; ++c) {
+        dot += double(kernels::Bf16ToFloat(q[size_t(qh) * kD + c])) * kernels::Bf16ToFloat(ks[j][c]);
+      }
+      logit[j] = dot / std::sqrt(double(kD));
+      mx = std::max(mx, logit[j]);
+    }
+    double sum = 0;
+    for (double& x : logit) sum += (x = std::exp(x - mx));
+    for (size_t j = 0; j < ks.size(); ++j) {
+      for (int c = 0; c < kD; ++c) {
+        out[size_t(qh) * kD + c] += float(logit[j] / sum * kernels::Bf16ToFloat(vs[j][c]));
+      }
+    }
+  }
+  return out;
+}
+
+v1::Profile SparseShadow(int budget) {
+  v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  p.set_rank(128);  // = h*d: reconstruction is exact up to bf16
+  p.set_sparse_budget(budget);
+  p.set_outliers(2);
+  return p;
+}
+
+TEST(SelectTest, SlotTablesOverSeveralSteps) {
+  Harness hx;
+  Stream s = MakeStream(512, hx.model, 11);
+  auto o = hx.Open(s, SparseShadow(8));
+  const int layer = 1;
+  v1::GetStaticSetRequest sr;
+  sr.set_attachment_id(o.attachment);
+  sr.set_layer(layer);
+  auto st = hx.engine->GetStaticSet(hx.tenant, sr);
+  ASSERT_TRUE(st.ok()) << st.status();
+  const std::vector<float> kr = PostRope(s, layer);
+  WorkerSlots w(8);
+  const std::vector<bf16> q1 = hx.Query(100), q2 = hx.Query(101);
+  const std::vector<std::vector<bf16>> steps = {q1, q2, q1, q1, q2};
+  for (size_t step = 0; step < steps.size(); ++step) {
+    auto d = hx.Select(o.attachment, layer, steps[step]);
+    ASSERT_TRUE(d.ok()) << d.status();
+    EXPECT_EQ(d->selected(), uint32_t(kH * 8)) << step;
+    EXPECT_EQ(d->hits() + uint32_t(d->head_size()), d->selected()) << step;
+    if (step == 0) EXPECT_EQ(d->hits(), 0u);
+    if (step == 3) {
+      // Same query twice in a row: everything hits, nothing moves (T3).
+      EXPECT_EQ(d->head_size(), 0);
+      EXPECT_EQ(d->keys().shape(0), 0);
+    }
+    std::set<std::pair<int, int>> slots_seen;
+    for (int i = 0; i < d->head_size(); ++i) {
+      EXPECT_LT(d->head(i), uint32_t(kH));
+      EXPECT_LT(d->slot(i), 8u);
+      EXPECT_GE(d->chunk(i), 0);
+      EXPECT_LT(d->chunk(i), (512 - 32) / 8);
+      EXPECT_TRUE(slots_seen.insert({int(d->head(i)), int(d->slot(i))}).second);
+    }
+    // Reconstructed keys are the chunk's post-RoPE keys (rank = D), values are exact.
+    const std::vector<bf16> keys = TensorBf16(d->keys()), values = TensorBf16(d->values());
+    for (int i = 0; i < d->head_size(); ++i) {
+      for (int r = 0; r < kC; ++r) {
+        const int tok = d->chunk(i) * kC + r;
+        for (int c = 0; c < kD; ++c) {
+          const size_t src = (size_t(tok) * kH + d->head(i)) * kD + c;
+          EXPECT_NEAR(kernels::Bf16ToFloat(keys[(size_t(i) * kC + r) * kD + c]), kr[src],
+                      0.06 + 0.02 * std::abs(kr[src]));
+          ASSERT_EQ(values[(size_t(i) * kC + r) * kD + c].bits, s.v[layer][src].bits);
+        }
+      }
+    }
+    w.Apply(*d);
+    // The worker's own attention equals the service's Attend for the same query.
+    auto out = hx.Attend(o.attachment, layer, steps[step]);
+    ASSERT_TRUE(out.ok()) << out.status();
+    EXPECT_LT(RelErr(WorkerAttend(*st, w, steps[step]), *out), 1e-3) << step;
+  }
+  v1::StatsRequest sreq;
+  auto stats = hx.engine->Stats(hx.tenant, sreq);
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->chunks_selected(), uint64_t(steps.size()) * kH * 8);
+  EXPECT_GT(stats->chunk_hits(), 0u);
+}
+
+TEST(SelectTest, AttachmentsHaveIndependentSlotTablesAndBatch) {
+  Harness hx;
+  Stream s1 = MakeStream(400, hx.model, 12, 16, 100);
+  Stream s2 = MakeStream(300, hx.model, 13, 16, 5000);
+  auto a = hx.Open(s1, SparseShadow(4));
+  auto b = hx.Open(s2, SparseShadow(6));
+  const std::string a2 = hx.AttachTo(a.session);
+  const auto q = hx.Query(200);
+  auto d1 = hx.Select(a.attachment, 0, q);
+  ASSERT_TRUE(d1.ok());
+  auto again = hx.Select(a.attachment, 0, q);
+  EXPECT_EQ(again->head_size(), 0);
+  auto fresh = hx.Select(a2, 0, q);  // another worker: its own, empty slot table
+  ASSERT_TRUE(fresh.ok());
+  EXPECT_EQ(fresh->hits(), 0u);
+  EXPECT_EQ(fresh->head_size(), d1->head_size());
+  // One batch over two sessions with different budgets.
+  v1::SelectAndReconstructRequest r;
+  r.set_layer(1);
+  for (const std::string& id : {a.attachment, b.attachment}) {
+    auto* sq = r.add_queries();
+    sq->set_attachment_id(id);
+    *sq->mutable_q() = ToTensor(q, {4, kD});
+  }
+  auto resp = hx.engine->SelectAndReconstruct(hx.tenant, r);
+  ASSERT_TRUE(resp.ok()) << resp.status();
+  ASSERT_EQ(resp->deltas_size(), 2);
+  EXPECT_EQ(resp->deltas(0).attachment_id(), a.attachment);
+  EXPECT_EQ(resp->deltas(0).selected(), uint32_t(kH * 4));
+  EXPECT_EQ(resp->deltas(1).selected(), uint32_t(kH * 6));
+  // The same as selecting one by one on fresh attachments.
+  const std::string b2 = hx.AttachTo(b.session);
+  auto single = hx.Select(b2, 1, q);
+  ASSERT_TRUE(single.ok());
+  EXPECT_EQ(single->chunk().size(), resp->deltas(1).chunk().size());
+  for (int i = 0; i < single->chunk_size(); ++i) EXPECT_EQ(single->chunk(i), resp->deltas(1).chunk(i));
+  EXPECT_EQ(single->keys().data(), resp->deltas(1).keys().data());
+}
+
+TEST(SelectTest, ConcurrentReadersOnOneSession) {
+  Harness hx;
+  Stream s = MakeStream(400, hx.model, 14);
+  auto o = hx.Open(s, SparseShadow(8));
+  std::vector<std::string> workers;
+  for (int i = 0; i < 4; ++i) workers.push_back(hx.AttachTo(o.session));
+  const auto q = hx.Query(300);
+  auto ref = hx.Attend(o.attachment, 0, q);
+  ASSERT_TRUE(ref.ok());
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (const std::string& w : workers) {
+    threads.emplace_back([&, w] {
+      for (int step = 0; step < 5; ++step) {
+        auto d = hx.Select(w, step % 2, q);
+        auto out = hx.Attend(w, 0, q);
+        if (!d.ok() || !out.ok() || out->size() != ref->size() ||
+            std::memcmp(out->data(), ref->data(), ref->size() * 4) != 0) {
+          ++failures;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+TEST(SelectTest, ReadersAndAWriterConcurrently) {
+  Harness hx;
+  Stream s = MakeStream(600, hx.model, 15);
+  auto o = hx.Open(s, SparseShadow(8), 400);
+  const std::string writer = hx.AttachTo(o.session, /*writer=*/true);
+  std::vector<std::string> readers;
+  for (int i = 0; i < 3; ++i) readers.push_back(hx.AttachTo(o.session));
+  const auto q = hx.Query(301);
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  threads.emplace_back([&] {
+    const size_t tok = size_t(kH) * kD;
+    for (int pos = 400; pos < 600; pos += 20) {
+      v1::AppendTokensRequest r;
+      r.set_session_id(o.session);
+      r.set_attachment_id(writer);
+      for (int t = pos; t < pos + 20; ++t) r.add_token_ids(s.tokens[t]);
+      for (int l = 0; l < 2; ++l) {
+        auto* lk = r.add_layers();
+        lk->set_layer(l);
+        *lk->mutable_k() = ToTensor({s.k[l].begin() + pos * tok, s.k[l].begin() + (pos + 20) * tok}, {20, kH, kD});
+        *lk->mutable_v() = ToTensor({s.v[l].begin() + pos * tok, s.v[l].begin() + (pos + 20) * tok}, {20, kH, kD});
+      }
+      if (!hx.engine->AppendTokens(hx.tenant, r).ok()) ++failures;
+    }
+  });
+  for (const std::string& w : readers) {
+    threads.emplace_back([&, w] {
+      for (int step = 0; step < 10; ++step) {
+        auto d = hx.Select(w, step % 2, q);
+        auto out = hx.Attend(w, 0, q);
+        v1::GetStaticSetRequest sr;
+        sr.set_attachment_id(w);
+        if (!d.ok() || !out.ok() || !hx.engine->GetStaticSet(hx.tenant, sr).ok()) ++failures;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  // Every appended token arrived, and readers see the same state now.
+  v1::GetSessionRequest gr;
+  gr.set_session_id(o.session);
+  EXPECT_EQ(hx.engine->GetSession(hx.tenant, gr)->tokens(), 600u);
+  auto a = hx.Attend(readers[0], 1, q), b = hx.Attend(readers[1], 1, q);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(std::memcmp(a->data(), b->data(), a->size() * 4), 0);
+}
+
+}  // namespace
+}  // namespace kvshade::service::testing

@@ -1,0 +1,279 @@
+// Helpers for the service core's unit tests: an Engine on the CPU backend with small
+// budgets, a fake clock and no background thread; synthetic sessions with realistic key
+// structure (low-rank keys plus noise, seeded per run and logged); request builders; and
+// the exact-attention reference over the same inputs.
+#pragma once
+
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/test_util.h"
+#include "kvshade/kernels/reference.h"
+#include "kvshade/kernels/rope.h"
+#include "kvshade/service/auth.h"
+#include "kvshade/service/config.h"
+#include "kvshade/service/engine.h"
+#include "kvshade/service/metrics.h"
+
+namespace kvshade::service::testing {
+
+using kernels::bf16;
+
+inline v1::ModelSpec TestModel(int L = 2, int h = 2, int g = 2, int d = 64) {
+  v1::ModelSpec m;
+  m.set_model_id("test/model");
+  m.set_num_layers(L);
+  m.set_num_kv_heads(h);
+  m.set_num_query_heads(h * g);
+  m.set_head_dim(d);
+  m.set_dtype(v1::DTYPE_BF16);
+  return m;
+}
+
+inline v1::Tensor ToTensor(const std::vector<bf16>& x, std::vector<int64_t> shape) {
+  v1::Tensor t;
+  for (int64_t s : shape) t.add_shape(s);
+  t.set_dtype(v1::DTYPE_BF16);
+  t.set_data(reinterpret_cast<const char*>(x.data()), x.size() * 2);
+  return t;
+}
+
+inline std::vector<float> TensorF32(const v1::Tensor& t) {
+  std::vector<float> out(t.data().size() / 4);
+  if (!out.empty()) std::memcpy(out.data(), t.data().data(), out.size() * 4);
+  return out;
+}
+
+inline std::vector<bf16> TensorBf16(const v1::Tensor& t) {
+  std::vector<bf16> out(t.data().size() / 2);
+  if (!out.empty()) std::memcpy(out.data(), t.data().data(), out.size() * 2);
+  return out;
+}
+
+// K/V of a token stream for every layer: keys of rank `key_rank` (shared basis across the
+// stream) plus small noise, values Gaussian.
+struct Stream {
+  int L = 0, h = 0, d = 0;
+  std::vector<int32_t> tokens;
+  std::vector<std::vector<bf16>> k, v;  // [L][n, h, d], k pre-RoPE
+  int n() const { return static_cast<int>(tokens.size()); }
+};
+
+inline Stream MakeStream(int n, const v1::ModelSpec& m, uint64_t seed_stream, int key_rank = 16,
+                         int token_base = 1000, float noise = 0.01f) {
+  Stream s;
+  s.L = m.num_layers();
+  s.h = m.num_kv_heads();
+  s.d = m.head_dim();
+  const int D = s.h * s.d;
+  std::mt19937_64 rng = kernels::testing::MakeRng(seed_stream);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (int i = 0; i < n; ++i) s.tokens.push_back(token_base + i);
+  for (int l = 0; l < s.L; ++l) {
+    std::vector<float> basis(size_t(key_rank) * D), coef(size_t(n) * key_rank);
+    for (auto& x : basis) x = nd(rng);
+    for (auto& x : coef) x = nd(rng) / std::sqrt(float(key_rank));
+    std::vector<bf16> k(size_t(n) * D), v(size_t(n) * D);
+    for (int t = 0; t < n; ++t) {
+      for (int c = 0; c < D; ++c) {
+        float acc = noise * nd(rng);
+        for (int r = 0; r < key_rank; ++r) acc += coef[size_t(t) * key_rank + r] * basis[size_t(r) * D + c];
+        k[size_t(t) * D + c] = kernels::FloatToBf16(acc);
+        v[size_t(t) * D + c] = kernels::FloatToBf16(nd(rng));
+      }
+    }
+    s.k.push_back(std::move(k));
+    s.v.push_back(std::move(v));
+  }
+  return s;
+}
+
+// The tokens [from, to) of `s` as an ingest stream for `session_id` (each layer in two
+// parts when it has at least two tokens), committed.
+inline std::vector<v1::IngestRequest> IngestStreamOf(const std::string& session_id, const Stream& s,
+                                                    int from, int to,
+                                                    const std::vector<std::vector<bf16>>* qobs = nullptr,
+                                                    int w = 0) {
+  std::vector<v1::IngestRequest> out;
+  v1::IngestRequest hdr;
+  hdr.mutable_header()->set_session_id(session_id);
+  out.push_back(hdr);
+  const size_t tok = size_t(s.h) * s.d;
+  const int n = to - from;
+  for (int l = 0; l < s.L; ++l) {
+    const int split = n >= 2 ? n / 2 : n;
+    for (auto [a, b] : {std::pair{0, split}, std::pair{split, n}}) {
+      if (b <= a) continue;
+      v1::IngestRequest r;
+      v1::IngestLayer* il = r.mutable_layer();
+      il->set_layer(l);
+      il->set_token_offset(a);
+      std::vector<bf16> k(s.k[l].begin() + (from + a) * tok, s.k[l].begin() + (from + b) * tok);
+      std::vector<bf16> v(s.v[l].begin() + (from + a) * tok, s.v[l].begin() + (from + b) * tok);
+      *il->mutable_k() = ToTensor(k, {b - a, s.h, s.d});
+      *il->mutable_v() = ToTensor(v, {b - a, s.h, s.d});
+      il->set_last_part(b == n);
+      if (b == n && qobs != nullptr) {
+        *il->mutable_observation_queries() = ToTensor((*qobs)[l], {w, int64_t((*qobs)[l].size() / (size_t(w) * s.d)), s.d});
+      }
+      out.push_back(r);
+    }
+  }
+  v1::IngestRequest c;
+  c.mutable_commit();
+  out.push_back(c);
+  return out;
+}
+
+// Post-RoPE keys of s (as float), positions 0..n-1.
+inline std::vector<float> PostRope(const Stream& s, int layer, const kernels::RopeSpec& rope = {}) {
+  auto table = kernels::MakeRopeTable(rope, s.d);
+  EXPECT_TRUE(table.ok());
+  std::vector<float> out(s.k[layer].size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = kernels::Bf16ToFloat(s.k[layer][i]);
+  for (int t = 0; t < s.n(); ++t) {
+    for (int hh = 0; hh < s.h; ++hh) {
+      kernels::ApplyRopeReference(*table, rope.pairing, t, out.data() + (size_t(t) * s.h + hh) * s.d, s.d);
+    }
+  }
+  return out;
+}
+
+// Exact attention of query q [hq, d] over tokens [0, n) of `s` at `layer`.
+inline std::vector<float> ExactAttend(const Stream& s, int layer, int g, const std::vector<bf16>& q, int n = -1) {
+  if (n < 0) n = s.n();
+  std::vector<float> k = PostRope(s, layer);
+  std::vector<float> v(s.v[layer].size());
+  for (size_t i = 0; i < v.size(); ++i) v[i] = kernels::Bf16ToFloat(s.v[layer][i]);
+  std::vector<float> qf(q.size());
+  for (size_t i = 0; i < q.size(); ++i) qf[i] = kernels::Bf16ToFloat(q[i]);
+  std::vector<float> out(q.size());
+  kernels::LayerShape shape{s.h, g, s.d};
+  kernels::reference::ExactAttention(shape, qf.data(), k.data(), v.data(), n, 1.0f / std::sqrt(float(s.d)),
+                                     out.data());
+  return out;
+}
+
+inline double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += double(a[i] - b[i]) * (a[i] - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// An Engine on the CPU backend with small budgets and a fake clock.
+class Harness {
+ public:
+  explicit Harness(std::string spill_path = "") {
+    config.device_budget_bytes = 256ull << 20;
+    config.host_budget_bytes = 256ull << 20;
+    config.spill_path = std::move(spill_path);
+    config.profile.outliers = 4;
+    config.profile.rank = 128;
+    config.profile.min_tokens = 256;
+    backend = kernels::testing::Cpu();
+    Start();
+  }
+  void Start() {
+    EngineOptions o;
+    o.clock = [this] { return now_ms.load(); };
+    o.background_thread = false;
+    auto e = Engine::Create(backend.get(), &config, &metrics, o);
+    EXPECT_TRUE(e.ok()) << e.status();
+    if (e.ok()) engine = std::move(e).value();
+  }
+  void Restart() {
+    engine.reset();
+    Start();
+  }
+
+  // Creates a session for `s` (tokens [0, n)), ingests what is not reused, attaches.
+  struct Opened {
+    std::string session, attachment;
+    uint64_t reused = 0;
+    v1::IngestResponse ingest;
+  };
+  Opened Open(const Stream& s, v1::Profile profile, int n = -1, bool durable = false,
+              const Tenant* t = nullptr) {
+    if (n < 0) n = s.n();
+    const Tenant& who = t ? *t : tenant;
+    Opened o;
+    v1::CreateSessionRequest cr;
+    *cr.mutable_model() = model;
+    *cr.mutable_profile() = profile;
+    cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.begin() + n);
+    cr.set_durable(durable);
+    auto c = engine->CreateSession(who, cr);
+    EXPECT_TRUE(c.ok()) << c.status();
+    if (!c.ok()) return o;
+    o.session = c->session_id();
+    o.reused = c->reused_tokens();
+    if (c->tokens_to_ingest() > 0) {
+      auto ing = engine->Ingest(who, IngestStreamOf(o.session, s, int(c->reused_tokens()), n));
+      EXPECT_TRUE(ing.ok()) << ing.status();
+      if (ing.ok()) o.ingest = *ing;
+    }
+    o.attachment = AttachTo(o.session, false, t);
+    return o;
+  }
+  std::string AttachTo(const std::string& session, bool writer = false, const Tenant* t = nullptr) {
+    v1::AttachRequest ar;
+    ar.set_session_id(session);
+    ar.set_worker_id("w");
+    ar.set_writer(writer);
+    auto a = engine->Attach(t ? *t : tenant, ar);
+    EXPECT_TRUE(a.ok()) << a.status();
+    return a.ok() ? a->attachment_id() : "";
+  }
+  absl::StatusOr<std::vector<float>> Attend(const std::string& attachment, int layer,
+                                            const std::vector<bf16>& q) {
+    v1::AttendRequest r;
+    r.set_layer(layer);
+    auto* aq = r.add_queries();
+    aq->set_attachment_id(attachment);
+    *aq->mutable_q() = ToTensor(q, {int64_t(model.num_query_heads()), model.head_dim()});
+    auto resp = engine->Attend(tenant, r);
+    if (!resp.ok()) return resp.status();
+    return TensorF32(resp->outputs(0));
+  }
+  absl::StatusOr<v1::SlotDelta> Select(const std::string& attachment, int layer,
+                                       const std::vector<bf16>& q) {
+    v1::SelectAndReconstructRequest r;
+    r.set_layer(layer);
+    auto* sq = r.add_queries();
+    sq->set_attachment_id(attachment);
+    *sq->mutable_q() = ToTensor(q, {int64_t(model.num_query_heads()), model.head_dim()});
+    auto resp = engine->SelectAndReconstruct(tenant, r);
+    if (!resp.ok()) return resp.status();
+    return resp->deltas(0);
+  }
+  std::vector<bf16> Query(uint64_t stream, float scale = 1.0f) {
+    auto rng = kernels::testing::MakeRng(stream);
+    return kernels::testing::RandomBf16(size_t(model.num_query_heads()) * model.head_dim(), rng, scale);
+  }
+
+  ServerConfig config;
+  Metrics metrics;
+  std::unique_ptr<kernels::Backend> backend;
+  std::unique_ptr<Engine> engine;
+  std::atomic<int64_t> now_ms{1'700'000'000'000};
+  // Salts as the Authenticator derives them (restored prefixes are re-keyed that way).
+  Tenant tenant{"alice", TenantSalt("alice", "")};
+  Tenant other{"bob", TenantSalt("bob", "")};
+  v1::ModelSpec model = TestModel();
+};
+
+inline v1::Profile ProfileOf(v1::ProfileKind kind) {
+  v1::Profile p;
+  p.set_kind(kind);
+  return p;
+}
+
+}  // namespace kvshade::service::testing

@@ -1,0 +1,139 @@
+// Sessions, tenants and attachments: isolation, limits, leases renewed by use and expiring
+// (fake clock, no sleeps), detach, close and drain.
+#include "kvshade/service/session_manager.h"
+#include "service_test_util.h"
+
+namespace kvshade::service::testing {
+namespace {
+
+TEST(SessionManagerTest, LeasesAreRenewedByUseAndExpire) {
+  LimitsConfig limits;
+  int64_t now = 1000;
+  SessionManager sm(limits, [&] { return now; });
+  auto s = std::make_shared<Session>();
+  s->id = SessionManager::NewId();
+  s->tenant = "alice";
+  s->model.layers = 1;
+  ASSERT_TRUE(sm.AddSession(s).ok());
+  auto a = sm.Attach("alice", s, "w1", 1000, false);
+  ASSERT_TRUE(a.ok());
+  now += 900;
+  EXPECT_TRUE(sm.Use("alice", (*a)->id).ok());  // renewed to now + 1000
+  now += 900;
+  EXPECT_TRUE(sm.Use("alice", (*a)->id).ok());
+  now += 1001;
+  auto expired = sm.Use("alice", (*a)->id);
+  EXPECT_EQ(expired.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(expired.status().message().find("lease expired"), std::string::npos);
+  EXPECT_EQ(sm.Counts().attachments, 0u);
+  EXPECT_EQ(sm.Use("alice", "nope").status().code(), absl::StatusCode::kNotFound);
+  // Another tenant never learns about it.
+  EXPECT_EQ(sm.Use("bob", (*a)->id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(sm.Attach("alice", s, "w2", limits.max_lease_ms + 1, false).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(SessionManagerTest, WriterRoleAndAttachmentLimit) {
+  LimitsConfig limits;
+  limits.max_attachments_per_session = 2;
+  int64_t now = 0;
+  SessionManager sm(limits, [&] { return now; });
+  auto s = std::make_shared<Session>();
+  s->id = "s1";
+  s->tenant = "alice";
+  s->model.layers = 1;
+  ASSERT_TRUE(sm.AddSession(s).ok());
+  auto w = sm.Attach("alice", s, "writer", 100, true);
+  ASSERT_TRUE(w.ok());
+  EXPECT_EQ(sm.Attach("alice", s, "other", 100, true).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  auto r = sm.Attach("alice", s, "reader", 100, false);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(sm.Attach("alice", s, "third", 100, false).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(sm.CheckWriter("alice", *s, (*w)->id).ok());
+  EXPECT_EQ(sm.CheckWriter("alice", *s, (*r)->id).code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(sm.CheckWriter("alice", *s, "").code(), absl::StatusCode::kPermissionDenied);
+  ASSERT_TRUE(sm.Detach("alice", (*w)->id).ok());
+  EXPECT_TRUE(sm.CheckWriter("alice", *s, "").ok());
+  EXPECT_EQ(sm.Detach("alice", (*w)->id).code(), absl::StatusCode::kNotFound);
+}
+
+TEST(SessionsTest, TenantsAreIsolated) {
+  Harness hx;
+  Stream s = MakeStream(100, hx.model, 41);
+  auto o = hx.Open(s, ProfileOf(v1::PROFILE_KIND_EXACT));
+  v1::GetSessionRequest gr;
+  gr.set_session_id(o.session);
+  EXPECT_TRUE(hx.engine->GetSession(hx.tenant, gr).ok());
+  EXPECT_EQ(hx.engine->GetSession(hx.other, gr).status().code(), absl::StatusCode::kNotFound);
+  v1::AttachRequest ar;
+  ar.set_session_id(o.session);
+  EXPECT_EQ(hx.engine->Attach(hx.other, ar).status().code(), absl::StatusCode::kNotFound);
+  v1::CloseSessionRequest cr;
+  cr.set_session_id(o.session);
+  EXPECT_EQ(hx.engine->CloseSession(hx.other, cr).status().code(), absl::StatusCode::kNotFound);
+  v1::DetachRequest dr;
+  dr.set_attachment_id(o.attachment);
+  EXPECT_EQ(hx.engine->Detach(hx.other, dr).status().code(), absl::StatusCode::kNotFound);
+  v1::GetStaticSetRequest sr;
+  sr.set_attachment_id(o.attachment);
+  EXPECT_EQ(hx.engine->GetStaticSet(hx.other, sr).status().code(), absl::StatusCode::kNotFound);
+  v1::ListSessionsRequest lr;
+  EXPECT_EQ(hx.engine->ListSessions(hx.tenant, lr)->sessions_size(), 1);
+  EXPECT_EQ(hx.engine->ListSessions(hx.other, lr)->sessions_size(), 0);
+  // Close: the session and its attachments are gone.
+  ASSERT_TRUE(hx.engine->CloseSession(hx.tenant, cr).ok());
+  EXPECT_EQ(hx.engine->GetSession(hx.tenant, gr).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(hx.engine->GetStaticSet(hx.tenant, sr).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(SessionsTest, SessionLimitPerTenantAndLeaseExpiryThroughTheEngine) {
+  Harness hx;
+  hx.config.limits.max_sessions_per_tenant = 2;
+  hx.Restart();
+  Stream s = MakeStream(64, hx.model, 42);
+  auto a = hx.Open(s, ProfileOf(v1::PROFILE_KIND_EXACT));
+  auto b = hx.Open(s, ProfileOf(v1::PROFILE_KIND_EXACT));
+  v1::CreateSessionRequest cr;
+  *cr.mutable_model() = hx.model;
+  *cr.mutable_profile() = ProfileOf(v1::PROFILE_KIND_EXACT);
+  cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+  auto c = hx.engine->CreateSession(hx.tenant, cr);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(c.status().message().find("max_sessions_per_tenant"), std::string::npos);
+  EXPECT_TRUE(hx.engine->CreateSession(hx.other, cr).ok());  // other tenants unaffected
+
+  // Default lease 30 s, renewed by every use.
+  const auto q = hx.Query(1);
+  hx.now_ms += 20'000;
+  ASSERT_TRUE(hx.Attend(a.attachment, 0, q).ok());
+  hx.now_ms += 20'000;
+  ASSERT_TRUE(hx.Attend(a.attachment, 0, q).ok());
+  hx.now_ms += 30'001;
+  EXPECT_EQ(hx.Attend(a.attachment, 0, q).status().code(), absl::StatusCode::kFailedPrecondition);
+  v1::GetSessionRequest gr;
+  gr.set_session_id(a.session);
+  EXPECT_EQ(hx.engine->GetSession(hx.tenant, gr)->attachments(), 0u);
+  EXPECT_TRUE(hx.engine->GetSession(hx.tenant, gr).ok());  // the session itself stays
+}
+
+TEST(SessionsTest, DrainRefusesNewWork) {
+  Harness hx;
+  Stream s = MakeStream(64, hx.model, 43);
+  auto a = hx.Open(s, ProfileOf(v1::PROFILE_KIND_EXACT));
+  ASSERT_TRUE(hx.engine->Drain().ok());
+  v1::CreateSessionRequest cr;
+  *cr.mutable_model() = hx.model;
+  cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+  EXPECT_EQ(hx.engine->CreateSession(hx.tenant, cr).status().code(), absl::StatusCode::kUnavailable);
+  v1::AttachRequest ar;
+  ar.set_session_id(a.session);
+  EXPECT_EQ(hx.engine->Attach(hx.tenant, ar).status().code(), absl::StatusCode::kUnavailable);
+  // Reads still work while draining.
+  EXPECT_TRUE(hx.Attend(a.attachment, 0, hx.Query(2)).ok());
+  EXPECT_TRUE(hx.engine->Drain().ok());  // idempotent
+}
+
+}  // namespace
+}  // namespace kvshade::service::testing
