@@ -1,7 +1,85 @@
 #!/usr/bin/env bash
-# `make demo`: the main job on this machine. Until the daemon lands this runs the kernel
-# benchmark on the CPU backend at the small preset (n = 16384 tokens), which exercises
-# every op of the shadow profile end to end and prints each figure beside the H200 floor.
+# `make demo`: starts kvshade-server on the CPU backend on a free loopback port, waits for
+# grpc.health.v1 SERVING (`kvshade status --wait`), runs the synthetic prefix-cached
+# document-QA workload (`kvshade demo`), then stops the server with SIGTERM (graceful
+# drain). Exits with the demo's status (or the server's, if only the shutdown failed).
+#   scripts/demo.sh [BUILD_DIR] [extra `kvshade demo` flags...]
 set -euo pipefail
 BUILD=${1:-build}
-"$BUILD/bench/kvshade_kernel_bench" --backend cpu --preset small --reps 3
+shift || true
+SERVER="$BUILD/service/kvshade-server"
+CLI="$BUILD/client/kvshade"
+for bin in "$SERVER" "$CLI"; do
+  if [ ! -x "$bin" ]; then
+    echo "demo: $bin not found; build first (make build)" >&2
+    exit 2
+  fi
+done
+
+# The CPU backend's OpenMP threads wait passively: spinning barriers collapse throughput
+# when the cores are shared with anything else (deploy/README.md, "CPU backend").
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/kvshade-demo.XXXXXX")
+SERVER_PID=""
+stop_server() {
+  # SIGTERM, then up to 30 s for the drain; SIGKILL only if it hangs.
+  [ -n "$SERVER_PID" ] || return 0
+  local rc=0
+  if kill -0 "$SERVER_PID" 2>/dev/null; then
+    kill -TERM "$SERVER_PID" 2>/dev/null || true
+    for _ in $(seq 300); do
+      kill -0 "$SERVER_PID" 2>/dev/null || break
+      sleep 0.1
+    done
+    if kill -0 "$SERVER_PID" 2>/dev/null; then
+      echo "demo: server did not stop within 30 s; killing it" >&2
+      kill -KILL "$SERVER_PID" 2>/dev/null || true
+    fi
+  fi
+  wait "$SERVER_PID" 2>/dev/null || rc=$?
+  SERVER_PID=""
+  return $rc
+}
+cleanup() {
+  stop_server || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Port 0: the kernel picks a free port; the server writes it to --port-file once bound.
+"$SERVER" --backend cpu --listen 127.0.0.1:0 --port-file "$WORK/port" \
+  --host-budget 4GiB --device-budget 2GiB >"$WORK/server.log" 2>&1 &
+SERVER_PID=$!
+for _ in $(seq 300); do  # at most 30 s to bind
+  [ -s "$WORK/port" ] && break
+  if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+    echo "demo: kvshade-server exited during start-up:" >&2
+    cat "$WORK/server.log" >&2
+    exit 1
+  fi
+  sleep 0.1
+done
+if [ ! -s "$WORK/port" ]; then
+  echo "demo: kvshade-server did not bind within 30 s" >&2
+  cat "$WORK/server.log" >&2
+  exit 1
+fi
+TARGET="127.0.0.1:$(cat "$WORK/port")"
+echo "demo: kvshade-server (CPU backend) on $TARGET, log $WORK/server.log"
+"$CLI" --target "$TARGET" status --wait 30
+
+set +e
+"$CLI" --target "$TARGET" demo --doc-tokens 32768 --layers 4 --questions 8 --steps 24 "$@"
+DEMO_RC=$?
+set -e
+SERVER_RC=0
+stop_server || SERVER_RC=$?
+if [ "$SERVER_RC" -ne 0 ]; then
+  echo "demo: kvshade-server exited with status $SERVER_RC on SIGTERM; its log:" >&2
+  cat "$WORK/server.log" >&2
+fi
+echo "demo: server stopped cleanly: $([ "$SERVER_RC" -eq 0 ] && echo yes || echo no)"
+if [ "$DEMO_RC" -ne 0 ]; then exit "$DEMO_RC"; fi
+exit "$SERVER_RC"
