@@ -1,0 +1,518 @@
+// Integration: every RPC of kvshade.v1.KvShade against the real kvshade-server binary,
+// plus grpc.health.v1, server reflection, /metrics, graceful SIGTERM, and a table of
+// malformed requests with the gRPC code each must get (and proof that none of them
+// disturbed a healthy session).
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+
+#include <cmath>
+#include <functional>
+
+#include "gtest/gtest.h"
+#include "harness.h"
+#include "kvshade/client/tensor.h"
+
+namespace kvshade::integration {
+namespace {
+
+using client::MakeBf16Tensor;
+
+// Raw bytes of the first ServerReflectionResponse to list_services (hand-encoded request:
+// field 7 "list_services", empty string), over the v1alpha reflection service.
+std::string ReflectionListServices(const std::shared_ptr<grpc::Channel>& channel) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::CompletionQueue cq;
+  auto call = stub.PrepareCall(&ctx, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", &cq);
+  void* tag;
+  bool ok;
+  call->StartCall(reinterpret_cast<void*>(1));
+  if (!cq.Next(&tag, &ok) || !ok) return "";
+  const std::string req("\x3a\x00", 2);
+  grpc::Slice slice(req);
+  grpc::ByteBuffer buf(&slice, 1);
+  call->Write(buf, reinterpret_cast<void*>(2));
+  if (!cq.Next(&tag, &ok) || !ok) return "";
+  call->WritesDone(reinterpret_cast<void*>(3));
+  cq.Next(&tag, &ok);
+  grpc::ByteBuffer resp;
+  call->Read(&resp, reinterpret_cast<void*>(4));
+  std::string out;
+  if (cq.Next(&tag, &ok) && ok) {
+    std::vector<grpc::Slice> slices;
+    if (resp.Dump(&slices).ok()) {
+      for (const auto& s : slices) out.append(reinterpret_cast<const char*>(s.begin()), s.size());
+    }
+  }
+  grpc::Status st;
+  call->Finish(&st, reinterpret_cast<void*>(5));
+  cq.Next(&tag, &ok);
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return out;
+}
+
+TEST(Rpc, EveryRpcHealthReflectionMetricsAndCleanShutdown) {
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({}));
+  auto c = server.Connect();
+  ASSERT_NE(c, nullptr);
+
+  // Health, for the server and for the service by name.
+  KV_ASSERT_OK_AND_ASSIGN(h_all, c->CheckHealth());
+  EXPECT_EQ(h_all, client::HealthStatus::kServing);
+  KV_ASSERT_OK_AND_ASSIGN(h_svc, c->CheckHealth("kvshade.v1.KvShade"));
+  EXPECT_EQ(h_svc, client::HealthStatus::kServing);
+  // Reflection lists our service (grpcurl relies on this).
+  const std::string services = ReflectionListServices(c->channel());
+  EXPECT_NE(services.find("kvshade.v1.KvShade"), std::string::npos) << "reflection answer: " << services.size()
+                                                                     << " bytes";
+
+  const synthetic::Document doc(SmallDoc(1024));
+  const v1::Profile profile = ShadowProfile();
+  const int h = doc.spec().kv_heads, hq = doc.spec().q_heads, d = doc.spec().head_dim;
+
+  // LookupPrefix before anything is cached.
+  v1::LookupPrefixRequest lookup;
+  *lookup.mutable_model() = doc.Model();
+  *lookup.mutable_profile() = profile;
+  lookup.mutable_token_ids()->Assign(doc.tokens().begin(), doc.tokens().end());
+  KV_ASSERT_OK_AND_ASSIGN(l0, c->LookupPrefix(lookup));
+  EXPECT_EQ(l0.reusable_tokens(), 0u);
+
+  // CreateSession + Ingest.
+  KV_ASSERT_OK_AND_ASSIGN(created, c->CreateSession(synthetic::MakeCreate(doc, profile, -1)));
+  EXPECT_FALSE(created.session_id().empty());
+  EXPECT_EQ(created.reused_tokens(), 0u);
+  EXPECT_EQ(created.tokens_to_ingest(), 1024u);
+  EXPECT_EQ(created.effective_profile(), v1::PROFILE_KIND_SHADOW);
+  KV_ASSERT_OK_AND_ASSIGN(before, c->GetSession(created.session_id()));
+  EXPECT_EQ(before.state(), "ingesting");
+  KV_ASSERT_OK_AND_ASSIGN(ing, synthetic::IngestRange(*c, doc, created.session_id(), -1, 0, 1024));
+  EXPECT_EQ(ing.response.tokens(), 1024u);
+  ASSERT_EQ(ing.response.captured_energy_size(), doc.spec().layers);
+  for (float e : ing.response.captured_energy()) {
+    EXPECT_GT(e, 0.5f);
+    EXPECT_LE(e, 1.0f + 1e-5f);
+  }
+
+  // GetSession / ListSessions.
+  KV_ASSERT_OK_AND_ASSIGN(info, c->GetSession(created.session_id()));
+  EXPECT_EQ(info.state(), "ready");
+  EXPECT_EQ(info.tokens(), 1024u);
+  EXPECT_EQ(info.layers_ingested(), static_cast<uint32_t>(doc.spec().layers));
+  EXPECT_EQ(info.model_id(), doc.spec().model_id);
+  EXPECT_EQ(info.profile(), v1::PROFILE_KIND_SHADOW);
+  // (gpu_bytes/host_bytes count a session's own, unshared segments; the document's segment
+  // is a shared prefix once committed, so they are not checked here: Stats is, below.)
+  KV_ASSERT_OK_AND_ASSIGN(list, c->ListSessions());
+  bool listed = false;
+  for (const auto& s : list.sessions()) listed |= s.session_id() == created.session_id();
+  EXPECT_TRUE(listed);
+
+  // LookupPrefix now finds the document.
+  KV_ASSERT_OK_AND_ASSIGN(l1, c->LookupPrefix(lookup));
+  EXPECT_EQ(l1.reusable_tokens(), 1024u);
+  EXPECT_GE(l1.cached_segments(), 1u);
+
+  // ForkSession at the end of the committed tokens.
+  KV_ASSERT_OK_AND_ASSIGN(fork, c->ForkSession(created.session_id(), 1024));
+  EXPECT_EQ(fork.shared_tokens(), 1024u);
+  EXPECT_NE(fork.session_id(), created.session_id());
+
+  // Attach as the writer of the fork.
+  v1::AttachRequest ar;
+  ar.set_session_id(fork.session_id());
+  ar.set_worker_id("it-worker");
+  ar.set_writer(true);
+  KV_ASSERT_OK_AND_ASSIGN(att, c->Attach(ar));
+  EXPECT_FALSE(att.attachment_id().empty());
+  EXPECT_EQ(att.chunk_size(), 8u);
+  EXPECT_EQ(att.slots_per_head(), 8u);
+  EXPECT_TRUE(att.writer());
+  const int64_t now_ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch())
+          .count();
+  EXPECT_GT(static_cast<int64_t>(att.lease_expires_unix_ms()), now_ms);
+
+  // GetStaticSet: [h, s_max, d] keys and values, lengths per head, the exact tail.
+  KV_ASSERT_OK_AND_ASSIGN(st, c->GetStaticSet(att.attachment_id(), 0));
+  ASSERT_EQ(st.k().shape_size(), 3);
+  EXPECT_EQ(st.k().shape(0), h);
+  EXPECT_EQ(st.k().shape(2), d);
+  ASSERT_EQ(st.lengths_size(), h);
+  for (uint32_t len : st.lengths()) EXPECT_GE(len, 8u);  // at least the sink chunk
+  ASSERT_EQ(st.tail_k().shape_size(), 3);
+  EXPECT_GE(st.tail_k().shape(0), 32);
+  EXPECT_EQ(st.tail_k().shape(1), h);
+
+  // SelectAndReconstruct: first call misses everything, the same query again hits all.
+  const auto sel = MakeSelect(doc, 0, {att.attachment_id()}, 0, 0, 1024);
+  KV_ASSERT_OK_AND_ASSIGN(r1, c->SelectAndReconstruct(sel));
+  ASSERT_EQ(r1.deltas_size(), 1);
+  const auto& d1 = r1.deltas(0);
+  EXPECT_EQ(d1.attachment_id(), att.attachment_id());
+  EXPECT_EQ(d1.selected(), static_cast<uint32_t>(h * 8));
+  EXPECT_EQ(d1.hits(), 0u);
+  const int m = d1.chunk_size();
+  EXPECT_EQ(m, h * 8);
+  EXPECT_EQ(d1.head_size(), m);
+  EXPECT_EQ(d1.slot_size(), m);
+  ASSERT_EQ(d1.keys().shape_size(), 3);
+  EXPECT_EQ(d1.keys().shape(0), m);
+  EXPECT_EQ(d1.keys().shape(1), 8);
+  EXPECT_EQ(d1.keys().shape(2), d);
+  EXPECT_EQ(d1.keys().data().size(), static_cast<size_t>(m) * 8 * d * 2);
+  EXPECT_EQ(d1.values().data().size(), static_cast<size_t>(m) * 8 * d * 2);
+  KV_ASSERT_OK_AND_ASSIGN(r2, c->SelectAndReconstruct(sel));
+  ASSERT_EQ(r2.deltas_size(), 1);
+  EXPECT_EQ(r2.deltas(0).hits(), r2.deltas(0).selected());
+  EXPECT_EQ(r2.deltas(0).chunk_size(), 0);
+
+  // Attend: [hq, d] fp32, finite.
+  v1::AttendRequest atr;
+  atr.set_layer(1);
+  auto* aq = atr.add_queries();
+  aq->set_attachment_id(att.attachment_id());
+  *aq->mutable_q() = MakeBf16Tensor({hq, d}, absl::MakeConstSpan(doc.Query(1, 0, 0, 1024)));
+  KV_ASSERT_OK_AND_ASSIGN(ao, c->Attend(atr));
+  ASSERT_EQ(ao.outputs_size(), 1);
+  KV_ASSERT_OK_AND_ASSIGN(out, client::TensorToFloats(ao.outputs(0)));
+  ASSERT_EQ(out.size(), static_cast<size_t>(hq * d));
+  for (float x : out) ASSERT_TRUE(std::isfinite(x));
+
+  // AppendTokens through the writer attachment.
+  v1::AppendTokensRequest app = synthetic::MakeAppend(doc, fork.session_id(), 0, 1024, 1032);
+  app.set_attachment_id(att.attachment_id());
+  KV_ASSERT_OK_AND_ASSIGN(appended, c->AppendTokens(app));
+  EXPECT_EQ(appended.tokens(), 1032u);
+  KV_ASSERT_OK_AND_ASSIGN(finfo, c->GetSession(fork.session_id()));
+  EXPECT_EQ(finfo.tokens(), 1032u);
+  EXPECT_EQ(finfo.attachments(), 1u);
+
+  // Stats.
+  KV_ASSERT_OK_AND_ASSIGN(stats, c->Stats());
+  EXPECT_EQ(stats.backend(), "cpu");
+  EXPECT_FALSE(stats.version().empty());
+  EXPECT_GE(stats.sessions(), 2u);
+  EXPECT_GE(stats.attachments(), 1u);
+  EXPECT_GE(stats.segments(), 1u);
+  EXPECT_GE(stats.prefix_lookups(), 2u);
+  EXPECT_GE(stats.prefix_hits(), 1u);
+  EXPECT_GE(stats.chunks_selected(), static_cast<uint64_t>(2 * h * 8));
+  EXPECT_GE(stats.chunk_hits(), static_cast<uint64_t>(h * 8));
+  EXPECT_GT(stats.device_bytes_used(), 0u);
+  EXPECT_GT(stats.device_bytes_budget(), 0u);
+
+  // Detach; the attachment is gone.
+  KV_ASSERT_OK(c->Detach(att.attachment_id()));
+  EXPECT_EQ(c->SelectAndReconstruct(sel).status().code(), absl::StatusCode::kNotFound);
+
+  // /metrics carries the documented families with low-cardinality labels.
+  KV_ASSERT_OK_AND_ASSIGN(metrics, HttpGet(server.metrics_port(), "/metrics"));
+  for (const char* name :
+       {"kvshade_rpc_duration_seconds_bucket{method=\"SelectAndReconstruct\"", "kvshade_rpc_total{",
+        "kvshade_stage_duration_seconds_bucket{stage=\"select\"", "kvshade_sessions ", "kvshade_attachments ",
+        "kvshade_segments ", "kvshade_prefix_lookups_total ", "kvshade_prefix_hits_total ",
+        "kvshade_prefix_reused_tokens_total ", "kvshade_chunks_selected_total ", "kvshade_chunk_hits_total ",
+        "kvshade_captured_energy_ratio_count ", "kvshade_ingested_tokens_total ", "kvshade_tier_bytes{",
+        "kvshade_errors_total{code=\"NOT_FOUND\"}"}) {
+    EXPECT_NE(metrics.find(name), std::string::npos) << "missing in /metrics: " << name;
+  }
+
+  // CloseSession; both are gone.
+  KV_ASSERT_OK(c->CloseSession(fork.session_id()));
+  KV_ASSERT_OK(c->CloseSession(created.session_id()));
+  EXPECT_EQ(c->GetSession(created.session_id()).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(c->CloseSession(created.session_id()).code(), absl::StatusCode::kNotFound);
+
+  // SIGTERM: drain and exit 0.
+  EXPECT_EQ(server.Stop(), 0) << server.log();
+}
+
+// --- Malformed requests ------------------------------------------------------------------
+
+struct BadCase {
+  std::string name;
+  absl::StatusCode expected;
+  std::function<absl::Status()> call;
+};
+
+TEST(Rpc, MalformedRequestsGetTheirCodesAndHarmNoOtherSession) {
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({"--max-message-bytes", "1MiB", "--max-batch", "4", "--max-tokens-per-session",
+                             "4096", "--max-lease-ms", "60000"}));
+  auto c = server.Connect();
+  ASSERT_NE(c, nullptr);
+  const synthetic::Document doc(SmallDoc(1024));
+  const v1::Profile profile = ShadowProfile();
+  const int h = doc.spec().kv_heads, hq = doc.spec().q_heads, d = doc.spec().head_dim;
+  KV_ASSERT_OK_AND_ASSIGN(good, CreateAndIngest(*c, doc, profile, -1));
+  const std::string sid = good.session_id();
+  v1::AttachRequest ar;
+  ar.set_session_id(sid);
+  ar.set_worker_id("control");
+  KV_ASSERT_OK_AND_ASSIGN(control, c->Attach(ar));
+  const auto control_sel = MakeSelect(doc, 1, {control.attachment_id()}, 1, 3, 1024);
+  KV_ASSERT_OK_AND_ASSIGN(control_before, c->SelectAndReconstruct(control_sel));
+  ar.set_worker_id("victim");
+  KV_ASSERT_OK_AND_ASSIGN(att, c->Attach(ar));
+  const std::string aid = att.attachment_id();
+  // A second session left mid-ingest, for the ingest-order cases.
+  KV_ASSERT_OK_AND_ASSIGN(pending, c->CreateSession(synthetic::MakeCreate(doc, profile, 0)));
+  ASSERT_GT(pending.tokens_to_ingest(), 0u);
+
+  auto create = [&](std::function<void(v1::CreateSessionRequest&)> edit) {
+    return [&c, &doc, &profile, edit]() {
+      v1::CreateSessionRequest r = synthetic::MakeCreate(doc, profile, -1);
+      r.mutable_token_ids()->Truncate(256);
+      edit(r);
+      return c->CreateSession(r).status();
+    };
+  };
+  auto select = [&](std::function<void(v1::SelectAndReconstructRequest&)> edit) {
+    return [&c, &doc, aid, edit]() {
+      v1::SelectAndReconstructRequest r = MakeSelect(doc, 0, {aid}, 0, 0, 1024);
+      edit(r);
+      return c->SelectAndReconstruct(r).status();
+    };
+  };
+  auto ingest = [&](std::function<void(std::vector<v1::IngestRequest>&)> build) {
+    return [&c, build]() {
+      std::vector<v1::IngestRequest> msgs;
+      build(msgs);
+      return c->Ingest(msgs).status();
+    };
+  };
+  auto layer_msg = [&](const std::string& session, uint32_t layer, int64_t n) {
+    std::vector<uint16_t> k, v;
+    doc.KeysValues(static_cast<int>(layer), 0, 1024, 1024 + n, &k, &v);
+    v1::IngestRequest m;
+    auto* l = m.mutable_layer();
+    l->set_layer(layer);
+    l->set_token_offset(0);
+    *l->mutable_k() = MakeBf16Tensor({n, h, d}, absl::MakeConstSpan(k));
+    *l->mutable_v() = MakeBf16Tensor({n, h, d}, absl::MakeConstSpan(v));
+    l->set_last_part(true);
+    (void)session;
+    return m;
+  };
+  auto header = [](const std::string& session) {
+    v1::IngestRequest m;
+    m.mutable_header()->set_session_id(session);
+    return m;
+  };
+  auto commit = []() {
+    v1::IngestRequest m;
+    m.mutable_commit();
+    return m;
+  };
+  const int64_t pending_n = static_cast<int64_t>(pending.tokens_to_ingest());
+  const std::string psid = pending.session_id();
+
+  using C = absl::StatusCode;
+  std::vector<BadCase> cases = {
+      {"create: no model", C::kInvalidArgument, create([](auto& r) { r.clear_model(); })},
+      {"create: empty model_id", C::kInvalidArgument, create([](auto& r) { r.mutable_model()->clear_model_id(); })},
+      {"create: zero layers", C::kInvalidArgument, create([](auto& r) { r.mutable_model()->set_num_layers(0); })},
+      {"create: layers over limit", C::kInvalidArgument,
+       create([](auto& r) { r.mutable_model()->set_num_layers(100000); })},
+      {"create: q heads not a multiple of kv heads", C::kInvalidArgument,
+       create([](auto& r) { r.mutable_model()->set_num_query_heads(3); })},
+      {"create: odd head_dim", C::kInvalidArgument, create([](auto& r) { r.mutable_model()->set_head_dim(33); })},
+      {"create: head_dim over limit", C::kInvalidArgument,
+       create([](auto& r) { r.mutable_model()->set_head_dim(1024); })},
+      {"create: int32 dtype", C::kInvalidArgument,
+       create([](auto& r) { r.mutable_model()->set_dtype(v1::DTYPE_INT32); })},
+      {"create: NaN rope theta", C::kInvalidArgument,
+       create([](auto& r) { r.mutable_model()->mutable_rope()->set_theta(NAN); })},
+      {"create: empty token_ids", C::kInvalidArgument, create([](auto& r) { r.clear_token_ids(); })},
+      {"create: negative token id", C::kInvalidArgument, create([](auto& r) { r.set_token_ids(3, -5); })},
+      {"create: tokens over max_tokens_per_session", C::kResourceExhausted,
+       create([](auto& r) {
+         for (int i = 0; i < 5000; ++i) r.add_token_ids(i);
+       })},
+      {"create: rank not a multiple of 8", C::kInvalidArgument,
+       create([](auto& r) { r.mutable_profile()->set_rank(12); })},
+      {"create: rank above h*d", C::kInvalidArgument, create([](auto& r) { r.mutable_profile()->set_rank(128); })},
+      {"create: unknown profile kind", C::kInvalidArgument,
+       create([](auto& r) { r.mutable_profile()->set_kind(static_cast<v1::ProfileKind>(42)); })},
+      {"create: refactor_threshold > 1", C::kInvalidArgument,
+       create([](auto& r) { r.mutable_profile()->set_refactor_threshold(3.0f); })},
+      {"create: label over 256 bytes", C::kInvalidArgument, create([](auto& r) { r.set_label(std::string(300, 'x')); })},
+      {"create: durable without a spill tier", C::kFailedPrecondition, create([](auto& r) { r.set_durable(true); })},
+      {"create: shadow prompt shorter than window + chunk", C::kInvalidArgument,
+       create([](auto& r) { r.mutable_token_ids()->Truncate(20); })},
+      {"get: unknown session", C::kNotFound, [&] { return c->GetSession("no-such-session").status(); }},
+      {"close: unknown session", C::kNotFound, [&] { return c->CloseSession("no-such-session"); }},
+      {"fork: unknown parent", C::kNotFound, [&] { return c->ForkSession("no-such-session", 8).status(); }},
+      {"fork: at_token not a boundary", C::kInvalidArgument, [&] { return c->ForkSession(sid, 77).status(); }},
+      {"fork: at_token past the end", C::kInvalidArgument, [&] { return c->ForkSession(sid, 5000).status(); }},
+      {"fork: session still ingesting", C::kFailedPrecondition, [&] { return c->ForkSession(psid, 8).status(); }},
+      {"attach: unknown session", C::kNotFound,
+       [&] {
+         v1::AttachRequest r;
+         r.set_session_id("no-such-session");
+         return c->Attach(r).status();
+       }},
+      {"attach: lease over max_lease_ms", C::kInvalidArgument,
+       [&] {
+         v1::AttachRequest r;
+         r.set_session_id(sid);
+         r.set_lease_ms(3600000);
+         return c->Attach(r).status();
+       }},
+      {"attach: second writer", C::kFailedPrecondition,
+       [&] {
+         v1::AttachRequest r;
+         r.set_session_id(sid);
+         r.set_writer(true);
+         auto first = c->Attach(r);
+         if (!first.ok()) return first.status();
+         auto second = c->Attach(r);
+         c->Detach(first->attachment_id()).IgnoreError();
+         return second.status();
+       }},
+      {"detach: unknown attachment", C::kNotFound, [&] { return c->Detach("no-such-attachment"); }},
+      {"static set: layer out of range", C::kInvalidArgument, [&] { return c->GetStaticSet(aid, 9).status(); }},
+      {"select: unknown attachment", C::kNotFound,
+       select([](auto& r) { r.mutable_queries(0)->set_attachment_id("no-such-attachment"); })},
+      {"select: layer out of range", C::kInvalidArgument, select([](auto& r) { r.set_layer(2); })},
+      {"select: q wrong shape", C::kInvalidArgument,
+       select([](auto& r) { r.mutable_queries(0)->mutable_q()->set_shape(0, 2); })},
+      {"select: q wrong dtype", C::kInvalidArgument,
+       select([](auto& r) { r.mutable_queries(0)->mutable_q()->set_dtype(v1::DTYPE_INT32); })},
+      {"select: q data short", C::kInvalidArgument,
+       select([](auto& r) { r.mutable_queries(0)->mutable_q()->mutable_data()->resize(10); })},
+      {"select: q holds NaN", C::kInvalidArgument,
+       select([](auto& r) {
+         std::string* data = r.mutable_queries(0)->mutable_q()->mutable_data();
+         (*data)[0] = '\xc0';
+         (*data)[1] = '\x7f';  // bf16 0x7fc0 = NaN
+       })},
+      {"select: q holds inf", C::kInvalidArgument,
+       select([](auto& r) {
+         std::string* data = r.mutable_queries(0)->mutable_q()->mutable_data();
+         (*data)[2] = '\x80';
+         (*data)[3] = '\x7f';  // bf16 0x7f80 = +inf
+       })},
+      {"select: attachment twice in a batch", C::kInvalidArgument,
+       select([](auto& r) { *r.add_queries() = r.queries(0); })},
+      {"select: batch over max_batch", C::kInvalidArgument,
+       select([](auto& r) {
+         for (int i = 0; i < 4; ++i) {
+           *r.add_queries() = r.queries(0);
+           r.mutable_queries(i + 1)->set_attachment_id("a" + std::to_string(i));
+         }
+       })},
+      {"attend: q wrong shape", C::kInvalidArgument,
+       [&] {
+         v1::AttendRequest r;
+         auto* q = r.add_queries();
+         q->set_attachment_id(aid);
+         std::vector<float> x(static_cast<size_t>(hq) * d, 0.5f);
+         *q->mutable_q() = MakeBf16Tensor({hq * d}, absl::MakeConstSpan(x));
+         return c->Attend(r).status();
+       }},
+      {"ingest: no header first", C::kInvalidArgument,
+       ingest([&](auto& m) { m.push_back(layer_msg(psid, 0, pending_n)); })},
+      {"ingest: unknown session", C::kNotFound, ingest([&](auto& m) { m.push_back(header("no-such-session")); })},
+      {"ingest: into a ready session", C::kFailedPrecondition,
+       ingest([&](auto& m) {
+         m.push_back(header(sid));
+         m.push_back(commit());
+       })},
+      {"ingest: k with the wrong shape", C::kInvalidArgument,
+       ingest([&](auto& m) {
+         m.push_back(header(psid));
+         m.push_back(layer_msg(psid, 0, pending_n));
+         m.back().mutable_layer()->mutable_k()->set_shape(2, d / 2);
+       })},
+      {"ingest: layer out of range", C::kInvalidArgument,
+       ingest([&](auto& m) {
+         m.push_back(header(psid));
+         m.push_back(layer_msg(psid, 0, pending_n));
+         m.back().mutable_layer()->set_layer(7);
+       })},
+      {"ingest: more tokens than the session expects", C::kInvalidArgument,
+       ingest([&](auto& m) {
+         m.push_back(header(psid));
+         m.push_back(layer_msg(psid, 0, pending_n + 8));
+       })},
+      {"ingest: non-finite value", C::kInvalidArgument,
+       ingest([&](auto& m) {
+         m.push_back(header(psid));
+         m.push_back(layer_msg(psid, 0, pending_n));
+         std::string* data = m.back().mutable_layer()->mutable_v()->mutable_data();
+         (*data)[0] = '\x80';
+         (*data)[1] = '\x7f';
+       })},
+      {"ingest: commit before every layer", C::kInvalidArgument,
+       ingest([&](auto& m) {
+         m.push_back(header(psid));
+         m.push_back(layer_msg(psid, 0, pending_n));
+         m.push_back(commit());
+       })},
+      {"append: unknown session", C::kNotFound,
+       [&] { return c->AppendTokens(synthetic::MakeAppend(doc, "no-such-session", 0, 1024, 1028)).status(); }},
+      {"append: wrong layer count", C::kInvalidArgument,
+       [&] {
+         auto r = synthetic::MakeAppend(doc, sid, 0, 1024, 1028);
+         r.mutable_layers()->RemoveLast();
+         return c->AppendTokens(r).status();
+       }},
+      {"append: token count differs from k rows", C::kInvalidArgument,
+       [&] {
+         auto r = synthetic::MakeAppend(doc, sid, 0, 1024, 1028);
+         r.add_token_ids(5);
+         return c->AppendTokens(r).status();
+       }},
+      {"append: into a session still ingesting", C::kFailedPrecondition,
+       [&] { return c->AppendTokens(synthetic::MakeAppend(doc, psid, 0, 1024, 1028)).status(); }},
+      {"lookup: no model", C::kInvalidArgument,
+       [&] {
+         v1::LookupPrefixRequest r;
+         r.add_token_ids(1);
+         return c->LookupPrefix(r).status();
+       }},
+      {"message over max_message_bytes", C::kResourceExhausted,
+       [&] {
+         v1::CreateSessionRequest r = synthetic::MakeCreate(doc, profile, -1);
+         r.set_label(std::string(2 << 20, 'x'));
+         return c->CreateSession(r).status();
+       }},
+  };
+  ASSERT_GE(cases.size(), 20u);
+  for (const BadCase& bc : cases) {
+    const absl::Status s = bc.call();
+    EXPECT_EQ(s.code(), bc.expected) << bc.name << ": got " << s;
+    if (s.code() != absl::StatusCode::kResourceExhausted || bc.name.rfind("message", 0) != 0) {
+      // Every refusal says what was wrong (gRPC's own size check included).
+      EXPECT_FALSE(s.message().empty()) << bc.name;
+    }
+  }
+
+  // The healthy session is untouched: a fresh attachment sees exactly the same selection
+  // and bytes as before the barrage, and the server still serves.
+  ar.set_worker_id("control-2");
+  KV_ASSERT_OK_AND_ASSIGN(control2, c->Attach(ar));
+  auto sel2 = MakeSelect(doc, 1, {control2.attachment_id()}, 1, 3, 1024);
+  KV_ASSERT_OK_AND_ASSIGN(control_after, c->SelectAndReconstruct(sel2));
+  ASSERT_EQ(control_after.deltas_size(), 1);
+  const auto& a = control_before.deltas(0);
+  const auto& b = control_after.deltas(0);
+  EXPECT_EQ(std::vector<int32_t>(a.chunk().begin(), a.chunk().end()),
+            std::vector<int32_t>(b.chunk().begin(), b.chunk().end()));
+  EXPECT_EQ(a.keys().data(), b.keys().data());
+  EXPECT_EQ(a.values().data(), b.values().data());
+  KV_ASSERT_OK_AND_ASSIGN(health, c->CheckHealth());
+  EXPECT_EQ(health, client::HealthStatus::kServing);
+  KV_ASSERT_OK_AND_ASSIGN(info, c->GetSession(sid));
+  EXPECT_EQ(info.tokens(), 1024u);
+  EXPECT_EQ(server.Stop(), 0) << server.log();
+}
+
+}  // namespace
+}  // namespace kvshade::integration
