@@ -33,6 +33,34 @@ namespace {
 using kernels::bf16;
 using storage::ArenaKind;
 
+// Where kernel composites (CompressShadowLayer) take their buffers: the engine's device
+// arena, with its evict-and-retry, so that a layer's factors, landmarks, static set and
+// scratch count against device_budget_bytes and no request calls the device allocator.
+class ArenaAllocator final : public kernels::Allocator {
+ public:
+  explicit ArenaAllocator(EngineImpl& engine) : engine_(engine) {}
+  absl::StatusOr<kernels::Buffer> Allocate(size_t bytes, kernels::BufferKind kind) override {
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock block, engine_.Alloc(bytes, ToArenaKind(kind)));
+    auto holder = std::make_shared<DeviceBlock>(std::move(block));
+    void* data = holder->data();
+    // The Buffer keeps the arena block alive; releasing it returns the block to the pool.
+    return kernels::Buffer(data, bytes, [holder](void*) {});
+  }
+
+ private:
+  static ArenaKind ToArenaKind(kernels::BufferKind kind) {
+    switch (kind) {
+      case kernels::BufferKind::kFactorA: return ArenaKind::kA;
+      case kernels::BufferKind::kFactorB: return ArenaKind::kB;
+      case kernels::BufferKind::kLandmarks: return ArenaKind::kLandmarks;
+      case kernels::BufferKind::kStatic: return ArenaKind::kStatic;
+      case kernels::BufferKind::kScratch: return ArenaKind::kOther;
+    }
+    return ArenaKind::kOther;
+  }
+  EngineImpl& engine_;
+};
+
 // Heavy-chunk counts per layer: the pyramid (ALGORITHM.md) scaled to a mean of `mean`.
 std::vector<int> HeavyPerLayer(int layers, int mean) {
   std::vector<int> out(layers, 0);
@@ -292,6 +320,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
     sp.heavy_group = p.kivi_group;
     sp.codec = p.codec;
     kernels::ShadowLayer sl;
+    ArenaAllocator allocator(e_);
     {
       StageTimer timer(e_.metrics_, "ingest_factorize");
       KVSHADE_ASSIGN_OR_RETURN(
@@ -299,7 +328,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
                   *e_.backend_, m.shape, m.rope, sp,
                   absl::Span<const bf16>(static_cast<const bf16*>(kd.data()), b.k.size()),
                   absl::Span<const bf16>(static_cast<const bf16*>(vd.data()), b.v.size()), n_,
-                  first_, use_obs ? &obs : nullptr));
+                  first_, use_obs ? &obs : nullptr, kernels::Stream{}, &allocator));
     }
     KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(sl.n_chunks));
     {

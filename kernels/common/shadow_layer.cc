@@ -27,15 +27,27 @@ absl::Status Bad(const std::string& what) {
   return absl::InvalidArgumentError(absl::StrCat("CompressShadowLayer: ", what));
 }
 
+// The backend plus where the composite's buffers come from (see Allocator).
+struct Mem {
+  Backend& be;
+  Allocator* allocator;
+  absl::StatusOr<Buffer> Alloc(size_t bytes, BufferKind kind) {
+    return allocator != nullptr ? allocator->Allocate(bytes, kind) : be.Allocate(bytes);
+  }
+};
+
 template <typename T>
-absl::StatusOr<Buffer> AllocElems(Backend& be, size_t count) {
-  return be.Allocate(count * sizeof(T));
+absl::StatusOr<Buffer> AllocElems(Mem& mem, size_t count, BufferKind kind) {
+  return mem.Alloc(count * sizeof(T), kind);
 }
 
 template <typename T>
-absl::StatusOr<Buffer> Upload(Backend& be, const T* host, size_t count, Stream stream) {
-  KVSHADE_ASSIGN_OR_RETURN(Buffer buf, be.Allocate(count * sizeof(T)));
-  if (count > 0) KVSHADE_RETURN_IF_ERROR(be.CopyFromHost(buf.data(), host, count * sizeof(T), stream));
+absl::StatusOr<Buffer> Upload(Mem& mem, const T* host, size_t count, BufferKind kind,
+                              Stream stream) {
+  KVSHADE_ASSIGN_OR_RETURN(Buffer buf, mem.Alloc(count * sizeof(T), kind));
+  if (count > 0) {
+    KVSHADE_RETURN_IF_ERROR(mem.be.CopyFromHost(buf.data(), host, count * sizeof(T), stream));
+  }
   return buf;
 }
 
@@ -60,13 +72,17 @@ absl::Span<T> SpanOf(const Buffer& b, size_t count) {
 }
 
 // Per-head TopK on the backend, downloaded and sorted ascending per head.
-absl::StatusOr<std::vector<int32_t>> TopKChunks(Backend& be, const Buffer& scores,
+absl::StatusOr<std::vector<int32_t>> TopKChunks(Mem& mem, const Buffer& scores,
                                                 const std::vector<uint8_t>& mask, int h,
                                                 int n_chunks, int k, bool largest,
                                                 Stream stream) {
-  KVSHADE_ASSIGN_OR_RETURN(Buffer mask_buf, Upload(be, mask.data(), mask.size(), stream));
-  KVSHADE_ASSIGN_OR_RETURN(Buffer out, AllocElems<int32_t>(be, size_t(h) * k));
-  KVSHADE_ASSIGN_OR_RETURN(Buffer ws, be.Allocate(be.TopKWorkspaceBytes(h, n_chunks, k)));
+  Backend& be = mem.be;
+  KVSHADE_ASSIGN_OR_RETURN(Buffer mask_buf,
+                           Upload(mem, mask.data(), mask.size(), BufferKind::kScratch, stream));
+  KVSHADE_ASSIGN_OR_RETURN(Buffer out,
+                           AllocElems<int32_t>(mem, size_t(h) * k, BufferKind::kScratch));
+  KVSHADE_ASSIGN_OR_RETURN(Buffer ws, mem.Alloc(be.TopKWorkspaceBytes(h, n_chunks, k),
+                                                BufferKind::kScratch));
   KVSHADE_RETURN_IF_ERROR(be.TopK(SpanOf<const float>(scores, size_t(h) * n_chunks),
                                   SpanOf<const uint8_t>(mask_buf, mask.size()), h, n_chunks, k,
                                   largest, SpanOf<int32_t>(out, size_t(h) * k), ws.workspace(),
@@ -156,7 +172,9 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
                                                 absl::Span<const bf16> k_pre,
                                                 absl::Span<const bf16> v, int n,
                                                 int64_t first_position,
-                                                const ShadowObservation* obs, Stream stream) {
+                                                const ShadowObservation* obs, Stream stream,
+                                                Allocator* allocator) {
+  Mem mem{be, allocator};
   // --- arguments ---
   KVSHADE_RETURN_IF_ERROR(validate::Shape(shape));
   const int h = shape.h, d = shape.d, D = shape.D();
@@ -213,7 +231,7 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
 
   std::vector<int64_t> pos_host(n);
   std::iota(pos_host.begin(), pos_host.end(), first_position);
-  KVSHADE_ASSIGN_OR_RETURN(Buffer pos, Upload(be, pos_host.data(), pos_host.size(), stream));
+  KVSHADE_ASSIGN_OR_RETURN(Buffer pos, Upload(mem, pos_host.data(), pos_host.size(), BufferKind::kScratch, stream));
   const auto positions = SpanOf<const int64_t>(pos, n);
 
   // --- 1. low-rank keys ---
@@ -222,10 +240,10 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
     fo.rank = p.rank;
     fo.energy_target = p.energy_target;
     const size_t alloc_rank = size_t(std::max(p.rank, 0));
-    KVSHADE_ASSIGN_OR_RETURN(L.a, AllocElems<bf16>(be, size_t(n) * alloc_rank));
-    KVSHADE_ASSIGN_OR_RETURN(L.b, AllocElems<bf16>(be, size_t(h) * alloc_rank * d));
+    KVSHADE_ASSIGN_OR_RETURN(L.a, AllocElems<bf16>(mem, size_t(n) * alloc_rank, BufferKind::kFactorA));
+    KVSHADE_ASSIGN_OR_RETURN(L.b, AllocElems<bf16>(mem, size_t(h) * alloc_rank * d, BufferKind::kFactorB));
     L.eigenvalues.assign(D, 0.0f);
-    KVSHADE_ASSIGN_OR_RETURN(Buffer ws, be.Allocate(be.FactorizeWorkspaceBytes(n, shape, fo)));
+    KVSHADE_ASSIGN_OR_RETURN(Buffer ws, mem.Alloc(be.FactorizeWorkspaceBytes(n, shape, fo), BufferKind::kScratch));
     KVSHADE_ASSIGN_OR_RETURN(
         L.factorize,
         be.Factorize(k_pre, n, shape, fo, SpanOf<bf16>(L.a, size_t(n) * alloc_rank),
@@ -235,7 +253,7 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
   }
 
   // --- 2. post-RoPE keys ---
-  KVSHADE_ASSIGN_OR_RETURN(Buffer kr, AllocElems<bf16>(be, size_t(n) * D));
+  KVSHADE_ASSIGN_OR_RETURN(Buffer kr, AllocElems<bf16>(mem, size_t(n) * D, BufferKind::kScratch));
   {
     std::vector<bf16> staging;
     KVSHADE_ASSIGN_OR_RETURN(const bf16* k_host,
@@ -247,8 +265,8 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
   KVSHADE_RETURN_IF_ERROR(be.ApplyRope(rope, positions, h, d, kr_span, stream));
 
   // --- 3-4. chunks and landmarks ---
-  KVSHADE_ASSIGN_OR_RETURN(L.landmarks, AllocElems<bf16>(be, size_t(n_chunks) * h * d));
-  KVSHADE_ASSIGN_OR_RETURN(Buffer min_cos, AllocElems<float>(be, size_t(h) * n_chunks));
+  KVSHADE_ASSIGN_OR_RETURN(L.landmarks, AllocElems<bf16>(mem, size_t(n_chunks) * h * d, BufferKind::kLandmarks));
+  KVSHADE_ASSIGN_OR_RETURN(Buffer min_cos, AllocElems<float>(mem, size_t(h) * n_chunks, BufferKind::kScratch));
   KVSHADE_RETURN_IF_ERROR(be.BuildLandmarks(
       kr_span, n, h, d, C, n_chunks, SpanOf<bf16>(L.landmarks, size_t(n_chunks) * h * d),
       SpanOf<float>(min_cos, size_t(h) * n_chunks), stream));
@@ -262,7 +280,7 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
   L.n_outliers = std::min(p.outliers, n_chunks - sink);
   if (L.n_outliers > 0) {
     KVSHADE_ASSIGN_OR_RETURN(L.outlier_chunks,
-                             TopKChunks(be, min_cos, excluded, h, n_chunks, L.n_outliers,
+                             TopKChunks(mem, min_cos, excluded, h, n_chunks, L.n_outliers,
                                         /*largest=*/false, stream));
   }
   for (int hh = 0; hh < h; ++hh)
@@ -272,23 +290,23 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
   // --- 6. heavy chunks ---
   if (want_heavy) L.n_heavy = std::min(p.heavy_chunks, n_chunks - sink - L.n_outliers);
   if (L.n_heavy > 0) {
-    KVSHADE_ASSIGN_OR_RETURN(Buffer qpos, Upload(be, obs->q_positions.data(), size_t(obs->w), stream));
-    KVSHADE_ASSIGN_OR_RETURN(Buffer mass, AllocElems<float>(be, size_t(h) * n));
-    KVSHADE_ASSIGN_OR_RETURN(Buffer ws, be.Allocate(be.ObservationWorkspaceBytes(obs->w, n, shape)));
+    KVSHADE_ASSIGN_OR_RETURN(Buffer qpos, Upload(mem, obs->q_positions.data(), size_t(obs->w), BufferKind::kScratch, stream));
+    KVSHADE_ASSIGN_OR_RETURN(Buffer mass, AllocElems<float>(mem, size_t(h) * n, BufferKind::kScratch));
+    KVSHADE_ASSIGN_OR_RETURN(Buffer ws, mem.Alloc(be.ObservationWorkspaceBytes(obs->w, n, shape), BufferKind::kScratch));
     KVSHADE_RETURN_IF_ERROR(be.ObservationMass(
         obs->qobs, SpanOf<const int64_t>(qpos, obs->w), obs->w, kr_span, positions, n, shape,
         SpanOf<float>(mass, size_t(h) * n), ws.workspace(), stream));
-    KVSHADE_ASSIGN_OR_RETURN(Buffer chunk_mass, AllocElems<float>(be, size_t(h) * n_chunks));
+    KVSHADE_ASSIGN_OR_RETURN(Buffer chunk_mass, AllocElems<float>(mem, size_t(h) * n_chunks, BufferKind::kScratch));
     KVSHADE_RETURN_IF_ERROR(be.ChunkSum(SpanOf<const float>(mass, size_t(h) * n), h, n, C,
                                         n_chunks, SpanOf<float>(chunk_mass, size_t(h) * n_chunks),
                                         stream));
-    KVSHADE_ASSIGN_OR_RETURN(L.heavy_chunks, TopKChunks(be, chunk_mass, excluded, h, n_chunks,
+    KVSHADE_ASSIGN_OR_RETURN(L.heavy_chunks, TopKChunks(mem, chunk_mass, excluded, h, n_chunks,
                                                         L.n_heavy, /*largest=*/true, stream));
     for (int hh = 0; hh < h; ++hh)
       for (int i = 0; i < L.n_heavy; ++i)
         excluded[size_t(hh) * n_chunks + L.heavy_chunks[size_t(hh) * L.n_heavy + i]] = 1;
   }
-  KVSHADE_ASSIGN_OR_RETURN(L.excluded, Upload(be, excluded.data(), excluded.size(), stream));
+  KVSHADE_ASSIGN_OR_RETURN(L.excluded, Upload(mem, excluded.data(), excluded.size(), BufferKind::kLandmarks, stream));
 
   // --- 7. values to the host-visible store ---
   {
@@ -362,10 +380,10 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
                            &L.heavy_v_min, {}}};
     for (Quantized& q : parts) {
       const KiviLayout& l = *q.layout;
-      KVSHADE_ASSIGN_OR_RETURN(Buffer x, Upload(be, q.x->data(), q.x->size(), stream));
-      KVSHADE_ASSIGN_OR_RETURN(*q.codes, AllocElems<uint32_t>(be, l.code_words()));
-      KVSHADE_ASSIGN_OR_RETURN(*q.scale, AllocElems<fp16>(be, l.n_groups()));
-      KVSHADE_ASSIGN_OR_RETURN(*q.mn, AllocElems<fp16>(be, l.n_groups()));
+      KVSHADE_ASSIGN_OR_RETURN(Buffer x, Upload(mem, q.x->data(), q.x->size(), BufferKind::kScratch, stream));
+      KVSHADE_ASSIGN_OR_RETURN(*q.codes, AllocElems<uint32_t>(mem, l.code_words(), BufferKind::kStatic));
+      KVSHADE_ASSIGN_OR_RETURN(*q.scale, AllocElems<fp16>(mem, l.n_groups(), BufferKind::kStatic));
+      KVSHADE_ASSIGN_OR_RETURN(*q.mn, AllocElems<fp16>(mem, l.n_groups(), BufferKind::kStatic));
       KVSHADE_RETURN_IF_ERROR(be.KiviQuantize(
           SpanOf<const bf16>(x, q.x->size()), l, SpanOf<uint32_t>(*q.codes, l.code_words()),
           SpanOf<fp16>(*q.scale, l.n_groups()), SpanOf<fp16>(*q.mn, l.n_groups()), stream));
@@ -388,17 +406,17 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
     }
   }
   if (L.static_capacity > 0) {
-    KVSHADE_ASSIGN_OR_RETURN(L.static_k, Upload(be, sk.data(), sk.size(), stream));
-    KVSHADE_ASSIGN_OR_RETURN(L.static_v, Upload(be, sv.data(), sv.size(), stream));
+    KVSHADE_ASSIGN_OR_RETURN(L.static_k, Upload(mem, sk.data(), sk.size(), BufferKind::kStatic, stream));
+    KVSHADE_ASSIGN_OR_RETURN(L.static_v, Upload(mem, sv.data(), sv.size(), BufferKind::kStatic, stream));
     std::vector<int32_t> lens(h);
     for (int hh = 0; hh < h; ++hh) lens[hh] = L.static_count[hh] * C;
-    KVSHADE_ASSIGN_OR_RETURN(L.static_len, Upload(be, lens.data(), lens.size(), stream));
+    KVSHADE_ASSIGN_OR_RETURN(L.static_len, Upload(mem, lens.data(), lens.size(), BufferKind::kStatic, stream));
   }
 
   // Tail: tokens [n_chunks*C, n) are contiguous in [n, h, d].
   const size_t tail_offset = size_t(n_chunks) * C * D, tail_elems = size_t(L.n_tail) * D;
-  KVSHADE_ASSIGN_OR_RETURN(L.tail_k, Upload(be, kr_host + tail_offset, tail_elems, stream));
-  KVSHADE_ASSIGN_OR_RETURN(L.tail_v, Upload(be, v_host + tail_offset, tail_elems, stream));
+  KVSHADE_ASSIGN_OR_RETURN(L.tail_k, Upload(mem, kr_host + tail_offset, tail_elems, BufferKind::kStatic, stream));
+  KVSHADE_ASSIGN_OR_RETURN(L.tail_v, Upload(mem, v_host + tail_offset, tail_elems, BufferKind::kStatic, stream));
   KVSHADE_RETURN_IF_ERROR(be.Synchronize(stream));  // staging and scratch die with this scope
   return L;
 }

@@ -193,5 +193,45 @@ TEST(IngestTest, AbandonedStreamLeavesSessionIngestingAndRetryable) {
   EXPECT_EQ(hx.engine->Ingest(hx.tenant, msgs).status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
+
+TEST(IngestTest, ShadowLayersAreAllocatedFromTheDeviceBudget) {
+  // A shadow layer's factors, landmarks and static set come from the device arena: a
+  // budget too small for them fails the ingest with RESOURCE_EXHAUSTED (it does not
+  // allocate behind the budget's back), and a fitting one shows them in device_bytes_used.
+  const v1::Profile p = [] {
+    v1::Profile x = ProfileOf(v1::PROFILE_KIND_SHADOW);
+    x.set_rank(64);
+    return x;
+  }();
+  {
+    Harness hx;
+    Stream s = MakeStream(2048, hx.model, 7);
+    const v1::StatsRequest sreq;
+    auto before = hx.engine->Stats(hx.tenant, sreq);
+    ASSERT_TRUE(before.ok()) << before.status();
+    hx.Open(s, p);
+    auto after = hx.engine->Stats(hx.tenant, sreq);
+    ASSERT_TRUE(after.ok()) << after.status();
+    // At least A [n, r] and the landmarks [n/C, h, d] (bf16) of both layers.
+    const uint64_t lower = 2ull * (2048 * 64 * 2 + 2048 / 8 * hx.model.num_kv_heads() *
+                                   hx.model.head_dim() * 2);
+    EXPECT_GE(after->device_bytes_used() - before->device_bytes_used(), lower);
+  }
+  {
+    Harness hx;
+    hx.config.device_budget_bytes = 64 << 10;  // far below one layer's factors
+    hx.Restart();
+    Stream s = MakeStream(2048, hx.model, 8);
+    v1::CreateSessionRequest cr;
+    *cr.mutable_model() = hx.model;
+    *cr.mutable_profile() = p;
+    cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+    auto c = hx.engine->CreateSession(hx.tenant, cr);
+    ASSERT_TRUE(c.ok()) << c.status();
+    auto ing = hx.engine->Ingest(hx.tenant, IngestStreamOf(c->session_id(), s, 0, s.n()));
+    EXPECT_EQ(ing.status().code(), absl::StatusCode::kResourceExhausted) << ing.status();
+  }
+}
+
 }  // namespace
 }  // namespace kvshade::service::testing

@@ -207,6 +207,19 @@ struct AttendItem {
   float* out = nullptr;
 };
 
+// What a buffer allocated on the ingest path holds, for budget accounting.
+enum class BufferKind { kFactorA, kFactorB, kLandmarks, kStatic, kScratch };
+
+// A source of backend memory for composites that must allocate (the ingest path, e.g.
+// CompressShadowLayer). The service passes one over its device arena, so that every byte
+// counts against the device budget and nothing calls the device allocator per request;
+// where none is given, composites call Backend::Allocate.
+class Allocator {
+ public:
+  virtual ~Allocator() = default;
+  virtual absl::StatusOr<Buffer> Allocate(size_t bytes, BufferKind kind) = 0;
+};
+
 // ---------------------------------------------------------------------------------------
 class Backend {
  public:

@@ -122,6 +122,8 @@ struct ShadowLayer {
 //   k_pre : [n, h, d] bf16, backend memory, pre-RoPE keys (not modified)
 //   v     : [n, h, d] bf16, backend memory
 // Token i sits at absolute position first_position + i. Requires n >= local_min + C.
+// Every buffer (the layer's and the scratch) comes from `allocator` when given, else from
+// Backend::Allocate; the host-visible value store from Backend::AllocateHostVisible.
 // InvalidArgument on bad params or sizes; errors of the underlying ops pass through.
 absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& backend, const LayerShape& shape,
                                                 const RopeSpec& rope, const ShadowParams& params,
@@ -129,6 +131,7 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& backend, const LayerSha
                                                 absl::Span<const bf16> v, int n,
                                                 int64_t first_position,
                                                 const ShadowObservation* observation = nullptr,
-                                                Stream stream = {});
+                                                Stream stream = {},
+                                                Allocator* allocator = nullptr);
 
 }  // namespace kvshade::kernels

@@ -36,7 +36,8 @@
 namespace kvshade::service {
 
 // Backend memory owned by the session state: a block of the storage DeviceArena, or a
-// Buffer made by a kernel composite (CompressShadowLayer allocates its own outputs).
+// Buffer made by a kernel composite (whose memory comes from the arena too, through
+// ArenaAllocator in ingest.cc).
 class DeviceBlock {
  public:
   DeviceBlock() = default;
