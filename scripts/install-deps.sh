@@ -15,6 +15,8 @@ PACKAGES=(
   prometheus-cpp-dev
   libcli11-dev libspdlog-dev libyaml-cpp-dev
   libssl-dev openssl
+  # Python package tests (tests/python): numpy, and torch for the attention-hook test.
+  python3 python3-numpy python3-torch
 )
 
 missing=()

@@ -1,0 +1,627 @@
+// The kvshade C ABI (kvshade/kvshade.h) over the C++ client: opaque handles wrapping
+// kvshade::client objects, absl::Status mapped to kvshade_code plus a thread-local message,
+// inputs validated before any pointer is read, outputs decoded to fp32 and owned by handles.
+// Nothing here throws or aborts: every entry point catches and reports.
+#include "kvshade/kvshade.h"
+
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "kvshade/client/client.h"
+#include "kvshade/client/tensor.h"
+
+struct kvshade_client {
+  std::unique_ptr<kvshade::client::Client> impl;
+};
+
+struct kvshade_ingest {
+  std::unique_ptr<kvshade::client::IngestWriter> writer;
+  bool committed = false;
+};
+
+struct kvshade_static_set {
+  int64_t h = 0, s_max = 0, d = 0, t = 0;
+  std::vector<float> k, v, tail_k, tail_v;
+  std::vector<uint32_t> lengths;
+};
+
+struct kvshade_select_result {
+  struct Delta {
+    std::string attachment_id;
+    std::vector<uint32_t> head, slot;
+    std::vector<int32_t> chunk;
+    std::vector<float> keys, values;
+    int64_t chunk_size = 0, head_dim = 0;
+    uint32_t hits = 0, selected = 0;
+  };
+  std::vector<Delta> deltas;
+};
+
+namespace {
+
+namespace v1 = kvshade::v1;
+using kvshade::client::Client;
+
+thread_local std::string g_last_error;
+
+int Report(const absl::Status& s) {
+  if (s.ok()) {
+    g_last_error.clear();
+    return KVSHADE_OK;
+  }
+  g_last_error = std::string(s.message());
+  return static_cast<int>(s.code());
+}
+
+int Bad(const std::string& msg) { return Report(absl::InvalidArgumentError(msg)); }
+
+// Runs `fn` (returning int) and turns any escaping exception into KVSHADE_INTERNAL.
+template <typename Fn>
+int Guard(Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::exception& e) {
+    return Report(absl::InternalError(absl::StrCat("kvshade C ABI: ", e.what())));
+  } catch (...) {
+    return Report(absl::InternalError("kvshade C ABI: unknown exception"));
+  }
+}
+
+void CopyId(const std::string& src, char* dst, size_t cap) {
+  const size_t n = std::min(src.size(), cap - 1);
+  std::memcpy(dst, src.data(), n);
+  dst[n] = '\0';
+}
+
+bool IdOk(const char* id) { return id != nullptr && std::strlen(id) < KVSHADE_ID_CAP; }
+
+int64_t DTypeBytes(int32_t dtype) {
+  switch (dtype) {
+    case KVSHADE_DTYPE_BF16:
+    case KVSHADE_DTYPE_FP16:
+      return 2;
+    case KVSHADE_DTYPE_FP32:
+      return 4;
+    default:
+      return 0;
+  }
+}
+
+// A wire tensor of `shape` with `count` elements of `dtype` copied from `data`.
+v1::Tensor MakeTensor(std::vector<int64_t> shape, int32_t dtype, const void* data) {
+  v1::Tensor t;
+  int64_t count = 1;
+  for (int64_t s : shape) {
+    t.add_shape(s);
+    count *= s;
+  }
+  t.set_dtype(static_cast<v1::DType>(dtype));
+  t.set_data(static_cast<const char*>(data), static_cast<size_t>(count * DTypeBytes(dtype)));
+  return t;
+}
+
+v1::ModelSpec ToModel(const kvshade_model& m) {
+  v1::ModelSpec s;
+  if (m.model_id != nullptr) s.set_model_id(m.model_id);
+  s.set_num_layers(m.num_layers);
+  s.set_num_query_heads(m.num_query_heads);
+  s.set_num_kv_heads(m.num_kv_heads);
+  s.set_head_dim(m.head_dim);
+  v1::RopeSpec* r = s.mutable_rope();
+  r->set_theta(m.rope_theta);
+  r->set_rotary_dim(m.rotary_dim);
+  r->set_scaling(static_cast<v1::RopeScaling>(m.rope_scaling));
+  r->set_pairing(static_cast<v1::RopePairing>(m.rope_pairing));
+  r->set_factor(m.rope_factor);
+  r->set_low_freq_factor(m.rope_low_freq_factor);
+  r->set_high_freq_factor(m.rope_high_freq_factor);
+  r->set_original_max_position(m.rope_original_max_position);
+  r->set_beta_fast(m.rope_beta_fast);
+  r->set_beta_slow(m.rope_beta_slow);
+  s.set_dtype(static_cast<v1::DType>(m.dtype == 0 ? KVSHADE_DTYPE_BF16 : m.dtype));
+  return s;
+}
+
+v1::Profile ToProfile(const kvshade_profile& p) {
+  v1::Profile s;
+  s.set_kind(static_cast<v1::ProfileKind>(p.kind));
+  s.set_rank(p.rank);
+  s.set_chunk_size(p.chunk_size);
+  s.set_sparse_budget(p.sparse_budget);
+  s.set_outliers(p.outliers);
+  if (p.keep_sink >= 0) s.set_keep_sink(p.keep_sink != 0);
+  s.set_local_window(p.local_window);
+  s.set_heavy_chunks(p.heavy_chunks);
+  s.set_value_codec(static_cast<v1::ValueCodec>(p.value_codec));
+  s.set_min_tokens(p.min_tokens);
+  s.set_refactor_threshold(p.refactor_threshold);
+  s.set_energy_target(p.energy_target);
+  s.set_mini_recent_ratio(p.mini_recent_ratio);
+  s.set_mini_heavy_ratio(p.mini_heavy_ratio);
+  s.set_kivi_group(p.kivi_group);
+  return s;
+}
+
+// Shared argument checks of select and attend.
+int CheckQueries(size_t n, const char* const* ids, int32_t dtype, int32_t hq, int32_t d, const void* q) {
+  if (n == 0) return Bad("n must be > 0, got 0");
+  if (ids == nullptr || q == nullptr) return Bad("attachment_ids and q must not be NULL");
+  if (DTypeBytes(dtype) == 0) return Bad(absl::StrCat("dtype must be 1 (bf16), 2 (fp16) or 3 (fp32), got ", dtype));
+  if (hq <= 0 || d <= 0) return Bad(absl::StrCat("hq and d must be > 0, got ", hq, " and ", d));
+  for (size_t i = 0; i < n; ++i) {
+    if (!IdOk(ids[i])) return Bad(absl::StrCat("attachment_ids[", i, "] is NULL or too long"));
+  }
+  return KVSHADE_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+uint32_t kvshade_abi_version(void) { return KVSHADE_ABI_VERSION; }
+
+const char* kvshade_last_error(void) { return g_last_error.c_str(); }
+
+const char* kvshade_code_name(int code) {
+  static const char* const kNames[] = {
+      "OK",        "CANCELLED",         "UNKNOWN",           "INVALID_ARGUMENT",   "DEADLINE_EXCEEDED",
+      "NOT_FOUND", "ALREADY_EXISTS",    "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+      "ABORTED",   "OUT_OF_RANGE",      "UNIMPLEMENTED",     "INTERNAL",           "UNAVAILABLE",
+      "DATA_LOSS", "UNAUTHENTICATED"};
+  return code >= 0 && code <= 16 ? kNames[code] : "UNKNOWN";
+}
+
+void kvshade_client_options_init(kvshade_client_options* o) {
+  if (o != nullptr) std::memset(o, 0, sizeof(*o));
+}
+
+void kvshade_model_init(kvshade_model* m) {
+  if (m == nullptr) return;
+  std::memset(m, 0, sizeof(*m));
+  m->dtype = KVSHADE_DTYPE_BF16;
+}
+
+void kvshade_profile_init(kvshade_profile* p) {
+  if (p == nullptr) return;
+  std::memset(p, 0, sizeof(*p));
+  p->keep_sink = -1;
+}
+
+int kvshade_connect(const kvshade_client_options* o, kvshade_client** out) {
+  return Guard([&] {
+    if (out == nullptr) return Bad("out must not be NULL");
+    *out = nullptr;
+    kvshade::client::ClientOptions opts;
+    if (o != nullptr) {
+      if (o->target != nullptr && *o->target) opts.target = o->target;
+      if (o->bearer_token != nullptr) opts.bearer_token = o->bearer_token;
+      opts.tls = o->tls != 0;
+      if (o->ca_file != nullptr) opts.ca_file = o->ca_file;
+      if (o->cert_file != nullptr) opts.cert_file = o->cert_file;
+      if (o->key_file != nullptr) opts.key_file = o->key_file;
+      if (o->tls_server_name != nullptr) opts.tls_server_name = o->tls_server_name;
+      if (o->timeout_ms > 0) opts.timeout = absl::Milliseconds(o->timeout_ms);
+      if (o->max_message_bytes > 0) opts.max_message_bytes = o->max_message_bytes;
+    }
+    auto c = Client::Connect(opts);
+    if (!c.ok()) return Report(c.status());
+    *out = new kvshade_client{*std::move(c)};
+    return Report(absl::OkStatus());
+  });
+}
+
+void kvshade_client_free(kvshade_client* client) { delete client; }
+
+int kvshade_wait_ready(kvshade_client* c, int64_t timeout_ms) {
+  return Guard([&] {
+    if (c == nullptr) return Bad("client must not be NULL");
+    return Report(c->impl->WaitForServing(absl::Milliseconds(timeout_ms)));
+  });
+}
+
+int kvshade_health(kvshade_client* c, int32_t* serving) {
+  return Guard([&] {
+    if (c == nullptr || serving == nullptr) return Bad("client and serving must not be NULL");
+    auto h = c->impl->CheckHealth();
+    if (!h.ok()) return Report(h.status());
+    *serving = *h == kvshade::client::HealthStatus::kServing ? 1 : 0;
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_create_session(kvshade_client* c, const kvshade_model* model, const kvshade_profile* profile,
+                           const int32_t* token_ids, size_t n_tokens, int32_t durable, const char* label,
+                           kvshade_session_created* out) {
+  return Guard([&] {
+    if (c == nullptr || model == nullptr || out == nullptr) return Bad("client, model and out must not be NULL");
+    if (n_tokens > 0 && token_ids == nullptr) return Bad("token_ids is NULL but n_tokens > 0");
+    v1::CreateSessionRequest req;
+    *req.mutable_model() = ToModel(*model);
+    if (profile != nullptr) *req.mutable_profile() = ToProfile(*profile);
+    req.mutable_token_ids()->Add(token_ids, token_ids + n_tokens);
+    req.set_durable(durable != 0);
+    if (label != nullptr) req.set_label(label);
+    auto r = c->impl->CreateSession(req);
+    if (!r.ok()) return Report(r.status());
+    std::memset(out, 0, sizeof(*out));
+    CopyId(r->session_id(), out->session_id, KVSHADE_ID_CAP);
+    out->reused_tokens = r->reused_tokens();
+    out->tokens_to_ingest = r->tokens_to_ingest();
+    out->effective_profile = r->effective_profile();
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_lookup_prefix(kvshade_client* c, const kvshade_model* model, const kvshade_profile* profile,
+                          const int32_t* token_ids, size_t n_tokens, uint64_t* reusable, uint64_t* segments) {
+  return Guard([&] {
+    if (c == nullptr || model == nullptr) return Bad("client and model must not be NULL");
+    if (n_tokens > 0 && token_ids == nullptr) return Bad("token_ids is NULL but n_tokens > 0");
+    v1::LookupPrefixRequest req;
+    *req.mutable_model() = ToModel(*model);
+    if (profile != nullptr) *req.mutable_profile() = ToProfile(*profile);
+    req.mutable_token_ids()->Add(token_ids, token_ids + n_tokens);
+    auto r = c->impl->LookupPrefix(req);
+    if (!r.ok()) return Report(r.status());
+    if (reusable != nullptr) *reusable = r->reusable_tokens();
+    if (segments != nullptr) *segments = r->cached_segments();
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_fork_session(kvshade_client* c, const char* parent, uint64_t at_token, char* out_id,
+                         uint64_t* shared) {
+  return Guard([&] {
+    if (c == nullptr || out_id == nullptr) return Bad("client and out_session_id must not be NULL");
+    if (!IdOk(parent)) return Bad("parent_session_id is NULL or too long");
+    auto r = c->impl->ForkSession(parent, at_token);
+    if (!r.ok()) return Report(r.status());
+    CopyId(r->session_id(), out_id, KVSHADE_ID_CAP);
+    if (shared != nullptr) *shared = r->shared_tokens();
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_get_session(kvshade_client* c, const char* session_id, kvshade_session_info* out) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    if (!IdOk(session_id)) return Bad("session_id is NULL or too long");
+    auto r = c->impl->GetSession(session_id);
+    if (!r.ok()) return Report(r.status());
+    std::memset(out, 0, sizeof(*out));
+    CopyId(r->session_id(), out->session_id, sizeof(out->session_id));
+    CopyId(r->model_id(), out->model_id, sizeof(out->model_id));
+    CopyId(r->state(), out->state, sizeof(out->state));
+    CopyId(r->label(), out->label, sizeof(out->label));
+    out->profile = r->profile();
+    out->durable = r->durable() ? 1 : 0;
+    out->attachments = r->attachments();
+    out->layers_ingested = r->layers_ingested();
+    out->tokens = r->tokens();
+    out->reused_tokens = r->reused_tokens();
+    out->gpu_bytes = r->gpu_bytes();
+    out->host_bytes = r->host_bytes();
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_close_session(kvshade_client* c, const char* session_id) {
+  return Guard([&] {
+    if (c == nullptr) return Bad("client must not be NULL");
+    if (!IdOk(session_id)) return Bad("session_id is NULL or too long");
+    return Report(c->impl->CloseSession(session_id));
+  });
+}
+
+int kvshade_ingest_begin(kvshade_client* c, const char* session_id, kvshade_ingest** out) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    *out = nullptr;
+    if (!IdOk(session_id)) return Bad("session_id is NULL or too long");
+    auto w = c->impl->StartIngest(session_id);
+    if (!w.ok()) return Report(w.status());
+    *out = new kvshade_ingest{*std::move(w)};
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_ingest_layer(kvshade_ingest* ing, uint32_t layer, int32_t dtype, int64_t n, int32_t h, int32_t d,
+                         const void* k, const void* v, const void* obs, int64_t w, int32_t hq) {
+  return Guard([&] {
+    if (ing == nullptr) return Bad("ingest must not be NULL");
+    if (ing->committed) return Report(absl::FailedPreconditionError("ingest stream already committed"));
+    const int64_t eb = DTypeBytes(dtype);
+    if (eb == 0) return Bad(absl::StrCat("dtype must be 1 (bf16), 2 (fp16) or 3 (fp32), got ", dtype));
+    if (n <= 0 || h <= 0 || d <= 0) return Bad(absl::StrCat("n, h, d must be > 0, got ", n, ", ", h, ", ", d));
+    if (k == nullptr || v == nullptr) return Bad("k and v must not be NULL");
+    if (obs != nullptr && (w <= 0 || hq <= 0)) {
+      return Bad(absl::StrCat("obs given: w and hq must be > 0, got ", w, " and ", hq));
+    }
+    // Parts of at most ~8 MiB of K and V together, split by token range.
+    const int64_t row_bytes = static_cast<int64_t>(h) * d * eb;
+    const int64_t per_part = std::max<int64_t>(1, (int64_t{8} << 20) / (2 * row_bytes));
+    for (int64_t t0 = 0; t0 < n; t0 += per_part) {
+      const int64_t m = std::min(per_part, n - t0);
+      const bool last = t0 + m == n;
+      v1::IngestLayer part;
+      part.set_layer(layer);
+      part.set_token_offset(static_cast<uint64_t>(t0));
+      *part.mutable_k() = MakeTensor({m, h, d}, dtype, static_cast<const char*>(k) + t0 * row_bytes);
+      *part.mutable_v() = MakeTensor({m, h, d}, dtype, static_cast<const char*>(v) + t0 * row_bytes);
+      if (last && obs != nullptr) *part.mutable_observation_queries() = MakeTensor({w, hq, d}, dtype, obs);
+      part.set_last_part(last);
+      if (absl::Status s = ing->writer->Write(part); !s.ok()) return Report(s);
+    }
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_ingest_commit(kvshade_ingest* ing, uint64_t* tokens) {
+  return Guard([&] {
+    if (ing == nullptr) return Bad("ingest must not be NULL");
+    if (ing->committed) return Report(absl::FailedPreconditionError("ingest stream already committed"));
+    ing->committed = true;  // the stream is finished whatever the answer
+    auto r = ing->writer->Commit();
+    if (!r.ok()) return Report(r.status());
+    if (tokens != nullptr) *tokens = r->tokens();
+    return Report(absl::OkStatus());
+  });
+}
+
+void kvshade_ingest_free(kvshade_ingest* ing) {
+  try {
+    delete ing;
+  } catch (...) {
+  }
+}
+
+int kvshade_append(kvshade_client* c, const char* session_id, const char* attachment_id, const int32_t* token_ids,
+                   int64_t t, uint32_t num_layers, int32_t dtype, int32_t h, int32_t d, const void* k, const void* v,
+                   uint64_t* tokens) {
+  return Guard([&] {
+    if (c == nullptr) return Bad("client must not be NULL");
+    if (!IdOk(session_id)) return Bad("session_id is NULL or too long");
+    if (attachment_id != nullptr && !IdOk(attachment_id)) return Bad("attachment_id is too long");
+    const int64_t eb = DTypeBytes(dtype);
+    if (eb == 0) return Bad(absl::StrCat("dtype must be 1 (bf16), 2 (fp16) or 3 (fp32), got ", dtype));
+    if (t <= 0 || h <= 0 || d <= 0 || num_layers == 0) {
+      return Bad(absl::StrCat("t, num_layers, h, d must be > 0, got ", t, ", ", num_layers, ", ", h, ", ", d));
+    }
+    if (token_ids == nullptr || k == nullptr || v == nullptr) return Bad("token_ids, k and v must not be NULL");
+    v1::AppendTokensRequest req;
+    req.set_session_id(session_id);
+    if (attachment_id != nullptr) req.set_attachment_id(attachment_id);
+    req.mutable_token_ids()->Add(token_ids, token_ids + t);
+    const int64_t layer_bytes = t * h * d * eb;
+    for (uint32_t l = 0; l < num_layers; ++l) {
+      v1::LayerKV* kv = req.add_layers();
+      kv->set_layer(l);
+      *kv->mutable_k() = MakeTensor({t, h, d}, dtype, static_cast<const char*>(k) + l * layer_bytes);
+      *kv->mutable_v() = MakeTensor({t, h, d}, dtype, static_cast<const char*>(v) + l * layer_bytes);
+    }
+    auto r = c->impl->AppendTokens(req);
+    if (!r.ok()) return Report(r.status());
+    if (tokens != nullptr) *tokens = r->tokens();
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_attach(kvshade_client* c, const char* session_id, const char* worker_id, uint32_t lease_ms,
+                   int32_t writer, kvshade_attachment* out) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    if (!IdOk(session_id)) return Bad("session_id is NULL or too long");
+    v1::AttachRequest req;
+    req.set_session_id(session_id);
+    if (worker_id != nullptr) req.set_worker_id(worker_id);
+    req.set_lease_ms(lease_ms);
+    req.set_writer(writer != 0);
+    auto r = c->impl->Attach(req);
+    if (!r.ok()) return Report(r.status());
+    std::memset(out, 0, sizeof(*out));
+    CopyId(r->attachment_id(), out->attachment_id, KVSHADE_ID_CAP);
+    out->lease_expires_unix_ms = r->lease_expires_unix_ms();
+    out->chunk_size = r->chunk_size();
+    out->slots_per_head = r->slots_per_head();
+    out->local_window = r->local_window();
+    out->writer = r->writer() ? 1 : 0;
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_detach(kvshade_client* c, const char* attachment_id) {
+  return Guard([&] {
+    if (c == nullptr) return Bad("client must not be NULL");
+    if (!IdOk(attachment_id)) return Bad("attachment_id is NULL or too long");
+    return Report(c->impl->Detach(attachment_id));
+  });
+}
+
+int kvshade_get_static_set(kvshade_client* c, const char* attachment_id, uint32_t layer, kvshade_static_set** out) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    *out = nullptr;
+    if (!IdOk(attachment_id)) return Bad("attachment_id is NULL or too long");
+    auto r = c->impl->GetStaticSet(attachment_id, layer);
+    if (!r.ok()) return Report(r.status());
+    auto s = std::make_unique<kvshade_static_set>();
+    auto decode = [](const v1::Tensor& t, std::vector<float>* dst) -> absl::Status {
+      if (t.shape_size() == 0 && t.data().empty()) return absl::OkStatus();
+      auto f = kvshade::client::TensorToFloats(t);
+      if (!f.ok()) return f.status();
+      *dst = *std::move(f);
+      return absl::OkStatus();
+    };
+    for (auto [t, dst] : {std::pair{&r->k(), &s->k}, {&r->v(), &s->v}, {&r->tail_k(), &s->tail_k},
+                          {&r->tail_v(), &s->tail_v}}) {
+      if (absl::Status st = decode(*t, dst); !st.ok()) return Report(st);
+    }
+    if (r->k().shape_size() == 3) {
+      s->h = r->k().shape(0);
+      s->s_max = r->k().shape(1);
+      s->d = r->k().shape(2);
+    }
+    if (r->tail_k().shape_size() == 3) {
+      s->t = r->tail_k().shape(0);
+      if (s->h == 0) s->h = r->tail_k().shape(1);
+      if (s->d == 0) s->d = r->tail_k().shape(2);
+    }
+    s->lengths.assign(r->lengths().begin(), r->lengths().end());
+    // Consumers index k/v by [h, s_max, d]; keep the buffers that size even when empty.
+    s->k.resize(static_cast<size_t>(s->h * s->s_max * s->d));
+    s->v.resize(s->k.size());
+    s->lengths.resize(static_cast<size_t>(s->h));
+    *out = s.release();
+    return Report(absl::OkStatus());
+  });
+}
+
+void kvshade_static_set_shape(const kvshade_static_set* s, int64_t* h, int64_t* s_max, int64_t* d, int64_t* t) {
+  if (s == nullptr) return;
+  if (h != nullptr) *h = s->h;
+  if (s_max != nullptr) *s_max = s->s_max;
+  if (d != nullptr) *d = s->d;
+  if (t != nullptr) *t = s->t;
+}
+
+void kvshade_static_set_data(const kvshade_static_set* s, const float** k, const float** v, const uint32_t** lengths,
+                             const float** tail_k, const float** tail_v) {
+  if (s == nullptr) return;
+  if (k != nullptr) *k = s->k.data();
+  if (v != nullptr) *v = s->v.data();
+  if (lengths != nullptr) *lengths = s->lengths.data();
+  if (tail_k != nullptr) *tail_k = s->tail_k.data();
+  if (tail_v != nullptr) *tail_v = s->tail_v.data();
+}
+
+void kvshade_static_set_free(kvshade_static_set* s) { delete s; }
+
+int kvshade_select(kvshade_client* c, uint32_t layer, size_t n, const char* const* ids, int32_t dtype, int32_t hq,
+                   int32_t d, const void* q, kvshade_select_result** out) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    *out = nullptr;
+    if (int rc = CheckQueries(n, ids, dtype, hq, d, q); rc != KVSHADE_OK) return rc;
+    const int64_t q_bytes = static_cast<int64_t>(hq) * d * DTypeBytes(dtype);
+    v1::SelectAndReconstructRequest req;
+    req.set_layer(layer);
+    for (size_t i = 0; i < n; ++i) {
+      v1::SelectQuery* sq = req.add_queries();
+      sq->set_attachment_id(ids[i]);
+      *sq->mutable_q() = MakeTensor({hq, d}, dtype, static_cast<const char*>(q) + i * q_bytes);
+    }
+    auto r = c->impl->SelectAndReconstruct(req);
+    if (!r.ok()) return Report(r.status());
+    auto res = std::make_unique<kvshade_select_result>();
+    for (const v1::SlotDelta& sd : r->deltas()) {
+      kvshade_select_result::Delta dl;
+      dl.attachment_id = sd.attachment_id();
+      dl.head.assign(sd.head().begin(), sd.head().end());
+      dl.slot.assign(sd.slot().begin(), sd.slot().end());
+      dl.chunk.assign(sd.chunk().begin(), sd.chunk().end());
+      dl.hits = sd.hits();
+      dl.selected = sd.selected();
+      if (!dl.head.empty()) {
+        auto kf = kvshade::client::TensorToFloats(sd.keys());
+        if (!kf.ok()) return Report(kf.status());
+        auto vf = kvshade::client::TensorToFloats(sd.values());
+        if (!vf.ok()) return Report(vf.status());
+        if (sd.keys().shape_size() != 3 || sd.keys().shape(0) != static_cast<int64_t>(dl.head.size()) ||
+            vf->size() != kf->size() || dl.slot.size() != dl.head.size() || dl.chunk.size() != dl.head.size()) {
+          return Report(absl::InternalError("malformed SlotDelta from the server (shapes disagree)"));
+        }
+        dl.chunk_size = sd.keys().shape(1);
+        dl.head_dim = sd.keys().shape(2);
+        dl.keys = *std::move(kf);
+        dl.values = *std::move(vf);
+      }
+      res->deltas.push_back(std::move(dl));
+    }
+    *out = res.release();
+    return Report(absl::OkStatus());
+  });
+}
+
+size_t kvshade_select_count(const kvshade_select_result* r) { return r == nullptr ? 0 : r->deltas.size(); }
+
+int kvshade_select_delta(const kvshade_select_result* r, size_t i, kvshade_slot_delta* out) {
+  if (r == nullptr || out == nullptr) return Bad("result and out must not be NULL");
+  if (i >= r->deltas.size()) return Report(absl::OutOfRangeError(absl::StrCat("delta index ", i, " >= count ", r->deltas.size())));
+  const auto& dl = r->deltas[i];
+  out->attachment_id = dl.attachment_id.c_str();
+  out->m = dl.head.size();
+  out->head = dl.head.data();
+  out->slot = dl.slot.data();
+  out->chunk = dl.chunk.data();
+  out->keys = dl.keys.data();
+  out->values = dl.values.data();
+  out->chunk_size = dl.chunk_size;
+  out->head_dim = dl.head_dim;
+  out->hits = dl.hits;
+  out->selected = dl.selected;
+  return Report(absl::OkStatus());
+}
+
+void kvshade_select_free(kvshade_select_result* r) { delete r; }
+
+int kvshade_attend(kvshade_client* c, uint32_t layer, size_t n, const char* const* ids, int32_t dtype, int32_t hq,
+                   int32_t d, const void* q, float* out) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    if (int rc = CheckQueries(n, ids, dtype, hq, d, q); rc != KVSHADE_OK) return rc;
+    const int64_t q_bytes = static_cast<int64_t>(hq) * d * DTypeBytes(dtype);
+    v1::AttendRequest req;
+    req.set_layer(layer);
+    for (size_t i = 0; i < n; ++i) {
+      v1::AttendQuery* aq = req.add_queries();
+      aq->set_attachment_id(ids[i]);
+      *aq->mutable_q() = MakeTensor({hq, d}, dtype, static_cast<const char*>(q) + i * q_bytes);
+    }
+    auto r = c->impl->Attend(req);
+    if (!r.ok()) return Report(r.status());
+    if (static_cast<size_t>(r->outputs_size()) != n) {
+      return Report(absl::InternalError(absl::StrCat("server returned ", r->outputs_size(), " outputs for ", n, " queries")));
+    }
+    const size_t per = static_cast<size_t>(hq) * d;
+    for (size_t i = 0; i < n; ++i) {
+      auto f = kvshade::client::TensorToFloats(r->outputs(static_cast<int>(i)));
+      if (!f.ok()) return Report(f.status());
+      if (f->size() != per) {
+        return Report(absl::InternalError(absl::StrCat("attend output ", i, " has ", f->size(), " values, expected ", per)));
+      }
+      std::memcpy(out + i * per, f->data(), per * sizeof(float));
+    }
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_get_stats(kvshade_client* c, kvshade_stats* out) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    auto r = c->impl->Stats();
+    if (!r.ok()) return Report(r.status());
+    std::memset(out, 0, sizeof(*out));
+    CopyId(r->backend(), out->backend, sizeof(out->backend));
+    CopyId(r->version(), out->version, sizeof(out->version));
+    out->sessions = r->sessions();
+    out->attachments = r->attachments();
+    out->segments = r->segments();
+    out->device_bytes_used = r->device_bytes_used();
+    out->device_bytes_budget = r->device_bytes_budget();
+    out->host_bytes_used = r->host_bytes_used();
+    out->host_bytes_budget = r->host_bytes_budget();
+    out->spilled_bytes = r->spilled_bytes();
+    out->prefix_lookups = r->prefix_lookups();
+    out->prefix_hits = r->prefix_hits();
+    out->chunks_selected = r->chunks_selected();
+    out->chunk_hits = r->chunk_hits();
+    return Report(absl::OkStatus());
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,254 @@
+/* The kvshade C ABI: a stable, C-only interface over the C++ client (libkvshade.so), for
+ * runtimes that cannot link C++ (and for the ctypes-based Python package).
+ *
+ * Conventions
+ * - Every call returns a kvshade_code (0 = KVSHADE_OK; the others are the gRPC / absl
+ *   codes with the same numbers). On failure, kvshade_last_error() returns the message of
+ *   the last failed call on the calling thread (valid until that thread's next call).
+ * - Handles are opaque and owned by the caller: free each with its *_free function
+ *   (passing NULL is allowed). A kvshade_client may be shared by threads; ingest writers and
+ *   result handles belong to one thread at a time.
+ * - Ids (sessions, attachments) are NUL-terminated strings of < KVSHADE_ID_CAP bytes.
+ * - Tensors going in are row-major, shapes outer-to-inner, elements of the dtype named by
+ *   the call (the model's dtype: KVSHADE_DTYPE_BF16 as raw uint16 bits, FP16, or FP32),
+ *   host memory. Tensors coming out are always fp32, host memory, owned by the handle that
+ *   returned them.
+ * - Keys go in pre-RoPE; queries are post-RoPE; keys coming out are post-RoPE.
+ * - No C++ types, no exceptions cross this boundary; nothing aborts on bad input.
+ * - ABI: KVSHADE_ABI_VERSION changes when a struct layout or a signature changes;
+ *   kvshade_abi_version() says which one the library implements.
+ */
+#ifndef KVSHADE_KVSHADE_H_
+#define KVSHADE_KVSHADE_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(__GNUC__)
+#define KVSHADE_API __attribute__((visibility("default")))
+#else
+#define KVSHADE_API
+#endif
+
+#define KVSHADE_ABI_VERSION 1
+#define KVSHADE_ID_CAP 128
+
+typedef enum kvshade_code {
+  KVSHADE_OK = 0,
+  KVSHADE_CANCELLED = 1,
+  KVSHADE_UNKNOWN = 2,
+  KVSHADE_INVALID_ARGUMENT = 3,
+  KVSHADE_DEADLINE_EXCEEDED = 4,
+  KVSHADE_NOT_FOUND = 5,
+  KVSHADE_ALREADY_EXISTS = 6,
+  KVSHADE_PERMISSION_DENIED = 7,
+  KVSHADE_RESOURCE_EXHAUSTED = 8,
+  KVSHADE_FAILED_PRECONDITION = 9,
+  KVSHADE_ABORTED = 10,
+  KVSHADE_OUT_OF_RANGE = 11,
+  KVSHADE_UNIMPLEMENTED = 12,
+  KVSHADE_INTERNAL = 13,
+  KVSHADE_UNAVAILABLE = 14,
+  KVSHADE_DATA_LOSS = 15,
+  KVSHADE_UNAUTHENTICATED = 16
+} kvshade_code;
+
+/* Values of kvshade.v1.DType, ProfileKind, ValueCodec, RopeScaling, RopePairing. */
+enum { KVSHADE_DTYPE_BF16 = 1, KVSHADE_DTYPE_FP16 = 2, KVSHADE_DTYPE_FP32 = 3 };
+enum {
+  KVSHADE_PROFILE_AUTO = 1,
+  KVSHADE_PROFILE_SHADOW = 2,
+  KVSHADE_PROFILE_MINI = 3,
+  KVSHADE_PROFILE_EXACT = 4
+};
+
+KVSHADE_API uint32_t kvshade_abi_version(void);
+KVSHADE_API const char* kvshade_last_error(void);
+/* "OK", "INVALID_ARGUMENT", ... ("UNKNOWN" for numbers outside 0..16). */
+KVSHADE_API const char* kvshade_code_name(int code);
+
+typedef struct kvshade_client kvshade_client;
+typedef struct kvshade_ingest kvshade_ingest;
+typedef struct kvshade_static_set kvshade_static_set;
+typedef struct kvshade_select_result kvshade_select_result;
+
+/* ---- Connection --------------------------------------------------------------------- */
+typedef struct kvshade_client_options {
+  const char* target;          /* "HOST:PORT" or "unix:PATH"; NULL = 127.0.0.1:50551 */
+  const char* bearer_token;    /* NULL or "" = none */
+  int32_t tls;                 /* 0 plaintext, 1 TLS */
+  const char* ca_file;         /* PEM roots; NULL = system roots */
+  const char* cert_file;       /* mTLS client certificate */
+  const char* key_file;        /* mTLS client key */
+  const char* tls_server_name; /* overrides the name checked in the certificate */
+  int64_t timeout_ms;          /* deadline of each call; <= 0 = 60000 */
+  uint64_t max_message_bytes;  /* 0 = 512 MiB */
+} kvshade_client_options;
+
+KVSHADE_API void kvshade_client_options_init(kvshade_client_options* options);
+KVSHADE_API int kvshade_connect(const kvshade_client_options* options, kvshade_client** out);
+KVSHADE_API void kvshade_client_free(kvshade_client* client);
+/* Polls grpc.health.v1 until SERVING or the timeout passes (DEADLINE_EXCEEDED). */
+KVSHADE_API int kvshade_wait_ready(kvshade_client* client, int64_t timeout_ms);
+/* *serving = 1 when the server reports SERVING, else 0. */
+KVSHADE_API int kvshade_health(kvshade_client* client, int32_t* serving);
+
+/* ---- Model and profile ------------------------------------------------------------- */
+typedef struct kvshade_model {
+  const char* model_id;
+  uint32_t num_layers, num_query_heads, num_kv_heads, head_dim;
+  float rope_theta;           /* 0 = 10000 */
+  uint32_t rotary_dim;        /* 0 = head_dim */
+  int32_t rope_scaling;       /* 0 none, 1 linear, 2 llama3, 3 yarn */
+  int32_t rope_pairing;       /* 0 half-split (HF Llama), 1 interleaved (GPT-J) */
+  float rope_factor, rope_low_freq_factor, rope_high_freq_factor;
+  uint32_t rope_original_max_position;
+  float rope_beta_fast, rope_beta_slow;
+  int32_t dtype;              /* KVSHADE_DTYPE_*; 0 = BF16 */
+} kvshade_model;
+
+/* Zero means "the server's default" for every numeric field. */
+typedef struct kvshade_profile {
+  int32_t kind;               /* KVSHADE_PROFILE_* (0 = auto) */
+  uint32_t rank, chunk_size, sparse_budget, outliers;
+  int32_t keep_sink;          /* -1 = server default, 0 = no, 1 = yes */
+  uint32_t local_window, heavy_chunks;
+  int32_t value_codec;        /* 0 default (bf16), 1 bf16, 2 fp8, 3 int4, 4 int2 */
+  uint32_t min_tokens;
+  float refactor_threshold, energy_target, mini_recent_ratio, mini_heavy_ratio;
+  uint32_t kivi_group;
+} kvshade_profile;
+
+/* Zero-fills both and sets keep_sink = -1, dtype = BF16. */
+KVSHADE_API void kvshade_model_init(kvshade_model* model);
+KVSHADE_API void kvshade_profile_init(kvshade_profile* profile);
+
+/* ---- Sessions ------------------------------------------------------------------------ */
+typedef struct kvshade_session_created {
+  char session_id[KVSHADE_ID_CAP];
+  uint64_t reused_tokens;    /* covered by a cached prefix: ingest starts here */
+  uint64_t tokens_to_ingest;
+  int32_t effective_profile; /* KVSHADE_PROFILE_* */
+} kvshade_session_created;
+
+typedef struct kvshade_session_info {
+  char session_id[KVSHADE_ID_CAP];
+  char model_id[KVSHADE_ID_CAP];
+  char state[32];            /* "ingesting", "ready", "closed" */
+  char label[260];
+  int32_t profile;
+  int32_t durable;
+  uint32_t attachments, layers_ingested;
+  uint64_t tokens, reused_tokens, gpu_bytes, host_bytes;
+} kvshade_session_info;
+
+KVSHADE_API int kvshade_create_session(kvshade_client* client, const kvshade_model* model,
+                                       const kvshade_profile* profile, const int32_t* token_ids,
+                                       size_t n_tokens, int32_t durable, const char* label,
+                                       kvshade_session_created* out);
+KVSHADE_API int kvshade_lookup_prefix(kvshade_client* client, const kvshade_model* model,
+                                      const kvshade_profile* profile, const int32_t* token_ids,
+                                      size_t n_tokens, uint64_t* reusable_tokens,
+                                      uint64_t* cached_segments);
+/* out_session_id: KVSHADE_ID_CAP bytes. shared_tokens may be NULL. */
+KVSHADE_API int kvshade_fork_session(kvshade_client* client, const char* parent_session_id,
+                                     uint64_t at_token, char* out_session_id,
+                                     uint64_t* shared_tokens);
+KVSHADE_API int kvshade_get_session(kvshade_client* client, const char* session_id,
+                                    kvshade_session_info* out);
+KVSHADE_API int kvshade_close_session(kvshade_client* client, const char* session_id);
+
+/* ---- Ingest (one stream per session; nothing is visible before commit) --------------- */
+KVSHADE_API int kvshade_ingest_begin(kvshade_client* client, const char* session_id,
+                                     kvshade_ingest** out);
+/* One whole layer: k, v [n, h, d] pre-RoPE of `dtype`; obs [w, hq, d] post-RoPE
+ * observation queries or NULL (w = hq = 0). Split into parts of <= 8 MiB on the wire. */
+KVSHADE_API int kvshade_ingest_layer(kvshade_ingest* ingest, uint32_t layer, int32_t dtype,
+                                     int64_t n, int32_t h, int32_t d, const void* k,
+                                     const void* v, const void* obs, int64_t w, int32_t hq);
+/* Commits; *tokens (may be NULL) = committed tokens of the session. The handle must still
+ * be freed. */
+KVSHADE_API int kvshade_ingest_commit(kvshade_ingest* ingest, uint64_t* tokens);
+/* Frees; cancels the stream (nothing committed) when kvshade_ingest_commit did not run. */
+KVSHADE_API void kvshade_ingest_free(kvshade_ingest* ingest);
+
+/* ---- Append: t new tokens for all L layers: k, v [L, t, h, d] pre-RoPE of `dtype`. ---- */
+KVSHADE_API int kvshade_append(kvshade_client* client, const char* session_id,
+                               const char* attachment_id, const int32_t* token_ids, int64_t t,
+                               uint32_t num_layers, int32_t dtype, int32_t h, int32_t d,
+                               const void* k, const void* v, uint64_t* tokens);
+
+/* ---- Workers ------------------------------------------------------------------------- */
+typedef struct kvshade_attachment {
+  char attachment_id[KVSHADE_ID_CAP];
+  uint64_t lease_expires_unix_ms;
+  uint32_t chunk_size, slots_per_head, local_window;
+  int32_t writer;
+} kvshade_attachment;
+
+KVSHADE_API int kvshade_attach(kvshade_client* client, const char* session_id,
+                               const char* worker_id, uint32_t lease_ms, int32_t writer,
+                               kvshade_attachment* out);
+KVSHADE_API int kvshade_detach(kvshade_client* client, const char* attachment_id);
+
+/* The static set of one layer: k, v [h, s_max, d] post-RoPE; lengths [h] valid rows per
+ * head; tail_k, tail_v [t, h, d] post-RoPE exact tail. All fp32, owned by the handle. */
+KVSHADE_API int kvshade_get_static_set(kvshade_client* client, const char* attachment_id,
+                                       uint32_t layer, kvshade_static_set** out);
+KVSHADE_API void kvshade_static_set_shape(const kvshade_static_set* s, int64_t* h,
+                                          int64_t* s_max, int64_t* d, int64_t* t);
+KVSHADE_API void kvshade_static_set_data(const kvshade_static_set* s, const float** k,
+                                         const float** v, const uint32_t** lengths,
+                                         const float** tail_k, const float** tail_v);
+KVSHADE_API void kvshade_static_set_free(kvshade_static_set* s);
+
+/* ---- Decode -------------------------------------------------------------------------- */
+/* One layer, a batch of n queries: attachment_ids[n], q [n, hq, d] post-RoPE of `dtype`. */
+KVSHADE_API int kvshade_select(kvshade_client* client, uint32_t layer, size_t n,
+                               const char* const* attachment_ids, int32_t dtype, int32_t hq,
+                               int32_t d, const void* q, kvshade_select_result** out);
+KVSHADE_API size_t kvshade_select_count(const kvshade_select_result* r);
+
+/* The slot-table delta of query i: m misses, each (head, slot, chunk) with its
+ * reconstructed keys and values [m, C, d] fp32. Pointers owned by the result. */
+typedef struct kvshade_slot_delta {
+  const char* attachment_id;
+  uint64_t m;
+  const uint32_t* head;
+  const uint32_t* slot;
+  const int32_t* chunk;
+  const float* keys;
+  const float* values;
+  int64_t chunk_size, head_dim; /* C, d (0 when m == 0) */
+  uint32_t hits, selected;
+} kvshade_slot_delta;
+
+KVSHADE_API int kvshade_select_delta(const kvshade_select_result* r, size_t i,
+                                     kvshade_slot_delta* out);
+KVSHADE_API void kvshade_select_free(kvshade_select_result* r);
+
+/* Attention inside the service: out [n, hq, d] fp32 (caller-allocated). */
+KVSHADE_API int kvshade_attend(kvshade_client* client, uint32_t layer, size_t n,
+                               const char* const* attachment_ids, int32_t dtype, int32_t hq,
+                               int32_t d, const void* q, float* out);
+
+/* ---- Operations ---------------------------------------------------------------------- */
+typedef struct kvshade_stats {
+  char backend[64];
+  char version[64];
+  uint64_t sessions, attachments, segments;
+  uint64_t device_bytes_used, device_bytes_budget, host_bytes_used, host_bytes_budget;
+  uint64_t spilled_bytes, prefix_lookups, prefix_hits, chunks_selected, chunk_hits;
+} kvshade_stats;
+
+KVSHADE_API int kvshade_get_stats(kvshade_client* client, kvshade_stats* out);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* KVSHADE_KVSHADE_H_ */

@@ -1,0 +1,21 @@
+"""kvshade: Python client of the kvshade KV-cache daemon (ctypes over libkvshade.so).
+
+    import kvshade
+    with kvshade.Client("127.0.0.1:50551") as c:
+        s = c.create_session(kvshade.ModelSpec("m", 32, 32, 8, 128), kvshade.Profile("shadow"), ids)
+
+numpy is required; torch is optional (kvshade.torch_hook needs it).
+"""
+from .client import (AttachmentInfo, Client, CreatedSession, Ingest, ModelSpec, Profile, SlotDelta,
+                     StaticSet, bf16_bits_to_f32, f32_to_bf16_bits, to_wire)
+from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition,
+                     Internal, InvalidArgument, KvShadeError, NotFound, OutOfRange, PermissionDenied,
+                     ResourceExhausted, Unauthenticated, Unavailable, Unimplemented, Unknown)
+
+__version__ = "0.1.0"
+
+
+def library_path():
+    """Path of the loaded libkvshade.so."""
+    from . import _native
+    return _native.lib()._kvshade_path

@@ -1,0 +1,164 @@
+"""ctypes bindings of libkvshade.so (the C ABI of client/include/kvshade/kvshade.h).
+
+The library is found, in order, at $KVSHADE_LIB (a file), next to this package
+(kvshade/libkvshade.so), or in a CMake build tree above the source checkout
+(build*/client/libkvshade.so). Nothing here is compiled against Python, so the package
+loads in any Python 3 with ctypes.
+"""
+import ctypes
+import glob
+import os
+
+ABI_VERSION = 1
+ID_CAP = 128
+
+_c_char_p = ctypes.c_char_p
+_u32, _i32, _i64, _u64, _f32 = ctypes.c_uint32, ctypes.c_int32, ctypes.c_int64, ctypes.c_uint64, ctypes.c_float
+_size_t = ctypes.c_size_t
+_vp = ctypes.c_void_p
+
+
+class ClientOptions(ctypes.Structure):
+    _fields_ = [("target", _c_char_p), ("bearer_token", _c_char_p), ("tls", _i32),
+                ("ca_file", _c_char_p), ("cert_file", _c_char_p), ("key_file", _c_char_p),
+                ("tls_server_name", _c_char_p), ("timeout_ms", _i64), ("max_message_bytes", _u64)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("model_id", _c_char_p), ("num_layers", _u32), ("num_query_heads", _u32),
+                ("num_kv_heads", _u32), ("head_dim", _u32), ("rope_theta", _f32),
+                ("rotary_dim", _u32), ("rope_scaling", _i32), ("rope_pairing", _i32),
+                ("rope_factor", _f32), ("rope_low_freq_factor", _f32),
+                ("rope_high_freq_factor", _f32), ("rope_original_max_position", _u32),
+                ("rope_beta_fast", _f32), ("rope_beta_slow", _f32), ("dtype", _i32)]
+
+
+class Profile(ctypes.Structure):
+    _fields_ = [("kind", _i32), ("rank", _u32), ("chunk_size", _u32), ("sparse_budget", _u32),
+                ("outliers", _u32), ("keep_sink", _i32), ("local_window", _u32),
+                ("heavy_chunks", _u32), ("value_codec", _i32), ("min_tokens", _u32),
+                ("refactor_threshold", _f32), ("energy_target", _f32),
+                ("mini_recent_ratio", _f32), ("mini_heavy_ratio", _f32), ("kivi_group", _u32)]
+
+
+class SessionCreated(ctypes.Structure):
+    _fields_ = [("session_id", ctypes.c_char * ID_CAP), ("reused_tokens", _u64),
+                ("tokens_to_ingest", _u64), ("effective_profile", _i32)]
+
+
+class SessionInfo(ctypes.Structure):
+    _fields_ = [("session_id", ctypes.c_char * ID_CAP), ("model_id", ctypes.c_char * ID_CAP),
+                ("state", ctypes.c_char * 32), ("label", ctypes.c_char * 260),
+                ("profile", _i32), ("durable", _i32), ("attachments", _u32),
+                ("layers_ingested", _u32), ("tokens", _u64), ("reused_tokens", _u64),
+                ("gpu_bytes", _u64), ("host_bytes", _u64)]
+
+
+class Attachment(ctypes.Structure):
+    _fields_ = [("attachment_id", ctypes.c_char * ID_CAP), ("lease_expires_unix_ms", _u64),
+                ("chunk_size", _u32), ("slots_per_head", _u32), ("local_window", _u32),
+                ("writer", _i32)]
+
+
+class SlotDelta(ctypes.Structure):
+    _fields_ = [("attachment_id", _c_char_p), ("m", _u64),
+                ("head", ctypes.POINTER(_u32)), ("slot", ctypes.POINTER(_u32)),
+                ("chunk", ctypes.POINTER(_i32)), ("keys", ctypes.POINTER(_f32)),
+                ("values", ctypes.POINTER(_f32)), ("chunk_size", _i64), ("head_dim", _i64),
+                ("hits", _u32), ("selected", _u32)]
+
+
+class Stats(ctypes.Structure):
+    _fields_ = [("backend", ctypes.c_char * 64), ("version", ctypes.c_char * 64)] + [
+        (name, _u64) for name in (
+            "sessions", "attachments", "segments", "device_bytes_used", "device_bytes_budget",
+            "host_bytes_used", "host_bytes_budget", "spilled_bytes", "prefix_lookups",
+            "prefix_hits", "chunks_selected", "chunk_hits")]
+
+
+_P = ctypes.POINTER
+
+# name -> (restype, argtypes)
+_SIGNATURES = {
+    "kvshade_abi_version": (_u32, []),
+    "kvshade_last_error": (_c_char_p, []),
+    "kvshade_code_name": (_c_char_p, [ctypes.c_int]),
+    "kvshade_client_options_init": (None, [_P(ClientOptions)]),
+    "kvshade_model_init": (None, [_P(Model)]),
+    "kvshade_profile_init": (None, [_P(Profile)]),
+    "kvshade_connect": (ctypes.c_int, [_P(ClientOptions), _P(_vp)]),
+    "kvshade_client_free": (None, [_vp]),
+    "kvshade_wait_ready": (ctypes.c_int, [_vp, _i64]),
+    "kvshade_health": (ctypes.c_int, [_vp, _P(_i32)]),
+    "kvshade_create_session": (ctypes.c_int, [_vp, _P(Model), _P(Profile), _P(_i32), _size_t, _i32,
+                                              _c_char_p, _P(SessionCreated)]),
+    "kvshade_lookup_prefix": (ctypes.c_int, [_vp, _P(Model), _P(Profile), _P(_i32), _size_t,
+                                             _P(_u64), _P(_u64)]),
+    "kvshade_fork_session": (ctypes.c_int, [_vp, _c_char_p, _u64, ctypes.c_char_p, _P(_u64)]),
+    "kvshade_get_session": (ctypes.c_int, [_vp, _c_char_p, _P(SessionInfo)]),
+    "kvshade_close_session": (ctypes.c_int, [_vp, _c_char_p]),
+    "kvshade_ingest_begin": (ctypes.c_int, [_vp, _c_char_p, _P(_vp)]),
+    "kvshade_ingest_layer": (ctypes.c_int, [_vp, _u32, _i32, _i64, _i32, _i32, _vp, _vp, _vp,
+                                            _i64, _i32]),
+    "kvshade_ingest_commit": (ctypes.c_int, [_vp, _P(_u64)]),
+    "kvshade_ingest_free": (None, [_vp]),
+    "kvshade_append": (ctypes.c_int, [_vp, _c_char_p, _c_char_p, _P(_i32), _i64, _u32, _i32, _i32,
+                                      _i32, _vp, _vp, _P(_u64)]),
+    "kvshade_attach": (ctypes.c_int, [_vp, _c_char_p, _c_char_p, _u32, _i32, _P(Attachment)]),
+    "kvshade_detach": (ctypes.c_int, [_vp, _c_char_p]),
+    "kvshade_get_static_set": (ctypes.c_int, [_vp, _c_char_p, _u32, _P(_vp)]),
+    "kvshade_static_set_shape": (None, [_vp, _P(_i64), _P(_i64), _P(_i64), _P(_i64)]),
+    "kvshade_static_set_data": (None, [_vp, _P(_P(_f32)), _P(_P(_f32)), _P(_P(_u32)),
+                                       _P(_P(_f32)), _P(_P(_f32))]),
+    "kvshade_static_set_free": (None, [_vp]),
+    "kvshade_select": (ctypes.c_int, [_vp, _u32, _size_t, _P(_c_char_p), _i32, _i32, _i32, _vp,
+                                      _P(_vp)]),
+    "kvshade_select_count": (_size_t, [_vp]),
+    "kvshade_select_delta": (ctypes.c_int, [_vp, _size_t, _P(SlotDelta)]),
+    "kvshade_select_free": (None, [_vp]),
+    "kvshade_attend": (ctypes.c_int, [_vp, _u32, _size_t, _P(_c_char_p), _i32, _i32, _i32, _vp,
+                                      _P(_f32)]),
+    "kvshade_get_stats": (ctypes.c_int, [_vp, _P(Stats)]),
+}
+
+
+def _candidates():
+    env = os.environ.get("KVSHADE_LIB")
+    if env:
+        yield env
+        return
+    here = os.path.dirname(os.path.abspath(__file__))
+    yield os.path.join(here, "libkvshade.so")
+    # Source checkout: client/python/kvshade -> repository root.
+    root = os.path.abspath(os.path.join(here, "..", "..", ".."))
+    for path in sorted(glob.glob(os.path.join(root, "build*", "client", "libkvshade.so"))):
+        yield path
+
+
+def _load():
+    tried = []
+    for path in _candidates():
+        tried.append(path)
+        if os.path.exists(path):
+            lib = ctypes.CDLL(path)
+            for name, (res, args) in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.restype = res
+                fn.argtypes = args
+            if lib.kvshade_abi_version() != ABI_VERSION:
+                raise ImportError("%s implements kvshade ABI %d, this package needs %d"
+                                  % (path, lib.kvshade_abi_version(), ABI_VERSION))
+            lib._kvshade_path = path
+            return lib
+    raise ImportError("libkvshade.so not found (set KVSHADE_LIB); tried: " + ", ".join(tried))
+
+
+_lib = None
+
+
+def lib():
+    """The loaded library (loaded on first use, so importing kvshade never fails)."""
+    global _lib
+    if _lib is None:
+        _lib = _load()
+    return _lib

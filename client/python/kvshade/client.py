@@ -1,0 +1,443 @@
+"""The kvshade Python client: a thin, typed layer over the C ABI (libkvshade.so via ctypes).
+
+Tensors go in as numpy arrays or torch tensors (any float dtype, host or device; they are
+copied to host and converted to the model's wire dtype: bf16 with round-to-nearest-even,
+fp16 or fp32) and come out as float32 numpy arrays. Errors raise the classes of
+kvshade.errors, chosen by status code.
+"""
+import ctypes
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from . import _native
+from .errors import InvalidArgument, from_code
+
+DTYPES = {"bf16": 1, "bfloat16": 1, "fp16": 2, "float16": 2, "fp32": 3, "float32": 3}
+PROFILES = {"auto": 1, "shadow": 2, "mini": 3, "exact": 4}
+PROFILE_NAMES = {v: k for k, v in PROFILES.items()}
+CODECS = {"default": 0, "bf16": 1, "fp8": 2, "int4": 3, "int2": 4}
+SCALINGS = {"none": 0, "linear": 1, "llama3": 2, "yarn": 3}
+PAIRINGS = {"half": 0, "neox": 0, "interleaved": 1, "gptj": 1}
+
+
+def _check(rc):
+    if rc != 0:
+        msg = _native.lib().kvshade_last_error().decode("utf-8", "replace")
+        raise from_code(rc, msg)
+
+
+def _b(s):
+    return None if s is None else s.encode("utf-8")
+
+
+def _dtype_code(dtype):
+    if isinstance(dtype, int):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise InvalidArgument("dtype must be one of bf16, fp16, fp32, got %r" % (dtype,))
+
+
+def f32_to_bf16_bits(x):
+    """float32 array -> uint16 bf16 bits, round to nearest even (as the service does)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    out = rounded.astype(np.uint16)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if nan.any():
+        out[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return out
+
+
+def bf16_bits_to_f32(bits):
+    return (np.ascontiguousarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def to_wire(x, dtype):
+    """numpy array or torch tensor -> contiguous numpy array in the wire dtype.
+
+    For bf16, a uint16 numpy array (or a torch.bfloat16 tensor) is taken as raw bf16 bits."""
+    code = _dtype_code(dtype)
+    if type(x).__module__.startswith("torch"):
+        import torch
+        t = x.detach().cpu().contiguous()
+        if t.dtype == torch.bfloat16:
+            bits = t.view(torch.int16).numpy().view(np.uint16)
+            x = bits if code == 1 else bf16_bits_to_f32(bits)
+        else:
+            x = t.float().numpy() if code != 2 else t.half().numpy()
+    a = np.asarray(x)
+    if code == 1:
+        return np.ascontiguousarray(a) if a.dtype == np.uint16 else f32_to_bf16_bits(a)
+    if code == 2:
+        return np.ascontiguousarray(a, dtype=np.float16)
+    if code == 3:
+        return np.ascontiguousarray(a, dtype=np.float32)
+    raise InvalidArgument("dtype must be one of bf16, fp16, fp32, got %r" % (dtype,))
+
+
+def _ptr(a):
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def _copy_f32(ptr, count, shape):
+    if count == 0:
+        return np.zeros(shape, dtype=np.float32)
+    return np.ctypeslib.as_array(ptr, shape=(count,)).copy().reshape(shape)
+
+
+@dataclass
+class ModelSpec:
+    """The attention geometry of the model (kvshade.v1.ModelSpec)."""
+    model_id: str
+    num_layers: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rotary_dim: int = 0
+    rope_scaling: str = "none"
+    rope_pairing: str = "half"
+    rope_factor: float = 0.0
+    rope_low_freq_factor: float = 0.0
+    rope_high_freq_factor: float = 0.0
+    rope_original_max_position: int = 0
+    dtype: str = "bf16"
+
+    def _c(self):
+        m = _native.Model()
+        _native.lib().kvshade_model_init(ctypes.byref(m))
+        m.model_id = _b(self.model_id)
+        m.num_layers, m.num_query_heads = self.num_layers, self.num_query_heads
+        m.num_kv_heads, m.head_dim = self.num_kv_heads, self.head_dim
+        m.rope_theta, m.rotary_dim = self.rope_theta, self.rotary_dim
+        m.rope_scaling = SCALINGS[self.rope_scaling]
+        m.rope_pairing = PAIRINGS[self.rope_pairing]
+        m.rope_factor = self.rope_factor
+        m.rope_low_freq_factor = self.rope_low_freq_factor
+        m.rope_high_freq_factor = self.rope_high_freq_factor
+        m.rope_original_max_position = self.rope_original_max_position
+        m.dtype = _dtype_code(self.dtype)
+        return m
+
+
+@dataclass
+class Profile:
+    """Compression parameters (kvshade.v1.Profile); 0 / None = the server's default."""
+    kind: str = "auto"
+    rank: int = 0
+    chunk_size: int = 0
+    sparse_budget: int = 0
+    outliers: int = 0
+    keep_sink: Optional[bool] = None
+    local_window: int = 0
+    heavy_chunks: int = 0
+    value_codec: str = "default"
+    min_tokens: int = 0
+    refactor_threshold: float = 0.0
+    energy_target: float = 0.0
+    mini_recent_ratio: float = 0.0
+    mini_heavy_ratio: float = 0.0
+    kivi_group: int = 0
+
+    def _c(self):
+        p = _native.Profile()
+        _native.lib().kvshade_profile_init(ctypes.byref(p))
+        if self.kind not in PROFILES:
+            raise InvalidArgument("profile kind must be one of %s, got %r" % (sorted(PROFILES), self.kind))
+        p.kind = PROFILES[self.kind]
+        for name in ("rank", "chunk_size", "sparse_budget", "outliers", "local_window", "heavy_chunks",
+                     "min_tokens", "refactor_threshold", "energy_target", "mini_recent_ratio",
+                     "mini_heavy_ratio", "kivi_group"):
+            setattr(p, name, getattr(self, name))
+        p.keep_sink = -1 if self.keep_sink is None else int(bool(self.keep_sink))
+        p.value_codec = CODECS[self.value_codec]
+        return p
+
+
+@dataclass
+class CreatedSession:
+    session_id: str
+    reused_tokens: int
+    tokens_to_ingest: int
+    effective_profile: str
+
+
+@dataclass
+class AttachmentInfo:
+    attachment_id: str
+    lease_expires_unix_ms: int
+    chunk_size: int
+    slots_per_head: int
+    local_window: int
+    writer: bool
+
+
+@dataclass
+class StaticSet:
+    """One layer's always-attended set: k, v [h, s_max, d] (rows < lengths[h] valid),
+    tail_k, tail_v [t, h, d]; float32, keys post-RoPE."""
+    k: np.ndarray
+    v: np.ndarray
+    lengths: np.ndarray
+    tail_k: np.ndarray
+    tail_v: np.ndarray
+
+
+@dataclass
+class SlotDelta:
+    """One attachment's slot-table delta for one layer: m misses."""
+    attachment_id: str
+    head: np.ndarray    # [m] uint32
+    slot: np.ndarray    # [m] uint32
+    chunk: np.ndarray   # [m] int32
+    keys: np.ndarray    # [m, C, d] float32, post-RoPE
+    values: np.ndarray  # [m, C, d] float32
+    hits: int = 0
+    selected: int = 0
+
+
+class Ingest:
+    """One Ingest stream (a context manager: leaving it without commit() cancels)."""
+
+    def __init__(self, client, session_id, dtype):
+        self._client = client
+        self._dtype = _dtype_code(dtype)
+        self._h = ctypes.c_void_p()
+        _check(_native.lib().kvshade_ingest_begin(client._handle(), _b(session_id), ctypes.byref(self._h)))
+
+    def layer(self, layer, k, v, observation_queries=None):
+        """k, v: [n, h, d] pre-RoPE; observation_queries: [w, hq, d] post-RoPE or None."""
+        kw, vw = to_wire(k, self._dtype), to_wire(v, self._dtype)
+        if kw.ndim != 3 or kw.shape != vw.shape:
+            raise InvalidArgument("k and v must both be [n, h, d], got %s and %s" % (kw.shape, vw.shape))
+        n, h, d = kw.shape
+        obs, w, hq = None, 0, 0
+        if observation_queries is not None:
+            obs = to_wire(observation_queries, self._dtype)
+            if obs.ndim != 3 or obs.shape[2] != d:
+                raise InvalidArgument("observation_queries must be [w, hq, %d], got %s" % (d, obs.shape))
+            w, hq = obs.shape[0], obs.shape[1]
+        _check(_native.lib().kvshade_ingest_layer(self._h, layer, self._dtype, n, h, d, _ptr(kw), _ptr(vw),
+                                                  None if obs is None else _ptr(obs), w, hq))
+
+    def commit(self):
+        tokens = ctypes.c_uint64()
+        try:
+            _check(_native.lib().kvshade_ingest_commit(self._h, ctypes.byref(tokens)))
+        finally:
+            self.close()
+        return tokens.value
+
+    def close(self):
+        if self._h:
+            _native.lib().kvshade_ingest_free(self._h)
+            self._h = ctypes.c_void_p()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Client:
+    """A connection to one kvshade-server (thread-safe; close() or use as a context manager)."""
+
+    def __init__(self, target="127.0.0.1:50551", token=None, tls=False, ca_file=None, cert_file=None,
+                 key_file=None, server_name=None, timeout=60.0, max_message_bytes=0):
+        lib = _native.lib()
+        o = _native.ClientOptions()
+        lib.kvshade_client_options_init(ctypes.byref(o))
+        o.target, o.bearer_token, o.tls = _b(target), _b(token), int(bool(tls))
+        o.ca_file, o.cert_file, o.key_file = _b(ca_file), _b(cert_file), _b(key_file)
+        o.tls_server_name = _b(server_name)
+        o.timeout_ms = int(timeout * 1000)
+        o.max_message_bytes = max_message_bytes
+        self._h = ctypes.c_void_p()
+        _check(lib.kvshade_connect(ctypes.byref(o), ctypes.byref(self._h)))
+        self.target = target
+
+    def _handle(self):
+        if not self._h:
+            raise InvalidArgument("client is closed")
+        return self._h
+
+    def close(self):
+        if self._h:
+            _native.lib().kvshade_client_free(self._h)
+            self._h = ctypes.c_void_p()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # --- Health ---
+    def wait_ready(self, timeout=10.0):
+        _check(_native.lib().kvshade_wait_ready(self._handle(), int(timeout * 1000)))
+
+    def healthy(self):
+        s = ctypes.c_int32()
+        _check(_native.lib().kvshade_health(self._handle(), ctypes.byref(s)))
+        return bool(s.value)
+
+    # --- Sessions ---
+    @staticmethod
+    def _tokens(token_ids):
+        a = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64))
+        if a.ndim != 1:
+            raise InvalidArgument("token_ids must be 1-D, got shape %s" % (a.shape,))
+        if a.size and (a.min() < -2**31 or a.max() >= 2**31):
+            raise InvalidArgument("token_ids must fit in int32")
+        a = a.astype(np.int32)
+        return a, a.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+
+    def create_session(self, model: ModelSpec, profile: Profile, token_ids, durable=False, label=""):
+        a, p = self._tokens(token_ids)
+        out = _native.SessionCreated()
+        _check(_native.lib().kvshade_create_session(self._handle(), ctypes.byref(model._c()),
+                                                    ctypes.byref(profile._c()), p, a.size, int(durable),
+                                                    _b(label), ctypes.byref(out)))
+        return CreatedSession(out.session_id.decode(), out.reused_tokens, out.tokens_to_ingest,
+                              PROFILE_NAMES.get(out.effective_profile, str(out.effective_profile)))
+
+    def lookup_prefix(self, model: ModelSpec, profile: Profile, token_ids):
+        """(reusable_tokens, cached_segments)."""
+        a, p = self._tokens(token_ids)
+        r, s = ctypes.c_uint64(), ctypes.c_uint64()
+        _check(_native.lib().kvshade_lookup_prefix(self._handle(), ctypes.byref(model._c()),
+                                                   ctypes.byref(profile._c()), p, a.size, ctypes.byref(r),
+                                                   ctypes.byref(s)))
+        return r.value, s.value
+
+    def fork_session(self, parent_session_id, at_token):
+        """(child session id, shared_tokens)."""
+        buf = ctypes.create_string_buffer(_native.ID_CAP)
+        shared = ctypes.c_uint64()
+        _check(_native.lib().kvshade_fork_session(self._handle(), _b(parent_session_id), at_token, buf,
+                                                  ctypes.byref(shared)))
+        return buf.value.decode(), shared.value
+
+    def get_session(self, session_id):
+        i = _native.SessionInfo()
+        _check(_native.lib().kvshade_get_session(self._handle(), _b(session_id), ctypes.byref(i)))
+        return {"session_id": i.session_id.decode(), "model_id": i.model_id.decode(),
+                "state": i.state.decode(), "label": i.label.decode(),
+                "profile": PROFILE_NAMES.get(i.profile, str(i.profile)), "durable": bool(i.durable),
+                "attachments": i.attachments, "layers_ingested": i.layers_ingested, "tokens": i.tokens,
+                "reused_tokens": i.reused_tokens, "gpu_bytes": i.gpu_bytes, "host_bytes": i.host_bytes}
+
+    def close_session(self, session_id):
+        _check(_native.lib().kvshade_close_session(self._handle(), _b(session_id)))
+
+    # --- Data ---
+    def ingest(self, session_id, dtype="bf16"):
+        """An Ingest stream: .layer(l, k, v[, obs]) for every layer, then .commit()."""
+        return Ingest(self, session_id, dtype)
+
+    def append(self, session_id, token_ids, k, v, attachment_id=None, dtype="bf16"):
+        """k, v: [L, t, h, d] pre-RoPE keys and values of t new tokens for every layer."""
+        a, p = self._tokens(token_ids)
+        kw, vw = to_wire(k, dtype), to_wire(v, dtype)
+        if kw.ndim != 4 or kw.shape != vw.shape or kw.shape[1] != a.size:
+            raise InvalidArgument("k and v must be [L, t=%d, h, d], got %s and %s" % (a.size, kw.shape, vw.shape))
+        L, t, h, d = kw.shape
+        tokens = ctypes.c_uint64()
+        _check(_native.lib().kvshade_append(self._handle(), _b(session_id), _b(attachment_id), p, t, L,
+                                            _dtype_code(dtype), h, d, _ptr(kw), _ptr(vw), ctypes.byref(tokens)))
+        return tokens.value
+
+    # --- Workers ---
+    def attach(self, session_id, worker_id="", lease_ms=0, writer=False):
+        out = _native.Attachment()
+        _check(_native.lib().kvshade_attach(self._handle(), _b(session_id), _b(worker_id), lease_ms,
+                                            int(writer), ctypes.byref(out)))
+        return AttachmentInfo(out.attachment_id.decode(), out.lease_expires_unix_ms, out.chunk_size,
+                              out.slots_per_head, out.local_window, bool(out.writer))
+
+    def detach(self, attachment_id):
+        _check(_native.lib().kvshade_detach(self._handle(), _b(attachment_id)))
+
+    def static_set(self, attachment_id, layer) -> StaticSet:
+        lib = _native.lib()
+        h = ctypes.c_void_p()
+        _check(lib.kvshade_get_static_set(self._handle(), _b(attachment_id), layer, ctypes.byref(h)))
+        try:
+            H, S, D, T = (ctypes.c_int64() for _ in range(4))
+            lib.kvshade_static_set_shape(h, ctypes.byref(H), ctypes.byref(S), ctypes.byref(D), ctypes.byref(T))
+            fp = ctypes.POINTER(ctypes.c_float)
+            k, v, tk, tv = fp(), fp(), fp(), fp()
+            lens = ctypes.POINTER(ctypes.c_uint32)()
+            lib.kvshade_static_set_data(h, ctypes.byref(k), ctypes.byref(v), ctypes.byref(lens), ctypes.byref(tk),
+                                        ctypes.byref(tv))
+            H, S, D, T = H.value, S.value, D.value, T.value
+            lengths = (np.ctypeslib.as_array(lens, shape=(H,)).copy() if H else np.zeros(0, np.uint32))
+            return StaticSet(_copy_f32(k, H * S * D, (H, S, D)), _copy_f32(v, H * S * D, (H, S, D)), lengths,
+                             _copy_f32(tk, T * H * D, (T, H, D)), _copy_f32(tv, T * H * D, (T, H, D)))
+        finally:
+            lib.kvshade_static_set_free(h)
+
+    def _queries(self, attachment_ids, q, dtype):
+        ids = [_b(i) for i in attachment_ids]
+        qw = to_wire(q, dtype)
+        if qw.ndim == 2:
+            qw = qw[None]
+        if qw.ndim != 3 or qw.shape[0] != len(ids):
+            raise InvalidArgument("q must be [n=%d, hq, d], got %s" % (len(ids), qw.shape))
+        arr = (ctypes.c_char_p * len(ids))(*ids)
+        return arr, np.ascontiguousarray(qw)
+
+    def select(self, layer, attachment_ids: Sequence[str], q, dtype="bf16") -> List[SlotDelta]:
+        """One decode step of one layer for a batch: q [n, hq, d] post-RoPE."""
+        lib = _native.lib()
+        ids, qw = self._queries(attachment_ids, q, dtype)
+        r = ctypes.c_void_p()
+        _check(lib.kvshade_select(self._handle(), layer, len(ids), ids, _dtype_code(dtype), qw.shape[1],
+                                  qw.shape[2], _ptr(qw), ctypes.byref(r)))
+        try:
+            out = []
+            for i in range(lib.kvshade_select_count(r)):
+                d = _native.SlotDelta()
+                _check(lib.kvshade_select_delta(r, i, ctypes.byref(d)))
+                m, C, D = d.m, d.chunk_size, d.head_dim
+                u32 = lambda p: np.ctypeslib.as_array(p, shape=(m,)).copy() if m else np.zeros(0, np.uint32)
+                out.append(SlotDelta(
+                    d.attachment_id.decode(), u32(d.head), u32(d.slot),
+                    np.ctypeslib.as_array(d.chunk, shape=(m,)).copy() if m else np.zeros(0, np.int32),
+                    _copy_f32(d.keys, m * C * D, (m, C, D)), _copy_f32(d.values, m * C * D, (m, C, D)),
+                    d.hits, d.selected))
+            return out
+        finally:
+            lib.kvshade_select_free(r)
+
+    def attend(self, layer, attachment_ids: Sequence[str], q, dtype="bf16"):
+        """Attention inside the service: returns float32 [n, hq, d]."""
+        ids, qw = self._queries(attachment_ids, q, dtype)
+        out = np.empty(qw.shape, dtype=np.float32)
+        _check(_native.lib().kvshade_attend(self._handle(), layer, len(ids), ids, _dtype_code(dtype), qw.shape[1],
+                                            qw.shape[2], _ptr(qw),
+                                            out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))))
+        return out
+
+    def stats(self):
+        s = _native.Stats()
+        _check(_native.lib().kvshade_get_stats(self._handle(), ctypes.byref(s)))
+        return {name: (getattr(s, name).decode() if name in ("backend", "version") else getattr(s, name))
+                for name, _ in _native.Stats._fields_}

@@ -1,0 +1,121 @@
+"""A plain-torch attention hook: one sequence's long-context KV cache held by kvshade.
+
+A Llama-style model calls, per layer and decode step, ``cache.attend(layer, q, k, v)`` in
+place of "append k, v to my dense cache and attend over it". The hook keeps what the
+worker side of ShadowKV keeps (ALGORITHM.md, "Decode"): per layer the static set and exact
+tail from GetStaticSet, the slot buffers that SelectAndReconstruct deltas fill in (only
+misses move), and the tokens generated since the prompt (exact, local). Attention is
+computed here in float32 over static set + slots + tail + local tokens.
+
+Shapes (torch, any device; results on q's device):
+  prefill keys/values : per layer [n, h, d], keys pre-RoPE (the service applies RoPE)
+  attend q            : [hq, d] post-RoPE query of the newest token
+  attend k, v         : [h, d] the newest token's post-RoPE key and its value
+  attend result       : [hq, d] float32
+"""
+import math
+
+import numpy as np
+import torch
+
+from .client import Client, ModelSpec, Profile
+
+
+class KvShadeKVCache:
+    def __init__(self, client: Client, model: ModelSpec, profile: Profile, worker_id="torch-hook"):
+        self.client, self.model, self.profile = client, model, profile
+        self.worker_id = worker_id
+        self.session_id = None
+        self.attachment = None
+        self.effective_profile = None
+        self.reused_tokens = 0
+        self.hits = 0
+        self.selected = 0
+
+    # --- Setup ---
+    def prefill(self, token_ids, keys, values, observation_queries=None):
+        """Registers the prompt and ingests what no cached prefix covers, then attaches."""
+        m = self.model
+        if len(keys) != m.num_layers or len(values) != m.num_layers:
+            raise ValueError("keys and values need one [n, h, d] tensor per layer (%d)" % m.num_layers)
+        created = self.client.create_session(m, self.profile, token_ids)
+        self.session_id = created.session_id
+        self.effective_profile = created.effective_profile
+        self.reused_tokens = r = created.reused_tokens
+        if created.tokens_to_ingest > 0:
+            with self.client.ingest(self.session_id, m.dtype) as ing:
+                for layer in range(m.num_layers):
+                    obs = None if observation_queries is None else observation_queries[layer]
+                    ing.layer(layer, keys[layer][r:], values[layer][r:], obs)
+                ing.commit()
+        self.attach(self.session_id)
+        return created
+
+    def attach(self, session_id, effective_profile=None):
+        """Attaches to an existing (e.g. forked) session and loads its static sets."""
+        self.session_id = session_id
+        if effective_profile is not None:
+            self.effective_profile = effective_profile
+        elif self.effective_profile is None:
+            self.effective_profile = self.client.get_session(session_id)["profile"]
+        self.attachment = self.client.attach(session_id, self.worker_id)
+        self.reload_static()
+
+    def reload_static(self):
+        m, a = self.model, self.attachment
+        self._static = [self.client.static_set(a.attachment_id, l) for l in range(m.num_layers)]
+        h, d, C, S = m.num_kv_heads, m.head_dim, a.chunk_size, a.slots_per_head
+        self._slot_k = [np.zeros((h, S, C, d), np.float32) for _ in range(m.num_layers)]
+        self._slot_v = [np.zeros((h, S, C, d), np.float32) for _ in range(m.num_layers)]
+        self._slot_used = [np.zeros((h, S), bool) for _ in range(m.num_layers)]
+        self._local_k = [[] for _ in range(m.num_layers)]
+        self._local_v = [[] for _ in range(m.num_layers)]
+
+    def close(self, close_session=False):
+        if self.attachment is not None:
+            self.client.detach(self.attachment.attachment_id)
+            self.attachment = None
+        if close_session and self.session_id is not None:
+            self.client.close_session(self.session_id)
+
+    # --- Decode ---
+    def _apply(self, layer, delta):
+        if len(delta.head) == 0:
+            return
+        hs, ss = delta.head.astype(np.int64), delta.slot.astype(np.int64)
+        self._slot_k[layer][hs, ss] = delta.keys
+        self._slot_v[layer][hs, ss] = delta.values
+        self._slot_used[layer][hs, ss] = True
+
+    def attend(self, layer, q, k, v):
+        m = self.model
+        h, d = m.num_kv_heads, m.head_dim
+        g = m.num_query_heads // h
+        dev = q.device
+        self._local_k[layer].append(k.detach().float().cpu().reshape(h, d))
+        self._local_v[layer].append(v.detach().float().cpu().reshape(h, d))
+        if self.effective_profile == "shadow":
+            (delta,) = self.client.select(layer, [self.attachment.attachment_id], q.detach().float().cpu()[None],
+                                          dtype=m.dtype)
+            self.hits += delta.hits
+            self.selected += delta.selected
+            self._apply(layer, delta)
+        st = self._static[layer]
+        lk = torch.stack(self._local_k[layer])  # [t_local, h, d]
+        lv = torch.stack(self._local_v[layer])
+        qf = q.detach().float().cpu().reshape(h, g, d)
+        out = torch.empty(h, g, d)
+        scale = 1.0 / math.sqrt(d)
+        for j in range(h):
+            n_static = int(st.lengths[j]) if len(st.lengths) else 0
+            used = self._slot_used[layer][j]
+            parts_k = [torch.from_numpy(st.k[j, :n_static]) if n_static else torch.zeros(0, d),
+                       torch.from_numpy(self._slot_k[layer][j][used].reshape(-1, d)),
+                       torch.from_numpy(st.tail_k[:, j]), lk[:, j]]
+            parts_v = [torch.from_numpy(st.v[j, :n_static]) if n_static else torch.zeros(0, d),
+                       torch.from_numpy(self._slot_v[layer][j][used].reshape(-1, d)),
+                       torch.from_numpy(st.tail_v[:, j]), lv[:, j]]
+            kj, vj = torch.cat(parts_k), torch.cat(parts_v)
+            p = torch.softmax((qf[j] @ kj.T) * scale, dim=-1)
+            out[j] = p @ vj
+        return out.reshape(h * g, d).to(dev)

@@ -1,0 +1,213 @@
+/* C ABI test: compiled as C (no C++ anywhere), linked against libkvshade.so, run against a
+ * real kvshade-server at $KVSHADE_TARGET (tests/python/run_with_server.py starts it).
+ * Covers connect/health, create + ingest (exact) + get_session, attach, static set (values
+ * come back bit-identical), attend against attention over the static set, select, append,
+ * stats, and the error contract (codes and messages, NULL arguments). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvshade/kvshade.h"
+
+static int failures = 0;
+#define CHECK(cond)                                                                 \
+  do {                                                                              \
+    if (!(cond)) {                                                                  \
+      fprintf(stderr, "%s:%d: CHECK failed: %s (last error: %s)\n", __FILE__, __LINE__, \
+              #cond, kvshade_last_error());                                         \
+      ++failures;                                                                   \
+    }                                                                               \
+  } while (0)
+#define REQUIRE_OK(expr)                                                             \
+  do {                                                                               \
+    int rc_ = (expr);                                                                \
+    if (rc_ != KVSHADE_OK) {                                                         \
+      fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #expr,            \
+              kvshade_code_name(rc_), kvshade_last_error());                         \
+      return 1;                                                                      \
+    }                                                                                \
+  } while (0)
+
+enum { L = 2, HQ = 4, H = 2, D = 16, N = 96 };
+
+static float bf16_to_f32(uint16_t b) {
+  uint32_t u = (uint32_t)b << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static uint32_t rng_state;
+static uint16_t rand_bf16(void) {
+  /* xorshift32; values in [-2, 2) rounded to bf16 by truncation (exact in bf16) */
+  rng_state ^= rng_state << 13;
+  rng_state ^= rng_state >> 17;
+  rng_state ^= rng_state << 5;
+  float f = ((float)(rng_state >> 8) / (float)(1u << 24)) * 4.0f - 2.0f;
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return (uint16_t)(u >> 16);
+}
+
+int main(void) {
+  const char* target = getenv("KVSHADE_TARGET");
+  if (target == NULL) {
+    fprintf(stderr, "KVSHADE_TARGET not set\n");
+    return 2;
+  }
+  rng_state = (uint32_t)time(NULL) | 1u;
+  fprintf(stderr, "seed %u\n", rng_state);
+  CHECK(kvshade_abi_version() == KVSHADE_ABI_VERSION);
+  CHECK(strcmp(kvshade_code_name(KVSHADE_NOT_FOUND), "NOT_FOUND") == 0);
+  CHECK(strcmp(kvshade_code_name(99), "UNKNOWN") == 0);
+
+  /* NULL arguments are errors, not crashes. */
+  CHECK(kvshade_connect(NULL, NULL) == KVSHADE_INVALID_ARGUMENT);
+  CHECK(strlen(kvshade_last_error()) > 0);
+  CHECK(kvshade_health(NULL, NULL) == KVSHADE_INVALID_ARGUMENT);
+
+  kvshade_client_options o;
+  kvshade_client_options_init(&o);
+  o.target = target;
+  o.timeout_ms = 30000;
+  kvshade_client* c = NULL;
+  REQUIRE_OK(kvshade_connect(&o, &c));
+  REQUIRE_OK(kvshade_wait_ready(c, 20000));
+  int32_t serving = 0;
+  REQUIRE_OK(kvshade_health(c, &serving));
+  CHECK(serving == 1);
+
+  kvshade_model m;
+  kvshade_model_init(&m);
+  m.model_id = "capi-test";
+  m.num_layers = L;
+  m.num_query_heads = HQ;
+  m.num_kv_heads = H;
+  m.head_dim = D;
+  kvshade_profile p;
+  kvshade_profile_init(&p);
+  p.kind = KVSHADE_PROFILE_EXACT;
+
+  int32_t tokens[N];
+  for (int i = 0; i < N; ++i) tokens[i] = (int32_t)(rng_state % 1000) + i;
+  kvshade_session_created created;
+  REQUIRE_OK(kvshade_create_session(c, &m, &p, tokens, N, 0, "capi", &created));
+  CHECK(created.tokens_to_ingest == N);
+  CHECK(created.effective_profile == KVSHADE_PROFILE_EXACT);
+
+  static uint16_t k[L][N * H * D], v[L][N * H * D];
+  for (int l = 0; l < L; ++l) {
+    for (int i = 0; i < N * H * D; ++i) {
+      k[l][i] = rand_bf16();
+      v[l][i] = rand_bf16();
+    }
+  }
+  kvshade_ingest* ing = NULL;
+  REQUIRE_OK(kvshade_ingest_begin(c, created.session_id, &ing));
+  CHECK(kvshade_ingest_layer(ing, 0, KVSHADE_DTYPE_BF16, N, H, D, NULL, v[0], NULL, 0, 0) ==
+        KVSHADE_INVALID_ARGUMENT);
+  for (int l = 0; l < L; ++l) REQUIRE_OK(kvshade_ingest_layer(ing, (uint32_t)l, KVSHADE_DTYPE_BF16, N, H, D, k[l], v[l], NULL, 0, 0));
+  uint64_t committed = 0;
+  REQUIRE_OK(kvshade_ingest_commit(ing, &committed));
+  CHECK(committed == N);
+  CHECK(kvshade_ingest_commit(ing, NULL) == KVSHADE_FAILED_PRECONDITION);
+  kvshade_ingest_free(ing);
+
+  kvshade_session_info info;
+  REQUIRE_OK(kvshade_get_session(c, created.session_id, &info));
+  CHECK(strcmp(info.state, "ready") == 0);
+  CHECK(info.tokens == N);
+  CHECK(strcmp(info.model_id, "capi-test") == 0);
+  CHECK(strcmp(info.label, "capi") == 0);
+
+  kvshade_attachment att;
+  REQUIRE_OK(kvshade_attach(c, created.session_id, "capi-worker", 0, 0, &att));
+  CHECK(strlen(att.attachment_id) > 0);
+
+  /* exact: every token is in the tail, values bit-identical to what went in. */
+  kvshade_static_set* st = NULL;
+  REQUIRE_OK(kvshade_get_static_set(c, att.attachment_id, 1, &st));
+  int64_t sh = 0, smax = 0, sd = 0, st_t = 0;
+  kvshade_static_set_shape(st, &sh, &smax, &sd, &st_t);
+  CHECK(st_t == N && sh == H && sd == D);
+  const float *sk, *sv, *tk, *tv;
+  const uint32_t* lens;
+  kvshade_static_set_data(st, &sk, &sv, &lens, &tk, &tv);
+  int v_mismatch = 0;
+  for (int i = 0; i < N * H * D; ++i) v_mismatch += tv[i] != bf16_to_f32(v[1][i]);
+  CHECK(v_mismatch == 0);
+
+  /* attend == softmax(q K^T / sqrt(d)) V over the tail, per query head (GQA). */
+  float q[HQ * D], out[HQ * D];
+  uint16_t qb[HQ * D]; /* the model's dtype (bf16) goes on the wire */
+  for (int i = 0; i < HQ * D; ++i) q[i] = bf16_to_f32(qb[i] = rand_bf16());
+  const char* ids[1] = {att.attachment_id};
+  REQUIRE_OK(kvshade_attend(c, 1, 1, ids, KVSHADE_DTYPE_BF16, HQ, D, qb, out));
+  double max_err = 0;
+  for (int hq = 0; hq < HQ; ++hq) {
+    const int j = hq / (HQ / H);
+    double logits[N], mx = -1e30, sum = 0;
+    for (int t = 0; t < N; ++t) {
+      double s = 0;
+      for (int e = 0; e < D; ++e) s += (double)q[hq * D + e] * tk[(t * H + j) * D + e];
+      logits[t] = s / sqrt((double)D);
+      if (logits[t] > mx) mx = logits[t];
+    }
+    for (int t = 0; t < N; ++t) sum += (logits[t] = exp(logits[t] - mx));
+    for (int e = 0; e < D; ++e) {
+      double o_ref = 0;
+      for (int t = 0; t < N; ++t) o_ref += logits[t] / sum * tv[(t * H + j) * D + e];
+      const double err = fabs(o_ref - out[hq * D + e]);
+      if (err > max_err) max_err = err;
+    }
+  }
+  fprintf(stderr, "attend max abs error vs reference: %g\n", max_err);
+  CHECK(max_err < 2e-3);
+  kvshade_static_set_free(st);
+
+  /* select on an exact session: one (empty) delta for the one query. */
+  kvshade_select_result* sel = NULL;
+  REQUIRE_OK(kvshade_select(c, 0, 1, ids, KVSHADE_DTYPE_BF16, HQ, D, qb, &sel));
+  CHECK(kvshade_select_count(sel) == 1);
+  kvshade_slot_delta delta;
+  REQUIRE_OK(kvshade_select_delta(sel, 0, &delta));
+  CHECK(strcmp(delta.attachment_id, att.attachment_id) == 0);
+  CHECK(delta.m == 0);
+  CHECK(kvshade_select_delta(sel, 1, &delta) == KVSHADE_OUT_OF_RANGE);
+  kvshade_select_free(sel);
+
+  /* append two tokens for every layer ([L, t, h, d]). */
+  static uint16_t ak[L * 2 * H * D], av[L * 2 * H * D];
+  for (int i = 0; i < L * 2 * H * D; ++i) {
+    ak[i] = rand_bf16();
+    av[i] = rand_bf16();
+  }
+  int32_t new_tokens[2] = {7, 8};
+  uint64_t after = 0;
+  REQUIRE_OK(kvshade_append(c, created.session_id, NULL, new_tokens, 2, L, KVSHADE_DTYPE_BF16, H, D, ak, av, &after));
+  CHECK(after == N + 2);
+
+  /* Error contract: codes from the server, messages kept per thread. */
+  CHECK(kvshade_get_session(c, "no-such-session", &info) == KVSHADE_NOT_FOUND);
+  CHECK(strlen(kvshade_last_error()) > 0);
+  CHECK(kvshade_append(c, created.session_id, NULL, new_tokens, 2, L, KVSHADE_DTYPE_BF16, H + 1, D, ak, av, &after) ==
+        KVSHADE_INVALID_ARGUMENT);
+  fprintf(stderr, "server said: %s\n", kvshade_last_error());
+  CHECK(kvshade_attend(c, 1, 1, ids, 42, HQ, D, qb, out) == KVSHADE_INVALID_ARGUMENT);
+
+  kvshade_stats stats;
+  REQUIRE_OK(kvshade_get_stats(c, &stats));
+  CHECK(stats.sessions >= 1);
+  CHECK(strlen(stats.backend) > 0);
+
+  REQUIRE_OK(kvshade_detach(c, att.attachment_id));
+  CHECK(kvshade_detach(c, att.attachment_id) == KVSHADE_NOT_FOUND);
+  REQUIRE_OK(kvshade_close_session(c, created.session_id));
+  kvshade_client_free(c);
+  kvshade_client_free(NULL);
+  if (failures) fprintf(stderr, "%d check(s) failed\n", failures);
+  else fprintf(stderr, "capi_test: all checks passed\n");
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,75 @@
+"""Shared helpers of the Python tests: run a REAL kvshade-server on a loopback port and make
+the in-tree package importable.
+
+Environment (set by tests/python/CMakeLists.txt): KVSHADE_SERVER (the server binary),
+KVSHADE_LIB (libkvshade.so), KVSHADE_PYTHONPATH (client/python).
+"""
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.environ.get(
+    "KVSHADE_PYTHONPATH",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python")))
+
+
+def seed():
+    """A fresh seed per run, logged so a failure can be replayed (KVSHADE_TEST_SEED)."""
+    s = int(os.environ.get("KVSHADE_TEST_SEED", random.SystemRandom().randrange(1 << 31)))
+    print("KVSHADE_TEST_SEED=%d" % s, file=sys.stderr)
+    return s
+
+
+class Server:
+    """kvshade-server on 127.0.0.1:<free port> (--listen :0 + --port-file), stopped on exit."""
+
+    def __init__(self, *args, ready_s=30.0):
+        binary = os.environ.get("KVSHADE_SERVER")
+        if not binary:
+            raise RuntimeError("KVSHADE_SERVER must name the kvshade-server binary")
+        self.dir = tempfile.mkdtemp(prefix="kvshade-py-")
+        port_file = os.path.join(self.dir, "port")
+        self.log_path = os.path.join(self.dir, "server.log")
+        # Passive OpenMP waiting: tests share 2 cores; spinning barriers slow the CPU backend.
+        env = dict(os.environ, OMP_WAIT_POLICY="passive")
+        cmd = [binary, "--listen", "127.0.0.1:0", "--port-file", port_file, "--backend", "cpu"] + list(args)
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        end = time.monotonic() + ready_s
+        while not os.path.exists(port_file):
+            if self.proc.poll() is not None:
+                raise RuntimeError("kvshade-server exited during start-up:\n" + self.log())
+            if time.monotonic() > end:
+                self.stop()
+                raise RuntimeError("kvshade-server wrote no port file within %.0fs:\n%s" % (ready_s, self.log()))
+            time.sleep(0.01)
+        with open(port_file) as f:
+            self.port = int(f.read().strip())
+        self.target = "127.0.0.1:%d" % self.port
+
+    def log(self):
+        with open(self.log_path, "rb") as f:
+            return f.read().decode("utf-8", "replace")
+
+    def stop(self):
+        """SIGTERM (graceful drain); returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

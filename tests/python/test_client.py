@@ -1,0 +1,203 @@
+"""kvshade.Client against a real kvshade-server: sessions, ingest, lookup, fork, attach,
+static set, select, attend, append, stats, and exceptions mapped from status codes."""
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import numpy as np
+
+from kvshade_testutil import Server, seed
+
+import kvshade
+
+L, HQ, H, D = 2, 4, 2, 16
+
+
+def model(dtype="bf16", name="py-test"):
+    return kvshade.ModelSpec(name, num_layers=L, num_query_heads=HQ, num_kv_heads=H, head_dim=D, dtype=dtype)
+
+
+def bf16(x):
+    return kvshade.bf16_bits_to_f32(kvshade.f32_to_bf16_bits(x)).reshape(np.shape(x))
+
+
+class ClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.rng = np.random.default_rng(seed())
+        cls.server = Server()
+        cls.c = kvshade.Client(cls.server.target, timeout=30)
+        cls.c.wait_ready(20)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.c.close()
+        rc = cls.server.stop()
+        assert rc == 0, "server exit code %d" % rc
+
+    def kv(self, n):
+        k = self.rng.standard_normal((L, n, H, D)).astype(np.float32)
+        v = self.rng.standard_normal((L, n, H, D)).astype(np.float32)
+        return k, v
+
+    def make_session(self, profile, n, dtype="bf16", name="py-test"):
+        tokens = self.rng.integers(0, 30000, n)
+        k, v = self.kv(n)
+        created = self.c.create_session(model(dtype, name), profile, tokens, label="unit")
+        self.assertEqual(created.tokens_to_ingest, n)
+        with self.c.ingest(created.session_id, dtype) as ing:
+            for l in range(L):
+                ing.layer(l, k[l], v[l])
+            self.assertEqual(ing.commit(), n)
+        return created, tokens, k, v
+
+    def test_library_and_health(self):
+        if os.environ.get("KVSHADE_LIB"):
+            self.assertEqual(kvshade.library_path(), os.environ["KVSHADE_LIB"])
+        self.assertTrue(self.c.healthy())
+        st = self.c.stats()
+        self.assertEqual(st["backend"], "cpu")
+        self.assertTrue(st["version"])
+
+    def test_bf16_rounding_matches_torch(self):
+        try:
+            import torch
+        except ImportError:
+            self.skipTest("torch not installed")
+        x = self.rng.standard_normal(4096).astype(np.float32) * 100
+        ours = kvshade.f32_to_bf16_bits(x)
+        theirs = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+        np.testing.assert_array_equal(ours, theirs)
+        # torch tensors in: bf16 tensors go as raw bits, fp32 tensors are rounded the same way.
+        np.testing.assert_array_equal(kvshade.to_wire(torch.from_numpy(x).to(torch.bfloat16), "bf16"), ours)
+        np.testing.assert_array_equal(kvshade.to_wire(torch.from_numpy(x), "bf16"), ours)
+
+    def test_exact_roundtrip_attend_append(self):
+        n = 80
+        created, tokens, k, v = self.make_session(kvshade.Profile("exact"), n)
+        self.assertEqual(created.effective_profile, "exact")
+        info = self.c.get_session(created.session_id)
+        self.assertEqual(info["state"], "ready")
+        self.assertEqual(info["tokens"], n)
+        self.assertEqual(info["label"], "unit")
+        att = self.c.attach(created.session_id, "py-worker")
+        for layer in range(L):
+            st = self.c.static_set(att.attachment_id, layer)
+            self.assertEqual(st.tail_k.shape, (n, H, D))
+            # Values come back bit-identical to the bf16 that went in.
+            np.testing.assert_array_equal(st.tail_v, bf16(v[layer]))
+            q = bf16(self.rng.standard_normal((HQ, D)).astype(np.float32))
+            out = self.c.attend(layer, [att.attachment_id], q)
+            self.assertEqual(out.shape, (1, HQ, D))
+            g = HQ // H
+            for hq in range(HQ):
+                logits = st.tail_k[:, hq // g] @ q[hq] / np.sqrt(D)
+                p = np.exp(logits - logits.max())
+                ref = (p / p.sum()) @ st.tail_v[:, hq // g]
+                np.testing.assert_allclose(out[0, hq], ref, atol=2e-3)
+        ak, av = self.kv(3)
+        self.assertEqual(self.c.append(created.session_id, [1, 2, 3], ak, av), n + 3)
+        self.assertEqual(self.c.get_session(created.session_id)["tokens"], n + 3)
+        self.c.detach(att.attachment_id)
+        self.c.close_session(created.session_id)
+        with self.assertRaises(kvshade.NotFound):
+            self.c.get_session(created.session_id)
+
+    def test_shadow_prefix_fork_select(self):
+        n = 256
+        prof = kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=4, outliers=2, local_window=32)
+        created, tokens, k, v = self.make_session(prof, n, name="py-shadow")
+        self.assertEqual(created.effective_profile, "shadow")
+        reusable, segments = self.c.lookup_prefix(model(name="py-shadow"), prof, tokens)
+        self.assertGreater(reusable, 0)
+        self.assertGreaterEqual(segments, 1)
+        child, shared = self.c.fork_session(created.session_id, n)
+        self.assertEqual(shared, n)
+        self.assertNotEqual(child, created.session_id)
+        att = self.c.attach(child, "py-fork")
+        self.assertEqual(att.slots_per_head, 4)
+        self.assertEqual(att.chunk_size, 8)
+        q = self.rng.standard_normal((1, HQ, D)).astype(np.float32)
+        (d1,) = self.c.select(0, [att.attachment_id], q)
+        self.assertEqual(d1.attachment_id, att.attachment_id)
+        m = len(d1.head)
+        self.assertGreater(m, 0)
+        self.assertLessEqual(m, H * 4)
+        self.assertEqual(d1.keys.shape, (m, 8, D))
+        self.assertEqual(d1.values.shape, (m, 8, D))
+        self.assertTrue(np.isfinite(d1.keys).all())
+        self.assertTrue((d1.slot < 4).all() and (d1.head < H).all())
+        # Values of a selected chunk are the ingested values (bf16) of its tokens.
+        c0, h0 = int(d1.chunk[0]), int(d1.head[0])
+        np.testing.assert_array_equal(d1.values[0], bf16(v[0, c0 * 8:(c0 + 1) * 8, h0]))
+        # The same query again: everything hits, nothing moves.
+        (d2,) = self.c.select(0, [att.attachment_id], q)
+        self.assertEqual(len(d2.head), 0)
+        self.assertEqual(d2.hits, d2.selected)
+        self.c.detach(att.attachment_id)
+        self.c.close_session(child)
+        self.c.close_session(created.session_id)
+
+    def test_errors_map_to_exceptions(self):
+        with self.assertRaises(kvshade.NotFound) as cm:
+            self.c.get_session("no-such-session")
+        self.assertEqual(cm.exception.code, 5)
+        self.assertIsInstance(cm.exception, LookupError)
+        self.assertTrue(str(cm.exception))
+        with self.assertRaises(kvshade.NotFound):
+            self.c.attach("no-such-session")
+        bad = kvshade.ModelSpec("bad", num_layers=L, num_query_heads=3, num_kv_heads=2, head_dim=D)
+        with self.assertRaises(kvshade.InvalidArgument) as cm:
+            self.c.create_session(bad, kvshade.Profile("exact"), [1, 2, 3])
+        self.assertIsInstance(cm.exception, ValueError)
+        self.assertEqual(cm.exception.code, 3)
+        # A layer of the wrong head count: the server refuses the stream.
+        created = self.c.create_session(model(), kvshade.Profile("exact"), list(range(40)))
+        with self.assertRaises(kvshade.InvalidArgument):
+            with self.c.ingest(created.session_id) as ing:
+                k = np.ones((40, H + 1, D), np.float32)
+                ing.layer(0, k, k)
+                ing.layer(1, k, k)
+                ing.commit()
+        # Nothing was committed; the session can still be ingested.
+        self.assertEqual(self.c.get_session(created.session_id)["state"], "ingesting")
+        with self.assertRaises(kvshade.InvalidArgument):
+            self.c.ingest(created.session_id).layer(0, np.ones((4, 2)), np.ones((4, 2)))
+        with self.assertRaises(kvshade.InvalidArgument):
+            kvshade.Profile("bogus")._c()
+        # Select on a session still ingesting.
+        with self.assertRaises(kvshade.KvShadeError):
+            att = self.c.attach(created.session_id)
+            self.c.select(0, [att.attachment_id], np.ones((HQ, D), np.float32))
+        self.c.close_session(created.session_id)
+
+    def test_package_loads_library_next_to_it(self):
+        # A copy of the package with libkvshade.so inside it, in a fresh interpreter without
+        # KVSHADE_LIB: the library next to the package is found and works.
+        with tempfile.TemporaryDirectory() as d:
+            pkg = os.path.join(d, "kvshade")
+            shutil.copytree(os.path.dirname(kvshade.__file__), pkg,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+            shutil.copy(kvshade.library_path(), os.path.join(pkg, "libkvshade.so"))
+            env = {k: v for k, v in os.environ.items() if k not in ("KVSHADE_LIB", "PYTHONPATH")}
+            code = ("import kvshade; c = kvshade.Client(%r); print(kvshade.library_path()); print(c.healthy())"
+                    % self.server.target)
+            out = subprocess.run([sys.executable, "-c", code], cwd=d, env=env, capture_output=True, text=True,
+                                 timeout=60)
+            self.assertEqual(out.returncode, 0, out.stderr)
+            self.assertEqual(out.stdout.split(), [os.path.join(pkg, "libkvshade.so"), "True"])
+
+    def test_unreachable_server(self):
+        c = kvshade.Client("127.0.0.1:1", timeout=2)
+        with self.assertRaises((kvshade.Unavailable, kvshade.DeadlineExceeded)):
+            c.get_session("x")
+        c.close()
+        with self.assertRaises(kvshade.InvalidArgument):
+            c.get_session("x")
+
+
+if __name__ == "__main__":
+    unittest.main()
