@@ -626,6 +626,19 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
   resp.set_slots_per_head(s->profile.kind == v1::PROFILE_KIND_SHADOW ? s->profile.sparse_budget : 0);
   resp.set_local_window(s->profile.local_window);
   resp.set_writer(a->writer);
+  // Page the session's spilled values in ahead of its first decode step (asynchronous;
+  // an error here only means the first Select pages in synchronously, or reports it).
+  std::vector<storage::SegmentId> ids;
+  {
+    std::shared_lock<std::shared_mutex> lock(s->mu);
+    for (const auto& seg : s->chain) {
+      const Segment& owner = seg->values_owner();
+      if (owner.values_in_store) ids.push_back(owner.id);
+    }
+  }
+  if (!ids.empty()) {
+    store_->Prefetch(std::move(ids), [](absl::Status) {});
+  }
   UpdateGauges();
   return resp;
 }
