@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <future>
 #include <sstream>
@@ -218,7 +219,36 @@ absl::StatusOr<v1::AppendTokensResponse> Client::AppendTokens(const v1::AppendTo
 }
 
 absl::StatusOr<v1::AttachResponse> Client::Attach(const v1::AttachRequest& req) {
-  return Unary<v1::AttachRequest, v1::AttachResponse>(&v1::KvShade::Stub::Attach, req);
+  auto r = Unary<v1::AttachRequest, v1::AttachResponse>(&v1::KvShade::Stub::Attach, req);
+  if (!r.ok() || !options_.use_ucx) return r;
+  std::lock_guard<std::mutex> lock(ucx_mu_);
+  if (ucx_ != nullptr || ucx_tried_) return r;
+  ucx_tried_ = true;
+  if (r->data_plane_address().empty()) {
+    UcxFallback(absl::UnavailableError("the daemon offers no UCX data plane (ucx.enable off)"));
+    return r;
+  }
+  UcxOptions o;
+  o.transports = options_.ucx_transports;
+  o.timeout = options_.timeout;
+  auto dp = UcxDataPlane::Connect(r->data_plane_address(), r->data_plane_token(), o);
+  if (!dp.ok()) {
+    UcxFallback(dp.status());
+  } else {
+    ucx_ = *std::move(dp);
+  }
+  return r;
+}
+
+bool Client::ucx_connected() const {
+  std::lock_guard<std::mutex> lock(ucx_mu_);
+  return ucx_ != nullptr;
+}
+
+void Client::UcxFallback(const absl::Status& why) {
+  ucx_fallbacks_.fetch_add(1);
+  std::fprintf(stderr, "kvshade client: UCX data plane unavailable, falling back to gRPC inline: %s\n",
+               std::string(why.message()).c_str());
 }
 
 absl::Status Client::Detach(const std::string& attachment_id) {
@@ -237,6 +267,22 @@ absl::StatusOr<v1::GetStaticSetResponse> Client::GetStaticSet(const std::string&
 
 absl::StatusOr<v1::SelectAndReconstructResponse> Client::SelectAndReconstruct(
     const v1::SelectAndReconstructRequest& req) {
+  std::shared_ptr<UcxDataPlane> dp;
+  {
+    std::lock_guard<std::mutex> lock(ucx_mu_);
+    dp = ucx_;
+  }
+  if (dp != nullptr) {
+    auto r = dp->SelectAndReconstruct(req);
+    // Only a dead transport falls back; the daemon's own answers (bad request, unknown
+    // attachment, ...) are returned as they are.
+    if (r.ok() || !dp->failed()) return r;
+    {
+      std::lock_guard<std::mutex> lock(ucx_mu_);
+      if (ucx_ == dp) ucx_.reset();
+    }
+    UcxFallback(r.status());
+  }
   return Unary<v1::SelectAndReconstructRequest, v1::SelectAndReconstructResponse>(
       &v1::KvShade::Stub::SelectAndReconstruct, req);
 }

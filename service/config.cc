@@ -278,6 +278,13 @@ absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {
                                {"require_client_cert",
                                 Scalar("tls.require_client_cert", &c.tls.require_client_cert)}});
              }},
+            {"ucx",
+             [&](const YAML::Node& n) {
+               return ReadMap(n, "ucx",
+                              {{"enable", Scalar("ucx.enable", &c.ucx.enable)},
+                               {"transports", Scalar("ucx.transports", &c.ucx.transports)},
+                               {"engine_threads", Scalar("ucx.engine_threads", &c.ucx.engine_threads)}});
+             }},
             {"limits",
              [&](const YAML::Node& n) {
                return ReadMap(
@@ -410,6 +417,9 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   }
   if (c.metrics_listen.empty()) return bad("metrics_listen must not be empty");
   if (c.worker_threads > 1024) return bad("worker_threads must be <= 1024, got ", c.worker_threads);
+  if (c.ucx.engine_threads < 1 || c.ucx.engine_threads > 256) {
+    return bad("ucx.engine_threads must be in [1, 256], got ", c.ucx.engine_threads);
+  }
   return absl::OkStatus();
 }
 
@@ -418,12 +428,14 @@ std::string DescribeConfig(const ServerConfig& c) {
   for (const auto& [_, name] : c.tenant_tokens) tenants.insert(name);
   return absl::StrFormat(
       "listen=%s backend=%s device_budget=%d host_budget=%d spill=%s tls=%s mtls=%s tenants=[%s] "
-      "metrics=%s",
+      "metrics=%s ucx=%s",
       c.listen, c.backend, c.device_budget_bytes, c.host_budget_bytes,
       c.spill_path.empty() ? "off" : c.spill_path, c.tls.cert_file.empty() ? "off" : "on",
       c.tls.require_client_cert ? "required" : (c.tls.client_ca_file.empty() ? "off" : "optional"),
       tenants.empty() ? "open" : absl::StrJoin(tenants, ","),
-      c.metrics_port ? absl::StrCat(c.metrics_listen, ":", c.metrics_port) : "off");
+      c.metrics_port ? absl::StrCat(c.metrics_listen, ":", c.metrics_port) : "off",
+      c.ucx.enable ? (c.ucx.transports.empty() ? std::string("auto") : c.ucx.transports)
+                   : std::string("off"));
 }
 
 }  // namespace kvshade::service

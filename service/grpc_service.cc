@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvshade/service/engine.h"
+#include "kvshade/service/ucx_server.h"
 #include "status_util.h"
 
 namespace kvshade::service {
@@ -135,7 +136,15 @@ grpc::Status KvShadeService::AppendTokens(grpc::ServerContext* ctx,
 grpc::Status KvShadeService::Attach(grpc::ServerContext* ctx, const v1::AttachRequest* req,
                                     v1::AttachResponse* resp) {
   return Run(deps_, "Attach", ctx, resp,
-             [&](const Tenant& t) { return engine_->Attach(t, *req); });
+             [&](const Tenant& t) -> absl::StatusOr<v1::AttachResponse> {
+               auto r = engine_->Attach(t, *req);
+               if (r.ok() && deps_.ucx != nullptr) {
+                 // The token is bound to this caller's tenant and admits one UCX client.
+                 r->set_data_plane_address(deps_.ucx->address());
+                 r->set_data_plane_token(deps_.ucx->IssueToken(t));
+               }
+               return r;
+             });
 }
 
 grpc::Status KvShadeService::Detach(grpc::ServerContext* ctx, const v1::DetachRequest* req,

@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kvshade/service/grpc_service.h"
+#include "kvshade/service/ucx_server.h"
 
 namespace kvshade::service {
 namespace {
@@ -92,9 +93,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   deps.config = &s->config_;
   deps.metrics = s->metrics_.get();
   deps.auth = s->auth_.get();
+  if (config.ucx.enable) {
+    auto ucx = UcxServer::Start(s->config_, s->metrics_.get());
+    if (!ucx.ok()) return ucx.status();
+    s->ucx_ = *std::move(ucx);
+    deps.ucx = s->ucx_.get();
+  }
   auto service = KvShadeService::Create(deps);
   if (!service.ok()) return service.status();
   s->service_ = *std::move(service);
+  if (s->ucx_) s->ucx_->SetEngine(&s->service_->engine());
 
   auto creds = MakeCredentials(config.tls);
   if (!creds.ok()) return creds.status();
@@ -176,6 +184,7 @@ absl::Status Server::Shutdown(absl::Duration grace) {
   // nothing polls adds a few seconds here (bounded by gRPC, not by `grace`).
   server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(grace));
   server_->Wait();
+  if (ucx_) ucx_->Stop();  // data-plane requests in flight finish; new ones are dropped
   exposer_.reset();
   spdlog::info("kvshade-server stopped (drain {}, gRPC stop {})", absl::FormatDuration(t1 - t0),
                absl::FormatDuration(absl::Now() - t1));

@@ -7,9 +7,11 @@
 // grpc::ClientContext. An IngestWriter belongs to one thread.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -20,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "kvshade/client/ucx_data_plane.h"
 #include "kvshade/v1/kvshade.grpc.pb.h"
 #include "kvshade/v1/kvshade.pb.h"
 
@@ -35,6 +38,12 @@ struct ClientOptions {
   std::string tls_server_name;  // expected name in the server certificate (overrides target)
   absl::Duration timeout = absl::Seconds(60);  // deadline of each call
   uint64_t max_message_bytes = 512ull << 20;
+  // UCX data plane: when set and the daemon's Attach hands out a data-plane address, the
+  // client connects over UCX (once, with the first token) and SelectAndReconstruct goes
+  // over it. If UCX cannot connect, or the connection dies, calls fall back to gRPC
+  // inline with a log line on stderr and ucx_fallbacks() counts it.
+  bool use_ucx = false;
+  std::string ucx_transports;  // UCX_TLS value for the client's worker ("" = UCX's choice)
 };
 
 // grpc.health.v1 ServingStatus.
@@ -84,6 +93,10 @@ class Client {
   // DeadlineExceeded names the last status or error seen.
   absl::Status WaitForServing(absl::Duration deadline);
 
+  // --- UCX data plane (see ClientOptions::use_ucx) ---
+  bool ucx_connected() const;
+  uint64_t ucx_fallbacks() const { return ucx_fallbacks_.load(); }
+
   // The underlying stub and channel, for callers that need what the wrappers do not cover.
   v1::KvShade::Stub* stub() { return stub_.get(); }
   const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
@@ -100,6 +113,11 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvShade::Stub> stub_;
   std::unique_ptr<grpc::GenericStub> generic_;
+  void UcxFallback(const absl::Status& why);
+  mutable std::mutex ucx_mu_;
+  std::shared_ptr<UcxDataPlane> ucx_;  // null: gRPC inline
+  bool ucx_tried_ = false;
+  std::atomic<uint64_t> ucx_fallbacks_{0};
 };
 
 // One client stream of Ingest: the header is sent by Client::StartIngest; then any number

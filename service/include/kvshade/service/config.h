@@ -43,6 +43,14 @@ struct ProfileDefaults {
   std::string value_codec = "bf16";  // bf16 | fp8 | int4 | int2
 };
 
+// The UCX data plane (service/README.md "UCX data plane"). Off by default: then Attach
+// hands out no data-plane address and gRPC is the only transport.
+struct UcxConfig {
+  bool enable = false;
+  std::string transports;       // UCX_TLS value, e.g. "tcp,self" or "shm,self"; "" = UCX's choice
+  uint32_t engine_threads = 2;  // threads that run data-plane requests on the engine
+};
+
 struct ServerConfig {
   std::string listen = "127.0.0.1:50551";  // gRPC host:port
   std::string backend = "cpu";             // cpu | cuda | auto
@@ -57,6 +65,7 @@ struct ServerConfig {
   uint16_t metrics_port = 0;  // 0 = no /metrics endpoint
   std::string metrics_listen = "127.0.0.1";
   uint32_t worker_threads = 0;  // 0 = hardware concurrency
+  UcxConfig ucx;
 };
 
 // Parses a YAML config file. Unknown keys are an error (a typo must not silently fall back

@@ -25,6 +25,7 @@
 namespace kvshade::service {
 
 class Engine;
+class UcxServer;
 
 // What the service borrows from its owner (the Server). All must outlive the service;
 // none may be null. Storage objects (device arena, host value store, spill tier, prefix
@@ -34,6 +35,9 @@ struct ServiceDeps {
   const ServerConfig* config = nullptr;
   Metrics* metrics = nullptr;
   const Authenticator* auth = nullptr;
+  // Optional: the UCX data plane. When set, Attach hands out its worker address and a
+  // one-time admission token; when null (ucx.enable off), Attach leaves them empty.
+  UcxServer* ucx = nullptr;
 };
 
 class KvShadeService final : public kvshade::v1::KvShade::Service {

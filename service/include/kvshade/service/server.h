@@ -27,6 +27,7 @@
 namespace kvshade::service {
 
 class KvShadeService;
+class UcxServer;
 
 class Server {
  public:
@@ -63,6 +64,8 @@ class Server {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Authenticator> auth_;
   std::unique_ptr<KvShadeService> service_;
+  // After service_ so that it is destroyed first (its engine threads use the engine).
+  std::unique_ptr<UcxServer> ucx_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsEndpoint> exposer_;  // /metrics
   int port_ = 0;

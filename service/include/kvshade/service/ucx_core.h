@@ -1,0 +1,228 @@
+// UCX building blocks shared by the daemon (ucx_server.h) and the client
+// (kvshade/client/ucx_data_plane.h): RAII owners for every UCP handle, ucs_status_t ->
+// absl::Status at the lowest wrapper, a progress thread that owns one worker, and a
+// messenger that turns UCX active messages (eager or rendezvous) into whole
+// (header, payload) messages.
+//
+// Threading: a ucp_worker_h is used only by its UcxLoop's thread (the worker is created
+// UCS_THREAD_MODE_SINGLE). Other threads hand work to that thread with UcxLoop::Post or
+// UcxLoop::Call; ucp_worker_signal wakes it. Callbacks that UCX invokes never throw: they
+// only copy bytes and queue work.
+#pragma once
+
+#include <ucp/api/ucp.h>
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
+namespace kvshade::service::ucx {
+
+// ucs_status_t -> absl::Status; `what` names the failed call.
+absl::Status FromUcs(ucs_status_t s, std::string_view what);
+
+// AttachResponse.data_plane_address is a proto string (UTF-8), so the worker's binary
+// address travels as "ucx-worker:<base64>".
+std::string EncodeWorkerAddress(const std::string& raw);
+absl::StatusOr<std::string> DecodeWorkerAddress(const std::string& text);
+
+// Active-message ids of the kvshade data plane (requests client -> daemon; replies
+// daemon -> client carry kReply).
+enum AmId : unsigned {
+  kHello = 1,      // header: admission_token; reply payload: "" (key in the reply header)
+  kSelect = 2,     // payload: SelectAndReconstructRequest; reply: ...Response
+  kBye = 3,        // forget the connection key; no reply
+  kIngest = 4,     // header.body: IngestRequest without tensor data; payload: the data
+  kReply = 100,    // header: request_id, code; payload: response or error message
+};
+
+class UcxContext {
+ public:
+  // `transports`: UCX_TLS value ("" = UCX's choice, e.g. "tcp,self" or "shm,self").
+  // Features: active messages, RMA, wakeup.
+  static absl::StatusOr<std::unique_ptr<UcxContext>> Create(const std::string& transports);
+  ~UcxContext();
+  UcxContext(const UcxContext&) = delete;
+  UcxContext& operator=(const UcxContext&) = delete;
+  ucp_context_h get() const { return h_; }
+
+ private:
+  explicit UcxContext(ucp_context_h h) : h_(h) {}
+  ucp_context_h h_;
+};
+
+class UcxWorker {
+ public:
+  static absl::StatusOr<std::unique_ptr<UcxWorker>> Create(UcxContext& ctx);
+  ~UcxWorker();
+  UcxWorker(const UcxWorker&) = delete;
+  UcxWorker& operator=(const UcxWorker&) = delete;
+  ucp_worker_h get() const { return h_; }
+  // The worker's address as an opaque byte string (what Attach hands out).
+  absl::StatusOr<std::string> Address() const;
+
+ private:
+  explicit UcxWorker(ucp_worker_h h) : h_(h) {}
+  ucp_worker_h h_;
+};
+
+// An endpoint to a remote worker address, error mode PEER where the transports support
+// it (a dead peer fails requests instead of hanging). Must be created and destroyed on the worker's thread;
+// the destructor closes it (flush, bounded by progress) .
+class UcxEndpoint {
+ public:
+  // `on_error` (may be null) runs on the worker's thread when the peer fails.
+  static absl::StatusOr<std::unique_ptr<UcxEndpoint>> Connect(
+      UcxWorker& worker, const std::string& address, std::function<void()> on_error = nullptr);
+  ~UcxEndpoint();
+  UcxEndpoint(const UcxEndpoint&) = delete;
+  UcxEndpoint& operator=(const UcxEndpoint&) = delete;
+  ucp_ep_h get() const { return h_; }
+  // Set (from the error callback) when the peer failed; later sends fail fast.
+  bool failed() const { return failed_.load(); }
+  absl::Status error() const;
+  // False when the transports in use cannot detect a dead peer (UCX 1.13 shm): the
+  // endpoint then runs in error mode NONE.
+  bool peer_failure_detection() const { return peer_failure_detection_; }
+
+ private:
+  UcxEndpoint(ucp_worker_h w) : worker_(w) {}
+  static void OnError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  ucp_worker_h worker_;
+  ucp_ep_h h_ = nullptr;
+  std::atomic<bool> failed_{false};
+  std::atomic<int> error_status_{UCS_OK};
+  bool peer_failure_detection_ = true;
+  std::function<void()> on_error_;
+};
+
+// Registered memory (host). Maps `bytes` at `data` for RMA; Pack() gives the rkey buffer a
+// peer unpacks into a UcxRemoteKey.
+class UcxMemHandle {
+ public:
+  static absl::StatusOr<std::unique_ptr<UcxMemHandle>> Map(UcxContext& ctx, void* data,
+                                                           size_t bytes);
+  ~UcxMemHandle();
+  UcxMemHandle(const UcxMemHandle&) = delete;
+  UcxMemHandle& operator=(const UcxMemHandle&) = delete;
+  ucp_mem_h get() const { return h_; }
+  absl::StatusOr<std::string> PackRkey() const;
+  uint64_t address() const { return reinterpret_cast<uint64_t>(data_); }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  UcxMemHandle(ucp_context_h c, ucp_mem_h h, void* data, size_t bytes)
+      : ctx_(c), h_(h), data_(data), bytes_(bytes) {}
+  ucp_context_h ctx_;
+  ucp_mem_h h_;
+  void* data_;
+  size_t bytes_;
+};
+
+class UcxRemoteKey {
+ public:
+  static absl::StatusOr<std::unique_ptr<UcxRemoteKey>> Unpack(UcxEndpoint& ep,
+                                                              const std::string& packed);
+  ~UcxRemoteKey();
+  UcxRemoteKey(const UcxRemoteKey&) = delete;
+  UcxRemoteKey& operator=(const UcxRemoteKey&) = delete;
+  ucp_rkey_h get() const { return h_; }
+
+ private:
+  explicit UcxRemoteKey(ucp_rkey_h h) : h_(h) {}
+  ucp_rkey_h h_;
+};
+
+// Waits for a UCP request (ucs_status_ptr_t) by progressing `worker` on the calling
+// thread (which must be the worker's thread); frees the request.
+absl::Status WaitRequest(ucp_worker_h worker, ucs_status_ptr_t req, std::string_view what);
+
+// A whole received active message.
+struct AmMessage {
+  unsigned id = 0;
+  std::string header;
+  std::string payload;
+  ucp_ep_h reply_ep = nullptr;  // valid while the peer is connected
+};
+
+// The progress thread: owns the context and worker, progresses the worker, runs posted
+// tasks, assembles active messages (eager and rendezvous) and hands each whole message to
+// the handler of its id (on this thread: handlers must be quick; hand heavy work off).
+class UcxLoop {
+ public:
+  using Handler = std::function<void(AmMessage&&)>;
+  // Creates context + worker and starts the thread. `handlers`: AM id -> handler.
+  static absl::StatusOr<std::unique_ptr<UcxLoop>> Start(const std::string& transports,
+                                                        std::map<unsigned, Handler> handlers);
+  ~UcxLoop();  // Stop()
+  // Runs `cleanup` (may be null) on the loop thread, then stops and joins it. Idempotent.
+  void Stop(std::function<void()> cleanup = nullptr);
+
+  // Runs `task` on the loop thread (asynchronously). False once stopped.
+  bool Post(std::function<void()> task);
+  // Runs `fn` on the loop thread and waits for its result.
+  template <typename T>
+  absl::StatusOr<T> Call(std::function<absl::StatusOr<T>()> fn) {
+    auto p = std::make_shared<std::promise<absl::StatusOr<T>>>();
+    auto f = p->get_future();
+    if (!Post([p, fn = std::move(fn)] { p->set_value(fn()); })) {
+      return absl::UnavailableError("UCX progress thread stopped");
+    }
+    return f.get();
+  }
+  absl::Status CallStatus(std::function<absl::Status()> fn);
+
+  // Sends an active message (loop thread only). Buffers are owned until completion;
+  // failures are returned (immediate) or logged to `on_error` (asynchronous; may be null).
+  absl::Status Send(ucp_ep_h ep, unsigned id, std::string header, std::string payload);
+  // Same with the payload gathered from caller buffers (zero-copy; rendezvous above
+  // 64 KiB). The buffers must stay valid until the peer has replied to this message.
+  absl::Status SendIov(ucp_ep_h ep, unsigned id, std::string header,
+                       std::vector<std::pair<const void*, size_t>> parts);
+
+  // Messages with a larger payload are dropped unread (default 512 MiB). Set before
+  // peers connect.
+  void set_max_payload(size_t bytes) { max_payload_ = bytes; }
+
+  UcxContext& context() { return *context_; }
+  UcxWorker& worker() { return *worker_; }
+  const std::string& address() const { return address_; }
+  bool on_loop_thread() const { return std::this_thread::get_id() == thread_.get_id(); }
+
+ private:
+  UcxLoop() = default;
+  void Run();
+  static ucs_status_t OnAm(void* arg, const void* header, size_t header_length, void* data,
+                           size_t length, const ucp_am_recv_param_t* param);
+  void Deliver(AmMessage&& m);
+
+  std::unique_ptr<UcxContext> context_;
+  std::unique_ptr<UcxWorker> worker_;
+  std::string address_;
+  std::map<unsigned, Handler> handlers_;
+  std::atomic<size_t> max_payload_{size_t{512} << 20};
+  struct AmArg {
+    UcxLoop* loop;
+    unsigned id;
+  };
+  std::deque<AmArg> am_args_;  // stable addresses for the AM callbacks
+  std::mutex mu_;
+  std::deque<std::function<void()>> tasks_;
+  bool stopping_ = false;
+  std::atomic<bool> stopped_{false};
+  std::thread thread_;
+};
+
+}  // namespace kvshade::service::ucx
