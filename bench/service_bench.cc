@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kvshade/client/client.h"
+#include "spawn_server.h"
 #include "kvshade/client/tensor.h"
 #include "synthetic.h"
 
@@ -95,44 +96,11 @@ int main(int argc, char** argv) {
   }
 
   // --- Server: our own child on a kernel-chosen port, unless --target.
-  pid_t pid = -1;
-  std::string port_file;
+  std::optional<kvshade::bench::SpawnedServer> server;
   if (o.target.empty()) {
-    // OpenMP threads that spin at barriers (libgomp's default "active" wait) collapse
-    // throughput when the cores are shared (7x slower ingest measured on a loaded 2-core
-    // VM); the spawned server waits passively unless the caller chose otherwise.
-    setenv("OMP_WAIT_POLICY", "passive", /*overwrite=*/0);
-    char dir[] = "/tmp/kvshade-bench-XXXXXX";
-    if (mkdtemp(dir) == nullptr) return 1;
-    port_file = std::string(dir) + "/port";
-    const std::string log = std::string(dir) + "/server.log";
-    std::vector<std::string> args = {o.server, "--backend", o.backend, "--listen", "127.0.0.1:0",
-                                     "--port-file", port_file, "--log-level", "warn"};
-    std::vector<char*> argv_c;
-    for (auto& a : args) argv_c.push_back(a.data());
-    argv_c.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    posix_spawn_file_actions_adddup2(&fa, 1, 2);
-    if (posix_spawn(&pid, o.server.c_str(), &fa, nullptr, argv_c.data(), environ) != 0) {
-      std::fprintf(stderr, "service_bench: cannot start %s\n", o.server.c_str());
-      return 1;
-    }
-    posix_spawn_file_actions_destroy(&fa);
-    const auto end = Clock::now() + std::chrono::seconds(30);
-    while (Clock::now() < end && access(port_file.c_str(), R_OK) != 0) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    FILE* f = std::fopen(port_file.c_str(), "r");
-    int port = 0;
-    if (f == nullptr || std::fscanf(f, "%d", &port) != 1) {
-      std::fprintf(stderr, "service_bench: server did not start (log %s)\n", log.c_str());
-      kill(pid, SIGKILL);
-      return 1;
-    }
-    std::fclose(f);
-    o.target = "127.0.0.1:" + std::to_string(port);
+    server = kvshade::bench::SpawnServer(o.server, {"--backend", o.backend}, "service_bench");
+    if (!server) return 1;
+    o.target = server->target;
   }
   kvshade::client::ClientOptions co;
   co.target = o.target;
@@ -306,11 +274,6 @@ int main(int argc, char** argv) {
                 static_cast<unsigned long long>(st->chunks_selected()),
                 st->chunks_selected() ? 100.0 * st->chunk_hits() / st->chunks_selected() : 0.0);
   }
-  if (pid > 0) {
-    kill(pid, SIGTERM);
-    int status = 0;
-    waitpid(pid, &status, 0);
-    std::remove(port_file.c_str());
-  }
+  if (server) kvshade::bench::StopServer(*server);
   return 0;
 }

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "kvshade/client/client.h"
+#include "spawn_server.h"
 #include "kvshade/client/tensor.h"
 #include "synthetic.h"
 
@@ -80,44 +81,19 @@ int main(int argc, char** argv) {
   }
 
   // --- Server: our own child with the data plane on.
-  setenv("OMP_WAIT_POLICY", "passive", /*overwrite=*/0);
-  char dir[] = "/tmp/kvshade-ucx-bench-XXXXXX";
-  if (mkdtemp(dir) == nullptr) return 1;
-  const std::string port_file = std::string(dir) + "/port";
-  const std::string log = std::string(dir) + "/server.log";
-  const std::string cfg = std::string(dir) + "/ucx.yaml";
+  const std::string cfg = [&] {
+    char tmpl[] = "/tmp/kvshade-ucx-cfg-XXXXXX";
+    const int fd = mkstemp(tmpl);
+    if (fd >= 0) close(fd);
+    return std::string(tmpl);
+  }();
   std::ofstream(cfg) << "ucx:\n  enable: true\n  transports: \"" << o.transports << "\"\n";
-  std::vector<std::string> args = {o.server,      "-c",          cfg,        "--backend", "cpu",
-                                   "--listen",    "127.0.0.1:0", "--port-file", port_file,
-                                   "--log-level", "warn"};
-  std::vector<char*> argv_c;
-  for (auto& a : args) argv_c.push_back(a.data());
-  argv_c.push_back(nullptr);
-  posix_spawn_file_actions_t fa;
-  posix_spawn_file_actions_init(&fa);
-  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  posix_spawn_file_actions_adddup2(&fa, 1, 2);
-  pid_t pid = -1;
-  if (posix_spawn(&pid, o.server.c_str(), &fa, nullptr, argv_c.data(), environ) != 0) {
-    std::fprintf(stderr, "ucx_bench: cannot start %s\n", o.server.c_str());
-    return 1;
-  }
-  posix_spawn_file_actions_destroy(&fa);
-  const auto end = Clock::now() + std::chrono::seconds(30);
-  while (Clock::now() < end && access(port_file.c_str(), R_OK) != 0) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  FILE* f = std::fopen(port_file.c_str(), "r");
-  int port = 0;
-  if (f == nullptr || std::fscanf(f, "%d", &port) != 1) {
-    std::fprintf(stderr, "ucx_bench: server did not start (log %s)\n", log.c_str());
-    kill(pid, SIGKILL);
-    return 1;
-  }
-  std::fclose(f);
+  auto server = kvshade::bench::SpawnServer(o.server, {"-c", cfg, "--backend", "cpu"}, "ucx_bench");
+  if (!server) return 1;
+  const pid_t pid = server->pid;
 
   kvshade::client::ClientOptions go;
-  go.target = "127.0.0.1:" + std::to_string(port);
+  go.target = server->target;
   go.timeout = absl::Seconds(600);
   kvshade::client::ClientOptions uo = go;
   uo.use_ucx = true;
@@ -239,12 +215,7 @@ int main(int argc, char** argv) {
                 o.transports.c_str(), Pct(tu, 0.5), Pct(tu, 0.99), tu.size());
   }
   std::printf("\nUCX fallbacks: %llu\n", static_cast<unsigned long long>(u.ucx_fallbacks()));
-  kill(pid, SIGTERM);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  std::remove(port_file.c_str());
-  std::remove(log.c_str());
+  kvshade::bench::StopServer(*server);
   std::remove(cfg.c_str());
-  rmdir(dir);
   return 0;
 }
