@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "kvshade/client/client.h"
-#include "spawn_server.h"
+#include "loopback.h"
 #include "kvshade/client/tensor.h"
 #include "synthetic.h"
 
@@ -47,16 +47,9 @@ struct Options {
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
-double Pct(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  const double idx = p * (v.size() - 1);
-  const size_t lo = static_cast<size_t>(idx), hi = std::min(lo + 1, v.size() - 1);
-  return v[lo] + (v[hi] - v[lo]) * (idx - lo);
-}
-
 void Row(const char* name, const std::vector<double>& ms) {
   if (ms.empty()) return;
-  std::printf("| %-38s | %9.3f | %9.3f | %6zu |\n", name, Pct(ms, 0.5), Pct(ms, 0.99), ms.size());
+  std::printf("| %-38s | %9.3f | %9.3f | %6zu |\n", name, kvshade::bench::Percentile(ms, 0.5), kvshade::bench::Percentile(ms, 0.99), ms.size());
 }
 
 [[noreturn]] void Die(const std::string& what, const absl::Status& s) {

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "kvshade/client/client.h"
-#include "spawn_server.h"
+#include "loopback.h"
 #include "kvshade/client/tensor.h"
 #include "synthetic.h"
 
@@ -45,13 +45,6 @@ struct Options {
 };
 
 double Us(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
-
-double Pct(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  const double idx = p * (v.size() - 1);
-  const size_t lo = static_cast<size_t>(idx), hi = std::min(lo + 1, v.size() - 1);
-  return v[lo] + (v[hi] - v[lo]) * (idx - lo);
-}
 
 [[noreturn]] void Die(const std::string& what, const absl::Status& s) {
   std::fprintf(stderr, "ucx_bench: %s: %s\n", what.c_str(), s.ToString().c_str());
@@ -185,9 +178,9 @@ int main(int argc, char** argv) {
       }
     }
     std::printf("| SelectAndReconstruct batch %zu | gRPC inline | %.1f | %.1f | %zu |\n", batch,
-                Pct(tg, 0.5), Pct(tg, 0.99), tg.size());
+                kvshade::bench::Percentile(tg, 0.5), kvshade::bench::Percentile(tg, 0.99), tg.size());
     std::printf("| SelectAndReconstruct batch %zu | UCX (%s) | %.1f | %.1f | %zu |\n", batch,
-                o.transports.c_str(), Pct(tu, 0.5), Pct(tu, 0.99), tu.size());
+                o.transports.c_str(), kvshade::bench::Percentile(tu, 0.5), kvshade::bench::Percentile(tu, 0.99), tu.size());
   }
   // Transport floor: a request the engine rejects at once (unknown attachment), so the
   // round trip is the transport plus request parsing.
@@ -209,10 +202,10 @@ int main(int argc, char** argv) {
       tg.push_back(Us(t1 - t0));
       tu.push_back(Us(t2 - t1));
     }
-    std::printf("| transport floor (NOT_FOUND reply) | gRPC inline | %.1f | %.1f | %zu |\n", Pct(tg, 0.5),
-                Pct(tg, 0.99), tg.size());
+    std::printf("| transport floor (NOT_FOUND reply) | gRPC inline | %.1f | %.1f | %zu |\n", kvshade::bench::Percentile(tg, 0.5),
+                kvshade::bench::Percentile(tg, 0.99), tg.size());
     std::printf("| transport floor (NOT_FOUND reply) | UCX (%s) | %.1f | %.1f | %zu |\n",
-                o.transports.c_str(), Pct(tu, 0.5), Pct(tu, 0.99), tu.size());
+                o.transports.c_str(), kvshade::bench::Percentile(tu, 0.5), kvshade::bench::Percentile(tu, 0.99), tu.size());
   }
   std::printf("\nUCX fallbacks: %llu\n", static_cast<unsigned long long>(u.ucx_fallbacks()));
   kvshade::bench::StopServer(*server);

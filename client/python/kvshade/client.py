@@ -200,7 +200,31 @@ class SlotDelta:
     selected: int = 0
 
 
-class Ingest:
+class _NativeHandle:
+    """Owns one handle of libkvshade (self._h), freed by the C function named `_free`:
+    close() is idempotent, and the object is a context manager."""
+
+    _free = None
+
+    def close(self):
+        if getattr(self, "_h", None):
+            getattr(_native.lib(), self._free)(self._h)
+            self._h = ctypes.c_void_p()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Ingest(_NativeHandle):
     """One Ingest stream (a context manager: leaving it without commit() cancels)."""
 
     def __init__(self, client, session_id, dtype):
@@ -232,25 +256,10 @@ class Ingest:
             self.close()
         return tokens.value
 
-    def close(self):
-        if self._h:
-            _native.lib().kvshade_ingest_free(self._h)
-            self._h = ctypes.c_void_p()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    _free = "kvshade_ingest_free"
 
 
-class Client:
+class Client(_NativeHandle):
     """A connection to one kvshade-server (thread-safe; close() or use as a context manager)."""
 
     def __init__(self, target="127.0.0.1:50551", token=None, tls=False, ca_file=None, cert_file=None,
@@ -272,22 +281,7 @@ class Client:
             raise InvalidArgument("client is closed")
         return self._h
 
-    def close(self):
-        if self._h:
-            _native.lib().kvshade_client_free(self._h)
-            self._h = ctypes.c_void_p()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    _free = "kvshade_client_free"
 
     # --- Health ---
     def wait_ready(self, timeout=10.0):

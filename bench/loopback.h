@@ -1,5 +1,6 @@
 // Shared by the loopback benchmarks: starts kvshade-server as a child process on a
-// kernel-chosen loopback port and reads the port back from its --port-file.
+// kernel-chosen loopback port (reading the port back from its --port-file), stops it, and
+// takes percentiles of the measured round trips.
 #pragma once
 
 #include <fcntl.h>
@@ -8,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -76,6 +78,14 @@ inline std::optional<SpawnedServer> SpawnServer(const std::string& binary,
   }
   s.target = "127.0.0.1:" + std::to_string(port);
   return s;
+}
+
+// The p-quantile (0 <= p <= 1) of `v`, linearly interpolated between order statistics.
+inline double Percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  const double idx = p * (v.size() - 1);
+  const size_t lo = static_cast<size_t>(idx), hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (v[hi] - v[lo]) * (idx - lo);
 }
 
 // Stops the server with SIGTERM (a graceful drain), waits for it, and removes its
