@@ -115,7 +115,10 @@ TEST(AppendTest, ExactAndMiniAppend) {
   EXPECT_LT(resid, 0.05);                  // bf16 residual rows
   auto mo = hx.Attend(m.attachment, 0, q);
   ASSERT_TRUE(mo.ok()) << mo.status();
-  EXPECT_LT(RelErr(*mo, ExactAttend(s, 0, kG, q, 250)), 0.6);
+  // mini evicts most prompt tokens, so against exact attention over all 250 this is only
+  // a coarse sanity bound (the exact checks are the INT2 and residual rows above). Over
+  // 40 random seeds the error reached 0.614, and 0.6 failed ~5% of runs; 0.75 keeps margin.
+  EXPECT_LT(RelErr(*mo, ExactAttend(s, 0, kG, q, 250)), 0.75);
 }
 
 TEST(AppendTest, OneWriterAtATime) {
