@@ -153,6 +153,22 @@ absl::StatusOr<v1::SelectAndReconstructResponse> Engine::SelectAndReconstruct(
 absl::StatusOr<v1::AttendResponse> Engine::Attend(const Tenant& t, const v1::AttendRequest& r) {
   return impl_->Attend(t, r);
 }
+absl::StatusOr<Engine::SlotGeometry> Engine::AttachmentSlots(const Tenant& t,
+                                                             const std::string& attachment_id) {
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> a,
+                           impl_->sessions_.Use(t.name, attachment_id));
+  const Session& s = *a->session;
+  SlotGeometry g;
+  g.layers = static_cast<uint32_t>(s.model.layers);
+  g.heads = static_cast<uint32_t>(s.model.shape.h);
+  g.slots_per_head = s.profile.kind == v1::PROFILE_KIND_SHADOW ? s.profile.sparse_budget : 0;
+  g.chunk_size = static_cast<uint32_t>(s.profile.chunk_size);
+  g.head_dim = static_cast<uint32_t>(s.model.shape.d);
+  g.buffer_bytes = uint64_t{g.layers} * g.heads * g.slots_per_head * g.chunk_size * g.head_dim *
+                   sizeof(kernels::bf16);
+  g.delivery = a->delivery;
+  return g;
+}
 absl::StatusOr<v1::StatsResponse> Engine::Stats(const Tenant&, const v1::StatsRequest&) {
   return impl_->Stats();
 }
@@ -612,9 +628,12 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
     return absl::InvalidArgumentError(
         absl::StrCat("worker_id must be <= 128 bytes, got ", r.worker_id().size()));
   }
-  if (r.delivery() != v1::DELIVERY_MODE_INLINE) {
+  if (r.delivery() != v1::DELIVERY_MODE_INLINE && r.delivery() != v1::DELIVERY_MODE_UCX_RMA) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "delivery must be DELIVERY_MODE_INLINE (the only mode of v1), got ", r.delivery()));
+        "delivery must be DELIVERY_MODE_INLINE or DELIVERY_MODE_UCX_RMA, got ", r.delivery()));
+  }
+  if (r.has_cuda_ipc()) {
+    return absl::InvalidArgumentError("cuda_ipc is only for delivery DELIVERY_MODE_CUDA_IPC");
   }
   KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, sessions_.FindSession(t.name, r.session_id()));
   KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> a,
@@ -626,6 +645,11 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
   resp.set_slots_per_head(s->profile.kind == v1::PROFILE_KIND_SHADOW ? s->profile.sparse_budget : 0);
   resp.set_local_window(s->profile.local_window);
   resp.set_writer(a->writer);
+  a->delivery = r.delivery();
+  resp.set_delivery(r.delivery());
+  resp.set_slot_buffer_bytes(uint64_t{static_cast<uint32_t>(s->model.layers)} * s->model.shape.h *
+                             resp.slots_per_head() * s->profile.chunk_size * s->model.shape.d *
+                             sizeof(kernels::bf16));
   // Page the session's spilled values in ahead of its first decode step (asynchronous;
   // an error here only means the first Select pages in synchronously, or reports it).
   std::vector<storage::SegmentId> ids;

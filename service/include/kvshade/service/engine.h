@@ -91,6 +91,19 @@ class Engine {
   absl::StatusOr<v1::SelectAndReconstructResponse> SelectAndReconstruct(
       const Tenant& t, const v1::SelectAndReconstructRequest& r);
   absl::StatusOr<v1::AttendResponse> Attend(const Tenant& t, const v1::AttendRequest& r);
+
+  // The slot-buffer geometry of an attachment the tenant owns, for data planes that write
+  // into a worker's registered slot buffers (v1.CudaIpcSlotBuffers has the layout).
+  struct SlotGeometry {
+    uint32_t layers = 0;
+    uint32_t heads = 0;           // KV heads
+    uint32_t slots_per_head = 0;  // 0: the session's profile selects nothing
+    uint32_t chunk_size = 0;
+    uint32_t head_dim = 0;
+    uint64_t buffer_bytes = 0;    // bytes of each of K and V
+    v1::DeliveryMode delivery = v1::DELIVERY_MODE_INLINE;
+  };
+  absl::StatusOr<SlotGeometry> AttachmentSlots(const Tenant& t, const std::string& attachment_id);
   absl::StatusOr<v1::StatsResponse> Stats(const Tenant& t, const v1::StatsRequest& r);
 
   // Stops new sessions, ingests, attachments and appends (UNAVAILABLE), finishes

@@ -51,6 +51,7 @@ struct Attachment {
   std::string worker_id;
   bool writer = false;
   uint32_t lease_ms = 0;
+  v1::DeliveryMode delivery = v1::DELIVERY_MODE_INLINE;
   std::shared_ptr<Session> session;
   // Guarded by the manager's registry lock.
   int64_t expires_ms = 0;
