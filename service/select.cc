@@ -210,6 +210,24 @@ static absl::Status EnsureSlots(EngineImpl& e, Attachment& a, int layer, int h, 
   return absl::OkStatus();
 }
 
+// CUDA IPC delivery of one item's misses: keys and values rows of `run` into the worker's
+// slot buffers (one scatter launch each), finished before the response leaves.
+static absl::Status DeliverRows(EngineImpl& e, const SelectRun& run, const PeerSlots& peer,
+                                const std::vector<int64_t>& src_rows,
+                                const std::vector<int64_t>& dst_rows, size_t row_bytes) {
+  const size_t n = src_rows.size();
+  std::vector<int64_t> rows(src_rows);
+  rows.insert(rows.end(), dst_rows.begin(), dst_rows.end());
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock idx, e.Upload(rows.data(), rows.size() * 8, ArenaKind::kOther));
+  const int64_t* src_d = Ptr<int64_t>(idx);
+  const int64_t* dst_d = src_d + n;
+  KVSHADE_RETURN_IF_ERROR(e.backend_->CopyRows(run.keys.data(), peer.k, row_bytes,
+                                               static_cast<int>(n), src_d, dst_d));
+  KVSHADE_RETURN_IF_ERROR(e.backend_->CopyRows(run.values.data(), peer.v, row_bytes,
+                                               static_cast<int>(n), src_d, dst_d));
+  return e.backend_->Synchronize();
+}
+
 absl::StatusOr<v1::SelectAndReconstructResponse> EngineImpl::SelectAndReconstruct(
     const Tenant& t, const v1::SelectAndReconstructRequest& r) {
   KVSHADE_ASSIGN_OR_RETURN(std::vector<Query> qs,
@@ -273,15 +291,24 @@ absl::StatusOr<v1::SelectAndReconstructResponse> EngineImpl::SelectAndReconstruc
         v1::SlotDelta* delta = deltas[i];
         uint32_t selected = 0, misses = 0;
         std::vector<bf16> keys, values;
+        // CUDA IPC delivery: rows of run.keys/values -> rows of the worker's slot buffers.
+        const PeerSlots* peer = qs[i].attachment->peer_slots.get();
+        const int64_t slots_per_head = qs[i].session->profile.sparse_budget;
+        std::vector<int64_t> src_rows, dst_rows;
         for (int hh = 0; hh < h; ++hh) {
           for (int x = 0; x < k; ++x) selected += run.selected[jj * hk + hh * k + x] >= 0;
           const int mc = run.miss_count[jj * h + hh];
           for (int x = 0; x < mc; ++x) {
+            const int32_t slot = run.miss_slot[jj * hk + hh * k + x];
             delta->add_head(hh);
-            delta->add_slot(run.miss_slot[jj * hk + hh * k + x]);
+            delta->add_slot(slot);
             delta->add_chunk(run.miss_chunk[jj * hk + hh * k + x]);
+            if (peer != nullptr) {
+              src_rows.push_back(int64_t(jj * hk) + hh * k + x);
+              dst_rows.push_back((int64_t(layer) * h + hh) * slots_per_head + slot);
+            }
           }
-          if (mc > 0) {
+          if (mc > 0 && peer == nullptr) {
             // A head's misses are rows [0, mc) of its [k, C, d] block: one copy each.
             const size_t off = (jj * hk + size_t(hh) * k) * row;
             const size_t at = keys.size();
@@ -292,8 +319,12 @@ absl::StatusOr<v1::SelectAndReconstructResponse> EngineImpl::SelectAndReconstruc
           }
           misses += mc;
         }
+        if (peer != nullptr && !src_rows.empty()) {
+          KVSHADE_RETURN_IF_ERROR(DeliverRows(*this, run, *peer, src_rows, dst_rows, Bf16Bytes(row)));
+        }
         EncodeBf16(keys, {int64_t(misses), C, d}, delta->mutable_keys());
         EncodeBf16(values, {int64_t(misses), C, d}, delta->mutable_values());
+        delta->set_delivered(peer != nullptr);
         delta->set_selected(selected);
         delta->set_hits(selected - misses);
         qs[i].attachment->selected += selected;

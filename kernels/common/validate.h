@@ -41,6 +41,11 @@ absl::Status Select(const LayerShape& shape, int k, absl::Span<const SelectItem>
 absl::Status Reconstruct(const LayerShape& shape, int C, int k, const RopeSpec& rope,
                          const ValueCodecSpec& codec, absl::Span<const ReconstructItem> items,
                          const Workspace& ws, size_t ws_needed);
+// Pointers, n >= 0 and row_bytes a positive multiple of 16 (row indices live in backend
+// memory and are not read here).
+absl::Status CopyRows(const void* src, const void* dst, size_t row_bytes, int n,
+                      const int64_t* src_rows, const int64_t* dst_rows);
+
 absl::Status Attend(const LayerShape& shape, float scale, absl::Span<const AttendItem> items,
                     const Workspace& ws, size_t ws_needed);
 

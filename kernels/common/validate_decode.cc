@@ -211,4 +211,18 @@ absl::Status Attend(const LayerShape& shape, float scale, absl::Span<const Atten
   return CheckWorkspace(kOp, ws, ws_needed);
 }
 
+absl::Status CopyRows(const void* src, const void* dst, size_t row_bytes, int n,
+                      const int64_t* src_rows, const int64_t* dst_rows) {
+  constexpr std::string_view kOp = "CopyRows";
+  if (n < 0) return Bad(kOp, absl::StrCat("n must be >= 0, got ", n));
+  if (row_bytes == 0 || row_bytes % 16 != 0) {
+    return Bad(kOp, absl::StrCat("row_bytes must be a positive multiple of 16, got ", row_bytes));
+  }
+  if (n == 0) return absl::OkStatus();
+  if (src == nullptr || dst == nullptr || src_rows == nullptr || dst_rows == nullptr) {
+    return Bad(kOp, "src, dst, src_rows and dst_rows must be non-null when n > 0");
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace kvshade::kernels::validate

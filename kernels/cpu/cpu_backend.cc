@@ -6,6 +6,8 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
+#include "kvshade/kernels/status_macros.h"
+#include "common/validate.h"
 
 namespace kvshade::kernels {
 namespace {
@@ -40,6 +42,26 @@ absl::Status CpuBackend::Fill(void* dst, uint8_t byte, size_t bytes, Stream) {
   if (bytes != 0 && dst == nullptr) return absl::InvalidArgumentError("Fill: null pointer");
   if (bytes != 0) std::memset(dst, byte, bytes);
   return absl::OkStatus();
+}
+
+absl::Status CpuBackend::CopyRows(const void* src, void* dst, size_t row_bytes, int n,
+                                  const int64_t* src_rows, const int64_t* dst_rows, Stream) {
+  KVSHADE_RETURN_IF_ERROR(validate::CopyRows(src, dst, row_bytes, n, src_rows, dst_rows));
+  const auto* s = static_cast<const std::byte*>(src);
+  auto* d = static_cast<std::byte*>(dst);
+  for (int i = 0; i < n; ++i) {
+    std::memcpy(d + dst_rows[i] * row_bytes, s + src_rows[i] * row_bytes, row_bytes);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PeerBuffer> CpuBackend::OpenPeerBuffer(std::string_view) {
+  return absl::FailedPreconditionError(
+      "CUDA IPC buffers need the CUDA backend (this daemon runs the cpu backend)");
+}
+
+absl::Status CpuBackend::ClosePeerBuffer(const PeerBuffer&) {
+  return absl::FailedPreconditionError("cpu backend: there are no peer buffers to close");
 }
 
 }  // namespace kvshade::kernels

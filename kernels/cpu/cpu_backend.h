@@ -23,6 +23,10 @@ class CpuBackend final : public Backend {
   absl::StatusOr<Stream> CreateStream() override { return Stream{}; }
   absl::Status DestroyStream(Stream) override { return absl::OkStatus(); }
   absl::Status Synchronize(Stream) override { return absl::OkStatus(); }
+  absl::Status CopyRows(const void* src, void* dst, size_t row_bytes, int n,
+                        const int64_t* src_rows, const int64_t* dst_rows, Stream) override;
+  absl::StatusOr<PeerBuffer> OpenPeerBuffer(std::string_view handle) override;
+  absl::Status ClosePeerBuffer(const PeerBuffer& buffer) override;
 
   absl::Status ApplyRope(const RopeSpec& rope, absl::Span<const int64_t> positions, int heads,
                          int d, absl::Span<bf16> x, Stream) override;

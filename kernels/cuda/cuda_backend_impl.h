@@ -33,6 +33,10 @@ class CudaBackend final : public Backend {
   absl::StatusOr<Stream> CreateStream() override;
   absl::Status DestroyStream(Stream) override;
   absl::Status Synchronize(Stream) override;
+  absl::Status CopyRows(const void* src, void* dst, size_t row_bytes, int n,
+                        const int64_t* src_rows, const int64_t* dst_rows, Stream) override;
+  absl::StatusOr<PeerBuffer> OpenPeerBuffer(std::string_view handle) override;
+  absl::Status ClosePeerBuffer(const PeerBuffer& buffer) override;
 
   absl::Status ApplyRope(const RopeSpec& rope, absl::Span<const int64_t> positions, int heads,
                          int d, absl::Span<bf16> x, Stream) override;

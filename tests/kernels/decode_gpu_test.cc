@@ -11,7 +11,8 @@
 //   - Reconstruct at ~40% misses for every codec: keys within 2 bf16 ulps at the value's
 //     magnitude (magnitudes floored at 1e-3 of the keys' RMS), values bit-identical, rows
 //     past miss_count untouched;
-//   - Attend against the CPU (max error relative to the largest output < 1e-3).
+//   - Attend against the CPU (max error relative to the largest output < 1e-3);
+//   - CopyRows (slot-buffer delivery): bit-identical to the CPU, rows not listed untouched.
 // Each op prints one "[decode parity]" line with its error next to its tolerance.
 #include <algorithm>
 #include <cmath>
@@ -855,6 +856,42 @@ TEST(DecodeGpuTest, AttendParity) {
       "and unaligned rows): max error / max |out| %.2e (tolerance 1e-3), rel Frobenius "
       "%.2e\n",
       worst, den > 0 ? std::sqrt(num / den) : 0.0);
+}
+
+// ---------------------------------------------------------------------------------------
+// Delivery
+
+TEST(DecodeGpuTest, CopyRowsMatchesCpu) {
+  KVSHADE_CUDA_OR_SKIP(gpu);
+  auto cpu = Cpu();
+  auto rng = MakeRng(29);
+  const size_t row = size_t(8) * 128;  // bf16 elements: C = 8, d = 128
+  const int src_n = 24 * 8 * 64, dst_n = 32 * 8 * 256, n = 3000;
+  std::vector<bf16> src = RandomBf16(size_t(src_n) * row, rng, 1.0f);
+  std::vector<bf16> dst = RandomBf16(size_t(dst_n) * row, rng, 1.0f);
+  std::vector<int64_t> dst_rows(dst_n);
+  std::iota(dst_rows.begin(), dst_rows.end(), 0);
+  std::shuffle(dst_rows.begin(), dst_rows.end(), rng);
+  dst_rows.resize(n);
+  std::vector<int64_t> src_rows(n);
+  std::uniform_int_distribution<int64_t> pick(0, src_n - 1);
+  for (auto& r : src_rows) r = pick(rng);
+  std::vector<int64_t> idx(src_rows);
+  idx.insert(idx.end(), dst_rows.begin(), dst_rows.end());
+  Buffer src_g = Upload(*gpu, src), dst_g = Upload(*gpu, dst), idx_g = Upload(*gpu, idx);
+  const auto* idx_d = static_cast<const int64_t*>(idx_g.data());
+  ASSERT_TRUE(gpu->CopyRows(src_g.data(), dst_g.data(), row * 2, n, idx_d, idx_d + n).ok());
+  ASSERT_TRUE(gpu->Synchronize().ok());
+  ASSERT_TRUE(cpu->CopyRows(src.data(), dst.data(), row * 2, n, src_rows.data(), dst_rows.data()).ok());
+  std::vector<bf16> got = Download<bf16>(*gpu, dst_g.data(), dst.size());
+  size_t diff = 0;
+  for (size_t i = 0; i < dst.size(); ++i) diff += got[i].bits != dst[i].bits;
+  std::printf("[decode parity] CopyRows n=%d rows of %zu B: %zu differing elements (want 0)\n", n,
+              row * 2, diff);
+  EXPECT_EQ(diff, 0u);
+  EXPECT_EQ(gpu->CopyRows(src_g.data(), dst_g.data(), 24, 1, idx_d, idx_d).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(gpu->OpenPeerBuffer("short").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -260,5 +260,81 @@ TEST(SelectTest, ReadersAndAWriterConcurrently) {
   EXPECT_EQ(std::memcmp(a->data(), b->data(), a->size() * 4), 0);
 }
 
+// Delivery modes on Attach: UCX RMA is granted with the slot-buffer size the worker must
+// register; CUDA IPC needs its buffers, a selecting profile and a backend that can map
+// them (the cpu backend cannot: FAILED_PRECONDITION, and no attachment is left behind).
+TEST(SelectTest, AttachDeliveryModesAndSlotGeometry) {
+  Harness hx;
+  Stream s = MakeStream(512, hx.model, 13);
+  auto o = hx.Open(s, SparseShadow(8));
+  const uint64_t want = uint64_t(hx.model.num_layers()) * kH * 8 * kC * kD * 2;
+
+  v1::AttachRequest ar;
+  ar.set_session_id(o.session);
+  ar.set_delivery(v1::DELIVERY_MODE_UCX_RMA);
+  auto rma = hx.engine->Attach(hx.tenant, ar);
+  ASSERT_TRUE(rma.ok()) << rma.status();
+  EXPECT_EQ(rma->delivery(), v1::DELIVERY_MODE_UCX_RMA);
+  EXPECT_EQ(rma->slot_buffer_bytes(), want);
+  auto g = hx.engine->AttachmentSlots(hx.tenant, rma->attachment_id());
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->buffer_bytes, want);
+  EXPECT_EQ(g->slots_per_head, 8u);
+  EXPECT_EQ(g->heads, uint32_t(kH));
+  EXPECT_EQ(g->delivery, v1::DELIVERY_MODE_UCX_RMA);
+  EXPECT_EQ(hx.engine->AttachmentSlots(hx.other, rma->attachment_id()).status().code(),
+            absl::StatusCode::kNotFound);
+
+  auto stats_before = hx.engine->Stats(hx.tenant, {});
+  ASSERT_TRUE(stats_before.ok());
+  struct Case {
+    v1::DeliveryMode mode;
+    bool buffers;
+    absl::StatusCode code;
+    const char* says;
+  };
+  const Case cases[] = {
+      {v1::DELIVERY_MODE_CUDA_IPC, false, absl::StatusCode::kInvalidArgument, "needs cuda_ipc"},
+      {v1::DELIVERY_MODE_INLINE, true, absl::StatusCode::kInvalidArgument, "only for delivery"},
+      {v1::DELIVERY_MODE_CUDA_IPC, true, absl::StatusCode::kFailedPrecondition, "CUDA backend"},
+      {static_cast<v1::DeliveryMode>(9), false, absl::StatusCode::kInvalidArgument, "delivery must"},
+  };
+  for (const Case& c : cases) {
+    v1::AttachRequest r;
+    r.set_session_id(o.session);
+    r.set_delivery(c.mode);
+    if (c.buffers) {
+      r.mutable_cuda_ipc()->set_k_handle(std::string(64, '\1'));
+      r.mutable_cuda_ipc()->set_v_handle(std::string(64, '\2'));
+      r.mutable_cuda_ipc()->set_bytes(want);
+    }
+    auto a = hx.engine->Attach(hx.tenant, r);
+    ASSERT_FALSE(a.ok()) << c.says;
+    EXPECT_EQ(a.status().code(), c.code) << a.status();
+    EXPECT_NE(a.status().message().find(c.says), std::string_view::npos) << a.status();
+  }
+  // Too small a buffer is refused before any mapping is tried.
+  v1::AttachRequest small;
+  small.set_session_id(o.session);
+  small.set_delivery(v1::DELIVERY_MODE_CUDA_IPC);
+  small.mutable_cuda_ipc()->set_k_handle(std::string(64, '\1'));
+  small.mutable_cuda_ipc()->set_v_handle(std::string(64, '\2'));
+  small.mutable_cuda_ipc()->set_bytes(want - 16);
+  auto sm = hx.engine->Attach(hx.tenant, small);
+  EXPECT_EQ(sm.status().code(), absl::StatusCode::kInvalidArgument) << sm.status();
+  EXPECT_NE(sm.status().message().find("cuda_ipc.bytes must be >= "), std::string_view::npos);
+  auto stats_after = hx.engine->Stats(hx.tenant, {});
+  ASSERT_TRUE(stats_after.ok());
+  EXPECT_EQ(stats_after->attachments(), stats_before->attachments());
+
+  // A session that selects nothing (exact profile) has no slots to deliver into.
+  auto exact = hx.Open(s, ProfileOf(v1::PROFILE_KIND_EXACT), 256);
+  v1::AttachRequest ex = small;
+  ex.set_session_id(exact.session);
+  ex.mutable_cuda_ipc()->set_bytes(1 << 20);
+  auto ea = hx.engine->Attach(hx.tenant, ex);
+  EXPECT_EQ(ea.status().code(), absl::StatusCode::kInvalidArgument) << ea.status();
+}
+
 }  // namespace
 }  // namespace kvshade::service::testing

@@ -207,6 +207,13 @@ struct AttendItem {
   float* out = nullptr;
 };
 
+// Another process's device allocation mapped into this one (OpenPeerBuffer): the whole
+// allocation, whatever offset inside it the handle was taken at.
+struct PeerBuffer {
+  void* base = nullptr;
+  size_t bytes = 0;
+};
+
 // What a buffer allocated on the ingest path holds, for budget accounting.
 enum class BufferKind { kFactorA, kFactorB, kLandmarks, kStatic, kScratch };
 
@@ -348,6 +355,21 @@ class Backend {
   virtual absl::Status Attend(const LayerShape& shape, float scale,
                               absl::Span<const AttendItem> items, Workspace ws,
                               Stream stream = {}) = 0;
+
+  // --- Delivery into a worker's slot buffers ---
+  // Copies n rows of row_bytes each: row src_rows[i] of src to row dst_rows[i] of dst.
+  //   src                : backend memory, rows of row_bytes
+  //   dst                : backend memory, or a peer buffer from OpenPeerBuffer
+  //   src_rows, dst_rows : [n] int64, backend memory
+  // row_bytes must be a positive multiple of 16. Rows of dst must not repeat.
+  virtual absl::Status CopyRows(const void* src, void* dst, size_t row_bytes, int n,
+                                const int64_t* src_rows, const int64_t* dst_rows,
+                                Stream stream = {}) = 0;
+  // Maps another process's device allocation, named by its CUDA IPC handle (the 64 bytes
+  // of a cudaIpcMemHandle_t), into this process. FailedPrecondition on backends without
+  // inter-process device memory (cpu).
+  virtual absl::StatusOr<PeerBuffer> OpenPeerBuffer(std::string_view handle) = 0;
+  virtual absl::Status ClosePeerBuffer(const PeerBuffer& buffer) = 0;
 };
 
 // Backends compiled into this build, by name ("cpu" always; "cuda" when built and a device

@@ -45,6 +45,8 @@ struct SlotTable {
   DeviceBlock slots;
 };
 
+struct PeerSlots;  // engine_impl.h
+
 struct Attachment {
   std::string id;
   std::string tenant;
@@ -52,6 +54,7 @@ struct Attachment {
   bool writer = false;
   uint32_t lease_ms = 0;
   v1::DeliveryMode delivery = v1::DELIVERY_MODE_INLINE;
+  std::shared_ptr<PeerSlots> peer_slots;  // DELIVERY_MODE_CUDA_IPC; set before Attach answers
   std::shared_ptr<Session> session;
   // Guarded by the manager's registry lock.
   int64_t expires_ms = 0;

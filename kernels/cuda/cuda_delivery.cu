@@ -1,0 +1,95 @@
+// Delivery into a worker's slot buffers: CopyRows (a row scatter, one launch for all the
+// misses of a call instead of one cudaMemcpy per 2 KiB row) and the CUDA IPC mapping of a
+// worker's allocation into the daemon (OpenPeerBuffer / ClosePeerBuffer).
+#include <cuda.h>  // CUdeviceptr / CUresult types only; the driver is reached at run time
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/validate.h"
+#include "cuda/cuda_backend_impl.h"
+#include "cuda/cuda_check.h"
+#include "kvshade/kernels/status_macros.h"
+
+namespace kvshade::kernels {
+namespace {
+
+using cuda::ToCudaStream;
+using cuda::UseDevice;
+
+// One block per row; 16-byte vector copies (row_bytes % 16 == 0 is validated).
+__global__ void CopyRowsKernel(const int4* __restrict__ src, int4* __restrict__ dst,
+                               size_t row_vecs, const int64_t* __restrict__ src_rows,
+                               const int64_t* __restrict__ dst_rows) {
+  const int64_t s = src_rows[blockIdx.x], d = dst_rows[blockIdx.x];
+  const int4* from = src + s * row_vecs;
+  int4* to = dst + d * row_vecs;
+  for (size_t i = threadIdx.x; i < row_vecs; i += blockDim.x) to[i] = from[i];
+}
+
+// cuMemGetAddressRange through the runtime's driver entry point: the backend does not link
+// libcuda (binaries must load on machines without a driver).
+using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+
+absl::StatusOr<GetAddressRangeFn> AddressRangeFn() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q{};
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaGetDriverEntryPointByVersion(
+      "cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &q));
+  if (q != cudaDriverEntryPointSuccess || fn == nullptr) {
+    return absl::InternalError("cuda: the driver has no cuMemGetAddressRange");
+  }
+  return reinterpret_cast<GetAddressRangeFn>(fn);
+}
+
+}  // namespace
+
+absl::Status CudaBackend::CopyRows(const void* src, void* dst, size_t row_bytes, int n,
+                                   const int64_t* src_rows, const int64_t* dst_rows,
+                                   Stream stream) {
+  KVSHADE_RETURN_IF_ERROR(validate::CopyRows(src, dst, row_bytes, n, src_rows, dst_rows));
+  if (n == 0) return absl::OkStatus();
+  KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
+  const size_t row_vecs = row_bytes / sizeof(int4);
+  const int threads = row_vecs >= 256 ? 256 : static_cast<int>((row_vecs + 31) / 32 * 32);
+  CopyRowsKernel<<<n, threads, 0, ToCudaStream(stream)>>>(
+      static_cast<const int4*>(src), static_cast<int4*>(dst), row_vecs, src_rows, dst_rows);
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PeerBuffer> CudaBackend::OpenPeerBuffer(std::string_view handle) {
+  cudaIpcMemHandle_t h;
+  if (handle.size() != sizeof(h)) {
+    return absl::InvalidArgumentError(absl::StrCat("a CUDA IPC memory handle has ", sizeof(h),
+                                                   " bytes, got ", handle.size()));
+  }
+  std::memcpy(&h, handle.data(), sizeof(h));
+  KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
+  void* base = nullptr;
+  const cudaError_t e = cudaIpcOpenMemHandle(&base, h, cudaIpcMemLazyEnablePeerAccess);
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not sticky: leave the context clean for the next call
+    return absl::InvalidArgumentError(absl::StrCat(
+        "cannot open the CUDA IPC handle on device ", device_, ": ", cudaGetErrorString(e),
+        " (the worker must be on this node and its buffer on a device this one can reach)"));
+  }
+  KVSHADE_ASSIGN_OR_RETURN(GetAddressRangeFn range, AddressRangeFn());
+  CUdeviceptr alloc_base = 0;
+  size_t alloc_bytes = 0;
+  if (range(&alloc_base, &alloc_bytes, reinterpret_cast<CUdeviceptr>(base)) != CUDA_SUCCESS) {
+    cudaIpcCloseMemHandle(base);
+    return absl::InternalError("cuda: cuMemGetAddressRange failed on a mapped IPC buffer");
+  }
+  // The handle names an allocation; its mapping starts at the allocation's base.
+  return PeerBuffer{base, alloc_bytes - (reinterpret_cast<CUdeviceptr>(base) - alloc_base)};
+}
+
+absl::Status CudaBackend::ClosePeerBuffer(const PeerBuffer& buffer) {
+  if (buffer.base == nullptr) return absl::OkStatus();
+  KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaIpcCloseMemHandle(buffer.base));
+  return absl::OkStatus();
+}
+
+}  // namespace kvshade::kernels
