@@ -9,7 +9,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=${1:-.gpu}
 BUILD=${2:-build-gpu}
-TARGETS=(kernels_gpu_test kvshade_kernel_bench)
+TARGETS=(kernels_gpu_test storage_gpu_test delivery_gpu_test kvshade_kernel_bench
+         kvshade_delivery_bench kvshade-server kvshade_c)
 
 cmake -S . -B "$BUILD" -G Ninja -DKVSHADE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_BUILD_TYPE=Release >/dev/null
@@ -18,13 +19,21 @@ cmake --build "$BUILD" -j "$(nproc)" --target "${TARGETS[@]}"
 rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/bin" "$BUNDLE/lib"
 for t in "${TARGETS[@]}"; do
+  [ "$t" = kvshade_c ] && continue  # the C ABI library: below
   f=$(find "$BUILD" -type f -name "$t" -perm -u+x | head -1)
   cp "$f" "$BUNDLE/bin/"
   strip "$BUNDLE/bin/$t"
 done
+# The C ABI (for the Python package) and the Python package itself.
+cp -L "$BUILD/client/libkvshade.so" "$BUNDLE/lib/"
+mkdir -p "$BUNDLE/python"
+cp -r client/python/kvshade "$BUNDLE/python/"
+rm -rf "$BUNDLE/python/kvshade/__pycache__"
+mkdir -p "$BUNDLE/lib/ucx"
+cp -L /usr/lib/x86_64-linux-gnu/ucx/libuc[mst]_*.so* "$BUNDLE/lib/ucx/" 2>/dev/null || true
 # Shared libraries named by ldd, minus the ones the GPU machine has.
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcuda\.so|libcudart|libcublas|libcublasLt|libcusolver|libcusparse|libnvJitLink|libcufft|libcurand)'
-for bin in "$BUNDLE"/bin/*; do
+for bin in "$BUNDLE"/bin/* "$BUNDLE/lib/libkvshade.so" "$BUNDLE"/lib/ucx/*; do
   ldd "$bin" | awk '/=>/ {print $1, $3}' | while read -r name path; do
     [[ "$name" =~ $skip ]] && continue
     [ -f "$path" ] && cp -L -n "$path" "$BUNDLE/lib/" || true

@@ -1,19 +1,50 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine from the repository root, over a bundle made by gpu-bundle.sh:
-# the GPU test label (CUDA vs CPU parity), the CPU tests as a sanity check, and the kernel
-# benchmark table. Logs go to $OUT (or ./gpu-out).
-# Usage: .gpu/gpu-run.sh [bundle-dir] [bench args...]
+# the GPU test label (CUDA vs CPU parity of the kernels and storage; CUDA IPC delivery
+# between two processes), the kernel benchmark table and the delivery benchmark, and the
+# Python tests that need torch/transformers when given. Logs go to $OUT (or ./gpu-out).
+# Usage: .gpu/gpu-run.sh [bundle-dir] [kernel-bench args...]
+#   KVSHADE_GPU_STAGES="tests kbench dbench python" selects stages (default: all).
 set -uo pipefail
 BUNDLE=${1:-.gpu}
 shift || true
 OUTDIR=${OUT:-gpu-out}
+STAGES=${KVSHADE_GPU_STAGES:-tests kbench dbench python}
 mkdir -p "$OUTDIR"
 export LD_LIBRARY_PATH="$PWD/$BUNDLE/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}"
+export UCX_MODULE_DIR="$PWD/$BUNDLE/lib/ucx"
+export KVSHADE_SERVER="$PWD/$BUNDLE/bin/kvshade-server"
+export KVSHADE_LIB="$PWD/$BUNDLE/lib/libkvshade.so"
+export OMP_WAIT_POLICY=passive
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv \
   | tee "$OUTDIR/gpu.txt"
 rc=0
-"$BUNDLE/bin/kernels_gpu_test" 2>&1 | tee "$OUTDIR/gpu_test.log" || rc=1
-"$BUNDLE/bin/kvshade_kernel_bench" --backend cuda "$@" 2>&1 | tee "$OUTDIR/bench.log" || rc=1
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+if has tests; then
+  for t in kernels_gpu_test storage_gpu_test delivery_gpu_test; do
+    "$BUNDLE/bin/$t" 2>&1 | tee "$OUTDIR/$t.log" || rc=1
+  done
+fi
+if has kbench; then
+  "$BUNDLE/bin/kvshade_kernel_bench" --backend cuda "$@" 2>&1 | tee "$OUTDIR/bench.log" || rc=1
+fi
+if has dbench; then
+  "$BUNDLE/bin/kvshade_delivery_bench" --server "$KVSHADE_SERVER" 2>&1 \
+    | tee "$OUTDIR/delivery_bench.log" || rc=1
+fi
+if has python; then
+  # The ctypes package from this checkout; the Python, torch and transformers of the machine.
+  export PYTHONPATH="$PWD/client/python:${PYTHONPATH:-}"
+  for t in test_torch_hook test_hf_adapter; do
+    [ -f "tests/python/$t.py" ] || continue
+    (cd tests/python && python3 -m unittest -v "$t") 2>&1 | tee "$OUTDIR/py_$t.log" || rc=1
+  done
+  if [ -f tests/python/test_hf_adapter.py ]; then
+    (cd tests/python && KVSHADE_TEST_UCX=tcp,self python3 -m unittest -v test_hf_adapter) 2>&1 \
+      | tee "$OUTDIR/py_test_hf_adapter_ucx.log" || rc=1
+  fi
+fi
 echo "== summary =="
-grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|parity" "$OUTDIR/gpu_test.log" | tail -40
+grep -hE "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|parity\]|ipc delivery\]" "$OUTDIR"/*_test.log 2>/dev/null | tail -60
+grep -hE "^(Ran|OK|FAILED)" "$OUTDIR"/py_*.log 2>/dev/null
 exit $rc

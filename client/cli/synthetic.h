@@ -73,7 +73,11 @@ class Document {
   std::vector<float> Query(int layer, int question, int step, int64_t position) const;
 
   // The needle question j looks for.
-  int TargetNeedle(int question) const { return question % static_cast<int>(needles_.size()); }
+  // The needle question `question` asks about (the document alone, question -1, asks
+  // about the first).
+  int TargetNeedle(int question) const {
+    return question < 0 ? 0 : question % static_cast<int>(needles_.size());
+  }
 
   // Bytes of the full bf16 K+V cache of `tokens` tokens over all layers.
   uint64_t DenseBytes(int64_t tokens) const {
