@@ -1,6 +1,7 @@
 // kvshade C++ client: channel set-up (credentials, message limits), the typed RPC wrappers,
 // the grpc.health.v1 check (over a generic stub with the two tiny health messages encoded
-// by hand, so the client needs no health .proto of its own), and the Ingest writer.
+// by hand, so the client needs no health .proto of its own), the Ingest writer, async
+// decode calls, and the routing of data calls to the UCX data plane with loud fallback.
 #include "kvshade/client/client.h"
 
 #include <algorithm>
@@ -186,6 +187,14 @@ absl::Status Client::CloseSession(const std::string& session_id) {
 }
 
 absl::StatusOr<v1::IngestResponse> Client::Ingest(absl::Span<const v1::IngestRequest> messages) {
+  if (options_.use_ucx && !messages.empty() && messages.front().has_header()) {
+    if (auto dp = UcxForSession(messages.front().header().session_id()); dp != nullptr) {
+      auto r = dp->Ingest(messages);
+      if (r.ok() || !dp->failed()) return r;
+      // The daemon discards a stream whose client vanished: send it again over gRPC.
+      DropUcx(dp.get(), r.status());
+    }
+  }
   auto ctx = NewContext();
   v1::IngestResponse resp;
   auto writer = stub_->Ingest(ctx.get(), &resp);
@@ -201,11 +210,26 @@ absl::StatusOr<v1::IngestResponse> Client::Ingest(absl::Span<const v1::IngestReq
 
 absl::StatusOr<std::unique_ptr<IngestWriter>> Client::StartIngest(const std::string& session_id) {
   std::unique_ptr<IngestWriter> w(new IngestWriter());
+  v1::IngestRequest header;
+  header.mutable_header()->set_session_id(session_id);
+  if (auto dp = UcxForSession(session_id); dp != nullptr) {
+    w->ucx_ = dp;
+    w->stream_ = dp->NewIngestStream();
+    w->window_ = static_cast<size_t>(std::max(1, options_.ucx_ingest_window));
+    // The header goes synchronously, so that an unknown session fails here as on gRPC.
+    auto r = dp->IngestMessage(header, w->stream_);
+    if (r.ok()) return w;
+    w->done_ = true;
+    if (!dp->failed()) {
+      (void)dp->CancelIngest(w->stream_);
+      return r.status();
+    }
+    DropUcx(dp.get(), r.status());
+    w = std::unique_ptr<IngestWriter>(new IngestWriter());  // gRPC instead
+  }
   w->ctx_ = NewContext();
   w->response_ = std::make_unique<v1::IngestResponse>();
   w->writer_ = stub_->Ingest(w->ctx_.get(), w->response_.get());
-  v1::IngestRequest header;
-  header.mutable_header()->set_session_id(session_id);
   if (!w->writer_->Write(header)) {
     w->done_ = true;
     w->writer_->WritesDone();
@@ -215,6 +239,13 @@ absl::StatusOr<std::unique_ptr<IngestWriter>> Client::StartIngest(const std::str
 }
 
 absl::StatusOr<v1::AppendTokensResponse> Client::AppendTokens(const v1::AppendTokensRequest& req) {
+  if (auto dp = UcxForSession(req.session_id()); dp != nullptr) {
+    auto r = dp->AppendTokens(req);
+    if (r.ok() || !dp->failed()) return r;
+    // Not sent again: the daemon may have applied it before the endpoint died.
+    DropUcx(dp.get(), r.status());
+    return r;
+  }
   return Unary<v1::AppendTokensRequest, v1::AppendTokensResponse>(&v1::KvShade::Stub::AppendTokens, req);
 }
 
@@ -231,6 +262,8 @@ absl::StatusOr<v1::AttachResponse> Client::Attach(const v1::AttachRequest& req) 
   UcxOptions o;
   o.transports = options_.ucx_transports;
   o.timeout = options_.timeout;
+  o.ingest_window = options_.ucx_ingest_window;
+  o.max_reply_bytes = options_.max_message_bytes;
   auto dp = UcxDataPlane::Connect(r->data_plane_address(), r->data_plane_token(), o);
   if (!dp.ok()) {
     UcxFallback(dp.status());
@@ -242,7 +275,7 @@ absl::StatusOr<v1::AttachResponse> Client::Attach(const v1::AttachRequest& req) 
 
 bool Client::ucx_connected() const {
   std::lock_guard<std::mutex> lock(ucx_mu_);
-  return ucx_ != nullptr;
+  return ucx_ != nullptr && !ucx_->failed();
 }
 
 void Client::UcxFallback(const absl::Status& why) {
@@ -251,7 +284,71 @@ void Client::UcxFallback(const absl::Status& why) {
                std::string(why.message()).c_str());
 }
 
+std::shared_ptr<UcxDataPlane> Client::Ucx() {
+  std::vector<std::shared_ptr<UcxDataPlane>> retired;
+  std::shared_ptr<UcxDataPlane> dp;
+  absl::Status why;
+  {
+    std::lock_guard<std::mutex> lock(ucx_mu_);
+    retired.swap(ucx_retired_);
+    if (ucx_ != nullptr && ucx_->failed()) {
+      why = absl::UnavailableError("the UCX endpoint to the daemon failed");
+      retired.push_back(std::move(ucx_));
+      ucx_.reset();
+    }
+    dp = ucx_;
+  }
+  if (!why.ok()) UcxFallback(why);
+  return dp;  // `retired` is destroyed here, on this caller's thread, outside the lock
+}
+
+std::shared_ptr<UcxDataPlane> Client::UcxForSession(const std::string& session_id) {
+  if (!options_.use_ucx) return nullptr;
+  bool connect = false;
+  {
+    std::lock_guard<std::mutex> lock(ucx_mu_);
+    connect = ucx_ == nullptr && !ucx_tried_ && !session_id.empty();
+  }
+  if (!connect) return Ucx();
+  // Only Attach hands out admission tokens: attach to the session (which connects the
+  // data plane, or falls back loudly), then let the attachment go.
+  v1::AttachRequest ar;
+  ar.set_session_id(session_id);
+  ar.set_worker_id("kvshade-client/ucx-connect");
+  auto a = Attach(ar);
+  if (a.ok()) (void)Detach(a->attachment_id());
+  return Ucx();
+}
+
+void Client::DropUcx(const UcxDataPlane* dp, const absl::Status& why) {
+  {
+    std::lock_guard<std::mutex> lock(ucx_mu_);
+    if (ucx_ == nullptr || ucx_.get() != dp) return;  // dropped already
+    ucx_retired_.push_back(std::move(ucx_));
+    ucx_.reset();
+  }
+  UcxFallback(why);
+}
+
+absl::Status Client::RegisterSlotBuffers(const std::string& attachment_id, void* k, void* v,
+                                         size_t bytes) {
+  auto dp = Ucx();
+  if (dp == nullptr) {
+    return absl::FailedPreconditionError(
+        "RegisterSlotBuffers needs the UCX data plane, and this client has none (use_ucx "
+        "off, the daemon offers none, or it fell back to gRPC)");
+  }
+  return dp->RegisterSlotBuffers(attachment_id, k, v, bytes);
+}
+
 absl::Status Client::Detach(const std::string& attachment_id) {
+  if (auto dp = Ucx(); dp != nullptr && dp->HasSlotBuffers(attachment_id)) {
+    absl::Status st = dp->UnregisterSlotBuffers(attachment_id);
+    if (!st.ok()) {
+      std::fprintf(stderr, "kvshade client: unregistering the slot buffers of %s: %s\n",
+                   attachment_id.c_str(), std::string(st.message()).c_str());
+    }
+  }
   v1::DetachRequest req;
   req.set_attachment_id(attachment_id);
   return Unary<v1::DetachRequest, v1::DetachResponse>(&v1::KvShade::Stub::Detach, req).status();
@@ -267,28 +364,129 @@ absl::StatusOr<v1::GetStaticSetResponse> Client::GetStaticSet(const std::string&
 
 absl::StatusOr<v1::SelectAndReconstructResponse> Client::SelectAndReconstruct(
     const v1::SelectAndReconstructRequest& req) {
-  std::shared_ptr<UcxDataPlane> dp;
-  {
-    std::lock_guard<std::mutex> lock(ucx_mu_);
-    dp = ucx_;
-  }
-  if (dp != nullptr) {
+  if (auto dp = Ucx(); dp != nullptr) {
     auto r = dp->SelectAndReconstruct(req);
     // Only a dead transport falls back; the daemon's own answers (bad request, unknown
     // attachment, ...) are returned as they are.
     if (r.ok() || !dp->failed()) return r;
-    {
-      std::lock_guard<std::mutex> lock(ucx_mu_);
-      if (ucx_ == dp) ucx_.reset();
-    }
-    UcxFallback(r.status());
+    DropUcx(dp.get(), r.status());
   }
   return Unary<v1::SelectAndReconstructRequest, v1::SelectAndReconstructResponse>(
       &v1::KvShade::Stub::SelectAndReconstruct, req);
 }
 
 absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& req) {
+  if (auto dp = Ucx(); dp != nullptr) {
+    auto r = dp->Attend(req);
+    if (r.ok() || !dp->failed()) return r;
+    DropUcx(dp.get(), r.status());
+  }
   return Unary<v1::AttendRequest, v1::AttendResponse>(&v1::KvShade::Stub::Attend, req);
+}
+
+// --- Async decode calls ---------------------------------------------------------------
+
+template <typename Req, typename Resp>
+struct Client::AsyncCall {
+  Req req;  // kept for a gRPC call (and a fallback to it)
+  Resp resp;
+  std::unique_ptr<grpc::ClientContext> ctx;
+  std::promise<absl::StatusOr<Resp>> promise;
+};
+
+void Client::BeginAsync() {
+  std::lock_guard<std::mutex> lock(async_mu_);
+  ++async_inflight_;
+}
+
+void Client::EndAsync() {
+  std::lock_guard<std::mutex> lock(async_mu_);
+  if (--async_inflight_ == 0) async_cv_.notify_all();
+}
+
+template <typename Req, typename Resp, typename Start>
+void Client::GrpcAsync(std::shared_ptr<AsyncCall<Req, Resp>> call, Start start) {
+  BeginAsync();
+  call->ctx = NewContext();
+  start(stub_->async(), call->ctx.get(), &call->req, &call->resp, [this, call](grpc::Status s) {
+    if (s.ok()) {
+      call->promise.set_value(std::move(call->resp));
+    } else {
+      call->promise.set_value(FromGrpc(s));
+    }
+    EndAsync();
+  });
+}
+
+template <typename Req, typename Resp, typename UcxStart, typename GrpcStart>
+std::future<absl::StatusOr<Resp>> Client::DecodeAsync(const Req& req, UcxStart ucx_start,
+                                                      GrpcStart grpc_start) {
+  auto call = std::make_shared<AsyncCall<Req, Resp>>();
+  call->req = req;
+  auto fut = call->promise.get_future();
+  auto dp = Ucx();
+  if (dp == nullptr) {
+    GrpcAsync(call, grpc_start);
+    return fut;
+  }
+  BeginAsync();
+  // Runs on the data plane's progress thread (or here, for an immediate failure): it
+  // must not own `dp` (destroying it there would join that thread from itself).
+  ucx_start(*dp, call->req,
+            [this, call, raw = dp.get(), grpc_start](absl::StatusOr<Resp> r) {
+              if (r.ok() || closing_.load() || !raw->failed()) {
+                call->promise.set_value(std::move(r));
+              } else {
+                DropUcx(raw, r.status());
+                GrpcAsync(call, grpc_start);
+              }
+              EndAsync();
+            });
+  return fut;
+}
+
+std::future<absl::StatusOr<v1::SelectAndReconstructResponse>> Client::SelectAndReconstructAsync(
+    const v1::SelectAndReconstructRequest& req) {
+  using Req = v1::SelectAndReconstructRequest;
+  using Resp = v1::SelectAndReconstructResponse;
+  return DecodeAsync<Req, Resp>(
+      req,
+      [](UcxDataPlane& dp, const Req& r, UcxDataPlane::Callback<Resp> done) {
+        dp.SelectAndReconstructAsync(r, std::move(done));
+      },
+      [](auto* a, grpc::ClientContext* ctx, const Req* r, Resp* out,
+         std::function<void(grpc::Status)> done) {
+        a->SelectAndReconstruct(ctx, r, out, std::move(done));
+      });
+}
+
+std::future<absl::StatusOr<v1::AttendResponse>> Client::AttendAsync(const v1::AttendRequest& req) {
+  using Req = v1::AttendRequest;
+  using Resp = v1::AttendResponse;
+  return DecodeAsync<Req, Resp>(
+      req,
+      [](UcxDataPlane& dp, const Req& r, UcxDataPlane::Callback<Resp> done) {
+        dp.AttendAsync(r, std::move(done));
+      },
+      [](auto* a, grpc::ClientContext* ctx, const Req* r, Resp* out,
+         std::function<void(grpc::Status)> done) {
+        a->Attend(ctx, r, out, std::move(done));
+      });
+}
+
+Client::~Client() {
+  closing_.store(true);
+  std::shared_ptr<UcxDataPlane> dp;
+  std::vector<std::shared_ptr<UcxDataPlane>> retired;
+  {
+    std::lock_guard<std::mutex> lock(ucx_mu_);
+    dp = std::move(ucx_);
+    retired.swap(ucx_retired_);
+  }
+  dp.reset();  // completes its outstanding calls (CANCELLED) unless a writer still holds it
+  retired.clear();
+  std::unique_lock<std::mutex> lock(async_mu_);
+  async_cv_.wait(lock, [this] { return async_inflight_ == 0; });
 }
 
 absl::StatusOr<v1::StatsResponse> Client::Stats() {
@@ -339,25 +537,57 @@ absl::Status Client::WaitForServing(absl::Duration deadline) {
 // --- IngestWriter ---------------------------------------------------------------------
 
 IngestWriter::~IngestWriter() {
+  if (ucx_ != nullptr) {
+    if (!done_) {
+      Drain(0);  // the parts in flight reference our copies
+      if (!ucx_->failed()) (void)ucx_->CancelIngest(stream_);
+    }
+    return;
+  }
   if (!done_ && ctx_) {
     ctx_->TryCancel();
     writer_->Finish();
   }
 }
 
-absl::Status IngestWriter::Write(const v1::IngestLayer& part) {
-  if (done_) return absl::FailedPreconditionError("ingest stream already finished");
-  v1::IngestRequest req;
-  *req.mutable_layer() = part;
-  bytes_sent_ += req.ByteSizeLong();
-  if (!writer_->Write(req)) {
-    // The server ended the stream (bad part, unknown session, ...): its status says why.
-    done_ = true;
-    writer_->WritesDone();
-    absl::Status s = FromGrpc(writer_->Finish());
-    return s.ok() ? absl::AbortedError("ingest stream closed by the server") : s;
+void IngestWriter::Drain(size_t keep) {
+  while (inflight_.size() > keep) {
+    absl::StatusOr<std::string> r = inflight_.front().reply.get();
+    inflight_.pop_front();
+    if (!r.ok()) {
+      if (failed_.ok()) failed_ = r.status();
+    } else {
+      last_reply_ = *std::move(r);
+    }
   }
+}
+
+absl::Status IngestWriter::Send(std::shared_ptr<v1::IngestRequest> msg) {
+  if (done_) return absl::FailedPreconditionError("ingest stream already finished");
+  bytes_sent_ += msg->ByteSizeLong();
+  if (ucx_ == nullptr) {
+    if (!writer_->Write(*msg)) {
+      // The server ended the stream (bad part, unknown session, ...): its status says why.
+      done_ = true;
+      writer_->WritesDone();
+      absl::Status s = FromGrpc(writer_->Finish());
+      return s.ok() ? absl::AbortedError("ingest stream closed by the server") : s;
+    }
+    return absl::OkStatus();
+  }
+  Drain(window_ - 1);
+  if (!failed_.ok()) return failed_;
+  auto p = std::make_shared<std::promise<absl::StatusOr<std::string>>>();
+  inflight_.push_back(InFlight{msg, p->get_future()});
+  ucx_->IngestMessageAsync(stream_, *msg,
+                           [p](absl::StatusOr<std::string> r) { p->set_value(std::move(r)); });
   return absl::OkStatus();
+}
+
+absl::Status IngestWriter::Write(const v1::IngestLayer& part) {
+  auto req = std::make_shared<v1::IngestRequest>();
+  *req->mutable_layer() = part;
+  return Send(std::move(req));
 }
 
 absl::Status IngestWriter::WriteLayer(uint32_t layer, int64_t n, int h, int d,
@@ -380,7 +610,8 @@ absl::Status IngestWriter::WriteLayer(uint32_t layer, int64_t n, int h, int d,
       std::max<int64_t>(1, static_cast<int64_t>(max_part_bytes) / (row * 2 * 2));
   for (int64_t t0 = 0; t0 < n; t0 += tokens_per_part) {
     const int64_t m = std::min(tokens_per_part, n - t0);
-    v1::IngestLayer part;
+    auto req = std::make_shared<v1::IngestRequest>();
+    v1::IngestLayer& part = *req->mutable_layer();
     part.set_layer(layer);
     part.set_token_offset(static_cast<uint64_t>(t0));
     *part.mutable_k() = MakeBf16Tensor({m, h, d}, k.subspan(t0 * row, m * row));
@@ -388,7 +619,7 @@ absl::Status IngestWriter::WriteLayer(uint32_t layer, int64_t n, int h, int d,
     const bool last = t0 + m == n;
     part.set_last_part(last);
     if (last && !obs.empty()) *part.mutable_observation_queries() = MakeBf16Tensor({w, hq, d}, obs);
-    absl::Status s = Write(part);
+    absl::Status s = Send(std::move(req));
     if (!s.ok()) return s;
   }
   return absl::OkStatus();
@@ -396,9 +627,24 @@ absl::Status IngestWriter::WriteLayer(uint32_t layer, int64_t n, int h, int d,
 
 absl::StatusOr<v1::IngestResponse> IngestWriter::Commit() {
   if (done_) return absl::FailedPreconditionError("ingest stream already finished");
-  v1::IngestRequest req;
-  req.mutable_commit();
-  writer_->Write(req);
+  auto req = std::make_shared<v1::IngestRequest>();
+  req->mutable_commit();
+  if (ucx_ != nullptr) {
+    absl::Status st = Send(req);
+    Drain(0);
+    done_ = true;
+    if (st.ok()) st = failed_;
+    if (!st.ok()) {
+      if (!ucx_->failed()) (void)ucx_->CancelIngest(stream_);  // forget the failed stream
+      return st;
+    }
+    v1::IngestResponse resp;
+    if (!resp.ParseFromString(last_reply_)) {
+      return absl::InternalError("ingest over UCX: the commit's reply does not parse");
+    }
+    return resp;
+  }
+  writer_->Write(*req);
   writer_->WritesDone();
   done_ = true;
   grpc::Status s = writer_->Finish();

@@ -1,9 +1,12 @@
-// UcxDataPlane (ucx_data_plane.h): HELLO with the admission token, then request/reply
-// active messages matched by request id.
+// UcxDataPlane (ucx_data_plane.h): HELLO with the admission token and this worker's
+// address, then request/reply active messages matched by request id. Calls are
+// asynchronous underneath (a table of pending replies, completed by the progress thread,
+// with deadlines checked by its tick); the synchronous calls wait on a future.
 #include "kvshade/client/ucx_data_plane.h"
 
 #include <chrono>
-#include <condition_variable>
+#include <deque>
+#include <future>
 
 #include "absl/strings/str_cat.h"
 #include "kvshade/service/ucx_core.h"
@@ -11,13 +14,43 @@
 namespace kvshade::client {
 
 namespace ucx = kvshade::service::ucx;
+using SteadyClock = std::chrono::steady_clock;
 
-struct UcxDataPlane::Pending {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool done = false;
-  Reply reply;
+struct UcxDataPlane::SlotBuffers {
+  std::unique_ptr<ucx::UcxMemHandle> k, v;
 };
+
+namespace {
+
+using Iov = std::vector<std::pair<const void*, size_t>>;
+
+// The tensor `t` travels as shape and dtype in the body (`out`), its bytes as one more
+// payload part.
+void StripTensor(const v1::Tensor& t, v1::Tensor* out, v1::DataPlaneHeader* h, Iov* iov) {
+  *out->mutable_shape() = t.shape();
+  out->set_dtype(t.dtype());
+  iov->emplace_back(t.data().data(), t.data().size());
+  h->add_part_bytes(t.data().size());
+}
+
+// A reply's status: the transport's, else the daemon's code.
+template <typename R>
+absl::Status ReplyStatus(const absl::StatusOr<R>& r) {
+  if (!r.ok()) return r.status();
+  if (r->code != 0) return absl::Status(static_cast<absl::StatusCode>(r->code), r->payload);
+  return absl::OkStatus();
+}
+
+template <typename T>
+absl::StatusOr<T> ParseReply(const std::string& payload, std::string_view what) {
+  T out;
+  if (!out.ParseFromString(payload)) {
+    return absl::InternalError(absl::StrCat("UCX ", std::string(what), ": the reply does not parse"));
+  }
+  return out;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Open(const std::string& address,
                                                                  const UcxOptions& options) {
@@ -26,15 +59,24 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Open(const std::stri
   UcxDataPlane* self = dp.get();
   std::map<unsigned, ucx::UcxLoop::Handler> handlers;
   handlers[ucx::kReply] = [self](ucx::AmMessage&& m) {
-    self->OnReply(std::move(m.header), std::move(m.payload));
+    self->OnReply(std::move(m.header), std::move(m.payload), m.oversize);
   };
-  auto loop = ucx::UcxLoop::Start(options.transports, std::move(handlers));
+  // The tick enforces call deadlines and notices a failed endpoint while idle.
+  auto loop = ucx::UcxLoop::Start(options.transports, std::move(handlers),
+                                  [self] { self->OnTick(); }, std::chrono::milliseconds(20));
   if (!loop.ok()) return loop.status();
   dp->loop_ = *std::move(loop);
+  dp->loop_->set_max_payload(options.max_reply_bytes);
   auto raw = ucx::DecodeWorkerAddress(address);
   if (!raw.ok()) return raw.status();
   absl::Status st = dp->loop_->CallStatus([self, &raw]() -> absl::Status {
-    auto ep = ucx::UcxEndpoint::Connect(self->loop_->worker(), *raw);
+    auto ep = ucx::UcxEndpoint::Connect(self->loop_->worker(), *raw, [self] {
+      // Inside UCX's error callback: complete the calls from a task instead.
+      self->loop_->Post([self] {
+        self->FailPending(absl::UnavailableError(absl::StrCat("UCX: ", self->ep_->error().message())),
+                          /*only_expired=*/false);
+      });
+    });
     if (!ep.ok()) return ep.status();
     self->ep_ = *std::move(ep);
     return absl::OkStatus();
@@ -53,15 +95,13 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Connect(const std::s
   }
   auto dp = Open(address, options);
   if (!dp.ok()) return dp.status();
+  // Our worker's address lets the daemon connect back (RMA puts, disconnect watch); its
+  // endpoint must use our endpoint's error mode, since UCX pairs the two.
   v1::DataPlaneHeader extra;
-  // Lets the daemon notice our exit; only where the transports can detect a dead peer
-  // (a second endpoint without detection over UCX 1.13 shm disturbs the first).
-  if ((*dp)->ep_->peer_failure_detection()) extra.set_worker_address((*dp)->loop_->address());
+  extra.set_worker_address((*dp)->loop_->address());
+  extra.set_peer_failure_detection((*dp)->ep_->peer_failure_detection());
   auto r = (*dp)->Call(ucx::kHello, token, "", "", &extra);
-  if (!r.ok()) return r.status();
-  if (r->code != 0) {
-    return absl::Status(static_cast<absl::StatusCode>(r->code), r->payload);
-  }
+  if (absl::Status st = ReplyStatus(r); !st.ok()) return st;
   if (r->connection_key.empty()) {
     return absl::InternalError("UCX connect: the daemon accepted HELLO but sent no key");
   }
@@ -82,116 +122,196 @@ UcxDataPlane::~UcxDataPlane() {
       v1::DataPlaneHeader h;
       h.set_connection_key(self->key_);
       (void)self->loop_->Send(self->ep_->get(), ucx::kBye, h.SerializeAsString(), "");
-      // Let the BYE leave before the endpoint closes (close flushes it too).
+      // Closing the endpoint flushes the BYE out.
     }
+    self->slot_buffers_.clear();  // unmapped on the thread that owns the context
     self->ep_.reset();
   });
+  // The thread is gone: complete whatever is left here.
+  FailPending(absl::CancelledError("UCX: the data plane was closed"), /*only_expired=*/false);
   loop_.reset();
 }
 
 bool UcxDataPlane::failed() const { return ep_ == nullptr || ep_->failed(); }
 
-void UcxDataPlane::OnReply(std::string header, std::string payload) {
-  v1::DataPlaneHeader h;
-  if (!h.ParseFromString(header)) return;
-  std::shared_ptr<Pending> p;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = pending_.find(h.request_id());
-    if (it == pending_.end()) return;  // timed out already
-    p = it->second;
-    pending_.erase(it);
-  }
-  std::lock_guard<std::mutex> lock(p->mu);
-  p->reply.code = h.code();
-  p->reply.payload = std::move(payload);
-  p->reply.connection_key = h.connection_key();
-  p->done = true;
-  p->cv.notify_all();
+bool UcxDataPlane::peer_failure_detection() const {
+  return ep_ != nullptr && ep_->peer_failure_detection();
 }
 
-absl::StatusOr<UcxDataPlane::Reply> UcxDataPlane::Call(unsigned am_id, const std::string& token,
-                                                       const std::string& key,
-                                                       std::string payload,
-                                                       const v1::DataPlaneHeader* extra,
-                                                       std::vector<std::pair<const void*, size_t>> iov) {
-  if (ep_ == nullptr) return absl::FailedPreconditionError("UCX: not connected");
-  if (ep_->failed()) return absl::UnavailableError(absl::StrCat("UCX: ", ep_->error().message()));
+void UcxDataPlane::Complete(uint64_t id, absl::StatusOr<Reply> r) {
+  Callback<Reply> done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = pending_.find(id);
+    if (it == pending_.end()) return;  // completed already (timed out, failed)
+    done = std::move(it->second.done);
+    pending_.erase(it);
+  }
+  done(std::move(r));
+}
+
+void UcxDataPlane::FailPending(const absl::Status& why, bool only_expired) {
+  std::vector<Callback<Reply>> failed;
+  const auto now = SteadyClock::now();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      if (!only_expired || it->second.deadline <= now) {
+        failed.push_back(std::move(it->second.done));
+        it = pending_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& done : failed) done(why);
+}
+
+void UcxDataPlane::OnTick() {
+  if (ep_ != nullptr && ep_->failed()) {
+    FailPending(absl::UnavailableError(absl::StrCat("UCX: ", ep_->error().message())), false);
+    return;
+  }
+  FailPending(absl::DeadlineExceededError(absl::StrCat(
+                  "UCX: no reply from the daemon within ", absl::FormatDuration(options_.timeout))),
+              /*only_expired=*/true);
+}
+
+void UcxDataPlane::OnReply(std::string header, std::string payload, size_t oversize) {
+  v1::DataPlaneHeader h;
+  if (!h.ParseFromString(header)) return;
+  if (oversize > 0) {
+    Complete(h.request_id(),
+             absl::ResourceExhaustedError(absl::StrCat(
+                 "UCX: the daemon's ", oversize, "-byte reply exceeds this client's limit (",
+                 options_.max_reply_bytes, " bytes)")));
+    return;
+  }
+  Reply r;
+  r.code = h.code();
+  r.payload = std::move(payload);
+  r.connection_key = h.connection_key();
+  Complete(h.request_id(), std::move(r));
+}
+
+void UcxDataPlane::CallAsync(unsigned am_id, const std::string& token, const std::string& key,
+                             std::string payload, const v1::DataPlaneHeader* extra, Iov iov,
+                             Callback<Reply> done) {
+  if (ep_ == nullptr) {
+    done(absl::FailedPreconditionError("UCX: not connected"));
+    return;
+  }
+  if (ep_->failed()) {
+    done(absl::UnavailableError(absl::StrCat("UCX: ", ep_->error().message())));
+    return;
+  }
   const uint64_t id = next_id_.fetch_add(1);
   v1::DataPlaneHeader h;
   if (extra != nullptr) h = *extra;
   h.set_request_id(id);
   if (!token.empty()) h.set_admission_token(token);
   if (!key.empty()) h.set_connection_key(key);
-  auto p = std::make_shared<Pending>();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    pending_[id] = p;
+    pending_[id] = Pending{std::move(done),
+                           SteadyClock::now() + absl::ToChronoMilliseconds(options_.timeout)};
   }
-  auto forget = [&] {
-    std::lock_guard<std::mutex> lock(mu_);
-    pending_.erase(id);
-  };
   UcxDataPlane* self = this;
-  const bool posted = loop_->Post([self, am_id, p, hdr = h.SerializeAsString(),
+  const bool posted = loop_->Post([self, id, am_id, hdr = h.SerializeAsString(),
                                    payload = std::move(payload), iov = std::move(iov)]() mutable {
+    size_t total = 0;
+    for (const auto& part : iov) total += part.second;
+    // An iov send needs at least one non-empty part; a bodiless message goes plainly.
     absl::Status st =
-        iov.empty()
+        total == 0
             ? self->loop_->Send(self->ep_->get(), am_id, std::move(hdr), std::move(payload))
             : self->loop_->SendIov(self->ep_->get(), am_id, std::move(hdr), std::move(iov));
-    if (!st.ok()) {
-      std::lock_guard<std::mutex> lock(p->mu);
-      p->reply.code = static_cast<int>(st.code());
-      p->reply.payload = std::string(st.message());
-      p->done = true;
-      p->cv.notify_all();
-    }
+    if (!st.ok()) self->Complete(id, st);
   });
-  if (!posted) {
-    forget();
-    return absl::UnavailableError("UCX: the progress thread has stopped");
-  }
-  const auto deadline = std::chrono::steady_clock::now() +
-                        absl::ToChronoMilliseconds(options_.timeout);
-  std::unique_lock<std::mutex> lock(p->mu);
-  while (!p->done) {
-    // Wake now and then to notice a failed endpoint instead of waiting out the timeout.
-    p->cv.wait_for(lock, std::chrono::milliseconds(50));
-    if (p->done) break;
-    if (ep_->failed()) {
-      lock.unlock();
-      forget();
-      return absl::UnavailableError(absl::StrCat("UCX: ", ep_->error().message()));
-    }
-    if (std::chrono::steady_clock::now() >= deadline) {
-      lock.unlock();
-      forget();
-      return absl::DeadlineExceededError(absl::StrCat(
-          "UCX: no reply from the daemon within ", absl::FormatDuration(options_.timeout)));
-    }
-  }
-  Reply out = std::move(p->reply);
-  lock.unlock();
-  forget();  // a send that failed locally left its entry behind
-  return out;
+  if (!posted) Complete(id, absl::UnavailableError("UCX: the progress thread has stopped"));
 }
+
+absl::StatusOr<UcxDataPlane::Reply> UcxDataPlane::Call(unsigned am_id, const std::string& token,
+                                                       const std::string& key,
+                                                       std::string payload,
+                                                       const v1::DataPlaneHeader* extra, Iov iov) {
+  auto p = std::make_shared<std::promise<absl::StatusOr<Reply>>>();
+  auto f = p->get_future();
+  CallAsync(am_id, token, key, std::move(payload), extra, std::move(iov),
+            [p](absl::StatusOr<Reply> r) { p->set_value(std::move(r)); });
+  return f.get();
+}
+
+// --- Decode -------------------------------------------------------------------------------
 
 absl::StatusOr<v1::SelectAndReconstructResponse> UcxDataPlane::SelectAndReconstruct(
     const v1::SelectAndReconstructRequest& req) {
   auto r = Call(ucx::kSelect, "", key_, req.SerializeAsString());
-  if (!r.ok()) return r.status();
-  if (r->code != 0) return absl::Status(static_cast<absl::StatusCode>(r->code), r->payload);
-  v1::SelectAndReconstructResponse resp;
-  if (!resp.ParseFromString(r->payload)) {
-    return absl::InternalError("UCX SelectAndReconstruct: the reply does not parse");
-  }
-  return resp;
+  if (absl::Status st = ReplyStatus(r); !st.ok()) return st;
+  return ParseReply<v1::SelectAndReconstructResponse>(r->payload, "SelectAndReconstruct");
 }
 
-absl::StatusOr<std::string> UcxDataPlane::IngestMessage(const v1::IngestRequest& msg) {
+void UcxDataPlane::SelectAndReconstructAsync(const v1::SelectAndReconstructRequest& req,
+                                             Callback<v1::SelectAndReconstructResponse> done) {
+  CallAsync(ucx::kSelect, "", key_, req.SerializeAsString(), nullptr, {},
+            [done = std::move(done)](absl::StatusOr<Reply> r) {
+              if (absl::Status st = ReplyStatus(r); !st.ok()) {
+                done(st);
+                return;
+              }
+              done(ParseReply<v1::SelectAndReconstructResponse>(r->payload, "SelectAndReconstruct"));
+            });
+}
+
+absl::StatusOr<v1::AttendResponse> UcxDataPlane::Attend(const v1::AttendRequest& req) {
+  auto r = Call(ucx::kAttend, "", key_, req.SerializeAsString());
+  if (absl::Status st = ReplyStatus(r); !st.ok()) return st;
+  return ParseReply<v1::AttendResponse>(r->payload, "Attend");
+}
+
+void UcxDataPlane::AttendAsync(const v1::AttendRequest& req, Callback<v1::AttendResponse> done) {
+  CallAsync(ucx::kAttend, "", key_, req.SerializeAsString(), nullptr, {},
+            [done = std::move(done)](absl::StatusOr<Reply> r) {
+              if (absl::Status st = ReplyStatus(r); !st.ok()) {
+                done(st);
+                return;
+              }
+              done(ParseReply<v1::AttendResponse>(r->payload, "Attend"));
+            });
+}
+
+// --- Append -------------------------------------------------------------------------------
+
+absl::StatusOr<v1::AppendTokensResponse> UcxDataPlane::AppendTokens(
+    const v1::AppendTokensRequest& req) {
+  // The body is the request without tensor bytes (every field of AppendTokensRequest is
+  // copied here; the bytes of k and v of each layer, in order, are the payload).
+  v1::DataPlaneHeader extra;
+  Iov iov;
+  v1::AppendTokensRequest body;
+  body.set_session_id(req.session_id());
+  *body.mutable_token_ids() = req.token_ids();
+  body.set_attachment_id(req.attachment_id());
+  for (const v1::LayerKV& l : req.layers()) {
+    v1::LayerKV* bl = body.add_layers();
+    bl->set_layer(l.layer());
+    if (l.has_k()) StripTensor(l.k(), bl->mutable_k(), &extra, &iov);
+    if (l.has_v()) StripTensor(l.v(), bl->mutable_v(), &extra, &iov);
+  }
+  extra.set_body(body.SerializeAsString());
+  auto r = Call(ucx::kAppend, "", key_, "", &extra, std::move(iov));
+  if (absl::Status st = ReplyStatus(r); !st.ok()) return st;
+  return ParseReply<v1::AppendTokensResponse>(r->payload, "AppendTokens");
+}
+
+// --- Ingest -------------------------------------------------------------------------------
+
+void UcxDataPlane::IngestMessageAsync(uint64_t stream, const v1::IngestRequest& msg,
+                                      Callback<std::string> done) {
   // The body is the message without tensor bytes; the bytes travel as the payload.
   v1::DataPlaneHeader extra;
-  std::vector<std::pair<const void*, size_t>> iov;
+  extra.set_stream_id(stream);
+  Iov iov;
   v1::IngestRequest body;
   if (msg.has_layer()) {
     const v1::IngestLayer& l = msg.layer();
@@ -199,30 +319,49 @@ absl::StatusOr<std::string> UcxDataPlane::IngestMessage(const v1::IngestRequest&
     bl->set_layer(l.layer());
     bl->set_token_offset(l.token_offset());
     bl->set_last_part(l.last_part());
-    auto add = [&](bool has, const v1::Tensor& t, auto mutable_out) {
-      if (!has) return;
-      v1::Tensor* out = mutable_out();  // only now: a mutable_ call creates the field
-      *out->mutable_shape() = t.shape();
-      out->set_dtype(t.dtype());
-      iov.emplace_back(t.data().data(), t.data().size());
-      extra.add_part_bytes(t.data().size());
-    };
-    add(l.has_k(), l.k(), [bl] { return bl->mutable_k(); });
-    add(l.has_v(), l.v(), [bl] { return bl->mutable_v(); });
-    add(l.has_observation_queries(), l.observation_queries(),
-        [bl] { return bl->mutable_observation_queries(); });
+    if (l.has_k()) StripTensor(l.k(), bl->mutable_k(), &extra, &iov);
+    if (l.has_v()) StripTensor(l.v(), bl->mutable_v(), &extra, &iov);
+    if (l.has_observation_queries()) {
+      StripTensor(l.observation_queries(), bl->mutable_observation_queries(), &extra, &iov);
+    }
   } else {
     body = msg;
   }
   extra.set_body(body.SerializeAsString());
-  uint64_t total = 0;
-  for (const auto& part : iov) total += part.second;
-  // An empty payload still needs one (empty) element for the iov path; send it plainly.
-  auto r = total == 0 ? Call(ucx::kIngest, "", key_, "", &extra)
-                      : Call(ucx::kIngest, "", key_, "", &extra, std::move(iov));
-  if (!r.ok()) return r.status();
-  if (r->code != 0) return absl::Status(static_cast<absl::StatusCode>(r->code), r->payload);
-  return r->payload;
+  extra.set_sequence(NextSequence(stream, msg.has_commit()));
+  CallAsync(ucx::kIngest, "", key_, "", &extra, std::move(iov),
+            [done = std::move(done)](absl::StatusOr<Reply> r) {
+              if (absl::Status st = ReplyStatus(r); !st.ok()) {
+                done(st);
+                return;
+              }
+              done(std::move(r->payload));
+            });
+}
+
+uint64_t UcxDataPlane::NextSequence(uint64_t stream, bool ends) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = ingest_sequence_.try_emplace(stream, 0).first;
+  const uint64_t seq = it->second++;
+  if (ends) ingest_sequence_.erase(it);  // the daemon starts counting afresh too
+  return seq;
+}
+
+absl::StatusOr<std::string> UcxDataPlane::IngestMessage(const v1::IngestRequest& msg,
+                                                        uint64_t stream) {
+  auto p = std::make_shared<std::promise<absl::StatusOr<std::string>>>();
+  auto f = p->get_future();
+  IngestMessageAsync(stream, msg, [p](absl::StatusOr<std::string> r) { p->set_value(std::move(r)); });
+  return f.get();
+}
+
+absl::Status UcxDataPlane::CancelIngest(uint64_t stream) {
+  v1::DataPlaneHeader extra;
+  extra.set_stream_id(stream);
+  extra.set_cancel(true);
+  extra.set_sequence(NextSequence(stream, /*ends=*/true));
+  auto r = Call(ucx::kIngest, "", key_, "", &extra);
+  return ReplyStatus(r);
 }
 
 absl::StatusOr<v1::IngestResponse> UcxDataPlane::Ingest(
@@ -230,28 +369,131 @@ absl::StatusOr<v1::IngestResponse> UcxDataPlane::Ingest(
   if (messages.empty() || !messages.front().has_header()) {
     return absl::InvalidArgumentError("UCX Ingest: the first message must be the header");
   }
-  std::string last;
-  for (const auto& m : messages) {
-    auto r = IngestMessage(m);
-    if (!r.ok()) return r.status();
-    last = *std::move(r);
-  }
   if (!messages.back().has_commit()) {
     return absl::InvalidArgumentError(
-        "UCX Ingest: the stream ended without an IngestCommit; nothing was committed");
+        "UCX Ingest: the stream must end with an IngestCommit; nothing was sent");
+  }
+  const uint64_t stream = NewIngestStream();
+  const size_t window = static_cast<size_t>(std::max(1, options_.ingest_window));
+  std::deque<std::future<absl::StatusOr<std::string>>> inflight;
+  absl::Status first_error;
+  std::string last;
+  // Replies come in stream order (the daemon runs a connection's messages in order), so
+  // the first error met here is the stream's first error; later ones only echo it.
+  auto retire_one = [&] {
+    absl::StatusOr<std::string> r = inflight.front().get();
+    inflight.pop_front();
+    if (!r.ok()) {
+      if (first_error.ok()) first_error = r.status();
+    } else {
+      last = *std::move(r);
+    }
+  };
+  for (const auto& m : messages) {
+    while (inflight.size() >= window) retire_one();
+    if (!first_error.ok()) break;
+    auto p = std::make_shared<std::promise<absl::StatusOr<std::string>>>();
+    inflight.push_back(p->get_future());
+    IngestMessageAsync(stream, m, [p](absl::StatusOr<std::string> r) { p->set_value(std::move(r)); });
+  }
+  // Every message's buffers stay valid until its reply: wait for all of them.
+  while (!inflight.empty()) retire_one();
+  if (!first_error.ok()) {
+    if (!failed()) (void)CancelIngest(stream);  // forget the failed stream's state
+    return first_error;
   }
   v1::IngestResponse resp;
   if (!resp.ParseFromString(last)) return absl::InternalError("UCX Ingest: the reply does not parse");
   return resp;
 }
 
+// --- RMA slot buffers ---------------------------------------------------------------------
+
+absl::Status UcxDataPlane::RegisterSlotBuffers(const std::string& attachment_id, void* k,
+                                               void* v, size_t bytes) {
+  if (attachment_id.empty()) {
+    return absl::InvalidArgumentError("RegisterSlotBuffers: attachment_id is empty");
+  }
+  if (k == nullptr || v == nullptr || bytes == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "RegisterSlotBuffers: need non-null K and V buffers of > 0 bytes, got ", bytes, " bytes"));
+  }
+  auto bufs = std::make_shared<std::unique_ptr<SlotBuffers>>(std::make_unique<SlotBuffers>());
+  v1::UcxSlotBuffers msg;
+  UcxDataPlane* self = this;
+  absl::Status st = loop_->CallStatus([&]() -> absl::Status {
+    auto mk = ucx::UcxMemHandle::Map(self->loop_->context(), k, bytes);
+    if (!mk.ok()) return mk.status();
+    auto mv = ucx::UcxMemHandle::Map(self->loop_->context(), v, bytes);
+    if (!mv.ok()) return mv.status();
+    auto pk = (*mk)->PackRkey();
+    if (!pk.ok()) return pk.status();
+    auto pv = (*mv)->PackRkey();
+    if (!pv.ok()) return pv.status();
+    msg.set_attachment_id(attachment_id);
+    msg.set_k_address((*mk)->address());
+    msg.set_k_rkey(*std::move(pk));
+    msg.set_v_address((*mv)->address());
+    msg.set_v_rkey(*std::move(pv));
+    msg.set_bytes(bytes);
+    (*bufs)->k = *std::move(mk);
+    (*bufs)->v = *std::move(mv);
+    return absl::OkStatus();
+  });
+  if (st.ok()) {
+    auto r = Call(ucx::kRegister, "", key_, msg.SerializeAsString());
+    st = ReplyStatus(r);
+  }
+  // Keep the handles on success (replacing an earlier registration: the daemon answered
+  // after its last put into those), else release them; on the loop thread either way.
+  const bool keep = st.ok();
+  (void)loop_->CallStatus([&]() -> absl::Status {
+    if (keep) {
+      self->slot_buffers_[attachment_id] = std::move(*bufs);
+    } else {
+      bufs->reset();
+    }
+    return absl::OkStatus();
+  });
+  if (keep) {
+    std::lock_guard<std::mutex> lock(mu_);
+    registered_[attachment_id] = true;
+  }
+  return st;
+}
+
+absl::Status UcxDataPlane::UnregisterSlotBuffers(const std::string& attachment_id) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!registered_.contains(attachment_id)) return absl::OkStatus();
+  }
+  v1::UcxSlotBuffers msg;
+  msg.set_attachment_id(attachment_id);
+  auto r = Call(ucx::kUnregister, "", key_, msg.SerializeAsString());
+  const absl::Status st = ReplyStatus(r);
+  UcxDataPlane* self = this;
+  (void)loop_->CallStatus([&]() -> absl::Status {
+    self->slot_buffers_.erase(attachment_id);
+    return absl::OkStatus();
+  });
+  std::lock_guard<std::mutex> lock(mu_);
+  registered_.erase(attachment_id);
+  return st;
+}
+
+bool UcxDataPlane::HasSlotBuffers(const std::string& attachment_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return registered_.contains(attachment_id);
+}
+
 absl::StatusOr<std::string> UcxDataPlane::RawRequest(unsigned am_id,
                                                      const std::string& connection_key,
                                                      const std::string& payload) {
   auto r = Call(am_id, "", connection_key, payload);
-  if (!r.ok()) return r.status();
-  if (r->code != 0) return absl::Status(static_cast<absl::StatusCode>(r->code), r->payload);
+  if (absl::Status st = ReplyStatus(r); !st.ok()) return st;
   return r->payload;
 }
+
+
 
 }  // namespace kvshade::client

@@ -3,6 +3,8 @@
 // exception leaves a UCX callback (handlers run inside try/catch).
 #include "kvshade/service/ucx_core.h"
 
+#include <poll.h>
+
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -129,7 +131,8 @@ absl::StatusOr<std::string> UcxWorker::Address() const {
 // --- UcxEndpoint --------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<UcxEndpoint>> UcxEndpoint::Connect(
-    UcxWorker& worker, const std::string& address, std::function<void()> on_error) {
+    UcxWorker& worker, const std::string& address, std::function<void()> on_error,
+    bool peer_failure) {
   if (address.empty()) {
     return absl::InvalidArgumentError("UCX connect: the data-plane address is empty");
   }
@@ -139,11 +142,12 @@ absl::StatusOr<std::unique_ptr<UcxEndpoint>> UcxEndpoint::Connect(
   params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                       UCP_EP_PARAM_FIELD_ERR_HANDLER;
   params.address = reinterpret_cast<const ucp_address_t*>(address.data());
-  params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+  params.err_mode = peer_failure ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
   params.err_handler.cb = &UcxEndpoint::OnError;
   params.err_handler.arg = ep.get();
+  ep->peer_failure_detection_ = peer_failure;
   ucs_status_t s = ucp_ep_create(worker.get(), &params, &ep->h_);
-  if (s == UCS_ERR_UNREACHABLE) {
+  if (s == UCS_ERR_UNREACHABLE && peer_failure) {
     // UCX 1.13's shared-memory transports have no peer-failure support; such an endpoint
     // (same host only) runs without failure detection: calls then time out instead.
     params.err_mode = UCP_ERR_HANDLING_MODE_NONE;
@@ -224,8 +228,44 @@ absl::StatusOr<std::string> UcxMemHandle::PackRkey() const {
 absl::StatusOr<std::unique_ptr<UcxRemoteKey>> UcxRemoteKey::Unpack(UcxEndpoint& ep,
                                                                   const std::string& packed) {
   if (packed.empty()) return absl::InvalidArgumentError("UCX rkey: the packed key is empty");
+  if (packed.size() > kMaxPackedRkeyBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("UCX rkey: a packed key must be <= ",
+                                                   kMaxPackedRkeyBytes, " bytes, got ",
+                                                   packed.size()));
+  }
+  // The packed form (UCX 1.13 ucp_rkey_pack) is a 64-bit md map, a memory-type byte, then
+  // per md in the map one length byte and that many bytes, then (device memory only) a
+  // small trailer. ucp_ep_rkey_unpack trusts all of it, and UCX 1.13 crashes cleaning up
+  // a key whose transport part fails to unpack, so the framing is checked here first.
+  uint64_t md_map = 0;
+  if (packed.size() < sizeof(md_map) + 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "UCX rkey: a packed key has at least 9 bytes, got ", packed.size()));
+  }
+  std::memcpy(&md_map, packed.data(), sizeof(md_map));
+  const auto mem_type = static_cast<uint8_t>(packed[sizeof(md_map)]);
+  if (mem_type != UCS_MEMORY_TYPE_HOST) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "UCX rkey: only host memory can be registered, got memory type ", mem_type));
+  }
+  size_t off = sizeof(md_map) + 1;
+  for (int bit = 0; bit < 64; ++bit) {
+    if (((md_map >> bit) & 1u) == 0) continue;
+    if (off >= packed.size()) {
+      return absl::InvalidArgumentError("UCX rkey: the key ends inside its md list");
+    }
+    off += 1 + static_cast<uint8_t>(packed[off]);
+  }
+  if (off != packed.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "UCX rkey: the md list of a host-memory key spans ", off, " bytes, the key has ",
+        packed.size()));
+  }
+  // Insurance: parse from a copy padded with zeros past anything the framing allows.
+  std::string padded = packed;
+  padded.resize(packed.size() + 8 + 1 + 64 * 256, '\0');
   ucp_rkey_h h = nullptr;
-  if (absl::Status st = FromUcs(ucp_ep_rkey_unpack(ep.get(), packed.data(), &h), "ucp_ep_rkey_unpack");
+  if (absl::Status st = FromUcs(ucp_ep_rkey_unpack(ep.get(), padded.data(), &h), "ucp_ep_rkey_unpack");
       !st.ok()) {
     return st;
   }
@@ -243,11 +283,57 @@ absl::Status WaitRequest(ucp_worker_h worker, ucs_status_ptr_t req, std::string_
   return FromUcs(s, what);
 }
 
+absl::Status Put(ucp_ep_h ep, const void* src, size_t bytes, uint64_t remote, ucp_rkey_h rkey) {
+  ucp_request_param_t p{};
+  ucs_status_ptr_t req = ucp_put_nbx(ep, src, bytes, remote, rkey, &p);
+  if (req == nullptr) return absl::OkStatus();
+  if (UCS_PTR_IS_ERR(req)) return FromUcs(UCS_PTR_STATUS(req), "ucp_put_nbx");
+  // Released now, completed later: the flush that follows reports the outcome.
+  ucp_request_free(req);
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Runs a flush's completion exactly once and frees it; nothing escapes into UCX.
+void FinishFlush(std::function<void(absl::Status)>* done, absl::Status st) {
+  try {
+    (*done)(std::move(st));
+  } catch (...) {
+    std::fprintf(stderr, "kvshade ucx: flush completion threw; ignored\n");
+  }
+  delete done;
+}
+
+}  // namespace
+
+void Flush(ucp_ep_h ep, std::function<void(absl::Status)> done) {
+  auto* ctx = new std::function<void(absl::Status)>(std::move(done));
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.user_data = ctx;
+  p.cb.send = [](void* req, ucs_status_t status, void* user_data) {
+    FinishFlush(static_cast<std::function<void(absl::Status)>*>(user_data),
+                FromUcs(status, "ucp_ep_flush_nbx"));
+    ucp_request_free(req);
+  };
+  ucs_status_ptr_t req = ucp_ep_flush_nbx(ep, &p);
+  if (req == nullptr) {
+    FinishFlush(ctx, absl::OkStatus());
+  } else if (UCS_PTR_IS_ERR(req)) {
+    FinishFlush(ctx, FromUcs(UCS_PTR_STATUS(req), "ucp_ep_flush_nbx"));
+  }
+}
+
 // --- UcxLoop ------------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<UcxLoop>> UcxLoop::Start(const std::string& transports,
-                                                        std::map<unsigned, Handler> handlers) {
+                                                        std::map<unsigned, Handler> handlers,
+                                                        std::function<void()> tick,
+                                                        std::chrono::milliseconds tick_every) {
   std::unique_ptr<UcxLoop> loop(new UcxLoop());
+  loop->tick_ = std::move(tick);
+  loop->tick_every_ = std::max(tick_every, std::chrono::milliseconds(1));
   auto ctx = UcxContext::Create(transports);
   if (!ctx.ok()) return ctx.status();
   loop->context_ = *std::move(ctx);
@@ -257,6 +343,13 @@ absl::StatusOr<std::unique_ptr<UcxLoop>> UcxLoop::Start(const std::string& trans
   auto addr = loop->worker_->Address();
   if (!addr.ok()) return addr.status();
   loop->address_ = *std::move(addr);
+  if (loop->tick_) {
+    if (absl::Status st = FromUcs(ucp_worker_get_efd(loop->worker_->get(), &loop->efd_),
+                                  "ucp_worker_get_efd");
+        !st.ok()) {
+      return st;
+    }
+  }
   loop->handlers_ = std::move(handlers);
   for (const auto& [id, h] : loop->handlers_) {
     loop->am_args_.push_back(AmArg{loop.get(), id});
@@ -315,8 +408,19 @@ absl::Status UcxLoop::CallStatus(std::function<absl::Status()> fn) {
 
 void UcxLoop::Run() {
   ucp_worker_h w = worker_->get();
+  auto next_tick = std::chrono::steady_clock::now() + tick_every_;
+  auto last_progress = std::chrono::steady_clock::now();
   for (;;) {
     while (ucp_worker_progress(w) != 0) {
+      last_progress = std::chrono::steady_clock::now();
+    }
+    if (tick_ && std::chrono::steady_clock::now() >= next_tick) {
+      next_tick = std::chrono::steady_clock::now() + tick_every_;
+      try {
+        tick_();
+      } catch (...) {
+        std::fprintf(stderr, "kvshade ucx: the tick threw; ignored\n");
+      }
     }
     std::deque<std::function<void()>> tasks;
     bool stopping;
@@ -334,6 +438,19 @@ void UcxLoop::Run() {
     }
     if (!tasks.empty()) continue;
     if (stopping) break;
+    // Transfers in flight (a rendezvous is several round trips, over shared memory many
+    // fragments): keep progressing, yielding the core between polls, rather than sleep;
+    // a wake-up per step costs more than the step. Bounded, in case a peer went silent.
+    if (in_flight_ > 0) {
+      if (ucp_worker_progress(w) != 0) {
+        last_progress = std::chrono::steady_clock::now();
+        continue;
+      }
+      if (std::chrono::steady_clock::now() - last_progress < std::chrono::milliseconds(20)) {
+        std::this_thread::yield();
+        continue;
+      }
+    }
     // Spin briefly before sleeping: a decode loop sends its next request within
     // microseconds, and waking from epoll costs more than that.
     const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
@@ -351,7 +468,16 @@ void UcxLoop::Run() {
     }
     const ucs_status_t armed = ucp_worker_arm(w);
     if (armed == UCS_ERR_BUSY) continue;
-    if (armed == UCS_OK) ucp_worker_wait(w);
+    if (armed != UCS_OK) continue;
+    if (tick_) {
+      // Sleep on the worker's event fd, but no longer than the next tick.
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          next_tick - std::chrono::steady_clock::now());
+      pollfd pfd{efd_, POLLIN, 0};
+      (void)poll(&pfd, 1, static_cast<int>(std::max<int64_t>(0, left.count()) + 1));
+    } else {
+      ucp_worker_wait(w);
+    }
   }
   // Let queued sends finish before the worker goes away (bounded).
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
@@ -370,13 +496,16 @@ struct RndvRecv {
 struct SendCtx {
   std::string header, payload;
   std::vector<ucp_dt_iov_t> iov;
+  int* in_flight = nullptr;  // the loop's count, while the send is pending
 };
 
 void OnSendDone(void* req, ucs_status_t status, void* user_data) {
   if (status != UCS_OK && status != UCS_ERR_CANCELED) {
     std::fprintf(stderr, "kvshade ucx: send failed: %s\n", ucs_status_string(status));
   }
-  delete static_cast<SendCtx*>(user_data);
+  auto* ctx = static_cast<SendCtx*>(user_data);
+  if (ctx->in_flight != nullptr) --*ctx->in_flight;
+  delete ctx;
   ucp_request_free(req);
 }
 
@@ -391,9 +520,10 @@ ucs_status_t UcxLoop::OnAm(void* arg, const void* header, size_t header_length, 
     m.header.assign(static_cast<const char*>(header), header_length);
     if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP) m.reply_ep = param->reply_ep;
     if (length > a->loop->max_payload_.load()) {
-      // Unread (a rendezvous payload is released when the callback returns UCS_OK).
-      std::fprintf(stderr, "kvshade ucx: dropped a %zu-byte message (limit %zu)\n", length,
-                   a->loop->max_payload_.load());
+      // Unread (a rendezvous payload is released when the callback returns UCS_OK); the
+      // handler still sees the header, so that the sender gets an answer.
+      m.oversize = length;
+      a->loop->Deliver(std::move(m));
       return UCS_OK;
     }
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
@@ -409,6 +539,7 @@ ucs_status_t UcxLoop::OnAm(void* arg, const void* header, size_t header_length, 
     p.user_data = r;
     p.cb.recv_am = [](void* req, ucs_status_t status, size_t, void* user_data) {
       auto* rr = static_cast<RndvRecv*>(user_data);
+      --rr->loop->in_flight_;
       if (status == UCS_OK) rr->loop->Deliver(std::move(rr->msg));
       delete rr;
       ucp_request_free(req);
@@ -422,6 +553,8 @@ ucs_status_t UcxLoop::OnAm(void* arg, const void* header, size_t header_length, 
       std::fprintf(stderr, "kvshade ucx: rendezvous receive failed: %s\n",
                    ucs_status_string(UCS_PTR_STATUS(req)));
       delete r;
+    } else {
+      ++a->loop->in_flight_;
     }
     return UCS_OK;
   } catch (...) {
@@ -467,6 +600,8 @@ absl::Status UcxLoop::SendIov(ucp_ep_h ep, unsigned id, std::string header,
     delete ctx;
     return FromUcs(UCS_PTR_STATUS(req), "ucp_am_send_nbx");
   }
+  ctx->in_flight = &in_flight_;
+  ++in_flight_;
   return absl::OkStatus();
 }
 
@@ -478,13 +613,7 @@ absl::Status UcxLoop::Send(ucp_ep_h ep, unsigned id, std::string header, std::st
                    UCP_OP_ATTR_FIELD_FLAGS;
   p.flags = UCP_AM_SEND_FLAG_REPLY;
   p.user_data = ctx;
-  p.cb.send = [](void* req, ucs_status_t status, void* user_data) {
-    if (status != UCS_OK && status != UCS_ERR_CANCELED) {
-      std::fprintf(stderr, "kvshade ucx: send failed: %s\n", ucs_status_string(status));
-    }
-    delete static_cast<SendCtx*>(user_data);
-    ucp_request_free(req);
-  };
+  p.cb.send = &OnSendDone;
   ucs_status_ptr_t req = ucp_am_send_nbx(ep, id, ctx->header.data(), ctx->header.size(),
                                          ctx->payload.data(), ctx->payload.size(), &p);
   if (req == nullptr) {
@@ -495,6 +624,8 @@ absl::Status UcxLoop::Send(ucp_ep_h ep, unsigned id, std::string header, std::st
     delete ctx;
     return FromUcs(UCS_PTR_STATUS(req), "ucp_am_send_nbx");
   }
+  ctx->in_flight = &in_flight_;
+  ++in_flight_;
   return absl::OkStatus();
 }
 

@@ -1,5 +1,6 @@
-// UcxServer (ucx_server.h): admission by one-time token, SelectAndReconstruct over UCX
-// active messages, engine work on its own threads.
+// UcxServer (ucx_server.h): admission by one-time token; SelectAndReconstruct (with RMA
+// delivery into registered slot buffers), Attend, AppendTokens and pipelined Ingest over
+// UCX active messages; engine work on its own threads, replies from the progress thread.
 #include "kvshade/service/ucx_server.h"
 
 #include <openssl/rand.h>
@@ -17,6 +18,13 @@ namespace {
 
 constexpr size_t kMaxOutstandingTokens = 1 << 16;
 constexpr size_t kMaxConnections = 1 << 16;
+constexpr size_t kMaxStreamsPerConnection = 64;        // open or failed ingest streams
+constexpr uint64_t kMaxIngestAhead = 64;  // messages of a stream waiting for an earlier one
+constexpr size_t kMaxRegistrationsPerConnection = 4096;  // slot-buffer registrations
+
+using SteadyClock = std::chrono::steady_clock;
+
+constexpr std::string_view kSelectMethod = "ucx/SelectAndReconstruct";
 
 std::string RandomKey() {
   std::string k(16, '\0');
@@ -24,6 +32,66 @@ std::string RandomKey() {
     return "";  // callers treat an empty key as "cannot issue"
   }
   return k;
+}
+
+// Re-attaches the tensor bytes of an INGEST or APPEND message: `parts` (the tensors the
+// body declares, in wire order) get part_bytes[i] bytes each, in order, from `payload`,
+// which is consumed.
+absl::Status AttachPayload(const v1::DataPlaneHeader& h, std::string& payload,
+                           const std::vector<v1::Tensor*>& parts, std::string_view what) {
+  uint64_t total = 0;
+  for (uint64_t b : h.part_bytes()) {
+    if (b > payload.size()) {  // also keeps the sum from overflowing
+      total = UINT64_MAX;
+      break;
+    }
+    total += b;
+  }
+  if (static_cast<size_t>(h.part_bytes_size()) != parts.size() || total != payload.size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ucx ", std::string(what), ": part_bytes (", h.part_bytes_size(), " parts, ",
+        total == UINT64_MAX ? std::string("more than the payload's") : absl::StrCat(total),
+        " bytes) does not describe the payload (", parts.size(), " tensors in the body, ",
+        payload.size(), " bytes)"));
+  }
+  // Every part but the first is copied out; the first takes the payload's buffer itself
+  // (truncated in place): one copy less of the largest message the daemon receives.
+  size_t off = parts.empty() ? 0 : h.part_bytes(0);
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const size_t n = h.part_bytes(static_cast<int>(i));
+    parts[i]->set_data(payload.data() + off, n);
+    off += n;
+  }
+  if (!parts.empty()) {
+    payload.resize(h.part_bytes(0));
+    parts[0]->set_data(std::move(payload));
+  }
+  payload.clear();
+  return absl::OkStatus();
+}
+
+absl::Status ValidateSlotBuffers(const v1::UcxSlotBuffers& b) {
+  if (b.attachment_id().empty()) {
+    return absl::InvalidArgumentError("ucx REGISTER: attachment_id is empty");
+  }
+  if (b.k_address() == 0 || b.v_address() == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ucx REGISTER: k_address and v_address must be non-zero, got ", b.k_address(), " and ",
+        b.v_address()));
+  }
+  if (b.bytes() == 0 || b.k_address() + b.bytes() < b.k_address() ||
+      b.v_address() + b.bytes() < b.v_address()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "ucx REGISTER: bytes must be > 0 and fit the address space, got ", b.bytes()));
+  }
+  for (const auto* rkey : {&b.k_rkey(), &b.v_rkey()}) {
+    if (rkey->empty() || rkey->size() > ucx::UcxRemoteKey::kMaxPackedRkeyBytes) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "ucx REGISTER: k_rkey and v_rkey must hold 1..", ucx::UcxRemoteKey::kMaxPackedRkeyBytes,
+          " bytes, got ", b.k_rkey().size(), " and ", b.v_rkey().size()));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -37,6 +105,10 @@ absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Start(const ServerConfig& 
   handlers[ucx::kSelect] = [self](ucx::AmMessage&& m) { self->OnSelect(std::move(m)); };
   handlers[ucx::kBye] = [self](ucx::AmMessage&& m) { self->OnBye(std::move(m)); };
   handlers[ucx::kIngest] = [self](ucx::AmMessage&& m) { self->OnIngest(std::move(m)); };
+  handlers[ucx::kRegister] = [self](ucx::AmMessage&& m) { self->OnRegister(std::move(m)); };
+  handlers[ucx::kAppend] = [self](ucx::AmMessage&& m) { self->OnAppend(std::move(m)); };
+  handlers[ucx::kAttend] = [self](ucx::AmMessage&& m) { self->OnAttend(std::move(m)); };
+  handlers[ucx::kUnregister] = [self](ucx::AmMessage&& m) { self->OnUnregister(std::move(m)); };
   auto loop = ucx::UcxLoop::Start(config.ucx.transports, std::move(handlers));
   if (!loop.ok()) {
     return absl::Status(loop.status().code(),
@@ -64,7 +136,27 @@ void UcxServer::Stop() {
   }
   work_cv_.notify_all();
   for (auto& t : workers_) t.join();
-  if (loop_) loop_->Stop([this] { watch_.clear(); });
+  {
+    // Jobs that never ran go now, while the engine is still there.
+    std::deque<std::function<void()>> dropped;
+    std::lock_guard<std::mutex> lock(work_mu_);
+    dropped.swap(work_);
+  }
+  if (loop_) {
+    loop_->Stop([this] {
+      std::vector<std::shared_ptr<Conn>> all;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (auto& [key, c] : connections_) all.push_back(c);
+      }
+      for (auto& c : all) {
+        c->closed = true;
+        c->regs.clear();  // rkeys before their endpoint
+        c->num_regs.store(0);
+        c->ep.reset();
+      }
+    });
+  }
   std::lock_guard<std::mutex> lock(mu_);
   connections_.clear();  // discards open ingest streams
   engine_ = nullptr;
@@ -106,6 +198,65 @@ void UcxServer::Reply(ucp_ep_h ep, uint64_t request_id, int code, std::string pa
   if (!st.ok()) spdlog::warn("ucx data plane: reply failed: {}", std::string(st.message()));
 }
 
+void UcxServer::Finish(const std::shared_ptr<Conn>& conn, ucp_ep_h ep, uint64_t request_id,
+                       std::string_view method, SteadyClock::time_point start, Outcome out) {
+  const int code = static_cast<int>(out.status.code());
+  metrics_->ObserveRpc(method, code,
+                       std::chrono::duration<double>(SteadyClock::now() - start).count());
+  // (ObserveRpc counts the error too.)
+  if (!out.status.ok()) out.payload = std::string(out.status.message());
+  auto send = [this, conn, ep, request_id, code, payload = std::move(out.payload)]() mutable {
+    // A closed connection's endpoint (often the very reply endpoint) is gone.
+    if (conn->closed) return;
+    Reply(ep, request_id, code, std::move(payload));
+  };
+  if (loop_->on_loop_thread()) {
+    send();
+  } else {
+    loop_->Post(std::move(send));
+  }
+}
+
+std::shared_ptr<UcxServer::Conn> UcxServer::Admit(const ucx::AmMessage& m, v1::DataPlaneHeader* h,
+                                                  Engine** engine, std::string_view what) {
+  if (!h->ParseFromString(m.header)) {
+    Reply(m.reply_ep, 0, static_cast<int>(absl::StatusCode::kInvalidArgument),
+          "ucx request: the header is not a DataPlaneHeader");
+    return nullptr;
+  }
+  std::shared_ptr<Conn> conn;
+  *engine = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = connections_.find(h->connection_key());
+    if (it != connections_.end()) {
+      conn = it->second;
+      *engine = engine_;
+    } else {
+      ++refused_;
+    }
+  }
+  absl::Status st;
+  if (conn == nullptr) {
+    st = absl::PermissionDeniedError(absl::StrCat(
+        "ucx ", std::string(what),
+        ": not admitted (send HELLO with an admission token from Attach)"));
+  } else if (*engine == nullptr) {
+    st = absl::UnavailableError(absl::StrCat("ucx ", std::string(what), ": the server is stopping"));
+  } else if (m.oversize > 0 && what != "Ingest") {  // ingest fails it in stream order
+    st = absl::ResourceExhaustedError(absl::StrCat(
+        "ucx ", std::string(what), ": the ", m.oversize,
+        "-byte payload exceeds limits.max_message_bytes (", config_.limits.max_message_bytes,
+        "); send smaller parts"));
+  }
+  if (!st.ok()) {
+    metrics_->Error(static_cast<int>(st.code()));
+    Reply(m.reply_ep, h->request_id(), static_cast<int>(st.code()), std::string(st.message()));
+    return nullptr;
+  }
+  return conn;
+}
+
 void UcxServer::OnHello(ucx::AmMessage&& m) {
   v1::DataPlaneHeader h;
   if (!h.ParseFromString(m.header)) {
@@ -113,7 +264,7 @@ void UcxServer::OnHello(ucx::AmMessage&& m) {
           "ucx HELLO: the header is not a DataPlaneHeader");
     return;
   }
-  std::string key;
+  std::shared_ptr<Conn> conn;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = tokens_.find(h.admission_token());
@@ -121,45 +272,54 @@ void UcxServer::OnHello(ucx::AmMessage&& m) {
         connections_.size() >= kMaxConnections) {
       ++refused_;
     } else {
-      key = RandomKey();
+      std::string key = RandomKey();
       if (!key.empty()) {
-        auto conn = std::make_shared<Conn>();
+        conn = std::make_shared<Conn>();
+        conn->key = key;
         conn->tenant = it->second;
-        connections_[key] = std::move(conn);
+        connections_[key] = conn;
       }
       tokens_.erase(it);  // one-time
     }
   }
-  if (!key.empty() && !h.worker_address().empty()) {
-    // Watch the client's worker: when it goes away without BYE, drop its connection (and
-    // any open ingest). Transports without peer-failure support (shm) are not watched.
-    // Endpoints are made and closed in posted tasks, never inside a UCX callback (closing
-    // progresses the worker).
-    loop_->Post([this, key, addr = h.worker_address()] {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!connections_.contains(key)) return;  // BYE came first
-      }
-      auto ep = ucx::UcxEndpoint::Connect(loop_->worker(), addr, [this, key] {
-        loop_->Post([this, key] { DropConnection(key); });
-      });
-      if (!ep.ok()) return;
-      if ((*ep)->peer_failure_detection()) {
-        watch_[key] = *std::move(ep);
-      } else {
-        std::shared_ptr<ucx::UcxEndpoint> unused(std::move(*ep));
-        loop_->Post([unused] {});
-      }
-    });
-  }
-  if (key.empty()) {
+  if (conn == nullptr) {
     metrics_->Error(static_cast<int>(absl::StatusCode::kPermissionDenied));
     Reply(m.reply_ep, h.request_id(), static_cast<int>(absl::StatusCode::kPermissionDenied),
           "ucx HELLO: the admission token is missing, unknown or already used (get one "
           "from Attach)");
     return;
   }
-  Reply(m.reply_ep, h.request_id(), 0, "", key);
+  if (h.worker_address().empty()) {
+    Reply(m.reply_ep, h.request_id(), 0, "", conn->key);
+    return;
+  }
+  // Connect back to the client's worker (RMA puts; a watch where the transports detect a
+  // dead peer), in a posted task: creating an endpoint progresses the worker, which must
+  // not happen inside this callback. HELLO is answered only then, so the endpoint exists
+  // before any REGISTER of this client can arrive.
+  loop_->Post([this, conn, ep = m.reply_ep, id = h.request_id(), addr = h.worker_address(),
+               peer = h.peer_failure_detection()] {
+    if (conn->closed) return;
+    auto back = ucx::UcxEndpoint::Connect(
+        loop_->worker(), addr,
+        [this, key = conn->key] { loop_->Post([this, key] { DropConnection(key); }); }, peer);
+    if (!back.ok()) {
+      if (back.status().code() == absl::StatusCode::kUnimplemented) {
+        // UCX paired our endpoint with the client's and found different error modes
+        // (peer_failure_detection was wrong): it destroyed that endpoint, the client's
+        // reply path included, so nobody is left to answer.
+        spdlog::warn("ucx data plane: a client's HELLO misstated its error mode; dropped");
+        DropConnection(conn->key);
+        return;
+      }
+      spdlog::warn("ucx data plane: cannot connect back to a client's worker ({}); no RMA "
+                   "delivery or disconnect watch for it",
+                   std::string(back.status().message()));
+    } else {
+      conn->ep = *std::move(back);
+    }
+    Reply(ep, id, 0, "", conn->key);
+  });
 }
 
 void UcxServer::OnBye(ucx::AmMessage&& m) {
@@ -173,24 +333,56 @@ void UcxServer::DropConnection(const std::string& key) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = connections_.find(key);
-    if (it != connections_.end()) {
-      conn = std::move(it->second);
-      connections_.erase(it);
+    if (it == connections_.end()) return;
+    conn = std::move(it->second);
+    connections_.erase(it);
+  }
+  // Open ingest streams are discarded (nothing of them is kept) on an engine thread; a
+  // message being processed right now discards its own stream when it sees `dropped`.
+  auto streams = std::make_shared<absl::flat_hash_map<uint64_t, IngestState>>();
+  {
+    std::lock_guard<std::mutex> lock(conn->mu);
+    conn->dropped = true;
+    streams->swap(conn->streams);
+    conn->ingest_queue.clear();
+  }
+  if (!streams->empty()) Enqueue([streams] { streams->clear(); });
+  conn->reorder.clear();
+  if (conn->closed) return;
+  conn->closed = true;
+  // The endpoint closes in a later task (never inside its own error callback), after a
+  // flush of the puts in flight, which may still use the rkeys.
+  loop_->Post([this, conn] {
+    if (conn->ep == nullptr || conn->regs.empty()) {
+      conn->regs.clear();
+      conn->ep.reset();
+      return;
     }
+    ucx::Flush(conn->ep->get(), [this, conn](absl::Status) {
+      loop_->Post([conn] {
+        conn->regs.clear();
+        conn->num_regs.store(0);
+        conn->ep.reset();
+      });
+    });
+  });
+}
+
+void UcxServer::RetireRegistrations(const std::shared_ptr<Conn>& conn,
+                                    std::vector<Registration> regs,
+                                    std::function<void(absl::Status)> then) {
+  auto held = std::make_shared<std::vector<Registration>>(std::move(regs));
+  if (conn->ep == nullptr) {
+    held->clear();
+    if (then) then(absl::OkStatus());
+    return;
   }
-  auto w = watch_.find(key);
-  if (w != watch_.end()) {
-    // Closed later, outside the endpoint's own error callback.
-    std::shared_ptr<ucx::UcxEndpoint> ep(std::move(w->second));
-    watch_.erase(w);
-    loop_->Post([ep] {});
-  }
-  if (conn != nullptr) {
-    // Discard an open ingest now unless an engine thread is using it (it then notices the
-    // dropped connection and lets go when done).
-    std::unique_lock<std::mutex> lock(conn->mu, std::try_to_lock);
-    if (lock.owns_lock()) conn->ingest.reset();
-  }
+  ucx::Flush(conn->ep->get(), [this, held, then = std::move(then)](absl::Status st) {
+    loop_->Post([held, then, st] {
+      held->clear();
+      if (then) then(st);
+    });
+  });
 }
 
 void UcxServer::Enqueue(std::function<void()> job) {
@@ -202,166 +394,493 @@ void UcxServer::Enqueue(std::function<void()> job) {
   work_cv_.notify_one();
 }
 
+void UcxServer::RunInOrder(const std::shared_ptr<Conn>& conn, std::function<void()> job) {
+  bool start = false;
+  {
+    std::lock_guard<std::mutex> lock(conn->mu);
+    conn->ingest_queue.push_back(std::move(job));
+    if (!conn->ingest_running) conn->ingest_running = start = true;
+  }
+  if (!start) return;
+  // One engine thread drains the connection's queue; messages that arrive meanwhile join
+  // the queue, so receiving part i+1 overlaps processing part i.
+  Enqueue([conn] {
+    for (;;) {
+      std::function<void()> next;
+      {
+        std::lock_guard<std::mutex> lock(conn->mu);
+        if (conn->ingest_queue.empty()) {
+          conn->ingest_running = false;
+          return;
+        }
+        next = std::move(conn->ingest_queue.front());
+        conn->ingest_queue.pop_front();
+      }
+      next();
+    }
+  });
+}
+
+// --- Ingest -------------------------------------------------------------------------------
+
 void UcxServer::OnIngest(ucx::AmMessage&& m) {
-  const auto start = std::chrono::steady_clock::now();
+  const auto start = SteadyClock::now();
   v1::DataPlaneHeader h;
-  if (!h.ParseFromString(m.header)) {
-    Reply(m.reply_ep, 0, static_cast<int>(absl::StatusCode::kInvalidArgument),
-          "ucx request: the header is not a DataPlaneHeader");
+  Engine* engine = nullptr;
+  std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "Ingest");
+  if (conn == nullptr) return;
+  const uint64_t sid = h.stream_id(), seq = h.sequence();
+  // A commit or cancel ends the stream's numbering (the body has no tensor bytes: cheap).
+  v1::IngestRequest body;
+  const bool ends = h.cancel() || (body.ParseFromString(h.body()) && body.has_commit());
+  auto it = conn->reorder.find(sid);
+  if (it == conn->reorder.end()) {
+    if (conn->reorder.size() >= kMaxStreamsPerConnection) {
+      Finish(conn, m.reply_ep, h.request_id(), "ucx/Ingest", start,
+             {absl::ResourceExhaustedError(absl::StrCat(
+                  "ucx Ingest: this connection has ", conn->reorder.size(),
+                  " ingest streams in flight (limit ", kMaxStreamsPerConnection, ")")),
+              ""});
+      return;
+    }
+    it = conn->reorder.emplace(sid, Conn::Reorder{}).first;
+  }
+  Conn::Reorder& order = it->second;
+  if (seq < order.next || order.waiting.contains(seq) ||
+      seq - order.next > kMaxIngestAhead) {
+    Finish(conn, m.reply_ep, h.request_id(), "ucx/Ingest", start,
+           {absl::InvalidArgumentError(absl::StrCat(
+                "ucx Ingest: sequence ", seq, " of stream ", sid, " is a duplicate or too far ahead (next ",
+                order.next, ")")),
+            ""});
     return;
   }
-  std::shared_ptr<Conn> conn;
-  Engine* engine = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = connections_.find(h.connection_key());
-    if (it != connections_.end()) {
-      conn = it->second;
-      engine = engine_;
-    } else {
-      ++refused_;
+  order.waiting[seq] = {[this, conn, engine, h = std::move(h), ep = m.reply_ep,
+                         payload = std::move(m.payload), oversize = m.oversize, start]() mutable {
+                          IngestJob(conn, engine, std::move(h), ep, std::move(payload), oversize,
+                                    start);
+                        },
+                        ends};
+  // Hand over every message that is now next in line; a stream's end resets its count.
+  while (!order.waiting.empty() && order.waiting.begin()->first == order.next) {
+    auto [job, last] = std::move(order.waiting.begin()->second);
+    order.waiting.erase(order.waiting.begin());
+    ++order.next;
+    RunInOrder(conn, std::move(job));
+    if (last) {
+      conn->reorder.erase(it);
+      return;
     }
   }
-  if (conn == nullptr || engine == nullptr) {
-    const auto code = conn == nullptr ? absl::StatusCode::kPermissionDenied
-                                      : absl::StatusCode::kUnavailable;
-    metrics_->Error(static_cast<int>(code));
-    Reply(m.reply_ep, h.request_id(), static_cast<int>(code),
-          "ucx Ingest: not admitted (send HELLO with an admission token from Attach)");
-    return;
-  }
-  Enqueue([this, engine, conn = std::move(conn), key = h.connection_key(), h = std::move(h),
-           ep = m.reply_ep, payload = std::move(m.payload), start]() mutable {
-    absl::Status st;
-    std::string out;
+}
+
+void UcxServer::IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine,
+                          v1::DataPlaneHeader h, ucp_ep_h ep, std::string payload,
+                          size_t oversize, SteadyClock::time_point start) {
+  const uint64_t sid = h.stream_id();
+  Outcome out;
+  std::unique_ptr<Engine::IngestStream> stream, discard;  // destroyed outside conn->mu
+  const auto finish = [&] {
+    discard.reset();
+    Finish(conn, ep, h.request_id(), "ucx/Ingest", start, std::move(out));
+  };
+  if (h.cancel()) {
+    std::lock_guard<std::mutex> lock(conn->mu);
+    auto it = conn->streams.find(sid);
+    if (it != conn->streams.end()) {
+      discard = std::move(it->second.stream);
+      conn->streams.erase(it);
+    }
+  } else {
+    v1::IngestRequest req;
+    const bool parsed = req.ParseFromString(h.body());
+    if (oversize > 0) {
+      out.status = absl::ResourceExhaustedError(absl::StrCat(
+          "ucx Ingest: the ", oversize, "-byte payload exceeds limits.max_message_bytes (",
+          config_.limits.max_message_bytes, "); send smaller parts"));
+    } else if (!parsed) {
+      out.status = absl::InvalidArgumentError("ucx Ingest: the body is not an IngestRequest");
+    } else if (!req.has_layer() && !payload.empty()) {
+      out.status = absl::InvalidArgumentError(absl::StrCat(
+          "ucx Ingest: only layer parts carry a payload, got ", payload.size(), " bytes"));
+    }
+    // Take the stream (or check that a header may open one).
     {
       std::lock_guard<std::mutex> lock(conn->mu);
-      v1::IngestRequest req;
-      if (!req.ParseFromString(h.body())) {
-        st = absl::InvalidArgumentError("ucx Ingest: the body is not an IngestRequest");
-      } else if (req.has_header()) {
-        if (conn->ingest != nullptr) {
-          st = absl::FailedPreconditionError(
-              "ucx Ingest: this connection already has an open Ingest; commit it first");
-        } else {
-          auto s = engine->BeginIngest(conn->tenant, req);
-          if (s.ok()) {
-            conn->ingest = *std::move(s);
-          } else {
-            st = s.status();
-          }
+      auto it = conn->streams.find(sid);
+      if (conn->dropped) {
+        out.status = absl::UnavailableError("ucx Ingest: the connection was dropped");
+      } else if (parsed && req.has_header()) {
+        if (it != conn->streams.end()) {
+          out.status = absl::FailedPreconditionError(absl::StrCat(
+              "ucx Ingest: stream ", sid, " is already open on this connection (commit or cancel it)"));
+        } else if (conn->streams.size() >= kMaxStreamsPerConnection) {
+          out.status = absl::ResourceExhaustedError(absl::StrCat(
+              "ucx Ingest: this connection has ", conn->streams.size(),
+              " open ingest streams (limit ", kMaxStreamsPerConnection, "); commit or cancel one"));
         }
-      } else if (conn->ingest == nullptr) {
-        st = absl::FailedPreconditionError(
-            "ucx Ingest: no open Ingest on this connection (send the header first)");
+      } else if (it == conn->streams.end()) {
+        if (out.status.ok()) {
+          out.status = absl::FailedPreconditionError(absl::StrCat(
+              "ucx Ingest: no open ingest stream ", sid, " on this connection (send the header first)"));
+        }
+      } else if (!it->second.failed.ok()) {
+        out.status = absl::AbortedError(absl::StrCat(
+            "ucx Ingest: an earlier message of stream ", sid,
+            " failed, so the stream was discarded: ", it->second.failed.message()));
+      } else if (!out.status.ok()) {
+        // A malformed message fails its stream like a rejected part does.
+        discard = std::move(it->second.stream);
+        it->second.failed = out.status;
+      } else if (it->second.stream == nullptr) {
+        out.status = absl::InternalError(absl::StrCat("ucx Ingest: stream ", sid, " has no state"));
       } else {
-        if (req.has_layer()) {
-          // Re-attach the tensor bytes from the payload.
-          v1::IngestLayer* l = req.mutable_layer();
-          std::vector<v1::Tensor*> parts;
-          if (l->has_k()) parts.push_back(l->mutable_k());
-          if (l->has_v()) parts.push_back(l->mutable_v());
-          if (l->has_observation_queries()) parts.push_back(l->mutable_observation_queries());
-          uint64_t total = 0;
-          for (uint64_t b : h.part_bytes()) total += b;
-          if (static_cast<size_t>(h.part_bytes_size()) != parts.size() || total != payload.size()) {
-            st = absl::InvalidArgumentError(absl::StrCat(
-                "ucx Ingest: part_bytes (", h.part_bytes_size(), " parts, ", total,
-                " bytes) does not describe the payload (", parts.size(), " tensors, ",
-                payload.size(), " bytes)"));
-          } else {
-            size_t off = 0;
-            for (size_t i = 0; i < parts.size(); ++i) {
-              parts[i]->set_data(payload.substr(off, h.part_bytes(static_cast<int>(i))));
-              off += h.part_bytes(static_cast<int>(i));
-            }
-          }
-        }
-        if (st.ok()) st = conn->ingest->Add(req);
-        if (st.ok() && conn->ingest->committed()) {
-          out = conn->ingest->response().SerializeAsString();
-          conn->ingest.reset();
-        } else if (!st.ok()) {
-          conn->ingest.reset();  // like a failed gRPC stream: nothing is kept
+        stream = std::move(it->second.stream);
+      }
+    }
+    if (out.status.ok() && req.has_header()) {
+      auto begun = engine->BeginIngest(conn->tenant, req);
+      std::lock_guard<std::mutex> lock(conn->mu);
+      IngestState& state = conn->streams[sid];
+      if (begun.ok()) {
+        state.stream = *std::move(begun);
+      } else {
+        out.status = begun.status();
+        state.failed = out.status;  // the parts already on their way fail with it
+      }
+      if (conn->dropped) {
+        discard = std::move(state.stream);
+        conn->streams.erase(sid);
+      }
+    } else if (out.status.ok()) {
+      if (req.has_layer()) {
+        v1::IngestLayer* l = req.mutable_layer();
+        std::vector<v1::Tensor*> parts;
+        if (l->has_k()) parts.push_back(l->mutable_k());
+        if (l->has_v()) parts.push_back(l->mutable_v());
+        if (l->has_observation_queries()) parts.push_back(l->mutable_observation_queries());
+        out.status = AttachPayload(h, payload, parts, "Ingest");
+      }
+      if (out.status.ok()) out.status = stream->Add(req);
+      const bool committed = out.status.ok() && stream->committed();
+      if (committed) out.payload = stream->response().SerializeAsString();
+      std::lock_guard<std::mutex> lock(conn->mu);
+      auto it = conn->streams.find(sid);
+      if (conn->dropped || it == conn->streams.end()) {
+        discard = std::move(stream);
+      } else if (committed) {
+        discard = std::move(stream);
+        conn->streams.erase(it);
+      } else if (!out.status.ok()) {
+        discard = std::move(stream);  // like a failed gRPC stream: nothing is kept
+        it->second.failed = out.status;
+      } else {
+        it->second.stream = std::move(stream);
+      }
+    }
+  }
+  finish();
+}
+
+// --- Select, Attend, Append ---------------------------------------------------------------
+
+void UcxServer::OnSelect(ucx::AmMessage&& m) {
+  const auto start = SteadyClock::now();
+  v1::DataPlaneHeader h;
+  Engine* engine = nullptr;
+  std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "SelectAndReconstruct");
+  if (conn == nullptr) return;
+  // Engine work leaves the progress thread; the reply (and any RMA) comes back to it.
+  Enqueue([this, engine, conn, id = h.request_id(), ep = m.reply_ep,
+           payload = std::move(m.payload), start]() mutable {
+    v1::SelectAndReconstructRequest req;
+    if (!req.ParseFromString(payload)) {
+      Finish(conn, ep, id, kSelectMethod, start,
+             {absl::InvalidArgumentError(
+                  "ucx SelectAndReconstruct: the payload is not a SelectAndReconstructRequest"),
+              ""});
+      return;
+    }
+    auto r = engine->SelectAndReconstruct(conn->tenant, req);
+    if (!r.ok()) {
+      Finish(conn, ep, id, kSelectMethod, start, {r.status(), ""});
+      return;
+    }
+    if (conn->num_regs.load() > 0) {
+      auto resp = std::make_shared<v1::SelectAndReconstructResponse>(*std::move(r));
+      loop_->Post([this, conn, ep, id, layer = req.layer(), resp, start] {
+        DeliverSelect(conn, ep, id, layer, resp, start);
+      });
+      return;
+    }
+    Finish(conn, ep, id, kSelectMethod, start, {absl::OkStatus(), r->SerializeAsString()});
+  });
+}
+
+void UcxServer::DeliverSelect(std::shared_ptr<Conn> conn, ucp_ep_h ep, uint64_t request_id,
+                              uint32_t layer,
+                              std::shared_ptr<v1::SelectAndReconstructResponse> resp,
+                              SteadyClock::time_point start) {
+  if (conn->closed) return;
+  std::vector<int> registered;  // deltas whose misses go by RMA
+  absl::Status st;
+  bool any_put = false;
+  for (int i = 0; i < resp->deltas_size() && st.ok(); ++i) {
+    const v1::SlotDelta& d = resp->deltas(i);
+    if (d.delivered()) continue;  // already in the worker's buffers (CUDA IPC)
+    auto it = conn->regs.find(d.attachment_id());
+    if (it == conn->regs.end() || conn->ep == nullptr) continue;
+    const Registration& r = it->second;
+    const Engine::SlotGeometry& g = r.geometry;
+    const uint64_t m = static_cast<uint64_t>(d.head_size());
+    const uint64_t row_bytes = uint64_t{g.chunk_size} * g.head_dim * 2;  // bf16
+    // The engine's delta must match the geometry the buffers were registered with; a
+    // mismatch is our bug, never a reason to write outside the buffers.
+    auto tensor_ok = [&](const v1::Tensor& t) {
+      return t.dtype() == v1::DTYPE_BF16 && t.shape_size() == 3 &&
+             static_cast<uint64_t>(t.shape(0)) == m && t.shape(1) == g.chunk_size &&
+             t.shape(2) == g.head_dim && t.data().size() == m * row_bytes;
+    };
+    if (static_cast<uint64_t>(d.slot_size()) != m || static_cast<uint64_t>(d.chunk_size()) != m ||
+        (m > 0 && (!tensor_ok(d.keys()) || !tensor_ok(d.values()))) || layer >= g.layers) {
+      st = absl::InternalError(absl::StrCat(
+          "ucx SelectAndReconstruct: the delta of attachment ", d.attachment_id(),
+          " does not match its registered slot-buffer geometry (", m, " misses; C ",
+          g.chunk_size, ", d ", g.head_dim, ", layer ", layer, " of ", g.layers, ")"));
+      break;
+    }
+    const char* kdata = d.keys().data().data();
+    const char* vdata = d.values().data().data();
+    for (uint64_t i0 = 0; i0 < m && st.ok();) {
+      auto row_of = [&](uint64_t i, uint64_t* row) -> bool {
+        const uint32_t head = d.head(static_cast<int>(i));
+        const uint32_t slot = d.slot(static_cast<int>(i));
+        if (head >= g.heads || slot >= g.slots_per_head) return false;
+        *row = (uint64_t{layer} * g.heads + head) * g.slots_per_head + slot;
+        return (*row + 1) * row_bytes <= r.bytes;
+      };
+      uint64_t row0 = 0;
+      if (!row_of(i0, &row0)) {
+        st = absl::InternalError(absl::StrCat(
+            "ucx SelectAndReconstruct: miss ", i0, " of attachment ", d.attachment_id(),
+            " (head ", d.head(static_cast<int>(i0)), ", slot ", d.slot(static_cast<int>(i0)),
+            ") falls outside its registered slot buffers (", r.bytes, " bytes)"));
+        break;
+      }
+      // Misses in consecutive slots of one head are consecutive rows: one put each.
+      uint64_t run = 1, next = 0;
+      while (i0 + run < m && row_of(i0 + run, &next) && next == row0 + run) ++run;
+      st = ucx::Put(conn->ep->get(), kdata + i0 * row_bytes, run * row_bytes,
+                    r.k_address + row0 * row_bytes, r.k_rkey->get());
+      if (st.ok()) {
+        st = ucx::Put(conn->ep->get(), vdata + i0 * row_bytes, run * row_bytes,
+                      r.v_address + row0 * row_bytes, r.v_rkey->get());
+      }
+      any_put = true;
+      i0 += run;
+    }
+    if (st.ok()) registered.push_back(i);
+  }
+  auto reply = [this, conn, ep, request_id, resp, registered, start](absl::Status st) {
+    if (st.ok()) {
+      for (int i : registered) {
+        v1::SlotDelta* d = resp->mutable_deltas(i);
+        d->mutable_keys()->clear_data();
+        d->mutable_values()->clear_data();
+        d->set_delivered(true);
+      }
+      Finish(conn, ep, request_id, kSelectMethod, start, {absl::OkStatus(), resp->SerializeAsString()});
+    } else {
+      Finish(conn, ep, request_id, kSelectMethod, start, {st, ""});
+    }
+  };
+  if (!any_put) {
+    reply(st);
+    return;
+  }
+  // The response holds the puts' source bytes: it lives in this callback until the flush
+  // says they have landed (or failed).
+  ucx::Flush(conn->ep->get(), [this, reply, st](absl::Status flushed) {
+    absl::Status result = st;
+    if (result.ok() && !flushed.ok()) {
+      result = absl::UnavailableError(absl::StrCat(
+          "ucx SelectAndReconstruct: RMA delivery into the slot buffers failed: ",
+          flushed.message()));
+    }
+    loop_->Post([reply, result] { reply(result); });
+  });
+}
+
+void UcxServer::OnAttend(ucx::AmMessage&& m) {
+  const auto start = SteadyClock::now();
+  v1::DataPlaneHeader h;
+  Engine* engine = nullptr;
+  std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "Attend");
+  if (conn == nullptr) return;
+  Enqueue([this, engine, conn, id = h.request_id(), ep = m.reply_ep,
+           payload = std::move(m.payload), start]() mutable {
+    v1::AttendRequest req;
+    Outcome out;
+    if (!req.ParseFromString(payload)) {
+      out.status = absl::InvalidArgumentError("ucx Attend: the payload is not an AttendRequest");
+    } else if (auto r = engine->Attend(conn->tenant, req); r.ok()) {
+      out.payload = r->SerializeAsString();
+    } else {
+      out.status = r.status();
+    }
+    Finish(conn, ep, id, "ucx/Attend", start, std::move(out));
+  });
+}
+
+void UcxServer::OnAppend(ucx::AmMessage&& m) {
+  const auto start = SteadyClock::now();
+  v1::DataPlaneHeader h;
+  Engine* engine = nullptr;
+  std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "AppendTokens");
+  if (conn == nullptr) return;
+  Enqueue([this, engine, conn, h = std::move(h), ep = m.reply_ep, payload = std::move(m.payload),
+           start]() mutable {
+    v1::AppendTokensRequest req;
+    Outcome out;
+    if (!req.ParseFromString(h.body())) {
+      out.status = absl::InvalidArgumentError("ucx AppendTokens: the body is not an AppendTokensRequest");
+    } else {
+      std::vector<v1::Tensor*> parts;
+      for (v1::LayerKV& l : *req.mutable_layers()) {
+        if (l.has_k()) parts.push_back(l.mutable_k());
+        if (l.has_v()) parts.push_back(l.mutable_v());
+      }
+      out.status = AttachPayload(h, payload, parts, "AppendTokens");
+      if (out.status.ok()) {
+        auto r = engine->AppendTokens(conn->tenant, req);
+        if (r.ok()) {
+          out.payload = r->SerializeAsString();
+        } else {
+          out.status = r.status();
         }
       }
-      // The connection may have been dropped while this ran: let go of its stream.
-      std::lock_guard<std::mutex> reg(mu_);
-      if (!connections_.contains(key)) conn->ingest.reset();
     }
-    const int code = static_cast<int>(st.code());
-    metrics_->ObserveRpc("ucx/Ingest", code,
-                         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    Finish(conn, ep, h.request_id(), "ucx/AppendTokens", start, std::move(out));
+  });
+}
+
+// --- Slot-buffer registration -------------------------------------------------------------
+
+void UcxServer::OnRegister(ucx::AmMessage&& m) {
+  const auto start = SteadyClock::now();
+  v1::DataPlaneHeader h;
+  Engine* engine = nullptr;
+  std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "REGISTER");
+  if (conn == nullptr) return;
+  auto bufs = std::make_shared<v1::UcxSlotBuffers>();
+  absl::Status st = bufs->ParseFromString(m.payload)
+                        ? ValidateSlotBuffers(*bufs)
+                        : absl::InvalidArgumentError("ucx REGISTER: the payload is not a UcxSlotBuffers");
+  if (!st.ok()) {
+    Finish(conn, m.reply_ep, h.request_id(), "ucx/Register", start, {st, ""});
+    return;
+  }
+  // The attachment's owner, mode and geometry come from the engine (an engine thread);
+  // the rkeys are unpacked on the loop thread, which alone uses them.
+  Enqueue([this, engine, conn, bufs, id = h.request_id(), ep = m.reply_ep, start] {
+    auto g = engine->AttachmentSlots(conn->tenant, bufs->attachment_id());
+    absl::Status st = g.status();
+    if (st.ok() && g->delivery != v1::DELIVERY_MODE_UCX_RMA) {
+      st = absl::FailedPreconditionError(absl::StrCat(
+          "ucx REGISTER: attachment ", bufs->attachment_id(), " was attached with delivery ",
+          v1::DeliveryMode_Name(g->delivery), "; slot buffers need DELIVERY_MODE_UCX_RMA"));
+    } else if (st.ok() && g->slots_per_head == 0) {
+      st = absl::FailedPreconditionError(absl::StrCat(
+          "ucx REGISTER: the session of attachment ", bufs->attachment_id(),
+          " selects no chunks (its profile is not shadow): there is nothing to deliver"));
+    } else if (st.ok() && bufs->bytes() < g->buffer_bytes) {
+      st = absl::InvalidArgumentError(absl::StrCat(
+          "ucx REGISTER: bytes must be >= slot_buffer_bytes ", g->buffer_bytes,
+          " (L*h*slots_per_head*C*d bf16) for attachment ", bufs->attachment_id(), ", got ",
+          bufs->bytes()));
+    }
     if (!st.ok()) {
-      metrics_->Error(code);
-      out = std::string(st.message());
+      Finish(conn, ep, id, "ucx/Register", start, {st, ""});
+      return;
     }
-    loop_->Post([this, ep, id = h.request_id(), code, out = std::move(out)]() mutable {
-      Reply(ep, id, code, std::move(out));
+    loop_->Post([this, conn, bufs, geometry = *g, id, ep, start] {
+      if (conn->closed) return;
+      absl::Status st;
+      const bool replaces = conn->regs.contains(bufs->attachment_id());
+      if (conn->ep == nullptr) {
+        st = absl::FailedPreconditionError(
+            "ucx REGISTER: the daemon has no endpoint to this client's worker (HELLO carried "
+            "no worker_address, or connecting back failed), so RMA delivery is unavailable");
+      } else if (!replaces && conn->regs.size() >= kMaxRegistrationsPerConnection) {
+        st = absl::ResourceExhaustedError(absl::StrCat(
+            "ucx REGISTER: this connection already has ", conn->regs.size(),
+            " registered attachments (limit ", kMaxRegistrationsPerConnection, ")"));
+      }
+      Registration reg;
+      if (st.ok()) {
+        reg.geometry = geometry;
+        reg.k_address = bufs->k_address();
+        reg.v_address = bufs->v_address();
+        reg.bytes = bufs->bytes();
+        auto k = ucx::UcxRemoteKey::Unpack(*conn->ep, bufs->k_rkey());
+        auto v = ucx::UcxRemoteKey::Unpack(*conn->ep, bufs->v_rkey());
+        if (!k.ok() || !v.ok()) {
+          st = absl::InvalidArgumentError(absl::StrCat(
+              "ucx REGISTER: ", !k.ok() ? "k_rkey" : "v_rkey", " does not unpack: ",
+              (!k.ok() ? k.status() : v.status()).message()));
+        } else {
+          reg.k_rkey = *std::move(k);
+          reg.v_rkey = *std::move(v);
+        }
+      }
+      if (st.ok()) {
+        std::vector<Registration> old;
+        if (replaces) old.push_back(std::move(conn->regs[bufs->attachment_id()]));
+        conn->regs[bufs->attachment_id()] = std::move(reg);
+        conn->num_regs.store(static_cast<int>(conn->regs.size()));
+        if (!old.empty()) {
+          // Answered once no put into the replaced buffers is in flight (the client may
+          // free them then).
+          RetireRegistrations(conn, std::move(old), [this, conn, ep, id, start](absl::Status s) {
+            Finish(conn, ep, id, "ucx/Register", start, {s, ""});
+          });
+          return;
+        }
+      }
+      Finish(conn, ep, id, "ucx/Register", start, {st, ""});
     });
   });
 }
 
-void UcxServer::OnSelect(ucx::AmMessage&& m) {
-  const auto start = std::chrono::steady_clock::now();
+void UcxServer::OnUnregister(ucx::AmMessage&& m) {
+  const auto start = SteadyClock::now();
   v1::DataPlaneHeader h;
-  if (!h.ParseFromString(m.header)) {
-    Reply(m.reply_ep, 0, static_cast<int>(absl::StatusCode::kInvalidArgument),
-          "ucx request: the header is not a DataPlaneHeader");
-    return;
-  }
-  Tenant tenant;
   Engine* engine = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = connections_.find(h.connection_key());
-    if (it != connections_.end()) {
-      tenant = it->second->tenant;
-      engine = engine_;
-    } else {
-      ++refused_;
-    }
-  }
-  if (engine == nullptr) {
-    const auto code = tenant.name.empty() ? absl::StatusCode::kPermissionDenied
-                                          : absl::StatusCode::kUnavailable;
-    metrics_->Error(static_cast<int>(code));
-    Reply(m.reply_ep, h.request_id(), static_cast<int>(code),
-          code == absl::StatusCode::kPermissionDenied
-              ? "ucx request: not admitted (send HELLO with an admission token from Attach)"
-              : "ucx request: the server is stopping");
+  std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "UNREGISTER");
+  if (conn == nullptr) return;
+  v1::UcxSlotBuffers bufs;
+  if (!bufs.ParseFromString(m.payload) || bufs.attachment_id().empty()) {
+    Finish(conn, m.reply_ep, h.request_id(), "ucx/Unregister", start,
+           {absl::InvalidArgumentError(
+                "ucx UNREGISTER: the payload must be a UcxSlotBuffers naming attachment_id"),
+            ""});
     return;
   }
-  // Engine work leaves the progress thread; the reply comes back to it.
-  auto job = [this, engine, tenant = std::move(tenant), id = h.request_id(), ep = m.reply_ep,
-              payload = std::move(m.payload), start]() mutable {
-    absl::Status st;
-    std::string out;
-    v1::SelectAndReconstructRequest req;
-    if (!req.ParseFromString(payload)) {
-      st = absl::InvalidArgumentError(
-          "ucx SelectAndReconstruct: the payload is not a SelectAndReconstructRequest");
-    } else {
-      auto r = engine->SelectAndReconstruct(tenant, req);
-      if (r.ok()) {
-        out = r->SerializeAsString();
-      } else {
-        st = r.status();
-      }
-    }
-    const int code = static_cast<int>(st.code());
-    const double secs =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    metrics_->ObserveRpc("ucx/SelectAndReconstruct", code, secs);
-    if (!st.ok()) {
-      metrics_->Error(code);
-      out = std::string(st.message());
-    }
-    loop_->Post([this, ep, id, code, out = std::move(out)]() mutable {
-      Reply(ep, id, code, std::move(out));
-    });
-  };
-  Enqueue(std::move(job));
+  auto it = conn->regs.find(bufs.attachment_id());
+  if (it == conn->regs.end()) {  // idempotent
+    Finish(conn, m.reply_ep, h.request_id(), "ucx/Unregister", start, {absl::OkStatus(), ""});
+    return;
+  }
+  std::vector<Registration> old;
+  old.push_back(std::move(it->second));
+  conn->regs.erase(it);
+  conn->num_regs.store(static_cast<int>(conn->regs.size()));
+  // Answered after the flush: once the client has the reply, no put into those buffers
+  // is in flight, and it may unmap and free them.
+  RetireRegistrations(conn, std::move(old),
+                      [this, conn, ep = m.reply_ep, id = h.request_id(), start](absl::Status st) {
+                        Finish(conn, ep, id, "ucx/Unregister", start, {st, ""});
+                      });
 }
 
 void UcxServer::WorkerMain() {

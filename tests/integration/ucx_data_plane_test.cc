@@ -1,7 +1,9 @@
 // Integration: the UCX data plane against the real kvshade-server on loopback (UCX_TLS
 // tcp,self and shm,self). SelectAndReconstruct over UCX must equal the gRPC inline call
-// bit for bit; the admission token is one-time and enforced; a client whose daemon has no
-// data plane falls back to gRPC loudly (counted), never silently.
+// bit for bit; the admission token is one-time and enforced for every message id; a
+// client whose daemon has no data plane falls back to gRPC loudly (counted), never
+// silently; a client vanishing mid-ingest leaves no partial segment. RMA delivery:
+// ucx_rma_test.cc; append, attend, pipelined ingest and 64 clients: ucx_calls_test.cc.
 #include <fstream>
 
 #include "gtest/gtest.h"
@@ -120,12 +122,28 @@ TEST_P(UcxDataPlaneTest, AdmissionTokenIsOneTimeAndEnforced) {
   ASSERT_FALSE(again.ok());
   EXPECT_EQ(again.status().code(), absl::StatusCode::kPermissionDenied) << again.status();
 
-  // An endpoint that never said HELLO, or guesses a key, never reaches the engine.
+  // An endpoint that never said HELLO, or guesses a key, never reaches the engine, with
+  // any message id (the payloads would be valid requests).
   KV_ASSERT_OK_AND_ASSIGN(raw, client::UcxDataPlane::ConnectWithoutHello(att.data_plane_address(), o));
+  v1::AttendRequest attend;
+  attend.set_layer(0);
+  *attend.add_queries()->mutable_q() = sel.queries(0).q();
+  attend.mutable_queries(0)->set_attachment_id(att.attachment_id());
+  v1::UcxSlotBuffers bufs;
+  bufs.set_attachment_id(att.attachment_id());
+  const std::vector<std::pair<unsigned, std::string>> requests = {
+      {service::ucx::kSelect, sel.SerializeAsString()},
+      {service::ucx::kAttend, attend.SerializeAsString()},
+      {service::ucx::kAppend, ""},
+      {service::ucx::kIngest, ""},
+      {service::ucx::kRegister, bufs.SerializeAsString()},
+      {service::ucx::kUnregister, bufs.SerializeAsString()}};
   for (const std::string& key : {std::string(), std::string(16, 'x')}) {
-    auto r = raw->RawRequest(service::ucx::kSelect, key, sel.SerializeAsString());
-    ASSERT_FALSE(r.ok());
-    EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << r.status();
+    for (const auto& [id, payload] : requests) {
+      auto r = raw->RawRequest(id, key, payload);
+      ASSERT_FALSE(r.ok()) << "message " << id;
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << "message " << id << ": " << r.status();
+    }
   }
   // The admitted client still works, and so does gRPC.
   KV_ASSERT_OK(dp->SelectAndReconstruct(sel).status());

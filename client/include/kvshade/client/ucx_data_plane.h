@@ -1,16 +1,28 @@
 // UcxDataPlane: the client side of kvshade's UCX data plane (service/README.md "UCX data
 // plane"). Connect() opens an endpoint to the daemon's worker address (from
 // AttachResponse.data_plane_address), presents the one-time admission token
-// (data_plane_token) in a HELLO active message and keeps the connection key the daemon
-// answers with. SelectAndReconstruct() then sends the request as an active message and
-// waits for the reply; the result is the same v1 response the gRPC call returns.
+// (data_plane_token) in a HELLO active message, with this client's worker address so the
+// daemon can connect back (RMA puts), and keeps the connection key the daemon answers
+// with. Every call is then one active message and one reply, and returns the same v1
+// response the gRPC call returns:
+//   SelectAndReconstruct, Attend    request as the payload (sync and async)
+//   AppendTokens, Ingest            tensors by rendezvous straight from the caller's
+//                                   buffers; Ingest pipelined (`ingest_window` ahead)
+//   RegisterSlotBuffers             K and V slot buffers for DELIVERY_MODE_UCX_RMA: the
+//                                   daemon puts each miss into them before replying
 //
-// Threading: one progress thread per UcxDataPlane; calls may come from any thread and
-// may overlap (replies are matched by request id).
+// Threading: one progress thread per UcxDataPlane; calls may come from any thread and may
+// overlap (replies are matched by request id). Async callbacks run on the progress thread:
+// they must be short and must not call back into this object synchronously (no sync call,
+// no destruction). Every call completes exactly once: with the reply, the daemon's error,
+// UNAVAILABLE when the endpoint fails, DEADLINE_EXCEEDED after `timeout`, or CANCELLED
+// when the data plane is destroyed first.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -27,6 +39,7 @@
 namespace kvshade::service::ucx {
 class UcxLoop;
 class UcxEndpoint;
+class UcxMemHandle;
 }  // namespace kvshade::service::ucx
 
 namespace kvshade::client {
@@ -34,40 +47,80 @@ namespace kvshade::client {
 struct UcxOptions {
   std::string transports;                       // UCX_TLS value; "" = UCX's choice
   absl::Duration timeout = absl::Seconds(30);   // per call (and for the HELLO)
+  int ingest_window = 4;                        // INGEST messages in flight per stream
+  uint64_t max_reply_bytes = 512ull << 20;      // larger replies fail RESOURCE_EXHAUSTED
 };
 
 class UcxDataPlane {
  public:
+  template <typename T>
+  using Callback = std::function<void(absl::StatusOr<T>)>;
+
   // Fails (UNAVAILABLE, PERMISSION_DENIED for a bad token, DEADLINE_EXCEEDED) when the
   // daemon cannot be reached or refuses the token.
   static absl::StatusOr<std::unique_ptr<UcxDataPlane>> Connect(const std::string& address,
                                                                const std::string& token,
                                                                const UcxOptions& options = {});
-  ~UcxDataPlane();  // says BYE, closes the endpoint, stops the progress thread
+  // Completes outstanding calls with CANCELLED, says BYE, releases registered memory,
+  // closes the endpoint and stops the progress thread.
+  ~UcxDataPlane();
   UcxDataPlane(const UcxDataPlane&) = delete;
   UcxDataPlane& operator=(const UcxDataPlane&) = delete;
 
+  // --- Decode ---
   absl::StatusOr<v1::SelectAndReconstructResponse> SelectAndReconstruct(
       const v1::SelectAndReconstructRequest& req);
+  void SelectAndReconstructAsync(const v1::SelectAndReconstructRequest& req,
+                                 Callback<v1::SelectAndReconstructResponse> done);
+  absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& req);
+  void AttendAsync(const v1::AttendRequest& req, Callback<v1::AttendResponse> done);
 
-  // One whole Ingest stream over UCX, in order (header first, commit last), each message
-  // acknowledged before the next: the tensors' bytes go by rendezvous straight from
-  // `messages` (no copy into a protobuf payload). Same rules and response as the gRPC
-  // Ingest; an error discards the stream (nothing committed).
+  // --- Append --- The tensors' bytes go by rendezvous straight from `req`.
+  absl::StatusOr<v1::AppendTokensResponse> AppendTokens(const v1::AppendTokensRequest& req);
+
+  // --- Ingest ---
+  // One whole Ingest stream (header first, commit last) on a fresh stream id, up to
+  // `ingest_window` messages in flight: the daemon works on message i while message i+1
+  // arrives. The tensors' bytes go by rendezvous straight from `messages`. Same rules and
+  // response as the gRPC Ingest; the first error (in stream order) discards the stream
+  // and is returned (nothing committed).
   absl::StatusOr<v1::IngestResponse> Ingest(absl::Span<const v1::IngestRequest> messages);
-  // Sends one message of an Ingest stream (the building block of Ingest()).
-  absl::StatusOr<std::string> IngestMessage(const v1::IngestRequest& msg);
+  // The building blocks: a fresh stream id; one message of stream `stream` (the reply
+  // payload: the serialized IngestResponse after the commit, else empty; `msg` and its
+  // tensor bytes must stay valid until `done` has run); and discarding a stream.
+  uint64_t NewIngestStream() { return next_stream_.fetch_add(1); }
+  void IngestMessageAsync(uint64_t stream, const v1::IngestRequest& msg, Callback<std::string> done);
+  absl::StatusOr<std::string> IngestMessage(const v1::IngestRequest& msg, uint64_t stream = 0);
+  absl::Status CancelIngest(uint64_t stream);
+
+  // --- RMA slot buffers (DELIVERY_MODE_UCX_RMA) ---
+  // Registers host K and V slot buffers of `bytes` each (>= AttachResponse
+  // .slot_buffer_bytes; layout in CudaIpcSlotBuffers) for `attachment_id` and sends
+  // REGISTER. From then on, SelectAndReconstruct writes that attachment's misses into
+  // them and answers with `delivered` deltas. The buffers must stay valid until
+  // UnregisterSlotBuffers (or destruction) returns. Registering again replaces.
+  absl::Status RegisterSlotBuffers(const std::string& attachment_id, void* k, void* v,
+                                   size_t bytes);
+  // Tells the daemon to stop (its reply comes after any put in flight has landed), then
+  // releases the memory handles. Unknown ids are fine.
+  absl::Status UnregisterSlotBuffers(const std::string& attachment_id);
+  bool HasSlotBuffers(const std::string& attachment_id) const;
+
+  // Whether the endpoint has failed (peer gone); calls then fail with UNAVAILABLE.
+  bool failed() const;
+  // Whether the endpoint to the daemon detects a dead peer (not over UCX 1.13 shm).
+  bool peer_failure_detection() const;
 
   // Test hook: forget the connection key so that destruction sends no BYE (a client that
   // vanishes).
   void AbandonForTest() { key_.clear(); }
-
-  // Whether the endpoint has failed (peer gone); calls then fail with UNAVAILABLE.
-  bool failed() const;
-
   // Test hook: sends a request with an arbitrary connection key (an unadmitted client).
   absl::StatusOr<std::string> RawRequest(unsigned am_id, const std::string& connection_key,
                                          const std::string& payload);
+  // Test hook: sends a request with this connection's key (hand-made payloads).
+  absl::StatusOr<std::string> RawAdmittedRequest(unsigned am_id, const std::string& payload) {
+    return RawRequest(am_id, key_, payload);
+  }
   // Test hook: connects without HELLO (no connection key).
   static absl::StatusOr<std::unique_ptr<UcxDataPlane>> ConnectWithoutHello(
       const std::string& address, const UcxOptions& options = {});
@@ -78,23 +131,43 @@ class UcxDataPlane {
     std::string payload;
     std::string connection_key;
   };
-  struct Pending;
+  struct Pending {
+    Callback<Reply> done;
+    std::chrono::steady_clock::time_point deadline;
+  };
+  struct SlotBuffers;
   UcxDataPlane() = default;
   static absl::StatusOr<std::unique_ptr<UcxDataPlane>> Open(const std::string& address,
                                                             const UcxOptions& options);
-  // Sends (am_id, header with request id + `key`/`token`, payload) and waits for the reply.
+  // Sends (am_id, header with request id + `key`/`token` + `extra`, payload or the `iov`
+  // buffers) and calls `done` with the reply (or the transport's failure).
+  void CallAsync(unsigned am_id, const std::string& token, const std::string& key,
+                 std::string payload, const v1::DataPlaneHeader* extra,
+                 std::vector<std::pair<const void*, size_t>> iov, Callback<Reply> done);
   absl::StatusOr<Reply> Call(unsigned am_id, const std::string& token, const std::string& key,
                              std::string payload, const v1::DataPlaneHeader* extra = nullptr,
                              std::vector<std::pair<const void*, size_t>> iov = {});
-  void OnReply(std::string header, std::string payload);
+  // Completes pending call `id` (if still pending) with `r`.
+  void Complete(uint64_t id, absl::StatusOr<Reply> r);
+  // Completes every pending call (`only_expired`: those past their deadline) with `why`.
+  void FailPending(const absl::Status& why, bool only_expired);
+  void OnReply(std::string header, std::string payload, size_t oversize);
+  // The next sequence number of ingest stream `stream`; `ends` (commit, cancel) restarts
+  // its count.
+  uint64_t NextSequence(uint64_t stream, bool ends);
+  void OnTick();
 
   UcxOptions options_;
   std::unique_ptr<service::ucx::UcxLoop> loop_;
   std::unique_ptr<service::ucx::UcxEndpoint> ep_;  // created/destroyed on the loop thread
   std::string key_;
-  std::mutex mu_;
-  std::map<uint64_t, std::shared_ptr<Pending>> pending_;
+  mutable std::mutex mu_;
+  std::map<uint64_t, Pending> pending_;
+  std::map<std::string, std::unique_ptr<SlotBuffers>> slot_buffers_;  // loop thread only
+  std::map<std::string, bool> registered_;  // attachment ids with slot buffers (mu_)
+  std::map<uint64_t, uint64_t> ingest_sequence_;  // stream -> next sequence number (mu_)
   std::atomic<uint64_t> next_id_{1};
+  std::atomic<uint64_t> next_stream_{1};
 };
 
 }  // namespace kvshade::client

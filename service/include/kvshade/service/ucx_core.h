@@ -1,8 +1,9 @@
 // UCX building blocks shared by the daemon (ucx_server.h) and the client
 // (kvshade/client/ucx_data_plane.h): RAII owners for every UCP handle, ucs_status_t ->
-// absl::Status at the lowest wrapper, a progress thread that owns one worker, and a
+// absl::Status at the lowest wrapper, a progress thread that owns one worker, a
 // messenger that turns UCX active messages (eager or rendezvous) into whole
-// (header, payload) messages.
+// (header, payload) messages, and RMA put + flush for writing into a peer's registered
+// memory.
 //
 // Threading: a ucp_worker_h is used only by its UcxLoop's thread (the worker is created
 // UCS_THREAD_MODE_SINGLE). Other threads hand work to that thread with UcxLoop::Post or
@@ -13,6 +14,7 @@
 #include <ucp/api/ucp.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -45,6 +47,10 @@ enum AmId : unsigned {
   kSelect = 2,     // payload: SelectAndReconstructRequest; reply: ...Response
   kBye = 3,        // forget the connection key; no reply
   kIngest = 4,     // header.body: IngestRequest without tensor data; payload: the data
+  kRegister = 5,   // payload: UcxSlotBuffers (RMA slot buffers of one attachment)
+  kAppend = 6,     // header.body: AppendTokensRequest without tensor data; payload: the data
+  kAttend = 7,     // payload: AttendRequest; reply: AttendResponse
+  kUnregister = 8, // payload: UcxSlotBuffers with only attachment_id; reply after a flush
   kReply = 100,    // header: request_id, code; payload: response or error message
 };
 
@@ -79,13 +85,22 @@ class UcxWorker {
 };
 
 // An endpoint to a remote worker address, error mode PEER where the transports support
-// it (a dead peer fails requests instead of hanging). Must be created and destroyed on the worker's thread;
-// the destructor closes it (flush, bounded by progress) .
+// it (a dead peer fails requests instead of hanging). Must be created and destroyed on the
+// worker's thread; the destructor closes it (flush, bounded by progress).
+//
+// Two workers that connect to each other get ONE endpoint pair: UCX matches an endpoint
+// created to a peer's address with the internal endpoint that peer's connection made here
+// (the "reply endpoint" of its active messages). The two sides must then use the same
+// error mode, or UCX destroys the matched endpoint; hence `peer_failure`.
 class UcxEndpoint {
  public:
   // `on_error` (may be null) runs on the worker's thread when the peer fails.
+  // `peer_failure`: ask for error mode PEER (falling back to NONE where the transports
+  // cannot detect a dead peer); false: mode NONE from the start (the peer's endpoint to
+  // us runs without detection, e.g. over UCX 1.13 shm).
   static absl::StatusOr<std::unique_ptr<UcxEndpoint>> Connect(
-      UcxWorker& worker, const std::string& address, std::function<void()> on_error = nullptr);
+      UcxWorker& worker, const std::string& address, std::function<void()> on_error = nullptr,
+      bool peer_failure = true);
   ~UcxEndpoint();
   UcxEndpoint(const UcxEndpoint&) = delete;
   UcxEndpoint& operator=(const UcxEndpoint&) = delete;
@@ -131,8 +146,16 @@ class UcxMemHandle {
   size_t bytes_;
 };
 
+// A peer's memory, unpacked from its packed rkey on one endpoint. Destroy it before the
+// endpoint.
 class UcxRemoteKey {
  public:
+  // `packed` comes from a peer: its size (kMaxPackedRkeyBytes), framing and memory type
+  // (host) are checked before UCX sees it, because ucp_ep_rkey_unpack takes no length
+  // and trusts the md map it finds. Not covered: a well-framed key whose transport part
+  // UCX 1.13 cannot unpack (e.g. a shared-memory segment id that does not attach) crashes
+  // inside UCX's own cleanup; only admitted (token-holding) clients can send one.
+  static constexpr size_t kMaxPackedRkeyBytes = 4096;
   static absl::StatusOr<std::unique_ptr<UcxRemoteKey>> Unpack(UcxEndpoint& ep,
                                                               const std::string& packed);
   ~UcxRemoteKey();
@@ -149,12 +172,25 @@ class UcxRemoteKey {
 // thread (which must be the worker's thread); frees the request.
 absl::Status WaitRequest(ucp_worker_h worker, ucs_status_ptr_t req, std::string_view what);
 
+// Starts an RMA put of `bytes` from local `src` to `remote` (an address in `rkey`'s
+// memory) without waiting; the source must stay valid until a later Flush of `ep`
+// completes. Loop thread only.
+absl::Status Put(ucp_ep_h ep, const void* src, size_t bytes, uint64_t remote, ucp_rkey_h rkey);
+// Flushes `ep`: `done` runs once every operation started on it before has completed at
+// the peer (for puts: the data is in the peer's memory). `done` runs on the loop thread,
+// possibly inside a UCX callback (keep it short; Post real work); it is called exactly
+// once, also on failure.
+void Flush(ucp_ep_h ep, std::function<void(absl::Status)> done);
+
 // A whole received active message.
 struct AmMessage {
   unsigned id = 0;
   std::string header;
   std::string payload;
   ucp_ep_h reply_ep = nullptr;  // valid while the peer is connected
+  // > 0: the payload (this many bytes) was over the loop's max_payload and was dropped
+  // unread; `payload` is empty. Handlers answer RESOURCE_EXHAUSTED.
+  size_t oversize = 0;
 };
 
 // The progress thread: owns the context and worker, progresses the worker, runs posted
@@ -164,8 +200,12 @@ class UcxLoop {
  public:
   using Handler = std::function<void(AmMessage&&)>;
   // Creates context + worker and starts the thread. `handlers`: AM id -> handler.
-  static absl::StatusOr<std::unique_ptr<UcxLoop>> Start(const std::string& transports,
-                                                        std::map<unsigned, Handler> handlers);
+  // `tick` (may be null) runs on the loop thread about every `tick_every`, also while the
+  // worker is idle (deadlines of outstanding calls).
+  static absl::StatusOr<std::unique_ptr<UcxLoop>> Start(
+      const std::string& transports, std::map<unsigned, Handler> handlers,
+      std::function<void()> tick = nullptr,
+      std::chrono::milliseconds tick_every = std::chrono::milliseconds(50));
   ~UcxLoop();  // Stop()
   // Runs `cleanup` (may be null) on the loop thread, then stops and joins it. Idempotent.
   void Stop(std::function<void()> cleanup = nullptr);
@@ -192,8 +232,8 @@ class UcxLoop {
   absl::Status SendIov(ucp_ep_h ep, unsigned id, std::string header,
                        std::vector<std::pair<const void*, size_t>> parts);
 
-  // Messages with a larger payload are dropped unread (default 512 MiB). Set before
-  // peers connect.
+  // Larger payloads are dropped unread and the message is delivered with `oversize` set
+  // (default 512 MiB). Set before peers connect.
   void set_max_payload(size_t bytes) { max_payload_ = bytes; }
 
   UcxContext& context() { return *context_; }
@@ -212,12 +252,16 @@ class UcxLoop {
   std::unique_ptr<UcxWorker> worker_;
   std::string address_;
   std::map<unsigned, Handler> handlers_;
+  std::function<void()> tick_;
+  std::chrono::milliseconds tick_every_{50};
+  int efd_ = -1;  // the worker's event fd (ticking loops wait on it with a timeout)
   std::atomic<size_t> max_payload_{size_t{512} << 20};
   struct AmArg {
     UcxLoop* loop;
     unsigned id;
   };
   std::deque<AmArg> am_args_;  // stable addresses for the AM callbacks
+  int in_flight_ = 0;  // loop thread: sends and rendezvous receives not yet complete
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;
   bool stopping_ = false;

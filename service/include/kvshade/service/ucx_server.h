@@ -5,9 +5,21 @@
 // that every later request carries. Requests without a valid key are refused
 // (PERMISSION_DENIED reply) and never reach the engine.
 //
-// INGEST messages (one per gRPC IngestRequest; tensor bytes as the payload) drive one
-// Engine::IngestStream per connection; a connection dropped by BYE or by its client's
-// worker vanishing discards that stream.
+// HELLO also carries the client's worker address: the daemon connects back to it (one
+// endpoint per connection) for RMA puts into registered slot buffers and, where the
+// transports detect a dead peer, to notice a client that vanishes.
+//
+// Messages (ucx_core.h AmId): SELECT, ATTEND, APPEND, INGEST, REGISTER, UNREGISTER, BYE.
+// - INGEST messages (one per gRPC IngestRequest; tensor bytes as the payload) of one
+//   connection run one at a time, in arrival order, on the engine threads, so a client
+//   may send several ahead (compressing layer l overlaps receiving layer l+1). Each
+//   stream (DataPlaneHeader.stream_id) drives one Engine::IngestStream; its first error
+//   discards it and fails its later messages. A connection dropped by BYE or by its
+//   client's worker vanishing discards its streams.
+// - REGISTER (UcxSlotBuffers) binds an attachment of this connection's tenant, attached
+//   with DELIVERY_MODE_UCX_RMA, to the client's K and V slot buffers. A SELECT whose
+//   delta names a registered attachment puts each miss's K and V rows into those buffers,
+//   flushes, and replies with the delta's data cleared and `delivered` set.
 //
 // Requests run on a small pool of engine threads, never on the progress thread; the reply
 // (an active message: header DataPlaneHeader, payload the serialized v1 response or the
@@ -32,6 +44,7 @@
 #include "kvshade/service/engine.h"
 #include "kvshade/service/metrics.h"
 #include "kvshade/service/ucx_core.h"
+#include "kvshade/v1/kvshade.pb.h"
 
 namespace kvshade::service {
 
@@ -57,13 +70,87 @@ class UcxServer {
   uint64_t connections() const;
 
  private:
+  // Slot buffers of one attachment registered on a connection (loop thread only).
+  struct Registration {
+    Engine::SlotGeometry geometry;
+    uint64_t k_address = 0;
+    uint64_t v_address = 0;
+    uint64_t bytes = 0;
+    std::unique_ptr<ucx::UcxRemoteKey> k_rkey, v_rkey;  // destroyed before the endpoint
+  };
+  // One ingest stream of a connection. `stream` is null while an engine thread works on
+  // it (the connection's ingest messages run one at a time), or after a failure.
+  struct IngestState {
+    std::unique_ptr<Engine::IngestStream> stream;
+    absl::Status failed;  // the stream's first error; later messages fail with it
+  };
+  // One admitted client.
+  struct Conn {
+    std::string key;
+    Tenant tenant;
+    std::mutex mu;  // guards the fields below it up to "loop thread only"
+    std::deque<std::function<void()>> ingest_queue;  // this connection's INGEST messages
+    bool ingest_running = false;  // an engine thread is draining ingest_queue
+    bool dropped = false;         // BYE or peer failure: streams discarded, replies dropped
+    absl::flat_hash_map<uint64_t, IngestState> streams;
+    // Loop thread only.
+    std::unique_ptr<ucx::UcxEndpoint> ep;  // to the client's worker (may stay null)
+    std::map<std::string, Registration> regs;  // by attachment id
+    // Per ingest stream: the next sequence number to run and the messages that arrived
+    // ahead of it (a later message's payload can land first).
+    struct Reorder {
+      uint64_t next = 0;
+      // sequence -> (job, whether the message ends the stream: commit or cancel)
+      std::map<uint64_t, std::pair<std::function<void()>, bool>> waiting;
+    };
+    std::map<uint64_t, Reorder> reorder;  // by stream id
+    bool closed = false;  // ep closed (or being closed): nothing more is sent to the client
+    std::atomic<int> num_regs{0};  // regs.size(), readable by engine threads
+  };
+  // A reply in the making, for the loop thread.
+  struct Outcome {
+    absl::Status status;
+    std::string payload;
+  };
+
   UcxServer(const ServerConfig& config, Metrics* metrics) : config_(config), metrics_(metrics) {}
   void OnHello(ucx::AmMessage&& m);
-  void OnSelect(ucx::AmMessage&& m);
   void OnBye(ucx::AmMessage&& m);
+  void OnSelect(ucx::AmMessage&& m);
+  void OnAttend(ucx::AmMessage&& m);
+  void OnAppend(ucx::AmMessage&& m);
+  void OnIngest(ucx::AmMessage&& m);
+  void OnRegister(ucx::AmMessage&& m);
+  void OnUnregister(ucx::AmMessage&& m);
+
+  // Loop thread: parses the header and finds the connection its key names; otherwise
+  // replies (INVALID_ARGUMENT, PERMISSION_DENIED or UNAVAILABLE) and returns null.
+  std::shared_ptr<Conn> Admit(const ucx::AmMessage& m, v1::DataPlaneHeader* h, Engine** engine,
+                              std::string_view what);
   // Loop thread: sends a reply (code 0 = payload is the response).
   void Reply(ucp_ep_h ep, uint64_t request_id, int code, std::string payload,
              std::string connection_key = "");
+  // Any thread: records the call's metrics and has the loop thread reply to an admitted
+  // connection (dropped when the connection has gone meanwhile).
+  void Finish(const std::shared_ptr<Conn>& conn, ucp_ep_h ep, uint64_t request_id,
+              std::string_view method, std::chrono::steady_clock::time_point start,
+              Outcome out);
+  // Loop thread: puts the misses of the registered deltas of `resp` (for `layer`) into
+  // the client's slot buffers, flushes, then replies with those deltas' data cleared.
+  void DeliverSelect(std::shared_ptr<Conn> conn, ucp_ep_h ep, uint64_t request_id,
+                     uint32_t layer, std::shared_ptr<v1::SelectAndReconstructResponse> resp,
+                     std::chrono::steady_clock::time_point start);
+  void DropConnection(const std::string& key);
+  // Loop thread: flushes the connection's endpoint, then destroys `regs` (rkeys that
+  // puts in flight may still use) and runs `then` (may be null).
+  void RetireRegistrations(const std::shared_ptr<Conn>& conn, std::vector<Registration> regs,
+                           std::function<void(absl::Status)> then);
+  // Runs `job` on an engine thread after every earlier ingest job of `conn`.
+  void RunInOrder(const std::shared_ptr<Conn>& conn, std::function<void()> job);
+  void IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine, v1::DataPlaneHeader h,
+                 ucp_ep_h ep, std::string payload, size_t oversize,
+                 std::chrono::steady_clock::time_point start);
+  void Enqueue(std::function<void()> job);
   void WorkerMain();
 
   ServerConfig config_;
@@ -73,21 +160,8 @@ class UcxServer {
   Engine* engine_ = nullptr;
 
   mutable std::mutex mu_;
-  absl::flat_hash_map<std::string, Tenant> tokens_;       // one-time admission tokens
-  // One admitted client. `ingest` is its open Ingest stream (one at a time); dropping the
-  // connection (BYE, or the watched endpoint failing) destroys it, which discards
-  // everything it received: a vanished client never leaves a partial segment.
-  struct Conn {
-    Tenant tenant;
-    std::mutex mu;
-    std::unique_ptr<Engine::IngestStream> ingest;
-  };
+  absl::flat_hash_map<std::string, Tenant> tokens_;  // one-time admission tokens
   absl::flat_hash_map<std::string, std::shared_ptr<Conn>> connections_;  // by key
-  // Loop thread only: endpoints to clients' workers, watched for failure.
-  std::map<std::string, std::unique_ptr<ucx::UcxEndpoint>> watch_;
-  void DropConnection(const std::string& key);
-  void OnIngest(ucx::AmMessage&& m);
-  void Enqueue(std::function<void()> job);
   uint64_t refused_ = 0;
 
   std::mutex work_mu_;
