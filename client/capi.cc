@@ -4,8 +4,10 @@
 // Nothing here throws or aborts: every entry point catches and reports.
 #include "kvshade/kvshade.h"
 
+#include <chrono>
 #include <cstring>
 #include <exception>
+#include <future>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,8 +40,20 @@ struct kvshade_select_result {
     std::vector<float> keys, values;
     int64_t chunk_size = 0, head_dim = 0;
     uint32_t hits = 0, selected = 0;
+    bool delivered = false;
   };
   std::vector<Delta> deltas;
+};
+
+struct kvshade_select_future {
+  std::future<absl::StatusOr<kvshade::v1::SelectAndReconstructResponse>> f;
+  bool waited = false;
+};
+
+struct kvshade_attend_future {
+  std::future<absl::StatusOr<kvshade::v1::AttendResponse>> f;
+  size_t n = 0, per = 0;  // queries, hq * d
+  bool waited = false;
 };
 
 namespace {
@@ -159,6 +173,91 @@ int CheckQueries(size_t n, const char* const* ids, int32_t dtype, int32_t hq, in
   return KVSHADE_OK;
 }
 
+// The request of kvshade_select / kvshade_select_async (arguments already checked): the
+// queries are copied, so the caller's buffers are free once this returns.
+v1::SelectAndReconstructRequest MakeSelect(uint32_t layer, size_t n, const char* const* ids, int32_t dtype,
+                                           int32_t hq, int32_t d, const void* q) {
+  const int64_t q_bytes = static_cast<int64_t>(hq) * d * DTypeBytes(dtype);
+  v1::SelectAndReconstructRequest req;
+  req.set_layer(layer);
+  for (size_t i = 0; i < n; ++i) {
+    v1::SelectQuery* sq = req.add_queries();
+    sq->set_attachment_id(ids[i]);
+    *sq->mutable_q() = MakeTensor({hq, d}, dtype, static_cast<const char*>(q) + i * q_bytes);
+  }
+  return req;
+}
+
+v1::AttendRequest MakeAttend(uint32_t layer, size_t n, const char* const* ids, int32_t dtype, int32_t hq,
+                             int32_t d, const void* q) {
+  const int64_t q_bytes = static_cast<int64_t>(hq) * d * DTypeBytes(dtype);
+  v1::AttendRequest req;
+  req.set_layer(layer);
+  for (size_t i = 0; i < n; ++i) {
+    v1::AttendQuery* aq = req.add_queries();
+    aq->set_attachment_id(ids[i]);
+    *aq->mutable_q() = MakeTensor({hq, d}, dtype, static_cast<const char*>(q) + i * q_bytes);
+  }
+  return req;
+}
+
+// Decodes a select response into a result handle (*out), reporting the outcome.
+int DecodeSelect(const v1::SelectAndReconstructResponse& r, kvshade_select_result** out) {
+  auto res = std::make_unique<kvshade_select_result>();
+  for (const v1::SlotDelta& sd : r.deltas()) {
+    kvshade_select_result::Delta dl;
+    dl.attachment_id = sd.attachment_id();
+    dl.head.assign(sd.head().begin(), sd.head().end());
+    dl.slot.assign(sd.slot().begin(), sd.slot().end());
+    dl.chunk.assign(sd.chunk().begin(), sd.chunk().end());
+    dl.hits = sd.hits();
+    dl.selected = sd.selected();
+    dl.delivered = sd.delivered();
+    if (dl.slot.size() != dl.head.size() || dl.chunk.size() != dl.head.size()) {
+      return Report(absl::InternalError("malformed SlotDelta from the server (head/slot/chunk lengths differ)"));
+    }
+    if (!dl.head.empty() && sd.delivered()) {
+      // K and V are already in the registered slot buffers: only the shape comes back.
+      if (sd.keys().shape_size() == 3) {
+        dl.chunk_size = sd.keys().shape(1);
+        dl.head_dim = sd.keys().shape(2);
+      }
+    } else if (!dl.head.empty()) {
+      auto kf = kvshade::client::TensorToFloats(sd.keys());
+      if (!kf.ok()) return Report(kf.status());
+      auto vf = kvshade::client::TensorToFloats(sd.values());
+      if (!vf.ok()) return Report(vf.status());
+      if (sd.keys().shape_size() != 3 || sd.keys().shape(0) != static_cast<int64_t>(dl.head.size()) ||
+          vf->size() != kf->size()) {
+        return Report(absl::InternalError("malformed SlotDelta from the server (shapes disagree)"));
+      }
+      dl.chunk_size = sd.keys().shape(1);
+      dl.head_dim = sd.keys().shape(2);
+      dl.keys = *std::move(kf);
+      dl.values = *std::move(vf);
+    }
+    res->deltas.push_back(std::move(dl));
+  }
+  *out = res.release();
+  return Report(absl::OkStatus());
+}
+
+// Copies an attend response's n outputs of `per` floats each into out [n, per].
+int DecodeAttend(const v1::AttendResponse& r, size_t n, size_t per, float* out) {
+  if (static_cast<size_t>(r.outputs_size()) != n) {
+    return Report(absl::InternalError(absl::StrCat("server returned ", r.outputs_size(), " outputs for ", n, " queries")));
+  }
+  for (size_t i = 0; i < n; ++i) {
+    auto f = kvshade::client::TensorToFloats(r.outputs(static_cast<int>(i)));
+    if (!f.ok()) return Report(f.status());
+    if (f->size() != per) {
+      return Report(absl::InternalError(absl::StrCat("attend output ", i, " has ", f->size(), " values, expected ", per)));
+    }
+    std::memcpy(out + i * per, f->data(), per * sizeof(float));
+  }
+  return Report(absl::OkStatus());
+}
+
 }  // namespace
 
 extern "C" {
@@ -207,6 +306,9 @@ int kvshade_connect(const kvshade_client_options* o, kvshade_client** out) {
       if (o->tls_server_name != nullptr) opts.tls_server_name = o->tls_server_name;
       if (o->timeout_ms > 0) opts.timeout = absl::Milliseconds(o->timeout_ms);
       if (o->max_message_bytes > 0) opts.max_message_bytes = o->max_message_bytes;
+      opts.use_ucx = o->use_ucx != 0;
+      if (o->ucx_transports != nullptr) opts.ucx_transports = o->ucx_transports;
+      if (o->ucx_ingest_window > 0) opts.ucx_ingest_window = o->ucx_ingest_window;
     }
     auto c = Client::Connect(opts);
     if (!c.ok()) return Report(c.status());
@@ -230,6 +332,15 @@ int kvshade_health(kvshade_client* c, int32_t* serving) {
     auto h = c->impl->CheckHealth();
     if (!h.ok()) return Report(h.status());
     *serving = *h == kvshade::client::HealthStatus::kServing ? 1 : 0;
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_ucx_status(kvshade_client* c, int32_t* connected, uint64_t* fallbacks) {
+  return Guard([&] {
+    if (c == nullptr) return Bad("client must not be NULL");
+    if (connected != nullptr) *connected = c->impl->ucx_connected() ? 1 : 0;
+    if (fallbacks != nullptr) *fallbacks = c->impl->ucx_fallbacks();
     return Report(absl::OkStatus());
   });
 }
@@ -411,16 +522,31 @@ int kvshade_append(kvshade_client* c, const char* session_id, const char* attach
   });
 }
 
-int kvshade_attach(kvshade_client* c, const char* session_id, const char* worker_id, uint32_t lease_ms,
-                   int32_t writer, kvshade_attachment* out) {
+void kvshade_attach_options_init(kvshade_attach_options* o) {
+  if (o != nullptr) std::memset(o, 0, sizeof(*o));
+}
+
+int kvshade_attach_ex(kvshade_client* c, const kvshade_attach_options* o, kvshade_attachment* out) {
   return Guard([&] {
-    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
-    if (!IdOk(session_id)) return Bad("session_id is NULL or too long");
+    if (c == nullptr || o == nullptr || out == nullptr) return Bad("client, options and out must not be NULL");
+    if (!IdOk(o->session_id)) return Bad("session_id is NULL or too long");
+    if (o->delivery < KVSHADE_DELIVERY_INLINE || o->delivery > KVSHADE_DELIVERY_CUDA_IPC) {
+      return Bad(absl::StrCat("delivery must be 0 (inline), 1 (ucx_rma) or 2 (cuda_ipc), got ", o->delivery));
+    }
     v1::AttachRequest req;
-    req.set_session_id(session_id);
-    if (worker_id != nullptr) req.set_worker_id(worker_id);
-    req.set_lease_ms(lease_ms);
-    req.set_writer(writer != 0);
+    req.set_session_id(o->session_id);
+    if (o->worker_id != nullptr) req.set_worker_id(o->worker_id);
+    req.set_lease_ms(o->lease_ms);
+    req.set_writer(o->writer != 0);
+    req.set_delivery(static_cast<v1::DeliveryMode>(o->delivery));
+    if (o->delivery == KVSHADE_DELIVERY_CUDA_IPC) {
+      v1::CudaIpcSlotBuffers* ipc = req.mutable_cuda_ipc();
+      ipc->set_k_handle(reinterpret_cast<const char*>(o->cuda_ipc_k_handle), sizeof(o->cuda_ipc_k_handle));
+      ipc->set_k_offset(o->cuda_ipc_k_offset);
+      ipc->set_v_handle(reinterpret_cast<const char*>(o->cuda_ipc_v_handle), sizeof(o->cuda_ipc_v_handle));
+      ipc->set_v_offset(o->cuda_ipc_v_offset);
+      ipc->set_bytes(o->cuda_ipc_bytes);
+    }
     auto r = c->impl->Attach(req);
     if (!r.ok()) return Report(r.status());
     std::memset(out, 0, sizeof(*out));
@@ -430,7 +556,31 @@ int kvshade_attach(kvshade_client* c, const char* session_id, const char* worker
     out->slots_per_head = r->slots_per_head();
     out->local_window = r->local_window();
     out->writer = r->writer() ? 1 : 0;
+    out->data_plane = r->data_plane_address().empty() ? 0 : 1;
+    out->delivery = static_cast<int32_t>(r->delivery());
+    out->slot_buffer_bytes = r->slot_buffer_bytes();
     return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_attach(kvshade_client* c, const char* session_id, const char* worker_id, uint32_t lease_ms,
+                   int32_t writer, kvshade_attachment* out) {
+  kvshade_attach_options o;
+  kvshade_attach_options_init(&o);
+  o.session_id = session_id;
+  o.worker_id = worker_id;
+  o.lease_ms = lease_ms;
+  o.writer = writer;
+  return kvshade_attach_ex(c, &o, out);
+}
+
+int kvshade_register_slot_buffers(kvshade_client* c, const char* attachment_id, void* k, void* v,
+                                  uint64_t bytes) {
+  return Guard([&] {
+    if (c == nullptr) return Bad("client must not be NULL");
+    if (!IdOk(attachment_id)) return Bad("attachment_id is NULL or too long");
+    if (k == nullptr || v == nullptr || bytes == 0) return Bad("k and v must not be NULL and bytes must be > 0");
+    return Report(c->impl->RegisterSlotBuffers(attachment_id, k, v, static_cast<size_t>(bytes)));
   });
 }
 
@@ -507,43 +657,9 @@ int kvshade_select(kvshade_client* c, uint32_t layer, size_t n, const char* cons
     if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
     *out = nullptr;
     if (int rc = CheckQueries(n, ids, dtype, hq, d, q); rc != KVSHADE_OK) return rc;
-    const int64_t q_bytes = static_cast<int64_t>(hq) * d * DTypeBytes(dtype);
-    v1::SelectAndReconstructRequest req;
-    req.set_layer(layer);
-    for (size_t i = 0; i < n; ++i) {
-      v1::SelectQuery* sq = req.add_queries();
-      sq->set_attachment_id(ids[i]);
-      *sq->mutable_q() = MakeTensor({hq, d}, dtype, static_cast<const char*>(q) + i * q_bytes);
-    }
-    auto r = c->impl->SelectAndReconstruct(req);
+    auto r = c->impl->SelectAndReconstruct(MakeSelect(layer, n, ids, dtype, hq, d, q));
     if (!r.ok()) return Report(r.status());
-    auto res = std::make_unique<kvshade_select_result>();
-    for (const v1::SlotDelta& sd : r->deltas()) {
-      kvshade_select_result::Delta dl;
-      dl.attachment_id = sd.attachment_id();
-      dl.head.assign(sd.head().begin(), sd.head().end());
-      dl.slot.assign(sd.slot().begin(), sd.slot().end());
-      dl.chunk.assign(sd.chunk().begin(), sd.chunk().end());
-      dl.hits = sd.hits();
-      dl.selected = sd.selected();
-      if (!dl.head.empty()) {
-        auto kf = kvshade::client::TensorToFloats(sd.keys());
-        if (!kf.ok()) return Report(kf.status());
-        auto vf = kvshade::client::TensorToFloats(sd.values());
-        if (!vf.ok()) return Report(vf.status());
-        if (sd.keys().shape_size() != 3 || sd.keys().shape(0) != static_cast<int64_t>(dl.head.size()) ||
-            vf->size() != kf->size() || dl.slot.size() != dl.head.size() || dl.chunk.size() != dl.head.size()) {
-          return Report(absl::InternalError("malformed SlotDelta from the server (shapes disagree)"));
-        }
-        dl.chunk_size = sd.keys().shape(1);
-        dl.head_dim = sd.keys().shape(2);
-        dl.keys = *std::move(kf);
-        dl.values = *std::move(vf);
-      }
-      res->deltas.push_back(std::move(dl));
-    }
-    *out = res.release();
-    return Report(absl::OkStatus());
+    return DecodeSelect(*r, out);
   });
 }
 
@@ -558,12 +674,13 @@ int kvshade_select_delta(const kvshade_select_result* r, size_t i, kvshade_slot_
   out->head = dl.head.data();
   out->slot = dl.slot.data();
   out->chunk = dl.chunk.data();
-  out->keys = dl.keys.data();
-  out->values = dl.values.data();
+  out->keys = dl.delivered ? nullptr : dl.keys.data();
+  out->values = dl.delivered ? nullptr : dl.values.data();
   out->chunk_size = dl.chunk_size;
   out->head_dim = dl.head_dim;
   out->hits = dl.hits;
   out->selected = dl.selected;
+  out->delivered = dl.delivered ? 1 : 0;
   return Report(absl::OkStatus());
 }
 
@@ -574,31 +691,82 @@ int kvshade_attend(kvshade_client* c, uint32_t layer, size_t n, const char* cons
   return Guard([&] {
     if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
     if (int rc = CheckQueries(n, ids, dtype, hq, d, q); rc != KVSHADE_OK) return rc;
-    const int64_t q_bytes = static_cast<int64_t>(hq) * d * DTypeBytes(dtype);
-    v1::AttendRequest req;
-    req.set_layer(layer);
-    for (size_t i = 0; i < n; ++i) {
-      v1::AttendQuery* aq = req.add_queries();
-      aq->set_attachment_id(ids[i]);
-      *aq->mutable_q() = MakeTensor({hq, d}, dtype, static_cast<const char*>(q) + i * q_bytes);
-    }
-    auto r = c->impl->Attend(req);
+    auto r = c->impl->Attend(MakeAttend(layer, n, ids, dtype, hq, d, q));
     if (!r.ok()) return Report(r.status());
-    if (static_cast<size_t>(r->outputs_size()) != n) {
-      return Report(absl::InternalError(absl::StrCat("server returned ", r->outputs_size(), " outputs for ", n, " queries")));
-    }
-    const size_t per = static_cast<size_t>(hq) * d;
-    for (size_t i = 0; i < n; ++i) {
-      auto f = kvshade::client::TensorToFloats(r->outputs(static_cast<int>(i)));
-      if (!f.ok()) return Report(f.status());
-      if (f->size() != per) {
-        return Report(absl::InternalError(absl::StrCat("attend output ", i, " has ", f->size(), " values, expected ", per)));
-      }
-      std::memcpy(out + i * per, f->data(), per * sizeof(float));
-    }
+    return DecodeAttend(*r, n, static_cast<size_t>(hq) * d, out);
+  });
+}
+
+int kvshade_select_async(kvshade_client* c, uint32_t layer, size_t n, const char* const* ids, int32_t dtype,
+                         int32_t hq, int32_t d, const void* q, kvshade_select_future** out) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    *out = nullptr;
+    if (int rc = CheckQueries(n, ids, dtype, hq, d, q); rc != KVSHADE_OK) return rc;
+    auto f = std::make_unique<kvshade_select_future>();
+    f->f = c->impl->SelectAndReconstructAsync(MakeSelect(layer, n, ids, dtype, hq, d, q));
+    *out = f.release();
     return Report(absl::OkStatus());
   });
 }
+
+int kvshade_select_future_ready(const kvshade_select_future* f, int32_t* ready) {
+  return Guard([&] {
+    if (f == nullptr || ready == nullptr) return Bad("future and ready must not be NULL");
+    *ready = f->waited || f->f.wait_for(std::chrono::seconds(0)) == std::future_status::ready ? 1 : 0;
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_select_future_wait(kvshade_select_future* f, kvshade_select_result** out) {
+  return Guard([&] {
+    if (f == nullptr || out == nullptr) return Bad("future and out must not be NULL");
+    *out = nullptr;
+    if (f->waited) return Report(absl::FailedPreconditionError("select future already waited on"));
+    f->waited = true;
+    auto r = f->f.get();
+    if (!r.ok()) return Report(r.status());
+    return DecodeSelect(*r, out);
+  });
+}
+
+void kvshade_select_future_free(kvshade_select_future* f) { delete f; }
+
+int kvshade_attend_async(kvshade_client* c, uint32_t layer, size_t n, const char* const* ids, int32_t dtype,
+                         int32_t hq, int32_t d, const void* q, kvshade_attend_future** out) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    *out = nullptr;
+    if (int rc = CheckQueries(n, ids, dtype, hq, d, q); rc != KVSHADE_OK) return rc;
+    auto f = std::make_unique<kvshade_attend_future>();
+    f->n = n;
+    f->per = static_cast<size_t>(hq) * d;
+    f->f = c->impl->AttendAsync(MakeAttend(layer, n, ids, dtype, hq, d, q));
+    *out = f.release();
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_attend_future_ready(const kvshade_attend_future* f, int32_t* ready) {
+  return Guard([&] {
+    if (f == nullptr || ready == nullptr) return Bad("future and ready must not be NULL");
+    *ready = f->waited || f->f.wait_for(std::chrono::seconds(0)) == std::future_status::ready ? 1 : 0;
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_attend_future_wait(kvshade_attend_future* f, float* out) {
+  return Guard([&] {
+    if (f == nullptr || out == nullptr) return Bad("future and out must not be NULL");
+    if (f->waited) return Report(absl::FailedPreconditionError("attend future already waited on"));
+    f->waited = true;
+    auto r = f->f.get();
+    if (!r.ok()) return Report(r.status());
+    return DecodeAttend(*r, f->n, f->per, out);
+  });
+}
+
+void kvshade_attend_future_free(kvshade_attend_future* f) { delete f; }
 
 int kvshade_get_stats(kvshade_client* c, kvshade_stats* out) {
   return Guard([&] {

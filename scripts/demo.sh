@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# `make demo`: starts kvshade-server on the CPU backend on a free loopback port, waits for
-# grpc.health.v1 SERVING (`kvshade status --wait`), runs the synthetic prefix-cached
-# document-QA workload (`kvshade demo`), then stops the server with SIGTERM (graceful
-# drain). Exits with the demo's status (or the server's, if only the shutdown failed).
+# `make demo`: starts kvshade-server on the CPU backend on a free loopback port with its
+# UCX data plane on (`ucx.enable: true`), waits for grpc.health.v1 SERVING (`kvshade status
+# --wait`), runs the synthetic prefix-cached document-QA workload (`kvshade demo`, decode
+# over UCX: it fails if the client falls back to gRPC), then stops the server with SIGTERM
+# (graceful drain). Exits with the demo's status (or the server's, if only the shutdown
+# failed).
 #   scripts/demo.sh [BUILD_DIR] [extra `kvshade demo` flags...]
+#   KVSHADE_UCX_TRANSPORTS=tcp,self scripts/demo.sh   # UCX_TLS of both sides ("" = UCX's choice)
+#   scripts/demo.sh build --no-ucx                    # the gRPC-inline path
 set -euo pipefail
 BUILD=${1:-build}
 shift || true
@@ -48,8 +52,15 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+# The UCX data plane: transports UCX's choice unless KVSHADE_UCX_TRANSPORTS names them
+# (e.g. tcp,self or shm,self); the same value goes to the client (`kvshade` reads the
+# variable too).
+UCX_TRANSPORTS=${KVSHADE_UCX_TRANSPORTS:-}
+export KVSHADE_UCX_TRANSPORTS="$UCX_TRANSPORTS"
+printf 'ucx:\n  enable: true\n  transports: "%s"\n' "$UCX_TRANSPORTS" >"$WORK/kvshade.yaml"
+
 # Port 0: the kernel picks a free port; the server writes it to --port-file once bound.
-"$SERVER" --backend cpu --listen 127.0.0.1:0 --port-file "$WORK/port" \
+"$SERVER" --config "$WORK/kvshade.yaml" --backend cpu --listen 127.0.0.1:0 --port-file "$WORK/port" \
   --host-budget 4GiB --device-budget 2GiB >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 for _ in $(seq 300); do  # at most 30 s to bind
@@ -67,7 +78,8 @@ if [ ! -s "$WORK/port" ]; then
   exit 1
 fi
 TARGET="127.0.0.1:$(cat "$WORK/port")"
-echo "demo: kvshade-server (CPU backend) on $TARGET, log $WORK/server.log"
+UCX_SHOWN=${UCX_TRANSPORTS:-default}
+echo "demo: kvshade-server (CPU backend, UCX data plane on, transports: $UCX_SHOWN) on $TARGET, log $WORK/server.log"
 "$CLI" --target "$TARGET" status --wait 30
 
 set +e

@@ -17,6 +17,7 @@
 #include "absl/strings/str_format.h"
 #include "kvshade/client/tensor.h"
 #include "synthetic.h"
+#include "ucx_probe.h"
 
 namespace kvshade::cli {
 namespace {
@@ -166,6 +167,8 @@ void AddDemoOptions(CLI::App* app, DemoOptions* o) {
   app->add_option("--outliers", o->outliers, "Outlier chunks per head");
   app->add_option("--local-window", o->local_window, "Exact tail tokens");
   app->add_flag("--attend,!--no-attend", o->attend, "Also call Attend and check it against exact attention");
+  app->add_flag("--ucx,!--no-ucx", o->ucx,
+                "Decode over the UCX data plane (default; fails if the client falls back to gRPC)");
   app->add_flag("--keep", o->keep, "Leave the sessions open");
   app->add_flag("--progress,!--no-progress", o->progress, "Progress bar on a terminal");
   app->add_option("--seed", o->seed, "Workload seed");
@@ -206,8 +209,13 @@ int RunDemo(client::Client& client, const DemoOptions& o) {
   std::printf("  model: %d layers, %d query heads, %d KV heads, head dim %d (bf16)\n", L, hq, h, d);
   std::printf("  document: %lld tokens, %d needles; %d questions x %d tokens, %d decode steps, mode %s\n",
               static_cast<long long>(n), o.needles, o.questions, o.question_tokens, o.steps, o.mode.c_str());
-  std::printf("  profile: %s, rank %d, chunk %d, budget %d chunks/head, %d outliers, window %d\n\n",
+  std::printf("  profile: %s, rank %d, chunk %d, budget %d chunks/head, %d outliers, window %d\n",
               o.profile.c_str(), o.rank, o.chunk_size, o.sparse_budget, o.outliers, o.local_window);
+  const std::string transports =
+      client.options().ucx_transports.empty() ? "UCX's choice" : client.options().ucx_transports;
+  std::printf("  data plane: %s\n\n",
+              o.ucx ? absl::StrFormat("UCX (client transports: %s), gRPC for the control plane", transports).c_str()
+                    : "gRPC inline (--no-ucx)");
 
   // ---- 1. The document, ingested once. Its footprint is the growth of the server's tiers
   // (its segment is shared, so GetSession does not count it as the session's own).
@@ -246,6 +254,7 @@ int RunDemo(client::Client& client, const DemoOptions& o) {
   // ---- 2. Question sessions: reuse the cached prefix, or fork the document.
   std::vector<QuestionSession> qs(o.questions);
   std::vector<double> create_ms, fork_ms, attach_ms, static_ms;
+  std::string data_plane_address;  // the daemon's UCX worker, from the first Attach
   {
     Progress bar("question sessions", o.questions, o.progress);
     for (int j = 0; j < o.questions; ++j) {
@@ -281,6 +290,7 @@ int RunDemo(client::Client& client, const DemoOptions& o) {
       if (!att.ok()) return Fail(absl::StrFormat("Attach(question %d)", j), att.status());
       attach_ms.push_back(1e3 * Since(ta));
       q.attachment_id = att->attachment_id();
+      if (data_plane_address.empty()) data_plane_address = att->data_plane_address();
       if (q.forked) {
         v1::AppendTokensRequest append = synthetic::MakeAppend(doc, q.session_id, j, n, total);
         append.set_attachment_id(q.attachment_id);  // the writer attachment appends
@@ -502,6 +512,25 @@ int RunDemo(client::Client& client, const DemoOptions& o) {
               static_cast<unsigned long long>(stats->chunk_hits()),
               static_cast<unsigned long long>(stats->chunks_selected()));
 
+  // The transport the decode path really used. Asking for UCX and running over gRPC is a
+  // failure here (the fallback is loud in the client too: a log line per fallback).
+  const uint64_t fallbacks = client.ucx_fallbacks();
+  const bool fell_back = o.ucx && (fallbacks > 0 || !client.ucx_connected());
+  if (!o.ucx) {
+    std::printf("[transport] data calls over gRPC inline (--no-ucx)\n");
+  } else if (!fell_back) {
+    // The lanes UCP picks to the daemon's worker from this host (a throwaway endpoint).
+    auto lanes = UcxLanesTo(data_plane_address, client.options().ucx_transports);
+    std::printf("[transport] data calls (ingest, append, select, attend) over UCX via %s (client transports: %s); "
+                "%llu fallbacks to gRPC\n",
+                lanes.ok() ? lanes->c_str() : "(lanes unknown)", transports.c_str(),
+                static_cast<unsigned long long>(fallbacks));
+  } else {
+    std::printf("[transport] FAILED: UCX was asked for but the client fell back to gRPC inline (%llu fallbacks, "
+                "connected: %s); see the client's log lines above and `kvshade doctor`\n",
+                static_cast<unsigned long long>(fallbacks), client.ucx_connected() ? "yes" : "no");
+  }
+
   // ---- 5. Clean up.
   if (!o.keep) {
     for (const auto& q : qs) {
@@ -515,6 +544,10 @@ int RunDemo(client::Client& client, const DemoOptions& o) {
   }
   std::printf("done in %.1f s: %d of %d asked needles selected in >= 90%% of (step, layer, head)\n", Since(t_all),
               needles_ok, needles_seen);
+  if (fell_back) {
+    std::fprintf(stderr, "kvshade demo: UCX was asked for and the run fell back to gRPC inline (exit 4)\n");
+    return 4;
+  }
   return 0;
 }
 

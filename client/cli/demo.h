@@ -3,7 +3,9 @@
 // sessions reuse it (CreateSession over the same tokens) or fork it (ForkSession +
 // AppendTokens); each is attached and decoded for S steps with SelectAndReconstruct (and
 // Attend), batching all sessions per layer. Prints reuse, chunk hit ratios, compression,
-// per-needle selection and latencies.
+// per-needle selection, latencies, and the transport of the decode path: with `ucx` (the
+// default) the client must be connected with ClientOptions::use_ucx, and a run that fell
+// back to gRPC inline fails (exit 4) instead of passing silently.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +35,7 @@ struct DemoOptions {
   int outliers = 8;
   int local_window = 32;
   bool attend = true;
+  bool ucx = true;            // decode over the UCX data plane (ClientOptions::use_ucx)
   bool keep = false;          // leave the sessions open at the end
   bool progress = true;
   uint64_t seed = 1;
@@ -40,7 +43,8 @@ struct DemoOptions {
 
 void AddDemoOptions(CLI::App* app, DemoOptions* options);
 
-// Returns the process exit code: 0 done, 1 an RPC failed.
+// Returns the process exit code: 0 done, 1 an RPC failed, 4 UCX was asked for and the
+// client fell back to gRPC.
 int RunDemo(client::Client& client, const DemoOptions& options);
 
 }  // namespace kvshade::cli

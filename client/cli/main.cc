@@ -3,10 +3,15 @@
 //   kvshade status [--wait SECONDS]        health (grpc.health.v1) and server stats
 //   kvshade sessions list|info ID|close ID
 //   kvshade lookup --layers ... --tokens 1,2,3
-//   kvshade demo [...]                     synthetic prefix-cached document QA (demo.h)
+//   kvshade demo [...]                     synthetic prefix-cached document QA (demo.h),
+//                                          over the UCX data plane unless --no-ucx
+//   kvshade doctor [--local]               UCX transports, CUDA visibility, memlock limit,
+//                                          test transfer to the daemon (doctor.h)
 // Connection flags (before or after the command): --target (env KVSHADE_TARGET),
-// --token (env KVSHADE_TOKEN), --tls, --ca, --cert, --key, --server-name, --timeout.
-// Exit codes: 0 success, 1 an RPC failed, 2 bad usage, 3 the server is not SERVING.
+// --token (env KVSHADE_TOKEN), --tls, --ca, --cert, --key, --server-name, --timeout,
+// --ucx-transports (env KVSHADE_UCX_TRANSPORTS; UCX_TLS of the client's UCX worker).
+// Exit codes: 0 success, 1 an RPC (or a check) failed, 2 bad usage, 3 the server is not
+// SERVING, 4 the demo asked for UCX and ran over gRPC (fallback).
 #include <unistd.h>
 
 #include <climits>
@@ -23,6 +28,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "demo.h"
+#include "doctor.h"
 #include "kvshade/client/client.h"
 
 namespace {
@@ -113,6 +119,10 @@ int main(int argc, char** argv) {
   app.add_option("--key", co.key_file, "PEM client key for mTLS");
   app.add_option("--server-name", co.tls_server_name, "Expected server name in its certificate");
   app.add_option("--timeout", timeout_s, "Per-call deadline in seconds")->check(CLI::Range(0.001, 86400.0));
+  co.ucx_transports = Env("KVSHADE_UCX_TRANSPORTS", "");
+  app.add_option("--ucx-transports", co.ucx_transports,
+                 "UCX_TLS of this client's UCX worker, e.g. tcp,self or shm,self (env KVSHADE_UCX_TRANSPORTS; "
+                 "default: UCX's choice)");
   for (auto* opt : app.get_options()) opt->configurable(false);
   // Connection flags may also follow the subcommand.
   app.fallthrough();
@@ -165,12 +175,19 @@ int main(int argc, char** argv) {
   double demo_wait_s = 10;
   demo->add_option("--wait", demo_wait_s, "Seconds to wait for the server to be SERVING first");
 
+  auto* doctor = app.add_subcommand("doctor", "Check UCX, CUDA, pinned-memory limits and a test transfer to the daemon");
+  kvshade::cli::DoctorOptions doctor_opts;
+  kvshade::cli::AddDoctorOptions(doctor, &doctor_opts);
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
   co.timeout = absl::Milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  if (doctor->parsed()) return kvshade::cli::RunDoctor(co, doctor_opts);
+  // The demo's decode path goes over the UCX data plane unless --no-ucx.
+  if (demo->parsed()) co.use_ucx = demo_opts.ucx;
   auto client = Client::Connect(co);
   if (!client.ok()) return RpcFail("connect", client.status());
   Client& c = **client;

@@ -2,7 +2,10 @@
  * real kvshade-server at $KVSHADE_TARGET (tests/python/run_with_server.py starts it).
  * Covers connect/health, create + ingest (exact) + get_session, attach, static set (values
  * come back bit-identical), attend against attention over the static set, select, append,
- * stats, and the error contract (codes and messages, NULL arguments). */
+ * stats, the error contract (codes and messages, NULL arguments), and the UCX options and
+ * status: with $KVSHADE_UCX_TRANSPORTS set the server offers a UCX data plane (started with
+ * `run_with_server.py --ucx ...`) and a use_ucx client must connect with no fallback;
+ * without it, a use_ucx client must fall back to gRPC, counted. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -125,6 +128,43 @@ int main(void) {
   kvshade_attachment att;
   REQUIRE_OK(kvshade_attach(c, created.session_id, "capi-worker", 0, 0, &att));
   CHECK(strlen(att.attachment_id) > 0);
+  CHECK(att.delivery == KVSHADE_DELIVERY_INLINE);
+
+  /* UCX: a plain client never connects; a use_ucx client connects when the daemon offers
+   * a data plane, and otherwise falls back (counted). Select works either way. */
+  const char* ucx_tls = getenv("KVSHADE_UCX_TRANSPORTS");
+  const int expect_ucx = ucx_tls != NULL && *ucx_tls;
+  int32_t connected = -1;
+  uint64_t fallbacks = 99;
+  CHECK(kvshade_ucx_status(NULL, &connected, &fallbacks) == KVSHADE_INVALID_ARGUMENT);
+  REQUIRE_OK(kvshade_ucx_status(c, &connected, &fallbacks));
+  CHECK(connected == 0 && fallbacks == 0);
+  CHECK(att.data_plane == expect_ucx);
+  {
+    kvshade_client_options uo = o;
+    uo.use_ucx = 1;
+    uo.ucx_transports = expect_ucx ? ucx_tls : NULL;
+    kvshade_client* cu = NULL;
+    REQUIRE_OK(kvshade_connect(&uo, &cu));
+    kvshade_attachment att_u;
+    REQUIRE_OK(kvshade_attach(cu, created.session_id, "capi-ucx-worker", 0, 0, &att_u));
+    REQUIRE_OK(kvshade_ucx_status(cu, &connected, NULL));
+    REQUIRE_OK(kvshade_ucx_status(cu, NULL, &fallbacks));
+    fprintf(stderr, "use_ucx client: connected %d, fallbacks %llu\n", connected, (unsigned long long)fallbacks);
+    CHECK(connected == expect_ucx);
+    CHECK(fallbacks == (uint64_t)(expect_ucx ? 0 : 1));
+    uint16_t qz[HQ * D];
+    for (int i = 0; i < HQ * D; ++i) qz[i] = rand_bf16();
+    const char* uid[1] = {att_u.attachment_id};
+    kvshade_select_result* su = NULL;
+    REQUIRE_OK(kvshade_select(cu, 0, 1, uid, KVSHADE_DTYPE_BF16, HQ, D, qz, &su));
+    CHECK(kvshade_select_count(su) == 1);
+    kvshade_select_free(su);
+    REQUIRE_OK(kvshade_ucx_status(cu, &connected, &fallbacks));
+    CHECK(connected == expect_ucx && fallbacks == (uint64_t)(expect_ucx ? 0 : 1));
+    REQUIRE_OK(kvshade_detach(cu, att_u.attachment_id));
+    kvshade_client_free(cu);
+  }
 
   /* exact: every token is in the tail, values bit-identical to what went in. */
   kvshade_static_set* st = NULL;
@@ -176,7 +216,48 @@ int main(void) {
   CHECK(strcmp(delta.attachment_id, att.attachment_id) == 0);
   CHECK(delta.m == 0);
   CHECK(kvshade_select_delta(sel, 1, &delta) == KVSHADE_OUT_OF_RANGE);
+  CHECK(delta.delivered == 0);
   kvshade_select_free(sel);
+
+  /* Async: the same answers as the sync calls; several in flight; one wait each. */
+  kvshade_select_future* sf = NULL;
+  REQUIRE_OK(kvshade_select_async(c, 0, 1, ids, KVSHADE_DTYPE_BF16, HQ, D, qb, &sf));
+  kvshade_attend_future* af[3] = {NULL, NULL, NULL};
+  for (int i = 0; i < 3; ++i) REQUIRE_OK(kvshade_attend_async(c, 1, 1, ids, KVSHADE_DTYPE_BF16, HQ, D, qb, &af[i]));
+  REQUIRE_OK(kvshade_select_future_wait(sf, &sel));
+  int32_t ready = 0;
+  REQUIRE_OK(kvshade_select_future_ready(sf, &ready));
+  CHECK(ready == 1);
+  CHECK(kvshade_select_count(sel) == 1);
+  kvshade_select_free(sel);
+  CHECK(kvshade_select_future_wait(sf, &sel) == KVSHADE_FAILED_PRECONDITION);
+  kvshade_select_future_free(sf);
+  for (int i = 0; i < 3; ++i) {
+    float out_async[HQ * D];
+    REQUIRE_OK(kvshade_attend_future_wait(af[i], out_async));
+    CHECK(memcmp(out_async, out, sizeof(out)) == 0);
+    kvshade_attend_future_free(af[i]);
+  }
+  kvshade_select_future_free(NULL);
+  CHECK(kvshade_select_async(c, 0, 0, ids, KVSHADE_DTYPE_BF16, HQ, D, qb, &sf) == KVSHADE_INVALID_ARGUMENT);
+  {
+    const char* bad_ids[1] = {"no-such-attachment"};
+    REQUIRE_OK(kvshade_select_async(c, 0, 1, bad_ids, KVSHADE_DTYPE_BF16, HQ, D, qb, &sf));
+    CHECK(kvshade_select_future_wait(sf, &sel) == KVSHADE_NOT_FOUND);
+    kvshade_select_future_free(sf);
+  }
+  /* attach_ex validates the delivery mode; register needs a data plane. */
+  kvshade_attach_options ao;
+  kvshade_attach_options_init(&ao);
+  ao.session_id = created.session_id;
+  ao.delivery = 7;
+  kvshade_attachment att_bad;
+  CHECK(kvshade_attach_ex(c, &ao, &att_bad) == KVSHADE_INVALID_ARGUMENT);
+  CHECK(kvshade_register_slot_buffers(c, att.attachment_id, NULL, NULL, 0) == KVSHADE_INVALID_ARGUMENT);
+  {
+    static uint16_t kb[64], vb[64];
+    CHECK(kvshade_register_slot_buffers(c, att.attachment_id, kb, vb, sizeof(kb)) == KVSHADE_FAILED_PRECONDITION);
+  }
 
   /* append two tokens for every layer ([L, t, h, d]). */
   static uint16_t ak[L * 2 * H * D], av[L * 2 * H * D];

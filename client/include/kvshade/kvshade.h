@@ -34,7 +34,7 @@ extern "C" {
 #define KVSHADE_API
 #endif
 
-#define KVSHADE_ABI_VERSION 1
+#define KVSHADE_ABI_VERSION 2 /* 2: UCX options and status, attachment data-plane fields */
 #define KVSHADE_ID_CAP 128
 
 typedef enum kvshade_code {
@@ -75,6 +75,8 @@ typedef struct kvshade_client kvshade_client;
 typedef struct kvshade_ingest kvshade_ingest;
 typedef struct kvshade_static_set kvshade_static_set;
 typedef struct kvshade_select_result kvshade_select_result;
+typedef struct kvshade_select_future kvshade_select_future;
+typedef struct kvshade_attend_future kvshade_attend_future;
 
 /* ---- Connection --------------------------------------------------------------------- */
 typedef struct kvshade_client_options {
@@ -87,6 +89,13 @@ typedef struct kvshade_client_options {
   const char* tls_server_name; /* overrides the name checked in the certificate */
   int64_t timeout_ms;          /* deadline of each call; <= 0 = 60000 */
   uint64_t max_message_bytes;  /* 0 = 512 MiB */
+  /* UCX data plane: when 1 and the daemon offers one, the client connects over UCX at its
+   * first attach (or ingest, append) and the data calls use it. If UCX cannot connect (or
+   * dies), calls fall back to gRPC inline with a line on stderr, counted
+   * (kvshade_ucx_status). */
+  int32_t use_ucx;
+  const char* ucx_transports;  /* UCX_TLS of the client's worker; NULL or "" = UCX's choice */
+  int32_t ucx_ingest_window;   /* ingest messages in flight per stream over UCX; <= 0 = 4 */
 } kvshade_client_options;
 
 KVSHADE_API void kvshade_client_options_init(kvshade_client_options* options);
@@ -96,6 +105,9 @@ KVSHADE_API void kvshade_client_free(kvshade_client* client);
 KVSHADE_API int kvshade_wait_ready(kvshade_client* client, int64_t timeout_ms);
 /* *serving = 1 when the server reports SERVING, else 0. */
 KVSHADE_API int kvshade_health(kvshade_client* client, int32_t* serving);
+/* The UCX data plane of this client: *connected = 1 while calls go over UCX; *fallbacks =
+ * times a call (or the connection) fell back to gRPC inline. Either pointer may be NULL. */
+KVSHADE_API int kvshade_ucx_status(kvshade_client* client, int32_t* connected, uint64_t* fallbacks);
 
 /* ---- Model and profile ------------------------------------------------------------- */
 typedef struct kvshade_model {
@@ -188,11 +200,47 @@ typedef struct kvshade_attachment {
   uint64_t lease_expires_unix_ms;
   uint32_t chunk_size, slots_per_head, local_window;
   int32_t writer;
+  int32_t data_plane;          /* 1 when the daemon offered a UCX data-plane address */
+  int32_t delivery;            /* KVSHADE_DELIVERY_* granted */
+  uint64_t slot_buffer_bytes;  /* bytes each of the K and V slot buffers needs (0 = not given) */
 } kvshade_attachment;
+
+/* Values of kvshade.v1.DeliveryMode. */
+enum { KVSHADE_DELIVERY_INLINE = 0, KVSHADE_DELIVERY_UCX_RMA = 1, KVSHADE_DELIVERY_CUDA_IPC = 2 };
 
 KVSHADE_API int kvshade_attach(kvshade_client* client, const char* session_id,
                                const char* worker_id, uint32_t lease_ms, int32_t writer,
                                kvshade_attachment* out);
+
+/* Attach with a delivery mode. Slot buffers (both modes) hold K and V, each
+ * [L, h, slots_per_head, C, d] bf16; the chunk in (layer, head, slot) is row
+ * ((layer * h + head) * slots_per_head + slot) of C * d elements; each needs
+ * kvshade_attachment.slot_buffer_bytes bytes.
+ * - KVSHADE_DELIVERY_UCX_RMA: then kvshade_register_slot_buffers (needs the UCX data plane).
+ * - KVSHADE_DELIVERY_CUDA_IPC: the worker's GPU buffers as cudaIpcMemHandle_t bytes. */
+typedef struct kvshade_attach_options {
+  const char* session_id;
+  const char* worker_id;         /* NULL = "" */
+  uint32_t lease_ms;             /* 0 = server default */
+  int32_t writer;
+  int32_t delivery;              /* KVSHADE_DELIVERY_*; 0 = inline */
+  uint8_t cuda_ipc_k_handle[64]; /* CUDA_IPC only: the allocation holding K */
+  uint64_t cuda_ipc_k_offset;    /* byte offset of K in it */
+  uint8_t cuda_ipc_v_handle[64]; /* the allocation holding V (may be K's) */
+  uint64_t cuda_ipc_v_offset;
+  uint64_t cuda_ipc_bytes;       /* usable bytes of each buffer from its offset */
+} kvshade_attach_options;
+
+/* Zero-fills. */
+KVSHADE_API void kvshade_attach_options_init(kvshade_attach_options* options);
+KVSHADE_API int kvshade_attach_ex(kvshade_client* client, const kvshade_attach_options* options,
+                                  kvshade_attachment* out);
+/* DELIVERY_UCX_RMA: host buffers k and v of `bytes` each (>= slot_buffer_bytes) that
+ * selects over UCX write the attachment's misses into (their deltas then say delivered).
+ * They must stay valid until kvshade_detach or kvshade_client_free. FAILED_PRECONDITION
+ * when the client has no UCX data plane. */
+KVSHADE_API int kvshade_register_slot_buffers(kvshade_client* client, const char* attachment_id,
+                                              void* k, void* v, uint64_t bytes);
 KVSHADE_API int kvshade_detach(kvshade_client* client, const char* attachment_id);
 
 /* The static set of one layer: k, v [h, s_max, d] post-RoPE; lengths [h] valid rows per
@@ -214,7 +262,9 @@ KVSHADE_API int kvshade_select(kvshade_client* client, uint32_t layer, size_t n,
 KVSHADE_API size_t kvshade_select_count(const kvshade_select_result* r);
 
 /* The slot-table delta of query i: m misses, each (head, slot, chunk) with its
- * reconstructed keys and values [m, C, d] fp32. Pointers owned by the result. */
+ * reconstructed keys and values [m, C, d] fp32. Pointers owned by the result. When
+ * `delivered` is 1 the misses' K and V were written into the attachment's registered slot
+ * buffers instead: keys and values are NULL (C and d still given). */
 typedef struct kvshade_slot_delta {
   const char* attachment_id;
   uint64_t m;
@@ -225,6 +275,7 @@ typedef struct kvshade_slot_delta {
   const float* values;
   int64_t chunk_size, head_dim; /* C, d (0 when m == 0) */
   uint32_t hits, selected;
+  int32_t delivered;
 } kvshade_slot_delta;
 
 KVSHADE_API int kvshade_select_delta(const kvshade_select_result* r, size_t i,
@@ -235,6 +286,29 @@ KVSHADE_API void kvshade_select_free(kvshade_select_result* r);
 KVSHADE_API int kvshade_attend(kvshade_client* client, uint32_t layer, size_t n,
                                const char* const* attachment_ids, int32_t dtype, int32_t hq,
                                int32_t d, const void* q, float* out);
+
+/* Async select and attend, for a decode loop that issues layer l+1 while it applies layer
+ * l. The arguments are copied before the call returns (q and the ids may be reused); the
+ * future is waited on once (or freed unwaited: the answer is dropped). The client must
+ * outlive its futures. */
+KVSHADE_API int kvshade_select_async(kvshade_client* client, uint32_t layer, size_t n,
+                                     const char* const* attachment_ids, int32_t dtype,
+                                     int32_t hq, int32_t d, const void* q,
+                                     kvshade_select_future** out);
+/* *ready = 1 when the answer is there (the wait will not block). */
+KVSHADE_API int kvshade_select_future_ready(const kvshade_select_future* f, int32_t* ready);
+/* Waits; the answer as kvshade_select would give it. FAILED_PRECONDITION when waited twice. */
+KVSHADE_API int kvshade_select_future_wait(kvshade_select_future* f, kvshade_select_result** out);
+KVSHADE_API void kvshade_select_future_free(kvshade_select_future* f);
+
+KVSHADE_API int kvshade_attend_async(kvshade_client* client, uint32_t layer, size_t n,
+                                     const char* const* attachment_ids, int32_t dtype,
+                                     int32_t hq, int32_t d, const void* q,
+                                     kvshade_attend_future** out);
+KVSHADE_API int kvshade_attend_future_ready(const kvshade_attend_future* f, int32_t* ready);
+/* Waits; out [n, hq, d] fp32 (caller-allocated, n, hq, d as given to kvshade_attend_async). */
+KVSHADE_API int kvshade_attend_future_wait(kvshade_attend_future* f, float* out);
+KVSHADE_API void kvshade_attend_future_free(kvshade_attend_future* f);
 
 /* ---- Operations ---------------------------------------------------------------------- */
 typedef struct kvshade_stats {

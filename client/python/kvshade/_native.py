@@ -9,7 +9,7 @@ import ctypes
 import glob
 import os
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 ID_CAP = 128
 
 _c_char_p = ctypes.c_char_p
@@ -21,7 +21,8 @@ _vp = ctypes.c_void_p
 class ClientOptions(ctypes.Structure):
     _fields_ = [("target", _c_char_p), ("bearer_token", _c_char_p), ("tls", _i32),
                 ("ca_file", _c_char_p), ("cert_file", _c_char_p), ("key_file", _c_char_p),
-                ("tls_server_name", _c_char_p), ("timeout_ms", _i64), ("max_message_bytes", _u64)]
+                ("tls_server_name", _c_char_p), ("timeout_ms", _i64), ("max_message_bytes", _u64),
+                ("use_ucx", _i32), ("ucx_transports", _c_char_p), ("ucx_ingest_window", _i32)]
 
 
 class Model(ctypes.Structure):
@@ -57,7 +58,7 @@ class SessionInfo(ctypes.Structure):
 class Attachment(ctypes.Structure):
     _fields_ = [("attachment_id", ctypes.c_char * ID_CAP), ("lease_expires_unix_ms", _u64),
                 ("chunk_size", _u32), ("slots_per_head", _u32), ("local_window", _u32),
-                ("writer", _i32)]
+                ("writer", _i32), ("data_plane", _i32), ("delivery", _i32), ("slot_buffer_bytes", _u64)]
 
 
 class SlotDelta(ctypes.Structure):
@@ -65,7 +66,14 @@ class SlotDelta(ctypes.Structure):
                 ("head", ctypes.POINTER(_u32)), ("slot", ctypes.POINTER(_u32)),
                 ("chunk", ctypes.POINTER(_i32)), ("keys", ctypes.POINTER(_f32)),
                 ("values", ctypes.POINTER(_f32)), ("chunk_size", _i64), ("head_dim", _i64),
-                ("hits", _u32), ("selected", _u32)]
+                ("hits", _u32), ("selected", _u32), ("delivered", _i32)]
+
+
+class AttachOptions(ctypes.Structure):
+    _fields_ = [("session_id", _c_char_p), ("worker_id", _c_char_p), ("lease_ms", _u32),
+                ("writer", _i32), ("delivery", _i32), ("cuda_ipc_k_handle", ctypes.c_uint8 * 64),
+                ("cuda_ipc_k_offset", _u64), ("cuda_ipc_v_handle", ctypes.c_uint8 * 64),
+                ("cuda_ipc_v_offset", _u64), ("cuda_ipc_bytes", _u64)]
 
 
 class Stats(ctypes.Structure):
@@ -90,6 +98,7 @@ _SIGNATURES = {
     "kvshade_client_free": (None, [_vp]),
     "kvshade_wait_ready": (ctypes.c_int, [_vp, _i64]),
     "kvshade_health": (ctypes.c_int, [_vp, _P(_i32)]),
+    "kvshade_ucx_status": (ctypes.c_int, [_vp, _P(_i32), _P(_u64)]),
     "kvshade_create_session": (ctypes.c_int, [_vp, _P(Model), _P(Profile), _P(_i32), _size_t, _i32,
                                               _c_char_p, _P(SessionCreated)]),
     "kvshade_lookup_prefix": (ctypes.c_int, [_vp, _P(Model), _P(Profile), _P(_i32), _size_t,
@@ -105,6 +114,9 @@ _SIGNATURES = {
     "kvshade_append": (ctypes.c_int, [_vp, _c_char_p, _c_char_p, _P(_i32), _i64, _u32, _i32, _i32,
                                       _i32, _vp, _vp, _P(_u64)]),
     "kvshade_attach": (ctypes.c_int, [_vp, _c_char_p, _c_char_p, _u32, _i32, _P(Attachment)]),
+    "kvshade_attach_options_init": (None, [_P(AttachOptions)]),
+    "kvshade_attach_ex": (ctypes.c_int, [_vp, _P(AttachOptions), _P(Attachment)]),
+    "kvshade_register_slot_buffers": (ctypes.c_int, [_vp, _c_char_p, _vp, _vp, _u64]),
     "kvshade_detach": (ctypes.c_int, [_vp, _c_char_p]),
     "kvshade_get_static_set": (ctypes.c_int, [_vp, _c_char_p, _u32, _P(_vp)]),
     "kvshade_static_set_shape": (None, [_vp, _P(_i64), _P(_i64), _P(_i64), _P(_i64)]),
@@ -118,6 +130,16 @@ _SIGNATURES = {
     "kvshade_select_free": (None, [_vp]),
     "kvshade_attend": (ctypes.c_int, [_vp, _u32, _size_t, _P(_c_char_p), _i32, _i32, _i32, _vp,
                                       _P(_f32)]),
+    "kvshade_select_async": (ctypes.c_int, [_vp, _u32, _size_t, _P(_c_char_p), _i32, _i32, _i32, _vp,
+                                            _P(_vp)]),
+    "kvshade_select_future_ready": (ctypes.c_int, [_vp, _P(_i32)]),
+    "kvshade_select_future_wait": (ctypes.c_int, [_vp, _P(_vp)]),
+    "kvshade_select_future_free": (None, [_vp]),
+    "kvshade_attend_async": (ctypes.c_int, [_vp, _u32, _size_t, _P(_c_char_p), _i32, _i32, _i32, _vp,
+                                            _P(_vp)]),
+    "kvshade_attend_future_ready": (ctypes.c_int, [_vp, _P(_i32)]),
+    "kvshade_attend_future_wait": (ctypes.c_int, [_vp, _P(_f32)]),
+    "kvshade_attend_future_free": (None, [_vp]),
     "kvshade_get_stats": (ctypes.c_int, [_vp, _P(Stats)]),
 }
 

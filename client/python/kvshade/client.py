@@ -20,6 +20,7 @@ PROFILE_NAMES = {v: k for k, v in PROFILES.items()}
 CODECS = {"default": 0, "bf16": 1, "fp8": 2, "int4": 3, "int2": 4}
 SCALINGS = {"none": 0, "linear": 1, "llama3": 2, "yarn": 3}
 PAIRINGS = {"half": 0, "neox": 0, "interleaved": 1, "gptj": 1}
+DELIVERIES = {0: "inline", 1: "ucx_rma", 2: "cuda_ipc"}
 
 
 def _check(rc):
@@ -174,6 +175,9 @@ class AttachmentInfo:
     slots_per_head: int
     local_window: int
     writer: bool
+    data_plane: bool = False     # the daemon offered a UCX data-plane address
+    delivery: str = "inline"     # "inline", "ucx_rma" or "cuda_ipc" (as granted)
+    slot_buffer_bytes: int = 0   # bytes each of the K and V slot buffers needs (0 = not given)
 
 
 @dataclass
@@ -189,15 +193,36 @@ class StaticSet:
 
 @dataclass
 class SlotDelta:
-    """One attachment's slot-table delta for one layer: m misses."""
+    """One attachment's slot-table delta for one layer: m misses. When `delivered`, the
+    misses' K and V were written into the attachment's registered slot buffers
+    (register_slot_buffers) and keys/values are None."""
     attachment_id: str
     head: np.ndarray    # [m] uint32
     slot: np.ndarray    # [m] uint32
     chunk: np.ndarray   # [m] int32
-    keys: np.ndarray    # [m, C, d] float32, post-RoPE
-    values: np.ndarray  # [m, C, d] float32
+    keys: Optional[np.ndarray]    # [m, C, d] float32, post-RoPE
+    values: Optional[np.ndarray]  # [m, C, d] float32
     hits: int = 0
     selected: int = 0
+    delivered: bool = False
+
+
+def _decode_select(lib, r):
+    """The SlotDeltas of a kvshade_select_result handle (copied out; the handle stays owned)."""
+    out = []
+    for i in range(lib.kvshade_select_count(r)):
+        d = _native.SlotDelta()
+        _check(lib.kvshade_select_delta(r, i, ctypes.byref(d)))
+        m, C, D = d.m, d.chunk_size, d.head_dim
+        u32 = lambda p: np.ctypeslib.as_array(p, shape=(m,)).copy() if m else np.zeros(0, np.uint32)
+        chunk = np.ctypeslib.as_array(d.chunk, shape=(m,)).copy() if m else np.zeros(0, np.int32)
+        if d.delivered:
+            keys = values = None
+        else:
+            keys, values = _copy_f32(d.keys, m * C * D, (m, C, D)), _copy_f32(d.values, m * C * D, (m, C, D))
+        out.append(SlotDelta(d.attachment_id.decode(), u32(d.head), u32(d.slot), chunk, keys, values,
+                             d.hits, d.selected, bool(d.delivered)))
+    return out
 
 
 class _NativeHandle:
@@ -259,11 +284,85 @@ class Ingest(_NativeHandle):
     _free = "kvshade_ingest_free"
 
 
+class SelectFuture(_NativeHandle):
+    """The answer of Client.select_async: result() waits (once) and returns the SlotDeltas."""
+
+    _free = "kvshade_select_future_free"
+
+    def __init__(self, client, handle):
+        self._client = client  # the client must outlive the call
+        self._h = handle
+        self._result = None
+
+    def done(self):
+        if self._result is not None or not self._h:
+            return True
+        ready = ctypes.c_int32()
+        _check(_native.lib().kvshade_select_future_ready(self._h, ctypes.byref(ready)))
+        return bool(ready.value)
+
+    def result(self) -> List["SlotDelta"]:
+        if self._result is None:
+            if not self._h:
+                raise InvalidArgument("future is closed")
+            lib = _native.lib()
+            r = ctypes.c_void_p()
+            try:
+                _check(lib.kvshade_select_future_wait(self._h, ctypes.byref(r)))
+                try:
+                    self._result = _decode_select(lib, r)
+                finally:
+                    lib.kvshade_select_free(r)
+            finally:
+                self.close()
+        return self._result
+
+
+class AttendFuture(_NativeHandle):
+    """The answer of Client.attend_async: result() waits (once) and returns float32 [n, hq, d]."""
+
+    _free = "kvshade_attend_future_free"
+
+    def __init__(self, client, handle, shape):
+        self._client = client
+        self._h = handle
+        self._shape = shape
+        self._result = None
+
+    def done(self):
+        if self._result is not None or not self._h:
+            return True
+        ready = ctypes.c_int32()
+        _check(_native.lib().kvshade_attend_future_ready(self._h, ctypes.byref(ready)))
+        return bool(ready.value)
+
+    def result(self):
+        if self._result is None:
+            if not self._h:
+                raise InvalidArgument("future is closed")
+            out = np.empty(self._shape, dtype=np.float32)
+            try:
+                _check(_native.lib().kvshade_attend_future_wait(
+                    self._h, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))))
+                self._result = out
+            finally:
+                self.close()
+        return self._result
+
+
 class Client(_NativeHandle):
-    """A connection to one kvshade-server (thread-safe; close() or use as a context manager)."""
+    """A connection to one kvshade-server (thread-safe; close() or use as a context manager).
+
+    use_ucx=True: the client connects over UCX at its first attach() (or ingest, append) when
+    the daemon offers a data plane (transports `ucx_transports`, the UCX_TLS value; None =
+    UCX's choice)
+    and the data calls (ingest, append, select, attend) go over it; `ucx_ingest_window` ingest
+    messages are in flight per stream (0 = 4). If UCX cannot connect, or the connection dies,
+    calls fall back to gRPC inline with a line on stderr; `ucx_fallbacks` counts them."""
 
     def __init__(self, target="127.0.0.1:50551", token=None, tls=False, ca_file=None, cert_file=None,
-                 key_file=None, server_name=None, timeout=60.0, max_message_bytes=0):
+                 key_file=None, server_name=None, timeout=60.0, max_message_bytes=0, use_ucx=False,
+                 ucx_transports=None, ucx_ingest_window=0):
         lib = _native.lib()
         o = _native.ClientOptions()
         lib.kvshade_client_options_init(ctypes.byref(o))
@@ -272,6 +371,10 @@ class Client(_NativeHandle):
         o.tls_server_name = _b(server_name)
         o.timeout_ms = int(timeout * 1000)
         o.max_message_bytes = max_message_bytes
+        o.use_ucx = int(bool(use_ucx))
+        o.ucx_transports = _b(ucx_transports)
+        o.ucx_ingest_window = ucx_ingest_window  # 0 = the library's default (4)
+        self._slot_buffers = {}  # attachment id -> (k, v): kept alive while registered
         self._h = ctypes.c_void_p()
         _check(lib.kvshade_connect(ctypes.byref(o), ctypes.byref(self._h)))
         self.target = target
@@ -291,6 +394,22 @@ class Client(_NativeHandle):
         s = ctypes.c_int32()
         _check(_native.lib().kvshade_health(self._handle(), ctypes.byref(s)))
         return bool(s.value)
+
+    # --- UCX data plane ---
+    def _ucx_status(self):
+        connected, fallbacks = ctypes.c_int32(), ctypes.c_uint64()
+        _check(_native.lib().kvshade_ucx_status(self._handle(), ctypes.byref(connected), ctypes.byref(fallbacks)))
+        return bool(connected.value), fallbacks.value
+
+    @property
+    def ucx_connected(self):
+        """True while the decode calls go over the UCX data plane."""
+        return self._ucx_status()[0]
+
+    @property
+    def ucx_fallbacks(self):
+        """Times a call (or the connection) fell back from UCX to gRPC inline."""
+        return self._ucx_status()[1]
 
     # --- Sessions ---
     @staticmethod
@@ -359,15 +478,59 @@ class Client(_NativeHandle):
         return tokens.value
 
     # --- Workers ---
-    def attach(self, session_id, worker_id="", lease_ms=0, writer=False):
+    def attach(self, session_id, worker_id="", lease_ms=0, writer=False, delivery="inline", cuda_ipc=None):
+        """delivery: "inline" (K/V in each select answer), "ucx_rma" (then register_slot_buffers;
+        needs use_ucx) or "cuda_ipc" (cuda_ipc = dict(k_handle=bytes(64), k_offset=0,
+        v_handle=bytes(64), v_offset=0, bytes=N): the worker's GPU slot buffers)."""
+        codes = {v: k for k, v in DELIVERIES.items()}
+        if delivery not in codes:
+            raise InvalidArgument("delivery must be one of %s, got %r" % (sorted(codes), delivery))
+        lib = _native.lib()
+        o = _native.AttachOptions()
+        lib.kvshade_attach_options_init(ctypes.byref(o))
+        o.session_id, o.worker_id = _b(session_id), _b(worker_id)
+        o.lease_ms, o.writer, o.delivery = lease_ms, int(bool(writer)), codes[delivery]
+        if cuda_ipc is not None:
+            for name in ("k_handle", "v_handle"):
+                h = bytes(cuda_ipc[name])
+                if len(h) != 64:
+                    raise InvalidArgument("cuda_ipc[%r] must be 64 bytes (cudaIpcMemHandle_t), got %d"
+                                          % (name, len(h)))
+                ctypes.memmove(getattr(o, "cuda_ipc_" + name), h, 64)
+            o.cuda_ipc_k_offset = cuda_ipc.get("k_offset", 0)
+            o.cuda_ipc_v_offset = cuda_ipc.get("v_offset", 0)
+            o.cuda_ipc_bytes = cuda_ipc["bytes"]
         out = _native.Attachment()
-        _check(_native.lib().kvshade_attach(self._handle(), _b(session_id), _b(worker_id), lease_ms,
-                                            int(writer), ctypes.byref(out)))
+        _check(lib.kvshade_attach_ex(self._handle(), ctypes.byref(o), ctypes.byref(out)))
         return AttachmentInfo(out.attachment_id.decode(), out.lease_expires_unix_ms, out.chunk_size,
-                              out.slots_per_head, out.local_window, bool(out.writer))
+                              out.slots_per_head, out.local_window, bool(out.writer), bool(out.data_plane),
+                              DELIVERIES.get(out.delivery, str(out.delivery)), out.slot_buffer_bytes)
+
+    def register_slot_buffers(self, attachment_id, k, v):
+        """Host slot buffers of a "ucx_rma" attachment: k and v, writable C-contiguous arrays
+        (numpy, or CPU torch tensors) of the same size >= slot_buffer_bytes, laid out
+        [L, h, slots_per_head, C, d] bf16 (e.g. uint16 numpy arrays). Selects over UCX then
+        write the misses into them (deltas with delivered=True). Kept referenced here until
+        detach()."""
+        arrays = []
+        for name, x in (("k", k), ("v", v)):
+            if type(x).__module__.startswith("torch"):
+                if x.device.type != "cpu":
+                    raise InvalidArgument("%s must be in host memory for ucx_rma, got device %s" % (name, x.device))
+                x = x.numpy()  # shares the tensor's memory
+            if not isinstance(x, np.ndarray) or not x.flags.c_contiguous or not x.flags.writeable:
+                raise InvalidArgument("%s must be a writable C-contiguous array" % name)
+            arrays.append(x)
+        if arrays[0].nbytes != arrays[1].nbytes or arrays[0].nbytes == 0:
+            raise InvalidArgument("k and v must have the same, non-zero size, got %d and %d bytes"
+                                  % (arrays[0].nbytes, arrays[1].nbytes))
+        _check(_native.lib().kvshade_register_slot_buffers(self._handle(), _b(attachment_id), _ptr(arrays[0]),
+                                                           _ptr(arrays[1]), arrays[0].nbytes))
+        self._slot_buffers[attachment_id] = tuple(arrays)
 
     def detach(self, attachment_id):
         _check(_native.lib().kvshade_detach(self._handle(), _b(attachment_id)))
+        self._slot_buffers.pop(attachment_id, None)
 
     def static_set(self, attachment_id, layer) -> StaticSet:
         lib = _native.lib()
@@ -406,20 +569,26 @@ class Client(_NativeHandle):
         _check(lib.kvshade_select(self._handle(), layer, len(ids), ids, _dtype_code(dtype), qw.shape[1],
                                   qw.shape[2], _ptr(qw), ctypes.byref(r)))
         try:
-            out = []
-            for i in range(lib.kvshade_select_count(r)):
-                d = _native.SlotDelta()
-                _check(lib.kvshade_select_delta(r, i, ctypes.byref(d)))
-                m, C, D = d.m, d.chunk_size, d.head_dim
-                u32 = lambda p: np.ctypeslib.as_array(p, shape=(m,)).copy() if m else np.zeros(0, np.uint32)
-                out.append(SlotDelta(
-                    d.attachment_id.decode(), u32(d.head), u32(d.slot),
-                    np.ctypeslib.as_array(d.chunk, shape=(m,)).copy() if m else np.zeros(0, np.int32),
-                    _copy_f32(d.keys, m * C * D, (m, C, D)), _copy_f32(d.values, m * C * D, (m, C, D)),
-                    d.hits, d.selected))
-            return out
+            return _decode_select(lib, r)
         finally:
             lib.kvshade_select_free(r)
+
+    def select_async(self, layer, attachment_ids: Sequence[str], q, dtype="bf16") -> SelectFuture:
+        """select() without waiting: .result() of the returned future gives the deltas (e.g.
+        issue layer l+1 while applying layer l)."""
+        ids, qw = self._queries(attachment_ids, q, dtype)
+        h = ctypes.c_void_p()
+        _check(_native.lib().kvshade_select_async(self._handle(), layer, len(ids), ids, _dtype_code(dtype),
+                                                  qw.shape[1], qw.shape[2], _ptr(qw), ctypes.byref(h)))
+        return SelectFuture(self, h)
+
+    def attend_async(self, layer, attachment_ids: Sequence[str], q, dtype="bf16") -> AttendFuture:
+        """attend() without waiting: .result() gives float32 [n, hq, d]."""
+        ids, qw = self._queries(attachment_ids, q, dtype)
+        h = ctypes.c_void_p()
+        _check(_native.lib().kvshade_attend_async(self._handle(), layer, len(ids), ids, _dtype_code(dtype),
+                                                  qw.shape[1], qw.shape[2], _ptr(qw), ctypes.byref(h)))
+        return AttendFuture(self, h, qw.shape)
 
     def attend(self, layer, attachment_ids: Sequence[str], q, dtype="bf16"):
         """Attention inside the service: returns float32 [n, hq, d]."""
