@@ -1,0 +1,594 @@
+"""Hugging Face transformers adapter: a Llama-style model decodes with kvshade holding its
+long-context KV cache.
+
+    import kvshade
+    from kvshade import hf_cache
+    hf_cache.enable(model)                  # "kvshade" attention function for this model
+    cache = hf_cache.KvShadeCache(client, model, kvshade.Profile("shadow"), prompt_ids=ids)
+    out = model.generate(ids[None], past_key_values=cache, max_new_tokens=64, do_sample=False)
+    print(cache.hit_ratio)
+    cache.close(close_session=True)
+
+Two documented transformers hooks do the work, because `Cache.update` never sees the query
+that selection needs:
+  * `KvShadeCache`, a `transformers.cache_utils.Cache` of one layer object per model layer.
+    Prefill (the one forward with q_len > 1): `update` hands the model its own key/value
+    states back, so the prompt's attention is the model's own (exact); it also un-rotates
+    the post-RoPE keys with the model's own rotary embedding (the cos/sin of positions
+    0..n-1) and, after the last layer, ingests the prompt through
+    `kvshade.torch_hook.KvShadeKVCache.prefill` (CreateSession reuses a cached prefix).
+    Decode (q_len == 1): `update` records the new token's post-RoPE key and value and
+    returns them; the layer lengths keep `get_seq_length`, positions and mask sizes right.
+  * `kvshade_attention`, registered with `AttentionInterface.register("kvshade", ...)`.
+    For the decode step of a KvShadeCache it hands q and the recorded k, v to
+    `KvShadeKVCache.attend` (static set + select deltas + exact local tokens) and returns
+    [1, 1, hq, d] as transformers' attention functions do. Every other call (the prompt,
+    or the model used with another cache) goes to the prefill attention, "sdpa" by default.
+
+Contract and limits:
+  * Batch size 1, one prefill forward and then one token per forward (greedy or sampled
+    `generate`). Not supported, refused with an error: batch > 1, chunked prefill or a
+    second multi-token forward (a new turn: make a new KvShadeCache over the whole
+    conversation, the cached prefix is reused), beam search, assisted/speculative decoding
+    (crop), torch.compile, sliding-window layers, attention softcapping.
+  * RoPE with half-split pairing ("neox", HF Llama); scaling none, linear, llama3 or yarn
+    as kvshade implements them. The ModelSpec is derived from the model config and then
+    checked against the model's own rotary embedding (inv_freq, attention scaling, cos/sin):
+    any mismatch (another rope_type, yarn with explicit attention_factor/mscale, truncate
+    off, ...) is refused with the reason instead of decoding with wrong positions.
+  * Precision: kvshade stores K and V in bf16. The adapter rounds every key and value it
+    holds (prompt and generated tokens) to bf16 and runs the prompt's attention over those
+    same values, so an fp32/fp16 model decodes exactly as with a bf16 KV cache; for a bf16
+    model this changes nothing. The wire dtype is always bf16.
+  * Tokens generated here stay local to the cache (they are not appended to the session).
+
+Needs transformers with the layered cache API (`cache_utils.Cache` built from layer
+objects, `DynamicLayer`) and `AttentionInterface`; checked at import with a clear error.
+Target: transformers 5.17 with torch 2.11; written against 4.56+ signatures as well.
+"""
+import math
+import threading
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .client import ModelSpec
+from .torch_hook import KvShadeKVCache
+
+try:
+    import transformers
+    from transformers.cache_utils import Cache, DynamicLayer
+except ImportError as e:  # the package works without transformers; this module does not
+    raise ImportError("kvshade.hf_cache needs Hugging Face transformers with the layered cache API "
+                      "(transformers.cache_utils.Cache and DynamicLayer, transformers >= 4.56): %s" % e) from e
+try:
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+except ImportError as e:
+    raise ImportError("kvshade.hf_cache needs transformers.AttentionInterface and "
+                      "transformers.modeling_utils.ALL_ATTENTION_FUNCTIONS (transformers >= 4.48): %s" % e) from e
+if not callable(getattr(AttentionInterface, "register", None)):
+    raise ImportError("kvshade.hf_cache: transformers %s has no AttentionInterface.register"
+                      % getattr(transformers, "__version__", "?"))
+
+ATTENTION_NAME = "kvshade"
+# Where kvshade keeps K and V (service/model.cc converts every wire dtype to bf16).
+STORE_DTYPE = torch.bfloat16
+
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+# --- ModelSpec from a transformers config --------------------------------------------------------
+
+@dataclass
+class HfModelSpec(ModelSpec):
+    """ModelSpec plus the yarn betas (kvshade_model.rope_beta_fast/slow of the C ABI)."""
+    rope_beta_fast: float = 0.0
+    rope_beta_slow: float = 0.0
+
+    def _c(self):
+        m = super()._c()
+        m.rope_beta_fast, m.rope_beta_slow = self.rope_beta_fast, self.rope_beta_slow
+        return m
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def _rope_params(config):
+    """rope_type and its parameters, from `rope_parameters` (transformers 5) or
+    `rope_theta` + `rope_scaling` (4.x); the later source wins."""
+    params = {}
+    theta = getattr(config, "rope_theta", None)
+    if theta is not None:
+        params["rope_theta"] = theta
+    for name in ("rope_scaling", "rope_parameters"):
+        p = getattr(config, name, None)
+        if p is None:
+            continue
+        if not isinstance(p, dict):
+            p = dict(p) if hasattr(p, "keys") else vars(p)
+        if p and all(isinstance(v, dict) for v in p.values()):
+            # Per layer type (e.g. {"full_attention": {...}, "sliding_attention": {...}}).
+            if len(p) != 1:
+                raise ValueError("config.%s has per-layer-type RoPE (%s); kvshade serves models whose "
+                                 "layers share one RoPE" % (name, sorted(p)))
+            p = next(iter(p.values()))
+        params.update({k: v for k, v in p.items() if v is not None})
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    return rope_type, params
+
+
+def model_spec_from_config(config, model_id, rotary=None):
+    """The kvshade ModelSpec (bf16 wire dtype) of a Llama-style config; refuses what kvshade
+    cannot reproduce. With `rotary` (the model's rotary embedding module) the derived RoPE is
+    checked numerically against it."""
+    c = _text_config(config)
+    hq = int(c.num_attention_heads)
+    h = int(getattr(c, "num_key_value_heads", None) or hq)
+    d = int(getattr(c, "head_dim", None) or c.hidden_size // hq)
+    layers = int(c.num_hidden_layers)
+    layer_types = getattr(c, "layer_types", None)
+    if layer_types and any(t != "full_attention" for t in layer_types):
+        raise ValueError("config.layer_types has %s; kvshade serves full-attention layers only"
+                         % sorted(set(t for t in layer_types if t != "full_attention")))
+    if getattr(c, "sliding_window", None) is not None and getattr(c, "use_sliding_window", True):
+        raise ValueError("config.sliding_window is %r; kvshade serves full-attention layers only"
+                         % c.sliding_window)
+    rope_type, p = _rope_params(c)
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError("RoPE type %r is not supported by kvshade (expected one of %s)" % (rope_type, _ROPE_TYPES))
+    theta = float(p.get("rope_theta") or 10000.0)
+    partial = float(p.get("partial_rotary_factor") or getattr(c, "partial_rotary_factor", None) or 1.0)
+    rotary_dim = int(d * partial)
+    if rotary_dim % 2 or not 0 < rotary_dim <= d:
+        raise ValueError("partial_rotary_factor %g gives rotary dim %d for head_dim %d; expected an even "
+                         "value in (0, %d]" % (partial, rotary_dim, d, d))
+    base = dict(model_id=model_id, num_layers=layers, num_query_heads=hq, num_kv_heads=h, head_dim=d,
+                rope_theta=theta, rotary_dim=0 if rotary_dim == d else rotary_dim, dtype="bf16")
+    candidates = []
+    if rope_type == "default":
+        candidates.append(HfModelSpec(**base))
+    elif rope_type == "linear":
+        candidates.append(HfModelSpec(**base, rope_scaling="linear", rope_factor=float(p["factor"])))
+    elif rope_type == "llama3":
+        candidates.append(HfModelSpec(**base, rope_scaling="llama3", rope_factor=float(p["factor"]),
+                                      rope_low_freq_factor=float(p["low_freq_factor"]),
+                                      rope_high_freq_factor=float(p["high_freq_factor"]),
+                                      rope_original_max_position=int(p["original_max_position_embeddings"])))
+    else:  # yarn
+        for name in ("mscale", "mscale_all_dim"):
+            if p.get(name):
+                raise ValueError("yarn with %s=%r (DeepSeek-style attention scaling) is not supported by kvshade"
+                                 % (name, p[name]))
+        if p.get("truncate", True) is False:
+            raise ValueError("yarn with truncate=False is not supported by kvshade (it truncates the "
+                             "correction range as transformers does by default)")
+        factor = float(p["factor"])
+        orig = int(p.get("original_max_position_embeddings") or c.max_position_embeddings)
+        mscale = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+        af = p.get("attention_factor")
+        if af is not None and abs(float(af) - mscale) > 1e-6 * mscale:
+            raise ValueError("yarn attention_factor %r differs from 0.1*ln(factor)+1 = %r, the only attention "
+                             "scaling kvshade applies" % (af, mscale))
+        yarn = dict(rope_scaling="yarn", rope_original_max_position=orig,
+                    rope_beta_fast=float(p.get("beta_fast") or 32.0), rope_beta_slow=float(p.get("beta_slow") or 1.0))
+        candidates.append(HfModelSpec(**base, rope_factor=factor, **yarn))
+        # Some transformers versions take the yarn factor as max_position / original when the
+        # original is given; the numeric check below picks whichever the model really uses.
+        alt = float(c.max_position_embeddings) / orig
+        if p.get("original_max_position_embeddings") and alt > 1 and abs(alt - factor) > 1e-9:
+            candidates.append(HfModelSpec(**base, rope_factor=alt, **yarn))
+    if rotary is None:
+        return candidates[0]
+    errors = []
+    for spec in candidates:
+        err = rope_mismatch(spec, rotary)
+        if err is None:
+            return spec
+        errors.append(err)
+    raise ValueError("the model's rotary embedding (rope_type %r) does not match what kvshade would apply: %s"
+                     % (rope_type, "; ".join(errors)))
+
+
+def rope_table(spec, head_dim):
+    """kvshade's RoPE for `spec` (kernels/common/rope.cc): per pair i the angle per position,
+    float64 [rotary_dim/2], and the cos/sin magnitude."""
+    rd = spec.rotary_dim or head_dim
+    f32 = lambda x: float(np.float32(x))  # the C ABI carries these as float
+    theta = f32(spec.rope_theta or 10000.0)
+    i = np.arange(rd // 2, dtype=np.float64)
+    inv = 1.0 / theta ** (2.0 * i / rd)
+    factor = f32(spec.rope_factor or 1.0)
+    pos_scale, magnitude = 1.0, 1.0
+    if spec.rope_scaling == "linear":
+        pos_scale = float(np.float32(1.0 / factor))
+    elif spec.rope_scaling == "llama3":
+        low, high = f32(spec.rope_low_freq_factor or 1.0), f32(spec.rope_high_freq_factor or 4.0)
+        old = float(spec.rope_original_max_position or 8192)
+        wavelen = 2.0 * math.pi / inv
+        smooth = (old / wavelen - low) / (high - low)
+        mid = (1.0 - smooth) * inv / factor + smooth * inv
+        inv = np.where(wavelen < old / high, inv, np.where(wavelen > old / low, inv / factor, mid))
+    elif spec.rope_scaling == "yarn":
+        orig = float(spec.rope_original_max_position or 8192)
+        bf = f32(getattr(spec, "rope_beta_fast", 0.0) or 32.0)
+        bs = f32(getattr(spec, "rope_beta_slow", 0.0) or 1.0)
+        corr = lambda rot: rd * math.log(orig / (rot * 2.0 * math.pi)) / (2.0 * math.log(theta))
+        lo = max(math.floor(corr(bf)), 0.0)
+        hi = min(math.ceil(corr(bs)), float(rd - 1))
+        if lo == hi:
+            hi += 0.001
+        ramp = np.clip((i - lo) / (hi - lo), 0.0, 1.0)
+        inv = inv / factor * ramp + inv * (1.0 - ramp)
+        magnitude = 1.0 if factor <= 1 else float(np.float32(0.1 * math.log(factor) + 1.0))
+    inv = inv.astype(np.float32).astype(np.float64)
+    return inv * pos_scale, magnitude
+
+
+def rope_mismatch(spec, rotary):
+    """None when the model's rotary embedding equals kvshade's RoPE for `spec`, else why not.
+    Compares inv_freq and attention_scaling where the module has them, and cos/sin at a few
+    positions through its forward (x, position_ids) -> (cos, sin)."""
+    d = spec.head_dim
+    inv, mag = rope_table(spec, d)
+    hf_inv = getattr(rotary, "inv_freq", None)
+    if isinstance(hf_inv, torch.Tensor):
+        a = hf_inv.detach().double().cpu().numpy().reshape(-1)
+        if a.shape != inv.shape:
+            return "inv_freq has %d pairs, kvshade %d" % (a.size, inv.size)
+        rel = float(np.max(np.abs(a - inv) / np.maximum(np.abs(inv), 1e-30)))
+        if rel > 1e-5:
+            hint = ""
+            if hf_inv.dtype not in (torch.float32, torch.float64):
+                # model.to(torch.bfloat16) casts this buffer too, and the model then rotates
+                # with rounded frequencies that kvshade does not reproduce.
+                hint = (" (the model's inv_freq buffer is %s: load the model with torch_dtype=/dtype= instead of "
+                        "casting it with .to(), which rounds the rotary frequencies)" % hf_inv.dtype)
+            return "inv_freq differs by %.3g relative%s" % (rel, hint)
+    hf_mag = getattr(rotary, "attention_scaling", None)
+    if hf_mag is not None and abs(float(hf_mag) - mag) > 1e-5 * mag:
+        return "attention scaling %r, kvshade %r" % (float(hf_mag), mag)
+    # positions <= 512 keep fp32 angle error (transformers computes angles in fp32) < 1e-4.
+    pos = torch.tensor([[0, 1, 2, 7, 31, 100, 257, 512]])
+    dev = hf_inv.device if isinstance(hf_inv, torch.Tensor) else torch.device("cpu")
+    try:
+        with torch.no_grad():
+            cos, sin = rotary(torch.zeros(1, 1, d, device=dev), pos.to(dev))
+    except Exception as e:  # an unusual forward signature: the buffers above were the check
+        if hf_inv is None:
+            return "rotary embedding has neither inv_freq nor a (x, position_ids) forward: %s" % e
+        return None
+    cos = cos.detach().double().cpu().reshape(pos.shape[1], -1).numpy()
+    sin = sin.detach().double().cpu().reshape(pos.shape[1], -1).numpy()
+    half = inv.size
+    if cos.shape[1] != 2 * half:
+        return "cos has %d columns, expected rotary dim %d" % (cos.shape[1], 2 * half)
+    if not (np.array_equal(cos[:, :half], cos[:, half:]) and np.array_equal(sin[:, :half], sin[:, half:])):
+        return "cos/sin are not in the half-split layout [freqs, freqs]"
+    ang = pos.numpy().reshape(-1, 1).astype(np.float64) * inv[None]
+    err = max(float(np.abs(cos[:, :half] - mag * np.cos(ang)).max()),
+              float(np.abs(sin[:, :half] - mag * np.sin(ang)).max()))
+    if err > 2e-4:
+        return "cos/sin differ by %.3g at positions <= 512" % err
+    return None
+
+
+def find_rotary_embedding(model):
+    """The model's rotary embedding module (LlamaModel.rotary_emb in Llama-style models)."""
+    for owner in (getattr(model, "model", None), model):
+        r = getattr(owner, "rotary_emb", None)
+        if isinstance(r, torch.nn.Module):
+            return r
+    for m in model.modules():
+        if type(m).__name__.endswith("RotaryEmbedding"):
+            return m
+    raise ValueError("%s has no rotary embedding module (model.model.rotary_emb); kvshade.hf_cache serves "
+                     "RoPE models" % type(model).__name__)
+
+
+# --- The attention function -------------------------------------------------------------------
+
+# The (cache, layer, key tensor, phase) of the latest KvShadeCache.update on this thread:
+# transformers calls the attention function right after update, with the key update returned.
+_current = threading.local()
+
+
+def _default_attention():
+    return ALL_ATTENTION_FUNCTIONS["sdpa"]
+
+
+def kvshade_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The "kvshade" attention function. query [b, hq, q, d], key/value [b, h, kv, d] as
+    update returned them; returns ([b, q, hq, d], None)."""
+    entry = getattr(_current, "entry", None)
+    if entry is not None and entry[2] is key:
+        _current.entry = None
+        cache, layer, _, phase = entry
+        if phase == "decode":
+            if kwargs.get("softcap") or kwargs.get("sliding_window"):
+                raise ValueError("kvshade attention: softcap/sliding_window are not supported (layer %d)" % layer)
+            return cache._decode_attention(layer, query, key, value, scaling), None
+        fn = cache.prefill_attention
+    else:
+        fn = _default_attention()
+    return fn(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def register():
+    """Registers `kvshade_attention` as attention implementation "kvshade" (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, kvshade_attention)
+
+
+def enable(model):
+    """Registers the attention function and switches `model` to it (set_attn_implementation
+    where the installed transformers has it). The model still runs normally with any other
+    cache: those calls go to sdpa."""
+    register()
+    setter = getattr(model, "set_attn_implementation", None)
+    if callable(setter):
+        setter(ATTENTION_NAME)
+    else:
+        model.config._attn_implementation = ATTENTION_NAME
+    got = getattr(_text_config(model.config), "_attn_implementation", None)
+    if got != ATTENTION_NAME:
+        raise ValueError("could not switch %s to attention implementation %r (it is %r); load it with "
+                         "attn_implementation=%r" % (type(model).__name__, ATTENTION_NAME, got, ATTENTION_NAME))
+    return model
+
+
+register()
+
+
+# --- The cache ------------------------------------------------------------------------------------
+
+def _round_to_store(x):
+    """x rounded to what kvshade stores (bf16), in x's dtype."""
+    return x if x.dtype == STORE_DTYPE else x.to(STORE_DTYPE).to(x.dtype)
+
+
+class KvShadeCacheLayer(DynamicLayer):
+    """One model layer of a KvShadeCache: no tensors, only the token count (the prompt and
+    the tokens decoded since) that positions and masks are computed from."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner, layer_idx):
+        super().__init__()
+        self._owner = owner
+        self.layer_idx = layer_idx
+        self.length = 0
+
+    def lazy_initialization(self, key_states, value_states=None):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size = key_states.shape[0]
+        # Empty placeholders: the K/V live in kvshade (and in the owner's local tokens).
+        self.keys = key_states.new_zeros(key_states.shape[0], key_states.shape[1], 0, key_states.shape[3])
+        self.values = self.keys
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        # 4.x passes cache_kwargs (sin, cos, cache_position) positionally; 5.x may pass none.
+        cache_kwargs = args[0] if args else kwargs.get("cache_kwargs")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self._owner._update(self, key_states, value_states, cache_kwargs)
+
+    def get_seq_length(self, *args, **kwargs):
+        return self.length
+
+    def get_mask_sizes(self, query, *args, **kwargs):
+        # 5.x passes the query length, 4.x the cache_position tensor.
+        if isinstance(query, torch.Tensor):
+            q = int(query) if query.dim() == 0 else int(query.shape[0])
+        else:
+            q = int(query)
+        return self.length + q, 0
+
+    def get_max_length(self, *args, **kwargs):
+        return -1
+
+    def get_max_cache_shape(self, *args, **kwargs):
+        return -1
+
+    def _refuse(self, what):
+        raise NotImplementedError("KvShadeCache does not support %s (kvshade holds one sequence's prompt "
+                                  "cache; use a DynamicCache for beam search or assisted decoding)" % what)
+
+    def crop(self, *args, **kwargs):
+        self._refuse("crop")
+
+    def reorder_cache(self, *args, **kwargs):
+        self._refuse("reorder_cache")
+
+    def reset(self, *args, **kwargs):
+        self._refuse("reset (make a new KvShadeCache per sequence)")
+
+    def batch_repeat_interleave(self, repeats):
+        if repeats != 1:
+            self._refuse("batch_repeat_interleave (batch size 1 only)")
+
+    def batch_select_indices(self, indices):
+        if len(indices) != 1 or int(indices[0]) != 0:
+            self._refuse("batch_select_indices (batch size 1 only)")
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+
+class KvShadeCache(Cache):
+    """A transformers Cache whose long-context K/V live in kvshade (see the module doc).
+
+    client   : kvshade.Client
+    model    : the transformers model (Llama-style, RoPE, GQA); `enable(model)` first
+    profile  : kvshade.Profile ("exact", "shadow", "auto", ...)
+    prompt_ids: the prompt's token ids (the prefix-cache key); or set_prompt() before prefill
+    model_id : the ModelSpec id (prefix-cache namespace); default model.name_or_path, or a
+               fresh id (no reuse) for a model without one
+    prefill_attention: attention function (or registered name) for the prompt; "sdpa"
+    """
+
+    def __init__(self, client, model, profile, prompt_ids=None, model_id=None, worker_id="hf-cache",
+                 prefill_attention="sdpa"):
+        config = _text_config(model.config)
+        impl = getattr(config, "_attn_implementation", None)
+        if impl != ATTENTION_NAME:
+            raise ValueError("the model's attention implementation is %r, not %r: call "
+                             "kvshade.hf_cache.enable(model) (or load it with attn_implementation=%r)"
+                             % (impl, ATTENTION_NAME, ATTENTION_NAME))
+        if model_id is None:
+            model_id = getattr(model, "name_or_path", "") or getattr(config, "_name_or_path", "")
+            # A model without a name (random weights) gets an id of its own: sharing a
+            # prefix-cache namespace with other weights would reuse wrong K/V.
+            model_id = model_id or "hf-%s-%s" % (getattr(config, "model_type", "model"), uuid.uuid4().hex[:12])
+        self.rotary = find_rotary_embedding(model)
+        self.spec = model_spec_from_config(config, model_id, self.rotary)
+        self.prefill_attention = (ALL_ATTENTION_FUNCTIONS[prefill_attention]
+                                  if isinstance(prefill_attention, str) else prefill_attention)
+        self.hook = KvShadeKVCache(client, self.spec, profile, worker_id=worker_id)
+        self.created = None
+        self._prompt_ids = None if prompt_ids is None else self._ids(prompt_ids)
+        L = self.spec.num_layers
+        self._pre_k = [None] * L  # prompt keys pre-RoPE [n, h, d] bf16 (host) until ingest
+        self._v = [None] * L
+        self._decoding = False
+        self._awaiting = None  # a decode layer whose attention has not come through yet
+        super().__init__(layers=[KvShadeCacheLayer(self, i) for i in range(L)])
+
+    # --- Public state ---
+    @staticmethod
+    def _ids(ids):
+        if isinstance(ids, torch.Tensor):
+            ids = ids.detach().cpu().reshape(-1).tolist()
+        return [int(t) for t in np.asarray(ids).reshape(-1)]
+
+    def set_prompt(self, prompt_ids):
+        if self._decoding or any(x is not None for x in self._pre_k):
+            raise ValueError("set_prompt must come before the prefill forward")
+        self._prompt_ids = self._ids(prompt_ids)
+
+    @property
+    def session_id(self):
+        return self.hook.session_id
+
+    @property
+    def effective_profile(self):
+        return self.hook.effective_profile
+
+    @property
+    def hits(self):
+        return self.hook.hits
+
+    @property
+    def selected(self):
+        return self.hook.selected
+
+    @property
+    def hit_ratio(self):
+        """Selected chunks already in a slot / selected chunks (shadow); None before any."""
+        return self.hook.hits / self.hook.selected if self.hook.selected else None
+
+    def close(self, close_session=False):
+        self.hook.close(close_session=close_session)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- update ---
+    def _update(self, layer_obj, key_states, value_states, cache_kwargs):
+        li = layer_obj.layer_idx
+        b, h, n, d = key_states.shape
+        if b != 1:
+            raise ValueError("KvShadeCache serves batch size 1, got key_states of batch %d" % b)
+        if h != self.spec.num_kv_heads or d != self.spec.head_dim or tuple(value_states.shape) != (b, h, n, d):
+            raise ValueError("layer %d: key/value states must be [1, %d, n, %d], got %s and %s"
+                             % (li, self.spec.num_kv_heads, self.spec.head_dim, tuple(key_states.shape),
+                                tuple(value_states.shape)))
+        if self._awaiting is not None:
+            raise RuntimeError("layer %d's decode attention did not go through kvshade (is the model's "
+                               "attention implementation still %r?)" % (self._awaiting, ATTENTION_NAME))
+        k, v = _round_to_store(key_states), _round_to_store(value_states)
+        if self._decoding:
+            if n != 1:
+                raise NotImplementedError(
+                    "KvShadeCache: a %d-token forward after the prompt (chunked prefill, a new turn, speculative "
+                    "decoding) is not supported; make a new KvShadeCache over the whole conversation (the cached "
+                    "prefix is reused)" % n)
+            layer_obj.length += 1
+            self._awaiting = li
+            _current.entry = (self, li, k, "decode")
+            return k, v
+        if layer_obj.length != 0:
+            raise NotImplementedError("KvShadeCache: the prompt must come in one forward (no chunked prefill)")
+        with torch.no_grad():
+            pre = self._unrotate(key_states, cache_kwargs)
+        self._pre_k[li] = pre.to(STORE_DTYPE).cpu()
+        self._v[li] = v[0].transpose(0, 1).to(STORE_DTYPE).cpu()
+        layer_obj.length = n
+        if all(x is not None for x in self._pre_k):
+            self._ingest(n)
+        _current.entry = (self, li, k, "prefill")
+        return k, v
+
+    def _unrotate(self, key_states, cache_kwargs):
+        """Post-RoPE keys [1, h, n, d] -> pre-RoPE [n, h, d] float32, with the cos/sin the model
+        applied (cache_kwargs where given, else its rotary embedding at positions 0..n-1).
+        fp32 recovers the keys to ~1e-7 relative, far inside one bf16 step, so rounding to
+        bf16 gives back bf16-exact keys bit for bit."""
+        n = key_states.shape[2]
+        cos = sin = None
+        if isinstance(cache_kwargs, dict):
+            cos, sin = cache_kwargs.get("cos"), cache_kwargs.get("sin")
+            cp = cache_kwargs.get("cache_position")
+            if cp is not None and (cp.numel() != n or int(cp.reshape(-1)[0]) != 0):
+                raise NotImplementedError("KvShadeCache: the prompt must start at position 0")
+        if cos is None or sin is None:
+            pos = torch.arange(n, device=key_states.device)[None]
+            cos, sin = self.rotary(key_states, pos)
+        rd = cos.shape[-1]
+        c = cos.reshape(n, 1, rd).float()
+        s = sin.reshape(n, 1, rd).float()
+        k = key_states[0].transpose(0, 1).float()  # [n, h, d]
+        kr, half = k[..., :rd], rd // 2
+        # HF applies y = x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1]; its
+        # inverse is (y*cos - rotate_half(y)*sin) / (cos^2 + sin^2) (the denominator is the
+        # yarn magnitude squared, and absorbs cos/sin rounded to a low-precision dtype).
+        rot = torch.cat([-kr[..., half:], kr[..., :half]], dim=-1)
+        pre = (kr * c - rot * s) / (c * c + s * s)
+        return torch.cat([pre, k[..., rd:]], dim=-1) if rd < k.shape[-1] else pre
+
+    def _ingest(self, n):
+        if self._prompt_ids is None:
+            raise ValueError("KvShadeCache needs the prompt's token ids: KvShadeCache(..., prompt_ids=ids) or "
+                             "set_prompt(ids) before the prefill forward")
+        if len(self._prompt_ids) != n:
+            raise ValueError("prompt_ids has %d tokens but the prefill forward had %d" % (len(self._prompt_ids), n))
+        self.created = self.hook.prefill(self._prompt_ids, self._pre_k, self._v)
+        self._pre_k = [None] * len(self._pre_k)
+        self._v = [None] * len(self._v)
+        self._decoding = True
+
+    def _decode_attention(self, layer, query, key, value, scaling):
+        """One decode step of one layer through kvshade: [1, hq, 1, d] -> [1, 1, hq, d]."""
+        b, hq, q_len, d = query.shape
+        if b != 1 or q_len != 1:
+            raise ValueError("kvshade decode attention needs query [1, hq, 1, d], got %s" % (tuple(query.shape),))
+        q = query[0, :, 0, :]
+        # KvShadeKVCache.attend scales scores by 1/sqrt(d); fold any other scaling into q.
+        if scaling is not None and abs(scaling * math.sqrt(d) - 1.0) > 1e-7:
+            q = q * (scaling * math.sqrt(d))
+        out = self.hook.attend(layer, q, key[0, :, 0, :], value[0, :, 0, :])
+        self._awaiting = None
+        return out.to(query.dtype).reshape(1, 1, hq, d)

@@ -1,0 +1,332 @@
+"""kvshade.hf_cache with Hugging Face transformers: a tiny random LlamaForCausalLM (RoPE none,
+linear, llama3, yarn; GQA 4 query / 2 KV heads; head_dim 32) decodes through `generate`
+with a real kvshade-server holding its prompt cache. Skipped when transformers is not
+importable (Debian has none).
+
+The model is fp32 with its k_proj / v_proj outputs rounded to bf16 values (forward hooks),
+as test_torch_hook's TinyLlama rounds K/V: kvshade stores bf16, so `exact` is compared with
+the same model and a DynamicCache holding its K/V in bf16 (the model's own cache at the
+service's precision). Checked: the pre-RoPE keys the adapter recovers by un-rotation equal
+k_proj's bit for bit (but for elements below 2^-20 of their head row, where the model's own
+fp32 rotation rounding decides); the values kvshade holds equal the model's bit for bit and its keys
+differ from the model's post-RoPE keys in at most 1 % of elements by one bf16 step (both
+sides evaluate RoPE in fp32, differently); greedy tokens equal; logits within 1e-4 of the
+logit scale, 1e-3 when such a one-step key difference exists. `shadow` with full rank and
+a budget covering every chunk, teacher-forced on those tokens: logits within 1 % of the
+logit scale. A plain fp32 DynamicCache is reported alongside (up to the first different
+token; bf16 rounding: ~1e-3).
+
+    cd tests/python && KVSHADE_SERVER=<build>/service/kvshade-server KVSHADE_LIB=<build>/client/libkvshade.so \
+        python3 -m unittest -v test_hf_adapter       # KVSHADE_TEST_UCX=tcp,self: decode over UCX
+"""
+import inspect
+import os
+import shutil
+import tempfile
+import types
+import unittest
+
+import numpy as np
+
+from kvshade_testutil import Server, seed
+
+import kvshade
+
+try:
+    import torch
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    HAVE_TRANSFORMERS, WHY = True, ""
+except ImportError as e:  # Debian: no transformers; the CPU suite covers kvshade.torch_hook
+    HAVE_TRANSFORMERS, WHY = False, "transformers is not importable: %s" % e
+
+if HAVE_TRANSFORMERS:
+    from kvshade import hf_cache
+    DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+VOCAB, HIDDEN, LAYERS, HQ, H, D, FFN, THETA = 97, 128, 2, 4, 2, 32, 256, 10000.0
+ROPES = {
+    "default": {},
+    "linear": {"factor": 2.0},
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"factor": 4.0, "original_max_position_embeddings": 256},
+}
+
+
+def bf16r(x):
+    return x.to(torch.bfloat16).to(x.dtype)
+
+
+def rel_err(ours, ref):
+    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def llama_config(rope_type):
+    """LlamaConfig with this RoPE, via rope_parameters (transformers 5) or rope_theta +
+    rope_scaling (4.x), whichever the installed LlamaConfig takes."""
+    base = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                num_attention_heads=HQ, num_key_value_heads=H, head_dim=D, max_position_embeddings=1024,
+                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    extra = ROPES[rope_type]
+    if "rope_parameters" in inspect.signature(LlamaConfig.__init__).parameters:
+        return LlamaConfig(**base, rope_parameters=dict(rope_type=rope_type, rope_theta=THETA, **extra))
+    scaling = None if rope_type == "default" else dict(rope_type=rope_type, **extra)
+    return LlamaConfig(**base, rope_theta=THETA, rope_scaling=scaling)
+
+
+if HAVE_TRANSFORMERS:
+    class Bf16DynamicCache(DynamicCache):
+        """The model's own cache holding K and V at kvshade's storage precision (bf16)."""
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(bf16r(key_states), bf16r(value_states), layer_idx, *args, **kwargs)
+
+
+def tiny_llama(seed_, rope_type="default"):
+    """Random weights with O(1) activations (the library init is too small for greedy argmax
+    to be well separated); k_proj / v_proj outputs rounded to bf16 values."""
+    torch.manual_seed(seed_)
+    model = LlamaForCausalLM(llama_config(rope_type)).eval()
+    got = getattr(hf_cache.find_rotary_embedding(model), "rope_type", rope_type)
+    assert got == rope_type, "the installed LlamaConfig did not take rope_type %r (model has %r)" % (rope_type, got)
+    g = torch.Generator().manual_seed(seed_)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # RMSNorm weights
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+    for m in model.modules():
+        if hasattr(m, "k_proj") and hasattr(m, "v_proj"):
+            for proj in (m.k_proj, m.v_proj):
+                proj.register_forward_hook(lambda mod, inp, out: bf16r(out))
+    return model.to(DEV)
+
+
+@unittest.skipUnless(HAVE_TRANSFORMERS, WHY)
+class HfAdapterTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.seed = seed()
+        cls.gen = torch.Generator().manual_seed(cls.seed)
+        # KVSHADE_TEST_UCX=tcp,self: the decode calls go over the UCX data plane.
+        cls.ucx = os.environ.get("KVSHADE_TEST_UCX", "")
+        cls.tmp = tempfile.mkdtemp(prefix="kvshade-hf-test-")
+        args = []
+        if cls.ucx:
+            cfg = os.path.join(cls.tmp, "ucx.yaml")
+            with open(cfg, "w") as f:
+                f.write('ucx:\n  enable: true\n  transports: "%s"\n' % cls.ucx)
+            args = ["-c", cfg]
+        cls.server = Server(*args)
+        cls.client = kvshade.Client(cls.server.target, timeout=60, use_ucx=bool(cls.ucx),
+                                    ucx_transports=cls.ucx or None)
+        cls.client.wait_ready(20)
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls.ucx:
+            print("UCX data plane: connected %s, %d fallbacks" % (cls.client.ucx_connected, cls.client.ucx_fallbacks))
+            assert cls.client.ucx_fallbacks == 0
+        cls.client.close()
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+        assert cls.server.stop() == 0
+
+    def prompt(self, n):
+        return torch.randint(3, VOCAB, (1, n), generator=self.gen).to(DEV)
+
+    def model_id(self, name):
+        return "hf-test-%s-%d" % (name, self.seed)
+
+    def generate(self, model, ids, cache, steps):
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                 max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0,
+                                 output_logits=True, return_dict_in_generate=True)
+        return out.sequences, [l[0] for l in out.logits]
+
+    def reference(self, model, ids, steps, cache=None):
+        """generate with the stock sdpa attention and `cache` (default: bf16 DynamicCache)."""
+        model.set_attn_implementation("sdpa")
+        return self.generate(model, ids, Bf16DynamicCache() if cache is None else cache, steps)
+
+    def kvshade_cache(self, model, ids, profile, name):
+        hf_cache.enable(model)
+        return hf_cache.KvShadeCache(self.client, model, profile, prompt_ids=ids[0], model_id=self.model_id(name))
+
+    # --- ModelSpec derivation ---
+    def test_model_spec_matches_the_models_rope(self):
+        expect = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
+        for rope_type in ROPES:
+            with self.subTest(rope=rope_type):
+                model = tiny_llama(self.seed, rope_type)
+                spec = hf_cache.model_spec_from_config(model.config, "m", hf_cache.find_rotary_embedding(model))
+                print("%s -> scaling %s factor %g" % (rope_type, spec.rope_scaling, spec.rope_factor))
+                self.assertEqual(spec.rope_scaling, expect[rope_type])
+                self.assertEqual((spec.num_layers, spec.num_query_heads, spec.num_kv_heads, spec.head_dim),
+                                 (LAYERS, HQ, H, D))
+                self.assertEqual(spec.rope_theta, THETA)
+
+    def test_unsupported_rope_is_refused(self):
+        base = dict(num_attention_heads=HQ, num_key_value_heads=H, head_dim=D, hidden_size=HIDDEN,
+                    num_hidden_layers=LAYERS, max_position_embeddings=1024)
+        for params, why in (({"rope_type": "dynamic", "factor": 2.0, "rope_theta": THETA}, "not supported"),
+                            ({"rope_type": "yarn", "factor": 4.0, "rope_theta": THETA, "attention_factor": 2.0},
+                             "attention_factor"),
+                            ({"rope_type": "yarn", "factor": 4.0, "rope_theta": THETA, "mscale": 1.0}, "mscale")):
+            with self.subTest(params=params):
+                cfg = types.SimpleNamespace(rope_parameters=params, **base)
+                with self.assertRaisesRegex(ValueError, why):
+                    hf_cache.model_spec_from_config(cfg, "m")
+        cfg = types.SimpleNamespace(layer_types=["full_attention", "sliding_attention"], **base)
+        with self.assertRaisesRegex(ValueError, "full-attention"):
+            hf_cache.model_spec_from_config(cfg, "m")
+
+    def test_wrong_rope_is_caught_by_the_numeric_check(self):
+        model = tiny_llama(self.seed, "llama3")
+        spec = hf_cache.model_spec_from_config(model.config, "m")
+        spec.rope_factor = 4.0  # not what the model applies
+        self.assertIsNotNone(hf_cache.rope_mismatch(spec, hf_cache.find_rotary_embedding(model)))
+
+    # --- exact ---
+    def test_exact_greedy_equals_dynamic_cache(self):
+        n, steps = 96, 8
+        for rope_type in ROPES:
+            with self.subTest(rope=rope_type):
+                model = tiny_llama(self.seed, rope_type)
+                ids = self.prompt(n)
+                ref_cache = Bf16DynamicCache()
+                ref_seq, ref_logits = self.reference(model, ids, steps, ref_cache)
+                fp32_seq, fp32_logits = self.reference(model, ids, steps, DynamicCache())
+                cache = self.kvshade_cache(model, ids, kvshade.Profile("exact"), "exact-" + rope_type)
+                # Spy on the prompt's pre-RoPE keys: k_proj's outputs, and what the cache
+                # recovered from the post-RoPE keys by un-rotation and sent to kvshade.
+                k_proj, sent = {}, []
+
+                def spy_k_proj(i):
+                    def hook(mod, inp, out):  # returns None: the output is unchanged
+                        k_proj.setdefault(i, out.detach().clone())
+                    return hook
+                hooks = [layer.self_attn.k_proj.register_forward_hook(spy_k_proj(i))
+                         for i, layer in enumerate(model.model.layers)]
+                prefill = cache.hook.prefill
+                cache.hook.prefill = lambda t, k, v: (sent.append([x.clone() for x in k]), prefill(t, k, v))[1]
+                try:
+                    seq, logits = self.generate(model, ids, cache, steps)
+                finally:
+                    for hk in hooks:
+                        hk.remove()
+                unexact = 0
+                for layer in range(LAYERS):
+                    own = k_proj[layer][0].reshape(n, H, D).float().cpu()
+                    diff = (sent[0][layer].float() - own).abs()
+                    # Bit-exact, except where an element is tiny next to its rotation pair:
+                    # the model's fp32 rotation rounds at ~2^-24 of the pair's magnitude.
+                    floor = own.abs().amax(dim=-1, keepdim=True) * 2.0 ** -20
+                    self.assertTrue(bool((diff <= floor).all()), "layer %d: un-rotated keys differ from k_proj's by "
+                                    "up to %g" % (layer, float(diff.max())))
+                    unexact += int((diff > 0).sum())
+                self.assertEqual(cache.effective_profile, "exact")
+                self.assertEqual(cache.get_seq_length(), n + steps - 1)
+                # What kvshade holds is the model's own cache: values bit-exact; keys (the
+                # pre-RoPE keys recovered by un-rotation, rotated again by the service) equal
+                # up to a rare one-bf16-step rounding difference of the two RoPE evaluations.
+                flips = 0
+                for layer in range(LAYERS):
+                    st = cache.hook._static[layer]
+                    own_k = ref_cache.layers[layer].keys[0, :, :n].transpose(0, 1).float().cpu().numpy()
+                    own_v = ref_cache.layers[layer].values[0, :, :n].transpose(0, 1).float().cpu().numpy()
+                    np.testing.assert_array_equal(st.tail_v, own_v)
+                    diff = np.abs(st.tail_k - own_k)
+                    # One bf16 step of the element, or fp32 noise of the rotation where the
+                    # rotated element is near zero (x1*cos - x2*sin cancelling).
+                    bound = np.abs(own_k) * 2.0 ** -7 + np.abs(own_k).max() * 2.0 ** -18
+                    self.assertTrue((diff <= bound).all(), "max key diff %g" % diff.max())
+                    flips += int((diff > 0).sum())
+                self.assertLessEqual(flips, LAYERS * n * H * D // 100)
+                self.assertEqual(seq.tolist(), ref_seq.tolist())
+                errs = [rel_err(a, b) for a, b in zip(logits, ref_logits)]
+                # fp32 K/V may pick another greedy token: compare while the contexts agree.
+                same = next((i for i in range(steps) if int(seq[0, n + i]) != int(fp32_seq[0, n + i])), steps - 1)
+                errs32 = [rel_err(a, b) for a, b in zip(logits[:same + 1], fp32_logits[:same + 1])]
+                print("exact %s: pre-RoPE keys: %d tiny elements not bit-exact; post-RoPE keys: %d of %d elements one "
+                      "bf16 step off; max rel logit err %.3g vs bf16 DynamicCache, %.3g vs fp32 DynamicCache"
+                      % (rope_type, unexact, flips, LAYERS * n * H * D, max(errs), max(errs32)))
+                self.assertLess(errs[0], 1e-6)  # the prompt's attention is the model's own
+                # Same K/V bits: only float summation order differs (1e-4); a one-step key
+                # rounding difference moves a score by ~2^-8 of one term (1e-3).
+                self.assertLess(max(errs), 1e-4 if flips == 0 else 1e-3)
+                self.assertLess(max(errs32), 2e-2)
+                cache.close(close_session=True)
+
+    # --- shadow ---
+    def teacher_forced(self, model, ids, tokens, cache):
+        """Prefill then one forward per reference token; logits per step."""
+        out = []
+        with torch.no_grad():
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            out.append(logits)
+            for t in tokens[:-1]:
+                step = torch.tensor([[t]], device=DEV)
+                out.append(model(input_ids=step, past_key_values=cache, use_cache=True).logits[0, -1])
+        return out
+
+    def test_shadow_full_budget_within_tolerance(self):
+        n, steps, C, local = 192, 6, 8, 32
+        model = tiny_llama(self.seed)
+        ids = self.prompt(n)
+        ref_seq, ref_logits = self.reference(model, ids, steps)
+        prof = kvshade.Profile("shadow", rank=H * D, chunk_size=C, sparse_budget=(n - local) // C, outliers=2,
+                               local_window=local)
+        cache = self.kvshade_cache(model, ids, prof, "shadow")
+        logits = self.teacher_forced(model, ids, ref_seq[0, n:].tolist(), cache)
+        self.assertEqual(cache.effective_profile, "shadow")
+        errs = [rel_err(a, b) for a, b in zip(logits, ref_logits)]
+        print("shadow: rel logit err per step %s; %d of %d selected chunks hit"
+              % (["%.3g" % e for e in errs], cache.hits, cache.selected))
+        self.assertLess(errs[0], 1e-6)
+        self.assertLess(max(errs), 0.01)
+        self.assertGreater(cache.selected, 0)
+        self.assertGreater(cache.hits, 0)
+        cache.close(close_session=True)
+
+    def test_shadow_small_budget_runs(self):
+        n = 192
+        model = tiny_llama(self.seed)
+        ids = self.prompt(n)
+        ref_seq, ref_logits = self.reference(model, ids, 3)
+        prof = kvshade.Profile("shadow", rank=8, chunk_size=8, sparse_budget=2, outliers=1, local_window=32)
+        cache = self.kvshade_cache(model, ids, prof, "shadow-small")
+        logits = self.teacher_forced(model, ids, ref_seq[0, n:].tolist(), cache)
+        for l in logits:
+            self.assertTrue(bool(torch.isfinite(l).all()))
+        self.assertGreater(rel_err(logits[1], ref_logits[1]), 0.0)  # the budget matters
+        cache.close(close_session=True)
+
+    # --- refusals ---
+    def test_refusals(self):
+        model = tiny_llama(self.seed)
+        ids = self.prompt(40)
+        model.set_attn_implementation("sdpa")
+        with self.assertRaisesRegex(ValueError, "enable"):
+            hf_cache.KvShadeCache(self.client, model, kvshade.Profile("exact"), prompt_ids=ids[0])
+        hf_cache.enable(model)
+        with torch.no_grad():
+            cache = hf_cache.KvShadeCache(self.client, model, kvshade.Profile("exact"), model_id=self.model_id("r1"))
+            with self.assertRaisesRegex(ValueError, "batch size 1"):
+                model(input_ids=ids.repeat(2, 1), past_key_values=cache, use_cache=True)
+            cache = hf_cache.KvShadeCache(self.client, model, kvshade.Profile("exact"), model_id=self.model_id("r2"))
+            with self.assertRaisesRegex(ValueError, "prompt's token ids"):
+                model(input_ids=ids, past_key_values=cache, use_cache=True)
+            cache = hf_cache.KvShadeCache(self.client, model, kvshade.Profile("exact"), prompt_ids=ids[0],
+                                          model_id=self.model_id("r3"))
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            with self.assertRaises(NotImplementedError):
+                model(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)
+            cache.close(close_session=True)
+
+
+if __name__ == "__main__":
+    unittest.main()
