@@ -12,7 +12,7 @@
 //      same load; beside two floors: the daemon's NOT_FOUND reply (transport + parsing,
 //      no selection) and a raw active-message ping-pong between two workers of this
 //      process with a request-sized payload.
-// Usage: kvshade_ucx_bench [--server PATH] [--transports tcp,self] [--reps 400]
+// Usage: kvshade_ucx_bench [--server PATH] [--backend cpu|cuda] [--transports tcp,self] [--reps 400]
 //          [--ingest-layers 8] [--ingest-tokens 16384] [--ingest-kv-heads 8]
 //          [--head-dim 128] [--ingest-profile exact|shadow] [--part-mib 8] [--window 4]
 //          [--select-tokens 8192] [--select-layers 4] [--budget 8] [--skip-ingest 1]
@@ -48,6 +48,7 @@ using kvshade::bench::Percentile;
 
 struct Options {
   std::string server = KVSHADE_SERVER_PATH;
+  std::string backend = "cpu";  // the daemon's kernel backend
   std::string transports = "tcp,self";
   int reps = 400;
   int ingest_layers = 8, ingest_kv_heads = 8, head_dim = 128;
@@ -208,6 +209,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
     if (k == "--server") o.server = v;
+    else if (k == "--backend") o.backend = v;
     else if (k == "--transports") o.transports = v;
     else if (k == "--reps") o.reps = std::stoi(v);
     else if (k == "--ingest-layers") o.ingest_layers = std::stoi(v);
@@ -238,7 +240,7 @@ int main(int argc, char** argv) {
                      << "\"\nlimits:\n  max_attachments_per_session: 256\n"
                      // The select attachments idle through the ingest phase.
                      << "  max_lease_ms: 3600000\n  default_lease_ms: 3600000\n";
-  auto server = kvshade::bench::SpawnServer(o.server, {"-c", cfg, "--backend", "cpu"}, "ucx_bench");
+  auto server = kvshade::bench::SpawnServer(o.server, {"-c", cfg, "--backend", o.backend}, "ucx_bench");
   if (!server) return 1;
 
   kvshade::client::ClientOptions go;

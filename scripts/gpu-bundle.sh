@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 BUNDLE=${1:-.gpu}
 BUILD=${2:-build-gpu}
 TARGETS=(kernels_gpu_test storage_gpu_test delivery_gpu_test kvshade_kernel_bench
-         kvshade_delivery_bench kvshade-server kvshade_c)
+         kvshade_delivery_bench kvshade_ucx_bench kvshade-server kvshade kvshade_c)
 
 cmake -S . -B "$BUILD" -G Ninja -DKVSHADE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_BUILD_TYPE=Release >/dev/null

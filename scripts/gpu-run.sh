@@ -4,12 +4,12 @@
 # between two processes), the kernel benchmark table and the delivery benchmark, and the
 # Python tests that need torch/transformers when given. Logs go to $OUT (or ./gpu-out).
 # Usage: .gpu/gpu-run.sh [bundle-dir] [kernel-bench args...]
-#   KVSHADE_GPU_STAGES="tests kbench dbench python" selects stages (default: all).
+#   KVSHADE_GPU_STAGES="tests kbench dbench ubench python" selects stages (default: all).
 set -uo pipefail
 BUNDLE=${1:-.gpu}
 shift || true
 OUTDIR=${OUT:-gpu-out}
-STAGES=${KVSHADE_GPU_STAGES:-tests kbench dbench python}
+STAGES=${KVSHADE_GPU_STAGES:-tests kbench dbench ubench python}
 mkdir -p "$OUTDIR"
 export LD_LIBRARY_PATH="$PWD/$BUNDLE/lib:/usr/local/cuda-13.0/targets/x86_64-linux/lib:${LD_LIBRARY_PATH:-}"
 export UCX_MODULE_DIR="$PWD/$BUNDLE/lib/ucx"
@@ -31,6 +31,13 @@ fi
 if has dbench; then
   "$BUNDLE/bin/kvshade_delivery_bench" --server "$KVSHADE_SERVER" 2>&1 \
     | tee "$OUTDIR/delivery_bench.log" || rc=1
+fi
+if has ubench; then
+  # The data plane against a daemon on the CUDA backend, shm and tcp on loopback.
+  for tl in shm,self tcp,self; do
+    "$BUNDLE/bin/kvshade_ucx_bench" --server "$KVSHADE_SERVER" --backend cuda --transports "$tl" \
+      --reps 400 2>&1 | tee "$OUTDIR/ucx_bench_${tl%%,*}.log" || rc=1
+  done
 fi
 if has python; then
   # The ctypes package from this checkout; the Python, torch and transformers of the machine.
