@@ -186,6 +186,21 @@ absl::Status Client::CloseSession(const std::string& session_id) {
       .status();
 }
 
+namespace {
+
+// A UCX call whose reply never came (DEADLINE_EXCEEDED from the data plane): the daemon
+// may or may not have run it. A select advances the attachment's slot table, an append
+// adds tokens, so resending it over gRPC could apply it twice; the call fails instead.
+bool TimedOut(const absl::Status& st) { return st.code() == absl::StatusCode::kDeadlineExceeded; }
+
+absl::Status TimedOutOverUcx(std::string_view method, const absl::Status& st) {
+  return absl::UnavailableError(absl::StrCat(
+      std::string(method), " over UCX got no reply (", std::string(st.message()),
+      "); the daemon may have applied it, so it is not sent again; later calls go over gRPC"));
+}
+
+}  // namespace
+
 absl::StatusOr<v1::IngestResponse> Client::Ingest(absl::Span<const v1::IngestRequest> messages) {
   if (options_.use_ucx && !messages.empty() && messages.front().has_header()) {
     if (auto dp = UcxForSession(messages.front().header().session_id()); dp != nullptr) {
@@ -244,6 +259,7 @@ absl::StatusOr<v1::AppendTokensResponse> Client::AppendTokens(const v1::AppendTo
     if (r.ok() || !dp->failed()) return r;
     // Not sent again: the daemon may have applied it before the endpoint died.
     DropUcx(dp.get(), r.status());
+    if (TimedOut(r.status())) return TimedOutOverUcx("AppendTokens", r.status());
     return r;
   }
   return Unary<v1::AppendTokensRequest, v1::AppendTokensResponse>(&v1::KvShade::Stub::AppendTokens, req);
@@ -292,7 +308,7 @@ std::shared_ptr<UcxDataPlane> Client::Ucx() {
     std::lock_guard<std::mutex> lock(ucx_mu_);
     retired.swap(ucx_retired_);
     if (ucx_ != nullptr && ucx_->failed()) {
-      why = absl::UnavailableError("the UCX endpoint to the daemon failed");
+      why = absl::UnavailableError(ucx_->failure());
       retired.push_back(std::move(ucx_));
       ucx_.reset();
     }
@@ -370,6 +386,7 @@ absl::StatusOr<v1::SelectAndReconstructResponse> Client::SelectAndReconstruct(
     // attachment, ...) are returned as they are.
     if (r.ok() || !dp->failed()) return r;
     DropUcx(dp.get(), r.status());
+    if (TimedOut(r.status())) return TimedOutOverUcx("SelectAndReconstruct", r.status());
   }
   return Unary<v1::SelectAndReconstructRequest, v1::SelectAndReconstructResponse>(
       &v1::KvShade::Stub::SelectAndReconstruct, req);
@@ -380,6 +397,7 @@ absl::StatusOr<v1::AttendResponse> Client::Attend(const v1::AttendRequest& req) 
     auto r = dp->Attend(req);
     if (r.ok() || !dp->failed()) return r;
     DropUcx(dp.get(), r.status());
+    if (TimedOut(r.status())) return TimedOutOverUcx("Attend", r.status());
   }
   return Unary<v1::AttendRequest, v1::AttendResponse>(&v1::KvShade::Stub::Attend, req);
 }
@@ -436,6 +454,9 @@ std::future<absl::StatusOr<Resp>> Client::DecodeAsync(const Req& req, UcxStart u
             [this, call, raw = dp.get(), grpc_start](absl::StatusOr<Resp> r) {
               if (r.ok() || closing_.load() || !raw->failed()) {
                 call->promise.set_value(std::move(r));
+              } else if (TimedOut(r.status())) {
+                DropUcx(raw, r.status());
+                call->promise.set_value(TimedOutOverUcx("the async call", r.status()));
               } else {
                 DropUcx(raw, r.status());
                 GrpcAsync(call, grpc_start);

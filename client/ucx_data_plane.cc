@@ -4,6 +4,7 @@
 // with deadlines checked by its tick); the synchronous calls wait on a future.
 #include "kvshade/client/ucx_data_plane.h"
 
+#include <algorithm>
 #include <chrono>
 #include <deque>
 #include <future>
@@ -101,6 +102,19 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Connect(const std::s
   extra.set_worker_address((*dp)->loop_->address());
   extra.set_peer_failure_detection((*dp)->ep_->peer_failure_detection());
   auto r = (*dp)->Call(ucx::kHello, token, "", "", &extra);
+  if (!r.ok() && r.status().code() == absl::StatusCode::kDeadlineExceeded) {
+    // Our endpoint reached the daemon (else the send would have failed), but nothing came
+    // back: typically its worker cannot reach ours over the transports we offered (shared
+    // memory of another user or container, a transport it does not load).
+    return absl::UnavailableError(absl::StrCat(
+        "UCX connect: no HELLO reply from the daemon within ",
+        absl::FormatDuration(std::min(options.timeout, options.connect_timeout)),
+        "; its worker may be unable to reach this client's worker over this client's "
+        "transports '",
+        options.transports.empty() ? std::string("UCX's choice") : options.transports,
+        "' (the daemon's are its ucx.transports, logged at its start); give both sides "
+        "transports they share, e.g. tcp,self"));
+  }
   if (absl::Status st = ReplyStatus(r); !st.ok()) return st;
   if (r->connection_key.empty()) {
     return absl::InternalError("UCX connect: the daemon accepted HELLO but sent no key");
@@ -132,7 +146,19 @@ UcxDataPlane::~UcxDataPlane() {
   loop_.reset();
 }
 
-bool UcxDataPlane::failed() const { return ep_ == nullptr || ep_->failed(); }
+bool UcxDataPlane::failed() const {
+  return ep_ == nullptr || ep_->failed() || timed_out_.load();
+}
+
+std::string UcxDataPlane::failure() const {
+  if (ep_ == nullptr) return "UCX: not connected";
+  if (ep_->failed()) return absl::StrCat("UCX: ", ep_->error().message());
+  if (timed_out_.load()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return timed_out_why_;
+  }
+  return "";
+}
 
 bool UcxDataPlane::peer_failure_detection() const {
   return ep_ != nullptr && ep_->peer_failure_detection();
@@ -172,6 +198,18 @@ void UcxDataPlane::OnTick() {
     FailPending(absl::UnavailableError(absl::StrCat("UCX: ", ep_->error().message())), false);
     return;
   }
+  const auto now = SteadyClock::now();
+  bool expired = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, p] : pending_) expired = expired || p.deadline <= now;
+    if (expired && !timed_out_.load()) {
+      timed_out_why_ = "UCX: a call got no reply from the daemon in time, so this data plane "
+                       "is no longer used";
+      timed_out_.store(true);
+    }
+  }
+  if (!expired) return;
   FailPending(absl::DeadlineExceededError(absl::StrCat(
                   "UCX: no reply from the daemon within ", absl::FormatDuration(options_.timeout))),
               /*only_expired=*/true);
@@ -201,8 +239,8 @@ void UcxDataPlane::CallAsync(unsigned am_id, const std::string& token, const std
     done(absl::FailedPreconditionError("UCX: not connected"));
     return;
   }
-  if (ep_->failed()) {
-    done(absl::UnavailableError(absl::StrCat("UCX: ", ep_->error().message())));
+  if (failed()) {
+    done(absl::UnavailableError(failure()));
     return;
   }
   const uint64_t id = next_id_.fetch_add(1);
@@ -213,8 +251,10 @@ void UcxDataPlane::CallAsync(unsigned am_id, const std::string& token, const std
   if (!key.empty()) h.set_connection_key(key);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    pending_[id] = Pending{std::move(done),
-                           SteadyClock::now() + absl::ToChronoMilliseconds(options_.timeout)};
+    const absl::Duration timeout = am_id == ucx::kHello
+                                       ? std::min(options_.timeout, options_.connect_timeout)
+                                       : options_.timeout;
+    pending_[id] = Pending{std::move(done), SteadyClock::now() + absl::ToChronoMilliseconds(timeout)};
   }
   UcxDataPlane* self = this;
   const bool posted = loop_->Post([self, id, am_id, hdr = h.SerializeAsString(),

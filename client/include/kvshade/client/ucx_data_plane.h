@@ -16,7 +16,10 @@
 // they must be short and must not call back into this object synchronously (no sync call,
 // no destruction). Every call completes exactly once: with the reply, the daemon's error,
 // UNAVAILABLE when the endpoint fails, DEADLINE_EXCEEDED after `timeout`, or CANCELLED
-// when the data plane is destroyed first.
+// when the data plane is destroyed first. A call that times out marks the data plane
+// failed (failed() is true, later calls fail UNAVAILABLE at once): a daemon that left one
+// reply unanswered is not trusted with the next (e.g. its worker cannot reach ours back
+// over the transports we offered), and callers fall back to gRPC.
 #pragma once
 
 #include <atomic>
@@ -46,7 +49,10 @@ namespace kvshade::client {
 
 struct UcxOptions {
   std::string transports;                       // UCX_TLS value; "" = UCX's choice
-  absl::Duration timeout = absl::Seconds(30);   // per call (and for the HELLO)
+  absl::Duration timeout = absl::Seconds(30);   // per call
+  // HELLO (at most `timeout`): it takes milliseconds when the two workers reach each
+  // other, so a daemon that cannot answer fails Connect fast (UNAVAILABLE).
+  absl::Duration connect_timeout = absl::Seconds(3);
   int ingest_window = 4;                        // INGEST messages in flight per stream
   uint64_t max_reply_bytes = 512ull << 20;      // larger replies fail RESOURCE_EXHAUSTED
 };
@@ -56,8 +62,9 @@ class UcxDataPlane {
   template <typename T>
   using Callback = std::function<void(absl::StatusOr<T>)>;
 
-  // Fails (UNAVAILABLE, PERMISSION_DENIED for a bad token, DEADLINE_EXCEEDED) when the
-  // daemon cannot be reached or refuses the token.
+  // Fails when the daemon cannot be reached (UNAVAILABLE, also when HELLO gets no reply
+  // within `connect_timeout`: the message names this side's transports) or refuses the
+  // token (PERMISSION_DENIED).
   static absl::StatusOr<std::unique_ptr<UcxDataPlane>> Connect(const std::string& address,
                                                                const std::string& token,
                                                                const UcxOptions& options = {});
@@ -106,8 +113,11 @@ class UcxDataPlane {
   absl::Status UnregisterSlotBuffers(const std::string& attachment_id);
   bool HasSlotBuffers(const std::string& attachment_id) const;
 
-  // Whether the endpoint has failed (peer gone); calls then fail with UNAVAILABLE.
+  // Whether the endpoint has failed (peer gone) or a call timed out; calls then fail
+  // with UNAVAILABLE.
   bool failed() const;
+  // Why failed() is true ("" while it is not).
+  std::string failure() const;
   // Whether the endpoint to the daemon detects a dead peer (not over UCX 1.13 shm).
   bool peer_failure_detection() const;
 
@@ -166,6 +176,8 @@ class UcxDataPlane {
   std::map<std::string, std::unique_ptr<SlotBuffers>> slot_buffers_;  // loop thread only
   std::map<std::string, bool> registered_;  // attachment ids with slot buffers (mu_)
   std::map<uint64_t, uint64_t> ingest_sequence_;  // stream -> next sequence number (mu_)
+  std::atomic<bool> timed_out_{false};
+  std::string timed_out_why_;  // set once, before timed_out_ (mu_)
   std::atomic<uint64_t> next_id_{1};
   std::atomic<uint64_t> next_stream_{1};
 };
