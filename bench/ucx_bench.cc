@@ -264,8 +264,8 @@ int main(int argc, char** argv) {
   double load[3] = {0, 0, 0};
   if (getloadavg(load, 3) < 0) load[0] = -1;
   std::printf("# kvshade UCX data plane vs gRPC inline on loopback\n\n");
-  std::printf("host %s, %u cores, load average %.2f at start; transports %s; CPU backend\n\n", host,
-              std::thread::hardware_concurrency(), load[0], o.transports.c_str());
+  std::printf("host %s, %u cores, load average %.2f at start; transports %s; %s backend\n\n", host,
+              std::thread::hardware_concurrency(), load[0], o.transports.c_str(), o.backend.c_str());
 
   // --- Select session first (it also connects the UCX client).
   synthetic::DocSpec ss;

@@ -40,18 +40,23 @@ if has ubench; then
   done
 fi
 if has python; then
-  # The ctypes package from this checkout; the Python, torch and transformers of the machine.
+  # The ctypes package from this checkout; the Python, torch and transformers of the
+  # machine; the daemon on the CPU backend, then the adapter against the CUDA backend.
   export PYTHONPATH="$PWD/client/python:${PYTHONPATH:-}"
   for t in test_torch_hook test_hf_adapter; do
     [ -f "tests/python/$t.py" ] || continue
-    (cd tests/python && python3 -m unittest -v "$t") 2>&1 | tee "$OUTDIR/py_$t.log" || rc=1
+    (cd tests/python && python3 -m unittest -v "$t") 2>&1 | tee "$OUTDIR/py_${t}_cpu.log" || rc=1
   done
+  # The CUDA kernels take head dims 64, 80, 96, 128 and 256: the tiny model gets d = 64.
   if [ -f tests/python/test_hf_adapter.py ]; then
-    (cd tests/python && KVSHADE_TEST_UCX=tcp,self python3 -m unittest -v test_hf_adapter) 2>&1 \
-      | tee "$OUTDIR/py_test_hf_adapter_ucx.log" || rc=1
+    for tl in "" tcp,self; do
+      (cd tests/python && KVSHADE_TEST_BACKEND=cuda KVSHADE_TEST_HEAD_DIM=64 KVSHADE_TEST_UCX=$tl \
+        python3 -m unittest -v test_hf_adapter) 2>&1 \
+        | tee "$OUTDIR/py_test_hf_adapter_cuda${tl:+_ucx}.log" || rc=1
+    done
   fi
 fi
 echo "== summary =="
 grep -hE "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|parity\]|ipc delivery\]" "$OUTDIR"/*_test.log 2>/dev/null | tail -60
-grep -hE "^(Ran|OK|FAILED)" "$OUTDIR"/py_*.log 2>/dev/null
+for f in "$OUTDIR"/py_*.log; do [ -f "$f" ] && echo "$(basename "$f"): $(grep -hE "^(Ran|OK|FAILED)" "$f" | tr "\n" " ")"; done
 exit $rc

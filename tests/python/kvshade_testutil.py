@@ -36,7 +36,9 @@ class Server:
         self.log_path = os.path.join(self.dir, "server.log")
         # Passive OpenMP waiting: tests share 2 cores; spinning barriers slow the CPU backend.
         env = dict(os.environ, OMP_WAIT_POLICY="passive")
-        cmd = [binary, "--listen", "127.0.0.1:0", "--port-file", port_file, "--backend", "cpu"] + list(args)
+        # KVSHADE_TEST_BACKEND: the daemon's kernel backend (cpu here; cuda on a GPU machine).
+        backend = os.environ.get("KVSHADE_TEST_BACKEND", "cpu")
+        cmd = [binary, "--listen", "127.0.0.1:0", "--port-file", port_file, "--backend", backend] + list(args)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         end = time.monotonic() + ready_s

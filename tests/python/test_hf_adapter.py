@@ -44,6 +44,8 @@ if HAVE_TRANSFORMERS:
     DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 VOCAB, HIDDEN, LAYERS, HQ, H, D, FFN, THETA = 97, 128, 2, 4, 2, 32, 256, 10000.0
+# The CUDA backend's kernels take d in {64, 80, 96, 128, 256}: KVSHADE_TEST_HEAD_DIM=64 there.
+D = int(os.environ.get("KVSHADE_TEST_HEAD_DIM", D))
 ROPES = {
     "default": {},
     "linear": {"factor": 2.0},
