@@ -384,77 +384,53 @@ std::vector<absl::StatusOr<T>> RunGroups(size_t n, Run run) {
 
 }  // namespace
 
-absl::StatusOr<v1::SelectAndReconstructResponse> Router::SelectAndReconstruct(
-    const v1::SelectAndReconstructRequest& req) {
+template <typename Req, typename Resp, typename Call, typename Items>
+absl::StatusOr<Resp> Router::SplitBatch(const Req& req, Call call, Items items) {
   std::vector<std::string> ids;
   for (const auto& q : req.queries()) ids.push_back(q.attachment_id());
   auto groups = GroupByEndpoint(ids);
   if (!groups.ok()) return groups.status();
   if (groups->size() <= 1) {
     const size_t i = groups->empty() ? 0 : groups->front().first;
-    return endpoints_[i]->SelectAndReconstruct(req);
+    return call(*endpoints_[i], req);
   }
-  v1::SelectAndReconstructRequest shell = req;  // every other field, carried unchanged
+  Req shell = req;  // every other field, carried unchanged
   shell.clear_queries();
-  auto results = RunGroups<v1::SelectAndReconstructResponse>(groups->size(), [&](size_t g) {
-    v1::SelectAndReconstructRequest part = shell;
+  auto results = RunGroups<Resp>(groups->size(), [&](size_t g) {
+    Req part = shell;
     for (int q : (*groups)[g].second) *part.add_queries() = req.queries(q);
-    return endpoints_[(*groups)[g].first]->SelectAndReconstruct(part);
+    return call(*endpoints_[(*groups)[g].first], part);
   });
-  v1::SelectAndReconstructResponse out;
-  std::vector<v1::SlotDelta*> slots(ids.size(), nullptr);
-  for (int q = 0; q < req.queries_size(); ++q) slots[q] = out.add_deltas();
+  Resp out;
+  auto* merged = items(out);
+  for (int q = 0; q < req.queries_size(); ++q) merged->Add();
   for (size_t g = 0; g < groups->size(); ++g) {
-    if (!results[g].ok()) {
-      return absl::Status(results[g].status().code(),
-                          absl::StrCat("endpoint '", names_[(*groups)[g].first],
-                                       "': ", std::string(results[g].status().message())));
-    }
+    const std::string& name = names_[(*groups)[g].first];
+    if (!results[g].ok()) return Named(name, results[g].status());
     const auto& idx = (*groups)[g].second;
-    if (results[g]->deltas_size() != static_cast<int>(idx.size())) {
-      return absl::InternalError(absl::StrCat("endpoint '", names_[(*groups)[g].first], "' answered ",
-                                              results[g]->deltas_size(), " deltas for ", idx.size(),
-                                              " queries"));
+    auto* part = items(*results[g]);
+    if (part->size() != static_cast<int>(idx.size())) {
+      return absl::InternalError(absl::StrCat("endpoint '", name, "' answered ", part->size(),
+                                              " results for ", idx.size(), " queries"));
     }
-    for (size_t k = 0; k < idx.size(); ++k) slots[idx[k]]->Swap(results[g]->mutable_deltas(static_cast<int>(k)));
+    for (size_t k = 0; k < idx.size(); ++k) {
+      merged->Mutable(idx[k])->Swap(part->Mutable(static_cast<int>(k)));
+    }
   }
   return out;
 }
 
+absl::StatusOr<v1::SelectAndReconstructResponse> Router::SelectAndReconstruct(
+    const v1::SelectAndReconstructRequest& req) {
+  return SplitBatch<v1::SelectAndReconstructRequest, v1::SelectAndReconstructResponse>(
+      req, [](Client& c, const v1::SelectAndReconstructRequest& r) { return c.SelectAndReconstruct(r); },
+      [](v1::SelectAndReconstructResponse& r) { return r.mutable_deltas(); });
+}
+
 absl::StatusOr<v1::AttendResponse> Router::Attend(const v1::AttendRequest& req) {
-  std::vector<std::string> ids;
-  for (const auto& q : req.queries()) ids.push_back(q.attachment_id());
-  auto groups = GroupByEndpoint(ids);
-  if (!groups.ok()) return groups.status();
-  if (groups->size() <= 1) {
-    const size_t i = groups->empty() ? 0 : groups->front().first;
-    return endpoints_[i]->Attend(req);
-  }
-  v1::AttendRequest shell = req;
-  shell.clear_queries();
-  auto results = RunGroups<v1::AttendResponse>(groups->size(), [&](size_t g) {
-    v1::AttendRequest part = shell;
-    for (int q : (*groups)[g].second) *part.add_queries() = req.queries(q);
-    return endpoints_[(*groups)[g].first]->Attend(part);
-  });
-  v1::AttendResponse out;
-  std::vector<v1::Tensor*> slots(ids.size(), nullptr);
-  for (int q = 0; q < req.queries_size(); ++q) slots[q] = out.add_outputs();
-  for (size_t g = 0; g < groups->size(); ++g) {
-    if (!results[g].ok()) {
-      return absl::Status(results[g].status().code(),
-                          absl::StrCat("endpoint '", names_[(*groups)[g].first],
-                                       "': ", std::string(results[g].status().message())));
-    }
-    const auto& idx = (*groups)[g].second;
-    if (results[g]->outputs_size() != static_cast<int>(idx.size())) {
-      return absl::InternalError(absl::StrCat("endpoint '", names_[(*groups)[g].first], "' answered ",
-                                              results[g]->outputs_size(), " outputs for ", idx.size(),
-                                              " queries"));
-    }
-    for (size_t k = 0; k < idx.size(); ++k) slots[idx[k]]->Swap(results[g]->mutable_outputs(static_cast<int>(k)));
-  }
-  return out;
+  return SplitBatch<v1::AttendRequest, v1::AttendResponse>(
+      req, [](Client& c, const v1::AttendRequest& r) { return c.Attend(r); },
+      [](v1::AttendResponse& r) { return r.mutable_outputs(); });
 }
 
 namespace {

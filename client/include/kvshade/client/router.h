@@ -160,6 +160,11 @@ class Router {
   // Splits a batch by the endpoints of its queries' attachments.
   absl::StatusOr<std::vector<std::pair<size_t, std::vector<int>>>> GroupByEndpoint(
       const std::vector<std::string>& attachment_ids);
+  // A decode batch over several endpoints: the parts run concurrently (`call(client,
+  // part)`), and the per-query results (`items(response)`: deltas or outputs) come back
+  // in the request's order.
+  template <typename Req, typename Resp, typename Call, typename Items>
+  absl::StatusOr<Resp> SplitBatch(const Req& req, Call call, Items items);
 
   RouterOptions options_;
   std::vector<std::string> names_;
