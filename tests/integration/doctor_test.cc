@@ -33,12 +33,6 @@ CliRun Doctor(const std::string& args) {
 
 bool Has(const CliRun& r, const std::string& s) { return r.output.find(s) != std::string::npos; }
 
-std::string UcxConfig(const TempDir& dir, const std::string& transports) {
-  const std::string path = dir.path() + "/ucx.yaml";
-  std::ofstream(path) << "ucx:\n  enable: true\n  transports: \"" << transports << "\"\n";
-  return path;
-}
-
 // No session of the doctor's may be left behind.
 void ExpectNoSessions(const ServerProcess& server) {
   auto c = server.Connect();

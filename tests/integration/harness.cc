@@ -255,6 +255,19 @@ absl::StatusOr<v1::CreateSessionResponse> CreateAndIngest(client::Client& c, con
   return created;
 }
 
+std::string UcxConfig(const TempDir& dir, const std::string& transports, const std::string& extra) {
+  const std::string path = dir.path() + "/ucx.yaml";
+  std::ofstream(path) << "ucx:\n  enable: true\n  transports: \"" << transports << "\"\n" << extra;
+  return path;
+}
+
+client::ClientOptions UcxClientOptions(const std::string& transports) {
+  client::ClientOptions o;
+  o.use_ucx = true;
+  o.ucx_transports = transports;
+  return o;
+}
+
 v1::SelectAndReconstructRequest MakeSelect(const synthetic::Document& doc, uint32_t layer,
                                            const std::vector<std::string>& attachments, int question,
                                            int step, int64_t position) {

@@ -80,6 +80,13 @@ std::string ServerBinary();
 // GET http://127.0.0.1:<port><path>; returns the body.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
 
+// Writes <dir>/ucx.yaml: the UCX data plane on, over `transports` (UCX_TLS; "" = UCX's
+// choice), followed by `extra` YAML; returns its path (for "-c").
+std::string UcxConfig(const TempDir& dir, const std::string& transports,
+                      const std::string& extra = "");
+// Client options that use the UCX data plane over `transports`.
+client::ClientOptions UcxClientOptions(const std::string& transports);
+
 // A small model and profile every test can afford on 2 cores.
 synthetic::DocSpec SmallDoc(int64_t tokens = 1024, uint64_t seed = 7);
 v1::Profile ShadowProfile(int rank = 16, int budget = 8, int outliers = 4);

@@ -15,20 +15,6 @@
 namespace kvshade::integration {
 namespace {
 
-std::string UcxConfig(const TempDir& dir, const std::string& transports,
-                      const std::string& extra = "") {
-  const std::string path = dir.path() + "/ucx.yaml";
-  std::ofstream(path) << "ucx:\n  enable: true\n  transports: \"" << transports << "\"\n" << extra;
-  return path;
-}
-
-client::ClientOptions UcxOptions(const std::string& transports) {
-  client::ClientOptions o;
-  o.use_ucx = true;
-  o.ucx_transports = transports;
-  return o;
-}
-
 v1::AttendRequest MakeAttend(const synthetic::Document& doc, uint32_t layer,
                              const std::vector<std::string>& attachments, int question, int step,
                              int64_t position) {
@@ -84,7 +70,7 @@ TEST_P(UcxCallsTest, AppendAndAttendOverUcxEqualGrpcInline) {
   ServerProcess server;
   KV_ASSERT_OK(server.Start({"-c", UcxConfig(dir, GetParam())}));
   auto g = server.Connect();
-  auto u = server.Connect(UcxOptions(GetParam()));
+  auto u = server.Connect(UcxClientOptions(GetParam()));
   const synthetic::Document doc(SmallDoc(1024));
   // Session A is ingested over UCX (IngestWriter); B reuses A's segment (prefix cache), so
   // both start from the same state.
@@ -148,7 +134,7 @@ TEST_P(UcxCallsTest, PipelinedIngestEqualsGrpcIngest) {
   ServerProcess a, b;
   KV_ASSERT_OK(a.Start({"-c", UcxConfig(dir, GetParam())}));
   KV_ASSERT_OK(b.Start({}));
-  client::ClientOptions uo = UcxOptions(GetParam());
+  client::ClientOptions uo = UcxClientOptions(GetParam());
   uo.ucx_ingest_window = 3;
   auto ca = a.Connect(uo);
   auto cb = b.Connect();
@@ -209,7 +195,7 @@ TEST(UcxIngestErrors, FirstErrorMidStreamIsReturnedAndNothingIsKept) {
   TempDir dir;
   ServerProcess server;
   KV_ASSERT_OK(server.Start({"-c", UcxConfig(dir, "tcp,self")}));
-  auto u = server.Connect(UcxOptions("tcp,self"));
+  auto u = server.Connect(UcxClientOptions("tcp,self"));
   const synthetic::Document doc(SmallDoc(1024));
   KV_ASSERT_OK_AND_ASSIGN(s, u->CreateSession(synthetic::MakeCreate(doc, ShadowProfile(), -1)));
   auto msgs = IngestMessages(doc, s.session_id(), 128);  // 8 parts per layer
@@ -252,7 +238,7 @@ TEST(UcxIngestErrors, PayloadOverTheDaemonLimitIsRefusedNotDropped) {
   TempDir dir;
   ServerProcess server;
   KV_ASSERT_OK(server.Start({"-c", UcxConfig(dir, "tcp,self", "limits:\n  max_message_bytes: 1MiB\n")}));
-  auto u = server.Connect(UcxOptions("tcp,self"));
+  auto u = server.Connect(UcxClientOptions("tcp,self"));
   const synthetic::Document doc(SmallDoc(8192));
   KV_ASSERT_OK_AND_ASSIGN(s, u->CreateSession(synthetic::MakeCreate(doc, ShadowProfile(), -1)));
   auto msgs = IngestMessages(doc, s.session_id(), 8192);  // 2 MiB parts
@@ -289,7 +275,7 @@ TEST(UcxConcurrency, SixtyFourClientsEqualASequentialGrpcClient) {
   for (int i = 0; i < kClients; ++i) {
     threads.emplace_back([&, i] {
       Result& res = results[i];
-      client::ClientOptions o = UcxOptions("tcp,self");
+      client::ClientOptions o = UcxClientOptions("tcp,self");
       o.target = server.target();
       auto c = client::Client::Connect(o);
       absl::StatusOr<v1::AttachResponse> att = absl::UnknownError("not attached");

@@ -16,12 +16,6 @@ namespace kvshade::integration {
 namespace {
 
 // Writes a config enabling the data plane with `transports`; returns its path.
-std::string UcxConfig(const TempDir& dir, const std::string& transports) {
-  const std::string path = dir.path() + "/ucx.yaml";
-  std::ofstream(path) << "ucx:\n  enable: true\n  transports: \"" << transports << "\"\n";
-  return path;
-}
-
 // A delta without its attachment id (the two transports use different attachments).
 std::string Canonical(v1::SelectAndReconstructResponse r) {
   for (auto& d : *r.mutable_deltas()) d.clear_attachment_id();
@@ -37,9 +31,7 @@ TEST_P(UcxDataPlaneTest, SelectOverUcxEqualsGrpcInlineBitForBit) {
   ServerProcess server;
   KV_ASSERT_OK(server.Start({"-c", UcxConfig(dir, GetParam())}));
   auto grpc_client = server.Connect();
-  client::ClientOptions uo;
-  uo.use_ucx = true;
-  uo.ucx_transports = GetParam();
+  client::ClientOptions uo = UcxClientOptions(GetParam());
   auto ucx_client = server.Connect(uo);
   ASSERT_NE(grpc_client, nullptr);
   ASSERT_NE(ucx_client, nullptr);
@@ -241,9 +233,7 @@ INSTANTIATE_TEST_SUITE_P(Transports, UcxDataPlaneTest,
 TEST(UcxFallback, NoDataPlaneFallsBackToGrpcLoudlyAndCounts) {
   ServerProcess server;
   KV_ASSERT_OK(server.Start({}));  // ucx.enable off
-  client::ClientOptions uo;
-  uo.use_ucx = true;
-  uo.ucx_transports = "tcp,self";
+  client::ClientOptions uo = UcxClientOptions("tcp,self");
   auto c = server.Connect(uo);
   const synthetic::Document doc(SmallDoc(512));
   KV_ASSERT_OK_AND_ASSIGN(created, CreateAndIngest(*c, doc, ShadowProfile(), -1));
@@ -264,9 +254,7 @@ TEST(UcxFallback, DaemonGoneFailsOverToGrpcErrorNotHang) {
   TempDir dir;
   ServerProcess server;
   KV_ASSERT_OK(server.Start({"-c", UcxConfig(dir, "tcp,self")}));
-  client::ClientOptions uo;
-  uo.use_ucx = true;
-  uo.ucx_transports = "tcp,self";
+  client::ClientOptions uo = UcxClientOptions("tcp,self");
   uo.timeout = absl::Seconds(20);
   auto c = server.Connect(uo);
   const synthetic::Document doc(SmallDoc(512));

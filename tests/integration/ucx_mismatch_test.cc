@@ -10,12 +10,6 @@
 namespace kvshade::integration {
 namespace {
 
-std::string UcxConfig(const TempDir& dir, const std::string& transports) {
-  const std::string path = dir.path() + "/ucx.yaml";
-  std::ofstream(path) << "ucx:\n  enable: true\n  transports: \"" << transports << "\"\n";
-  return path;
-}
-
 struct Pair {
   std::string daemon, client;
 };
@@ -27,9 +21,7 @@ TEST_P(UcxMismatchTest, SelectWorksOverUcx) {
   ServerProcess server;
   KV_ASSERT_OK(server.Start({"-c", UcxConfig(dir, GetParam().daemon)}));
   auto grpc_client = server.Connect();
-  client::ClientOptions uo;
-  uo.use_ucx = true;
-  uo.ucx_transports = GetParam().client;
+  client::ClientOptions uo = UcxClientOptions(GetParam().client);
   uo.timeout = absl::Seconds(3);
   auto c = server.Connect(uo);
   const synthetic::Document doc(SmallDoc(512));
@@ -51,9 +43,7 @@ TEST(UcxTimeoutTest, TimedOutCallMarksDataPlaneFailedAndClientFallsBackToGrpc) {
   TempDir dir;
   ServerProcess server;
   KV_ASSERT_OK(server.Start({"-c", UcxConfig(dir, "")}));
-  client::ClientOptions uo;
-  uo.use_ucx = true;
-  uo.ucx_transports = "shm,self";
+  client::ClientOptions uo = UcxClientOptions("shm,self");
   uo.timeout = absl::Seconds(2);  // also the UCX per-call timeout
   auto c = server.Connect(uo);
   const synthetic::Document doc(SmallDoc(512));

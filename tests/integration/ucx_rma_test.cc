@@ -16,12 +16,6 @@
 namespace kvshade::integration {
 namespace {
 
-std::string UcxConfig(const TempDir& dir, const std::string& transports) {
-  const std::string path = dir.path() + "/ucx.yaml";
-  std::ofstream(path) << "ucx:\n  enable: true\n  transports: \"" << transports << "\"\n";
-  return path;
-}
-
 // Slot-buffer geometry of an attachment ([L, h, k, C, d] bf16).
 struct Geometry {
   int layers = 0, heads = 0, slots = 0, chunk = 0, dim = 0;
@@ -60,9 +54,7 @@ TEST_P(UcxRmaTest, RmaDeliveredSlotBuffersEqualInlineDeltasOfATwin) {
   ServerProcess server;
   KV_ASSERT_OK(server.Start({"-c", UcxConfig(dir, GetParam())}));
   auto g = server.Connect();
-  client::ClientOptions uo;
-  uo.use_ucx = true;
-  uo.ucx_transports = GetParam();
+  client::ClientOptions uo = UcxClientOptions(GetParam());
   auto u = server.Connect(uo);
   const synthetic::Document doc(SmallDoc(1024));
   KV_ASSERT_OK_AND_ASSIGN(created, CreateAndIngest(*g, doc, ShadowProfile(), -1));
