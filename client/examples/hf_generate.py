@@ -14,13 +14,12 @@ is installed; with --model PATH any local Llama-style checkpoint (and its tokeni
 """
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import kvshade  # noqa: E402
+from example_util import spawn  # noqa: E402
 
 try:
     import torch
@@ -29,26 +28,6 @@ except ImportError as e:
     sys.exit("hf_generate.py needs torch and Hugging Face transformers: %s" % e)
 from kvshade import hf_cache  # noqa: E402
 
-
-def spawn(server, ucx):
-    d = tempfile.mkdtemp(prefix="kvshade-hf-example-")
-    port_file = os.path.join(d, "port")
-    cmd = [server, "--listen", "127.0.0.1:0", "--port-file", port_file, "--backend", "cpu"]
-    if ucx:  # the spawned server gets its UCX data plane
-        cfg = os.path.join(d, "ucx.yaml")
-        with open(cfg, "w") as f:
-            f.write('ucx:\n  enable: true\n  transports: "%s"\n' % ucx)
-        cmd += ["-c", cfg]
-    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_WAIT_POLICY="passive"), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    end = time.monotonic() + 30
-    while not os.path.exists(port_file):
-        if proc.poll() is not None or time.monotonic() > end:
-            proc.kill()
-            sys.exit("kvshade-server did not start")
-        time.sleep(0.01)
-    with open(port_file) as f:
-        return proc, "127.0.0.1:" + f.read().strip()
 
 
 def tiny_model(seed, device):

@@ -25,27 +25,16 @@ a worker whose client fell back to gRPC fails.
 import argparse
 import multiprocessing as mp
 import os
-import subprocess
 import sys
-import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 import kvshade  # noqa: E402
+from example_util import rope, spawn  # noqa: E402
 
 LAYERS, HQ, H, D, C = 2, 8, 2, 64, 8
 
-
-def rope(x, positions, theta=10000.0):
-    """Half-split RoPE of x [n, heads, d] at positions [n]."""
-    half = x.shape[-1] // 2
-    inv = theta ** (-np.arange(half) * 2.0 / x.shape[-1])
-    ang = positions[:, None] * inv[None]
-    cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(np.float32)
 
 
 def bf16(x):
@@ -126,26 +115,6 @@ def worker(role, args, session_id, n_doc, conn):
     except Exception as e:  # reported by the parent, which exits non-zero
         conn.send(("error", "%s: %s: %s" % (name, type(e).__name__, e)))
 
-
-def spawn(server, ucx):
-    d = tempfile.mkdtemp(prefix="kvshade-example-")
-    port_file = os.path.join(d, "port")
-    cmd = [server, "--listen", "127.0.0.1:0", "--port-file", port_file, "--backend", "cpu"]
-    if ucx:
-        cfg = os.path.join(d, "ucx.yaml")
-        with open(cfg, "w") as f:
-            f.write('ucx:\n  enable: true\n  transports: "%s"\n' % ucx)
-        cmd += ["-c", cfg]
-    env = dict(os.environ, OMP_WAIT_POLICY="passive")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    end = time.monotonic() + 30
-    while not os.path.exists(port_file):
-        if proc.poll() is not None or time.monotonic() > end:
-            proc.kill()
-            sys.exit("kvshade-server did not start")
-        time.sleep(0.01)
-    with open(port_file) as f:
-        return proc, "127.0.0.1:" + f.read().strip()
 
 
 def main():
