@@ -15,6 +15,11 @@
 //
 // Nothing is visible to other calls before the commit; an abandoned stream frees what it
 // built and leaves the session "ingesting".
+//
+// Copies: a part's tensors are decoded (checked) straight into the slice of the layer they
+// fill, never through a temporary. For the exact profile on a backend whose memory is host
+// memory (CPU), that slice is the segment's own block: keys are rotated part by part as
+// they arrive and the completed layer is handed over without another copy.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -100,6 +105,8 @@ class IngestStreamImpl final : public Engine::IngestStream {
       mini_heavy_ = b.ok() ? *b : std::vector<double>(L_, p.mini_heavy_ratio);
     }
     seg_id_ = *storage::Id128::FromHex(SessionManager::NewId());
+    direct_ = p.kind == v1::PROFILE_KIND_EXACT &&
+              e_.backend_->space() == kernels::MemorySpace::kHost;
   }
 
   ~IngestStreamImpl() override {
@@ -127,7 +134,8 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
  private:
   struct LayerBuf {
-    std::vector<bf16> k, v;   // [n, h, d]
+    std::vector<bf16> k, v;   // [n, h, d] host (unless direct_)
+    DeviceBlock kd, vd;       // [n, h, d] backend memory (direct_ only); kd is post-RoPE
     int received = 0;
     bool done = false;
     std::vector<bf16> qobs;   // [w, hq, d]
@@ -159,10 +167,6 @@ class IngestStreamImpl final : public Engine::IngestStream {
     }
     const int64_t n_part = m.k().shape(0);
     const std::vector<int64_t> shape = {n_part, h, d};
-    KVSHADE_ASSIGN_OR_RETURN(std::vector<bf16> k,
-                             DecodeTensor(m.k(), shape, model.dtype, absl::StrCat(name, " k")));
-    KVSHADE_ASSIGN_OR_RETURN(std::vector<bf16> v,
-                             DecodeTensor(m.v(), shape, model.dtype, absl::StrCat(name, " v")));
     const bool completes = b.received + n_part == n_;
     if (m.last_part() && !completes) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -185,12 +189,37 @@ class IngestStreamImpl final : public Engine::IngestStream {
           b.qobs, DecodeTensor(q, {w, hq, d}, model.dtype, absl::StrCat(name, " observation_queries")));
       b.w = static_cast<int>(w);
     }
-    if (b.k.empty()) {
-      b.k.reserve(size_t(n_) * h * d);
-      b.v.reserve(size_t(n_) * h * d);
+    // The part's slice of the layer: decoded in place (a failed part fails the stream, so a
+    // half-written slice is never read).
+    const size_t row = size_t(h) * d, off = size_t(b.received) * row, len = size_t(n_part) * row;
+    absl::Span<bf16> kdst, vdst;
+    if (direct_) {
+      if (!b.kd) {
+        KVSHADE_ASSIGN_OR_RETURN(b.kd, e_.Alloc(Bf16Bytes(size_t(n_) * row), ArenaKind::kOther));
+        KVSHADE_ASSIGN_OR_RETURN(b.vd, e_.Alloc(Bf16Bytes(size_t(n_) * row), ArenaKind::kStatic));
+      }
+      kdst = absl::Span<bf16>(static_cast<bf16*>(b.kd.data()) + off, len);
+      vdst = absl::Span<bf16>(static_cast<bf16*>(b.vd.data()) + off, len);
+    } else {
+      if (b.k.empty()) {
+        b.k.reserve(size_t(n_) * row);
+        b.v.reserve(size_t(n_) * row);
+      }
+      b.k.resize(off + len);  // within the reservation: no reallocation
+      b.v.resize(off + len);
+      kdst = absl::MakeSpan(b.k).subspan(off, len);
+      vdst = absl::MakeSpan(b.v).subspan(off, len);
     }
-    b.k.insert(b.k.end(), k.begin(), k.end());
-    b.v.insert(b.v.end(), v.begin(), v.end());
+    KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.k(), shape, model.dtype, absl::StrCat(name, " k"), kdst));
+    KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v(), shape, model.dtype, absl::StrCat(name, " v"), vdst));
+    if (direct_) {
+      // Rotated now, while the part is fresh in cache; RoPE is per token, so part by part
+      // equals the whole layer at once. The backend's memory is host memory here.
+      StageTimer timer(e_.metrics_, "ingest_rope");
+      const std::vector<int64_t> pos = Positions(first_ + b.received, n_part);
+      KVSHADE_RETURN_IF_ERROR(e_.backend_->ApplyRope(model.rope, pos, h, d, kdst));
+      KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
+    }
     b.received += static_cast<int>(n_part);
     if (!completes) return absl::OkStatus();
     absl::Status st = ProcessLayer(l);
@@ -240,8 +269,13 @@ class IngestStreamImpl final : public Engine::IngestStream {
     LayerBuf& b = bufs_[l];
     KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(0));
     LayerData& out = out_[l];
-    KVSHADE_ASSIGN_OR_RETURN(out.tk, RopeCopy(b.k, first_));
-    KVSHADE_ASSIGN_OR_RETURN(out.tv, e_.Upload(b.v.data(), Bf16Bytes(b.v.size()), ArenaKind::kStatic));
+    if (direct_) {  // already in place and rotated
+      out.tk = std::move(b.kd);
+      out.tv = std::move(b.vd);
+    } else {
+      KVSHADE_ASSIGN_OR_RETURN(out.tk, RopeCopy(b.k, first_));
+      KVSHADE_ASSIGN_OR_RETURN(out.tv, e_.Upload(b.v.data(), Bf16Bytes(b.v.size()), ArenaKind::kStatic));
+    }
     out.n_tail = out.cap_tail = n_;
     return absl::OkStatus();
   }
@@ -585,6 +619,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
   storage::SegmentValueLayout layout_;
   bool store_created_ = false;
   bool committed_ = false;
+  bool direct_ = false;  // exact profile on a host-memory backend: parts land in the segment
   v1::IngestResponse resp_;
 };
 

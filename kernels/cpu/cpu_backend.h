@@ -4,9 +4,15 @@
 // Each op lives in its own cpu_<op>.cc; this header declares the class once.
 #pragma once
 
+#include <memory>
+
 #include "kvshade/kernels/backend.h"
 
 namespace kvshade::kernels {
+
+// RoPE cos/sin tables this backend reuses across calls (cpu_rope.cc).
+class CosSinCache;
+std::shared_ptr<CosSinCache> NewCosSinCache();
 
 class CpuBackend final : public Backend {
  public:
@@ -88,6 +94,8 @@ class CpuBackend final : public Backend {
                               absl::Span<const AttendItem> items) const override;
   absl::Status Attend(const LayerShape& shape, float scale, absl::Span<const AttendItem> items,
                       Workspace ws, Stream) override;
+ private:
+  std::shared_ptr<CosSinCache> rope_cache_ = NewCosSinCache();
 };
 
 }  // namespace kvshade::kernels

@@ -75,6 +75,13 @@ absl::Status ValidateTokens(absl::Span<const int32_t> tokens, uint64_t already,
 absl::StatusOr<std::vector<kernels::bf16>> DecodeTensor(const v1::Tensor& t,
                                                         absl::Span<const int64_t> shape,
                                                         v1::DType dtype, std::string_view what);
+// The same checks, writing into `out` (exactly the tensor's element count; a caller's
+// buffer, e.g. the slice of a layer a part fills) instead of a new vector: one pass over
+// the bytes instead of a copy into a temporary and another into the destination. On error
+// `out` may be partly written.
+absl::Status DecodeTensorInto(const v1::Tensor& t, absl::Span<const int64_t> shape,
+                              v1::DType dtype, std::string_view what,
+                              absl::Span<kernels::bf16> out);
 // True when the tensor carries no shape and no data (an omitted optional tensor).
 bool TensorEmpty(const v1::Tensor& t);
 
