@@ -573,6 +573,30 @@ void UcxLoop::Deliver(AmMessage&& m) {
   }
 }
 
+namespace {
+
+// Starts one active-message send whose buffers `ctx` owns (or points to); `ctx` is freed
+// when the send completes, at once when it completes immediately or fails.
+absl::Status StartSend(ucp_ep_h ep, unsigned id, SendCtx* ctx, const void* data, size_t count,
+                       ucp_request_param_t p, int* in_flight) {
+  p.op_attr_mask |= UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                    UCP_OP_ATTR_FIELD_FLAGS;
+  p.flags |= UCP_AM_SEND_FLAG_REPLY;
+  p.user_data = ctx;
+  p.cb.send = &OnSendDone;
+  ucs_status_ptr_t req =
+      ucp_am_send_nbx(ep, id, ctx->header.data(), ctx->header.size(), data, count, &p);
+  if (req == nullptr || UCS_PTR_IS_ERR(req)) {
+    delete ctx;
+    return req == nullptr ? absl::OkStatus() : FromUcs(UCS_PTR_STATUS(req), "ucp_am_send_nbx");
+  }
+  ctx->in_flight = in_flight;
+  ++*in_flight;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status UcxLoop::SendIov(ucp_ep_h ep, unsigned id, std::string header,
                               std::vector<std::pair<const void*, size_t>> parts) {
   if (ep == nullptr) return absl::FailedPreconditionError("UCX send: no endpoint");
@@ -584,49 +608,17 @@ absl::Status UcxLoop::SendIov(ucp_ep_h ep, unsigned id, std::string header,
     total += len;
   }
   ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                   UCP_OP_ATTR_FIELD_FLAGS | UCP_OP_ATTR_FIELD_DATATYPE;
-  p.flags = UCP_AM_SEND_FLAG_REPLY | (total > (64u << 10) ? UCP_AM_SEND_FLAG_RNDV : 0);
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_DATATYPE;
+  p.flags = total > (64u << 10) ? UCP_AM_SEND_FLAG_RNDV : 0;
   p.datatype = ucp_dt_make_iov();
-  p.user_data = ctx;
-  p.cb.send = &OnSendDone;
-  ucs_status_ptr_t req = ucp_am_send_nbx(ep, id, ctx->header.data(), ctx->header.size(),
-                                         ctx->iov.data(), ctx->iov.size(), &p);
-  if (req == nullptr) {
-    delete ctx;
-    return absl::OkStatus();
-  }
-  if (UCS_PTR_IS_ERR(req)) {
-    delete ctx;
-    return FromUcs(UCS_PTR_STATUS(req), "ucp_am_send_nbx");
-  }
-  ctx->in_flight = &in_flight_;
-  ++in_flight_;
-  return absl::OkStatus();
+  return StartSend(ep, id, ctx, ctx->iov.data(), ctx->iov.size(), p, &in_flight_);
 }
 
 absl::Status UcxLoop::Send(ucp_ep_h ep, unsigned id, std::string header, std::string payload) {
   if (ep == nullptr) return absl::FailedPreconditionError("UCX send: no endpoint");
   auto* ctx = new SendCtx{std::move(header), std::move(payload), {}};
-  ucp_request_param_t p{};
-  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                   UCP_OP_ATTR_FIELD_FLAGS;
-  p.flags = UCP_AM_SEND_FLAG_REPLY;
-  p.user_data = ctx;
-  p.cb.send = &OnSendDone;
-  ucs_status_ptr_t req = ucp_am_send_nbx(ep, id, ctx->header.data(), ctx->header.size(),
-                                         ctx->payload.data(), ctx->payload.size(), &p);
-  if (req == nullptr) {
-    delete ctx;
-    return absl::OkStatus();
-  }
-  if (UCS_PTR_IS_ERR(req)) {
-    delete ctx;
-    return FromUcs(UCS_PTR_STATUS(req), "ucp_am_send_nbx");
-  }
-  ctx->in_flight = &in_flight_;
-  ++in_flight_;
-  return absl::OkStatus();
+  return StartSend(ep, id, ctx, ctx->payload.data(), ctx->payload.size(), ucp_request_param_t{},
+                   &in_flight_);
 }
 
 }  // namespace kvshade::service::ucx
