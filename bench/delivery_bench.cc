@@ -12,6 +12,8 @@
 //          [--reps 30] [--copy-gbps 4230]
 #include <cuda_runtime.h>
 
+#include <CLI/CLI.hpp>
+
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -40,16 +42,6 @@ struct Options {
   double copy_gbps = 4230;  // H200 device-to-device, bytes read + written (../shared/GPU.md)
 };
 
-std::vector<int> ParseList(const char* s) {
-  std::vector<int> out;
-  for (const char* p = s; *p;) {
-    out.push_back(std::atoi(p));
-    while (*p && *p != ',') ++p;
-    if (*p == ',') ++p;
-  }
-  return out;
-}
-
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
 
 struct Worker {
@@ -61,25 +53,19 @@ struct Worker {
 
 int main(int argc, char** argv) {
   Options o;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string f = argv[i];
-    const char* v = argv[i + 1];
-    if (f == "--server") o.server = v;
-    else if (f == "--tokens") o.tokens = std::atoll(v);
-    else if (f == "--layers") o.layers = std::atoi(v);
-    else if (f == "--kv-heads") o.kv_heads = std::atoi(v);
-    else if (f == "--q-heads") o.q_heads = std::atoi(v);
-    else if (f == "--head-dim") o.head_dim = std::atoi(v);
-    else if (f == "--rank") o.rank = std::atoi(v);
-    else if (f == "--budget") o.budget = std::atoi(v);
-    else if (f == "--batch") o.batches = ParseList(v);
-    else if (f == "--reps") o.reps = std::atoi(v);
-    else if (f == "--copy-gbps") o.copy_gbps = std::atof(v);
-    else {
-      std::fprintf(stderr, "unknown flag %s\n", f.c_str());
-      return 2;
-    }
-  }
+  CLI::App app{"select-and-reconstruct with CUDA IPC delivery vs inline (see this file's header)"};
+  app.add_option("--server", o.server, "kvshade-server binary");
+  app.add_option("--tokens", o.tokens, "session tokens");
+  app.add_option("--layers", o.layers);
+  app.add_option("--kv-heads", o.kv_heads);
+  app.add_option("--q-heads", o.q_heads);
+  app.add_option("--head-dim", o.head_dim);
+  app.add_option("--rank", o.rank);
+  app.add_option("--budget", o.budget, "chunks per KV head (k)");
+  app.add_option("--batch", o.batches, "batch sizes, comma-separated")->delimiter(',');
+  app.add_option("--reps", o.reps);
+  app.add_option("--copy-gbps", o.copy_gbps, "device copy bandwidth for the floor, GB/s");
+  CLI11_PARSE(app, argc, argv);
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::fprintf(stderr, "delivery bench: no CUDA device visible\n");

@@ -22,6 +22,8 @@
 #include <thread>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 #include "kvshade/client/client.h"
 #include "loopback.h"
 #include "kvshade/client/tensor.h"
@@ -61,32 +63,20 @@ void Row(const char* name, const std::vector<double>& ms) {
 
 int main(int argc, char** argv) {
   Options o;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--server") o.server = v;
-    else if (k == "--target") o.target = v;
-    else if (k == "--backend") o.backend = v;
-    else if (k == "--reps") o.reps = std::stoi(v);
-    else if (k == "--layers") o.layers = std::stoi(v);
-    else if (k == "--kv-heads") o.kv_heads = std::stoi(v);
-    else if (k == "--q-heads") o.q_heads = std::stoi(v);
-    else if (k == "--head-dim") o.head_dim = std::stoi(v);
-    else if (k == "--rank") o.rank = std::stoi(v);
-    else if (k == "--budget") o.budget = std::stoi(v);
-    else if (k == "--tokens") {
-      o.tokens.clear();
-      size_t p = 0;
-      while (p < v.size()) {
-        size_t q = v.find(',', p);
-        if (q == std::string::npos) q = v.size();
-        o.tokens.push_back(std::stoll(v.substr(p, q - p)));
-        p = q + 1;
-      }
-    } else {
-      std::fprintf(stderr, "service_bench: unknown flag %s (see the header of service_bench.cc)\n", k.c_str());
-      return 2;
-    }
-  }
+  CLI::App app{"kvshade-server round trips and ingest throughput on loopback (see this file's header)"};
+  app.add_option("--server", o.server, "kvshade-server binary");
+  app.add_option("--target", o.target, "HOST:PORT of a running server (no child then)");
+  app.add_option("--backend", o.backend);
+  // The batch-8 decode rows use eight of the --reps reused sessions.
+  app.add_option("--reps", o.reps, "calls per row (>= 8)")->check(CLI::Range(8, 1 << 20));
+  app.add_option("--layers", o.layers);
+  app.add_option("--kv-heads", o.kv_heads);
+  app.add_option("--q-heads", o.q_heads);
+  app.add_option("--head-dim", o.head_dim);
+  app.add_option("--rank", o.rank);
+  app.add_option("--budget", o.budget);
+  app.add_option("--tokens", o.tokens, "document sizes, comma-separated")->delimiter(',');
+  CLI11_PARSE(app, argc, argv);
 
   // --- Server: our own child on a kernel-chosen port, unless --target.
   std::optional<kvshade::bench::SpawnedServer> server;

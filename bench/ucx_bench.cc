@@ -31,6 +31,8 @@
 #include <thread>
 #include <vector>
 
+#include <CLI/CLI.hpp>
+
 #include "kvshade/client/client.h"
 #include "kvshade/client/tensor.h"
 #include "kvshade/service/ucx_core.h"
@@ -206,28 +208,23 @@ double MemcpyGBps(const std::vector<v1::IngestRequest>& msgs, uint64_t bytes) {
 
 int main(int argc, char** argv) {
   Options o;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--server") o.server = v;
-    else if (k == "--backend") o.backend = v;
-    else if (k == "--transports") o.transports = v;
-    else if (k == "--reps") o.reps = std::stoi(v);
-    else if (k == "--ingest-layers") o.ingest_layers = std::stoi(v);
-    else if (k == "--ingest-tokens") o.ingest_tokens = std::stoll(v);
-    else if (k == "--ingest-kv-heads") o.ingest_kv_heads = std::stoi(v);
-    else if (k == "--head-dim") o.head_dim = std::stoi(v);
-    else if (k == "--ingest-profile") o.ingest_profile = v;
-    else if (k == "--part-mib") o.part_mib = std::stoi(v);
-    else if (k == "--window") o.window = std::stoi(v);
-    else if (k == "--select-tokens") o.select_tokens = std::stoll(v);
-    else if (k == "--select-layers") o.select_layers = std::stoi(v);
-    else if (k == "--budget") o.budget = std::stoi(v);
-    else if (k == "--skip-ingest") o.skip_ingest = v == "1";
-    else {
-      std::fprintf(stderr, "ucx_bench: unknown flag %s (see the header of ucx_bench.cc)\n", k.c_str());
-      return 2;
-    }
-  }
+  CLI::App app{"the UCX data plane against gRPC inline on loopback (see this file's header)"};
+  app.add_option("--server", o.server, "kvshade-server binary");
+  app.add_option("--backend", o.backend, "the daemon's kernel backend");
+  app.add_option("--transports", o.transports, "UCX_TLS of both sides");
+  app.add_option("--reps", o.reps);
+  app.add_option("--ingest-layers", o.ingest_layers);
+  app.add_option("--ingest-tokens", o.ingest_tokens);
+  app.add_option("--ingest-kv-heads", o.ingest_kv_heads);
+  app.add_option("--head-dim", o.head_dim);
+  app.add_option("--ingest-profile", o.ingest_profile, "exact or shadow");
+  app.add_option("--part-mib", o.part_mib);
+  app.add_option("--window", o.window, "ingest parts in flight");
+  app.add_option("--select-tokens", o.select_tokens);
+  app.add_option("--select-layers", o.select_layers);
+  app.add_option("--budget", o.budget);
+  app.add_option("--skip-ingest", o.skip_ingest, "1: measure select only");
+  CLI11_PARSE(app, argc, argv);
 
   // --- Server: our own child with the data plane on.
   const std::string cfg = [&] {
