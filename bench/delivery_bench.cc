@@ -110,6 +110,7 @@ int main(int argc, char** argv) {
     for (int b : o.batches) max_batch = std::max(max_batch, b);
     std::vector<Worker> inline_w(max_batch), ipc_w(max_batch);
     uint64_t slot_bytes = 0;
+    int chunk = 0;  // C, as the daemon's profile has it
     for (int j = 0; j < max_batch; ++j) {
       v1::AttachRequest ar;
       ar.set_session_id(created->session_id());
@@ -121,6 +122,7 @@ int main(int argc, char** argv) {
       }
       inline_w[j].attachment = a->attachment_id();
       slot_bytes = a->slot_buffer_bytes();
+      chunk = static_cast<int>(a->chunk_size());
       Worker& w = ipc_w[j];
       if (cudaMalloc(&w.gpu, 2 * slot_bytes) != cudaSuccess) return 1;
       cudaIpcMemHandle_t h;
@@ -139,10 +141,10 @@ int main(int argc, char** argv) {
       }
       w.attachment = ai->attachment_id();
     }
-    std::printf("# delivery bench: n=%lld L=%d h=%d hq=%d d=%d r=%d k=%d C=8, reps=%d, slot "
+    std::printf("# delivery bench: n=%lld L=%d h=%d hq=%d d=%d r=%d k=%d C=%d, reps=%d, slot "
                 "buffers %.1f MiB per worker\n",
                 static_cast<long long>(o.tokens), o.layers, o.kv_heads, o.q_heads, o.head_dim,
-                o.rank, o.budget, o.reps, 2.0 * slot_bytes / (1 << 20));
+                o.rank, o.budget, chunk, o.reps, 2.0 * slot_bytes / (1 << 20));
     std::printf("%-6s %-7s %9s %9s %8s %11s %10s %12s\n", "batch", "mode", "p50 ms", "p99 ms",
                 "miss %", "MiB/call", "GB/s", "floor ms");
     int step = 0;
@@ -171,7 +173,7 @@ int main(int argc, char** argv) {
           if (rep < 0) continue;
           ms.push_back(Ms(t1 - t0));
           for (const auto& d : r->deltas()) {
-            bytes_sum += 2.0 * d.head_size() * 8 * o.head_dim * 2;
+            bytes_sum += 2.0 * d.head_size() * chunk * o.head_dim * 2;  // K and V, bf16
             miss += d.head_size();
             sel += d.selected();
           }
