@@ -23,6 +23,7 @@ namespace kvshade::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using synthetic::FormatBytes;
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 double Percentile(std::vector<double> v, double p) {
@@ -31,16 +32,6 @@ double Percentile(std::vector<double> v, double p) {
   const double idx = p * (v.size() - 1);
   const size_t lo = static_cast<size_t>(std::floor(idx)), hi = static_cast<size_t>(std::ceil(idx));
   return v[lo] + (v[hi] - v[lo]) * (idx - lo);
-}
-
-std::string Bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (b >= 1024 && u < 4) {
-    b /= 1024;
-    ++u;
-  }
-  return absl::StrFormat("%.1f %s", b, units[u]);
 }
 
 // A one-line progress bar on stderr when it is a terminal; silent otherwise (the phase
@@ -447,7 +438,7 @@ int RunDemo(client::Client& client, const DemoOptions& o) {
               o.steps, L, o.questions, static_cast<unsigned long long>(selected),
               selected ? 100.0 * hits / selected : 0.0,
               selected > first_selected ? 100.0 * (hits - first_hits) / (selected - first_selected) : 0.0,
-              Bytes(static_cast<double>(moved_bytes)).c_str());
+              FormatBytes(static_cast<double>(moved_bytes)).c_str());
   std::printf("[needles] (selected = share of the needle's chunks in the slot tables, over steps, layers, heads)\n");
   int needles_ok = 0, needles_seen = 0;
   for (int i = 0; i < o.needles; ++i) {
@@ -484,10 +475,10 @@ int RunDemo(client::Client& client, const DemoOptions& o) {
   const double host = std::max(0.0, static_cast<double>(stats->host_bytes_used()) -
                                         static_cast<double>(base->host_bytes_used()));
   std::printf("[memory] %d sessions (%llu segments) hold %s on the device tier + %s on the host tier\n",
-              o.questions + 1, static_cast<unsigned long long>(stats->segments()), Bytes(dev).c_str(),
-              Bytes(host).c_str());
+              o.questions + 1, static_cast<unsigned long long>(stats->segments()), FormatBytes(dev).c_str(),
+              FormatBytes(host).c_str());
   std::printf("         dense bf16 K+V: %s for the document alone, %s for all sessions unshared\n",
-              Bytes(dense_doc).c_str(), Bytes(dense_all).c_str());
+              FormatBytes(dense_doc).c_str(), FormatBytes(dense_all).c_str());
   if (dev > 0) {
     std::printf("         -> %.1fx less device memory than ONE dense copy of the document; %.1fx less memory "
                 "in all than unshared dense caches\n",

@@ -31,6 +31,7 @@ namespace kvshade::cli {
 namespace {
 
 namespace ucx = kvshade::service::ucx;
+using synthetic::FormatBytes;
 using Clock = std::chrono::steady_clock;
 
 // One report line: "  ok    what", "  warn  what", "  FAIL  what", "        detail".
@@ -45,16 +46,6 @@ struct Report {
   void Info(const std::string& s) { std::printf("        %s\n", s.c_str()); }
   void Section(const char* name) { std::printf("[%s]\n", name); }
 };
-
-std::string Bytes(double b) {
-  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  int u = 0;
-  while (b >= 1024 && u < 4) {
-    b /= 1024;
-    ++u;
-  }
-  return absl::StrFormat("%.1f %s", b, units[u]);
-}
 
 double Percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
@@ -188,7 +179,7 @@ void CheckCuda(Report& r) {
     if (name != nullptr) name(buf, sizeof(buf) - 1, dev);
     size_t bytes = 0;
     if (mem != nullptr) mem(&bytes, dev);
-    r.Info(absl::StrCat("device ", i, ": ", buf, ", ", Bytes(static_cast<double>(bytes))));
+    r.Info(absl::StrCat("device ", i, ": ", buf, ", ", FormatBytes(static_cast<double>(bytes))));
   }
   dlclose(lib);
 }
@@ -202,7 +193,7 @@ void CheckMemlock(Report& r) {
     r.Warn("getrlimit(RLIMIT_MEMLOCK) failed");
     return;
   }
-  auto fmt = [](rlim_t v) { return v == RLIM_INFINITY ? std::string("unlimited") : Bytes(static_cast<double>(v)); };
+  auto fmt = [](rlim_t v) { return v == RLIM_INFINITY ? std::string("unlimited") : FormatBytes(static_cast<double>(v)); };
   const std::string line = absl::StrCat("RLIMIT_MEMLOCK soft ", fmt(rl.rlim_cur), ", hard ", fmt(rl.rlim_max));
   // Pinned slot buffers and UCX registrations of a real model are GiBs; a small limit
   // makes registration fail (or fall back to slower paths) without CAP_IPC_LOCK.

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "absl/strings/str_format.h"
 #include "kvshade/client/tensor.h"
 
 namespace kvshade::synthetic {
@@ -330,6 +331,16 @@ kvshade::v1::CreateSessionRequest MakeCreate(const Document& doc, const kvshade:
   req.set_durable(durable);
   req.set_label(question < 0 ? "document" : "question-" + std::to_string(question));
   return req;
+}
+
+std::string FormatBytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) {
+    bytes /= 1024;
+    ++u;
+  }
+  return absl::StrFormat("%.1f %s", bytes, units[u]);
 }
 
 }  // namespace kvshade::synthetic

@@ -121,6 +121,9 @@ kvshade::v1::AppendTokensRequest MakeAppend(const Document& doc, const std::stri
 
 // A CreateSession request for question `question` (document + its question tokens), or
 // for the document alone when question < 0.
+// "1.5 MiB": a byte count in binary units with one decimal (reports).
+std::string FormatBytes(double bytes);
+
 kvshade::v1::CreateSessionRequest MakeCreate(const Document& doc, const kvshade::v1::Profile& profile,
                                              int question, bool durable = false);
 
