@@ -2,6 +2,7 @@
 static set, select, attend, append, stats, and exceptions mapped from status codes."""
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -197,6 +198,17 @@ class ClientTest(unittest.TestCase):
         c.close()
         with self.assertRaises(kvshade.InvalidArgument):
             c.get_session("x")
+
+    def test_healthy_is_false_when_nothing_listens(self):
+        # A port bound by this process but not listening: connections to it are refused,
+        # and no other process can take it while the test runs.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            with kvshade.Client("127.0.0.1:%d" % s.getsockname()[1], timeout=2) as c:
+                self.assertIs(c.healthy(), False)
+                with self.assertRaises((kvshade.DeadlineExceeded, kvshade.Unavailable)):
+                    c.wait_ready(0.2)  # waiting still raises
+        self.assertIs(self.c.healthy(), True)
 
 
 if __name__ == "__main__":

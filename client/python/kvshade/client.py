@@ -391,8 +391,14 @@ class Client(_NativeHandle):
         _check(_native.lib().kvshade_wait_ready(self._handle(), int(timeout * 1000)))
 
     def healthy(self):
+        """True when the server answers SERVING; False when it is not serving (draining),
+        unreachable or does not answer in time."""
+        from .errors import DeadlineExceeded, Unavailable
         s = ctypes.c_int32()
-        _check(_native.lib().kvshade_health(self._handle(), ctypes.byref(s)))
+        try:
+            _check(_native.lib().kvshade_health(self._handle(), ctypes.byref(s)))
+        except (Unavailable, DeadlineExceeded):
+            return False
         return bool(s.value)
 
     # --- UCX data plane ---
