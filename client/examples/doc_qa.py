@@ -70,52 +70,73 @@ def main():
     try:
         with kvshade.Client(args.target, token=args.token) as c:
             c.wait_ready(20)
-            t0 = time.monotonic()
-            doc = c.create_session(model, profile, doc_ids, label="document")
-            with c.ingest(doc.session_id) as ing:
-                for l in range(LAYERS):
-                    ing.layer(l, doc_k[l][doc.reused_tokens:], doc_v[l][doc.reused_tokens:])
-                ing.commit()
-            print("document: %d tokens ingested in %.2fs (session %s)"
-                  % (doc.tokens_to_ingest, time.monotonic() - t0, doc.session_id))
+            open_sessions = []  # closed in the `finally` below, also when a call fails
+            try:
+                t0 = time.monotonic()
+                doc = c.create_session(model, profile, doc_ids, label="document")
+                open_sessions.append(doc.session_id)
+                if doc.tokens_to_ingest > 0:
+                    # Only the tokens after the cached prefix are sent.
+                    with c.ingest(doc.session_id) as ing:
+                        for l in range(LAYERS):
+                            ing.layer(l, doc_k[l][doc.reused_tokens:], doc_v[l][doc.reused_tokens:])
+                        ing.commit()
+                    print("document: %d tokens ingested in %.2fs, %d reused from the prefix cache (session %s)"
+                          % (doc.tokens_to_ingest, time.monotonic() - t0, doc.reused_tokens, doc.session_id))
+                else:
+                    # The whole document is in the prefix cache (e.g. a second run against the
+                    # same server): the session is ready as created, there is nothing to ingest.
+                    print("document: all %d tokens reused from the prefix cache, nothing to ingest (session %s)"
+                          % (doc.reused_tokens, doc.session_id))
 
-            again = c.lookup_prefix(model, profile, doc_ids)
-            print("prefix cache: %d of %d document tokens reusable" % (again[0], args.doc_tokens))
+                again = c.lookup_prefix(model, profile, doc_ids)
+                print("prefix cache: %d of %d document tokens reusable" % (again[0], args.doc_tokens))
 
-            for qi in range(args.questions):
-                child, shared = c.fork_session(doc.session_id, args.doc_tokens)
-                q_ids = rng.integers(0, 32000, args.question_tokens)
-                qk, qv = synthetic_kv(rng, args.question_tokens, basis)
-                c.append(child, q_ids, qk, qv)
-                att = c.attach(child, "example-worker-%d" % qi)
-                pos = args.doc_tokens + args.question_tokens
-                misses = hits = selected = 0
-                needle_chunk = needle_at // C
-                found = 0
-                for step in range(args.steps):
-                    for l in range(LAYERS):
-                        q = np.repeat(needle, HQ // H, axis=0) + 0.1 * rng.standard_normal((HQ, D)).astype(np.float32)
-                        q = rope(q[None], np.array([pos + step]))[0]
-                        (delta,) = c.select(l, [att.attachment_id], q)
-                        misses += len(delta.head)
-                        hits += delta.hits
-                        selected += delta.selected
-                        found += int((delta.chunk == needle_chunk).any())
-                        out = c.attend(l, [att.attachment_id], q)[0]
-                        assert np.isfinite(out).all()
-                print("question %d: forked %d shared tokens; %d steps x %d layers: %d chunks selected, "
-                      "%d hits, %d delivered; needle chunk delivered in %d layer-steps"
-                      % (qi, shared, args.steps, LAYERS, selected, hits, misses, found))
-                c.detach(att.attachment_id)
-                c.close_session(child)
-            c.close_session(doc.session_id)
+                for qi in range(args.questions):
+                    child, shared = c.fork_session(doc.session_id, args.doc_tokens)
+                    open_sessions.append(child)
+                    q_ids = rng.integers(0, 32000, args.question_tokens)
+                    qk, qv = synthetic_kv(rng, args.question_tokens, basis)
+                    c.append(child, q_ids, qk, qv)
+                    att = c.attach(child, "example-worker-%d" % qi)
+                    pos = args.doc_tokens + args.question_tokens
+                    misses = hits = selected = 0
+                    needle_chunk = needle_at // C
+                    found = 0
+                    for step in range(args.steps):
+                        for l in range(LAYERS):
+                            q = (np.repeat(needle, HQ // H, axis=0)
+                                 + 0.1 * rng.standard_normal((HQ, D)).astype(np.float32))
+                            q = rope(q[None], np.array([pos + step]))[0]
+                            (delta,) = c.select(l, [att.attachment_id], q)
+                            misses += len(delta.head)
+                            hits += delta.hits
+                            selected += delta.selected
+                            found += int((delta.chunk == needle_chunk).any())
+                            out = c.attend(l, [att.attachment_id], q)[0]
+                            assert np.isfinite(out).all()
+                    print("question %d: forked %d shared tokens; %d steps x %d layers: %d chunks selected, "
+                          "%d hits, %d delivered; needle chunk delivered in %d layer-steps"
+                          % (qi, shared, args.steps, LAYERS, selected, hits, misses, found))
+                    c.detach(att.attachment_id)
+                    c.close_session(child)
+                    open_sessions.remove(child)
+                c.close_session(doc.session_id)
+                open_sessions.remove(doc.session_id)
+            finally:
+                # Closing a session also ends its attachments; the document's prefix stays
+                # cached for the next run.
+                for sid in open_sessions:
+                    try:
+                        c.close_session(sid)
+                    except kvshade.KvShadeError as e:
+                        print("could not close session %s: %s" % (sid, e), file=sys.stderr)
             print("stats:", {k: v for k, v in c.stats().items() if k in ("sessions", "prefix_hits", "chunk_hits",
                                                                         "chunks_selected")})
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait()
-
 
 if __name__ == "__main__":
     main()

@@ -139,58 +139,75 @@ def main():
     try:
         with kvshade.Client(args.target, token=args.token) as c:
             c.wait_ready(20)
-            ids = rng.integers(0, 32000, args.doc_tokens)
-            doc = c.create_session(model, profile, ids, label="two-workers document")
-            k = rng.standard_normal((LAYERS, args.doc_tokens, H, D)).astype(np.float32)
-            v = rng.standard_normal((LAYERS, args.doc_tokens, H, D)).astype(np.float32)
-            with c.ingest(doc.session_id) as ing:
-                for l in range(LAYERS):
-                    ing.layer(l, k[l][doc.reused_tokens:], v[l][doc.reused_tokens:])
-                ing.commit()
-            print("document: session %s, %d tokens ingested once" % (doc.session_id, doc.tokens_to_ingest))
+            doc = None
+            try:
+                ids = rng.integers(0, 32000, args.doc_tokens)
+                doc = c.create_session(model, profile, ids, label="two-workers document")
+                k = rng.standard_normal((LAYERS, args.doc_tokens, H, D)).astype(np.float32)
+                v = rng.standard_normal((LAYERS, args.doc_tokens, H, D)).astype(np.float32)
+                if doc.tokens_to_ingest > 0:
+                    # Only the tokens after the cached prefix are sent.
+                    with c.ingest(doc.session_id) as ing:
+                        for l in range(LAYERS):
+                            ing.layer(l, k[l][doc.reused_tokens:], v[l][doc.reused_tokens:])
+                        ing.commit()
+                    print("document: session %s, %d tokens ingested once, %d reused from the prefix cache"
+                          % (doc.session_id, doc.tokens_to_ingest, doc.reused_tokens))
+                else:
+                    # The whole document is in the prefix cache (e.g. a second run against the
+                    # same server): the session is ready as created, there is nothing to ingest.
+                    print("document: session %s, all %d tokens reused from the prefix cache, nothing to ingest"
+                          % (doc.session_id, doc.reused_tokens))
 
-            # Spawned (not forked) processes: each worker starts its own interpreter and its
-            # own connection, as separate runtime processes would.
-            ctx = mp.get_context("spawn")
-            pipes = [ctx.Pipe() for _ in range(2)]
-            procs = [ctx.Process(target=worker, args=(role, args, doc.session_id, args.doc_tokens, pipes[role][1]),
-                                 daemon=True) for role in range(2)]
-            for p in procs:
-                p.start()
-            writer, reader = pipes[0][0], pipes[1][0]
-            errors = []
+                # Spawned (not forked) processes: each worker starts its own interpreter and its
+                # own connection, as separate runtime processes would.
+                ctx = mp.get_context("spawn")
+                pipes = [ctx.Pipe() for _ in range(2)]
+                procs = [ctx.Process(target=worker, args=(role, args, doc.session_id, args.doc_tokens,
+                                                          pipes[role][1]), daemon=True) for role in range(2)]
+                for p in procs:
+                    p.start()
+                writer, reader = pipes[0][0], pipes[1][0]
+                errors = []
 
-            def recv(conn):
-                kind, payload = conn.recv()
-                if kind == "error":
-                    errors.append(payload)
-                elif kind == "step":
-                    print("  " + payload)
-                return kind
+                def recv(conn):
+                    kind, payload = conn.recv()
+                    if kind == "error":
+                        errors.append(payload)
+                    elif kind == "step":
+                        print("  " + payload)
+                    return kind
 
-            for step in range(args.steps):
-                if recv(writer) != "step":
-                    break
-                reader.send("go")          # the reader may look now
-                if recv(reader) != "step":
-                    break
-                writer.send("next")        # the writer may go on
-            if not errors:
-                while recv(writer) == "step":
-                    pass
-                while recv(reader) == "step":
-                    pass
-            for p in procs:
-                if errors:
-                    p.terminate()  # the other worker may be waiting for a step that never comes
-                p.join(60)
-            info = c.get_session(doc.session_id)
-            print("document session now: %d tokens (%d appended by the writer), %d attachments"
-                  % (info["tokens"], info["tokens"] - args.doc_tokens, info["attachments"]))
-            c.close_session(doc.session_id)
-            if errors or any(p.exitcode != 0 for p in procs):
-                print("FAILED: " + "; ".join(errors or ["a worker exited with %s" % [p.exitcode for p in procs]]))
-                rc = 1
+                for step in range(args.steps):
+                    if recv(writer) != "step":
+                        break
+                    reader.send("go")          # the reader may look now
+                    if recv(reader) != "step":
+                        break
+                    writer.send("next")        # the writer may go on
+                if not errors:
+                    while recv(writer) == "step":
+                        pass
+                    while recv(reader) == "step":
+                        pass
+                for p in procs:
+                    if errors:
+                        p.terminate()  # the other worker may be waiting for a step that never comes
+                    p.join(60)
+                info = c.get_session(doc.session_id)
+                print("document session now: %d tokens (%d appended by the writer), %d attachments"
+                      % (info["tokens"], info["tokens"] - args.doc_tokens, info["attachments"]))
+                if errors or any(p.exitcode != 0 for p in procs):
+                    print("FAILED: " + "; ".join(errors or ["a worker exited with %s" % [p.exitcode for p in procs]]))
+                    rc = 1
+            finally:
+                # Also when a call failed: closing the session ends its attachments; the
+                # document's prefix stays cached for the next run.
+                if doc is not None:
+                    try:
+                        c.close_session(doc.session_id)
+                    except kvshade.KvShadeError as e:
+                        print("could not close session %s: %s" % (doc.session_id, e), file=sys.stderr)
     finally:
         if proc is not None:
             proc.terminate()
