@@ -4,8 +4,10 @@
 //           ApplyRopeReference at first_position + local*C + t, rounded once to bf16
 //   values: the codec's decode of the chunk at
 //           values + hh*value_head_stride + local*value_chunk_stride
-// Chunk ids are global over the view's segments (segment 0 first); every id is checked
-// before anything is written (InvalidArgument on an id outside [0, total_chunks)).
+// Chunk ids are global over the view's segments (segment 0 first). Miss j of head hh goes
+// to output row (hh, j), or to row (hh, miss_slot[hh*k + j]) when miss_slot is set. Every
+// id and slot is checked before anything is written (InvalidArgument on a chunk id outside
+// [0, total_chunks), a slot outside [0, k) or a slot named twice in one head).
 // Workspace: d f32 per (item, head), the accumulator row.
 #include <algorithm>
 #include <cstring>
@@ -37,7 +39,7 @@ absl::Status CpuBackend::Reconstruct(const LayerShape& shape, int C, int k, cons
   const int h = shape.h, d = shape.d;
 
   // Miss lists live in host memory on this backend: check them up front so that a bad id
-  // fails the call without partial writes.
+  // or slot fails the call without partial writes.
   for (size_t i = 0; i < items.size(); ++i) {
     const ReconstructItem& it = items[i];
     const int total = it.view.total_chunks();
@@ -54,6 +56,24 @@ absl::Status CpuBackend::Reconstruct(const LayerShape& shape, int C, int k, cons
           return absl::InvalidArgumentError(
               absl::StrCat("Reconstruct: items[", i, "].miss_chunk[", hh, ", ", j,
                            "] must be in [0, total_chunks = ", total, "), got ", c));
+        }
+      }
+      if (it.miss_slot == nullptr) continue;
+      const int32_t* slot = it.miss_slot + int64_t(hh) * k;
+      for (int j = 0; j < count; ++j) {
+        if (slot[j] < 0 || slot[j] >= k) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("Reconstruct: items[", i, "].miss_slot[", hh, ", ", j,
+                           "] must be in [0, k = ", k, "), got ", slot[j]));
+        }
+        // Two misses in one slot would overwrite each other (and race on CUDA). Quadratic
+        // in count, which is small next to the C*r*d multiply-adds of each miss.
+        for (int j2 = 0; j2 < j; ++j2) {
+          if (slot[j2] == slot[j]) {
+            return absl::InvalidArgumentError(
+                absl::StrCat("Reconstruct: items[", i, "].miss_slot[", hh, ", ", j,
+                             "] repeats slot ", slot[j], " of miss_slot[", hh, ", ", j2, "]"));
+          }
         }
       }
     }
@@ -74,7 +94,8 @@ absl::Status CpuBackend::Reconstruct(const LayerShape& shape, int C, int k, cons
       int si = 0;
       while (local >= view.segments[si].n_chunks) local -= view.segments[si++].n_chunks;
       const SegmentView& seg = view.segments[si];
-      const int64_t row = int64_t(hh) * k + j;
+      const int64_t row =
+          int64_t(hh) * k + (it.miss_slot != nullptr ? it.miss_slot[int64_t(hh) * k + j] : j);
       bf16* keys = it.keys + row * C * d;
       for (int t = 0; t < C; ++t) {
         const bf16* a = seg.a + (int64_t(local) * C + t) * r;

@@ -14,6 +14,11 @@
 // at once. Miss counts stay on the device: the grid covers k misses per head and blocks
 // past miss_count[hh] exit at once.
 //
+// Output rows: miss j of head hh goes to row (hh, j), or to row (hh, miss_slot[hh*k + j])
+// when the item has miss_slot. A key block's 64 tokens can span several misses, so with
+// miss_slot each token's destination row comes from its own miss index; without it the
+// tile is one contiguous run of rows and is stored as such.
+//
 // Accuracy vs the CPU reference (cpu_reconstruct.cc): the fp32 sums run in a different
 // order (tensor-core accumulation) and cos/sin come from a double-precision argument
 // reduction plus fp32 sincosf instead of double cos/sin, so keys agree to within about one
@@ -21,8 +26,9 @@
 //
 // Device-resident inputs cannot be checked from the host without a synchronization, so
 // this backend does not fail the call on them (the CPU backend does): miss_count is
-// clamped to [0, k], and a miss whose chunk id is outside [0, total_chunks) leaves its
-// output rows untouched.
+// clamped to [0, k], and a miss whose chunk id is outside [0, total_chunks) or whose slot
+// is outside [0, k) is skipped (no output row is written for it). Slots named twice in one
+// head race (the CPU backend rejects them).
 //
 // Limits of this backend: d in {64, 80, 96, 128, 256}, r % 8 == 0, A, B and the key
 // output 16-byte aligned (InvalidArgument otherwise).
@@ -54,6 +60,7 @@ struct ReconDesc {
   DevView view;
   const int* miss_chunk;  // [h, k] int32
   const int* miss_count;  // [h] int32
+  const int* miss_slot;   // [h, k] int32 output row of each miss, or null: row j
   __nv_bfloat16* keys;    // [h, k, C, d] bf16 out
   __nv_bfloat16* values;  // [h, k, C, d] bf16 out
 };
@@ -101,6 +108,8 @@ __device__ __forceinline__ void KeyBlock(const ReconDesc* __restrict__ descs, co
                                          const DeviceRope& rope, long long kb, uint8_t* smem) {
   __shared__ const __nv_bfloat16* row_a[kKeyRows];  // A row of each token, null = skip
   __shared__ long long row_pos[kKeyRows];           // absolute position of each token
+  __shared__ long long row_out[kKeyRows];           // with miss_slot: output token row,
+                                                    // (hh*k + slot)*C + t
   const int tile = static_cast<int>(kb % p.key_tiles);
   const long long rest = kb / p.key_tiles;
   const int hh = static_cast<int>(rest % p.h);
@@ -116,20 +125,24 @@ __device__ __forceinline__ void KeyBlock(const ReconDesc* __restrict__ descs, co
   if (threadIdx.x < kKeyRows) {
     const int row = threadIdx.x;
     const __nv_bfloat16* a = nullptr;
-    long long pos = 0;
+    long long pos = 0, out_row = 0;
     if (row < rows) {
       const int u = u0 + row;
       const int j = u / p.C, t = u - j * p.C;
       const int chunk = it.miss_chunk[static_cast<long long>(hh) * p.k + j];
-      if (chunk >= 0 && chunk < it.view.total) {
+      const int slot =
+          it.miss_slot != nullptr ? it.miss_slot[static_cast<long long>(hh) * p.k + j] : j;
+      if (chunk >= 0 && chunk < it.view.total && slot >= 0 && slot < p.k) {
         const DevSegment& sg = it.view.seg[cuda::SegmentOf(it.view, chunk)];
         const long long local = chunk - sg.begin;
         a = sg.a + (local * p.C + t) * r;
         pos = sg.first_position + local * p.C + t;
+        out_row = (static_cast<long long>(hh) * p.k + slot) * p.C + t;
       }
     }
     row_a[row] = a;
     row_pos[row] = pos;
+    row_out[row] = out_row;
   }
   __syncthreads();
 
@@ -215,12 +228,20 @@ __device__ __forceinline__ void KeyBlock(const ReconDesc* __restrict__ descs, co
     o[dims.y] = x1;
   }
   __syncthreads();
-  __nv_bfloat16* out = it.keys + (static_cast<long long>(hh) * p.k * p.C + u0) * kD;
-  for (int v = threadIdx.x; v < rows * (kD / 8); v += blockDim.x) {
-    const int row = v / (kD / 8), col = v % (kD / 8);
-    if (row_a[row] == nullptr) continue;
-    cuda::StoreBf16x8(out + static_cast<long long>(row) * kD + col * 8,
-                      os + row * kOStride + col * 8);
+  if (it.miss_slot == nullptr) {  // the tile is rows [u0, u0 + rows) of head hh
+    __nv_bfloat16* out = it.keys + (static_cast<long long>(hh) * p.k * p.C + u0) * kD;
+    for (int v = threadIdx.x; v < rows * (kD / 8); v += blockDim.x) {
+      const int row = v / (kD / 8), col = v % (kD / 8);
+      if (row_a[row] == nullptr) continue;
+      cuda::StoreBf16x8(out + static_cast<long long>(row) * kD + col * 8,
+                        os + row * kOStride + col * 8);
+    }
+  } else {  // each token to its miss's slot
+    for (int v = threadIdx.x; v < rows * (kD / 8); v += blockDim.x) {
+      const int row = v / (kD / 8), col = v % (kD / 8);
+      if (row_a[row] == nullptr) continue;
+      cuda::StoreBf16x8(it.keys + row_out[row] * kD + col * 8, os + row * kOStride + col * 8);
+    }
   }
 }
 
@@ -236,12 +257,16 @@ __device__ __forceinline__ void ValueBlock(const ReconDesc* __restrict__ descs,
   const int n = min(p.values_per_block, count - j0);
   const uint8_t* src[kMaxValuesPerBlock];
   int offs[kMaxValuesPerBlock];
+  int dst[kMaxValuesPerBlock];  // output row of each chunk within head hh
 #pragma unroll
   for (int i = 0; i < kMaxValuesPerBlock; ++i) {
     src[i] = nullptr;
+    dst[i] = j0 + i;
     if (i < n) {
-      const int chunk = it.miss_chunk[static_cast<long long>(hh) * p.k + j0 + i];
-      if (chunk >= 0 && chunk < it.view.total) {
+      const long long m = static_cast<long long>(hh) * p.k + j0 + i;
+      const int chunk = it.miss_chunk[m];
+      if (it.miss_slot != nullptr) dst[i] = it.miss_slot[m];
+      if (chunk >= 0 && chunk < it.view.total && dst[i] >= 0 && dst[i] < p.k) {
         const DevSegment& sg = it.view.seg[cuda::SegmentOf(it.view, chunk)];
         src[i] = sg.values + hh * sg.value_head_stride +
                  static_cast<long long>(chunk - sg.begin) * sg.value_chunk_stride;
@@ -256,7 +281,7 @@ __device__ __forceinline__ void ValueBlock(const ReconDesc* __restrict__ descs,
     if (i < n && src[i] != nullptr) {
       cuda::DecodeStagedChunk(
           p.codec, smem + i * p.stage_stride + offs[i],
-          it.values + (static_cast<long long>(hh) * p.k + j0 + i) * chunk_elems);
+          it.values + (static_cast<long long>(hh) * p.k + dst[i]) * chunk_elems);
     }
   }
 }
@@ -372,6 +397,7 @@ absl::Status CudaBackend::Reconstruct(const LayerShape& shape, int C, int k, con
     o.view = cuda::MakeDevView(in.view);
     o.miss_chunk = in.miss_chunk;
     o.miss_count = in.miss_count;
+    o.miss_slot = in.miss_slot;
     o.keys = cuda::AsNv(in.keys);
     o.values = cuda::AsNv(in.values);
   }

@@ -10,7 +10,9 @@
 //     the T3 vector itself and a -1 padding case on the GPU;
 //   - Reconstruct at ~40% misses for every codec: keys within 2 bf16 ulps at the value's
 //     magnitude (magnitudes floored at 1e-3 of the keys' RMS), values bit-identical, rows
-//     past miss_count untouched;
+//     past miss_count untouched; the same with slot-addressed output (miss_slot, random
+//     distinct slots, C = 8 and a C whose chunks straddle key tiles, d = 128 and 64), rows
+//     no miss names untouched, and misses with out-of-range slots skipped on the GPU;
 //   - Attend against the CPU (max error relative to the largest output < 1e-3);
 //   - CopyRows (slot-buffer delivery): bit-identical to the CPU, rows not listed untouched.
 // Each op prints one "[decode parity]" line with its error next to its tolerance.
@@ -551,6 +553,7 @@ struct ReconInput {
   std::vector<bf16> b;              // [h, r, d]
   std::vector<int32_t> miss_chunk;  // [h, k]
   std::vector<int32_t> miss_count;  // [h]
+  std::vector<int32_t> miss_slot;   // [h, k], or empty for compact output
   int total() const {
     int t = 0;
     for (const auto& s : segments) t += s.n_chunks;
@@ -590,6 +593,10 @@ std::vector<ReconOut> RunReconstruct(Backend& be, const LayerShape& shape, int C
     it.miss_chunk = static_cast<const int32_t*>(keep.back().data());
     keep.push_back(Upload(be, in[i].miss_count));
     it.miss_count = static_cast<const int32_t*>(keep.back().data());
+    if (!in[i].miss_slot.empty()) {
+      keep.push_back(Upload(be, in[i].miss_slot));
+      it.miss_slot = static_cast<const int32_t*>(keep.back().data());
+    }
     keep.push_back(Scratch<bf16>(be, rows));
     it.keys = static_cast<bf16*>(keep.back().data());
     keep.push_back(Scratch<bf16>(be, rows));
@@ -728,6 +735,147 @@ TEST(DecodeGpuTest, ReconstructParity) {
         "miss_count touched: %zu\n",
         cs.name.c_str(), worst_ulps, den > 0 ? std::sqrt(num / den) : 0.0, key_fail, value_diff,
         checked, untouched_bad);
+  }
+}
+
+TEST(DecodeGpuTest, ReconstructSlotParity) {
+  KVSHADE_CUDA_OR_SKIP(gpu);
+  auto cpu = Cpu();
+  auto rng = MakeRng(41);
+  const int k = 256, r = 160;
+  const int seg_chunks[2] = {900, 400};
+
+  struct Case {
+    LayerShape shape;
+    int C;
+    ValueCodecSpec codec;
+    RopeSpec rope;
+    std::string name;
+  };
+  RopeSpec llama3;
+  llama3.theta = 500000.0f;
+  llama3.scaling = RopeScaling::kLlama3;
+  llama3.factor = 8.0f;
+  llama3.pairing = RopePairing::kInterleaved;
+  const Case cases[] = {
+      {LayerShape{8, 4, 128}, 8, {ValueCodec::kBF16, 16}, RopeSpec{}, "bf16/C8"},
+      {LayerShape{8, 4, 128}, 8, {ValueCodec::kINT4, 32}, RopeSpec{}, "int4/C8"},
+      // 64-token key tiles hold 2 2/3 chunks of 24: tiles start mid-chunk.
+      {LayerShape{8, 4, 128}, 24, {ValueCodec::kBF16, 16}, llama3, "bf16/C24+llama3"},
+      {LayerShape{4, 4, 64}, 8, {ValueCodec::kFP8, 16}, RopeSpec{}, "fp8/C8/d64"},
+  };
+  for (const Case& cs : cases) {
+    const int h = cs.shape.h, d = cs.shape.d, C = cs.C;
+    const size_t row_elems = size_t(C) * d;
+    std::vector<ReconInput> in(2);
+    for (size_t i = 0; i < in.size(); ++i) {
+      ReconInput& it = in[i];
+      int64_t pos = 0;
+      for (int s = 0; s < 2; ++s) {
+        ReconSegment seg;
+        seg.n_chunks = seg_chunks[s];
+        seg.first_position = pos;
+        pos += int64_t(seg.n_chunks) * C + 40 + 1000 * int64_t(i);
+        seg.a = RandomBf16(size_t(seg.n_chunks) * C * r, rng, 1.0f);
+        FillValues(*cpu, cs.shape, C, cs.codec, s == 1 ? 4 : 0, s == 1 ? 12 : 0, rng, seg);
+        it.segments.push_back(std::move(seg));
+      }
+      it.b = RandomBf16(size_t(h) * r * d, rng, 1.0f / std::sqrt(float(r)));
+      it.miss_chunk.assign(size_t(h) * k, -1);
+      it.miss_slot.assign(size_t(h) * k, -1);
+      it.miss_count.assign(h, 0);
+      const int total = it.total();
+      for (int hh = 0; hh < h; ++hh) {
+        // ~40% misses; one head with none and one with all k; slots a random permutation.
+        int count = 90 + int(rng() % 25);
+        if (hh == 1) count = 0;
+        if (hh == 2) count = k;
+        std::set<int> ids;
+        while (int(ids.size()) < count) ids.insert(int(rng() % total));
+        int j = 0;
+        for (int c : ids) it.miss_chunk[size_t(hh) * k + j++] = c;
+        it.miss_count[hh] = count;
+        std::vector<int32_t> perm(k);
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), rng);
+        std::copy(perm.begin(), perm.begin() + count, it.miss_slot.begin() + size_t(hh) * k);
+      }
+    }
+    std::vector<ReconOut> oc = RunReconstruct(*cpu, cs.shape, C, k, r, cs.rope, cs.codec, in);
+    std::vector<ReconOut> og = RunReconstruct(*gpu, cs.shape, C, k, r, cs.rope, cs.codec, in);
+
+    double worst_ulps = 0;
+    size_t key_fail = 0, value_diff = 0, untouched_bad = 0, checked = 0;
+    for (size_t i = 0; i < in.size(); ++i) {
+      double ss = 0;
+      size_t cnt = 0;
+      for (int hh = 0; hh < h; ++hh) {
+        for (int j = 0; j < in[i].miss_count[hh]; ++j) {
+          const size_t row = (size_t(hh) * k + in[i].miss_slot[size_t(hh) * k + j]) * row_elems;
+          for (size_t e = 0; e < row_elems; ++e) {
+            const double x = Bf16ToFloat(oc[i].keys[row + e]);
+            ss += x * x;
+            ++cnt;
+          }
+        }
+      }
+      const double floor_mag = 1e-3 * std::sqrt(ss / std::max<size_t>(cnt, 1));
+      for (int hh = 0; hh < h; ++hh) {
+        std::vector<bool> named(k, false);
+        for (int j = 0; j < in[i].miss_count[hh]; ++j) {
+          named[in[i].miss_slot[size_t(hh) * k + j]] = true;
+        }
+        for (int slot = 0; slot < k; ++slot) {
+          const size_t row = (size_t(hh) * k + slot) * row_elems;
+          for (size_t e = row; e < row + row_elems; ++e) {
+            const bf16 kg = og[i].keys[e], vg = og[i].values[e];
+            if (!named[slot]) {
+              untouched_bad += kg.bits != 0xFFFF || vg.bits != 0xFFFF ||
+                               oc[i].keys[e].bits != 0xFFFF || oc[i].values[e].bits != 0xFFFF;
+              continue;
+            }
+            const double a = Bf16ToFloat(kg), b = Bf16ToFloat(oc[i].keys[e]);
+            const double ulps =
+                std::fabs(a - b) / Bf16Ulp(std::max({std::fabs(a), std::fabs(b), floor_mag}));
+            worst_ulps = std::max(worst_ulps, ulps);
+            key_fail += ulps > 2.0;
+            value_diff += vg.bits != oc[i].values[e].bits;
+            ++checked;
+          }
+        }
+      }
+    }
+    EXPECT_EQ(key_fail, 0u) << cs.name;
+    EXPECT_EQ(value_diff, 0u) << cs.name;
+    EXPECT_EQ(untouched_bad, 0u) << cs.name;
+    EXPECT_GT(checked, 0u) << cs.name;
+
+    // Out-of-range slots on the GPU: those misses are skipped (their rows stay untouched),
+    // every other row is bit-identical to the run above.
+    std::vector<ReconInput> bad = std::move(in);
+    const int32_t lost0 = bad[0].miss_slot[0], lost1 = bad[0].miss_slot[1];
+    bad[0].miss_slot[0] = k;
+    bad[0].miss_slot[1] = -1;
+    std::vector<ReconOut> ob = RunReconstruct(*gpu, cs.shape, C, k, r, cs.rope, cs.codec, bad);
+    size_t skip_bad = 0;
+    for (size_t i = 0; i < bad.size(); ++i) {
+      for (size_t e = 0; e < og[i].keys.size(); ++e) {
+        const size_t row = e / row_elems;
+        const bool lost = i == 0 && (row == size_t(lost0) || row == size_t(lost1));
+        if (lost) {
+          skip_bad += ob[i].keys[e].bits != 0xFFFF || ob[i].values[e].bits != 0xFFFF;
+        } else {
+          skip_bad += ob[i].keys[e].bits != og[i].keys[e].bits ||
+                      ob[i].values[e].bits != og[i].values[e].bits;
+        }
+      }
+    }
+    EXPECT_EQ(skip_bad, 0u) << cs.name;
+    std::printf(
+        "[decode parity] reconstruct slots %-18s keys: max %.2f bf16 ulp (tolerance 2), %zu "
+        "over; values: %zu/%zu differ (tolerance: exact); rows no miss names touched: %zu; "
+        "out-of-range slots: %zu elements wrong (tolerance 0)\n",
+        cs.name.c_str(), worst_ulps, key_fail, value_diff, checked, untouched_bad, skip_bad);
   }
 }
 

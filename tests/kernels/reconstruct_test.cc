@@ -1,9 +1,12 @@
 // Reconstruct (ALGORITHM.md decode step 4): keys equal a naive A.B + RoPE at the true
 // absolute positions, values equal DecodeValueChunks of the same stored chunks, for every
 // codec, with padded value strides and several segments; rows past miss_count stay
-// untouched; bad miss ids and strides are rejected.
+// untouched; bad miss ids and strides are rejected. Slot-addressed output (miss_slot): the
+// compact output permuted into the named slots, other rows untouched; slots outside [0, k)
+// or repeated are rejected before anything is written.
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -271,6 +274,149 @@ TEST(Reconstruct, BadArgumentsRejected) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(be->Reconstruct(f.shape, f.C, k, f.rope, f.codec, items, Workspace{}).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// Misses of the slot tests: head 0 all k (slots a permutation), head 1 three spanning the
+// segments (slots not ascending), head 2 none. Entries past miss_count hold garbage that
+// must be ignored.
+struct SlotCase {
+  std::vector<int32_t> miss_chunk, miss_count, miss_slot;
+};
+
+SlotCase MakeSlotCase(int h, int k) {
+  SlotCase sc;
+  sc.miss_chunk.assign(size_t(h) * k, -1);
+  sc.miss_slot.assign(size_t(h) * k, 99);
+  sc.miss_count = {k, 3, 0};
+  const int32_t chunks0[] = {0, 6, 7, 10, 11, 19}, slots0[] = {3, 0, 5, 1, 4, 2};
+  const int32_t chunks1[] = {3, 8, 15}, slots1[] = {5, 1, 2};
+  for (int j = 0; j < k; ++j) {
+    sc.miss_chunk[j] = chunks0[j];
+    sc.miss_slot[j] = slots0[j];
+  }
+  for (int j = 0; j < 3; ++j) {
+    sc.miss_chunk[k + j] = chunks1[j];
+    sc.miss_slot[k + j] = slots1[j];
+  }
+  return sc;
+}
+
+class ReconstructSlots : public ::testing::TestWithParam<ValueCodecSpec> {};
+
+TEST_P(ReconstructSlots, SlotOutputIsCompactOutputPermuted) {
+  auto be = Cpu();
+  auto rng = MakeRng(33 + int(GetParam().codec));
+  Fixture f;
+  f.codec = GetParam();
+  f.Build(*be, rng, {7, 4, 9});
+  const int h = f.shape.h, d = f.shape.d, C = f.C, k = f.k;
+  const SlotCase sc = MakeSlotCase(h, k);
+  const size_t out_elems = size_t(h) * k * C * d, row_elems = size_t(C) * d;
+  std::vector<bf16> keys(out_elems, bf16{0xFFFF}), values(out_elems, bf16{0xFFFF});
+  // The slot buffer starts with a sentinel that no reconstruction produces (a NaN).
+  const bf16 kSentinel{0x7FC1};
+  std::vector<bf16> slot_keys(out_elems, kSentinel), slot_values(out_elems, kSentinel);
+  ReconstructItem compact;
+  compact.view = f.View();
+  compact.miss_chunk = sc.miss_chunk.data();
+  compact.miss_count = sc.miss_count.data();
+  compact.keys = keys.data();
+  compact.values = values.data();
+  ReconstructItem slotted = compact;
+  slotted.miss_slot = sc.miss_slot.data();
+  slotted.keys = slot_keys.data();
+  slotted.values = slot_values.data();
+  // Both in one call: items are independent.
+  std::vector<ReconstructItem> items = {compact, slotted};
+  auto ws = be->Allocate(be->ReconstructWorkspaceBytes(f.shape, k, items)).value();
+  ASSERT_TRUE(be->Reconstruct(f.shape, C, k, f.rope, f.codec, items, ws.workspace()).ok());
+
+  for (int hh = 0; hh < h; ++hh) {
+    std::vector<bool> named(k, false);
+    for (int j = 0; j < sc.miss_count[hh]; ++j) {
+      const int slot = sc.miss_slot[size_t(hh) * k + j];
+      named[slot] = true;
+      const size_t from = (size_t(hh) * k + j) * row_elems;
+      const size_t to = (size_t(hh) * k + slot) * row_elems;
+      EXPECT_EQ(std::memcmp(slot_keys.data() + to, keys.data() + from, row_elems * 2), 0)
+          << "head " << hh << " miss " << j << " slot " << slot;
+      EXPECT_EQ(std::memcmp(slot_values.data() + to, values.data() + from, row_elems * 2), 0)
+          << "head " << hh << " miss " << j << " slot " << slot;
+    }
+    for (int slot = 0; slot < k; ++slot) {
+      if (named[slot]) continue;
+      const size_t row = (size_t(hh) * k + slot) * row_elems;
+      for (size_t e = 0; e < row_elems; ++e) {
+        ASSERT_EQ(slot_keys[row + e].bits, kSentinel.bits) << "head " << hh << " slot " << slot;
+        ASSERT_EQ(slot_values[row + e].bits, kSentinel.bits) << "head " << hh << " slot " << slot;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, ReconstructSlots,
+                         ::testing::Values(ValueCodecSpec{ValueCodec::kBF16},
+                                           ValueCodecSpec{ValueCodec::kINT4, 16}));
+
+TEST(Reconstruct, BadSlotRejectedBeforeAnyWrite) {
+  auto be = Cpu();
+  auto rng = MakeRng(34);
+  Fixture f;
+  f.Build(*be, rng, {7, 4, 9});
+  const int h = f.shape.h, C = f.C, k = f.k;
+  SlotCase sc = MakeSlotCase(h, k);
+  const size_t out_elems = size_t(h) * k * C * f.shape.d;
+  const bf16 kSentinel{0x7FC1};
+  std::vector<bf16> keys(out_elems, kSentinel), values(out_elems, kSentinel);
+  ReconstructItem good;  // item 0: valid, so a lazy check would already have written it
+  std::vector<bf16> good_keys(out_elems, kSentinel), good_values(out_elems, kSentinel);
+  good.view = f.View();
+  good.miss_chunk = sc.miss_chunk.data();
+  good.miss_count = sc.miss_count.data();
+  good.keys = good_keys.data();
+  good.values = good_values.data();
+  std::vector<int32_t> good_slots = sc.miss_slot;
+  good.miss_slot = good_slots.data();
+  ReconstructItem item = good;
+  item.miss_slot = sc.miss_slot.data();
+  item.keys = keys.data();
+  item.values = values.data();
+  auto ws = be->Allocate(be->ReconstructWorkspaceBytes(f.shape, k, {good, item})).value();
+  auto run = [&]() {
+    std::vector<ReconstructItem> items = {good, item};
+    return be->Reconstruct(f.shape, C, k, f.rope, f.codec, items, ws.workspace());
+  };
+  auto untouched = [&]() {
+    for (const auto* out : {&keys, &values, &good_keys, &good_values}) {
+      for (const bf16 x : *out) {
+        if (x.bits != kSentinel.bits) return false;
+      }
+    }
+    return true;
+  };
+  struct Bad {
+    int index;  // into miss_slot, [h, k]
+    int32_t slot;
+    std::string message;
+  };
+  const Bad bads[] = {
+      {k + 2, k, "items[1].miss_slot[1, 2] must be in [0, k = 6), got 6"},
+      {k + 2, -1, "items[1].miss_slot[1, 2] must be in [0, k = 6), got -1"},
+      {4, 0, "items[1].miss_slot[0, 4] repeats slot 0 of miss_slot[0, 1]"},
+      {k + 1, 5, "items[1].miss_slot[1, 1] repeats slot 5 of miss_slot[1, 0]"},
+  };
+  for (const Bad& bad : bads) {
+    const int32_t saved = sc.miss_slot[bad.index];
+    sc.miss_slot[bad.index] = bad.slot;
+    const absl::Status st = run();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad.message;
+    EXPECT_NE(st.message().find(bad.message), std::string_view::npos) << st.message();
+    EXPECT_TRUE(untouched()) << bad.message;
+    sc.miss_slot[bad.index] = saved;
+  }
+  // Entries past miss_count are not slots (99 here) and head 2 has none: accepted.
+  EXPECT_TRUE(run().ok());
+  EXPECT_FALSE(untouched());
 }
 
 }  // namespace

@@ -171,15 +171,26 @@ struct SelectItem {
 };
 
 // Output of reconstruction for one session: keys and values of the missed chunks.
-//   keys   : [h, k, C, d] bf16 out; row (hh, j) holds miss j of head hh (post-RoPE K)
-//   values : [h, k, C, d] bf16 out; same rows, decoded V
-// Rows j >= miss_count[hh] are left untouched.
+//   miss_chunk : [h, k] int32, entries [0, miss_count[hh]) of row hh are chunk ids
+//   miss_count : [h] int32
+//   miss_slot  : [h, k] int32 or null (SelectItem::miss_slot of the same step): output
+//                row of each miss; entries [0, miss_count[hh]) of row hh must be distinct
+//                and in [0, k)
+//   keys       : [h, k, C, d] bf16 out (post-RoPE K); miss j of head hh is written to row
+//                (hh, j), or to row (hh, miss_slot[hh*k + j]) when miss_slot is set
+//   values     : [h, k, C, d] bf16 out; same rows, decoded V
+// Rows not named by a miss are left untouched. With miss_slot set, keys and values can be
+// a persistent slot buffer (the slot table's layout): each step's misses land in their
+// slots and the hits already there stay.
 struct ReconstructItem {
   SessionLayerView view;
   const int32_t* miss_chunk = nullptr;  // [h, k]
   const int32_t* miss_count = nullptr;  // [h]
   bf16* keys = nullptr;
   bf16* values = nullptr;
+  const int32_t* miss_slot = nullptr;  // [h, k] or null: when set, miss j of head hh is
+                                       // written to row (hh, miss_slot[hh*k + j]) instead
+                                       // of row (hh, j)
 };
 
 // One block of keys/values an attention reads. Element (head hh, token t, channel c) is
