@@ -510,6 +510,10 @@ Client::~Client() {
   async_cv_.wait(lock, [this] { return async_inflight_ == 0; });
 }
 
+absl::StatusOr<v1::SessionExport> Client::ExportSession(const v1::ExportSessionRequest& req) {
+  return Unary<v1::ExportSessionRequest, v1::SessionExport>(&v1::KvShade::Stub::ExportSession, req);
+}
+
 absl::StatusOr<v1::StatsResponse> Client::Stats() {
   return Unary<v1::StatsRequest, v1::StatsResponse>(&v1::KvShade::Stub::Stats, v1::StatsRequest());
 }

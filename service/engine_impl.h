@@ -7,6 +7,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -65,6 +66,20 @@ struct LayerViewHold {
   int total_chunks = 0;
 };
 
+// Same-node export (export.cc): the memory one generation keeps alive.
+struct ExportGeneration {
+  uint64_t generation = 0;
+  std::vector<std::shared_ptr<const Segment>> segments;
+  std::vector<storage::SegmentPin> pins;
+  std::vector<DeviceBlock> copies;
+};
+
+struct AttachmentExports {
+  std::weak_ptr<Attachment> attachment;
+  uint64_t next_generation = 1;
+  std::vector<std::unique_ptr<ExportGeneration>> live;
+};
+
 class EngineImpl {
  public:
   EngineImpl(kernels::Backend* backend, const ServerConfig* config, Metrics* metrics,
@@ -104,6 +119,14 @@ class EngineImpl {
   absl::StatusOr<v1::SelectAndReconstructResponse> SelectAndReconstruct(
       const Tenant& t, const v1::SelectAndReconstructRequest& r);
   absl::StatusOr<v1::AttendResponse> Attend(const Tenant& t, const v1::AttendRequest& r);
+  // --- export.cc ---
+  absl::StatusOr<v1::SessionExport> ExportSession(const Tenant& t,
+                                                  const v1::ExportSessionRequest& r);
+  // Drops an attachment's export generations (detach), or those of every attachment that
+  // is gone (lease expiry, session closed).
+  void DropExports(const std::string& attachment_id);
+  void PruneExports();
+  size_t CountExportGenerationsLocked() const;
 
   // --- shared helpers (engine.cc) ---
   // Backend memory from the arena; on exhaustion, unreferenced cached prefixes are
@@ -159,6 +182,10 @@ class EngineImpl {
       ABSL_GUARDED_BY(seg_mu_);
 
   std::atomic<bool> draining_{false};
+  // Same-node export generations per attachment id (export.cc).
+  std::mutex exports_mu_;
+  std::map<std::string, std::unique_ptr<AttachmentExports>> exports_;
+  std::string instance_id_;  // random per engine: scopes exported region ids
   std::atomic<uint64_t> prefix_lookups_{0}, prefix_hits_{0};
   std::atomic<uint64_t> chunks_selected_{0}, chunk_hits_{0};
   // Store counters already reported to Metrics (spills and page-ins happen inside it).

@@ -97,6 +97,11 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                       .Help("Live worker attachments (leases not expired)")
                       .Register(r)
                       .Add({});
+  export_generations_ = &BuildGauge()
+                             .Name("kvshade_export_generations")
+                             .Help("Same-node export generations that workers hold mapped")
+                             .Register(r)
+                             .Add({});
   segments_ = &BuildGauge()
                    .Name("kvshade_segments")
                    .Help("Immutable compressed segments held (shared prefixes counted once)")
@@ -186,6 +191,7 @@ void Metrics::SetTierBytes(std::string_view tier, std::string_view kind, double 
 
 void Metrics::SetSessions(double n) { sessions_->Set(n); }
 void Metrics::SetAttachments(double n) { attachments_->Set(n); }
+void Metrics::SetExportGenerations(double n) { export_generations_->Set(n); }
 void Metrics::SetSegments(double n) { segments_->Set(n); }
 
 void Metrics::PrefixLookup(bool hit, uint64_t reused_tokens) {

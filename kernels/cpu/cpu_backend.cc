@@ -5,9 +5,12 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <unistd.h>
+
 #include "absl/strings/str_cat.h"
 #include "kvshade/kernels/status_macros.h"
 #include "common/validate.h"
+#include "kvshade/kernels/shared_memory.h"
 
 namespace kvshade::kernels {
 namespace {
@@ -16,6 +19,7 @@ constexpr size_t kAlignment = 64;
 
 absl::StatusOr<Buffer> CpuBackend::Allocate(size_t bytes) {
   if (bytes == 0) return Buffer();
+  if (shared_) return AllocateSharedHost(bytes);  // page-aligned
   size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
   void* p = std::aligned_alloc(kAlignment, rounded);
   if (p == nullptr) {
@@ -62,6 +66,40 @@ absl::StatusOr<PeerBuffer> CpuBackend::OpenPeerBuffer(std::string_view) {
 
 absl::Status CpuBackend::ClosePeerBuffer(const PeerBuffer&) {
   return absl::FailedPreconditionError("cpu backend: there are no peer buffers to close");
+}
+
+}  // namespace kvshade::kernels
+
+namespace kvshade::kernels {
+
+absl::StatusOr<ExportedMemory> CpuBackend::ExportMemory(const void* p) {
+  std::optional<SharedHostRegion> r = FindSharedHostRegion(p);
+  if (!r) {
+    return absl::FailedPreconditionError(
+        "cpu: this memory is not shareable (the backend was not set up for same-node export)");
+  }
+  ExportedMemory m;
+  m.kind = ExportedMemory::Kind::kHostFile;
+  m.region_id = r->id;
+  m.pid = getpid();
+  m.fd = r->fd;
+  m.region_bytes = r->bytes;
+  m.offset = static_cast<size_t>(static_cast<const char*>(p) - static_cast<const char*>(r->base));
+  return m;
+}
+
+absl::StatusOr<ImportedMemory> CpuBackend::ImportMemory(const ExportedMemory& m) {
+  if (m.kind != ExportedMemory::Kind::kHostFile) {
+    return absl::FailedPreconditionError(
+        "cpu: cannot map device memory of another process (the daemon runs on a GPU backend; "
+        "open the worker with the cuda backend)");
+  }
+  return MapSharedHostRegion(m);
+}
+
+absl::Status CpuBackend::ReleaseImported(const ImportedMemory& m) {
+  UnmapSharedHostRegion(m);
+  return absl::OkStatus();
 }
 
 }  // namespace kvshade::kernels

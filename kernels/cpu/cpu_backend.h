@@ -33,6 +33,10 @@ class CpuBackend final : public Backend {
                         const int64_t* src_rows, const int64_t* dst_rows, Stream) override;
   absl::StatusOr<PeerBuffer> OpenPeerBuffer(std::string_view handle) override;
   absl::Status ClosePeerBuffer(const PeerBuffer& buffer) override;
+  void EnableSharedMemory() override { shared_ = true; }
+  absl::StatusOr<ExportedMemory> ExportMemory(const void* p) override;
+  absl::StatusOr<ImportedMemory> ImportMemory(const ExportedMemory& m) override;
+  absl::Status ReleaseImported(const ImportedMemory& m) override;
 
   absl::Status ApplyRope(const RopeSpec& rope, absl::Span<const int64_t> positions, int heads,
                          int d, absl::Span<bf16> x, Stream) override;
@@ -96,6 +100,8 @@ class CpuBackend final : public Backend {
                       Workspace ws, Stream) override;
  private:
   std::shared_ptr<CosSinCache> rope_cache_ = NewCosSinCache();
+ private:
+  bool shared_ = false;  // EnableSharedMemory: Allocate from shared memory files
 };
 
 }  // namespace kvshade::kernels

@@ -13,12 +13,14 @@
 // concurrently (on different streams). Ops that use cuBLAS/cuSOLVER (Factorize,
 // ProjectKeys, ObservationMass) serialize on one lock while they run (cuda_check.h,
 // ScopedLibraryStream); they are synchronous ingest-time ops anyway.
+#include <unistd.h>
 #include <cstdint>
 #include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "cuda/cuda_backend_impl.h"
+#include "kvshade/kernels/shared_memory.h"
 #include "cuda/cuda_check.h"
 
 namespace kvshade::kernels {
@@ -88,6 +90,23 @@ absl::StatusOr<Buffer> CudaBackend::Allocate(size_t bytes) {
 absl::StatusOr<Buffer> CudaBackend::AllocateHostVisible(size_t bytes) {
   if (bytes == 0) return Buffer();
   KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
+  if (shared_) {
+    // A shared memory file, registered (pinned + mapped) so kernels read it over PCIe; a
+    // worker process maps the same pages and registers them in its own context.
+    KVSHADE_ASSIGN_OR_RETURN(Buffer buf, AllocateSharedHost(bytes, [](void* q) {
+      cudaHostUnregister(q);
+    }));
+    const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+    const size_t reg = (bytes + page - 1) / page * page;
+    absl::Status st = KVSHADE_CUDA_STATUS(
+        cudaHostRegister(buf.data(), reg, cudaHostRegisterMapped | cudaHostRegisterPortable));
+    if (!st.ok()) {
+      cudaGetLastError();
+      return absl::Status(st.code(), absl::StrCat("AllocateHostVisible(", bytes,
+                                                  " shared bytes): ", st.message()));
+    }
+    return buf;
+  }
   void* p = nullptr;
   // Mapped: kernels read it directly (with UVA the host pointer is the device pointer).
   // Portable: every context/device in the process sees it as pinned.

@@ -37,6 +37,10 @@ class CudaBackend final : public Backend {
                         const int64_t* src_rows, const int64_t* dst_rows, Stream) override;
   absl::StatusOr<PeerBuffer> OpenPeerBuffer(std::string_view handle) override;
   absl::Status ClosePeerBuffer(const PeerBuffer& buffer) override;
+  void EnableSharedMemory() override { shared_ = true; }
+  absl::StatusOr<ExportedMemory> ExportMemory(const void* p) override;
+  absl::StatusOr<ImportedMemory> ImportMemory(const ExportedMemory& m) override;
+  absl::Status ReleaseImported(const ImportedMemory& m) override;
 
   absl::Status ApplyRope(const RopeSpec& rope, absl::Span<const int64_t> positions, int heads,
                          int d, absl::Span<bf16> x, Stream) override;
@@ -100,6 +104,7 @@ class CudaBackend final : public Backend {
                       Workspace ws, Stream) override;
 
  private:
+  bool shared_ = false;  // EnableSharedMemory: host-visible memory from shared memory files
   explicit CudaBackend(int device) : device_(device) {}
   int device_ = 0;
   // Handles bound to the default stream; ops on other streams rebind with

@@ -4,11 +4,15 @@
 #include <cuda.h>  // CUdeviceptr / CUresult types only; the driver is reached at run time
 
 #include <cstring>
+#include <optional>
+
+#include <unistd.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/validate.h"
 #include "cuda/cuda_backend_impl.h"
 #include "cuda/cuda_check.h"
+#include "kvshade/kernels/shared_memory.h"
 #include "kvshade/kernels/status_macros.h"
 
 namespace kvshade::kernels {
@@ -89,6 +93,80 @@ absl::Status CudaBackend::ClosePeerBuffer(const PeerBuffer& buffer) {
   if (buffer.base == nullptr) return absl::OkStatus();
   KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
   KVSHADE_CUDA_RETURN_IF_ERROR(cudaIpcCloseMemHandle(buffer.base));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ExportedMemory> CudaBackend::ExportMemory(const void* p) {
+  if (std::optional<SharedHostRegion> r = FindSharedHostRegion(p)) {
+    ExportedMemory m;
+    m.kind = ExportedMemory::Kind::kHostFile;
+    m.region_id = r->id;
+    m.pid = getpid();
+    m.fd = r->fd;
+    m.region_bytes = r->bytes;
+    m.offset = size_t(static_cast<const char*>(p) - static_cast<const char*>(r->base));
+    return m;
+  }
+  KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess || attr.type != cudaMemoryTypeDevice) {
+    cudaGetLastError();
+    return absl::FailedPreconditionError(
+        "cuda: this memory is neither device memory nor shared host memory; it cannot be "
+        "exported to another process");
+  }
+  KVSHADE_ASSIGN_OR_RETURN(GetAddressRangeFn range, AddressRangeFn());
+  CUdeviceptr base = 0;
+  size_t bytes = 0;
+  if (range(&base, &bytes, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) {
+    return absl::InternalError("cuda: cuMemGetAddressRange failed on exported memory");
+  }
+  cudaIpcMemHandle_t h;
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)));
+  ExportedMemory m;
+  m.kind = ExportedMemory::Kind::kDeviceIpc;
+  m.region_id = static_cast<uint64_t>(base);  // an allocation's base is unique while it lives
+  m.pid = getpid();
+  m.ipc_handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  m.region_bytes = bytes;
+  m.offset = size_t(reinterpret_cast<CUdeviceptr>(p) - base);
+  return m;
+}
+
+absl::StatusOr<ImportedMemory> CudaBackend::ImportMemory(const ExportedMemory& m) {
+  if (m.kind == ExportedMemory::Kind::kDeviceIpc) {
+    KVSHADE_ASSIGN_OR_RETURN(PeerBuffer b, OpenPeerBuffer(m.ipc_handle));
+    if (b.bytes < m.region_bytes) {
+      (void)ClosePeerBuffer(b);
+      return absl::FailedPreconditionError(absl::StrCat(
+          "cuda: the exported device region has ", b.bytes, " bytes, expected ", m.region_bytes));
+    }
+    return ImportedMemory{m.kind, b.base, m.region_bytes};
+  }
+  KVSHADE_ASSIGN_OR_RETURN(ImportedMemory im, MapSharedHostRegion(m));
+  KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
+  const cudaError_t e =
+      cudaHostRegister(im.base, im.bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    UnmapSharedHostRegion(im);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cuda: cannot register ", im.bytes, " bytes of shared host memory: ",
+        cudaGetErrorString(e), " (check the memlock limit: ulimit -l)"));
+  }
+  return im;
+}
+
+absl::Status CudaBackend::ReleaseImported(const ImportedMemory& m) {
+  if (m.base == nullptr) return absl::OkStatus();
+  KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
+  if (m.kind == ExportedMemory::Kind::kDeviceIpc) {
+    KVSHADE_CUDA_RETURN_IF_ERROR(cudaIpcCloseMemHandle(m.base));
+    return absl::OkStatus();
+  }
+  cudaHostUnregister(m.base);
+  cudaGetLastError();
+  UnmapSharedHostRegion(m);
   return absl::OkStatus();
 }
 

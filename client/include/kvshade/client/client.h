@@ -126,6 +126,8 @@ class Client {
 
   // --- Operations ---
   absl::StatusOr<v1::StatsResponse> Stats();
+  // Same-node decode: a generation of an attachment's session state (LocalDecoder uses it).
+  absl::StatusOr<v1::SessionExport> ExportSession(const v1::ExportSessionRequest& req);
   // grpc.health.v1.Health/Check for `service` ("" = the whole server).
   absl::StatusOr<HealthStatus> CheckHealth(const std::string& service = "");
   // Polls CheckHealth with backoff (10 ms .. 200 ms) until SERVING or `deadline` passes;

@@ -225,6 +225,25 @@ struct PeerBuffer {
   size_t bytes = 0;
 };
 
+// Memory named for another process on this node (same-node decode; shared_memory.h).
+struct ExportedMemory {
+  enum class Kind { kHostFile = 0, kDeviceIpc = 1 };
+  Kind kind = Kind::kHostFile;
+  uint64_t region_id = 0;  // unique per region within the exporting process
+  int64_t pid = 0;         // kHostFile: the exporting process
+  int32_t fd = -1;         // kHostFile: its descriptor of the memory file
+  std::string ipc_handle;  // kDeviceIpc: the cudaIpcMemHandle_t bytes of the allocation
+  size_t region_bytes = 0; // bytes of the whole region
+  size_t offset = 0;       // of the exported pointer inside the region
+};
+
+// A region mapped into this process by Backend::ImportMemory.
+struct ImportedMemory {
+  ExportedMemory::Kind kind = ExportedMemory::Kind::kHostFile;
+  void* base = nullptr;  // the region's first byte in this process
+  size_t bytes = 0;
+};
+
 // What a buffer allocated on the ingest path holds, for budget accounting.
 enum class BufferKind { kFactorA, kFactorB, kLandmarks, kStatic, kScratch };
 
@@ -381,6 +400,20 @@ class Backend {
   // inter-process device memory (cpu).
   virtual absl::StatusOr<PeerBuffer> OpenPeerBuffer(std::string_view handle) = 0;
   virtual absl::Status ClosePeerBuffer(const PeerBuffer& buffer) = 0;
+
+  // --- Same-node export of a daemon's state to worker processes (shared_memory.h) ---
+  // Called once at start-up by a process that exports its memory: from then on,
+  // host-visible memory (and on the CPU backend every Allocate) comes from shared memory
+  // files. Memory allocated before stays private.
+  virtual void EnableSharedMemory() = 0;
+  // Names the allocation that holds p (this backend's memory, or host-visible memory) for
+  // another process on this node. FailedPrecondition for memory that cannot be shared.
+  virtual absl::StatusOr<ExportedMemory> ExportMemory(const void* p) = 0;
+  // Maps a region another process exported into this one, readable by this backend's
+  // kernels (a CUDA backend registers host regions and opens IPC handles); released with
+  // ReleaseImported. FailedPrecondition for a kind this backend cannot map.
+  virtual absl::StatusOr<ImportedMemory> ImportMemory(const ExportedMemory& m) = 0;
+  virtual absl::Status ReleaseImported(const ImportedMemory& m) = 0;
 };
 
 // Backends compiled into this build, by name ("cpu" always; "cuda" when built and a device

@@ -63,22 +63,25 @@ class Engine {
   absl::StatusOr<v1::CloseSessionResponse> CloseSession(const Tenant& t,
                                                         const v1::CloseSessionRequest& r);
 
-  // One Ingest stream: Begin with the header, Add each following message (layer parts;
-  // the commit message commits), or Commit directly. Destroying an uncommitted stream
-  // discards everything it received (the session stays "ingesting" and may be ingested
-  // again).
+  // One Ingest stream: Begin with the header, Add each following message (layer parts,
+  // then the commit), then Finish once the stream has ended cleanly (gRPC: the client
+  // half-closed after the commit; UCX: the commit message ends the stream). The commit
+  // takes effect only in Finish: a stream that fails (any Add error, a message after the
+  // commit) or is destroyed before Finish commits nothing and discards everything it
+  // received (the session stays "ingesting" and may be ingested again).
   class IngestStream {
    public:
     virtual ~IngestStream() = default;
-    // A layer part or the commit. After a commit, further messages are INVALID_ARGUMENT.
+    // A layer part or the commit (checked: every layer complete). A message after the
+    // commit is INVALID_ARGUMENT; after any error the stream is failed.
     virtual absl::Status Add(const v1::IngestRequest& msg) = 0;
-    // Whether a commit message has been accepted; response() is then valid.
-    virtual bool committed() const = 0;
-    virtual const v1::IngestResponse& response() const = 0;
+    // Applies the accepted commit (the session becomes ready) and returns the response.
+    // INVALID_ARGUMENT without a commit; FAILED_PRECONDITION after a failure or a Finish.
+    virtual absl::StatusOr<v1::IngestResponse> Finish() = 0;
   };
   absl::StatusOr<std::unique_ptr<IngestStream>> BeginIngest(const Tenant& t,
                                                             const v1::IngestRequest& header);
-  // The whole stream at once (header first, commit last).
+  // The whole stream at once (header first, commit last), finished when it is all added.
   absl::StatusOr<v1::IngestResponse> Ingest(const Tenant& t,
                                             absl::Span<const v1::IngestRequest> stream);
 
@@ -91,6 +94,10 @@ class Engine {
   absl::StatusOr<v1::SelectAndReconstructResponse> SelectAndReconstruct(
       const Tenant& t, const v1::SelectAndReconstructRequest& r);
   absl::StatusOr<v1::AttendResponse> Attend(const Tenant& t, const v1::AttendRequest& r);
+  // Same-node decode: a generation of the attachment's session state, named by shared
+  // memory regions a worker on this node maps (service/README.md "Same-node decode").
+  absl::StatusOr<v1::SessionExport> ExportSession(const Tenant& t,
+                                                  const v1::ExportSessionRequest& r);
 
   // The slot-buffer geometry of an attachment the tenant owns, for data planes that write
   // into a worker's registered slot buffers (v1.CudaIpcSlotBuffers has the layout).

@@ -80,6 +80,8 @@ class KvShadeService final : public kvshade::v1::KvShade::Service {
                                     v1::SelectAndReconstructResponse* resp) override;
   grpc::Status Attend(grpc::ServerContext* ctx, const v1::AttendRequest* req,
                       v1::AttendResponse* resp) override;
+  grpc::Status ExportSession(grpc::ServerContext* ctx, const v1::ExportSessionRequest* req,
+                             v1::SessionExport* resp) override;
   grpc::Status Stats(grpc::ServerContext* ctx, const v1::StatsRequest* req,
                      v1::StatsResponse* resp) override;
 

@@ -34,6 +34,7 @@ class Metrics {
   void SetTierBytes(std::string_view tier, std::string_view kind, double bytes);  // tier: device|host|spill
   void SetSessions(double n);
   void SetAttachments(double n);
+  void SetExportGenerations(double n);  // same-node export generations held
   void SetSegments(double n);
   void PrefixLookup(bool hit, uint64_t reused_tokens);
   void ChunkSelection(uint64_t selected, uint64_t hits);
@@ -55,6 +56,7 @@ class Metrics {
   prometheus::Family<prometheus::Gauge>* tier_bytes_;
   prometheus::Gauge* sessions_;
   prometheus::Gauge* attachments_;
+  prometheus::Gauge* export_generations_;
   prometheus::Gauge* segments_;
   prometheus::Counter* prefix_lookups_;
   prometheus::Counter* prefix_hits_;

@@ -1,0 +1,99 @@
+// LocalDecoder: same-node decode with no RPC per step (service/README.md "Same-node decode").
+//
+// A worker on the daemon's node maps the session state of its attachments (ExportSession:
+// factors, landmarks, static sets and exact tails by CUDA IPC or shared host memory,
+// values in shared host memory) and runs selection, reconstruction and attention itself,
+// in its own stream, with the slot tables (the temporal cache) on its own device. One
+// LocalDecoder serves a batch of B attachments (one session each, any mix of sessions of
+// the same model geometry and value codec); every call covers the whole batch in one
+// launch per kernel.
+//
+// Decode step, per layer l (in order), then Advance():
+//   Attend(l, q, k_new, v_new, out)
+//     q     : [B, hq, d] bf16, post-RoPE query of each sequence's newest token
+//     k_new : [B, h, d]  bf16, post-RoPE key of that token;  v_new: [B, h, d] bf16
+//     out   : [B, hq, d] f32, softmax(q K^T / sqrt(d)) V over the session (static set +
+//             selected chunks + the daemon's exact tail) + the tokens decoded locally since
+//             the export + the new token
+//   k_new and v_new may both be null: no new token this step (e.g. the daemon already
+//   holds it); then do not call Advance() for the step.
+//   All pointers are in the decoder's backend memory (device memory for cuda, host for
+//   cpu); nothing is copied to or from the host, and nothing waits on the daemon.
+//
+// Tokens decoded here stay exact in the decoder (local_capacity per sequence). The daemon
+// learns of them when the runtime appends them (AppendTokens, off the critical path);
+// Refresh() then maps the new generation and drops the local tokens it covers.
+//
+// Leases: a background thread renews the attachments' leases (lease/3). Attend fails with
+// FAILED_PRECONDITION once a lease is within `lease_margin` of expiring (renewal failing,
+// daemon gone): the decoder never reads memory the daemon may have freed.
+//
+// Threading: one thread drives Attend/Advance/Refresh; the renewal thread is internal.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvshade/client/client.h"
+#include "kvshade/kernels/backend.h"
+
+namespace kvshade::client {
+
+struct LocalDecoderOptions {
+  // "auto" picks the daemon's backend kind ("cuda" -> this process's device 0, "cpu").
+  std::string backend = "auto";
+  int local_capacity = 1024;  // tokens per sequence decoded locally between refreshes
+  absl::Duration lease_margin = absl::Seconds(1);
+  bool renew_leases = true;   // background renewal thread
+  // Count slot-table hits: Advance() then reads every layer's miss counts back (one small
+  // device-to-host copy per layer; off by default, for measurement).
+  bool count_hits = false;
+};
+
+struct LocalDecoderStats {
+  uint64_t selected = 0;  // selected chunks (all layers, heads, sequences, steps)
+  uint64_t hits = 0;      // of those, already in a slot
+  uint64_t steps = 0;
+};
+
+class LocalDecoder {
+ public:
+  static absl::StatusOr<std::unique_ptr<LocalDecoder>> Open(
+      Client* client, const std::vector<std::string>& attachment_ids,
+      const LocalDecoderOptions& options = {});
+  ~LocalDecoder();
+  LocalDecoder(const LocalDecoder&) = delete;
+  LocalDecoder& operator=(const LocalDecoder&) = delete;
+
+  int batch() const;
+  int layers() const;
+  int kv_heads() const;
+  int query_heads() const;
+  int head_dim() const;
+  // Tokens each sequence attends over before the next step's token (session + local).
+  std::vector<uint64_t> tokens() const;
+  kernels::Backend& backend();
+
+  absl::Status Attend(int layer, const kernels::bf16* q, const kernels::bf16* k_new,
+                      const kernels::bf16* v_new, float* out, kernels::Stream stream = {});
+  // Ends a step: the tokens given to every layer's Attend join the local tail.
+  absl::Status Advance();
+  // Maps the daemon's current generation of every session (after appends or a new turn),
+  // drops the local tokens it covers, resets the slot tables, releases the old generation.
+  absl::Status Refresh();
+  // Selection counters (hits are counted only with options.count_hits).
+  absl::StatusOr<LocalDecoderStats> Stats();
+
+  struct Impl;
+
+ private:
+  explicit LocalDecoder(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kvshade::client

@@ -1,0 +1,652 @@
+// LocalDecoder (local_decoder.h): maps export generations, keeps slot tables and slot
+// buffers in the worker's backend memory, and runs Backend::Select, Reconstruct (straight
+// into the slot buffers) and Attend per layer for the whole batch.
+#include "kvshade/client/local_decoder.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "kvshade/kernels/status_macros.h"
+
+namespace kvshade::client {
+namespace {
+
+using kernels::bf16;
+
+int64_t NowMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// One backend per name for the whole process, and the regions it has mapped: a CUDA IPC
+// handle may be opened only once per process, and several decoders may read one daemon.
+struct WorkerContext {
+  std::unique_ptr<kernels::Backend> backend;
+  std::mutex mu;
+  struct Mapping {
+    kernels::ImportedMemory memory;
+    int refs = 0;
+  };
+  std::map<std::pair<std::string, uint64_t>, Mapping> mappings;  // (daemon, region id)
+};
+
+absl::StatusOr<WorkerContext*> ContextFor(const std::string& name) {
+  static std::mutex mu;
+  static auto* contexts = new std::map<std::string, std::unique_ptr<WorkerContext>>();
+  std::lock_guard<std::mutex> lock(mu);
+  auto& c = (*contexts)[name];
+  if (!c) {
+    KVSHADE_ASSIGN_OR_RETURN(std::unique_ptr<kernels::Backend> b, kernels::CreateBackend(name));
+    c = std::make_unique<WorkerContext>();
+    c->backend = std::move(b);
+  }
+  return c.get();
+}
+
+kernels::RopeSpec FromWire(const v1::RopeSpec& r) {
+  kernels::RopeSpec k;
+  k.theta = r.theta();
+  k.rotary_dim = static_cast<int>(r.rotary_dim());
+  k.scaling = static_cast<kernels::RopeScaling>(static_cast<int>(r.scaling()));
+  k.pairing = static_cast<kernels::RopePairing>(static_cast<int>(r.pairing()));
+  k.factor = r.factor();
+  k.low_freq_factor = r.low_freq_factor();
+  k.high_freq_factor = r.high_freq_factor();
+  k.original_max_position = static_cast<int>(r.original_max_position());
+  k.beta_fast = r.beta_fast();
+  k.beta_slow = r.beta_slow();
+  return k;
+}
+
+absl::StatusOr<kernels::ValueCodec> FromWire(v1::ValueCodec c) {
+  switch (c) {
+    case v1::VALUE_CODEC_UNSPECIFIED:
+    case v1::VALUE_CODEC_BF16: return kernels::ValueCodec::kBF16;
+    case v1::VALUE_CODEC_FP8: return kernels::ValueCodec::kFP8;
+    case v1::VALUE_CODEC_INT4: return kernels::ValueCodec::kINT4;
+    case v1::VALUE_CODEC_INT2: return kernels::ValueCodec::kINT2;
+    default: return absl::InvalidArgumentError(absl::StrCat("unknown value codec ", int(c)));
+  }
+}
+
+}  // namespace
+
+// One sequence's mapped generation and per-layer decode state.
+struct SeqLayer {
+  kernels::SessionLayerView view;
+  int k = 0;                           // slots per head (0: nothing to select)
+  std::vector<int32_t> slot_len_host;  // [h] m_hh * C
+  const bf16* static_k = nullptr;      // [h, s, d]
+  const bf16* static_v = nullptr;
+  const int32_t* static_len = nullptr; // [h]
+  int s = 0;
+  const bf16* tail_k = nullptr;        // [t, h, d]
+  const bf16* tail_v = nullptr;
+  int t = 0;
+  // Worker-owned (backend memory), allocated per generation.
+  kernels::Buffer slots;       // [h, k] int32 slot table
+  kernels::Buffer slot_len;    // [h] int32
+  kernels::Buffer slot_k, slot_v;  // [h, k, C, d] bf16
+  kernels::Buffer outs;        // selected, miss_slot, miss_chunk [h, k] each; miss_count [h]
+};
+
+struct Seq {
+  std::string attachment_id;
+  v1::SessionExport exp;  // the generation in use (regions, geometry)
+  std::vector<std::pair<std::string, uint64_t>> regions;  // mapped regions it holds
+  std::vector<SeqLayer> layers;
+  uint64_t session_tokens = 0;  // tokens the generation covers
+  std::atomic<int64_t> lease_expires_ms{0};
+};
+
+struct LocalDecoder::Impl {
+  Client* client = nullptr;
+  LocalDecoderOptions options;
+  WorkerContext* ctx = nullptr;
+  kernels::Backend* be = nullptr;
+  std::vector<std::unique_ptr<Seq>> seqs;
+  int L = 0, h = 0, hq = 0, g = 0, d = 0, C = 0;
+  kernels::RopeSpec rope;
+  kernels::ValueCodecSpec codec;
+  kernels::LayerShape shape;
+  // Exact local tail: [L][cap, B, h, d] bf16 K and V; n_local tokens valid.
+  kernels::Buffer local_k, local_v;
+  int n_local = 0;
+  kernels::Buffer local_len;  // [B] unused placeholder for alignment of the workspace
+  kernels::Buffer workspace;
+  size_t workspace_bytes = 0;
+  kernels::Stream last_stream;
+  LocalDecoderStats stats;
+  // Renewal thread.
+  std::mutex renew_mu;
+  std::condition_variable renew_cv;
+  bool stop = false;
+  std::thread renewer;
+
+  absl::Status MapGeneration(Seq& seq, v1::SessionExport exp);
+  void UnmapRegions(Seq& seq);
+  absl::Status CheckLeases() const;
+  void RenewLoop();
+  absl::Status SizeWorkspace();
+};
+
+void LocalDecoder::Impl::UnmapRegions(Seq& seq) {
+  std::lock_guard<std::mutex> lock(ctx->mu);
+  for (const auto& key : seq.regions) {
+    auto it = ctx->mappings.find(key);
+    if (it == ctx->mappings.end()) continue;
+    if (--it->second.refs == 0) {
+      (void)be->ReleaseImported(it->second.memory);
+      ctx->mappings.erase(it);
+    }
+  }
+  seq.regions.clear();
+}
+
+absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) {
+  // Map every region (once per process), then translate every reference.
+  std::map<uint64_t, char*> base;
+  std::vector<std::pair<std::string, uint64_t>> held;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    for (const v1::SharedRegion& r : exp.regions()) {
+      auto key = std::make_pair(exp.daemon_instance(), r.id());
+      auto it = ctx->mappings.find(key);
+      if (it == ctx->mappings.end()) {
+        kernels::ExportedMemory m;
+        m.kind = r.device() ? kernels::ExportedMemory::Kind::kDeviceIpc
+                            : kernels::ExportedMemory::Kind::kHostFile;
+        m.region_id = r.id();
+        m.pid = r.pid();
+        m.fd = r.fd();
+        m.ipc_handle = r.cuda_ipc_handle();
+        m.region_bytes = r.bytes();
+        absl::StatusOr<kernels::ImportedMemory> im = be->ImportMemory(m);
+        if (!im.ok()) {
+          for (const auto& k : held) {
+            auto h2 = ctx->mappings.find(k);
+            if (h2 != ctx->mappings.end() && --h2->second.refs == 0) {
+              (void)be->ReleaseImported(h2->second.memory);
+              ctx->mappings.erase(h2);
+            }
+          }
+          return im.status();
+        }
+        it = ctx->mappings.emplace(key, WorkerContext::Mapping{*im, 0}).first;
+      }
+      ++it->second.refs;
+      held.push_back(key);
+      base[r.id()] = static_cast<char*>(it->second.memory.base);
+    }
+  }
+  seq.regions = std::move(held);
+  auto ptr = [&](const v1::RegionRef& ref, size_t bytes) -> absl::StatusOr<const void*> {
+    auto it = base.find(ref.region());
+    const v1::SharedRegion* r = nullptr;
+    for (const auto& x : exp.regions()) {
+      if (x.id() == ref.region()) r = &x;
+    }
+    if (it == base.end() || r == nullptr || ref.offset() + bytes > r->bytes()) {
+      return absl::InternalError(absl::StrCat("export references region ", ref.region(),
+                                              " at offset ", ref.offset(), " (+", bytes,
+                                              " bytes) outside what it exported"));
+    }
+    return static_cast<const void*>(it->second + ref.offset());
+  };
+  if (static_cast<int>(exp.layers_size()) != L) {
+    return absl::InternalError("export has the wrong number of layers");
+  }
+  KVSHADE_ASSIGN_OR_RETURN(const size_t chunk_bytes, kernels::ValueChunkBytes(codec, C, d));
+  seq.layers.clear();
+  seq.layers.resize(L);
+  for (int l = 0; l < L; ++l) {
+    const v1::ExportedLayer& el = exp.layers(l);
+    SeqLayer& sl = seq.layers[l];
+    sl.k = static_cast<int>(el.slots_per_head());
+    if (sl.k > 0) {
+      sl.view.r = static_cast<int>(el.rank());
+      const void* p;
+      KVSHADE_ASSIGN_OR_RETURN(p, ptr(el.b(), size_t(h) * sl.view.r * d * 2));
+      sl.view.b = static_cast<const bf16*>(p);
+      for (const v1::ExportedSegment& es : el.segments()) {
+        if (sl.view.n_segments == kernels::kMaxSegments) {
+          return absl::InternalError("export has too many segments");
+        }
+        kernels::SegmentView& sv = sl.view.segments[sl.view.n_segments++];
+        const size_t n = es.n_chunks();
+        sv.n_chunks = static_cast<int32_t>(n);
+        sv.first_position = es.first_position();
+        KVSHADE_ASSIGN_OR_RETURN(p, ptr(es.landmarks(), n * h * d * 2));
+        sv.landmarks = static_cast<const bf16*>(p);
+        KVSHADE_ASSIGN_OR_RETURN(p, ptr(es.a(), n * C * sl.view.r * 2));
+        sv.a = static_cast<const bf16*>(p);
+        if (es.has_excluded()) {
+          KVSHADE_ASSIGN_OR_RETURN(p, ptr(es.excluded(), n * h));
+          sv.excluded = static_cast<const uint8_t*>(p);
+        }
+        const size_t vbytes = size_t(es.value_head_stride()) * (h - 1) +
+                              size_t(es.value_chunk_stride()) * (n > 0 ? n - 1 : 0) + chunk_bytes;
+        KVSHADE_ASSIGN_OR_RETURN(p, ptr(es.values(), vbytes));
+        sv.values = static_cast<const std::byte*>(p);
+        sv.value_head_stride = es.value_head_stride();
+        sv.value_chunk_stride = es.value_chunk_stride();
+      }
+      sl.slot_len_host.resize(h);
+      for (int hh = 0; hh < h; ++hh) {
+        const int m = std::min<int>(sl.k, static_cast<int>(el.selectable_per_head(hh)));
+        sl.slot_len_host[hh] = m * C;
+      }
+      const size_t hk = size_t(h) * sl.k;
+      KVSHADE_ASSIGN_OR_RETURN(sl.slots, be->Allocate(hk * 4));
+      KVSHADE_RETURN_IF_ERROR(be->Fill(sl.slots.data(), 0xff, hk * 4));  // -1: empty
+      KVSHADE_ASSIGN_OR_RETURN(sl.slot_len, be->Allocate(size_t(h) * 4));
+      KVSHADE_RETURN_IF_ERROR(be->CopyFromHost(sl.slot_len.data(), sl.slot_len_host.data(), size_t(h) * 4));
+      KVSHADE_ASSIGN_OR_RETURN(sl.slot_k, be->Allocate(hk * C * d * 2));
+      KVSHADE_ASSIGN_OR_RETURN(sl.slot_v, be->Allocate(hk * C * d * 2));
+      KVSHADE_ASSIGN_OR_RETURN(sl.outs, be->Allocate((3 * hk + h) * 4));
+    }
+    sl.s = static_cast<int>(el.static_rows());
+    if (sl.s > 0) {
+      const size_t sb = size_t(h) * sl.s * d * 2;
+      const void* p;
+      KVSHADE_ASSIGN_OR_RETURN(p, ptr(el.static_k(), sb));
+      sl.static_k = static_cast<const bf16*>(p);
+      KVSHADE_ASSIGN_OR_RETURN(p, ptr(el.static_v(), sb));
+      sl.static_v = static_cast<const bf16*>(p);
+      KVSHADE_ASSIGN_OR_RETURN(p, ptr(el.static_lengths(), size_t(h) * 4));
+      sl.static_len = static_cast<const int32_t*>(p);
+    }
+    sl.t = static_cast<int>(el.tail_tokens());
+    if (sl.t > 0) {
+      const size_t tb = size_t(sl.t) * h * d * 2;
+      const void* p;
+      KVSHADE_ASSIGN_OR_RETURN(p, ptr(el.tail_k(), tb));
+      sl.tail_k = static_cast<const bf16*>(p);
+      KVSHADE_ASSIGN_OR_RETURN(p, ptr(el.tail_v(), tb));
+      sl.tail_v = static_cast<const bf16*>(p);
+    }
+  }
+  seq.session_tokens = exp.tokens();
+  seq.lease_expires_ms = static_cast<int64_t>(exp.lease_expires_unix_ms());
+  seq.exp = std::move(exp);
+  seq.exp.clear_layers();  // the translated pointers are what is used from here on
+  return absl::OkStatus();
+}
+
+absl::Status LocalDecoder::Impl::SizeWorkspace() {
+  // The largest Select / Reconstruct / Attend workspace of any layer for the whole batch at
+  // the full local tail.
+  size_t need = 0;
+  const int B = static_cast<int>(seqs.size());
+  for (int l = 0; l < L; ++l) {
+    std::map<int, std::vector<kernels::SelectItem>> sel;
+    std::map<int, std::vector<kernels::ReconstructItem>> rec;
+    std::vector<kernels::AttendItem> att(B);
+    for (int b = 0; b < B; ++b) {
+      const SeqLayer& sl = seqs[b]->layers[l];
+      if (sl.k > 0) {
+        kernels::SelectItem si;
+        si.view = sl.view;
+        sel[sl.k].push_back(si);
+        kernels::ReconstructItem ri;
+        ri.view = sl.view;
+        rec[sl.k].push_back(ri);
+      }
+      kernels::AttendItem& ai = att[b];
+      ai.n_blocks = 0;
+      if (sl.s > 0) ai.blocks[ai.n_blocks++] = kernels::KvBlock{nullptr, nullptr, sl.s, nullptr, 0, 0};
+      if (sl.k > 0) ai.blocks[ai.n_blocks++] = kernels::KvBlock{nullptr, nullptr, int64_t(sl.k) * C, nullptr, 0, 0};
+      if (sl.t > 0) ai.blocks[ai.n_blocks++] = kernels::KvBlock{nullptr, nullptr, sl.t, nullptr, 0, 0};
+      ai.blocks[ai.n_blocks++] = kernels::KvBlock{nullptr, nullptr, options.local_capacity, nullptr, 0, 0};
+    }
+    for (const auto& [k, items] : sel) need = std::max(need, be->SelectWorkspaceBytes(shape, k, items));
+    for (const auto& [k, items] : rec) need = std::max(need, be->ReconstructWorkspaceBytes(shape, k, items));
+    need = std::max(need, be->AttendWorkspaceBytes(shape, att));
+  }
+  need = std::max<size_t>(need, 256);
+  if (need > workspace_bytes) {
+    KVSHADE_ASSIGN_OR_RETURN(workspace, be->Allocate(need));
+    workspace_bytes = need;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LocalDecoder::Impl::CheckLeases() const {
+  const int64_t now = NowMs();
+  const int64_t margin = absl::ToInt64Milliseconds(options.lease_margin);
+  for (const auto& s : seqs) {
+    if (now + margin >= s->lease_expires_ms.load()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "the lease of attachment '", s->attachment_id,
+          "' has expired or is about to (renewal failed or stopped); its exported memory may "
+          "be freed: attach again and open a new decoder"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+void LocalDecoder::Impl::RenewLoop() {
+  std::unique_lock<std::mutex> lock(renew_mu);
+  for (;;) {
+    int64_t lease_ms = 0;
+    for (const auto& s : seqs) lease_ms = std::max<int64_t>(lease_ms, s->exp.lease_ms());
+    const auto wait = std::chrono::milliseconds(std::max<int64_t>(lease_ms / 3, 50));
+    if (renew_cv.wait_for(lock, wait, [&] { return stop; })) return;
+    for (auto& s : seqs) {
+      v1::ExportSessionRequest req;
+      req.set_attachment_id(s->attachment_id);
+      req.set_renew_only(true);
+      lock.unlock();
+      absl::StatusOr<v1::SessionExport> r = client->ExportSession(req);
+      lock.lock();
+      if (r.ok()) s->lease_expires_ms = static_cast<int64_t>(r->lease_expires_unix_ms());
+      // A failed renewal leaves the old expiry: Attend refuses once it is reached.
+    }
+  }
+}
+
+LocalDecoder::LocalDecoder(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+LocalDecoder::~LocalDecoder() {
+  Impl& m = *impl_;
+  {
+    std::lock_guard<std::mutex> lock(m.renew_mu);
+    m.stop = true;
+  }
+  m.renew_cv.notify_all();
+  if (m.renewer.joinable()) m.renewer.join();
+  if (m.be != nullptr) (void)m.be->Synchronize(m.last_stream);
+  for (auto& s : m.seqs) {
+    m.UnmapRegions(*s);
+    if (s->exp.generation() != 0) {
+      v1::ExportSessionRequest req;
+      req.set_attachment_id(s->attachment_id);
+      req.set_renew_only(true);
+      req.add_release_generations(s->exp.generation());
+      (void)m.client->ExportSession(req);  // best effort: detach releases everything too
+    }
+  }
+}
+
+absl::StatusOr<std::unique_ptr<LocalDecoder>> LocalDecoder::Open(
+    Client* client, const std::vector<std::string>& attachment_ids,
+    const LocalDecoderOptions& options) {
+  if (client == nullptr) return absl::InvalidArgumentError("LocalDecoder::Open: client is null");
+  if (attachment_ids.empty()) {
+    return absl::InvalidArgumentError("LocalDecoder::Open: give at least one attachment");
+  }
+  if (options.local_capacity < 1) {
+    return absl::InvalidArgumentError(absl::StrCat("local_capacity must be >= 1, got ",
+                                                   options.local_capacity));
+  }
+  auto impl = std::make_unique<Impl>();
+  Impl& m = *impl;
+  m.client = client;
+  m.options = options;
+  std::vector<v1::SessionExport> exports;
+  for (const std::string& id : attachment_ids) {
+    v1::ExportSessionRequest req;
+    req.set_attachment_id(id);
+    KVSHADE_ASSIGN_OR_RETURN(v1::SessionExport e, client->ExportSession(req));
+    exports.push_back(std::move(e));
+  }
+  const v1::SessionExport& e0 = exports[0];
+  for (size_t i = 1; i < exports.size(); ++i) {
+    const v1::SessionExport& e = exports[i];
+    if (e.num_layers() != e0.num_layers() || e.num_kv_heads() != e0.num_kv_heads() ||
+        e.num_query_heads() != e0.num_query_heads() || e.head_dim() != e0.head_dim() ||
+        e.chunk_size() != e0.chunk_size() || e.value_codec() != e0.value_codec() ||
+        e.value_group() != e0.value_group() || e.backend() != e0.backend() ||
+        e.rope().SerializeAsString() != e0.rope().SerializeAsString()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attachment '", attachment_ids[i], "' differs from '", attachment_ids[0],
+          "' in model geometry, RoPE, chunk size or value codec; one decoder batches sessions "
+          "of one model and profile"));
+    }
+  }
+  std::string backend = options.backend;
+  if (backend == "auto") backend = e0.backend();
+  KVSHADE_ASSIGN_OR_RETURN(m.ctx, ContextFor(backend));
+  m.be = m.ctx->backend.get();
+  m.L = static_cast<int>(e0.num_layers());
+  m.h = static_cast<int>(e0.num_kv_heads());
+  m.hq = static_cast<int>(e0.num_query_heads());
+  m.g = m.hq / std::max(m.h, 1);
+  m.d = static_cast<int>(e0.head_dim());
+  m.C = static_cast<int>(e0.chunk_size());
+  m.shape = kernels::LayerShape{m.h, m.g, m.d};
+  m.rope = FromWire(e0.rope());
+  KVSHADE_ASSIGN_OR_RETURN(m.codec.codec, FromWire(e0.value_codec()));
+  m.codec.group = static_cast<int>(e0.value_group());
+  for (size_t i = 0; i < exports.size(); ++i) {
+    auto seq = std::make_unique<Seq>();
+    seq->attachment_id = attachment_ids[i];
+    m.seqs.push_back(std::move(seq));
+  }
+  std::unique_ptr<LocalDecoder> dec(new LocalDecoder(std::move(impl)));
+  for (size_t i = 0; i < exports.size(); ++i) {
+    KVSHADE_RETURN_IF_ERROR(m.MapGeneration(*m.seqs[i], std::move(exports[i])));
+  }
+  const size_t local_bytes = size_t(m.L) * m.options.local_capacity * m.seqs.size() * m.h * m.d * 2;
+  KVSHADE_ASSIGN_OR_RETURN(m.local_k, m.be->Allocate(local_bytes));
+  KVSHADE_ASSIGN_OR_RETURN(m.local_v, m.be->Allocate(local_bytes));
+  KVSHADE_RETURN_IF_ERROR(m.SizeWorkspace());
+  KVSHADE_RETURN_IF_ERROR(m.be->Synchronize());
+  if (options.renew_leases) m.renewer = std::thread([&m] { m.RenewLoop(); });
+  return dec;
+}
+
+int LocalDecoder::batch() const { return static_cast<int>(impl_->seqs.size()); }
+int LocalDecoder::layers() const { return impl_->L; }
+int LocalDecoder::kv_heads() const { return impl_->h; }
+int LocalDecoder::query_heads() const { return impl_->hq; }
+int LocalDecoder::head_dim() const { return impl_->d; }
+kernels::Backend& LocalDecoder::backend() { return *impl_->be; }
+
+std::vector<uint64_t> LocalDecoder::tokens() const {
+  std::vector<uint64_t> t;
+  for (const auto& s : impl_->seqs) t.push_back(s->session_tokens + impl_->n_local);
+  return t;
+}
+
+absl::Status LocalDecoder::Attend(int layer, const bf16* q, const bf16* k_new, const bf16* v_new,
+                                  float* out, kernels::Stream stream) {
+  Impl& m = *impl_;
+  if (layer < 0 || layer >= m.L) {
+    return absl::InvalidArgumentError(absl::StrCat("layer must be in [0, ", m.L, "), got ", layer));
+  }
+  if (q == nullptr || out == nullptr || (k_new == nullptr) != (v_new == nullptr)) {
+    return absl::InvalidArgumentError(
+        "Attend: q and out must be set, and k_new and v_new both set or both null");
+  }
+  const bool with_new = k_new != nullptr;
+  if (with_new && m.n_local >= m.options.local_capacity) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the local tail is full (local_capacity = ", m.options.local_capacity,
+        " tokens): append the decoded tokens to the session and call Refresh()"));
+  }
+  KVSHADE_RETURN_IF_ERROR(m.CheckLeases());
+  m.last_stream = stream;
+  const int B = static_cast<int>(m.seqs.size());
+  const int h = m.h, d = m.d, C = m.C;
+  const size_t tok = size_t(h) * d;  // elements of one token of one sequence
+
+  // The new tokens join the local tail of this layer: rows [n_local] of [cap, B, h, d].
+  bf16* lk = static_cast<bf16*>(m.local_k.data()) + size_t(layer) * m.options.local_capacity * B * tok;
+  bf16* lv = static_cast<bf16*>(m.local_v.data()) + size_t(layer) * m.options.local_capacity * B * tok;
+  if (with_new) {
+    KVSHADE_RETURN_IF_ERROR(m.be->CopyFromHost(lk + size_t(m.n_local) * B * tok, k_new, B * tok * 2, stream));
+    KVSHADE_RETURN_IF_ERROR(m.be->CopyFromHost(lv + size_t(m.n_local) * B * tok, v_new, B * tok * 2, stream));
+  }
+  const int local_len = m.n_local + (with_new ? 1 : 0);
+
+  // Select + reconstruct into the slot buffers, one launch each per group of equal k.
+  std::map<int, std::vector<int>> groups;
+  for (int b = 0; b < B; ++b) {
+    if (m.seqs[b]->layers[layer].k > 0) groups[m.seqs[b]->layers[layer].k].push_back(b);
+  }
+  const size_t qstride = size_t(m.hq) * d;
+  kernels::Workspace ws{m.workspace.data(), m.workspace_bytes};
+  for (const auto& [k, members] : groups) {
+    std::vector<kernels::SelectItem> sel;
+    std::vector<kernels::ReconstructItem> rec;
+    const size_t hk = size_t(h) * k;
+    for (int b : members) {
+      SeqLayer& sl = m.seqs[b]->layers[layer];
+      int32_t* o = static_cast<int32_t*>(sl.outs.data());
+      kernels::SelectItem si;
+      si.view = sl.view;
+      si.q = q + b * qstride;
+      si.slots = static_cast<int32_t*>(sl.slots.data());
+      si.selected = o;
+      si.miss_slot = o + hk;
+      si.miss_chunk = o + 2 * hk;
+      si.miss_count = o + 3 * hk;
+      sel.push_back(si);
+      kernels::ReconstructItem ri;
+      ri.view = sl.view;
+      ri.miss_chunk = si.miss_chunk;
+      ri.miss_count = si.miss_count;
+      ri.miss_slot = si.miss_slot;
+      ri.keys = static_cast<bf16*>(sl.slot_k.data());
+      ri.values = static_cast<bf16*>(sl.slot_v.data());
+      rec.push_back(ri);
+    }
+    KVSHADE_RETURN_IF_ERROR(m.be->Select(m.shape, k, sel, ws, stream));
+    KVSHADE_RETURN_IF_ERROR(m.be->Reconstruct(m.shape, C, k, m.rope, m.codec, rec, ws, stream));
+  }
+
+  std::vector<kernels::AttendItem> items(B);
+  for (int b = 0; b < B; ++b) {
+    const SeqLayer& sl = m.seqs[b]->layers[layer];
+    kernels::AttendItem& it = items[b];
+    it.q = q + b * qstride;
+    it.out = out + b * qstride;
+    it.n_blocks = 0;
+    if (sl.s > 0) {
+      it.blocks[it.n_blocks++] =
+          kernels::KvBlock{sl.static_k, sl.static_v, sl.s, sl.static_len, int64_t(sl.s) * d, d};
+    }
+    if (sl.k > 0) {
+      it.blocks[it.n_blocks++] = kernels::KvBlock{
+          static_cast<const bf16*>(sl.slot_k.data()), static_cast<const bf16*>(sl.slot_v.data()),
+          int64_t(sl.k) * C, static_cast<const int32_t*>(sl.slot_len.data()), int64_t(sl.k) * C * d, d};
+    }
+    if (sl.t > 0) {
+      it.blocks[it.n_blocks++] = kernels::KvBlock{sl.tail_k, sl.tail_v, sl.t, nullptr, d, int64_t(tok)};
+    }
+    if (local_len > 0) {
+      it.blocks[it.n_blocks++] = kernels::KvBlock{lk + b * tok, lv + b * tok, local_len, nullptr, d,
+                                                  int64_t(B) * int64_t(tok)};
+    }
+    if (it.n_blocks == 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "attachment '", m.seqs[b]->attachment_id, "' has no tokens to attend in layer ", layer));
+    }
+  }
+  return m.be->Attend(m.shape, 1.0f / std::sqrt(float(d)), items, ws, stream);
+}
+
+absl::Status LocalDecoder::Advance() {
+  Impl& m = *impl_;
+  if (m.n_local >= m.options.local_capacity) {
+    return absl::ResourceExhaustedError("Advance: the local tail is full; Refresh() first");
+  }
+  ++m.n_local;
+  ++m.stats.steps;
+  for (const auto& s : m.seqs) {
+    for (int l = 0; l < m.L; ++l) {
+      const SeqLayer& sl = s->layers[l];
+      for (int32_t len : sl.slot_len_host) m.stats.selected += uint64_t(len / m.C);
+    }
+  }
+  if (!m.options.count_hits) return absl::OkStatus();
+  KVSHADE_RETURN_IF_ERROR(m.be->Synchronize(m.last_stream));
+  for (const auto& s : m.seqs) {
+    for (int l = 0; l < m.L; ++l) {
+      const SeqLayer& sl = s->layers[l];
+      if (sl.k == 0) continue;
+      std::vector<int32_t> mc(m.h);
+      KVSHADE_RETURN_IF_ERROR(m.be->CopyToHost(
+          mc.data(), static_cast<const int32_t*>(sl.outs.data()) + 3 * size_t(m.h) * sl.k, mc.size() * 4));
+      int64_t selected = 0;
+      for (int32_t len : sl.slot_len_host) selected += len / m.C;
+      int64_t misses = 0;
+      for (int32_t x : mc) misses += x;
+      m.stats.hits += uint64_t(std::max<int64_t>(0, selected - misses));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LocalDecoder::Refresh() {
+  Impl& m = *impl_;
+  KVSHADE_RETURN_IF_ERROR(m.be->Synchronize(m.last_stream));
+  const int B = static_cast<int>(m.seqs.size());
+  std::vector<v1::SessionExport> next;
+  for (auto& s : m.seqs) {
+    v1::ExportSessionRequest req;
+    req.set_attachment_id(s->attachment_id);
+    KVSHADE_ASSIGN_OR_RETURN(v1::SessionExport e, m.client->ExportSession(req));
+    next.push_back(std::move(e));
+  }
+  // Local tokens the daemon now holds: the same count for every sequence (they advance in
+  // lockstep). The daemon may hold more (e.g. the token of the step about to run).
+  uint64_t gained0 = 0;
+  for (int b = 0; b < B; ++b) {
+    const uint64_t gained = next[b].tokens() - std::min(next[b].tokens(), m.seqs[b]->session_tokens);
+    if (b == 0) gained0 = gained;
+    if (gained != gained0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "Refresh: the sessions gained different token counts (", gained0, " vs ", gained,
+          "); append the same decoded tokens to every session first"));
+    }
+  }
+  const uint64_t covered = std::min<uint64_t>(gained0, uint64_t(m.n_local));
+  std::lock_guard<std::mutex> lock(m.renew_mu);
+  for (int b = 0; b < B; ++b) {
+    Seq& s = *m.seqs[b];
+    const uint64_t old_gen = s.exp.generation();
+    std::vector<std::pair<std::string, uint64_t>> old_regions = std::move(s.regions);
+    s.regions.clear();
+    KVSHADE_RETURN_IF_ERROR(m.MapGeneration(s, std::move(next[b])));
+    // Release the old generation's mappings after the new ones took their references.
+    std::swap(s.regions, old_regions);
+    m.UnmapRegions(s);
+    s.regions = std::move(old_regions);
+    v1::ExportSessionRequest rel;
+    rel.set_attachment_id(s.attachment_id);
+    rel.set_renew_only(true);
+    rel.add_release_generations(old_gen);
+    KVSHADE_RETURN_IF_ERROR(m.client->ExportSession(rel).status());
+  }
+  if (covered > 0) {
+    // Drop the first `covered` local tokens of every layer: shift rows down.
+    const size_t row = size_t(B) * m.h * m.d * 2;
+    const int keep = m.n_local - static_cast<int>(covered);
+    for (int l = 0; l < m.L; ++l) {
+      for (kernels::Buffer* buf : {&m.local_k, &m.local_v}) {
+        char* base = static_cast<char*>(buf->data()) + size_t(l) * m.options.local_capacity * row;
+        for (int i = 0; i < keep; ++i) {
+          KVSHADE_RETURN_IF_ERROR(m.be->CopyFromHost(base + i * row, base + (i + covered) * row, row));
+        }
+      }
+    }
+    m.n_local = keep;
+  }
+  KVSHADE_RETURN_IF_ERROR(m.SizeWorkspace());
+  return m.be->Synchronize();
+}
+
+absl::StatusOr<LocalDecoderStats> LocalDecoder::Stats() { return impl_->stats; }
+
+}  // namespace kvshade::client

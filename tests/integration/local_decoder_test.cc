@@ -1,0 +1,299 @@
+// Same-node decode (client::LocalDecoder) against the daemon's Attend RPC on the same
+// inputs, CPU backend: the worker maps the daemon's shared memory and must attend over
+// exactly the tokens the daemon would (static set + selected chunks + exact tail), plus
+// the new token. Also: batching, refresh after appends (chunks leaving the tail into the
+// open segment), lease expiry, and a generation held through memory pressure.
+//
+// Tolerance: both sides run the same CPU kernels over the same bf16 inputs; only the order
+// in which the attention blocks are merged differs (fp32 online softmax), so outputs agree
+// to a few fp32 ulps of the largest value: 1e-5 relative to the output's max magnitude.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <thread>
+
+#include "harness.h"
+#include "kvshade/client/local_decoder.h"
+#include "kvshade/client/tensor.h"
+#include "kvshade/kernels/types.h"
+
+namespace kvshade::integration {
+namespace {
+
+using kernels::bf16;
+
+struct Fixture {
+  ServerProcess server;
+  std::unique_ptr<client::Client> c;
+  synthetic::Document doc{SmallDoc(1024)};
+};
+
+// The query of (layer, step) as bf16, [hq, d].
+std::vector<bf16> QueryBf16(const synthetic::Document& doc, int layer, int question, int step,
+                            int64_t pos) {
+  std::vector<float> q = doc.Query(layer, question, step, pos);
+  std::vector<bf16> out(q.size());
+  for (size_t i = 0; i < q.size(); ++i) out[i] = kernels::FloatToBf16(q[i]);
+  return out;
+}
+
+// Appends token `pos` of `question` to the session, then reads back its post-RoPE K and V
+// for every layer from the daemon's exact tail (GetStaticSet): [L][h*d] each.
+void AppendAndReadNew(client::Client& c, const synthetic::Document& doc, const std::string& session,
+                      const std::string& attachment, int question, int64_t pos,
+                      std::vector<std::vector<bf16>>* k_new, std::vector<std::vector<bf16>>* v_new) {
+  v1::AppendTokensRequest req = synthetic::MakeAppend(doc, session, question, pos, pos + 1);
+  req.set_attachment_id(attachment);
+  auto ap = c.AppendTokens(req);
+  ASSERT_TRUE(ap.ok()) << ap.status();
+  const int L = doc.spec().layers, hd = doc.spec().kv_heads * doc.spec().head_dim;
+  k_new->assign(L, {});
+  v_new->assign(L, {});
+  for (int l = 0; l < L; ++l) {
+    auto ss = c.GetStaticSet(attachment, l);
+    ASSERT_TRUE(ss.ok()) << ss.status();
+    const int t = static_cast<int>(ss->tail_k().shape(0));
+    ASSERT_GT(t, 0);
+    const auto* kb = reinterpret_cast<const bf16*>(ss->tail_k().data().data());
+    const auto* vb = reinterpret_cast<const bf16*>(ss->tail_v().data().data());
+    (*k_new)[l].assign(kb + size_t(t - 1) * hd, kb + size_t(t) * hd);
+    (*v_new)[l].assign(vb + size_t(t - 1) * hd, vb + size_t(t) * hd);
+  }
+}
+
+std::vector<float> RpcAttend(client::Client& c, const std::string& attachment, int layer,
+                             const std::vector<bf16>& q, int hq, int d) {
+  v1::AttendRequest at;
+  at.set_layer(layer);
+  auto* aq = at.add_queries();
+  aq->set_attachment_id(attachment);
+  v1::Tensor* t = aq->mutable_q();
+  t->add_shape(hq);
+  t->add_shape(d);
+  t->set_dtype(v1::DTYPE_BF16);
+  t->set_data(std::string(reinterpret_cast<const char*>(q.data()), q.size() * 2));
+  auto r = c.Attend(at);
+  EXPECT_TRUE(r.ok()) << r.status();
+  if (!r.ok()) return {};
+  auto f = client::TensorToFloats(r->outputs(0));
+  EXPECT_TRUE(f.ok());
+  return f.ok() ? *f : std::vector<float>();
+}
+
+double MaxRelDiff(const std::vector<float>& a, const float* b, size_t n) {
+  double mx = 0, diff = 0;
+  for (size_t i = 0; i < n; ++i) {
+    mx = std::max(mx, double(std::fabs(a[i])));
+    diff = std::max(diff, double(std::fabs(a[i] - b[i])));
+  }
+  return diff / std::max(mx, 1e-30);
+}
+
+TEST(LocalDecoder, MatchesAttendRpcAcrossAppendsAndRefreshes) {
+  Fixture f;
+  KV_ASSERT_OK(f.server.Start({"--backend", "cpu"}));
+  f.c = f.server.Connect();
+  const int q = 0;
+  // local 32 + C 8: chunks leave the exact tail during the run (open segment exported).
+  v1::Profile profile = ShadowProfile(16, 8, 4);
+  KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, f.doc, profile, q));
+  v1::AttachRequest ar;
+  ar.set_session_id(cs.session_id());
+  ar.set_writer(true);
+  KV_ASSERT_OK_AND_ASSIGN(att, f.c->Attach(ar));
+  client::LocalDecoderOptions opt;
+  opt.backend = "cpu";
+  opt.local_capacity = 16;
+  KV_ASSERT_OK_AND_ASSIGN(dec, client::LocalDecoder::Open(f.c.get(), {att.attachment_id()}, opt));
+  const auto& spec = f.doc.spec();
+  const int L = spec.layers, hq = spec.q_heads, d = spec.head_dim;
+  int64_t pos = static_cast<int64_t>(f.doc.SessionTokens(q).size());
+  std::vector<float> out(size_t(hq) * d);
+  // Each step appends the token to the daemon first (so the RPC side attends over it too)
+  // and reads its post-RoPE K/V back. While no chunk left the daemon's exact tail since
+  // the decoder's generation, the decoder holds that token locally (k_new) and both sides
+  // attend over the same tokens; when one did (the daemon's tail is shorter than the
+  // generation's plus the local tokens), the decoder refreshes first and attends with no
+  // new token, since its new generation holds it.
+  auto daemon_tail = [&]() {
+    auto ss = f.c->GetStaticSet(att.attachment_id(), 0);
+    EXPECT_TRUE(ss.ok()) << ss.status();
+    return ss.ok() ? static_cast<int64_t>(ss->tail_k().shape(0)) : -1;
+  };
+  int64_t gen_tail = daemon_tail();
+  int local = 0, refreshes = 0, local_steps = 0;
+  for (int step = 0; step < 60; ++step, ++pos) {
+    std::vector<std::vector<bf16>> kn, vn;
+    AppendAndReadNew(*f.c, f.doc, cs.session_id(), att.attachment_id(), q, pos, &kn, &vn);
+    ASSERT_FALSE(HasFatalFailure());
+    const bool migrated = daemon_tail() != gen_tail + local + 1;
+    if (migrated || local == opt.local_capacity - 1) {
+      KV_ASSERT_OK(dec->Refresh());
+      ++refreshes;
+      EXPECT_EQ(dec->tokens()[0], uint64_t(pos + 1));
+      gen_tail = daemon_tail();
+      local = 0;
+    }
+    const bool with_new = dec->tokens()[0] == uint64_t(pos);
+    for (int l = 0; l < L; ++l) {
+      std::vector<bf16> qb = QueryBf16(f.doc, l, q, step, pos);
+      KV_ASSERT_OK(dec->Attend(l, qb.data(), with_new ? kn[l].data() : nullptr,
+                               with_new ? vn[l].data() : nullptr, out.data()));
+      std::vector<float> ref = RpcAttend(*f.c, att.attachment_id(), l, qb, hq, d);
+      ASSERT_EQ(ref.size(), out.size());
+      EXPECT_LT(MaxRelDiff(ref, out.data(), out.size()), 1e-5)
+          << "step " << step << " layer " << l << (with_new ? " (new token local)" : "");
+    }
+    if (with_new) {
+      KV_ASSERT_OK(dec->Advance());
+      ++local;
+      ++local_steps;
+    }
+  }
+  EXPECT_GE(local_steps, 20);
+  EXPECT_GE(refreshes, 4);
+  KV_ASSERT_OK_AND_ASSIGN(st, dec->Stats());
+  EXPECT_EQ(st.steps, uint64_t(local_steps));
+  dec.reset();
+  KV_ASSERT_OK(f.c->Detach(att.attachment_id()));
+  EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
+}
+
+TEST(LocalDecoder, BatchEqualsEachSequenceAlone) {
+  Fixture f;
+  KV_ASSERT_OK(f.server.Start({"--backend", "cpu"}));
+  f.c = f.server.Connect();
+  v1::Profile profile = ShadowProfile(16, 8, 4);
+  std::vector<std::string> atts;
+  for (int q = 0; q < 2; ++q) {
+    KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, f.doc, profile, q));
+    v1::AttachRequest ar;
+    ar.set_session_id(cs.session_id());
+    KV_ASSERT_OK_AND_ASSIGN(att, f.c->Attach(ar));
+    atts.push_back(att.attachment_id());
+  }
+  client::LocalDecoderOptions opt;
+  opt.backend = "cpu";
+  KV_ASSERT_OK_AND_ASSIGN(both, client::LocalDecoder::Open(f.c.get(), atts, opt));
+  const auto& spec = f.doc.spec();
+  const int hq = spec.q_heads, d = spec.head_dim, hd = spec.kv_heads * d;
+  const int64_t pos = static_cast<int64_t>(f.doc.SessionTokens(0).size());
+  std::vector<std::vector<float>> alone(2);
+  std::vector<bf16> kn(hd), vn(hd);
+  for (int i = 0; i < hd; ++i) {
+    kn[i] = kernels::FloatToBf16(0.01f * float(i % 17) - 0.08f);
+    vn[i] = kernels::FloatToBf16(0.02f * float(i % 13) - 0.1f);
+  }
+  for (int b = 0; b < 2; ++b) {
+    KV_ASSERT_OK_AND_ASSIGN(one, client::LocalDecoder::Open(f.c.get(), {atts[b]}, opt));
+    std::vector<bf16> qb = QueryBf16(f.doc, 1, b, 0, pos);
+    alone[b].resize(size_t(hq) * d);
+    KV_ASSERT_OK(one->Attend(1, qb.data(), kn.data(), vn.data(), alone[b].data()));
+  }
+  std::vector<bf16> qs = QueryBf16(f.doc, 1, 0, 0, pos);
+  std::vector<bf16> q1 = QueryBf16(f.doc, 1, 1, 0, pos);
+  qs.insert(qs.end(), q1.begin(), q1.end());
+  std::vector<bf16> k2 = kn, v2 = vn;
+  k2.insert(k2.end(), kn.begin(), kn.end());
+  v2.insert(v2.end(), vn.begin(), vn.end());
+  std::vector<float> out(size_t(2) * hq * d);
+  KV_ASSERT_OK(both->Attend(1, qs.data(), k2.data(), v2.data(), out.data()));
+  for (int b = 0; b < 2; ++b) {
+    for (size_t i = 0; i < alone[b].size(); ++i) {
+      ASSERT_EQ(alone[b][i], out[size_t(b) * hq * d + i]) << "sequence " << b << " element " << i;
+    }
+  }
+  both.reset();
+  EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
+}
+
+TEST(LocalDecoder, ExpiredLeaseIsAnErrorNotFreedMemory) {
+  Fixture f;
+  KV_ASSERT_OK(f.server.Start({"--backend", "cpu"}));
+  f.c = f.server.Connect();
+  KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, f.doc, ShadowProfile(16, 8, 4), 0));
+  v1::AttachRequest ar;
+  ar.set_session_id(cs.session_id());
+  ar.set_lease_ms(1500);
+  KV_ASSERT_OK_AND_ASSIGN(att, f.c->Attach(ar));
+  client::LocalDecoderOptions opt;
+  opt.backend = "cpu";
+  opt.renew_leases = false;
+  opt.lease_margin = absl::Milliseconds(500);
+  KV_ASSERT_OK_AND_ASSIGN(dec, client::LocalDecoder::Open(f.c.get(), {att.attachment_id()}, opt));
+  const auto& spec = f.doc.spec();
+  const int hq = spec.q_heads, d = spec.head_dim, hd = spec.kv_heads * d;
+  std::vector<bf16> qb = QueryBf16(f.doc, 0, 0, 0, 1100), kn(hd, bf16{}), vn(hd, bf16{});
+  std::vector<float> out(size_t(hq) * d);
+  KV_ASSERT_OK(dec->Attend(0, qb.data(), kn.data(), vn.data(), out.data()));
+  // Past the lease minus the margin: refused, whatever the daemon did meanwhile. (The
+  // lease is time itself; waiting for it is the behaviour under test.)
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
+  absl::Status st = dec->Attend(0, qb.data(), kn.data(), vn.data(), out.data());
+  EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition) << st;
+  EXPECT_NE(st.message().find("lease"), std::string::npos) << st;
+
+  // With renewal on, a decoder outlives several leases.
+  v1::AttachRequest ar2;
+  ar2.set_session_id(cs.session_id());
+  ar2.set_lease_ms(900);
+  KV_ASSERT_OK_AND_ASSIGN(att2, f.c->Attach(ar2));
+  opt.renew_leases = true;
+  opt.lease_margin = absl::Milliseconds(200);
+  KV_ASSERT_OK_AND_ASSIGN(dec2, client::LocalDecoder::Open(f.c.get(), {att2.attachment_id()}, opt));
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  KV_ASSERT_OK(dec2->Attend(0, qb.data(), kn.data(), vn.data(), out.data()));
+  dec.reset();
+  dec2.reset();
+  EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
+}
+
+// A generation pins what it maps: the values of the exported session stay resident and in
+// place while other sessions push the host store past its budget (they spill instead).
+TEST(LocalDecoder, GenerationHoldsThroughMemoryPressure) {
+  Fixture f;
+  TempDir spill;
+  KV_ASSERT_OK(f.server.Start({"--backend", "cpu", "--host-budget", "2MiB", "--spill-path", spill.path()}));
+  f.c = f.server.Connect();
+  v1::Profile profile = ShadowProfile(16, 8, 4);
+  KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, f.doc, profile, 0));
+  v1::AttachRequest ar;
+  ar.set_session_id(cs.session_id());
+  KV_ASSERT_OK_AND_ASSIGN(att, f.c->Attach(ar));
+  client::LocalDecoderOptions opt;
+  opt.backend = "cpu";
+  KV_ASSERT_OK_AND_ASSIGN(dec, client::LocalDecoder::Open(f.c.get(), {att.attachment_id()}, opt));
+  const auto& spec = f.doc.spec();
+  const int hq = spec.q_heads, d = spec.head_dim, hd = spec.kv_heads * d;
+  const int64_t pos = static_cast<int64_t>(f.doc.SessionTokens(0).size());
+  std::vector<bf16> kn(hd, kernels::FloatToBf16(0.05f)), vn(hd, kernels::FloatToBf16(-0.03f));
+  std::vector<std::vector<float>> before(spec.layers, std::vector<float>(size_t(hq) * d));
+  for (int l = 0; l < spec.layers; ++l) {
+    std::vector<bf16> qb = QueryBf16(f.doc, l, 0, 0, pos);
+    KV_ASSERT_OK(dec->Attend(l, qb.data(), kn.data(), vn.data(), before[l].data()));
+  }
+  // Other documents, each about the size of the budget: the store must spill to fit them.
+  for (uint64_t seed = 100; seed < 112; ++seed) {
+    synthetic::Document other(SmallDoc(1024, seed));
+    auto r = CreateAndIngest(*f.c, other, profile, -1);
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  // Thirteen documents' values (bf16 V: half the dense bytes each) against a 2 MiB budget:
+  // the store had to spill others to admit them, never the pinned one.
+  KV_ASSERT_OK_AND_ASSIGN(stats, f.c->Stats());
+  ASSERT_GT(13 * f.doc.DenseBytes(1024) / 2, stats.host_bytes_budget());
+  EXPECT_LE(stats.host_bytes_used(), stats.host_bytes_budget());
+  std::vector<float> after(size_t(hq) * d);
+  for (int l = 0; l < spec.layers; ++l) {
+    std::vector<bf16> qb = QueryBf16(f.doc, l, 0, 0, pos);
+    // Same step again (the slot table now hits everything): same answer, bit for bit
+    // except block order, which is the same here.
+    KV_ASSERT_OK(dec->Attend(l, qb.data(), kn.data(), vn.data(), after.data()));
+    EXPECT_LT(MaxRelDiff(before[l], after.data(), after.size()), 1e-6) << "layer " << l;
+  }
+  dec.reset();
+  EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
+}
+
+}  // namespace
+}  // namespace kvshade::integration
