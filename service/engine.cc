@@ -1,6 +1,8 @@
 // Engine: sessions, fork, prefix lookup, attachments, stats, drain and the shared helpers
 // (memory, views, gauges). The data paths are in ingest.cc, append.cc and select.cc;
 // durability in durable.cc.
+#include <sys/resource.h>
+
 #include "kvshade/service/engine.h"
 
 #include <algorithm>
@@ -157,6 +159,10 @@ absl::StatusOr<v1::SelectAndReconstructResponse> Engine::SelectAndReconstruct(
 absl::StatusOr<v1::AttendResponse> Engine::Attend(const Tenant& t, const v1::AttendRequest& r) {
   return impl_->Attend(t, r);
 }
+absl::StatusOr<v1::SessionExport> Engine::ExportSession(const Tenant& t,
+                                                        const v1::ExportSessionRequest& r) {
+  return impl_->ExportSession(t, r);
+}
 absl::StatusOr<Engine::SlotGeometry> Engine::AttachmentSlots(const Tenant& t,
                                                              const std::string& attachment_id) {
   KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> a,
@@ -200,7 +206,22 @@ EngineImpl::~EngineImpl() {
   if (store_link_) store_link_->keep = true;
 }
 
+// Every shared allocation (export.cc) holds a descriptor of its memory file: lift the soft
+// limit on open files to the hard one.
+static void RaiseOpenFileLimit() {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur < rl.rlim_max) {
+    rl.rlim_cur = rl.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &rl);
+  }
+}
+
 absl::Status EngineImpl::Init() {
+  // Same-node export: the arena and the value store come from memory a worker on this node
+  // can map (export.cc). Each shared allocation holds a file descriptor: allow many.
+  backend_->EnableSharedMemory();
+  RaiseOpenFileLimit();
+  instance_id_ = SessionManager::NewId();
   KVSHADE_ASSIGN_OR_RETURN(arena_,
                            storage::DeviceArena::Create(*backend_, config_->device_budget_bytes));
   if (!config_->spill_path.empty()) {
@@ -736,6 +757,7 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
 
 absl::StatusOr<v1::DetachResponse> EngineImpl::Detach(const Tenant& t, const v1::DetachRequest& r) {
   KVSHADE_RETURN_IF_ERROR(sessions_.Detach(t.name, r.attachment_id()));
+  DropExports(r.attachment_id());
   UpdateGauges();
   return v1::DetachResponse();
 }
@@ -959,6 +981,7 @@ absl::Status EngineImpl::Drain() {
 
 int EngineImpl::RunMaintenance() {
   sessions_.ReapExpired();
+  PruneExports();
   UpdateGauges();
   int done = 0;
   for (;;) {

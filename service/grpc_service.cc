@@ -173,6 +173,13 @@ grpc::Status KvShadeService::Attend(grpc::ServerContext* ctx, const v1::AttendRe
              [&](const Tenant& t) { return engine_->Attend(t, *req); });
 }
 
+grpc::Status KvShadeService::ExportSession(grpc::ServerContext* ctx,
+                                           const v1::ExportSessionRequest* req,
+                                           v1::SessionExport* resp) {
+  return Run(deps_, "ExportSession", ctx, resp,
+             [&](const Tenant& t) { return engine_->ExportSession(t, *req); });
+}
+
 grpc::Status KvShadeService::Stats(grpc::ServerContext* ctx, const v1::StatsRequest* req,
                                    v1::StatsResponse* resp) {
   return Run(deps_, "Stats", ctx, resp,
