@@ -1,6 +1,7 @@
 // `kvshade`: the command-line tool of the kvshade KV-cache service.
 //   kvshade serve [server flags...]        exec kvshade-server with the same flags
-//   kvshade status [--wait SECONDS]        health (grpc.health.v1) and server stats
+//   kvshade status [--wait [SECONDS]]      health (grpc.health.v1) and server stats; --wait
+//                                          alone waits up to 30 s for SERVING
 //   kvshade sessions list|info ID|close ID
 //   kvshade lookup --layers ... --tokens 1,2,3
 //   kvshade demo [...]                     synthetic prefix-cached document QA (demo.h),
@@ -130,9 +131,15 @@ int main(int argc, char** argv) {
   app.add_subcommand("serve", "Run kvshade-server with the given flags (see kvshade-server --help)");
 
   auto* status = app.add_subcommand("status", "Server health and statistics");
+  // `--wait` alone waits kDefaultWaitS; without it, one health check.
+  constexpr double kDefaultWaitS = 30;
   double wait_s = 0;
   bool status_json = false;
-  status->add_option("--wait", wait_s, "Wait up to this many seconds for SERVING");
+  status->add_option("--wait", wait_s, "Wait up to SECONDS for SERVING (30 when given without a value)")
+      ->expected(0, 1)
+      ->default_str(absl::StrFormat("%g", kDefaultWaitS))
+      ->type_name("[SECONDS]")
+      ->check(CLI::Range(0.0, 86400.0));
   status->add_flag("--json", status_json, "Print the statistics as JSON");
 
   auto* sessions = app.add_subcommand("sessions", "List, inspect or close sessions");
@@ -173,7 +180,13 @@ int main(int argc, char** argv) {
   kvshade::cli::DemoOptions demo_opts;
   kvshade::cli::AddDemoOptions(demo, &demo_opts);
   double demo_wait_s = 10;
-  demo->add_option("--wait", demo_wait_s, "Seconds to wait for the server to be SERVING first");
+  demo->add_option("--wait", demo_wait_s,
+                   "Wait up to SECONDS for the server to be SERVING first (10 without the flag, 30 given without a "
+                   "value)")
+      ->expected(0, 1)
+      ->default_str(absl::StrFormat("%g", kDefaultWaitS))
+      ->type_name("[SECONDS]")
+      ->check(CLI::Range(0.0, 86400.0));
 
   auto* doctor = app.add_subcommand("doctor", "Check UCX, CUDA, pinned-memory limits and a test transfer to the daemon");
   kvshade::cli::DoctorOptions doctor_opts;
