@@ -14,11 +14,16 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kvshade/client/local_decoder.h"
 #include "kvshade/client/client.h"
 #include "kvshade/client/tensor.h"
 
 struct kvshade_client {
   std::unique_ptr<kvshade::client::Client> impl;
+};
+
+struct kvshade_local_decoder {
+  std::unique_ptr<kvshade::client::LocalDecoder> impl;
 };
 
 struct kvshade_ingest {
@@ -66,7 +71,7 @@ thread_local std::string g_last_error;
 int Report(const absl::Status& s) {
   if (s.ok()) {
     g_last_error.clear();
-    return KVSHADE_OK;
+    return int(KVSHADE_OK);
   }
   g_last_error = std::string(s.message());
   return static_cast<int>(s.code());
@@ -591,6 +596,76 @@ int kvshade_detach(kvshade_client* c, const char* attachment_id) {
     return Report(c->impl->Detach(attachment_id));
   });
 }
+
+int kvshade_local_decoder_open(kvshade_client* c, size_t n, const char* const* attachment_ids,
+                               const char* backend, int32_t local_capacity, int32_t count_hits,
+                               kvshade_local_decoder** out) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    *out = nullptr;
+    if (n == 0 || attachment_ids == nullptr) return Bad("give at least one attachment id");
+    std::vector<std::string> ids;
+    for (size_t i = 0; i < n; ++i) {
+      if (!IdOk(attachment_ids[i])) return Bad("an attachment id is NULL or too long");
+      ids.emplace_back(attachment_ids[i]);
+    }
+    kvshade::client::LocalDecoderOptions o;
+    if (backend != nullptr && backend[0] != 0) o.backend = backend;
+    if (local_capacity > 0) o.local_capacity = local_capacity;
+    o.count_hits = count_hits != 0;
+    auto r = kvshade::client::LocalDecoder::Open(c->impl.get(), ids, o);
+    if (!r.ok()) return Report(r.status());
+    *out = new kvshade_local_decoder{*std::move(r)};
+    return int(KVSHADE_OK);
+  });
+}
+
+int kvshade_local_decoder_attend(kvshade_local_decoder* dec, uint32_t layer, const void* q,
+                                 const void* k_new, const void* v_new, float* out, void* stream) {
+  return Guard([&] {
+    if (dec == nullptr) return Bad("decoder must not be NULL");
+    return Report(dec->impl->Attend(static_cast<int>(layer), static_cast<const kvshade::kernels::bf16*>(q),
+                                    static_cast<const kvshade::kernels::bf16*>(k_new),
+                                    static_cast<const kvshade::kernels::bf16*>(v_new), out,
+                                    kvshade::kernels::Stream{stream}));
+  });
+}
+
+int kvshade_local_decoder_advance(kvshade_local_decoder* dec) {
+  return Guard([&] {
+    if (dec == nullptr) return Bad("decoder must not be NULL");
+    return Report(dec->impl->Advance());
+  });
+}
+
+int kvshade_local_decoder_refresh(kvshade_local_decoder* dec) {
+  return Guard([&] {
+    if (dec == nullptr) return Bad("decoder must not be NULL");
+    return Report(dec->impl->Refresh());
+  });
+}
+
+int kvshade_local_decoder_info(kvshade_local_decoder* dec, int32_t* batch, int32_t* layers,
+                               int32_t* kv_heads, int32_t* query_heads, int32_t* head_dim,
+                               uint64_t* selected, uint64_t* hits, uint64_t* steps) {
+  return Guard([&] {
+    if (dec == nullptr) return Bad("decoder must not be NULL");
+    kvshade::client::LocalDecoder& d = *dec->impl;
+    if (batch) *batch = d.batch();
+    if (layers) *layers = d.layers();
+    if (kv_heads) *kv_heads = d.kv_heads();
+    if (query_heads) *query_heads = d.query_heads();
+    if (head_dim) *head_dim = d.head_dim();
+    auto st = d.Stats();
+    if (!st.ok()) return Report(st.status());
+    if (selected) *selected = st->selected;
+    if (hits) *hits = st->hits;
+    if (steps) *steps = st->steps;
+    return int(KVSHADE_OK);
+  });
+}
+
+void kvshade_local_decoder_free(kvshade_local_decoder* dec) { delete dec; }
 
 int kvshade_get_static_set(kvshade_client* c, const char* attachment_id, uint32_t layer, kvshade_static_set** out) {
   return Guard([&] {

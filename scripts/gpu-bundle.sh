@@ -9,8 +9,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=${1:-.gpu}
 BUILD=${2:-build-gpu}
-TARGETS=(kernels_gpu_test storage_gpu_test delivery_gpu_test kvshade_kernel_bench
-         kvshade_delivery_bench kvshade_ucx_bench kvshade-server kvshade kvshade_c)
+# KVSHADE_BUNDLE_TARGETS (space-separated) narrows the bundle to some binaries.
+read -r -a TARGETS <<< "${KVSHADE_BUNDLE_TARGETS:-kernels_gpu_test storage_gpu_test delivery_gpu_test \
+kvshade_kernel_bench kvshade_delivery_bench kvshade_ucx_bench kvshade-server kvshade kvshade_c}"
 
 cmake -S . -B "$BUILD" -G Ninja -DKVSHADE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DCMAKE_BUILD_TYPE=Release >/dev/null

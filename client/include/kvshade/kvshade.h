@@ -254,6 +254,34 @@ KVSHADE_API void kvshade_static_set_data(const kvshade_static_set* s, const floa
                                          const float** tail_k, const float** tail_v);
 KVSHADE_API void kvshade_static_set_free(kvshade_static_set* s);
 
+/* ---- Same-node decode: no RPC per step (client/README.md "Same-node decode") -------- */
+/* A decoder maps the session state of n attachments (one session each, same model and
+ * profile) from the daemon on this node and runs select, reconstruct and attend itself.
+ * backend: "auto" (the daemon's kind), "cpu" or "cuda"/"cuda:N". local_capacity: tokens
+ * per sequence kept exact locally between refreshes (0 = 1024). */
+typedef struct kvshade_local_decoder kvshade_local_decoder;
+KVSHADE_API int kvshade_local_decoder_open(kvshade_client* client, size_t n,
+                                           const char* const* attachment_ids,
+                                           const char* backend, int32_t local_capacity,
+                                           int32_t count_hits, kvshade_local_decoder** out);
+/* One layer of one step for the whole batch, asynchronous on `stream` (a cudaStream_t, or
+ * NULL for the default stream; ignored on cpu). Pointers are in the decoder's memory space
+ * (device memory for cuda): q [n, hq, d] bf16 post-RoPE; k_new, v_new [n, h, d] bf16
+ * (post-RoPE key) or both NULL; out [n, hq, d] fp32. */
+KVSHADE_API int kvshade_local_decoder_attend(kvshade_local_decoder* dec, uint32_t layer,
+                                             const void* q, const void* k_new,
+                                             const void* v_new, float* out, void* stream);
+/* Ends a step whose Attend calls gave k_new/v_new. */
+KVSHADE_API int kvshade_local_decoder_advance(kvshade_local_decoder* dec);
+/* Maps the daemon's current generation (after appends), drops the local tokens it covers. */
+KVSHADE_API int kvshade_local_decoder_refresh(kvshade_local_decoder* dec);
+/* Geometry and counters (any may be NULL). */
+KVSHADE_API int kvshade_local_decoder_info(kvshade_local_decoder* dec, int32_t* batch,
+                                           int32_t* layers, int32_t* kv_heads,
+                                           int32_t* query_heads, int32_t* head_dim,
+                                           uint64_t* selected, uint64_t* hits, uint64_t* steps);
+KVSHADE_API void kvshade_local_decoder_free(kvshade_local_decoder* dec);
+
 /* ---- Decode -------------------------------------------------------------------------- */
 /* One layer, a batch of n queries: attachment_ids[n], q [n, hq, d] post-RoPE of `dtype`. */
 KVSHADE_API int kvshade_select(kvshade_client* client, uint32_t layer, size_t n,

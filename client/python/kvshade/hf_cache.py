@@ -435,10 +435,15 @@ class KvShadeCache(Cache):
     model_id : the ModelSpec id (prefix-cache namespace); default model.name_or_path, or a
                fresh id (no reuse) for a model without one
     prefill_attention: attention function (or registered name) for the prompt; "sdpa"
+    decode   : "local" runs decode attention in this process on the model's device over the
+               session state the daemon on this node exports (kvshade.local.LocalDecoder: no
+               RPC per layer); "rpc" asks the daemon per layer (a worker on another node);
+               "auto" (default) tries "local" and falls back to "rpc" when the daemon's
+               memory cannot be mapped here (another node, another user)
     """
 
     def __init__(self, client, model, profile, prompt_ids=None, model_id=None, worker_id="hf-cache",
-                 prefill_attention="sdpa"):
+                 prefill_attention="sdpa", decode="auto"):
         config = _text_config(model.config)
         impl = getattr(config, "_attn_implementation", None)
         if impl != ATTENTION_NAME:
@@ -462,6 +467,12 @@ class KvShadeCache(Cache):
         self._v = [None] * L
         self._decoding = False
         self._awaiting = None  # a decode layer whose attention has not come through yet
+        if decode not in ("auto", "local", "rpc"):
+            raise ValueError("decode must be 'auto', 'local' or 'rpc', got %r" % (decode,))
+        self._decode_mode = decode
+        self._model_params_device = {next(model.parameters()).device}
+        self.local = None  # kvshade.local.LocalDecoder once the prompt is ingested (local mode)
+        self.local_error = None  # why "auto" fell back to "rpc"
         super().__init__(layers=[KvShadeCacheLayer(self, i) for i in range(L)])
 
     # --- Public state ---
@@ -498,6 +509,9 @@ class KvShadeCache(Cache):
         return self.hook.hits / self.hook.selected if self.hook.selected else None
 
     def close(self, close_session=False):
+        if self.local is not None:
+            self.local.close()
+            self.local = None
         self.hook.close(close_session=close_session)
 
     def __enter__(self):
@@ -579,6 +593,16 @@ class KvShadeCache(Cache):
         self._pre_k = [None] * len(self._pre_k)
         self._v = [None] * len(self._v)
         self._decoding = True
+        if self._decode_mode != "rpc":
+            from .local import LocalDecoder
+            try:
+                device = next(iter(self._model_params_device))
+                self.local = LocalDecoder(self.hook.client, [self.hook.attachment.attachment_id],
+                                          backend="cuda:%d" % (device.index or 0) if device.type == "cuda" else "cpu")
+            except Exception as e:  # noqa: BLE001 - reported, then the RPC path serves
+                if self._decode_mode == "local":
+                    raise
+                self.local_error = e
 
     def _decode_attention(self, layer, query, key, value, scaling):
         """One decode step of one layer through kvshade: [1, hq, 1, d] -> [1, 1, hq, d]."""
@@ -586,9 +610,18 @@ class KvShadeCache(Cache):
         if b != 1 or q_len != 1:
             raise ValueError("kvshade decode attention needs query [1, hq, 1, d], got %s" % (tuple(query.shape),))
         q = query[0, :, 0, :]
-        # KvShadeKVCache.attend scales scores by 1/sqrt(d); fold any other scaling into q.
+        # kvshade scales scores by 1/sqrt(d); fold any other scaling into q.
         if scaling is not None and abs(scaling * math.sqrt(d) - 1.0) > 1e-7:
             q = q * (scaling * math.sqrt(d))
+        if self.local is not None:
+            # On the model's device, no host copy: [1, hq, d] bf16 in, fp32 out.
+            out = self.local.attend(layer, q.to(STORE_DTYPE).contiguous()[None],
+                                    key[0, :, 0, :].to(STORE_DTYPE).contiguous()[None],
+                                    value[0, :, 0, :].to(STORE_DTYPE).contiguous()[None])
+            if layer == self.spec.num_layers - 1:
+                self.local.advance()
+            self._awaiting = None
+            return out.to(query.dtype).reshape(1, 1, hq, d)
         out = self.hook.attend(layer, q, key[0, :, 0, :], value[0, :, 0, :])
         self._awaiting = None
         return out.to(query.dtype).reshape(1, 1, hq, d)

@@ -1,0 +1,270 @@
+#!/usr/bin/env python3
+"""Decode through kvshade against dense attention, in one run, on one GPU.
+
+Two tables (bench/RESULTS.md "Same-node decode"):
+
+  attention: one layer of Llama-3-8B shape (8 KV heads, 32 query heads, head dim 128) at a
+    long context, batch B: kvshade same-node (kvshade.local.LocalDecoder: select +
+    reconstruct into slot buffers + attend, in this process, over state the daemon
+    exports) against stock torch SDPA over a GPU-resident bf16 cache (cuDNN, flash and
+    memory-efficient backends each forced; the best is the baseline). Every figure beside
+    its HBM floor: the bytes each must read over 4.0 TB/s.
+    Sessions of one batch share one ingested document (prefix reuse); each has its own
+    attachment, slot table and query.
+
+  e2e: `model(...)` decode steps of a randomly initialised Llama-3-8B-shaped model
+    (transformers, bf16, 32 layers, hidden 4096, 32/8 heads, head dim 128) after a prompt
+    of --e2e-tokens, batch 1: DynamicCache + SDPA, kvshade.hf_cache with decode="local",
+    and with decode="rpc" (the per-layer RPC path, fewer steps). ms/token median and p90.
+
+Usage (on the GPU machine, daemon binary from the bundle):
+  python3 bench/decode_bench.py --server .gpu/bin/kvshade-server [--attn-tokens 131072]
+      [--batches 1,8,24,48] [--e2e-tokens 32768] [--e2e-steps 32] [--skip-e2e]
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "client", "python"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import kvshade  # noqa: E402
+from kvshade.local import LocalDecoder  # noqa: E402
+
+HBM_BYTES_PER_S = 4.0e12
+
+
+def start_server(binary, extra):
+    d = tempfile.mkdtemp(prefix="kvshade-bench-")
+    port_file = os.path.join(d, "port")
+    log = open(os.path.join(d, "server.log"), "w")
+    args = [binary, "--listen", "127.0.0.1:0", "--port-file", port_file, "--backend", "cuda",
+            "--metrics-listen", "127.0.0.1:0"] + extra
+    p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    for _ in range(600):
+        if os.path.exists(port_file) and open(port_file).read().strip():
+            break
+        if p.poll() is not None:
+            raise RuntimeError("server exited: " + open(log.name).read())
+        time.sleep(0.1)
+    target = "127.0.0.1:" + open(port_file).read().strip()
+    c = kvshade.Client(target, max_message_bytes=512 << 20)
+    c.wait_ready(60)
+    return p, c, log.name
+
+
+def cuda_time(fn, reps, warm=3):
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def sdpa_best(q, k, v):
+    """Median ms of the best forced SDPA backend, and its name."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    best = None
+    for name, be in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel([be]):
+                f = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+                f()
+                ms = cuda_time(f, 20)
+        except Exception as e:  # noqa: BLE001 - a backend that refuses the shape is skipped
+            print(f"  sdpa {name}: not available for this shape ({str(e).splitlines()[0][:80]})")
+            continue
+        if best is None or ms < best[0]:
+            best = (ms, name)
+    return best
+
+
+def attention_table(c, args):
+    n, h, hq, d = args.attn_tokens, 8, 32, 128
+    C = 8
+    budget = args.budget
+    rng = np.random.default_rng(0)
+    model = kvshade.ModelSpec("bench/attn-%d" % n, 1, hq, h, d)
+    profile = kvshade.Profile("shadow", sparse_budget=budget, value_codec=args.codec)
+    ids = rng.integers(0, 32000, n).tolist()
+    # Keys with structure (low-rank + noise), values random: the shape of real KV.
+    lat = rng.standard_normal((n, 64)).astype(np.float32)
+    mix = rng.standard_normal((64, h * d)).astype(np.float32) / 8
+    k = (lat @ mix + 0.1 * rng.standard_normal((n, h * d)).astype(np.float32)).reshape(n, h, d)
+    v = rng.standard_normal((n, h, d)).astype(np.float32)
+    t0 = time.time()
+    created = c.create_session(model, profile, ids)
+    with c.ingest(created.session_id, "bf16") as ing:
+        ing.layer(0, k, v)
+        ing.commit()
+    print(f"attention: ingested {n} tokens in {time.time() - t0:.1f} s")
+    sessions = [created.session_id]
+    rows = []
+    kd = torch.from_numpy(k).to(torch.bfloat16).cuda()
+    vd = torch.from_numpy(v).to(torch.bfloat16).cuda()
+    for B in args.batches:
+        while len(sessions) < B:
+            sessions.append(c.create_session(model, profile, ids).session_id)  # prefix reuse
+        atts = [c.attach(s, "bench").attachment_id for s in sessions[:B]]
+        dec = LocalDecoder(c, atts, backend="cuda", local_capacity=64)
+        q = torch.randn(B, hq, d, device="cuda").to(torch.bfloat16)
+        kn = torch.randn(B, h, d, device="cuda").to(torch.bfloat16)
+        vn = torch.randn(B, h, d, device="cuda").to(torch.bfloat16)
+        out = torch.empty(B, hq, d, device="cuda", dtype=torch.float32)
+        # Steady state with drifting queries (a fresh query per rep: misses happen).
+        qs = [q + 0.05 * torch.randn_like(q) for _ in range(8)]
+        i = [0]
+
+        def step():
+            dec.attend(0, qs[i[0] % len(qs)], kn, vn, out)
+            i[0] += 1
+        kv_ms = cuda_time(step, 50)
+        # Dense: the same tokens resident as [B, h, n, d] bf16.
+        kk = kd.transpose(0, 1).unsqueeze(0).expand(B, h, n, d).contiguous()
+        vv = vd.transpose(0, 1).unsqueeze(0).expand(B, h, n, d).contiguous()
+        qq = q.unsqueeze(2).transpose(1, 2).reshape(B, hq, 1, d)
+        best = sdpa_best(qq, kk, vv)
+        del kk, vv
+        torch.cuda.empty_cache()
+        dense_floor = B * 2 * n * h * d * 2 / HBM_BYTES_PER_S * 1e3
+        # kvshade reads: landmarks [n/C, h, d], static + slot rows [(s + k*C), h, d] x2, A rows
+        # of the misses (small): the landmark pass dominates.
+        kv_floor = B * ((n // C) * h * d * 2 + 2 * (budget * C + 49 * C) * h * d * 2) / HBM_BYTES_PER_S * 1e3
+        rows.append({"batch": B, "kvshade_ms": kv_ms, "kvshade_floor_ms": kv_floor,
+                     "sdpa_ms": best[0] if best else None, "sdpa_backend": best[1] if best else None,
+                     "dense_floor_ms": dense_floor,
+                     "speedup": (best[0] / kv_ms) if best else None})
+        print(f"  B={B:3d}: kvshade {kv_ms:.3f} ms (floor {kv_floor:.3f}) | sdpa {best[1]} {best[0]:.3f} ms "
+              f"(floor {dense_floor:.3f}) | {best[0] / kv_ms:.2f}x")
+        dec.close()
+        for a in atts:
+            c.detach(a)
+    return rows
+
+
+def build_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                      max_position_embeddings=max(131072, args.e2e_tokens + 1024), rope_theta=500000.0,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return model
+
+
+def decode_loop(model, cache, first_logits, steps, n_prompt):
+    times, toks = [], []
+    nxt = first_logits[:, -1:].argmax(-1)
+    for i in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model(input_ids=nxt, past_key_values=cache, use_cache=True,
+                        cache_position=torch.tensor([n_prompt + i], device="cuda"))
+        nxt = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+        toks.append(int(nxt))
+    return times, toks
+
+
+def e2e_table(c, args):
+    from transformers import DynamicCache
+    from kvshade import hf_cache
+    model = build_model(args)
+    n = args.e2e_tokens
+    ids = torch.randint(0, 32000, (1, n), device="cuda")
+    rows = []
+    # DynamicCache + SDPA.
+    model.config._attn_implementation = "sdpa"
+    cache = DynamicCache()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t0
+    times, dense_toks = decode_loop(model, cache, out.logits, args.e2e_steps, n)
+    rows.append({"config": "DynamicCache + SDPA", "ms_median": statistics.median(times[2:]),
+                 "ms_p90": float(np.percentile(times[2:], 90)), "prefill_s": prefill_s,
+                 "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30})
+    del cache, out
+    torch.cuda.empty_cache()
+    print(f"e2e {n}: dense {rows[-1]['ms_median']:.2f} ms/token (prefill {prefill_s:.1f} s)")
+    for mode, steps in (("local", args.e2e_steps), ("rpc", max(4, args.e2e_steps // 8))):
+        hf_cache.enable(model)
+        torch.cuda.reset_peak_memory_stats()
+        kc = hf_cache.KvShadeCache(c, model, kvshade.Profile("shadow", value_codec=args.codec),
+                                   prompt_ids=ids[0], decode=mode, model_id="bench/llama3-8b-random")
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model(input_ids=ids, past_key_values=kc, use_cache=True)
+        torch.cuda.synchronize()
+        ready_s = time.perf_counter() - t0
+        times, toks = decode_loop(model, kc, out.logits, steps, n)
+        agree = sum(a == b for a, b in zip(toks, dense_toks)) / len(toks)
+        rows.append({"config": f"kvshade {mode}", "ms_median": statistics.median(times[1:]),
+                     "ms_p90": float(np.percentile(times[1:], 90)), "prefill_plus_ingest_s": ready_s,
+                     "steps": steps, "greedy_agreement_with_dense": agree,
+                     "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+                     "local_error": str(kc.local_error) if kc.local_error else None})
+        print(f"e2e {n}: kvshade {mode} {rows[-1]['ms_median']:.2f} ms/token "
+              f"(prefill+ingest {ready_s:.1f} s, greedy agreement {agree:.2f})")
+        kc.close(close_session=True)
+        del kc, out
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--attn-tokens", type=int, default=131072)
+    ap.add_argument("--batches", default="1,8,24,48")
+    ap.add_argument("--budget", type=int, default=256, help="sparse_budget (chunks per KV head)")
+    ap.add_argument("--codec", default="bf16")
+    ap.add_argument("--e2e-tokens", type=int, default=32768)
+    ap.add_argument("--e2e-steps", type=int, default=32)
+    ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--skip-attn", action="store_true")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    args.batches = [int(x) for x in args.batches.split(",") if x]
+    proc, c, log = start_server(args.server, ["--device-budget", "48GiB", "--host-budget", "96GiB",
+                                               "--max-message-bytes", "512MiB"])
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    try:
+        if not args.skip_attn:
+            result["attention"] = attention_table(c, args)
+        if not args.skip_e2e:
+            result["e2e"] = e2e_table(c, args)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        print("server log:", log)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Same-node decode: attention over kvshade sessions in this process, no RPC per step.
+
+    dec = kvshade.local.LocalDecoder(client, [attachment_id, ...])     # one per sequence
+    for layer in range(L):
+        out = dec.attend(layer, q, k_new, v_new)   # q [B, hq, d], k_new/v_new [B, h, d]
+    dec.advance()                                    # the step's tokens join the local tail
+
+The daemon on this node exports each attachment's session state (factors, landmarks,
+static set and exact tail by CUDA IPC or shared host memory; values in shared host memory);
+the decoder maps it once and runs selection, reconstruction and attention itself, on the
+current torch CUDA stream, with its slot tables on the GPU. Tensors stay where they are:
+CUDA tensors for a daemon on the cuda backend, CPU tensors for one on the cpu backend.
+q and the new token's key are post-RoPE (what the model computes); the output is fp32
+[B, hq, d]. Tokens decoded here stay exact in the decoder until `refresh()` maps a newer
+generation (after the runtime appended them to the sessions).
+"""
+import ctypes
+
+from . import _native
+from .client import _b, _check
+
+
+def _torch():
+    import torch
+    return torch
+
+
+class LocalDecoder:
+    def __init__(self, client, attachment_ids, backend="auto", local_capacity=1024, count_hits=False):
+        ids = [_b(a) for a in attachment_ids]
+        arr = (ctypes.c_char_p * len(ids))(*ids)
+        self._h = ctypes.c_void_p()
+        self.backend = backend
+        self._client = client  # the decoder renews leases through it: keep it alive
+        _check(_native.lib().kvshade_local_decoder_open(client._handle(), len(ids), arr, _b(backend),
+                                                        int(local_capacity), 1 if count_hits else 0,
+                                                        ctypes.byref(self._h)))
+        b, L, h, hq, d = (ctypes.c_int32() for _ in range(5))
+        _check(_native.lib().kvshade_local_decoder_info(self._h, ctypes.byref(b), ctypes.byref(L), ctypes.byref(h),
+                                                        ctypes.byref(hq), ctypes.byref(d), None, None, None))
+        self.batch, self.layers, self.kv_heads, self.query_heads, self.head_dim = (
+            b.value, L.value, h.value, hq.value, d.value)
+
+    def _check_tensor(self, name, t, shape):
+        torch = _torch()
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"{name} must be bfloat16, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+
+    def attend(self, layer, q, k_new=None, v_new=None, out=None):
+        """q [B, hq, d] bf16; k_new, v_new [B, h, d] bf16 or None; returns out [B, hq, d] fp32."""
+        torch = _torch()
+        B, hq, h, d = self.batch, self.query_heads, self.kv_heads, self.head_dim
+        self._check_tensor("q", q, (B, hq, d))
+        if self.backend != "auto" and q.is_cuda != self.backend.startswith("cuda"):
+            raise ValueError(f"the decoder runs on {self.backend!r}: tensors must be on "
+                             f"{'a CUDA device' if self.backend.startswith('cuda') else 'the CPU'}, got {q.device}")
+        if (k_new is None) != (v_new is None):
+            raise ValueError("k_new and v_new must both be given or both be None")
+        if k_new is not None:
+            self._check_tensor("k_new", k_new, (B, h, d))
+            self._check_tensor("v_new", v_new, (B, h, d))
+        if out is None:
+            out = torch.empty((B, hq, d), dtype=torch.float32, device=q.device)
+        elif out.dtype != torch.float32 or tuple(out.shape) != (B, hq, d) or not out.is_contiguous() \
+                or out.device != q.device:
+            raise ValueError(f"out must be a contiguous float32 [{B}, {hq}, {d}] tensor on {q.device}")
+        stream = None
+        if q.is_cuda:
+            stream = ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream)
+        _check(_native.lib().kvshade_local_decoder_attend(
+            self._h, int(layer), ctypes.c_void_p(q.data_ptr()),
+            None if k_new is None else ctypes.c_void_p(k_new.data_ptr()),
+            None if v_new is None else ctypes.c_void_p(v_new.data_ptr()),
+            ctypes.c_void_p(out.data_ptr()), stream))
+        return out
+
+    def advance(self):
+        _check(_native.lib().kvshade_local_decoder_advance(self._h))
+
+    def refresh(self):
+        _check(_native.lib().kvshade_local_decoder_refresh(self._h))
+
+    def stats(self):
+        sel, hits, steps = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+        _check(_native.lib().kvshade_local_decoder_info(self._h, None, None, None, None, None, ctypes.byref(sel),
+                                                        ctypes.byref(hits), ctypes.byref(steps)))
+        return {"selected": sel.value, "hits": hits.value, "steps": steps.value}
+
+    def close(self):
+        if getattr(self, "_h", None):
+            _native.lib().kvshade_local_decoder_free(self._h)
+            self._h = ctypes.c_void_p()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,110 @@
+"""kvshade.local.LocalDecoder (same-node decode) through the C ABI and the Python package,
+against the daemon's Attend RPC on the same inputs. The daemon's backend comes from
+KVSHADE_TEST_BACKEND (cpu here; cuda on a GPU machine, where the decoder maps the daemon's
+device memory by CUDA IPC and runs on CUDA tensors).
+
+Tolerance: the same kernels over the same bf16 inputs; only the order in which attention
+blocks are merged differs (fp32 online softmax): 1e-5 of the output's largest magnitude on
+the CPU, 1e-4 on CUDA (its split-K merge order differs too)."""
+import os
+import unittest
+
+import numpy as np
+import torch
+
+from kvshade_testutil import Server
+
+import kvshade
+from kvshade.local import LocalDecoder
+
+L, HQ, H, D, N = 2, 4, 2, 64, 512
+BACKEND = os.environ.get("KVSHADE_TEST_BACKEND", "cpu")
+DEVICE = "cuda" if BACKEND.startswith("cuda") else "cpu"
+TOL = 1e-4 if DEVICE == "cuda" else 1e-5
+
+
+class LocalDecoderTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server()
+        cls.client = kvshade.Client(cls.server.target)
+        cls.client.wait_ready(30)
+        rng = np.random.default_rng(5)
+        cls.model = kvshade.ModelSpec("test/local", L, HQ, H, D)
+        cls.profile = kvshade.Profile("shadow", rank=16, sparse_budget=8, outliers=4, chunk_size=8)
+        cls.sessions = []
+        for s in range(2):
+            ids = rng.integers(0, 1000, N).tolist()
+            created = cls.client.create_session(cls.model, cls.profile, ids)
+            with cls.client.ingest(created.session_id, "bf16") as ing:
+                for layer in range(L):
+                    lat = rng.standard_normal((N, 8)).astype(np.float32)
+                    k = (lat @ rng.standard_normal((8, H * D)).astype(np.float32)).reshape(N, H, D)
+                    v = rng.standard_normal((N, H, D)).astype(np.float32)
+                    ing.layer(layer, k, v)
+                ing.commit()
+            cls.sessions.append(created.session_id)
+
+    @classmethod
+    def tearDownClass(cls):
+        for s in cls.sessions:
+            cls.client.close_session(s)
+        cls.client.close()
+        cls.server.stop()
+
+    def attach(self, i):
+        a = self.client.attach(self.sessions[i], "test-local").attachment_id
+        self.addCleanup(self.client.detach, a)
+        return a
+
+    def rel(self, ref, out):
+        return float(np.abs(ref - out).max() / max(np.abs(ref).max(), 1e-30))
+
+    def test_matches_attend_rpc_batch_of_two(self):
+        atts = [self.attach(0), self.attach(1)]
+        with LocalDecoder(self.client, atts, backend=BACKEND) as dec:
+            self.assertEqual((dec.batch, dec.layers, dec.kv_heads, dec.query_heads, dec.head_dim), (2, L, H, HQ, D))
+            g = torch.Generator().manual_seed(3)
+            for layer in range(L):
+                for step in range(3):  # later steps hit the slot tables
+                    q = torch.randn(2, HQ, D, generator=g).to(torch.bfloat16)
+                    out = dec.attend(layer, q.to(DEVICE)).cpu().numpy()
+                    ref = self.client.attend(layer, atts, q.float().numpy())
+                    self.assertLess(self.rel(ref, out), TOL, f"layer {layer} step {step}")
+            self.assertEqual(dec.stats()["steps"], 0)
+
+    def test_new_token_is_attended(self):
+        # With a new token whose key matches the query, the output moves toward its value:
+        # out = (1 - w) * out_session + w * v_new per query head, w in (0, 1).
+        (a,) = [self.attach(0)]
+        with LocalDecoder(self.client, [a], backend=BACKEND) as dec:
+            q = torch.randn(1, HQ, D).to(torch.bfloat16)
+            base = dec.attend(0, q.to(DEVICE)).cpu().numpy()[0]
+            k_new = (q.float().reshape(H, HQ // H, D).sum(1) * 0.3).to(torch.bfloat16)[None]
+            v_new = torch.full((1, H, D), 3.0).to(torch.bfloat16)
+            out = dec.attend(0, q.to(DEVICE), k_new.to(DEVICE), v_new.to(DEVICE)).cpu().numpy()[0]
+            for qh in range(HQ):
+                # The output lies on the segment from base to v_new: solve for w.
+                diff = 3.0 - base[qh]
+                w = float(np.dot(out[qh] - base[qh], diff) / np.dot(diff, diff))
+                self.assertGreater(w, 0.0)
+                self.assertLess(w, 1.0)
+                np.testing.assert_allclose(out[qh], base[qh] + w * diff, atol=2e-4 * max(1, np.abs(out[qh]).max()))
+            dec.advance()
+            self.assertEqual(dec.stats()["steps"], 1)
+
+    def test_bad_input_is_an_error(self):
+        (a,) = [self.attach(1)]
+        with LocalDecoder(self.client, [a], backend=BACKEND) as dec:
+            with self.assertRaises(TypeError):
+                dec.attend(0, torch.zeros(1, HQ, D, device=DEVICE))  # fp32, not bf16
+            with self.assertRaises(ValueError):
+                dec.attend(0, torch.zeros(2, HQ, D, dtype=torch.bfloat16, device=DEVICE))  # wrong batch
+            with self.assertRaises(kvshade.InvalidArgument):
+                dec.attend(L, torch.zeros(1, HQ, D, dtype=torch.bfloat16, device=DEVICE))  # no such layer
+        with self.assertRaises(kvshade.NotFound):
+            LocalDecoder(self.client, ["0" * 32], backend=BACKEND)
+
+
+if __name__ == "__main__":
+    unittest.main()
