@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # `make demo`: starts kvshade-server on the CPU backend on a free loopback port with its
 # UCX data plane on (`ucx.enable: true`), waits for grpc.health.v1 SERVING (`kvshade status
-# --wait`), runs the synthetic prefix-cached document-QA workload (`kvshade demo`, decode
-# over UCX: it fails if the client falls back to gRPC), then stops the server with SIGTERM
-# (graceful drain). Exits with the demo's status (or the server's, if only the shutdown
-# failed).
+# --wait`), runs the synthetic prefix-cached document-QA workload (`kvshade demo --ucx`:
+# this job is meant to run over UCX, so it fails, exit 4, if the client falls back to
+# gRPC), then stops the server with SIGTERM (graceful drain). Exits with the demo's status
+# (or the server's, if only the shutdown failed).
 #   scripts/demo.sh [BUILD_DIR] [extra `kvshade demo` flags...]
 #   KVSHADE_UCX_TRANSPORTS=tcp,self scripts/demo.sh   # UCX_TLS of both sides ("" = UCX's choice)
 #   scripts/demo.sh build --no-ucx                    # the gRPC-inline path
@@ -83,7 +83,8 @@ echo "demo: kvshade-server (CPU backend, UCX data plane on, transports: $UCX_SHO
 "$CLI" --target "$TARGET" status --wait 30
 
 set +e
-"$CLI" --target "$TARGET" demo --doc-tokens 32768 --layers 4 --questions 8 --steps 24 "$@"
+# --ucx: a fallback to gRPC fails the job; a later --no-ucx in "$@" still wins.
+"$CLI" --target "$TARGET" demo --doc-tokens 32768 --layers 4 --questions 8 --steps 24 --ucx "$@"
 DEMO_RC=$?
 set -e
 SERVER_RC=0

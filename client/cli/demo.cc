@@ -26,6 +26,12 @@ using Clock = std::chrono::steady_clock;
 using synthetic::FormatBytes;
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
+// Whether the command line asked for UCX explicitly (the last of --ucx / --no-ucx given
+// was --ucx; set while parsing, see AddDemoOptions). Then a fallback to gRPC fails the
+// demo (exit 4); without either flag the demo uses UCX when the daemon offers it and
+// reports the transport it used.
+bool ucx_required = false;
+
 double Percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -158,11 +164,17 @@ void AddDemoOptions(CLI::App* app, DemoOptions* o) {
   app->add_option("--outliers", o->outliers, "Outlier chunks per head");
   app->add_option("--local-window", o->local_window, "Exact tail tokens");
   app->add_flag("--attend,!--no-attend", o->attend, "Also call Attend and check it against exact attention");
-  app->add_flag("--ucx,!--no-ucx", o->ucx,
-                "Decode over the UCX data plane (default; fails if the client falls back to gRPC)");
+  CLI::Option* ucx = app->add_flag(
+      "--ucx,!--no-ucx", o->ucx,
+      "--ucx: data calls over the UCX data plane, failing (exit 4) if the client falls back to gRPC; --no-ucx: "
+      "gRPC inline. Default: UCX when the daemon offers it, else gRPC inline");
+  app->final_callback([o, ucx] { ucx_required = o->ucx && ucx->count() > 0; });
   app->add_flag("--keep", o->keep, "Leave the sessions open");
   app->add_flag("--progress,!--no-progress", o->progress, "Progress bar on a terminal");
   app->add_option("--seed", o->seed, "Workload seed");
+  // A later value overrides an earlier one, so that wrappers (scripts/demo.sh) can pass
+  // their defaults first and the user's flags after them.
+  for (CLI::Option* opt : app->get_options()) opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
 }
 
 int RunDemo(client::Client& client, const DemoOptions& o) {
@@ -204,9 +216,16 @@ int RunDemo(client::Client& client, const DemoOptions& o) {
               o.profile.c_str(), o.rank, o.chunk_size, o.sparse_budget, o.outliers, o.local_window);
   const std::string transports =
       client.options().ucx_transports.empty() ? "UCX's choice" : client.options().ucx_transports;
-  std::printf("  data plane: %s\n\n",
-              o.ucx ? absl::StrFormat("UCX (client transports: %s), gRPC for the control plane", transports).c_str()
-                    : "gRPC inline (--no-ucx)");
+  std::string data_plane = "gRPC inline (--no-ucx)";
+  if (o.ucx && ucx_required) {
+    data_plane = absl::StrFormat("UCX, required by --ucx (client transports: %s); gRPC for the control plane",
+                                 transports);
+  } else if (o.ucx) {
+    data_plane = absl::StrFormat("UCX if the daemon offers it, else gRPC inline (client transports: %s); gRPC "
+                                 "for the control plane",
+                                 transports);
+  }
+  std::printf("  data plane: %s\n\n", data_plane.c_str());
 
   // ---- 1. The document, ingested once. Its footprint is the growth of the server's tiers
   // (its segment is shared, so GetSession does not count it as the session's own).
@@ -503,23 +522,33 @@ int RunDemo(client::Client& client, const DemoOptions& o) {
               static_cast<unsigned long long>(stats->chunk_hits()),
               static_cast<unsigned long long>(stats->chunks_selected()));
 
-  // The transport the decode path really used. Asking for UCX and running over gRPC is a
-  // failure here (the fallback is loud in the client too: a log line per fallback).
+  // The transport the data calls really used. With --ucx, running over gRPC is a failure
+  // (the fallback is loud in the client too: a log line per fallback); without it the demo
+  // reports what it used.
   const uint64_t fallbacks = client.ucx_fallbacks();
-  const bool fell_back = o.ucx && (fallbacks > 0 || !client.ucx_connected());
+  const bool over_ucx = o.ucx && fallbacks == 0 && client.ucx_connected();
+  const bool fell_back = o.ucx && ucx_required && !over_ucx;
+  const std::string why = data_plane_address.empty()
+                              ? "the daemon offers no UCX data plane (its config has ucx.enable: false)"
+                              : "the client could not use the daemon's UCX data plane (see the client's log line "
+                                "above and `kvshade doctor`)";
   if (!o.ucx) {
     std::printf("[transport] data calls over gRPC inline (--no-ucx)\n");
-  } else if (!fell_back) {
+  } else if (over_ucx) {
     // The lanes UCP picks to the daemon's worker from this host (a throwaway endpoint).
     auto lanes = UcxLanesTo(data_plane_address, client.options().ucx_transports);
     std::printf("[transport] data calls (ingest, append, select, attend) over UCX via %s (client transports: %s); "
                 "%llu fallbacks to gRPC\n",
                 lanes.ok() ? lanes->c_str() : "(lanes unknown)", transports.c_str(),
                 static_cast<unsigned long long>(fallbacks));
+  } else if (fell_back) {
+    std::printf("[transport] FAILED: --ucx asks for the UCX data plane, but the client fell back to gRPC inline: %s "
+                "(%llu fallbacks, connected: %s)\n",
+                why.c_str(), static_cast<unsigned long long>(fallbacks), client.ucx_connected() ? "yes" : "no");
   } else {
-    std::printf("[transport] FAILED: UCX was asked for but the client fell back to gRPC inline (%llu fallbacks, "
-                "connected: %s); see the client's log lines above and `kvshade doctor`\n",
-                static_cast<unsigned long long>(fallbacks), client.ucx_connected() ? "yes" : "no");
+    std::printf("[transport] data calls over gRPC inline: %s; the client tried UCX first (%llu fallback%s to gRPC; "
+                "--ucx makes this a failure, --no-ucx skips the attempt)\n",
+                why.c_str(), static_cast<unsigned long long>(fallbacks), fallbacks == 1 ? "" : "s");
   }
 
   // ---- 5. Clean up.
@@ -536,7 +565,7 @@ int RunDemo(client::Client& client, const DemoOptions& o) {
   std::printf("done in %.1f s: %d of %d asked needles selected in >= 90%% of (step, layer, head)\n", Since(t_all),
               needles_ok, needles_seen);
   if (fell_back) {
-    std::fprintf(stderr, "kvshade demo: UCX was asked for and the run fell back to gRPC inline (exit 4)\n");
+    std::fprintf(stderr, "kvshade demo: --ucx was given and the run fell back to gRPC inline (exit 4)\n");
     return 4;
   }
   return 0;

@@ -5,14 +5,15 @@
 //   kvshade sessions list|info ID|close ID
 //   kvshade lookup --layers ... --tokens 1,2,3
 //   kvshade demo [...]                     synthetic prefix-cached document QA (demo.h),
-//                                          over the UCX data plane unless --no-ucx
+//                                          over the UCX data plane when the daemon offers
+//                                          it (--ucx requires it, --no-ucx: gRPC inline)
 //   kvshade doctor [--local]               UCX transports, CUDA visibility, memlock limit,
 //                                          test transfer to the daemon (doctor.h)
 // Connection flags (before or after the command): --target (env KVSHADE_TARGET),
 // --token (env KVSHADE_TOKEN), --tls, --ca, --cert, --key, --server-name, --timeout,
 // --ucx-transports (env KVSHADE_UCX_TRANSPORTS; UCX_TLS of the client's UCX worker).
 // Exit codes: 0 success, 1 an RPC (or a check) failed, 2 bad usage, 3 the server is not
-// SERVING, 4 the demo asked for UCX and ran over gRPC (fallback).
+// SERVING, 4 the demo was given --ucx and ran over gRPC (fallback).
 #include <unistd.h>
 
 #include <climits>
@@ -199,7 +200,8 @@ int main(int argc, char** argv) {
   }
   co.timeout = absl::Milliseconds(static_cast<int64_t>(timeout_s * 1000));
   if (doctor->parsed()) return kvshade::cli::RunDoctor(co, doctor_opts);
-  // The demo's decode path goes over the UCX data plane unless --no-ucx.
+  // The demo's data calls go over the UCX data plane when the daemon offers one, unless
+  // --no-ucx (with --ucx a fallback to gRPC fails the demo).
   if (demo->parsed()) co.use_ucx = demo_opts.ucx;
   auto client = Client::Connect(co);
   if (!client.ok()) return RpcFail("connect", client.status());

@@ -1,5 +1,8 @@
-// Integration: the `kvshade` CLI's `status` against a real kvshade-server, as the README
-// runs it: `status --wait` without a value waits (30 s) for SERVING.
+// Integration: the `kvshade` CLI's `status` and `demo` against real kvshade-servers, as the
+// README runs them: `status --wait` without a value waits (30 s) for SERVING; the demo
+// uses UCX when the daemon offers it and reports what it used, fails (exit 4) on a
+// fallback only when given --ucx, runs a second time against the same server (document
+// cached), and leaves no session behind.
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -38,6 +41,14 @@ CliRun Cli(const std::string& args) {
 
 bool Has(const CliRun& r, const std::string& s) { return r.output.find(s) != std::string::npos; }
 
+void ExpectNoSessions(const ServerProcess& server) {
+  auto c = server.Connect();
+  ASSERT_NE(c, nullptr);
+  auto list = c->ListSessions();
+  ASSERT_TRUE(list.ok()) << list.status();
+  EXPECT_EQ(list->sessions_size(), 0);
+}
+
 // kvshade-server on a port chosen by the test (the harness picks its own), CPU backend, log
 // discarded; SIGTERM and reaped on destruction.
 class ServerOnPort {
@@ -66,6 +77,9 @@ class ServerOnPort {
   pid_t pid_ = -1;
 };
 
+// A demo small enough for 2 cores.
+const char kSmallDemo[] = " demo --no-progress --doc-tokens 1024 --layers 2 --questions 2 --steps 2";
+
 TEST(CliStatus, WaitWithoutAValueWaitsForAServerStartingLater) {
   const int port = FreePort();
   const std::string target = "127.0.0.1:" + std::to_string(port);
@@ -92,6 +106,53 @@ TEST(CliStatus, WaitWithoutAValueWaitsForAServerStartingLater) {
   }
   EXPECT_TRUE(Has(Cli("--target " + target + " status --wait --json"), "\"backend\": \"cpu\""));
   EXPECT_EQ(Cli("--target " + target + " status --wait -1").exit_code, 2);
+}
+
+TEST(CliDemo, DaemonWithoutUcxRunsOverGrpcAndFailsOnlyWhenUcxIsRequired) {
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({}));  // ucx.enable off, as deploy/kvshade.yaml
+  const std::string base = "--target " + server.target() + kSmallDemo;
+
+  const CliRun plain = Cli(base);
+  EXPECT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_TRUE(Has(plain, "data plane: UCX if the daemon offers it, else gRPC inline")) << plain.output;
+  EXPECT_TRUE(Has(plain, "[transport] data calls over gRPC inline: the daemon offers no UCX data plane"))
+      << plain.output;
+  EXPECT_FALSE(Has(plain, "FAILED")) << plain.output;
+  EXPECT_TRUE(Has(plain, "[document] session ")) << plain.output;
+  EXPECT_TRUE(Has(plain, "ingested 1024 tokens")) << plain.output;
+  ExpectNoSessions(server);
+
+  // --ucx asks for UCX: the fallback fails the run.
+  const CliRun strict = Cli(base + " --ucx");
+  EXPECT_EQ(strict.exit_code, 4) << strict.output;
+  EXPECT_TRUE(Has(strict, "data plane: UCX, required by --ucx")) << strict.output;
+  EXPECT_TRUE(Has(strict, "[transport] FAILED: --ucx asks for the UCX data plane")) << strict.output;
+  // The document is cached by now: nothing to ingest.
+  EXPECT_TRUE(Has(strict, "all 1024 tokens already cached")) << strict.output;
+  ExpectNoSessions(server);
+
+  // The last of --ucx / --no-ucx wins (scripts/demo.sh passes --ucx before the user's flags).
+  const CliRun off = Cli(base + " --ucx --no-ucx");
+  EXPECT_EQ(off.exit_code, 0) << off.output;
+  EXPECT_TRUE(Has(off, "[transport] data calls over gRPC inline (--no-ucx)")) << off.output;
+  EXPECT_FALSE(Has(off, "falling back")) << off.output;
+  ExpectNoSessions(server);
+}
+
+TEST(CliDemo, DaemonWithUcxRunsOverUcxWithAndWithoutTheFlag) {
+  TempDir dir;
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({"-c", UcxConfig(dir, "tcp,self")}));
+  const std::string base = "--target " + server.target() + " --ucx-transports tcp,self" + kSmallDemo;
+  for (const std::string flag : {"", " --ucx"}) {
+    const CliRun r = Cli(base + flag);
+    EXPECT_EQ(r.exit_code, 0) << flag << ": " << r.output;
+    EXPECT_TRUE(Has(r, "[transport] data calls (ingest, append, select, attend) over UCX via ")) << r.output;
+    EXPECT_TRUE(Has(r, "; 0 fallbacks to gRPC")) << r.output;
+    EXPECT_FALSE(Has(r, "falling back")) << r.output;
+  }
+  ExpectNoSessions(server);
 }
 
 }  // namespace
