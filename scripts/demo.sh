@@ -3,8 +3,9 @@
 # UCX data plane on (`ucx.enable: true`), waits for grpc.health.v1 SERVING (`kvshade status
 # --wait`), runs the synthetic prefix-cached document-QA workload (`kvshade demo --ucx`:
 # this job is meant to run over UCX, so it fails, exit 4, if the client falls back to
-# gRPC), then stops the server with SIGTERM (graceful drain). Exits with the demo's status
-# (or the server's, if only the shutdown failed).
+# gRPC), then stops the server with SIGTERM (graceful drain). The server's log is kept in
+# BUILD_DIR/demo-server.log. Exits with the demo's status (or the server's, if only the
+# shutdown failed).
 #   scripts/demo.sh [BUILD_DIR] [extra `kvshade demo` flags...]
 #   KVSHADE_UCX_TRANSPORTS=tcp,self scripts/demo.sh   # UCX_TLS of both sides ("" = UCX's choice)
 #   scripts/demo.sh build --no-ucx                    # the gRPC-inline path
@@ -25,6 +26,9 @@ done
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/kvshade-demo.XXXXXX")
+# The server's log outlives the run (WORK does not): one per build directory, replaced by
+# the next run.
+LOG="$(cd "$BUILD" && pwd)/demo-server.log"
 SERVER_PID=""
 stop_server() {
   # SIGTERM, then up to 30 s for the drain; SIGKILL only if it hangs.
@@ -61,25 +65,25 @@ printf 'ucx:\n  enable: true\n  transports: "%s"\n' "$UCX_TRANSPORTS" >"$WORK/kv
 
 # Port 0: the kernel picks a free port; the server writes it to --port-file once bound.
 "$SERVER" --config "$WORK/kvshade.yaml" --backend cpu --listen 127.0.0.1:0 --port-file "$WORK/port" \
-  --host-budget 4GiB --device-budget 2GiB >"$WORK/server.log" 2>&1 &
+  --host-budget 4GiB --device-budget 2GiB >"$LOG" 2>&1 &
 SERVER_PID=$!
 for _ in $(seq 300); do  # at most 30 s to bind
   [ -s "$WORK/port" ] && break
   if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-    echo "demo: kvshade-server exited during start-up:" >&2
-    cat "$WORK/server.log" >&2
+    echo "demo: kvshade-server exited during start-up ($LOG):" >&2
+    cat "$LOG" >&2
     exit 1
   fi
   sleep 0.1
 done
 if [ ! -s "$WORK/port" ]; then
-  echo "demo: kvshade-server did not bind within 30 s" >&2
-  cat "$WORK/server.log" >&2
+  echo "demo: kvshade-server did not bind within 30 s ($LOG):" >&2
+  cat "$LOG" >&2
   exit 1
 fi
 TARGET="127.0.0.1:$(cat "$WORK/port")"
 UCX_SHOWN=${UCX_TRANSPORTS:-default}
-echo "demo: kvshade-server (CPU backend, UCX data plane on, transports: $UCX_SHOWN) on $TARGET, log $WORK/server.log"
+echo "demo: kvshade-server (CPU backend, UCX data plane on, transports: $UCX_SHOWN) on $TARGET, log $LOG"
 "$CLI" --target "$TARGET" status --wait 30
 
 set +e
@@ -90,9 +94,9 @@ set -e
 SERVER_RC=0
 stop_server || SERVER_RC=$?
 if [ "$SERVER_RC" -ne 0 ]; then
-  echo "demo: kvshade-server exited with status $SERVER_RC on SIGTERM; its log:" >&2
-  cat "$WORK/server.log" >&2
+  echo "demo: kvshade-server exited with status $SERVER_RC on SIGTERM; its log ($LOG):" >&2
+  cat "$LOG" >&2
 fi
-echo "demo: server stopped cleanly: $([ "$SERVER_RC" -eq 0 ] && echo yes || echo no)"
+echo "demo: server stopped cleanly: $([ "$SERVER_RC" -eq 0 ] && echo yes || echo no); its log: $LOG"
 if [ "$DEMO_RC" -ne 0 ]; then exit "$DEMO_RC"; fi
 exit "$SERVER_RC"

@@ -11,6 +11,7 @@
 #include <array>
 #include <cstdio>
 #include <future>
+#include <regex>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -121,6 +122,14 @@ TEST(CliDemo, DaemonWithoutUcxRunsOverGrpcAndFailsOnlyWhenUcxIsRequired) {
   EXPECT_FALSE(Has(plain, "FAILED")) << plain.output;
   EXPECT_TRUE(Has(plain, "[document] session ")) << plain.output;
   EXPECT_TRUE(Has(plain, "ingested 1024 tokens")) << plain.output;
+  // The figures say what they are.
+  EXPECT_TRUE(Has(plain, "an approximation by design")) << plain.output;
+  EXPECT_TRUE(Has(plain, "reference: question 0's queries on an exact-profile session")) << plain.output;
+  EXPECT_TRUE(Has(plain, "a dense bf16 K+V cache of the same 1152 tokens")) << plain.output;
+  EXPECT_FALSE(Has(plain, "unshared")) << plain.output;
+  // 2 steps x 2 layers = 4 selects: too few for a p99, the max is shown.
+  EXPECT_TRUE(std::regex_search(plain.output, std::regex(R"(Select \(b=2\) +[0-9.]+ +[0-9.]+ max +4\n)")))
+      << plain.output;
   ExpectNoSessions(server);
 
   // --ucx asks for UCX: the fallback fails the run.
@@ -128,8 +137,9 @@ TEST(CliDemo, DaemonWithoutUcxRunsOverGrpcAndFailsOnlyWhenUcxIsRequired) {
   EXPECT_EQ(strict.exit_code, 4) << strict.output;
   EXPECT_TRUE(Has(strict, "data plane: UCX, required by --ucx")) << strict.output;
   EXPECT_TRUE(Has(strict, "[transport] FAILED: --ucx asks for the UCX data plane")) << strict.output;
-  // The document is cached by now: nothing to ingest.
+  // The document is cached by now: nothing to ingest, and not counted as this run's memory.
   EXPECT_TRUE(Has(strict, "all 1024 tokens already cached")) << strict.output;
+  EXPECT_TRUE(Has(strict, "none of the document's (its 1024 tokens were cached before this run)")) << strict.output;
   ExpectNoSessions(server);
 
   // The last of --ucx / --no-ucx wins (scripts/demo.sh passes --ucx before the user's flags).
