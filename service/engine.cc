@@ -132,11 +132,7 @@ absl::StatusOr<v1::IngestResponse> Engine::Ingest(const Tenant& t,
   }
   KVSHADE_ASSIGN_OR_RETURN(auto s, impl_->BeginIngest(t, stream[0]));
   for (size_t i = 1; i < stream.size(); ++i) KVSHADE_RETURN_IF_ERROR(s->Add(stream[i]));
-  if (!s->committed()) {
-    return absl::InvalidArgumentError(
-        "Ingest: the stream ended without an IngestCommit; nothing was committed");
-  }
-  return s->response();
+  return s->Finish();
 }
 absl::StatusOr<v1::AppendTokensResponse> Engine::AppendTokens(const Tenant& t,
                                                               const v1::AppendTokensRequest& r) {

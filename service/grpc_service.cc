@@ -112,17 +112,17 @@ grpc::Status KvShadeService::Ingest(grpc::ServerContext* ctx,
                }
                auto stream = engine_->BeginIngest(t, msg);
                if (!stream.ok()) return stream.status();
+               // Every message up to the client's half-close: one after the commit fails
+               // the stream (and so the commit) like any other bad message.
                while (reader->Read(&msg)) {
                  if (absl::Status st = (*stream)->Add(msg); !st.ok()) return st;
                }
                if (ctx->IsCancelled()) {
-                 return absl::CancelledError("Ingest: the client cancelled the stream");
+                 return absl::CancelledError(
+                     "Ingest: the client cancelled the stream; nothing was committed");
                }
-               if (!(*stream)->committed()) {
-                 return absl::InvalidArgumentError(
-                     "Ingest: the stream ended without an IngestCommit; nothing was committed");
-               }
-               return (*stream)->response();
+               // The stream ended cleanly: its commit takes effect now.
+               return (*stream)->Finish();
              });
 }
 

@@ -13,7 +13,9 @@
 //          observation queries the heavy budget goes to the recent window.
 // exact  : post-RoPE K and V as given.
 //
-// Nothing is visible to other calls before the commit; an abandoned stream frees what it
+// Nothing is visible to other calls before the commit, and the commit takes effect only
+// when the stream has ended cleanly (Finish, after the commit message): a stream that
+// fails anywhere, a message after the commit included, or that is abandoned, frees what it
 // built and leaves the session "ingesting".
 //
 // Copies: a part's tensors are decoded (checked) straight into the slice of the layer they
@@ -115,21 +117,42 @@ class IngestStreamImpl final : public Engine::IngestStream {
     s_->ingest_active = false;
   }
 
-  bool committed() const override { return committed_; }
-  const v1::IngestResponse& response() const override { return resp_; }
-
   absl::Status Add(const v1::IngestRequest& msg) override {
+    if (!failed_.ok()) return Failed();
+    absl::Status st;
+    if (commit_accepted_) {
+      st = absl::InvalidArgumentError(
+          "Ingest: no message may follow the IngestCommit; the stream failed and nothing was "
+          "committed");
+    } else {
+      switch (msg.body_case()) {
+        case v1::IngestRequest::kHeader:
+          st = absl::InvalidArgumentError(
+              "Ingest: the IngestHeader may only be the first message of the stream");
+          break;
+        case v1::IngestRequest::kLayer: st = AddLayer(msg.layer()); break;
+        case v1::IngestRequest::kCommit: st = AcceptCommit(); break;
+        default: st = absl::InvalidArgumentError("Ingest: a message has no body");
+      }
+    }
+    if (!st.ok()) failed_ = st;
+    return st;
+  }
+
+  absl::StatusOr<v1::IngestResponse> Finish() override {
+    if (!failed_.ok()) return Failed();
     if (committed_) {
-      return absl::InvalidArgumentError("Ingest: no message may follow the IngestCommit");
+      return absl::FailedPreconditionError("Ingest: the stream is already finished");
     }
-    switch (msg.body_case()) {
-      case v1::IngestRequest::kHeader:
-        return absl::InvalidArgumentError(
-            "Ingest: the IngestHeader may only be the first message of the stream");
-      case v1::IngestRequest::kLayer: return AddLayer(msg.layer());
-      case v1::IngestRequest::kCommit: return Commit();
-      default: return absl::InvalidArgumentError("Ingest: a message has no body");
+    if (!commit_accepted_) {
+      return absl::InvalidArgumentError(
+          "Ingest: the stream ended without an IngestCommit; nothing was committed");
     }
+    if (absl::Status st = Commit(); !st.ok()) {
+      failed_ = st;
+      return st;
+    }
+    return resp_;
   }
 
  private:
@@ -506,7 +529,14 @@ class IngestStreamImpl final : public Engine::IngestStream {
   }
 
  private:
-  absl::Status Commit() {
+  absl::Status Failed() const {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "Ingest: an earlier message of this stream failed, so nothing is committed: ",
+        failed_.message()));
+  }
+
+  // The commit message: checked now, applied by Finish once the stream has ended.
+  absl::Status AcceptCommit() {
     std::vector<int> missing;
     for (int l = 0; l < L_; ++l) {
       if (!bufs_[l].done) missing.push_back(l);
@@ -517,6 +547,12 @@ class IngestStreamImpl final : public Engine::IngestStream {
           absl::StrJoin(missing.begin(), missing.begin() + std::min<size_t>(missing.size(), 16), ", "),
           missing.size() > 16 ? ", ..." : "", "]"));
     }
+    commit_accepted_ = true;
+    return absl::OkStatus();
+  }
+
+  // Seals the segment and makes it the session's: all of it, or (on an error) none of it.
+  absl::Status Commit() {
     KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(0));
     const ModelInfo& m = s_->model;
     const ProfileInfo& p = s_->profile;
@@ -564,12 +600,25 @@ class IngestStreamImpl final : public Engine::IngestStream {
       if (s_->state != SessionState::kIngesting) {
         return absl::NotFoundError(absl::StrCat("session '", s_->id, "' was closed"));
       }
+      const bool has_ref = static_cast<bool>(ref);
       s_->chain.push_back(seg);
-      if (ref) s_->prefix_refs.push_back(std::move(ref));
+      if (has_ref) s_->prefix_refs.push_back(std::move(ref));
       s_->tokens += n_;
       s_->state = SessionState::kReady;
       ++s_->static_version;
       ++s_->tail_version;
+      if (s_->durable) {
+        if (absl::Status st = e_.PersistSession(*s_); !st.ok()) {
+          // Not committed after all: the session is as it was before the commit.
+          s_->chain.pop_back();
+          if (has_ref) s_->prefix_refs.pop_back();
+          s_->tokens -= n_;
+          s_->state = SessionState::kIngesting;
+          ++s_->static_version;
+          ++s_->tail_version;
+          return st;
+        }
+      }
       s_->captured_energy = captured_;
       s_->residual_energy = residual_;
       bool any = false;
@@ -580,7 +629,6 @@ class IngestStreamImpl final : public Engine::IngestStream {
         s_->refactor_pending = true;
         scheduled = true;
       }
-      if (s_->durable) KVSHADE_RETURN_IF_ERROR(e_.PersistSession(*s_));
     }
     committed_ = true;
     if (scheduled) e_.ScheduleRefactor(s_);
@@ -618,7 +666,9 @@ class IngestStreamImpl final : public Engine::IngestStream {
   storage::SegmentId seg_id_;
   storage::SegmentValueLayout layout_;
   bool store_created_ = false;
-  bool committed_ = false;
+  bool commit_accepted_ = false;  // the commit message arrived (and every layer was complete)
+  bool committed_ = false;        // Finish applied it
+  absl::Status failed_;           // the stream's first error
   bool direct_ = false;  // exact profile on a host-memory backend: parts land in the segment
   v1::IngestResponse resp_;
 };

@@ -468,6 +468,9 @@ void UcxServer::OnIngest(ucx::AmMessage&& m) {
     ++order.next;
     RunInOrder(conn, std::move(job));
     if (last) {
+      // Messages numbered after the end belong to no open stream: they run after it and
+      // are answered as such (FAILED_PRECONDITION) rather than never.
+      for (auto& [later_seq, later] : order.waiting) RunInOrder(conn, std::move(later.first));
       conn->reorder.erase(it);
       return;
     }
@@ -562,8 +565,18 @@ void UcxServer::IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine,
         out.status = AttachPayload(h, payload, parts, "Ingest");
       }
       if (out.status.ok()) out.status = stream->Add(req);
-      const bool committed = out.status.ok() && stream->committed();
-      if (committed) out.payload = stream->response().SerializeAsString();
+      // Over UCX the commit message is the stream's end (its numbering restarts after it),
+      // so an accepted commit is applied now; a failure of either commits nothing.
+      bool committed = false;
+      if (out.status.ok() && req.has_commit()) {
+        absl::StatusOr<v1::IngestResponse> r = stream->Finish();
+        if (r.ok()) {
+          out.payload = r->SerializeAsString();
+          committed = true;
+        } else {
+          out.status = r.status();
+        }
+      }
       std::lock_guard<std::mutex> lock(conn->mu);
       auto it = conn->streams.find(sid);
       if (conn->dropped || it == conn->streams.end()) {

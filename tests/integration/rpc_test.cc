@@ -5,8 +5,10 @@
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <cmath>
 #include <functional>
+#include <thread>
 
 #include "gtest/gtest.h"
 #include "harness.h"
@@ -511,6 +513,99 @@ TEST(Rpc, MalformedRequestsGetTheirCodesAndHarmNoOtherSession) {
   EXPECT_EQ(health, client::HealthStatus::kServing);
   KV_ASSERT_OK_AND_ASSIGN(info, c->GetSession(sid));
   EXPECT_EQ(info.tokens(), 1024u);
+  EXPECT_EQ(server.Stop(), 0) << server.log();
+}
+
+
+// --- Ingest: the commit takes effect only when the stream ends cleanly ---------------------
+
+// The whole of layer `layer` of the document's first `n` tokens as one ingest part.
+v1::IngestRequest WholeLayer(const synthetic::Document& doc, uint32_t layer, int64_t n) {
+  const int h = doc.spec().kv_heads, d = doc.spec().head_dim;
+  std::vector<uint16_t> k, v;
+  doc.KeysValues(static_cast<int>(layer), -1, 0, n, &k, &v);
+  v1::IngestRequest m;
+  auto* l = m.mutable_layer();
+  l->set_layer(layer);
+  l->set_token_offset(0);
+  *l->mutable_k() = MakeBf16Tensor({n, h, d}, absl::MakeConstSpan(k));
+  *l->mutable_v() = MakeBf16Tensor({n, h, d}, absl::MakeConstSpan(v));
+  l->set_last_part(true);
+  return m;
+}
+
+TEST(Rpc, IngestCommitTakesEffectOnlyWhenTheStreamEndsCleanly) {
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({}));
+  auto c = server.Connect();
+  ASSERT_NE(c, nullptr);
+  const int64_t n = 512;
+  const synthetic::Document doc(SmallDoc(n));
+  const v1::Profile profile = ShadowProfile();
+  const int layers = doc.spec().layers;
+  KV_ASSERT_OK_AND_ASSIGN(created, c->CreateSession(synthetic::MakeCreate(doc, profile, -1)));
+  ASSERT_EQ(created.tokens_to_ingest(), static_cast<uint64_t>(n));
+  const std::string sid = created.session_id();
+  std::vector<v1::IngestRequest> good(1);
+  good[0].mutable_header()->set_session_id(sid);
+  for (int l = 0; l < layers; ++l) good.push_back(WholeLayer(doc, l, n));
+  good.emplace_back().mutable_commit();
+  auto stub = v1::KvShade::NewStub(c->channel());
+  auto expect_nothing_committed = [&](const std::string& what) {
+    auto info = c->GetSession(sid);
+    ASSERT_TRUE(info.ok()) << what << ": " << info.status();
+    EXPECT_EQ(info->state(), "ingesting") << what;
+    EXPECT_EQ(info->tokens(), 0u) << what;
+  };
+
+  // [header, layer 0, layer 1, commit, layer 0]: the stream fails, and so nothing is
+  // committed; the client may simply send the stream again.
+  {
+    std::vector<v1::IngestRequest> msgs = good;
+    msgs.push_back(WholeLayer(doc, 0, n));
+    grpc::ClientContext ctx;
+    v1::IngestResponse resp;
+    auto w = stub->Ingest(&ctx, &resp);
+    for (const auto& m : msgs) {
+      if (!w->Write(m)) break;
+    }
+    w->WritesDone();
+    const grpc::Status st = w->Finish();
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+    EXPECT_NE(st.error_message().find("IngestCommit"), std::string::npos) << st.error_message();
+    expect_nothing_committed("a message after the commit");
+  }
+
+  // Every message including the commit, but the client cancels instead of half-closing:
+  // the stream did not end cleanly, so the commit never takes effect.
+  {
+    grpc::ClientContext ctx;
+    v1::IngestResponse resp;
+    auto w = stub->Ingest(&ctx, &resp);
+    for (const auto& m : good) ASSERT_TRUE(w->Write(m));
+    // Wait until the server has processed every layer, then give it time to act on the
+    // commit if it (wrongly) did so before the stream's end.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    for (;;) {
+      auto info = c->GetSession(sid);
+      ASSERT_TRUE(info.ok()) << info.status();
+      if (info->state() != "ingesting" || info->layers_ingested() == static_cast<uint32_t>(layers)) break;
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "the server never processed the layers";
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    expect_nothing_committed("commit sent, stream still open");
+    ctx.TryCancel();
+    EXPECT_EQ(w->Finish().error_code(), grpc::StatusCode::CANCELLED);
+    expect_nothing_committed("commit sent, stream cancelled");
+  }
+
+  // The same messages, half-closed: committed.
+  KV_ASSERT_OK_AND_ASSIGN(ing, c->Ingest(good));
+  EXPECT_EQ(ing.tokens(), static_cast<uint64_t>(n));
+  KV_ASSERT_OK_AND_ASSIGN(info, c->GetSession(sid));
+  EXPECT_EQ(info.state(), "ready");
+  EXPECT_EQ(info.tokens(), static_cast<uint64_t>(n));
   EXPECT_EQ(server.Stop(), 0) << server.log();
 }
 

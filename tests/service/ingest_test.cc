@@ -194,6 +194,53 @@ TEST(IngestTest, AbandonedStreamLeavesSessionIngestingAndRetryable) {
 }
 
 
+TEST(IngestTest, CommitTakesEffectOnlyWhenTheStreamEndsCleanly) {
+  // The defect this guards: [header, layer 0 (last), layer 1 (last), commit, layer 0]
+  // answered INVALID_ARGUMENT yet left the session ready, so a retry was refused.
+  Harness hx;
+  Stream s = MakeStream(512, hx.model, 10);
+  v1::CreateSessionRequest cr;
+  *cr.mutable_model() = hx.model;
+  *cr.mutable_profile() = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+  auto c = hx.engine->CreateSession(hx.tenant, cr);
+  ASSERT_TRUE(c.ok()) << c.status();
+  v1::GetSessionRequest gr;
+  gr.set_session_id(c->session_id());
+  auto expect_nothing_committed = [&](const char* what) {
+    auto info = hx.engine->GetSession(hx.tenant, gr);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->state(), "ingesting") << what;
+    EXPECT_EQ(info->tokens(), 0u) << what;
+  };
+  const auto msgs = IngestStreamOf(c->session_id(), s, 0, 512);
+
+  auto trailing = msgs;
+  trailing.push_back(msgs[1]);  // a layer-0 part after the commit
+  auto bad = hx.engine->Ingest(hx.tenant, trailing);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  EXPECT_NE(bad.status().message().find("IngestCommit"), std::string_view::npos) << bad.status();
+  expect_nothing_committed("a message after the commit");
+
+  // A stream whose commit was accepted but that never ended (the transport saw no clean
+  // end) commits nothing either.
+  {
+    auto st = hx.engine->BeginIngest(hx.tenant, msgs[0]);
+    ASSERT_TRUE(st.ok()) << st.status();
+    for (size_t i = 1; i < msgs.size(); ++i) ASSERT_TRUE((*st)->Add(msgs[i]).ok()) << i;
+    expect_nothing_committed("commit accepted, stream open");
+  }  // dropped without an end
+  expect_nothing_committed("commit accepted, stream dropped");
+
+  auto ing = hx.engine->Ingest(hx.tenant, msgs);
+  ASSERT_TRUE(ing.ok()) << ing.status();
+  EXPECT_EQ(ing->tokens(), 512u);
+  auto info = hx.engine->GetSession(hx.tenant, gr);
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->state(), "ready");
+  EXPECT_EQ(info->tokens(), 512u);
+}
+
 TEST(IngestTest, ShadowLayersAreAllocatedFromTheDeviceBudget) {
   // A shadow layer's factors, landmarks and static set come from the device arena: a
   // budget too small for them fails the ingest with RESOURCE_EXHAUSTED (it does not
