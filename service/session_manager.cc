@@ -8,6 +8,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "status_util.h"
 
 namespace kvshade::service {
 
@@ -56,20 +57,22 @@ absl::Status SessionManager::AddSession(std::shared_ptr<Session> session) {
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindSession(
     const std::string& tenant, const std::string& id) const {
+  if (absl::Status st = CheckIdLength(id, "session id"); !st.ok()) return st;
   absl::ReaderMutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end() || it->second->tenant != tenant) {
-    return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
+    return absl::NotFoundError(absl::StrCat("session '", BoundedId(id), "' not found"));
   }
   return it->second;
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::RemoveSession(const std::string& tenant,
                                                                        const std::string& id) {
+  if (absl::Status st = CheckIdLength(id, "session id"); !st.ok()) return st;
   absl::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end() || it->second->tenant != tenant) {
-    return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
+    return absl::NotFoundError(absl::StrCat("session '", BoundedId(id), "' not found"));
   }
   std::shared_ptr<Session> s = it->second;
   sessions_.erase(it);
@@ -126,7 +129,8 @@ absl::StatusOr<std::shared_ptr<Attachment>> SessionManager::Attach(
     const auto w = attachments_.find(session->writer_attachment);
     return absl::FailedPreconditionError(absl::StrCat(
         "session '", session->id, "' already has a writer attachment",
-        w != attachments_.end() ? absl::StrCat(" (worker '", w->second->worker_id, "')") : "",
+        w != attachments_.end() ? absl::StrCat(" (worker '", BoundedId(w->second->worker_id), "')")
+                                : "",
         "; detach it or let its lease expire, or attach as a reader"));
   }
   auto a = std::make_shared<Attachment>();
@@ -175,10 +179,11 @@ int SessionManager::ReapExpired() {
 }
 
 absl::Status SessionManager::ExpiredOrMissing(const std::string& attachment_id) const {
-  return absl::NotFoundError(absl::StrCat("attachment '", attachment_id, "' not found"));
+  return absl::NotFoundError(absl::StrCat("attachment '", BoundedId(attachment_id), "' not found"));
 }
 
 absl::Status SessionManager::Detach(const std::string& tenant, const std::string& attachment_id) {
+  if (absl::Status st = CheckIdLength(attachment_id, "attachment id"); !st.ok()) return st;
   absl::MutexLock lock(&mu_);
   auto it = attachments_.find(attachment_id);
   if (it == attachments_.end() || it->second->tenant != tenant) {
@@ -195,6 +200,7 @@ absl::Status SessionManager::Detach(const std::string& tenant, const std::string
 
 absl::StatusOr<std::shared_ptr<Attachment>> SessionManager::Use(const std::string& tenant,
                                                                 const std::string& attachment_id) {
+  if (absl::Status st = CheckIdLength(attachment_id, "attachment id"); !st.ok()) return st;
   absl::MutexLock lock(&mu_);
   const int64_t now = clock_();
   auto it = attachments_.find(attachment_id);
@@ -209,7 +215,8 @@ absl::StatusOr<std::shared_ptr<Attachment>> SessionManager::Use(const std::strin
   auto t = tombstones_.find(attachment_id);
   if (t != tombstones_.end() && t->second.first == tenant) {
     return absl::FailedPreconditionError(
-        absl::StrCat("attachment '", attachment_id, "': lease expired ", now - t->second.second,
+        absl::StrCat("attachment '", BoundedId(attachment_id), "': lease expired ",
+                     now - t->second.second,
                      " ms ago; attach again"));
   }
   return ExpiredOrMissing(attachment_id);
@@ -217,6 +224,7 @@ absl::StatusOr<std::shared_ptr<Attachment>> SessionManager::Use(const std::strin
 
 absl::Status SessionManager::CheckWriter(const std::string& tenant, const Session& session,
                                          const std::string& attachment_id) {
+  if (absl::Status st = CheckIdLength(attachment_id, "attachment id"); !st.ok()) return st;
   absl::MutexLock lock(&mu_);
   ReapLocked();
   std::shared_ptr<Attachment> a;
@@ -226,14 +234,16 @@ absl::Status SessionManager::CheckWriter(const std::string& tenant, const Sessio
       auto t = tombstones_.find(attachment_id);
       if (t != tombstones_.end() && t->second.first == tenant) {
         return absl::FailedPreconditionError(
-            absl::StrCat("attachment '", attachment_id, "': lease expired; attach again"));
+            absl::StrCat("attachment '", BoundedId(attachment_id),
+                         "': lease expired; attach again"));
       }
       return ExpiredOrMissing(attachment_id);
     }
     a = it->second;
     if (a->session.get() != &session) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "attachment '", attachment_id, "' belongs to another session than '", session.id, "'"));
+          "attachment '", BoundedId(attachment_id), "' belongs to another session than '",
+          session.id, "'"));
     }
     a->expires_ms = clock_() + a->lease_ms;
   }

@@ -609,5 +609,72 @@ TEST(Rpc, IngestCommitTakesEffectOnlyWhenTheStreamEndsCleanly) {
   EXPECT_EQ(server.Stop(), 0) << server.log();
 }
 
+// --- Ids in errors: bounded, and over the maximum length refused ---------------------------
+
+TEST(Rpc, OversizedIdsGetInvalidArgumentWithAShortMessage) {
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({}));
+  auto c = server.Connect();
+  ASSERT_NE(c, nullptr);
+  const synthetic::Document doc(SmallDoc(512));
+  const v1::Profile profile = ShadowProfile();
+  KV_ASSERT_OK_AND_ASSIGN(good, CreateAndIngest(*c, doc, profile, -1));
+  const std::string huge(10 << 10, 'x');  // far over the id limit and gRPC's metadata limit
+  using C = absl::StatusCode;
+  struct IdCase {
+    std::string name;
+    C expected;
+    std::function<absl::Status()> call;
+  };
+  auto select_with = [&](std::vector<std::string> attachments) {
+    return [&c, &doc, attachments] {
+      return c->SelectAndReconstruct(MakeSelect(doc, 0, attachments, 0, 0, 512)).status();
+    };
+  };
+  const std::vector<IdCase> cases = {
+      {"get", C::kInvalidArgument, [&] { return c->GetSession(huge).status(); }},
+      {"close", C::kInvalidArgument, [&] { return c->CloseSession(huge); }},
+      {"fork", C::kInvalidArgument, [&] { return c->ForkSession(huge, 512).status(); }},
+      {"attach", C::kInvalidArgument,
+       [&] {
+         v1::AttachRequest r;
+         r.set_session_id(huge);
+         return c->Attach(r).status();
+       }},
+      {"detach", C::kInvalidArgument, [&] { return c->Detach(huge); }},
+      {"static set", C::kInvalidArgument, [&] { return c->GetStaticSet(huge, 0).status(); }},
+      {"select", C::kInvalidArgument, select_with({huge})},
+      {"select: the same long id twice", C::kInvalidArgument, select_with({huge, huge})},
+      {"append", C::kInvalidArgument,
+       [&] { return c->AppendTokens(synthetic::MakeAppend(doc, huge, 0, 512, 516)).status(); }},
+      {"append: attachment", C::kInvalidArgument,
+       [&] {
+         auto r = synthetic::MakeAppend(doc, good.session_id(), 0, 512, 516);
+         r.set_attachment_id(huge);
+         return c->AppendTokens(r).status();
+       }},
+      {"ingest", C::kInvalidArgument,
+       [&] {
+         std::vector<v1::IngestRequest> msgs(1);
+         msgs[0].mutable_header()->set_session_id(huge);
+         return c->Ingest(msgs).status();
+       }},
+      // Within the limit but unknown: NOT_FOUND, naming at most a bounded piece of the id.
+      {"get: 128-byte unknown id", C::kNotFound, [&] { return c->GetSession(std::string(128, 'y')).status(); }},
+  };
+  for (const IdCase& ic : cases) {
+    const absl::Status s = ic.call();
+    EXPECT_EQ(s.code(), ic.expected) << ic.name << ": got " << s.code() << " with "
+                                     << s.message().size() << " bytes of message";
+    EXPECT_LE(s.message().size(), 1024u) << ic.name;
+    EXPECT_EQ(s.message().find(std::string(65, 'x')), std::string::npos) << ic.name;
+    EXPECT_EQ(s.message().find(std::string(65, 'y')), std::string::npos) << ic.name;
+  }
+  // The server is unharmed.
+  KV_ASSERT_OK_AND_ASSIGN(info, c->GetSession(good.session_id()));
+  EXPECT_EQ(info.tokens(), 512u);
+  EXPECT_EQ(server.Stop(), 0) << server.log();
+}
+
 }  // namespace
 }  // namespace kvshade::integration

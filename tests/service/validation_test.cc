@@ -2,6 +2,7 @@
 // a word its message must contain; afterwards the good session still answers the same.
 #include <functional>
 
+#include "absl/strings/str_cat.h"
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
@@ -238,6 +239,101 @@ TEST(ValidationTest, MalformedRequestsGetTheFittingCode) {
   gr.set_session_id(good.session);
   EXPECT_EQ(hx.engine->GetSession(hx.tenant, gr)->tokens(), 300u);
   EXPECT_TRUE(hx.engine->Ingest(hx.tenant, good_stream).ok());
+}
+
+
+TEST(ValidationTest, IdsOverTheLimitAreRefusedAndEchoedIdsAreBounded) {
+  Harness hx;
+  Stream s = MakeStream(64, hx.model, 52);
+  auto good = hx.Open(s, ProfileOf(v1::PROFILE_KIND_EXACT));
+  const std::string huge(10 << 10, 'x');
+  using C = absl::StatusCode;
+  struct IdCase {
+    std::string name;
+    C code;
+    std::function<absl::Status()> run;
+  };
+  const std::vector<IdCase> cases = {
+      {"get", C::kInvalidArgument,
+       [&] {
+         v1::GetSessionRequest r;
+         r.set_session_id(huge);
+         return hx.engine->GetSession(hx.tenant, r).status();
+       }},
+      {"close", C::kInvalidArgument,
+       [&] {
+         v1::CloseSessionRequest r;
+         r.set_session_id(huge);
+         return hx.engine->CloseSession(hx.tenant, r).status();
+       }},
+      {"fork", C::kInvalidArgument,
+       [&] {
+         v1::ForkSessionRequest r;
+         r.set_parent_session_id(huge);
+         return hx.engine->ForkSession(hx.tenant, r).status();
+       }},
+      {"attach", C::kInvalidArgument,
+       [&] {
+         v1::AttachRequest r;
+         r.set_session_id(huge);
+         return hx.engine->Attach(hx.tenant, r).status();
+       }},
+      {"detach", C::kInvalidArgument,
+       [&] {
+         v1::DetachRequest r;
+         r.set_attachment_id(huge);
+         return hx.engine->Detach(hx.tenant, r).status();
+       }},
+      {"static set", C::kInvalidArgument,
+       [&] {
+         v1::GetStaticSetRequest r;
+         r.set_attachment_id(huge);
+         return hx.engine->GetStaticSet(hx.tenant, r).status();
+       }},
+      {"attend", C::kInvalidArgument, [&] { return hx.Attend(huge, 0, hx.Query(1)).status(); }},
+      {"ingest", C::kInvalidArgument,
+       [&] {
+         v1::IngestRequest h;
+         h.mutable_header()->set_session_id(huge);
+         return hx.engine->BeginIngest(hx.tenant, h).status();
+       }},
+      {"append: attachment", C::kInvalidArgument,
+       [&] {
+         v1::AppendTokensRequest r;
+         r.set_session_id(good.session);
+         r.set_attachment_id(huge);
+         r.add_token_ids(7);
+         for (int l = 0; l < 2; ++l) {
+           auto* lk = r.add_layers();
+           lk->set_layer(l);
+           *lk->mutable_k() = ToTensor(std::vector<bf16>(128, kernels::FloatToBf16(0.5f)), {1, 2, 64});
+           *lk->mutable_v() = ToTensor(std::vector<bf16>(128, kernels::FloatToBf16(0.5f)), {1, 2, 64});
+         }
+         return hx.engine->AppendTokens(hx.tenant, r).status();
+       }},
+      {"slots", C::kInvalidArgument, [&] { return hx.engine->AttachmentSlots(hx.tenant, huge).status(); }},
+      // At the limit but unknown: NOT_FOUND, naming a bounded piece of the id and its length.
+      {"get: 128-byte unknown id", C::kNotFound,
+       [&] {
+         v1::GetSessionRequest r;
+         r.set_session_id(std::string(128, 'x'));
+         return hx.engine->GetSession(hx.tenant, r).status();
+       }},
+  };
+  for (const IdCase& c : cases) {
+    const absl::Status st = c.run();
+    EXPECT_EQ(st.code(), c.code) << c.name << ": " << st.message().substr(0, 200);
+    EXPECT_LE(st.message().size(), 256u) << c.name;
+    EXPECT_EQ(st.message().find(std::string(65, 'x')), std::string_view::npos) << c.name;
+  }
+  v1::GetSessionRequest r;
+  r.set_session_id(std::string(100, 'y'));
+  const absl::Status st = hx.engine->GetSession(hx.tenant, r).status();
+  EXPECT_NE(st.message().find(absl::StrCat(std::string(64, 'y'), "...")), std::string_view::npos) << st;
+  EXPECT_NE(st.message().find("100 bytes"), std::string_view::npos) << st;
+  // Ids of normal length are echoed whole.
+  r.set_session_id("nope");
+  EXPECT_NE(hx.engine->GetSession(hx.tenant, r).status().message().find("'nope'"), std::string_view::npos);
 }
 
 }  // namespace

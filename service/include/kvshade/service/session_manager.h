@@ -12,6 +12,8 @@
 // - At most one live writer attachment per session (FAILED_PRECONDITION for a second one);
 //   its lease expiring or a Detach frees the role.
 // - A session holds at most limits.max_attachments_per_session live attachments.
+// - Ids longer than kMaxIdBytes (status_util.h) are INVALID_ARGUMENT; errors echo at most
+//   a bounded piece of an id (BoundedId).
 //
 // Concurrency: one short registry lock (absl::Mutex) for the maps; nothing slow runs under
 // it. Per-attachment work (slot tables) is serialized by Attachment::mu.
