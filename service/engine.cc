@@ -13,6 +13,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine_impl.h"
@@ -78,6 +79,8 @@ size_t Segment::HostBytes() const {
   for (const LayerData& l : layers) b += l.open_values.buffer.bytes();
   return b;
 }
+
+static absl::StatusOr<v1::StatsResponse> TenantStats(EngineImpl& e, const Tenant& t);  // below
 
 // ---------------------------------------------------------------------------------------
 // Engine (public shell)
@@ -175,8 +178,8 @@ absl::StatusOr<Engine::SlotGeometry> Engine::AttachmentSlots(const Tenant& t,
   g.delivery = a->delivery;
   return g;
 }
-absl::StatusOr<v1::StatsResponse> Engine::Stats(const Tenant&, const v1::StatsRequest&) {
-  return impl_->Stats();
+absl::StatusOr<v1::StatsResponse> Engine::Stats(const Tenant& t, const v1::StatsRequest&) {
+  return TenantStats(*impl_, t);
 }
 absl::Status Engine::Drain() { return impl_->Drain(); }
 bool Engine::draining() const { return impl_->draining_.load(); }
@@ -425,6 +428,7 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
     ReuseMatch m = FindReusable(*this, hasher, tokens, s->durable);
     ++prefix_lookups_;
     if (m.tokens > 0) ++prefix_hits_;
+    sessions_.CountPrefixLookup(t.name, m.tokens > 0);
     metrics_->PrefixLookup(m.tokens > 0, m.tokens);
     s->chain = std::move(m.chain);
     s->prefix_refs = std::move(m.refs);
@@ -479,6 +483,7 @@ absl::StatusOr<v1::LookupPrefixResponse> EngineImpl::LookupPrefix(
   ReuseMatch m = FindReusable(*this, hasher, tokens, /*need_durable=*/false);
   ++prefix_lookups_;
   if (m.tokens > 0) ++prefix_hits_;
+  sessions_.CountPrefixLookup(t.name, m.tokens > 0);
   metrics_->PrefixLookup(m.tokens > 0, m.tokens);
   resp.set_reusable_tokens(m.tokens);
   resp.set_cached_segments(m.chain.size());
@@ -925,6 +930,8 @@ void EngineImpl::UpdateGauges() {
   if (spill_) metrics_->SetTierBytes("spill", "values", double(hs.spill_bytes_written));
 }
 
+// Server-wide figures (every tenant's): for the operator, like /metrics. The Stats RPC
+// answers per tenant (TenantStats).
 absl::StatusOr<v1::StatsResponse> EngineImpl::Stats() {
   UpdateGauges();
   v1::StatsResponse r;
@@ -947,6 +954,55 @@ absl::StatusOr<v1::StatsResponse> EngineImpl::Stats() {
   r.set_prefix_hits(prefix_hits_.load());
   r.set_chunks_selected(chunks_selected_.load());
   r.set_chunk_hits(chunk_hits_.load());
+#ifdef KVSHADE_VERSION
+  r.set_version(KVSHADE_VERSION);
+#endif
+  return r;
+}
+
+// Stats of one tenant: its sessions and attachments, the segments its sessions hold (one
+// shared by several counts once) and what they take on each tier, its prefix lookups and
+// chunk selections; plus the server's backend, budgets and version. Nothing of another
+// tenant (service/README.md "Stats").
+static absl::StatusOr<v1::StatsResponse> TenantStats(EngineImpl& e, const Tenant& t) {
+  e.UpdateGauges();
+  const TenantUsage u = e.sessions_.Usage(t.name);
+  uint64_t segments = 0, device = 0, host = 0, spilled = 0;
+  absl::flat_hash_set<const Segment*> seen;
+  absl::flat_hash_set<storage::SegmentId> values_seen;
+  auto add = [&](const Segment& seg) {
+    if (!seen.insert(&seg).second) return;
+    ++segments;
+    device += seg.DeviceBytes();
+    if (seg.base == nullptr) {
+      for (const LayerData& l : seg.layers) host += l.open_values.buffer.bytes();
+    }
+    const Segment& owner = seg.values_owner();
+    if (!owner.values_in_store || !values_seen.insert(owner.id).second) return;
+    absl::StatusOr<storage::SegmentUsage> su = e.store_->Usage(owner.id);
+    if (!su.ok()) return;
+    host += su->resident_bytes;
+    if (su->state == storage::SegmentState::kSpilled) spilled += su->value_bytes;
+  };
+  for (const auto& s : e.sessions_.ListSessions(t.name)) {
+    std::shared_lock lock(s->mu);
+    for (const auto& seg : s->chain) add(*seg);
+    if (s->open) add(*s->open);
+  }
+  v1::StatsResponse r;
+  r.set_backend(std::string(e.backend_->name()));
+  r.set_sessions(u.sessions);
+  r.set_attachments(u.attachments);
+  r.set_segments(segments);
+  r.set_device_bytes_used(device);
+  r.set_device_bytes_budget(e.arena_->Stats().capacity);
+  r.set_host_bytes_used(host);
+  r.set_host_bytes_budget(e.store_->Stats().budget_bytes);
+  r.set_spilled_bytes(spilled);
+  r.set_prefix_lookups(u.prefix_lookups);
+  r.set_prefix_hits(u.prefix_hits);
+  r.set_chunks_selected(u.chunks_selected);
+  r.set_chunk_hits(u.chunk_hits);
 #ifdef KVSHADE_VERSION
   r.set_version(KVSHADE_VERSION);
 #endif

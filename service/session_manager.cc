@@ -27,6 +27,12 @@ const char* SessionStateName(SessionState s) {
   return "unknown";
 }
 
+Attachment::~Attachment() {
+  if (counters == nullptr) return;
+  counters->chunks_selected += selected.load();
+  counters->chunk_hits += hits.load();
+}
+
 SessionManager::SessionManager(const LimitsConfig& limits, Clock clock)
     : limits_(limits), clock_(clock ? std::move(clock) : Clock(SystemNowMs)) {}
 
@@ -142,6 +148,7 @@ absl::StatusOr<std::shared_ptr<Attachment>> SessionManager::Attach(
   a->session = session;
   a->expires_ms = clock_() + lease_ms;
   a->slots.resize(session->model.layers);
+  a->counters = CountersLocked(tenant);
   attachments_[a->id] = a;
   ++session->attachments;
   if (writer) session->writer_attachment = a->id;
@@ -268,6 +275,42 @@ int SessionManager::AttachmentCount(const Session& s) const {
 SessionCounts SessionManager::Counts() const {
   absl::ReaderMutexLock lock(&mu_);
   return SessionCounts{sessions_.size(), attachments_.size()};
+}
+
+std::shared_ptr<TenantCounters> SessionManager::CountersLocked(const std::string& tenant) {
+  std::shared_ptr<TenantCounters>& c = counters_[tenant];
+  if (c == nullptr) c = std::make_shared<TenantCounters>();
+  return c;
+}
+
+void SessionManager::CountPrefixLookup(const std::string& tenant, bool hit) {
+  std::shared_ptr<TenantCounters> c;
+  {
+    absl::MutexLock lock(&mu_);
+    c = CountersLocked(tenant);
+  }
+  ++c->prefix_lookups;
+  if (hit) ++c->prefix_hits;
+}
+
+TenantUsage SessionManager::Usage(const std::string& tenant) const {
+  absl::ReaderMutexLock lock(&mu_);
+  TenantUsage u;
+  if (auto it = per_tenant_.find(tenant); it != per_tenant_.end()) u.sessions = it->second;
+  for (const auto& [id, a] : attachments_) {
+    if (a->tenant != tenant) continue;
+    ++u.attachments;
+    u.chunks_selected += a->selected.load();
+    u.chunk_hits += a->hits.load();
+  }
+  if (auto it = counters_.find(tenant); it != counters_.end()) {
+    const TenantCounters& c = *it->second;
+    u.prefix_lookups = c.prefix_lookups.load();
+    u.prefix_hits = c.prefix_hits.load();
+    u.chunks_selected += c.chunks_selected.load();
+    u.chunk_hits += c.chunk_hits.load();
+  }
+  return u;
 }
 
 }  // namespace kvshade::service

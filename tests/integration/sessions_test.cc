@@ -143,6 +143,17 @@ TEST(Sessions, TenantsAreIsolated) {
   KV_ASSERT_OK_AND_ASSIGN(bob_created, bob->CreateSession(synthetic::MakeCreate(doc, profile, -1)));
   EXPECT_EQ(bob_created.reused_tokens(), 0u);
   EXPECT_EQ(bob_created.tokens_to_ingest(), 1024u);
+  // Stats are per tenant: each sees its own session and attachments, not the other's.
+  KV_ASSERT_OK_AND_ASSIGN(bob_stats, bob->Stats());
+  EXPECT_EQ(bob_stats.sessions(), 1u);
+  EXPECT_EQ(bob_stats.attachments(), 0u);
+  EXPECT_EQ(bob_stats.segments(), 0u);  // his session is still ingesting
+  EXPECT_EQ(bob_stats.host_bytes_used(), 0u);
+  KV_ASSERT_OK_AND_ASSIGN(alice_stats, alice->Stats());
+  EXPECT_EQ(alice_stats.sessions(), 1u);
+  EXPECT_EQ(alice_stats.attachments(), 1u);
+  EXPECT_EQ(alice_stats.segments(), 1u);
+  EXPECT_GT(alice_stats.host_bytes_used(), 0u);
   // Alice still sees exactly her session, and it still works.
   KV_ASSERT_OK_AND_ASSIGN(alice_list, alice->ListSessions());
   ASSERT_EQ(alice_list.sessions_size(), 1);

@@ -135,5 +135,70 @@ TEST(SessionsTest, DrainRefusesNewWork) {
   EXPECT_TRUE(hx.engine->Drain().ok());  // idempotent
 }
 
+
+TEST(SessionsTest, StatsCountOnlyTheCallersSessions) {
+  Harness hx;
+  Stream a1 = MakeStream(512, hx.model, 91, 16, 1000);
+  Stream a2 = MakeStream(512, hx.model, 92, 16, 50000);
+  Stream b1 = MakeStream(512, hx.model, 93, 16, 90000);
+  const v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  auto oa1 = hx.Open(a1, p);
+  auto oa2 = hx.Open(a2, p);
+  auto ob = hx.Open(b1, p, -1, false, &hx.other);
+  // Bob selects twice, Alice once.
+  auto select = [&](const Tenant& t, const std::string& att, uint64_t seed) {
+    v1::SelectAndReconstructRequest r;
+    r.set_layer(0);
+    auto* sq = r.add_queries();
+    sq->set_attachment_id(att);
+    *sq->mutable_q() = ToTensor(hx.Query(seed), {hx.model.num_query_heads(), hx.model.head_dim()});
+    auto resp = hx.engine->SelectAndReconstruct(t, r);
+    EXPECT_TRUE(resp.ok()) << resp.status();
+    return resp.ok() ? uint64_t(resp->deltas(0).selected()) : 0;
+  };
+  const uint64_t bob_selected = select(hx.other, ob.attachment, 1) + select(hx.other, ob.attachment, 2);
+  const uint64_t alice_selected = select(hx.tenant, oa1.attachment, 3);
+  ASSERT_GT(bob_selected, 0u);
+  // Bob detaches: what his attachment selected still counts.
+  v1::DetachRequest dr;
+  dr.set_attachment_id(ob.attachment);
+  ASSERT_TRUE(hx.engine->Detach(hx.other, dr).ok());
+
+  auto bob = hx.engine->Stats(hx.other, {});
+  auto alice = hx.engine->Stats(hx.tenant, {});
+  const Tenant carol{"carol", TenantSalt("carol", "")};
+  auto none = hx.engine->Stats(carol, {});
+  ASSERT_TRUE(bob.ok() && alice.ok() && none.ok());
+  EXPECT_EQ(bob->sessions(), 1u);
+  EXPECT_EQ(bob->attachments(), 0u);
+  EXPECT_EQ(bob->segments(), 1u);
+  EXPECT_EQ(bob->prefix_lookups(), 1u);
+  EXPECT_EQ(bob->prefix_hits(), 0u);
+  EXPECT_EQ(bob->chunks_selected(), bob_selected);
+  EXPECT_GT(bob->host_bytes_used(), 0u);
+  EXPECT_GT(bob->device_bytes_used(), 0u);
+  EXPECT_EQ(alice->sessions(), 2u);
+  EXPECT_EQ(alice->attachments(), 2u);
+  EXPECT_EQ(alice->segments(), 2u);
+  EXPECT_EQ(alice->prefix_lookups(), 2u);
+  EXPECT_EQ(alice->chunks_selected(), alice_selected);
+  // Same geometry and length: Alice's two sessions hold twice Bob's one.
+  EXPECT_EQ(alice->host_bytes_used(), 2 * bob->host_bytes_used());
+  EXPECT_GT(alice->device_bytes_used(), bob->device_bytes_used());
+  // A tenant with nothing sees nothing of the others, only the server's budgets.
+  EXPECT_EQ(none->sessions(), 0u);
+  EXPECT_EQ(none->attachments(), 0u);
+  EXPECT_EQ(none->segments(), 0u);
+  EXPECT_EQ(none->host_bytes_used(), 0u);
+  EXPECT_EQ(none->device_bytes_used(), 0u);
+  EXPECT_EQ(none->spilled_bytes(), 0u);
+  EXPECT_EQ(none->prefix_lookups(), 0u);
+  EXPECT_EQ(none->chunks_selected(), 0u);
+  EXPECT_EQ(none->chunk_hits(), 0u);
+  EXPECT_EQ(none->host_bytes_budget(), hx.config.host_budget_bytes);
+  EXPECT_EQ(none->device_bytes_budget(), bob->device_bytes_budget());
+  EXPECT_EQ(none->backend(), "cpu");
+}
+
 }  // namespace
 }  // namespace kvshade::service::testing

@@ -12,13 +12,17 @@
 // - At most one live writer attachment per session (FAILED_PRECONDITION for a second one);
 //   its lease expiring or a Detach frees the role.
 // - A session holds at most limits.max_attachments_per_session live attachments.
+//
 // - Ids longer than kMaxIdBytes (status_util.h) are INVALID_ARGUMENT; errors echo at most
 //   a bounded piece of an id (BoundedId).
+// - Per tenant, what Stats reports (Usage): open sessions, live attachments, and counters
+//   (prefix lookups, chunks selected) that outlive the sessions and attachments.
 //
 // Concurrency: one short registry lock (absl::Mutex) for the maps; nothing slow runs under
 // it. Per-attachment work (slot tables) is serialized by Attachment::mu.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <functional>
@@ -49,7 +53,17 @@ struct SlotTable {
 
 struct PeerSlots;  // engine_impl.h
 
+// A tenant's cumulative counters (Stats).
+struct TenantCounters {
+  std::atomic<uint64_t> prefix_lookups{0}, prefix_hits{0};
+  // Of attachments that are gone (live ones are counted from the attachments).
+  std::atomic<uint64_t> chunks_selected{0}, chunk_hits{0};
+};
+
 struct Attachment {
+  // Adds this attachment's selection counts to its tenant's counters.
+  ~Attachment();
+
   std::string id;
   std::string tenant;
   std::string worker_id;
@@ -64,12 +78,23 @@ struct Attachment {
   // Serializes selects of this attachment (its slot tables).
   std::mutex mu;
   std::vector<SlotTable> slots;  // [L], allocated on first use of a layer
-  uint64_t selected = 0, hits = 0;
+  // Chunks selected and slot-table hits, over the attachment's life (atomic: Stats reads
+  // them while selects add).
+  std::atomic<uint64_t> selected{0}, hits{0};
+  std::shared_ptr<TenantCounters> counters;  // the tenant's; set by SessionManager::Attach
 };
 
 struct SessionCounts {
   size_t sessions = 0;
   size_t attachments = 0;
+};
+
+// One tenant's figures for Stats.
+struct TenantUsage {
+  size_t sessions = 0;
+  size_t attachments = 0;
+  uint64_t prefix_lookups = 0, prefix_hits = 0;
+  uint64_t chunks_selected = 0, chunk_hits = 0;  // live and gone attachments
 };
 
 class SessionManager {
@@ -114,12 +139,17 @@ class SessionManager {
   int ReapExpired();
   int64_t LeaseExpiry(const Attachment& a) const;
   int AttachmentCount(const Session& s) const;
-  SessionCounts Counts() const;
+  SessionCounts Counts() const;  // server-wide
+  // A prefix lookup of `tenant` (CreateSession, LookupPrefix) and whether it reused tokens.
+  void CountPrefixLookup(const std::string& tenant, bool hit);
+  TenantUsage Usage(const std::string& tenant) const;
   int64_t Now() const { return clock_(); }
 
  private:
   absl::Status ExpiredOrMissing(const std::string& attachment_id) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  std::shared_ptr<TenantCounters> CountersLocked(const std::string& tenant)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RemoveAttachmentLocked(const std::shared_ptr<Attachment>& a, bool expired)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -135,6 +165,8 @@ class SessionManager {
   absl::flat_hash_map<std::string, std::pair<std::string, int64_t>> tombstones_
       ABSL_GUARDED_BY(mu_);
   std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::shared_ptr<TenantCounters>> counters_
+      ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace kvshade::service
