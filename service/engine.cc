@@ -80,6 +80,7 @@ size_t Segment::HostBytes() const {
   return b;
 }
 
+static bool EvictIdlePrefix(EngineImpl& e);                                  // below
 static absl::StatusOr<v1::StatsResponse> TenantStats(EngineImpl& e, const Tenant& t);  // below
 
 // ---------------------------------------------------------------------------------------
@@ -232,6 +233,9 @@ absl::Status EngineImpl::Init() {
   ho.budget_bytes = config_->host_budget_bytes;
   ho.slab_bytes = std::min<size_t>(ho.slab_bytes, std::max<size_t>(config_->host_budget_bytes / 4, 1 << 20));
   ho.prefetch_thread = false;
+  // Host memory short and nothing spillable: cached segments no session holds go, least
+  // recently used first (closed sessions' segments stay cached for reuse until then).
+  ho.reclaim = [this](size_t) { return EvictIdlePrefix(*this); };
   KVSHADE_ASSIGN_OR_RETURN(store_, storage::HostValueStore::Create(*backend_, ho, spill_.get()));
   store_link_ = std::make_shared<StoreLink>();
   store_link_->store = store_.get();
@@ -325,21 +329,38 @@ storage::SegmentRef EngineImpl::RegisterPrefix(const std::shared_ptr<const Segme
   return std::move(ref).value();
 }
 
-void EngineImpl::EvictPrefixes(size_t max_bytes) {
-  std::vector<storage::PrefixSegmentInfo> gone = prefix_.Evict(max_bytes);
+// Forgets segments the prefix index evicted; they are freed (values included) when the
+// last call using them lets go.
+static void DropEvicted(EngineImpl& e, const std::vector<storage::PrefixSegmentInfo>& gone) {
   if (gone.empty()) return;
   std::vector<std::shared_ptr<const Segment>> drop;  // destroyed outside the lock
   {
-    absl::MutexLock lock(&seg_mu_);
+    absl::MutexLock lock(&e.seg_mu_);
     for (const auto& info : gone) {
-      auto it = registered_.find(info.segment);
-      if (it != registered_.end()) {
+      auto it = e.registered_.find(info.segment);
+      if (it != e.registered_.end()) {
         drop.push_back(std::move(it->second));
-        registered_.erase(it);
+        e.registered_.erase(it);
       }
-      metrics_->Eviction();
+      e.metrics_->Eviction();
     }
   }
+}
+
+void EngineImpl::EvictPrefixes(size_t max_bytes) { DropEvicted(*this, prefix_.Evict(max_bytes)); }
+
+// The host value store is full and can spill nothing: evicts the least recently used
+// cached segment that no session holds and whose values take host memory (resident and
+// unpinned). Called by the store without its lock.
+static bool EvictIdlePrefix(EngineImpl& e) {
+  std::optional<storage::PrefixSegmentInfo> gone =
+      e.prefix_.EvictOne([&e](const storage::PrefixSegmentInfo& info) {
+        absl::StatusOr<storage::SegmentUsage> u = e.store_->Usage(info.segment);
+        return u.ok() && u->resident_bytes > 0 && u->pins == 0;
+      });
+  if (!gone) return false;
+  DropEvicted(e, {*gone});
+  return true;
 }
 
 // Matches the longest reusable chain of registered segments for `tokens`.

@@ -294,11 +294,21 @@ struct HostValueStore::Impl {
         // Under budget but fragmented: fall through and spill.
       }
       Entry* victim = Victim();
+      if (victim == nullptr && opts.reclaim) {
+        // Nothing to spill: the owner may free something (the entry being filled is in a
+        // busy state, so dropping the lock is safe, as for a spill).
+        mu.Unlock();
+        const bool freed = opts.reclaim(need);
+        mu.Lock();
+        if (freed) continue;
+        victim = Victim();
+      }
       if (victim == nullptr) {
         ++stats.failed_reservations;
         return absl::ResourceExhaustedError(absl::StrCat(
             "host value store: no room for ", need, " bytes (", resident_bytes, " of ",
             opts.budget_bytes, " bytes resident) and nothing spillable",
+            opts.reclaim ? " or evictable" : "",
             spill == nullptr ? " (no spill tier)" : " (all pinned or building)"));
       }
       KVSHADE_RETURN_IF_ERROR(SpillEntry(victim));

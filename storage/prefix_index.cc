@@ -262,6 +262,22 @@ std::vector<PrefixSegmentInfo> PrefixIndex::Evict(size_t max_bytes) {
   return out;
 }
 
+std::optional<PrefixSegmentInfo> PrefixIndex::EvictOne(
+    const std::function<bool(const PrefixSegmentInfo&)>& eligible) {
+  auto& st = *state_;
+  internal::MutexLock lock(&st.mu);
+  for (auto it = st.lru.rbegin(); it != st.lru.rend(); ++it) {
+    internal::PrefixNode* n = *it;
+    if (n->info.refs != 0 || n->info.children != 0) continue;
+    if (eligible && !eligible(n->info)) continue;
+    PrefixSegmentInfo info = n->info;
+    st.RemoveLocked(n);
+    ++st.stats.evictions;
+    return info;
+  }
+  return std::nullopt;
+}
+
 absl::Status PrefixIndex::Remove(const SegmentId& segment) {
   auto& st = *state_;
   internal::MutexLock lock(&st.mu);

@@ -136,6 +136,86 @@ TEST(SessionsTest, DrainRefusesNewWork) {
 }
 
 
+// Creates a session over all of `s` and ingests it; returns the session id, or the first
+// error.
+absl::StatusOr<std::string> CreateAndIngest(Harness& hx, const Stream& s, const Tenant& t) {
+  v1::CreateSessionRequest cr;
+  *cr.mutable_model() = hx.model;
+  *cr.mutable_profile() = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+  auto c = hx.engine->CreateSession(t, cr);
+  if (!c.ok()) return c.status();
+  auto ing = hx.engine->Ingest(t, IngestStreamOf(c->session_id(), s, 0, s.n()));
+  if (!ing.ok()) return ing.status();
+  return c->session_id();
+}
+
+uint64_t Reusable(Harness& hx, const Stream& s) {
+  v1::LookupPrefixRequest r;
+  *r.mutable_model() = hx.model;
+  *r.mutable_profile() = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  r.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+  auto l = hx.engine->LookupPrefix(hx.tenant, r);
+  EXPECT_TRUE(l.ok()) << l.status();
+  return l.ok() ? l->reusable_tokens() : ~0ull;
+}
+
+TEST(SessionsTest, ClosedSessionsMakeRoomOnTheHostTierWithoutASpillTier) {
+  // 1 MiB of host memory holds the values of four 512-token shadow sessions (about 248 KiB
+  // each), and there is no spill tier.
+  Harness hx;
+  hx.config.host_budget_bytes = 1 << 20;
+  hx.Restart();
+  std::vector<Stream> docs;
+  for (int i = 0; i < 6; ++i) docs.push_back(MakeStream(512, hx.model, 80 + i, 16, 1000 + 10000 * i));
+  std::vector<std::string> ids;
+  for (int i = 0; i < 4; ++i) {
+    auto id = CreateAndIngest(hx, docs[i], hx.tenant);
+    ASSERT_TRUE(id.ok()) << i << ": " << id.status();
+    ids.push_back(*id);
+  }
+  // A fifth does not fit while the four are open (their segments are in use).
+  v1::CreateSessionRequest cr;
+  *cr.mutable_model() = hx.model;
+  *cr.mutable_profile() = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  cr.mutable_token_ids()->Add(docs[4].tokens.begin(), docs[4].tokens.end());
+  auto fifth = hx.engine->CreateSession(hx.tenant, cr);
+  ASSERT_TRUE(fifth.ok()) << fifth.status();
+  const auto fifth_stream = IngestStreamOf(fifth->session_id(), docs[4], 0, 512);
+  auto refused = hx.engine->Ingest(hx.tenant, fifth_stream);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+
+  // Closing two: their segments stay cached (reusable) until the memory is needed ...
+  for (int i = 0; i < 2; ++i) {
+    v1::CloseSessionRequest close;
+    close.set_session_id(ids[i]);
+    ASSERT_TRUE(hx.engine->CloseSession(hx.tenant, close).ok());
+  }
+  EXPECT_EQ(Reusable(hx, docs[1]), 512u);
+  // ... then the least recently used one goes first (docs[1] was just looked up).
+  auto ing = hx.engine->Ingest(hx.tenant, fifth_stream);
+  ASSERT_TRUE(ing.ok()) << ing.status();
+  EXPECT_EQ(Reusable(hx, docs[0]), 0u);
+  EXPECT_EQ(Reusable(hx, docs[1]), 512u);
+  auto sixth = CreateAndIngest(hx, docs[5], hx.tenant);
+  ASSERT_TRUE(sixth.ok()) << sixth.status();
+  EXPECT_EQ(Reusable(hx, docs[1]), 0u);
+
+  auto stats = hx.engine->Stats(hx.tenant, {});
+  ASSERT_TRUE(stats.ok());
+  EXPECT_EQ(stats->sessions(), 4u);
+  EXPECT_EQ(stats->segments(), 4u);
+  EXPECT_LE(stats->host_bytes_used(), stats->host_bytes_budget());
+  // Segments of open sessions were never touched.
+  for (int i = 2; i < 4; ++i) EXPECT_EQ(Reusable(hx, docs[i]), 512u) << i;
+  const std::string att = hx.AttachTo(ids[2]);
+  EXPECT_TRUE(hx.Attend(att, 1, hx.Query(3)).ok());
+  // And with every session open again, nothing is evictable: refused, not evicted.
+  auto seventh = CreateAndIngest(hx, docs[0], hx.tenant);
+  EXPECT_EQ(seventh.status().code(), absl::StatusCode::kResourceExhausted) << seventh.status();
+  EXPECT_EQ(Reusable(hx, docs[2]), 512u);
+}
+
 TEST(SessionsTest, StatsCountOnlyTheCallersSessions) {
   Harness hx;
   Stream a1 = MakeStream(512, hx.model, 91, 16, 1000);

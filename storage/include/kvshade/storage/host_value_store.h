@@ -28,8 +28,10 @@
 //   (a pinned segment is never spilled). Spill and page-in I/O run without the lock held.
 // - The budget counts the bytes of resident blocks (after alignment). A request that does
 //   not fit spills LRU segments, least recent first, until it fits, and nothing more; when
-//   nothing is spillable (no spill tier, or everything pinned or building) it fails with
-//   ResourceExhausted and changes nothing.
+//   nothing is spillable (no spill tier, or everything pinned or building) it asks the
+//   owner to free something (options.reclaim, e.g. evict a cached segment nobody uses) and
+//   retries while that frees anything; otherwise it fails with ResourceExhausted and
+//   changes nothing.
 // - The store must outlive its pins and its prefetch callbacks; the spill tier must outlive
 //   the store.
 #pragma once
@@ -57,6 +59,10 @@ struct HostValueStoreOptions {
   size_t preallocate_bytes = 0;           // slabs made at start-up (rounded up to slabs)
   size_t block_alignment = 256;           // of every (segment, layer) block
   bool prefetch_thread = true;            // a background thread serving Prefetch
+  // Called, without the store's lock, when a reservation of `need` bytes does not fit and
+  // nothing is spillable; returns whether it released anything (e.g. Erased segments), in
+  // which case the reservation is tried again. May call Erase; must not reserve.
+  std::function<bool(size_t need)> reclaim;
 };
 
 // One chunk to gather: chunk `chunk` of head `head` of layer `layer` of segment `segment`.

@@ -15,13 +15,14 @@
 // reference on the parent while the child is registered, so a chain is never evicted from
 // the middle. Lookup returns the deepest registered key's segment with its ancestors,
 // referenced: referenced segments are never evicted. Unreferenced segments are evicted
-// least recently used first (Evict), and the caller then frees their storage.
+// least recently used first (Evict, EvictOne), and the caller then frees their storage.
 //
 // Thread-safe. SegmentRefs must not outlive the index's last owner (they share its state,
 // so destroying the PrefixIndex object first is safe).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -155,6 +156,11 @@ class PrefixIndex {
   // until the registered bytes are <= max_bytes or nothing more is evictable. Returns
   // what was evicted, in eviction order.
   std::vector<PrefixSegmentInfo> Evict(size_t max_bytes);
+  // Evicts the least recently used unreferenced leaf segment for which `eligible` (called
+  // under the index's lock: it must not call into the index) says yes; returns it, or
+  // nothing when no segment qualifies.
+  std::optional<PrefixSegmentInfo> EvictOne(
+      const std::function<bool(const PrefixSegmentInfo&)>& eligible);
   // Removes one segment now; FailedPrecondition when referenced or a parent.
   absl::Status Remove(const SegmentId& segment);
 
