@@ -81,7 +81,15 @@ absl::StatusOr<Buffer> CudaBackend::Allocate(size_t bytes) {
     return absl::Status(st.code(), absl::StrCat("Allocate(", bytes, " bytes): ", st.message()));
   }
   int device = device_;
-  return Buffer(p, bytes, [device](void* q) {
+  {
+    std::lock_guard<std::mutex> lock(allocs_->mu);
+    allocs_->by_base[reinterpret_cast<uintptr_t>(p)] = bytes;
+  }
+  return Buffer(p, bytes, [device, allocs = allocs_](void* q) {
+    {
+      std::lock_guard<std::mutex> lock(allocs->mu);
+      allocs->by_base.erase(reinterpret_cast<uintptr_t>(q));
+    }
     cudaSetDevice(device);
     cudaFree(q);
   });

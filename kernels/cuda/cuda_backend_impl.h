@@ -3,7 +3,9 @@
 // own cuda_<op>.cu; this header declares the class once. Tested against the CPU reference.
 #pragma once
 
+#include <map>
 #include <memory>
+#include <mutex>
 
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
@@ -104,6 +106,13 @@ class CudaBackend final : public Backend {
                       Workspace ws, Stream) override;
 
  private:
+  // Live allocations of Allocate (base -> bytes): ExportMemory names the one holding a
+  // pointer (shared with the release callbacks, which may outlive the backend).
+  struct DeviceAllocations {
+    std::mutex mu;
+    std::map<uintptr_t, size_t> by_base;
+  };
+  std::shared_ptr<DeviceAllocations> allocs_ = std::make_shared<DeviceAllocations>();
   bool shared_ = false;  // EnableSharedMemory: host-visible memory from shared memory files
   explicit CudaBackend(int device) : device_(device) {}
   int device_ = 0;

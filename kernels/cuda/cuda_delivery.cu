@@ -108,28 +108,36 @@ absl::StatusOr<ExportedMemory> CudaBackend::ExportMemory(const void* p) {
     return m;
   }
   KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
-  cudaPointerAttributes attr{};
-  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess || attr.type != cudaMemoryTypeDevice) {
-    cudaGetLastError();
-    return absl::FailedPreconditionError(
-        "cuda: this memory is neither device memory nor shared host memory; it cannot be "
-        "exported to another process");
-  }
-  KVSHADE_ASSIGN_OR_RETURN(GetAddressRangeFn range, AddressRangeFn());
-  CUdeviceptr base = 0;
+  // The allocation of Allocate that holds p.
+  uintptr_t base = 0;
   size_t bytes = 0;
-  if (range(&base, &bytes, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) {
-    return absl::InternalError("cuda: cuMemGetAddressRange failed on exported memory");
+  {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    std::lock_guard<std::mutex> lock(allocs_->mu);
+    auto it = allocs_->by_base.upper_bound(a);
+    if (it != allocs_->by_base.begin()) {
+      --it;
+      if (a < it->first + it->second) {
+        base = it->first;
+        bytes = it->second;
+      }
+    }
+  }
+  if (base == 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cuda: memory at ", absl::Hex(reinterpret_cast<uintptr_t>(p)),
+        " is neither an allocation of this backend nor shared host memory; it cannot be "
+        "exported to another process"));
   }
   cudaIpcMemHandle_t h;
   KVSHADE_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)));
   ExportedMemory m;
   m.kind = ExportedMemory::Kind::kDeviceIpc;
-  m.region_id = static_cast<uint64_t>(base);  // an allocation's base is unique while it lives
+  m.region_id = uint64_t(base) | (uint64_t{1} << 63);  // unique while it lives; apart from host ids
   m.pid = getpid();
   m.ipc_handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
   m.region_bytes = bytes;
-  m.offset = size_t(reinterpret_cast<CUdeviceptr>(p) - base);
+  m.offset = size_t(reinterpret_cast<uintptr_t>(p) - base);
   return m;
 }
 
