@@ -316,7 +316,8 @@ absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {
                     {"refactor_threshold", Scalar("profile.refactor_threshold", &p.refactor_threshold)},
                     {"mini_recent_ratio", Scalar("profile.mini_recent_ratio", &p.mini_recent_ratio)},
                     {"mini_heavy_ratio", Scalar("profile.mini_heavy_ratio", &p.mini_heavy_ratio)},
-                    {"value_codec", Scalar("profile.value_codec", &p.value_codec)}});
+                    {"value_codec", Scalar("profile.value_codec", &p.value_codec)},
+                    {"int4_from_tokens", Scalar("profile.int4_from_tokens", &p.int4_from_tokens)}});
              }},
         });
     if (!s.ok()) return s;
@@ -402,9 +403,9 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (p.kivi_group == 0 || (p.kivi_group & (p.kivi_group - 1)) != 0) {
     return bad("profile.kivi_group must be a power of two, got ", p.kivi_group);
   }
-  static const std::set<std::string> kCodecs = {"bf16", "fp8", "int4", "int2"};
+  static const std::set<std::string> kCodecs = {"auto", "bf16", "fp8", "int4", "int2"};
   if (!kCodecs.count(p.value_codec)) {
-    return bad("profile.value_codec must be bf16, fp8, int4 or int2, got '", p.value_codec, "'");
+    return bad("profile.value_codec must be auto, bf16, fp8, int4 or int2, got '", p.value_codec, "'");
   }
   if (!(p.refactor_threshold > 0 && p.refactor_threshold <= 1)) {
     return bad("profile.refactor_threshold must be in (0, 1], got ", p.refactor_threshold);

@@ -209,9 +209,6 @@ absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& p, const ProfileDe
   o.energy_target = p.energy_target();
   o.mini_recent_ratio = pickf(p.mini_recent_ratio(), def.mini_recent_ratio);
   o.mini_heavy_ratio = pickf(p.mini_heavy_ratio(), def.mini_heavy_ratio);
-  KVSHADE_ASSIGN_OR_RETURN(o.codec.codec, CodecFromProto(p.value_codec(), def.value_codec));
-  o.codec.group = o.kivi_group;
-
   switch (o.requested) {
     case v1::PROFILE_KIND_AUTO:
       o.kind = n_tokens < static_cast<uint64_t>(o.min_tokens) ? v1::PROFILE_KIND_MINI
@@ -219,6 +216,16 @@ absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& p, const ProfileDe
       break;
     default: o.kind = o.requested;
   }
+  if (p.value_codec() == v1::VALUE_CODEC_UNSPECIFIED && def.value_codec == "auto") {
+    // Long contexts keep int4 values in host RAM (a quarter of bf16, within half a point
+    // of bf16 accuracy: bench/RESULTS.md); shorter ones bf16.
+    o.codec.codec = o.kind == v1::PROFILE_KIND_SHADOW && n_tokens >= def.int4_from_tokens
+                        ? kernels::ValueCodec::kINT4
+                        : kernels::ValueCodec::kBF16;
+  } else {
+    KVSHADE_ASSIGN_OR_RETURN(o.codec.codec, CodecFromProto(p.value_codec(), def.value_codec));
+  }
+  o.codec.group = o.kivi_group;
 
   const int D = model.shape.D();
   const int d = model.shape.d;

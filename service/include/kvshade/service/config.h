@@ -38,9 +38,12 @@ struct LimitsConfig {
 struct ProfileDefaults {
   uint32_t rank = 160, chunk_size = 8, sparse_budget = 256, outliers = 48, local_window = 32,
            heavy_chunks = 0, min_tokens = 8192, kivi_group = 16;
+  // value_codec "auto": int4 for shadow sessions whose prompt has at least this many
+  // tokens (host RAM per 128K Llama-3-8B sequence: 2.1 GiB instead of 8 GiB), bf16 below.
+  uint32_t int4_from_tokens = 32768;
   bool keep_sink = true;
   float refactor_threshold = 0.05f, mini_recent_ratio = 0.1f, mini_heavy_ratio = 0.1f;
-  std::string value_codec = "bf16";  // bf16 | fp8 | int4 | int2
+  std::string value_codec = "auto";  // auto | bf16 | fp8 | int4 | int2
 };
 
 // The UCX data plane (service/README.md "UCX data plane"). Off by default: then Attach
