@@ -440,7 +440,22 @@ absl::StatusOr<std::unique_ptr<LocalDecoder>> LocalDecoder::Open(
   KVSHADE_ASSIGN_OR_RETURN(m.local_k, m.be->Allocate(local_bytes));
   KVSHADE_ASSIGN_OR_RETURN(m.local_v, m.be->Allocate(local_bytes));
   KVSHADE_RETURN_IF_ERROR(m.SizeWorkspace());
-  KVSHADE_RETURN_IF_ERROR(m.be->Synchronize());
+  // One step of layer 0 with a zero query, so that a geometry this backend's kernels do not
+  // take (e.g. a head dim the CUDA kernels lack) fails here, where a caller can still pick
+  // another path, and not at the first decode step. The slot tables it filled are reset.
+  {
+    const size_t qn = m.seqs.size() * size_t(m.hq) * m.d;
+    KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer q0, m.be->Allocate(qn * 2));
+    KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer o0, m.be->Allocate(qn * 4));
+    KVSHADE_RETURN_IF_ERROR(m.be->Fill(q0.data(), 0, qn * 2));
+    KVSHADE_RETURN_IF_ERROR(dec->Attend(0, static_cast<const bf16*>(q0.data()), nullptr, nullptr,
+                                        static_cast<float*>(o0.data())));
+    for (auto& s : m.seqs) {
+      SeqLayer& sl = s->layers[0];
+      if (sl.k > 0) KVSHADE_RETURN_IF_ERROR(m.be->Fill(sl.slots.data(), 0xff, size_t(m.h) * sl.k * 4));
+    }
+    KVSHADE_RETURN_IF_ERROR(m.be->Synchronize());
+  }
   if (options.renew_leases) m.renewer = std::thread([&m] { m.RenewLoop(); });
   return dec;
 }

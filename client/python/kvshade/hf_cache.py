@@ -26,8 +26,12 @@ that selection needs:
     or the model used with another cache) goes to the prefill attention, "sdpa" by default.
 
 Contract and limits:
-  * Batch size 1, one prefill forward and then one token per forward (greedy or sampled
-    `generate`). Not supported, refused with an error: batch > 1, chunked prefill or a
+  * Batch size B >= 1 (each sequence its own kvshade session; prompt_ids [B, n], prompts of
+    one length, no padding), one prefill forward and then one token per forward (greedy or
+    sampled `generate`). Decode attention runs on the model's device over the state the
+    daemon on this node exports (`decode="local"`, one batched call per layer), or per layer
+    and sequence through the daemon's Select RPC (`decode="rpc"`, another node).
+    Not supported, refused with an error: padded batches, chunked prefill or a
     second multi-token forward (a new turn: make a new KvShadeCache over the whole
     conversation, the cached prefix is reused), beam search, assisted/speculative decoding
     (crop), torch.compile, sliding-window layers, attention softcapping.
@@ -412,11 +416,11 @@ class KvShadeCacheLayer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats):
         if repeats != 1:
-            self._refuse("batch_repeat_interleave (batch size 1 only)")
+            self._refuse("batch_repeat_interleave (beam search / num_return_sequences > 1)")
 
     def batch_select_indices(self, indices):
-        if len(indices) != 1 or int(indices[0]) != 0:
-            self._refuse("batch_select_indices (batch size 1 only)")
+        if [int(i) for i in indices] != list(range(len(self._owner.hooks))):
+            self._refuse("batch_select_indices (dropping or reordering sequences)")
 
     def offload(self):
         pass
@@ -443,7 +447,7 @@ class KvShadeCache(Cache):
     """
 
     def __init__(self, client, model, profile, prompt_ids=None, model_id=None, worker_id="hf-cache",
-                 prefill_attention="sdpa", decode="auto"):
+                 prefill_attention="sdpa", decode="auto", count_hits=False):
         config = _text_config(model.config)
         impl = getattr(config, "_attn_implementation", None)
         if impl != ATTENTION_NAME:
@@ -459,8 +463,10 @@ class KvShadeCache(Cache):
         self.spec = model_spec_from_config(config, model_id, self.rotary)
         self.prefill_attention = (ALL_ATTENTION_FUNCTIONS[prefill_attention]
                                   if isinstance(prefill_attention, str) else prefill_attention)
-        self.hook = KvShadeKVCache(client, self.spec, profile, worker_id=worker_id)
-        self.created = None
+        self._hook_args = (client, self.spec, profile, worker_id)
+        self.hooks = [KvShadeKVCache(client, self.spec, profile, worker_id=worker_id)]  # one per sequence
+        self.created = None      # CreateSessionResponse of sequence 0
+        self.created_all = []    # of every sequence
         self._prompt_ids = None if prompt_ids is None else self._ids(prompt_ids)
         L = self.spec.num_layers
         self._pre_k = [None] * L  # prompt keys pre-RoPE [n, h, d] bf16 (host) until ingest
@@ -470,6 +476,7 @@ class KvShadeCache(Cache):
         if decode not in ("auto", "local", "rpc"):
             raise ValueError("decode must be 'auto', 'local' or 'rpc', got %r" % (decode,))
         self._decode_mode = decode
+        self._count_hits = count_hits
         self._model_params_device = {next(model.parameters()).device}
         self.local = None  # kvshade.local.LocalDecoder once the prompt is ingested (local mode)
         self.local_error = None  # why "auto" fell back to "rpc"
@@ -478,9 +485,24 @@ class KvShadeCache(Cache):
     # --- Public state ---
     @staticmethod
     def _ids(ids):
+        """[n] or [B, n] token ids -> B lists of ints."""
         if isinstance(ids, torch.Tensor):
-            ids = ids.detach().cpu().reshape(-1).tolist()
-        return [int(t) for t in np.asarray(ids).reshape(-1)]
+            ids = ids.detach().cpu().numpy()
+        a = np.asarray(ids)
+        if a.ndim == 1:
+            a = a[None]
+        if a.ndim != 2:
+            raise ValueError("prompt_ids must be [n] or [B, n], got shape %s" % (a.shape,))
+        return [[int(t) for t in row] for row in a]
+
+    @property
+    def hook(self):
+        """The KvShadeKVCache of sequence 0."""
+        return self.hooks[0]
+
+    @property
+    def session_ids(self):
+        return [h.session_id for h in self.hooks]
 
     def set_prompt(self, prompt_ids):
         if self._decoding or any(x is not None for x in self._pre_k):
@@ -497,22 +519,31 @@ class KvShadeCache(Cache):
 
     @property
     def hits(self):
-        return self.hook.hits
+        if self.local is not None:
+            return self.local.stats()["hits"]
+        return sum(h.hits for h in self.hooks)
 
     @property
     def selected(self):
-        return self.hook.selected
+        if self.local is not None:
+            return self.local.stats()["selected"]
+        return sum(h.selected for h in self.hooks)
 
     @property
     def hit_ratio(self):
-        """Selected chunks already in a slot / selected chunks (shadow); None before any."""
-        return self.hook.hits / self.hook.selected if self.hook.selected else None
+        """Selected chunks already in a slot / selected chunks (shadow); None before any, and
+        None on the local path unless the cache was made with count_hits=True."""
+        if self.local is not None and not self._count_hits:
+            return None
+        sel = self.selected
+        return self.hits / sel if sel else None
 
     def close(self, close_session=False):
         if self.local is not None:
             self.local.close()
             self.local = None
-        self.hook.close(close_session=close_session)
+        for h in self.hooks:
+            h.close(close_session=close_session)
 
     def __enter__(self):
         return self
@@ -524,10 +555,8 @@ class KvShadeCache(Cache):
     def _update(self, layer_obj, key_states, value_states, cache_kwargs):
         li = layer_obj.layer_idx
         b, h, n, d = key_states.shape
-        if b != 1:
-            raise ValueError("KvShadeCache serves batch size 1, got key_states of batch %d" % b)
         if h != self.spec.num_kv_heads or d != self.spec.head_dim or tuple(value_states.shape) != (b, h, n, d):
-            raise ValueError("layer %d: key/value states must be [1, %d, n, %d], got %s and %s"
+            raise ValueError("layer %d: key/value states must be [B, %d, n, %d], got %s and %s"
                              % (li, self.spec.num_kv_heads, self.spec.head_dim, tuple(key_states.shape),
                                 tuple(value_states.shape)))
         if self._awaiting is not None:
@@ -548,8 +577,8 @@ class KvShadeCache(Cache):
             raise NotImplementedError("KvShadeCache: the prompt must come in one forward (no chunked prefill)")
         with torch.no_grad():
             pre = self._unrotate(key_states, cache_kwargs)
-        self._pre_k[li] = pre.to(STORE_DTYPE).cpu()
-        self._v[li] = v[0].transpose(0, 1).to(STORE_DTYPE).cpu()
+        self._pre_k[li] = pre.to(STORE_DTYPE).cpu()             # [B, n, h, d]
+        self._v[li] = v.transpose(1, 2).to(STORE_DTYPE).cpu()   # [B, n, h, d]
         layer_obj.length = n
         if all(x is not None for x in self._pre_k):
             self._ingest(n)
@@ -557,7 +586,7 @@ class KvShadeCache(Cache):
         return k, v
 
     def _unrotate(self, key_states, cache_kwargs):
-        """Post-RoPE keys [1, h, n, d] -> pre-RoPE [n, h, d] float32, with the cos/sin the model
+        """Post-RoPE keys [B, h, n, d] -> pre-RoPE [B, n, h, d] float32, with the cos/sin the model
         applied (cache_kwargs where given, else its rotary embedding at positions 0..n-1).
         fp32 recovers the keys to ~1e-7 relative, far inside one bf16 step, so rounding to
         bf16 gives back bf16-exact keys bit for bit."""
@@ -572,9 +601,10 @@ class KvShadeCache(Cache):
             pos = torch.arange(n, device=key_states.device)[None]
             cos, sin = self.rotary(key_states, pos)
         rd = cos.shape[-1]
-        c = cos.reshape(n, 1, rd).float()
-        s = sin.reshape(n, 1, rd).float()
-        k = key_states[0].transpose(0, 1).float()  # [n, h, d]
+        # cos/sin are [1 or B, n, rd]; prompts share positions (no padding).
+        c = cos.reshape(-1, n, 1, rd)[:1].float()
+        s = sin.reshape(-1, n, 1, rd)[:1].float()
+        k = key_states.transpose(1, 2).float()  # [B, n, h, d]
         kr, half = k[..., :rd], rd // 2
         # HF applies y = x*cos + rotate_half(x)*sin with rotate_half(x) = [-x2, x1]; its
         # inverse is (y*cos - rotate_half(y)*sin) / (cos^2 + sin^2) (the denominator is the
@@ -587,9 +617,19 @@ class KvShadeCache(Cache):
         if self._prompt_ids is None:
             raise ValueError("KvShadeCache needs the prompt's token ids: KvShadeCache(..., prompt_ids=ids) or "
                              "set_prompt(ids) before the prefill forward")
-        if len(self._prompt_ids) != n:
-            raise ValueError("prompt_ids has %d tokens but the prefill forward had %d" % (len(self._prompt_ids), n))
-        self.created = self.hook.prefill(self._prompt_ids, self._pre_k, self._v)
+        B = self._pre_k[0].shape[0]
+        if len(self._prompt_ids) != B:
+            raise ValueError("prompt_ids has %d sequences but the prefill forward had %d" % (len(self._prompt_ids), B))
+        for ids in self._prompt_ids:
+            if len(ids) != n:
+                raise ValueError("prompt_ids has %d tokens but the prefill forward had %d" % (len(ids), n))
+        client, spec, profile, worker_id = self._hook_args
+        while len(self.hooks) < B:
+            self.hooks.append(KvShadeKVCache(client, spec, profile, worker_id=worker_id))
+        self.created_all = [
+            self.hooks[b].prefill(self._prompt_ids[b], [k[b] for k in self._pre_k], [v[b] for v in self._v])
+            for b in range(B)]
+        self.created = self.created_all[0]
         self._pre_k = [None] * len(self._pre_k)
         self._v = [None] * len(self._v)
         self._decoding = True
@@ -597,31 +637,34 @@ class KvShadeCache(Cache):
             from .local import LocalDecoder
             try:
                 device = next(iter(self._model_params_device))
-                self.local = LocalDecoder(self.hook.client, [self.hook.attachment.attachment_id],
-                                          backend="cuda:%d" % (device.index or 0) if device.type == "cuda" else "cpu")
+                self.local = LocalDecoder(client, [h.attachment.attachment_id for h in self.hooks],
+                                          backend="cuda:%d" % (device.index or 0) if device.type == "cuda" else "cpu",
+                                          count_hits=self._count_hits)
             except Exception as e:  # noqa: BLE001 - reported, then the RPC path serves
                 if self._decode_mode == "local":
                     raise
                 self.local_error = e
 
     def _decode_attention(self, layer, query, key, value, scaling):
-        """One decode step of one layer through kvshade: [1, hq, 1, d] -> [1, 1, hq, d]."""
+        """One decode step of one layer through kvshade: [B, hq, 1, d] -> [B, 1, hq, d]."""
         b, hq, q_len, d = query.shape
-        if b != 1 or q_len != 1:
-            raise ValueError("kvshade decode attention needs query [1, hq, 1, d], got %s" % (tuple(query.shape),))
-        q = query[0, :, 0, :]
+        if b != len(self.hooks) or q_len != 1:
+            raise ValueError("kvshade decode attention needs query [%d, hq, 1, d], got %s"
+                             % (len(self.hooks), tuple(query.shape)))
+        q = query[:, :, 0, :]
         # kvshade scales scores by 1/sqrt(d); fold any other scaling into q.
         if scaling is not None and abs(scaling * math.sqrt(d) - 1.0) > 1e-7:
             q = q * (scaling * math.sqrt(d))
         if self.local is not None:
-            # On the model's device, no host copy: [1, hq, d] bf16 in, fp32 out.
-            out = self.local.attend(layer, q.to(STORE_DTYPE).contiguous()[None],
-                                    key[0, :, 0, :].to(STORE_DTYPE).contiguous()[None],
-                                    value[0, :, 0, :].to(STORE_DTYPE).contiguous()[None])
+            # On the model's device, no host copy: [B, hq, d] bf16 in, fp32 out.
+            out = self.local.attend(layer, q.to(STORE_DTYPE).contiguous(),
+                                    key[:, :, 0, :].to(STORE_DTYPE).contiguous(),
+                                    value[:, :, 0, :].to(STORE_DTYPE).contiguous())
             if layer == self.spec.num_layers - 1:
                 self.local.advance()
             self._awaiting = None
-            return out.to(query.dtype).reshape(1, 1, hq, d)
-        out = self.hook.attend(layer, q, key[0, :, 0, :], value[0, :, 0, :])
+            return out.to(query.dtype).reshape(b, 1, hq, d)
+        out = torch.stack([self.hooks[i].attend(layer, q[i], key[i, :, 0, :], value[i, :, 0, :])
+                           for i in range(b)])
         self._awaiting = None
-        return out.to(query.dtype).reshape(1, 1, hq, d)
+        return out.to(query.dtype).reshape(b, 1, hq, d)
