@@ -322,9 +322,11 @@ class HfAdapterTest(unittest.TestCase):
         model = tiny_llama(self.seed)
         ids = self.prompt(n)
         ref_seq, _ = self.reference(model, ids, steps)
-        local = self.kvshade_cache(model, ids, self.small_shadow(), "local-vs-rpc", decode="local")
+        local = self.kvshade_cache(model, ids, self.small_shadow(), "local-vs-rpc", decode="auto")
         l_logits = self.teacher_forced(model, ids, ref_seq[0, n:].tolist(), local)
-        self.assertIsNotNone(local.local)
+        if local.local is None:  # e.g. a CUDA model over a head dim the CUDA kernels lack
+            local.close(close_session=True)
+            self.skipTest("same-node decode cannot run here: %s" % local.local_error)
         rpc = self.kvshade_cache(model, ids, self.small_shadow(), "local-vs-rpc", decode="rpc")
         r_logits = self.teacher_forced(model, ids, ref_seq[0, n:].tolist(), rpc)
         self.assertIsNone(rpc.local)
@@ -341,7 +343,7 @@ class HfAdapterTest(unittest.TestCase):
         n, steps = 160, 5
         model = tiny_llama(self.seed)
         ids = torch.cat([self.prompt(n), self.prompt(n)])
-        for decode in ("local", "rpc"):
+        for decode in ("auto", "rpc"):
             with self.subTest(decode=decode):
                 batch = self.kvshade_cache(model, ids, self.small_shadow(), "batch-" + decode, decode=decode)
                 seq, logits = self.generate(model, ids, batch, steps)
