@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -121,7 +122,12 @@ struct LocalDecoder::Impl {
   // Exact local tail: [L][cap, B, h, d] bf16 K and V; n_local tokens valid.
   kernels::Buffer local_k, local_v;
   int n_local = 0;
-  kernels::Buffer local_len;  // [B] unused placeholder for alignment of the workspace
+  // Step counters in backend memory, so that a captured step (CUDA graph) reads the
+  // current values at replay: [h] int32 n_local+1, [h] int32 n_local, then int64 n_local
+  // (the new token's row) and int64 0. Advance/Refresh (never captured) set them by a
+  // device copy of row n_local of `counter_table` (every value precomputed at Open, rows
+  // 0..local_capacity), so a step costs no host synchronisation.
+  kernels::Buffer counters, counter_table, counter_index;  // index: int64 [cap+1] = 0..cap
   kernels::Buffer workspace;
   size_t workspace_bytes = 0;
   kernels::Stream last_stream;
@@ -137,7 +143,46 @@ struct LocalDecoder::Impl {
   absl::Status CheckLeases() const;
   void RenewLoop();
   absl::Status SizeWorkspace();
+  absl::Status SetCounters(kernels::Stream stream);
+  absl::Status BuildCounterTable();
+  size_t CounterBytes() const { return (CountersRowOffset() + 16 + 15) / 16 * 16; }
+  const int32_t* len_with() const { return static_cast<const int32_t*>(counters.data()); }
+  const int32_t* len_without() const { return len_with() + h; }
+  const int64_t* new_row() const {
+    return reinterpret_cast<const int64_t*>(static_cast<const char*>(counters.data()) + CountersRowOffset());
+  }
+  size_t CountersRowOffset() const { return (size_t(2 * h) * 4 + 7) / 8 * 8; }
 };
+
+absl::Status LocalDecoder::Impl::BuildCounterTable() {
+  const int cap = options.local_capacity;
+  const size_t row = CounterBytes();
+  std::vector<char> table(size_t(cap + 1) * row, 0);
+  std::vector<int64_t> index(cap + 1);
+  for (int n = 0; n <= cap; ++n) {
+    char* r = table.data() + size_t(n) * row;
+    int32_t* lw = reinterpret_cast<int32_t*>(r);
+    for (int i = 0; i < h; ++i) {
+      lw[i] = n + 1;
+      lw[h + i] = n;
+    }
+    const int64_t rows[2] = {n, 0};
+    std::memcpy(r + CountersRowOffset(), rows, sizeof(rows));
+    index[n] = n;
+  }
+  KVSHADE_ASSIGN_OR_RETURN(counters, be->Allocate(row));
+  KVSHADE_ASSIGN_OR_RETURN(counter_table, be->Allocate(table.size()));
+  KVSHADE_ASSIGN_OR_RETURN(counter_index, be->Allocate(index.size() * 8));
+  KVSHADE_RETURN_IF_ERROR(be->CopyFromHost(counter_table.data(), table.data(), table.size()));
+  KVSHADE_RETURN_IF_ERROR(be->CopyFromHost(counter_index.data(), index.data(), index.size() * 8));
+  return be->Synchronize();
+}
+
+absl::Status LocalDecoder::Impl::SetCounters(kernels::Stream stream) {
+  const int64_t* index = static_cast<const int64_t*>(counter_index.data());
+  return be->CopyRows(counter_table.data(), counters.data(), CounterBytes(), 1, index + n_local,
+                      index, stream);
+}
 
 void LocalDecoder::Impl::UnmapRegions(Seq& seq) {
   std::lock_guard<std::mutex> lock(ctx->mu);
@@ -439,6 +484,13 @@ absl::StatusOr<std::unique_ptr<LocalDecoder>> LocalDecoder::Open(
   const size_t local_bytes = size_t(m.L) * m.options.local_capacity * m.seqs.size() * m.h * m.d * 2;
   KVSHADE_ASSIGN_OR_RETURN(m.local_k, m.be->Allocate(local_bytes));
   KVSHADE_ASSIGN_OR_RETURN(m.local_v, m.be->Allocate(local_bytes));
+  if ((m.seqs.size() * size_t(m.h) * m.d * 2) % 16 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LocalDecoder: batch * kv_heads * head_dim * 2 bytes must be a multiple of 16, got ",
+        m.seqs.size() * size_t(m.h) * m.d * 2));
+  }
+  KVSHADE_RETURN_IF_ERROR(m.BuildCounterTable());
+  KVSHADE_RETURN_IF_ERROR(m.SetCounters({}));
   KVSHADE_RETURN_IF_ERROR(m.SizeWorkspace());
   // One step of layer 0 with a zero query, so that a geometry this backend's kernels do not
   // take (e.g. a head dim the CUDA kernels lack) fails here, where a caller can still pick
@@ -498,11 +550,13 @@ absl::Status LocalDecoder::Attend(int layer, const bf16* q, const bf16* k_new, c
   // The new tokens join the local tail of this layer: rows [n_local] of [cap, B, h, d].
   bf16* lk = static_cast<bf16*>(m.local_k.data()) + size_t(layer) * m.options.local_capacity * B * tok;
   bf16* lv = static_cast<bf16*>(m.local_v.data()) + size_t(layer) * m.options.local_capacity * B * tok;
+  // A row copy whose destination row is read on the device (the step counter), so that a
+  // captured step writes where the replayed step is.
   if (with_new) {
-    KVSHADE_RETURN_IF_ERROR(m.be->CopyFromHost(lk + size_t(m.n_local) * B * tok, k_new, B * tok * 2, stream));
-    KVSHADE_RETURN_IF_ERROR(m.be->CopyFromHost(lv + size_t(m.n_local) * B * tok, v_new, B * tok * 2, stream));
+    const int64_t* zero = m.new_row() + 1;
+    KVSHADE_RETURN_IF_ERROR(m.be->CopyRows(k_new, lk, B * tok * 2, 1, zero, m.new_row(), stream));
+    KVSHADE_RETURN_IF_ERROR(m.be->CopyRows(v_new, lv, B * tok * 2, 1, zero, m.new_row(), stream));
   }
-  const int local_len = m.n_local + (with_new ? 1 : 0);
 
   // Select + reconstruct into the slot buffers, one launch each per group of equal k.
   std::map<int, std::vector<int>> groups;
@@ -559,8 +613,12 @@ absl::Status LocalDecoder::Attend(int layer, const bf16* q, const bf16* k_new, c
     if (sl.t > 0) {
       it.blocks[it.n_blocks++] = kernels::KvBlock{sl.tail_k, sl.tail_v, sl.t, nullptr, d, int64_t(tok)};
     }
-    if (local_len > 0) {
-      it.blocks[it.n_blocks++] = kernels::KvBlock{lk + b * tok, lv + b * tok, local_len, nullptr, d,
+    // The local tail's length per head comes from the device counters (len is only the
+    // bound the kernels size their grid by): a captured step attends over the tokens of
+    // the step it replays.
+    if (with_new || m.n_local > 0) {
+      it.blocks[it.n_blocks++] = kernels::KvBlock{lk + b * tok, lv + b * tok, m.options.local_capacity,
+                                                  with_new ? m.len_with() : m.len_without(), d,
                                                   int64_t(B) * int64_t(tok)};
     }
     if (it.n_blocks == 0) {
@@ -578,6 +636,7 @@ absl::Status LocalDecoder::Advance() {
   }
   ++m.n_local;
   ++m.stats.steps;
+  KVSHADE_RETURN_IF_ERROR(m.SetCounters(m.last_stream));
   for (const auto& s : m.seqs) {
     for (int l = 0; l < m.L; ++l) {
       const SeqLayer& sl = s->layers[l];
@@ -658,6 +717,7 @@ absl::Status LocalDecoder::Refresh() {
     }
     m.n_local = keep;
   }
+  KVSHADE_RETURN_IF_ERROR(m.SetCounters({}));
   KVSHADE_RETURN_IF_ERROR(m.SizeWorkspace());
   return m.be->Synchronize();
 }

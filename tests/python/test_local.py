@@ -93,6 +93,48 @@ class LocalDecoderTest(unittest.TestCase):
             dec.advance()
             self.assertEqual(dec.stats()["steps"], 1)
 
+    def test_steps_replay_from_a_cuda_graph(self):
+        # A runtime that captures its decode step in a CUDA graph: capture one step of every
+        # layer once, replay it for later steps (the step counters live on the device), and
+        # get what an eager decoder over the same session and tokens gets, bit for bit.
+        if DEVICE != "cuda":
+            self.skipTest("CUDA graphs need a CUDA daemon and device (KVSHADE_TEST_BACKEND=cuda)")
+        eager = LocalDecoder(self.client, [self.attach(0)], backend=BACKEND)
+        graphed = LocalDecoder(self.client, [self.attach(0)], backend=BACKEND)
+        g = torch.Generator().manual_seed(11)
+        q = torch.zeros(L, 1, HQ, D, dtype=torch.bfloat16, device="cuda")
+        kn = torch.zeros(1, H, D, dtype=torch.bfloat16, device="cuda")
+        vn = torch.zeros(1, H, D, dtype=torch.bfloat16, device="cuda")
+        outs = torch.zeros(L, 1, HQ, D, dtype=torch.float32, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up on the capture stream, as torch asks
+            for layer in range(L):
+                graphed.attend(layer, q[layer], kn, vn, outs[layer])
+        torch.cuda.current_stream().wait_stream(side)
+        for layer in range(L):  # the same first step for the eager decoder's slot tables
+            eager.attend(layer, q[layer], kn, vn)
+        with torch.cuda.graph(graph):
+            for layer in range(L):
+                graphed.attend(layer, q[layer], kn, vn, outs[layer])
+        for step in range(4):
+            qs = torch.randn(L, 1, HQ, D, generator=g).to(torch.bfloat16)
+            ks = torch.randn(1, H, D, generator=g).to(torch.bfloat16)
+            vs = torch.randn(1, H, D, generator=g).to(torch.bfloat16)
+            q.copy_(qs)
+            kn.copy_(ks)
+            vn.copy_(vs)
+            graph.replay()
+            for layer in range(L):
+                ref = eager.attend(layer, qs[layer].cuda(), ks.cuda(), vs.cuda())
+                torch.cuda.synchronize()
+                self.assertTrue(torch.equal(ref, outs[layer]), f"step {step} layer {layer}")
+            graphed.advance()
+            eager.advance()
+        eager.close()
+        graphed.close()
+
     def test_bad_input_is_an_error(self):
         (a,) = [self.attach(1)]
         with LocalDecoder(self.client, [a], backend=BACKEND) as dec:
