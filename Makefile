@@ -1,6 +1,7 @@
 # kvshade developer entry points.
 #   make test   install Debian build deps, configure, build, run every test that this
-#               machine can run (GPU tests skip themselves without a device)
+#               machine can run (GPU tests skip themselves without a device and are
+#               reported as skipped)
 #   make demo   the main job (see README)
 BUILD ?= build
 JOBS ?= $(shell nproc)
@@ -17,8 +18,12 @@ configure: deps
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
+# ctest's own summary, then one line: how many tests passed, failed and were skipped, and
+# why (tests/ctest-summary.sh). Skipped tests are listed by ctest as "(Skipped)".
 test: build
-	ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
+	rc=0; ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) \
+	  --output-log $(BUILD)/Testing/make-test.log || rc=$$?; \
+	./tests/ctest-summary.sh $(BUILD)/Testing/make-test.log; exit $$rc
 
 demo: build
 	./scripts/demo.sh $(BUILD)

@@ -6,7 +6,9 @@
 // every layer. Also: the delivered deltas carry no K/V bytes; Detach unmaps the buffers.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -15,19 +17,33 @@
 namespace kvshade::integration {
 namespace {
 
-bool HaveGpu() {
+// Whether a CUDA device is visible; `why` says why not.
+bool HaveGpu(std::string* why) {
   int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+  const cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) {
+    *why = std::string("cudaGetDeviceCount: ") + cudaGetErrorString(e);
     cudaGetLastError();
     return false;
   }
+  if (n == 0) *why = "no CUDA device visible";
   return n > 0;
+}
+
+// KVSHADE_REQUIRE_GPU=1 (scripts/gpu-run.sh): no GPU is a failure, not a skip.
+bool GpuRequired() {
+  const char* v = std::getenv("KVSHADE_REQUIRE_GPU");
+  return v != nullptr && *v != 0 && std::strcmp(v, "0") != 0;
 }
 
 #define CUDA_ASSERT(expr) ASSERT_EQ((expr), cudaSuccess) << #expr << ": " << cudaGetErrorString(cudaGetLastError())
 
 TEST(IpcDelivery, DaemonWritesMissesIntoThisProcessesGpuSlotBuffers) {
-  if (!HaveGpu()) GTEST_SKIP() << "no CUDA device visible";
+  std::string why;
+  if (!HaveGpu(&why)) {
+    if (GpuRequired()) FAIL() << "KVSHADE_REQUIRE_GPU=1 but CUDA is not reachable: " << why;
+    GTEST_SKIP() << why;
+  }
   ServerProcess server;
   KV_ASSERT_OK(server.Start({"--backend", "cuda"}));
   auto c = server.Connect();

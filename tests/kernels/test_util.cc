@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 namespace kvshade::kernels::testing {
@@ -64,9 +65,19 @@ std::unique_ptr<Backend> Cpu() {
   return std::move(b).value();
 }
 
-std::unique_ptr<Backend> CudaOrNull() {
+bool GpuRequired() {
+  const char* v = std::getenv("KVSHADE_REQUIRE_GPU");
+  return v != nullptr && *v != 0 && std::strcmp(v, "0") != 0;
+}
+
+std::unique_ptr<Backend> CudaOrNull(std::string* why) {
   auto b = CreateBackend("cuda");
-  if (!b.ok()) return nullptr;
+  if (!b.ok()) {
+    const std::string reason = b.status().ToString();
+    if (why != nullptr) *why = reason;
+    if (GpuRequired()) ADD_FAILURE() << "KVSHADE_REQUIRE_GPU=1 but the CUDA backend did not start: " << reason;
+    return nullptr;
+  }
   return std::move(b).value();
 }
 

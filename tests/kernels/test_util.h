@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -30,13 +31,23 @@ std::vector<bf16> ToBf16(const std::vector<float>& x);
 
 // The CPU backend (always present).
 std::unique_ptr<Backend> Cpu();
-// The CUDA backend, or nullptr when this build has none or no device is visible; GPU
-// tests call `GTEST_SKIP()` on nullptr (see KVSHADE_CUDA_OR_SKIP).
-std::unique_ptr<Backend> CudaOrNull();
+// KVSHADE_REQUIRE_GPU=1 (scripts/gpu-run.sh sets it on the GPU machine): a GPU test that
+// cannot reach CUDA fails instead of skipping.
+bool GpuRequired();
 
-#define KVSHADE_CUDA_OR_SKIP(var)                                                    \
-  auto var = ::kvshade::kernels::testing::CudaOrNull();                              \
-  if (!var) GTEST_SKIP() << "no CUDA device visible (or CUDA backend not built)"
+// The CUDA backend, or nullptr when this build has none or it does not start (no device
+// visible, driver or runtime error); `why` gets the reason. With GpuRequired() a nullptr
+// also records a test failure. GPU tests use KVSHADE_CUDA_OR_SKIP.
+std::unique_ptr<Backend> CudaOrNull(std::string* why = nullptr);
+
+// `var` = the CUDA backend; without one the test skips, or, with KVSHADE_REQUIRE_GPU=1,
+// fails (CudaOrNull recorded the failure) and returns.
+#define KVSHADE_CUDA_OR_SKIP(var)                                                      \
+  std::string var##_why_no_cuda;                                                       \
+  auto var = ::kvshade::kernels::testing::CudaOrNull(&var##_why_no_cuda);              \
+  if (!var && ::kvshade::kernels::testing::GpuRequired()) return;                      \
+  if (!var)                                                                            \
+    GTEST_SKIP() << "no CUDA device visible (or CUDA backend not built): " << var##_why_no_cuda
 
 // Copies a host vector into a new buffer of `backend`.
 template <typename T>

@@ -1,7 +1,8 @@
 """kvshade.hf_cache with Hugging Face transformers: a tiny random LlamaForCausalLM (RoPE none,
 linear, llama3, yarn; GQA 4 query / 2 KV heads; head_dim 32) decodes through `generate`
 with a real kvshade-server holding its prompt cache. Skipped when transformers is not
-importable (Debian has none).
+importable (Debian has none); with KVSHADE_REQUIRE_GPU=1 (scripts/gpu-run.sh) that, or a
+torch without CUDA, fails the suite instead.
 
 The model is fp32 with its k_proj / v_proj outputs rounded to bf16 values (forward hooks),
 as test_torch_hook's TinyLlama rounds K/V: kvshade stores bf16, so `exact` is compared with
@@ -42,6 +43,13 @@ except ImportError as e:  # Debian: no transformers; the CPU suite covers kvshad
 if HAVE_TRANSFORMERS:
     from kvshade import hf_cache
     DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# KVSHADE_REQUIRE_GPU=1 (scripts/gpu-run.sh, on the GPU machine, where this suite is meant to
+# run): no transformers, or a torch that sees no CUDA device, fails the suite instead of
+# skipping it.
+REQUIRE_GPU = os.environ.get("KVSHADE_REQUIRE_GPU", "") not in ("", "0")
+if REQUIRE_GPU and HAVE_TRANSFORMERS and DEV.type != "cuda":
+    HAVE_TRANSFORMERS, WHY = False, "torch sees no CUDA device"
 
 VOCAB, HIDDEN, LAYERS, HQ, H, D, FFN, THETA = 97, 128, 2, 4, 2, 32, 256, 10000.0
 # The CUDA backend's kernels take d in {64, 80, 96, 128, 256}: KVSHADE_TEST_HEAD_DIM=64 there.
@@ -107,10 +115,12 @@ def tiny_llama(seed_, rope_type="default"):
     return model.to(DEV)
 
 
-@unittest.skipUnless(HAVE_TRANSFORMERS, WHY)
+@unittest.skipUnless(HAVE_TRANSFORMERS or REQUIRE_GPU, WHY)
 class HfAdapterTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
+        if not HAVE_TRANSFORMERS:
+            raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
         cls.seed = seed()
         cls.gen = torch.Generator().manual_seed(cls.seed)
         # KVSHADE_TEST_UCX=tcp,self: the decode calls go over the UCX data plane.

@@ -230,7 +230,6 @@ TEST(ValidationTest, MalformedRequestsGetTheFittingCode) {
     EXPECT_NE(st.message().find(c.needle), std::string::npos)
         << c.name << ": message '" << st.message() << "' does not mention '" << c.needle << "'";
   }
-  EXPECT_GE(cases.size(), 20u);
   // None of it touched the good session, and the pending one can still be ingested.
   auto after = hx.Attend(good.attachment, 1, q);
   ASSERT_TRUE(after.ok());
