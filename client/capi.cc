@@ -665,6 +665,11 @@ int kvshade_local_decoder_info(kvshade_local_decoder* dec, int32_t* batch, int32
   });
 }
 
+const char* kvshade_local_decoder_backend(const kvshade_local_decoder* dec) {
+  if (dec == nullptr) return "";
+  return dec->impl->backend().name().data();  // a string literal of the backend
+}
+
 void kvshade_local_decoder_free(kvshade_local_decoder* dec) { delete dec; }
 
 int kvshade_get_static_set(kvshade_client* c, const char* attachment_id, uint32_t layer, kvshade_static_set** out) {

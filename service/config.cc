@@ -285,6 +285,11 @@ absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {
                                {"transports", Scalar("ucx.transports", &c.ucx.transports)},
                                {"engine_threads", Scalar("ucx.engine_threads", &c.ucx.engine_threads)}});
              }},
+            {"same_node",
+             [&](const YAML::Node& n) {
+               return ReadMap(n, "same_node",
+                              {{"export", Scalar("same_node.export", &c.same_node.export_state)}});
+             }},
             {"limits",
              [&](const YAML::Node& n) {
                return ReadMap(

@@ -219,8 +219,10 @@ static void RaiseOpenFileLimit() {
 absl::Status EngineImpl::Init() {
   // Same-node export: the arena and the value store come from memory a worker on this node
   // can map (export.cc). Each shared allocation holds a file descriptor: allow many.
-  backend_->EnableSharedMemory();
-  RaiseOpenFileLimit();
+  if (config_->same_node.export_state) {
+    backend_->EnableSharedMemory();
+    RaiseOpenFileLimit();
+  }
   instance_id_ = SessionManager::NewId();
   KVSHADE_ASSIGN_OR_RETURN(arena_,
                            storage::DeviceArena::Create(*backend_, config_->device_budget_bytes));
@@ -890,15 +892,19 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer) {
     c.host_tk.clear();
     c.host_tv.clear();
     const size_t tok = size_t(h) * d;
+    // A remainder's rows that chunks of a later (open) segment cover left the tail.
     auto add_tail = [&](const Segment& seg) -> absl::Status {
       const LayerData& ld = seg.data(layer);
-      if (ld.n_tail == 0) return absl::OkStatus();
-      const size_t n = size_t(ld.n_tail) * tok;
+      const int skip = CoveredRemainderRows(s, seg, layer);
+      if (ld.n_tail - skip <= 0) return absl::OkStatus();
+      const size_t n = size_t(ld.n_tail - skip) * tok, off = size_t(skip) * tok;
       const size_t at = c.host_tk.size();
       c.host_tk.resize(at + n);
       c.host_tv.resize(at + n);
-      KVSHADE_RETURN_IF_ERROR(Download(c.host_tk.data() + at, ld.tk.data(), Bf16Bytes(n)));
-      return Download(c.host_tv.data() + at, ld.tv.data(), Bf16Bytes(n));
+      KVSHADE_RETURN_IF_ERROR(Download(c.host_tk.data() + at,
+                                       static_cast<const kernels::bf16*>(ld.tk.data()) + off, Bf16Bytes(n)));
+      return Download(c.host_tv.data() + at, static_cast<const kernels::bf16*>(ld.tv.data()) + off,
+                      Bf16Bytes(n));
     };
     if (s.profile.kind != v1::PROFILE_KIND_EXACT) {
       for (const auto& seg : s.chain) KVSHADE_RETURN_IF_ERROR(add_tail(*seg));

@@ -95,6 +95,11 @@ static absl::StatusOr<const void*> CopyInto(EngineImpl& e, ExportGeneration& g, 
 
 absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
                                                             const v1::ExportSessionRequest& r) {
+  if (!config_->same_node.export_state) {
+    return absl::FailedPreconditionError(
+        "same-node export is off on this daemon (same_node.export: false); decode over the "
+        "RPC path (SelectAndReconstruct or Attend)");
+  }
   KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> a, sessions_.Use(t.name, r.attachment_id()));
   Session& s = *a->session;
   if (s.profile.kind == v1::PROFILE_KIND_EXACT) {

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <thread>
 
 #include "harness.h"
@@ -293,6 +294,44 @@ TEST(LocalDecoder, GenerationHoldsThroughMemoryPressure) {
   }
   dec.reset();
   EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
+}
+
+}  // namespace
+}  // namespace kvshade::integration
+
+namespace kvshade::integration {
+namespace {
+
+// same_node.export: false keeps the daemon's memory private: ExportSession is refused and
+// a decoder cannot open; the RPC path still serves the attachment.
+TEST(LocalDecoder, ExportOffIsRefusedAndTheRpcPathServes) {
+  TempDir dir;
+  const std::string cfg = dir.path() + "/kvshade.yaml";
+  {
+    FILE* f = std::fopen(cfg.c_str(), "w");
+    ASSERT_NE(f, nullptr);
+    std::fputs("same_node:\n  export: false\n", f);
+    std::fclose(f);
+  }
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({"--backend", "cpu", "-c", cfg}));
+  auto c = server.Connect();
+  synthetic::Document doc(SmallDoc(1024));
+  KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*c, doc, ShadowProfile(16, 8, 4), 0));
+  v1::AttachRequest ar;
+  ar.set_session_id(cs.session_id());
+  KV_ASSERT_OK_AND_ASSIGN(att, c->Attach(ar));
+  client::LocalDecoderOptions opt;
+  opt.backend = "cpu";
+  auto dec = client::LocalDecoder::Open(c.get(), {att.attachment_id()}, opt);
+  ASSERT_FALSE(dec.ok());
+  EXPECT_EQ(dec.status().code(), absl::StatusCode::kFailedPrecondition) << dec.status();
+  EXPECT_NE(dec.status().message().find("same_node.export"), std::string::npos) << dec.status();
+  const auto& spec = doc.spec();
+  std::vector<bf16> qb = QueryBf16(doc, 0, 0, 0, 1100);
+  std::vector<float> out = RpcAttend(*c, att.attachment_id(), 0, qb, spec.q_heads, spec.head_dim);
+  EXPECT_EQ(out.size(), size_t(spec.q_heads) * spec.head_dim);
+  EXPECT_EQ(server.Stop(), 0) << server.log();
 }
 
 }  // namespace

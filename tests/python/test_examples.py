@@ -87,7 +87,7 @@ class ExamplesRerunTest(unittest.TestCase):
     def test_readme_python_snippet_twice_on_one_server(self):
         with open(os.path.join(ROOT, "client", "README.md")) as f:
             blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-        snippet = [b for b in blocks if 'kvshade.Client("127.0.0.1:50551"' in b]
+        snippet = [b for b in blocks if 'kvshade.Client("127.0.0.1:50551"' in b and "LocalDecoder" not in b]
         self.assertEqual(len(snippet), 1, "the Python package snippet of client/README.md")
         with Server() as server:
             code = snippet[0].replace("127.0.0.1:50551", server.target)
@@ -98,6 +98,19 @@ class ExamplesRerunTest(unittest.TestCase):
             rc, second, err = run(["-c", code])
             self.assertEqual(rc, 0, second + err + server.log())
             self.assertIn("reused 1024 ingested 0 out (1, 8, 64)", second)
+            self.assertEqual(self.open_sessions(server.target), 0)
+
+    def test_readme_same_node_snippet_twice_on_one_server(self):
+        with open(os.path.join(ROOT, "client", "README.md")) as f:
+            blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+        snippet = [b for b in blocks if "LocalDecoder(c," in b]
+        self.assertEqual(len(snippet), 1, "the same-node snippet of client/README.md")
+        with Server() as server:
+            code = snippet[0].replace("127.0.0.1:50551", server.target)
+            for run_no in range(2):
+                rc, out, err = run(["-c", code])
+                self.assertEqual(rc, 0, out + err + server.log())
+                self.assertIn("same-node decode: (1, 8, 64) torch.float32", out)
             self.assertEqual(self.open_sessions(server.target), 0)
 
 

@@ -280,6 +280,8 @@ KVSHADE_API int kvshade_local_decoder_info(kvshade_local_decoder* dec, int32_t* 
                                            int32_t* layers, int32_t* kv_heads,
                                            int32_t* query_heads, int32_t* head_dim,
                                            uint64_t* selected, uint64_t* hits, uint64_t* steps);
+/* "cpu" or "cuda": the backend the decoder runs on (where attend's pointers must be). */
+KVSHADE_API const char* kvshade_local_decoder_backend(const kvshade_local_decoder* dec);
 KVSHADE_API void kvshade_local_decoder_free(kvshade_local_decoder* dec);
 
 /* ---- Decode -------------------------------------------------------------------------- */

@@ -126,6 +126,7 @@ _SIGNATURES = {
     "kvshade_local_decoder_info": (ctypes.c_int, [_vp, _P(_i32), _P(_i32), _P(_i32), _P(_i32), _P(_i32),
                                                   _P(ctypes.c_uint64), _P(ctypes.c_uint64), _P(ctypes.c_uint64)]),
     "kvshade_local_decoder_free": (None, [_vp]),
+    "kvshade_local_decoder_backend": (_c_char_p, [_vp]),
     "kvshade_get_static_set": (ctypes.c_int, [_vp, _c_char_p, _u32, _P(_vp)]),
     "kvshade_static_set_shape": (None, [_vp, _P(_i64), _P(_i64), _P(_i64), _P(_i64)]),
     "kvshade_static_set_data": (None, [_vp, _P(_P(_f32)), _P(_P(_f32)), _P(_P(_u32)),

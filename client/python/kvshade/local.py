@@ -30,7 +30,6 @@ class LocalDecoder:
         ids = [_b(a) for a in attachment_ids]
         arr = (ctypes.c_char_p * len(ids))(*ids)
         self._h = ctypes.c_void_p()
-        self.backend = backend
         self._client = client  # the decoder renews leases through it: keep it alive
         _check(_native.lib().kvshade_local_decoder_open(client._handle(), len(ids), arr, _b(backend),
                                                         int(local_capacity), 1 if count_hits else 0,
@@ -40,6 +39,10 @@ class LocalDecoder:
                                                         ctypes.byref(hq), ctypes.byref(d), None, None, None))
         self.batch, self.layers, self.kv_heads, self.query_heads, self.head_dim = (
             b.value, L.value, h.value, hq.value, d.value)
+        name = _native.lib().kvshade_local_decoder_backend(self._h).decode()
+        self.backend = name if backend == "auto" else backend
+        # Where the tensors of attend() live: the CUDA device the decoder runs on, or the CPU.
+        self.device = "cpu" if name == "cpu" else ("cuda:%s" % backend.split(":")[1] if ":" in backend else "cuda")
 
     def _check_tensor(self, name, t, shape):
         torch = _torch()

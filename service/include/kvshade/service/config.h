@@ -54,6 +54,13 @@ struct UcxConfig {
   uint32_t engine_threads = 2;  // threads that run data-plane requests on the engine
 };
 
+// Same-node decode (service/README.md "Same-node decode"). Export hands a worker the
+// daemon's arena and host value memory, which hold every tenant's sessions: turn it off on
+// a node whose workers are not trusted like the daemon's own user.
+struct SameNodeConfig {
+  bool export_state = true;  // ExportSession allowed; memory allocated shareable
+};
+
 struct ServerConfig {
   std::string listen = "127.0.0.1:50551";  // gRPC host:port
   std::string backend = "cpu";             // cpu | cuda | auto
@@ -69,6 +76,7 @@ struct ServerConfig {
   std::string metrics_listen = "127.0.0.1";
   uint32_t worker_threads = 0;  // 0 = hardware concurrency
   UcxConfig ucx;
+  SameNodeConfig same_node;
 };
 
 // Parses a YAML config file. Unknown keys are an error (a typo must not silently fall back
