@@ -16,6 +16,11 @@
 //   session "KVSHSES1": id, tenant, version, ModelSpec, Profile, label, prompt, reused,
 //            tokens, created, chain ids, appended tokens, tail length; factors kOther per
 //            layer: tail k_pre, k, v.
+// The exact tail needs nothing more: its remainder part is the chain's remainder rows that
+// no chunk covers (implied by the segments' first_position and n_chunks, a sealed open
+// segment's included), and those rows' coordinates are the segment's A rows after its
+// chunks (kA holds every token's; a segment without chunks written by a version that did
+// not keep them has none, and its remainder then stays exact). Formats are unchanged.
 //
 // Refactorization (ALGORITHM.md "later turns"): when a suffix's projection residual
 // exceeds refactor_threshold, a background job refits the layer's basis on the whole
@@ -25,11 +30,18 @@
 #include <algorithm>
 #include <cstring>
 
+#include <spdlog/spdlog.h>
+
 #include "absl/strings/str_cat.h"
 #include "engine_impl.h"
 #include "kvshade/kernels/status_macros.h"
 
 namespace kvshade::service {
+
+// append.cc: moves the oldest whole chunks out of a shadow session's exact tail while it
+// holds more than local_window + C tokens (s.mu held exclusively).
+absl::Status TrimShadowTail(EngineImpl& e, Session& s);
+
 namespace {
 
 using kernels::bf16;
@@ -633,6 +645,16 @@ absl::Status EngineImpl::RestoreDurable() {
       tl.v.assign(p + n, p + 2 * n);
     }
     if (!ok) continue;
+    if (s.profile.kind == v1::PROFILE_KIND_SHADOW) {
+      // As at the commit: a record written then holds the prompt's whole remainder, which
+      // may exceed local_window + C (a short suffix); its oldest chunks leave the tail
+      // again, as they did before the restart (the same rows and coordinates).
+      std::unique_lock lock(s.mu);
+      if (absl::Status st = TrimShadowTail(*this, s); !st.ok()) {
+        spdlog::warn("restored session '{}': the exact tail was not cut: {}", s.id,
+                     std::string(st.message()));
+      }
+    }
     if (!sessions_.AddSession(rec.s).ok()) continue;
     // Prefix registrations of the chain (in order, so that parents come first).
     const Tenant tenant{s.tenant, TenantSalt(s.tenant, config_->prefix_secret)};
@@ -691,19 +713,25 @@ bool EngineImpl::Refactor(const std::shared_ptr<Session>& sp) {
     // exact keys, in chain order.
     std::vector<bf16> k_all;
     std::vector<int64_t> rows_of(chain.size(), 0);
-    bool ok = true;
+    bool ok = true, suffix_seen = false;
     for (size_t i = 0; i < chain.size() && ok; ++i) {
       const Segment& seg = *chain[i];
       const LayerData& own = seg.layers[l];
-      if (seg.first_position == suffix_first) {
+      // The ingested suffix (an open segment sealed after it may start at its position).
+      if (seg.first_position == suffix_first && !seg.tokens.empty() && !suffix_seen) {
+        suffix_seen = true;
         k_all.insert(k_all.end(), keys[l].begin(), keys[l].end());
         rows_of[i] = int64_t(keys[l].size() / D);
         continue;
       }
       if (!own.a || !own.basis) continue;
       const int r = own.basis->r;
-      // a may have spare capacity rows (a sealed open segment): only the segment's tokens.
-      const int64_t rows = std::min<int64_t>(int64_t(own.a->bytes() / Bf16Bytes(r)), seg.n_tokens);
+      // a may have spare capacity rows (a sealed open segment): only the segment's tokens,
+      // i.e. its chunks' (a sealed open segment may add fewer tokens to the chain's end
+      // than its chunks hold: its first chunks can be the remainder before it).
+      const int64_t held =
+          std::max<int64_t>(seg.n_tokens, int64_t(seg.data(l).n_chunks) * seg.chunk_size);
+      const int64_t rows = std::min<int64_t>(int64_t(own.a->bytes() / Bf16Bytes(r)), held);
       std::vector<bf16> a(size_t(rows) * r), b(size_t(h) * r * d);
       ok = Download(a.data(), own.a->data(), Bf16Bytes(a.size())).ok() &&
            Download(b.data(), own.basis->b.data(), Bf16Bytes(b.size())).ok();

@@ -6,7 +6,11 @@
 //          chunks, values, static set, tail). A suffix after a reused prefix is then
 //          projected onto the prefix's basis (ProjectKeys) and its residual energy
 //          reported; past refactor_threshold a background refactorization is scheduled.
-//          Segments shorter than local_window + C are all exact tail.
+//          Segments shorter than local_window + C are all exact tail. Every token keeps
+//          its coordinates A (the exact remainder's too): at the commit, and at later
+//          appends, the session's one exact tail (this segment's remainder after the
+//          previous one's, then appended tokens) gives its oldest whole chunks to the open
+//          segment while it holds more than local_window + C tokens (append.cc).
 // mini   : recent window + heavy hitters by observation mass (token-granular, per head,
 //          pyramid budgets over layers), stored INT2 (KIVI) in whole groups of G tokens;
 //          the newest retained tokens that do not fill a group stay exact. Without
@@ -27,6 +31,8 @@
 #include <cstring>
 #include <numeric>
 
+#include <spdlog/spdlog.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine_impl.h"
@@ -35,6 +41,11 @@
 #include "kvshade/kernels/status_macros.h"
 
 namespace kvshade::service {
+
+// append.cc: moves the oldest whole chunks out of a shadow session's exact tail while it
+// holds more than local_window + C tokens (s.mu held exclusively).
+absl::Status TrimShadowTail(EngineImpl& e, Session& s);
+
 namespace {
 
 using kernels::bf16;
@@ -348,7 +359,9 @@ class IngestStreamImpl final : public Engine::IngestStream {
             "chunk_size");
       }
       out.basis = pb;
-      KVSHADE_ASSIGN_OR_RETURN(residual_[l], Project(b.k, *pb, nullptr));
+      auto a = std::make_shared<DeviceBlock>();  // for when these tokens leave the tail
+      KVSHADE_ASSIGN_OR_RETURN(residual_[l], Project(b.k, *pb, a.get()));
+      out.a = std::move(a);
       if (residual_[l] > p.refactor_threshold) refactor_keys_[l] = b.k;
       return absl::OkStatus();
     }
@@ -617,6 +630,15 @@ class IngestStreamImpl final : public Engine::IngestStream {
           ++s_->static_version;
           ++s_->tail_version;
           return st;
+        }
+      }
+      if (p.kind == v1::PROFILE_KIND_SHADOW) {
+        // The prompt's remainder may join an earlier segment's (a short suffix): whole
+        // chunks leave the tail now. The commit stands either way (a failure only leaves
+        // the tail longer until the next append).
+        if (absl::Status st = TrimShadowTail(e_, *s_); !st.ok()) {
+          spdlog::warn("session '{}': the exact tail was not cut at the commit: {}", s_->id,
+                       std::string(st.message()));
         }
       }
       s_->captured_energy = captured_;

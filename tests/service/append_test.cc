@@ -53,19 +53,20 @@ TEST(AppendTest, ShadowChunksMigrateOutOfTheTail) {
     auto r = hx.engine->AppendTokens(hx.tenant, AppendOf(o.session, s, pos, pos + 1));
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->tokens(), uint64_t(pos + 1));
-    // 400 prompt tokens keep a 32-token remainder; appended tokens keep at most
-    // local_window + C in the tail.
+    // 400 prompt tokens keep a 32-token remainder, one tail with the appended tokens:
+    // at most local_window + C.
     const int tail = TailLength(hx, o.attachment, 1);
-    EXPECT_LE(tail, 32 + 32 + 8);
+    EXPECT_LE(tail, 32 + 8);
   }
   auto r = hx.engine->AppendTokens(hx.tenant, AppendOf(o.session, s, 460, 560));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->tokens(), 560u);
-  // 160 appended tokens: (160 - 32) / 8 = 16 chunks left the tail, 32 remain.
-  EXPECT_EQ(TailLength(hx, o.attachment, 0), 32 + 32);
+  // 32 remainder and 160 appended tokens: (192 - 32) / 8 = 20 chunks left the tail, 32
+  // remain.
+  EXPECT_EQ(TailLength(hx, o.attachment, 0), 32);
   auto d1 = hx.Select(o.attachment, 0, hx.Query(1));
   ASSERT_TRUE(d1.ok()) << d1.status();
-  EXPECT_EQ(d1->selected(), uint32_t(kH * 59));  // min(64, 43 + 16) per head
+  EXPECT_EQ(d1->selected(), uint32_t(kH * 63));  // min(64, 43 + 20) per head
   for (int i = 0; i < d1->slot_size(); ++i) EXPECT_LT(d1->slot(i), 64u);
   // Full rank and full budget: Attend over everything equals exact attention.
   for (int l = 0; l < 2; ++l) {

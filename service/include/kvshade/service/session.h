@@ -4,8 +4,9 @@
 // A Segment is the compressed state of a token range for every layer. Once sealed it is
 // immutable and shared (std::shared_ptr<const Segment>) by every session whose chain holds
 // it: a cached document prefix, a fork's shared part. A Session is a chain of sealed
-// segments (shared prefix first), an open segment that whole chunks of appended tokens move
-// into, and a small exact tail of appended tokens.
+// segments (shared prefix first), an open segment that whole chunks move into, and one
+// small exact tail at its end: the remainder rows of its last segments (LayerData::n_tail)
+// that no chunk covers yet, then the appended tokens not yet in whole chunks (TailLayer).
 //
 // Memory: "device" blocks come from the storage DeviceArena (backend memory: device memory
 // for CUDA, host memory for the CPU backend). Values of sealed shadow segments live in the
@@ -18,6 +19,7 @@
 // exclusively. Segment contents never change after sealing, so no lock guards them.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -101,7 +103,11 @@ struct LayerData {
   int n_tail = 0;         // exact tokens shared by all heads
   int cap_tail = 0;
   DeviceBlock tk, tv;     // [cap_tail, h, d] bf16 post-RoPE K / V (the segment's local
-                          // remainder; exact profile: every token)
+                          // remainder, tokens [n_chunks*C, n_chunks*C + n_tail); exact
+                          // profile: every token). Shadow: `a` keeps the remainder's
+                          // coordinates too (rows n_chunks*C ..), so that its tokens can
+                          // leave a session's tail as chunks of an open segment; the rows
+                          // such chunks cover are no longer exact (CoveredRemainderRows).
   // --- reporting ---
   double captured_energy = 0;
   double residual_energy = 0;
@@ -117,6 +123,11 @@ struct Segment {
   storage::SegmentId id;
   v1::ProfileKind kind = v1::PROFILE_KIND_SHADOW;
   int64_t first_position = 0;
+  // Tokens the segment adds at the end of the chain: an ingested segment holds tokens
+  // [first_position, +n_tokens); an open segment's chunks start at the first token of the
+  // exact tail, which may be inside the remainder of the segment before it, so it adds
+  // only the tokens past that segment's end (0 when its chunks end inside it). The sum
+  // over a chain is the chain's end.
   int64_t n_tokens = 0;
   int chunk_size = 8;
   std::vector<int32_t> tokens;  // token ids of [first_position, +n_tokens) (ingested segments)
@@ -140,7 +151,8 @@ struct Segment {
   size_t HostBytes() const;
 };
 
-// Appended tokens not yet in whole chunks, per layer (host copies; shadow and mini).
+// Appended tokens not yet in whole chunks, per layer (host copies; shadow and mini). In a
+// shadow session they follow the chain's uncovered remainder rows in the exact tail.
 struct TailLayer {
   std::vector<kernels::bf16> k_pre;  // [t, h, d] pre-RoPE (shadow: projected when chunked)
   std::vector<kernels::bf16> k;      // [t, h, d] post-RoPE
@@ -157,7 +169,7 @@ struct StaticCache {
   DeviceBlock k, v;            // [h, s, d] bf16
   DeviceBlock lengths;         // [h] int32
   std::vector<kernels::bf16> host_k, host_v;  // host copies for GetStaticSet
-  int t = 0;                   // exact tokens (segment remainders + appended tail)
+  int t = 0;                   // exact tokens (uncovered segment remainders + appended tail)
   DeviceBlock tk, tv;          // [t, h, d] bf16
   std::vector<kernels::bf16> host_tk, host_tv;
 };
@@ -180,8 +192,8 @@ struct Session {
   mutable std::shared_mutex mu;
   SessionState state = SessionState::kIngesting;
   std::vector<std::shared_ptr<const Segment>> chain;
-  std::shared_ptr<Segment> open;        // appended whole chunks (created lazily)
-  std::vector<TailLayer> tail;          // [L]
+  std::shared_ptr<Segment> open;        // whole chunks that left the tail (created lazily)
+  std::vector<TailLayer> tail;          // [L] the tail's appended tokens
   std::vector<int32_t> appended_tokens; // token ids appended after the prompt
   uint64_t tokens = 0;                  // committed tokens (chain + open + tail)
   uint64_t static_version = 0;          // bumped when chain/open static parts change
@@ -211,5 +223,30 @@ struct Session {
   int attachments = 0;
   std::string writer_attachment;  // id of the live writer attachment, or empty
 };
+
+// Leading rows of `seg`'s exact remainder at `layer` (LayerData::n_tail) that chunks of
+// another segment of `s` (chain or open) cover: tokens that left the session's exact tail
+// as chunks. The rest are exact; a shadow session's working set holds them.
+inline int CoveredRemainderRows(const Session& s, const Segment& seg, int layer) {
+  const LayerData& d = seg.data(layer);
+  if (d.n_tail == 0) return 0;
+  const int64_t start = seg.first_position + int64_t(d.n_chunks) * seg.chunk_size;
+  const int64_t end = start + d.n_tail;
+  int64_t at = start;
+  auto cover = [&](const Segment& o) {
+    if (&o == &seg) return false;
+    const int64_t first = o.first_position;
+    const int64_t last = first + int64_t(o.data(layer).n_chunks) * o.chunk_size;
+    if (first > at || at >= last) return false;
+    at = last;
+    return true;
+  };
+  for (bool moved = true; moved && at < end;) {
+    moved = false;
+    for (const auto& o : s.chain) moved = cover(*o) || moved;
+    if (s.open) moved = cover(*s.open) || moved;
+  }
+  return static_cast<int>(std::min(at, end) - start);
+}
 
 }  // namespace kvshade::service
