@@ -446,6 +446,31 @@ int kvshade_ingest_begin(kvshade_client* c, const char* session_id, kvshade_inge
   });
 }
 
+int kvshade_ingest_layer_cuda_ipc(kvshade_ingest* ing, uint32_t layer, int64_t n, int32_t h, int32_t d,
+                                  const void* k_handle, uint64_t k_offset, const void* v_handle,
+                                  uint64_t v_offset) {
+  return Guard([&] {
+    if (ing == nullptr) return Bad("ingest must not be NULL");
+    if (ing->committed) return Report(absl::FailedPreconditionError("ingest stream already committed"));
+    if (n <= 0 || h <= 0 || d <= 0) return Bad(absl::StrCat("n, h, d must be > 0, got ", n, ", ", h, ", ", d));
+    if (k_handle == nullptr || v_handle == nullptr) return Bad("k_handle and v_handle must not be NULL");
+    v1::IngestLayer part;
+    part.set_layer(layer);
+    part.set_token_offset(0);
+    part.set_last_part(true);
+    for (auto [t, handle, offset] : {std::tuple{part.mutable_k(), k_handle, k_offset},
+                                     std::tuple{part.mutable_v(), v_handle, v_offset}}) {
+      t->add_shape(n);
+      t->add_shape(h);
+      t->add_shape(d);
+      t->set_dtype(v1::DTYPE_BF16);
+      t->mutable_cuda_ipc()->set_handle(static_cast<const char*>(handle), 64);
+      t->mutable_cuda_ipc()->set_offset(offset);
+    }
+    return Report(ing->writer->Write(part));
+  });
+}
+
 int kvshade_ingest_layer(kvshade_ingest* ing, uint32_t layer, int32_t dtype, int64_t n, int32_t h, int32_t d,
                          const void* k, const void* v, const void* obs, int64_t w, int32_t hq) {
   return Guard([&] {

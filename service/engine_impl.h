@@ -119,6 +119,14 @@ class EngineImpl {
   absl::StatusOr<v1::SelectAndReconstructResponse> SelectAndReconstruct(
       const Tenant& t, const v1::SelectAndReconstructRequest& r);
   absl::StatusOr<v1::AttendResponse> Attend(const Tenant& t, const v1::AttendRequest& r);
+  // --- peer_memory.cc: worker GPU memory named by CUDA IPC handles (same-node ingest) ---
+  absl::StatusOr<kernels::PeerBuffer> AcquirePeer(const std::string& handle);
+  void ReleasePeer(const std::string& handle);
+  // Copies a cuda_ipc tensor of `shape` (bf16) into host memory `dst`; the handle's mapping
+  // is acquired once per caller and listed in *held (release each with ReleasePeer).
+  absl::Status CopyFromPeerTensor(const v1::Tensor& t, absl::Span<const int64_t> shape,
+                                  const std::string& what, absl::Span<kernels::bf16> dst,
+                                  std::vector<std::string>* held);
   // --- export.cc ---
   absl::StatusOr<v1::SessionExport> ExportSession(const Tenant& t,
                                                   const v1::ExportSessionRequest& r);
@@ -186,6 +194,12 @@ class EngineImpl {
   std::mutex exports_mu_;
   std::map<std::string, std::unique_ptr<AttachmentExports>> exports_;
   std::string instance_id_;  // random per engine: scopes exported region ids
+  struct MappedPeer {
+    kernels::PeerBuffer buffer;
+    int refs = 0;
+  };
+  std::mutex peers_mu_;
+  std::map<std::string, MappedPeer> peers_;  // by CUDA IPC handle bytes
   std::atomic<uint64_t> prefix_lookups_{0}, prefix_hits_{0};
   std::atomic<uint64_t> chunks_selected_{0}, chunk_hits_{0};
   // Store counters already reported to Metrics (spills and page-ins happen inside it).

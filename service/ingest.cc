@@ -123,6 +123,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
   }
 
   ~IngestStreamImpl() override {
+    for (const std::string& h : peers_) e_.ReleasePeer(h);
     if (!committed_ && store_created_) e_.store_->Erase(seg_id_).IgnoreError();
     s_->layers_ingested = 0;
     s_->ingest_active = false;
@@ -244,8 +245,18 @@ class IngestStreamImpl final : public Engine::IngestStream {
       kdst = absl::MakeSpan(b.k).subspan(off, len);
       vdst = absl::MakeSpan(b.v).subspan(off, len);
     }
-    KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.k(), shape, model.dtype, absl::StrCat(name, " k"), kdst));
-    KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v(), shape, model.dtype, absl::StrCat(name, " v"), vdst));
+    if (m.k().has_cuda_ipc() || m.v().has_cuda_ipc()) {
+      // Same node: the part is in the worker's GPU memory (service/README.md "Ingest").
+      if (direct_) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            name, ": cuda_ipc tensors need a daemon on a GPU backend; send the bytes inline"));
+      }
+      KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(m.k(), shape, absl::StrCat(name, " k"), kdst, &peers_));
+      KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(m.v(), shape, absl::StrCat(name, " v"), vdst, &peers_));
+    } else {
+      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.k(), shape, model.dtype, absl::StrCat(name, " k"), kdst));
+      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v(), shape, model.dtype, absl::StrCat(name, " v"), vdst));
+    }
     if (direct_) {
       // Rotated now, while the part is fresh in cache; RoPE is per token, so part by part
       // equals the whole layer at once. The backend's memory is host memory here.
@@ -682,6 +693,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
   std::vector<LayerData> out_;
   std::vector<double> captured_, residual_;
   std::vector<std::vector<bf16>> refactor_keys_;
+  std::vector<std::string> peers_;  // CUDA IPC handles this stream mapped (same-node parts)
   std::vector<std::shared_ptr<const Basis>> prefix_basis_;
   std::vector<int> heavy_;
   std::vector<double> mini_heavy_;

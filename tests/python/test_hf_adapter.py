@@ -166,10 +166,10 @@ class HfAdapterTest(unittest.TestCase):
         model.set_attn_implementation("sdpa")
         return self.generate(model, ids, Bf16DynamicCache() if cache is None else cache, steps)
 
-    def kvshade_cache(self, model, ids, profile, name, decode="auto"):
+    def kvshade_cache(self, model, ids, profile, name, decode="auto", ingest="auto"):
         hf_cache.enable(model)
         return hf_cache.KvShadeCache(self.client, model, profile, prompt_ids=ids if ids.shape[0] > 1 else ids[0],
-                                     model_id=self.model_id(name), decode=decode, count_hits=True)
+                                     model_id=self.model_id(name), decode=decode, count_hits=True, ingest=ingest)
 
     # --- ModelSpec derivation ---
     def test_model_spec_matches_the_models_rope(self):
@@ -215,7 +215,8 @@ class HfAdapterTest(unittest.TestCase):
                 ref_cache = Bf16DynamicCache()
                 ref_seq, ref_logits = self.reference(model, ids, steps, ref_cache)
                 fp32_seq, fp32_logits = self.reference(model, ids, steps, DynamicCache())
-                cache = self.kvshade_cache(model, ids, kvshade.Profile("exact"), "exact-" + rope_type)
+                # The host ingest path: the spy below reads what it sends.
+                cache = self.kvshade_cache(model, ids, kvshade.Profile("exact"), "exact-" + rope_type, ingest="host")
                 # Spy on the prompt's pre-RoPE keys: k_proj's outputs, and what the cache
                 # recovered from the post-RoPE keys by un-rotation and sent to kvshade.
                 k_proj, sent = {}, []

@@ -135,6 +135,40 @@ class LocalDecoderTest(unittest.TestCase):
         eager.close()
         graphed.close()
 
+    def test_ingest_from_gpu_memory_equals_inline(self):
+        # Same-node ingest: the daemon reads each layer from this process's GPU memory (CUDA
+        # IPC) instead of bytes on the wire; the session it builds is the same, bit for bit.
+        if DEVICE != "cuda":
+            self.skipTest("needs a CUDA daemon and device (KVSHADE_TEST_BACKEND=cuda)")
+        rng = np.random.default_rng(9)
+        ids = rng.integers(0, 1000, N).tolist()
+        ks = [torch.from_numpy(rng.standard_normal((N, H, D)).astype(np.float32)).to(torch.bfloat16) for _ in range(L)]
+        vs = [torch.from_numpy(rng.standard_normal((N, H, D)).astype(np.float32)).to(torch.bfloat16) for _ in range(L)]
+        atts = []
+        for mode in ("inline", "cuda"):
+            model = kvshade.ModelSpec("test/ingest-" + mode, L, HQ, H, D)  # separate prefix caches
+            created = self.client.create_session(model, self.profile, ids)
+            self.addCleanup(self.client.close_session, created.session_id)
+            with self.client.ingest(created.session_id, "bf16") as ing:
+                for layer in range(L):
+                    if mode == "inline":
+                        ing.layer(layer, ks[layer], vs[layer])
+                    else:
+                        # a slice of a bigger allocation: the offset inside it is carried
+                        big = torch.zeros(2 * N, H, D, dtype=torch.bfloat16, device="cuda")
+                        big[N:] = ks[layer].cuda()
+                        ing.layer_cuda(layer, big[N:], vs[layer].cuda().contiguous())
+                ing.commit()
+            atts.append(self.client.attach(created.session_id, "ingest-test").attachment_id)
+            self.addCleanup(self.client.detach, atts[-1])
+        for layer in range(L):
+            a, b = self.client.static_set(atts[0], layer), self.client.static_set(atts[1], layer)
+            np.testing.assert_array_equal(a.k, b.k)
+            np.testing.assert_array_equal(a.tail_v, b.tail_v)
+            q = torch.randn(1, HQ, D).to(torch.bfloat16).float().numpy()
+            np.testing.assert_array_equal(self.client.attend(layer, [atts[0]], q),
+                                          self.client.attend(layer, [atts[1]], q))
+
     def test_bad_input_is_an_error(self):
         (a,) = [self.attach(1)]
         with LocalDecoder(self.client, [a], backend=BACKEND) as dec:

@@ -182,6 +182,15 @@ KVSHADE_API int kvshade_ingest_begin(kvshade_client* client, const char* session
 KVSHADE_API int kvshade_ingest_layer(kvshade_ingest* ingest, uint32_t layer, int32_t dtype,
                                      int64_t n, int32_t h, int32_t d, const void* k,
                                      const void* v, const void* obs, int64_t w, int32_t hq);
+/* Same node, daemon on a GPU backend: one whole layer straight from this process's GPU
+ * memory (no host copy here, no bytes on the wire): k, v [n, h, d] bf16 pre-RoPE, each
+ * named by the cudaIpcMemHandle_t (64 bytes) of the allocation holding it and the byte
+ * offset of its first element there. The memory must hold the data (the producing stream
+ * synchronized) and stay allocated and unchanged until the commit returns. */
+KVSHADE_API int kvshade_ingest_layer_cuda_ipc(kvshade_ingest* ingest, uint32_t layer, int64_t n,
+                                              int32_t h, int32_t d, const void* k_handle,
+                                              uint64_t k_offset, const void* v_handle,
+                                              uint64_t v_offset);
 /* Commits; *tokens (may be NULL) = committed tokens of the session. The handle must still
  * be freed. */
 KVSHADE_API int kvshade_ingest_commit(kvshade_ingest* ingest, uint64_t* tokens);

@@ -126,6 +126,8 @@ _SIGNATURES = {
     "kvshade_local_decoder_info": (ctypes.c_int, [_vp, _P(_i32), _P(_i32), _P(_i32), _P(_i32), _P(_i32),
                                                   _P(ctypes.c_uint64), _P(ctypes.c_uint64), _P(ctypes.c_uint64)]),
     "kvshade_local_decoder_free": (None, [_vp]),
+    "kvshade_ingest_layer_cuda_ipc": (ctypes.c_int, [_vp, _u32, _i64, _i32, _i32, _c_char_p, ctypes.c_uint64,
+                                                     _c_char_p, ctypes.c_uint64]),
     "kvshade_local_decoder_backend": (_c_char_p, [_vp]),
     "kvshade_get_static_set": (ctypes.c_int, [_vp, _c_char_p, _u32, _P(_vp)]),
     "kvshade_static_set_shape": (None, [_vp, _P(_i64), _P(_i64), _P(_i64), _P(_i64)]),

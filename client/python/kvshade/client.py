@@ -258,6 +258,45 @@ class Ingest(_NativeHandle):
         self._h = ctypes.c_void_p()
         _check(_native.lib().kvshade_ingest_begin(client._handle(), _b(session_id), ctypes.byref(self._h)))
 
+    def layer_cuda(self, layer, k, v):
+        """Same node, daemon on a GPU backend: one whole layer from this process's GPU memory.
+        k, v: torch CUDA tensors [n, h, d] bf16, contiguous (pre-RoPE keys). The daemon reads
+        them from there (CUDA IPC); nothing is copied to the host here. They are kept alive
+        by this stream until it is closed; the current stream is synchronized first so that
+        they hold their data."""
+        import torch
+        for name, t in (("k", k), ("v", v)):
+            if not (isinstance(t, torch.Tensor) and t.is_cuda and t.dtype == torch.bfloat16
+                    and t.is_contiguous() and t.dim() == 3):
+                raise InvalidArgument("%s must be a contiguous CUDA bfloat16 tensor [n, h, d]" % name)
+        if k.shape != v.shape:
+            raise InvalidArgument("k and v must have the same shape, got %s and %s" % (tuple(k.shape), tuple(v.shape)))
+        refs = []
+        for t in (k, v):
+            st = t.untyped_storage()
+            # (device, handle, storage bytes, storage offset in the allocation, ...): the handle
+            # names the allocation (torch's caching allocator block), the offset the storage in it.
+            shared = st._share_cuda_()
+            handle = bytes(shared[1])
+            if len(handle) > 64:
+                # torch >= 2.5 prefixes a type byte: 'c' for a cudaMalloc block (then the 64
+                # bytes of its cudaIpcMemHandle_t), 'e' for an expandable segment (no
+                # cudaIpcMemHandle_t exists for those).
+                if handle[-65:-64] != b"c":
+                    raise InvalidArgument(
+                        "%s lives in an expandable CUDA segment (PYTORCH_CUDA_ALLOC_CONF="
+                        "expandable_segments:True), which has no CUDA IPC handle; ingest it from "
+                        "host memory instead" % ("k" if t is k else "v"))
+                handle = handle[-64:]
+            refs.append((handle, int(shared[3]) + t.storage_offset() * t.element_size()))
+        torch.cuda.current_stream(k.device).synchronize()
+        n, h, d = k.shape
+        _check(_native.lib().kvshade_ingest_layer_cuda_ipc(self._h, layer, n, h, d, refs[0][0], refs[0][1],
+                                                           refs[1][0], refs[1][1]))
+        if not hasattr(self, "_keep"):
+            self._keep = []
+        self._keep.append((k, v))
+
     def layer(self, layer, k, v, observation_queries=None):
         """k, v: [n, h, d] pre-RoPE; observation_queries: [w, hq, d] post-RoPE or None."""
         kw, vw = to_wire(k, self._dtype), to_wire(v, self._dtype)
@@ -279,6 +318,7 @@ class Ingest(_NativeHandle):
             _check(_native.lib().kvshade_ingest_commit(self._h, ctypes.byref(tokens)))
         finally:
             self.close()
+            self._keep = []  # layer_cuda tensors: the daemon has read them (or the stream failed)
         return tokens.value
 
     _free = "kvshade_ingest_free"

@@ -439,6 +439,11 @@ class KvShadeCache(Cache):
     model_id : the ModelSpec id (prefix-cache namespace); default model.name_or_path, or a
                fresh id (no reuse) for a model without one
     prefill_attention: attention function (or registered name) for the prompt; "sdpa"
+    ingest   : "device" streams each prompt layer to the daemon from the GPU as the prefill
+               computes it (same node, daemon on a GPU backend: CUDA IPC, no host copy
+               here); "host" copies the layers to host memory and sends them over the wire;
+               "auto" (default) picks "device" for a model on a GPU when the daemon runs on
+               the cuda backend and decode is not "rpc"
     decode   : "local" runs decode attention in this process on the model's device over the
                session state the daemon on this node exports (kvshade.local.LocalDecoder: no
                RPC per layer); "rpc" asks the daemon per layer (a worker on another node);
@@ -447,7 +452,7 @@ class KvShadeCache(Cache):
     """
 
     def __init__(self, client, model, profile, prompt_ids=None, model_id=None, worker_id="hf-cache",
-                 prefill_attention="sdpa", decode="auto", count_hits=False):
+                 prefill_attention="sdpa", decode="auto", count_hits=False, ingest="auto"):
         config = _text_config(model.config)
         impl = getattr(config, "_attn_implementation", None)
         if impl != ATTENTION_NAME:
@@ -476,6 +481,11 @@ class KvShadeCache(Cache):
         if decode not in ("auto", "local", "rpc"):
             raise ValueError("decode must be 'auto', 'local' or 'rpc', got %r" % (decode,))
         self._decode_mode = decode
+        if ingest not in ("auto", "device", "host"):
+            raise ValueError("ingest must be 'auto', 'device' or 'host', got %r" % (ingest,))
+        self._ingest_mode = ingest
+        self._streams = None  # same-node ingest streams per sequence (None: host path)
+        self.ingest_error = None  # why ingest="auto" fell back to the host path
         self._count_hits = count_hits
         self._model_params_device = {next(model.parameters()).device}
         self.local = None  # kvshade.local.LocalDecoder once the prompt is ingested (local mode)
@@ -577,8 +587,24 @@ class KvShadeCache(Cache):
             raise NotImplementedError("KvShadeCache: the prompt must come in one forward (no chunked prefill)")
         with torch.no_grad():
             pre = self._unrotate(key_states, cache_kwargs)
-        self._pre_k[li] = pre.to(STORE_DTYPE).cpu()             # [B, n, h, d]
-        self._v[li] = v.transpose(1, 2).to(STORE_DTYPE).cpu()   # [B, n, h, d]
+            pk = pre.to(STORE_DTYPE)                       # [B, n, h, d] pre-RoPE
+            pv = v.transpose(1, 2).to(STORE_DTYPE)          # [B, n, h, d]
+        if self._streams is None and self._device_ingest_wanted(key_states):
+            self._begin_device_ingest(n, pk.shape[0])
+        if self._streams is not None:
+            # Same node: the daemon reads this layer from the GPU while the model computes
+            # the next one; nothing goes through host memory here.
+            self._pre_k[li], self._v[li] = pk, pv
+            try:
+                for b, ing in enumerate(self._streams):
+                    if ing is not None:
+                        r = self.created_all[b].reused_tokens
+                        ing.layer_cuda(li, pk[b, r:].contiguous(), pv[b, r:].contiguous())
+            except Exception as e:  # noqa: BLE001 - "auto" falls back to the host path
+                self._abandon_device_ingest(e)
+        else:
+            self._pre_k[li] = pk.cpu()
+            self._v[li] = pv.cpu()
         layer_obj.length = n
         if all(x is not None for x in self._pre_k):
             self._ingest(n)
@@ -613,23 +639,86 @@ class KvShadeCache(Cache):
         pre = (kr * c - rot * s) / (c * c + s * s)
         return torch.cat([pre, k[..., rd:]], dim=-1) if rd < k.shape[-1] else pre
 
-    def _ingest(self, n):
+    def _device_ingest_wanted(self, key_states):
+        """Stream the prompt's layers from the GPU (same-node ingest) when the model runs on a
+        GPU, decode is not forced onto the RPC path, and the daemon runs on a GPU backend."""
+        if not key_states.is_cuda or self._decode_mode == "rpc" or self._ingest_mode == "host":
+            return False
+        if self._ingest_mode == "device":
+            return True
+        try:
+            return self._hook_args[0].stats()["backend"] == "cuda"
+        except Exception:  # noqa: BLE001 - then the host path
+            return False
+
+    def _begin_device_ingest(self, n, B):
+        """Creates every sequence's session (prefix reuse decides what to ingest) and opens
+        the ingest streams that layers are then written to as the prefill computes them."""
+        self._check_prompt(n, B)
+        client, spec, profile, worker_id = self._hook_args
+        while len(self.hooks) < B:
+            self.hooks.append(KvShadeKVCache(client, spec, profile, worker_id=worker_id))
+        self.created_all = [client.create_session(spec, profile, ids) for ids in self._prompt_ids]
+        self.created = self.created_all[0]
+        self._streams = [client.ingest(c.session_id, spec.dtype) if c.tokens_to_ingest > 0 else None
+                         for c in self.created_all]
+
+    def _abandon_device_ingest(self, error):
+        """Same-node ingest failed (e.g. the daemon is on another node): with ingest="auto"
+        the prompt goes the host path instead (the layers are still on the GPU); the
+        sessions the device path created are closed. With ingest="device" the error stands."""
+        if self._ingest_mode == "device":
+            raise error
+        self.ingest_error = error
+        client = self._hook_args[0]
+        for ing in self._streams or []:
+            if ing is not None:
+                ing.close()
+        for c in self.created_all:
+            try:
+                client.close_session(c.session_id)
+            except Exception:  # noqa: BLE001 - best effort; the host path makes new ones
+                pass
+        self._streams = None
+        self._ingest_mode = "host"
+
+    def _check_prompt(self, n, B):
         if self._prompt_ids is None:
             raise ValueError("KvShadeCache needs the prompt's token ids: KvShadeCache(..., prompt_ids=ids) or "
                              "set_prompt(ids) before the prefill forward")
-        B = self._pre_k[0].shape[0]
         if len(self._prompt_ids) != B:
             raise ValueError("prompt_ids has %d sequences but the prefill forward had %d" % (len(self._prompt_ids), B))
         for ids in self._prompt_ids:
             if len(ids) != n:
                 raise ValueError("prompt_ids has %d tokens but the prefill forward had %d" % (len(ids), n))
+
+    def _ingest(self, n):
+        if self._prompt_ids is None:
+            raise ValueError("KvShadeCache needs the prompt's token ids: KvShadeCache(..., prompt_ids=ids) or "
+                             "set_prompt(ids) before the prefill forward")
+        B = self._pre_k[0].shape[0]
+        self._check_prompt(n, B)
         client, spec, profile, worker_id = self._hook_args
-        while len(self.hooks) < B:
-            self.hooks.append(KvShadeKVCache(client, spec, profile, worker_id=worker_id))
-        self.created_all = [
-            self.hooks[b].prefill(self._prompt_ids[b], [k[b] for k in self._pre_k], [v[b] for v in self._v])
-            for b in range(B)]
-        self.created = self.created_all[0]
+        if self._streams is not None:
+            try:
+                for ing in self._streams:
+                    if ing is not None:
+                        ing.commit()
+            except Exception as e:  # noqa: BLE001 - "auto" falls back to the host path
+                self._abandon_device_ingest(e)
+        if self._streams is not None:
+            for b in range(B):
+                self.hooks[b].effective_profile = self.created_all[b].effective_profile
+                self.hooks[b].reused_tokens = self.created_all[b].reused_tokens
+                self.hooks[b].attach(self.created_all[b].session_id)
+            self._streams = []
+        else:
+            while len(self.hooks) < B:
+                self.hooks.append(KvShadeKVCache(client, spec, profile, worker_id=worker_id))
+            self.created_all = [
+                self.hooks[b].prefill(self._prompt_ids[b], [k[b] for k in self._pre_k], [v[b] for v in self._v])
+                for b in range(B)]
+            self.created = self.created_all[0]
         self._pre_k = [None] * len(self._pre_k)
         self._v = [None] * len(self._v)
         self._decoding = True
