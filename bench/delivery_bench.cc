@@ -23,6 +23,7 @@
 
 #include "kvshade/client/client.h"
 #include "kvshade/client/tensor.h"
+#include "kvshade/version.h"
 #include "loopback.h"
 #include "synthetic.h"
 
@@ -65,6 +66,7 @@ int main(int argc, char** argv) {
   app.add_option("--batch", o.batches, "batch sizes, comma-separated")->delimiter(',');
   app.add_option("--reps", o.reps);
   app.add_option("--copy-gbps", o.copy_gbps, "device copy bandwidth for the floor, GB/s");
+  app.set_version_flag("--version", kvshade::VersionLine("kvshade_delivery_bench"));
   CLI11_PARSE(app, argc, argv);
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {

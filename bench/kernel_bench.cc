@@ -26,6 +26,7 @@
 #include "kvshade/kernels/backend.h"
 #include "kvshade/kernels/codec.h"
 #include "kvshade/kernels/reference.h"
+#include "kvshade/version.h"
 
 namespace kvshade::kernels {
 namespace {
@@ -414,6 +415,10 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
+    if (a == "--version") {
+      std::printf("%s\n", kvshade::VersionLine("kvshade_kernel_bench").c_str());
+      return 0;
+    }
     if (a == "--backend") opt.backend = next();
     else if (a == "--preset") opt.preset = next();
     else if (a == "--reps") opt.reps = std::max(1, std::atoi(next().c_str()));

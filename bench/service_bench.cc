@@ -25,6 +25,7 @@
 #include <CLI/CLI.hpp>
 
 #include "kvshade/client/client.h"
+#include "kvshade/version.h"
 #include "loopback.h"
 #include "kvshade/client/tensor.h"
 #include "synthetic.h"
@@ -76,6 +77,7 @@ int main(int argc, char** argv) {
   app.add_option("--rank", o.rank);
   app.add_option("--budget", o.budget);
   app.add_option("--tokens", o.tokens, "document sizes, comma-separated")->delimiter(',');
+  app.set_version_flag("--version", kvshade::VersionLine("kvshade_service_bench"));
   CLI11_PARSE(app, argc, argv);
 
   // --- Server: our own child on a kernel-chosen port, unless --target.

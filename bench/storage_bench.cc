@@ -26,6 +26,7 @@
 #include "kvshade/kernels/backend.h"
 #include "kvshade/storage/host_value_store.h"
 #include "kvshade/storage/spill_tier.h"
+#include "kvshade/version.h"
 
 namespace {
 
@@ -112,6 +113,10 @@ int main(int argc, char** argv) {
   bool quick = false;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
+    if (a == "--version") {
+      std::printf("%s\n", kvshade::VersionLine("kvshade_storage_bench").c_str());
+      return 0;
+    }
     if (a.rfind("--dir=", 0) == 0) dir = a.substr(6);
     else if (a.rfind("--spill_mb=", 0) == 0) spill_mb = std::strtoull(a.c_str() + 11, nullptr, 10);
     else if (a == "--quick") quick = true;

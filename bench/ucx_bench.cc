@@ -36,6 +36,7 @@
 #include "kvshade/client/client.h"
 #include "kvshade/client/tensor.h"
 #include "kvshade/service/ucx_core.h"
+#include "kvshade/version.h"
 #include "loopback.h"
 #include "synthetic.h"
 
@@ -224,6 +225,7 @@ int main(int argc, char** argv) {
   app.add_option("--select-layers", o.select_layers);
   app.add_option("--budget", o.budget);
   app.add_option("--skip-ingest", o.skip_ingest, "1: measure select only");
+  app.set_version_flag("--version", kvshade::VersionLine("kvshade_ucx_bench"));
   CLI11_PARSE(app, argc, argv);
 
   // --- Server: our own child with the data plane on.

@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvshade/service/config.h"
 #include "kvshade/service/server.h"
+#include "kvshade/version.h"
 
 namespace {
 
@@ -53,7 +54,7 @@ int main(int argc, char** argv) {
 
   Flags f;
   CLI::App app{"kvshade-server: KV-cache daemon for long-context LLM inference"};
-  app.set_version_flag("--version", std::string(KVSHADE_VERSION));
+  app.set_version_flag("--version", kvshade::VersionLine("kvshade-server"));
   app.add_option("-c,--config", f.config_file, "YAML config file (deploy/kvshade.yaml documents every key)")
       ->check(CLI::ExistingFile);
   app.add_option("--listen", f.listen, "gRPC address HOST:PORT (port 0 picks a free one)");

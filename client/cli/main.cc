@@ -32,6 +32,7 @@
 #include "demo.h"
 #include "doctor.h"
 #include "kvshade/client/client.h"
+#include "kvshade/version.h"
 
 namespace {
 
@@ -109,6 +110,7 @@ int main(int argc, char** argv) {
 
   CLI::App app{"kvshade: command-line tool of the kvshade KV-cache service"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", kvshade::VersionLine("kvshade"));
   ClientOptions co;
   co.target = Env("KVSHADE_TARGET", co.target);
   co.bearer_token = Env("KVSHADE_TOKEN", "");
