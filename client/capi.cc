@@ -656,6 +656,18 @@ int kvshade_local_decoder_attend(kvshade_local_decoder* dec, uint32_t layer, con
   });
 }
 
+int kvshade_local_decoder_attend_lse(kvshade_local_decoder* dec, uint32_t layer, const void* q,
+                                     const void* k_new, const void* v_new, float* out, float* lse,
+                                     void* stream) {
+  return Guard([&] {
+    if (dec == nullptr) return Bad("decoder must not be NULL");
+    return Report(dec->impl->Attend(static_cast<int>(layer), static_cast<const kvshade::kernels::bf16*>(q),
+                                    static_cast<const kvshade::kernels::bf16*>(k_new),
+                                    static_cast<const kvshade::kernels::bf16*>(v_new), out,
+                                    kvshade::kernels::Stream{stream}, lse));
+  });
+}
+
 int kvshade_local_decoder_advance(kvshade_local_decoder* dec) {
   return Guard([&] {
     if (dec == nullptr) return Bad("decoder must not be NULL");

@@ -526,7 +526,7 @@ std::vector<uint64_t> LocalDecoder::tokens() const {
 }
 
 absl::Status LocalDecoder::Attend(int layer, const bf16* q, const bf16* k_new, const bf16* v_new,
-                                  float* out, kernels::Stream stream) {
+                                  float* out, kernels::Stream stream, float* lse) {
   Impl& m = *impl_;
   if (layer < 0 || layer >= m.L) {
     return absl::InvalidArgumentError(absl::StrCat("layer must be in [0, ", m.L, "), got ", layer));
@@ -600,6 +600,7 @@ absl::Status LocalDecoder::Attend(int layer, const bf16* q, const bf16* k_new, c
     kernels::AttendItem& it = items[b];
     it.q = q + b * qstride;
     it.out = out + b * qstride;
+    it.lse = lse == nullptr ? nullptr : lse + size_t(b) * m.hq;
     it.n_blocks = 0;
     if (sl.s > 0) {
       it.blocks[it.n_blocks++] =

@@ -371,7 +371,10 @@ absl::StatusOr<v1::AttendResponse> EngineImpl::Attend(const Tenant& t, const v1:
       }
       if (s.open && s.open->layers[layer].n_tail > 0) parts.push_back(&s.open->layers[layer]);
       const int64_t tok = int64_t(h) * d;
-      if (parts.size() <= size_t(kernels::kMaxKvBlocks)) {
+      const v1::AttendQuery& q_i = r.queries(static_cast<int>(i));
+      const size_t room = size_t(kernels::kMaxKvBlocks) -
+                          (TensorEmpty(q_i.k_new()) && TensorEmpty(q_i.v_new()) ? 0 : 1);
+      if (parts.size() <= room) {
         for (const LayerData* p : parts) {
           KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(p->tk), Ptr<const bf16>(p->tv),
                                                              p->n_tail, nullptr, d, tok}));
@@ -441,22 +444,46 @@ absl::StatusOr<v1::AttendResponse> EngineImpl::Attend(const Tenant& t, const v1:
         }
       }
     }
+    // The step's new token, if given: rotated at the position after the session's last
+    // token and attended as one more block (not stored).
+    const v1::AttendQuery& aq = r.queries(static_cast<int>(i));
+    if (!TensorEmpty(aq.k_new()) || !TensorEmpty(aq.v_new())) {
+      const std::string what = absl::StrCat("queries[", i, "]");
+      KVSHADE_ASSIGN_OR_RETURN(std::vector<bf16> kn, DecodeTensor(aq.k_new(), {h, d}, s.model.dtype, what + ".k_new"));
+      KVSHADE_ASSIGN_OR_RETURN(std::vector<bf16> vn, DecodeTensor(aq.v_new(), {h, d}, s.model.dtype, what + ".v_new"));
+      if (item.n_blocks == kernels::kMaxKvBlocks) {
+        return absl::InternalError("too many attention blocks for the new token");
+      }
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kd, Upload(kn.data(), Bf16Bytes(kn.size()), ArenaKind::kOther));
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock vd, Upload(vn.data(), Bf16Bytes(vn.size()), ArenaKind::kOther));
+      const std::vector<int64_t> pos = {static_cast<int64_t>(s.tokens)};
+      KVSHADE_RETURN_IF_ERROR(backend_->ApplyRope(s.model.rope, pos, h, d,
+                                                  absl::Span<bf16>(Ptr<bf16>(kd), kn.size())));
+      KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(kd), Ptr<const bf16>(vd), 1,
+                                                         nullptr, d, int64_t(h) * d}));
+      keep.push_back(std::move(kd));
+      keep.push_back(std::move(vd));
+    }
     if (item.n_blocks == 0) {
       return absl::FailedPreconditionError(absl::StrCat("session '", s.id, "' has no tokens to attend"));
     }
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qd, Upload(qs[i].q.data(), Bf16Bytes(qs[i].q.size()), ArenaKind::kOther));
     const size_t out_n = size_t(shape.query_heads()) * d;
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock od, Alloc(out_n * 4, ArenaKind::kOther));
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock od, Alloc((out_n + shape.query_heads()) * 4, ArenaKind::kOther));
     item.q = Ptr<const bf16>(qd);
     item.out = Ptr<float>(od);
+    item.lse = Ptr<float>(od) + out_n;
     std::vector<kernels::AttendItem> items = {item};
     const size_t wsb = backend_->AttendWorkspaceBytes(shape, items);
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, Alloc(wsb, ArenaKind::kOther));
     KVSHADE_RETURN_IF_ERROR(backend_->Attend(shape, 1.0f / std::sqrt(float(d)), items,
                                              kernels::Workspace{ws.data(), wsb}));
-    std::vector<float> out(out_n);
-    KVSHADE_RETURN_IF_ERROR(Download(out.data(), od.data(), out_n * 4));
+    std::vector<float> out(out_n + shape.query_heads());
+    KVSHADE_RETURN_IF_ERROR(Download(out.data(), od.data(), out.size() * 4));
+    std::vector<float> lse(out.begin() + out_n, out.end());
+    out.resize(out_n);
     EncodeF32(out, {shape.query_heads(), d}, resp.add_outputs());
+    EncodeF32(lse, {shape.query_heads()}, resp.add_lse());
   }
   return resp;
 }

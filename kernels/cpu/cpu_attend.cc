@@ -61,6 +61,9 @@ void AttendHead(const LayerShape& shape, float scale, const AttendItem& item, in
     const float inv = 1.0f / l;
     for (int c = 0; c < d; ++c) acc[c] *= inv;
   }
+  if (item.lse != nullptr) {
+    item.lse[qh] = l > 0.0f ? m + std::log(l) : -std::numeric_limits<float>::infinity();
+  }
 }
 
 }  // namespace

@@ -52,6 +52,7 @@ struct DevKvBlock {
 struct AttendDesc {
   const __nv_bfloat16* q;  // [h*g, d]
   float* out;              // [h*g, d]
+  float* lse;              // [h*g] or null
   float* part_acc;         // [h*g, max_splits, d] workspace
   float2* part_ml;         // [h*g, max_splits] workspace
   DevKvBlock blocks[kMaxKvBlocks];
@@ -331,6 +332,7 @@ __global__ void __launch_bounds__(kAttendThreads)
     if (ml[s].x != -INFINITY) l += ml[s].y * expf(ml[s].x - mx);
   }
   const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+  if (it.lse != nullptr && threadIdx.x == 0) it.lse[qh] = l > 0.0f ? mx + logf(l) : -INFINITY;
   const float* acc = it.part_acc + static_cast<long long>(qh) * it.max_splits * d;
   for (int c = threadIdx.x; c < d; c += blockDim.x) {
     float o = 0.0f;
@@ -395,6 +397,7 @@ absl::Status CudaBackend::Attend(const LayerShape& shape, float scale,
     AttendDesc& o = descs[i];
     o.q = cuda::AsNv(in.q);
     o.out = in.out;
+    o.lse = in.lse;
     o.n_blocks = in.n_blocks;
     int next = 0;
     for (int b = 0; b < kMaxKvBlocks; ++b) {

@@ -92,12 +92,18 @@ double MaxRelDiff(const std::vector<float>& a, const float* b, size_t n) {
 
 TEST(LocalDecoder, MatchesAttendRpcAcrossAppendsAndRefreshes) {
   Fixture f;
+  // Sixty appended tokens, all within question 0's timeline.
+  synthetic::DocSpec doc_spec = SmallDoc(1024);
+  doc_spec.question_tokens = 64;
+  const synthetic::Document doc(doc_spec);
   KV_ASSERT_OK(f.server.Start({"--backend", "cpu"}));
   f.c = f.server.Connect();
   const int q = 0;
   // local 32 + C 8: chunks leave the exact tail during the run (open segment exported).
   v1::Profile profile = ShadowProfile(16, 8, 4);
-  KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, f.doc, profile, q));
+  // The document alone; the appended tokens are question q's (positions the synthetic
+  // timeline defines: doc_tokens .. doc_tokens + question_tokens).
+  KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, doc, profile, -1));
   v1::AttachRequest ar;
   ar.set_session_id(cs.session_id());
   ar.set_writer(true);
@@ -106,9 +112,9 @@ TEST(LocalDecoder, MatchesAttendRpcAcrossAppendsAndRefreshes) {
   opt.backend = "cpu";
   opt.local_capacity = 16;
   KV_ASSERT_OK_AND_ASSIGN(dec, client::LocalDecoder::Open(f.c.get(), {att.attachment_id()}, opt));
-  const auto& spec = f.doc.spec();
+  const auto& spec = doc.spec();
   const int L = spec.layers, hq = spec.q_heads, d = spec.head_dim;
-  int64_t pos = static_cast<int64_t>(f.doc.SessionTokens(q).size());
+  int64_t pos = doc.spec().doc_tokens;
   std::vector<float> out(size_t(hq) * d);
   // Each step appends the token to the daemon first (so the RPC side attends over it too)
   // and reads its post-RoPE K/V back. While no chunk left the daemon's exact tail since
@@ -125,7 +131,7 @@ TEST(LocalDecoder, MatchesAttendRpcAcrossAppendsAndRefreshes) {
   int local = 0, refreshes = 0, local_steps = 0;
   for (int step = 0; step < 60; ++step, ++pos) {
     std::vector<std::vector<bf16>> kn, vn;
-    AppendAndReadNew(*f.c, f.doc, cs.session_id(), att.attachment_id(), q, pos, &kn, &vn);
+    AppendAndReadNew(*f.c, doc, cs.session_id(), att.attachment_id(), q, pos, &kn, &vn);
     ASSERT_FALSE(HasFatalFailure());
     const bool migrated = daemon_tail() != gen_tail + local + 1;
     if (migrated || local == opt.local_capacity - 1) {
@@ -137,7 +143,7 @@ TEST(LocalDecoder, MatchesAttendRpcAcrossAppendsAndRefreshes) {
     }
     const bool with_new = dec->tokens()[0] == uint64_t(pos);
     for (int l = 0; l < L; ++l) {
-      std::vector<bf16> qb = QueryBf16(f.doc, l, q, step, pos);
+      std::vector<bf16> qb = QueryBf16(doc, l, q, step, pos);
       KV_ASSERT_OK(dec->Attend(l, qb.data(), with_new ? kn[l].data() : nullptr,
                                with_new ? vn[l].data() : nullptr, out.data()));
       std::vector<float> ref = RpcAttend(*f.c, att.attachment_id(), l, qb, hq, d);

@@ -73,6 +73,24 @@ class LocalDecoderTest(unittest.TestCase):
                     self.assertLess(self.rel(ref, out), TOL, f"layer {layer} step {step}")
             self.assertEqual(dec.stats()["steps"], 0)
 
+    def test_lse_merges_with_other_tokens(self):
+        # The decoder's (out, lse) over the session merged with one more token by hand
+        # equals the decoder's answer with that token as the new one.
+        (a,) = [self.attach(1)]
+        with LocalDecoder(self.client, [a], backend=BACKEND) as dec:
+            q = torch.randn(1, HQ, D).to(torch.bfloat16)
+            k = torch.randn(1, H, D).to(torch.bfloat16)
+            v = torch.randn(1, H, D).to(torch.bfloat16)
+            o1, l1 = dec.attend(0, q.to(DEVICE), return_lse=True)
+            o2, l2 = dec.attend(0, q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), return_lse=True)
+            o1, l1, o2, l2 = (t.cpu().double() for t in (o1, l1, o2, l2))
+            g = HQ // H
+            s = (q.double().reshape(H, g, D) * k.double().reshape(H, 1, D)).sum(-1).reshape(1, HQ) / D ** 0.5
+            vv = v.double().repeat_interleave(g, dim=1)
+            merged = (torch.exp(l1)[..., None] * o1 + torch.exp(s)[..., None] * vv) / (torch.exp(l1) + torch.exp(s))[..., None]
+            self.assertLess(float((merged - o2).abs().max() / o2.abs().max()), TOL)
+            self.assertLess(float((torch.logaddexp(l1, s) - l2).abs().max()), 1e-4)
+
     def test_new_token_is_attended(self):
         # With a new token whose key matches the query, the output moves toward its value:
         # out = (1 - w) * out_session + w * v_new per query head, w in (0, 1).

@@ -280,6 +280,12 @@ KVSHADE_API int kvshade_local_decoder_open(kvshade_client* client, size_t n,
 KVSHADE_API int kvshade_local_decoder_attend(kvshade_local_decoder* dec, uint32_t layer,
                                              const void* q, const void* k_new,
                                              const void* v_new, float* out, void* stream);
+/* The same, and lse [n, hq] fp32 (same memory space): per query head the log-sum-exp of
+ * the scaled scores over what it attended, to merge with attention over other tokens. */
+KVSHADE_API int kvshade_local_decoder_attend_lse(kvshade_local_decoder* dec, uint32_t layer,
+                                                 const void* q, const void* k_new,
+                                                 const void* v_new, float* out, float* lse,
+                                                 void* stream);
 /* Ends a step whose Attend calls gave k_new/v_new. */
 KVSHADE_API int kvshade_local_decoder_advance(kvshade_local_decoder* dec);
 /* Maps the daemon's current generation (after appends), drops the local tokens it covers. */

@@ -121,6 +121,7 @@ _SIGNATURES = {
     "kvshade_local_decoder_open": (ctypes.c_int, [_vp, ctypes.c_size_t, _P(_c_char_p), _c_char_p, _i32,
                                                   _i32, _P(_vp)]),
     "kvshade_local_decoder_attend": (ctypes.c_int, [_vp, _u32, _vp, _vp, _vp, _vp, _vp]),
+    "kvshade_local_decoder_attend_lse": (ctypes.c_int, [_vp, _u32, _vp, _vp, _vp, _vp, _vp, _vp]),
     "kvshade_local_decoder_advance": (ctypes.c_int, [_vp]),
     "kvshade_local_decoder_refresh": (ctypes.c_int, [_vp]),
     "kvshade_local_decoder_info": (ctypes.c_int, [_vp, _P(_i32), _P(_i32), _P(_i32), _P(_i32), _P(_i32),

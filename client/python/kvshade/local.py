@@ -53,8 +53,10 @@ class LocalDecoder:
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
 
-    def attend(self, layer, q, k_new=None, v_new=None, out=None):
-        """q [B, hq, d] bf16; k_new, v_new [B, h, d] bf16 or None; returns out [B, hq, d] fp32."""
+    def attend(self, layer, q, k_new=None, v_new=None, out=None, return_lse=False):
+        """q [B, hq, d] bf16; k_new, v_new [B, h, d] bf16 or None; returns out [B, hq, d] fp32,
+        and with return_lse=True (out, lse [B, hq] fp32): the log-sum-exp of each query head's
+        scaled scores, to merge with attention over tokens the decoder does not hold."""
         torch = _torch()
         B, hq, h, d = self.batch, self.query_heads, self.kv_heads, self.head_dim
         self._check_tensor("q", q, (B, hq, d))
@@ -74,12 +76,13 @@ class LocalDecoder:
         stream = None
         if q.is_cuda:
             stream = ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream)
-        _check(_native.lib().kvshade_local_decoder_attend(
+        lse = torch.empty((B, hq), dtype=torch.float32, device=q.device) if return_lse else None
+        _check(_native.lib().kvshade_local_decoder_attend_lse(
             self._h, int(layer), ctypes.c_void_p(q.data_ptr()),
             None if k_new is None else ctypes.c_void_p(k_new.data_ptr()),
             None if v_new is None else ctypes.c_void_p(v_new.data_ptr()),
-            ctypes.c_void_p(out.data_ptr()), stream))
-        return out
+            ctypes.c_void_p(out.data_ptr()), None if lse is None else ctypes.c_void_p(lse.data_ptr()), stream))
+        return (out, lse) if return_lse else out
 
     def advance(self):
         _check(_native.lib().kvshade_local_decoder_advance(self._h))

@@ -79,8 +79,11 @@ class LocalDecoder {
   std::vector<uint64_t> tokens() const;
   kernels::Backend& backend();
 
+  // lse: [B, hq] f32 or null: the log-sum-exp of each query head's scaled scores over
+  // what it attended (to merge with attention over tokens the decoder does not hold).
   absl::Status Attend(int layer, const kernels::bf16* q, const kernels::bf16* k_new,
-                      const kernels::bf16* v_new, float* out, kernels::Stream stream = {});
+                      const kernels::bf16* v_new, float* out, kernels::Stream stream = {},
+                      float* lse = nullptr);
   // Ends a step: the tokens given to every layer's Attend join the local tail.
   absl::Status Advance();
   // Maps the daemon's current generation of every session (after appends or a new turn),

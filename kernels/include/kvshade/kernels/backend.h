@@ -211,11 +211,15 @@ inline constexpr int kMaxKvBlocks = 4;
 // head against its KV head (query head qh uses KV head qh / g).
 //   q   : [h*g, d] bf16
 //   out : [h*g, d] f32
+//   lse : [h*g] f32 or null: log(sum_j exp(q.k_j * scale)) (natural log) per query head,
+//         -inf for a head with no attended token; with it a caller merges this output with
+//         attention over other tokens (o = (e^lse1 o1 + e^lse2 o2) / (e^lse1 + e^lse2))
 struct AttendItem {
   const bf16* q = nullptr;
   std::array<KvBlock, kMaxKvBlocks> blocks{};
   int n_blocks = 0;
   float* out = nullptr;
+  float* lse = nullptr;
 };
 
 // Another process's device allocation mapped into this one (OpenPeerBuffer): the whole

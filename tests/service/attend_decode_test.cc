@@ -1,0 +1,134 @@
+// Attend as a decode loop uses it: the step's new token attended exactly beside the
+// session (k_new pre-RoPE, rotated at the next position), and the log-sum-exp of the
+// scores beside the output, so that a caller can merge attention over other tokens.
+//
+// References, both independent of how Attend merges its blocks:
+//   - A zero key scores 0 whatever the rotation: merged = (e^lse o + v) / (e^lse + 1) and
+//     lse' = log(e^lse + 1), from the answer without the token.
+//   - The same token appended (AppendTokens) and attended without k_new: the same tokens,
+//     so the same output and LSE (only the block order differs).
+// Tolerance: fp32 accumulation over ~200 bf16 products per score and an online softmax in
+// another block order: 1e-5 relative to the output's largest magnitude, 1e-5 absolute on
+// the LSE (values of order 10).
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "service_test_util.h"
+
+namespace kvshade::service::testing {
+namespace {
+
+constexpr int kH = 2, kD = 64;
+
+v1::AttendRequest AttendReq(const Harness& hx, const std::string& att, int layer,
+                            const std::vector<bf16>& q, const std::vector<bf16>* kn,
+                            const std::vector<bf16>* vn) {
+  v1::AttendRequest r;
+  r.set_layer(layer);
+  auto* aq = r.add_queries();
+  aq->set_attachment_id(att);
+  *aq->mutable_q() = ToTensor(q, {int64_t(hx.model.num_query_heads()), hx.model.head_dim()});
+  if (kn != nullptr) {
+    *aq->mutable_k_new() = ToTensor(*kn, {kH, kD});
+    *aq->mutable_v_new() = ToTensor(*vn, {kH, kD});
+  }
+  return r;
+}
+
+double MaxRel(const std::vector<float>& a, const std::vector<float>& b) {
+  double mx = 0, diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    mx = std::max(mx, double(std::fabs(a[i])));
+    diff = std::max(diff, double(std::fabs(a[i] - b[i])));
+  }
+  return diff / std::max(mx, 1e-30);
+}
+
+TEST(AttendDecode, NewTokenAndLogSumExpAgainstReferences) {
+  for (v1::ProfileKind kind : {v1::PROFILE_KIND_SHADOW, v1::PROFILE_KIND_EXACT}) {
+    SCOPED_TRACE(v1::ProfileKind_Name(kind));
+    Harness hx;
+    const int n = 200;
+    Stream s = MakeStream(n + 1, hx.model, 41);
+    v1::Profile p = ProfileOf(kind);
+    p.set_rank(16);
+    p.set_sparse_budget(8);
+    p.set_outliers(2);
+    auto o = hx.Open(s, p, n);
+    const int hq = hx.model.num_query_heads(), g = hq / kH;
+    for (int layer = 0; layer < s.L; ++layer) {
+      std::vector<bf16> q = hx.Query(100 + layer);
+      auto base = hx.engine->Attend(hx.tenant, AttendReq(hx, o.attachment, layer, q, nullptr, nullptr));
+      ASSERT_TRUE(base.ok()) << base.status();
+      ASSERT_EQ(base->lse_size(), 1);
+      const std::vector<float> o1 = TensorF32(base->outputs(0)), lse1 = TensorF32(base->lse(0));
+      ASSERT_EQ(lse1.size(), size_t(hq));
+      // A zero key: score 0 for every query head.
+      std::vector<bf16> zero(size_t(kH) * kD, kernels::FloatToBf16(0.0f));
+      std::vector<bf16> vn(s.v[layer].begin() + size_t(n) * kH * kD, s.v[layer].begin() + size_t(n + 1) * kH * kD);
+      auto with0 = hx.engine->Attend(hx.tenant, AttendReq(hx, o.attachment, layer, q, &zero, &vn));
+      ASSERT_TRUE(with0.ok()) << with0.status();
+      const std::vector<float> o2 = TensorF32(with0->outputs(0)), lse2 = TensorF32(with0->lse(0));
+      std::vector<float> ref(o1.size());
+      for (int qh = 0; qh < hq; ++qh) {
+        const double e = std::exp(double(lse1[qh]));
+        EXPECT_NEAR(lse2[qh], std::log(e + 1.0), 1e-5) << "layer " << layer << " head " << qh;
+        for (int c = 0; c < kD; ++c) {
+          const double v = kernels::Bf16ToFloat(vn[size_t(qh / g) * kD + c]);
+          ref[size_t(qh) * kD + c] = float((e * o1[size_t(qh) * kD + c] + v) / (e + 1.0));
+        }
+      }
+      EXPECT_LT(MaxRel(ref, o2), 1e-5) << "layer " << layer;
+    }
+    // The real next token, against appending it: the same tokens either way.
+    std::vector<std::vector<float>> with_new(s.L), lse_new(s.L);
+    std::vector<std::vector<bf16>> qs(s.L);
+    for (int layer = 0; layer < s.L; ++layer) {
+      qs[layer] = hx.Query(200 + layer);
+      std::vector<bf16> kn(s.k[layer].begin() + size_t(n) * kH * kD, s.k[layer].begin() + size_t(n + 1) * kH * kD);
+      std::vector<bf16> vn(s.v[layer].begin() + size_t(n) * kH * kD, s.v[layer].begin() + size_t(n + 1) * kH * kD);
+      auto r = hx.engine->Attend(hx.tenant, AttendReq(hx, o.attachment, layer, qs[layer], &kn, &vn));
+      ASSERT_TRUE(r.ok()) << r.status();
+      with_new[layer] = TensorF32(r->outputs(0));
+      lse_new[layer] = TensorF32(r->lse(0));
+    }
+    v1::AppendTokensRequest ap;
+    ap.set_session_id(o.session);
+    ap.add_token_ids(s.tokens[n]);
+    for (int layer = 0; layer < s.L; ++layer) {
+      auto* lk = ap.add_layers();
+      lk->set_layer(layer);
+      std::vector<bf16> kn(s.k[layer].begin() + size_t(n) * kH * kD, s.k[layer].begin() + size_t(n + 1) * kH * kD);
+      std::vector<bf16> vn(s.v[layer].begin() + size_t(n) * kH * kD, s.v[layer].begin() + size_t(n + 1) * kH * kD);
+      *lk->mutable_k() = ToTensor(kn, {1, kH, kD});
+      *lk->mutable_v() = ToTensor(vn, {1, kH, kD});
+    }
+    ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, ap).ok());
+    for (int layer = 0; layer < s.L; ++layer) {
+      auto r = hx.engine->Attend(hx.tenant, AttendReq(hx, o.attachment, layer, qs[layer], nullptr, nullptr));
+      ASSERT_TRUE(r.ok()) << r.status();
+      EXPECT_LT(MaxRel(TensorF32(r->outputs(0)), with_new[layer]), 1e-5) << "layer " << layer;
+      const std::vector<float> lse = TensorF32(r->lse(0));
+      for (size_t qh = 0; qh < lse.size(); ++qh) EXPECT_NEAR(lse[qh], lse_new[layer][qh], 1e-5);
+    }
+  }
+}
+
+TEST(AttendDecode, BadNewTokenIsRefusedNamingTheField) {
+  Harness hx;
+  Stream s = MakeStream(64, hx.model, 43);
+  auto o = hx.Open(s, ProfileOf(v1::PROFILE_KIND_SHADOW));
+  std::vector<bf16> q = hx.Query(7);
+  std::vector<bf16> wrong(size_t(kH + 1) * kD, kernels::FloatToBf16(0.1f));
+  v1::AttendRequest r = AttendReq(hx, o.attachment, 0, q, &wrong, &wrong);
+  r.mutable_queries(0)->mutable_k_new()->set_shape(0, kH + 1);
+  r.mutable_queries(0)->mutable_v_new()->set_shape(0, kH + 1);
+  auto resp = hx.engine->Attend(hx.tenant, r);
+  ASSERT_FALSE(resp.ok());
+  EXPECT_EQ(resp.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(resp.status().message().find("queries[0].k_new"), std::string::npos) << resp.status();
+}
+
+}  // namespace
+}  // namespace kvshade::service::testing
