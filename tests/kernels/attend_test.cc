@@ -232,3 +232,67 @@ TEST(Reference, ExactAttentionSmallCase) {
 
 }  // namespace
 }  // namespace kvshade::kernels
+
+namespace kvshade::kernels {
+namespace {
+
+// AttendItem.lse: log(sum_j exp(q.k_j * scale)) per query head against a double reference;
+// -inf for a head with no tokens. With it, attention over two halves merges into attention
+// over the whole (what a caller does with tokens the backend did not see).
+TEST(Attend, LogSumExpMatchesReferenceAndMerges) {
+  auto be = testing::Cpu();
+  LayerShape shape{2, 3, 64};
+  auto rng = testing::MakeRng(77);
+  const int n = 300, hq = shape.query_heads(), d = shape.d;
+  auto q = testing::RandomBf16(size_t(hq) * d, rng, 1.0f);
+  auto k = testing::RandomBf16(size_t(n) * shape.h * d, rng, 1.0f);
+  auto v = testing::RandomBf16(size_t(n) * shape.h * d, rng, 1.0f);
+  const float scale = 1.0f / std::sqrt(float(d));
+  auto run = [&](int t0, int t1, std::vector<float>* out, std::vector<float>* lse) {
+    out->assign(size_t(hq) * d, NAN);
+    lse->assign(hq, NAN);
+    AttendItem item;
+    item.q = q.data();
+    item.n_blocks = 1;
+    item.blocks[0] = TokenMajorBlock(shape, k, v, t0, t1);
+    item.out = out->data();
+    item.lse = lse->data();
+    std::vector<AttendItem> items = {item};
+    ASSERT_TRUE(be->Attend(shape, scale, items, Workspace{}).ok());
+  };
+  std::vector<float> o, l, o1, l1, o2, l2;
+  run(0, n, &o, &l);
+  for (int qh = 0; qh < hq; ++qh) {
+    const int hh = qh / shape.g;
+    double mx = -INFINITY;
+    std::vector<double> s(n);
+    for (int t = 0; t < n; ++t) {
+      double dot = 0;
+      for (int c = 0; c < d; ++c) {
+        dot += double(Bf16ToFloat(q[size_t(qh) * d + c])) * Bf16ToFloat(k[(size_t(t) * shape.h + hh) * d + c]);
+      }
+      s[t] = dot * scale;
+      mx = std::max(mx, s[t]);
+    }
+    double sum = 0;
+    for (double x : s) sum += std::exp(x - mx);
+    // fp32 scores of 64 products and an fp32 running sum: 1e-5 absolute on values ~ 6.
+    EXPECT_NEAR(l[qh], mx + std::log(sum), 1e-5) << "head " << qh;
+  }
+  run(0, 120, &o1, &l1);
+  run(120, n, &o2, &l2);
+  for (int qh = 0; qh < hq; ++qh) {
+    const double w1 = std::exp(double(l1[qh]) - l[qh]), w2 = std::exp(double(l2[qh]) - l[qh]);
+    EXPECT_NEAR(w1 + w2, 1.0, 1e-5);
+    for (int c = 0; c < d; ++c) {
+      const size_t i = size_t(qh) * d + c;
+      EXPECT_NEAR(w1 * o1[i] + w2 * o2[i], o[i], 1e-5) << "head " << qh << " channel " << c;
+    }
+  }
+  std::vector<float> oe, le;
+  run(5, 5, &oe, &le);
+  for (float x : le) EXPECT_EQ(x, -INFINITY);
+}
+
+}  // namespace
+}  // namespace kvshade::kernels

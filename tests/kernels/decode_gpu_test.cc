@@ -918,15 +918,17 @@ std::vector<std::vector<float>> RunAttend(Backend& be, const LayerShape& shape, 
         kb.len_per_head = static_cast<const int32_t*>(keep.back().data());
       }
     }
-    keep.push_back(Scratch<float>(be, out_n));
+    keep.push_back(Scratch<float>(be, out_n + shape.query_heads()));
     it.out = static_cast<float*>(keep.back().data());
+    it.lse = it.out + out_n;
   }
   auto ws = be.Allocate(std::max<size_t>(be.AttendWorkspaceBytes(shape, items), 1));
   EXPECT_TRUE(ws.ok()) << ws.status();
   absl::Status st = be.Attend(shape, scale, items, ws->workspace());
   EXPECT_TRUE(st.ok()) << st;
+  // Each item's output rows, then its LSE [h*g] appended.
   std::vector<std::vector<float>> out;
-  for (const AttendItem& it : items) out.push_back(Download<float>(be, it.out, out_n));
+  for (const AttendItem& it : items) out.push_back(Download<float>(be, it.out, out_n + shape.query_heads()));
   return out;
 }
 
@@ -983,7 +985,8 @@ TEST(DecodeGpuTest, AttendParity) {
   double worst = 0, num = 0, den = 0;
   for (size_t i = 0; i < in.size(); ++i) {
     double mx = 0, err = 0;
-    for (size_t e = 0; e < oc[i].size(); ++e) {
+    const size_t out_n = size_t(shape.query_heads()) * d;
+    for (size_t e = 0; e < out_n; ++e) {
       mx = std::max(mx, double(std::fabs(oc[i][e])));
       err = std::max(err, double(std::fabs(oc[i][e] - og[i][e])));
       num += double(oc[i][e] - og[i][e]) * (oc[i][e] - og[i][e]);
@@ -992,6 +995,10 @@ TEST(DecodeGpuTest, AttendParity) {
     const double rel = err / std::max(mx, 1e-30);
     worst = std::max(worst, rel);
     EXPECT_LE(rel, 1e-3) << "item " << i;
+    // LSE [h*g] after the rows: fp32 sums in another order, values of order 10: 1e-3.
+    for (int qh = 0; qh < shape.query_heads(); ++qh) {
+      EXPECT_NEAR(og[i][out_n + qh], oc[i][out_n + qh], 1e-3) << "item " << i << " lse of head " << qh;
+    }
     for (int qh = 3 * shape.g; qh < 4 * shape.g && i < 2; ++qh) {
       // head 3 has block 0 empty but still attends blocks 1 and 2: not all zero
       double n2 = 0;
