@@ -5,10 +5,13 @@
 // and never leave this file.
 #include "kvshade/service/config.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cctype>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -176,6 +179,64 @@ absl::Status ReadTenants(const YAML::Node& node, ServerConfig* config) {
 }
 
 bool Readable(const std::string& path) { return access(path.c_str(), R_OK) == 0; }
+
+// Whether a file can be created in the directory `dir`: a probe file is created and removed
+// at once. access(W_OK) alone says yes to root where new files are refused anyway (sysfs,
+// procfs), and RocksDB needs to create its files there.
+absl::Status CanCreateIn(const std::string& dir) {
+  std::string probe = dir + "/.kvshade-write-check-XXXXXX";
+  const int fd = mkstemp(probe.data());
+  if (fd < 0) return absl::PermissionDeniedError(std::strerror(errno));
+  close(fd);
+  unlink(probe.c_str());
+  return absl::OkStatus();
+}
+
+// The spill tier's RocksDB directory must be usable: an existing directory this process can
+// create files in, or a path RocksDB can create (it makes only the last component), i.e.
+// one whose parent is such a directory.
+absl::Status CheckSpillPath(const std::string& spill_path) {
+  std::string p = spill_path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  struct stat st;
+  if (stat(p.c_str(), &st) == 0) {
+    if (!S_ISDIR(st.st_mode)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("spill_path '", spill_path, "' exists and is not a directory"));
+    }
+    if (absl::Status w = CanCreateIn(p); !w.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spill_path '", spill_path, "' is not writable (", w.message(),
+          "): the spill tier (RocksDB) creates its files there"));
+    }
+    return absl::OkStatus();
+  }
+  if (errno == ENOTDIR) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spill_path '", spill_path, "': a component of the path is not a directory"));
+  }
+  if (errno != ENOENT) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("spill_path '", spill_path, "' cannot be examined: ", std::strerror(errno)));
+  }
+  const size_t slash = p.rfind('/');
+  const std::string parent = slash == std::string::npos ? "." : slash == 0 ? "/" : p.substr(0, slash);
+  if (stat(parent.c_str(), &st) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spill_path '", spill_path, "' does not exist and its parent directory '", parent,
+        "' does not exist (only the last component is created); create it first"));
+  }
+  if (!S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spill_path '", spill_path, "': its parent '", parent, "' is not a directory"));
+  }
+  if (absl::Status w = CanCreateIn(parent); !w.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "spill_path '", spill_path, "' does not exist and its parent directory '", parent,
+        "' is not writable (", w.message(), "), so it cannot be created"));
+  }
+  return absl::OkStatus();
+}
 
 }  // namespace
 
@@ -360,6 +421,9 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (c.host_budget_bytes == 0) return bad("host_budget must be > 0");
   if (c.spill_budget_bytes != 0 && c.spill_path.empty()) {
     return bad("spill_budget is set but spill_path is empty");
+  }
+  if (!c.spill_path.empty()) {
+    if (absl::Status s = CheckSpillPath(c.spill_path); !s.ok()) return s;
   }
   // TLS
   const TlsConfig& t = c.tls;

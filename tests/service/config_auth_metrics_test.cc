@@ -6,7 +6,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <sys/stat.h>
+
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <set>
 
@@ -34,6 +37,24 @@ class TempFile {
   std::string path_;
 };
 
+// A fresh directory, removed with its contents.
+class TempDir {
+ public:
+  TempDir() {
+    char name[] = "/tmp/kvshade-config-dir-XXXXXX";
+    path_ = mkdtemp(name);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::permissions(path_, std::filesystem::perms::owner_all, ec);
+    std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
 TEST(Config, ByteSizes) {
   EXPECT_EQ(*ParseByteSize("4096"), 4096u);
   EXPECT_EQ(*ParseByteSize("8GiB"), 8ull << 30);
@@ -49,13 +70,15 @@ TEST(Config, ByteSizes) {
 
 TEST(Config, LoadsEveryKeyAndKeepsDefaultsForTheRest) {
   TempFile tokens("# comment\nbob:bob-token-12345678\n\n");
+  TempDir spill_parent;  // the spill path must be creatable for the config to be valid
+  const std::string spill = spill_parent.path() + "/kvshade";
   TempFile f(R"(
 listen: "0.0.0.0:6000"
 backend: auto
 device_budget: 2GiB
 host_budget: 16GiB
 spill_budget: 100GiB
-spill_path: /var/lib/kvshade
+spill_path: )" + spill + R"(
 prefix_secret: s3cret
 metrics_port: 9464
 metrics_listen: 0.0.0.0
@@ -96,7 +119,7 @@ profile:
   EXPECT_EQ(c->device_budget_bytes, 2ull << 30);
   EXPECT_EQ(c->host_budget_bytes, 16ull << 30);
   EXPECT_EQ(c->spill_budget_bytes, 100ull << 30);
-  EXPECT_EQ(c->spill_path, "/var/lib/kvshade");
+  EXPECT_EQ(c->spill_path, spill);
   EXPECT_EQ(c->prefix_secret, "s3cret");
   EXPECT_EQ(c->metrics_port, 9464);
   EXPECT_EQ(c->metrics_listen, "0.0.0.0");
@@ -180,6 +203,56 @@ TEST(Config, RejectsTyposBadValuesAndBadFiles) {
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.value_codec = "int3"; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.kivi_group = 12; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.refactor_threshold = 0; }), C::kInvalidArgument);
+}
+
+TEST(Config, RejectsAnUnusableSpillPath) {
+  auto check = [](const std::string& path) {
+    ServerConfig c;
+    c.spill_path = path;
+    return ValidateConfig(c);
+  };
+  TempDir dir;
+  // Usable: an existing writable directory, or a new one in an existing writable directory.
+  EXPECT_TRUE(check(dir.path()).ok()) << check(dir.path());
+  EXPECT_TRUE(check(dir.path() + "/spill").ok()) << check(dir.path() + "/spill");
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/spill"));  // checking creates nothing
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+
+  // A path that exists and is not a directory.
+  TempFile file("not a database");
+  absl::Status st = check(file.path());
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("spill_path '" + file.path() + "' exists and is not a directory"),
+            std::string::npos)
+      << st;
+
+  // A path whose parent does not exist (RocksDB creates only the last component).
+  st = check(dir.path() + "/missing/spill");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("its parent directory '" + dir.path() + "/missing' does not exist"),
+            std::string::npos)
+      << st;
+  st = check(file.path() + "/spill");  // the parent is a file
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("is not a directory"), std::string::npos) << st;
+
+  // A directory nothing can be created in: /sys refuses new files even to root; a mode
+  // 0555 directory refuses them to anyone else.
+  st = check("/sys");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("spill_path '/sys' is not writable"), std::string::npos) << st;
+  st = check("/sys/kvshade-spill");  // would be created in a directory that refuses it
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("its parent directory '/sys' is not writable"), std::string::npos) << st;
+  if (geteuid() != 0) {
+    TempDir ro;
+    ASSERT_EQ(chmod(ro.path().c_str(), 0555), 0);
+    st = check(ro.path());
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("is not writable"), std::string::npos) << st;
+  }
+  // No spill path: nothing to check.
+  EXPECT_TRUE(check("").ok());
 }
 
 TEST(Config, TenantTokensFromFlagsAndDescribeHidesSecrets) {

@@ -83,7 +83,8 @@ struct ServerConfig {
 // to a default). Missing keys keep the defaults above.
 absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path);
 
-// Checks ranges and cross-field rules (TLS files readable, budgets non-zero, ...).
+// Checks ranges and cross-field rules (TLS files readable, budgets non-zero, spill_path a
+// directory this process can create files in, or can create, ...).
 absl::Status ValidateConfig(const ServerConfig&);
 
 // Helpers shared by the YAML loader and the command-line flags.
