@@ -16,7 +16,9 @@
 // SERVING, 4 the demo was given --ucx and ran over gRPC (fallback).
 #include <unistd.h>
 
+#include <charconv>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -24,9 +26,13 @@
 #include <sstream>
 
 #include <CLI/CLI.hpp>
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/message.h>
 #include <google/protobuf/util/json_util.h>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "demo.h"
@@ -44,13 +50,161 @@ std::string Env(const char* name, const std::string& fallback) {
   return v != nullptr && *v ? std::string(v) : fallback;
 }
 
+// --json output: the proto3 JSON mapping as protobuf prints it (field names as in the
+// .proto, every field, enums by name, bytes in base64, one space of indent per level),
+// except that integers of every width are JSON numbers. Protobuf's printer quotes 64-bit
+// integers (exact beyond 2^53 for JavaScript readers), so `jq '.sessions > 0'` and friends
+// compared strings; the CLI's figures are counts and bytes, well below 2^53.
+void AppendJsonString(std::string_view s, std::string* out) {
+  out->push_back('"');
+  for (const char ch : s) {
+    const auto c = static_cast<unsigned char>(ch);
+    switch (c) {
+      case '"': *out += "\\\""; break;
+      case '\\': *out += "\\\\"; break;
+      case '\b': *out += "\\b"; break;
+      case '\f': *out += "\\f"; break;
+      case '\n': *out += "\\n"; break;
+      case '\r': *out += "\\r"; break;
+      case '\t': *out += "\\t"; break;
+      default:
+        if (c < 0x20 || c == 0x7f) {
+          *out += absl::StrFormat("\\u%04x", c);
+        } else {
+          out->push_back(ch);  // UTF-8 passes through
+        }
+    }
+  }
+  out->push_back('"');
+}
+
+// A finite float or double in the shortest form that reads back to the same value; NaN and
+// the infinities as the strings the proto3 mapping uses.
+template <typename T>
+void AppendJsonFloat(T v, std::string* out) {
+  if (std::isnan(v)) {
+    *out += "\"NaN\"";
+  } else if (std::isinf(v)) {
+    *out += v > 0 ? "\"Infinity\"" : "\"-Infinity\"";
+  } else {
+    char buf[64];
+    const auto r = std::to_chars(buf, buf + sizeof(buf), v);
+    out->append(buf, r.ptr);
+  }
+}
+
+void AppendJsonMessage(const google::protobuf::Message& m, int indent, std::string* out);
+
+// One value of field `f` of `m` (element `index` of a repeated field; -1: singular).
+void AppendJsonValue(const google::protobuf::Message& m, const google::protobuf::FieldDescriptor* f,
+                     int index, int indent, std::string* out) {
+  using FD = google::protobuf::FieldDescriptor;
+  const google::protobuf::Reflection* r = m.GetReflection();
+  const bool rep = index >= 0;
+  switch (f->cpp_type()) {
+    case FD::CPPTYPE_INT32: absl::StrAppend(out, rep ? r->GetRepeatedInt32(m, f, index) : r->GetInt32(m, f)); break;
+    case FD::CPPTYPE_INT64: absl::StrAppend(out, rep ? r->GetRepeatedInt64(m, f, index) : r->GetInt64(m, f)); break;
+    case FD::CPPTYPE_UINT32: absl::StrAppend(out, rep ? r->GetRepeatedUInt32(m, f, index) : r->GetUInt32(m, f)); break;
+    case FD::CPPTYPE_UINT64: absl::StrAppend(out, rep ? r->GetRepeatedUInt64(m, f, index) : r->GetUInt64(m, f)); break;
+    case FD::CPPTYPE_DOUBLE: AppendJsonFloat(rep ? r->GetRepeatedDouble(m, f, index) : r->GetDouble(m, f), out); break;
+    case FD::CPPTYPE_FLOAT: AppendJsonFloat(rep ? r->GetRepeatedFloat(m, f, index) : r->GetFloat(m, f), out); break;
+    case FD::CPPTYPE_BOOL: *out += (rep ? r->GetRepeatedBool(m, f, index) : r->GetBool(m, f)) ? "true" : "false"; break;
+    case FD::CPPTYPE_ENUM: {
+      const int v = rep ? r->GetRepeatedEnumValue(m, f, index) : r->GetEnumValue(m, f);
+      const google::protobuf::EnumValueDescriptor* e = f->enum_type()->FindValueByNumber(v);
+      if (e != nullptr) {
+        AppendJsonString(e->name(), out);
+      } else {
+        absl::StrAppend(out, v);  // a value this build does not know: its number
+      }
+      break;
+    }
+    case FD::CPPTYPE_STRING: {
+      const std::string v = rep ? r->GetRepeatedString(m, f, index) : r->GetString(m, f);
+      AppendJsonString(f->type() == FD::TYPE_BYTES ? absl::Base64Escape(v) : v, out);
+      break;
+    }
+    case FD::CPPTYPE_MESSAGE:
+      AppendJsonMessage(rep ? r->GetRepeatedMessage(m, f, index) : r->GetMessage(m, f), indent, out);
+      break;
+  }
+}
+
+void AppendJsonMessage(const google::protobuf::Message& m, int indent, std::string* out) {
+  using FD = google::protobuf::FieldDescriptor;
+  const google::protobuf::Descriptor* d = m.GetDescriptor();
+  if (d->file()->name().rfind("google/protobuf/", 0) == 0) {
+    // Well-known types (Timestamp, Duration, wrappers, ...) have JSON forms of their own.
+    std::string wkt;
+    google::protobuf::util::JsonPrintOptions opts;
+    opts.always_print_primitive_fields = true;
+    opts.preserve_proto_field_names = true;
+    (void)google::protobuf::util::MessageToJsonString(m, &wkt, opts);
+    *out += wkt;
+    return;
+  }
+  const google::protobuf::Reflection* r = m.GetReflection();
+  const std::string pad(indent + 1, ' ');
+  bool first = true;
+  *out += "{";
+  for (int i = 0; i < d->field_count(); ++i) {
+    const FD* f = d->field(i);
+    // Unset messages, oneof members and proto3 optionals are left out, as protobuf does.
+    if (!f->is_repeated() && f->has_presence() && !r->HasField(m, f)) continue;
+    *out += first ? "\n" : ",\n";
+    first = false;
+    *out += pad;
+    AppendJsonString(f->name(), out);
+    *out += ": ";
+    if (f->is_map()) {
+      const int n = r->FieldSize(m, f);
+      if (n == 0) {
+        *out += "{}";
+        continue;
+      }
+      const std::string inner(indent + 2, ' ');
+      *out += "{";
+      for (int j = 0; j < n; ++j) {
+        const google::protobuf::Message& entry = r->GetRepeatedMessage(m, f, j);
+        const FD* key = entry.GetDescriptor()->map_key();
+        std::string key_text;
+        if (key->cpp_type() == FD::CPPTYPE_STRING) {
+          key_text = entry.GetReflection()->GetString(entry, key);
+        } else {
+          AppendJsonValue(entry, key, -1, 0, &key_text);  // a number or true/false
+        }
+        *out += j == 0 ? "\n" : ",\n";
+        *out += inner;
+        AppendJsonString(key_text, out);
+        *out += ": ";
+        AppendJsonValue(entry, entry.GetDescriptor()->map_value(), -1, indent + 2, out);
+      }
+      *out += "\n" + pad + "}";
+    } else if (f->is_repeated()) {
+      const int n = r->FieldSize(m, f);
+      if (n == 0) {
+        *out += "[]";
+        continue;
+      }
+      const std::string inner(indent + 2, ' ');
+      *out += "[";
+      for (int j = 0; j < n; ++j) {
+        *out += j == 0 ? "\n" : ",\n";
+        *out += inner;
+        AppendJsonValue(m, f, j, indent + 2, out);
+      }
+      *out += "\n" + pad + "]";
+    } else {
+      AppendJsonValue(m, f, -1, indent + 1, out);
+    }
+  }
+  *out += first ? "}" : "\n" + std::string(indent, ' ') + "}";
+}
+
 std::string Json(const google::protobuf::Message& m) {
   std::string out;
-  google::protobuf::util::JsonPrintOptions opts;
-  opts.add_whitespace = true;
-  opts.always_print_primitive_fields = true;
-  opts.preserve_proto_field_names = true;
-  (void)google::protobuf::util::MessageToJsonString(m, &out, opts);
+  AppendJsonMessage(m, 0, &out);
+  out += "\n";
   return out;
 }
 
