@@ -790,6 +790,16 @@ absl::StatusOr<v1::DetachResponse> EngineImpl::Detach(const Tenant& t, const v1:
 // ---------------------------------------------------------------------------------------
 // Views and caches
 
+absl::StatusOr<storage::SegmentPin> EngineImpl::PinValues(const Session& s, const Segment& owner) {
+  absl::StatusOr<storage::SegmentPin> pin = store_->Pin(owner.id);
+  if (!pin.ok()) {
+    return absl::Status(pin.status().code(),
+                        absl::StrCat("values of a segment of session '", s.id,
+                                     "' are unavailable: ", pin.status().message()));
+  }
+  return pin;
+}
+
 absl::StatusOr<LayerViewHold> EngineImpl::BuildView(const Session& s, int layer) {
   LayerViewHold hold;
   kernels::SessionLayerView& v = hold.view;
@@ -819,14 +829,9 @@ absl::StatusOr<LayerViewHold> EngineImpl::BuildView(const Session& s, int layer)
     sv.a = static_cast<const kernels::bf16*>(own.a->data());
     const Segment& vo = seg.values_owner();
     if (vo.values_in_store) {
-      absl::StatusOr<storage::SegmentPin> pin = store_->Pin(vo.id);
-      if (!pin.ok()) {
-        return absl::Status(pin.status().code(),
-                            absl::StrCat("values of a segment of session '", s.id,
-                                         "' are unavailable: ", pin.status().message()));
-      }
-      pin->layer(layer).FillView(&sv);
-      hold.pins.push_back(std::move(pin).value());
+      KVSHADE_ASSIGN_OR_RETURN(storage::SegmentPin pin, PinValues(s, vo));
+      pin.layer(layer).FillView(&sv);
+      hold.pins.push_back(std::move(pin));
     } else {
       sv.values = static_cast<const std::byte*>(d.open_values.buffer.data());
       sv.value_head_stride = d.open_values.head_stride();

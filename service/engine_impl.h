@@ -145,6 +145,9 @@ class EngineImpl {
   // Absolute positions first .. first+n-1 as int64 in backend memory (RoPE and
   // observation kernels read positions from the backend's memory space).
   absl::StatusOr<DeviceBlock> DevicePositions(int64_t first, int64_t n);
+  // Pins the values of `owner` (a segment whose values are in the store), paging them in
+  // when spilled; the error names the session.
+  absl::StatusOr<storage::SegmentPin> PinValues(const Session& s, const Segment& owner);
   // Builds the decode view of `layer` (caller holds the session lock, shared at least).
   absl::StatusOr<LayerViewHold> BuildView(const Session& s, int layer);
   // The attention working set of `layer`, rebuilt when stale (caller holds s.mu shared).

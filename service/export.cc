@@ -58,16 +58,6 @@ class RegionTable {
   std::vector<uint64_t> ids_;
 };
 
-v1::ValueCodec WireCodec(kernels::ValueCodec c) {
-  switch (c) {
-    case kernels::ValueCodec::kBF16: return v1::VALUE_CODEC_BF16;
-    case kernels::ValueCodec::kFP8: return v1::VALUE_CODEC_FP8;
-    case kernels::ValueCodec::kINT4: return v1::VALUE_CODEC_INT4;
-    case kernels::ValueCodec::kINT2: return v1::VALUE_CODEC_INT2;
-  }
-  return v1::VALUE_CODEC_UNSPECIFIED;
-}
-
 void WireRope(const kernels::RopeSpec& k, v1::RopeSpec* r) {
   r->set_theta(k.theta);
   r->set_rotary_dim(static_cast<uint32_t>(k.rotary_dim));
@@ -197,17 +187,12 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
         }
         const Segment& vo = seg.values_owner();
         if (vo.values_in_store) {
-          absl::StatusOr<storage::SegmentPin> pin = store_->Pin(vo.id);
-          if (!pin.ok()) {
-            return absl::Status(pin.status().code(),
-                                absl::StrCat("values of a segment of session '", s.id,
-                                             "' are unavailable: ", pin.status().message()));
-          }
-          const storage::LayerValues lv = pin->layer(layer);
+          KVSHADE_ASSIGN_OR_RETURN(storage::SegmentPin pin, PinValues(s, vo));
+          const storage::LayerValues lv = pin.layer(layer);
           KVSHADE_RETURN_IF_ERROR(regions.Ref(lv.base, es->mutable_values()));
           es->set_value_head_stride(lv.head_stride);
           es->set_value_chunk_stride(lv.chunk_stride);
-          gen->pins.push_back(std::move(pin).value());
+          gen->pins.push_back(std::move(pin));
         } else {
           // The open segment's growable buffer: copy its n_chunks chunks of every head,
           // packed [h, n_chunks, chunk_stride].
@@ -274,7 +259,7 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
   out.set_head_dim(static_cast<uint32_t>(d));
   out.set_chunk_size(static_cast<uint32_t>(C));
   WireRope(m.rope, out.mutable_rope());
-  out.set_value_codec(WireCodec(s.profile.codec.codec));
+  out.set_value_codec(CodecToProto(s.profile.codec.codec));
   out.set_value_group(static_cast<uint32_t>(s.profile.codec.group));
 
   std::lock_guard<std::mutex> lock(exports_mu_);

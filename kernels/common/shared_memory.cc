@@ -86,6 +86,19 @@ std::optional<SharedHostRegion> FindSharedHostRegion(const void* p) {
   return reg;
 }
 
+std::optional<ExportedMemory> ExportSharedHost(const void* p) {
+  std::optional<SharedHostRegion> r = FindSharedHostRegion(p);
+  if (!r) return std::nullopt;
+  ExportedMemory m;
+  m.kind = ExportedMemory::Kind::kHostFile;
+  m.region_id = r->id;
+  m.pid = getpid();
+  m.fd = r->fd;
+  m.region_bytes = r->bytes;
+  m.offset = static_cast<size_t>(static_cast<const char*>(p) - static_cast<const char*>(r->base));
+  return m;
+}
+
 absl::StatusOr<ImportedMemory> MapSharedHostRegion(const ExportedMemory& m) {
   if (m.kind != ExportedMemory::Kind::kHostFile) {
     return absl::InvalidArgumentError("MapSharedHostRegion: not a host memory file");

@@ -5,7 +5,6 @@
 #include <cstdlib>
 #include <cstring>
 
-#include <unistd.h>
 
 #include "absl/strings/str_cat.h"
 #include "kvshade/kernels/status_macros.h"
@@ -73,19 +72,9 @@ absl::Status CpuBackend::ClosePeerBuffer(const PeerBuffer&) {
 namespace kvshade::kernels {
 
 absl::StatusOr<ExportedMemory> CpuBackend::ExportMemory(const void* p) {
-  std::optional<SharedHostRegion> r = FindSharedHostRegion(p);
-  if (!r) {
-    return absl::FailedPreconditionError(
-        "cpu: this memory is not shareable (the backend was not set up for same-node export)");
-  }
-  ExportedMemory m;
-  m.kind = ExportedMemory::Kind::kHostFile;
-  m.region_id = r->id;
-  m.pid = getpid();
-  m.fd = r->fd;
-  m.region_bytes = r->bytes;
-  m.offset = static_cast<size_t>(static_cast<const char*>(p) - static_cast<const char*>(r->base));
-  return m;
+  if (std::optional<ExportedMemory> m = ExportSharedHost(p)) return *m;
+  return absl::FailedPreconditionError(
+      "cpu: this memory is not shareable (the backend was not set up for same-node export)");
 }
 
 absl::StatusOr<ImportedMemory> CpuBackend::ImportMemory(const ExportedMemory& m) {

@@ -97,16 +97,7 @@ absl::Status CudaBackend::ClosePeerBuffer(const PeerBuffer& buffer) {
 }
 
 absl::StatusOr<ExportedMemory> CudaBackend::ExportMemory(const void* p) {
-  if (std::optional<SharedHostRegion> r = FindSharedHostRegion(p)) {
-    ExportedMemory m;
-    m.kind = ExportedMemory::Kind::kHostFile;
-    m.region_id = r->id;
-    m.pid = getpid();
-    m.fd = r->fd;
-    m.region_bytes = r->bytes;
-    m.offset = size_t(static_cast<const char*>(p) - static_cast<const char*>(r->base));
-    return m;
-  }
+  if (std::optional<ExportedMemory> m = ExportSharedHost(p)) return *m;
   KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
   // The allocation of Allocate that holds p.
   uintptr_t base = 0;

@@ -17,7 +17,7 @@ generation (after the runtime appended them to the sessions).
 import ctypes
 
 from . import _native
-from .client import _b, _check
+from .client import _NativeHandle, _b, _check
 
 
 def _torch():
@@ -25,7 +25,7 @@ def _torch():
     return torch
 
 
-class LocalDecoder:
+class LocalDecoder(_NativeHandle):
     def __init__(self, client, attachment_ids, backend="auto", local_capacity=1024, count_hits=False):
         ids = [_b(a) for a in attachment_ids]
         arr = (ctypes.c_char_p * len(ids))(*ids)
@@ -96,19 +96,4 @@ class LocalDecoder:
                                                         ctypes.byref(hits), ctypes.byref(steps)))
         return {"selected": sel.value, "hits": hits.value, "steps": steps.value}
 
-    def close(self):
-        if getattr(self, "_h", None):
-            _native.lib().kvshade_local_decoder_free(self._h)
-            self._h = ctypes.c_void_p()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    _free = "kvshade_local_decoder_free"

@@ -42,6 +42,8 @@ absl::StatusOr<Buffer> AllocateSharedHost(size_t bytes,
                                           std::function<void(void*)> on_release = {});
 // The shared host region containing p, if any.
 std::optional<SharedHostRegion> FindSharedHostRegion(const void* p);
+// p named for another process when it lies in a shared host region of this process.
+std::optional<ExportedMemory> ExportSharedHost(const void* p);
 // Maps another process's shared host region (kHostFile) read-write into this one.
 absl::StatusOr<ImportedMemory> MapSharedHostRegion(const ExportedMemory& m);
 void UnmapSharedHostRegion(const ImportedMemory& m);
