@@ -5,6 +5,7 @@
 // and never leave this file.
 #include "kvshade/service/config.h"
 
+#include <arpa/inet.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -491,6 +492,37 @@ absl::Status ValidateConfig(const ServerConfig& c) {
     return bad("ucx.engine_threads must be in [1, 256], got ", c.ucx.engine_threads);
   }
   return absl::OkStatus();
+}
+
+bool IsLoopbackListen(std::string_view address) {
+  absl::string_view listen(address.data(), address.size());
+  if (absl::StartsWith(listen, "unix:") || absl::StartsWith(listen, "unix-abstract:")) return true;
+  for (absl::string_view scheme : {"ipv4:", "ipv6:", "dns:"}) {
+    if (absl::ConsumePrefix(&listen, scheme)) break;
+  }
+  absl::ConsumePrefix(&listen, "///");
+  const size_t colon = listen.rfind(':');
+  std::string host(listen.substr(0, colon == absl::string_view::npos ? listen.size() : colon));
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  if (absl::AsciiStrToLower(host) == "localhost") return true;
+  in_addr v4;
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6;
+  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) {
+    if (IN6_IS_ADDR_LOOPBACK(&v6)) return true;
+    return IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127;
+  }
+  return false;  // a wildcard (0.0.0.0, ::), another interface's address or a host name
+}
+
+std::string InsecureListenWarning(const ServerConfig& c) {
+  if (IsLoopbackListen(c.listen) || !c.tls.cert_file.empty() || !c.tenant_tokens.empty()) return "";
+  return absl::StrCat(
+      "listen address ", c.listen,
+      " is not a loopback address and the server has neither TLS nor tenant tokens: anyone who "
+      "can reach it can read, change and close every session. Set tenant tokens (tenants or "
+      "tokens_file in the config; --tenant-token NAME:TOKEN or --tokens-file) and TLS "
+      "(tls.cert_file and tls.key_file; --tls-cert and --tls-key), or listen on 127.0.0.1");
 }
 
 std::string DescribeConfig(const ServerConfig& c) {

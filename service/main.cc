@@ -152,6 +152,9 @@ int main(int argc, char** argv) {
   if (!valid.ok()) return Fail(absl::StrCat("invalid configuration: ", valid.message()));
   spdlog::info("config: {}", kvshade::service::DescribeConfig(config));
   if (f.check_config) {
+    if (const std::string w = kvshade::service::InsecureListenWarning(config); !w.empty()) {
+      spdlog::warn("{}", w);
+    }
     std::cout << "configuration OK" << std::endl;
     return 0;
   }

@@ -148,6 +148,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     s->exposer_ = *std::move(endpoint);
     s->metrics_port_ = s->exposer_->port();
   }
+  if (const std::string w = InsecureListenWarning(config); !w.empty()) spdlog::warn("{}", w);
   spdlog::info("kvshade-server {} serving on {} (port {}), backend {}, metrics {}", KVSHADE_VERSION,
                config.listen, s->port_, std::string(s->backend_->name()),
                s->metrics_port_ ? absl::StrCat(config.metrics_listen, ":", s->metrics_port_, "/metrics")

@@ -1,14 +1,23 @@
 // Integration: what the real kvshade-server says and does at start-up: `--check-config`
-// refuses an unusable spill path with a clear message and a non-zero exit.
+// refuses an unusable spill path with a clear message and a non-zero exit; serving beyond
+// loopback with neither TLS nor tenant tokens logs a warning that says what to set.
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
 #include <sys/wait.h>
 
 #include <array>
 #include <cstdio>
 #include <fstream>
+#include <sstream>
 #include <string>
+#include <vector>
 
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "harness.h"
+
+extern char** environ;
 
 namespace kvshade::integration {
 namespace {
@@ -67,6 +76,59 @@ TEST(CheckConfig, RefusesAnUnusableSpillPath) {
   const ServerRun start = RunServer("--listen 127.0.0.1:0 --spill-path " + file);
   EXPECT_EQ(start.exit_code, 1) << start.output;
   EXPECT_TRUE(Has(start, "exists and is not a directory")) << start.output;
+}
+
+// Starts kvshade-server with `args` (its own --listen among them), waits for its start-up
+// line, stops it with SIGTERM and returns everything it logged.
+std::string StartupLog(const std::vector<std::string>& args) {
+  TempDir dir;
+  const std::string log = dir.path() + "/server.log";
+  std::vector<std::string> all = {ServerBinary(), "--backend", "cpu"};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : all) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t fa;
+  posix_spawn_file_actions_init(&fa);
+  posix_spawn_file_actions_addopen(&fa, 1, log.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  posix_spawn_file_actions_adddup2(&fa, 1, 2);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, all[0].c_str(), &fa, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&fa);
+  if (rc != 0) return "cannot spawn the server";
+  auto read = [&] {
+    std::ifstream in(log);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  };
+  const absl::Time end = absl::Now() + absl::Seconds(30);
+  while (absl::Now() < end && read().find(" serving on ") == std::string::npos &&
+         waitpid(pid, nullptr, WNOHANG) == 0) {
+    absl::SleepFor(absl::Milliseconds(20));
+  }
+  kill(pid, SIGTERM);
+  waitpid(pid, nullptr, 0);
+  return read();
+}
+
+TEST(Startup, WarnsWhenServingBeyondLoopbackWithNeitherTlsNorTokens) {
+  const std::string open = StartupLog({"--listen", "0.0.0.0:0"});
+  EXPECT_NE(open.find(" serving on 0.0.0.0:0"), std::string::npos) << open;
+  EXPECT_NE(open.find("warning kvshade-server: listen address 0.0.0.0:0 is not a loopback address and "
+                      "the server has neither TLS nor tenant tokens"),
+            std::string::npos)
+      << open;
+  EXPECT_NE(open.find("--tls-cert"), std::string::npos) << open;
+  EXPECT_NE(open.find("--tenant-token"), std::string::npos) << open;
+
+  // Tenant tokens, or loopback: no warning.
+  const std::string tokens = StartupLog({"--listen", "0.0.0.0:0", "--tenant-token", "alice:alice-token-123456"});
+  EXPECT_NE(tokens.find(" serving on 0.0.0.0:0"), std::string::npos) << tokens;
+  EXPECT_EQ(tokens.find("not a loopback address"), std::string::npos) << tokens;
+  const std::string local = StartupLog({"--listen", "127.0.0.1:0"});
+  EXPECT_NE(local.find(" serving on 127.0.0.1:0"), std::string::npos) << local;
+  EXPECT_EQ(local.find("not a loopback address"), std::string::npos) << local;
 }
 
 }  // namespace

@@ -255,6 +255,37 @@ TEST(Config, RejectsAnUnusableSpillPath) {
   EXPECT_TRUE(check("").ok());
 }
 
+TEST(Config, WarnsAboutAnOpenListenerBeyondLoopback) {
+  for (const char* local : {"127.0.0.1:50551", "127.1.2.3:0", "localhost:50551", "[::1]:50551",
+                            "ipv4:127.0.0.1:50551", "unix:/run/kvshade.sock"}) {
+    EXPECT_TRUE(IsLoopbackListen(local)) << local;
+    ServerConfig c;
+    c.listen = local;
+    EXPECT_EQ(InsecureListenWarning(c), "") << local;
+  }
+  for (const char* remote : {"0.0.0.0:50551", "[::]:50551", "10.1.2.3:50551", "kv.internal:50551",
+                             "[2001:db8::1]:50551", "128.0.0.1:1"}) {
+    EXPECT_FALSE(IsLoopbackListen(remote)) << remote;
+  }
+  ServerConfig open;
+  open.listen = "0.0.0.0:50551";
+  const std::string w = InsecureListenWarning(open);
+  // Says what is wrong and what to set.
+  EXPECT_NE(w.find("0.0.0.0:50551 is not a loopback address"), std::string::npos) << w;
+  EXPECT_NE(w.find("neither TLS nor tenant tokens"), std::string::npos) << w;
+  EXPECT_NE(w.find("--tls-cert"), std::string::npos) << w;
+  EXPECT_NE(w.find("--tenant-token"), std::string::npos) << w;
+  EXPECT_NE(w.find("tokens_file"), std::string::npos) << w;
+  // Either TLS or tenant tokens silences it.
+  ServerConfig tokens = open;
+  ASSERT_TRUE(AddTenantToken("alice:alice-token-123456", &tokens).ok());
+  EXPECT_EQ(InsecureListenWarning(tokens), "");
+  ServerConfig tls = open;
+  tls.tls.cert_file = "server.pem";
+  tls.tls.key_file = "server.key";
+  EXPECT_EQ(InsecureListenWarning(tls), "");
+}
+
 TEST(Config, TenantTokensFromFlagsAndDescribeHidesSecrets) {
   ServerConfig c;
   EXPECT_TRUE(AddTenantToken("alice:alice-token-123456", &c).ok());

@@ -96,5 +96,11 @@ absl::Status AddTenantToken(std::string_view name_colon_token, ServerConfig* con
 absl::Status LoadTokensFile(const std::string& path, ServerConfig* config);
 // A one-line summary for the start-up log; never prints tokens or secrets.
 std::string DescribeConfig(const ServerConfig& config);
+// Whether a listen address reaches only this host: loopback (127.0.0.0/8, ::1,
+// "localhost") or a unix socket. Wildcards (0.0.0.0, [::]) and host names are not.
+bool IsLoopbackListen(std::string_view listen);
+// The start-up warning for a server that listens beyond loopback with neither TLS nor
+// tenant tokens (what is exposed and what to set), or "" when there is nothing to warn of.
+std::string InsecureListenWarning(const ServerConfig& config);
 
 }  // namespace kvshade::service
