@@ -365,7 +365,8 @@ absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {
                     {"default_lease_ms", Scalar("limits.default_lease_ms", &l.default_lease_ms)},
                     {"max_lease_ms", Scalar("limits.max_lease_ms", &l.max_lease_ms)},
                     {"max_layers", Scalar("limits.max_layers", &l.max_layers)},
-                    {"max_head_dim", Scalar("limits.max_head_dim", &l.max_head_dim)}});
+                    {"max_head_dim", Scalar("limits.max_head_dim", &l.max_head_dim)},
+                    {"session_idle_ttl_s", Scalar("limits.session_idle_ttl_s", &l.session_idle_ttl_s)}});
              }},
             {"profile",
              [&](const YAML::Node& n) {
@@ -530,14 +531,15 @@ std::string DescribeConfig(const ServerConfig& c) {
   for (const auto& [_, name] : c.tenant_tokens) tenants.insert(name);
   return absl::StrFormat(
       "listen=%s backend=%s device_budget=%d host_budget=%d spill=%s tls=%s mtls=%s tenants=[%s] "
-      "metrics=%s ucx=%s",
+      "metrics=%s ucx=%s session_idle_ttl=%s",
       c.listen, c.backend, c.device_budget_bytes, c.host_budget_bytes,
       c.spill_path.empty() ? "off" : c.spill_path, c.tls.cert_file.empty() ? "off" : "on",
       c.tls.require_client_cert ? "required" : (c.tls.client_ca_file.empty() ? "off" : "optional"),
       tenants.empty() ? "open" : absl::StrJoin(tenants, ","),
       c.metrics_port ? absl::StrCat(c.metrics_listen, ":", c.metrics_port) : "off",
       c.ucx.enable ? (c.ucx.transports.empty() ? std::string("auto") : c.ucx.transports)
-                   : std::string("off"));
+                   : std::string("off"),
+      c.limits.session_idle_ttl_s ? absl::StrCat(c.limits.session_idle_ttl_s, "s") : std::string("off"));
 }
 
 }  // namespace kvshade::service

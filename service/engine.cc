@@ -634,6 +634,7 @@ absl::StatusOr<v1::SessionInfo> EngineImpl::GetSession(const Tenant& t,
 }
 
 absl::StatusOr<v1::ListSessionsResponse> EngineImpl::ListSessions(const Tenant& t) {
+  SessionManager::UntouchedScope listing;  // listing keeps no session from idle expiry
   v1::ListSessionsResponse resp;
   for (const auto& s : sessions_.ListSessions(t.name)) {
     v1::GetSessionRequest req;
@@ -1064,8 +1065,37 @@ absl::Status EngineImpl::Drain() {
   return first;
 }
 
+// Idle expiry (limits.session_idle_ttl_s): closes the sessions the session manager finds
+// idle as CloseSession does (a durable one loses its record), and counts them. Not while
+// draining: Drain writes durable sessions through.
+static void ExpireIdleSessions(EngineImpl& e) {
+  const uint32_t ttl_s = e.config_->limits.session_idle_ttl_s;
+  if (ttl_s == 0 || e.draining_.load()) return;
+  const std::vector<std::shared_ptr<Session>> idle = e.sessions_.RemoveIdle(int64_t{ttl_s} * 1000);
+  for (const std::shared_ptr<Session>& s : idle) {
+    std::vector<std::shared_ptr<const Segment>> chain;
+    std::shared_ptr<Segment> open;
+    std::vector<storage::SegmentRef> refs;
+    {
+      std::unique_lock lock(s->mu);
+      s->state = SessionState::kClosed;
+      chain.swap(s->chain);
+      open.swap(s->open);
+      refs.swap(s->prefix_refs);
+      s->tail.clear();
+      s->cache.clear();
+      s->refactor_keys.clear();
+    }
+    if (s->durable && e.spill_) e.DeleteDurableRecord(*s);
+    spdlog::info("session {} of tenant '{}' closed: no call for {} s (session_idle_ttl_s)", s->id,
+                 s->tenant, ttl_s);
+  }
+  if (!idle.empty()) e.metrics_->SessionsExpired(idle.size());
+}
+
 int EngineImpl::RunMaintenance() {
   sessions_.ReapExpired();
+  ExpireIdleSessions(*this);
   PruneExports();
   UpdateGauges();
   int done = 0;

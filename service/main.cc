@@ -34,6 +34,7 @@ struct Flags {
   std::string max_message_bytes;
   uint32_t max_batch = 0, default_lease_ms = 0, max_lease_ms = 0;
   uint32_t worker_threads = 0;
+  int64_t session_idle_ttl_s = -1;  // -1: not given
   std::string log_level = "info";
   double grace_s = 10;
   bool check_config = false;
@@ -82,6 +83,10 @@ int main(int argc, char** argv) {
   app.add_option("--default-lease-ms", f.default_lease_ms, "Attachment lease when the request says 0");
   app.add_option("--max-lease-ms", f.max_lease_ms, "Longest lease a worker may ask for");
   app.add_option("--worker-threads", f.worker_threads, "gRPC worker threads (0 = gRPC default)");
+  app.add_option("--session-idle-ttl-s", f.session_idle_ttl_s,
+                 "Close sessions no call has touched for this many seconds and with no live "
+                 "attachment (0 = never)")
+      ->check(CLI::Range(int64_t{0}, int64_t{UINT32_MAX}));
   app.add_option("--log-level", f.log_level, "trace, debug, info, warn, error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
   app.add_option("--grace", f.grace_s, "Seconds in-flight calls get at shutdown")->check(CLI::Range(0.0, 3600.0));
@@ -147,6 +152,7 @@ int main(int argc, char** argv) {
   if (f.default_lease_ms) config.limits.default_lease_ms = f.default_lease_ms;
   if (f.max_lease_ms) config.limits.max_lease_ms = f.max_lease_ms;
   if (f.worker_threads) config.worker_threads = f.worker_threads;
+  if (f.session_idle_ttl_s >= 0) config.limits.session_idle_ttl_s = static_cast<uint32_t>(f.session_idle_ttl_s);
 
   absl::Status valid = kvshade::service::ValidateConfig(config);
   if (!valid.ok()) return Fail(absl::StrCat("invalid configuration: ", valid.message()));

@@ -164,6 +164,12 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                           .Help("Tokens compressed by Ingest and AppendTokens (reused tokens excluded)")
                           .Register(r)
                           .Add({});
+  sessions_expired_ = &BuildCounter()
+                           .Name("kvshade_sessions_expired_total")
+                           .Help("Sessions closed because no call touched them for "
+                                 "limits.session_idle_ttl_s (durable ones included)")
+                           .Register(r)
+                           .Add({});
   errors_ = &BuildCounter()
                  .Name("kvshade_errors_total")
                  .Help("Failed gRPC calls, by status code")
@@ -222,6 +228,7 @@ void Metrics::PageIn(uint64_t bytes) {
 }
 void Metrics::Eviction() { evictions_->Increment(); }
 void Metrics::IngestedTokens(uint64_t n) { ingested_tokens_->Increment(static_cast<double>(n)); }
+void Metrics::SessionsExpired(uint64_t n) { sessions_expired_->Increment(static_cast<double>(n)); }
 void Metrics::Error(int grpc_code) {
   errors_->Add({{"code", std::string(GrpcCodeName(grpc_code))}}).Increment();
 }

@@ -5,12 +5,19 @@
 #include <algorithm>
 #include <chrono>
 #include <random>
+#include <shared_mutex>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "status_util.h"
 
 namespace kvshade::service {
+namespace {
+
+// Active SessionManager::UntouchedScope objects on this thread.
+thread_local int untouched_scopes = 0;
+
+}  // namespace
 
 int64_t SystemNowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -58,7 +65,44 @@ absl::Status SessionManager::AddSession(std::shared_ptr<Session> session) {
     return absl::AlreadyExistsError(absl::StrCat("session id ", session->id, " exists"));
   }
   ++n;
+  touched_ms_[session->id] = std::make_unique<std::atomic<int64_t>>(clock_());
   return absl::OkStatus();
+}
+
+SessionManager::UntouchedScope::UntouchedScope() { ++untouched_scopes; }
+SessionManager::UntouchedScope::~UntouchedScope() { --untouched_scopes; }
+
+void SessionManager::TouchLocked(const std::string& id) const {
+  if (untouched_scopes > 0) return;
+  auto it = touched_ms_.find(id);
+  if (it != touched_ms_.end()) it->second->store(clock_());
+}
+
+std::vector<std::shared_ptr<Session>> SessionManager::RemoveIdle(int64_t idle_ms) {
+  std::vector<std::shared_ptr<Session>> idle;
+  absl::MutexLock lock(&mu_);
+  ReapLocked();
+  const int64_t now = clock_();
+  for (const auto& [id, s] : sessions_) {
+    auto t = touched_ms_.find(id);
+    if (t == touched_ms_.end()) continue;
+    if (s->ingest_active.load()) {  // a stream is open: in use, however slow the client
+      t->second->store(now);
+      continue;
+    }
+    if (s->attachments > 0 || now - t->second->load() < idle_ms) continue;
+    // A call that holds the session's lock is using it. try_lock never waits, so the
+    // order against the registry lock does not matter.
+    std::unique_lock<std::shared_mutex> busy(s->mu, std::try_to_lock);
+    if (!busy.owns_lock()) continue;
+    idle.push_back(s);
+  }
+  for (const auto& s : idle) {
+    sessions_.erase(s->id);
+    touched_ms_.erase(s->id);
+    if (--per_tenant_[s->tenant] == 0) per_tenant_.erase(s->tenant);
+  }
+  return idle;
 }
 
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindSession(
@@ -69,6 +113,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindSession(
   if (it == sessions_.end() || it->second->tenant != tenant) {
     return absl::NotFoundError(absl::StrCat("session '", BoundedId(id), "' not found"));
   }
+  TouchLocked(id);
   return it->second;
 }
 
@@ -82,6 +127,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::RemoveSession(const std
   }
   std::shared_ptr<Session> s = it->second;
   sessions_.erase(it);
+  touched_ms_.erase(id);
   if (--per_tenant_[tenant] == 0) per_tenant_.erase(tenant);
   std::vector<std::shared_ptr<Attachment>> gone;
   for (const auto& [aid, a] : attachments_) {
@@ -151,6 +197,7 @@ absl::StatusOr<std::shared_ptr<Attachment>> SessionManager::Attach(
   a->counters = CountersLocked(tenant);
   attachments_[a->id] = a;
   ++session->attachments;
+  TouchLocked(session->id);
   if (writer) session->writer_attachment = a->id;
   return a;
 }
@@ -215,6 +262,7 @@ absl::StatusOr<std::shared_ptr<Attachment>> SessionManager::Use(const std::strin
     std::shared_ptr<Attachment> a = it->second;
     if (a->expires_ms > now) {
       a->expires_ms = now + a->lease_ms;
+      TouchLocked(a->session->id);  // every decode call goes through here
       return a;
     }
     RemoveAttachmentLocked(a, /*expired=*/true);

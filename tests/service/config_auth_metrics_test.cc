@@ -97,6 +97,7 @@ limits:
   max_lease_ms: 2000
   max_layers: 80
   max_head_dim: 128
+  session_idle_ttl_s: 3600
 profile:
   rank: 96
   chunk_size: 16
@@ -136,6 +137,7 @@ profile:
   EXPECT_EQ(c->limits.max_lease_ms, 2000u);
   EXPECT_EQ(c->limits.max_layers, 80u);
   EXPECT_EQ(c->limits.max_head_dim, 128u);
+  EXPECT_EQ(c->limits.session_idle_ttl_s, 3600u);
   EXPECT_EQ(c->profile.rank, 96u);
   EXPECT_EQ(c->profile.chunk_size, 16u);
   EXPECT_EQ(c->profile.sparse_budget, 128u);
@@ -156,6 +158,7 @@ profile:
   auto d = LoadConfigFile(empty.path());
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_EQ(d->listen, ServerConfig().listen);
+  EXPECT_EQ(d->limits.session_idle_ttl_s, 0u);  // never: nothing expires unless asked
   EXPECT_TRUE(ValidateConfig(*d).ok());
 }
 

@@ -32,6 +32,9 @@ struct LimitsConfig {
   uint32_t max_lease_ms = 600000;
   uint32_t max_layers = 256;
   uint32_t max_head_dim = 256;
+  // Sessions no call has touched for this long and with no live attachment are closed by
+  // the engine's maintenance (durable ones with their record); 0 = never.
+  uint32_t session_idle_ttl_s = 0;
 };
 
 // Server-side defaults for every Profile field a request leaves at zero.

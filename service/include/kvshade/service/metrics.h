@@ -44,6 +44,7 @@ class Metrics {
   void PageIn(uint64_t bytes);
   void Eviction();
   void IngestedTokens(uint64_t n);
+  void SessionsExpired(uint64_t n);  // closed by idle expiry (limits.session_idle_ttl_s)
   void Error(int grpc_code);
 
  private:
@@ -71,6 +72,7 @@ class Metrics {
   prometheus::Counter* page_ins_;
   prometheus::Counter* evictions_;
   prometheus::Counter* ingested_tokens_;
+  prometheus::Counter* sessions_expired_;
   prometheus::Family<prometheus::Counter>* errors_;
 };
 

@@ -17,6 +17,10 @@
 //   a bounded piece of an id (BoundedId).
 // - Per tenant, what Stats reports (Usage): open sessions, live attachments, and counters
 //   (prefix lookups, chunks selected) that outlive the sessions and attachments.
+// - Idle tracking (limits.session_idle_ttl_s): a session is touched when it is added and by
+//   every lookup of it (FindSession: ingest, append, attach, fork, GetSession) or of one of
+//   its attachments (Use: every decode call); RemoveIdle takes out the sessions untouched
+//   for the TTL that have no live attachment and no open ingest stream.
 //
 // Concurrency: one short registry lock (absl::Mutex) for the maps; nothing slow runs under
 // it. Per-attachment work (slot tables) is serialized by Attachment::mu.
@@ -145,6 +149,22 @@ class SessionManager {
   TenantUsage Usage(const std::string& tenant) const;
   int64_t Now() const { return clock_(); }
 
+  // Unregisters and returns the sessions no call has touched for `idle_ms` that have no live
+  // attachment (expired leases are reaped first) and no open ingest stream, and that no
+  // call holds right now; the caller frees them. A session with an open ingest stream
+  // counts as touched now.
+  std::vector<std::shared_ptr<Session>> RemoveIdle(int64_t idle_ms);
+
+  // While one exists, lookups on this thread do not touch (a listing reads every session of
+  // a tenant without keeping them alive).
+  class UntouchedScope {
+   public:
+    UntouchedScope();
+    ~UntouchedScope();
+    UntouchedScope(const UntouchedScope&) = delete;
+    UntouchedScope& operator=(const UntouchedScope&) = delete;
+  };
+
  private:
   absl::Status ExpiredOrMissing(const std::string& attachment_id) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -153,6 +173,8 @@ class SessionManager {
   void RemoveAttachmentLocked(const std::shared_ptr<Attachment>& a, bool expired)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records a call on session `id` now (unless an UntouchedScope is active).
+  void TouchLocked(const std::string& id) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   LimitsConfig limits_;
   Clock clock_;
@@ -166,6 +188,10 @@ class SessionManager {
       ABSL_GUARDED_BY(mu_);
   std::deque<std::string> tombstone_order_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<TenantCounters>> counters_
+      ABSL_GUARDED_BY(mu_);
+  // Session id -> when a call last touched it (ms). The map changes under the exclusive
+  // lock; the times are atomics so that lookups under the shared lock can set them.
+  absl::flat_hash_map<std::string, std::unique_ptr<std::atomic<int64_t>>> touched_ms_
       ABSL_GUARDED_BY(mu_);
 };
 
