@@ -5,24 +5,37 @@
 #include "kvshade/service/metrics.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
+#include <fstream>
 #include <set>
+#include <sstream>
 
 #include <grpcpp/support/status.h>
 #include <prometheus/text_serializer.h>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 namespace kvshade::service {
 namespace {
+
+const std::set<std::string, std::less<>>& KnownTiers() {
+  static const auto* s = new std::set<std::string, std::less<>>{"device", "host", "spill"};
+  return *s;
+}
 
 // 25 us .. ~13 s, x2 per bucket: covers a cached select (tens of us) to a long ingest.
 prometheus::Histogram::BucketBoundaries LatencyBuckets() {
@@ -91,6 +104,18 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                      .Name("kvshade_tier_bytes")
                      .Help("Bytes held per storage tier (device|host|spill) and kind of data")
                      .Register(r);
+  tier_budget_ = &BuildGauge()
+                      .Name("kvshade_tier_budget_bytes")
+                      .Help("Configured budget per storage tier (device|host|spill); +Inf: unbounded, "
+                            "0: no such tier")
+                      .Register(r);
+  build_info_ = &BuildGauge()
+                     .Name("kvshade_build_info")
+                     .Help("Always 1; the labels say which build is running and on which backend")
+                     .Register(r);
+  for (const std::string& tier : KnownTiers()) {
+    tier_bytes_->Add({{"tier", tier}, {"kind", "total"}}).Set(0);
+  }
   sessions_ = &BuildGauge().Name("kvshade_sessions").Help("Open sessions").Register(r).Add({});
   attachments_ = &BuildGauge()
                       .Name("kvshade_attachments")
@@ -188,11 +213,34 @@ void Metrics::ObserveStage(std::string_view stage, double seconds) {
 }
 
 void Metrics::SetTierBytes(std::string_view tier, std::string_view kind, double bytes) {
-  static const std::set<std::string, std::less<>> kTiers = {"device", "host", "spill"};
   // a = token coordinates A, b = per-head basis B (ALGORITHM.md), as storage names them.
   static const std::set<std::string, std::less<>> kKinds = {
-      "a", "b", "landmarks", "static", "heavy", "tail", "slots", "values", "other", "total"};
-  tier_bytes_->Add({{"tier", Bounded(tier, kTiers)}, {"kind", Bounded(kind, kKinds)}}).Set(bytes);
+      "a", "b", "landmarks", "static", "heavy", "tail", "slots", "values", "other"};
+  if (kind == "total") return;  // kept below
+  const std::string t = Bounded(tier, KnownTiers());
+  const std::string k = Bounded(kind, kKinds);
+  std::lock_guard<std::mutex> lock(tier_mu_);
+  tier_kinds_[{t, k}] = bytes;
+  double total = 0;
+  for (auto it = tier_kinds_.lower_bound({t, ""}); it != tier_kinds_.end() && it->first.first == t; ++it) {
+    total += it->second;
+  }
+  tier_bytes_->Add({{"tier", t}, {"kind", k}}).Set(bytes);
+  tier_bytes_->Add({{"tier", t}, {"kind", "total"}}).Set(total);
+}
+
+void Metrics::SetTierBudget(std::string_view tier, double bytes) {
+  tier_budget_->Add({{"tier", Bounded(tier, KnownTiers())}}).Set(bytes);
+}
+
+void Metrics::SetBuildInfo(std::string_view version, std::string_view commit,
+                           std::string_view backend) {
+  std::lock_guard<std::mutex> lock(build_info_mu_);
+  if (build_info_series_ != nullptr) build_info_->Remove(build_info_series_);
+  build_info_series_ = &build_info_->Add({{"version", std::string(version)},
+                                          {"commit", std::string(commit)},
+                                          {"backend", std::string(backend)}});
+  build_info_series_->Set(1);
 }
 
 void Metrics::SetSessions(double n) { sessions_->Set(n); }
@@ -231,6 +279,88 @@ void Metrics::IngestedTokens(uint64_t n) { ingested_tokens_->Increment(static_ca
 void Metrics::SessionsExpired(uint64_t n) { sessions_expired_->Increment(static_cast<double>(n)); }
 void Metrics::Error(int grpc_code) {
   errors_->Add({{"code", std::string(GrpcCodeName(grpc_code))}}).Increment();
+}
+
+// --- Process metrics ------------------------------------------------------------------------
+
+namespace {
+
+prometheus::MetricFamily OneValue(const char* name, const char* help, prometheus::MetricType type,
+                                  double value) {
+  prometheus::MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = type;
+  prometheus::ClientMetric m;
+  if (type == prometheus::MetricType::Counter) {
+    m.counter.value = value;
+  } else {
+    m.gauge.value = value;
+  }
+  f.metric.push_back(std::move(m));
+  return f;
+}
+
+std::string ReadProcFile(const char* path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+std::vector<prometheus::MetricFamily> ProcessCollector::Collect() const {
+  using prometheus::MetricType;
+  std::vector<prometheus::MetricFamily> out;
+  const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
+  const double page = static_cast<double>(sysconf(_SC_PAGESIZE));
+  // /proc/self/stat: "pid (comm) state ..."; comm may hold spaces and parentheses, so the
+  // fields are counted from the last ')'. After it: [0] = field 3 (state), [11] utime,
+  // [12] stime, [19] starttime (ticks since boot), [20] vsize (bytes), [21] rss (pages).
+  const std::string stat = ReadProcFile("/proc/self/stat");
+  const size_t paren = stat.rfind(')');
+  if (paren != std::string::npos && ticks > 0) {
+    const std::vector<absl::string_view> f =
+        absl::StrSplit(absl::string_view(stat).substr(paren + 1), ' ', absl::SkipEmpty());
+    uint64_t utime = 0, stime = 0, start = 0, vsize = 0, rss = 0;
+    if (f.size() > 21 && absl::SimpleAtoi(f[11], &utime) && absl::SimpleAtoi(f[12], &stime) &&
+        absl::SimpleAtoi(f[19], &start) && absl::SimpleAtoi(f[20], &vsize) &&
+        absl::SimpleAtoi(f[21], &rss)) {
+      out.push_back(OneValue("process_cpu_seconds_total", "Total user and system CPU time spent in seconds",
+                             MetricType::Counter, static_cast<double>(utime + stime) / ticks));
+      out.push_back(OneValue("process_resident_memory_bytes", "Resident memory size in bytes",
+                             MetricType::Gauge, static_cast<double>(rss) * page));
+      out.push_back(OneValue("process_virtual_memory_bytes", "Virtual memory size in bytes",
+                             MetricType::Gauge, static_cast<double>(vsize)));
+      // The boot time (btime in /proc/stat, seconds since the epoch) plus the start tick.
+      for (absl::string_view line : absl::StrSplit(ReadProcFile("/proc/stat"), '\n')) {
+        uint64_t btime = 0;
+        if (absl::ConsumePrefix(&line, "btime ") && absl::SimpleAtoi(line, &btime)) {
+          out.push_back(OneValue("process_start_time_seconds",
+                                 "Start time of the process since unix epoch in seconds", MetricType::Gauge,
+                                 static_cast<double>(btime) + static_cast<double>(start) / ticks));
+          break;
+        }
+      }
+    }
+  }
+  if (DIR* d = opendir("/proc/self/fd"); d != nullptr) {
+    double n = 0;
+    const int own = dirfd(d);
+    while (const dirent* e = readdir(d)) {
+      int fd = -1;
+      if (absl::SimpleAtoi(e->d_name, &fd) && fd != own) ++n;  // not ".", "..", nor our own
+    }
+    closedir(d);
+    out.push_back(OneValue("process_open_fds", "Number of open file descriptors", MetricType::Gauge, n));
+  }
+  rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+    out.push_back(OneValue("process_max_fds", "Maximum number of open file descriptors", MetricType::Gauge,
+                           rl.rlim_cur == RLIM_INFINITY ? HUGE_VAL : static_cast<double>(rl.rlim_cur)));
+  }
+  return out;
 }
 
 // --- /metrics over HTTP -------------------------------------------------------------------
@@ -331,7 +461,9 @@ void MetricsEndpoint::HandleConnection(int fd) {
     path = path.substr(0, path.find(' '));
     path = path.substr(0, path.find('?'));
     if (path == "/metrics") {
-      body = prometheus::TextSerializer().Serialize(registry_->Collect());
+      std::vector<prometheus::MetricFamily> families = registry_->Collect();
+      for (auto& f : process_.Collect()) families.push_back(std::move(f));
+      body = prometheus::TextSerializer().Serialize(families);
     } else if (path == "/") {
       type = "text/plain; charset=utf-8";
       body = "kvshade-server: metrics at /metrics\n";

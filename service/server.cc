@@ -5,6 +5,7 @@
 
 #include <signal.h>
 
+#include <cmath>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -19,6 +20,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvshade/service/grpc_service.h"
 #include "kvshade/service/ucx_server.h"
+#include "kvshade/version.h"
 
 namespace kvshade::service {
 namespace {
@@ -138,6 +140,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   health->SetServingStatus(true);
   health->SetServingStatus(kServiceName, true);
 
+  // What an operator reads first on /metrics: the build, and each tier's budget (the spill
+  // tier: +Inf without spill_budget, 0 without spill_path).
+  s->metrics_->SetBuildInfo(KVSHADE_VERSION, KVSHADE_GIT_COMMIT, s->backend_->name());
+  s->metrics_->SetTierBudget("device", static_cast<double>(config.device_budget_bytes));
+  s->metrics_->SetTierBudget("host", static_cast<double>(config.host_budget_bytes));
+  s->metrics_->SetTierBudget("spill", config.spill_path.empty()          ? 0.0
+                                      : config.spill_budget_bytes == 0 ? HUGE_VAL
+                                                                       : static_cast<double>(config.spill_budget_bytes));
   if (config.metrics_port != 0) {
     auto endpoint = MetricsEndpoint::Start(config.metrics_listen, config.metrics_port,
                                            s->metrics_->registry());

@@ -4,14 +4,17 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
-#include <sys/stat.h>
-
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "kvshade/service/auth.h"
@@ -416,6 +419,91 @@ TEST(Metrics, FamiliesLabelsAndEndpoint) {
   EXPECT_LE(methods.size(), 49u);
   EXPECT_EQ(get("/nope").rfind("HTTP/1.1 404", 0), 0u);
   endpoint->reset();  // stops cleanly
+}
+
+// The value of the one sample line that starts with `series` + " " in a scrape, or -1.
+double SampleValue(const std::string& body, const std::string& series) {
+  const std::string key = "\n" + series + " ";
+  const size_t p = body.find(key);
+  if (p == std::string::npos) return -1;
+  const size_t start = p + key.size();
+  const std::string text = body.substr(start, body.find('\n', start) - start);
+  if (text == "+Inf") return HUGE_VAL;
+  return std::strtod(text.c_str(), nullptr);
+}
+
+TEST(Metrics, BuildInfoBudgetsTierTotalsAndProcessMetrics) {
+  Metrics m;
+  m.SetBuildInfo("1.2.3", "abcdef012345", "cpu");
+  m.SetTierBudget("device", 8ull << 30);
+  m.SetTierBudget("host", 32ull << 30);
+  m.SetTierBudget("spill", HUGE_VAL);  // a spill tier without a budget
+  m.SetTierBytes("device", "landmarks", 1024);
+  m.SetTierBytes("device", "a", 100);
+  m.SetTierBytes("device", "a", 200);  // a gauge: the total follows the latest value
+  m.SetTierBytes("host", "values", 4096);
+  m.SessionsExpired(2);
+  auto endpoint = MetricsEndpoint::Start("127.0.0.1", 0, m.registry());
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  const int port = (*endpoint)->port();
+  auto scrape = [port] {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    std::string out;
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+      const std::string req = "GET /metrics HTTP/1.0\r\n\r\n";
+      (void)!send(fd, req.data(), req.size(), 0);
+      char buf[4096];
+      ssize_t r;
+      while ((r = recv(fd, buf, sizeof(buf), 0)) > 0) out.append(buf, static_cast<size_t>(r));
+    }
+    close(fd);
+    return out;
+  };
+  const std::string body = scrape();
+  EXPECT_EQ(SampleValue(body, "kvshade_build_info{backend=\"cpu\",commit=\"abcdef012345\",version=\"1.2.3\"}"), 1)
+      << body;
+  EXPECT_EQ(SampleValue(body, "kvshade_tier_budget_bytes{tier=\"device\"}"), double(8ull << 30)) << body;
+  EXPECT_EQ(SampleValue(body, "kvshade_tier_budget_bytes{tier=\"host\"}"), double(32ull << 30)) << body;
+  EXPECT_EQ(SampleValue(body, "kvshade_tier_budget_bytes{tier=\"spill\"}"), HUGE_VAL) << body;
+  // kind="total": the sum of the tier's kinds, on every tier (0 where nothing is held).
+  EXPECT_EQ(SampleValue(body, "kvshade_tier_bytes{kind=\"total\",tier=\"device\"}"), 1224) << body;
+  EXPECT_EQ(SampleValue(body, "kvshade_tier_bytes{kind=\"total\",tier=\"host\"}"), 4096) << body;
+  EXPECT_EQ(SampleValue(body, "kvshade_tier_bytes{kind=\"total\",tier=\"spill\"}"), 0) << body;
+  EXPECT_EQ(SampleValue(body, "kvshade_sessions_expired_total"), 2) << body;
+
+  // Process metrics, from /proc/self at the scrape.
+  for (const char* type : {"# TYPE process_resident_memory_bytes gauge", "# TYPE process_cpu_seconds_total counter",
+                           "# TYPE process_open_fds gauge", "# TYPE process_max_fds gauge",
+                           "# TYPE process_start_time_seconds gauge", "# TYPE process_virtual_memory_bytes gauge"}) {
+    EXPECT_NE(body.find(type), std::string::npos) << "missing: " << type;
+  }
+  const double rss = SampleValue(body, "process_resident_memory_bytes");
+  EXPECT_GT(rss, 1e6);
+  EXPECT_LT(rss, 64e9);
+  EXPECT_GE(SampleValue(body, "process_cpu_seconds_total"), 0);
+  const double start = SampleValue(body, "process_start_time_seconds");
+  const double now = static_cast<double>(time(nullptr));
+  EXPECT_GT(start, now - 3600);
+  EXPECT_LE(start, now + 2);
+  // Open descriptors are counted at each scrape: ten more files open, ten more counted.
+  const double fds = SampleValue(body, "process_open_fds");
+  EXPECT_GT(fds, 3);
+  EXPECT_LE(fds, SampleValue(body, "process_max_fds"));
+  std::vector<int> extra;
+  for (int i = 0; i < 10; ++i) extra.push_back(dup(0));
+  EXPECT_EQ(SampleValue(scrape(), "process_open_fds"), fds + 10);
+  for (int fd : extra) close(fd);
+  // CPU time is read at each scrape too.
+  const double cpu0 = SampleValue(body, "process_cpu_seconds_total");
+  volatile double sink = 0;
+  const std::clock_t busy_until = std::clock() + CLOCKS_PER_SEC / 20;  // 50 ms of CPU
+  while (std::clock() < busy_until) sink = sink + 1.0;
+  EXPECT_GT(SampleValue(scrape(), "process_cpu_seconds_total"), cpu0);
+  endpoint->reset();
 }
 
 }  // namespace

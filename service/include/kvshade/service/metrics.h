@@ -4,11 +4,15 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
 #include <thread>
+#include <vector>
 
+#include <prometheus/collectable.h>
 #include <prometheus/counter.h>
 #include <prometheus/family.h>
 #include <prometheus/gauge.h>
@@ -31,7 +35,14 @@ class Metrics {
   // stages: ingest_rope, ingest_factorize, ingest_project, ingest_landmarks, ingest_values,
   // select, reconstruct, attend, append, spill, page_in
   void ObserveStage(std::string_view stage, double seconds);
-  void SetTierBytes(std::string_view tier, std::string_view kind, double bytes);  // tier: device|host|spill
+  // tier: device|host|spill. kind="total" of a tier is kept here, the sum of its other
+  // kinds (a call with kind "total" is ignored); every tier has one from the start (0).
+  void SetTierBytes(std::string_view tier, std::string_view kind, double bytes);
+  // The configured budget of a tier (+Inf: unbounded; 0: no such tier).
+  void SetTierBudget(std::string_view tier, double bytes);
+  // kvshade_build_info{version,commit,backend} 1 (set once at start-up; a later call
+  // replaces the series).
+  void SetBuildInfo(std::string_view version, std::string_view commit, std::string_view backend);
   void SetSessions(double n);
   void SetAttachments(double n);
   void SetExportGenerations(double n);  // same-node export generations held
@@ -55,6 +66,12 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* rpc_total_;
   prometheus::Family<prometheus::Histogram>* stage_seconds_;
   prometheus::Family<prometheus::Gauge>* tier_bytes_;
+  prometheus::Family<prometheus::Gauge>* tier_budget_;
+  prometheus::Family<prometheus::Gauge>* build_info_;
+  std::mutex tier_mu_;
+  std::map<std::pair<std::string, std::string>, double> tier_kinds_;  // (tier, kind) -> bytes
+  std::mutex build_info_mu_;
+  prometheus::Gauge* build_info_series_ = nullptr;
   prometheus::Gauge* sessions_;
   prometheus::Gauge* attachments_;
   prometheus::Gauge* export_generations_;
@@ -76,8 +93,17 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* errors_;
 };
 
-// Serves the registry in the Prometheus text format on GET /metrics (HTTP/1.0 and 1.1,
-// one request per connection). Our own ~100 lines instead of prometheus::Exposer:
+// The standard process metrics of this process, read from /proc/self when collected (on
+// each scrape): process_resident_memory_bytes, process_virtual_memory_bytes,
+// process_cpu_seconds_total, process_open_fds, process_max_fds, process_start_time_seconds.
+// A figure that cannot be read is left out of that scrape.
+class ProcessCollector : public prometheus::Collectable {
+ public:
+  std::vector<prometheus::MetricFamily> Collect() const override;
+};
+
+// Serves the registry, and the process metrics (ProcessCollector), in the Prometheus text
+// format on GET /metrics (HTTP/1.0 and 1.1, one request per connection). Our own ~100 lines instead of prometheus::Exposer:
 // Debian's civetweb runs handlers on 100 KiB thread stacks, and in this process (which
 // loads libquadmath through OpenBLAS/LAPACKE, registering printf hooks that send glibc's
 // printf down its stack-hungry positional path) every scrape overflowed that stack and
@@ -97,6 +123,7 @@ class MetricsEndpoint {
   void Serve();
   void HandleConnection(int fd);
   std::shared_ptr<prometheus::Registry> registry_;
+  ProcessCollector process_;
   int listen_fd_ = -1;
   int wake_fd_ = -1;  // eventfd: wakes the poll() at shutdown
   int port_ = 0;
