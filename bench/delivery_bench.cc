@@ -40,7 +40,7 @@ struct Options {
   int layers = 1, kv_heads = 8, q_heads = 32, head_dim = 128, rank = 160, budget = 256;
   std::vector<int> batches = {1, 8, 24};
   int reps = 30;
-  double copy_gbps = 4230;  // H200 device-to-device, bytes read + written (../shared/GPU.md)
+  double copy_gbps = 4230;  // H200 device-to-device, bytes read + written (measured; bench/RESULTS.md)
 };
 
 double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }

@@ -394,7 +394,7 @@ void RunAll(Backend& be, const Options& opt, const Preset& p) {
     }, "full bf16 KV resident (items share one cache)");
   }
 
-  // Memory: GPU bytes per token per layer (ALGORITHM.md T6) for this shape.
+  // Memory: GPU bytes per token per layer (docs/ALGORITHM.md T6) for this shape.
   const double shadow = 2.0 * r + 2.0 * D / C, full = 4.0 * D;
   std::printf("# GPU bytes/token/layer: shadow %.0f (2r + 2D/C, plus the static set) vs full "
               "bf16 K+V %.0f: %.2fx smaller\n", shadow, full, full / shadow);

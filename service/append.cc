@@ -335,7 +335,7 @@ absl::Status WriteChunks(EngineImpl& e, const Session& s, LayerData& ld, const M
 }  // namespace
 
 // Moves the oldest whole chunks out of a shadow session's exact tail while it holds more
-// than local_window + C tokens (ALGORITHM.md: it never holds more). All layers or none:
+// than local_window + C tokens (docs/ALGORITHM.md: it never holds more). All layers or none:
 // on an error the session is as it was (an open segment may have been created, empty).
 // The caller holds s.mu exclusively; Session::tokens counts the tail's tokens.
 absl::Status TrimShadowTail(EngineImpl& e, Session& s) {

@@ -22,7 +22,7 @@
 // chunks (kA holds every token's; a segment without chunks written by a version that did
 // not keep them has none, and its remainder then stays exact). Formats are unchanged.
 //
-// Refactorization (ALGORITHM.md "later turns"): when a suffix's projection residual
+// Refactorization (docs/ALGORITHM.md "later turns"): when a suffix's projection residual
 // exceeds refactor_threshold, a background job refits the layer's basis on the whole
 // session's keys (the prefix's A B reconstruction and the suffix's exact keys), recomputes
 // A for every segment, and swaps new segment objects (sharing everything but A and B with

@@ -1,4 +1,4 @@
-// The ingest pipeline (ALGORITHM.md, per profile): one Ingest stream receives a session's
+// The ingest pipeline (docs/ALGORITHM.md, per profile): one Ingest stream receives a session's
 // prompt K/V (after the reused prefix) layer by layer, compresses each layer as soon as it
 // is complete, and commits a new immutable segment at the end.
 //
@@ -79,7 +79,7 @@ class ArenaAllocator final : public kernels::Allocator {
   EngineImpl& engine_;
 };
 
-// Heavy-chunk counts per layer: the pyramid (ALGORITHM.md) scaled to a mean of `mean`.
+// Heavy-chunk counts per layer: the pyramid (docs/ALGORITHM.md) scaled to a mean of `mean`.
 std::vector<int> HeavyPerLayer(int layers, int mean) {
   std::vector<int> out(layers, 0);
   if (mean <= 0) return out;

@@ -1,4 +1,4 @@
-// Codec names, layout sizes and the reference KIVI group quantizer (ALGORITHM.md,
+// Codec names, layout sizes and the reference KIVI group quantizer (docs/ALGORITHM.md,
 // "INT2 / INT4 codec"). Every backend's quantizer reproduces KiviQuantizeGroupReference
 // code for code; its arithmetic, in order:
 //   mn_h    = fp16(min(x))                       (round to nearest even)

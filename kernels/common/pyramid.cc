@@ -1,4 +1,4 @@
-// MiniKV's pyramid layer budgets (ALGORITHM.md "Pyramid budget"): layer 0 gets
+// MiniKV's pyramid layer budgets (docs/ALGORITHM.md "Pyramid budget"): layer 0 gets
 // 2x - x/delta, layer m-1 gets x/delta, linear in between, so the mean over layers is x.
 #include <cmath>
 #include <vector>

@@ -1,4 +1,4 @@
-// CompressShadowLayer: ALGORITHM.md "Prefill / ingest" steps 1-7 for one layer of one
+// CompressShadowLayer: docs/ALGORITHM.md "Prefill / ingest" steps 1-7 for one layer of one
 // segment, composed from Backend ops (layouts in shadow_layer.h).
 //
 // Order of work: positions; Factorize(K_pre) -> A, B; Kr = RoPE(K_pre); BuildLandmarks(Kr)

@@ -1,4 +1,4 @@
-// CPU BuildLandmarks (ALGORITHM.md, shadow steps 4-5): per chunk j and head hh of post-RoPE
+// CPU BuildLandmarks (docs/ALGORITHM.md, shadow steps 4-5): per chunk j and head hh of post-RoPE
 // keys kr [n, h, d] bf16,
 //   mean      = fp32 sum of the chunk's C keys in token order, divided by C (fp32)
 //   landmarks [j, hh, :] = mean rounded once to bf16

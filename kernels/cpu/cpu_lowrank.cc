@@ -1,4 +1,4 @@
-// CPU low-rank key factorization (ALGORITHM.md, shadow step 1) and projection onto an
+// CPU low-rank key factorization (docs/ALGORITHM.md, shadow step 1) and projection onto an
 // existing basis (later turns / generated tokens).
 //
 // Factorize, for pre-RoPE keys K [n, D] bf16 (D = h*d, one basis per layer):

@@ -1,4 +1,4 @@
-// CPU ObservationMass and ChunkSum (ALGORITHM.md, shadow step 6 / MiniKV heavy hitters).
+// CPU ObservationMass and ChunkSum (docs/ALGORITHM.md, shadow step 6 / MiniKV heavy hitters).
 //
 // ObservationMass: for observation queries qobs [w, h*g, d] bf16 at q_positions [w] and
 // keys kr [n, h, d] bf16 at k_positions [n] (both post-RoPE), query head qh reads KV head

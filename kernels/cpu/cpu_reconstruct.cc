@@ -1,4 +1,4 @@
-// CPU Reconstruct (ALGORITHM.md decode step 4): for every miss of every head, the chunk's
+// CPU Reconstruct (docs/ALGORITHM.md decode step 4): for every miss of every head, the chunk's
 // keys from the low-rank factors and its values from the host store, fused.
 //   keys  : k_hat[t] = sum_i A[local*C + t, i] * B[hh, i, :]   (fp32, i ascending), then
 //           ApplyRopeReference at first_position + local*C + t, rounded once to bf16

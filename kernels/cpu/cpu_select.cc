@@ -1,4 +1,4 @@
-// CPU Select (ALGORITHM.md decode steps 1-3): landmark scores, GQA max, top-k per KV head
+// CPU Select (docs/ALGORITHM.md decode steps 1-3): landmark scores, GQA max, top-k per KV head
 // and the temporal-cache slot diff, per session item.
 //
 // Per (item, KV head hh), with scale = 1/sqrtf(d) and chunk ids global across the view's

@@ -41,7 +41,7 @@ __device__ __forceinline__ void StoreU16(uint8_t* p, uint16_t v) {
   p[1] = uint8_t(v >> 8);
 }
 
-// One KIVI group of G values x[i*stride] (ALGORITHM.md; KiviQuantizeGroupReference):
+// One KIVI group of G values x[i*stride] (docs/ALGORITHM.md; KiviQuantizeGroupReference):
 // words[G*bits/32] packed least significant first, scale and mn as fp16 bits.
 __device__ void QuantizeGroup(const __nv_bfloat16* __restrict__ x, long long stride, int G,
                               int bits, uint8_t* words, uint16_t* scale_bits, uint16_t* mn_bits) {

@@ -1,4 +1,4 @@
-// BuildLandmarks on the CUDA backend (ALGORITHM.md, shadow steps 4-5), with the CPU
+// BuildLandmarks on the CUDA backend (docs/ALGORITHM.md, shadow steps 4-5), with the CPU
 // backend's arithmetic (cpu_landmarks.cc):
 //   mean      = fp32 sum of the chunk's C keys in token order, divided by C (fp32)
 //   landmarks [j, hh, :] = mean rounded once to bf16

@@ -1,4 +1,4 @@
-// Low-rank keys on the CUDA backend (ALGORITHM.md, shadow ingest step 1): Factorize and
+// Low-rank keys on the CUDA backend (docs/ALGORITHM.md, shadow ingest step 1): Factorize and
 // ProjectKeys.
 //
 // Factorize(K [n, D] bf16):

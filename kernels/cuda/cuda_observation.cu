@@ -1,4 +1,4 @@
-// ObservationMass and ChunkSum on the CUDA backend (ALGORITHM.md shadow step 6, MiniKV
+// ObservationMass and ChunkSum on the CUDA backend (docs/ALGORITHM.md shadow step 6, MiniKV
 // heavy hitters), following the CPU backend's definition (cpu_observation.cc):
 //   logit(t, qh, j) = (q[t, qh] . k[j, qh/g]) / sqrt(d)       visible: kpos[j] <= qpos[t]
 //   p = exp(logit - row max) / row sum (exp fp32, sums double)

@@ -1,4 +1,4 @@
-// CUDA Reconstruct (ALGORITHM.md decode step 4) for a batch of session items: for every
+// CUDA Reconstruct (docs/ALGORITHM.md decode step 4) for a batch of session items: for every
 // miss of every KV head, the chunk's keys from the low-rank factors and its values from the
 // host-visible store, in ONE kernel whose blocks split into two independent roles so that
 // key math (HBM + tensor cores) and value reads (PCIe) overlap:

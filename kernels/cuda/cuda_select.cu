@@ -1,4 +1,4 @@
-// CUDA Select (ALGORITHM.md decode steps 1-3) for a batch of session items: landmark
+// CUDA Select (docs/ALGORITHM.md decode steps 1-3) for a batch of session items: landmark
 // scores, per-query-head softmax over the selectable chunks, GQA max, top-k per KV head
 // and the temporal-cache slot diff, all on the device, with no host synchronization.
 //
@@ -17,7 +17,7 @@
 //      the k-th largest key by a 4-pass 8-bit radix select, gathers the winners in chunk
 //      order (ties at the threshold key go to the lowest chunk ids), sorts them by
 //      (score desc, id asc) for `selected`, and does the slot diff with a sort of the slot
-//      table and binary searches (ALGORITHM.md T3; duplicate slot entries: first one hits).
+//      table and binary searches (docs/ALGORITHM.md T3; duplicate slot entries: first one hits).
 // Arithmetic follows the CPU reference (cpu_select.cc): logit = dot * (1/sqrtf(d)), a NaN
 // logit ranks as -inf, ranking by p = exp(x - max) / sum with NaN p last and underflowed
 // p = 0 tied (ids break ties). The GPU ranks by log p = x - (max + log sum), which orders

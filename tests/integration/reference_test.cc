@@ -6,7 +6,7 @@
 //   - the reconstructed keys at full rank (r = h*d) against the exact post-RoPE keys, and
 //     the values bit for bit (bf16 codec);
 //   - Attend with a budget covering every chunk against exact attention over all tokens
-//     (ALGORITHM.md T1: relative error < 1e-2).
+//     (docs/ALGORITHM.md T1: relative error < 1e-2).
 #include <algorithm>
 #include <cmath>
 #include <map>

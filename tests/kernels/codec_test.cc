@@ -1,4 +1,4 @@
-// Value and KIVI codecs: the ALGORITHM.md T4 vectors, byte layouts of codec.h, round trips
+// Value and KIVI codecs: the docs/ALGORITHM.md T4 vectors, byte layouts of codec.h, round trips
 // of every codec on random data with per-element error bounds, constant and zero-range
 // groups, both KIVI axes, and rejection of bad layouts and sizes.
 #include <algorithm>

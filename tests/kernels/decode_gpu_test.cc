@@ -470,7 +470,7 @@ void SelectParity(int batch) {
 TEST(DecodeGpuTest, SelectBatch1) { SelectParity(1); }
 TEST(DecodeGpuTest, SelectBatch8) { SelectParity(8); }
 
-// ALGORITHM.md T3 on the GPU: slots [10, 20, 30, 40], top-k {40, 5, 20, 7}; then an
+// docs/ALGORITHM.md T3 on the GPU: slots [10, 20, 30, 40], top-k {40, 5, 20, 7}; then an
 // all-hit step; and a head with fewer selectable chunks than k.
 TEST(DecodeGpuTest, SelectT3OnGpu) {
   KVSHADE_CUDA_OR_SKIP(gpu);

@@ -1,4 +1,4 @@
-// BuildLandmarks (ALGORITHM.md shadow steps 4-5) on the CPU backend: fp32 chunk means
+// BuildLandmarks (docs/ALGORITHM.md shadow steps 4-5) on the CPU backend: fp32 chunk means
 // rounded once to bf16, min cosines against a double-precision loop, the zero-vector
 // conventions, channel/token tiling, and argument checks.
 #include <algorithm>

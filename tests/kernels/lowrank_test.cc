@@ -1,4 +1,4 @@
-// Low-rank keys (ALGORITHM.md shadow step 1, T2): Factorize and ProjectKeys on the CPU
+// Low-rank keys (docs/ALGORITHM.md shadow step 1, T2): Factorize and ProjectKeys on the CPU
 // backend. Exact-rank reconstruction with bf16 storage, optimality against the
 // Eckart-Young bound, orthonormal basis, adaptive rank, the eigenvector sign convention,
 // projection residuals, determinism and argument checks.

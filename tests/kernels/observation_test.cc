@@ -1,4 +1,4 @@
-// ObservationMass and ChunkSum (ALGORITHM.md shadow step 6) on the CPU backend, against a
+// ObservationMass and ChunkSum (docs/ALGORITHM.md shadow step 6) on the CPU backend, against a
 // naive double-precision loop: causal masking by absolute positions, GQA grouping (query
 // head qh reads KV head qh / g), rows that see no key, and argument checks.
 #include <cmath>

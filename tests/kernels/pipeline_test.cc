@@ -1,6 +1,6 @@
 // End-to-end shadow pipeline on the CPU backend: CompressShadowLayer, then per decode step
 // Select -> Reconstruct -> scatter misses into slot buffers -> Attend over
-// [static set; slots; tail]. ALGORITHM.md T1 (exactness, slot-order invariance), T7
+// [static set; slots; tail]. docs/ALGORITHM.md T1 (exactness, slot-order invariance), T7
 // (needle), T8 (determinism); plus the static set, heavy chunks and argument checks of
 // the composite.
 #include <algorithm>

@@ -1,4 +1,4 @@
-// Reconstruct (ALGORITHM.md decode step 4): keys equal a naive A.B + RoPE at the true
+// Reconstruct (docs/ALGORITHM.md decode step 4): keys equal a naive A.B + RoPE at the true
 // absolute positions, values equal DecodeValueChunks of the same stored chunks, for every
 // codec, with padded value strides and several segments; rows past miss_count stay
 // untouched; bad miss ids and strides are rejected. Slot-addressed output (miss_slot): the

@@ -1,4 +1,4 @@
-// Select (ALGORITHM.md decode steps 1-3): the T3 temporal-cache vector, all-hit steps,
+// Select (docs/ALGORITHM.md decode steps 1-3): the T3 temporal-cache vector, all-hit steps,
 // deterministic ties, excluded chunks, multi-segment chunk ids, -1 padding, argument
 // checks, and the GQA-max scoring against a naive double-precision computation.
 #include <algorithm>

@@ -2,7 +2,7 @@
 
 A Llama-style model calls, per layer and decode step, ``cache.attend(layer, q, k, v)`` in
 place of "append k, v to my dense cache and attend over it". The hook keeps what the
-worker side of ShadowKV keeps (ALGORITHM.md, "Decode"): per layer the static set and exact
+worker side of ShadowKV keeps (docs/ALGORITHM.md, "Decode"): per layer the static set and exact
 tail from GetStaticSet, the slot buffers that SelectAndReconstruct deltas fill in (only
 misses move), and the tokens generated since the prompt (exact, local). Attention is
 computed here in float32 over static set + slots + tail + local tokens.

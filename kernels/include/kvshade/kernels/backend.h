@@ -1,4 +1,4 @@
-// The kernel backend interface: every compression and decode operation of ALGORITHM.md,
+// The kernel backend interface: every compression and decode operation of docs/ALGORITHM.md,
 // implemented once per backend (CPU reference in kernels/cpu, CUDA in kernels/cuda).
 //
 // Contract

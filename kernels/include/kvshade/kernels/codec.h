@@ -1,4 +1,4 @@
-// Value and key codecs (ALGORITHM.md, "INT2 / INT4 codec"): the byte layouts every
+// Value and key codecs (docs/ALGORITHM.md, "INT2 / INT4 codec"): the byte layouts every
 // backend and the storage tiers agree on.
 //
 // Value chunks: one chunk of one head is C tokens x d channels, chunk-major. Encoded layout
@@ -64,7 +64,7 @@ struct KiviLayout {
 // dimension.
 absl::Status ValidateKiviLayout(const KiviLayout& l);
 
-// Reference quantization of one group of G floats (ALGORITHM.md): mn and scale rounded to
+// Reference quantization of one group of G floats (docs/ALGORITHM.md): mn and scale rounded to
 // fp16 first, q = round_half_to_even(clamp((x - mn)/scale, 0, 2^bits-1)), scale 0 -> q 0.
 // Writes G*bits/32 packed words. Both backends reproduce these codes exactly.
 void KiviQuantizeGroupReference(const float* x, int G, int bits, uint32_t* words, fp16* scale,

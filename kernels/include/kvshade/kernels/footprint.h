@@ -1,4 +1,4 @@
-// Memory footprint arithmetic of the `shadow` profile (ALGORITHM.md, T6), for capacity
+// Memory footprint arithmetic of the `shadow` profile (docs/ALGORITHM.md, T6), for capacity
 // planning and reporting. Host-side scalar math, no backend needed.
 //
 // Per token and per layer, with bf16 storage (2 bytes per element) and D = h*d:

@@ -1,4 +1,4 @@
-// MiniKV's pyramid layer budgets (ALGORITHM.md): for m layers, mean budget x and depth
+// MiniKV's pyramid layer budgets (docs/ALGORITHM.md): for m layers, mean budget x and depth
 // delta, layer 0 gets 2x - x/delta, layer m-1 gets x/delta, linear in between, so lower
 // layers keep more. Host-side scalar math shared by every backend.
 #pragma once

@@ -1,4 +1,4 @@
-// The `shadow` profile's ingest of one layer of one session segment (ALGORITHM.md,
+// The `shadow` profile's ingest of one layer of one session segment (docs/ALGORITHM.md,
 // "Prefill / ingest", steps 1-7), composed from Backend ops only, so that the service, the
 // tests and the benchmarks compress layers the same way on any backend. Ingest path: it
 // allocates its buffers and scratch (never use it on the decode path).
