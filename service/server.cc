@@ -1,6 +1,7 @@
 // kvshade-server's process shell: gRPC server construction (credentials, limits, health,
-// reflection), the Prometheus exposer, and graceful shutdown. The service logic itself is
-// KvShadeService (grpc_service.h); this file never looks inside a request.
+// reflection), the Prometheus exposer, graceful shutdown, and where the spill tier's
+// storage faults go (log and metrics). The service logic itself is KvShadeService
+// (grpc_service.h); this file never looks inside a request.
 #include "kvshade/service/server.h"
 
 #include <signal.h>
@@ -14,12 +15,15 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/security/server_credentials.h>
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kvshade/service/grpc_service.h"
 #include "kvshade/service/ucx_server.h"
+#include "kvshade/storage/spill_tier.h"
 #include "kvshade/version.h"
 
 namespace kvshade::service {
@@ -58,11 +62,69 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(const T
 
 constexpr char kServiceName[] = "kvshade.v1.KvShade";
 
+// The spill tier's storage faults (storage/README.md "Storage faults"; service/README.md
+// "Storage faults"): every event is counted, and logged unless it repeats within 10 s.
+// The sink holds the registry, so its counters outlive a Server that is gone.
+storage::SpillEventSink SpillEventsToLogAndMetrics(std::shared_ptr<prometheus::Registry> registry) {
+  auto& failures = prometheus::BuildCounter()
+                       .Name("kvshade_spill_write_failures_total")
+                       .Help("Spill tier writes refused by a storage fault: reason no_space (disk "
+                             "full, RESOURCE_EXHAUSTED) or io_error (UNAVAILABLE)")
+                       .Register(*registry);
+  auto& errors = prometheus::BuildCounter()
+                     .Name("kvshade_spill_background_errors_total")
+                     .Help("Errors RocksDB reported inside the spill tier (WAL, flush, compaction)")
+                     .Register(*registry);
+  auto& stopped = prometheus::BuildGauge()
+                      .Name("kvshade_spill_writes_stopped")
+                      .Help("1 while the spill tier refuses writes after a storage fault")
+                      .Register(*registry);
+  auto& damage = prometheus::BuildCounter()
+                     .Name("kvshade_spill_recovery_losses_total")
+                     .Help("Damaged records never served, by kind")
+                     .Register(*registry);
+  struct Families {
+    std::shared_ptr<prometheus::Registry> registry;
+    prometheus::Counter* no_space;
+    prometheus::Counter* io_error;
+    prometheus::Counter* background;
+    prometheus::Gauge* stopped;
+    prometheus::Counter* record;
+  };
+  auto f = std::make_shared<Families>(Families{
+      registry, &failures.Add({{"reason", "no_space"}}), &failures.Add({{"reason", "io_error"}}),
+      &errors.Add({}), &stopped.Add({}), &damage.Add({{"kind", "record"}})});
+  return [f](const storage::SpillEvent& e) {
+    using Kind = storage::SpillEvent::Kind;
+    switch (e.kind) {
+      case Kind::kWriteFailed:
+        (e.code == absl::StatusCode::kResourceExhausted ? f->no_space : f->io_error)->Increment();
+        break;
+      case Kind::kBackgroundError: f->background->Increment(); break;
+      case Kind::kWritesStopped: f->stopped->Set(1); break;
+      case Kind::kWritesResumed: f->stopped->Set(0); break;
+      case Kind::kCorruptRecord: f->record->Increment(); break;
+      case Kind::kRocksLog: break;
+    }
+    if (!e.log) return;
+    const std::string_view kind = storage::SpillEventKindName(e.kind);
+    if (e.error) {
+      spdlog::error("storage fault ({}): {}", kind, e.message);
+    } else if (e.kind == Kind::kWritesResumed) {
+      spdlog::info("storage ({}): {}", kind, e.message);
+    } else {
+      spdlog::warn("storage ({}): {}", kind, e.message);
+    }
+  };
+}
+
 }  // namespace
 
 Server::~Server() {
   absl::Status s = Shutdown(absl::Seconds(5));
   if (!s.ok()) spdlog::warn("shutdown: {}", std::string(s.message()));
+  // (The spill event sink keeps the metrics registry alive; it stays installed so that the
+  // engine's last events while it is destroyed are still logged.)
 }
 
 std::string_view Server::backend_name() const { return backend_ ? backend_->name() : ""; }
@@ -89,6 +151,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   s->backend_ = *std::move(backend);
   s->metrics_ = std::make_unique<Metrics>();
   s->auth_ = std::make_unique<Authenticator>(s->config_);
+  // Before the engine opens the spill tier. A file-size limit (RLIMIT_FSIZE) must fail a
+  // write (EFBIG), not kill the daemon.
+  storage::SetDefaultSpillEventSink(SpillEventsToLogAndMetrics(s->metrics_->registry()));
+  signal(SIGXFSZ, SIG_IGN);
 
   ServiceDeps deps;
   deps.backend = s->backend_.get();

@@ -5,6 +5,28 @@
 
 namespace kvshade::storage {
 
+DiskFaults::Result DiskFaults::Write(uint64_t bytes) {
+  if (io_error_.load()) {
+    failures_.fetch_add(1);
+    return Result::kIoError;
+  }
+  uint64_t free = free_.load();
+  while (free != kUnlimited) {
+    if (free < bytes) {
+      failures_.fetch_add(1);
+      return Result::kNoSpace;
+    }
+    if (free_.compare_exchange_weak(free, free - bytes)) break;
+  }
+  return Result::kOk;
+}
+
+DiskFaults::Result DiskFaults::Sync() {
+  if (!io_error_.load()) return Result::kOk;
+  failures_.fetch_add(1);
+  return Result::kIoError;
+}
+
 FaultInjectingSpillTier::FaultInjectingSpillTier(SpillTier& base, const FaultOptions& options)
     : base_(base), options_(options), rng_(options.seed) {}
 

@@ -7,23 +7,46 @@
 // in several batches, then the metadata record alone commits it; readers only ever reach
 // pieces through a metadata record, and pieces without one are deleted at the next open.
 // Either way no partial segment is ever visible.
+//
+// Storage faults (README.md "Storage faults"). RocksDB's own log goes to the event sink,
+// never to a file on the spill disk: its file logger re-used its writer after a failed
+// write on a full disk and aborted the process (RocksDB 7.8 asserts
+// `sync_without_flush_called_` in WritableFileWriter). A failed write stops RocksDB's
+// writes (paranoid_checks, a background error); RocksDB's own retry is off and the next
+// write calls DB::Resume() instead, at most once per resume_interval_ms. RocksDB 7.8's
+// resume re-uses the WAL writer of a failed write when every memtable is empty (fixed
+// upstream in 2024, rocksdb PR 12873), and that writer aborts on its next append: each
+// logged write is preceded by a tombstone in the memtable (no WAL), so that the resume
+// switches to a new WAL (WriteLogged). Manual flushes are never issued while an error is
+// active, so no path re-uses a writer that has failed.
+#include <sys/statvfs.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdarg>
+#include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <functional>
+#include <mutex>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "kvshade/kernels/status_macros.h"
+#include "kvshade/storage/fault_injection.h"
 #include "kvshade/storage/spill_tier.h"
 #include "record_format.h"
 #include "sync.h"
 #include "rocksdb/cache.h"
 #include "rocksdb/convenience.h"
 #include "rocksdb/db.h"
+#include "rocksdb/env.h"
+#include "rocksdb/file_system.h"
+#include "rocksdb/listener.h"
 #include "rocksdb/options.h"
 #include "rocksdb/slice.h"
 #include "rocksdb/table.h"
@@ -57,6 +80,9 @@ absl::Status FromRocks(const rocksdb::Status& s, std::string_view what, const ch
   }
 }
 #define KVSHADE_ROCKS(expr, what) FromRocks((expr), (what), __FILE__, __LINE__)
+
+// A key of the default column family that is only ever deleted (Impl::WriteLogged).
+constexpr char kWalGuardKey[] = "kvshade.wal-guard";
 
 rocksdb::CompressionType PickCompression(SpillCompression c, rocksdb::CompressionType dflt) {
   rocksdb::CompressionType want = dflt;
@@ -99,7 +125,361 @@ struct CfDeleter {
 };
 using CfHandle = std::unique_ptr<rocksdb::ColumnFamilyHandle, CfDeleter>;
 
+// RocksSpillOptions::disk_faults: RocksDB's writes go through DiskFaults, which fails them
+// like a full disk (ENOSPC) or a failing one (EIO).
+rocksdb::IOStatus FaultStatus(DiskFaults::Result r, const char* op) {
+  switch (r) {
+    case DiskFaults::Result::kOk: return rocksdb::IOStatus::OK();
+    case DiskFaults::Result::kNoSpace:
+      return rocksdb::IOStatus::NoSpace(op, "No space left on device (simulated)");
+    case DiskFaults::Result::kIoError: break;
+  }
+  return rocksdb::IOStatus::IOError(op, "Input/output error (simulated)");
+}
+
+class FaultyWritableFile final : public rocksdb::FSWritableFileOwnerWrapper {
+  static constexpr DiskFaults::Result kOk = DiskFaults::Result::kOk;
+
+ public:
+  FaultyWritableFile(std::unique_ptr<rocksdb::FSWritableFile> f, std::shared_ptr<DiskFaults> faults)
+      : FSWritableFileOwnerWrapper(std::move(f)), faults_(std::move(faults)) {}
+
+  rocksdb::IOStatus Append(const rocksdb::Slice& data, const rocksdb::IOOptions& o,
+                           rocksdb::IODebugContext* dbg) override {
+    if (auto r = faults_->Write(data.size()); r != kOk) return FaultStatus(r, "append");
+    return FSWritableFileOwnerWrapper::Append(data, o, dbg);
+  }
+  rocksdb::IOStatus Append(const rocksdb::Slice& data, const rocksdb::IOOptions& o,
+                           const rocksdb::DataVerificationInfo& v,
+                           rocksdb::IODebugContext* dbg) override {
+    if (auto r = faults_->Write(data.size()); r != kOk) return FaultStatus(r, "append");
+    return FSWritableFileOwnerWrapper::Append(data, o, v, dbg);
+  }
+  rocksdb::IOStatus PositionedAppend(const rocksdb::Slice& data, uint64_t offset,
+                                     const rocksdb::IOOptions& o,
+                                     rocksdb::IODebugContext* dbg) override {
+    if (auto r = faults_->Write(data.size()); r != kOk) return FaultStatus(r, "append");
+    return FSWritableFileOwnerWrapper::PositionedAppend(data, offset, o, dbg);
+  }
+  rocksdb::IOStatus PositionedAppend(const rocksdb::Slice& data, uint64_t offset,
+                                     const rocksdb::IOOptions& o,
+                                     const rocksdb::DataVerificationInfo& v,
+                                     rocksdb::IODebugContext* dbg) override {
+    if (auto r = faults_->Write(data.size()); r != kOk) return FaultStatus(r, "append");
+    return FSWritableFileOwnerWrapper::PositionedAppend(data, offset, o, v, dbg);
+  }
+  rocksdb::IOStatus Flush(const rocksdb::IOOptions& o, rocksdb::IODebugContext* dbg) override {
+    if (auto r = faults_->Sync(); r != kOk) return FaultStatus(r, "flush");
+    return FSWritableFileOwnerWrapper::Flush(o, dbg);
+  }
+  rocksdb::IOStatus Sync(const rocksdb::IOOptions& o, rocksdb::IODebugContext* dbg) override {
+    if (auto r = faults_->Sync(); r != kOk) return FaultStatus(r, "sync");
+    return FSWritableFileOwnerWrapper::Sync(o, dbg);
+  }
+  rocksdb::IOStatus Fsync(const rocksdb::IOOptions& o, rocksdb::IODebugContext* dbg) override {
+    if (auto r = faults_->Sync(); r != kOk) return FaultStatus(r, "fsync");
+    return FSWritableFileOwnerWrapper::Fsync(o, dbg);
+  }
+  rocksdb::IOStatus RangeSync(uint64_t offset, uint64_t n, const rocksdb::IOOptions& o,
+                              rocksdb::IODebugContext* dbg) override {
+    if (auto r = faults_->Sync(); r != kOk) return FaultStatus(r, "range sync");
+    return FSWritableFileOwnerWrapper::RangeSync(offset, n, o, dbg);
+  }
+
+ private:
+  std::shared_ptr<DiskFaults> faults_;
+};
+
+class FaultyFileSystem final : public rocksdb::FileSystemWrapper {
+ public:
+  FaultyFileSystem(const std::shared_ptr<rocksdb::FileSystem>& base, std::shared_ptr<DiskFaults> faults)
+      : FileSystemWrapper(base), faults_(std::move(faults)) {}
+  const char* Name() const override { return "KvshadeDiskFaults"; }
+
+  rocksdb::IOStatus NewWritableFile(const std::string& f, const rocksdb::FileOptions& o,
+                                    std::unique_ptr<rocksdb::FSWritableFile>* r,
+                                    rocksdb::IODebugContext* dbg) override {
+    return Wrap(target()->NewWritableFile(f, o, r, dbg), r);
+  }
+  rocksdb::IOStatus ReopenWritableFile(const std::string& f, const rocksdb::FileOptions& o,
+                                       std::unique_ptr<rocksdb::FSWritableFile>* r,
+                                       rocksdb::IODebugContext* dbg) override {
+    return Wrap(target()->ReopenWritableFile(f, o, r, dbg), r);
+  }
+  rocksdb::IOStatus ReuseWritableFile(const std::string& f, const std::string& old,
+                                      const rocksdb::FileOptions& o,
+                                      std::unique_ptr<rocksdb::FSWritableFile>* r,
+                                      rocksdb::IODebugContext* dbg) override {
+    return Wrap(target()->ReuseWritableFile(f, old, o, r, dbg), r);
+  }
+  rocksdb::IOStatus GetFreeSpace(const std::string& path, const rocksdb::IOOptions& o,
+                                 uint64_t* free, rocksdb::IODebugContext* dbg) override {
+    rocksdb::IOStatus s = target()->GetFreeSpace(path, o, free, dbg);
+    if (s.ok()) *free = faults_->ReportedFree(*free);
+    return s;
+  }
+
+ private:
+  rocksdb::IOStatus Wrap(rocksdb::IOStatus s, std::unique_ptr<rocksdb::FSWritableFile>* r) {
+    if (s.ok()) *r = std::make_unique<FaultyWritableFile>(std::move(*r), faults_);
+    return s;
+  }
+  std::shared_ptr<DiskFaults> faults_;
+};
+
+
+// Default event sink (SetDefaultSpillEventSink); null prints to stderr.
+std::mutex& DefaultSinkMu() {
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
+SpillEventSink& DefaultSink() {
+  static SpillEventSink* sink = new SpillEventSink;
+  return *sink;
+}
+
+void PrintToStderr(const SpillEvent& e) {
+  if (!e.log) return;
+  std::fprintf(stderr, "kvshade spill tier [%s] %s: %s\n", e.error ? "error" : "warning",
+               std::string(SpillEventKindName(e.kind)).c_str(), e.message.c_str());
+}
+
+// Counts storage faults and reports them (SpillEvent) to the tier's sink. Shared with the
+// RocksDB logger and listener, which may outlive the tier's Impl by a little.
+class Reporter {
+ public:
+  Reporter(std::string path, SpillEventSink sink) : path_(std::move(path)), sink_(std::move(sink)) {}
+
+  const std::string& path() const { return path_; }
+
+  void Emit(SpillEvent::Kind kind, bool error, absl::StatusCode code, std::string message) {
+    SpillEvent e;
+    e.kind = kind;
+    e.error = error;
+    e.code = code;
+    e.message = std::move(message);
+    // Repeats of the noisy kinds are logged at most once per 10 s, with a count.
+    if (kind == SpillEvent::Kind::kWriteFailed || kind == SpillEvent::Kind::kBackgroundError ||
+        kind == SpillEvent::Kind::kRocksLog || kind == SpillEvent::Kind::kCorruptRecord) {
+      std::lock_guard<std::mutex> lock(mu_);
+      Limit& l = limits_[static_cast<int>(kind)];
+      const auto now = std::chrono::steady_clock::now();
+      if (l.logged && now - l.last < std::chrono::seconds(10)) {
+        e.log = false;
+        ++l.suppressed;
+      } else {
+        if (l.suppressed > 0) {
+          absl::StrAppend(&e.message, " (", l.suppressed, " more like it in the last ",
+                          std::chrono::duration_cast<std::chrono::seconds>(now - l.last).count(),
+                          " s)");
+        }
+        l.logged = true;
+        l.last = now;
+        l.suppressed = 0;
+      }
+    }
+    if (sink_) {
+      sink_(e);
+      return;
+    }
+    SpillEventSink sink;
+    {
+      std::lock_guard<std::mutex> lock(DefaultSinkMu());
+      sink = DefaultSink();
+    }
+    if (sink) {
+      sink(e);
+    } else {
+      PrintToStderr(e);
+    }
+  }
+
+  // A write refused by `s` (already converted): counts it and reports it.
+  void WriteFailed(const absl::Status& s) {
+    write_failures.fetch_add(1);
+    if (absl::IsResourceExhausted(s)) no_space_failures.fetch_add(1);
+    Emit(SpillEvent::Kind::kWriteFailed, true, s.code(), std::string(s.message()));
+  }
+
+  // RocksDB reported a background error (listener). Severity >= hard stops writes.
+  void BackgroundError(std::string_view reason, const rocksdb::Status& s) {
+    background_errors.fetch_add(1);
+    bg_error_active.store(true);
+    if (reason == "flush") flush_failed.store(true);
+    const bool stops = s.severity() >= rocksdb::Status::Severity::kHardError;
+    const absl::StatusCode code = FromRocks(s, reason, __FILE__, __LINE__).code();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      last_bg_error_ = s;
+    }
+    Emit(SpillEvent::Kind::kBackgroundError, true, code,
+         absl::StrCat("spill tier at ", path_, ": RocksDB ", std::string(reason), " error (",
+                      stops ? "writes stop" : "writes continue", "): ", s.ToString()));
+    if (stops) {
+      Transition(&rocks_stopped_, true, code,
+                 absl::StrCat("spill tier at ", path_, ": writes are refused after a ",
+                              std::string(reason), " error (", s.ToString(),
+                              "); reads are still served; the next write retries once the fault "
+                              "is cleared (a full disk: once space is freed; other errors: after "
+                              "a restart)"));
+    }
+  }
+
+  // The background error is cleared (listener, or our own DB::Resume()).
+  void Cleared() {
+    bg_error_active.store(false);
+    flush_failed.store(false);
+    Transition(&rocks_stopped_, false, absl::StatusCode::kOk,
+               absl::StrCat("spill tier at ", path_, ": writes are accepted again (after: ",
+                            LastBackgroundError().ToString(), ")"));
+  }
+
+  // The free-space check (Impl::CheckSpace) refuses writes, or accepts them again.
+  void LowSpace(bool on, std::string why) {
+    Transition(&low_space_, on, on ? absl::StatusCode::kResourceExhausted : absl::StatusCode::kOk,
+               std::move(why));
+  }
+
+  // RocksDB's writes cannot be resumed in this process (Impl::MaybeResume); reported once.
+  void NeedsRestart(std::string why) {
+    if (resume_unsafe.exchange(true)) return;
+    Emit(SpillEvent::Kind::kBackgroundError, true, absl::StatusCode::kUnavailable,
+         absl::StrCat("spill tier at ", path_, ": writes stay refused until the daemon restarts: ",
+                      why));
+  }
+
+  rocksdb::Status LastBackgroundError() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_bg_error_;
+  }
+
+  // RocksDB's log lines (SinkLogger).
+  void RocksLog(rocksdb::InfoLogLevel level, std::string line) {
+    while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) line.pop_back();
+    // A flush job that failed, or found writes stopped and gave up (its flush request stays
+    // queued without a job): see Impl::MaybeResume.
+    if (line.find("Waiting after background flush error") != std::string::npos) {
+      flush_failed.store(true);
+    }
+    if (level < rocksdb::InfoLogLevel::WARN_LEVEL) return;
+    Emit(SpillEvent::Kind::kRocksLog, level >= rocksdb::InfoLogLevel::ERROR_LEVEL,
+         absl::StatusCode::kOk, absl::StrCat("spill tier at ", path_, ": rocksdb: ", line));
+  }
+
+  std::atomic<bool> bg_error_active{false};
+  std::atomic<bool> resume_unsafe{false};  // never DB::Resume() (Impl::MaybeResume)
+  std::atomic<bool> flush_failed{false};   // a flush job failed since the last resume
+  std::atomic<bool> writes_stopped{false};  // rocks_stopped_ || low_space_
+  std::atomic<uint64_t> write_failures{0}, no_space_failures{0}, background_errors{0},
+      resumes{0};
+
+ private:
+  struct Limit {
+    bool logged = false;
+    std::chrono::steady_clock::time_point last;
+    uint64_t suppressed = 0;
+  };
+  // Writes are refused while RocksDB is stopped by an error or the disk is short of space;
+  // the changes of their union are the writes_stopped / writes_resumed events.
+  void Transition(bool* flag, bool on, absl::StatusCode code, std::string why) {
+    bool before = false, after = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      before = rocks_stopped_ || low_space_;
+      *flag = on;
+      after = rocks_stopped_ || low_space_;
+      writes_stopped.store(after);
+    }
+    if (!before && after) Emit(SpillEvent::Kind::kWritesStopped, true, code, std::move(why));
+    if (before && !after) {
+      resumes.fetch_add(1);
+      Emit(SpillEvent::Kind::kWritesResumed, false, absl::StatusCode::kOk, std::move(why));
+    }
+  }
+
+  const std::string path_;
+  const SpillEventSink sink_;
+  std::mutex mu_;
+  Limit limits_[8];
+  rocksdb::Status last_bg_error_;
+  bool rocks_stopped_ = false, low_space_ = false;
+};
+
+// RocksDB's info log, into the Reporter (never a file on the spill disk).
+class SinkLogger final : public rocksdb::Logger {
+ public:
+  explicit SinkLogger(std::shared_ptr<Reporter> r)
+      : Logger(rocksdb::InfoLogLevel::WARN_LEVEL), r_(std::move(r)) {}
+  using Logger::Logv;
+  void Logv(const char* format, va_list ap) override {
+    Logv(rocksdb::InfoLogLevel::INFO_LEVEL, format, ap);
+  }
+  void Logv(const rocksdb::InfoLogLevel level, const char* format, va_list ap) override {
+    if (level < GetInfoLogLevel() || level == rocksdb::InfoLogLevel::HEADER_LEVEL) return;
+    char buf[1024];
+    va_list copy;
+    va_copy(copy, ap);
+    std::vsnprintf(buf, sizeof(buf), format, copy);
+    va_end(copy);
+    r_->RocksLog(level, buf);
+  }
+
+ private:
+  std::shared_ptr<Reporter> r_;
+};
+
+std::string_view ReasonName(rocksdb::BackgroundErrorReason r) {
+  switch (r) {
+    case rocksdb::BackgroundErrorReason::kFlush: return "flush";
+    case rocksdb::BackgroundErrorReason::kCompaction: return "compaction";
+    case rocksdb::BackgroundErrorReason::kWriteCallback: return "write";
+    case rocksdb::BackgroundErrorReason::kMemTable: return "memtable";
+    case rocksdb::BackgroundErrorReason::kManifestWrite: return "MANIFEST write";
+    case rocksdb::BackgroundErrorReason::kFlushNoWAL: return "flush";
+    case rocksdb::BackgroundErrorReason::kManifestWriteNoWAL: return "MANIFEST write";
+  }
+  return "background";
+}
+
+// RocksDB's background errors, into the Reporter. Automatic recovery is declined: the
+// tier resumes on its next write (Impl::MaybeResume), so that nothing retries (and logs)
+// in the background while a disk stays full.
+class ErrorListener final : public rocksdb::EventListener {
+ public:
+  explicit ErrorListener(std::shared_ptr<Reporter> r) : r_(std::move(r)) {}
+  void OnBackgroundError(rocksdb::BackgroundErrorReason reason, rocksdb::Status* error) override {
+    if (error != nullptr && !error->ok()) r_->BackgroundError(ReasonName(reason), *error);
+  }
+  void OnErrorRecoveryBegin(rocksdb::BackgroundErrorReason, rocksdb::Status,
+                            bool* auto_recovery) override {
+    if (auto_recovery != nullptr) *auto_recovery = false;
+  }
+  void OnErrorRecoveryEnd(const rocksdb::BackgroundErrorRecoveryInfo& info) override {
+    if (info.new_bg_error.ok()) r_->Cleared();
+  }
+
+ private:
+  std::shared_ptr<Reporter> r_;
+};
+
 }  // namespace
+
+std::string_view SpillEventKindName(SpillEvent::Kind kind) {
+  switch (kind) {
+    case SpillEvent::Kind::kWriteFailed: return "write_failed";
+    case SpillEvent::Kind::kWritesStopped: return "writes_stopped";
+    case SpillEvent::Kind::kWritesResumed: return "writes_resumed";
+    case SpillEvent::Kind::kBackgroundError: return "background_error";
+    case SpillEvent::Kind::kCorruptRecord: return "corrupt_record";
+    case SpillEvent::Kind::kRocksLog: return "rocksdb_log";
+  }
+  return "unknown";
+}
+
+void SetDefaultSpillEventSink(SpillEventSink sink) {
+  std::lock_guard<std::mutex> lock(DefaultSinkMu());
+  DefaultSink() = std::move(sink);
+}
 
 const SegmentMeta::Factor* SegmentMeta::FindFactor(int layer, FactorKind kind) const {
   for (const Factor& f : factors) {
@@ -110,12 +490,18 @@ const SegmentMeta::Factor* SegmentMeta::FindFactor(int layer, FactorKind kind) c
 
 struct RocksSpillTier::Impl {
   RocksSpillOptions options;
+  std::shared_ptr<Reporter> reporter;
+  std::unique_ptr<rocksdb::Env> fault_env;  // options.disk_faults only; outlives the DB
   std::shared_ptr<rocksdb::Cache> block_cache;
   // Declaration order matters: handles are destroyed before the DB.
   std::unique_ptr<rocksdb::DB> db;
   CfHandle default_cf, meta_cf, factors_cf, values_cf;
-  // Serializes the metadata read-modify-write of WriteSegment / AddFactors / DeleteSegment.
+  // Serializes the metadata read-modify-write of WriteSegment / AddFactors / DeleteSegment,
+  // and with it every write, resume and flush the tier issues.
   internal::Mutex write_mu;
+  std::chrono::steady_clock::time_point last_resume;  // guarded by write_mu
+  rocksdb::Env* env = nullptr;                        // the DB's (DiskFaults' when set)
+  uint64_t min_free = 0;                              // options.min_free_bytes, resolved
   std::atomic<uint64_t> segments_written{0}, bytes_written{0}, bytes_read{0},
       segments_deleted{0}, checksum_failures{0};
   uint64_t dropped_on_open = 0;
@@ -138,6 +524,17 @@ struct RocksSpillTier::Impl {
                         uint64_t piece_bytes, const std::function<std::string(uint32_t)>& key_of,
                         absl::Span<std::byte> dst);
   absl::Status Commit(rocksdb::WriteBatch* batch, Durability durability, std::string_view what);
+  // Under write_mu: the write path around DB::Write. WriteLogged is every write through
+  // the WAL (see the top of this file).
+  rocksdb::Status WriteLogged(const rocksdb::WriteOptions& wo, rocksdb::WriteBatch* batch);
+  // OK when the file system has room for a write of `bytes` (see min_free_bytes); else
+  // counts, reports and returns the refusal (ResourceExhausted).
+  absl::Status CheckSpace(uint64_t bytes, bool durable, bool is_delete, std::string_view what);
+  void MaybeResume();
+  absl::Status WriteFailed(const rocksdb::Status& s, std::string_view what);
+  std::vector<rocksdb::ColumnFamilyHandle*> AllCfs() const {
+    return {default_cf.get(), meta_cf.get(), factors_cf.get(), values_cf.get()};
+  }
 };
 
 absl::Status RocksSpillTier::Impl::CheckFormat() {
@@ -162,7 +559,7 @@ absl::Status RocksSpillTier::Impl::CheckFormat() {
         "put format"));
     rocksdb::WriteOptions wo;
     wo.sync = true;
-    return KVSHADE_ROCKS(db->Write(wo, &batch), "write format record");
+    return KVSHADE_ROCKS(WriteLogged(wo, &batch), "write format record");
   }
   KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(s, "read format record"));
   // Report another version as such before checking the rest of the header.
@@ -236,7 +633,7 @@ absl::Status RocksSpillTier::Impl::DropCacheSegments() {
   if (batch.Count() == 0) return absl::OkStatus();
   rocksdb::WriteOptions wo;
   wo.sync = true;
-  return KVSHADE_ROCKS(db->Write(wo, &batch), "drop cache segments");
+  return KVSHADE_ROCKS(WriteLogged(wo, &batch), "drop cache segments");
 }
 
 absl::StatusOr<SegmentMeta> RocksSpillTier::Impl::ReadMetaLocked(const SegmentId& id) {
@@ -318,7 +715,113 @@ absl::Status RocksSpillTier::Impl::Commit(rocksdb::WriteBatch* batch, Durability
   } else {
     wo.disableWAL = true;  // dropped at the next open anyway; halves the bytes written
   }
-  return KVSHADE_ROCKS(db->Write(wo, batch), what);
+  KVSHADE_RETURN_IF_ERROR(
+      CheckSpace(batch->GetDataSize(), durability == Durability::kDurable, false, what));
+  MaybeResume();
+  rocksdb::Status s = wo.disableWAL ? db->Write(wo, batch) : WriteLogged(wo, batch);
+  if (!s.ok()) return WriteFailed(s, what);
+  return absl::OkStatus();
+}
+
+absl::Status RocksSpillTier::Impl::CheckSpace(uint64_t bytes, bool durable, bool is_delete,
+                                              std::string_view what) {
+  uint64_t free = 0;
+  if (!env->GetFreeSpace(options.path, &free).ok()) return absl::OkStatus();  // RocksDB decides
+  uint64_t memtables = 0;
+  db->GetAggregatedIntProperty(rocksdb::DB::Properties::kCurSizeAllMemTables, &memtables);
+  // A delete frees space (after compaction): it only needs room for itself.
+  const uint64_t reserve = is_delete ? std::min<uint64_t>(min_free, 1 << 20) : min_free;
+  const uint64_t need = (durable ? 2 * bytes : bytes) + (is_delete ? 0 : memtables) + reserve;
+  if (free >= need) {
+    if (reporter->writes_stopped.load()) {
+      reporter->LowSpace(false, absl::StrCat("spill tier at ", options.path, ": ", free,
+                                             " bytes free again; writes are accepted"));
+    }
+    return absl::OkStatus();
+  }
+  reporter->LowSpace(true, absl::StrCat("spill tier at ", options.path,
+                                        ": writes are refused while its file system is short of "
+                                        "space (", free, " bytes free, ", reserve,
+                                        " kept for RocksDB); reads are still served; writes are "
+                                        "accepted again once space is freed"));
+  absl::Status st = absl::ResourceExhaustedError(absl::StrCat(
+      "spill tier at ", options.path, ": ", std::string(what),
+      " refused, nothing of it is stored: No space left on device (", free,
+      " bytes free on its file system, ", need, " needed: this write, the memtables and ",
+      reserve, " kept free for RocksDB's flushes and compactions)"));
+  reporter->WriteFailed(st);
+  return st;
+}
+
+rocksdb::Status RocksSpillTier::Impl::WriteLogged(const rocksdb::WriteOptions& wo,
+                                                  rocksdb::WriteBatch* batch) {
+  // The guard: an entry in the default column family's memtable that never reaches the
+  // WAL (a tombstone of a key that is never written), so that a resume after a failed
+  // write below flushes a memtable and with it switches to a new WAL.
+  rocksdb::WriteOptions memtable_only;
+  memtable_only.disableWAL = true;
+  // Fails, like the write below, when writes are stopped already (nothing reaches the WAL).
+  const bool stopped = !db->Delete(memtable_only, default_cf.get(), kWalGuardKey).ok();
+  rocksdb::Status s = db->Write(wo, batch);
+  if (!s.ok() && !stopped) {
+    uint64_t entries = 0;
+    for (rocksdb::ColumnFamilyHandle* cf : AllCfs()) {
+      uint64_t n = 0;
+      if (db->GetIntProperty(cf, rocksdb::DB::Properties::kNumEntriesActiveMemTable, &n)) entries += n;
+    }
+    if (entries == 0) {
+      // A background flush emptied the memtables in between: a resume would re-use the
+      // failed WAL writer.
+      reporter->NeedsRestart(absl::StrCat("a WAL write failed with empty memtables (",
+                                          s.ToString(), ")"));
+    }
+  }
+  return s;
+}
+
+void RocksSpillTier::Impl::MaybeResume() {
+  if (!reporter->bg_error_active.load() || reporter->resume_unsafe.load()) return;
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_resume < std::chrono::milliseconds(options.resume_interval_ms)) return;
+  last_resume = now;
+  // DB::Resume() flushes every memtable and waits for those flushes. In RocksDB 7.8 it
+  // waits forever when a flush job that failed (or gave up, finding writes stopped) left
+  // memtables queued: their flush requests then outnumber the flush jobs it schedules. A
+  // failed flush job also sleeps a second holding the flush slot. So: only with space back
+  // and no flush running, and not past memtables a failed flush left queued (they never
+  // flush while writes are stopped: then only a restart helps).
+  uint64_t free = 0;
+  if (env->GetFreeSpace(options.path, &free).ok() && free < min_free) return;
+  uint64_t running = 0;
+  if (!db->GetIntProperty(rocksdb::DB::Properties::kNumRunningFlushes, &running) || running > 0) {
+    return;
+  }
+  uint64_t queued = 0;
+  db->GetAggregatedIntProperty(rocksdb::DB::Properties::kNumImmutableMemTable, &queued);
+  if (queued > 0 && reporter->flush_failed.load()) {
+    reporter->NeedsRestart(absl::StrCat(
+        queued, " memtable(s) whose flush failed are queued, and RocksDB 7.8 cannot resume past "
+                "them; a restart recovers everything acknowledged from the WAL"));
+    return;
+  }
+  // Flushes the memtables to new files and clears the error; fails while the fault lasts,
+  // and always for errors above "hard" (EIO: restart the daemon).
+  if (db->Resume().ok()) reporter->Cleared();
+}
+
+absl::Status RocksSpillTier::Impl::WriteFailed(const rocksdb::Status& s, std::string_view what) {
+  absl::Status st = FromRocks(s, what, __FILE__, __LINE__);
+  std::string msg = absl::StrCat("spill tier at ", options.path, ": ", std::string(what),
+                                 " refused, nothing of it is stored: ", s.ToString());
+  if (reporter->resume_unsafe.load()) {
+    absl::StrAppend(&msg, " (writes are stopped since an earlier I/O error, until a restart)");
+  } else if (reporter->writes_stopped.load()) {
+    absl::StrAppend(&msg, " (writes are stopped since an earlier I/O error; each write retries ",
+                    "at most every ", options.resume_interval_ms, " ms)");
+  }
+  st = absl::Status(st.code(), msg);
+  reporter->WriteFailed(st);
+  return st;
 }
 
 RocksSpillTier::RocksSpillTier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -333,17 +836,45 @@ absl::StatusOr<std::unique_ptr<RocksSpillTier>> RocksSpillTier::Open(
   }
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->reporter = std::make_shared<Reporter>(options.path, options.event_sink);
   impl->block_cache = rocksdb::NewLRUCache(std::max<size_t>(options.block_cache_bytes, 1 << 20));
 
+  {
+    // Created here rather than by RocksDB, which logs a missing directory as an error.
+    std::error_code ec;
+    std::filesystem::create_directories(options.path, ec);
+  }
   rocksdb::DBOptions dbo;
   dbo.create_if_missing = true;
   dbo.create_missing_column_families = true;
+  // A failed write stops RocksDB's writes (a background error) instead of letting the
+  // next one re-use the WAL writer that failed; RocksDB's checks on open stay on too.
   dbo.paranoid_checks = true;
   dbo.max_background_jobs = 2;
-  dbo.keep_log_file_num = 2;
   dbo.max_total_wal_size = uint64_t{256} << 20;
   dbo.bytes_per_sync = 1 << 20;
+  // RocksDB's log goes to the event sink: a log file on the spill disk aborted the
+  // process when the disk filled (see the top of this file).
+  auto logger = std::make_shared<SinkLogger>(impl->reporter);
+  dbo.info_log = logger;
   dbo.info_log_level = rocksdb::InfoLogLevel::WARN_LEVEL;
+  dbo.listeners.push_back(std::make_shared<ErrorListener>(impl->reporter));
+  dbo.max_bgerror_resume_count = 0;  // the next write resumes instead (MaybeResume)
+  // atomic_flush stays off: in RocksDB 7.8 a failed atomic flush is not rolled back and the
+  // next DB::Resume() waits for it forever (fixed upstream in rocksdb PR 11872).
+  if (options.disk_faults) {
+    impl->fault_env = rocksdb::NewCompositeEnv(
+        std::make_shared<FaultyFileSystem>(rocksdb::FileSystem::Default(), options.disk_faults));
+    dbo.env = impl->fault_env.get();
+  }
+  impl->env = dbo.env;
+  impl->min_free = options.min_free_bytes;
+  if (impl->min_free == 0) {
+    struct statvfs fs;
+    const uint64_t size =
+        statvfs(options.path.c_str(), &fs) == 0 ? uint64_t(fs.f_blocks) * fs.f_frsize : 0;
+    impl->min_free = std::clamp<uint64_t>(size / 20, 1 << 20, 256 << 20);
+  }
 
   auto table_options = [&](bool cache_data) {
     rocksdb::BlockBasedTableOptions t;
@@ -390,7 +921,17 @@ absl::StatusOr<std::unique_ptr<RocksSpillTier>> RocksSpillTier::Open(
   impl->values_cf = CfHandle(handles[3], del);
 
   KVSHADE_RETURN_IF_ERROR(impl->CheckFormat());
-  if (options.drop_cache_segments_on_open) KVSHADE_RETURN_IF_ERROR(impl->DropCacheSegments());
+  if (options.drop_cache_segments_on_open) {
+    if (absl::Status st = impl->DropCacheSegments(); !st.ok()) {
+      // I/O (e.g. a full disk): the leftovers are never listed as durable and go at a later
+      // open; the tier itself is usable.
+      if (!absl::IsUnavailable(st) && !absl::IsResourceExhausted(st)) return st;
+      impl->reporter->Emit(SpillEvent::Kind::kBackgroundError, false, st.code(),
+                           absl::StrCat("spill tier at ", options.path,
+                                        ": could not drop the previous process's cache segments "
+                                        "(they go at a later open): ", st.message()));
+    }
+  }
   return std::unique_ptr<RocksSpillTier>(new RocksSpillTier(std::move(impl)));
 }
 
@@ -620,7 +1161,11 @@ absl::Status RocksSpillTier::DeleteSegment(const SegmentId& id) {
   // Deletes always go through the log (a cache segment's pieces may already be in SST files).
   rocksdb::WriteOptions wo;
   wo.sync = durability == Durability::kDurable;
-  KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(im.db->Write(wo, &batch), "delete segment"));
+  KVSHADE_RETURN_IF_ERROR(im.CheckSpace(batch.GetDataSize(), false, true, "delete segment"));
+  im.MaybeResume();
+  if (rocksdb::Status s = im.WriteLogged(wo, &batch); !s.ok()) {
+    return im.WriteFailed(s, "delete segment");
+  }
   im.segments_deleted.fetch_add(1);
   return absl::OkStatus();
 }
@@ -637,6 +1182,13 @@ absl::StatusOr<std::vector<SegmentMeta>> RocksSpillTier::ListSegments() {
         payload.ok() ? internal::DecodeMetaPayload(*payload) : payload.status();
     if (!meta.ok()) {
       im.checksum_failures.fetch_add(1);  // never listed; CheckConsistency reports it
+      SegmentId id;
+      const bool named = internal::SegmentIdOfKey(key, &id);
+      im.reporter->Emit(SpillEvent::Kind::kCorruptRecord, true, meta.status().code(),
+                        absl::StrCat("spill tier at ", im.options.path, ": the metadata of segment ",
+                                     named ? id.ToHex() : std::string("(unreadable key)"),
+                                     " is damaged; the segment is not listed (and so not "
+                                     "restored): ", meta.status().message()));
       continue;
     }
     out.push_back(std::move(meta).value());
@@ -652,15 +1204,29 @@ SpillStats RocksSpillTier::Stats() const {
   s.bytes_read = impl_->bytes_read.load();
   s.segments_deleted = impl_->segments_deleted.load();
   s.checksum_failures = impl_->checksum_failures.load();
+  const Reporter& r = *impl_->reporter;
+  s.write_failures = r.write_failures.load();
+  s.no_space_failures = r.no_space_failures.load();
+  s.background_errors = r.background_errors.load();
+  s.resumes = r.resumes.load();
+  s.writes_stopped = r.writes_stopped.load();
   return s;
 }
 
 absl::Status RocksSpillTier::Flush() {
+  Impl& im = *impl_;
+  internal::MutexLock lock(&im.write_mu);
+  KVSHADE_RETURN_IF_ERROR(im.CheckSpace(0, false, false, "flush"));
+  im.MaybeResume();
+  if (im.reporter->bg_error_active.load()) {
+    // Never flush past an active error (see the top of this file): report it instead.
+    return im.WriteFailed(im.reporter->LastBackgroundError(), "flush");
+  }
   rocksdb::FlushOptions fo;
   fo.wait = true;
-  std::vector<rocksdb::ColumnFamilyHandle*> cfs = {impl_->default_cf.get(), impl_->meta_cf.get(),
-                                                   impl_->factors_cf.get(), impl_->values_cf.get()};
-  return KVSHADE_ROCKS(impl_->db->Flush(fo, cfs), "flush");
+  rocksdb::Status s = im.db->Flush(fo, im.AllCfs());
+  if (!s.ok()) return im.WriteFailed(s, "flush");
+  return absl::OkStatus();
 }
 
 uint64_t RocksSpillTier::dropped_on_open() const { return impl_->dropped_on_open; }

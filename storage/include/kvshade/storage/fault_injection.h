@@ -7,10 +7,16 @@
 // injected read failure happens after the wrapped read when `fail_after_read` (dst may then
 // hold the bytes, but the caller must not use them), else before. Injected errors are
 // Unavailable and their message contains "injected".
+//
+// DiskFaults works one level lower: RocksSpillOptions::disk_faults puts it under RocksDB
+// itself (RocksDB's FileSystem), so that the real tier meets a full disk or EIO in its WAL,
+// table, MANIFEST and blob files exactly where a real file system would fail them.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <random>
 
 #include <mutex>
@@ -18,6 +24,48 @@
 #include "kvshade/storage/spill_tier.h"
 
 namespace kvshade::storage {
+
+// Simulated disk faults under a RocksSpillTier (RocksSpillOptions::disk_faults). Thread-safe;
+// shared by the test and the tier's file system. Only writes are affected: reads, file
+// creation, renames and deletes always pass through.
+class DiskFaults {
+ public:
+  enum class Result { kOk, kNoSpace, kIoError };
+
+  // The disk takes `bytes` more bytes, then every write fails with ENOSPC (RocksDB's
+  // IOStatus::NoSpace) until more space is given; GetFreeSpace reports what is left.
+  void SetFreeBytes(uint64_t bytes) { free_.store(bytes); }
+  void SetUnlimited() { free_.store(kUnlimited); }
+  // While on, every write and sync fails with EIO (IOStatus::IOError).
+  void SetIoError(bool on) { io_error_.store(on); }
+  // GetFreeSpace reports `bytes` whatever is left (a file system whose free-space figure
+  // is wrong: quotas, thin provisioning), so that writes reach the failure; ReportTruly()
+  // undoes it.
+  void ReportFreeBytes(uint64_t bytes) { reported_.store(bytes); }
+  void ReportTruly() { reported_.store(kUnlimited); }
+  // What GetFreeSpace reports when the real file system has `real` bytes free.
+  uint64_t ReportedFree(uint64_t real) const {
+    const uint64_t r = reported_.load();
+    if (r != kUnlimited) return r;
+    return std::min(real, free_.load());
+  }
+
+  uint64_t free_bytes() const { return free_.load(); }
+  bool unlimited() const { return free_.load() == kUnlimited; }
+  uint64_t failed_writes() const { return failures_.load(); }
+
+  // Charges a write of `bytes` bytes: kOk (and the space is used), or the failure.
+  Result Write(uint64_t bytes);
+  // A sync, flush or close: fails only while SetIoError is on.
+  Result Sync();
+
+ private:
+  static constexpr uint64_t kUnlimited = std::numeric_limits<uint64_t>::max();
+  std::atomic<uint64_t> free_{kUnlimited};
+  std::atomic<uint64_t> reported_{kUnlimited};
+  std::atomic<bool> io_error_{false};
+  std::atomic<uint64_t> failures_{0};
+};
 
 struct FaultOptions {
   double read_failure_probability = 0;   // ReadMeta, ReadValues, ReadFactor, ListSegments

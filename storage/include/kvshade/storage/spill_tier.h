@@ -14,8 +14,12 @@
 // - Every record carries its own xxh3 checksum bound to its key; a mismatch is DataLoss.
 // - All methods are thread-safe. Errors are absl::Status (RocksDB's own are converted in
 //   the lowest wrapper): NotFound for an unknown segment, DataLoss for a checksum or
-//   format violation, Unavailable for an I/O error, FailedPrecondition for a format
-//   version this build does not read.
+//   format violation, ResourceExhausted for a full disk, Unavailable for any other I/O
+//   error, FailedPrecondition for a format version this build does not read.
+// - Storage faults never abort the process and are never silent: a write that fails
+//   leaves nothing of itself, answers ResourceExhausted (full disk) or Unavailable (I/O
+//   error), is counted in SpillStats and reported as a SpillEvent; reads keep working
+//   while writes are refused (README.md "Storage faults").
 #pragma once
 
 #include <cstdint>
@@ -79,7 +83,39 @@ struct SpillStats {
   uint64_t bytes_read = 0;     // payload bytes of value and factor reads
   uint64_t segments_deleted = 0;
   uint64_t checksum_failures = 0;
+  // Storage faults (README.md "Storage faults").
+  uint64_t write_failures = 0;     // writes (segments, factors, deletes) refused by an I/O error
+  uint64_t no_space_failures = 0;  // of those, refused because the disk is full
+  uint64_t background_errors = 0;  // errors RocksDB reported (WAL, flush, compaction, MANIFEST)
+  uint64_t resumes = 0;            // times writes were accepted again after such an error
+  bool writes_stopped = false;     // RocksDB refuses writes now (reads are still served)
 };
+
+// A storage fault or a recovery loss, reported as it happens (README.md "Storage faults").
+struct SpillEvent {
+  enum class Kind : uint8_t {
+    kWriteFailed,      // a write was refused; nothing of it is stored
+    kWritesStopped,    // RocksDB stopped accepting writes after an error (reads continue)
+    kWritesResumed,    // writes are accepted again
+    kBackgroundError,  // an error inside RocksDB (WAL, flush, compaction, MANIFEST)
+    kCorruptRecord,    // a record failed its checksum; it is never served
+    kRocksLog,         // a RocksDB warning or error line (its own log goes here, not to disk)
+  };
+  Kind kind = Kind::kRocksLog;
+  absl::StatusCode code = absl::StatusCode::kOk;  // of the failure, where there is one
+  bool error = false;  // error level (else warning)
+  // False for a repeat of the same kind within 10 s: count it, do not log it (the next
+  // logged event of the kind says how many were not).
+  bool log = true;
+  std::string message;  // names the tier's path
+};
+using SpillEventSink = std::function<void(const SpillEvent&)>;
+std::string_view SpillEventKindName(SpillEvent::Kind kind);  // "write_failed", ...
+
+// The receiver of the events of every tier opened without RocksSpillOptions::event_sink
+// (the daemon sets it to its log and metrics before it opens the tier). Null (the start
+// state) prints them to stderr. Process-wide; thread-safe.
+void SetDefaultSpillEventSink(SpillEventSink sink);
 
 class SpillTier {
  public:
@@ -108,6 +144,8 @@ class SpillTier {
 // Reads back every value block and factor blob of a stored segment, verifying every
 // checksum and size. OK, or the first error (DataLoss on corruption).
 absl::Status VerifySegment(SpillTier& tier, const SegmentId& id);
+
+class DiskFaults;  // fault_injection.h
 
 // Compression of one column family. kAuto picks the default documented in README.md.
 enum class SpillCompression { kAuto, kNone, kLz4, kZstd };
@@ -138,6 +176,20 @@ struct RocksSpillOptions {
   // each staged batch and "commit" just before the batch holding the metadata is written.
   // Crash tests use it to place a kill inside a write. Null in production.
   std::function<void(std::string_view point)> sync_point;
+  // Free space kept for RocksDB's own flushes and compactions: a write is refused
+  // (ResourceExhausted) unless its file system has its bytes (twice for a durable write:
+  // WAL and table file), the memtables' and this much free, so that a filling disk stops
+  // writes before RocksDB meets it (README.md "Storage faults"). 0 = automatic: 5% of the
+  // file system, at least 1 MiB, at most 256 MiB.
+  uint64_t min_free_bytes = 0;
+  // After an error stopped RocksDB's writes, the next write tries DB::Resume() first, at
+  // most once per this interval (RocksDB's own background retry is off; see README.md).
+  uint32_t resume_interval_ms = 1000;
+  // Where this tier's SpillEvents go; null: the process default (SetDefaultSpillEventSink).
+  SpillEventSink event_sink;
+  // Tests: simulated disk faults (full disk, EIO) under RocksDB's own file I/O
+  // (fault_injection.h). Null in production.
+  std::shared_ptr<DiskFaults> disk_faults;
 };
 
 // Result of a full scan of the database (an fsck).
@@ -169,7 +221,8 @@ class RocksSpillTier final : public SpillTier {
   SpillStats Stats() const override;
 
   // Flushes every column family's memtable to table/blob files (cache segments are only in
-  // memory until a flush; e.g. before measuring or at an orderly shutdown).
+  // memory until a flush; e.g. before measuring or at an orderly shutdown). Refused
+  // (the stopping error) while RocksDB refuses writes.
   absl::Status Flush();
   // Scans every record of every column family (checksums included).
   absl::StatusOr<ConsistencyReport> CheckConsistency();
