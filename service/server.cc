@@ -81,7 +81,8 @@ storage::SpillEventSink SpillEventsToLogAndMetrics(std::shared_ptr<prometheus::R
                       .Register(*registry);
   auto& damage = prometheus::BuildCounter()
                      .Name("kvshade_spill_recovery_losses_total")
-                     .Help("Damaged records never served, by kind")
+                     .Help("At start: damaged write-ahead-log regions (records from the damage on "
+                           "were dropped) and damaged records never served, by kind")
                      .Register(*registry);
   struct Families {
     std::shared_ptr<prometheus::Registry> registry;
@@ -89,11 +90,13 @@ storage::SpillEventSink SpillEventsToLogAndMetrics(std::shared_ptr<prometheus::R
     prometheus::Counter* io_error;
     prometheus::Counter* background;
     prometheus::Gauge* stopped;
+    prometheus::Counter* wal;
     prometheus::Counter* record;
   };
   auto f = std::make_shared<Families>(Families{
       registry, &failures.Add({{"reason", "no_space"}}), &failures.Add({{"reason", "io_error"}}),
-      &errors.Add({}), &stopped.Add({}), &damage.Add({{"kind", "record"}})});
+      &errors.Add({}), &stopped.Add({}), &damage.Add({{"kind", "wal"}}),
+      &damage.Add({{"kind", "record"}})});
   return [f](const storage::SpillEvent& e) {
     using Kind = storage::SpillEvent::Kind;
     switch (e.kind) {
@@ -103,6 +106,7 @@ storage::SpillEventSink SpillEventsToLogAndMetrics(std::shared_ptr<prometheus::R
       case Kind::kBackgroundError: f->background->Increment(); break;
       case Kind::kWritesStopped: f->stopped->Set(1); break;
       case Kind::kWritesResumed: f->stopped->Set(0); break;
+      case Kind::kWalDamaged: f->wal->Increment(); break;
       case Kind::kCorruptRecord: f->record->Increment(); break;
       case Kind::kRocksLog: break;
     }
@@ -151,8 +155,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   s->backend_ = *std::move(backend);
   s->metrics_ = std::make_unique<Metrics>();
   s->auth_ = std::make_unique<Authenticator>(s->config_);
-  // Before the engine opens the spill tier. A file-size limit (RLIMIT_FSIZE) must fail a
-  // write (EFBIG), not kill the daemon.
+  // Before the engine opens the spill tier: what the open finds (a damaged WAL) is reported
+  // too. A file-size limit (RLIMIT_FSIZE) must fail a write (EFBIG), not kill the daemon.
   storage::SetDefaultSpillEventSink(SpillEventsToLogAndMetrics(s->metrics_->registry()));
   signal(SIGXFSZ, SIG_IGN);
 

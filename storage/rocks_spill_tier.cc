@@ -19,6 +19,10 @@
 // logged write is preceded by a tombstone in the memtable (no WAL), so that the resume
 // switches to a new WAL (WriteLogged). Manual flushes are never issued while an error is
 // active, so no path re-uses a writer that has failed.
+//
+// WAL recovery (README.md "WAL recovery"): point in time. Durable writes are flushed into
+// table files before they return (flush_durable_writes), so a damaged WAL drops only
+// writes in flight; a damage found at open is reported.
 #include <sys/statvfs.h>
 
 #include <algorithm>
@@ -353,9 +357,27 @@ class Reporter {
     return last_bg_error_;
   }
 
-  // RocksDB's log lines (SinkLogger).
+  // RocksDB's log lines (SinkLogger). While opening, the WAL reader's reports of dropped
+  // bytes are collected for the open report.
   void RocksLog(rocksdb::InfoLogLevel level, std::string line) {
     while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) line.pop_back();
+    if (opening.load()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (const size_t at = line.find(": dropping "); at != std::string::npos) {
+        ++open_wal_damage_;
+        uint64_t bytes = 0;
+        for (size_t i = at + 11; i < line.size() && line[i] >= '0' && line[i] <= '9'; ++i) {
+          bytes = bytes * 10 + uint64_t(line[i] - '0');
+        }
+        open_wal_bytes_dropped_ += bytes;
+        open_reports_.push_back(line);
+        return;
+      }
+      if (line.find("Point in time recovered to") != std::string::npos) {
+        open_reports_.push_back(line);
+        return;
+      }
+    }
     // A flush job that failed, or found writes stopped and gave up (its flush request stays
     // queued without a job): see Impl::MaybeResume.
     if (line.find("Waiting after background flush error") != std::string::npos) {
@@ -366,12 +388,38 @@ class Reporter {
          absl::StatusCode::kOk, absl::StrCat("spill tier at ", path_, ": rocksdb: ", line));
   }
 
+  // Ends the open: reports a damaged WAL, if any.
+  void OpenDone() {
+    opening.store(false);
+    uint64_t damage = 0, bytes = 0;
+    std::vector<std::string> reports;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      damage = open_wal_damage_;
+      bytes = open_wal_bytes_dropped_;
+      reports.swap(open_reports_);
+    }
+    wal_damage_at_open.store(damage);
+    wal_bytes_dropped_at_open.store(bytes);
+    if (damage == 0) return;
+    Emit(SpillEvent::Kind::kWalDamaged, true, absl::StatusCode::kDataLoss,
+         absl::StrCat("spill tier at ", path_, ": the write-ahead log is damaged (", damage,
+                      " region(s), ", bytes,
+                      " bytes reported dropped); point-in-time recovery kept every record "
+                      "before the damage and dropped every record after it: ",
+                      absl::StrJoin(reports, "; "),
+                      ". Durable writes acknowledged after their flush are in table files and "
+                      "unaffected; writes in flight at the crash (and acknowledged ones counted "
+                      "as unflushed_durable_writes) are lost"));
+  }
+
+  std::atomic<bool> opening{true};
   std::atomic<bool> bg_error_active{false};
   std::atomic<bool> resume_unsafe{false};  // never DB::Resume() (Impl::MaybeResume)
   std::atomic<bool> flush_failed{false};   // a flush job failed since the last resume
   std::atomic<bool> writes_stopped{false};  // rocks_stopped_ || low_space_
   std::atomic<uint64_t> write_failures{0}, no_space_failures{0}, background_errors{0},
-      resumes{0};
+      resumes{0}, unflushed_durable_writes{0}, wal_damage_at_open{0}, wal_bytes_dropped_at_open{0};
 
  private:
   struct Limit {
@@ -403,13 +451,15 @@ class Reporter {
   Limit limits_[8];
   rocksdb::Status last_bg_error_;
   bool rocks_stopped_ = false, low_space_ = false;
+  uint64_t open_wal_damage_ = 0, open_wal_bytes_dropped_ = 0;
+  std::vector<std::string> open_reports_;
 };
 
 // RocksDB's info log, into the Reporter (never a file on the spill disk).
 class SinkLogger final : public rocksdb::Logger {
  public:
   explicit SinkLogger(std::shared_ptr<Reporter> r)
-      : Logger(rocksdb::InfoLogLevel::WARN_LEVEL), r_(std::move(r)) {}
+      : Logger(rocksdb::InfoLogLevel::INFO_LEVEL), r_(std::move(r)) {}
   using Logger::Logv;
   void Logv(const char* format, va_list ap) override {
     Logv(rocksdb::InfoLogLevel::INFO_LEVEL, format, ap);
@@ -470,6 +520,7 @@ std::string_view SpillEventKindName(SpillEvent::Kind kind) {
     case SpillEvent::Kind::kWritesStopped: return "writes_stopped";
     case SpillEvent::Kind::kWritesResumed: return "writes_resumed";
     case SpillEvent::Kind::kBackgroundError: return "background_error";
+    case SpillEvent::Kind::kWalDamaged: return "wal_damaged";
     case SpillEvent::Kind::kCorruptRecord: return "corrupt_record";
     case SpillEvent::Kind::kRocksLog: return "rocksdb_log";
   }
@@ -532,6 +583,7 @@ struct RocksSpillTier::Impl {
   absl::Status CheckSpace(uint64_t bytes, bool durable, bool is_delete, std::string_view what);
   void MaybeResume();
   absl::Status WriteFailed(const rocksdb::Status& s, std::string_view what);
+  void FlushDurable(std::string_view what);
   std::vector<rocksdb::ColumnFamilyHandle*> AllCfs() const {
     return {default_cf.get(), meta_cf.get(), factors_cf.get(), values_cf.get()};
   }
@@ -824,6 +876,26 @@ absl::Status RocksSpillTier::Impl::WriteFailed(const rocksdb::Status& s, std::st
   return st;
 }
 
+void RocksSpillTier::Impl::FlushDurable(std::string_view what) {
+  if (!options.flush_durable_writes) return;
+  if (reporter->bg_error_active.load()) {
+    // A flush now could meet a WAL writer that has failed; the write is in the synced WAL.
+    reporter->unflushed_durable_writes.fetch_add(1);
+    return;
+  }
+  rocksdb::FlushOptions fo;
+  fo.wait = true;
+  fo.allow_write_stall = true;
+  rocksdb::Status s = db->Flush(fo, AllCfs());
+  if (!s.ok()) {
+    reporter->unflushed_durable_writes.fetch_add(1);
+    reporter->Emit(SpillEvent::Kind::kBackgroundError, false, absl::StatusCode::kOk,
+                   absl::StrCat("spill tier at ", options.path, ": ", std::string(what),
+                                " is durable in the synced WAL, but its flush into table files "
+                                "failed: ", s.ToString()));
+  }
+}
+
 RocksSpillTier::RocksSpillTier(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 RocksSpillTier::~RocksSpillTier() = default;
 
@@ -854,12 +926,16 @@ absl::StatusOr<std::unique_ptr<RocksSpillTier>> RocksSpillTier::Open(
   dbo.max_total_wal_size = uint64_t{256} << 20;
   dbo.bytes_per_sync = 1 << 20;
   // RocksDB's log goes to the event sink: a log file on the spill disk aborted the
-  // process when the disk filled (see the top of this file).
+  // process when the disk filled (see the top of this file). INFO while opening (the
+  // point-in-time recovery report), WARN afterwards.
   auto logger = std::make_shared<SinkLogger>(impl->reporter);
   dbo.info_log = logger;
-  dbo.info_log_level = rocksdb::InfoLogLevel::WARN_LEVEL;
+  dbo.info_log_level = rocksdb::InfoLogLevel::INFO_LEVEL;
   dbo.listeners.push_back(std::make_shared<ErrorListener>(impl->reporter));
   dbo.max_bgerror_resume_count = 0;  // the next write resumes instead (MaybeResume)
+  // WAL recovery (README.md "WAL recovery"): replay up to the first damaged record and
+  // stop there, the database as of that point in time; what was dropped is reported.
+  dbo.wal_recovery_mode = rocksdb::WALRecoveryMode::kPointInTimeRecovery;
   // atomic_flush stays off: in RocksDB 7.8 a failed atomic flush is not rolled back and the
   // next DB::Resume() waits for it forever (fixed upstream in rocksdb PR 11872).
   if (options.disk_faults) {
@@ -912,6 +988,7 @@ absl::StatusOr<std::unique_ptr<RocksSpillTier>> RocksSpillTier::Open(
   std::vector<rocksdb::ColumnFamilyHandle*> handles;
   rocksdb::DB* raw = nullptr;
   rocksdb::Status s = rocksdb::DB::Open(dbo, options.path, cfs, &handles, &raw);
+  if (!s.ok()) impl->reporter->OpenDone();  // reports a damaged WAL that failed the open too
   KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(s, absl::StrCat("open ", options.path)));
   impl->db.reset(raw);
   CfDeleter del{raw};
@@ -919,6 +996,9 @@ absl::StatusOr<std::unique_ptr<RocksSpillTier>> RocksSpillTier::Open(
   impl->meta_cf = CfHandle(handles[1], del);
   impl->factors_cf = CfHandle(handles[2], del);
   impl->values_cf = CfHandle(handles[3], del);
+
+  impl->reporter->OpenDone();
+  logger->SetInfoLogLevel(rocksdb::InfoLogLevel::WARN_LEVEL);
 
   KVSHADE_RETURN_IF_ERROR(impl->CheckFormat());
   if (options.drop_cache_segments_on_open) {
@@ -1040,6 +1120,7 @@ absl::Status RocksSpillTier::WriteSegment(const SegmentWrite& seg) {
                                         "put metadata"));
   if (im.options.sync_point) im.options.sync_point("commit");
   KVSHADE_RETURN_IF_ERROR(im.Commit(&batch, seg.durability, "commit segment"));
+  if (seg.durability == Durability::kDurable) im.FlushDurable("a durable segment");
   im.segments_written.fetch_add(1);
   im.bytes_written.fetch_add(total + meta_payload.size());
   return absl::OkStatus();
@@ -1083,6 +1164,7 @@ absl::Status RocksSpillTier::AddFactors(const SegmentId& id, absl::Span<const Fa
                                                   internal::MetaKey(id), internal::AsBytes(payload)),
                                         "put metadata"));
   KVSHADE_RETURN_IF_ERROR(im.Commit(&batch, meta.durability, "add factors"));
+  if (meta.durability == Durability::kDurable) im.FlushDurable("durable factors");
   im.bytes_written.fetch_add(total + payload.size());
   return absl::OkStatus();
 }
@@ -1166,6 +1248,7 @@ absl::Status RocksSpillTier::DeleteSegment(const SegmentId& id) {
   if (rocksdb::Status s = im.WriteLogged(wo, &batch); !s.ok()) {
     return im.WriteFailed(s, "delete segment");
   }
+  if (durability == Durability::kDurable) im.FlushDurable("a durable delete");
   im.segments_deleted.fetch_add(1);
   return absl::OkStatus();
 }
@@ -1210,6 +1293,9 @@ SpillStats RocksSpillTier::Stats() const {
   s.background_errors = r.background_errors.load();
   s.resumes = r.resumes.load();
   s.writes_stopped = r.writes_stopped.load();
+  s.unflushed_durable_writes = r.unflushed_durable_writes.load();
+  s.wal_damage_at_open = r.wal_damage_at_open.load();
+  s.wal_bytes_dropped_at_open = r.wal_bytes_dropped_at_open.load();
   return s;
 }
 

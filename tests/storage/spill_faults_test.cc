@@ -195,7 +195,7 @@ TEST(SpillTierFaults, FullDiskAnswersResourceExhaustedAndRecoversWhenSpaceReturn
 }
 
 // RocksDB 7.8's resume re-used the WAL writer of a failed write when the memtables were
-// empty, and that writer aborted the next write.
+// empty (a durable write flushes them), and that writer aborted the next write.
 TEST(SpillTierFaults, AFailedWalWriteWithEmptyMemtablesResumesOnANewWal) {
   TempDir dir;
   auto faults = std::make_shared<DiskFaults>();

@@ -89,6 +89,14 @@ struct SpillStats {
   uint64_t background_errors = 0;  // errors RocksDB reported (WAL, flush, compaction, MANIFEST)
   uint64_t resumes = 0;            // times writes were accepted again after such an error
   bool writes_stopped = false;     // RocksDB refuses writes now (reads are still served)
+  // Durable writes acknowledged while their records were in the synced WAL only (their
+  // flush into table files was skipped during a fault, or failed).
+  uint64_t unflushed_durable_writes = 0;
+  // What the last open found: damaged WAL regions (point-in-time recovery kept every
+  // record before the first one and dropped everything after it) and the bytes the WAL
+  // reader reported dropped.
+  uint64_t wal_damage_at_open = 0;
+  uint64_t wal_bytes_dropped_at_open = 0;
 };
 
 // A storage fault or a recovery loss, reported as it happens (README.md "Storage faults").
@@ -98,6 +106,7 @@ struct SpillEvent {
     kWritesStopped,    // RocksDB stopped accepting writes after an error (reads continue)
     kWritesResumed,    // writes are accepted again
     kBackgroundError,  // an error inside RocksDB (WAL, flush, compaction, MANIFEST)
+    kWalDamaged,       // at open: a damaged WAL; the records from the damage on were dropped
     kCorruptRecord,    // a record failed its checksum; it is never served
     kRocksLog,         // a RocksDB warning or error line (its own log goes here, not to disk)
   };
@@ -176,6 +185,11 @@ struct RocksSpillOptions {
   // each staged batch and "commit" just before the batch holding the metadata is written.
   // Crash tests use it to place a kill inside a write. Null in production.
   std::function<void(std::string_view point)> sync_point;
+  // After a durable write or delete is synced to the WAL, flush the memtables into table
+  // files before returning, so that an acknowledged durable record never lives in the WAL
+  // alone: a damaged WAL (its tail, or a flipped byte) then loses only writes that were in
+  // flight (README.md "WAL recovery"). Costs one small flush per durable write.
+  bool flush_durable_writes = true;
   // Free space kept for RocksDB's own flushes and compactions: a write is refused
   // (ResourceExhausted) unless its file system has its bytes (twice for a durable write:
   // WAL and table file), the memtables' and this much free, so that a filling disk stops
