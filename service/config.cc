@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -366,7 +367,11 @@ absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {
                     {"max_lease_ms", Scalar("limits.max_lease_ms", &l.max_lease_ms)},
                     {"max_layers", Scalar("limits.max_layers", &l.max_layers)},
                     {"max_head_dim", Scalar("limits.max_head_dim", &l.max_head_dim)},
-                    {"session_idle_ttl_s", Scalar("limits.session_idle_ttl_s", &l.session_idle_ttl_s)}});
+                    {"session_idle_ttl_s", Scalar("limits.session_idle_ttl_s", &l.session_idle_ttl_s)},
+                    {"stream_idle_timeout_ms",
+                     Scalar("limits.stream_idle_timeout_ms", &l.stream_idle_timeout_ms)},
+                    {"max_streams_per_tenant",
+                     Scalar("limits.max_streams_per_tenant", &l.max_streams_per_tenant)}});
              }},
             {"profile",
              [&](const YAML::Node& n) {
@@ -466,6 +471,19 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (l.max_head_dim == 0 || l.max_head_dim % 2 != 0) {
     return bad("limits.max_head_dim must be a positive even number, got ", l.max_head_dim);
   }
+  if (l.stream_idle_timeout_ms != 0 &&
+      (l.stream_idle_timeout_ms < 100 || l.stream_idle_timeout_ms > 86400000)) {
+    return bad("limits.stream_idle_timeout_ms must be 0 (never) or in [100, 86400000], got ",
+               l.stream_idle_timeout_ms);
+  }
+  if (l.max_streams_per_tenant > 65536) {
+    return bad("limits.max_streams_per_tenant must be <= 65536, got ", l.max_streams_per_tenant);
+  }
+  if (const uint32_t cap = GrpcThreadCap(c); cap != 0 && EffectiveMaxStreamsPerTenant(c) >= cap) {
+    return bad("limits.max_streams_per_tenant (", EffectiveMaxStreamsPerTenant(c),
+               ") must be below the gRPC thread cap (worker_threads, at least 4: ", cap,
+               "), or one tenant's idle streams can hold every thread");
+  }
   // Profile defaults
   const ProfileDefaults& p = c.profile;
   if (p.rank == 0 || p.rank % 8 != 0) return bad("profile.rank must be a positive multiple of 8, got ", p.rank);
@@ -526,12 +544,22 @@ std::string InsecureListenWarning(const ServerConfig& c) {
       "(tls.cert_file and tls.key_file; --tls-cert and --tls-key), or listen on 127.0.0.1");
 }
 
+uint32_t GrpcThreadCap(const ServerConfig& c) {
+  return c.worker_threads == 0 ? 0 : std::max<uint32_t>(c.worker_threads, 4);
+}
+
+uint32_t EffectiveMaxStreamsPerTenant(const ServerConfig& c) {
+  if (c.limits.max_streams_per_tenant != 0) return c.limits.max_streams_per_tenant;
+  const uint32_t cap = GrpcThreadCap(c);
+  return cap == 0 ? 64 : std::max<uint32_t>(cap / 2, 1);
+}
+
 std::string DescribeConfig(const ServerConfig& c) {
   std::set<std::string> tenants;
   for (const auto& [_, name] : c.tenant_tokens) tenants.insert(name);
   return absl::StrFormat(
       "listen=%s backend=%s device_budget=%d host_budget=%d spill=%s tls=%s mtls=%s tenants=[%s] "
-      "metrics=%s ucx=%s session_idle_ttl=%s",
+      "metrics=%s ucx=%s session_idle_ttl=%s streams_per_tenant=%d stream_idle_timeout=%s",
       c.listen, c.backend, c.device_budget_bytes, c.host_budget_bytes,
       c.spill_path.empty() ? "off" : c.spill_path, c.tls.cert_file.empty() ? "off" : "on",
       c.tls.require_client_cert ? "required" : (c.tls.client_ca_file.empty() ? "off" : "optional"),
@@ -539,7 +567,10 @@ std::string DescribeConfig(const ServerConfig& c) {
       c.metrics_port ? absl::StrCat(c.metrics_listen, ":", c.metrics_port) : "off",
       c.ucx.enable ? (c.ucx.transports.empty() ? std::string("auto") : c.ucx.transports)
                    : std::string("off"),
-      c.limits.session_idle_ttl_s ? absl::StrCat(c.limits.session_idle_ttl_s, "s") : std::string("off"));
+      c.limits.session_idle_ttl_s ? absl::StrCat(c.limits.session_idle_ttl_s, "s") : std::string("off"),
+      EffectiveMaxStreamsPerTenant(c),
+      c.limits.stream_idle_timeout_ms ? absl::StrCat(c.limits.stream_idle_timeout_ms, "ms")
+                                      : std::string("off"));
 }
 
 }  // namespace kvshade::service

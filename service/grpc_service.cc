@@ -2,7 +2,14 @@
 // status. Nothing else happens here (see grpc_service.h).
 #include "kvshade/service/grpc_service.h"
 
+#include <grpc/grpc.h>
+
 #include <chrono>
+#include <condition_variable>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "kvshade/service/engine.h"
@@ -37,6 +44,118 @@ grpc::Status Run(const ServiceDeps& deps, std::string_view method, grpc::ServerC
   if (!st.ok()) deps.metrics->Error(code);
   return ToGrpcStatus(st);
 }
+
+// Limits on Ingest streams (service/README.md "Limits on streams"). A gRPC Ingest stream
+// holds a sync-server thread for as long as it is open, so a client that opens streams and
+// sends nothing could take the whole pool (worker_threads) from everyone.
+
+// Ends idle streams: while a handler waits for the next message its call is armed with a
+// deadline, and one thread cancels the calls whose deadline passes with DEADLINE_EXCEEDED
+// and a message. A server-side cancel that carries a status goes to the client as the
+// call's status (like a server-side deadline); the blocked Read returns at once and the
+// thread goes back to the pool. Process-wide: one thread serves every service.
+class IdleStreamWatchdog {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  static IdleStreamWatchdog& Get() {
+    static IdleStreamWatchdog* w = new IdleStreamWatchdog();  // never destroyed: detached thread
+    return *w;
+  }
+
+  // Cancels `ctx`'s call at `deadline` with `message` unless disarmed first. `ctx` must stay
+  // valid until Disarm.
+  uint64_t Arm(grpc::ServerContext* ctx, Clock::time_point deadline, std::string message) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint64_t id = next_id_++;
+    armed_.emplace(id, Entry{ctx, deadline, std::move(message), false});
+    cv_.notify_one();
+    return id;
+  }
+
+  // True when the deadline had passed and the call was cancelled.
+  bool Disarm(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = armed_.find(id);
+    if (it == armed_.end()) return false;
+    const bool fired = it->second.fired;
+    armed_.erase(it);
+    return fired;
+  }
+
+ private:
+  struct Entry {
+    grpc::ServerContext* ctx;
+    Clock::time_point deadline;
+    std::string message;
+    bool fired;
+  };
+
+  IdleStreamWatchdog() { std::thread([this] { Loop(); }).detach(); }
+
+  void Loop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      auto earliest = Clock::time_point::max();
+      for (const auto& [id, e] : armed_) {
+        if (!e.fired) earliest = std::min(earliest, e.deadline);
+      }
+      if (earliest == Clock::time_point::max()) {
+        cv_.wait(lock);
+      } else {
+        cv_.wait_until(lock, earliest);
+      }
+      const auto now = Clock::now();
+      for (auto& [id, e] : armed_) {
+        if (e.fired || e.deadline > now) continue;
+        e.fired = true;
+        // Under mu_: Disarm (and so the handler's return) waits for this call.
+        grpc_call_cancel_with_status(e.ctx->c_call(), GRPC_STATUS_DEADLINE_EXCEEDED,
+                                     e.message.c_str(), nullptr);
+      }
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<uint64_t, Entry> armed_;
+  uint64_t next_id_ = 1;
+};
+
+// Open Ingest streams per (service, tenant), capped by limits.max_streams_per_tenant.
+class StreamSlot {
+ public:
+  StreamSlot(const void* service, std::string tenant, uint32_t cap)
+      : key_(service, std::move(tenant)) {
+    std::lock_guard<std::mutex> lock(Mu());
+    uint32_t& open = Open()[key_];
+    held_ = open < cap;
+    if (held_) ++open;
+    if (open == 0) Open().erase(key_);
+  }
+  ~StreamSlot() {
+    if (!held_) return;
+    std::lock_guard<std::mutex> lock(Mu());
+    auto it = Open().find(key_);
+    if (it != Open().end() && --it->second == 0) Open().erase(it);
+  }
+  StreamSlot(const StreamSlot&) = delete;
+  StreamSlot& operator=(const StreamSlot&) = delete;
+  bool held() const { return held_; }
+
+ private:
+  using Key = std::pair<const void*, std::string>;
+  static std::mutex& Mu() {
+    static std::mutex* mu = new std::mutex();
+    return *mu;
+  }
+  static std::map<Key, uint32_t>& Open() {
+    static auto* open = new std::map<Key, uint32_t>();
+    return *open;
+  }
+  Key key_;
+  bool held_ = false;
+};
 
 }  // namespace
 
@@ -105,8 +224,35 @@ grpc::Status KvShadeService::Ingest(grpc::ServerContext* ctx,
                                     v1::IngestResponse* resp) {
   return Run(deps_, "Ingest", ctx, resp,
              [&](const Tenant& t) -> absl::StatusOr<v1::IngestResponse> {
+               // Limits on streams (above): a slot of the tenant's, and an idle timeout on
+               // every wait for the next message.
+               const uint32_t cap = EffectiveMaxStreamsPerTenant(*deps_.config);
+               StreamSlot slot(this, t.name, cap);
+               if (!slot.held()) {
+                 return absl::ResourceExhaustedError(absl::StrCat(
+                     "Ingest: tenant '", t.name, "' already has ", cap,
+                     " open Ingest streams (limits.max_streams_per_tenant); finish or cancel "
+                     "one, or retry later"));
+               }
+               const uint32_t idle_ms = deps_.config->limits.stream_idle_timeout_ms;
+               const std::string idle_message = absl::StrCat(
+                   "Ingest: no message for ", idle_ms,
+                   " ms (limits.stream_idle_timeout_ms); the stream is ended and nothing "
+                   "was committed");
+               bool idle = false;
+               auto read = [&](v1::IngestRequest* msg) {
+                 if (idle_ms == 0) return reader->Read(msg);
+                 auto& watchdog = IdleStreamWatchdog::Get();
+                 const uint64_t armed = watchdog.Arm(
+                     ctx, IdleStreamWatchdog::Clock::now() + std::chrono::milliseconds(idle_ms),
+                     idle_message);
+                 const bool got = reader->Read(msg);
+                 idle = watchdog.Disarm(armed);
+                 return got && !idle;
+               };
                v1::IngestRequest msg;
-               if (!reader->Read(&msg)) {
+               if (!read(&msg)) {
+                 if (idle) return absl::DeadlineExceededError(idle_message);
                  return absl::InvalidArgumentError(
                      "Ingest: the stream is empty; the first message must be the header");
                }
@@ -114,9 +260,10 @@ grpc::Status KvShadeService::Ingest(grpc::ServerContext* ctx,
                if (!stream.ok()) return stream.status();
                // Every message up to the client's half-close: one after the commit fails
                // the stream (and so the commit) like any other bad message.
-               while (reader->Read(&msg)) {
+               while (read(&msg)) {
                  if (absl::Status st = (*stream)->Add(msg); !st.ok()) return st;
                }
+               if (idle) return absl::DeadlineExceededError(idle_message);
                if (ctx->IsCancelled()) {
                  return absl::CancelledError(
                      "Ingest: the client cancelled the stream; nothing was committed");

@@ -193,10 +193,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   const int max_msg = static_cast<int>(config.limits.max_message_bytes);
   builder.SetMaxReceiveMessageSize(max_msg);
   builder.SetMaxSendMessageSize(max_msg);
-  if (config.worker_threads > 0) {
+  if (GrpcThreadCap(config) > 0) {
     grpc::ResourceQuota quota("kvshade");
     // Sync-server threads; a floor of 4 keeps health checks answerable under load.
-    quota.SetMaxThreads(static_cast<int>(std::max<uint32_t>(config.worker_threads, 4)));
+    quota.SetMaxThreads(static_cast<int>(GrpcThreadCap(config)));
     builder.SetResourceQuota(quota);
   }
   builder.AddListeningPort(config.listen, *creds, &s->port_);

@@ -1,11 +1,16 @@
 // Integration: concurrency against the real server. Eight workers attached to one session
 // decode concurrently (each attachment keeps its own slot tables, so all eight must see
 // the same, deterministic answers as a single worker), and 100 sessions are created,
-// ingested, used and closed at once from several client threads.
+// ingested, used and closed at once from several client threads. Idle Ingest streams
+// cannot take the server's threads from everyone else (limits.stream_idle_timeout_ms,
+// limits.max_streams_per_tenant).
 #include <atomic>
+#include <chrono>
+#include <fstream>
 #include <set>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "harness.h"
 #include "kvshade/client/tensor.h"
@@ -159,6 +164,138 @@ TEST(Concurrency, HundredSessionsAtOnce) {
   for (int i = 0; i < kSessions; ++i) EXPECT_TRUE(status[i].ok()) << status[i];
   KV_ASSERT_OK_AND_ASSIGN(after, c->Stats());
   EXPECT_EQ(after.sessions(), 0u);
+  EXPECT_EQ(server.Stop(), 0) << server.log();
+}
+
+// One Ingest stream held open and idle by a client: opened, optionally with its header
+// sent, then nothing.
+struct IdleStream {
+  grpc::ClientContext ctx;
+  v1::IngestResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::IngestRequest>> writer;
+};
+
+std::unique_ptr<IdleStream> OpenIdleStream(v1::KvShade::Stub& stub, const std::string& session_id,
+                                           const std::string& token = "") {
+  auto s = std::make_unique<IdleStream>();
+  if (!token.empty()) s->ctx.AddMetadata("authorization", "Bearer " + token);
+  s->writer = stub.Ingest(&s->ctx, &s->resp);
+  if (!session_id.empty()) {
+    v1::IngestRequest header;
+    header.mutable_header()->set_session_id(session_id);
+    s->writer->Write(header);
+  }
+  return s;
+}
+
+// kvshade_rpc_total for Ingest with `code` (0 when absent).
+double IngestCount(const ServerProcess& server, const std::string& code) {
+  auto body = HttpGet(server.metrics_port(), "/metrics");
+  if (!body.ok()) return 0;
+  const std::string key = "kvshade_rpc_total{code=\"" + code + "\",method=\"Ingest\"} ";
+  const size_t at = body->find(key);
+  return at == std::string::npos ? 0 : std::atof(body->c_str() + at + key.size());
+}
+
+// The reported defect: with --worker-threads 8, one client holding 7 idle Ingest streams
+// made every other caller get RESOURCE_EXHAUSTED "Server Threadpool Exhausted". Now the
+// tenant's streams beyond max_streams_per_tenant (default with 8 threads: 4) are refused at
+// once, the others end after stream_idle_timeout_ms with DEADLINE_EXCEEDED, and other
+// callers are served throughout.
+TEST(Concurrency, IdleIngestStreamsCannotTakeTheThreadPool) {
+  TempDir dir;
+  const std::string config = dir.path() + "/limits.yaml";
+  std::ofstream(config) << "limits:\n  stream_idle_timeout_ms: 1500\n";
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({"--config", config, "--worker-threads", "8"}));
+  auto holder = server.Connect();
+  const synthetic::Document doc(SmallDoc(512));
+  std::vector<std::string> sessions;
+  for (int i = 0; i < 3; ++i) {
+    KV_ASSERT_OK_AND_ASSIGN(created, holder->CreateSession(synthetic::MakeCreate(doc, ShadowProfile(), i - 1)));
+    sessions.push_back(created.session_id());
+  }
+  auto stub = v1::KvShade::NewStub(holder->channel());
+  const auto opened = std::chrono::steady_clock::now();
+  std::vector<std::unique_ptr<IdleStream>> idle;
+  for (int i = 0; i < 7; ++i) idle.push_back(OpenIdleStream(*stub, i < 3 ? sessions[i] : ""));
+  // The three over the cap are refused as soon as they arrive.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (IngestCount(server, "RESOURCE_EXHAUSTED") < 3) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "streams over the cap were not refused";
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // Another caller is served while four streams sit idle.
+  auto other = server.Connect();
+  for (int i = 0; i < 20; ++i) {
+    KV_ASSERT_OK(other->Stats().status());
+    KV_ASSERT_OK(other->ListSessions().status());
+    KV_ASSERT_OK(other->GetSession(sessions[0]).status());
+  }
+  const synthetic::Document other_doc(SmallDoc(512, 8));
+  KV_ASSERT_OK_AND_ASSIGN(fresh, other->CreateSession(synthetic::MakeCreate(other_doc, ShadowProfile(), -1)));
+  // Every idle stream ends with a code and a message that say why.
+  int refused = 0, timed_out = 0;
+  for (auto& s : idle) {
+    const grpc::Status st = s->writer->Finish();  // no half-close: waits for the server
+    if (st.error_code() == grpc::StatusCode::RESOURCE_EXHAUSTED) {
+      ++refused;
+      EXPECT_TRUE(absl::StrContains(st.error_message(), "max_streams_per_tenant")) << st.error_message();
+    } else {
+      ++timed_out;
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED) << st.error_message();
+      EXPECT_TRUE(absl::StrContains(st.error_message(), "stream_idle_timeout_ms")) << st.error_message();
+    }
+  }
+  EXPECT_EQ(refused, 3);
+  EXPECT_EQ(timed_out, 4);
+  EXPECT_GE(std::chrono::steady_clock::now() - opened, std::chrono::milliseconds(1500));
+  // The idle streams committed nothing; their sessions (and the others) ingest normally now.
+  KV_ASSERT_OK_AND_ASSIGN(info, other->GetSession(sessions[0]));
+  EXPECT_EQ(info.state(), "ingesting");
+  KV_ASSERT_OK(synthetic::IngestRange(*other, doc, sessions[0], -1, 0, 512).status());
+  KV_ASSERT_OK(synthetic::IngestRange(*other, other_doc, fresh.session_id(), -1, 0, 512).status());
+  EXPECT_EQ(server.Stop(), 0) << server.log();
+}
+
+// The cap is per tenant: one tenant at its cap does not keep another from ingesting.
+TEST(Concurrency, TheStreamCapIsPerTenant) {
+  TempDir dir;
+  const std::string config = dir.path() + "/tenants.yaml";
+  std::ofstream(config) << "tenants:\n  - {name: alpha, token: alpha-token-1}\n"
+                           "  - {name: beta, token: beta-token-22}\n"
+                           "limits:\n  max_streams_per_tenant: 2\n  stream_idle_timeout_ms: 60000\n";
+  ServerProcess server;
+  client::ClientOptions alpha_options, beta_options;
+  alpha_options.bearer_token = "alpha-token-1";
+  beta_options.bearer_token = "beta-token-22";
+  KV_ASSERT_OK(server.Start({"--config", config, "--worker-threads", "8"}, alpha_options));
+  auto alpha = server.Connect(alpha_options);
+  auto beta = server.Connect(beta_options);
+  auto stub = v1::KvShade::NewStub(alpha->channel());
+  std::vector<std::unique_ptr<IdleStream>> idle;
+  for (int i = 0; i < 3; ++i) idle.push_back(OpenIdleStream(*stub, "", "alpha-token-1"));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (IngestCount(server, "RESOURCE_EXHAUSTED") < 1) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "alpha's third stream was not refused";
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // alpha is at its cap; beta ingests.
+  const synthetic::Document doc(SmallDoc(512));
+  KV_ASSERT_OK(CreateAndIngest(*beta, doc, ShadowProfile(), -1).status());
+  auto refused = CreateAndIngest(*alpha, doc, ShadowProfile(), 1);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+  // alpha's idle streams end when it cancels them; then it ingests too.
+  for (auto& s : idle) s->ctx.TryCancel();
+  for (auto& s : idle) s->writer->Finish();
+  const auto again = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  absl::Status st;
+  do {
+    st = CreateAndIngest(*alpha, doc, ShadowProfile(), 2).status();
+    if (st.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  } while (std::chrono::steady_clock::now() < again);
+  KV_ASSERT_OK(st);
   EXPECT_EQ(server.Stop(), 0) << server.log();
 }
 

@@ -35,6 +35,14 @@ struct LimitsConfig {
   // Sessions no call has touched for this long and with no live attachment are closed by
   // the engine's maintenance (durable ones with their record); 0 = never.
   uint32_t session_idle_ttl_s = 0;
+  // gRPC Ingest streams hold a server thread while open (service/README.md "Limits on
+  // streams"). A stream that sends no message for this long is ended with
+  // DEADLINE_EXCEEDED; 0 = never.
+  uint32_t stream_idle_timeout_ms = 30000;
+  // Open gRPC Ingest streams per tenant; one more gets RESOURCE_EXHAUSTED. 0 = automatic:
+  // half of the gRPC thread cap when worker_threads is set, else 64
+  // (EffectiveMaxStreamsPerTenant).
+  uint32_t max_streams_per_tenant = 0;
 };
 
 // Server-side defaults for every Profile field a request leaves at zero.
@@ -89,6 +97,12 @@ absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path);
 // Checks ranges and cross-field rules (TLS files readable, budgets non-zero, spill_path a
 // directory this process can create files in, or can create, ...).
 absl::Status ValidateConfig(const ServerConfig&);
+
+// The gRPC sync-server thread cap: worker_threads with a floor of 4; 0 when uncapped.
+uint32_t GrpcThreadCap(const ServerConfig& config);
+// limits.max_streams_per_tenant, or its automatic value when 0: half of GrpcThreadCap (at
+// least 1), or 64 without a cap.
+uint32_t EffectiveMaxStreamsPerTenant(const ServerConfig& config);
 
 // Helpers shared by the YAML loader and the command-line flags.
 // "8GiB", "512MiB", "64M", "1G", "4096" (bytes). K/M/G/T are powers of 1024 too.
