@@ -15,18 +15,11 @@
 #include <grpcpp/generic/generic_stub.h>
 
 #include "absl/strings/str_cat.h"
+#include "kvshade/base/file.h"
 #include "kvshade/client/tensor.h"
 
 namespace kvshade::client {
 namespace {
-
-absl::StatusOr<std::string> ReadFile(const std::string& path, std::string_view what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", std::string(what), " '", path, "'"));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 // Protobuf varint of a HealthCheckResponse.status (field 1). Unknown fields skipped.
 HealthStatus ParseHealthResponse(const std::string& bytes) {
@@ -105,7 +98,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   if (options.tls || !options.ca_file.empty() || !options.cert_file.empty()) {
     grpc::SslCredentialsOptions ssl;
     if (!options.ca_file.empty()) {
-      auto ca = ReadFile(options.ca_file, "CA file");
+      auto ca = base::ReadFile(options.ca_file, "CA file");
       if (!ca.ok()) return ca.status();
       ssl.pem_root_certs = *ca;
     }
@@ -113,9 +106,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
       return absl::InvalidArgumentError("client cert_file and key_file must be given together");
     }
     if (!options.cert_file.empty()) {
-      auto cert = ReadFile(options.cert_file, "client certificate");
+      auto cert = base::ReadFile(options.cert_file, "client certificate");
       if (!cert.ok()) return cert.status();
-      auto key = ReadFile(options.key_file, "client key");
+      auto key = base::ReadFile(options.key_file, "client key");
       if (!key.ok()) return key.status();
       ssl.pem_cert_chain = *cert;
       ssl.pem_private_key = *key;

@@ -17,7 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine_impl.h"
-#include "kvshade/kernels/status_macros.h"
+#include "kvshade/base/status_macros.h"
 
 namespace kvshade::service {
 namespace {

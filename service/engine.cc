@@ -18,7 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "engine_impl.h"
 #include "kvshade/kernels/pyramid.h"
-#include "kvshade/kernels/status_macros.h"
+#include "kvshade/base/status_macros.h"
 
 namespace kvshade::service {
 

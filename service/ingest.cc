@@ -38,7 +38,7 @@
 #include "engine_impl.h"
 #include "kvshade/kernels/pyramid.h"
 #include "kvshade/kernels/shadow_layer.h"
-#include "kvshade/kernels/status_macros.h"
+#include "kvshade/base/status_macros.h"
 
 namespace kvshade::service {
 

@@ -7,7 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kvshade/kernels/status_macros.h"
+#include "kvshade/base/status_macros.h"
 
 namespace kvshade::service {
 namespace {

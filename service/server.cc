@@ -21,6 +21,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kvshade/base/file.h"
 #include "kvshade/service/grpc_service.h"
 #include "kvshade/service/ucx_server.h"
 #include "kvshade/storage/spill_tier.h"
@@ -29,24 +30,16 @@
 namespace kvshade::service {
 namespace {
 
-absl::StatusOr<std::string> ReadFile(const std::string& path, std::string_view what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", std::string(what), " '", path, "'"));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(const TlsConfig& tls) {
   if (tls.cert_file.empty()) return grpc::InsecureServerCredentials();
-  auto cert = ReadFile(tls.cert_file, "tls.cert_file");
+  auto cert = base::ReadFile(tls.cert_file, "tls.cert_file");
   if (!cert.ok()) return cert.status();
-  auto key = ReadFile(tls.key_file, "tls.key_file");
+  auto key = base::ReadFile(tls.key_file, "tls.key_file");
   if (!key.ok()) return key.status();
   grpc_ssl_client_certificate_request_type request = GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE;
   std::string client_ca;
   if (!tls.client_ca_file.empty()) {
-    auto ca = ReadFile(tls.client_ca_file, "tls.client_ca_file");
+    auto ca = base::ReadFile(tls.client_ca_file, "tls.client_ca_file");
     if (!ca.ok()) return ca.status();
     client_ca = *std::move(ca);
     // With a CA configured a presented client certificate is always verified; mTLS

@@ -7,7 +7,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "range_allocator.h"
-#include "sync.h"
+#include "kvshade/base/sync.h"
 
 namespace kvshade::storage {
 
@@ -38,7 +38,7 @@ class ArenaPool {
   std::byte* base() const { return base_; }
 
   absl::StatusOr<std::pair<size_t, size_t>> Take(size_t bytes, ArenaKind kind) {
-    internal::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     std::optional<size_t> offset = ranges_.Allocate(bytes);
     if (!offset) {
       ++stats_.failed_allocations;
@@ -56,7 +56,7 @@ class ArenaPool {
   }
 
   void Give(size_t offset, size_t reserved, ArenaKind kind) {
-    internal::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     ranges_.Free(offset, reserved);
     stats_.used -= reserved;
     stats_.used_by_kind[int(kind)] -= reserved;
@@ -64,7 +64,7 @@ class ArenaPool {
   }
 
   ArenaStats Stats() const {
-    internal::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     ArenaStats s = stats_;
     s.capacity = ranges_.capacity();
     s.largest_free = ranges_.largest_free();
@@ -73,14 +73,14 @@ class ArenaPool {
   }
 
   size_t capacity() const {
-    internal::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     return ranges_.capacity();
   }
 
  private:
   kernels::Buffer buffer_;
   std::byte* base_ = nullptr;
-  mutable internal::Mutex mu_;
+  mutable base::Mutex mu_;
   RangeAllocator ranges_ ABSL_GUARDED_BY(mu_);
   ArenaStats stats_ ABSL_GUARDED_BY(mu_);
 };

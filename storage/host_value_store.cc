@@ -17,9 +17,9 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
-#include "kvshade/kernels/status_macros.h"
+#include "kvshade/base/status_macros.h"
 #include "range_allocator.h"
-#include "sync.h"
+#include "kvshade/base/sync.h"
 
 namespace kvshade::storage {
 namespace {
@@ -104,8 +104,8 @@ struct HostValueStore::Impl {
   // alignment padding) never exceeds this: budget + one slab (or the preallocation).
   size_t physical_cap = 0;
 
-  mutable internal::Mutex mu;
-  internal::CondVar cv;  // an entry left a busy state, or pins dropped
+  mutable base::Mutex mu;
+  base::CondVar cv;  // an entry left a busy state, or pins dropped
   absl::flat_hash_map<SegmentId, std::unique_ptr<Entry>> entries ABSL_GUARDED_BY(mu);
   std::list<Entry*> lru ABSL_GUARDED_BY(mu);  // resident sealed entries, most recent first
   std::vector<std::unique_ptr<Slab>> slabs ABSL_GUARDED_BY(mu);  // shared and dedicated in use
@@ -123,8 +123,8 @@ struct HostValueStore::Impl {
     std::vector<SegmentId> ids;
     std::function<void(absl::Status)> done;
   };
-  internal::Mutex job_mu;
-  internal::CondVar job_cv;
+  base::Mutex job_mu;
+  base::CondVar job_cv;
   std::deque<Job> jobs ABSL_GUARDED_BY(job_mu);
   bool stopping ABSL_GUARDED_BY(job_mu) = false;
   std::thread worker;
@@ -407,7 +407,7 @@ struct HostValueStore::Impl {
     for (;;) {
       Job job;
       {
-        internal::MutexLock lock(&job_mu);
+        base::MutexLock lock(&job_mu);
         while (!stopping && jobs.empty()) job_cv.Wait(&job_mu);
         if (jobs.empty()) return;  // stopping and drained
         job = std::move(jobs.front());
@@ -469,7 +469,7 @@ HostValueStore::HostValueStore(std::unique_ptr<Impl> impl) : impl_(std::move(imp
 HostValueStore::~HostValueStore() {
   if (impl_->worker.joinable()) {
     {
-      internal::MutexLock lock(&impl_->job_mu);
+      base::MutexLock lock(&impl_->job_mu);
       impl_->stopping = true;
     }
     impl_->job_cv.SignalAll();
@@ -498,7 +498,7 @@ absl::StatusOr<std::unique_ptr<HostValueStore>> HostValueStore::Create(
   impl->physical_cap = std::max(o.budget_bytes + o.slab_bytes, pre);
   impl->stats.budget_bytes = o.budget_bytes;
   {
-    internal::MutexLock lock(&impl->mu);
+    base::MutexLock lock(&impl->mu);
     while (impl->physical_bytes < pre) KVSHADE_RETURN_IF_ERROR(impl->AddSlab(true));
   }
   Impl* raw = impl.get();
@@ -516,7 +516,7 @@ absl::Status HostValueStore::Create(const SegmentId& id, const SegmentValueLayou
     return absl::InvalidArgumentError("HostValueStore::Create: layout sizes disagree with its codec");
   }
   Impl& im = *impl_;
-  internal::MutexLock lock(&im.mu);
+  base::MutexLock lock(&im.mu);
   if (im.entries.contains(id)) {
     return absl::AlreadyExistsError(absl::StrCat("host value store: segment ", id.ToHex(), " exists"));
   }
@@ -545,7 +545,7 @@ absl::Status HostValueStore::WriteLayer(const SegmentId& id, int layer,
   SegmentValueLayout l;
   Entry* e = nullptr;
   {
-    internal::MutexLock lock(&im.mu);
+    base::MutexLock lock(&im.mu);
     auto it = im.entries.find(id);
     if (it == im.entries.end()) {
       return absl::NotFoundError(absl::StrCat("host value store: no segment ", id.ToHex()));
@@ -578,7 +578,7 @@ absl::Status HostValueStore::WriteLayer(const SegmentId& id, int layer,
       std::memset(dst + c * l.chunk_stride + l.chunk_bytes, 0, l.chunk_stride - l.chunk_bytes);
     }
   }
-  internal::MutexLock lock(&im.mu);
+  base::MutexLock lock(&im.mu);
   --e->writers;
   im.cv.SignalAll();
   return absl::OkStatus();
@@ -586,7 +586,7 @@ absl::Status HostValueStore::WriteLayer(const SegmentId& id, int layer,
 
 absl::StatusOr<absl::Span<std::byte>> HostValueStore::MutableLayer(const SegmentId& id, int layer) {
   Impl& im = *impl_;
-  internal::MutexLock lock(&im.mu);
+  base::MutexLock lock(&im.mu);
   auto it = im.entries.find(id);
   if (it == im.entries.end()) {
     return absl::NotFoundError(absl::StrCat("host value store: no segment ", id.ToHex()));
@@ -606,7 +606,7 @@ absl::StatusOr<absl::Span<std::byte>> HostValueStore::MutableLayer(const Segment
 
 absl::Status HostValueStore::Seal(const SegmentId& id, const SealOptions& options) {
   Impl& im = *impl_;
-  internal::MutexLock lock(&im.mu);
+  base::MutexLock lock(&im.mu);
   Entry* e = im.FindStable(id);
   if (e == nullptr) return absl::NotFoundError(absl::StrCat("host value store: no segment ", id.ToHex()));
   if (e->state != State::kBuilding) {
@@ -651,7 +651,7 @@ absl::Status HostValueStore::Erase(const SegmentId& id) {
   Impl& im = *impl_;
   bool delete_from_tier = false;
   {
-    internal::MutexLock lock(&im.mu);
+    base::MutexLock lock(&im.mu);
     Entry* e = im.FindStable(id);
     if (e == nullptr) return absl::NotFoundError(absl::StrCat("host value store: no segment ", id.ToHex()));
     if (e->pins > 0) {
@@ -670,7 +670,7 @@ absl::Status HostValueStore::Erase(const SegmentId& id) {
 
 absl::StatusOr<SegmentPin> HostValueStore::Pin(const SegmentId& id) {
   Impl& im = *impl_;
-  internal::MutexLock lock(&im.mu);
+  base::MutexLock lock(&im.mu);
   for (;;) {
     Entry* e = im.FindStable(id);
     if (e == nullptr) return absl::NotFoundError(absl::StrCat("host value store: no segment ", id.ToHex()));
@@ -692,7 +692,7 @@ absl::StatusOr<SegmentPin> HostValueStore::Pin(const SegmentId& id) {
 }
 
 void HostValueStore::Unpin(SegmentPin::Entry* e) {
-  internal::MutexLock lock(&impl_->mu);
+  base::MutexLock lock(&impl_->mu);
   --e->pins;
   if (e->pins == 0) impl_->cv.SignalAll();
 }
@@ -771,7 +771,7 @@ void HostValueStore::Prefetch(std::vector<SegmentId> ids, std::function<void(abs
     return;
   }
   {
-    internal::MutexLock lock(&impl_->job_mu);
+    base::MutexLock lock(&impl_->job_mu);
     impl_->jobs.push_back(std::move(job));
   }
   impl_->job_cv.SignalAll();
@@ -779,7 +779,7 @@ void HostValueStore::Prefetch(std::vector<SegmentId> ids, std::function<void(abs
 
 absl::Status HostValueStore::Spill(const SegmentId& id) {
   Impl& im = *impl_;
-  internal::MutexLock lock(&im.mu);
+  base::MutexLock lock(&im.mu);
   Entry* e = im.FindStable(id);
   if (e == nullptr) return absl::NotFoundError(absl::StrCat("host value store: no segment ", id.ToHex()));
   if (e->state == State::kSpilled) return absl::OkStatus();
@@ -796,7 +796,7 @@ absl::StatusOr<std::vector<SegmentMeta>> HostValueStore::RestoreDurable() {
   if (im.spill == nullptr) return absl::FailedPreconditionError("RestoreDurable: no spill tier");
   KVSHADE_ASSIGN_OR_RETURN(std::vector<SegmentMeta> all, im.spill->ListSegments());
   std::vector<SegmentMeta> restored;
-  internal::MutexLock lock(&im.mu);
+  base::MutexLock lock(&im.mu);
   for (SegmentMeta& m : all) {
     if (m.durability != Durability::kDurable || im.entries.contains(m.id)) continue;
     auto e = std::make_unique<Entry>();
@@ -814,7 +814,7 @@ absl::StatusOr<std::vector<SegmentMeta>> HostValueStore::RestoreDurable() {
 }
 
 absl::StatusOr<SegmentUsage> HostValueStore::Usage(const SegmentId& id) const {
-  internal::MutexLock lock(&impl_->mu);
+  base::MutexLock lock(&impl_->mu);
   auto it = impl_->entries.find(id);
   if (it == impl_->entries.end()) {
     return absl::NotFoundError(absl::StrCat("host value store: no segment ", id.ToHex()));
@@ -833,7 +833,7 @@ absl::StatusOr<SegmentUsage> HostValueStore::Usage(const SegmentId& id) const {
 }
 
 HostStoreStats HostValueStore::Stats() const {
-  internal::MutexLock lock(&impl_->mu);
+  base::MutexLock lock(&impl_->mu);
   HostStoreStats s = impl_->stats;
   s.resident_bytes = impl_->resident_bytes;
   s.physical_bytes = impl_->physical_bytes;
@@ -849,7 +849,7 @@ HostStoreStats HostValueStore::Stats() const {
 }
 
 std::vector<SegmentId> HostValueStore::SegmentsByRecency() const {
-  internal::MutexLock lock(&impl_->mu);
+  base::MutexLock lock(&impl_->mu);
   std::vector<std::pair<uint64_t, SegmentId>> v;
   for (const auto& [id, e] : impl_->entries) v.emplace_back(e->last_access, id);
   std::sort(v.begin(), v.end());

@@ -11,7 +11,7 @@
 #define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
 #define XXH_STATIC_LINKING_ONLY  // XXH3_state_t on the stack
 #include "xxhash.h"
-#include "sync.h"
+#include "kvshade/base/sync.h"
 
 namespace kvshade::storage {
 namespace {
@@ -90,7 +90,7 @@ struct PrefixNode {
 };
 
 struct PrefixIndexState {
-  internal::Mutex mu;
+  base::Mutex mu;
   absl::flat_hash_map<SegmentId, std::unique_ptr<PrefixNode>> nodes ABSL_GUARDED_BY(mu);
   absl::flat_hash_map<PrefixKey, std::pair<PrefixNode*, int64_t>> keys ABSL_GUARDED_BY(mu);
   std::list<PrefixNode*> lru ABSL_GUARDED_BY(mu);  // most recent first
@@ -101,7 +101,7 @@ struct PrefixIndexState {
     lru.splice(lru.begin(), lru, n->lru_it);
   }
   void Release(const SegmentId& id) {
-    internal::MutexLock lock(&mu);
+    base::MutexLock lock(&mu);
     auto it = nodes.find(id);
     if (it != nodes.end() && it->second->info.refs > 0) --it->second->info.refs;
   }
@@ -157,7 +157,7 @@ absl::StatusOr<SegmentRef> PrefixIndex::Insert(const SegmentId& segment,
         first_block > 0 ? " needs a parent" : " cannot have a parent"));
   }
   auto& st = *state_;
-  internal::MutexLock lock(&st.mu);
+  base::MutexLock lock(&st.mu);
   if (st.nodes.contains(segment)) {
     return absl::AlreadyExistsError(absl::StrCat("PrefixIndex: segment ", segment.ToHex(), " is registered"));
   }
@@ -202,7 +202,7 @@ absl::StatusOr<SegmentRef> PrefixIndex::Insert(const SegmentId& segment,
 
 PrefixMatch PrefixIndex::Lookup(absl::Span<const PrefixKey> chain) {
   auto& st = *state_;
-  internal::MutexLock lock(&st.mu);
+  base::MutexLock lock(&st.mu);
   ++st.stats.lookups;
   PrefixMatch m;
   for (size_t b = chain.size(); b-- > 0;) {
@@ -231,7 +231,7 @@ PrefixMatch PrefixIndex::Lookup(absl::Span<const PrefixKey> chain) {
 
 absl::StatusOr<SegmentRef> PrefixIndex::Acquire(const SegmentId& segment) {
   auto& st = *state_;
-  internal::MutexLock lock(&st.mu);
+  base::MutexLock lock(&st.mu);
   auto it = st.nodes.find(segment);
   if (it == st.nodes.end()) {
     return absl::NotFoundError(absl::StrCat("PrefixIndex: no segment ", segment.ToHex()));
@@ -244,7 +244,7 @@ absl::StatusOr<SegmentRef> PrefixIndex::Acquire(const SegmentId& segment) {
 
 std::vector<PrefixSegmentInfo> PrefixIndex::Evict(size_t max_bytes) {
   auto& st = *state_;
-  internal::MutexLock lock(&st.mu);
+  base::MutexLock lock(&st.mu);
   std::vector<PrefixSegmentInfo> out;
   while (st.bytes > max_bytes) {
     internal::PrefixNode* victim = nullptr;
@@ -265,7 +265,7 @@ std::vector<PrefixSegmentInfo> PrefixIndex::Evict(size_t max_bytes) {
 std::optional<PrefixSegmentInfo> PrefixIndex::EvictOne(
     const std::function<bool(const PrefixSegmentInfo&)>& eligible) {
   auto& st = *state_;
-  internal::MutexLock lock(&st.mu);
+  base::MutexLock lock(&st.mu);
   for (auto it = st.lru.rbegin(); it != st.lru.rend(); ++it) {
     internal::PrefixNode* n = *it;
     if (n->info.refs != 0 || n->info.children != 0) continue;
@@ -280,7 +280,7 @@ std::optional<PrefixSegmentInfo> PrefixIndex::EvictOne(
 
 absl::Status PrefixIndex::Remove(const SegmentId& segment) {
   auto& st = *state_;
-  internal::MutexLock lock(&st.mu);
+  base::MutexLock lock(&st.mu);
   auto it = st.nodes.find(segment);
   if (it == st.nodes.end()) return absl::NotFoundError(absl::StrCat("PrefixIndex: no segment ", segment.ToHex()));
   const PrefixSegmentInfo& info = it->second->info;
@@ -295,7 +295,7 @@ absl::Status PrefixIndex::Remove(const SegmentId& segment) {
 
 std::optional<PrefixSegmentInfo> PrefixIndex::Info(const SegmentId& segment) const {
   auto& st = *state_;
-  internal::MutexLock lock(&st.mu);
+  base::MutexLock lock(&st.mu);
   auto it = st.nodes.find(segment);
   if (it == st.nodes.end()) return std::nullopt;
   return it->second->info;
@@ -303,7 +303,7 @@ std::optional<PrefixSegmentInfo> PrefixIndex::Info(const SegmentId& segment) con
 
 PrefixIndexStats PrefixIndex::Stats() const {
   auto& st = *state_;
-  internal::MutexLock lock(&st.mu);
+  base::MutexLock lock(&st.mu);
   PrefixIndexStats s = st.stats;
   s.segments = st.nodes.size();
   s.keys = st.keys.size();

@@ -40,11 +40,11 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kvshade/kernels/status_macros.h"
+#include "kvshade/base/status_macros.h"
 #include "kvshade/storage/fault_injection.h"
 #include "kvshade/storage/spill_tier.h"
 #include "record_format.h"
-#include "sync.h"
+#include "kvshade/base/sync.h"
 #include "rocksdb/cache.h"
 #include "rocksdb/convenience.h"
 #include "rocksdb/db.h"
@@ -549,7 +549,7 @@ struct RocksSpillTier::Impl {
   CfHandle default_cf, meta_cf, factors_cf, values_cf;
   // Serializes the metadata read-modify-write of WriteSegment / AddFactors / DeleteSegment,
   // and with it every write, resume and flush the tier issues.
-  internal::Mutex write_mu;
+  base::Mutex write_mu;
   std::chrono::steady_clock::time_point last_resume;  // guarded by write_mu
   rocksdb::Env* env = nullptr;                        // the DB's (DiskFaults' when set)
   uint64_t min_free = 0;                              // options.min_free_bytes, resolved
@@ -1059,7 +1059,7 @@ absl::Status RocksSpillTier::WriteSegment(const SegmentWrite& seg) {
   const std::string meta_payload = internal::EncodeMetaPayload(meta);
 
   Impl& im = *impl_;
-  internal::MutexLock lock(&im.write_mu);
+  base::MutexLock lock(&im.write_mu);
   {
     rocksdb::PinnableSlice existing;
     rocksdb::Status s =
@@ -1128,7 +1128,7 @@ absl::Status RocksSpillTier::WriteSegment(const SegmentWrite& seg) {
 
 absl::Status RocksSpillTier::AddFactors(const SegmentId& id, absl::Span<const FactorBlob> factors) {
   Impl& im = *impl_;
-  internal::MutexLock lock(&im.write_mu);
+  base::MutexLock lock(&im.write_mu);
   KVSHADE_ASSIGN_OR_RETURN(SegmentMeta meta, im.ReadMetaLocked(id));
   uint64_t total = 0;
   for (const FactorBlob& f : factors) {
@@ -1208,7 +1208,7 @@ absl::Status RocksSpillTier::ReadFactor(const SegmentId& id, int layer, FactorKi
 
 absl::Status RocksSpillTier::DeleteSegment(const SegmentId& id) {
   Impl& im = *impl_;
-  internal::MutexLock lock(&im.write_mu);
+  base::MutexLock lock(&im.write_mu);
   absl::StatusOr<SegmentMeta> meta = im.ReadMetaLocked(id);
   if (absl::IsNotFound(meta.status())) return absl::OkStatus();
   rocksdb::WriteBatch batch;
@@ -1301,7 +1301,7 @@ SpillStats RocksSpillTier::Stats() const {
 
 absl::Status RocksSpillTier::Flush() {
   Impl& im = *impl_;
-  internal::MutexLock lock(&im.write_mu);
+  base::MutexLock lock(&im.write_mu);
   KVSHADE_RETURN_IF_ERROR(im.CheckSpace(0, false, false, "flush"));
   im.MaybeResume();
   if (im.reporter->bg_error_active.load()) {

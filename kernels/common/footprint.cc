@@ -2,7 +2,7 @@
 #include "kvshade/kernels/footprint.h"
 
 #include "common/validate.h"
-#include "kvshade/kernels/status_macros.h"
+#include "kvshade/base/status_macros.h"
 #include "absl/strings/str_cat.h"
 
 namespace kvshade::kernels {

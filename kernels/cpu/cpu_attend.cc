@@ -8,7 +8,7 @@
 
 #include "common/validate.h"
 #include "cpu/cpu_backend.h"
-#include "kvshade/kernels/status_macros.h"
+#include "kvshade/base/status_macros.h"
 
 namespace kvshade::kernels {
 namespace {

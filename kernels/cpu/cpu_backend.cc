@@ -7,7 +7,7 @@
 
 
 #include "absl/strings/str_cat.h"
-#include "kvshade/kernels/status_macros.h"
+#include "kvshade/base/status_macros.h"
 #include "common/validate.h"
 #include "kvshade/kernels/shared_memory.h"
 

@@ -15,7 +15,7 @@
 #include "common/validate.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/cpu_codec_internal.h"
-#include "kvshade/kernels/status_macros.h"
+#include "kvshade/base/status_macros.h"
 
 namespace kvshade::kernels {
 namespace {

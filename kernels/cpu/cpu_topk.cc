@@ -12,7 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/validate.h"
 #include "cpu/cpu_backend.h"
-#include "kvshade/kernels/status_macros.h"
+#include "kvshade/base/status_macros.h"
 
 namespace kvshade::kernels {
 

@@ -27,7 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvshade/kernels/backend.h"
 #include "kvshade/kernels/rope.h"
-#include "kvshade/kernels/status_macros.h"
+#include "kvshade/base/status_macros.h"
 #include "kvshade/kernels/types.h"
 
 namespace kvshade::kernels::cuda {

@@ -13,7 +13,7 @@
 #include "cuda/cuda_backend_impl.h"
 #include "cuda/cuda_check.h"
 #include "kvshade/kernels/shared_memory.h"
-#include "kvshade/kernels/status_macros.h"
+#include "kvshade/base/status_macros.h"
 
 namespace kvshade::kernels {
 namespace {

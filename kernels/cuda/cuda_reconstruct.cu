@@ -40,7 +40,7 @@
 #include "cuda/cuda_backend_impl.h"
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_decode_common.cuh"
-#include "kvshade/kernels/status_macros.h"
+#include "kvshade/base/status_macros.h"
 
 namespace kvshade::kernels {
 namespace {

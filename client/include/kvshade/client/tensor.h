@@ -1,7 +1,7 @@
 // Inline tensors of the kvshade.v1 wire format (row-major, little-endian; see Tensor in
 // kvshade.proto) and the bf16 conversions clients need to build them. bf16 values are
-// carried as their raw 16 bits (uint16_t) so that the client does not depend on the
-// kernels library; the rounding (nearest even) matches kvshade::kernels::FloatToBf16.
+// carried as their raw 16 bits (uint16_t); the conversions are kvshade::base's, the same
+// ones the kernels use.
 #pragma once
 
 #include <cstdint>
@@ -9,25 +9,14 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvshade/base/bf16.h"
 #include "absl/types/span.h"
 #include "kvshade/v1/kvshade.pb.h"
 
 namespace kvshade::client {
 
-inline uint16_t FloatToBf16Bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-inline float Bf16BitsToFloat(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using base::Bf16BitsToFloat;
+using base::FloatToBf16Bits;
 
 std::vector<uint16_t> ToBf16Bits(absl::Span<const float> x);
 

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kvshade/base/bf16.h"
+
 namespace kvshade::kernels {
 
 // bfloat16 storage: the upper half of an IEEE-754 binary32. Layout-compatible with
@@ -21,20 +23,8 @@ struct fp16 {
 };
 static_assert(sizeof(bf16) == 2 && sizeof(fp16) == 2);
 
-inline float Bf16ToFloat(bf16 x) {
-  uint32_t u = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline bf16 FloatToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x40)};  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-  return bf16{static_cast<uint16_t>(u >> 16)};
-}
+inline float Bf16ToFloat(bf16 x) { return base::Bf16BitsToFloat(x.bits); }
+inline bf16 FloatToBf16(float f) { return bf16{base::FloatToBf16Bits(f)}; }
 
 inline float RoundToBf16(float f) { return Bf16ToFloat(FloatToBf16(f)); }
 
