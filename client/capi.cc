@@ -4,11 +4,13 @@
 // Nothing here throws or aborts: every entry point catches and reports.
 #include "kvshade/kvshade.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <exception>
 #include <future>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -16,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvshade/client/local_decoder.h"
 #include "kvshade/client/client.h"
+#include "kvshade/client/router.h"
 #include "kvshade/client/tensor.h"
 
 struct kvshade_client {
@@ -905,6 +908,51 @@ int kvshade_get_stats(kvshade_client* c, kvshade_stats* out) {
     out->prefix_hits = r->prefix_hits();
     out->chunks_selected = r->chunks_selected();
     out->chunk_hits = r->chunk_hits();
+    return Report(absl::OkStatus());
+  });
+}
+
+// --- Placement ---------------------------------------------------------------------------
+
+static_assert(KVSHADE_ROUTE_SEED == kvshade::client::kRouteSeed, "kvshade.h and router.h disagree");
+static_assert(KVSHADE_DEFAULT_ROUTE_PREFIX_TOKENS == kvshade::client::kDefaultRoutePrefixTokens,
+              "kvshade.h and router.h disagree");
+
+int kvshade_route_prefix_key(const char* model_id, const int32_t* token_ids, size_t n,
+                             uint32_t route_prefix_tokens, uint64_t* key) {
+  return Guard([&] {
+    if (model_id == nullptr || key == nullptr) return Bad("model_id and key must not be NULL");
+    if (token_ids == nullptr && n > 0) return Bad("token_ids is NULL with n > 0");
+    if (route_prefix_tokens == 0) route_prefix_tokens = kvshade::client::kDefaultRoutePrefixTokens;
+    *key = kvshade::client::RoutePrefixKey(model_id, absl::MakeConstSpan(token_ids, n), route_prefix_tokens);
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_rendezvous_weight(const char* endpoint_name, uint64_t key, uint64_t* weight) {
+  return Guard([&] {
+    if (endpoint_name == nullptr || weight == nullptr) return Bad("endpoint_name and weight must not be NULL");
+    *weight = kvshade::client::RendezvousWeight(endpoint_name, key);
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_rendezvous_rank(const char* const* names, size_t n, uint64_t key, size_t* order) {
+  return Guard([&] {
+    if (n == 0) return Report(absl::OkStatus());
+    if (names == nullptr || order == nullptr) return Bad("names and order must not be NULL");
+    std::vector<std::string> v;
+    v.reserve(n);
+    std::set<std::string> seen;
+    for (size_t i = 0; i < n; ++i) {
+      if (names[i] == nullptr) return Bad(absl::StrCat("names[", i, "] is NULL"));
+      v.emplace_back(names[i]);
+      if (!seen.insert(v.back()).second) {
+        return Bad(absl::StrCat("endpoint names must be unique, '", v.back(), "' appears twice"));
+      }
+    }
+    const std::vector<size_t> rank = kvshade::client::RendezvousRank(v, key);
+    std::copy(rank.begin(), rank.end(), order);
     return Report(absl::OkStatus());
   });
 }

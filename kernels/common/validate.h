@@ -38,6 +38,9 @@ absl::Status Kivi(size_t x, const KiviLayout& layout, size_t codes, size_t scale
 // Checks every item's pointers, segment count, k <= total chunks, r.
 absl::Status Select(const LayerShape& shape, int k, absl::Span<const SelectItem> items,
                     const Workspace& ws, size_t ws_needed);
+// Select's checks minus the query (AssignSlots does not read q).
+absl::Status AssignSlots(const LayerShape& shape, int k, absl::Span<const SelectItem> items,
+                         const Workspace& ws, size_t ws_needed);
 absl::Status Reconstruct(const LayerShape& shape, int C, int k, const RopeSpec& rope,
                          const ValueCodecSpec& codec, absl::Span<const ReconstructItem> items,
                          const Workspace& ws, size_t ws_needed);

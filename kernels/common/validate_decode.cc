@@ -135,6 +135,24 @@ absl::Status Select(const LayerShape& shape, int k, absl::Span<const SelectItem>
   return CheckWorkspace(kOp, ws, ws_needed);
 }
 
+absl::Status AssignSlots(const LayerShape& shape, int k, absl::Span<const SelectItem> items,
+                         const Workspace& ws, size_t ws_needed) {
+  constexpr std::string_view kOp = "AssignSlots";
+  KVSHADE_RETURN_IF_ERROR(Shape(shape));
+  if (k < 1) return Bad(kOp, absl::StrCat("k must be >= 1, got ", k));
+  for (size_t i = 0; i < items.size(); ++i) {
+    const SelectItem& it = items[i];
+    const std::string name = absl::StrCat("items[", i, "]");
+    if (it.slots == nullptr) return Bad(kOp, absl::StrCat(name, ".slots is null"));
+    if (it.selected == nullptr) return Bad(kOp, absl::StrCat(name, ".selected is null"));
+    if (it.miss_slot == nullptr) return Bad(kOp, absl::StrCat(name, ".miss_slot is null"));
+    if (it.miss_chunk == nullptr) return Bad(kOp, absl::StrCat(name, ".miss_chunk is null"));
+    if (it.miss_count == nullptr) return Bad(kOp, absl::StrCat(name, ".miss_count is null"));
+    KVSHADE_RETURN_IF_ERROR(CheckView(kOp, name, it.view, k));
+  }
+  return CheckWorkspace(kOp, ws, ws_needed);
+}
+
 absl::Status Reconstruct(const LayerShape& shape, int C, int k, const RopeSpec& rope,
                          const ValueCodecSpec& codec, absl::Span<const ReconstructItem> items,
                          const Workspace& ws, size_t ws_needed) {

@@ -88,6 +88,14 @@ class CpuBackend final : public Backend {
                               absl::Span<const SelectItem> items) const override;
   absl::Status Select(const LayerShape& shape, int k, absl::Span<const SelectItem> items,
                       Workspace ws, Stream) override;
+  size_t SelectExWorkspaceBytes(const LayerShape& shape, int k, const SelectOptions& options,
+                                absl::Span<const SelectItem> items) const override;
+  absl::Status SelectEx(const LayerShape& shape, int k, const SelectOptions& options,
+                        absl::Span<const SelectItem> items, Workspace ws, Stream) override;
+  size_t AssignSlotsWorkspaceBytes(const LayerShape& shape, int k,
+                                   absl::Span<const SelectItem> items) const override;
+  absl::Status AssignSlots(const LayerShape& shape, int k, absl::Span<const SelectItem> items,
+                           Workspace ws, Stream) override;
   size_t ReconstructWorkspaceBytes(const LayerShape& shape, int k,
                                    absl::Span<const ReconstructItem> items) const override;
   absl::Status Reconstruct(const LayerShape& shape, int C, int k, const RopeSpec& rope,

@@ -14,10 +14,18 @@
 //
 // Workspace, per item i and head hh (f32 words): s [total_i], tmp [total_i] (exp values,
 // then reused as the int32 candidate list), aux [4k] int32 (slot-diff scratch).
+//
+// SelectEx (SelectOptions in backend.h) runs the same scoring, keeps the best
+// max(candidates, k) chunks in two-stage mode and re-ranks them by MaxLogit (keys
+// reconstructed exactly as cpu_reconstruct.cc does, rounded to bf16, fp32 dots in channel
+// order), then cuts at the mass budget; workspace per (item, head): s, cand, m [total],
+// aux [4k], acc [d]. AssignSlots filters the caller's ids (range, static, repeats) and runs
+// the same slot diff.
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
+#include "absl/strings/str_cat.h"
 #include "common/validate.h"
 #include "cpu/cpu_backend.h"
 #include "kvshade/base/status_macros.h"
@@ -35,15 +43,15 @@ int64_t SafeTotalChunks(const SessionLayerView& view) {
 
 int64_t RowWords(int64_t total, int k) { return 2 * total + 4 * int64_t(k); }
 
-void SelectHead(const LayerShape& shape, int k, const SelectItem& item, int hh, float* s,
-                float* tmp, int32_t* aux) {
+// Landmark scores of one head: s[c] = max over the group of the per-query-head softmax
+// over the selectable chunks; NaN for excluded chunks, -inf for 0/0. tmp [total] scratch.
+void ScoreHead(const LayerShape& shape, const SelectItem& item, int hh, float* s, float* tmp) {
   const int h = shape.h, g = shape.g, d = shape.d;
   const SessionLayerView& view = item.view;
   const int total = view.total_chunks();
   const float scale = 1.0f / std::sqrt(float(d));
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-  // --- scores: softmax per query head over selectable chunks, max over the group ---
   // s[c] is NaN for excluded chunks (the marker) and starts at -inf for selectable ones;
   // tmp holds logits, then exp values.
   {
@@ -91,25 +99,27 @@ void SelectHead(const LayerShape& shape, int k, const SelectItem& item, int hh, 
       s[c] = std::max(s[c], p);
     }
   }
+}
 
-  // --- top-k over selectable chunks: (score desc, id asc) ---
-  int32_t* cand = reinterpret_cast<int32_t*>(tmp);
+// The selectable chunks (s not NaN) into cand, the best m first by (s desc, id asc).
+// Returns the number of selectable chunks.
+int RankByScore(const float* s, int total, int m, int32_t* cand) {
   int n_cand = 0;
   for (int c = 0; c < total; ++c) {
     if (!std::isnan(s[c])) cand[n_cand++] = c;
   }
-  const int kk = std::min(k, n_cand);
-  std::partial_sort(cand, cand + kk, cand + n_cand, [s](int32_t a, int32_t b) {
+  std::partial_sort(cand, cand + std::min(m, n_cand), cand + n_cand, [s](int32_t a, int32_t b) {
     return s[a] > s[b] || (s[a] == s[b] && a < b);
   });
-  int32_t* selected = item.selected + int64_t(hh) * k;
-  for (int i = 0; i < k; ++i) selected[i] = i < kk ? cand[i] : -1;
+  return n_cand;
+}
 
-  // --- slot diff ---
+// Slot diff of one head for the chosen chunks ids[0, kk) (distinct, any order); aux [3k].
+void SlotDiff(int k, const int32_t* ids, int kk, const SelectItem& item, int hh, int32_t* aux) {
   int32_t* sorted_sel = aux;         // [kk] ascending chunk ids
   int32_t* claimed = aux + k;        // [kk] 1 = hit
   int32_t* free_slots = aux + 2 * k; // ascending
-  std::copy(cand, cand + kk, sorted_sel);
+  std::copy(ids, ids + kk, sorted_sel);
   std::sort(sorted_sel, sorted_sel + kk);
   std::fill(claimed, claimed + kk, 0);
   int32_t* slots = item.slots + int64_t(hh) * k;
@@ -137,6 +147,112 @@ void SelectHead(const LayerShape& shape, int k, const SelectItem& item, int hh, 
   for (int i = n_miss; i < n_free; ++i) slots[free_slots[i]] = -1;
   for (int i = n_miss; i < k; ++i) miss_slot[i] = miss_chunk[i] = -1;
   item.miss_count[hh] = n_miss;
+}
+
+void SelectHead(const LayerShape& shape, int k, const SelectItem& item, int hh, float* s,
+                float* tmp, int32_t* aux) {
+  const int total = item.view.total_chunks();
+  ScoreHead(shape, item, hh, s, tmp);
+  int32_t* cand = reinterpret_cast<int32_t*>(tmp);
+  const int kk = std::min(k, RankByScore(s, total, k, cand));
+  int32_t* selected = item.selected + int64_t(hh) * k;
+  for (int i = 0; i < k; ++i) selected[i] = i < kk ? cand[i] : -1;
+  SlotDiff(k, cand, kk, item, hh, aux);
+}
+
+// Stage 2 score of chunk c of head hh: the max over its tokens and the group's query heads
+// of q . k_hat / sqrt(d), k_hat the bf16-rounded reconstructed post-RoPE key. acc [d].
+float MaxLogit(const LayerShape& shape, const SelectOptions& o, const RopeTable& table,
+               const SelectItem& item, int hh, int c, float* acc) {
+  const int g = shape.g, d = shape.d, C = o.C;
+  const SessionLayerView& view = item.view;
+  const int r = view.r;
+  int local = c, si = 0;
+  while (local >= view.segments[si].n_chunks) local -= view.segments[si++].n_chunks;
+  const SegmentView& seg = view.segments[si];
+  const bf16* b = view.b + int64_t(hh) * r * d;
+  const float scale = 1.0f / std::sqrt(float(d));
+  float best = -std::numeric_limits<float>::infinity();
+  for (int t = 0; t < C; ++t) {
+    const bf16* a = seg.a + (int64_t(local) * C + t) * r;
+    std::fill(acc, acc + d, 0.0f);
+    for (int x = 0; x < r; ++x) {
+      const float ax = Bf16ToFloat(a[x]);
+      const bf16* bx = b + int64_t(x) * d;
+      for (int ch = 0; ch < d; ++ch) acc[ch] += ax * Bf16ToFloat(bx[ch]);
+    }
+    ApplyRopeReference(table, o.rope.pairing, seg.first_position + int64_t(local) * C + t, acc, d);
+    for (int ch = 0; ch < d; ++ch) acc[ch] = Bf16ToFloat(FloatToBf16(acc[ch]));
+    for (int n = 0; n < g; ++n) {
+      const bf16* qv = item.q + int64_t(hh * g + n) * d;
+      float dot = 0.0f;
+      for (int ch = 0; ch < d; ++ch) dot += Bf16ToFloat(qv[ch]) * acc[ch];
+      const float logit = dot * scale;
+      if (!std::isnan(logit)) best = std::max(best, logit);
+    }
+  }
+  return best;
+}
+
+// Words of SelectEx's workspace row per (item, head): s [total], cand [total],
+// m [total], aux [4k], acc [d].
+int64_t RowWordsEx(int64_t total, int k, int d) { return 3 * total + 4 * int64_t(k) + d; }
+
+void SelectExHead(const LayerShape& shape, int k, const SelectOptions& o, const RopeTable* table,
+                  const SelectItem& item, int hh, float* row) {
+  const int total = item.view.total_chunks();
+  float* s = row;
+  int32_t* cand = reinterpret_cast<int32_t*>(row + total);
+  float* m = row + 2 * total;
+  int32_t* aux = reinterpret_cast<int32_t*>(row + 3 * total);
+  float* acc = row + 3 * total + 4 * k;
+  ScoreHead(shape, item, hh, s, m);  // m as scratch
+  const int stage1 = o.two_stage() ? std::max(o.candidates, k) : k;
+  const int n_sel = RankByScore(s, total, stage1, cand);
+  const int n_cand = std::min(stage1, n_sel);
+  // w: the mass estimate of cand[i], in rank order (after stage 2's re-ranking).
+  float* w = m;
+  if (o.two_stage()) {
+    // m indexed by chunk id: stage-2 scores of the candidates.
+    for (int i = 0; i < n_cand; ++i) m[cand[i]] = MaxLogit(shape, o, *table, item, hh, cand[i], acc);
+    std::sort(cand, cand + n_cand, [m](int32_t a, int32_t b) {
+      const bool na = std::isnan(m[a]), nb = std::isnan(m[b]);
+      if (na != nb) return nb;
+      if (!na && m[a] != m[b]) return m[a] > m[b];
+      return a < b;
+    });
+    if (o.top_p > 0.0f) {
+      // Softmax over the candidates of m, into s (indexed by chunk id; s is no longer needed).
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int i = 0; i < n_cand; ++i) mx = std::max(mx, m[cand[i]]);
+      float sum = 0.0f;
+      for (int i = 0; i < n_cand; ++i) {
+        const float e = mx == -std::numeric_limits<float>::infinity() ? 0.0f
+                                                                       : std::exp(m[cand[i]] - mx);
+        s[cand[i]] = e;
+        sum += e;
+      }
+      for (int i = 0; i < n_cand; ++i) s[cand[i]] = sum > 0.0f ? s[cand[i]] / sum : 0.0f;
+    }
+  }
+  (void)w;
+  int kk = std::min(k, n_cand);
+  if (o.top_p > 0.0f && kk > 0) {
+    float cum = 0.0f;
+    int n = kk;
+    for (int i = 0; i < kk; ++i) {
+      const float x = s[cand[i]];
+      cum += std::isfinite(x) && x > 0.0f ? x : 0.0f;
+      if (cum >= o.top_p) {
+        n = i + 1;
+        break;
+      }
+    }
+    kk = std::min(kk, std::max(n, o.min_k));
+  }
+  int32_t* selected = item.selected + int64_t(hh) * k;
+  for (int i = 0; i < k; ++i) selected[i] = i < kk ? cand[i] : -1;
+  SlotDiff(k, cand, kk, item, hh, aux);
 }
 
 }  // namespace
@@ -169,6 +285,124 @@ absl::Status CpuBackend::Select(const LayerShape& shape, int k,
     float* row = base + off + hh * RowWords(total, k);
     SelectHead(shape, k, items[i], hh, row, row + total,
                reinterpret_cast<int32_t*>(row + 2 * total));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace kvshade::kernels
+
+namespace kvshade::kernels {
+namespace {
+
+absl::Status CheckOptions(const LayerShape& shape, int k, const SelectOptions& o,
+                          absl::Span<const SelectItem> items) {
+  (void)shape;
+  if (o.candidates < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SelectEx: candidates must be >= 0, got ", o.candidates));
+  }
+  if (!(o.top_p >= 0.0f && o.top_p <= 1.0f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SelectEx: top_p must be in [0, 1], got ", o.top_p));
+  }
+  if (o.min_k < 0 || o.min_k > k) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("SelectEx: min_k must be in [0, k = ", k, "], got ", o.min_k));
+  }
+  if (!o.two_stage()) return absl::OkStatus();
+  if (o.C < 1) return absl::InvalidArgumentError(absl::StrCat("SelectEx: C must be >= 1, got ", o.C));
+  for (size_t i = 0; i < items.size(); ++i) {
+    const SessionLayerView& v = items[i].view;
+    if (v.b == nullptr || v.r < 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "SelectEx: items[", i, "].view needs the basis b and r >= 1 for two-stage selection"));
+    }
+    for (int s = 0; s < v.n_segments; ++s) {
+      if (v.segments[s].n_chunks > 0 && v.segments[s].a == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("SelectEx: items[", i, "].view.segments[", s,
+                         "].a is null (two-stage selection reconstructs keys)"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+size_t CpuBackend::SelectExWorkspaceBytes(const LayerShape& shape, int k,
+                                          const SelectOptions& options,
+                                          absl::Span<const SelectItem> items) const {
+  (void)options;
+  int64_t words = 0;
+  for (const SelectItem& it : items) {
+    words += int64_t(std::max(shape.h, 0)) *
+             RowWordsEx(SafeTotalChunks(it.view), std::max(k, 0), std::max(shape.d, 0));
+  }
+  return size_t(words) * sizeof(float);
+}
+
+absl::Status CpuBackend::SelectEx(const LayerShape& shape, int k, const SelectOptions& options,
+                                  absl::Span<const SelectItem> items, Workspace ws, Stream) {
+  KVSHADE_RETURN_IF_ERROR(validate::Select(shape, k, items, ws,
+                                           SelectExWorkspaceBytes(shape, k, options, items)));
+  KVSHADE_RETURN_IF_ERROR(CheckOptions(shape, k, options, items));
+  RopeTable table;
+  if (options.two_stage()) {
+    KVSHADE_ASSIGN_OR_RETURN(table, MakeRopeTable(options.rope, shape.d));
+  }
+  const int h = shape.h;
+  std::vector<int64_t> offs(items.size() + 1, 0);
+  for (size_t i = 0; i < items.size(); ++i) {
+    offs[i + 1] = offs[i] + int64_t(h) * RowWordsEx(SafeTotalChunks(items[i].view), k, shape.d);
+  }
+  float* base = static_cast<float*>(ws.data);
+  const int64_t pairs = int64_t(items.size()) * h;
+#pragma omp parallel for schedule(dynamic, 1) if (pairs > 1)
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t i = p / h;
+    const int hh = int(p % h);
+    const int64_t total = SafeTotalChunks(items[i].view);
+    SelectExHead(shape, k, options, &table, items[i], hh,
+                 base + offs[i] + hh * RowWordsEx(total, k, shape.d));
+  }
+  return absl::OkStatus();
+}
+
+size_t CpuBackend::AssignSlotsWorkspaceBytes(const LayerShape& shape, int k,
+                                             absl::Span<const SelectItem> items) const {
+  // Per (item, head): the filtered ids [k] and the slot-diff scratch [3k].
+  return items.size() * size_t(std::max(shape.h, 0)) * 4 * size_t(std::max(k, 0)) *
+         sizeof(int32_t);
+}
+
+absl::Status CpuBackend::AssignSlots(const LayerShape& shape, int k,
+                                     absl::Span<const SelectItem> items, Workspace ws, Stream) {
+  KVSHADE_RETURN_IF_ERROR(validate::AssignSlots(shape, k, items, ws,
+                                                AssignSlotsWorkspaceBytes(shape, k, items)));
+  const int h = shape.h;
+  int32_t* base = static_cast<int32_t*>(ws.data);
+  const int64_t pairs = int64_t(items.size()) * h;
+#pragma omp parallel for schedule(dynamic, 1) if (pairs > 1)
+  for (int64_t p = 0; p < pairs; ++p) {
+    const SelectItem& it = items[p / h];
+    const int hh = int(p % h);
+    int32_t* ids = base + p * 4 * k;
+    const int32_t* in = it.selected + int64_t(hh) * k;
+    const int total = it.view.total_chunks();
+    int n = 0;
+    for (int i = 0; i < k; ++i) {
+      const int32_t c = in[i];
+      if (c < 0 || c >= total) continue;
+      int local = c, si = 0;
+      while (local >= it.view.segments[si].n_chunks) local -= it.view.segments[si++].n_chunks;
+      const SegmentView& seg = it.view.segments[si];
+      if (seg.excluded != nullptr && seg.excluded[int64_t(hh) * seg.n_chunks + local] != 0) continue;
+      ids[n++] = c;
+    }
+    std::sort(ids, ids + n);
+    n = int(std::unique(ids, ids + n) - ids);
+    SlotDiff(k, ids, n, it, hh, ids + k);
   }
   return absl::OkStatus();
 }

@@ -703,19 +703,8 @@ int NextPow2(int x) {
   return p;
 }
 
-}  // namespace
-
-size_t CudaBackend::SelectWorkspaceBytes(const LayerShape& shape, int k,
-                                         absl::Span<const SelectItem> items) const {
-  (void)k;
-  return PlanSelect(shape, items, nullptr, nullptr, nullptr);
-}
-
-absl::Status CudaBackend::Select(const LayerShape& shape, int k, absl::Span<const SelectItem> items,
-                                 Workspace ws, Stream stream) {
-  KVSHADE_RETURN_IF_ERROR(
-      validate::Select(shape, k, items, ws, SelectWorkspaceBytes(shape, k, items)));
-  if (items.empty()) return absl::OkStatus();
+// Checks this backend's limits for Select at width k.
+absl::Status CheckSelectLimits(const LayerShape& shape, int k, absl::Span<const SelectItem> items) {
   const int h = shape.h, g = shape.g, d = shape.d;
   if (d % 16 != 0) {
     return absl::InvalidArgumentError(
@@ -742,9 +731,15 @@ absl::Status CudaBackend::Select(const LayerShape& shape, int k, absl::Span<cons
       }
     }
   }
-  KVSHADE_RETURN_IF_ERROR(cuda::UseDevice(device_));
-  const cudaStream_t st = cuda::ToCudaStream(stream);
+  return absl::OkStatus();
+}
 
+// Select's kernels over validated items (ws sized by PlanSelect); `out` receives the
+// item descriptors (workspace pointers) when given.
+absl::Status LaunchSelect(int device_, const LayerShape& shape, int k,
+                          absl::Span<const SelectItem> items, void* ws_data, cudaStream_t st,
+                          std::vector<SelectDesc>* out) {
+  const int h = shape.h, g = shape.g, d = shape.d;
   int sms = 0, optin = 0;
   KVSHADE_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_));
@@ -778,7 +773,7 @@ absl::Status CudaBackend::Select(const LayerShape& shape, int k, absl::Span<cons
 
   std::vector<SelectDesc> descs(items.size());
   SelectDesc* dev_descs = nullptr;
-  PlanSelect(shape, items, ws.data, &dev_descs, &descs);
+  PlanSelect(shape, items, ws_data, &dev_descs, &descs);
   int max_blocks = 1;
   for (size_t i = 0; i < items.size(); ++i) {
     const SelectItem& in = items[i];
@@ -829,6 +824,571 @@ absl::Status CudaBackend::Select(const LayerShape& shape, int k, absl::Span<cons
     KVSHADE_RETURN_IF_ERROR(
         LaunchTopK<512>(topk_grid, topk_smem, st, dev_descs, g, k, kpow2, smem_keys));
   }
+  if (out != nullptr) *out = std::move(descs);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+size_t CudaBackend::SelectWorkspaceBytes(const LayerShape& shape, int k,
+                                         absl::Span<const SelectItem> items) const {
+  (void)k;
+  return PlanSelect(shape, items, nullptr, nullptr, nullptr);
+}
+
+absl::Status CudaBackend::Select(const LayerShape& shape, int k, absl::Span<const SelectItem> items,
+                                 Workspace ws, Stream stream) {
+  KVSHADE_RETURN_IF_ERROR(
+      validate::Select(shape, k, items, ws, SelectWorkspaceBytes(shape, k, items)));
+  if (items.empty()) return absl::OkStatus();
+  KVSHADE_RETURN_IF_ERROR(CheckSelectLimits(shape, k, items));
+  KVSHADE_RETURN_IF_ERROR(cuda::UseDevice(device_));
+  return LaunchSelect(device_, shape, k, items, ws.data, cuda::ToCudaStream(stream), nullptr);
+}
+
+// ---------------------------------------------------------------------------------------
+// SelectEx and AssignSlots (SelectOptions in backend.h; the CPU reference is cpu_select.cc).
+//   Candidates per (item, head), m of them (row width `width`):
+//     - two-stage items whose total chunks <= candidates ("all" items): every selectable
+//       chunk (FillAllKernel), width = total;
+//     - every other item: Select's two kernels at k1 = max(candidates, k) (or k in one
+//       stage) into a scratch slot table, their `selected` rows being the candidates.
+//   Stage2Kernel (two stages): one warp per candidate reconstructs its C keys (fp32 sums,
+//     RoPE as the reference, bf16 rounding) and keeps the max of q . k / sqrt(d) over the
+//     tokens and the group: score [h, width].
+//   FinalKernel (block per item and head): in one stage the score is Select's landmark
+//     probability s (from the stage-1 logits and softmax partials); ranks the candidates by
+//     (score desc, id asc) with a bitonic sort in shared memory, cuts at the mass budget
+//     (thread 0 sums in rank order, as the CPU does), writes `selected`, and does the slot
+//     diff on thread 0 exactly as the CPU (sorted ids, binary search, first slot hits).
+//   Sums run in a different order than the CPU's, so ids whose scores tie to within fp32
+//   rounding can swap (the parity tests allow it). Limits: Select's, plus k1 <= 4096 and,
+//   for "all" items, total <= 16384 chunks (the shared-memory sort).
+namespace {
+
+constexpr int kMaxAllChunks = 16384;
+constexpr int kStage2Warps = 8;
+
+struct ExDesc {
+  DevView view;
+  const __nv_bfloat16* q;
+  int* cand;            // [h, width] candidate ids (-1 = none)
+  float* score;         // [h, width] stage-2 scores (two stages)
+  const float* logits;  // stage 1: [h, total, g] (one stage only)
+  const float2* partials;
+  int n_blocks;
+  int width;
+  int kpow2;            // >= width, power of two
+  int all;              // 1: candidates are every selectable chunk
+  int* slots;
+  int* selected;
+  int* miss_slot;
+  int* miss_chunk;
+  int* miss_count;
+};
+
+struct ExPlan {
+  ExDesc* dev_descs = nullptr;
+  std::vector<SelectItem> stage1;      // items that run Select's kernels (at width k1)
+  std::vector<size_t> stage1_index;    // their index in the batch
+  void* stage1_ws = nullptr;
+  size_t bytes = 0;
+};
+
+int ExK1(int k, const SelectOptions& o) { return o.two_stage() ? std::max(o.candidates, k) : k; }
+
+bool IsAll(const SelectOptions& o, int64_t total, int k) {
+  return o.two_stage() && total <= ExK1(k, o);
+}
+
+// Carves SelectEx's workspace; with base set, fills descs (host) and plan.
+size_t PlanSelectEx(const LayerShape& shape, int k, const SelectOptions& o,
+                    absl::Span<const SelectItem> items, void* base, std::vector<ExDesc>* descs,
+                    ExPlan* plan) {
+  const int64_t h = std::max(shape.h, 0);
+  const int k1 = ExK1(std::max(k, 0), o);
+  cuda::WorkspaceCarver c(base);
+  ExDesc* dd = c.Take<ExDesc>(items.size());
+  std::vector<SelectItem> s1;
+  std::vector<size_t> s1_index;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const int64_t total = cuda::SafeTotalChunks(items[i].view);
+    const bool all = IsAll(o, total, k);
+    const int64_t width = all ? total : k1;
+    int* cand = c.Take<int>(size_t(h * width));
+    float* score = o.two_stage() ? c.Take<float>(size_t(h * width)) : nullptr;
+    if (descs != nullptr) {
+      ExDesc& e = (*descs)[i];
+      e.cand = cand;
+      e.score = score;
+      e.width = static_cast<int>(width);
+      e.all = all ? 1 : 0;
+    }
+    if (!all) {
+      SelectItem si = items[i];
+      si.selected = cand;
+      si.slots = c.Take<int>(size_t(h * width));
+      si.miss_slot = c.Take<int>(size_t(h * width));
+      si.miss_chunk = c.Take<int>(size_t(h * width));
+      si.miss_count = c.Take<int>(size_t(h));
+      s1.push_back(si);
+      s1_index.push_back(i);
+    }
+  }
+  void* s1_ws = c.Take<std::byte>(PlanSelect(shape, s1, nullptr, nullptr, nullptr));
+  if (plan != nullptr) {
+    plan->dev_descs = dd;
+    plan->stage1 = std::move(s1);
+    plan->stage1_index = std::move(s1_index);
+    plan->stage1_ws = s1_ws;
+  }
+  return c.bytes();
+}
+
+// Block (item): cand[hh, c] = c for selectable chunks, -1 for static ones.
+__global__ void FillAllKernel(const ExDesc* __restrict__ descs, int h) {
+  const ExDesc& e = descs[blockIdx.x];
+  const DevView& v = e.view;
+  for (long long i = threadIdx.x; i < static_cast<long long>(h) * e.width; i += blockDim.x) {
+    const int hh = static_cast<int>(i / e.width), c = static_cast<int>(i % e.width);
+    const DevSegment& sg = v.seg[cuda::SegmentOf(v, c)];
+    const bool ex = sg.excluded != nullptr &&
+                    sg.excluded[static_cast<long long>(hh) * sg.n_chunks + (c - sg.begin)] != 0;
+    e.cand[i] = ex ? -1 : c;
+  }
+}
+
+// Grid (candidate groups, h, items); warp w scores candidate blockIdx.x*kStage2Warps + w.
+// Dynamic shared memory: kStage2Warps rows of d floats.
+__global__ void __launch_bounds__(32 * kStage2Warps)
+    Stage2Kernel(const ExDesc* __restrict__ descs, int g, int d, int C, float scale,
+                 const __grid_constant__ cuda::DeviceRope rope) {
+  extern __shared__ __align__(16) float rows[];
+  const ExDesc& e = descs[blockIdx.z];
+  const int hh = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int i = blockIdx.x * kStage2Warps + warp;
+  if (i >= e.width) return;
+  const long long at = static_cast<long long>(hh) * e.width + i;
+  const int c = e.cand[at];
+  if (c < 0) {
+    if (lane == 0) e.score[at] = __int_as_float(0x7fc00000);
+    return;
+  }
+  const DevView& v = e.view;
+  const DevSegment& sg = v.seg[cuda::SegmentOf(v, c)];
+  const int local = c - sg.begin, r = v.r;
+  const __nv_bfloat16* b = v.b + static_cast<long long>(hh) * r * d;
+  float* acc = rows + warp * d;
+  float best = -INFINITY;
+  for (int t = 0; t < C; ++t) {
+    const __nv_bfloat16* a = sg.a + (static_cast<long long>(local) * C + t) * r;
+    for (int ch = lane; ch < d; ch += 32) {
+      float x = 0.0f;
+      for (int j = 0; j < r; ++j) {
+        x = __fadd_rn(x, __fmul_rn(__bfloat162float(a[j]),
+                                    __bfloat162float(b[static_cast<long long>(j) * d + ch])));
+      }
+      acc[ch] = x;
+    }
+    __syncwarp();
+    const long long pos = sg.first_position + static_cast<long long>(local) * C + t;
+    for (int pr = lane; pr < rope.rotary_dim / 2; pr += 32) {
+      float cs, sn;
+      cuda::RopeCosSin(rope, pos, pr, &cs, &sn);
+      const int2 dims = cuda::RopePairDims(rope, pr);
+      cuda::RopeRotate(cs, sn, &acc[dims.x], &acc[dims.y]);
+    }
+    __syncwarp();
+    for (int n = 0; n < g; ++n) {
+      const __nv_bfloat16* qv = e.q + static_cast<long long>(hh * g + n) * d;
+      float part = 0.0f;
+      for (int ch = lane; ch < d; ch += 32) {
+        const float kv = __bfloat162float(__float2bfloat16_rn(acc[ch]));
+        part = __fadd_rn(part, __fmul_rn(__bfloat162float(qv[ch]), kv));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+      const float logit = part * scale;
+      if (!isnan(logit)) best = fmaxf(best, logit);
+    }
+    __syncwarp();
+  }
+  if (lane == 0) e.score[at] = best;
+}
+
+// Order-preserving bits of a float (NaN -> 0, below every number).
+__device__ __forceinline__ uint32_t FloatOrder(float x) {
+  if (isnan(x)) return 0u;
+  const uint32_t b = __float_as_uint(x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float OrderFloat(uint32_t k) {
+  const uint32_t b = (k & 0x80000000u) ? (k & 0x7fffffffu) : ~k;
+  return __uint_as_float(b);
+}
+
+// Ascending bitonic sort of n (power of two) u64 in shared memory, block-cooperative.
+__device__ void BitonicSortAsc(uint64_t* a, int n) {
+  for (int size = 2; size <= n; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      __syncthreads();
+      for (int i = threadIdx.x; i < n / 2; i += blockDim.x) {
+        const int lo = 2 * i - (i & (stride - 1));
+        const int hi = lo + stride;
+        const bool up = (lo & size) == 0;
+        const uint64_t x = a[lo], y = a[hi];
+        if ((x > y) == up) {
+          a[lo] = y;
+          a[hi] = x;
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// The CPU's slot diff (cpu_select.cc SlotDiff), run by one thread: ids[0, kk) ascending and
+// distinct; scratch claimed [kk], free_slots [k].
+__device__ void SlotDiffSerial(const int* ids, int kk, int k, int* slots, int* miss_slot,
+                               int* miss_chunk, int* miss_count, int* claimed, int* free_slots) {
+  for (int i = 0; i < kk; ++i) claimed[i] = 0;
+  int n_free = 0;
+  for (int slot = 0; slot < k; ++slot) {
+    const int c = slots[slot];
+    int lo = 0, hi = kk;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (ids[mid] < c)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    if (lo < kk && ids[lo] == c && !claimed[lo]) {
+      claimed[lo] = 1;
+    } else {
+      free_slots[n_free++] = slot;
+    }
+  }
+  int n_miss = 0;
+  for (int i = 0; i < kk; ++i) {
+    if (claimed[i]) continue;
+    const int slot = free_slots[n_miss];
+    slots[slot] = ids[i];
+    miss_slot[n_miss] = slot;
+    miss_chunk[n_miss] = ids[i];
+    ++n_miss;
+  }
+  for (int i = n_miss; i < n_free; ++i) slots[free_slots[i]] = -1;
+  for (int i = n_miss; i < k; ++i) miss_slot[i] = miss_chunk[i] = -1;
+  *miss_count = n_miss;
+}
+
+// Block (hh, item). Dynamic shared memory: keys [kpow2] u64, then ids [k], claimed [k],
+// free [k] int.
+__global__ void __launch_bounds__(256)
+    FinalKernel(const ExDesc* __restrict__ descs, int g, int k, int two_stage, float top_p,
+                int min_k, int max_pow2) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float s_m[kMaxG], s_z[kMaxG];
+  __shared__ int s_kk;
+  uint64_t* keys = reinterpret_cast<uint64_t*>(smem);
+  int* ids = reinterpret_cast<int*>(keys + max_pow2);
+  int* claimed = ids + k;
+  int* free_slots = claimed + k;
+  const ExDesc& e = descs[blockIdx.y];
+  const int hh = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int total = e.view.total;
+  if (!two_stage) {
+    // Each query head's softmax (max, sum) from Select's partials, as TopKKernel does.
+    if (warp < g) {
+      float m = -INFINITY, z = 0.0f;
+      const float2* part = e.partials + (static_cast<long long>(hh) * g + warp) * e.n_blocks;
+      for (int b = lane; b < e.n_blocks; b += 32) MergeSoftmax(m, z, part[b].x, part[b].y);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+        const float z2 = __shfl_xor_sync(0xffffffffu, z, o);
+        MergeSoftmax(m, z, m2, z2);
+      }
+      if (lane == 0) {
+        s_m[warp] = m;
+        s_z[warp] = z;
+      }
+    }
+    __syncthreads();
+  }
+  const int kpow2 = e.kpow2;
+  for (int i = tid; i < kpow2; i += blockDim.x) {
+    uint64_t key = 0;
+    if (i < e.width) {
+      const int c = e.cand[static_cast<long long>(hh) * e.width + i];
+      if (c >= 0) {
+        float sc;
+        if (two_stage) {
+          sc = e.score[static_cast<long long>(hh) * e.width + i];
+        } else {
+          // s = max over the group of exp(x - max) / sum, NaN -> -inf (the CPU's rule).
+          sc = -INFINITY;
+          const float* x = e.logits + (static_cast<long long>(hh) * total + c) * g;
+          for (int n = 0; n < g; ++n) {
+            const float mx = s_m[n];
+            float p = (mx == -INFINITY ? 0.0f : expf(x[n] - mx)) / s_z[n];
+            if (isnan(p)) p = -INFINITY;
+            sc = fmaxf(sc, p);
+          }
+        }
+        // Valid candidates rank above padding: the key is (order bits + 1) so that a NaN
+        // score (bits 0) still beats an empty entry (key 0).
+        key = (static_cast<uint64_t>(FloatOrder(sc)) + 1ull) << 32 |
+              (0xffffffffu - static_cast<uint32_t>(c));
+      }
+    }
+    keys[i] = ~key;  // ascending sort of ~key: best first
+  }
+  BitonicSortAsc(keys, kpow2);
+  if (tid == 0) {
+    int n_valid = 0;
+    while (n_valid < kpow2 && ~keys[n_valid] != 0ull) ++n_valid;
+    int kk = min(k, n_valid);
+    if (top_p > 0.0f && kk > 0) {
+      float mx = 0.0f, sum = 0.0f;
+      if (two_stage) {
+        mx = OrderFloat(static_cast<uint32_t>((~keys[0]) >> 32) - 1u);
+        for (int i = 0; i < n_valid; ++i) {
+          const float x = OrderFloat(static_cast<uint32_t>((~keys[i]) >> 32) - 1u);
+          sum += mx == -INFINITY ? 0.0f : expf(x - mx);
+        }
+      }
+      float cum = 0.0f;
+      int n = kk;
+      for (int i = 0; i < kk; ++i) {
+        const float x = OrderFloat(static_cast<uint32_t>((~keys[i]) >> 32) - 1u);
+        float w = x;
+        if (two_stage) w = sum > 0.0f ? (mx == -INFINITY ? 0.0f : expf(x - mx)) / sum : 0.0f;
+        cum += isfinite(w) && w > 0.0f ? w : 0.0f;
+        if (cum >= top_p) {
+          n = i + 1;
+          break;
+        }
+      }
+      kk = min(kk, max(n, min_k));
+    }
+    s_kk = kk;
+  }
+  __syncthreads();
+  const int kk = s_kk;
+  int* selected = e.selected + static_cast<long long>(hh) * k;
+  for (int i = tid; i < k; i += blockDim.x) {
+    selected[i] = i < kk ? static_cast<int>(0xffffffffu - static_cast<uint32_t>(~keys[i])) : -1;
+  }
+  __syncthreads();
+  // The chosen ids ascending, for the slot diff: reuse keys[0, pow2(kk)).
+  int p2 = 1;
+  while (p2 < kk) p2 <<= 1;
+  for (int i = tid; i < p2; i += blockDim.x) {
+    keys[i] = i < kk ? static_cast<uint64_t>(selected[i]) : ~0ull;
+  }
+  BitonicSortAsc(keys, p2);
+  for (int i = tid; i < kk; i += blockDim.x) ids[i] = static_cast<int>(keys[i]);
+  __syncthreads();
+  if (tid == 0) {
+    SlotDiffSerial(ids, kk, k, e.slots + static_cast<long long>(hh) * k,
+                   e.miss_slot + static_cast<long long>(hh) * k,
+                   e.miss_chunk + static_cast<long long>(hh) * k, e.miss_count + hh, claimed,
+                   free_slots);
+  }
+}
+
+// Block (hh, item): AssignSlots. Dynamic shared memory: keys [kpow2] u64, ids [k],
+// claimed [k], free [k] int.
+__global__ void __launch_bounds__(256)
+    AssignKernel(const ExDesc* __restrict__ descs, int k, int kpow2) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int s_n;
+  uint64_t* keys = reinterpret_cast<uint64_t*>(smem);
+  int* ids = reinterpret_cast<int*>(keys + kpow2);
+  int* claimed = ids + k;
+  int* free_slots = claimed + k;
+  const ExDesc& e = descs[blockIdx.y];
+  const int hh = blockIdx.x;
+  const DevView& v = e.view;
+  const int* in = e.selected + static_cast<long long>(hh) * k;
+  for (int i = threadIdx.x; i < kpow2; i += blockDim.x) {
+    uint64_t key = ~0ull;
+    if (i < k) {
+      const int c = in[i];
+      if (c >= 0 && c < v.total) {
+        const DevSegment& sg = v.seg[cuda::SegmentOf(v, c)];
+        const bool ex = sg.excluded != nullptr &&
+                        sg.excluded[static_cast<long long>(hh) * sg.n_chunks + (c - sg.begin)] != 0;
+        if (!ex) key = static_cast<uint64_t>(c);
+      }
+    }
+    keys[i] = key;
+  }
+  BitonicSortAsc(keys, kpow2);
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int i = 0; i < k && keys[i] != ~0ull; ++i) {
+      if (n > 0 && ids[n - 1] == static_cast<int>(keys[i])) continue;
+      ids[n++] = static_cast<int>(keys[i]);
+    }
+    s_n = n;
+    SlotDiffSerial(ids, n, k, e.slots + static_cast<long long>(hh) * k,
+                   e.miss_slot + static_cast<long long>(hh) * k,
+                   e.miss_chunk + static_cast<long long>(hh) * k, e.miss_count + hh, claimed,
+                   free_slots);
+  }
+}
+
+}  // namespace
+
+size_t CudaBackend::SelectExWorkspaceBytes(const LayerShape& shape, int k,
+                                           const SelectOptions& options,
+                                           absl::Span<const SelectItem> items) const {
+  return PlanSelectEx(shape, k, options, items, nullptr, nullptr, nullptr);
+}
+
+absl::Status CudaBackend::SelectEx(const LayerShape& shape, int k, const SelectOptions& options,
+                                   absl::Span<const SelectItem> items, Workspace ws,
+                                   Stream stream) {
+  KVSHADE_RETURN_IF_ERROR(validate::Select(shape, k, items, ws,
+                                           SelectExWorkspaceBytes(shape, k, options, items)));
+  if (options.candidates < 0 || !(options.top_p >= 0.0f && options.top_p <= 1.0f) ||
+      options.min_k < 0 || options.min_k > k || (options.two_stage() && options.C < 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SelectEx: options need candidates >= 0, top_p in [0, 1], min_k in [0, k = ", k,
+        "] and C >= 1 with two stages; got candidates ", options.candidates, ", top_p ",
+        options.top_p, ", min_k ", options.min_k, ", C ", options.C));
+  }
+  if (items.empty()) return absl::OkStatus();
+  const int h = shape.h, g = shape.g, d = shape.d;
+  const int k1 = ExK1(k, options);
+  KVSHADE_RETURN_IF_ERROR(CheckSelectLimits(shape, std::min(k1, kMaxK), items));
+  cuda::DeviceRope rope{};
+  if (options.two_stage()) {
+    KVSHADE_ASSIGN_OR_RETURN(rope, cuda::MakeDeviceRope(options.rope, d));
+  }
+  std::vector<ExDesc> descs(items.size());
+  ExPlan plan;
+  PlanSelectEx(shape, k, options, items, ws.data, &descs, &plan);
+  int max_pow2 = 1, max_width = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    ExDesc& e = descs[i];
+    const int total = items[i].view.total_chunks();
+    if (e.all && total > kMaxAllChunks) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "SelectEx: the CUDA backend scores at most ", kMaxAllChunks,
+          " chunks per head in one two-stage call, items[", i, "] has ", total));
+    }
+    if (!e.all && k1 > kMaxK) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "SelectEx: the CUDA backend keeps at most ", kMaxK, " stage-1 candidates, got ", k1));
+    }
+    if (options.two_stage() && (items[i].view.b == nullptr || items[i].view.r < 1)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("SelectEx: items[", i, "].view needs b and r >= 1 for two stages"));
+    }
+    e.view = cuda::MakeDevView(items[i].view);
+    e.q = cuda::AsNv(items[i].q);
+    e.slots = items[i].slots;
+    e.selected = items[i].selected;
+    e.miss_slot = items[i].miss_slot;
+    e.miss_chunk = items[i].miss_chunk;
+    e.miss_count = items[i].miss_count;
+    e.logits = nullptr;
+    e.partials = nullptr;
+    e.n_blocks = 0;
+    e.kpow2 = NextPow2(std::max(e.width, 1));
+    max_pow2 = std::max(max_pow2, e.kpow2);
+    max_width = std::max(max_width, e.width);
+  }
+  KVSHADE_RETURN_IF_ERROR(cuda::UseDevice(device_));
+  const cudaStream_t st = cuda::ToCudaStream(stream);
+  if (!plan.stage1.empty()) {
+    for (const SelectItem& si : plan.stage1) {
+      KVSHADE_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(si.slots, 0xff, size_t(h) * k1 * sizeof(int), st));
+    }
+    std::vector<SelectDesc> s1;
+    KVSHADE_RETURN_IF_ERROR(
+        LaunchSelect(device_, shape, k1, plan.stage1, plan.stage1_ws, st, &s1));
+    for (size_t j = 0; j < plan.stage1_index.size(); ++j) {
+      ExDesc& e = descs[plan.stage1_index[j]];
+      e.logits = s1[j].logits;
+      e.partials = s1[j].partials;
+      e.n_blocks = s1[j].n_blocks;
+    }
+  }
+  KVSHADE_RETURN_IF_ERROR(
+      cuda::StageDescriptors(descs.data(), static_cast<int>(descs.size()), plan.dev_descs, st));
+  const unsigned n_items = static_cast<unsigned>(items.size());
+  if (plan.stage1.size() < items.size()) {
+    FillAllKernel<<<n_items, 256, 0, st>>>(plan.dev_descs, h);
+    KVSHADE_CUDA_LAUNCH_CHECK();
+  }
+  if (options.two_stage()) {
+    const dim3 grid(cuda::CeilDiv(max_width, kStage2Warps), h, n_items);
+    const size_t smem = size_t(kStage2Warps) * d * sizeof(float);
+    Stage2Kernel<<<grid, 32 * kStage2Warps, smem, st>>>(
+        plan.dev_descs, g, d, options.C, 1.0f / std::sqrt(static_cast<float>(d)), rope);
+    KVSHADE_CUDA_LAUNCH_CHECK();
+  }
+  const size_t smem = size_t(max_pow2) * 8 + size_t(3) * k * sizeof(int);
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      FinalKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  FinalKernel<<<dim3(h, n_items), 256, smem, st>>>(plan.dev_descs, g, k,
+                                                    options.two_stage() ? 1 : 0, options.top_p,
+                                                    options.min_k, max_pow2);
+  KVSHADE_CUDA_LAUNCH_CHECK();
+  return absl::OkStatus();
+}
+
+size_t CudaBackend::AssignSlotsWorkspaceBytes(const LayerShape& shape, int k,
+                                              absl::Span<const SelectItem> items) const {
+  (void)shape;
+  (void)k;
+  cuda::WorkspaceCarver c(nullptr);
+  c.Take<ExDesc>(items.size());
+  return c.bytes();
+}
+
+absl::Status CudaBackend::AssignSlots(const LayerShape& shape, int k,
+                                      absl::Span<const SelectItem> items, Workspace ws,
+                                      Stream stream) {
+  KVSHADE_RETURN_IF_ERROR(validate::AssignSlots(shape, k, items, ws,
+                                                AssignSlotsWorkspaceBytes(shape, k, items)));
+  if (items.empty()) return absl::OkStatus();
+  if (k > kMaxK) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("AssignSlots: the CUDA backend supports k <= ", kMaxK, ", got k = ", k));
+  }
+  cuda::WorkspaceCarver c(ws.data);
+  ExDesc* dev = c.Take<ExDesc>(items.size());
+  std::vector<ExDesc> descs(items.size());
+  std::memset(static_cast<void*>(descs.data()), 0, descs.size() * sizeof(ExDesc));
+  for (size_t i = 0; i < items.size(); ++i) {
+    ExDesc& e = descs[i];
+    e.view = cuda::MakeDevView(items[i].view);
+    e.slots = items[i].slots;
+    e.selected = items[i].selected;
+    e.miss_slot = items[i].miss_slot;
+    e.miss_chunk = items[i].miss_chunk;
+    e.miss_count = items[i].miss_count;
+  }
+  KVSHADE_RETURN_IF_ERROR(cuda::UseDevice(device_));
+  const cudaStream_t st = cuda::ToCudaStream(stream);
+  KVSHADE_RETURN_IF_ERROR(
+      cuda::StageDescriptors(descs.data(), static_cast<int>(descs.size()), dev, st));
+  const int kpow2 = NextPow2(k);
+  const size_t smem = size_t(kpow2) * 8 + size_t(3) * k * sizeof(int);
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      AssignKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  AssignKernel<<<dim3(shape.h, static_cast<unsigned>(items.size())), 256, smem, st>>>(dev, k,
+                                                                                      kpow2);
+  KVSHADE_CUDA_LAUNCH_CHECK();
   return absl::OkStatus();
 }
 

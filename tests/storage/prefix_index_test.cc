@@ -1,5 +1,6 @@
 // Prefix keys and the prefix index: a golden vector (the README's scheme, so other
-// processes and languages can check themselves), the same keys in two processes, salts
+// processes and languages can check themselves) and the independent program behind it
+// (prefix_key_reference.c), the same keys in two processes, salts
 // and scope fields separating key spaces, longest-prefix lookup on shared and diverging
 // streams, and refcounts / parents blocking LRU eviction.
 #include "kvshade/storage/prefix_index.h"
@@ -7,8 +8,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
+#include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/test_util.h"
@@ -43,6 +48,65 @@ TEST(PrefixHasher, GoldenVector) {
   EXPECT_EQ(h->Root().ToHex(), "4814e32fc571f5a4ebaf85b94ef397a1");
   EXPECT_EQ(chain[0].ToHex(), "eb82f6444c94a58b9fb2fb33ee15df75");
   EXPECT_EQ(chain[1].ToHex(), "e386bc62c1ce8c8c4d0614179afdae17");
+}
+
+// Runs tests/storage/prefix_key_reference (the README's definition written again in C over
+// libxxhash alone) and returns the keys it prints, one hex key per element.
+std::vector<std::string> ReferenceKeys(uint32_t block, const PrefixScope& scope,
+                                       const std::vector<int32_t>& tokens) {
+  testing::TempDir dir;
+  const std::string in = dir.Sub("tokens"), out = dir.Sub("keys");
+  {
+    FILE* f = std::fopen(in.c_str(), "w");
+    EXPECT_NE(f, nullptr);
+    if (f == nullptr) return {};
+    for (int32_t t : tokens) std::fprintf(f, "%u\n", static_cast<uint32_t>(t));
+    std::fclose(f);
+  }
+  auto quote = [](const std::string& s) {
+    std::string q = "'";
+    for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+    return q + "'";
+  };
+  const std::string cmd = std::string(KVSHADE_PREFIX_KEY_REFERENCE) + " " + std::to_string(block) +
+                          " " + quote(scope.model_id) + " " + quote(scope.profile) + " " +
+                          quote(scope.tenant_salt) + " < " + in + " > " + out;
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
+  std::vector<std::string> keys;
+  FILE* f = std::fopen(out.c_str(), "r");
+  EXPECT_NE(f, nullptr);
+  if (f == nullptr) return keys;
+  char line[128];
+  while (std::fgets(line, sizeof(line), f) != nullptr) keys.emplace_back(line, std::strcspn(line, "\n"));
+  std::fclose(f);
+  return keys;
+}
+
+// The golden keys above are the independent program's, and it agrees with PrefixHasher on
+// random scopes (empty and non-ASCII fields, other block sizes) and random token ids.
+TEST(PrefixHasher, MatchesTheIndependentProgram) {
+  EXPECT_EQ(ReferenceKeys(4, Scope(), Iota(10)),
+            (std::vector<std::string>{"4814e32fc571f5a4ebaf85b94ef397a1", "eb82f6444c94a58b9fb2fb33ee15df75",
+                                      "e386bc62c1ce8c8c4d0614179afdae17"}));
+  auto rng = testing::Rng(17);
+  const std::vector<PrefixScope> scopes = {
+      Scope(), Scope(""), PrefixScope{"", "", ""},
+      PrefixScope{"Qwen/Qwen2-7B \xc3\xa9", "exact;C=16", "salt with spaces"}};
+  int compared = 0;
+  for (const PrefixScope& scope : scopes) {
+    for (uint32_t block : {1u, 7u, 256u}) {
+      std::vector<int32_t> tokens = RandomTokens(rng, int(block) * 3 + int(rng() % block));
+      tokens[0] = 0x7fffffff;  // the largest token id
+      auto h = PrefixHasher::Create(scope, block);
+      ASSERT_TRUE(h.ok()) << h.status();
+      std::vector<std::string> mine = {h->Root().ToHex()};
+      for (const PrefixKey& k : h->Chain(tokens)) mine.push_back(k.ToHex());
+      EXPECT_EQ(mine.size(), tokens.size() / block + 1);
+      EXPECT_EQ(ReferenceKeys(block, scope, tokens), mine) << scope.model_id << " B=" << block;
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, 12);
 }
 
 TEST(PrefixHasher, SameKeysInTwoProcesses) {

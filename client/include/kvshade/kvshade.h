@@ -366,6 +366,32 @@ typedef struct kvshade_stats {
 
 KVSHADE_API int kvshade_get_stats(kvshade_client* client, kvshade_stats* out);
 
+/* ---- Placement ------------------------------------------------------------------------
+ * The C++ Router's placement (client/include/kvshade/client/router.h), so that a runtime
+ * or a proxy in any language sends a prompt to the daemon that holds its prefix, exactly
+ * as the C++ Router would:
+ *   prefix key  = XXH3-64, seed KVSHADE_ROUTE_SEED, over the model id's bytes, one 0x00
+ *                 byte, then the first min(n, route_prefix_tokens) token ids as int32
+ *                 little-endian;
+ *   weight(e,k) = XXH3-64, seed XXH3-64(endpoint name, seed KVSHADE_ROUTE_SEED), over k
+ *                 as 8 bytes little-endian;
+ *   rank(k)     = the endpoints by decreasing weight (ties: lower name first); the first
+ *                 is the owner.
+ * These need no client and make no call. */
+#define KVSHADE_ROUTE_SEED 0x6B7673726F757465ull /* "kvsroute" */
+#define KVSHADE_DEFAULT_ROUTE_PREFIX_TOKENS 256
+
+/* The prefix key of a prompt. route_prefix_tokens 0 = KVSHADE_DEFAULT_ROUTE_PREFIX_TOKENS;
+ * token_ids may be NULL when n is 0. */
+KVSHADE_API int kvshade_route_prefix_key(const char* model_id, const int32_t* token_ids, size_t n,
+                                         uint32_t route_prefix_tokens, uint64_t* key);
+/* The rendezvous weight of one endpoint name for a key. */
+KVSHADE_API int kvshade_rendezvous_weight(const char* endpoint_name, uint64_t key, uint64_t* weight);
+/* order[0..n) = indices of names[0..n) by decreasing weight for key (order[0]: the owner).
+ * INVALID_ARGUMENT for a NULL or repeated name. */
+KVSHADE_API int kvshade_rendezvous_rank(const char* const* names, size_t n, uint64_t key,
+                                        size_t* order);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

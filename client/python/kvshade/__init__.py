@@ -8,6 +8,7 @@ numpy is required; torch is optional (kvshade.torch_hook needs it).
 """
 from .client import (AttachmentInfo, AttendFuture, Client, CreatedSession, Ingest, ModelSpec, Profile,
                      SelectFuture, SlotDelta, StaticSet, bf16_bits_to_f32, f32_to_bf16_bits, to_wire)
+from .routing import Placement
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition,
                      Internal, InvalidArgument, KvShadeError, NotFound, OutOfRange, PermissionDenied,
                      ResourceExhausted, Unauthenticated, Unavailable, Unimplemented, Unknown)

@@ -153,6 +153,9 @@ _SIGNATURES = {
     "kvshade_attend_future_wait": (ctypes.c_int, [_vp, _P(_f32)]),
     "kvshade_attend_future_free": (None, [_vp]),
     "kvshade_get_stats": (ctypes.c_int, [_vp, _P(Stats)]),
+    "kvshade_route_prefix_key": (ctypes.c_int, [_c_char_p, _P(_i32), _size_t, _u32, _P(_u64)]),
+    "kvshade_rendezvous_weight": (ctypes.c_int, [_c_char_p, _u64, _P(_u64)]),
+    "kvshade_rendezvous_rank": (ctypes.c_int, [_P(_c_char_p), _size_t, _u64, _P(_size_t)]),
 }
 
 

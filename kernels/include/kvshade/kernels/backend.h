@@ -105,6 +105,10 @@ struct FactorizeOptions {
   int rank = 160;             // multiple of 8, <= D; the rank used when energy_target == 0
   double energy_target = 0;   // in (0, 1]: adaptive rank, the smallest multiple of 8 whose
                               // captured energy reaches it, capped at `rank`
+  // 0: full eigendecomposition of the Gram matrix. q > 0: only the top `rank` eigenpairs,
+  // by q steps of block subspace iteration and a Rayleigh-Ritz step (kernels/common/
+  // subspace.h); eigenvalues past the top `rank` are then reported as 0.
+  int subspace_iterations = 0;
 };
 
 struct FactorizeResult {
@@ -168,6 +172,35 @@ struct SelectItem {
   int32_t* miss_slot = nullptr;
   int32_t* miss_chunk = nullptr;
   int32_t* miss_count = nullptr;
+};
+
+// Options of SelectEx (docs/ALGORITHM.md, "Selection options"). All off by default, which
+// makes SelectEx select exactly what Select selects (same order, same slot diff).
+//   candidates : two-stage selection when > 0 (and >= k). Stage 1 ranks the selectable chunks
+//                by landmark score as Select does and keeps the best min(candidates,
+//                selectable) per KV head; stage 2 scores each candidate c by
+//                  m[c] = max over its C tokens t and the g query heads n of
+//                         dot(q[n], bf16(RoPE(A[t] . B_h, pos_t))) / sqrt(d)
+//                (keys reconstructed as Reconstruct does them, fp32 dot) and re-ranks the
+//                candidates by (m desc, id asc), NaN last. candidates >= total chunks makes
+//                stage 2 score every selectable chunk: the oracle top-k of reconstructed keys.
+//   C, rope    : chunk size and RoPE of the view (stage 2 only).
+//   top_p      : mass budget when in (0, 1]: after ranking, each head keeps the shortest
+//                prefix whose estimated attention mass reaches top_p, at least min_k and at
+//                most k chunks (k is the cap and the slot-table width). The mass of a chunk
+//                is its landmark score s (Select's max over the group of the per-query-head
+//                softmax) in one stage, and softmax over the candidates of m in two stages;
+//                summed in rank order in fp32.
+//   min_k      : the floor of the mass budget, in [0, k].
+// A head that keeps fewer than k chunks has -1 in its trailing `selected` entries, and the
+// slots not needed end up empty (-1), as with fewer selectable chunks than k.
+struct SelectOptions {
+  int candidates = 0;
+  int C = 0;
+  RopeSpec rope;
+  float top_p = 0.0f;
+  int min_k = 0;
+  bool two_stage() const { return candidates > 0; }
 };
 
 // Output of reconstruction for one session: keys and values of the missed chunks.
@@ -374,6 +407,25 @@ class Backend {
   virtual absl::Status Select(const LayerShape& shape, int k,
                               absl::Span<const SelectItem> items, Workspace ws,
                               Stream stream = {}) = 0;
+  // Select with options (SelectOptions above): two-stage re-ranking and mass budgets, with
+  // the same outputs and slot diff as Select.
+  virtual size_t SelectExWorkspaceBytes(const LayerShape& shape, int k,
+                                        const SelectOptions& options,
+                                        absl::Span<const SelectItem> items) const = 0;
+  virtual absl::Status SelectEx(const LayerShape& shape, int k, const SelectOptions& options,
+                                absl::Span<const SelectItem> items, Workspace ws,
+                                Stream stream = {}) = 0;
+  // Model-native selection: the caller chose the chunks. Per item and KV head, `selected`
+  // [h, k] is an input: the chunk ids to attend, in any order, -1 entries ignored; ids
+  // outside [0, total_chunks), static for that head (excluded) or repeated are ignored too
+  // (callers that must refuse them check before). The slot diff is Select's (hits stay,
+  // misses in ascending chunk id fill the free slots in ascending slot order, unused slots
+  // become -1) and fills slots, miss_slot, miss_chunk and miss_count; `q` is not read.
+  virtual size_t AssignSlotsWorkspaceBytes(const LayerShape& shape, int k,
+                                           absl::Span<const SelectItem> items) const = 0;
+  virtual absl::Status AssignSlots(const LayerShape& shape, int k,
+                                   absl::Span<const SelectItem> items, Workspace ws,
+                                   Stream stream = {}) = 0;
   // Reconstructs the missed chunks: keys k_hat = A[token] . B_h, RoPE'd at each token's
   // absolute position; values decoded from the host-visible store (fused gather+decode).
   virtual absl::Status Reconstruct(const LayerShape& shape, int C, int k, const RopeSpec& rope,

@@ -1,0 +1,402 @@
+// SelectEx (two-stage selection, mass budgets) and AssignSlots (model-native selection) on
+// the CPU reference: defaults equal Select; two stages over every chunk equal a brute-force
+// double-precision oracle; on planted needles two stages never recall less than stage 1
+// alone; the mass budget against a reference cut, its floor and cap; caller-chosen ids
+// served exactly (slot diff and the reconstructed rows).
+#include <algorithm>
+#include <cmath>
+#include <set>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvshade/kernels/backend.h"
+#include "select_ex_util.h"
+#include "test_util.h"
+
+namespace kvshade::kernels {
+namespace {
+
+using testing::Cpu;
+using testing::ExOut;
+using testing::LowRankCase;
+using testing::MakeRng;
+using testing::OracleTopK;
+using testing::RandomLowRank;
+using testing::RunEx;
+
+std::set<int32_t> Row(const std::vector<int32_t>& v, int hh, int k) {
+  std::set<int32_t> s;
+  for (int i = 0; i < k; ++i)
+    if (v[size_t(hh) * k + i] >= 0) s.insert(v[size_t(hh) * k + i]);
+  return s;
+}
+
+double Recall(const std::set<int32_t>& got, const std::vector<int32_t>& oracle) {
+  if (oracle.empty()) return 1.0;
+  int hit = 0;
+  for (int32_t c : oracle) hit += got.count(c);
+  return double(hit) / double(oracle.size());
+}
+
+// Runs Select (the reference for default options) on the CPU for the same case.
+ExOut RunPlainSelect(Backend& be, const LowRankCase& c, int k, const std::vector<int32_t>& slots) {
+  // SelectEx with default options must equal Select: run Select through the same inputs by
+  // a SelectItem built like RunEx's.
+  const int h = c.shape.h;
+  ExOut out;
+  out.slots = slots;
+  out.selected.assign(size_t(h) * k, -7);
+  out.miss_slot.assign(size_t(h) * k, -7);
+  out.miss_chunk.assign(size_t(h) * k, -7);
+  out.miss_count.assign(h, -7);
+  SelectItem it;
+  it.view.n_segments = 1;
+  it.view.b = c.b.data();
+  it.view.r = c.r;
+  it.view.segments[0].n_chunks = c.n_chunks;
+  it.view.segments[0].first_position = c.first_position;
+  it.view.segments[0].landmarks = c.landmarks.data();
+  it.view.segments[0].excluded = c.excluded.data();
+  it.view.segments[0].a = c.a.data();
+  it.q = c.q.data();
+  it.slots = out.slots.data();
+  it.selected = out.selected.data();
+  it.miss_slot = out.miss_slot.data();
+  it.miss_chunk = out.miss_chunk.data();
+  it.miss_count = out.miss_count.data();
+  std::vector<SelectItem> items = {it};
+  auto ws = be.Allocate(be.SelectWorkspaceBytes(c.shape, k, items)).value();
+  EXPECT_TRUE(be.Select(c.shape, k, items, ws.workspace()).ok());
+  return out;
+}
+
+TEST(SelectEx, DefaultOptionsEqualSelectOverSteps) {
+  auto be = Cpu();
+  auto rng = MakeRng(1);
+  LowRankCase c = RandomLowRank(rng, {2, 3, 16}, 4, 8, 40, /*static_every=*/7);
+  const int k = 6;
+  std::vector<int32_t> a(2 * k, -1), b(2 * k, -1);
+  for (int step = 0; step < 4; ++step) {
+    ExOut x = RunEx(*be, c, k, nullptr, a);
+    ExOut y = RunPlainSelect(*be, c, k, b);
+    EXPECT_EQ(x.selected, y.selected) << "step " << step;
+    EXPECT_EQ(x.slots, y.slots);
+    EXPECT_EQ(x.miss_slot, y.miss_slot);
+    EXPECT_EQ(x.miss_chunk, y.miss_chunk);
+    EXPECT_EQ(x.miss_count, y.miss_count);
+    a = x.slots;
+    b = y.slots;
+    c.q = testing::RandomBf16(c.q.size(), rng, 1.0f);  // the next step's query
+  }
+}
+
+TEST(SelectEx, TwoStageOverEveryChunkIsTheBruteForceOracle) {
+  auto be = Cpu();
+  for (int seed = 0; seed < 4; ++seed) {
+    auto rng = MakeRng(100 + seed);
+    LowRankCase c = RandomLowRank(rng, {2, 2, 16}, 4, 16, 30, /*static_every=*/5);
+    const int k = 5;
+    SelectOptions o;
+    o.candidates = 1000;  // >= every chunk: stage 2 scores them all
+    o.C = c.C;
+    o.rope = c.rope;
+    ExOut x = RunEx(*be, c, k, &o, std::vector<int32_t>(2 * k, -1));
+    for (int hh = 0; hh < 2; ++hh) {
+      const std::vector<int32_t> want = OracleTopK(c, hh, k);
+      std::vector<int32_t> got(x.selected.begin() + hh * k, x.selected.begin() + (hh + 1) * k);
+      EXPECT_EQ(got, want) << "seed " << seed << " head " << hh;  // order too
+    }
+    // candidates == selectable count exactly is the same thing.
+    SelectOptions o2 = o;
+    o2.candidates = 24;  // 30 chunks, 6 static per head: 24 selectable
+    ExOut y = RunEx(*be, c, k, &o2, std::vector<int32_t>(2 * k, -1));
+    EXPECT_EQ(y.selected, x.selected);
+  }
+}
+
+// Needle chunks: one token strongly aligned with q among tokens pointing away, so that the
+// chunk mean is only slightly positive; decoys: every token moderately aligned (a higher
+// mean, a lower max); background: noise. Landmarks rank the decoys first; the oracle ranks
+// the needles first.
+LowRankCase Planted(std::mt19937_64& rng, int n_chunks, const std::vector<int>& needles,
+                    const std::vector<int>& decoys, int C = 4) {
+  LowRankCase c;
+  const int d = 16;
+  c.shape = {1, 1, d};
+  c.C = C;
+  c.r = d;
+  c.n_chunks = n_chunks;
+  c.first_position = 5;
+  c.rope.theta = 10000.0f;
+  c.b.assign(size_t(d) * d, bf16{});
+  for (int x = 0; x < d; ++x) c.b[size_t(x) * d + x] = FloatToBf16(1.0f);
+  c.q.assign(d, bf16{});
+  c.q[0] = FloatToBf16(4.0f);
+  std::normal_distribution<float> noise(0.0f, 0.1f);
+  const RopeTable table = MakeRopeTable(c.rope, d).value();
+  c.a.assign(size_t(n_chunks) * C * d, bf16{});
+  for (int j = 0; j < n_chunks; ++j) {
+    const bool needle = std::count(needles.begin(), needles.end(), j) > 0;
+    const bool decoy = std::count(decoys.begin(), decoys.end(), j) > 0;
+    const int hot = int(rng() % C);
+    for (int t = 0; t < C; ++t) {
+      std::vector<float> kp(d);
+      for (float& x : kp) x = noise(rng);
+      if (needle) kp[0] += t == hot ? 6.0f : -1.5f;
+      if (decoy) kp[0] += 1.5f;
+      // Pre-RoPE key: rotate back from the token's position.
+      ApplyRopeReference(table, c.rope.pairing, -(c.first_position + j * C + t), kp.data(), d);
+      for (int x = 0; x < d; ++x) c.a[(size_t(j) * C + t) * d + x] = FloatToBf16(kp[x]);
+    }
+  }
+  c.excluded.assign(n_chunks, 0);
+  testing::BuildLandmarks(c);
+  return c;
+}
+
+TEST(SelectEx, TwoStageFindsPlantedNeedlesThatLandmarksMiss) {
+  auto be = Cpu();
+  auto rng = MakeRng(7);
+  const std::vector<int> needles = {3, 17, 29, 41, 50, 58, 62, 70};
+  const std::vector<int> decoys = {1, 9, 22, 33, 44, 55, 66, 75};
+  LowRankCase c = Planted(rng, 80, needles, decoys);
+  const int k = 8;
+  const std::vector<int32_t> oracle = OracleTopK(c, 0, k);
+  EXPECT_EQ(std::set<int32_t>(oracle.begin(), oracle.end()),
+            std::set<int32_t>(needles.begin(), needles.end()));
+  ExOut one = RunEx(*be, c, k, nullptr, std::vector<int32_t>(k, -1));
+  SelectOptions o;
+  o.candidates = 4 * k;
+  o.C = c.C;
+  o.rope = c.rope;
+  ExOut two = RunEx(*be, c, k, &o, std::vector<int32_t>(k, -1));
+  EXPECT_EQ(Recall(Row(one.selected, 0, k), oracle), 0.0);  // landmarks pick the decoys
+  EXPECT_EQ(Recall(Row(two.selected, 0, k), oracle), 1.0);
+}
+
+TEST(SelectEx, TwoStageNeverRecallsLessThanStageOneOnPlantedCases) {
+  auto be = Cpu();
+  double sum1 = 0, sum2 = 0;
+  for (int seed = 0; seed < 12; ++seed) {
+    auto rng = MakeRng(200 + seed);
+    std::vector<int> ids(64);
+    for (int i = 0; i < 64; ++i) ids[i] = i;
+    std::shuffle(ids.begin(), ids.end(), rng);
+    const int n_needles = 2 + seed % 6, n_decoys = 2 + (seed * 5) % 9;
+    std::vector<int> needles(ids.begin(), ids.begin() + n_needles);
+    std::vector<int> decoys(ids.begin() + n_needles, ids.begin() + n_needles + n_decoys);
+    LowRankCase c = Planted(rng, 64, needles, decoys, 2 + seed % 3);
+    const int k = 4 + seed % 5;
+    const std::vector<int32_t> oracle = OracleTopK(c, 0, k);
+    ExOut one = RunEx(*be, c, k, nullptr, std::vector<int32_t>(k, -1));
+    for (int factor : {2, 4}) {
+      SelectOptions o;
+      o.candidates = factor * k;
+      o.C = c.C;
+      o.rope = c.rope;
+      ExOut two = RunEx(*be, c, k, &o, std::vector<int32_t>(k, -1));
+      const double r1 = Recall(Row(one.selected, 0, k), oracle);
+      const double r2 = Recall(Row(two.selected, 0, k), oracle);
+      EXPECT_GE(r2, r1) << "seed " << seed << " factor " << factor;
+      sum1 += r1;
+      sum2 += r2;
+    }
+  }
+  EXPECT_GT(sum2, sum1 + 1.0);  // and clearly better on the whole
+}
+
+// Reference cut of the mass budget over the landmark scores of one head, in double.
+int ReferenceMassCut(const LowRankCase& c, int hh, int k, double top_p, int min_k) {
+  const int h = c.shape.h, g = c.shape.g, d = c.shape.d;
+  std::vector<double> s(c.n_chunks, -INFINITY);
+  for (int n = 0; n < g; ++n) {
+    std::vector<double> x(c.n_chunks);
+    double mx = -INFINITY;
+    for (int j = 0; j < c.n_chunks; ++j) {
+      if (c.excluded[size_t(hh) * c.n_chunks + j]) continue;
+      double dot = 0;
+      for (int ch = 0; ch < d; ++ch)
+        dot += double(Bf16ToFloat(c.q[size_t(hh * g + n) * d + ch])) *
+               Bf16ToFloat(c.landmarks[(size_t(j) * h + hh) * d + ch]);
+      x[j] = dot / std::sqrt(double(d));
+      mx = std::max(mx, x[j]);
+    }
+    double z = 0;
+    for (int j = 0; j < c.n_chunks; ++j)
+      if (!c.excluded[size_t(hh) * c.n_chunks + j]) z += std::exp(x[j] - mx);
+    for (int j = 0; j < c.n_chunks; ++j)
+      if (!c.excluded[size_t(hh) * c.n_chunks + j]) s[j] = std::max(s[j], std::exp(x[j] - mx) / z);
+  }
+  std::vector<double> sorted;
+  for (int j = 0; j < c.n_chunks; ++j)
+    if (!c.excluded[size_t(hh) * c.n_chunks + j]) sorted.push_back(s[j]);
+  std::sort(sorted.rbegin(), sorted.rend());
+  const int kk = std::min<int>(k, int(sorted.size()));
+  double cum = 0;
+  int n = kk;
+  for (int i = 0; i < kk; ++i) {
+    cum += sorted[i];
+    if (cum >= top_p) {
+      n = i + 1;
+      break;
+    }
+  }
+  return std::min(kk, std::max(n, min_k));
+}
+
+int Count(const std::vector<int32_t>& v, int hh, int k) {
+  int n = 0;
+  for (int i = 0; i < k; ++i) n += v[size_t(hh) * k + i] >= 0;
+  return n;
+}
+
+TEST(SelectEx, MassBudgetCutsWhereTheReferenceDoes) {
+  auto be = Cpu();
+  for (int seed = 0; seed < 6; ++seed) {
+    auto rng = MakeRng(300 + seed);
+    LowRankCase c = RandomLowRank(rng, {2, 2, 16}, 4, 8, 48, /*static_every=*/6);
+    // Sharpen the query so that the mass concentrates on a few chunks.
+    for (bf16& x : c.q) x = FloatToBf16(Bf16ToFloat(x) * 4.0f);
+    const int k = 16;
+    ExOut full = RunEx(*be, c, k, nullptr, std::vector<int32_t>(2 * k, -1));
+    for (double p : {0.3, 0.6, 0.9}) {
+      for (int min_k : {0, 3}) {
+        SelectOptions o;
+        o.top_p = float(p);
+        o.min_k = min_k;
+        ExOut x = RunEx(*be, c, k, &o, std::vector<int32_t>(2 * k, -1));
+        for (int hh = 0; hh < 2; ++hh) {
+          const int want = ReferenceMassCut(c, hh, k, p, min_k);
+          EXPECT_EQ(Count(x.selected, hh, k), want) << "seed " << seed << " p " << p;
+          // The kept chunks are the prefix of the fixed-k ranking.
+          for (int i = 0; i < want; ++i) EXPECT_EQ(x.selected[hh * k + i], full.selected[hh * k + i]);
+          EXPECT_EQ(x.miss_count[hh], want);  // from an empty table: every kept chunk misses
+        }
+      }
+    }
+  }
+}
+
+TEST(SelectEx, MassBudgetFloorAndCap) {
+  auto be = Cpu();
+  auto rng = MakeRng(400);
+  LowRankCase c = RandomLowRank(rng, {1, 1, 16}, 4, 8, 40);
+  const int k = 10;
+  SelectOptions o;
+  o.top_p = 1e-6f;  // the first chunk reaches it: the floor decides
+  o.min_k = 4;
+  EXPECT_EQ(Count(RunEx(*be, c, k, &o, std::vector<int32_t>(k, -1)).selected, 0, k), 4);
+  o.min_k = 0;
+  EXPECT_EQ(Count(RunEx(*be, c, k, &o, std::vector<int32_t>(k, -1)).selected, 0, k), 1);
+  o.top_p = 1.0f;  // never reached by 10 of 40 chunks: the cap decides
+  EXPECT_EQ(Count(RunEx(*be, c, k, &o, std::vector<int32_t>(k, -1)).selected, 0, k), k);
+  // Slots a shorter cut leaves unused are emptied.
+  ExOut full = RunEx(*be, c, k, nullptr, std::vector<int32_t>(k, -1));
+  o.top_p = 1e-6f;
+  o.min_k = 2;
+  ExOut cut = RunEx(*be, c, k, &o, full.slots);
+  int filled = 0;
+  for (int32_t s : cut.slots) filled += s >= 0;
+  EXPECT_EQ(filled, 2);
+  EXPECT_EQ(cut.miss_count[0], 0);  // both kept chunks were already in slots
+  // Two stages with a budget: the softmax over the candidates' max logits.
+  SelectOptions t;
+  t.candidates = 40;
+  t.C = c.C;
+  t.rope = c.rope;
+  t.top_p = 1e-6f;
+  t.min_k = 3;
+  ExOut ts = RunEx(*be, c, k, &t, std::vector<int32_t>(k, -1));
+  EXPECT_EQ(Count(ts.selected, 0, k), 3);
+  const std::vector<int32_t> oracle = OracleTopK(c, 0, 3);
+  EXPECT_EQ(std::vector<int32_t>(ts.selected.begin(), ts.selected.begin() + 3), oracle);
+}
+
+TEST(SelectEx, RejectsBadOptions) {
+  auto be = Cpu();
+  auto rng = MakeRng(500);
+  LowRankCase c = RandomLowRank(rng, {1, 1, 16}, 4, 8, 20);
+  absl::Status st;
+  SelectOptions o;
+  o.top_p = 1.5f;
+  RunEx(*be, c, 4, &o, std::vector<int32_t>(4, -1), nullptr, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  o = {};
+  o.min_k = 5;
+  RunEx(*be, c, 4, &o, std::vector<int32_t>(4, -1), nullptr, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  o = {};
+  o.candidates = 8;  // two stages need C
+  RunEx(*be, c, 4, &o, std::vector<int32_t>(4, -1), nullptr, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(AssignSlots, ServesTheGivenChunksExactly) {
+  auto be = Cpu();
+  auto rng = MakeRng(600);
+  LowRankCase c = RandomLowRank(rng, {2, 1, 16}, 4, 8, 48, /*static_every=*/8);
+  const int k = 4;
+  // Head 0: T3's vector with 41 for 40 (chunks 0, 8, .. 40 are static for head 0).
+  std::vector<int32_t> slots = {10, 20, 30, 41, -1, -1, -1, -1};
+  std::vector<int32_t> given = {41, 5, 20, 7,
+                                // head 1: a static chunk (chunk 1 is static for head 1), a
+                                // repeat and an id out of range: only 12 counts
+                                12, 1, 12, 99};
+  ExOut x = RunEx(*be, c, k, nullptr, slots, &given);
+  EXPECT_EQ(std::vector<int32_t>(x.slots.begin(), x.slots.begin() + 4),
+            (std::vector<int32_t>{5, 20, 7, 41}));
+  EXPECT_EQ(x.miss_count[0], 2);
+  EXPECT_EQ(std::vector<int32_t>(x.miss_slot.begin(), x.miss_slot.begin() + 2),
+            (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(std::vector<int32_t>(x.miss_chunk.begin(), x.miss_chunk.begin() + 2),
+            (std::vector<int32_t>{5, 7}));
+  EXPECT_EQ(std::vector<int32_t>(x.slots.begin() + 4, x.slots.end()),
+            (std::vector<int32_t>{12, -1, -1, -1}));
+  EXPECT_EQ(x.miss_count[1], 1);
+
+  // The misses reconstruct to the given chunks' keys in their slots.
+  const int h = 2, d = 16, C = c.C;
+  std::vector<bf16> keys(size_t(h) * k * C * d, FloatToBf16(-9.0f));
+  std::vector<bf16> values(keys.size());
+  std::vector<std::byte> vstore(size_t(h) * c.n_chunks * C * d * 2);
+  ReconstructItem ri;
+  ri.view.n_segments = 1;
+  ri.view.b = c.b.data();
+  ri.view.r = c.r;
+  ri.view.segments[0].n_chunks = c.n_chunks;
+  ri.view.segments[0].first_position = c.first_position;
+  ri.view.segments[0].landmarks = c.landmarks.data();
+  ri.view.segments[0].a = c.a.data();
+  ri.view.segments[0].values = vstore.data();
+  ri.view.segments[0].value_head_stride = int64_t(c.n_chunks) * C * d * 2;
+  ri.view.segments[0].value_chunk_stride = int64_t(C) * d * 2;
+  ri.miss_chunk = x.miss_chunk.data();
+  ri.miss_count = x.miss_count.data();
+  ri.miss_slot = x.miss_slot.data();
+  ri.keys = keys.data();
+  ri.values = values.data();
+  std::vector<ReconstructItem> items = {ri};
+  ValueCodecSpec codec;
+  auto ws = be->Allocate(std::max<size_t>(be->ReconstructWorkspaceBytes(c.shape, k, items), 1)).value();
+  ASSERT_TRUE(be->Reconstruct(c.shape, C, k, c.rope, codec, items, ws.workspace()).ok());
+  for (int hh = 0; hh < h; ++hh) {
+    for (int slot = 0; slot < k; ++slot) {
+      const int32_t chunk = x.slots[hh * k + slot];
+      if (chunk < 0) continue;
+      bool missed = false;
+      for (int j = 0; j < x.miss_count[hh]; ++j) missed |= x.miss_slot[hh * k + j] == slot;
+      if (!missed) continue;  // a hit: the worker already holds it
+      for (int t = 0; t < C; ++t) {
+        const std::vector<float> want = testing::KeyOf(c, hh, chunk * C + t);
+        for (int ch = 0; ch < d; ++ch) {
+          EXPECT_EQ(Bf16ToFloat(keys[((size_t(hh) * k + slot) * C + t) * d + ch]),
+                    Bf16ToFloat(FloatToBf16(want[ch])))
+              << "head " << hh << " slot " << slot << " token " << t;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvshade::kernels
