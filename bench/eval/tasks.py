@@ -1,0 +1,281 @@
+"""RULER-style synthetic tasks over a synthetic vocabulary, for the selection-fidelity evaluation.
+
+Three tasks, each rendered with or without chunk locality (a chunk = CHUNK = 8 consecutive
+tokens, the unit kvshade selects):
+
+  mk  multi-key needle retrieval: `n_needles` records KEY k IS v1 v2 END (distinct keys k)
+      hidden in filler; the question Q k ANS asks for v1 v2 (2 answer tokens).
+  vt  variable tracking: a chain VAR x0 EQ N, VAR x1 EQ x0, ..., VAR xh EQ x(h-1) (plus a
+      distractor chain); the question QVAR xh ANS asks for the chain back to its value:
+      x(h-1) ... x0 N (h + 1 answer tokens; each decoded token is one more lookup).
+  fw  aggregation (frequent words): records ITEM w, w one of 3 candidate words with
+      distinct counts; the question QFREQ ANS asks for the most frequent one (1 token).
+
+With locality the filler is made of chunk-aligned runs of 8 tokens drawn from one topic
+(16 related words) and every record starts a chunk (padded with its chunk's topic words),
+so a chunk's mean key represents its tokens. Without locality the filler is i.i.d. over
+the whole vocabulary and records start at any offset, straddling chunk boundaries.
+
+Token ids: 0..NUM_SPECIAL-1 are the markers below, words are NUM_SPECIAL..NUM_SPECIAL+words-1.
+Everything is drawn from a numpy Generator: the same seed gives the same samples.
+"""
+from dataclasses import dataclass, field
+from typing import List, Tuple
+
+import numpy as np
+
+PAD, BOS, KEY, IS, END, Q, ANS, VAR, EQ, QVAR, ITEM, QFREQ, EOS = range(13)
+NUM_SPECIAL = 16
+SPECIAL_NAMES = {PAD: "<pad>", BOS: "<s>", KEY: "KEY", IS: "IS", END: "END", Q: "Q", ANS: "ANS",
+                 VAR: "VAR", EQ: "=", QVAR: "QVAR", ITEM: "ITEM", QFREQ: "QFREQ", EOS: "</s>"}
+CHUNK = 8
+TOPIC = 16          # words per topic (locality filler)
+TASKS = ("mk", "vt", "fw")
+
+
+@dataclass
+class TaskConfig:
+    words: int = 1024          # synthetic word types
+    n_needles: int = 4         # mk: records (and distinct keys)
+    hops: int = 4              # vt: variables in a chain (answer: hops tokens, see above)
+    fw_top: Tuple[int, int] = (10, 16)   # fw: count range of the most frequent word
+    fw_gap: Tuple[int, int] = (3, 6)     # fw: count difference to the next one
+
+    @property
+    def vocab(self):
+        return NUM_SPECIAL + self.words
+
+
+@dataclass
+class Sample:
+    """One prompt (BOS, context, first question) and its answer; `qa` holds every question
+    of the context (training asks all of them) as (question tokens, answer tokens)."""
+    task: str
+    locality: bool
+    prompt: np.ndarray                  # int64 [n]
+    answer: np.ndarray                  # int64 [m]
+    qa: List[Tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    spans: List[Tuple[int, int]] = field(default_factory=list)   # [start, end) of records in prompt
+
+
+def _words(rng, cfg, k, exclude=()):
+    """k distinct word ids, none in exclude."""
+    ex = set(int(e) for e in exclude)
+    out = []
+    while len(out) < k:
+        w = int(rng.integers(NUM_SPECIAL, NUM_SPECIAL + cfg.words))
+        if w not in ex:
+            ex.add(w)
+            out.append(w)
+    return out
+
+
+def _filler(rng, cfg, n, locality, offset):
+    """n filler tokens that start at absolute position `offset`. With locality every chunk
+    (aligned to absolute multiples of CHUNK) draws from one topic."""
+    if not locality:
+        return rng.integers(NUM_SPECIAL, NUM_SPECIAL + cfg.words, n)
+    if n <= 0:
+        return np.zeros(0, np.int64)
+    chunk = (offset + np.arange(n)) // CHUNK
+    chunk -= chunk[0]
+    topics = rng.integers(0, cfg.words // TOPIC, int(chunk[-1]) + 1)
+    return NUM_SPECIAL + topics[chunk] * TOPIC + rng.integers(0, TOPIC, n)
+
+
+def _place(rng, cfg, ctx_len, records, locality, start_pos):
+    """Lays `records` (lists of token ids, in the given order) into a context of ctx_len
+    tokens starting at absolute position start_pos, at random positions, order kept.
+    Returns (tokens, spans with absolute positions)."""
+    recs = [list(r) for r in records]
+    if locality:   # each record fills whole chunks: pad with its chunk's topic words
+        padded = []
+        for r in recs:
+            pad = (-len(r)) % CHUNK
+            t = int(rng.integers(cfg.words // TOPIC))
+            padded.append((r, list(NUM_SPECIAL + t * TOPIC + rng.integers(0, TOPIC, pad))))
+        first = (-start_pos) % CHUNK
+        slots = (ctx_len - first) // CHUNK
+        need = sum((len(r) + len(p)) // CHUNK for r, p in padded)
+        if need > slots:
+            raise ValueError("context of %d tokens too short for the records" % ctx_len)
+        # Choose distinct chunk slots for the records, in order: gaps[i] = free
+        # chunks before record i.
+        free = slots - need
+        gaps = np.sort(rng.integers(0, free + 1, len(padded)))
+        out, spans = [_filler(rng, cfg, first, True, start_pos)], []
+        pos = start_pos + first
+        used_free = 0
+        for (r, p), g in zip(padded, gaps):
+            n_free = int(g) - used_free
+            used_free = int(g)
+            out.append(_filler(rng, cfg, n_free * CHUNK, True, pos))
+            pos += n_free * CHUNK
+            spans.append((pos, pos + len(r)))
+            out.append(np.asarray(r + p, np.int64))
+            pos += len(r) + len(p)
+        rest = start_pos + ctx_len - pos
+        out.append(_filler(rng, cfg, rest, True, pos))
+        return np.concatenate(out), spans
+    total = sum(len(r) for r in recs)
+    free = ctx_len - total
+    if free < 0:
+        raise ValueError("context of %d tokens too short for the records" % ctx_len)
+    gaps = np.sort(rng.integers(0, free + 1, len(recs)))
+    out, spans = [], []
+    pos, used_free = start_pos, 0
+    for r, g in zip(recs, gaps):
+        n_free = int(g) - used_free
+        used_free = int(g)
+        out.append(_filler(rng, cfg, n_free, False, pos))
+        pos += n_free
+        spans.append((pos, pos + len(r)))
+        out.append(np.asarray(r, np.int64))
+        pos += len(r)
+    out.append(_filler(rng, cfg, start_pos + ctx_len - pos, False, pos))
+    return np.concatenate(out), spans
+
+
+def _records_mk(rng, cfg, length):
+    keys = _words(rng, cfg, cfg.n_needles)
+    vals = [_words(rng, cfg, 2) for _ in range(cfg.n_needles)]
+    recs = [[KEY, k, IS, v[0], v[1], END] for k, v in zip(keys, vals)]
+    order = rng.permutation(cfg.n_needles)
+    qa = [(np.array([Q, keys[i], ANS]), np.array(vals[i])) for i in order]
+    return recs, qa
+
+
+def _records_vt(rng, cfg, length):
+    chains, recs_by_chain, qa = [], [], []
+    used = []
+    for _ in range(2):                      # the asked chain and a distractor
+        names = _words(rng, cfg, cfg.hops + 1, exclude=used)
+        used += names
+        value, xs = names[0], names[1:]
+        recs = [[VAR, xs[0], EQ, value]] + [[VAR, xs[i], EQ, xs[i - 1]] for i in range(1, len(xs))]
+        recs_by_chain.append(recs)
+        qa.append((np.array([QVAR, xs[-1], ANS]), np.array(list(reversed(xs[:-1])) + [value])))
+    # Interleave the two chains, each in its own order (a definition precedes its use).
+    a, b = recs_by_chain
+    pick = rng.permutation([0] * len(a) + [1] * len(b))
+    ia = ib = 0
+    recs = []
+    for p in pick:
+        if p == 0:
+            recs.append(a[ia]); ia += 1
+        else:
+            recs.append(b[ib]); ib += 1
+    return recs, qa
+
+
+def _records_fw(rng, cfg, length):
+    cand = _words(rng, cfg, 3)
+    c1 = int(rng.integers(cfg.fw_top[0], cfg.fw_top[1] + 1))
+    c2 = c1 - int(rng.integers(cfg.fw_gap[0], cfg.fw_gap[1] + 1))
+    c3 = c2 - int(rng.integers(cfg.fw_gap[0], cfg.fw_gap[1] + 1))
+    # Short contexts (the curriculum's first lengths) get fewer items: at most a quarter
+    # of the context's chunks, the order of the counts kept strict.
+    cap = max(6, length // (4 * CHUNK))
+    if c1 + max(c2, 1) + max(c3, 1) > cap:
+        f = cap / float(c1 + max(c2, 1) + max(c3, 1))
+        c1, c2, c3 = max(3, int(c1 * f)), int(c2 * f), int(c3 * f)
+    c2 = max(2, min(c2, c1 - 1))
+    c3 = max(1, min(c3, c2 - 1))
+    items = [cand[0]] * c1 + [cand[1]] * c2 + [cand[2]] * c3
+    items = [items[i] for i in rng.permutation(len(items))]
+    recs = [[ITEM, w] for w in items]
+    return recs, [(np.array([QFREQ, ANS]), np.array([cand[0]]))]
+
+
+RECORDS = {"mk": _records_mk, "vt": _records_vt, "fw": _records_fw}
+
+
+def make_sample(rng, cfg: TaskConfig, task: str, length: int, locality: bool) -> Sample:
+    """A prompt of exactly `length` tokens: BOS, the context, the first question."""
+    recs, qa = RECORDS[task](rng, cfg, length)
+    q0 = qa[0][0]
+    ctx_len = length - 1 - len(q0)
+    ctx, spans = _place(rng, cfg, ctx_len, recs, locality, start_pos=1)
+    prompt = np.concatenate([[BOS], ctx, q0]).astype(np.int64)
+    assert len(prompt) == length
+    return Sample(task, locality, prompt, qa[0][1].astype(np.int64), qa, spans)
+
+
+def make_train_sequence(rng, cfg: TaskConfig, task: str, length: int, locality: bool):
+    """A training sequence of exactly `length` tokens: BOS, context, then every question of
+    the context with its answer. Returns (tokens [length], loss mask [length]: True where
+    the token is an answer token, i.e. the target of the previous position)."""
+    recs, qa = RECORDS[task](rng, cfg, length)
+    tail = sum(len(q) + len(a) for q, a in qa)
+    ctx, _ = _place(rng, cfg, length - 1 - tail, recs, locality, start_pos=1)
+    toks, mask = [np.array([BOS]), ctx], [np.zeros(1 + len(ctx), bool)]
+    for q, a in qa:
+        toks += [q, a]
+        mask += [np.zeros(len(q), bool), np.ones(len(a), bool)]
+    toks, mask = np.concatenate(toks).astype(np.int64), np.concatenate(mask)
+    assert len(toks) == length
+    return toks, mask
+
+
+def eval_set(seed: int, cfg: TaskConfig, length: int, per_cell: int, tasks=TASKS, localities=(True, False)):
+    """The fixed evaluation set: per_cell samples per (task, locality), from `seed`."""
+    out = []
+    for ti, task in enumerate(tasks):
+        for li, loc in enumerate(localities):
+            rng = np.random.default_rng([seed, ti, li, length])
+            out += [make_sample(rng, cfg, task, length, loc) for _ in range(per_cell)]
+    return out
+
+
+# --- Reference solutions (what the answers must be), used by the tests ---
+
+def solve(prompt) -> List[int]:
+    """Answers the prompt's question from its tokens alone, by the task's definition."""
+    p = [int(t) for t in prompt]
+    if p[-3] == Q and p[-1] == ANS:
+        key = p[-2]
+        for i in range(len(p) - 5):
+            if p[i] == KEY and p[i + 1] == key and p[i + 2] == IS:
+                return [p[i + 3], p[i + 4]]
+        raise ValueError("no needle for the key")
+    if p[-3] == QVAR and p[-1] == ANS:
+        defs = {}
+        for i in range(len(p) - 4):
+            if p[i] == VAR and p[i + 2] == EQ:
+                defs[p[i + 1]] = p[i + 3]
+        out, x = [], p[-2]
+        while x in defs:
+            x = defs[x]
+            out.append(x)
+        return out
+    if p[-2] == QFREQ and p[-1] == ANS:
+        counts = {}
+        for i in range(len(p) - 3):
+            if p[i] == ITEM:
+                counts[p[i + 1]] = counts.get(p[i + 1], 0) + 1
+        best = sorted(counts.items(), key=lambda kv: -kv[1])
+        if len(best) > 1 and best[0][1] == best[1][1]:
+            raise ValueError("tie")
+        return [best[0][0]]
+    raise ValueError("no question at the end of the prompt")
+
+
+# --- Text rendering, for models with their own tokenizer (Hugging Face directories) ---
+
+_SYL = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "vo", "pe", "du", "ga", "zi", "ho", "be", "fu", "ja"]
+
+
+def word_text(tok: int) -> str:
+    if tok < NUM_SPECIAL:
+        return SPECIAL_NAMES.get(tok, "<%d>" % tok)
+    w = tok - NUM_SPECIAL
+    s = ""
+    for _ in range(3):
+        s += _SYL[w % 16]
+        w //= 16
+    return s
+
+
+def render_text(tokens) -> str:
+    """Space-separated words; BOS is left to the tokenizer."""
+    return " ".join(word_text(int(t)) for t in tokens if int(t) != BOS)
