@@ -5,10 +5,11 @@
 // -> landmarks, min-cosine; TopK(smallest min-cosine, sink masked) -> outliers;
 // [ObservationMass(Qobs, Kr) -> ChunkSum -> TopK(largest, static masked) -> heavy chunks];
 // EncodeValueChunks(V) -> host-visible store; then the static set and the tail are gathered.
-// The Backend interface has no device-side gather or device-to-device copy, so gathers go
-// through host staging (CopyToHost / CopyFromHost; a plain pointer on host-space backends).
-// That costs two n x D downloads per layer on a device backend; acceptable on the ingest
-// path, and the place to add a gather op if ingest bandwidth ever matters.
+// Everything stays in backend memory: the post-RoPE keys are a device copy of K_pre, the
+// static set, the INT2 heavy rows and the tail are gathered with Copy/Copy2D, and the values
+// are encoded by the backend straight into host-visible memory (the caller's block when
+// values_out is given, e.g. the host value store's slab). Only small things cross to the
+// host: the outlier/heavy chunk ids (TopK results) and the eigenvalues.
 #include "kvshade/kernels/shadow_layer.h"
 
 #include <algorithm>
@@ -49,21 +50,6 @@ absl::StatusOr<Buffer> Upload(Mem& mem, const T* host, size_t count, BufferKind 
     KVSHADE_RETURN_IF_ERROR(mem.be.CopyFromHost(buf.data(), host, count * sizeof(T), stream));
   }
   return buf;
-}
-
-// A host-readable pointer to `count` elements of backend memory: the pointer itself on a
-// host-space backend, else a synchronized copy in `staging`.
-template <typename T>
-absl::StatusOr<const T*> HostRead(Backend& be, const T* src, size_t count, std::vector<T>& staging,
-                                  Stream stream) {
-  KVSHADE_RETURN_IF_ERROR(be.Synchronize(stream));
-  if (be.space() == MemorySpace::kHost) return src;
-  staging.resize(count);
-  if (count > 0) {
-    KVSHADE_RETURN_IF_ERROR(be.CopyToHost(staging.data(), src, count * sizeof(T), stream));
-    KVSHADE_RETURN_IF_ERROR(be.Synchronize(stream));
-  }
-  return staging.data();
 }
 
 template <typename T>
@@ -173,7 +159,8 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
                                                 absl::Span<const bf16> v, int n,
                                                 int64_t first_position,
                                                 const ShadowObservation* obs, Stream stream,
-                                                Allocator* allocator) {
+                                                Allocator* allocator,
+                                                absl::Span<std::byte> values_out) {
   Mem mem{be, allocator};
   // --- arguments ---
   KVSHADE_RETURN_IF_ERROR(validate::Shape(shape));
@@ -239,6 +226,7 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
     FactorizeOptions fo;
     fo.rank = p.rank;
     fo.energy_target = p.energy_target;
+    fo.subspace_iterations = p.subspace_iterations;
     const size_t alloc_rank = size_t(std::max(p.rank, 0));
     KVSHADE_ASSIGN_OR_RETURN(L.a, AllocElems<bf16>(mem, size_t(n) * alloc_rank, BufferKind::kFactorA));
     KVSHADE_ASSIGN_OR_RETURN(L.b, AllocElems<bf16>(mem, size_t(h) * alloc_rank * d, BufferKind::kFactorB));
@@ -252,15 +240,9 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
     L.r = L.factorize.rank;
   }
 
-  // --- 2. post-RoPE keys ---
+  // --- 2. post-RoPE keys: a copy of K_pre in backend memory, rotated in place ---
   KVSHADE_ASSIGN_OR_RETURN(Buffer kr, AllocElems<bf16>(mem, size_t(n) * D, BufferKind::kScratch));
-  {
-    std::vector<bf16> staging;
-    KVSHADE_ASSIGN_OR_RETURN(const bf16* k_host,
-                             HostRead(be, k_pre.data(), k_pre.size(), staging, stream));
-    KVSHADE_RETURN_IF_ERROR(be.CopyFromHost(kr.data(), k_host, size_t(n) * D * sizeof(bf16), stream));
-    KVSHADE_RETURN_IF_ERROR(be.Synchronize(stream));  // staging goes out of scope
-  }
+  KVSHADE_RETURN_IF_ERROR(be.Copy(kr.data(), k_pre.data(), size_t(n) * D * sizeof(bf16), stream));
   const auto kr_span = SpanOf<bf16>(kr, size_t(n) * D);
   KVSHADE_RETURN_IF_ERROR(be.ApplyRope(rope, positions, h, d, kr_span, stream));
 
@@ -308,46 +290,55 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
   }
   KVSHADE_ASSIGN_OR_RETURN(L.excluded, Upload(mem, excluded.data(), excluded.size(), BufferKind::kLandmarks, stream));
 
-  // --- 7. values to the host-visible store ---
+  // --- 7. values, encoded straight into their host-visible home ---
   {
     const size_t bytes = size_t(h) * n_chunks * L.value_chunk_bytes;
-    KVSHADE_ASSIGN_OR_RETURN(L.values, be.AllocateHostVisible(bytes));
-    KVSHADE_RETURN_IF_ERROR(be.EncodeValueChunks(v, n, h, d, C, n_chunks, p.codec,
-                                                 SpanOf<std::byte>(L.values, bytes), stream));
+    absl::Span<std::byte> dst = values_out;
+    if (dst.data() == nullptr) {
+      KVSHADE_ASSIGN_OR_RETURN(L.values, be.AllocateHostVisible(bytes));
+      dst = SpanOf<std::byte>(L.values, bytes);
+    } else if (dst.size() != bytes) {
+      return Bad(absl::StrCat("values_out must have h*n_chunks*chunk_bytes = ", bytes,
+                              " bytes, got ", dst.size()));
+    }
+    KVSHADE_RETURN_IF_ERROR(be.EncodeValueChunks(v, n, h, d, C, n_chunks, p.codec, dst, stream));
   }
 
   // --- static set: exact sink/outlier chunks, then heavy chunks; and the tail ---
-  std::vector<bf16> kr_staging, v_staging;
-  KVSHADE_ASSIGN_OR_RETURN(const bf16* kr_host,
-                           HostRead(be, static_cast<const bf16*>(kr.data()), size_t(n) * D,
-                                    kr_staging, stream));
-  KVSHADE_ASSIGN_OR_RETURN(const bf16* v_host, HostRead(be, v.data(), v.size(), v_staging, stream));
-
+  // Gathered in backend memory: chunk c of head hh is C rows of d elements, D apart.
+  const size_t row = size_t(d) * sizeof(bf16), src_pitch = size_t(D) * sizeof(bf16);
+  const bf16* kr_d = static_cast<const bf16*>(kr.data());
+  const bf16* v_d = v.data();
+  auto chunk_src = [&](const bf16* base, int hh, int chunk) {
+    return base + size_t(chunk) * C * D + size_t(hh) * d;
+  };
   const int n_exact = sink + L.n_outliers;
   L.static_capacity = n_exact + L.n_heavy;
   L.static_count.assign(h, L.static_capacity);
   L.static_chunks.assign(size_t(h) * L.static_capacity, -1);
   for (int hh = 0; hh < h; ++hh) {
-    int32_t* row = L.static_chunks.data() + size_t(hh) * L.static_capacity;
+    int32_t* srow = L.static_chunks.data() + size_t(hh) * L.static_capacity;
     int i = 0;
-    if (sink) row[i++] = 0;  // chunk 0 is masked out of the outlier TopK: no duplicate
-    for (int j = 0; j < L.n_outliers; ++j) row[i++] = L.outlier_chunks[size_t(hh) * L.n_outliers + j];
-    std::sort(row, row + n_exact);
-    for (int j = 0; j < L.n_heavy; ++j) row[i++] = L.heavy_chunks[size_t(hh) * L.n_heavy + j];
+    if (sink) srow[i++] = 0;  // chunk 0 is masked out of the outlier TopK: no duplicate
+    for (int j = 0; j < L.n_outliers; ++j) srow[i++] = L.outlier_chunks[size_t(hh) * L.n_outliers + j];
+    std::sort(srow, srow + n_exact);
+    for (int j = 0; j < L.n_heavy; ++j) srow[i++] = L.heavy_chunks[size_t(hh) * L.n_heavy + j];
   }
   const size_t rows_per_head = size_t(L.static_capacity) * C;
-  std::vector<bf16> sk(size_t(h) * rows_per_head * d), sv(sk.size());
-  auto copy_chunk = [&](int hh, int slot, int chunk) {
-    for (int t = 0; t < C; ++t) {
-      const size_t src = (size_t(chunk) * C + t) * D + size_t(hh) * d;
-      const size_t dst = (size_t(hh) * rows_per_head + size_t(slot) * C + t) * d;
-      std::memcpy(&sk[dst], kr_host + src, d * sizeof(bf16));
-      std::memcpy(&sv[dst], v_host + src, d * sizeof(bf16));
+  if (L.static_capacity > 0) {
+    KVSHADE_ASSIGN_OR_RETURN(L.static_k, AllocElems<bf16>(mem, size_t(h) * rows_per_head * d, BufferKind::kStatic));
+    KVSHADE_ASSIGN_OR_RETURN(L.static_v, AllocElems<bf16>(mem, size_t(h) * rows_per_head * d, BufferKind::kStatic));
+  }
+  bf16* sk = static_cast<bf16*>(L.static_k.data());
+  bf16* sv = static_cast<bf16*>(L.static_v.data());
+  for (int hh = 0; hh < h; ++hh) {
+    for (int i = 0; i < n_exact; ++i) {
+      const int chunk = L.static_chunks[size_t(hh) * L.static_capacity + i];
+      const size_t dst = (size_t(hh) * rows_per_head + size_t(i) * C) * d;
+      KVSHADE_RETURN_IF_ERROR(be.Copy2D(sk + dst, row, chunk_src(kr_d, hh, chunk), src_pitch, row, C, stream));
+      KVSHADE_RETURN_IF_ERROR(be.Copy2D(sv + dst, row, chunk_src(v_d, hh, chunk), src_pitch, row, C, stream));
     }
-  };
-  for (int hh = 0; hh < h; ++hh)
-    for (int i = 0; i < n_exact; ++i)
-      copy_chunk(hh, i, L.static_chunks[size_t(hh) * L.static_capacity + i]);
+  }
 
   if (L.n_heavy > 0) {
     const int G = p.heavy_group;
@@ -356,58 +347,53 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
     const int rows = h * L.heavy_rows_per_head;
     L.heavy_k_layout = KiviLayout{rows, d, 2, G, KiviAxis::kPerChannel};
     L.heavy_v_layout = KiviLayout{rows, d, 2, G, KiviAxis::kPerToken};
-    // Gather [h * rows_per_head, d], padding each head with copies of its last heavy token.
-    std::vector<bf16> hk(size_t(rows) * d), hv(hk.size());
-    for (int hh = 0; hh < h; ++hh) {
-      for (int rr = 0; rr < L.heavy_rows_per_head; ++rr) {
-        const int tr = std::min(rr, heavy_rows - 1);
-        const int chunk = L.heavy_chunks[size_t(hh) * L.n_heavy + tr / C];
-        const size_t src = (size_t(chunk) * C + tr % C) * D + size_t(hh) * d;
-        const size_t dst = (size_t(hh) * L.heavy_rows_per_head + rr) * d;
-        std::memcpy(&hk[dst], kr_host + src, d * sizeof(bf16));
-        std::memcpy(&hv[dst], v_host + src, d * sizeof(bf16));
-      }
-    }
-    struct Quantized {
-      const std::vector<bf16>* x;
+    // Gather [h * heavy_rows_per_head, d], padding each head with copies of its last heavy
+    // token; quantize, dequantize in place, and the dequantized rows join the static set.
+    struct Part {
+      const bf16* src;
+      bf16* static_rows;
       const KiviLayout* layout;
       Buffer *codes, *scale, *mn;
-      std::vector<bf16> dequantized;
     };
-    Quantized parts[2] = {{&hk, &L.heavy_k_layout, &L.heavy_k_codes, &L.heavy_k_scale,
-                           &L.heavy_k_min, {}},
-                          {&hv, &L.heavy_v_layout, &L.heavy_v_codes, &L.heavy_v_scale,
-                           &L.heavy_v_min, {}}};
-    for (Quantized& q : parts) {
+    Part parts[2] = {{kr_d, sk, &L.heavy_k_layout, &L.heavy_k_codes, &L.heavy_k_scale, &L.heavy_k_min},
+                     {v_d, sv, &L.heavy_v_layout, &L.heavy_v_codes, &L.heavy_v_scale, &L.heavy_v_min}};
+    for (Part& q : parts) {
       const KiviLayout& l = *q.layout;
-      KVSHADE_ASSIGN_OR_RETURN(Buffer x, Upload(mem, q.x->data(), q.x->size(), BufferKind::kScratch, stream));
+      KVSHADE_ASSIGN_OR_RETURN(Buffer x, AllocElems<bf16>(mem, size_t(rows) * d, BufferKind::kScratch));
+      bf16* xd = static_cast<bf16*>(x.data());
+      for (int hh = 0; hh < h; ++hh) {
+        bf16* head = xd + size_t(hh) * L.heavy_rows_per_head * d;
+        const int32_t* chunks = L.heavy_chunks.data() + size_t(hh) * L.n_heavy;
+        for (int j = 0; j < L.n_heavy; ++j) {
+          KVSHADE_RETURN_IF_ERROR(be.Copy2D(head + size_t(j) * C * d, row,
+                                            chunk_src(q.src, hh, chunks[j]), src_pitch, row, C, stream));
+        }
+        const bf16* last = chunk_src(q.src, hh, chunks[L.n_heavy - 1]) + size_t(C - 1) * D;
+        for (int rr = heavy_rows; rr < L.heavy_rows_per_head; ++rr) {
+          KVSHADE_RETURN_IF_ERROR(be.Copy(head + size_t(rr) * d, last, row, stream));
+        }
+      }
       KVSHADE_ASSIGN_OR_RETURN(*q.codes, AllocElems<uint32_t>(mem, l.code_words(), BufferKind::kStatic));
       KVSHADE_ASSIGN_OR_RETURN(*q.scale, AllocElems<fp16>(mem, l.n_groups(), BufferKind::kStatic));
       KVSHADE_ASSIGN_OR_RETURN(*q.mn, AllocElems<fp16>(mem, l.n_groups(), BufferKind::kStatic));
+      const auto xs = SpanOf<bf16>(x, size_t(rows) * d);
       KVSHADE_RETURN_IF_ERROR(be.KiviQuantize(
-          SpanOf<const bf16>(x, q.x->size()), l, SpanOf<uint32_t>(*q.codes, l.code_words()),
+          xs, l, SpanOf<uint32_t>(*q.codes, l.code_words()),
           SpanOf<fp16>(*q.scale, l.n_groups()), SpanOf<fp16>(*q.mn, l.n_groups()), stream));
-      // Dequantize back into x (its original values are no longer needed).
       KVSHADE_RETURN_IF_ERROR(be.KiviDequantize(
           SpanOf<const uint32_t>(*q.codes, l.code_words()),
           SpanOf<const fp16>(*q.scale, l.n_groups()), SpanOf<const fp16>(*q.mn, l.n_groups()), l,
-          SpanOf<bf16>(x, q.x->size()), stream));
-      std::vector<bf16> staging;
-      KVSHADE_ASSIGN_OR_RETURN(const bf16* deq,
-                               HostRead(be, static_cast<const bf16*>(x.data()), q.x->size(),
-                                        staging, stream));
-      q.dequantized.assign(deq, deq + q.x->size());
-    }
-    for (int hh = 0; hh < h; ++hh) {
-      const size_t src = size_t(hh) * L.heavy_rows_per_head * d;
-      const size_t dst = (size_t(hh) * rows_per_head + size_t(n_exact) * C) * d;
-      std::memcpy(&sk[dst], &parts[0].dequantized[src], size_t(heavy_rows) * d * sizeof(bf16));
-      std::memcpy(&sv[dst], &parts[1].dequantized[src], size_t(heavy_rows) * d * sizeof(bf16));
+          xs, stream));
+      for (int hh = 0; hh < h; ++hh) {
+        KVSHADE_RETURN_IF_ERROR(be.Copy(q.static_rows + (size_t(hh) * rows_per_head + size_t(n_exact) * C) * d,
+                                        xd + size_t(hh) * L.heavy_rows_per_head * d,
+                                        size_t(heavy_rows) * row, stream));
+      }
+      // x is scratch: wait for the copies out of it before it is released.
+      KVSHADE_RETURN_IF_ERROR(be.Synchronize(stream));
     }
   }
   if (L.static_capacity > 0) {
-    KVSHADE_ASSIGN_OR_RETURN(L.static_k, Upload(mem, sk.data(), sk.size(), BufferKind::kStatic, stream));
-    KVSHADE_ASSIGN_OR_RETURN(L.static_v, Upload(mem, sv.data(), sv.size(), BufferKind::kStatic, stream));
     std::vector<int32_t> lens(h);
     for (int hh = 0; hh < h; ++hh) lens[hh] = L.static_count[hh] * C;
     KVSHADE_ASSIGN_OR_RETURN(L.static_len, Upload(mem, lens.data(), lens.size(), BufferKind::kStatic, stream));
@@ -415,8 +401,10 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
 
   // Tail: tokens [n_chunks*C, n) are contiguous in [n, h, d].
   const size_t tail_offset = size_t(n_chunks) * C * D, tail_elems = size_t(L.n_tail) * D;
-  KVSHADE_ASSIGN_OR_RETURN(L.tail_k, Upload(mem, kr_host + tail_offset, tail_elems, BufferKind::kStatic, stream));
-  KVSHADE_ASSIGN_OR_RETURN(L.tail_v, Upload(mem, v_host + tail_offset, tail_elems, BufferKind::kStatic, stream));
+  KVSHADE_ASSIGN_OR_RETURN(L.tail_k, AllocElems<bf16>(mem, tail_elems, BufferKind::kStatic));
+  KVSHADE_ASSIGN_OR_RETURN(L.tail_v, AllocElems<bf16>(mem, tail_elems, BufferKind::kStatic));
+  KVSHADE_RETURN_IF_ERROR(be.Copy(L.tail_k.data(), kr_d + tail_offset, tail_elems * sizeof(bf16), stream));
+  KVSHADE_RETURN_IF_ERROR(be.Copy(L.tail_v.data(), v_d + tail_offset, tail_elems * sizeof(bf16), stream));
   KVSHADE_RETURN_IF_ERROR(be.Synchronize(stream));  // staging and scratch die with this scope
   return L;
 }

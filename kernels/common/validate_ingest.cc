@@ -103,6 +103,10 @@ absl::Status Factorize(size_t k, int n, const LayerShape& shape, const Factorize
     return Invalid(op, absl::StrCat("options.energy_target must be in [0, 1], got ",
                                     options.energy_target));
   }
+  if (options.subspace_iterations < 0 || options.subspace_iterations > 64) {
+    return Invalid(op, absl::StrCat("options.subspace_iterations must be in [0, 64], got ",
+                                    options.subspace_iterations));
+  }
   KVSHADE_RETURN_IF_ERROR(
       SpanSize(op, "k", k, u64(n) * D, absl::StrCat("[n=", n, ", D=", D, "]")));
   KVSHADE_RETURN_IF_ERROR(SpanSize(op, "a", a, u64(n) * options.rank,

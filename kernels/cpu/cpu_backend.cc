@@ -37,6 +37,29 @@ absl::Status CpuBackend::CopyFromHost(void* dst, const void* src_host, size_t by
   return absl::OkStatus();
 }
 
+absl::Status CpuBackend::Copy(void* dst, const void* src, size_t bytes, Stream) {
+  if (bytes != 0 && (dst == nullptr || src == nullptr)) {
+    return absl::InvalidArgumentError("Copy: null pointer");
+  }
+  if (bytes != 0) std::memmove(dst, src, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                                size_t width, size_t height, Stream) {
+  if (width == 0 || height == 0) return absl::OkStatus();
+  if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("Copy2D: null pointer");
+  if (dst_pitch < width || src_pitch < width) {
+    return absl::InvalidArgumentError(absl::StrCat("Copy2D: pitches (", dst_pitch, ", ", src_pitch,
+                                                   ") must be >= width = ", width));
+  }
+  for (size_t i = 0; i < height; ++i) {
+    std::memmove(static_cast<char*>(dst) + i * dst_pitch,
+                 static_cast<const char*>(src) + i * src_pitch, width);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CpuBackend::CopyToHost(void* dst_host, const void* src, size_t bytes, Stream) {
   return CopyFromHost(dst_host, src, bytes, {});
 }

@@ -25,6 +25,9 @@ class CpuBackend final : public Backend {
   absl::StatusOr<Buffer> AllocateHostVisible(size_t bytes) override;
   absl::Status CopyFromHost(void* dst, const void* src_host, size_t bytes, Stream) override;
   absl::Status CopyToHost(void* dst_host, const void* src, size_t bytes, Stream) override;
+  absl::Status Copy(void* dst, const void* src, size_t bytes, Stream) override;
+  absl::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                      size_t width, size_t height, Stream) override;
   absl::Status Fill(void* dst, uint8_t byte, size_t bytes, Stream) override;
   absl::StatusOr<Stream> CreateStream() override { return Stream{}; }
   absl::Status DestroyStream(Stream) override { return absl::OkStatus(); }

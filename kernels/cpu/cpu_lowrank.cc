@@ -6,7 +6,10 @@
 //      (workspace) and accumulated with cblas_ssyrk (upper triangle, row-major).
 //   2. Eigendecomposition of G with LAPACKE_ssyevd_work (work arrays carved from the
 //      workspace: 1 + 6D + 2D^2 floats and 3 + 5D ints); eigenvalues reported descending
-//      (raw, may be slightly negative from rounding).
+//      (raw, may be slightly negative from rounding). With options.subspace_iterations > 0
+//      only the top rank eigenpairs, by block subspace iteration (common/subspace.h:
+//      cblas_ssymm, CholQR with ssyrk + spotrf + strsm, Rayleigh-Ritz with ssyevd on P x P);
+//      the full solve remains the fallback.
 //   3. Rank: options.rank, or with energy_target > 0 the smallest multiple of 8 whose
 //      captured energy sum(top r eigenvalues, each clamped at 0) / trace(G) reaches the
 //      target, capped at options.rank. trace(G) is the sum of G's diagonal (double).
@@ -37,6 +40,7 @@
 #include <lapacke.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/subspace.h"
 #include "common/validate.h"
 #include "cpu/cpu_backend.h"
 #include "kvshade/base/status_macros.h"
@@ -88,6 +92,47 @@ void ToFloatRows(const bf16* k, int64_t t0, int rows, int D, float* out) {
   }
 }
 
+// Top-r eigenpairs of G [D, D] (lower triangle, column-major) by block subspace iteration
+// with P columns (common/subspace.h). On success the Ritz vectors are in columns D-r..D-1
+// of G and the Ritz values in evals[D-r..D-1], ascending like ssyevd, zeros below; false
+// (G untouched) when the block is rank deficient.
+bool SubspaceEigen(float* G, int D, int P, int r, int iterations, float* evals, float* Q,
+                   float* Y, float* S, float* theta, float* work, lapack_int lwork,
+                   lapack_int* iwork, lapack_int liwork) {
+  for (int64_t e = 0; e < int64_t{D} * P; ++e) Q[e] = SubspaceStart(uint64_t(e));
+  auto orth = [&](float* X) {
+    for (int pass = 0; pass < 2; ++pass) {
+      cblas_ssyrk(CblasColMajor, CblasUpper, CblasTrans, P, D, 1.0f, X, D, 0.0f, S, P);
+      if (LAPACKE_spotrf(LAPACK_COL_MAJOR, 'U', P, S, P) != 0) return false;
+      cblas_strsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, D, P, 1.0f,
+                  S, P, X, D);
+    }
+    // Orthonormality check: max |X^T X - I|.
+    cblas_ssyrk(CblasColMajor, CblasUpper, CblasTrans, P, D, 1.0f, X, D, 0.0f, S, P);
+    float worst = 0;
+    for (int j = 0; j < P; ++j)
+      for (int i = 0; i <= j; ++i)
+        worst = std::max(worst, std::fabs(S[int64_t{j} * P + i] - (i == j ? 1.0f : 0.0f)));
+    return worst <= kSubspaceOrthTolerance;
+  };
+  for (int it = 0; it < iterations; ++it) {
+    cblas_ssymm(CblasColMajor, CblasLeft, CblasLower, D, P, 1.0f, G, D, Q, D, 0.0f, Y, D);
+    if (!orth(Y)) return false;
+    std::swap(Q, Y);
+  }
+  cblas_ssymm(CblasColMajor, CblasLeft, CblasLower, D, P, 1.0f, G, D, Q, D, 0.0f, Y, D);
+  cblas_sgemm(CblasColMajor, CblasTrans, CblasNoTrans, P, P, D, 1.0f, Q, D, Y, D, 0.0f, S, P);
+  if (LAPACKE_ssyevd_work(LAPACK_COL_MAJOR, 'V', 'L', P, S, P, theta, work, lwork, iwork,
+                          liwork) != 0) {
+    return false;
+  }
+  cblas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, D, r, P, 1.0f, Q, D,
+              S + int64_t{P - r} * P, P, 0.0f, G + int64_t{D - r} * D, D);
+  for (int i = 0; i < D - r; ++i) evals[i] = 0.0f;
+  for (int j = 0; j < r; ++j) evals[D - r + j] = theta[P - r + j];
+  return true;
+}
+
 }  // namespace
 
 size_t CpuBackend::FactorizeWorkspaceBytes(int n, const LayerShape& shape,
@@ -96,7 +141,9 @@ size_t CpuBackend::FactorizeWorkspaceBytes(int n, const LayerShape& shape,
   const size_t D = size_t(shape.h) * shape.d;
   const size_t r = size_t(std::clamp(options.rank, 0, int(D)));
   const size_t nb = size_t(std::min(n, kRowBlock));
-  return Bytes({D * D * sizeof(float),            // G, then its eigenvectors
+  const size_t P = size_t(SubspaceColumns(n, int(D), int(r), options.subspace_iterations));
+  return Bytes({2 * D * P * sizeof(float) + (P * P + P) * sizeof(float),  // subspace Q, Y, S, theta
+                D * D * sizeof(float),            // G, then its eigenvectors
                 D * sizeof(float),                // eigenvalues, ascending
                 r * D * sizeof(float),            // W^T [r, D]
                 nb * D * sizeof(float),           // fp32 block of K
@@ -121,6 +168,8 @@ absl::StatusOr<FactorizeResult> CpuBackend::Factorize(absl::Span<const bf16> k, 
   }
   const int nb_max = std::min(n, kRowBlock);
   Carver carve(ws.data);
+  const int P = SubspaceColumns(n, D, options.rank, options.subspace_iterations);
+  float* sub = carve.Take<float>(2 * size_t(D) * P + size_t(P) * P + P);
   float* G = carve.Take<float>(size_t(D) * D);
   float* evals = carve.Take<float>(D);
   float* wt = carve.Take<float>(size_t(options.rank) * D);
@@ -143,10 +192,16 @@ absl::StatusOr<FactorizeResult> CpuBackend::Factorize(absl::Span<const bf16> k, 
 
   // 2. Eigendecomposition: ascending eigenvalues; eigenvector j is column j (column-major),
   //    i.e. the contiguous D floats at G + j*D.
-  const lapack_int info = LAPACKE_ssyevd_work(LAPACK_COL_MAJOR, 'V', 'L', D, G, D, evals, work,
-                                              lwork, iwork, liwork);
-  if (info != 0) {
-    return absl::InternalError(absl::StrCat("Factorize: LAPACKE_ssyevd failed, info = ", info));
+  const bool subspace =
+      P > 0 && SubspaceEigen(G, D, P, options.rank, options.subspace_iterations, evals, sub,
+                             sub + size_t(D) * P, sub + 2 * size_t(D) * P,
+                             sub + 2 * size_t(D) * P + size_t(P) * P, work, lwork, iwork, liwork);
+  if (!subspace) {
+    const lapack_int info = LAPACKE_ssyevd_work(LAPACK_COL_MAJOR, 'V', 'L', D, G, D, evals, work,
+                                                lwork, iwork, liwork);
+    if (info != 0) {
+      return absl::InternalError(absl::StrCat("Factorize: LAPACKE_ssyevd failed, info = ", info));
+    }
   }
   for (int i = 0; i < D; ++i) eigenvalues_host[i] = evals[D - 1 - i];
 

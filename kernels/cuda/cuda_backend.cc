@@ -157,6 +157,32 @@ absl::Status CudaBackend::CopyToHost(void* dst_host, const void* src, size_t byt
   return absl::OkStatus();
 }
 
+absl::Status CudaBackend::Copy(void* dst, const void* src, size_t bytes, Stream stream) {
+  if (bytes == 0) return absl::OkStatus();
+  if (dst == nullptr || src == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("Copy: null ", dst == nullptr ? "dst" : "src",
+                                                   " with bytes = ", bytes));
+  }
+  KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
+  KVSHADE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, ToCudaStream(stream)));
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::Copy2D(void* dst, size_t dst_pitch, const void* src,
+                                 size_t src_pitch, size_t width, size_t height, Stream stream) {
+  if (width == 0 || height == 0) return absl::OkStatus();
+  if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("Copy2D: null pointer");
+  if (dst_pitch < width || src_pitch < width) {
+    return absl::InvalidArgumentError(absl::StrCat("Copy2D: pitches (", dst_pitch, ", ", src_pitch,
+                                                   ") must be >= width = ", width));
+  }
+  KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height,
+                                                 cudaMemcpyDefault, ToCudaStream(stream)));
+  return absl::OkStatus();
+}
+
 absl::Status CudaBackend::Fill(void* dst, uint8_t byte, size_t bytes, Stream stream) {
   if (bytes == 0) return absl::OkStatus();
   if (dst == nullptr) {

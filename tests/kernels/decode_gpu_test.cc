@@ -1049,5 +1049,30 @@ TEST(DecodeGpuTest, CopyRowsMatchesCpu) {
   EXPECT_EQ(gpu->OpenPeerBuffer("short").status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+TEST(DecodeGpuTest, Copy2DMatchesCpu) {
+  KVSHADE_CUDA_OR_SKIP(gpu);
+  auto cpu = Cpu();
+  auto rng = MakeRng(31);
+  // Chunk 37 of head 5 out of [n = 4096, h = 8, d = 128] into row 2 of a [h, 4 rows * C, d] set.
+  const int n = 4096, h = 8, d = 128, C = 8;
+  std::vector<bf16> src = RandomBf16(size_t(n) * h * d, rng, 1.0f);
+  std::vector<bf16> dst = RandomBf16(size_t(h) * 4 * C * d, rng, 1.0f);
+  Buffer src_g = Upload(*gpu, src), dst_g = Upload(*gpu, dst);
+  const size_t row = size_t(d) * 2, pitch = size_t(h) * d * 2;
+  const size_t src_off = (size_t(37) * C * h + 5) * d, dst_off = (size_t(5) * 4 * C + 2 * C) * d;
+  ASSERT_TRUE(gpu->Copy2D(static_cast<bf16*>(dst_g.data()) + dst_off, row,
+                          static_cast<const bf16*>(src_g.data()) + src_off, pitch, row, C).ok());
+  ASSERT_TRUE(gpu->Copy(static_cast<bf16*>(dst_g.data()), static_cast<const bf16*>(src_g.data()) + 999, 4000).ok());
+  ASSERT_TRUE(gpu->Synchronize().ok());
+  ASSERT_TRUE(cpu->Copy2D(dst.data() + dst_off, row, src.data() + src_off, pitch, row, C).ok());
+  ASSERT_TRUE(cpu->Copy(dst.data(), src.data() + 999, 4000).ok());
+  std::vector<bf16> got = Download<bf16>(*gpu, dst_g.data(), dst.size());
+  size_t diff = 0;
+  for (size_t i = 0; i < dst.size(); ++i) diff += got[i].bits != dst[i].bits;
+  EXPECT_EQ(diff, 0u);
+  EXPECT_EQ(gpu->Copy2D(dst_g.data(), 8, src_g.data(), pitch, 16, 2).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvshade::kernels

@@ -1,4 +1,5 @@
-// CopyRows (row scatter into a worker's slot buffers) on the CPU reference: every listed
+// Copy and Copy2D (the gathers of ingest), and CopyRows (row scatter into a worker's slot
+// buffers) on the CPU reference: every listed
 // row lands where asked, nothing else changes; malformed calls are rejected; and the cpu
 // backend refuses CUDA IPC peer buffers with a clear error.
 #include <cstring>
@@ -41,6 +42,31 @@ TEST(DeliveryTest, CopyRowsScattersExactlyTheListedRows) {
     const uint8_t* want = written[r] >= 0 ? &src[written[r] * row_bytes] : &before[r * row_bytes];
     EXPECT_EQ(std::memcmp(&dst[r * row_bytes], want, row_bytes), 0) << "row " << r;
   }
+}
+
+TEST(DeliveryTest, Copy2DMovesExactlyTheRectangle) {
+  auto cpu = Cpu();
+  auto rng = MakeRng(5);
+  // A chunk of one head out of [n, h, d] bf16: 8 rows of d = 64 elements, 8*64 apart.
+  const size_t width = 64 * 2, src_pitch = 8 * 64 * 2, dst_pitch = width + 32, height = 8;
+  std::vector<uint8_t> src(height * src_pitch), dst(height * dst_pitch);
+  std::uniform_int_distribution<int> byte(0, 255);
+  for (auto& b : src) b = static_cast<uint8_t>(byte(rng));
+  for (auto& b : dst) b = static_cast<uint8_t>(byte(rng));
+  const std::vector<uint8_t> before = dst;
+  ASSERT_TRUE(cpu->Copy2D(dst.data(), dst_pitch, src.data() + 3 * 128, src_pitch, width, height).ok());
+  for (size_t r = 0; r < height; ++r) {
+    EXPECT_EQ(std::memcmp(&dst[r * dst_pitch], &src[r * src_pitch + 3 * 128], width), 0) << "row " << r;
+    EXPECT_EQ(std::memcmp(&dst[r * dst_pitch + width], &before[r * dst_pitch + width], dst_pitch - width), 0)
+        << "padding of row " << r << " was written";
+  }
+  std::vector<uint8_t> flat(100);
+  ASSERT_TRUE(cpu->Copy(flat.data(), src.data() + 7, flat.size()).ok());
+  EXPECT_EQ(std::memcmp(flat.data(), src.data() + 7, flat.size()), 0);
+  EXPECT_EQ(cpu->Copy2D(dst.data(), 8, src.data(), src_pitch, 16, 2).code(),
+            absl::StatusCode::kInvalidArgument);  // pitch below width
+  EXPECT_EQ(cpu->Copy(nullptr, src.data(), 4).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(cpu->Copy2D(nullptr, 0, nullptr, 0, 0, 0).ok());  // nothing to do
 }
 
 TEST(DeliveryTest, CopyRowsRejectsMalformedCalls) {

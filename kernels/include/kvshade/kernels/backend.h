@@ -310,6 +310,13 @@ class Backend {
                                     Stream stream = {}) = 0;
   virtual absl::Status CopyToHost(void* dst_host, const void* src, size_t bytes,
                                   Stream stream = {}) = 0;
+  // Copies bytes between two buffers the backend can address (its own memory, host-visible
+  // memory, an opened peer buffer), in stream order: a device-to-device copy on CUDA.
+  virtual absl::Status Copy(void* dst, const void* src, size_t bytes, Stream stream = {}) = 0;
+  // Copies `height` rows of `width` bytes: row i from src + i*src_pitch to dst + i*dst_pitch
+  // (pitches >= width), between buffers Copy can address, in stream order.
+  virtual absl::Status Copy2D(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                              size_t width, size_t height, Stream stream = {}) = 0;
   virtual absl::Status Fill(void* dst, uint8_t byte, size_t bytes, Stream stream = {}) = 0;
   virtual absl::StatusOr<Stream> CreateStream() = 0;
   virtual absl::Status DestroyStream(Stream stream) = 0;

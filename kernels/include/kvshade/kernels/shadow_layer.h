@@ -44,6 +44,7 @@ struct ShadowParams {
   int C = 8;                   // chunk size (tokens)
   int rank = 160;              // multiple of 8, <= min(D, n); the cap under energy_target
   double energy_target = 0;    // (0, 1]: adaptive rank (FactorizeOptions)
+  int subspace_iterations = 0; // FactorizeOptions::subspace_iterations (0 = full solve)
   int outliers = 48;           // outlier chunks per head (fewer when fewer chunks exist)
   bool keep_sink = true;       // chunk 0 static for every head
   int local_min = 32;          // exact local tail, at least this many tokens
@@ -123,7 +124,9 @@ struct ShadowLayer {
 //   v     : [n, h, d] bf16, backend memory
 // Token i sits at absolute position first_position + i. Requires n >= local_min + C.
 // Every buffer (the layer's and the scratch) comes from `allocator` when given, else from
-// Backend::Allocate; the host-visible value store from Backend::AllocateHostVisible.
+// Backend::Allocate. Values are encoded into values_out when it is given (host-visible
+// memory of h*n_chunks*ValueChunkBytes bytes, [h, n_chunks, chunk_bytes]; `values` then
+// stays empty), else into a block from Backend::AllocateHostVisible.
 // InvalidArgument on bad params or sizes; errors of the underlying ops pass through.
 absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& backend, const LayerShape& shape,
                                                 const RopeSpec& rope, const ShadowParams& params,
@@ -132,6 +135,7 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& backend, const LayerSha
                                                 int64_t first_position,
                                                 const ShadowObservation* observation = nullptr,
                                                 Stream stream = {},
-                                                Allocator* allocator = nullptr);
+                                                Allocator* allocator = nullptr,
+                                                absl::Span<std::byte> values_out = {});
 
 }  // namespace kvshade::kernels

@@ -1,0 +1,43 @@
+// Block subspace iteration for the top eigenpairs of the Gram matrix (Factorize with
+// FactorizeOptions::subspace_iterations > 0; docs/ALGORITHM.md "Factorization"). Shared by
+// the CPU and CUDA backends so that both start from the same block.
+//
+//   P  = min(D, rank + kSubspaceOversample) columns; Q0[i, j] = SubspaceStart(j*D + i)
+//   q times: Y = G Q, Q = orth(Y)          (CholQR applied twice: S = Y^T Y = R^T R, Y R^-1)
+//   Rayleigh-Ritz: T = Q^T G Q [P, P], T = U diag(theta) U^T; top-rank Ritz vectors Q U.
+// The Ritz values are the eigenvalues the op reports (zeros below the top rank). When the
+// block is (numerically) rank deficient, Cholesky fails or Q loses orthonormality
+// (max |Q^T Q - I| > kSubspaceOrthTolerance): the op then falls back to the full solve, as
+// it does when P would reach D or n < P.
+#pragma once
+
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define KVSHADE_HD __host__ __device__
+#else
+#define KVSHADE_HD
+#endif
+
+namespace kvshade::kernels {
+
+inline constexpr int kSubspaceOversample = 32;
+inline constexpr float kSubspaceOrthTolerance = 1e-3f;
+
+// Columns of the iterated block, or 0 when the full solve is used instead.
+inline int SubspaceColumns(int n, int D, int rank, int iterations) {
+  const int p = rank + kSubspaceOversample;
+  return iterations > 0 && p < D && p <= n ? p : 0;
+}
+
+// Element i of the start block: a fixed pseudo-random value in [-1, 1) (splitmix64), exact
+// in fp32 (a multiple of 2^-23), identical on every backend.
+KVSHADE_HD inline float SubspaceStart(uint64_t i) {
+  uint64_t z = i + 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return float(int32_t(z >> 40) - (1 << 23)) * (1.0f / float(1 << 23));
+}
+
+}  // namespace kvshade::kernels
