@@ -35,7 +35,7 @@
 
 #include "kvshade/client/client.h"
 #include "kvshade/client/tensor.h"
-#include "kvshade/service/ucx_core.h"
+#include "kvshade/transport/ucx_core.h"
 #include "kvshade/version.h"
 #include "loopback.h"
 #include "synthetic.h"
@@ -46,7 +46,7 @@ using Clock = std::chrono::steady_clock;
 using kvshade::client::Client;
 namespace v1 = kvshade::v1;
 namespace synthetic = kvshade::synthetic;
-namespace ucx = kvshade::service::ucx;
+namespace ucx = kvshade::transport::ucx;
 using kvshade::bench::Percentile;
 
 struct Options {

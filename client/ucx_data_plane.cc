@@ -10,11 +10,12 @@
 #include <future>
 
 #include "absl/strings/str_cat.h"
-#include "kvshade/service/ucx_core.h"
+#include "kvshade/transport/frame.h"
+#include "kvshade/transport/ucx_core.h"
 
 namespace kvshade::client {
 
-namespace ucx = kvshade::service::ucx;
+namespace ucx = kvshade::transport::ucx;
 using SteadyClock = std::chrono::steady_clock;
 
 struct UcxDataPlane::SlotBuffers {
@@ -24,15 +25,6 @@ struct UcxDataPlane::SlotBuffers {
 namespace {
 
 using Iov = std::vector<std::pair<const void*, size_t>>;
-
-// The tensor `t` travels as shape and dtype in the body (`out`), its bytes as one more
-// payload part.
-void StripTensor(const v1::Tensor& t, v1::Tensor* out, v1::DataPlaneHeader* h, Iov* iov) {
-  *out->mutable_shape() = t.shape();
-  out->set_dtype(t.dtype());
-  iov->emplace_back(t.data().data(), t.data().size());
-  h->add_part_bytes(t.data().size());
-}
 
 // A reply's status: the transport's, else the daemon's code.
 template <typename R>
@@ -324,21 +316,9 @@ void UcxDataPlane::AttendAsync(const v1::AttendRequest& req, Callback<v1::Attend
 
 absl::StatusOr<v1::AppendTokensResponse> UcxDataPlane::AppendTokens(
     const v1::AppendTokensRequest& req) {
-  // The body is the request without tensor bytes (every field of AppendTokensRequest is
-  // copied here; the bytes of k and v of each layer, in order, are the payload).
+  // The body is the request without tensor bytes; the bytes are the payload (frame.h).
   v1::DataPlaneHeader extra;
-  Iov iov;
-  v1::AppendTokensRequest body;
-  body.set_session_id(req.session_id());
-  *body.mutable_token_ids() = req.token_ids();
-  body.set_attachment_id(req.attachment_id());
-  for (const v1::LayerKV& l : req.layers()) {
-    v1::LayerKV* bl = body.add_layers();
-    bl->set_layer(l.layer());
-    if (l.has_k()) StripTensor(l.k(), bl->mutable_k(), &extra, &iov);
-    if (l.has_v()) StripTensor(l.v(), bl->mutable_v(), &extra, &iov);
-  }
-  extra.set_body(body.SerializeAsString());
+  Iov iov = transport::FrameWriter::Frame(req, &extra);
   auto r = Call(ucx::kAppend, "", key_, "", &extra, std::move(iov));
   if (absl::Status st = ReplyStatus(r); !st.ok()) return st;
   return ParseReply<v1::AppendTokensResponse>(r->payload, "AppendTokens");
@@ -348,26 +328,10 @@ absl::StatusOr<v1::AppendTokensResponse> UcxDataPlane::AppendTokens(
 
 void UcxDataPlane::IngestMessageAsync(uint64_t stream, const v1::IngestRequest& msg,
                                       Callback<std::string> done) {
-  // The body is the message without tensor bytes; the bytes travel as the payload.
+  // The body is the message without tensor bytes; the bytes are the payload (frame.h).
   v1::DataPlaneHeader extra;
   extra.set_stream_id(stream);
-  Iov iov;
-  v1::IngestRequest body;
-  if (msg.has_layer()) {
-    const v1::IngestLayer& l = msg.layer();
-    v1::IngestLayer* bl = body.mutable_layer();
-    bl->set_layer(l.layer());
-    bl->set_token_offset(l.token_offset());
-    bl->set_last_part(l.last_part());
-    if (l.has_k()) StripTensor(l.k(), bl->mutable_k(), &extra, &iov);
-    if (l.has_v()) StripTensor(l.v(), bl->mutable_v(), &extra, &iov);
-    if (l.has_observation_queries()) {
-      StripTensor(l.observation_queries(), bl->mutable_observation_queries(), &extra, &iov);
-    }
-  } else {
-    body = msg;
-  }
-  extra.set_body(body.SerializeAsString());
+  Iov iov = transport::FrameWriter::Frame(msg, &extra);
   extra.set_sequence(NextSequence(stream, msg.has_commit()));
   CallAsync(ucx::kIngest, "", key_, "", &extra, std::move(iov),
             [done = std::move(done)](absl::StatusOr<Reply> r) {

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvshade/service/engine.h"
+#include "kvshade/transport/frame.h"
 #include "kvshade/v1/kvshade.pb.h"
 
 namespace kvshade::service {
@@ -32,42 +33,6 @@ std::string RandomKey() {
     return "";  // callers treat an empty key as "cannot issue"
   }
   return k;
-}
-
-// Re-attaches the tensor bytes of an INGEST or APPEND message: `parts` (the tensors the
-// body declares, in wire order) get part_bytes[i] bytes each, in order, from `payload`,
-// which is consumed.
-absl::Status AttachPayload(const v1::DataPlaneHeader& h, std::string& payload,
-                           const std::vector<v1::Tensor*>& parts, std::string_view what) {
-  uint64_t total = 0;
-  for (uint64_t b : h.part_bytes()) {
-    if (b > payload.size()) {  // also keeps the sum from overflowing
-      total = UINT64_MAX;
-      break;
-    }
-    total += b;
-  }
-  if (static_cast<size_t>(h.part_bytes_size()) != parts.size() || total != payload.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "ucx ", std::string(what), ": part_bytes (", h.part_bytes_size(), " parts, ",
-        total == UINT64_MAX ? std::string("more than the payload's") : absl::StrCat(total),
-        " bytes) does not describe the payload (", parts.size(), " tensors in the body, ",
-        payload.size(), " bytes)"));
-  }
-  // Every part but the first is copied out; the first takes the payload's buffer itself
-  // (truncated in place): one copy less of the largest message the daemon receives.
-  size_t off = parts.empty() ? 0 : h.part_bytes(0);
-  for (size_t i = 1; i < parts.size(); ++i) {
-    const size_t n = h.part_bytes(static_cast<int>(i));
-    parts[i]->set_data(payload.data() + off, n);
-    off += n;
-  }
-  if (!parts.empty()) {
-    payload.resize(h.part_bytes(0));
-    parts[0]->set_data(std::move(payload));
-  }
-  payload.clear();
-  return absl::OkStatus();
 }
 
 absl::Status ValidateSlotBuffers(const v1::UcxSlotBuffers& b) {
@@ -557,12 +522,7 @@ void UcxServer::IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine,
       }
     } else if (out.status.ok()) {
       if (req.has_layer()) {
-        v1::IngestLayer* l = req.mutable_layer();
-        std::vector<v1::Tensor*> parts;
-        if (l->has_k()) parts.push_back(l->mutable_k());
-        if (l->has_v()) parts.push_back(l->mutable_v());
-        if (l->has_observation_queries()) parts.push_back(l->mutable_observation_queries());
-        out.status = AttachPayload(h, payload, parts, "Ingest");
+        out.status = transport::AttachParts(h, payload, transport::BodyTensors(&req), "Ingest");
       }
       if (out.status.ok()) out.status = stream->Add(req);
       // Over UCX the commit message is the stream's end (its numbering restarts after it),
@@ -758,12 +718,8 @@ void UcxServer::OnAppend(ucx::AmMessage&& m) {
     if (!req.ParseFromString(h.body())) {
       out.status = absl::InvalidArgumentError("ucx AppendTokens: the body is not an AppendTokensRequest");
     } else {
-      std::vector<v1::Tensor*> parts;
-      for (v1::LayerKV& l : *req.mutable_layers()) {
-        if (l.has_k()) parts.push_back(l.mutable_k());
-        if (l.has_v()) parts.push_back(l.mutable_v());
-      }
-      out.status = AttachPayload(h, payload, parts, "AppendTokens");
+      out.status =
+          transport::AttachParts(h, payload, transport::BodyTensors(&req), "AppendTokens");
       if (out.status.ok()) {
         auto r = engine->AppendTokens(conn->tenant, req);
         if (r.ok()) {

@@ -1,7 +1,7 @@
 // UCX building blocks (see ucx_core.h): RAII owners, status conversion, the progress
 // thread and active-message assembly. Every ucs_status_t becomes an absl::Status here; no
 // exception leaves a UCX callback (handlers run inside try/catch).
-#include "kvshade/service/ucx_core.h"
+#include "kvshade/transport/ucx_core.h"
 
 #include <poll.h>
 
@@ -13,7 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
-namespace kvshade::service::ucx {
+namespace kvshade::transport::ucx {
 namespace {
 
 absl::StatusCode CodeOf(ucs_status_t s) {
@@ -621,4 +621,4 @@ absl::Status UcxLoop::Send(ucp_ep_h ep, unsigned id, std::string header, std::st
                    &in_flight_);
 }
 
-}  // namespace kvshade::service::ucx
+}  // namespace kvshade::transport::ucx

@@ -23,14 +23,14 @@
 #include "absl/strings/str_join.h"
 #include "kvshade/client/tensor.h"
 #include "kvshade/client/ucx_data_plane.h"
-#include "kvshade/service/ucx_core.h"
+#include "kvshade/transport/ucx_core.h"
 #include "synthetic.h"
 #include "ucx_probe.h"
 
 namespace kvshade::cli {
 namespace {
 
-namespace ucx = kvshade::service::ucx;
+namespace ucx = kvshade::transport::ucx;
 using synthetic::FormatBytes;
 using Clock = std::chrono::steady_clock;
 

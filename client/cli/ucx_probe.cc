@@ -9,11 +9,11 @@
 #include <set>
 
 #include "absl/strings/str_join.h"
-#include "kvshade/service/ucx_core.h"
+#include "kvshade/transport/ucx_core.h"
 
 namespace kvshade::cli {
 
-namespace ucx = kvshade::service::ucx;
+namespace ucx = kvshade::transport::ucx;
 
 absl::StatusOr<std::string> UcxLanesTo(const std::string& address, const std::string& transports) {
   auto raw = ucx::DecodeWorkerAddress(address);

@@ -10,7 +10,7 @@
 #include "harness.h"
 #include "kvshade/client/tensor.h"
 #include "kvshade/client/ucx_data_plane.h"
-#include "kvshade/service/ucx_core.h"
+#include "kvshade/transport/ucx_core.h"
 
 namespace kvshade::integration {
 namespace {
@@ -124,12 +124,12 @@ TEST_P(UcxDataPlaneTest, AdmissionTokenIsOneTimeAndEnforced) {
   v1::UcxSlotBuffers bufs;
   bufs.set_attachment_id(att.attachment_id());
   const std::vector<std::pair<unsigned, std::string>> requests = {
-      {service::ucx::kSelect, sel.SerializeAsString()},
-      {service::ucx::kAttend, attend.SerializeAsString()},
-      {service::ucx::kAppend, ""},
-      {service::ucx::kIngest, ""},
-      {service::ucx::kRegister, bufs.SerializeAsString()},
-      {service::ucx::kUnregister, bufs.SerializeAsString()}};
+      {transport::ucx::kSelect, sel.SerializeAsString()},
+      {transport::ucx::kAttend, attend.SerializeAsString()},
+      {transport::ucx::kAppend, ""},
+      {transport::ucx::kIngest, ""},
+      {transport::ucx::kRegister, bufs.SerializeAsString()},
+      {transport::ucx::kUnregister, bufs.SerializeAsString()}};
   for (const std::string& key : {std::string(), std::string(16, 'x')}) {
     for (const auto& [id, payload] : requests) {
       auto r = raw->RawRequest(id, key, payload);
@@ -313,7 +313,7 @@ TEST(UcxIngest, ClientVanishingMidIngestLeavesNoPartialSegment) {
 TEST(UcxCore, RegisteredMemoryTakesAnRmaPutThroughRaiiHandles) {
   // Two workers in this process over tcp: A puts into B's registered buffer with B's
   // packed rkey; every handle is an RAII owner released on its worker's thread.
-  namespace ucx = service::ucx;
+  namespace ucx = transport::ucx;
   KV_ASSERT_OK_AND_ASSIGN(a, ucx::UcxLoop::Start("tcp,self", {}));
   KV_ASSERT_OK_AND_ASSIGN(b, ucx::UcxLoop::Start("tcp,self", {}));
   std::vector<uint8_t> target(4096, 0), source(4096);

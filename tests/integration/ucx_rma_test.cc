@@ -11,7 +11,7 @@
 #include "harness.h"
 #include "kvshade/client/tensor.h"
 #include "kvshade/client/ucx_data_plane.h"
-#include "kvshade/service/ucx_core.h"
+#include "kvshade/transport/ucx_core.h"
 
 namespace kvshade::integration {
 namespace {
@@ -181,12 +181,12 @@ TEST_P(UcxRmaTest, RegisterIsRefusedForOthersWrongModeSmallBuffersAndStrangers) 
   junk.set_bytes(bytes);
   junk.set_k_rkey(std::string(9000, '\xff'));
   junk.set_v_rkey("x");
-  auto raw = dp->RawAdmittedRequest(service::ucx::kRegister, junk.SerializeAsString());
+  auto raw = dp->RawAdmittedRequest(transport::ucx::kRegister, junk.SerializeAsString());
   EXPECT_EQ(raw.status().code(), absl::StatusCode::kInvalidArgument) << raw.status();
   // A key-sized blob of 0xff (every md bit set, every length 255) does not frame.
   junk.set_k_rkey(std::string(64, '\xff'));
   junk.set_v_rkey(std::string(64, '\xff'));
-  raw = dp->RawAdmittedRequest(service::ucx::kRegister, junk.SerializeAsString());
+  raw = dp->RawAdmittedRequest(transport::ucx::kRegister, junk.SerializeAsString());
   EXPECT_EQ(raw.status().code(), absl::StatusCode::kInvalidArgument) << raw.status();
   // The right one works, and select then delivers.
   KV_ASSERT_OK(bob->RegisterSlotBuffers(b_rma.attachment_id(), k.data(), v.data(), bytes));
@@ -200,7 +200,7 @@ TEST_P(UcxRmaTest, RegisterIsRefusedForOthersWrongModeSmallBuffersAndStrangers) 
   KV_ASSERT_OK_AND_ASSIGN(stranger, client::UcxDataPlane::ConnectWithoutHello(a_rma.data_plane_address(), o));
   v1::UcxSlotBuffers good;
   good.set_attachment_id(a_rma.attachment_id());
-  for (unsigned id : {unsigned{service::ucx::kRegister}, unsigned{service::ucx::kUnregister}}) {
+  for (unsigned id : {unsigned{transport::ucx::kRegister}, unsigned{transport::ucx::kUnregister}}) {
     auto denied = stranger->RawRequest(id, std::string(16, 'k'), good.SerializeAsString());
     EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied) << denied.status();
   }

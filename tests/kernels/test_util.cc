@@ -10,9 +10,10 @@ namespace kvshade::kernels::testing {
 
 uint64_t TestSeed() {
   static const uint64_t seed = []() -> uint64_t {
-    if (const char* env = std::getenv("KVSHADE_TEST_SEED")) return std::strtoull(env, nullptr, 10);
-    std::random_device rd;
-    return (uint64_t(rd()) << 32) ^ rd();
+    if (const char* env = std::getenv("KVSHADE_TEST_SEED"); env != nullptr && *env != '\0') {
+      return std::strtoull(env, nullptr, 10);
+    }
+    return kDefaultTestSeed;
   }();
   static std::once_flag logged;
   std::call_once(logged, [] {

@@ -1,5 +1,5 @@
-// Helpers shared by the kernel tests: seeded random inputs (fresh each run, seed logged,
-// reproducible with KVSHADE_TEST_SEED=<n>), and moving host vectors in and out of a
+// Helpers shared by the kernel tests: seeded random inputs (a fixed seed unless
+// KVSHADE_TEST_SEED=<n> picks another, seed logged), and moving host vectors in and out of a
 // backend's memory.
 #pragma once
 
@@ -14,8 +14,11 @@
 
 namespace kvshade::kernels::testing {
 
-// The seed of this test run: KVSHADE_TEST_SEED if set, else fresh from the OS. Logged
-// once per test (as a gtest property and on stdout) so that a failure can be replayed.
+// The seed of this test run: KVSHADE_TEST_SEED if set, else kDefaultTestSeed, so that the
+// thresholds CI checks meet the same inputs on every run (scripts/seed-sweep.sh runs them
+// over many seeds and reports the failure rate). Logged once per test (as a gtest property
+// and on stdout) so that a failure can be replayed.
+inline constexpr uint64_t kDefaultTestSeed = 20261201;
 uint64_t TestSeed();
 
 // An engine seeded from TestSeed() mixed with `stream` (so that different inputs of one

@@ -5,7 +5,6 @@ Environment (set by tests/python/CMakeLists.txt): KVSHADE_SERVER (the server bin
 KVSHADE_LIB (libkvshade.so), KVSHADE_PYTHONPATH (client/python).
 """
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -17,9 +16,14 @@ sys.path.insert(0, os.environ.get(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "client", "python")))
 
 
+# The seed when KVSHADE_TEST_SEED is not set: fixed, so that the thresholds CI checks meet the
+# same inputs on every run (scripts/seed-sweep.sh runs them over many seeds).
+DEFAULT_SEED = 20261201
+
+
 def seed():
-    """A fresh seed per run, logged so a failure can be replayed (KVSHADE_TEST_SEED)."""
-    s = int(os.environ.get("KVSHADE_TEST_SEED", random.SystemRandom().randrange(1 << 31)))
+    """KVSHADE_TEST_SEED or DEFAULT_SEED, logged so a failure can be replayed."""
+    s = int(os.environ.get("KVSHADE_TEST_SEED") or DEFAULT_SEED)
     print("KVSHADE_TEST_SEED=%d" % s, file=sys.stderr)
     return s
 

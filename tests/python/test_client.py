@@ -112,9 +112,14 @@ class ClientTest(unittest.TestCase):
         prof = kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=4, outliers=2, local_window=32)
         created, tokens, k, v = self.make_session(prof, n, name="py-shadow")
         self.assertEqual(created.effective_profile, "shadow")
+        # The whole committed prompt (one segment of 256 tokens) is reusable by the same
+        # tokens; a prompt that differs in its last token reuses nothing (a segment is reused
+        # whole or not at all).
         reusable, segments = self.c.lookup_prefix(model(name="py-shadow"), prof, tokens)
-        self.assertGreater(reusable, 0)
-        self.assertGreaterEqual(segments, 1)
+        self.assertEqual((reusable, segments), (n, 1))
+        other = np.array(tokens, copy=True)
+        other[-1] += 1
+        self.assertEqual(self.c.lookup_prefix(model(name="py-shadow"), prof, other), (0, 0))
         child, shared = self.c.fork_session(created.session_id, n)
         self.assertEqual(shared, n)
         self.assertNotEqual(child, created.session_id)
@@ -169,10 +174,12 @@ class ClientTest(unittest.TestCase):
             self.c.ingest(created.session_id).layer(0, np.ones((4, 2)), np.ones((4, 2)))
         with self.assertRaises(kvshade.InvalidArgument):
             kvshade.Profile("bogus")._c()
-        # Select on a session still ingesting.
-        with self.assertRaises(kvshade.KvShadeError):
-            att = self.c.attach(created.session_id)
+        # Select on a session still ingesting: attaching is allowed, select refuses with
+        # FAILED_PRECONDITION naming the state.
+        att = self.c.attach(created.session_id)
+        with self.assertRaises(kvshade.FailedPrecondition) as cm:
             self.c.select(0, [att.attachment_id], np.ones((HQ, D), np.float32))
+        self.assertIn("ingesting", str(cm.exception))
         self.c.close_session(created.session_id)
 
     def test_package_loads_library_next_to_it(self):

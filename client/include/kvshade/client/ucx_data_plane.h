@@ -39,11 +39,11 @@
 #include "absl/types/span.h"
 #include "kvshade/v1/kvshade.pb.h"
 
-namespace kvshade::service::ucx {
+namespace kvshade::transport::ucx {
 class UcxLoop;
 class UcxEndpoint;
 class UcxMemHandle;
-}  // namespace kvshade::service::ucx
+}  // namespace kvshade::transport::ucx
 
 namespace kvshade::client {
 
@@ -168,8 +168,8 @@ class UcxDataPlane {
   void OnTick();
 
   UcxOptions options_;
-  std::unique_ptr<service::ucx::UcxLoop> loop_;
-  std::unique_ptr<service::ucx::UcxEndpoint> ep_;  // created/destroyed on the loop thread
+  std::unique_ptr<transport::ucx::UcxLoop> loop_;
+  std::unique_ptr<transport::ucx::UcxEndpoint> ep_;  // created/destroyed on the loop thread
   std::string key_;
   mutable std::mutex mu_;
   std::map<uint64_t, Pending> pending_;

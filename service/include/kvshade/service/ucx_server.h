@@ -43,10 +43,12 @@
 #include "kvshade/service/config.h"
 #include "kvshade/service/engine.h"
 #include "kvshade/service/metrics.h"
-#include "kvshade/service/ucx_core.h"
+#include "kvshade/transport/ucx_core.h"
 #include "kvshade/v1/kvshade.pb.h"
 
 namespace kvshade::service {
+
+namespace ucx = ::kvshade::transport::ucx;
 
 class UcxServer {
  public:

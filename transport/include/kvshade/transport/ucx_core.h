@@ -30,7 +30,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 
-namespace kvshade::service::ucx {
+namespace kvshade::transport::ucx {
 
 // ucs_status_t -> absl::Status; `what` names the failed call.
 absl::Status FromUcs(ucs_status_t s, std::string_view what);
@@ -269,4 +269,4 @@ class UcxLoop {
   std::thread thread_;
 };
 
-}  // namespace kvshade::service::ucx
+}  // namespace kvshade::transport::ucx
