@@ -68,6 +68,12 @@ v1::Profile ProfileInfo::ToProto() const {
   p.set_mini_recent_ratio(mini_recent_ratio);
   p.set_mini_heavy_ratio(mini_heavy_ratio);
   p.set_kivi_group(kivi_group);
+  p.set_rerank_factor(rerank_factor);
+  p.set_mass_top_p(mass_top_p);
+  p.set_mass_min_chunks(mass_min_chunks);
+  p.set_recall_sample_rate(recall_sample_rate);
+  p.set_recall_floor(recall_floor);
+  p.set_recall_action(recall_action);
   return p;
 }
 
@@ -209,6 +215,36 @@ absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& p, const ProfileDe
   o.energy_target = p.energy_target();
   o.mini_recent_ratio = pickf(p.mini_recent_ratio(), def.mini_recent_ratio);
   o.mini_heavy_ratio = pickf(p.mini_heavy_ratio(), def.mini_heavy_ratio);
+  // Selection options.
+  if (p.rerank_factor() > 64) {
+    return Bad("profile.rerank_factor", absl::StrCat("must be in [1, 64] (1 = one stage), got ",
+                                                     p.rerank_factor()));
+  }
+  for (auto [name, v] : {std::pair{"mass_top_p", p.mass_top_p()},
+                         {"recall_sample_rate", p.recall_sample_rate()},
+                         {"recall_floor", p.recall_floor()}}) {
+    if (!std::isfinite(v) || v < 0 || v > 1) {
+      return Bad(absl::StrCat("profile.", name), absl::StrCat("must be in [0, 1], got ", v));
+    }
+  }
+  if (p.mass_min_chunks() > (1u << 24)) {
+    return Bad("profile.mass_min_chunks", absl::StrCat("is out of range: ", p.mass_min_chunks()));
+  }
+  if (!v1::RecallAction_IsValid(p.recall_action())) {
+    return Bad("profile.recall_action", absl::StrCat("is unknown: ", static_cast<int>(p.recall_action())));
+  }
+  o.rerank_factor = pick(p.rerank_factor(), def.rerank_factor);
+  o.mass_top_p = pickf(p.mass_top_p(), def.mass_top_p);
+  o.mass_min_chunks = pick(p.mass_min_chunks(), def.mass_min_chunks);
+  o.recall_sample_rate = pickf(p.recall_sample_rate(), def.recall_sample_rate);
+  o.recall_floor = pickf(p.recall_floor(), def.recall_floor);
+  if (p.recall_action() != v1::RECALL_ACTION_UNSPECIFIED) {
+    o.recall_action = p.recall_action();
+  } else {
+    o.recall_action = def.recall_action == "report"  ? v1::RECALL_ACTION_REPORT
+                      : def.recall_action == "exact" ? v1::RECALL_ACTION_EXACT
+                                                     : v1::RECALL_ACTION_WIDEN;
+  }
   switch (o.requested) {
     case v1::PROFILE_KIND_AUTO:
       o.kind = n_tokens < static_cast<uint64_t>(o.min_tokens) ? v1::PROFILE_KIND_MINI

@@ -11,7 +11,9 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <shared_mutex>
+#include <type_traits>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -66,6 +68,13 @@ absl::StatusOr<std::vector<Query>> Resolve(SessionManager& sm, const LimitsConfi
                                                      " of session '", q.session->id,
                                                      "', got ", layer));
     }
+    if constexpr (std::is_same_v<Q, v1::SelectQuery>) {
+      if (TensorEmpty(qi.q()) && !TensorEmpty(qi.chunks())) {  // model-native: q unused
+        q.q.assign(size_t(m.shape.query_heads()) * m.shape.d, bf16{});
+        out.push_back(std::move(q));
+        continue;
+      }
+    }
     KVSHADE_ASSIGN_OR_RETURN(
         q.q, DecodeTensor(qi.q(), {m.shape.query_heads(), m.shape.d}, m.dtype,
                           absl::StrCat("queries[", i, "].q")));
@@ -112,12 +121,69 @@ struct SelectGroup {
   int C = 0;
   kernels::RopeSpec rope;
   kernels::ValueCodecSpec codec;
+  kernels::SelectOptions opts;  // docs/ALGORITHM.md "Selection options"
+  bool native = false;          // model-native: the callers chose the chunks (AssignSlots)
   std::vector<size_t> items;  // indices into the batch
 };
 
-std::string GroupKey(const Session& s, int k) {
+// The selection options of a session's profile at budget k.
+kernels::SelectOptions OptionsOf(const Session& s, int k) {
+  kernels::SelectOptions o;
+  const ProfileInfo& p = s.profile;
+  if (p.rerank_factor > 1) {
+    o.candidates = p.rerank_factor * k;
+    o.C = p.chunk_size;
+    o.rope = s.model.rope;
+  }
+  if (p.mass_top_p > 0) {
+    o.top_p = p.mass_top_p;
+    o.min_k = std::min(p.mass_min_chunks, k);
+  }
+  return o;
+}
+
+std::string GroupKey(const Session& s, int k, const kernels::SelectOptions& o, bool native) {
   return absl::StrCat(s.model.Fingerprint(), "|", s.profile.chunk_size, "|",
-                      static_cast<int>(s.profile.codec.codec), "/", s.profile.codec.group, "|", k);
+                      static_cast<int>(s.profile.codec.codec), "/", s.profile.codec.group, "|", k,
+                      "|", native ? -1 : o.candidates, "|", o.top_p, "|", o.min_k);
+}
+
+// Budgets the recall guard may widen a layer to: the CUDA backend's largest Select width.
+constexpr int kMaxGuardBudget = 4096;
+
+// Model-native chunk ids of one query: an int32 tensor [h, m] with m <= k, each entry -1
+// or a chunk id in [0, total), distinct per head; returned as [h, k] rows, -1 padded.
+absl::StatusOr<std::vector<int32_t>> NativeChunks(const v1::Tensor& t, int h, int k, int total,
+                                                  const std::string& what) {
+  if (t.dtype() != v1::DTYPE_INT32 || t.shape_size() != 2 || t.shape(0) != h || t.shape(1) < 0 ||
+      t.shape(1) > k) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " must be an INT32 tensor [h = ", h, ", m] with m <= slots per head (", k, ")"));
+  }
+  const int64_t m = t.shape(1);
+  if (t.data().size() != size_t(h * m) * 4) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " holds ", t.data().size(),
+                                                   " bytes, expected ", h * m * 4));
+  }
+  std::vector<int32_t> out(size_t(h) * k, -1);
+  for (int hh = 0; hh < h; ++hh) {
+    absl::flat_hash_set<int32_t> seen;
+    for (int64_t x = 0; x < m; ++x) {
+      int32_t c;
+      std::memcpy(&c, t.data().data() + (hh * m + x) * 4, 4);
+      if (c == -1) continue;
+      if (c < -1 || c >= total) {
+        return absl::InvalidArgumentError(absl::StrCat(what, "[", hh, ", ", x, "] = ", c,
+                                                       " is not a chunk id in [0, ", total, ")"));
+      }
+      if (!seen.insert(c).second) {
+        return absl::InvalidArgumentError(absl::StrCat(what, "[", hh, ", ", x, "]: chunk ", c,
+                                                       " appears twice for head ", hh));
+      }
+      out[size_t(hh) * k + x] = c;
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -134,7 +200,9 @@ static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, const SelectGroup& g,
                                            std::vector<kernels::SelectItem>& sel,
                                            std::vector<kernels::ReconstructItem>& rec,
                                            const std::vector<std::vector<bf16>*>& queries,
-                                           bool reconstruct) {
+                                           bool reconstruct,
+                                           const std::vector<const std::vector<int32_t>*>* given =
+                                               nullptr) {
   const int h = g.shape.h, k = g.k, n = static_cast<int>(sel.size());
   const size_t hk = size_t(h) * k;
   SelectRun run;
@@ -153,9 +221,25 @@ static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, const SelectGroup& g,
   }
   {
     StageTimer timer(e.metrics_, "select");
-    const size_t wsb = e.backend_->SelectWorkspaceBytes(g.shape, k, sel);
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
-    KVSHADE_RETURN_IF_ERROR(e.backend_->Select(g.shape, k, sel, kernels::Workspace{ws.data(), wsb}));
+    const bool plain = g.opts.candidates == 0 && g.opts.top_p == 0;
+    if (given != nullptr) {
+      // Model-native: the callers' ids [h, k] go into `selected`, then the slot diff.
+      for (int i = 0; i < n; ++i) {
+        KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(sel[i].selected, (*given)[i]->data(), hk * 4));
+      }
+      const size_t wsb = e.backend_->AssignSlotsWorkspaceBytes(g.shape, k, sel);
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
+      KVSHADE_RETURN_IF_ERROR(e.backend_->AssignSlots(g.shape, k, sel, kernels::Workspace{ws.data(), wsb}));
+    } else if (plain) {
+      const size_t wsb = e.backend_->SelectWorkspaceBytes(g.shape, k, sel);
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
+      KVSHADE_RETURN_IF_ERROR(e.backend_->Select(g.shape, k, sel, kernels::Workspace{ws.data(), wsb}));
+    } else {
+      const size_t wsb = e.backend_->SelectExWorkspaceBytes(g.shape, k, g.opts, sel);
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
+      KVSHADE_RETURN_IF_ERROR(
+          e.backend_->SelectEx(g.shape, k, g.opts, sel, kernels::Workspace{ws.data(), wsb}));
+    }
     KVSHADE_RETURN_IF_ERROR(e.backend_->Synchronize());
   }
   std::vector<int32_t> all(size_t(n) * (3 * hk + h));
@@ -210,6 +294,85 @@ static absl::Status EnsureSlots(EngineImpl& e, Attachment& a, int layer, int h, 
   return absl::OkStatus();
 }
 
+// Recall@k of one item's selection (`selected`, [h, k_sel] host rows) against the oracle
+// top-k_oracle of the reconstructed keys (SelectEx scoring every chunk), averaged over the
+// heads; nullopt when the backend cannot score every chunk in one call (CUDA above 16384
+// chunks): that step is then not sampled.
+static absl::StatusOr<std::optional<double>> OracleRecall(EngineImpl& e, const SelectGroup& g,
+                                                          const kernels::SessionLayerView& view,
+                                                          const std::vector<bf16>& q,
+                                                          const int32_t* selected, int k_sel,
+                                                          int k_oracle) {
+  const int h = g.shape.h;
+  const size_t hk = size_t(h) * k_oracle;
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qd, e.Upload(q.data(), Bf16Bytes(q.size()), ArenaKind::kOther));
+  std::vector<int32_t> init(3 * hk + h, -1);
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock outs, e.Upload(init.data(), init.size() * 4, ArenaKind::kOther));
+  std::vector<int32_t> slots(hk, -1);
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock sd, e.Upload(slots.data(), slots.size() * 4, ArenaKind::kOther));
+  kernels::SelectItem it;
+  it.view = view;
+  it.q = Ptr<bf16>(qd);
+  it.slots = Ptr<int32_t>(sd);
+  it.selected = Ptr<int32_t>(outs);
+  it.miss_slot = it.selected + hk;
+  it.miss_chunk = it.selected + 2 * hk;
+  it.miss_count = it.selected + 3 * hk;
+  kernels::SelectOptions o;
+  o.candidates = view.total_chunks();
+  o.C = g.C;
+  o.rope = g.rope;
+  std::vector<kernels::SelectItem> items = {it};
+  const size_t wsb = e.backend_->SelectExWorkspaceBytes(g.shape, k_oracle, o, items);
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
+  absl::Status st = e.backend_->SelectEx(g.shape, k_oracle, o, items, kernels::Workspace{ws.data(), wsb});
+  if (absl::IsInvalidArgument(st)) return std::optional<double>();
+  KVSHADE_RETURN_IF_ERROR(st);
+  KVSHADE_RETURN_IF_ERROR(e.backend_->Synchronize());
+  std::vector<int32_t> oracle(hk);
+  KVSHADE_RETURN_IF_ERROR(e.Download(oracle.data(), it.selected, hk * 4));
+  double sum = 0;
+  int heads = 0;
+  for (int hh = 0; hh < h; ++hh) {
+    int n = 0, hit = 0;
+    for (int x = 0; x < k_oracle; ++x) {
+      const int32_t c = oracle[size_t(hh) * k_oracle + x];
+      if (c < 0) continue;
+      ++n;
+      const int32_t* row = selected + size_t(hh) * k_sel;
+      hit += std::find(row, row + k_sel, c) != row + k_sel;
+    }
+    if (n == 0) continue;
+    sum += double(hit) / n;
+    ++heads;
+  }
+  if (heads == 0) return std::optional<double>();
+  return std::optional<double>(sum / heads);
+}
+
+// The recall guard's part of one decode step of one session's layer (docs/ALGORITHM.md
+// "Recall guard"): on a sampled step, recall@k of `selected` ([h, k_sel] host) against the
+// oracle at the profile's budget, exported, recorded, and acted on.
+static absl::Status GuardStep(EngineImpl& e, Session& s, const SelectGroup& g, int layer,
+                              const kernels::SessionLayerView& view, const std::vector<bf16>& q,
+                              const int32_t* selected, int k_sel, int total) {
+  const ProfileInfo& p = s.profile;
+  if (!(p.recall_sample_rate > 0) || !s.selection.Sample(layer, p.recall_sample_rate)) {
+    return absl::OkStatus();
+  }
+  const int k0 = std::min(p.sparse_budget, total);
+  KVSHADE_ASSIGN_OR_RETURN(std::optional<double> recall,
+                           OracleRecall(e, g, view, q, selected, k_sel, k0));
+  if (!recall) return absl::OkStatus();
+  SelectionMetrics* m = SelectionMetrics::For(e.metrics_->registry());
+  const std::string label = SelectionLabel(p, g.native);
+  m->Sampled(label, *recall);
+  const v1::RecallAction a =
+      s.selection.Record(layer, *recall, p.recall_floor, p.recall_action, k_sel, total, kMaxGuardBudget);
+  if (a != v1::RECALL_ACTION_UNSPECIFIED) m->Acted(label, a);
+  return absl::OkStatus();
+}
+
 // CUDA IPC delivery of one item's misses: keys and values rows of `run` into the worker's
 // slot buffers (one scatter launch each), finished before the response leaves.
 static absl::Status DeliverRows(EngineImpl& e, const SelectRun& run, const PeerSlots& peer,
@@ -251,6 +414,7 @@ absl::StatusOr<v1::SelectAndReconstructResponse> EngineImpl::SelectAndReconstruc
   // Views (pins held until the response is built) and groups.
   std::vector<LayerViewHold> holds(qs.size());
   std::vector<int> ks(qs.size(), 0);
+  std::vector<std::vector<int32_t>> native(qs.size());  // model-native ids [h, k]
   std::map<std::string, SelectGroup> groups;
   for (size_t i = 0; i < qs.size(); ++i) {
     const Session& s = *qs[i].session;
@@ -258,13 +422,23 @@ absl::StatusOr<v1::SelectAndReconstructResponse> EngineImpl::SelectAndReconstruc
     KVSHADE_ASSIGN_OR_RETURN(holds[i], BuildView(s, layer));
     if (holds[i].total_chunks == 0) continue;
     ks[i] = std::min(s.profile.sparse_budget, holds[i].total_chunks);
+    const v1::SelectQuery& sq = r.queries(static_cast<int>(i));
+    const bool is_native = !TensorEmpty(sq.chunks());
+    if (is_native) {
+      KVSHADE_ASSIGN_OR_RETURN(native[i], NativeChunks(sq.chunks(), s.model.shape.h, ks[i],
+                                                       holds[i].total_chunks,
+                                                       absl::StrCat("queries[", i, "].chunks")));
+    }
     KVSHADE_RETURN_IF_ERROR(EnsureSlots(*this, *qs[i].attachment, layer, s.model.shape.h, ks[i]));
-    SelectGroup& g = groups[GroupKey(s, ks[i])];
+    const kernels::SelectOptions opts = is_native ? kernels::SelectOptions{} : OptionsOf(s, ks[i]);
+    SelectGroup& g = groups[GroupKey(s, ks[i], opts, is_native)];
     g.shape = s.model.shape;
     g.k = ks[i];
     g.C = s.profile.chunk_size;
     g.rope = s.model.rope;
     g.codec = s.profile.codec;
+    g.opts = opts;
+    g.native = is_native;
     g.items.push_back(i);
   }
   uint64_t total_selected = 0, total_hits = 0;
@@ -277,13 +451,16 @@ absl::StatusOr<v1::SelectAndReconstructResponse> EngineImpl::SelectAndReconstruc
       std::vector<kernels::SelectItem> sel(b1 - b0);
       std::vector<kernels::ReconstructItem> rec;
       std::vector<std::vector<bf16>*> queries;
+      std::vector<const std::vector<int32_t>*> given;
       for (size_t j = b0; j < b1; ++j) {
         const size_t i = g.items[j];
         sel[j - b0].view = holds[i].view;
         sel[j - b0].slots = Ptr<int32_t>(qs[i].attachment->slots[layer].slots);
         queries.push_back(&qs[i].q);
+        given.push_back(&native[i]);
       }
-      KVSHADE_ASSIGN_OR_RETURN(SelectRun run, RunSelect(*this, g, sel, rec, queries, true));
+      KVSHADE_ASSIGN_OR_RETURN(SelectRun run, RunSelect(*this, g, sel, rec, queries, true,
+                                                        g.native ? &given : nullptr));
       const size_t hk = size_t(h) * k;
       const size_t row = size_t(C) * d;
       for (size_t j = b0; j < b1; ++j) {
@@ -325,6 +502,11 @@ absl::StatusOr<v1::SelectAndReconstructResponse> EngineImpl::SelectAndReconstruc
         EncodeBf16(keys, {int64_t(misses), C, d}, delta->mutable_keys());
         EncodeBf16(values, {int64_t(misses), C, d}, delta->mutable_values());
         delta->set_delivered(peer != nullptr);
+        if (!g.native) {
+          KVSHADE_RETURN_IF_ERROR(GuardStep(*this, *qs[i].session, g, layer, holds[i].view, qs[i].q,
+                                            run.selected.data() + jj * hk, k, holds[i].total_chunks));
+        }
+        delta->set_fallback(qs[i].session->selection.Fallback(layer));
         delta->set_selected(selected);
         delta->set_hits(selected - misses);
         qs[i].attachment->selected += selected;
@@ -412,10 +594,13 @@ absl::StatusOr<v1::AttendResponse> EngineImpl::Attend(const Tenant& t, const v1:
         if (hold.total_chunks > 0) {
           SelectGroup g;
           g.shape = shape;
-          g.k = std::min(s.profile.sparse_budget, hold.total_chunks);
+          // The recall guard may have widened this layer's budget (or opened every chunk).
+          g.k = s.selection.Budget(layer, std::min(s.profile.sparse_budget, hold.total_chunks),
+                                   hold.total_chunks);
           g.C = C;
           g.rope = s.model.rope;
           g.codec = s.profile.codec;
+          g.opts = OptionsOf(s, g.k);
           // A fresh, empty slot table: every selected chunk is a miss and lands in slots
           // 0.. in ascending chunk order, so each head's first miss_count*C rows are its
           // selected chunks.
@@ -427,6 +612,8 @@ absl::StatusOr<v1::AttendResponse> EngineImpl::Attend(const Tenant& t, const v1:
           sel[0].slots = Ptr<int32_t>(slots);
           std::vector<std::vector<bf16>*> queries = {&qs[i].q};
           KVSHADE_ASSIGN_OR_RETURN(run, RunSelect(*this, g, sel, rec, queries, true));
+          KVSHADE_RETURN_IF_ERROR(GuardStep(*this, s, g, layer, hold.view, qs[i].q, run.selected.data(),
+                                            g.k, hold.total_chunks));
           std::vector<int32_t> lens(h);
           int64_t any = 0;
           for (int hh = 0; hh < h; ++hh) {

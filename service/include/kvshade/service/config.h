@@ -54,6 +54,14 @@ struct ProfileDefaults {
   uint32_t int4_from_tokens = 32768;
   bool keep_sink = true;
   float refactor_threshold = 0.05f, mini_recent_ratio = 0.1f, mini_heavy_ratio = 0.1f;
+  // Selection options (docs/ALGORITHM.md "Selection options"): two-stage re-ranking
+  // (rerank_factor x k candidates; 1 = one stage), budgets by attention mass (mass_top_p,
+  // 0 = fixed k; floor mass_min_chunks) and the recall guard (recall_sample_rate of decode
+  // steps checked against the oracle, 0 = off; recall_floor; recall_action report | widen |
+  // exact).
+  uint32_t rerank_factor = 4, mass_min_chunks = 32;
+  float mass_top_p = 0.0f, recall_sample_rate = 0.0f, recall_floor = 0.5f;
+  std::string recall_action = "widen";
   std::string value_codec = "auto";  // auto | bf16 | fp8 | int4 | int2
 };
 

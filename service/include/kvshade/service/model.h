@@ -48,6 +48,14 @@ struct ProfileInfo {
   float mini_recent_ratio = 0.1f;
   float mini_heavy_ratio = 0.1f;
   int kivi_group = 16;
+  // Selection options (not part of the fingerprint: they change what a decode step
+  // selects, not what is stored). docs/ALGORITHM.md "Selection options".
+  int rerank_factor = 4;          // 1 = one stage
+  float mass_top_p = 0;           // 0 = fixed budget
+  int mass_min_chunks = 32;
+  float recall_sample_rate = 0;   // 0 = guard off
+  float recall_floor = 0.5f;
+  v1::RecallAction recall_action = v1::RECALL_ACTION_WIDEN;
 
   // The fields that change what is stored (part of prefix keys).
   std::string Fingerprint() const;

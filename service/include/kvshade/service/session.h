@@ -31,6 +31,7 @@
 
 #include "kvshade/kernels/backend.h"
 #include "kvshade/service/model.h"
+#include "kvshade/service/selection_guard.h"
 #include "kvshade/storage/device_arena.h"
 #include "kvshade/storage/prefix_index.h"
 #include "kvshade/storage/types.h"
@@ -187,6 +188,8 @@ struct Session {
   std::vector<int32_t> prompt;   // token ids given at create (for prefix registration)
   uint64_t reused_tokens = 0;
   int64_t created_unix_ms = 0;
+  // The recall guard's samples and fallbacks (own mutex: decode runs under the shared lock).
+  SelectionGuard selection;
 
   // Guards everything below (see the file comment).
   mutable std::shared_mutex mu;
