@@ -60,16 +60,18 @@ std::string Bounded(std::string_view v, const std::set<std::string, std::less<>>
   return known.count(v) ? std::string(v) : std::string("other");
 }
 
-std::mutex g_method_mu;
-std::set<std::string, std::less<>>* g_methods = new std::set<std::string, std::less<>>;
-constexpr size_t kMaxMethods = 48;
-
-std::string MethodLabel(std::string_view method) {
-  std::lock_guard<std::mutex> lock(g_method_mu);
-  if (g_methods->count(method)) return std::string(method);
-  if (g_methods->size() >= kMaxMethods || method.empty() || method.size() > 64) return "other";
-  return *g_methods->emplace(method).first;
+// The `method` label: the KvShade service's RPC names and the UCX data plane's calls
+// (service/README.md "Metrics"); anything else is "other".
+const std::set<std::string, std::less<>>& KnownMethods() {
+  static const auto* s = new std::set<std::string, std::less<>>{
+      "CreateSession", "Ingest", "ForkSession", "LookupPrefix", "AppendTokens", "GetSession",
+      "ListSessions", "CloseSession", "Attach", "Detach", "GetStaticSet", "SelectAndReconstruct",
+      "Attend", "ExportSession", "Stats", "ucx/SelectAndReconstruct", "ucx/Attend",
+      "ucx/AppendTokens", "ucx/Ingest", "ucx/Register", "ucx/Unregister"};
+  return *s;
 }
+
+std::string MethodLabel(std::string_view method) { return Bounded(method, KnownMethods()); }
 
 }  // namespace
 

@@ -168,6 +168,48 @@ inline double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
   return std::sqrt(num / std::max(den, 1e-30));
 }
 
+// Attention of query q [h*g, d] over exactly the rows a GetStaticSet response holds (each
+// head's first lengths[h] static rows, then every tail row), in double: the reference for
+// what Attend computes over a layer with no selectable chunks (mini, exact).
+inline std::vector<float> HeldAttend(const v1::GetStaticSetResponse& st, int g, int d,
+                                     const std::vector<bf16>& q) {
+  const std::vector<bf16> sk = TensorBf16(st.k()), sv = TensorBf16(st.v());
+  const std::vector<bf16> tk = TensorBf16(st.tail_k()), tv = TensorBf16(st.tail_v());
+  const int h = st.lengths_size();
+  const int64_t smax = st.k().shape_size() == 3 ? st.k().shape(1) : 0;
+  const int64_t t = st.tail_k().shape_size() == 3 ? st.tail_k().shape(0) : 0;
+  std::vector<float> out(size_t(h) * g * d);
+  for (int hq = 0; hq < h * g; ++hq) {
+    const int hh = hq / g;
+    std::vector<const bf16*> ks, vs;
+    for (uint32_t i = 0; i < st.lengths(hh); ++i) {
+      ks.push_back(&sk[(size_t(hh) * smax + i) * d]);
+      vs.push_back(&sv[(size_t(hh) * smax + i) * d]);
+    }
+    for (int64_t i = 0; i < t; ++i) {
+      ks.push_back(&tk[(size_t(i) * h + hh) * d]);
+      vs.push_back(&tv[(size_t(i) * h + hh) * d]);
+    }
+    std::vector<double> logit(ks.size());
+    double mx = -1e300;
+    for (size_t i = 0; i < ks.size(); ++i) {
+      double dot = 0;
+      for (int c = 0; c < d; ++c) dot += double(kernels::Bf16ToFloat(q[size_t(hq) * d + c])) * kernels::Bf16ToFloat(ks[i][c]);
+      logit[i] = dot / std::sqrt(double(d));
+      mx = std::max(mx, logit[i]);
+    }
+    double z = 0;
+    std::vector<double> acc(d, 0.0);
+    for (size_t i = 0; i < ks.size(); ++i) {
+      const double p = std::exp(logit[i] - mx);
+      z += p;
+      for (int c = 0; c < d; ++c) acc[c] += p * kernels::Bf16ToFloat(vs[i][c]);
+    }
+    for (int c = 0; c < d; ++c) out[size_t(hq) * d + c] = float(acc[c] / z);
+  }
+  return out;
+}
+
 // An Engine on the CPU backend with small budgets and a fake clock.
 class Harness {
  public:
