@@ -59,7 +59,7 @@ struct ProfileDefaults {
   // 0 = fixed k; floor mass_min_chunks) and the recall guard (recall_sample_rate of decode
   // steps checked against the oracle, 0 = off; recall_floor; recall_action report | widen |
   // exact).
-  uint32_t rerank_factor = 4, mass_min_chunks = 32;
+  uint32_t rerank_factor = 1, mass_min_chunks = 32;
   float mass_top_p = 0.0f, recall_sample_rate = 0.0f, recall_floor = 0.5f;
   std::string recall_action = "widen";
   std::string value_codec = "auto";  // auto | bf16 | fp8 | int4 | int2

@@ -50,7 +50,7 @@ struct ProfileInfo {
   int kivi_group = 16;
   // Selection options (not part of the fingerprint: they change what a decode step
   // selects, not what is stored). docs/ALGORITHM.md "Selection options".
-  int rerank_factor = 4;          // 1 = one stage
+  int rerank_factor = 1;          // 1 = one stage
   float mass_top_p = 0;           // 0 = fixed budget
   int mass_min_chunks = 32;
   float recall_sample_rate = 0;   // 0 = guard off
