@@ -390,7 +390,13 @@ absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {
                     {"mini_recent_ratio", Scalar("profile.mini_recent_ratio", &p.mini_recent_ratio)},
                     {"mini_heavy_ratio", Scalar("profile.mini_heavy_ratio", &p.mini_heavy_ratio)},
                     {"value_codec", Scalar("profile.value_codec", &p.value_codec)},
-                    {"int4_from_tokens", Scalar("profile.int4_from_tokens", &p.int4_from_tokens)}});
+                    {"int4_from_tokens", Scalar("profile.int4_from_tokens", &p.int4_from_tokens)},
+                    {"rerank_factor", Scalar("profile.rerank_factor", &p.rerank_factor)},
+                    {"mass_top_p", Scalar("profile.mass_top_p", &p.mass_top_p)},
+                    {"mass_min_chunks", Scalar("profile.mass_min_chunks", &p.mass_min_chunks)},
+                    {"recall_sample_rate", Scalar("profile.recall_sample_rate", &p.recall_sample_rate)},
+                    {"recall_floor", Scalar("profile.recall_floor", &p.recall_floor)},
+                    {"recall_action", Scalar("profile.recall_action", &p.recall_action)}});
              }},
         });
     if (!s.ok()) return s;
@@ -489,6 +495,21 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (p.rank == 0 || p.rank % 8 != 0) return bad("profile.rank must be a positive multiple of 8, got ", p.rank);
   if (p.chunk_size == 0 || p.chunk_size > 256) return bad("profile.chunk_size must be in [1, 256], got ", p.chunk_size);
   if (p.sparse_budget == 0) return bad("profile.sparse_budget must be > 0");
+  if (p.rerank_factor == 0 || p.rerank_factor > 64) {
+    return bad("profile.rerank_factor must be in [1, 64] (1 = one stage), got ", p.rerank_factor);
+  }
+  if (!(p.mass_top_p >= 0 && p.mass_top_p <= 1)) {
+    return bad("profile.mass_top_p must be in [0, 1] (0 = fixed budget), got ", p.mass_top_p);
+  }
+  if (!(p.recall_sample_rate >= 0 && p.recall_sample_rate <= 1)) {
+    return bad("profile.recall_sample_rate must be in [0, 1] (0 = off), got ", p.recall_sample_rate);
+  }
+  if (!(p.recall_floor > 0 && p.recall_floor <= 1)) {
+    return bad("profile.recall_floor must be in (0, 1], got ", p.recall_floor);
+  }
+  if (p.recall_action != "report" && p.recall_action != "widen" && p.recall_action != "exact") {
+    return bad("profile.recall_action must be report, widen or exact, got '", p.recall_action, "'");
+  }
   if (p.kivi_group == 0 || (p.kivi_group & (p.kivi_group - 1)) != 0) {
     return bad("profile.kivi_group must be a power of two, got ", p.kivi_group);
   }
