@@ -300,109 +300,209 @@ absl::Status LoadTokensFile(const std::string& path, ServerConfig* config) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {
-  ServerConfig c;
-  YAML::Node root;
-  try {
-    root = YAML::LoadFile(path);
-  } catch (const YAML::BadFile&) {
-    return absl::NotFoundError(absl::StrCat("config: cannot read '", path, "'"));
-  } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat("config: '", path, "' is not valid YAML: ", e.what()));
-  }
-  if (root.IsNull()) return c;  // an empty file keeps every default
+namespace {
 
-  std::string tokens_file;
+// One entry of the configuration schema: a leaf key with its reader, or a section (tls,
+// limits, ...) with a reader per key. The YAML loader and the environment overlay both
+// walk this one table, so a key added here is at once a YAML key and a KVSHADE_* variable.
+struct SchemaEntry {
+  Reader read;                           // leaf keys
+  std::map<std::string, Reader> section;  // sections
+};
+using Schema = std::map<std::string, SchemaEntry>;
+
+// The schema bound to the config being loaded. tokens_file and metrics_port are read into
+// locals and applied after every source has been read (a tokens file is loaded once; the
+// port is range-checked once).
+Schema MakeSchema(ServerConfig& c, std::string& tokens_file, uint32_t& metrics_port) {
   LimitsConfig& l = c.limits;
   ProfileDefaults& p = c.profile;
-  uint32_t metrics_port = c.metrics_port;
-  try {
-    absl::Status s = ReadMap(
-        root, "",
-        {
-            {"listen", Scalar("listen", &c.listen)},
-            {"backend", Scalar("backend", &c.backend)},
-            {"device_budget", Bytes("device_budget", &c.device_budget_bytes)},
-            {"host_budget", Bytes("host_budget", &c.host_budget_bytes)},
-            {"spill_budget", Bytes("spill_budget", &c.spill_budget_bytes)},
-            {"spill_path", Scalar("spill_path", &c.spill_path)},
-            {"prefix_secret", Scalar("prefix_secret", &c.prefix_secret)},
-            {"metrics_port", Scalar("metrics_port", &metrics_port)},
-            {"metrics_listen", Scalar("metrics_listen", &c.metrics_listen)},
-            {"worker_threads", Scalar("worker_threads", &c.worker_threads)},
-            {"tokens_file", Scalar("tokens_file", &tokens_file)},
-            {"tenants", [&](const YAML::Node& n) { return ReadTenants(n, &c); }},
-            {"tls",
-             [&](const YAML::Node& n) {
-               return ReadMap(n, "tls",
-                              {{"cert_file", Scalar("tls.cert_file", &c.tls.cert_file)},
-                               {"key_file", Scalar("tls.key_file", &c.tls.key_file)},
-                               {"client_ca_file", Scalar("tls.client_ca_file", &c.tls.client_ca_file)},
-                               {"require_client_cert",
-                                Scalar("tls.require_client_cert", &c.tls.require_client_cert)}});
-             }},
-            {"ucx",
-             [&](const YAML::Node& n) {
-               return ReadMap(n, "ucx",
-                              {{"enable", Scalar("ucx.enable", &c.ucx.enable)},
-                               {"transports", Scalar("ucx.transports", &c.ucx.transports)},
-                               {"engine_threads", Scalar("ucx.engine_threads", &c.ucx.engine_threads)}});
-             }},
-            {"same_node",
-             [&](const YAML::Node& n) {
-               return ReadMap(n, "same_node",
-                              {{"export", Scalar("same_node.export", &c.same_node.export_state)}});
-             }},
-            {"limits",
-             [&](const YAML::Node& n) {
-               return ReadMap(
-                   n, "limits",
-                   {{"max_tokens_per_session", Scalar("limits.max_tokens_per_session", &l.max_tokens_per_session)},
-                    {"max_sessions_per_tenant", Scalar("limits.max_sessions_per_tenant", &l.max_sessions_per_tenant)},
-                    {"max_message_bytes", Bytes("limits.max_message_bytes", &l.max_message_bytes)},
-                    {"max_batch", Scalar("limits.max_batch", &l.max_batch)},
-                    {"max_attachments_per_session",
-                     Scalar("limits.max_attachments_per_session", &l.max_attachments_per_session)},
-                    {"default_lease_ms", Scalar("limits.default_lease_ms", &l.default_lease_ms)},
-                    {"max_lease_ms", Scalar("limits.max_lease_ms", &l.max_lease_ms)},
-                    {"max_layers", Scalar("limits.max_layers", &l.max_layers)},
-                    {"max_head_dim", Scalar("limits.max_head_dim", &l.max_head_dim)},
-                    {"session_idle_ttl_s", Scalar("limits.session_idle_ttl_s", &l.session_idle_ttl_s)},
-                    {"stream_idle_timeout_ms",
-                     Scalar("limits.stream_idle_timeout_ms", &l.stream_idle_timeout_ms)},
-                    {"max_streams_per_tenant",
-                     Scalar("limits.max_streams_per_tenant", &l.max_streams_per_tenant)}});
-             }},
-            {"profile",
-             [&](const YAML::Node& n) {
-               return ReadMap(
-                   n, "profile",
-                   {{"rank", Scalar("profile.rank", &p.rank)},
-                    {"chunk_size", Scalar("profile.chunk_size", &p.chunk_size)},
-                    {"sparse_budget", Scalar("profile.sparse_budget", &p.sparse_budget)},
-                    {"outliers", Scalar("profile.outliers", &p.outliers)},
-                    {"local_window", Scalar("profile.local_window", &p.local_window)},
-                    {"heavy_chunks", Scalar("profile.heavy_chunks", &p.heavy_chunks)},
-                    {"min_tokens", Scalar("profile.min_tokens", &p.min_tokens)},
-                    {"kivi_group", Scalar("profile.kivi_group", &p.kivi_group)},
-                    {"keep_sink", Scalar("profile.keep_sink", &p.keep_sink)},
-                    {"refactor_threshold", Scalar("profile.refactor_threshold", &p.refactor_threshold)},
-                    {"mini_recent_ratio", Scalar("profile.mini_recent_ratio", &p.mini_recent_ratio)},
-                    {"mini_heavy_ratio", Scalar("profile.mini_heavy_ratio", &p.mini_heavy_ratio)},
-                    {"value_codec", Scalar("profile.value_codec", &p.value_codec)},
-                    {"int4_from_tokens", Scalar("profile.int4_from_tokens", &p.int4_from_tokens)},
-                    {"rerank_factor", Scalar("profile.rerank_factor", &p.rerank_factor)},
-                    {"mass_top_p", Scalar("profile.mass_top_p", &p.mass_top_p)},
-                    {"mass_min_chunks", Scalar("profile.mass_min_chunks", &p.mass_min_chunks)},
-                    {"recall_sample_rate", Scalar("profile.recall_sample_rate", &p.recall_sample_rate)},
-                    {"recall_floor", Scalar("profile.recall_floor", &p.recall_floor)},
-                    {"recall_action", Scalar("profile.recall_action", &p.recall_action)}});
-             }},
-        });
-    if (!s.ok()) return s;
-  } catch (const YAML::Exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat("config: '", path, "': ", e.what()));
+  Schema s = {
+      {"listen", {Scalar("listen", &c.listen), {}}},
+      {"backend", {Scalar("backend", &c.backend), {}}},
+      {"device_budget", {Bytes("device_budget", &c.device_budget_bytes), {}}},
+      {"host_budget", {Bytes("host_budget", &c.host_budget_bytes), {}}},
+      {"spill_budget", {Bytes("spill_budget", &c.spill_budget_bytes), {}}},
+      {"spill_path", {Scalar("spill_path", &c.spill_path), {}}},
+      {"prefix_secret", {Scalar("prefix_secret", &c.prefix_secret), {}}},
+      {"metrics_port", {Scalar("metrics_port", &metrics_port), {}}},
+      {"metrics_listen", {Scalar("metrics_listen", &c.metrics_listen), {}}},
+      {"worker_threads", {Scalar("worker_threads", &c.worker_threads), {}}},
+      {"tokens_file", {Scalar("tokens_file", &tokens_file), {}}},
+      {"tenants", {[&c](const YAML::Node& n) { return ReadTenants(n, &c); }, {}}},
+      {"tls",
+       {nullptr,
+        {{"cert_file", Scalar("tls.cert_file", &c.tls.cert_file)},
+         {"key_file", Scalar("tls.key_file", &c.tls.key_file)},
+         {"client_ca_file", Scalar("tls.client_ca_file", &c.tls.client_ca_file)},
+         {"require_client_cert", Scalar("tls.require_client_cert", &c.tls.require_client_cert)}}}},
+      {"ucx",
+       {nullptr,
+        {{"enable", Scalar("ucx.enable", &c.ucx.enable)},
+         {"transports", Scalar("ucx.transports", &c.ucx.transports)},
+         {"engine_threads", Scalar("ucx.engine_threads", &c.ucx.engine_threads)}}}},
+      {"same_node", {nullptr, {{"export", Scalar("same_node.export", &c.same_node.export_state)}}}},
+      {"limits",
+       {nullptr,
+        {{"max_tokens_per_session", Scalar("limits.max_tokens_per_session", &l.max_tokens_per_session)},
+         {"max_sessions_per_tenant", Scalar("limits.max_sessions_per_tenant", &l.max_sessions_per_tenant)},
+         {"max_message_bytes", Bytes("limits.max_message_bytes", &l.max_message_bytes)},
+         {"max_batch", Scalar("limits.max_batch", &l.max_batch)},
+         {"max_attachments_per_session",
+          Scalar("limits.max_attachments_per_session", &l.max_attachments_per_session)},
+         {"default_lease_ms", Scalar("limits.default_lease_ms", &l.default_lease_ms)},
+         {"max_lease_ms", Scalar("limits.max_lease_ms", &l.max_lease_ms)},
+         {"max_layers", Scalar("limits.max_layers", &l.max_layers)},
+         {"max_head_dim", Scalar("limits.max_head_dim", &l.max_head_dim)},
+         {"session_idle_ttl_s", Scalar("limits.session_idle_ttl_s", &l.session_idle_ttl_s)},
+         {"stream_idle_timeout_ms", Scalar("limits.stream_idle_timeout_ms", &l.stream_idle_timeout_ms)},
+         {"max_streams_per_tenant", Scalar("limits.max_streams_per_tenant", &l.max_streams_per_tenant)}}}},
+      {"profile",
+       {nullptr,
+        {{"rank", Scalar("profile.rank", &p.rank)},
+         {"chunk_size", Scalar("profile.chunk_size", &p.chunk_size)},
+         {"sparse_budget", Scalar("profile.sparse_budget", &p.sparse_budget)},
+         {"outliers", Scalar("profile.outliers", &p.outliers)},
+         {"local_window", Scalar("profile.local_window", &p.local_window)},
+         {"heavy_chunks", Scalar("profile.heavy_chunks", &p.heavy_chunks)},
+         {"min_tokens", Scalar("profile.min_tokens", &p.min_tokens)},
+         {"kivi_group", Scalar("profile.kivi_group", &p.kivi_group)},
+         {"keep_sink", Scalar("profile.keep_sink", &p.keep_sink)},
+         {"refactor_threshold", Scalar("profile.refactor_threshold", &p.refactor_threshold)},
+         {"mini_recent_ratio", Scalar("profile.mini_recent_ratio", &p.mini_recent_ratio)},
+         {"mini_heavy_ratio", Scalar("profile.mini_heavy_ratio", &p.mini_heavy_ratio)},
+         {"value_codec", Scalar("profile.value_codec", &p.value_codec)},
+         {"int4_from_tokens", Scalar("profile.int4_from_tokens", &p.int4_from_tokens)}}}},
+  };
+  return s;
+}
+
+absl::Status ReadTree(const YAML::Node& root, const Schema& schema) {
+  std::map<std::string, Reader> top;
+  for (const auto& [key, entry] : schema) {
+    if (entry.read) {
+      top.emplace(key, entry.read);
+    } else {
+      const std::map<std::string, Reader>* section = &entry.section;
+      std::string name = key;
+      top.emplace(key, [section, name](const YAML::Node& n) { return ReadMap(n, name, *section); });
+    }
   }
+  return ReadMap(root, "", top);
+}
+
+std::string EnvNameOf(absl::string_view key_path) {
+  std::string name = "KVSHADE_";
+  for (char ch : key_path) name += ch == '.' ? '_' : absl::ascii_toupper(static_cast<unsigned char>(ch));
+  return name;
+}
+
+// The prefixes of the sections: a KVSHADE_* variable under one of them that names no key
+// is a typo and is refused, as an unknown YAML key is. Other KVSHADE_* variables (the
+// CLI's KVSHADE_TARGET, test settings) are not the daemon's and are left alone.
+bool UnderASection(absl::string_view name, const Schema& schema) {
+  for (const auto& [key, entry] : schema) {
+    if (!entry.read && absl::StartsWith(name, EnvNameOf(key) + "_")) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> ConfigEnvironmentVariables() {
+  ServerConfig c;
+  std::string tokens_file;
+  uint32_t metrics_port = 0;
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& [key, entry] : MakeSchema(c, tokens_file, metrics_port)) {
+    if (entry.read) {
+      out.emplace_back(key, EnvNameOf(key));
+    } else {
+      for (const auto& [sub, _] : entry.section) {
+        const std::string path = absl::StrCat(key, ".", sub);
+        out.emplace_back(path, EnvNameOf(path));
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, std::string>> ProcessEnvironment() {
+  std::vector<std::pair<std::string, std::string>> env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e) {
+    const absl::string_view entry(*e);
+    if (!absl::StartsWith(entry, "KVSHADE_")) continue;
+    const size_t eq = entry.find('=');
+    if (eq == std::string_view::npos) continue;
+    env.emplace_back(std::string(entry.substr(0, eq)), std::string(entry.substr(eq + 1)));
+  }
+  return env;
+}
+
+absl::StatusOr<ServerConfig> LoadConfig(const std::string& path,
+                                        const std::vector<std::pair<std::string, std::string>>& env) {
+  ServerConfig c;
+  std::string tokens_file;
+  uint32_t metrics_port = c.metrics_port;
+  const Schema schema = MakeSchema(c, tokens_file, metrics_port);
+
+  // 1. The YAML file, when there is one.
+  if (!path.empty()) {
+    YAML::Node root;
+    try {
+      root = YAML::LoadFile(path);
+    } catch (const YAML::BadFile&) {
+      return absl::NotFoundError(absl::StrCat("config: cannot read '", path, "'"));
+    } catch (const YAML::Exception& e) {
+      return absl::InvalidArgumentError(absl::StrCat("config: '", path, "' is not valid YAML: ", e.what()));
+    }
+    if (!root.IsNull()) {  // an empty file keeps every default
+      try {
+        if (absl::Status s = ReadTree(root, schema); !s.ok()) return s;
+      } catch (const YAML::Exception& e) {
+        return absl::InvalidArgumentError(absl::StrCat("config: '", path, "': ", e.what()));
+      }
+    }
+  }
+
+  // 2. KVSHADE_* variables over it, one key each, read by the same readers as the file's
+  // values (so sizes, booleans and ranges parse alike). An empty value counts as unset.
+  std::map<std::string, std::string> by_name;
+  for (const auto& [key_path, name] : ConfigEnvironmentVariables()) by_name.emplace(name, key_path);
+  for (const auto& [name, value] : env) {
+    auto it = by_name.find(name);
+    if (it == by_name.end()) {
+      if (UnderASection(name, schema)) {
+        std::vector<std::string> known;
+        for (const auto& [n, _] : by_name) known.push_back(n);
+        return absl::InvalidArgumentError(absl::StrCat(
+            "environment: unknown variable ", name, " (it names no configuration key); known: ",
+            absl::StrJoin(known, ", ")));
+      }
+      continue;
+    }
+    if (value.empty()) continue;
+    const std::string& key_path = it->second;
+    const size_t dot = key_path.find('.');
+    try {
+      // tenants is a list: its variable holds YAML flow text, [{name: a, token_file: /f}].
+      YAML::Node leaf = key_path == "tenants" ? YAML::Load(value) : YAML::Node(value);
+      YAML::Node root;
+      if (dot == std::string::npos) {
+        root[key_path] = leaf;
+      } else {
+        root[key_path.substr(0, dot)][key_path.substr(dot + 1)] = leaf;
+      }
+      if (absl::Status s = ReadTree(root, schema); !s.ok()) {
+        absl::string_view message = s.message();
+        absl::ConsumePrefix(&message, "config: ");
+        return absl::InvalidArgumentError(absl::StrCat("environment: ", name, ": ", message));
+      }
+    } catch (const YAML::Exception& e) {
+      return absl::InvalidArgumentError(absl::StrCat("environment: ", name, ": ", e.what()));
+    }
+  }
+
   if (metrics_port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("config: metrics_port must be in [0, 65535], got ", metrics_port));
@@ -414,6 +514,8 @@ absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) {
   }
   return c;
 }
+
+absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) { return LoadConfig(path, {}); }
 
 absl::Status ValidateConfig(const ServerConfig& c) {
   auto bad = [](auto&&... parts) { return absl::InvalidArgumentError(absl::StrCat(parts...)); };
@@ -495,21 +597,6 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (p.rank == 0 || p.rank % 8 != 0) return bad("profile.rank must be a positive multiple of 8, got ", p.rank);
   if (p.chunk_size == 0 || p.chunk_size > 256) return bad("profile.chunk_size must be in [1, 256], got ", p.chunk_size);
   if (p.sparse_budget == 0) return bad("profile.sparse_budget must be > 0");
-  if (p.rerank_factor == 0 || p.rerank_factor > 64) {
-    return bad("profile.rerank_factor must be in [1, 64] (1 = one stage), got ", p.rerank_factor);
-  }
-  if (!(p.mass_top_p >= 0 && p.mass_top_p <= 1)) {
-    return bad("profile.mass_top_p must be in [0, 1] (0 = fixed budget), got ", p.mass_top_p);
-  }
-  if (!(p.recall_sample_rate >= 0 && p.recall_sample_rate <= 1)) {
-    return bad("profile.recall_sample_rate must be in [0, 1] (0 = off), got ", p.recall_sample_rate);
-  }
-  if (!(p.recall_floor > 0 && p.recall_floor <= 1)) {
-    return bad("profile.recall_floor must be in (0, 1], got ", p.recall_floor);
-  }
-  if (p.recall_action != "report" && p.recall_action != "widen" && p.recall_action != "exact") {
-    return bad("profile.recall_action must be report, widen or exact, got '", p.recall_action, "'");
-  }
   if (p.kivi_group == 0 || (p.kivi_group & (p.kivi_group - 1)) != 0) {
     return bad("profile.kivi_group must be a power of two, got ", p.kivi_group);
   }

@@ -1,5 +1,5 @@
 // kvshade-server: the KV-cache daemon's entry point. Reads the YAML config (--config),
-// applies command-line flags on top (a flag given always wins over the file), starts the
+// the KVSHADE_* environment over it, command-line flags on top (a flag given always wins), starts the
 // Server and runs until SIGTERM/SIGINT, then drains and exits 0. Exit codes: 0 clean
 // shutdown, 1 start-up failure (bad config, port in use, backend unavailable), 2 bad flags.
 #include <cstdio>
@@ -57,6 +57,7 @@ int main(int argc, char** argv) {
   CLI::App app{"kvshade-server: KV-cache daemon for long-context LLM inference"};
   app.set_version_flag("--version", kvshade::VersionLine("kvshade-server"));
   app.add_option("-c,--config", f.config_file, "YAML config file (deploy/kvshade.yaml documents every key)")
+      ->envname("KVSHADE_CONFIG")
       ->check(CLI::ExistingFile);
   app.add_option("--listen", f.listen, "gRPC address HOST:PORT (port 0 picks a free one)");
   app.add_option("--backend", f.backend, "Kernel backend: cpu, cuda, cuda:N or auto");
@@ -75,6 +76,7 @@ int main(int argc, char** argv) {
   app.add_option("--tokens-file", f.tokens_file, "File of NAME:TOKEN lines")->check(CLI::ExistingFile);
   app.add_option("--prefix-secret-file", f.prefix_secret_file,
                  "File whose first line is the prefix secret (mixed into tenant salts)")
+      ->envname("KVSHADE_PREFIX_SECRET_FILE")
       ->check(CLI::ExistingFile);
   app.add_option("--max-tokens-per-session", f.max_tokens_per_session, "Limit");
   app.add_option("--max-sessions-per-tenant", f.max_sessions_per_tenant, "Limit");
@@ -89,8 +91,18 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{0}, int64_t{UINT32_MAX}));
   app.add_option("--log-level", f.log_level, "trace, debug, info, warn, error")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
-  app.add_option("--grace", f.grace_s, "Seconds in-flight calls get at shutdown")->check(CLI::Range(0.0, 3600.0));
+  app.add_option("--grace", f.grace_s, "Seconds in-flight calls get at shutdown")->envname("KVSHADE_GRACE")->check(CLI::Range(0.0, 3600.0));
   app.add_flag("--check-config", f.check_config, "Validate the configuration and exit");
+  app.add_flag_callback(
+      "--list-env",
+      [] {
+        for (const auto& [key, name] : kvshade::service::ConfigEnvironmentVariables()) {
+          std::cout << name << " " << key << "\n";
+        }
+        std::cout << std::flush;
+        std::exit(0);
+      },
+      "Print every KVSHADE_* variable the daemon reads, with its config key, and exit");
   app.add_option("--port-file", f.port_file,
                  "Write the bound gRPC port here once listening (useful with --listen HOST:0)");
   try {
@@ -101,9 +113,10 @@ int main(int argc, char** argv) {
   spdlog::set_level(spdlog::level::from_str(f.log_level));
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ kvshade-server: %v");
 
+  // Defaults < the YAML file < KVSHADE_* variables < flags (deploy/README.md "Environment").
   ServerConfig config;
-  if (!f.config_file.empty()) {
-    auto loaded = kvshade::service::LoadConfigFile(f.config_file);
+  {
+    auto loaded = kvshade::service::LoadConfig(f.config_file, kvshade::service::ProcessEnvironment());
     if (!loaded.ok()) return Fail(std::string(loaded.status().message()));
     config = *std::move(loaded);
   }
@@ -143,8 +156,6 @@ int main(int argc, char** argv) {
   if (!f.prefix_secret_file.empty()) {
     std::ifstream in(f.prefix_secret_file);
     std::getline(in, config.prefix_secret);
-  } else if (const char* env = std::getenv("KVSHADE_PREFIX_SECRET"); env != nullptr && *env) {
-    config.prefix_secret = env;
   }
   if (f.max_tokens_per_session) config.limits.max_tokens_per_session = f.max_tokens_per_session;
   if (f.max_sessions_per_tenant) config.limits.max_sessions_per_tenant = f.max_sessions_per_tenant;

@@ -7,6 +7,8 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -59,7 +61,7 @@ struct ProfileDefaults {
   // 0 = fixed k; floor mass_min_chunks) and the recall guard (recall_sample_rate of decode
   // steps checked against the oracle, 0 = off; recall_floor; recall_action report | widen |
   // exact).
-  uint32_t rerank_factor = 1, mass_min_chunks = 32;
+  uint32_t rerank_factor = 4, mass_min_chunks = 32;
   float mass_top_p = 0.0f, recall_sample_rate = 0.0f, recall_floor = 0.5f;
   std::string recall_action = "widen";
   std::string value_codec = "auto";  // auto | bf16 | fp8 | int4 | int2
@@ -101,6 +103,22 @@ struct ServerConfig {
 // Parses a YAML config file. Unknown keys are an error (a typo must not silently fall back
 // to a default). Missing keys keep the defaults above.
 absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path);
+
+// The configuration from its sources, later ones winning: the defaults above, the YAML file
+// at `path` (none when empty), then the environment. Every key has a variable named
+// KVSHADE_ + the key's path in upper case with '.' as '_' (limits.session_idle_ttl_s ->
+// KVSHADE_LIMITS_SESSION_IDLE_TTL_S), whose value is read as the file's would be; an empty
+// value counts as unset; KVSHADE_TENANTS holds a YAML flow list and adds to the file's
+// tenants. A variable under a section's prefix (KVSHADE_LIMITS_..., KVSHADE_TLS_...) that
+// names no key is an error; other KVSHADE_* names are not the daemon's and are ignored.
+// Command-line flags (main.cc) are applied over the result.
+absl::StatusOr<ServerConfig> LoadConfig(const std::string& path,
+                                        const std::vector<std::pair<std::string, std::string>>& env);
+// Every configuration key path ("limits.max_batch") with its variable
+// ("KVSHADE_LIMITS_MAX_BATCH"), sorted by key path.
+std::vector<std::pair<std::string, std::string>> ConfigEnvironmentVariables();
+// This process's KVSHADE_* variables as NAME, VALUE pairs.
+std::vector<std::pair<std::string, std::string>> ProcessEnvironment();
 
 // Checks ranges and cross-field rules (TLS files readable, budgets non-zero, spill_path a
 // directory this process can create files in, or can create, ...).
