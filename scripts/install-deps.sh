@@ -18,6 +18,10 @@ PACKAGES=(
   # Python package tests (tests/python): numpy, and torch for the attention-hook test.
   python3 python3-numpy python3-torch
 )
+# Deployment tests (tests/deploy): Prometheus and promtool (rules, dashboard).
+PACKAGES+=(
+  prometheus
+)
 
 missing=()
 for p in "${PACKAGES[@]}"; do
