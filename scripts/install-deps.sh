@@ -18,9 +18,11 @@ PACKAGES=(
   # Python package tests (tests/python): numpy, and torch for the attention-hook test.
   python3 python3-numpy python3-torch
 )
-# Deployment tests (tests/deploy): Prometheus and promtool (rules, dashboard).
+# Deployment tests (tests/deploy): Prometheus and promtool (rules, dashboard); Go with
+# Debian's sprig and yaml for the Helm chart's renderer.
 PACKAGES+=(
   prometheus
+  golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev
 )
 
 missing=()
