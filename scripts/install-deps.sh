@@ -18,10 +18,12 @@ PACKAGES=(
   # Python package tests (tests/python): numpy, and torch for the attention-hook test.
   python3 python3-numpy python3-torch
 )
-# Deployment tests (tests/deploy): Prometheus and promtool (rules, dashboard); Go with
+# Deployment and packaging tests (tests/deploy, tests/install): Prometheus and promtool
+# (rules, dashboard), Python packaging with Debian's pip, setuptools and venv, and Go with
 # Debian's sprig and yaml for the Helm chart's renderer.
 PACKAGES+=(
   prometheus
+  python3-pip python3-setuptools python3-venv
   golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev
 )
 

@@ -1,9 +1,11 @@
 """ctypes bindings of libkvshade.so (the C ABI of client/include/kvshade/kvshade.h).
 
 The library is found, in order, at $KVSHADE_LIB (a file), next to this package
-(kvshade/libkvshade.so), or in a CMake build tree above the source checkout
-(build*/client/libkvshade.so). Nothing here is compiled against Python, so the package
-loads in any Python 3 with ctypes.
+(kvshade/libkvshade.so), in a CMake build tree above the source checkout
+(build*/client/libkvshade.so), in the lib/ directory of a `cmake --install` prefix that
+holds this package (PREFIX/lib/python3.X/dist-packages/kvshade), or by its soname
+(libkvshade.so.1) where the dynamic loader looks. Nothing here is compiled against
+Python, so the package loads in any Python 3 with ctypes.
 """
 import ctypes
 import glob
@@ -170,23 +172,49 @@ def _candidates():
     root = os.path.abspath(os.path.join(here, "..", "..", ".."))
     for path in sorted(glob.glob(os.path.join(root, "build*", "client", "libkvshade.so"))):
         yield path
+    # `cmake --install`: PREFIX/lib/python3.X/dist-packages/kvshade -> PREFIX/lib.
+    yield os.path.abspath(os.path.join(here, "..", "..", "..", "libkvshade.so.1"))
+    # By soname, where the dynamic loader looks (ld.so.conf, LD_LIBRARY_PATH).
+    yield "libkvshade.so.1"
+
+
+def _dlpath(lib):
+    """The file a library handle was loaded from (dlinfo RTLD_DI_LINKMAP), or None."""
+    try:
+        class _LinkMap(ctypes.Structure):
+            _fields_ = [("l_addr", ctypes.c_void_p), ("l_name", ctypes.c_char_p)]
+        libdl = ctypes.CDLL(None)
+        lm = ctypes.POINTER(_LinkMap)()
+        if libdl.dlinfo(ctypes.c_void_p(lib._handle), 2, ctypes.byref(lm)) != 0:
+            return None
+        return lm.contents.l_name.decode()
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def _load():
     tried = []
     for path in _candidates():
         tried.append(path)
-        if os.path.exists(path):
+        if os.sep not in path:  # a soname: the dynamic loader searches for it
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            path = _dlpath(lib) or path
+        elif os.path.exists(path):
             lib = ctypes.CDLL(path)
-            for name, (res, args) in _SIGNATURES.items():
-                fn = getattr(lib, name)
-                fn.restype = res
-                fn.argtypes = args
-            if lib.kvshade_abi_version() != ABI_VERSION:
-                raise ImportError("%s implements kvshade ABI %d, this package needs %d"
-                                  % (path, lib.kvshade_abi_version(), ABI_VERSION))
-            lib._kvshade_path = path
-            return lib
+        else:
+            continue
+        for name, (res, args) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.restype = res
+            fn.argtypes = args
+        if lib.kvshade_abi_version() != ABI_VERSION:
+            raise ImportError("%s implements kvshade ABI %d, this package needs %d"
+                              % (path, lib.kvshade_abi_version(), ABI_VERSION))
+        lib._kvshade_path = path
+        return lib
     raise ImportError("libkvshade.so not found (set KVSHADE_LIB); tried: " + ", ".join(tried))
 
 
