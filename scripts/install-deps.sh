@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages kvshade builds and tests with. One list, one place:
 # `make test` and `.ci/run` call this. Idempotent: does nothing when all are present.
+# --build-only: only what building needs (no test tools), for container builds.
 set -euo pipefail
 
 PACKAGES=(
@@ -26,6 +27,19 @@ PACKAGES+=(
   python3-pip python3-setuptools python3-venv
   golang-go golang-github-masterminds-sprig-dev golang-gopkg-yaml.v3-dev
 )
+
+# `install-deps.sh --build-only`: what building kvshade-server, the CLI and libkvshade
+# needs (deploy/docker/Dockerfile's build stage): the list above less what only tests use.
+TEST_ONLY=" libgtest-dev libgmock-dev ccache python3-numpy python3-torch clang-14 libclang-rt-14-dev llvm-14
+  prometheus python3-pip python3-setuptools python3-venv golang-go golang-github-masterminds-sprig-dev
+  golang-gopkg-yaml.v3-dev "
+if [ "${1:-}" = "--build-only" ]; then
+  kept=()
+  for p in "${PACKAGES[@]}"; do
+    case "$TEST_ONLY" in *[[:space:]]"$p"[[:space:]]*) ;; *) kept+=("$p") ;; esac
+  done
+  PACKAGES=("${kept[@]}")
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do
