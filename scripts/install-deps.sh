@@ -16,6 +16,9 @@ PACKAGES=(
   prometheus-cpp-dev
   libcli11-dev libspdlog-dev libyaml-cpp-dev
   libssl-dev openssl
+  # Fuzz targets (fuzz/, scripts/fuzz.sh): clang with libFuzzer and the sanitizer runtimes;
+  # llvm-14 for llvm-symbolizer (symbolized sanitizer reports).
+  clang-14 libclang-rt-14-dev llvm-14
   # Python package tests (tests/python): numpy, and torch for the attention-hook test.
   python3 python3-numpy python3-torch
 )

@@ -347,6 +347,14 @@ struct SegRecord {
     std::vector<int32_t> s_len;
     struct Int2 {
       int32_t rows = 0, valid = 0;
+  return RestoreRecords(metas, [this](const storage::SegmentId& id, int layer, FactorKind kind,
+                                      absl::Span<std::byte> dst) {
+    return spill_->ReadFactor(id, layer, kind, dst);
+  });
+}
+
+absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>& metas,
+                                        const FactorReader& read_factor) {
       uint64_t bytes[6] = {};
     };
     std::vector<Int2> int2;
@@ -529,7 +537,7 @@ absl::Status EngineImpl::RestoreDurable() {
       out->clear();
       if (f == nullptr) return absl::OkStatus();
       out->resize(f->bytes);
-      return spill_->ReadFactor(r.meta.id, l, kind, absl::MakeSpan(*out));
+      return read_factor(r.meta.id, l, kind, absl::MakeSpan(*out));
     };
     for (int l = 0; l < r.L && st.ok(); ++l) {
       const SegRecord::Layer& lr = r.layers[l];
@@ -629,7 +637,7 @@ absl::Status EngineImpl::RestoreDurable() {
       const storage::SegmentMeta::Factor* f = meta->FindFactor(l, FactorKind::kOther);
       if (f == nullptr) { ok = false; break; }
       std::vector<std::byte> buf(f->bytes);
-      if (!spill_->ReadFactor(meta->id, l, FactorKind::kOther, absl::MakeSpan(buf)).ok()) {
+      if (!read_factor(meta->id, l, FactorKind::kOther, absl::MakeSpan(buf)).ok()) {
         ok = false;
         break;
       }
@@ -664,7 +672,7 @@ absl::Status EngineImpl::RestoreDurable() {
       if (seg->prefix_key && hasher.ok()) {
         bool known = false;
         {
-          absl::MutexLock lock(&seg_mu_);
+          base::MutexLock lock(&seg_mu_);
           known = registered_.contains(seg->id);
         }
         storage::SegmentRef ref;

@@ -324,7 +324,7 @@ storage::SegmentRef EngineImpl::RegisterPrefix(const std::shared_ptr<const Segme
                             first_block, mine, seg->DeviceBytes() + seg->HostBytes());
   if (!ref.ok()) return {};  // e.g. the same prefix was cached concurrently: keep ours private
   {
-    absl::MutexLock lock(&seg_mu_);
+    base::MutexLock lock(&seg_mu_);
     registered_[seg->id] = seg;
   }
   EvictPrefixes(config_->device_budget_bytes / 2);
@@ -337,7 +337,7 @@ static void DropEvicted(EngineImpl& e, const std::vector<storage::PrefixSegmentI
   if (gone.empty()) return;
   std::vector<std::shared_ptr<const Segment>> drop;  // destroyed outside the lock
   {
-    absl::MutexLock lock(&e.seg_mu_);
+    base::MutexLock lock(&e.seg_mu_);
     for (const auto& info : gone) {
       auto it = e.registered_.find(info.segment);
       if (it != e.registered_.end()) {
@@ -386,7 +386,7 @@ static ReuseMatch FindReusable(EngineImpl& e, const storage::PrefixHasher& hashe
   for (storage::SegmentRef& ref : m.chain) {
     std::shared_ptr<const Segment> seg;
     {
-      absl::MutexLock lock(&e.seg_mu_);
+      base::MutexLock lock(&e.seg_mu_);
       auto it = e.registered_.find(ref.segment());
       if (it != e.registered_.end()) seg = it->second;
     }
@@ -941,7 +941,7 @@ void EngineImpl::UpdateGauges() {
   metrics_->SetAttachments(double(c.attachments));
   size_t segs = 0;
   {
-    absl::MutexLock lock(&seg_mu_);
+    base::MutexLock lock(&seg_mu_);
     segs = registered_.size();
   }
   const storage::HostStoreStats hs = store_->Stats();
@@ -977,7 +977,7 @@ absl::StatusOr<v1::StatsResponse> EngineImpl::Stats() {
   r.set_sessions(c.sessions);
   r.set_attachments(c.attachments);
   {
-    absl::MutexLock lock(&seg_mu_);
+    base::MutexLock lock(&seg_mu_);
     r.set_segments(std::max(registered_.size(), hs.segments));
   }
   r.set_device_bytes_used(as.used);

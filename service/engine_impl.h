@@ -7,6 +7,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -17,7 +18,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "kvshade/base/sync.h"
 #include "kvshade/kernels/backend.h"
 #include "kvshade/service/engine.h"
 #include "kvshade/service/session.h"
@@ -188,7 +189,7 @@ class EngineImpl {
   storage::PrefixIndex prefix_;
   SessionManager sessions_;
 
-  absl::Mutex seg_mu_;
+  base::Mutex seg_mu_;
   absl::flat_hash_map<storage::SegmentId, std::shared_ptr<const Segment>> registered_
       ABSL_GUARDED_BY(seg_mu_);
 
@@ -233,3 +234,17 @@ size_t Bf16Bytes(size_t elements);
 std::vector<int64_t> Positions(int64_t first, int64_t n);
 
 }  // namespace kvshade::service
+
+ public:
+  // --- durable.cc ---
+  // Reads the bytes of one factor blob of a stored segment into dst (dst.size() is the
+  // blob's size in the segment's metadata record).
+  using FactorReader = std::function<absl::Status(const storage::SegmentId& id, int layer,
+                                                  storage::FactorKind kind,
+                                                  absl::Span<std::byte> dst)>;
+  // What RestoreDurable does with the durable records it found: rebuilds the sessions of
+  // `metas` (session and segment records) whose records are whole and consistent, skipping
+  // (and deleting) the others. The records are untrusted bytes (fuzz/durable_fuzzer.cc):
+  // a damaged one is skipped, never a crash.
+  absl::Status RestoreRecords(const std::vector<storage::SegmentMeta>& metas,
+                              const FactorReader& read_factor);

@@ -53,7 +53,7 @@ std::string SessionManager::NewId() {
 }
 
 absl::Status SessionManager::AddSession(std::shared_ptr<Session> session) {
-  absl::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   size_t& n = per_tenant_[session->tenant];
   if (n >= limits_.max_sessions_per_tenant) {
     return absl::ResourceExhaustedError(
@@ -80,7 +80,7 @@ void SessionManager::TouchLocked(const std::string& id) const {
 
 std::vector<std::shared_ptr<Session>> SessionManager::RemoveIdle(int64_t idle_ms) {
   std::vector<std::shared_ptr<Session>> idle;
-  absl::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   ReapLocked();
   const int64_t now = clock_();
   for (const auto& [id, s] : sessions_) {
@@ -108,7 +108,7 @@ std::vector<std::shared_ptr<Session>> SessionManager::RemoveIdle(int64_t idle_ms
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindSession(
     const std::string& tenant, const std::string& id) const {
   if (absl::Status st = CheckIdLength(id, "session id"); !st.ok()) return st;
-  absl::ReaderMutexLock lock(&mu_);
+  base::ReaderMutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end() || it->second->tenant != tenant) {
     return absl::NotFoundError(absl::StrCat("session '", BoundedId(id), "' not found"));
@@ -120,7 +120,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::FindSession(
 absl::StatusOr<std::shared_ptr<Session>> SessionManager::RemoveSession(const std::string& tenant,
                                                                        const std::string& id) {
   if (absl::Status st = CheckIdLength(id, "session id"); !st.ok()) return st;
-  absl::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   auto it = sessions_.find(id);
   if (it == sessions_.end() || it->second->tenant != tenant) {
     return absl::NotFoundError(absl::StrCat("session '", BoundedId(id), "' not found"));
@@ -138,7 +138,7 @@ absl::StatusOr<std::shared_ptr<Session>> SessionManager::RemoveSession(const std
 }
 
 std::vector<std::shared_ptr<Session>> SessionManager::ListSessions(const std::string& tenant) const {
-  absl::ReaderMutexLock lock(&mu_);
+  base::ReaderMutexLock lock(&mu_);
   std::vector<std::shared_ptr<Session>> out;
   for (const auto& [id, s] : sessions_) {
     if (s->tenant == tenant) out.push_back(s);
@@ -151,7 +151,7 @@ std::vector<std::shared_ptr<Session>> SessionManager::ListSessions(const std::st
 }
 
 std::vector<std::shared_ptr<Session>> SessionManager::AllSessions() const {
-  absl::ReaderMutexLock lock(&mu_);
+  base::ReaderMutexLock lock(&mu_);
   std::vector<std::shared_ptr<Session>> out;
   for (const auto& [id, s] : sessions_) out.push_back(s);
   return out;
@@ -165,7 +165,7 @@ absl::StatusOr<std::shared_ptr<Attachment>> SessionManager::Attach(
                                                    limits_.max_lease_ms, ", got ", lease_ms));
   }
   if (lease_ms == 0) lease_ms = limits_.default_lease_ms;
-  absl::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   ReapLocked();
   auto it = sessions_.find(session->id);
   if (it == sessions_.end() || it->second != session || session->tenant != tenant) {
@@ -226,7 +226,7 @@ void SessionManager::ReapLocked() {
 }
 
 int SessionManager::ReapExpired() {
-  absl::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   const size_t before = attachments_.size();
   ReapLocked();
   return static_cast<int>(before - attachments_.size());
@@ -238,7 +238,7 @@ absl::Status SessionManager::ExpiredOrMissing(const std::string& attachment_id) 
 
 absl::Status SessionManager::Detach(const std::string& tenant, const std::string& attachment_id) {
   if (absl::Status st = CheckIdLength(attachment_id, "attachment id"); !st.ok()) return st;
-  absl::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   auto it = attachments_.find(attachment_id);
   if (it == attachments_.end() || it->second->tenant != tenant) {
     auto t = tombstones_.find(attachment_id);
@@ -255,7 +255,7 @@ absl::Status SessionManager::Detach(const std::string& tenant, const std::string
 absl::StatusOr<std::shared_ptr<Attachment>> SessionManager::Use(const std::string& tenant,
                                                                 const std::string& attachment_id) {
   if (absl::Status st = CheckIdLength(attachment_id, "attachment id"); !st.ok()) return st;
-  absl::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   const int64_t now = clock_();
   auto it = attachments_.find(attachment_id);
   if (it != attachments_.end() && it->second->tenant == tenant) {
@@ -280,7 +280,7 @@ absl::StatusOr<std::shared_ptr<Attachment>> SessionManager::Use(const std::strin
 absl::Status SessionManager::CheckWriter(const std::string& tenant, const Session& session,
                                          const std::string& attachment_id) {
   if (absl::Status st = CheckIdLength(attachment_id, "attachment id"); !st.ok()) return st;
-  absl::MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   ReapLocked();
   std::shared_ptr<Attachment> a;
   if (!attachment_id.empty()) {
@@ -311,17 +311,17 @@ absl::Status SessionManager::CheckWriter(const std::string& tenant, const Sessio
 }
 
 int64_t SessionManager::LeaseExpiry(const Attachment& a) const {
-  absl::ReaderMutexLock lock(&mu_);
+  base::ReaderMutexLock lock(&mu_);
   return a.expires_ms;
 }
 
 int SessionManager::AttachmentCount(const Session& s) const {
-  absl::ReaderMutexLock lock(&mu_);
+  base::ReaderMutexLock lock(&mu_);
   return s.attachments;
 }
 
 SessionCounts SessionManager::Counts() const {
-  absl::ReaderMutexLock lock(&mu_);
+  base::ReaderMutexLock lock(&mu_);
   return SessionCounts{sessions_.size(), attachments_.size()};
 }
 
@@ -334,7 +334,7 @@ std::shared_ptr<TenantCounters> SessionManager::CountersLocked(const std::string
 void SessionManager::CountPrefixLookup(const std::string& tenant, bool hit) {
   std::shared_ptr<TenantCounters> c;
   {
-    absl::MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     c = CountersLocked(tenant);
   }
   ++c->prefix_lookups;
@@ -342,7 +342,7 @@ void SessionManager::CountPrefixLookup(const std::string& tenant, bool hit) {
 }
 
 TenantUsage SessionManager::Usage(const std::string& tenant) const {
-  absl::ReaderMutexLock lock(&mu_);
+  base::ReaderMutexLock lock(&mu_);
   TenantUsage u;
   if (auto it = per_tenant_.find(tenant); it != per_tenant_.end()) u.sessions = it->second;
   for (const auto& [id, a] : attachments_) {

@@ -22,7 +22,8 @@
 //   its attachments (Use: every decode call); RemoveIdle takes out the sessions untouched
 //   for the TTL that have no live attachment and no open ingest stream.
 //
-// Concurrency: one short registry lock (absl::Mutex) for the maps; nothing slow runs under
+// Concurrency: one short registry lock (base::Mutex of kvshade/base/sync.h, which
+// ThreadSanitizer sees, unlike Debian's absl::Mutex) for the maps; nothing slow runs under
 // it. Per-attachment work (slot tables) is serialized by Attachment::mu.
 #pragma once
 
@@ -39,7 +40,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
+#include "kvshade/base/sync.h"
 #include "kvshade/service/config.h"
 #include "kvshade/service/session.h"
 
@@ -178,7 +179,7 @@ class SessionManager {
 
   LimitsConfig limits_;
   Clock clock_;
-  mutable absl::Mutex mu_;
+  mutable base::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, size_t> per_tenant_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<Attachment>> attachments_
