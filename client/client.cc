@@ -371,6 +371,14 @@ absl::StatusOr<v1::GetStaticSetResponse> Client::GetStaticSet(const std::string&
   return Unary<v1::GetStaticSetRequest, v1::GetStaticSetResponse>(&v1::KvShade::Stub::GetStaticSet, req);
 }
 
+absl::StatusOr<v1::SlotTableResponse> Client::SlotTable(const std::string& attachment_id,
+                                                        bool reset) {
+  v1::SlotTableRequest req;
+  req.set_attachment_id(attachment_id);
+  req.set_reset(reset);
+  return Unary<v1::SlotTableRequest, v1::SlotTableResponse>(&v1::KvShade::Stub::SlotTable, req);
+}
+
 absl::StatusOr<v1::SelectAndReconstructResponse> Client::SelectAndReconstruct(
     const v1::SelectAndReconstructRequest& req) {
   if (auto dp = Ucx(); dp != nullptr) {

@@ -307,6 +307,12 @@ grpc::Status KvShadeService::GetStaticSet(grpc::ServerContext* ctx,
              [&](const Tenant& t) { return engine_->GetStaticSet(t, *req); });
 }
 
+grpc::Status KvShadeService::SlotTable(grpc::ServerContext* ctx, const v1::SlotTableRequest* req,
+                                       v1::SlotTableResponse* resp) {
+  return Run(deps_, "SlotTable", ctx, resp,
+             [&](const Tenant& t) { return engine_->SlotTable(t, *req); });
+}
+
 grpc::Status KvShadeService::SelectAndReconstruct(grpc::ServerContext* ctx,
                                                   const v1::SelectAndReconstructRequest* req,
                                                   v1::SelectAndReconstructResponse* resp) {

@@ -360,7 +360,7 @@ TEST(Metrics, FamiliesLabelsAndEndpoint) {
   m.IngestedTokens(512);
   for (const char* rpc : {"CreateSession", "Ingest", "ForkSession", "LookupPrefix", "AppendTokens",
                           "GetSession", "ListSessions", "CloseSession", "Attach", "Detach",
-                          "GetStaticSet", "Attend", "ExportSession", "Stats",
+                          "GetStaticSet", "SlotTable", "Attend", "ExportSession", "Stats",
                           "ucx/SelectAndReconstruct", "ucx/Attend", "ucx/AppendTokens",
                           "ucx/Ingest", "ucx/Register", "ucx/Unregister"}) {
     m.ObserveRpc(rpc, 0, 0.0);
@@ -426,8 +426,8 @@ TEST(Metrics, FamiliesLabelsAndEndpoint) {
   }
   const std::set<std::string> documented = {
       "CreateSession", "Ingest", "ForkSession", "LookupPrefix", "AppendTokens", "GetSession",
-      "ListSessions", "CloseSession", "Attach", "Detach", "GetStaticSet", "SelectAndReconstruct",
-      "Attend", "ExportSession", "Stats", "ucx/SelectAndReconstruct", "ucx/Attend",
+      "ListSessions", "CloseSession", "Attach", "Detach", "GetStaticSet", "SlotTable",
+      "SelectAndReconstruct", "Attend", "ExportSession", "Stats", "ucx/SelectAndReconstruct", "ucx/Attend",
       "ucx/AppendTokens", "ucx/Ingest", "ucx/Register", "ucx/Unregister"};
   std::set<std::string> want = documented;
   want.insert("other");

@@ -112,6 +112,11 @@ class Client {
                                    size_t bytes);
   absl::StatusOr<v1::GetStaticSetResponse> GetStaticSet(const std::string& attachment_id,
                                                         uint32_t layer);
+  // The attachment's slot tables as the daemon holds them; `reset` empties them afterwards
+  // (the next select delivers every selected chunk again): resynchronisation after a lost
+  // SelectAndReconstruct response.
+  absl::StatusOr<v1::SlotTableResponse> SlotTable(const std::string& attachment_id,
+                                                  bool reset = false);
 
   // --- Decode ---
   absl::StatusOr<v1::SelectAndReconstructResponse> SelectAndReconstruct(

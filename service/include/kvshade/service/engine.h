@@ -91,6 +91,8 @@ class Engine {
   absl::StatusOr<v1::DetachResponse> Detach(const Tenant& t, const v1::DetachRequest& r);
   absl::StatusOr<v1::GetStaticSetResponse> GetStaticSet(const Tenant& t,
                                                         const v1::GetStaticSetRequest& r);
+  // Reads back (and with `reset`, empties) an attachment's slot tables (slot_table.cc).
+  absl::StatusOr<v1::SlotTableResponse> SlotTable(const Tenant& t, const v1::SlotTableRequest& r);
   absl::StatusOr<v1::SelectAndReconstructResponse> SelectAndReconstruct(
       const Tenant& t, const v1::SelectAndReconstructRequest& r);
   absl::StatusOr<v1::AttendResponse> Attend(const Tenant& t, const v1::AttendRequest& r);

@@ -1,0 +1,106 @@
+// Slot tables read back and reset (Engine::SlotTable): the table is what the deltas told
+// the worker, and after a reset the next select delivers everything again, bit for bit as
+// a fresh attachment gets it (the resynchronisation of a worker that lost a response).
+#include "service_test_util.h"
+
+namespace kvshade::service::testing {
+namespace {
+
+v1::Profile Sparse(int budget) {
+  v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  p.set_rank(128);
+  p.set_sparse_budget(budget);
+  return p;
+}
+
+absl::StatusOr<v1::SlotTableResponse> Table(Harness& hx, const std::string& att, bool reset) {
+  v1::SlotTableRequest r;
+  r.set_attachment_id(att);
+  r.set_reset(reset);
+  return hx.engine->SlotTable(hx.tenant, r);
+}
+
+TEST(SlotTableTest, ReadBackIsWhatTheDeltasSaidAndResetRedeliversEverything) {
+  Harness hx;
+  Stream s = MakeStream(512, hx.model, 21);
+  constexpr int kBudget = 8;
+  auto o = hx.Open(s, Sparse(kBudget));
+  const int h = s.h;
+
+  auto empty = Table(hx, o.attachment, false);
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_EQ(empty->layers_size(), 0);  // nothing selected yet
+
+  // Two steps on layer 1: the worker's view of its slots, from the deltas.
+  std::vector<int32_t> worker(size_t(h) * kBudget, -1);
+  const auto q1 = hx.Query(400), q2 = hx.Query(401);
+  v1::SlotDelta first;
+  for (const auto& q : {q1, q2}) {
+    auto d = hx.Select(o.attachment, 1, q);
+    ASSERT_TRUE(d.ok()) << d.status();
+    if (first.selected() == 0) first = *d;
+    for (int i = 0; i < d->head_size(); ++i) {
+      worker[size_t(d->head(i)) * kBudget + d->slot(i)] = d->chunk(i);
+    }
+  }
+  auto table = Table(hx, o.attachment, false);
+  ASSERT_TRUE(table.ok()) << table.status();
+  ASSERT_EQ(table->layers_size(), 1);
+  EXPECT_EQ(table->layers(0).layer(), 1u);
+  EXPECT_EQ(table->layers(0).slots_per_head(), uint32_t(kBudget));
+  ASSERT_EQ(table->layers(0).chunk_size(), h * kBudget);
+  for (int i = 0; i < h * kBudget; ++i) EXPECT_EQ(table->layers(0).chunk(i), worker[i]) << i;
+
+  // Reading does not move the table: the same query still hits everything.
+  auto again = hx.Select(o.attachment, 1, q2);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(again->head_size(), 0);
+
+  // Reset: the read-back still shows the table as it was; afterwards it is empty and the
+  // next select of q1 is what a fresh attachment's first select of q1 was, bit for bit.
+  auto before_reset = Table(hx, o.attachment, true);
+  ASSERT_TRUE(before_reset.ok());
+  ASSERT_EQ(before_reset->layers_size(), 1);
+  EXPECT_EQ(before_reset->layers(0).chunk(0), worker[0]);
+  auto after = Table(hx, o.attachment, false);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(after->layers_size(), 0);
+  auto redo = hx.Select(o.attachment, 1, q1);
+  ASSERT_TRUE(redo.ok()) << redo.status();
+  EXPECT_EQ(redo->hits(), 0u);
+  EXPECT_EQ(redo->head_size(), first.head_size());
+  for (int i = 0; i < first.head_size(); ++i) {
+    EXPECT_EQ(redo->head(i), first.head(i));
+    EXPECT_EQ(redo->slot(i), first.slot(i));
+    EXPECT_EQ(redo->chunk(i), first.chunk(i));
+  }
+  EXPECT_EQ(redo->keys().data(), first.keys().data());
+  EXPECT_EQ(redo->values().data(), first.values().data());
+}
+
+TEST(SlotTableTest, OtherTenantsAndUnknownAttachmentsAreRefused) {
+  Harness hx;
+  Stream s = MakeStream(256, hx.model, 22);
+  auto o = hx.Open(s, Sparse(4));
+  ASSERT_TRUE(hx.Select(o.attachment, 0, hx.Query(402)).ok());
+  Tenant other;
+  other.name = "someone-else";
+  v1::SlotTableRequest r;
+  r.set_attachment_id(o.attachment);
+  r.set_reset(true);
+  auto theirs = hx.engine->SlotTable(other, r);
+  EXPECT_FALSE(theirs.ok());
+  EXPECT_EQ(theirs.status().code(), absl::StatusCode::kNotFound) << theirs.status();
+  // Their reset did not touch ours.
+  auto ours = Table(hx, o.attachment, false);
+  ASSERT_TRUE(ours.ok());
+  EXPECT_EQ(ours->layers_size(), 1);
+  r.set_attachment_id("00000000000000000000000000000000");
+  EXPECT_EQ(hx.engine->SlotTable(hx.tenant, r).status().code(), absl::StatusCode::kNotFound);
+  r.set_attachment_id(std::string(1000, 'a'));
+  EXPECT_EQ(hx.engine->SlotTable(hx.tenant, r).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvshade::service::testing
