@@ -303,7 +303,7 @@ def decode(backbone, prompt, n_new, attend):
 
 
 def summarize(rows):
-    cells = defaultdict(lambda: [0, 0, 0.0, 0])   # correct, n, recall sum, recall n
+    cells = defaultdict(lambda: [0, 0, 0.0, 0, 0, 0])   # correct, n, recall sum, recall n, agree, agree n
     for r in rows:
         key = (r["config"], r["budget_pct"], r["option"], r["task"], r["locality"])
         c = cells[key]
@@ -312,17 +312,24 @@ def summarize(rows):
         if r["recall"] is not None:
             c[2] += r["recall"]
             c[3] += 1
+        if r.get("agrees_full") is not None:
+            c[4] += r["agrees_full"]
+            c[5] += 1
     out = []
-    for (cfg, b, opt, task, loc), (ok, n, rs, rn) in sorted(cells.items(), key=lambda kv: str(kv[0])):
+    for (cfg, b, opt, task, loc), (ok, n, rs, rn, ag, an) in sorted(cells.items(), key=lambda kv: str(kv[0])):
         out.append(dict(config=cfg, budget_pct=b, option=opt, task=task, locality=loc, n=n,
-                        accuracy=100.0 * ok / n, recall=(rs / rn if rn else None)))
+                        accuracy=100.0 * ok / n, recall=(rs / rn if rn else None),
+                        agrees_full=(100.0 * ag / an if an else None)))
     return out
 
 
 def markdown(summary, cell_order, title=""):
     by = defaultdict(dict)
     rec = defaultdict(list)
+    agree = defaultdict(list)
     for s in summary:
+        if s.get("agrees_full") is not None:
+            agree[(s["config"], s["budget_pct"], s["option"])].append(s["agrees_full"])
         key = (s["config"], s["budget_pct"], s["option"])
         by[key][(s["task"], s["locality"])] = s
         if s["recall"] is not None:
@@ -332,8 +339,8 @@ def markdown(summary, cell_order, title=""):
     if title:
         lines.append(title)
         lines.append("")
-    lines.append("| config | budget | option | " + " | ".join(cols) + " | mean | % of oracle | recall@k |")
-    lines.append("|" + "---|" * (len(cols) + 6))
+    lines.append("| config | budget | option | " + " | ".join(cols) + " | mean | % of oracle | = full | recall@k |")
+    lines.append("|" + "---|" * (len(cols) + 7))
     order = {"full": 0, "exact": 1, "oracle": 2, "shadow": 3, "mini": 4}
     means = {}
     for key in by:
@@ -345,8 +352,9 @@ def markdown(summary, cell_order, title=""):
         orc = means.get(("oracle", b, "-"))
         vs = "%.0f%%" % (100.0 * means[key] / orc) if (orc and cfg not in ("oracle",) and b is not None) else "-"
         r = "%.3f" % (sum(rec[key]) / len(rec[key])) if rec[key] else "-"
-        lines.append("| %s | %s | %s | %s | %.1f | %s | %s |" % (
-            cfg, "-" if b is None else "%g%%" % b, opt, " | ".join(vals), means[key], vs, r))
+        ag = "%.1f" % (sum(agree[key]) / len(agree[key])) if agree[key] and cfg != "full" else "-"
+        lines.append("| %s | %s | %s | %s | %.1f | %s | %s | %s |" % (
+            cfg, "-" if b is None else "%g%%" % b, opt, " | ".join(vals), means[key], vs, ag, r))
     return "\n".join(lines) + "\n"
 
 
@@ -377,6 +385,11 @@ def main(argv=None):
     ap.add_argument("--time-limit-s", type=float, default=0, help="stop taking new samples after this long (0: none)")
     a = ap.parse_args(argv)
 
+    if a.spawn and not os.environ.get("KVSHADE_LIB"):
+        # The C library of the same build as the server (build/service/.. -> build/client/).
+        lib = os.path.join(os.path.dirname(os.path.abspath(a.spawn)), "..", "client", "libkvshade.so")
+        if os.path.exists(lib):
+            os.environ["KVSHADE_LIB"] = os.path.normpath(lib)
     import kvshade
     dev = torch.device(a.device)
     if a.weights:
@@ -417,6 +430,7 @@ def main(argv=None):
                 pf = backbone.prefill(ids_np[:-1])
                 n_ing = len(ids_np) - 1
                 configs = build_configs(a, n_ing // CHUNK, n_ing)
+                full_gen = None
                 for name, kind, b, k, opt, prof in configs:
                     t1 = time.time()
                     if prof is None:
@@ -434,9 +448,12 @@ def main(argv=None):
                         ok = words[:len(want)] == want
                     else:
                         ok = gen == [int(t) for t in s.answer]
+                    if name == "full":
+                        full_gen = list(gen)
                     rec = getattr(att, "recalls", None)
                     rows.append(dict(sample=si, task=s.task, locality=s.locality, config=name, budget_pct=b,
                                      k=k, option=opt, correct=int(ok), generated=[int(t) for t in gen],
+                                     agrees_full=(None if full_gen is None else int(gen == full_gen)),
                                      answer=[int(t) for t in s.answer],
                                      recall=(float(np.mean(rec)) if rec else None)))
                     timing[(name, opt)] += time.time() - t1
@@ -448,7 +465,8 @@ def main(argv=None):
     summary = summarize(rows)
     cell_order = [(t, l) for t in a.tasks.split(",") for l in (True, False)]
     title = ("Selection fidelity: %s, %d-token prompts, %d samples per cell, rank %d, %d outliers, local %d, "
-             "C %d; accuracy %% (exact match of the answer)" % (
+             "C %d; accuracy %% (exact match of the answer); = full: %% of samples decoded exactly as with full "
+             "attention" % (
                  os.path.basename(src_name), a.length, a.per_cell, a.rank, a.outliers, a.local_window, CHUNK))
     md = markdown(summary, cell_order, title)
     print(md)

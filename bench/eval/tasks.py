@@ -3,13 +3,18 @@
 Three tasks, each rendered with or without chunk locality (a chunk = CHUNK = 8 consecutive
 tokens, the unit kvshade selects):
 
-  mk  multi-key needle retrieval: `n_needles` records KEY k IS v1 v2 END (distinct keys k)
-      hidden in filler; the question Q k ANS asks for v1 v2 (2 answer tokens).
-  vt  variable tracking: a chain VAR x0 EQ N, VAR x1 EQ x0, ..., VAR xh EQ x(h-1) (plus a
-      distractor chain); the question QVAR xh ANS asks for the chain back to its value:
-      x(h-1) ... x0 N (h + 1 answer tokens; each decoded token is one more lookup).
+  mk  multi-key needle retrieval: `n_needles` records KEY k v1 v2 END (distinct keys k)
+      hidden in filler; the question Q k asks for v1 v2 (2 answer tokens).
+  vt  variable tracking: `hops` records VAR x1 N, VAR x2 x1, ..., VAR xh x(h-1) ("xi takes
+      the value of x(i-1)", x1 takes the value N), in that order, interleaved with a
+      distractor chain; the question QVAR xh asks for the chain back to its value:
+      x(h-1) ... x1 N (h answer tokens; each decoded token is one more lookup).
   fw  aggregation (frequent words): records ITEM w, w one of 3 candidate words with
       distinct counts; the question QFREQ ANS asks for the most frequent one (1 token).
+
+The answer of mk and vt directly follows the token that names what to look up (an
+induction pattern: find that token earlier in the context, copy what follows it), the
+easiest form for a small model to learn.
 
 With locality the filler is made of chunk-aligned runs of 8 tokens drawn from one topic
 (16 related words) and every record starts a chunk (padded with its chunk's topic words),
@@ -40,6 +45,7 @@ class TaskConfig:
     hops: int = 4              # vt: variables in a chain (answer: hops tokens, see above)
     fw_top: Tuple[int, int] = (10, 16)   # fw: count range of the most frequent word
     fw_gap: Tuple[int, int] = (3, 6)     # fw: count difference to the next one
+    vary: bool = False         # training: 1..n_needles needles and 1..hops hops per sequence
 
     @property
     def vocab(self):
@@ -137,24 +143,28 @@ def _place(rng, cfg, ctx_len, records, locality, start_pos):
 
 
 def _records_mk(rng, cfg, length):
-    keys = _words(rng, cfg, cfg.n_needles)
-    vals = [_words(rng, cfg, 2) for _ in range(cfg.n_needles)]
-    recs = [[KEY, k, IS, v[0], v[1], END] for k, v in zip(keys, vals)]
-    order = rng.permutation(cfg.n_needles)
-    qa = [(np.array([Q, keys[i], ANS]), np.array(vals[i])) for i in order]
+    top = max(1, min(cfg.n_needles, length // 24))     # short contexts hold fewer records
+    n = top if not cfg.vary else int(rng.integers(1, top + 1))
+    keys = _words(rng, cfg, n)
+    vals = [_words(rng, cfg, 2) for _ in range(n)]
+    recs = [[KEY, k, v[0], v[1], END] for k, v in zip(keys, vals)]
+    order = rng.permutation(n)
+    qa = [(np.array([Q, keys[i]]), np.array(vals[i])) for i in order]
     return recs, qa
 
 
 def _records_vt(rng, cfg, length):
     chains, recs_by_chain, qa = [], [], []
     used = []
+    top = max(1, min(cfg.hops, length // 40))
+    hops = top if not cfg.vary else int(rng.integers(1, top + 1))
     for _ in range(2):                      # the asked chain and a distractor
-        names = _words(rng, cfg, cfg.hops + 1, exclude=used)
+        names = _words(rng, cfg, hops + 1, exclude=used)
         used += names
         value, xs = names[0], names[1:]
-        recs = [[VAR, xs[0], EQ, value]] + [[VAR, xs[i], EQ, xs[i - 1]] for i in range(1, len(xs))]
+        recs = [[VAR, xs[0], value]] + [[VAR, xs[i], xs[i - 1]] for i in range(1, len(xs))]
         recs_by_chain.append(recs)
-        qa.append((np.array([QVAR, xs[-1], ANS]), np.array(list(reversed(xs[:-1])) + [value])))
+        qa.append((np.array([QVAR, xs[-1]]), np.array(list(reversed(xs[:-1])) + [value])))
     # Interleave the two chains, each in its own order (a definition precedes its use).
     a, b = recs_by_chain
     pick = rng.permutation([0] * len(a) + [1] * len(b))
@@ -170,18 +180,21 @@ def _records_vt(rng, cfg, length):
 
 def _records_fw(rng, cfg, length):
     cand = _words(rng, cfg, 3)
-    c1 = int(rng.integers(cfg.fw_top[0], cfg.fw_top[1] + 1))
-    c2 = c1 - int(rng.integers(cfg.fw_gap[0], cfg.fw_gap[1] + 1))
-    c3 = c2 - int(rng.integers(cfg.fw_gap[0], cfg.fw_gap[1] + 1))
-    # Short contexts (the curriculum's first lengths) get fewer items: at most a quarter
-    # of the context's chunks, the order of the counts kept strict.
-    cap = max(6, length // (4 * CHUNK))
-    if c1 + max(c2, 1) + max(c3, 1) > cap:
-        f = cap / float(c1 + max(c2, 1) + max(c3, 1))
-        c1, c2, c3 = max(3, int(c1 * f)), int(c2 * f), int(c3 * f)
-    c2 = max(2, min(c2, c1 - 1))
-    c3 = max(1, min(c3, c2 - 1))
-    items = [cand[0]] * c1 + [cand[1]] * c2 + [cand[2]] * c3
+    if length < 96:      # the shortest curriculum contexts: 3 against 2
+        counts = [3, 2, 0]
+    else:
+        c1 = int(rng.integers(cfg.fw_top[0], cfg.fw_top[1] + 1))
+        c2 = c1 - int(rng.integers(cfg.fw_gap[0], cfg.fw_gap[1] + 1))
+        c3 = c2 - int(rng.integers(cfg.fw_gap[0], cfg.fw_gap[1] + 1))
+        # Short contexts get fewer items: at most a quarter of the context's chunks.
+        cap = max(6, length // (4 * CHUNK))
+        if c1 + c2 + c3 > cap:
+            f = cap / float(c1 + c2 + c3)
+            c1, c2, c3 = max(3, int(c1 * f)), int(c2 * f), int(c3 * f)
+        c2 = max(2, min(c2, c1 - 1))             # strict order, every word at least once
+        c3 = max(1, min(c3, c2 - 1))
+        counts = [c1, c2, c3]
+    items = [w for w, c in zip(cand, counts) for _ in range(c)]
     items = [items[i] for i in rng.permutation(len(items))]
     recs = [[ITEM, w] for w in items]
     return recs, [(np.array([QFREQ, ANS]), np.array([cand[0]]))]
@@ -232,18 +245,18 @@ def eval_set(seed: int, cfg: TaskConfig, length: int, per_cell: int, tasks=TASKS
 def solve(prompt) -> List[int]:
     """Answers the prompt's question from its tokens alone, by the task's definition."""
     p = [int(t) for t in prompt]
-    if p[-3] == Q and p[-1] == ANS:
-        key = p[-2]
+    if p[-2] == Q:
+        key = p[-1]
         for i in range(len(p) - 5):
-            if p[i] == KEY and p[i + 1] == key and p[i + 2] == IS:
-                return [p[i + 3], p[i + 4]]
+            if p[i] == KEY and p[i + 1] == key:
+                return [p[i + 2], p[i + 3]]
         raise ValueError("no needle for the key")
-    if p[-3] == QVAR and p[-1] == ANS:
+    if p[-2] == QVAR:
         defs = {}
         for i in range(len(p) - 4):
-            if p[i] == VAR and p[i + 2] == EQ:
-                defs[p[i + 1]] = p[i + 3]
-        out, x = [], p[-2]
+            if p[i] == VAR:
+                defs[p[i + 1]] = p[i + 2]
+        out, x = [], p[-1]
         while x in defs:
             x = defs[x]
             out.append(x)

@@ -2,10 +2,13 @@
 """Trains the evaluation model (model.EvalLM) on the tasks of tasks.py.
 
 Every batch mixes the three tasks, with and without chunk locality; each sequence asks
-every question of its context (tasks.make_train_sequence) and the loss is the cross
-entropy of the answer tokens only. A curriculum over lengths (default 512, 2048, then
-8192 tokens: 35/30/35 % of the steps) at a constant number of tokens per step, AdamW,
-linear warm-up then cosine decay, bf16 autocast on CUDA.
+every question of its context (tasks.make_train_sequence, with 1..8 needles and 1..4 hops
+so that easy cases teach the lookup first) and the loss is the cross entropy of the answer
+tokens only. A curriculum over lengths (default 64, 256, 1024, 2048 then 8192 tokens:
+15/20/20/15/30 % of the steps: the lookup is learnt on short contexts, then carried to long
+ones) at a constant number of tokens per step (65536), AdamW (lr 2e-3), linear warm-up
+then cosine decay, bf16 autocast on CUDA; batches are made by worker processes, each from
+(seed, step) alone.
 
   python3 bench/eval/train.py --out bench/eval/weights/evallm.pt              # H200, <= 6 min
   python3 bench/eval/train.py --out /tmp/smoke.pt --smoke                     # CPU, about a minute
@@ -19,6 +22,7 @@ import argparse
 import contextlib
 import json
 import math
+import multiprocessing
 import os
 import sys
 import time
@@ -32,6 +36,9 @@ import tasks as T  # noqa: E402
 from model import EvalLM, ModelConfig, save  # noqa: E402
 
 
+DEFAULT_CURRICULUM = "64:0.15,256:0.2,1024:0.2,2048:0.15,8192:0.3"
+
+
 def parse_curriculum(s):
     """"512:0.35,2048:0.3,8192:0.35" -> [(512, 0.35), ...]"""
     out = []
@@ -42,16 +49,29 @@ def parse_curriculum(s):
     return [(n, f / tot) for n, f in out]
 
 
-def batch(rng, cfg, length, bsz, device, task_set=T.TASKS):
+def make_batch(seed, step, cfg, length, bsz, task_set=T.TASKS):
+    """The batch of one step, from (seed, step) alone: the same whichever process makes it."""
+    rng = np.random.default_rng([seed, step])
     toks, masks = [], []
     for _ in range(bsz):
         task = task_set[int(rng.integers(len(task_set)))]
         t, m = T.make_train_sequence(rng, cfg, task, length, bool(rng.integers(2)))
         toks.append(t)
         masks.append(m)
-    toks = torch.from_numpy(np.stack(toks)).to(device, non_blocking=True)
-    masks = torch.from_numpy(np.stack(masks)).to(device, non_blocking=True)
-    return toks, masks
+    return np.stack(toks), np.stack(masks)
+
+
+def _make_batch_args(args):
+    return make_batch(*args)
+
+
+def to_device(b, device):
+    return (torch.from_numpy(b[0]).to(device, non_blocking=True),
+            torch.from_numpy(b[1]).to(device, non_blocking=True))
+
+
+def batch(rng, cfg, length, bsz, device, task_set=T.TASKS):
+    return to_device(make_batch(int(rng.integers(1 << 31)), 0, cfg, length, bsz, task_set), device)
 
 
 def loss_fn(model, toks, masks, amp):
@@ -84,9 +104,10 @@ def main(argv=None):
     ap.add_argument("--steps", default="auto", help="number of steps, or auto (fit --budget-s)")
     ap.add_argument("--budget-s", type=float, default=330.0, help="training time for --steps auto")
     ap.add_argument("--curriculum", default=None, help="length:fraction,... (default 512:0.35,2048:0.3,8192:0.35)")
-    ap.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 262144)")
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 65536)")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--workers", type=int, default=None, help="data processes (default: CPUs - 2, at most 14)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--d-model", type=int, default=None)
     ap.add_argument("--tasks", default=",".join(T.TASKS))
@@ -95,19 +116,19 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     torch.manual_seed(a.seed)
-    tcfg = T.TaskConfig(n_needles=a.train_needles)
+    tcfg = T.TaskConfig(n_needles=a.train_needles, vary=True)
     train_tasks = tuple(a.tasks.split(","))
     if a.smoke:
         mcfg = ModelConfig(vocab=tcfg.vocab, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
                            ffn=384)
-        curriculum = parse_curriculum(a.curriculum or "256:0.5,512:0.5")
-        batch_tokens = a.batch_tokens or 8192
-        steps = 60 if a.steps == "auto" else int(a.steps)
+        curriculum = parse_curriculum(a.curriculum or "64:0.5,256:0.5")
+        batch_tokens = a.batch_tokens or 2048
+        steps = 24 if a.steps == "auto" else int(a.steps)
         warmup = min(a.warmup, 10)
     else:
         mcfg = ModelConfig(vocab=tcfg.vocab)
-        curriculum = parse_curriculum(a.curriculum or "512:0.35,2048:0.3,8192:0.35")
-        batch_tokens = a.batch_tokens or 262144
+        curriculum = parse_curriculum(a.curriculum or DEFAULT_CURRICULUM)
+        batch_tokens = a.batch_tokens or 65536
         steps = None if a.steps == "auto" else int(a.steps)
         warmup = a.warmup
     if a.layers:
@@ -154,17 +175,23 @@ def main(argv=None):
     for length, f in curriculum:
         acc_f += f
         bounds.append((int(round(acc_f * steps)), length))
-    rng = np.random.default_rng(a.seed)
+    def length_at(step):
+        return next((n for b, n in bounds if step < b), bounds[-1][1])
+
+    plan = [(a.seed, step, tcfg, length_at(step), max(1, batch_tokens // length_at(step)), train_tasks)
+            for step in range(steps)]
+    workers = a.workers if a.workers is not None else max(1, min(14, (os.cpu_count() or 2) - 2))
+    pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
+    batches = pool.imap(_make_batch_args, plan, chunksize=1) if pool else map(_make_batch_args, plan)
     log = open(a.log, "w") if a.log else None
     t0 = time.time()
     ema = None
     for step in range(steps):
-        length = next(n for b, n in bounds if step < b) if step < bounds[-1][0] else bounds[-1][1]
-        bsz = max(1, batch_tokens // length)
+        length = length_at(step)
         lr = a.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / steps)))
         for g in opt.param_groups:
             g["lr"] = lr
-        toks, masks = batch(rng, tcfg, length, bsz, dev, train_tasks)
+        toks, masks = to_device(next(batches), dev)
         loss, acc = loss_fn(model, toks, masks, amp)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -179,6 +206,8 @@ def main(argv=None):
             if log:
                 log.write(json.dumps(rec) + "\n")
     train_s = time.time() - t0
+    if pool:
+        pool.terminate()
     meta = dict(seed=a.seed, steps=steps, curriculum=curriculum, batch_tokens=batch_tokens, lr=a.lr,
                 warmup=warmup, smoke=a.smoke, train_seconds=round(train_s, 1),
                 total_seconds=round(time.time() - t_start, 1), final_answer_token_acc=ema,
