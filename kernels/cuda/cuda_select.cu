@@ -945,9 +945,10 @@ size_t PlanSelectEx(const LayerShape& shape, int k, const SelectOptions& o,
   return c.bytes();
 }
 
-// Block (item): cand[hh, c] = c for selectable chunks, -1 for static ones.
+// Block (item), "all" items only: cand[hh, c] = c for selectable chunks, -1 for static ones.
 __global__ void FillAllKernel(const ExDesc* __restrict__ descs, int h) {
   const ExDesc& e = descs[blockIdx.x];
+  if (!e.all) return;  // stage 1 chose this item's candidates
   const DevView& v = e.view;
   for (long long i = threadIdx.x; i < static_cast<long long>(h) * e.width; i += blockDim.x) {
     const int hh = static_cast<int>(i / e.width), c = static_cast<int>(i % e.width);

@@ -92,6 +92,76 @@ TEST(SelectExGpu, ParityWithTheCpuReference) {
   }
 }
 
+// Items of one call that take different paths: a small item whose chunks are all
+// candidates (scored directly) beside larger ones that go through stage 1.
+std::vector<ExOut> RunBatch(Backend& be, const std::vector<LowRankCase>& cs, int k,
+                            const SelectOptions& o) {
+  std::vector<Buffer> keep;
+  std::vector<SelectItem> items(cs.size());
+  const LayerShape shape = cs[0].shape;
+  const size_t hk = size_t(shape.h) * k;
+  for (size_t i = 0; i < cs.size(); ++i) {
+    const LowRankCase& c = cs[i];
+    SelectItem& it = items[i];
+    it.view.n_segments = 1;
+    keep.push_back(testing::Upload(be, c.b));
+    it.view.b = static_cast<const bf16*>(keep.back().data());
+    it.view.r = c.r;
+    SegmentView& v = it.view.segments[0];
+    v.n_chunks = c.n_chunks;
+    v.first_position = c.first_position;
+    keep.push_back(testing::Upload(be, c.landmarks));
+    v.landmarks = static_cast<const bf16*>(keep.back().data());
+    keep.push_back(testing::Upload(be, c.excluded));
+    v.excluded = static_cast<const uint8_t*>(keep.back().data());
+    keep.push_back(testing::Upload(be, c.a));
+    v.a = static_cast<const bf16*>(keep.back().data());
+    keep.push_back(testing::Upload(be, c.q));
+    it.q = static_cast<const bf16*>(keep.back().data());
+    keep.push_back(testing::Upload(be, std::vector<int32_t>(hk, -1)));
+    it.slots = static_cast<int32_t*>(keep.back().data());
+    keep.push_back(testing::Scratch<int32_t>(be, hk));
+    it.selected = static_cast<int32_t*>(keep.back().data());
+    keep.push_back(testing::Scratch<int32_t>(be, hk));
+    it.miss_slot = static_cast<int32_t*>(keep.back().data());
+    keep.push_back(testing::Scratch<int32_t>(be, hk));
+    it.miss_chunk = static_cast<int32_t*>(keep.back().data());
+    keep.push_back(testing::Scratch<int32_t>(be, size_t(shape.h)));
+    it.miss_count = static_cast<int32_t*>(keep.back().data());
+  }
+  auto ws = be.Allocate(std::max<size_t>(be.SelectExWorkspaceBytes(shape, k, o, items), 1));
+  EXPECT_TRUE(be.SelectEx(shape, k, o, items, ws->workspace()).ok());
+  EXPECT_TRUE(be.Synchronize().ok());
+  std::vector<ExOut> out(cs.size());
+  for (size_t i = 0; i < cs.size(); ++i) {
+    out[i].slots = testing::Download<int32_t>(be, items[i].slots, hk);
+    out[i].selected = testing::Download<int32_t>(be, items[i].selected, hk);
+    out[i].miss_slot = testing::Download<int32_t>(be, items[i].miss_slot, hk);
+    out[i].miss_chunk = testing::Download<int32_t>(be, items[i].miss_chunk, hk);
+    out[i].miss_count = testing::Download<int32_t>(be, items[i].miss_count, size_t(shape.h));
+  }
+  return out;
+}
+
+TEST(SelectExGpu, MixedBatchParity) {
+  KVSHADE_CUDA_OR_SKIP(gpu);
+  auto cpu = Cpu();
+  auto rng = MakeRng(900);
+  const int k = 12;
+  std::vector<LowRankCase> cs;
+  for (int chunks : {40, 400, 1000}) cs.push_back(RandomLowRank(rng, {4, 2, 64}, 8, 32, chunks, 11));
+  SelectOptions o;
+  o.candidates = 4 * k;  // 48: every chunk of the first item, stage 1 for the others
+  o.C = 8;
+  o.rope = cs[0].rope;
+  for (float top_p : {0.0f, 0.7f}) {
+    o.top_p = top_p;
+    o.min_k = top_p > 0 ? 3 : 0;
+    const std::vector<ExOut> a = RunBatch(*cpu, cs, k, o), b = RunBatch(*gpu, cs, k, o);
+    for (size_t i = 0; i < cs.size(); ++i) ExpectSameSelection(cs[i], k, a[i], b[i], true);
+  }
+}
+
 TEST(SelectExGpu, AssignSlotsParity) {
   KVSHADE_CUDA_OR_SKIP(gpu);
   auto cpu = Cpu();
