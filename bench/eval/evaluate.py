@@ -232,7 +232,13 @@ def build_configs(a, n_chunks, n_tokens):
     if "int4" in a.codecs.split(","):
         options.append(("int4", dict(value_codec="int4")))
     fields = profile_fields()
-    for spec in a.shadow_option:
+    shadow_options = list(a.shadow_option)
+    if a.auto_options:   # the selection options of kvshade.Profile, where this version has them
+        if "rerank_factor" in fields:
+            shadow_options.append("rerank4:rerank_factor=4")
+        if "mass_top_p" in fields:
+            shadow_options.append("top_p0.9:mass_top_p=0.9" + (",mass_min_chunks=4" if "mass_min_chunks" in fields else ""))
+    for spec in shadow_options:
         name, _, kv = spec.partition(":")
         extra = {}
         for item in filter(None, kv.split(",")):
@@ -377,6 +383,9 @@ def main(argv=None):
     ap.add_argument("--codecs", default="bf16,int4", help="shadow value codecs")
     ap.add_argument("--shadow-option", action="append", default=[],
                     help="NAME:field=value,... another shadow variant (fields of kvshade.Profile), at every budget")
+    ap.add_argument("--no-auto-options", dest="auto_options", action="store_false",
+                    help="do not add the shadow variants kvshade.Profile offers (rerank_factor 4: two-stage "
+                         "selection; mass_top_p 0.9 with mass_min_chunks 4: budgets by attention mass)")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--outliers", type=int, default=2)
     ap.add_argument("--local-window", type=int, default=32)
@@ -410,7 +419,10 @@ def main(argv=None):
         target = server.target
     else:
         target = a.target
-    samples = T.eval_set(a.seed, T.TaskConfig(), a.length, a.per_cell, tasks=tuple(a.tasks.split(",")))
+    cells = T.eval_set(a.seed, T.TaskConfig(), a.length, a.per_cell, tasks=tuple(a.tasks.split(",")))
+    n_cells = len(cells) // a.per_cell
+    # Round robin over the cells, so that a time limit leaves them balanced.
+    samples = [cells[c * a.per_cell + i] for i in range(a.per_cell) for c in range(n_cells)]
     rows, t0 = [], time.time()
     timing = defaultdict(float)
     try:

@@ -154,7 +154,7 @@ def _records_mk(rng, cfg, length):
 
 
 def _records_vt(rng, cfg, length):
-    chains, recs_by_chain, qa = [], [], []
+    recs_by_chain, qa = [], []
     used = []
     top = max(1, min(cfg.hops, length // 40))
     hops = top if not cfg.vary else int(rng.integers(1, top + 1))

@@ -1,7 +1,6 @@
 """The selection-fidelity evaluation (bench/eval): the task generator's answers, the oracle
 chunk choice and recall@k on planted cases, and the evaluation model's decode path against
 its own training forward. No server; a few seconds on the CPU."""
-import math
 import os
 import sys
 import unittest
