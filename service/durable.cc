@@ -7,7 +7,7 @@
 // value-less durable spill segment. Engine::Create restores them: segments first (values
 // page in on first use), then sessions, re-registering their prefixes.
 //
-// Record formats (user_metadata, little-endian, versioned by the magic):
+// Record formats (user_metadata, little-endian: durable_codec.h; versioned by the magic):
 //   segment "KVSHSEG1": kind, first_position, n_tokens, C, L, tokens, prefix key, base id
 //            (refactorized segments), then per layer: n_chunks, a_rows, r, s_cap, s_len[h],
 //            n_tail, int2 blocks (rows, valid), energies.
@@ -33,6 +33,7 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "durable_codec.h"
 #include "engine_impl.h"
 #include "kvshade/base/status_macros.h"
 
@@ -51,70 +52,8 @@ using storage::FactorKind;
 constexpr char kSegMagic[] = "KVSHSEG1";
 constexpr char kSesMagic[] = "KVSHSES1";
 
-class Writer {
- public:
-  template <typename T>
-  void Put(const T& v) {
-    const char* p = reinterpret_cast<const char*>(&v);
-    out_.append(p, sizeof(T));
-  }
-  void Str(std::string_view s) {
-    Put<uint32_t>(static_cast<uint32_t>(s.size()));
-    out_.append(s.data(), s.size());
-  }
-  template <typename T>
-  void Vec(const std::vector<T>& v) {
-    Put<uint32_t>(static_cast<uint32_t>(v.size()));
-    if (!v.empty()) out_.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
-  }
-  void Id(const storage::Id128& id) {
-    Put(id.hi);
-    Put(id.lo);
-  }
-  std::string& out() { return out_; }
-
- private:
-  std::string out_;
-};
-
-class Reader {
- public:
-  explicit Reader(std::string_view s) : s_(s) {}
-  template <typename T>
-  bool Get(T* v) {
-    if (s_.size() < sizeof(T)) return ok_ = false;
-    std::memcpy(v, s_.data(), sizeof(T));
-    s_.remove_prefix(sizeof(T));
-    return true;
-  }
-  bool Str(std::string* out) {
-    uint32_t n = 0;
-    if (!Get(&n) || s_.size() < n) return ok_ = false;
-    out->assign(s_.data(), n);
-    s_.remove_prefix(n);
-    return true;
-  }
-  template <typename T>
-  bool Vec(std::vector<T>* v) {
-    uint32_t n = 0;
-    if (!Get(&n) || s_.size() < size_t(n) * sizeof(T)) return ok_ = false;
-    v->resize(n);
-    if (n > 0) std::memcpy(v->data(), s_.data(), size_t(n) * sizeof(T));
-    s_.remove_prefix(size_t(n) * sizeof(T));
-    return true;
-  }
-  bool Id(storage::Id128* id) { return Get(&id->hi) && Get(&id->lo); }
-  bool Magic(std::string_view m) {
-    if (s_.substr(0, m.size()) != m) return ok_ = false;
-    s_.remove_prefix(m.size());
-    return true;
-  }
-  bool ok() const { return ok_; }
-
- private:
-  std::string_view s_;
-  bool ok_ = true;
-};
+using durable::Reader;
+using durable::Writer;
 
 template <typename T>
 T* Ptr(const DeviceBlock& b) {
@@ -347,14 +286,6 @@ struct SegRecord {
     std::vector<int32_t> s_len;
     struct Int2 {
       int32_t rows = 0, valid = 0;
-  return RestoreRecords(metas, [this](const storage::SegmentId& id, int layer, FactorKind kind,
-                                      absl::Span<std::byte> dst) {
-    return spill_->ReadFactor(id, layer, kind, dst);
-  });
-}
-
-absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>& metas,
-                                        const FactorReader& read_factor) {
       uint64_t bytes[6] = {};
     };
     std::vector<Int2> int2;
@@ -409,6 +340,14 @@ bool ParseSegment(const storage::SegmentMeta& meta, SegRecord* r) {
 
 absl::Status EngineImpl::RestoreDurable() {
   KVSHADE_ASSIGN_OR_RETURN(std::vector<storage::SegmentMeta> metas, store_->RestoreDurable());
+  return RestoreRecords(metas, [this](const storage::SegmentId& id, int layer, FactorKind kind,
+                                      absl::Span<std::byte> dst) {
+    return spill_->ReadFactor(id, layer, kind, dst);
+  });
+}
+
+absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>& metas,
+                                        const FactorReader& read_factor) {
   std::vector<SegRecord> segs;
   std::vector<const storage::SegmentMeta*> sessions;
   for (const auto& m : metas) {
