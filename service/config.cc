@@ -372,7 +372,8 @@ Schema MakeSchema(ServerConfig& c, std::string& tokens_file, uint32_t& metrics_p
          {"mini_recent_ratio", Scalar("profile.mini_recent_ratio", &p.mini_recent_ratio)},
          {"mini_heavy_ratio", Scalar("profile.mini_heavy_ratio", &p.mini_heavy_ratio)},
          {"value_codec", Scalar("profile.value_codec", &p.value_codec)},
-         {"int4_from_tokens", Scalar("profile.int4_from_tokens", &p.int4_from_tokens)}}}},
+         {"int4_from_tokens", Scalar("profile.int4_from_tokens", &p.int4_from_tokens)},
+         {"factorize_iterations", Scalar("profile.factorize_iterations", &p.factorize_iterations)}}}},
   };
   return s;
 }
@@ -597,6 +598,9 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (p.rank == 0 || p.rank % 8 != 0) return bad("profile.rank must be a positive multiple of 8, got ", p.rank);
   if (p.chunk_size == 0 || p.chunk_size > 256) return bad("profile.chunk_size must be in [1, 256], got ", p.chunk_size);
   if (p.sparse_budget == 0) return bad("profile.sparse_budget must be > 0");
+  if (p.factorize_iterations > 64) {
+    return bad("profile.factorize_iterations must be in [0, 64], got ", p.factorize_iterations);
+  }
   if (p.kivi_group == 0 || (p.kivi_group & (p.kivi_group - 1)) != 0) {
     return bad("profile.kivi_group must be a power of two, got ", p.kivi_group);
   }

@@ -704,6 +704,7 @@ bool EngineImpl::Refactor(const std::shared_ptr<Session>& sp) {
     if (!ok || n < 8) continue;
     kernels::FactorizeOptions fo;
     fo.rank = std::min({s.profile.rank, D, n / 8 * 8});
+    fo.subspace_iterations = static_cast<int>(config_->profile.factorize_iterations);
     auto kd = Upload(k_all.data(), Bf16Bytes(k_all.size()), ArenaKind::kOther);
     auto ad = Alloc(Bf16Bytes(size_t(n) * fo.rank), ArenaKind::kOther);
     auto bd = Alloc(Bf16Bytes(size_t(h) * fo.rank * d), ArenaKind::kB);

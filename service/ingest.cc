@@ -120,6 +120,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
     seg_id_ = *storage::Id128::FromHex(SessionManager::NewId());
     direct_ = p.kind == v1::PROFILE_KIND_EXACT &&
               e_.backend_->space() == kernels::MemorySpace::kHost;
+    host_space_ = e_.backend_->space() == kernels::MemorySpace::kHost;
   }
 
   ~IngestStreamImpl() override {
@@ -169,8 +170,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
  private:
   struct LayerBuf {
-    std::vector<bf16> k, v;   // [n, h, d] host (unless direct_)
-    DeviceBlock kd, vd;       // [n, h, d] backend memory (direct_ only); kd is post-RoPE
+    DeviceBlock kd, vd;       // [n, h, d] backend memory; kd is post-RoPE when direct_
     int received = 0;
     bool done = false;
     std::vector<bf16> qobs;   // [w, hq, d]
@@ -224,38 +224,33 @@ class IngestStreamImpl final : public Engine::IngestStream {
           b.qobs, DecodeTensor(q, {w, hq, d}, model.dtype, absl::StrCat(name, " observation_queries")));
       b.w = static_cast<int>(w);
     }
-    // The part's slice of the layer: decoded in place (a failed part fails the stream, so a
-    // half-written slice is never read).
+    // The part's slice of the layer (a failed part fails the stream, so a half-written slice
+    // is never read).
     const size_t row = size_t(h) * d, off = size_t(b.received) * row, len = size_t(n_part) * row;
-    absl::Span<bf16> kdst, vdst;
-    if (direct_) {
-      if (!b.kd) {
-        KVSHADE_ASSIGN_OR_RETURN(b.kd, e_.Alloc(Bf16Bytes(size_t(n_) * row), ArenaKind::kOther));
-        KVSHADE_ASSIGN_OR_RETURN(b.vd, e_.Alloc(Bf16Bytes(size_t(n_) * row), ArenaKind::kStatic));
-      }
-      kdst = absl::Span<bf16>(static_cast<bf16*>(b.kd.data()) + off, len);
-      vdst = absl::Span<bf16>(static_cast<bf16*>(b.vd.data()) + off, len);
-    } else {
-      if (b.k.empty()) {
-        b.k.reserve(size_t(n_) * row);
-        b.v.reserve(size_t(n_) * row);
-      }
-      b.k.resize(off + len);  // within the reservation: no reallocation
-      b.v.resize(off + len);
-      kdst = absl::MakeSpan(b.k).subspan(off, len);
-      vdst = absl::MakeSpan(b.v).subspan(off, len);
+    // Every part lands in the layer's backend-memory block: decoded in place on a host-space
+    // backend, through a part-sized host staging copy on a device, and copied device to
+    // device when the worker shares its GPU memory (cuda_ipc).
+    if (!b.kd) {
+      KVSHADE_ASSIGN_OR_RETURN(b.kd, e_.Alloc(Bf16Bytes(size_t(n_) * row), ArenaKind::kOther));
+      KVSHADE_ASSIGN_OR_RETURN(b.vd, e_.Alloc(Bf16Bytes(size_t(n_) * row), ArenaKind::kStatic));
     }
+    const absl::Span<bf16> kdst(static_cast<bf16*>(b.kd.data()) + off, len);
+    const absl::Span<bf16> vdst(static_cast<bf16*>(b.vd.data()) + off, len);
     if (m.k().has_cuda_ipc() || m.v().has_cuda_ipc()) {
       // Same node: the part is in the worker's GPU memory (service/README.md "Ingest").
-      if (direct_) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            name, ": cuda_ipc tensors need a daemon on a GPU backend; send the bytes inline"));
-      }
       KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(m.k(), shape, absl::StrCat(name, " k"), kdst, &peers_));
       KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(m.v(), shape, absl::StrCat(name, " v"), vdst, &peers_));
-    } else {
+    } else if (host_space_) {
       KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.k(), shape, model.dtype, absl::StrCat(name, " k"), kdst));
       KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v(), shape, model.dtype, absl::StrCat(name, " v"), vdst));
+    } else {
+      staging_.resize(len);
+      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.k(), shape, model.dtype, absl::StrCat(name, " k"), absl::MakeSpan(staging_)));
+      KVSHADE_RETURN_IF_ERROR(e_.backend_->CopyFromHost(kdst.data(), staging_.data(), Bf16Bytes(len)));
+      KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
+      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v(), shape, model.dtype, absl::StrCat(name, " v"), absl::MakeSpan(staging_)));
+      KVSHADE_RETURN_IF_ERROR(e_.backend_->CopyFromHost(vdst.data(), staging_.data(), Bf16Bytes(len)));
+      KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
     }
     if (direct_) {
       // Rotated now, while the part is fresh in cache; RoPE is per token, so part by part
@@ -288,18 +283,29 @@ class IngestStreamImpl final : public Engine::IngestStream {
     return absl::OkStatus();
   }
 
-  absl::StatusOr<DeviceBlock> RopeCopy(const std::vector<bf16>& k, int64_t first) {
+  // The layer's keys [n, h, d] in backend memory, as a span.
+  absl::Span<const bf16> Keys(const LayerBuf& b) const {
+    return absl::Span<const bf16>(static_cast<const bf16*>(b.kd.data()), b.kd.bytes() / sizeof(bf16));
+  }
+
+  // Rotates the layer's keys in place (they are not needed pre-RoPE afterwards).
+  absl::Status RopeInPlace(LayerBuf& b) {
     const ModelInfo& m = s_->model;
-    const int n = static_cast<int>(k.size() / (size_t(m.shape.h) * m.shape.d));
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kr, e_.Upload(k.data(), Bf16Bytes(k.size()), ArenaKind::kOther));
     StageTimer timer(e_.metrics_, "ingest_rope");
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock posd, e_.DevicePositions(first, n));
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock posd, e_.DevicePositions(first_, n_));
     KVSHADE_RETURN_IF_ERROR(e_.backend_->ApplyRope(
-        m.rope, absl::Span<const int64_t>(static_cast<const int64_t*>(posd.data()), size_t(n)),
+        m.rope, absl::Span<const int64_t>(static_cast<const int64_t*>(posd.data()), size_t(n_)),
         m.shape.h, m.shape.d,
-        absl::Span<bf16>(static_cast<bf16*>(kr.data()), k.size())));
-    KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
-    return kr;
+        absl::Span<bf16>(static_cast<bf16*>(b.kd.data()), b.kd.bytes() / sizeof(bf16))));
+    return e_.backend_->Synchronize();
+  }
+
+  // Keeps pre-RoPE keys for a background refactorization (host copy; rare: only when the
+  // projection residual is past refactor_threshold).
+  absl::Status KeepForRefactor(int l, const LayerBuf& b) {
+    std::vector<bf16>& keys = refactor_keys_[l];
+    keys.resize(b.kd.bytes() / sizeof(bf16));
+    return e_.Download(keys.data(), b.kd.data(), b.kd.bytes());
   }
 
   absl::Status ProcessLayer(int l) {
@@ -314,31 +320,26 @@ class IngestStreamImpl final : public Engine::IngestStream {
     LayerBuf& b = bufs_[l];
     KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(0));
     LayerData& out = out_[l];
-    if (direct_) {  // already in place and rotated
-      out.tk = std::move(b.kd);
-      out.tv = std::move(b.vd);
-    } else {
-      KVSHADE_ASSIGN_OR_RETURN(out.tk, RopeCopy(b.k, first_));
-      KVSHADE_ASSIGN_OR_RETURN(out.tv, e_.Upload(b.v.data(), Bf16Bytes(b.v.size()), ArenaKind::kStatic));
-    }
+    if (!direct_) KVSHADE_RETURN_IF_ERROR(RopeInPlace(b));  // direct_: rotated part by part
+    out.tk = std::move(b.kd);
+    out.tv = std::move(b.vd);
     out.n_tail = out.cap_tail = n_;
     return absl::OkStatus();
   }
 
   // Residual of projecting k [n, h, d] onto `basis` (optionally keeping the coordinates).
-  absl::StatusOr<double> Project(const std::vector<bf16>& k, const Basis& basis,
+  absl::StatusOr<double> Project(absl::Span<const bf16> k, const Basis& basis,
                                  DeviceBlock* a_out) {
     const ModelInfo& m = s_->model;
     const int n = static_cast<int>(k.size() / m.shape.D());
     StageTimer timer(e_.metrics_, "ingest_project");
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kd, e_.Upload(k.data(), Bf16Bytes(k.size()), ArenaKind::kOther));
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock a, e_.Alloc(Bf16Bytes(size_t(n) * basis.r), ArenaKind::kA));
     const size_t wsb = e_.backend_->ProjectWorkspaceBytes(n, m.shape, basis.r);
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e_.Alloc(wsb, ArenaKind::kOther));
     KVSHADE_ASSIGN_OR_RETURN(
         kernels::ProjectionResult pr,
         e_.backend_->ProjectKeys(
-            absl::Span<const bf16>(static_cast<const bf16*>(kd.data()), k.size()), n, m.shape,
+            k, n, m.shape,
             absl::Span<const bf16>(static_cast<const bf16*>(basis.b.data()),
                                    size_t(m.shape.h) * basis.r * m.shape.d),
             basis.r, absl::Span<bf16>(static_cast<bf16*>(a.data()), size_t(n) * basis.r),
@@ -361,9 +362,6 @@ class IngestStreamImpl final : public Engine::IngestStream {
       // Too short to chunk: every token is exact tail (CreateSession guarantees a basis
       // from the prefix in this case).
       KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(0));
-      KVSHADE_ASSIGN_OR_RETURN(out.tk, RopeCopy(b.k, first_));
-      KVSHADE_ASSIGN_OR_RETURN(out.tv, e_.Upload(b.v.data(), Bf16Bytes(b.v.size()), ArenaKind::kStatic));
-      out.n_tail = out.cap_tail = n_;
       if (!pb) {
         return absl::FailedPreconditionError(
             "shadow segment without a basis: the prompt is shorter than local_window + "
@@ -371,14 +369,16 @@ class IngestStreamImpl final : public Engine::IngestStream {
       }
       out.basis = pb;
       auto a = std::make_shared<DeviceBlock>();  // for when these tokens leave the tail
-      KVSHADE_ASSIGN_OR_RETURN(residual_[l], Project(b.k, *pb, a.get()));
+      KVSHADE_ASSIGN_OR_RETURN(residual_[l], Project(Keys(b), *pb, a.get()));
       out.a = std::move(a);
-      if (residual_[l] > p.refactor_threshold) refactor_keys_[l] = b.k;
+      if (residual_[l] > p.refactor_threshold) KVSHADE_RETURN_IF_ERROR(KeepForRefactor(l, b));
+      KVSHADE_RETURN_IF_ERROR(RopeInPlace(b));
+      out.tk = std::move(b.kd);
+      out.tv = std::move(b.vd);
+      out.n_tail = out.cap_tail = n_;
       return absl::OkStatus();
     }
 
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kd, e_.Upload(b.k.data(), Bf16Bytes(b.k.size()), ArenaKind::kOther));
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock vd, e_.Upload(b.v.data(), Bf16Bytes(b.v.size()), ArenaKind::kOther));
     DeviceBlock qd;
     std::vector<int64_t> qpos;
     kernels::ShadowObservation obs;
@@ -394,38 +394,44 @@ class IngestStreamImpl final : public Engine::IngestStream {
     sp.C = C;
     sp.rank = std::min({p.rank, m.shape.D(), n_ / 8 * 8});
     sp.energy_target = pb ? 0.0 : p.energy_target;
+    sp.subspace_iterations = static_cast<int>(e_.config_->profile.factorize_iterations);
     sp.outliers = p.outliers;
     sp.keep_sink = p.keep_sink && first_ == 0;  // the sink is the session's first chunk
     sp.local_min = p.local_window;
     sp.heavy_chunks = use_obs ? heavy_[l] : 0;
     sp.heavy_group = p.kivi_group;
     sp.codec = p.codec;
+    // The values are encoded straight into the segment's block in the host value store
+    // when its layout is packed (chunk_stride == chunk_bytes), else copied in afterwards.
+    KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment((n_ - sp.local_min) / C));
+    absl::Span<std::byte> values_out;
+    if (layout_.chunk_stride == layout_.chunk_bytes) {
+      KVSHADE_ASSIGN_OR_RETURN(values_out, e_.store_->MutableLayer(seg_id_, l));
+    }
     kernels::ShadowLayer sl;
     ArenaAllocator allocator(e_);
     {
       StageTimer timer(e_.metrics_, "ingest_factorize");
       KVSHADE_ASSIGN_OR_RETURN(
-          sl, kernels::CompressShadowLayer(
-                  *e_.backend_, m.shape, m.rope, sp,
-                  absl::Span<const bf16>(static_cast<const bf16*>(kd.data()), b.k.size()),
-                  absl::Span<const bf16>(static_cast<const bf16*>(vd.data()), b.v.size()), n_,
-                  first_, use_obs ? &obs : nullptr, kernels::Stream{}, &allocator));
+          sl, kernels::CompressShadowLayer(*e_.backend_, m.shape, m.rope, sp, Keys(b),
+                                           absl::Span<const bf16>(static_cast<const bf16*>(b.vd.data()),
+                                                                  b.vd.bytes() / sizeof(bf16)),
+                                           n_, first_, use_obs ? &obs : nullptr,
+                                           kernels::Stream{}, &allocator, values_out));
     }
-    KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(sl.n_chunks));
-    {
+    if (values_out.data() == nullptr) {
       StageTimer timer(e_.metrics_, "ingest_values");
       const size_t bytes = size_t(m.shape.h) * sl.n_chunks * sl.value_chunk_bytes;
-      KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
       KVSHADE_RETURN_IF_ERROR(e_.store_->WriteLayer(
           seg_id_, l, absl::Span<const std::byte>(static_cast<const std::byte*>(sl.values.data()), bytes)));
     }
     out.n_chunks = out.cap_chunks = sl.n_chunks;
     if (pb) {
       auto a = std::make_shared<DeviceBlock>();
-      KVSHADE_ASSIGN_OR_RETURN(residual_[l], Project(b.k, *pb, a.get()));
+      KVSHADE_ASSIGN_OR_RETURN(residual_[l], Project(Keys(b), *pb, a.get()));
       out.a = std::move(a);
       out.basis = pb;
-      if (residual_[l] > p.refactor_threshold) refactor_keys_[l] = b.k;
+      if (residual_[l] > p.refactor_threshold) KVSHADE_RETURN_IF_ERROR(KeepForRefactor(l, b));
     } else {
       auto basis = std::make_shared<Basis>();
       basis->r = sl.r;
@@ -466,9 +472,12 @@ class IngestStreamImpl final : public Engine::IngestStream {
     const ProfileInfo& p = s_->profile;
     const int h = m.shape.h, d = m.shape.d, G = p.kivi_group, n = n_;
     KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(0));
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kr, RopeCopy(b.k, first_));
-    std::vector<bf16> krh(b.k.size());
-    KVSHADE_RETURN_IF_ERROR(e_.Download(krh.data(), kr.data(), Bf16Bytes(krh.size())));
+    KVSHADE_RETURN_IF_ERROR(RopeInPlace(b));
+    const absl::Span<const bf16> kr = Keys(b);
+    // Token selection and the gathers run on the host here (one download of K and V).
+    std::vector<bf16> krh(kr.size()), vh(kr.size());
+    KVSHADE_RETURN_IF_ERROR(e_.Download(krh.data(), b.kd.data(), b.kd.bytes()));
+    KVSHADE_RETURN_IF_ERROR(e_.Download(vh.data(), b.vd.data(), b.vd.bytes()));
 
     int window = std::clamp(static_cast<int>(std::ceil(p.mini_recent_ratio * n)), 1, n);
     int heavy = std::min(static_cast<int>(std::floor(mini_heavy_[l] * n)), n - window);
@@ -485,7 +494,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
       KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e_.Alloc(wsb, ArenaKind::kOther));
       KVSHADE_RETURN_IF_ERROR(e_.backend_->ObservationMass(
           absl::Span<const bf16>(static_cast<const bf16*>(qd.data()), b.qobs.size()), qpos, b.w,
-          absl::Span<const bf16>(static_cast<const bf16*>(kr.data()), b.k.size()), kpos, n, m.shape,
+          kr, kpos, n, m.shape,
           absl::Span<float>(static_cast<float*>(md.data()), size_t(h) * n),
           kernels::Workspace{ws.data(), wsb}));
       mass.resize(size_t(h) * n);
@@ -515,7 +524,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
         const size_t src = (size_t(kept[i]) * h + hh) * d;
         const size_t dst = (size_t(hh) * keep + i) * d;
         std::copy_n(krh.begin() + src, d, rk.begin() + dst);
-        std::copy_n(b.v.begin() + src, d, rv.begin() + dst);
+        std::copy_n(vh.begin() + src, d, rv.begin() + dst);
       }
     }
     LayerData& out = out_[l];
@@ -703,6 +712,8 @@ class IngestStreamImpl final : public Engine::IngestStream {
   bool commit_accepted_ = false;  // the commit message arrived (and every layer was complete)
   bool committed_ = false;        // Finish applied it
   absl::Status failed_;           // the stream's first error
+  bool host_space_ = false;  // the backend's memory is host memory (cpu)
+  std::vector<bf16> staging_;  // one part's tensor on its way to device memory
   bool direct_ = false;  // exact profile on a host-memory backend: parts land in the segment
   v1::IngestResponse resp_;
 };

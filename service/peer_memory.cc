@@ -72,7 +72,7 @@ absl::Status EngineImpl::CopyFromPeerTensor(const v1::Tensor& t, absl::Span<cons
         "-byte allocation the handle names"));
   }
   KVSHADE_RETURN_IF_ERROR(
-      backend_->CopyToHost(dst.data(), static_cast<const char*>(b.base) + off, bytes));
+      backend_->Copy(dst.data(), static_cast<const char*>(b.base) + off, bytes));
   return backend_->Synchronize();
 }
 

@@ -54,6 +54,9 @@ struct ProfileDefaults {
   // value_codec "auto": int4 for shadow sessions whose prompt has at least this many
   // tokens (host RAM per 128K Llama-3-8B sequence: 2.1 GiB instead of 8 GiB), bf16 below.
   uint32_t int4_from_tokens = 32768;
+  // Shadow factorization: 0 = full eigendecomposition of the key Gram matrix; q > 0 = the
+  // top rank eigenpairs by q steps of subspace iteration (docs/ALGORITHM.md).
+  uint32_t factorize_iterations = 4;
   bool keep_sink = true;
   float refactor_threshold = 0.05f, mini_recent_ratio = 0.1f, mini_heavy_ratio = 0.1f;
   // Selection options (docs/ALGORITHM.md "Selection options"): two-stage re-ranking
