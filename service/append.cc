@@ -414,51 +414,15 @@ static absl::Status QuantizeResidual(EngineImpl& e, Session& s, int layer, int r
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::AppendTokensResponse> EngineImpl::AppendTokens(const Tenant& t,
-                                                                  const v1::AppendTokensRequest& r) {
-  KVSHADE_RETURN_IF_ERROR(CheckNotDraining("AppendTokens"));
-  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> sp, sessions_.FindSession(t.name, r.session_id()));
-  Session& s = *sp;
+// The append itself (s.mu held exclusively; inputs validated): the new tokens' K/V join the
+// session as the file comment says. Replayed logged appends (append_log.cc) take the same
+// path, so that a restored session holds exactly what the acknowledged appends built.
+absl::Status EngineImpl::ApplyAppend(Session& s, absl::Span<const int32_t> ids,
+                                     const std::vector<std::vector<bf16>>& ks,
+                                     const std::vector<std::vector<bf16>>& vs) {
   const ModelInfo& m = s.model;
   const int h = m.shape.h, d = m.shape.d, L = m.layers;
-  const int n = r.token_ids_size();
-  if (n < 1) return absl::InvalidArgumentError("token_ids must hold at least one token");
-  for (int i = 0; i < n; ++i) {
-    if (r.token_ids(i) < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("token_ids[", i, "] must be >= 0, got ", r.token_ids(i)));
-    }
-  }
-  if (r.layers_size() != L) {
-    return absl::InvalidArgumentError(absl::StrCat("layers must have exactly num_layers = ", L,
-                                                   " entries, got ", r.layers_size()));
-  }
-  // Decode and validate everything before taking the session's lock.
-  std::vector<std::vector<bf16>> ks(L), vs(L);
-  std::vector<bool> seen(L, false);
-  for (int i = 0; i < L; ++i) {
-    const v1::LayerKV& lk = r.layers(i);
-    if (lk.layer() >= static_cast<uint32_t>(L) || seen[lk.layer()]) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "layers[", i, "].layer must be a distinct layer in [0, ", L, "), got ", lk.layer()));
-    }
-    seen[lk.layer()] = true;
-    const std::vector<int64_t> shape = {n, h, d};
-    KVSHADE_ASSIGN_OR_RETURN(ks[lk.layer()], DecodeTensor(lk.k(), shape, m.dtype, absl::StrCat("layers[", i, "].k")));
-    KVSHADE_ASSIGN_OR_RETURN(vs[lk.layer()], DecodeTensor(lk.v(), shape, m.dtype, absl::StrCat("layers[", i, "].v")));
-  }
-  KVSHADE_RETURN_IF_ERROR(sessions_.CheckWriter(t.name, s, r.attachment_id()));
-
-  std::unique_lock lock(s.mu);
-  if (s.state == SessionState::kClosed) {
-    return absl::NotFoundError(absl::StrCat("session '", s.id, "' not found (closed)"));
-  }
-  if (s.state != SessionState::kReady) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "session '", s.id, "' is ", SessionStateName(s.state), "; commit its ingest first"));
-  }
-  KVSHADE_RETURN_IF_ERROR(ValidateTokens(absl::MakeConstSpan(r.token_ids().data(), n), s.tokens,
-                                         config_->limits, "token_ids"));
+  const int n = static_cast<int>(ids.size());
   StageTimer timer(metrics_, "append");
   const size_t tok = size_t(h) * d;
   const int64_t first = static_cast<int64_t>(s.tokens);
@@ -512,11 +476,66 @@ absl::StatusOr<v1::AppendTokensResponse> EngineImpl::AppendTokens(const Tenant& 
   } else if (s.open) {
     s.open->n_tokens = s.open->layers[0].n_tail;
   }
-  s.appended_tokens.insert(s.appended_tokens.end(), r.token_ids().begin(), r.token_ids().end());
+  s.appended_tokens.insert(s.appended_tokens.end(), ids.begin(), ids.end());
   ++s.tail_version;
   bool drifted = false;
   for (double x : s.drift) drifted = drifted || x > p.refactor_threshold;
   if (drifted) metrics_->ProjectionResidual(*std::max_element(s.drift.begin(), s.drift.end()));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::AppendTokensResponse> EngineImpl::AppendTokens(const Tenant& t,
+                                                                  const v1::AppendTokensRequest& r) {
+  KVSHADE_RETURN_IF_ERROR(CheckNotDraining("AppendTokens"));
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> sp, sessions_.FindSession(t.name, r.session_id()));
+  Session& s = *sp;
+  const ModelInfo& m = s.model;
+  const int h = m.shape.h, d = m.shape.d, L = m.layers;
+  const int n = r.token_ids_size();
+  if (n < 1) return absl::InvalidArgumentError("token_ids must hold at least one token");
+  for (int i = 0; i < n; ++i) {
+    if (r.token_ids(i) < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("token_ids[", i, "] must be >= 0, got ", r.token_ids(i)));
+    }
+  }
+  if (r.layers_size() != L) {
+    return absl::InvalidArgumentError(absl::StrCat("layers must have exactly num_layers = ", L,
+                                                   " entries, got ", r.layers_size()));
+  }
+  // Decode and validate everything before taking the session's lock.
+  std::vector<std::vector<bf16>> ks(L), vs(L);
+  std::vector<bool> seen(L, false);
+  for (int i = 0; i < L; ++i) {
+    const v1::LayerKV& lk = r.layers(i);
+    if (lk.layer() >= static_cast<uint32_t>(L) || seen[lk.layer()]) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "layers[", i, "].layer must be a distinct layer in [0, ", L, "), got ", lk.layer()));
+    }
+    seen[lk.layer()] = true;
+    const std::vector<int64_t> shape = {n, h, d};
+    KVSHADE_ASSIGN_OR_RETURN(ks[lk.layer()], DecodeTensor(lk.k(), shape, m.dtype, absl::StrCat("layers[", i, "].k")));
+    KVSHADE_ASSIGN_OR_RETURN(vs[lk.layer()], DecodeTensor(lk.v(), shape, m.dtype, absl::StrCat("layers[", i, "].v")));
+  }
+  KVSHADE_RETURN_IF_ERROR(sessions_.CheckWriter(t.name, s, r.attachment_id()));
+
+  std::unique_lock lock(s.mu);
+  if (s.state == SessionState::kClosed) {
+    return absl::NotFoundError(absl::StrCat("session '", s.id, "' not found (closed)"));
+  }
+  if (s.state != SessionState::kReady) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session '", s.id, "' is ", SessionStateName(s.state), "; commit its ingest first"));
+  }
+  const absl::Span<const int32_t> ids(r.token_ids().data(), n);
+  KVSHADE_RETURN_IF_ERROR(ValidateTokens(ids, s.tokens, config_->limits, "token_ids"));
+  // Logged appends: on disk before they happen (and so before the acknowledgement).
+  const bool logged = s.durable && spill_ && s.append_fsync != v1::APPEND_FSYNC_NO;
+  if (logged) KVSHADE_RETURN_IF_ERROR(LogAppend(s, ids, ks, vs));
+  if (absl::Status st = ApplyAppend(s, ids, ks, vs); !st.ok()) {
+    if (logged) DropLastAppendRecord(s);
+    return st;
+  }
   v1::AppendTokensResponse resp;
   resp.set_tokens(s.tokens);
   return resp;

@@ -201,6 +201,7 @@ EngineImpl::~EngineImpl() {
   }
   bg_cv_.notify_all();
   if (bg_thread_.joinable()) bg_thread_.join();
+  StopWalSync();
   // Durable segments stay in the spill tier when the process ends; cached ones are
   // dropped by the spill tier at its next open.
   if (store_link_) store_link_->keep = true;
@@ -241,7 +242,11 @@ absl::Status EngineImpl::Init() {
   KVSHADE_ASSIGN_OR_RETURN(store_, storage::HostValueStore::Create(*backend_, ho, spill_.get()));
   store_link_ = std::make_shared<StoreLink>();
   store_link_->store = store_.get();
-  if (spill_) KVSHADE_RETURN_IF_ERROR(RestoreDurable());
+  if (spill_) {
+    KVSHADE_RETURN_IF_ERROR(RestoreDurable());
+    KVSHADE_RETURN_IF_ERROR(ReplayAppendLog());
+    wal_sync_thread_ = std::thread([this] { WalSyncLoop(); });
+  }
   if (options_.background_thread) bg_thread_ = std::thread([this] { BackgroundLoop(); });
   UpdateGauges();
   return absl::OkStatus();
@@ -424,6 +429,11 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
   }
   KVSHADE_ASSIGN_OR_RETURN(ProfileInfo profile,
                            ResolveProfile(r.profile(), config_->profile, model, tokens.size()));
+  if (!v1::AppendFsync_IsValid(r.append_fsync())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("append_fsync must be one of UNSPECIFIED, NO, EVERYSEC, ALWAYS, got ",
+                     static_cast<int>(r.append_fsync())));
+  }
   if (r.durable() && !spill_) {
     return absl::FailedPreconditionError(
         "durable sessions need a spill tier, and this server has none (spill_path is empty)");
@@ -435,6 +445,7 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
   s->model = model;
   s->profile = profile;
   s->durable = r.durable();
+  s->append_fsync = ResolveAppendFsync(s->durable, r.append_fsync());
   s->label = r.label();
   s->prompt.assign(tokens.begin(), tokens.end());
   s->created_unix_ms = sessions_.Now();
@@ -565,6 +576,7 @@ absl::StatusOr<v1::ForkSessionResponse> EngineImpl::ForkSession(const Tenant& t,
     child->model = parent->model;
     child->profile = parent->profile;
     child->durable = parent->durable;
+    child->append_fsync = parent->append_fsync;
     child->label = parent->label;
     child->prompt.assign(parent->prompt.begin(),
                          parent->prompt.begin() + std::min<size_t>(at, parent->prompt.size()));
@@ -613,6 +625,7 @@ absl::StatusOr<v1::SessionInfo> EngineImpl::GetSession(const Tenant& t,
   info.set_reused_tokens(s->reused_tokens);
   info.set_attachments(static_cast<uint32_t>(attachments));
   info.set_durable(s->durable);
+  info.set_append_fsync(s->append_fsync);
   info.set_state(std::string(SessionStateName(s->state)));
   uint64_t gpu = 0, host = 0;
   for (const auto& seg : s->chain) {

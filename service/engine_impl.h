@@ -113,6 +113,25 @@ class EngineImpl {
   // --- append.cc ---
   absl::StatusOr<v1::AppendTokensResponse> AppendTokens(const Tenant& t,
                                                         const v1::AppendTokensRequest& r);
+  // The append itself (s.mu held exclusively; tokens validated, k pre-RoPE [n, h, d]).
+  absl::Status ApplyAppend(Session& s, absl::Span<const int32_t> ids,
+                           const std::vector<std::vector<kernels::bf16>>& ks,
+                           const std::vector<std::vector<kernels::bf16>>& vs);
+
+  // --- append_log.cc: logged appends (append_fsync everysec / always) ---
+  v1::AppendFsync ResolveAppendFsync(bool durable, v1::AppendFsync asked) const;
+  // Writes one append's record (s.mu held exclusively), before ApplyAppend.
+  absl::Status LogAppend(Session& s, absl::Span<const int32_t> ids,
+                         const std::vector<std::vector<kernels::bf16>>& ks,
+                         const std::vector<std::vector<kernels::bf16>>& vs);
+  // Deletes the last record LogAppend wrote (its append failed).
+  void DropLastAppendRecord(Session& s);
+  // Deletes append records (folded into a new session record, or of a closed session).
+  void DropAppendRecords(const Session& s, std::vector<storage::Id128>* records);
+  // At start, after RestoreDurable: applies each restored session's logged appends.
+  absl::Status ReplayAppendLog();
+  void WalSyncLoop();
+  void StopWalSync();
 
   // --- select.cc ---
   absl::StatusOr<v1::GetStaticSetResponse> GetStaticSet(const Tenant& t,
@@ -194,6 +213,13 @@ class EngineImpl {
       ABSL_GUARDED_BY(seg_mu_);
 
   std::atomic<bool> draining_{false};
+  // append_fsync everysec: a write left unsynced since the last sync; the thread that
+  // syncs the spill tier's log once a second.
+  std::atomic<bool> wal_dirty_{false};
+  std::mutex wal_mu_;
+  std::condition_variable wal_cv_;
+  bool wal_stop_ = false;
+  std::thread wal_sync_thread_;
   // Same-node export generations per attachment id (export.cc).
   std::mutex exports_mu_;
   std::map<std::string, std::unique_ptr<AttachmentExports>> exports_;

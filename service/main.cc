@@ -22,6 +22,7 @@ using kvshade::service::ServerConfig;
 struct Flags {
   std::string config_file;
   std::string listen, backend, device_budget, host_budget, spill_budget, spill_path;
+  std::string append_fsync;
   int metrics_port = -1;
   std::string metrics_listen;
   std::string tls_cert, tls_key, tls_client_ca;
@@ -65,6 +66,11 @@ int main(int argc, char** argv) {
   app.add_option("--host-budget", f.host_budget, "Host tier budget, e.g. 32GiB");
   app.add_option("--spill-budget", f.spill_budget, "Spill tier budget (0 = unbounded)");
   app.add_option("--spill-path", f.spill_path, "RocksDB directory for spill and durable sessions");
+  app.add_option("--append-fsync", f.append_fsync,
+                 "When appends of durable sessions reach the disk: no (next commit or drain), "
+                 "everysec (written at once, synced once a second), always (synced before the "
+                 "acknowledgement)")
+      ->check(CLI::IsMember({"no", "everysec", "always"}));
   app.add_option("--metrics-port", f.metrics_port, "Prometheus /metrics port (0 = off)")
       ->check(CLI::Range(0, 65535));
   app.add_option("--metrics-listen", f.metrics_listen, "Address /metrics binds to");
@@ -139,6 +145,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (!f.spill_path.empty()) config.spill_path = f.spill_path;
+  if (!f.append_fsync.empty()) config.append_fsync = f.append_fsync;
   if (f.metrics_port >= 0) config.metrics_port = static_cast<uint16_t>(f.metrics_port);
   if (!f.metrics_listen.empty()) config.metrics_listen = f.metrics_listen;
   if (!f.tls_cert.empty()) config.tls.cert_file = f.tls_cert;

@@ -66,6 +66,11 @@ absl::Status FaultInjectingSpillTier::DeleteSegment(const SegmentId& id) {
   return base_.DeleteSegment(id);
 }
 
+absl::Status FaultInjectingSpillTier::SyncWal() {
+  if (Roll(true)) return Injected(true, "SyncWal");
+  return base_.SyncWal();
+}
+
 absl::StatusOr<SegmentMeta> FaultInjectingSpillTier::ReadMeta(const SegmentId& id) {
   if (Roll(false)) return Injected(false, "ReadMeta");
   return base_.ReadMeta(id);

@@ -574,7 +574,11 @@ struct RocksSpillTier::Impl {
   absl::Status ReadBlob(rocksdb::ColumnFamilyHandle* cf, RecordType type, uint64_t bytes,
                         uint64_t piece_bytes, const std::function<std::string(uint32_t)>& key_of,
                         absl::Span<std::byte> dst);
-  absl::Status Commit(rocksdb::WriteBatch* batch, Durability durability, std::string_view what);
+  absl::Status Commit(rocksdb::WriteBatch* batch, Durability durability, std::string_view what,
+                      WriteSync sync = WriteSync::kFlushed);
+  // Under write_mu: adds the deletion of every record of `id` to `batch`; the segment's
+  // durability (kDurable when its metadata is damaged), NotFound when it is absent.
+  absl::StatusOr<Durability> AddDelete(const SegmentId& id, rocksdb::WriteBatch* batch);
   // Under write_mu: the write path around DB::Write. WriteLogged is every write through
   // the WAL (see the top of this file).
   rocksdb::Status WriteLogged(const rocksdb::WriteOptions& wo, rocksdb::WriteBatch* batch);
@@ -760,10 +764,10 @@ absl::Status RocksSpillTier::Impl::ReadBlob(rocksdb::ColumnFamilyHandle* cf, Rec
 }
 
 absl::Status RocksSpillTier::Impl::Commit(rocksdb::WriteBatch* batch, Durability durability,
-                                          std::string_view what) {
+                                          std::string_view what, WriteSync sync) {
   rocksdb::WriteOptions wo;
   if (durability == Durability::kDurable) {
-    wo.sync = true;
+    wo.sync = sync != WriteSync::kLogged;
   } else {
     wo.disableWAL = true;  // dropped at the next open anyway; halves the bytes written
   }
@@ -1083,7 +1087,7 @@ absl::Status RocksSpillTier::WriteSegment(const SegmentWrite& seg) {
   auto maybe_flush = [&](uint64_t added) -> absl::Status {
     batch_bytes += added;
     if (total <= max_batch || batch_bytes < max_batch) return absl::OkStatus();
-    KVSHADE_RETURN_IF_ERROR(im.Commit(&batch, seg.durability, "stage pieces"));
+    KVSHADE_RETURN_IF_ERROR(im.Commit(&batch, seg.durability, "stage pieces", seg.sync));
     if (im.options.sync_point) im.options.sync_point("stage");
     batch.Clear();
     batch_bytes = 0;
@@ -1119,8 +1123,10 @@ absl::Status RocksSpillTier::WriteSegment(const SegmentWrite& seg) {
                                                   meta_key, internal::AsBytes(meta_payload)),
                                         "put metadata"));
   if (im.options.sync_point) im.options.sync_point("commit");
-  KVSHADE_RETURN_IF_ERROR(im.Commit(&batch, seg.durability, "commit segment"));
-  if (seg.durability == Durability::kDurable) im.FlushDurable("a durable segment");
+  KVSHADE_RETURN_IF_ERROR(im.Commit(&batch, seg.durability, "commit segment", seg.sync));
+  if (seg.durability == Durability::kDurable && seg.sync == WriteSync::kFlushed) {
+    im.FlushDurable("a durable segment");
+  }
   im.segments_written.fetch_add(1);
   im.bytes_written.fetch_add(total + meta_payload.size());
   return absl::OkStatus();
@@ -1206,12 +1212,10 @@ absl::Status RocksSpillTier::ReadFactor(const SegmentId& id, int layer, FactorKi
       [&](uint32_t p) { return internal::FactorPieceKey(id, uint32_t(layer), kind, p); }, dst);
 }
 
-absl::Status RocksSpillTier::DeleteSegment(const SegmentId& id) {
-  Impl& im = *impl_;
-  base::MutexLock lock(&im.write_mu);
-  absl::StatusOr<SegmentMeta> meta = im.ReadMetaLocked(id);
-  if (absl::IsNotFound(meta.status())) return absl::OkStatus();
-  rocksdb::WriteBatch batch;
+absl::StatusOr<Durability> RocksSpillTier::Impl::AddDelete(const SegmentId& id,
+                                                          rocksdb::WriteBatch* batch) {
+  absl::StatusOr<SegmentMeta> meta = ReadMetaLocked(id);
+  if (absl::IsNotFound(meta.status())) return meta.status();
   Durability durability = Durability::kDurable;
   if (meta.ok()) {
     durability = meta->durability;
@@ -1219,37 +1223,65 @@ absl::Status RocksSpillTier::DeleteSegment(const SegmentId& id) {
     for (int layer = 0; layer < meta->layout.n_layers; ++layer) {
       for (uint64_t p = 0; p < n; ++p) {
         KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(
-            batch.Delete(im.values_cf.get(), internal::ValuePieceKey(id, layer, uint32_t(p))),
+            batch->Delete(values_cf.get(), internal::ValuePieceKey(id, layer, uint32_t(p))),
             "delete"));
       }
     }
     for (const SegmentMeta::Factor& f : meta->factors) {
       for (uint64_t p = 0; p < PieceCount(f.bytes, meta->piece_bytes); ++p) {
         KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(
-            batch.Delete(im.factors_cf.get(),
-                         internal::FactorPieceKey(id, uint32_t(f.layer), f.kind, uint32_t(p))),
+            batch->Delete(factors_cf.get(),
+                          internal::FactorPieceKey(id, uint32_t(f.layer), f.kind, uint32_t(p))),
             "delete"));
       }
     }
   } else {
     // Damaged metadata: remove every record of the segment.
-    for (rocksdb::ColumnFamilyHandle* cf : {im.values_cf.get(), im.factors_cf.get()}) {
+    for (rocksdb::ColumnFamilyHandle* cf : {values_cf.get(), factors_cf.get()}) {
       KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(
-          batch.DeleteRange(cf, internal::SegmentPrefix(id), internal::SegmentUpperBound(id)),
+          batch->DeleteRange(cf, internal::SegmentPrefix(id), internal::SegmentUpperBound(id)),
           "delete range"));
     }
   }
-  KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(batch.Delete(im.meta_cf.get(), internal::MetaKey(id)), "delete"));
+  KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(batch->Delete(meta_cf.get(), internal::MetaKey(id)), "delete"));
+  return durability;
+}
+
+absl::Status RocksSpillTier::DeleteSegment(const SegmentId& id) {
+  return DeleteSegments(absl::MakeConstSpan(&id, 1));
+}
+
+absl::Status RocksSpillTier::DeleteSegments(absl::Span<const SegmentId> ids) {
+  Impl& im = *impl_;
+  base::MutexLock lock(&im.write_mu);
+  rocksdb::WriteBatch batch;
+  bool durable = false;
+  uint64_t deleted = 0;
+  for (const SegmentId& id : ids) {
+    absl::StatusOr<Durability> d = im.AddDelete(id, &batch);
+    if (absl::IsNotFound(d.status())) continue;
+    if (!d.ok()) return d.status();
+    durable = durable || *d == Durability::kDurable;
+    ++deleted;
+  }
+  if (deleted == 0) return absl::OkStatus();
   // Deletes always go through the log (a cache segment's pieces may already be in SST files).
   rocksdb::WriteOptions wo;
-  wo.sync = durability == Durability::kDurable;
+  wo.sync = durable;
   KVSHADE_RETURN_IF_ERROR(im.CheckSpace(batch.GetDataSize(), false, true, "delete segment"));
   im.MaybeResume();
   if (rocksdb::Status s = im.WriteLogged(wo, &batch); !s.ok()) {
     return im.WriteFailed(s, "delete segment");
   }
-  if (durability == Durability::kDurable) im.FlushDurable("a durable delete");
-  im.segments_deleted.fetch_add(1);
+  if (durable) im.FlushDurable("a durable delete");
+  im.segments_deleted.fetch_add(deleted);
+  return absl::OkStatus();
+}
+
+absl::Status RocksSpillTier::SyncWal() {
+  Impl& im = *impl_;
+  rocksdb::Status s = im.db->SyncWAL();
+  if (!s.ok()) return im.WriteFailed(s, "sync WAL");
   return absl::OkStatus();
 }
 

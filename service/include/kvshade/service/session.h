@@ -207,6 +207,12 @@ struct Session {
   bool refactor_pending = false;
   uint64_t durable_record_version = 0;
   storage::Id128 record_id;  // the spill-tier record of a durable session
+  // Durable sessions: when appends reach the disk (resolved: never UNSPECIFIED), the
+  // append records written since the session record (append.cc "Logged appends") and the
+  // next one's sequence number.
+  v1::AppendFsync append_fsync = v1::APPEND_FSYNC_NO;
+  std::vector<storage::Id128> append_records;
+  uint64_t append_seq = 0;
   // References that keep this session's registered (prefix) segments from eviction.
   std::vector<storage::SegmentRef> prefix_refs;
   // Refactorization input: exact pre-RoPE keys of the last suffix ingest per layer

@@ -91,6 +91,7 @@ class FaultInjectingSpillTier final : public SpillTier {
   absl::Status ReadFactor(const SegmentId& id, int layer, FactorKind kind,
                           absl::Span<std::byte> dst) override;
   absl::Status DeleteSegment(const SegmentId& id) override;
+  absl::Status SyncWal() override;
   absl::StatusOr<std::vector<SegmentMeta>> ListSegments() override;
   SpillStats Stats() const override { return base_.Stats(); }
 

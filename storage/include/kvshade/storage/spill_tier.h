@@ -40,6 +40,14 @@ inline constexpr uint16_t kFormatVersion = 1;
 
 enum class Durability : uint8_t { kCache = 0, kDurable = 1 };
 
+// How far a kDurable write has gone when WriteSegment returns (kCache writes skip the log
+// whatever this says). kFlushed (the default): synced to the WAL and flushed into table
+// files, so a damaged WAL cannot lose it (README.md "WAL recovery"). kSynced: synced to
+// the WAL only (survives kill -9 and power loss; a damaged WAL before it loses it).
+// kLogged: written to the WAL file but not synced: it survives the process (kill -9: the
+// bytes are in the kernel), not the machine, until the next SyncWal() or synced write.
+enum class WriteSync : uint8_t { kFlushed = 0, kSynced = 1, kLogged = 2 };
+
 // One factor blob to write: host bytes of (layer, kind).
 struct FactorBlob {
   int layer = 0;
@@ -54,6 +62,7 @@ struct SegmentWrite {
   SegmentId id;
   SegmentValueLayout layout;
   Durability durability = Durability::kCache;
+  WriteSync sync = WriteSync::kFlushed;  // kDurable only
   std::vector<absl::Span<const std::byte>> values;
   std::vector<FactorBlob> factors;
   std::string_view user_metadata;  // opaque to storage (the service's segment description)
@@ -145,6 +154,16 @@ class SpillTier {
                                   absl::Span<std::byte> dst) = 0;
   // Deletes a segment (all records, atomically); OK when it is absent.
   virtual absl::Status DeleteSegment(const SegmentId& id) = 0;
+  // Deletes several segments; durable ones cost one sync (and flush) for all of them.
+  // Stops at the first error (the segments before it are deleted).
+  virtual absl::Status DeleteSegments(absl::Span<const SegmentId> ids) {
+    for (const SegmentId& id : ids) {
+      if (absl::Status st = DeleteSegment(id); !st.ok()) return st;
+    }
+    return absl::OkStatus();
+  }
+  // Syncs every WriteSync::kLogged write made so far to stable storage.
+  virtual absl::Status SyncWal() { return absl::OkStatus(); }
   // Metadata of every stored segment, ordered by id.
   virtual absl::StatusOr<std::vector<SegmentMeta>> ListSegments() = 0;
   virtual SpillStats Stats() const = 0;
@@ -231,6 +250,8 @@ class RocksSpillTier final : public SpillTier {
   absl::Status ReadFactor(const SegmentId& id, int layer, FactorKind kind,
                           absl::Span<std::byte> dst) override;
   absl::Status DeleteSegment(const SegmentId& id) override;
+  absl::Status DeleteSegments(absl::Span<const SegmentId> ids) override;
+  absl::Status SyncWal() override;
   absl::StatusOr<std::vector<SegmentMeta>> ListSegments() override;
   SpillStats Stats() const override;
 
