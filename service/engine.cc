@@ -627,9 +627,12 @@ absl::StatusOr<v1::SessionInfo> EngineImpl::GetSession(const Tenant& t,
   info.set_durable(s->durable);
   info.set_append_fsync(s->append_fsync);
   info.set_state(std::string(SessionStateName(s->state)));
-  uint64_t gpu = 0, host = 0;
+  // Its own segments: those past the prefix it reused from the cache (its own ingest's are
+  // registered as prefixes too, and still its own).
+  uint64_t gpu = 0, host = 0, pos = 0;
   for (const auto& seg : s->chain) {
-    if (seg->prefix_key) continue;  // shared prefix: not this session's own
+    pos += seg->n_tokens;
+    if (seg->prefix_key && pos <= s->reused_tokens) continue;  // reused: another's
     gpu += seg->DeviceBytes();
     host += seg->HostBytes();
   }
