@@ -16,7 +16,8 @@ then cosine decay, bf16 autocast on CUDA; batches are made by worker processes, 
 --steps auto (the default on CUDA) times a few forward/backward passes at each length first
 and picks the number of steps that fits --budget-s; the number chosen is logged and saved
 in the weights' meta, and --steps N with the same seed repeats the run (same data, same
-initialisation; up to the GPU kernels' own nondeterminism).
+initialisation; up to the GPU kernels' own nondeterminism). A run past 115 % of --budget-s
+stops early (meta: steps_run < steps) rather than overrun the GPU machine's time.
 """
 import argparse
 import contextlib
@@ -148,9 +149,12 @@ def main(argv=None):
         # Time forward+backward at each length (no update: the model is untouched).
         per = []
         trng = np.random.default_rng(a.seed + 999)
+        n_workers = a.workers if a.workers is not None else max(1, min(14, (os.cpu_count() or 2) - 2))
         for length, _ in curriculum:
             bsz = max(1, batch_tokens // length)
+            td = time.time()
             toks, masks = batch(trng, tcfg, length, bsz, dev)
+            t_data = (time.time() - td) * 1.25 / n_workers   # the workers make batches in parallel
             ts = []
             for i in range(3):
                 if amp:
@@ -162,9 +166,9 @@ def main(argv=None):
                 if amp:
                     torch.cuda.synchronize()
                 ts.append(time.time() - t0)
-            per.append(min(ts[1:]) * 1.08 + 0.002)   # + optimizer step and data
+            per.append(max(min(ts[1:]) * 1.08 + 0.002, t_data))   # + optimizer step; or data-bound
         budget = a.budget_s - (time.time() - t_start)
-        steps = int(budget / sum(f * t for (_, f), t in zip(curriculum, per)))
+        steps = max(1, int(budget / sum(f * t for (_, f), t in zip(curriculum, per))))
         print("auto steps: %d (seconds per step by length: %s; budget %.0f s)" % (
             steps, ", ".join("%d: %.3f" % (n, t) for (n, _), t in zip(curriculum, per)), budget), flush=True)
     torch.manual_seed(a.seed)
@@ -184,6 +188,7 @@ def main(argv=None):
     pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
     batches = pool.imap(_make_batch_args, plan, chunksize=1) if pool else map(_make_batch_args, plan)
     log = open(a.log, "w") if a.log else None
+    planned = steps
     t0 = time.time()
     ema = None
     for step in range(steps):
@@ -192,6 +197,10 @@ def main(argv=None):
         for g in opt.param_groups:
             g["lr"] = lr
         toks, masks = to_device(next(batches), dev)
+        if a.steps == "auto" and not a.smoke and time.time() - t_start > a.budget_s * 1.15:
+            print("stopping early at step %d: past 115%% of --budget-s" % step, flush=True)
+            steps = step
+            break
         loss, acc = loss_fn(model, toks, masks, amp)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -208,7 +217,7 @@ def main(argv=None):
     train_s = time.time() - t0
     if pool:
         pool.terminate()
-    meta = dict(seed=a.seed, steps=steps, curriculum=curriculum, batch_tokens=batch_tokens, lr=a.lr,
+    meta = dict(seed=a.seed, steps=planned, steps_run=steps, curriculum=curriculum, batch_tokens=batch_tokens, lr=a.lr,
                 warmup=warmup, smoke=a.smoke, train_seconds=round(train_s, 1),
                 total_seconds=round(time.time() - t_start, 1), final_answer_token_acc=ema,
                 task_config=dict(words=tcfg.words, n_needles=tcfg.n_needles, hops=tcfg.hops),
