@@ -783,6 +783,32 @@ int kvshade_select(kvshade_client* c, uint32_t layer, size_t n, const char* cons
   });
 }
 
+int kvshade_select_chunks(kvshade_client* c, uint32_t layer, size_t n, const char* const* ids, int32_t h,
+                          int32_t m, const int32_t* chunks, kvshade_select_result** out) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    *out = nullptr;
+    if (n > 0 && (ids == nullptr || chunks == nullptr)) return Bad("attachment_ids and chunks must not be NULL");
+    if (h < 1 || m < 0) return Bad(absl::StrCat("h must be >= 1 and m >= 0, got h = ", h, ", m = ", m));
+    v1::SelectAndReconstructRequest req;
+    req.set_layer(layer);
+    const size_t block = size_t(h) * size_t(m);
+    for (size_t i = 0; i < n; ++i) {
+      if (ids[i] == nullptr) return Bad(absl::StrCat("attachment_ids[", i, "] is NULL"));
+      v1::SelectQuery* sq = req.add_queries();
+      sq->set_attachment_id(ids[i]);
+      v1::Tensor* t = sq->mutable_chunks();
+      t->add_shape(h);
+      t->add_shape(m);
+      t->set_dtype(v1::DTYPE_INT32);
+      t->set_data(reinterpret_cast<const char*>(chunks + i * block), block * sizeof(int32_t));
+    }
+    auto r = c->impl->SelectAndReconstruct(req);
+    if (!r.ok()) return Report(r.status());
+    return DecodeSelect(*r, out);
+  });
+}
+
 size_t kvshade_select_count(const kvshade_select_result* r) { return r == nullptr ? 0 : r->deltas.size(); }
 
 int kvshade_select_delta(const kvshade_select_result* r, size_t i, kvshade_slot_delta* out) {

@@ -147,6 +147,31 @@ class ClientTest(unittest.TestCase):
         self.c.close_session(child)
         self.c.close_session(created.session_id)
 
+    def test_model_native_select(self):
+        # The caller names the chunks (a model's own indexer); kvshade serves them into the
+        # slot tables: the deltas carry exactly those chunks (the sink, chunk 0, is static
+        # and skipped), their values are the ingested ones, and a repeat is refused.
+        n = 256
+        prof = kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=4, outliers=1, local_window=32)
+        created, tokens, k, v = self.make_session(prof, n, name="py-native")
+        att = self.c.attach(created.session_id, "py-native")
+        chunks = np.array([[5, 9, -1], [0, 12, 7]], np.int32)
+        (d,) = self.c.select_chunks(1, [att.attachment_id], chunks)
+        got = {(int(h), int(c)) for h, c in zip(d.head, d.chunk)}
+        want = {(0, 5), (0, 9), (1, 12), (1, 7)}
+        # An outlier chunk (static for its head) would be skipped too: at most one per head.
+        self.assertTrue(got <= want and len(got) >= 2, got)
+        for i in range(len(d.head)):
+            c, h = int(d.chunk[i]), int(d.head[i])
+            np.testing.assert_array_equal(d.values[i], bf16(v[1, c * 8:(c + 1) * 8, h]))
+        (again,) = self.c.select_chunks(1, [att.attachment_id], chunks)
+        self.assertEqual(len(again.head), 0)
+        self.assertEqual(again.hits, again.selected)
+        with self.assertRaises(kvshade.InvalidArgument):
+            self.c.select_chunks(1, [att.attachment_id], np.array([[5, 5, -1], [1, 2, 3]], np.int32))
+        self.c.detach(att.attachment_id)
+        self.c.close_session(created.session_id)
+
     def test_errors_map_to_exceptions(self):
         with self.assertRaises(kvshade.NotFound) as cm:
             self.c.get_session("no-such-session")

@@ -305,6 +305,14 @@ KVSHADE_API int kvshade_select(kvshade_client* client, uint32_t layer, size_t n,
                                const char* const* attachment_ids, int32_t dtype, int32_t hq,
                                int32_t d, const void* q, kvshade_select_result** out);
 KVSHADE_API size_t kvshade_select_count(const kvshade_select_result* r);
+/* Model-native selection (docs/ALGORITHM.md "Selection options"): the chunks each query
+ * attends are chosen by the caller (a model's own indexer) instead of by kvshade, and
+ * served through the same slot tables as kvshade_select's: chunks [n, h, m] int32, one
+ * [h, m] block per attachment, -1 = none, m <= slots_per_head; ids distinct per head and
+ * below the layer's chunk count (else KVSHADE_INVALID_ARGUMENT); static chunks skipped. */
+KVSHADE_API int kvshade_select_chunks(kvshade_client* client, uint32_t layer, size_t n,
+                                      const char* const* attachment_ids, int32_t h, int32_t m,
+                                      const int32_t* chunks, kvshade_select_result** out);
 
 /* The slot-table delta of query i: m misses, each (head, slot, chunk) with its
  * reconstructed keys and values [m, C, d] fp32. Pointers owned by the result. When

@@ -139,6 +139,8 @@ _SIGNATURES = {
     "kvshade_static_set_free": (None, [_vp]),
     "kvshade_select": (ctypes.c_int, [_vp, _u32, _size_t, _P(_c_char_p), _i32, _i32, _i32, _vp,
                                       _P(_vp)]),
+    "kvshade_select_chunks": (ctypes.c_int, [_vp, _u32, _size_t, _P(_c_char_p), _i32, _i32,
+                                             _P(_i32), _P(_vp)]),
     "kvshade_select_count": (_size_t, [_vp]),
     "kvshade_select_delta": (ctypes.c_int, [_vp, _size_t, _P(SlotDelta)]),
     "kvshade_select_free": (None, [_vp]),

@@ -619,6 +619,28 @@ class Client(_NativeHandle):
         finally:
             lib.kvshade_select_free(r)
 
+    def select_chunks(self, layer, attachment_ids: Sequence[str], chunks) -> List[SlotDelta]:
+        """Model-native selection: the chunks to attend, chosen by the caller (a model's own
+        indexer), served through the attachments' slot tables like select()'s: chunks
+        [n, h, m] (or [h, m] for one attachment) int, -1 = none, m <= slots_per_head."""
+        lib = _native.lib()
+        ids = [_b(i) for i in attachment_ids]
+        cw = np.asarray(chunks)
+        if cw.ndim == 2:
+            cw = cw[None]
+        if cw.ndim != 3 or cw.shape[0] != len(ids):
+            raise InvalidArgument("chunks must be [n=%d, h, m], got %s" % (len(ids), cw.shape))
+        cw = np.ascontiguousarray(cw, dtype=np.int32)
+        arr = (ctypes.c_char_p * len(ids))(*ids)
+        r = ctypes.c_void_p()
+        _check(lib.kvshade_select_chunks(self._handle(), layer, len(ids), arr, cw.shape[1], cw.shape[2],
+                                         cw.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
+                                         ctypes.byref(r)))
+        try:
+            return _decode_select(lib, r)
+        finally:
+            lib.kvshade_select_free(r)
+
     def select_async(self, layer, attachment_ids: Sequence[str], q, dtype="bf16") -> SelectFuture:
         """select() without waiting: .result() of the returned future gives the deltas (e.g.
         issue layer l+1 while applying layer l)."""
