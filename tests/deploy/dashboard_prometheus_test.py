@@ -64,6 +64,15 @@ def wait_for(what, fn, timeout):
     raise RuntimeError("timed out waiting for %s (last error: %s)" % (what, last))
 
 
+def scraped_after(prom, t):
+    """Waits until Prometheus holds a scrape of the daemon taken after time t (and one more,
+    so that a rate() over the last samples sees what happened before t)."""
+    for _ in range(2):
+        wait_for("a scrape after %.1f" % t, lambda: any(
+            float(s["value"][1]) > t for s in query(prom, 'timestamp(up{job="kvshade"})')), 60)
+        t = time.time()
+
+
 def metric_names(text):
     """kvshade_* and process_* names in PromQL or JSON text, histogram suffixes removed."""
     names = set()
@@ -123,15 +132,14 @@ def main():
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, timeout=120)
             if demo.returncode != 0:
                 raise RuntimeError("kvshade demo failed (%d):\n%s" % (demo.returncode, demo.stdout.decode()))
-            time.sleep(2.5)
+            scraped_after(prom, time.time())
         missing = subprocess.run([cli, "--target", target, "sessions", "info", "no-such-session"],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, timeout=30)
         if missing.returncode == 0:
             raise RuntimeError("sessions info of an unknown session succeeded")
-        # Two scrapes after the workload, so every rate() has its last increase.
-        wait_for("a failed call in Prometheus",
-                 lambda: query(prom, 'kvshade_rpc_total{job="kvshade",code="NOT_FOUND"}'), 30)
-        time.sleep(2.5)
+        scraped_after(prom, time.time())
+        if not query(prom, 'kvshade_rpc_total{job="kvshade",code="NOT_FOUND"}'):
+            raise RuntimeError("the failed call is not in Prometheus")
 
         failures = []
         # 1. Every metric name used is exported by the daemon.
