@@ -185,10 +185,15 @@ class KvShadeAttend:
         self._static_chunks = {}
         self._nc = {}
 
+    def _k_cpu(self, layer):
+        if not hasattr(self.pf, "k_post_cpu"):
+            self.pf.k_post_cpu = [t.cpu() for t in self.pf.k_post]
+        return self.pf.k_post_cpu[layer]
+
     def _static(self, layer):
         if layer not in self._static_chunks:
             st = self.cache._static[layer]
-            kp = self.pf.k_post[layer]
+            kp = self._k_cpu(layer)
             self._nc[layer] = (kp.shape[0] - st.tail_k.shape[0]) // self.cache.attachment.chunk_size
             self._static_chunks[layer] = match_static_chunks(st.k, st.lengths, kp, self.cache.attachment.chunk_size)
         return self._static_chunks[layer], self._nc[layer]
@@ -198,7 +203,7 @@ class KvShadeAttend:
         if self.kind == "shadow" and self.k:
             static, nc = self._static(layer)
             C = self.cache.attachment.chunk_size
-            scores = chunk_max_logits(q.cpu(), self.pf.k_post[layer].cpu(), nc, C)
+            scores = chunk_max_logits(q.cpu(), self._k_cpu(layer), nc, C)
             top = oracle_topk(scores, self.k, [s | {0} for s in static])
             sel = [set(int(c) for c in row if c >= 0) for row in self.cache.slot_chunk[layer]]
             self.recalls.append(recall_at_k(sel, top, self.k))

@@ -270,7 +270,7 @@ class HFBackbone:
 
     def _rope(self, x, pos):
         pos_ids = torch.as_tensor(pos, device=self.device)[None]
-        cos, sin = self.inner.rotary_emb(x, pos_ids)   # [1, n, d]
+        cos, sin = self.inner.rotary_emb(x.float(), pos_ids)   # [1, n, d], float32 (x gives the dtype)
         return cos[0].float(), sin[0].float()
 
     @staticmethod
