@@ -40,5 +40,6 @@ check "$py" "$tmp/target" || fail "the --target install does not work"
 "$tmp/venv/bin/python" -m pip install --no-deps --no-build-isolation "$tmp/src" > "$tmp/pip-venv.log" 2>&1 \
   || { cat "$tmp/pip-venv.log"; fail "pip install into a venv"; }
 check "$tmp/venv/bin/python" || fail "the venv install does not work"
-"$tmp/venv/bin/python" -m pip show kvshade | grep -q '^Requires: numpy' || fail "metadata lacks the numpy requirement"
+show=$("$tmp/venv/bin/python" -m pip show kvshade) || fail "pip show kvshade"
+grep -q '^Requires: numpy' <<< "$show" || fail "metadata lacks the numpy requirement"
 echo "python_package_test: OK (--target and venv installs import, metadata version matches)"
