@@ -5,7 +5,7 @@ Every batch mixes the three tasks, with and without chunk locality; each sequenc
 every question of its context (tasks.make_train_sequence, with 1..8 needles and 1..4 hops
 so that easy cases teach the lookup first) and the loss is the cross entropy of the answer
 tokens only. A curriculum over lengths (default 64, 256, 1024, 2048 then 8192 tokens:
-15/20/20/15/30 % of the steps: the lookup is learnt on short contexts, then carried to long
+20/20/20/10/30 % of the steps: the lookup is learnt on short contexts, then carried to long
 ones) at a constant number of tokens per step (65536), AdamW (lr 2e-3), linear warm-up
 then cosine decay, bf16 autocast on CUDA; batches are made by worker processes, each from
 (seed, step) alone.
@@ -37,7 +37,7 @@ import tasks as T  # noqa: E402
 from model import EvalLM, ModelConfig, save  # noqa: E402
 
 
-DEFAULT_CURRICULUM = "64:0.15,256:0.2,1024:0.2,2048:0.15,8192:0.3"
+DEFAULT_CURRICULUM = "64:0.2,256:0.2,1024:0.2,2048:0.1,8192:0.3"
 
 
 def parse_curriculum(s):
@@ -104,7 +104,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", default="auto", help="number of steps, or auto (fit --budget-s)")
     ap.add_argument("--budget-s", type=float, default=330.0, help="training time for --steps auto")
-    ap.add_argument("--curriculum", default=None, help="length:fraction,... (default 512:0.35,2048:0.3,8192:0.35)")
+    ap.add_argument("--curriculum", default=None, help="length:fraction,... (default %s)" % DEFAULT_CURRICULUM)
     ap.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 65536)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=100)
