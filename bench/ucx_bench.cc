@@ -6,16 +6,24 @@
 //      (Client::Ingest: pipelined, tensors by rendezvous from the caller's buffers) and
 //      over gRPC inline (the same messages), beside memcpy of the same bytes and a raw
 //      UCX active-message stream of the same parts between two workers of this process.
-//   2. SelectAndReconstruct round trips p50/p99 at batch 1 and 24 with a small budget
+//   2. SelectAndReconstruct round trips p50/p99 at batch 1, 8 and 24 with a small budget
 //      (steady decode, slot tables warm), over gRPC inline, UCX inline and UCX RMA (misses
 //      put into registered slot buffers), calls interleaved so that all three see the
 //      same load; beside two floors: the daemon's NOT_FOUND reply (transport + parsing,
 //      no selection) and a raw active-message ping-pong between two workers of this
-//      process with a request-sized payload.
+//      process with a request-sized payload. Beside each, the daemon's own select +
+//      reconstruct time per call (kvshade_stage_duration_seconds{stage="select" and
+//      "reconstruct"} summed over the batch's timed calls, scraped from its /metrics, per
+//      call) and the mean round trip minus it: the data path's overhead over the kernels
+//      (means on both sides: the stage histogram gives no per-call pairing).
 // Usage: kvshade_ucx_bench [--server PATH] [--backend cpu|cuda] [--transports tcp,self] [--reps 400]
 //          [--ingest-layers 8] [--ingest-tokens 16384] [--ingest-kv-heads 8]
 //          [--head-dim 128] [--ingest-profile exact|shadow] [--part-mib 8] [--window 4]
 //          [--select-tokens 8192] [--select-layers 4] [--budget 8] [--skip-ingest 1]
+//          [--batches 1,8,24]
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -61,7 +70,62 @@ struct Options {
   int64_t select_tokens = 8192;
   int select_layers = 4, budget = 8;
   bool skip_ingest = false;
+  std::vector<size_t> batches = {1, 8, 24};
 };
+
+// A free loopback TCP port (bound, read, released; the daemon binds it right after).
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t n = sizeof(a);
+  int port = 0;
+  if (fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  if (fd >= 0) close(fd);
+  return port;
+}
+
+// Seconds summed so far per stage of kvshade_stage_duration_seconds, from the daemon's
+// /metrics on 127.0.0.1:`port` (empty when it cannot be read).
+std::map<std::string, double> StageSeconds(int port) {
+  std::map<std::string, double> out;
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    if (fd >= 0) close(fd);
+    return out;
+  }
+  const std::string req = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+  if (write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+    close(fd);
+    return out;
+  }
+  std::string body;
+  char buf[65536];
+  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) body.append(buf, static_cast<size_t>(n));
+  close(fd);
+  const std::string key = "kvshade_stage_duration_seconds_sum{stage=\"";
+  for (size_t p = body.find(key); p != std::string::npos; p = body.find(key, p + 1)) {
+    const size_t s = p + key.size(), e = body.find('"', s);
+    const size_t v = body.find("} ", e);
+    if (e == std::string::npos || v == std::string::npos) break;
+    out[body.substr(s, e - s)] = std::strtod(body.c_str() + v + 2, nullptr);
+  }
+  return out;
+}
+
+double Mean(const std::vector<double>& v) {
+  double s = 0;
+  for (double x : v) s += x;
+  return v.empty() ? 0.0 : s / static_cast<double>(v.size());
+}
 
 double Us(Clock::duration d) { return std::chrono::duration<double, std::micro>(d).count(); }
 double Secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
@@ -225,6 +289,7 @@ int main(int argc, char** argv) {
   app.add_option("--select-layers", o.select_layers);
   app.add_option("--budget", o.budget);
   app.add_option("--skip-ingest", o.skip_ingest, "1: measure select only");
+  app.add_option("--batches", o.batches, "select batch sizes (at most 24)")->delimiter(',');
   app.set_version_flag("--version", kvshade::VersionLine("kvshade_ucx_bench"));
   CLI11_PARSE(app, argc, argv);
 
@@ -235,7 +300,9 @@ int main(int argc, char** argv) {
     if (fd >= 0) close(fd);
     return std::string(tmpl);
   }();
-  std::ofstream(cfg) << "ucx:\n  enable: true\n  transports: \"" << o.transports
+  const int metrics_port = FreePort();
+  std::ofstream(cfg) << "metrics_port: " << metrics_port << "\n"
+                     << "ucx:\n  enable: true\n  transports: \"" << o.transports
                      << "\"\nlimits:\n  max_attachments_per_session: 256\n"
                      // The select attachments idle through the ingest phase.
                      << "  max_lease_ms: 3600000\n  default_lease_ms: 3600000\n";
@@ -373,7 +440,8 @@ int main(int argc, char** argv) {
               "heads), d %d, shadow rank 64, C 8, budget %d; steady decode (step 0 warms the slot "
               "tables); calls interleaved\n\n",
               static_cast<long long>(o.select_tokens), o.select_layers, o.head_dim, o.budget);
-  std::printf("| call | transport | p50 us | p99 us | calls | floor p50 / p99 us |\n|---|---|---:|---:|---:|---|\n");
+  std::printf("| call | transport | p50 us | p99 us | calls | floor p50 / p99 us | mean us | kernels us/call | mean minus kernels us |\n"
+              "|---|---|---:|---:|---:|---|---:|---:|---:|\n");
   // Floors: the daemon's NOT_FOUND (transport + parsing) and a raw ping-pong of the
   // request's size.
   struct Floors {
@@ -404,10 +472,14 @@ int main(int argc, char** argv) {
     }
     return f;
   };
-  for (size_t batch : {size_t{1}, size_t{kMaxBatch}}) {
+  for (size_t batch : o.batches) {
+    if (batch < 1 || batch > size_t{kMaxBatch}) Die("--batches", absl::InvalidArgumentError("1..24"));
     std::vector<double> t[3];  // gRPC, UCX inline, UCX RMA
+    std::map<std::string, double> stage0;  // read when the warm-up step is done
+    size_t calls = 0;
     const int steps = std::max(2, o.reps / o.select_layers);
     for (int step = 0; step <= steps; ++step) {
+      if (step == 1) stage0 = StageSeconds(metrics_port);
       for (int l = 0; l < o.select_layers; ++l) {
         v1::SelectAndReconstructRequest req[3];
         for (auto& r : req) r.set_layer(l);
@@ -428,6 +500,7 @@ int main(int argc, char** argv) {
           auto r = c.SelectAndReconstruct(req[mode]);
           const double us = Us(Clock::now() - t0);
           if (!r.ok()) Die("SelectAndReconstruct", r.status());
+          calls += step > 0;
           if (mode == 2 && !r->deltas(0).delivered()) {
             Die("RMA", absl::InternalError("a registered attachment's delta was not delivered"));
           }
@@ -435,15 +508,24 @@ int main(int argc, char** argv) {
         }
       }
     }
+    // The daemon's kernel time per call: select + reconstruct stage seconds over the timed
+    // calls of this batch size (-1 when /metrics could not be read).
+    std::map<std::string, double> stage1 = StageSeconds(metrics_port);
+    const double kernel_us =
+        stage1.empty() || calls == 0
+            ? -1.0
+            : 1e6 * ((stage1["select"] - stage0["select"]) + (stage1["reconstruct"] - stage0["reconstruct"])) /
+                  static_cast<double>(calls);
     const Floors fl = floor_of(batch);
     const char* names[3] = {"gRPC inline", "UCX inline", "UCX RMA"};
     for (int m = 0; m < 3; ++m) {
       const auto& f = m == 0 ? fl.grpc : fl.ucx;
-      std::printf("| SelectAndReconstruct batch %zu | %s (%s) | %.1f | %.1f | %zu | NOT_FOUND reply %.1f / %.1f |\n",
+      std::printf("| SelectAndReconstruct batch %zu | %s (%s) | %.1f | %.1f | %zu | NOT_FOUND reply %.1f / %.1f | %.1f | %.1f | %.1f |\n",
                   batch, names[m], m == 0 ? "tcp" : o.transports.c_str(), Percentile(t[m], 0.5),
-                  Percentile(t[m], 0.99), t[m].size(), Percentile(f, 0.5), Percentile(f, 0.99));
+                  Percentile(t[m], 0.99), t[m].size(), Percentile(f, 0.5), Percentile(f, 0.99),
+                  Mean(t[m]), kernel_us, Mean(t[m]) - kernel_us);
     }
-    std::printf("| raw AM ping-pong, %zu-byte request | UCX (%s), 2 workers in one process | %.1f | %.1f | %zu | - |\n",
+    std::printf("| raw AM ping-pong, %zu-byte request | UCX (%s), 2 workers in one process | %.1f | %.1f | %zu | - | - | - | - |\n",
                 fl.request_bytes, o.transports.c_str(), Percentile(fl.raw, 0.5),
                 Percentile(fl.raw, 0.99), fl.raw.size());
   }
