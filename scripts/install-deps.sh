@@ -16,6 +16,8 @@ PACKAGES=(
   prometheus-cpp-dev
   libcli11-dev libspdlog-dev libyaml-cpp-dev
   libssl-dev openssl
+  # KV-events (service/kv_events.cc): ZMQ and msgpack's C++ headers; their test's subscriber.
+  libzmq3-dev libmsgpack-dev python3-zmq python3-msgpack
   # Fuzz targets (fuzz/, scripts/fuzz.sh): clang with libFuzzer and the sanitizer runtimes;
   # llvm-14 for llvm-symbolizer (symbolized sanitizer reports).
   clang-14 libclang-rt-14-dev llvm-14

@@ -10,6 +10,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "kvshade/service/log.h"
 
 namespace kvshade::service {
 namespace {
@@ -83,11 +84,18 @@ absl::StatusOr<Tenant> Authenticator::Authenticate(const grpc::ServerContext& ct
   if (tenants_.empty()) return default_tenant_;
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");
-  if (it == md.end()) return AuthenticateHeader("");
-  if (md.count("authorization") > 1) {
-    return absl::UnauthenticatedError("more than one authorization metadata entry");
+  absl::StatusOr<Tenant> t =
+      it == md.end() ? AuthenticateHeader("")
+      : md.count("authorization") > 1
+          ? absl::StatusOr<Tenant>(absl::UnauthenticatedError("more than one authorization metadata entry"))
+          : AuthenticateHeader(std::string_view(it->second.data(), it->second.size()));
+  if (!t.ok()) {
+    // Never the token itself: the peer and the reason.
+    log::Event(spdlog::level::warn, "auth_failed")
+        .Str("peer", ctx.peer())
+        .Str("reason", std::string(t.status().message()));
   }
-  return AuthenticateHeader(std::string_view(it->second.data(), it->second.size()));
+  return t;
 }
 
 }  // namespace kvshade::service

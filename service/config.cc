@@ -381,6 +381,13 @@ Schema MakeSchema(ServerConfig& c, std::string& tokens_file, uint32_t& metrics_p
 absl::Status ReadTree(const YAML::Node& root, const Schema& schema) {
   std::map<std::string, Reader> top;
   for (const auto& [key, entry] : schema) {
+      {"log",
+       {nullptr,
+        {{"level", Scalar("log.level", &c.log.level)}, {"format", Scalar("log.format", &c.log.format)}}}},
+      {"kv_events",
+       {nullptr,
+        {{"endpoint", Scalar("kv_events.endpoint", &c.kv_events.endpoint)},
+         {"topic", Scalar("kv_events.topic", &c.kv_events.topic)}}}},
     if (entry.read) {
       top.emplace(key, entry.read);
     } else {
@@ -642,6 +649,17 @@ bool IsLoopbackListen(std::string_view address) {
   if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) {
     if (IN6_IS_ADDR_LOOPBACK(&v6)) return true;
     return IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127;
+  }
+  static const std::set<std::string> kLevels = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+  if (!kLevels.count(c.log.level)) {
+    return bad("log.level must be trace, debug, info, warn, error, critical or off, got '", c.log.level, "'");
+  }
+  if (c.log.format != "text" && c.log.format != "json") {
+    return bad("log.format must be text or json, got '", c.log.format, "'");
+  }
+  if (!c.kv_events.endpoint.empty() && c.kv_events.endpoint.find("://") == std::string::npos) {
+    return bad("kv_events.endpoint must be a ZMQ endpoint (tcp://HOST:PORT, tcp://*:PORT, ipc://PATH), got '",
+               c.kv_events.endpoint, "'");
   }
   return false;  // a wildcard (0.0.0.0, ::), another interface's address or a host name
 }

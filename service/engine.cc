@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine_impl.h"
+#include "kvshade/service/log.h"
 #include "kvshade/kernels/pyramid.h"
 #include "kvshade/base/status_macros.h"
 
@@ -241,9 +242,27 @@ absl::Status EngineImpl::Init() {
   ho.reclaim = [this](size_t) { return EvictIdlePrefix(*this); };
   KVSHADE_ASSIGN_OR_RETURN(store_, storage::HostValueStore::Create(*backend_, ho, spill_.get()));
   store_link_ = std::make_shared<StoreLink>();
+  if (!config_->kv_events.endpoint.empty()) {
+    KvEventsOptions ko;
+    ko.endpoint = config_->kv_events.endpoint;
+    ko.topic = config_->kv_events.topic;
+    ko.medium = backend_->name() == "cpu" ? "CPU" : "GPU";
+    KVSHADE_ASSIGN_OR_RETURN(kv_events_, KvEventPublisher::Start(ko));
+  }
   store_link_->store = store_.get();
+    const auto restore_start = std::chrono::steady_clock::now();
   if (spill_) {
     KVSHADE_RETURN_IF_ERROR(RestoreDurable());
+    size_t restored_segments = 0;
+    {
+      base::MutexLock lock(&seg_mu_);
+      restored_segments = registered_.size();
+    }
+    log::Event(spdlog::level::info, "restore_summary")
+        .Uint("sessions", sessions_.Counts().sessions)
+        .Uint("prefix_segments", restored_segments)
+        .Num("ms", std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - restore_start).count())
+        .Str("spill_path", config_->spill_path);
     KVSHADE_RETURN_IF_ERROR(ReplayAppendLog());
     wal_sync_thread_ = std::thread([this] { WalSyncLoop(); });
   }
@@ -331,6 +350,17 @@ storage::SegmentRef EngineImpl::RegisterPrefix(const std::shared_ptr<const Segme
   {
     base::MutexLock lock(&seg_mu_);
     registered_[seg->id] = seg;
+  if (kv_events_) {
+    // The low 64 bits of each block's key (the last 8 bytes of its canonical form).
+    std::vector<uint64_t> hashes;
+    for (const storage::PrefixKey& k : mine) hashes.push_back(k.lo);
+    std::optional<uint64_t> parent_hash;
+    if (first_block > 0) parent_hash = keys[first_block - 1].lo;
+    const size_t n = std::min(seg->tokens.size(), size_t(end_block - first_block) * block_tokens);
+    kv_events_->Stored(seg->id.ToHex(), std::move(hashes), parent_hash,
+                       std::vector<int32_t>(seg->tokens.begin(), seg->tokens.begin() + n),
+                       static_cast<uint32_t>(block_tokens));
+  }
   }
   EvictPrefixes(config_->device_budget_bytes / 2);
   return std::move(ref).value();
@@ -348,6 +378,7 @@ static void DropEvicted(EngineImpl& e, const std::vector<storage::PrefixSegmentI
       if (it != e.registered_.end()) {
         drop.push_back(std::move(it->second));
         e.registered_.erase(it);
+      if (e.kv_events_) e.kv_events_->Removed(info.segment.ToHex());
       }
       e.metrics_->Eviction();
     }
@@ -499,6 +530,14 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
   resp.set_session_id(s->id);
   resp.set_reused_tokens(s->reused_tokens);
   resp.set_effective_profile(profile.kind);
+  log::Event(spdlog::level::info, "session_created")
+      .Str("session", s->id)
+      .Str("tenant", t.name)
+      .Str("model", model.model_id)
+      .Str("profile", v1::ProfileKind_Name(profile.kind))
+      .Uint("tokens", tokens.size())
+      .Uint("reused_tokens", s->reused_tokens)
+      .Bool("durable", s->durable);
   resp.set_tokens_to_ingest(tokens.size() - s->reused_tokens);
   return resp;
 }
@@ -608,6 +647,11 @@ absl::StatusOr<v1::ForkSessionResponse> EngineImpl::ForkSession(const Tenant& t,
   UpdateGauges();
   v1::ForkSessionResponse resp;
   resp.set_session_id(child->id);
+  log::Event(spdlog::level::info, "session_forked")
+      .Str("session", child->id)
+      .Str("parent", r.parent_session_id())
+      .Str("tenant", t.name)
+      .Uint("shared_tokens", child->tokens);
   resp.set_shared_tokens(child->tokens);
   return resp;
 }
@@ -683,6 +727,7 @@ absl::StatusOr<v1::CloseSessionResponse> EngineImpl::CloseSession(
   refs.clear();
   chain.clear();
   open.reset();
+  log::Event(spdlog::level::info, "session_closed").Str("session", s->id).Str("tenant", t.name);
   UpdateGauges();
   return v1::CloseSessionResponse();
 }
@@ -794,6 +839,13 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
   if (!ids.empty()) {
     store_->Prefetch(std::move(ids), [](absl::Status) {});
   }
+  log::Event(spdlog::level::info, "attached")
+      .Str("attachment", a->id)
+      .Str("session", s->id)
+      .Str("tenant", t.name)
+      .Str("worker", r.worker_id())
+      .Bool("writer", a->writer)
+      .Str("delivery", v1::DeliveryMode_Name(r.delivery()));
   UpdateGauges();
   return resp;
 }
@@ -801,6 +853,7 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
 absl::StatusOr<v1::DetachResponse> EngineImpl::Detach(const Tenant& t, const v1::DetachRequest& r) {
   KVSHADE_RETURN_IF_ERROR(sessions_.Detach(t.name, r.attachment_id()));
   DropExports(r.attachment_id());
+  log::Event(spdlog::level::info, "detached").Str("attachment", r.attachment_id()).Str("tenant", t.name);
   UpdateGauges();
   return v1::DetachResponse();
 }
@@ -966,9 +1019,22 @@ void EngineImpl::UpdateGauges() {
     std::lock_guard<std::mutex> lock(reported_mu_);
     const uint64_t spills = hs.spills - std::min(hs.spills, reported_.spills);
     const uint64_t spill_bytes = hs.spill_bytes_written - std::min(hs.spill_bytes_written, reported_.spill_bytes_written);
+    if (spills > 0) {
+      log::Event(spdlog::level::info, "spilled")
+          .Uint("segments", spills)
+          .Uint("bytes", spill_bytes)
+          .Uint("host_resident_bytes", hs.resident_bytes)
+          .Uint("host_budget_bytes", config_->host_budget_bytes);
+    }
     for (uint64_t i = 0; i < spills; ++i) metrics_->Spill(spill_bytes / spills);
     const uint64_t ins = hs.page_ins - std::min(hs.page_ins, reported_.page_ins);
     const uint64_t in_bytes = hs.page_in_bytes - std::min(hs.page_in_bytes, reported_.page_in_bytes);
+    if (ins > 0) {
+      log::Event(spdlog::level::info, "paged_in")
+          .Uint("segments", ins)
+          .Uint("bytes", in_bytes)
+          .Uint("host_resident_bytes", hs.resident_bytes);
+    }
     for (uint64_t i = 0; i < ins; ++i) metrics_->PageIn(in_bytes / ins);
     reported_ = hs;
   }
@@ -1104,8 +1170,11 @@ static void ExpireIdleSessions(EngineImpl& e) {
       s->refactor_keys.clear();
     }
     if (s->durable && e.spill_) e.DeleteDurableRecord(*s);
-    spdlog::info("session {} of tenant '{}' closed: no call for {} s (session_idle_ttl_s)", s->id,
-                 s->tenant, ttl_s);
+    log::Event(spdlog::level::info, "session_expired")
+        .Str("session", s->id)
+        .Str("tenant", s->tenant)
+        .Uint("idle_ttl_s", ttl_s)
+        .Msg("closed: no call for session_idle_ttl_s");
   }
   if (!idle.empty()) e.metrics_->SessionsExpired(idle.size());
 }

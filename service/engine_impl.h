@@ -21,6 +21,7 @@
 #include "kvshade/base/sync.h"
 #include "kvshade/kernels/backend.h"
 #include "kvshade/service/engine.h"
+#include "kvshade/service/kv_events.h"
 #include "kvshade/service/session.h"
 #include "kvshade/service/session_manager.h"
 #include "kvshade/storage/device_arena.h"
@@ -205,6 +206,9 @@ class EngineImpl {
   std::unique_ptr<storage::RocksSpillTier> spill_;
   std::unique_ptr<storage::HostValueStore> store_;
   std::shared_ptr<StoreLink> store_link_;
+  // KV-events of the prefix index (kv_events.endpoint); null when off. Declared before the
+  // index so that it outlives every eviction.
+  std::unique_ptr<KvEventPublisher> kv_events_;
   storage::PrefixIndex prefix_;
   SessionManager sessions_;
 

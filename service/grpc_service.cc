@@ -13,6 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvshade/service/engine.h"
+#include "kvshade/service/log.h"
 #include "kvshade/service/ucx_server.h"
 #include "status_util.h"
 
@@ -42,6 +43,7 @@ grpc::Status Run(const ServiceDeps& deps, std::string_view method, grpc::ServerC
   const int code = static_cast<int>(st.code());
   deps.metrics->ObserveRpc(method, code, secs);
   if (!st.ok()) deps.metrics->Error(code);
+  log::Rpc(method, st, secs, tenant.ok() ? std::string_view(tenant->name) : std::string_view());
   return ToGrpcStatus(st);
 }
 

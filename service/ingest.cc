@@ -36,6 +36,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine_impl.h"
+#include "kvshade/service/log.h"
 #include "kvshade/kernels/pyramid.h"
 #include "kvshade/kernels/shadow_layer.h"
 #include "kvshade/base/status_macros.h"
@@ -126,6 +127,15 @@ class IngestStreamImpl final : public Engine::IngestStream {
   ~IngestStreamImpl() override {
     for (const std::string& h : peers_) e_.ReleasePeer(h);
     if (!committed_ && store_created_) e_.store_->Erase(seg_id_).IgnoreError();
+    if (!committed_) {
+      log::Event e(spdlog::level::warn, "ingest_failed");
+      e.Str("session", s_->id).Int("layers_received", s_->layers_ingested.load());
+      if (!failed_.ok()) {
+        e.Status(failed_);
+      } else {
+        e.Str("error", "the stream ended without a commit (cancelled, idle, or the client went away)");
+      }
+    }
     s_->layers_ingested = 0;
     s_->ingest_active = false;
   }
@@ -165,6 +175,11 @@ class IngestStreamImpl final : public Engine::IngestStream {
       failed_ = st;
       return st;
     }
+    log::Event(spdlog::level::info, "ingest_committed")
+        .Str("session", s_->id)
+        .Uint("tokens", resp_.tokens())
+        .Uint("ingested_tokens", n_)
+        .Int("layers", L_);
     return resp_;
   }
 

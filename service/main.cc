@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvshade/service/config.h"
+#include "kvshade/service/log.h"
 #include "kvshade/service/server.h"
 #include "kvshade/version.h"
 
@@ -36,7 +37,8 @@ struct Flags {
   uint32_t max_batch = 0, default_lease_ms = 0, max_lease_ms = 0;
   uint32_t worker_threads = 0;
   int64_t session_idle_ttl_s = -1;  // -1: not given
-  std::string log_level = "info";
+  std::string kv_events_endpoint, kv_events_topic;
+  std::string log_level, log_format;  // "": not given (the config file's, else info / text)
   double grace_s = 10;
   bool check_config = false;
   std::string port_file;
@@ -95,8 +97,14 @@ int main(int argc, char** argv) {
                  "Close sessions no call has touched for this many seconds and with no live "
                  "attachment (0 = never)")
       ->check(CLI::Range(int64_t{0}, int64_t{UINT32_MAX}));
-  app.add_option("--log-level", f.log_level, "trace, debug, info, warn, error")
+  app.add_option("--log-level", f.log_level, "trace, debug, info (default), warn, error, critical, off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}));
+  app.add_option("--kv-events-endpoint", f.kv_events_endpoint,
+                 "Publish the prefix index as KV-events (ZMQ PUB, vLLM format) on this endpoint, e.g. "
+                 "tcp://*:5557 (bind) or tcp://indexer:5557 (connect)");
+  app.add_option("--kv-events-topic", f.kv_events_topic, "Topic frame of each KV-events message");
+  app.add_option("--log-format", f.log_format, "text (default) or json (one JSON object per line)")
+      ->check(CLI::IsMember({"text", "json"}));
   app.add_option("--grace", f.grace_s, "Seconds in-flight calls get at shutdown")->envname("KVSHADE_GRACE")->check(CLI::Range(0.0, 3600.0));
   app.add_flag("--check-config", f.check_config, "Validate the configuration and exit");
   app.add_flag_callback(
@@ -116,8 +124,14 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
-  spdlog::set_level(spdlog::level::from_str(f.log_level));
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ kvshade-server: %v");
+  namespace klog = kvshade::service::log;
+  // Flags first (errors in the config file are logged in the format asked for), the file's
+  // log settings once it is read.
+  auto configure_log = [&](const std::string& level, const std::string& format) {
+    klog::Configure(spdlog::level::from_str(level.empty() ? "info" : level),
+                    format == "json" ? klog::Format::kJson : klog::Format::kText, "kvshade-server");
+  };
+  configure_log(f.log_level, f.log_format);
 
   // Defaults < the YAML file < KVSHADE_* variables < flags (deploy/README.md "Environment").
   ServerConfig config;
@@ -172,8 +186,14 @@ int main(int argc, char** argv) {
   if (f.worker_threads) config.worker_threads = f.worker_threads;
   if (f.session_idle_ttl_s >= 0) config.limits.session_idle_ttl_s = static_cast<uint32_t>(f.session_idle_ttl_s);
 
+  if (!f.kv_events_endpoint.empty()) config.kv_events.endpoint = f.kv_events_endpoint;
+  if (!f.kv_events_topic.empty()) config.kv_events.topic = f.kv_events_topic;
+  if (!f.log_level.empty()) config.log.level = f.log_level;
+  if (!f.log_format.empty()) config.log.format = f.log_format;
   absl::Status valid = kvshade::service::ValidateConfig(config);
   if (!valid.ok()) return Fail(absl::StrCat("invalid configuration: ", valid.message()));
+  configure_log(config.log.level, config.log.format);
+  klog::InstallUcxLogHandler();
   spdlog::info("config: {}", kvshade::service::DescribeConfig(config));
   if (f.check_config) {
     if (const std::string w = kvshade::service::InsecureListenWarning(config); !w.empty()) {

@@ -9,6 +9,7 @@
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "kvshade/service/log.h"
 #include "status_util.h"
 
 namespace kvshade::service {
@@ -207,6 +208,11 @@ void SessionManager::RemoveAttachmentLocked(const std::shared_ptr<Attachment>& a
   --a->session->attachments;
   if (a->session->writer_attachment == a->id) a->session->writer_attachment.clear();
   if (expired) {
+    log::Event(spdlog::level::info, "lease_expired")
+        .Str("attachment", a->id)
+        .Str("session", a->session->id)
+        .Str("tenant", a->tenant)
+        .Bool("writer", a->writer);
     tombstones_[a->id] = {a->tenant, a->expires_ms};
     tombstone_order_.push_back(a->id);
     while (tombstone_order_.size() > kMaxTombstones) {

@@ -11,6 +11,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvshade/service/engine.h"
+#include "kvshade/service/log.h"
 #include "kvshade/transport/frame.h"
 #include "kvshade/v1/kvshade.pb.h"
 
@@ -166,8 +167,9 @@ void UcxServer::Reply(ucp_ep_h ep, uint64_t request_id, int code, std::string pa
 void UcxServer::Finish(const std::shared_ptr<Conn>& conn, ucp_ep_h ep, uint64_t request_id,
                        std::string_view method, SteadyClock::time_point start, Outcome out) {
   const int code = static_cast<int>(out.status.code());
-  metrics_->ObserveRpc(method, code,
-                       std::chrono::duration<double>(SteadyClock::now() - start).count());
+  const double secs = std::chrono::duration<double>(SteadyClock::now() - start).count();
+  metrics_->ObserveRpc(method, code, secs);
+  log::Rpc(method, out.status, secs, {});
   // (ObserveRpc counts the error too.)
   if (!out.status.ok()) out.payload = std::string(out.status.message());
   auto send = [this, conn, ep, request_id, code, payload = std::move(out.payload)]() mutable {

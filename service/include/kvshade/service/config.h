@@ -85,6 +85,19 @@ struct SameNodeConfig {
   bool export_state = true;  // ExportSession allowed; memory allocated shareable
 };
 
+// The daemon's log (service/README.md "Logs"): spdlog on stderr.
+struct LogConfig {
+  std::string level = "info";   // trace | debug | info | warn | error | critical | off
+  std::string format = "text";  // text | json (one JSON object per line)
+};
+
+// KV-events for cache-aware routers (service/README.md "KV-events"): the prefix index
+// published over ZMQ in vLLM's KV-events format. Off while endpoint is empty.
+struct KvEventsConfig {
+  std::string endpoint;  // e.g. "tcp://*:5557" (bind) or "tcp://indexer:5557" (connect)
+  std::string topic;     // first frame of each message, e.g. "kv@<pod>@<model>" for llm-d
+};
+
 struct ServerConfig {
   std::string listen = "127.0.0.1:50551";  // gRPC host:port
   std::string backend = "cpu";             // cpu | cuda | auto
@@ -105,6 +118,8 @@ struct ServerConfig {
 
 // Parses a YAML config file. Unknown keys are an error (a typo must not silently fall back
 // to a default). Missing keys keep the defaults above.
+  LogConfig log;
+  KvEventsConfig kv_events;
 absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path);
 
 // The configuration from its sources, later ones winning: the defaults above, the YAML file
