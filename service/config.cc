@@ -374,13 +374,6 @@ Schema MakeSchema(ServerConfig& c, std::string& tokens_file, uint32_t& metrics_p
          {"value_codec", Scalar("profile.value_codec", &p.value_codec)},
          {"int4_from_tokens", Scalar("profile.int4_from_tokens", &p.int4_from_tokens)},
          {"factorize_iterations", Scalar("profile.factorize_iterations", &p.factorize_iterations)}}}},
-  };
-  return s;
-}
-
-absl::Status ReadTree(const YAML::Node& root, const Schema& schema) {
-  std::map<std::string, Reader> top;
-  for (const auto& [key, entry] : schema) {
       {"log",
        {nullptr,
         {{"level", Scalar("log.level", &c.log.level)}, {"format", Scalar("log.format", &c.log.format)}}}},
@@ -388,6 +381,13 @@ absl::Status ReadTree(const YAML::Node& root, const Schema& schema) {
        {nullptr,
         {{"endpoint", Scalar("kv_events.endpoint", &c.kv_events.endpoint)},
          {"topic", Scalar("kv_events.topic", &c.kv_events.topic)}}}},
+  };
+  return s;
+}
+
+absl::Status ReadTree(const YAML::Node& root, const Schema& schema) {
+  std::map<std::string, Reader> top;
+  for (const auto& [key, entry] : schema) {
     if (entry.read) {
       top.emplace(key, entry.read);
     } else {
@@ -625,6 +625,17 @@ absl::Status ValidateConfig(const ServerConfig& c) {
     return bad("profile.mini_heavy_ratio must be in [0, 1), got ", p.mini_heavy_ratio);
   }
   if (c.metrics_listen.empty()) return bad("metrics_listen must not be empty");
+  static const std::set<std::string> kLevels = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+  if (!kLevels.count(c.log.level)) {
+    return bad("log.level must be trace, debug, info, warn, error, critical or off, got '", c.log.level, "'");
+  }
+  if (c.log.format != "text" && c.log.format != "json") {
+    return bad("log.format must be text or json, got '", c.log.format, "'");
+  }
+  if (!c.kv_events.endpoint.empty() && c.kv_events.endpoint.find("://") == std::string::npos) {
+    return bad("kv_events.endpoint must be a ZMQ endpoint (tcp://HOST:PORT, tcp://*:PORT, ipc://PATH), got '",
+               c.kv_events.endpoint, "'");
+  }
   if (c.worker_threads > 1024) return bad("worker_threads must be <= 1024, got ", c.worker_threads);
   if (c.ucx.engine_threads < 1 || c.ucx.engine_threads > 256) {
     return bad("ucx.engine_threads must be in [1, 256], got ", c.ucx.engine_threads);
@@ -649,17 +660,6 @@ bool IsLoopbackListen(std::string_view address) {
   if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) {
     if (IN6_IS_ADDR_LOOPBACK(&v6)) return true;
     return IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127;
-  }
-  static const std::set<std::string> kLevels = {"trace", "debug", "info", "warn", "error", "critical", "off"};
-  if (!kLevels.count(c.log.level)) {
-    return bad("log.level must be trace, debug, info, warn, error, critical or off, got '", c.log.level, "'");
-  }
-  if (c.log.format != "text" && c.log.format != "json") {
-    return bad("log.format must be text or json, got '", c.log.format, "'");
-  }
-  if (!c.kv_events.endpoint.empty() && c.kv_events.endpoint.find("://") == std::string::npos) {
-    return bad("kv_events.endpoint must be a ZMQ endpoint (tcp://HOST:PORT, tcp://*:PORT, ipc://PATH), got '",
-               c.kv_events.endpoint, "'");
   }
   return false;  // a wildcard (0.0.0.0, ::), another interface's address or a host name
 }

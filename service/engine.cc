@@ -242,6 +242,7 @@ absl::Status EngineImpl::Init() {
   ho.reclaim = [this](size_t) { return EvictIdlePrefix(*this); };
   KVSHADE_ASSIGN_OR_RETURN(store_, storage::HostValueStore::Create(*backend_, ho, spill_.get()));
   store_link_ = std::make_shared<StoreLink>();
+  store_link_->store = store_.get();
   if (!config_->kv_events.endpoint.empty()) {
     KvEventsOptions ko;
     ko.endpoint = config_->kv_events.endpoint;
@@ -249,10 +250,10 @@ absl::Status EngineImpl::Init() {
     ko.medium = backend_->name() == "cpu" ? "CPU" : "GPU";
     KVSHADE_ASSIGN_OR_RETURN(kv_events_, KvEventPublisher::Start(ko));
   }
-  store_link_->store = store_.get();
-    const auto restore_start = std::chrono::steady_clock::now();
   if (spill_) {
+    const auto restore_start = std::chrono::steady_clock::now();
     KVSHADE_RETURN_IF_ERROR(RestoreDurable());
+    KVSHADE_RETURN_IF_ERROR(ReplayAppendLog());
     size_t restored_segments = 0;
     {
       base::MutexLock lock(&seg_mu_);
@@ -263,7 +264,6 @@ absl::Status EngineImpl::Init() {
         .Uint("prefix_segments", restored_segments)
         .Num("ms", std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - restore_start).count())
         .Str("spill_path", config_->spill_path);
-    KVSHADE_RETURN_IF_ERROR(ReplayAppendLog());
     wal_sync_thread_ = std::thread([this] { WalSyncLoop(); });
   }
   if (options_.background_thread) bg_thread_ = std::thread([this] { BackgroundLoop(); });
@@ -350,6 +350,7 @@ storage::SegmentRef EngineImpl::RegisterPrefix(const std::shared_ptr<const Segme
   {
     base::MutexLock lock(&seg_mu_);
     registered_[seg->id] = seg;
+  }
   if (kv_events_) {
     // The low 64 bits of each block's key (the last 8 bytes of its canonical form).
     std::vector<uint64_t> hashes;
@@ -360,7 +361,6 @@ storage::SegmentRef EngineImpl::RegisterPrefix(const std::shared_ptr<const Segme
     kv_events_->Stored(seg->id.ToHex(), std::move(hashes), parent_hash,
                        std::vector<int32_t>(seg->tokens.begin(), seg->tokens.begin() + n),
                        static_cast<uint32_t>(block_tokens));
-  }
   }
   EvictPrefixes(config_->device_budget_bytes / 2);
   return std::move(ref).value();
@@ -378,8 +378,8 @@ static void DropEvicted(EngineImpl& e, const std::vector<storage::PrefixSegmentI
       if (it != e.registered_.end()) {
         drop.push_back(std::move(it->second));
         e.registered_.erase(it);
-      if (e.kv_events_) e.kv_events_->Removed(info.segment.ToHex());
       }
+      if (e.kv_events_) e.kv_events_->Removed(info.segment.ToHex());
       e.metrics_->Eviction();
     }
   }
@@ -494,7 +494,7 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
     ++prefix_lookups_;
     if (m.tokens > 0) ++prefix_hits_;
     sessions_.CountPrefixLookup(t.name, m.tokens > 0);
-    metrics_->PrefixLookup(m.tokens > 0, m.tokens);
+    metrics_->PrefixLookup(m.tokens > 0, m.tokens, tokens.size());
     s->chain = std::move(m.chain);
     s->prefix_refs = std::move(m.refs);
     s->reused_tokens = m.tokens;
@@ -530,6 +530,7 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
   resp.set_session_id(s->id);
   resp.set_reused_tokens(s->reused_tokens);
   resp.set_effective_profile(profile.kind);
+  resp.set_tokens_to_ingest(tokens.size() - s->reused_tokens);
   log::Event(spdlog::level::info, "session_created")
       .Str("session", s->id)
       .Str("tenant", t.name)
@@ -538,7 +539,6 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
       .Uint("tokens", tokens.size())
       .Uint("reused_tokens", s->reused_tokens)
       .Bool("durable", s->durable);
-  resp.set_tokens_to_ingest(tokens.size() - s->reused_tokens);
   return resp;
 }
 
@@ -557,7 +557,7 @@ absl::StatusOr<v1::LookupPrefixResponse> EngineImpl::LookupPrefix(
   ++prefix_lookups_;
   if (m.tokens > 0) ++prefix_hits_;
   sessions_.CountPrefixLookup(t.name, m.tokens > 0);
-  metrics_->PrefixLookup(m.tokens > 0, m.tokens);
+  metrics_->PrefixLookup(m.tokens > 0, m.tokens, tokens.size());
   resp.set_reusable_tokens(m.tokens);
   resp.set_cached_segments(m.chain.size());
   return resp;
@@ -647,12 +647,12 @@ absl::StatusOr<v1::ForkSessionResponse> EngineImpl::ForkSession(const Tenant& t,
   UpdateGauges();
   v1::ForkSessionResponse resp;
   resp.set_session_id(child->id);
+  resp.set_shared_tokens(child->tokens);
   log::Event(spdlog::level::info, "session_forked")
       .Str("session", child->id)
       .Str("parent", r.parent_session_id())
       .Str("tenant", t.name)
       .Uint("shared_tokens", child->tokens);
-  resp.set_shared_tokens(child->tokens);
   return resp;
 }
 
@@ -727,8 +727,8 @@ absl::StatusOr<v1::CloseSessionResponse> EngineImpl::CloseSession(
   refs.clear();
   chain.clear();
   open.reset();
-  log::Event(spdlog::level::info, "session_closed").Str("session", s->id).Str("tenant", t.name);
   UpdateGauges();
+  log::Event(spdlog::level::info, "session_closed").Str("session", s->id).Str("tenant", t.name);
   return v1::CloseSessionResponse();
 }
 
@@ -839,6 +839,7 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
   if (!ids.empty()) {
     store_->Prefetch(std::move(ids), [](absl::Status) {});
   }
+  UpdateGauges();
   log::Event(spdlog::level::info, "attached")
       .Str("attachment", a->id)
       .Str("session", s->id)
@@ -846,15 +847,14 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
       .Str("worker", r.worker_id())
       .Bool("writer", a->writer)
       .Str("delivery", v1::DeliveryMode_Name(r.delivery()));
-  UpdateGauges();
   return resp;
 }
 
 absl::StatusOr<v1::DetachResponse> EngineImpl::Detach(const Tenant& t, const v1::DetachRequest& r) {
   KVSHADE_RETURN_IF_ERROR(sessions_.Detach(t.name, r.attachment_id()));
   DropExports(r.attachment_id());
-  log::Event(spdlog::level::info, "detached").Str("attachment", r.attachment_id()).Str("tenant", t.name);
   UpdateGauges();
+  log::Event(spdlog::level::info, "detached").Str("attachment", r.attachment_id()).Str("tenant", t.name);
   return v1::DetachResponse();
 }
 
@@ -1019,6 +1019,7 @@ void EngineImpl::UpdateGauges() {
     std::lock_guard<std::mutex> lock(reported_mu_);
     const uint64_t spills = hs.spills - std::min(hs.spills, reported_.spills);
     const uint64_t spill_bytes = hs.spill_bytes_written - std::min(hs.spill_bytes_written, reported_.spill_bytes_written);
+    for (uint64_t i = 0; i < spills; ++i) metrics_->Spill(spill_bytes / spills);
     if (spills > 0) {
       log::Event(spdlog::level::info, "spilled")
           .Uint("segments", spills)
@@ -1026,16 +1027,15 @@ void EngineImpl::UpdateGauges() {
           .Uint("host_resident_bytes", hs.resident_bytes)
           .Uint("host_budget_bytes", config_->host_budget_bytes);
     }
-    for (uint64_t i = 0; i < spills; ++i) metrics_->Spill(spill_bytes / spills);
     const uint64_t ins = hs.page_ins - std::min(hs.page_ins, reported_.page_ins);
     const uint64_t in_bytes = hs.page_in_bytes - std::min(hs.page_in_bytes, reported_.page_in_bytes);
+    for (uint64_t i = 0; i < ins; ++i) metrics_->PageIn(in_bytes / ins);
     if (ins > 0) {
       log::Event(spdlog::level::info, "paged_in")
           .Uint("segments", ins)
           .Uint("bytes", in_bytes)
           .Uint("host_resident_bytes", hs.resident_bytes);
     }
-    for (uint64_t i = 0; i < ins; ++i) metrics_->PageIn(in_bytes / ins);
     reported_ = hs;
   }
   const storage::ArenaStats as = arena_->Stats();

@@ -149,6 +149,11 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                                .Help("Tokens covered by reused cached segments")
                                .Register(r)
                                .Add({});
+  prefix_lookup_tokens_ = &BuildCounter()
+                              .Name("kvshade_prefix_lookup_tokens_total")
+                              .Help("Tokens of the prompts looked up in the prefix index (token-level hit-ratio denominator)")
+                              .Register(r)
+                              .Add({});
   chunks_selected_ = &BuildCounter()
                           .Name("kvshade_chunks_selected_total")
                           .Help("Chunks selected by select-and-reconstruct (hit-ratio denominator)")
@@ -250,8 +255,9 @@ void Metrics::SetAttachments(double n) { attachments_->Set(n); }
 void Metrics::SetExportGenerations(double n) { export_generations_->Set(n); }
 void Metrics::SetSegments(double n) { segments_->Set(n); }
 
-void Metrics::PrefixLookup(bool hit, uint64_t reused_tokens) {
+void Metrics::PrefixLookup(bool hit, uint64_t reused_tokens, uint64_t lookup_tokens) {
   prefix_lookups_->Increment();
+  prefix_lookup_tokens_->Increment(static_cast<double>(lookup_tokens));
   if (hit) prefix_hits_->Increment();
   prefix_reused_tokens_->Increment(static_cast<double>(reused_tokens));
 }

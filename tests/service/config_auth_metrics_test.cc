@@ -349,8 +349,8 @@ TEST(Metrics, FamiliesLabelsAndEndpoint) {
   m.SetTierBytes("device", "landmarks", 1024);
   m.SetTierBytes("nvme", "values", 1);  // unknown tier -> "other"
   m.SetSessions(3);
-  m.PrefixLookup(true, 100);
-  m.PrefixLookup(false, 0);
+  m.PrefixLookup(true, 100, 300);
+  m.PrefixLookup(false, 0, 50);
   m.ChunkSelection(64, 48);
   m.ReconstructionEnergy(0.97);
   m.ProjectionResidual(0.01);
@@ -403,6 +403,7 @@ TEST(Metrics, FamiliesLabelsAndEndpoint) {
            "kvshade_prefix_lookups_total 2",
            "kvshade_prefix_hits_total 1",
            "kvshade_prefix_reused_tokens_total 100",
+           "kvshade_prefix_lookup_tokens_total 350",
            "kvshade_chunks_selected_total 64",
            "kvshade_chunk_hits_total 48",
            "kvshade_captured_energy_ratio_count 1",

@@ -114,12 +114,12 @@ struct ServerConfig {
   uint32_t worker_threads = 0;  // 0 = hardware concurrency
   UcxConfig ucx;
   SameNodeConfig same_node;
+  LogConfig log;
+  KvEventsConfig kv_events;
 };
 
 // Parses a YAML config file. Unknown keys are an error (a typo must not silently fall back
 // to a default). Missing keys keep the defaults above.
-  LogConfig log;
-  KvEventsConfig kv_events;
 absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path);
 
 // The configuration from its sources, later ones winning: the defaults above, the YAML file

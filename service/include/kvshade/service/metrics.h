@@ -47,7 +47,8 @@ class Metrics {
   void SetAttachments(double n);
   void SetExportGenerations(double n);  // same-node export generations held
   void SetSegments(double n);
-  void PrefixLookup(bool hit, uint64_t reused_tokens);
+  // lookup_tokens: the prompt's length, the token-level hit ratio's denominator.
+  void PrefixLookup(bool hit, uint64_t reused_tokens, uint64_t lookup_tokens = 0);
   void ChunkSelection(uint64_t selected, uint64_t hits);
   void ReconstructionEnergy(double captured_energy);
   void ProjectionResidual(double residual_energy);
@@ -79,6 +80,7 @@ class Metrics {
   prometheus::Counter* prefix_lookups_;
   prometheus::Counter* prefix_hits_;
   prometheus::Counter* prefix_reused_tokens_;
+  prometheus::Counter* prefix_lookup_tokens_;
   prometheus::Counter* chunks_selected_;
   prometheus::Counter* chunk_hits_;
   prometheus::Histogram* reconstruction_energy_;
