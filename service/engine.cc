@@ -185,6 +185,10 @@ absl::StatusOr<v1::StatsResponse> Engine::Stats(const Tenant& t, const v1::Stats
 }
 absl::Status Engine::Drain() { return impl_->Drain(); }
 bool Engine::draining() const { return impl_->draining_.load(); }
+uint64_t Engine::LiveAttachments() {
+  auto stats = impl_->Stats();
+  return stats.ok() ? stats->attachments() : 0;
+}
 int Engine::RunMaintenance() { return impl_->RunMaintenance(); }
 
 // ---------------------------------------------------------------------------------------

@@ -177,7 +177,22 @@ KvShadeService::KvShadeService(const ServiceDeps& deps, std::unique_ptr<Engine> 
 
 KvShadeService::~KvShadeService() = default;
 
-absl::Status KvShadeService::Drain() { return engine_->Drain(); }
+constexpr char kDrainingIngest[] =
+    "Ingest: the server is draining (shutting down); the stream is ended and nothing was "
+    "committed; retry on another replica";
+
+absl::Status KvShadeService::Drain() {
+  {
+    // Under streams_mu_: a handler unregisters (and so returns) only after this.
+    std::lock_guard<std::mutex> lock(streams_mu_);
+    draining_ = true;
+    for (grpc::ServerContext* ctx : ingest_calls_) {
+      grpc_call_cancel_with_status(ctx->c_call(), GRPC_STATUS_UNAVAILABLE, kDrainingIngest,
+                                   nullptr);
+    }
+  }
+  return engine_->Drain();
+}
 
 grpc::Status KvShadeService::CreateSession(grpc::ServerContext* ctx,
                                            const v1::CreateSessionRequest* req,
@@ -236,6 +251,27 @@ grpc::Status KvShadeService::Ingest(grpc::ServerContext* ctx,
                      " open Ingest streams (limits.max_streams_per_tenant); finish or cancel "
                      "one, or retry later"));
                }
+               // Drain ends open streams (they would hold the shutdown).
+               struct Registration {
+                 KvShadeService* self;
+                 grpc::ServerContext* ctx;
+                 bool added = false;
+                 ~Registration() {
+                   if (!added) return;
+                   std::lock_guard<std::mutex> lock(self->streams_mu_);
+                   self->ingest_calls_.erase(ctx);
+                 }
+               } registration{this, ctx};
+               {
+                 std::lock_guard<std::mutex> lock(streams_mu_);
+                 if (draining_) return absl::UnavailableError(kDrainingIngest);
+                 ingest_calls_.insert(ctx);
+                 registration.added = true;
+               }
+               auto drained = [&] {
+                 std::lock_guard<std::mutex> lock(streams_mu_);
+                 return draining_;
+               };
                const uint32_t idle_ms = deps_.config->limits.stream_idle_timeout_ms;
                const std::string idle_message = absl::StrCat(
                    "Ingest: no message for ", idle_ms,
@@ -255,6 +291,7 @@ grpc::Status KvShadeService::Ingest(grpc::ServerContext* ctx,
                v1::IngestRequest msg;
                if (!read(&msg)) {
                  if (idle) return absl::DeadlineExceededError(idle_message);
+                 if (drained()) return absl::UnavailableError(kDrainingIngest);
                  return absl::InvalidArgumentError(
                      "Ingest: the stream is empty; the first message must be the header");
                }
@@ -266,11 +303,14 @@ grpc::Status KvShadeService::Ingest(grpc::ServerContext* ctx,
                  if (absl::Status st = (*stream)->Add(msg); !st.ok()) return st;
                }
                if (idle) return absl::DeadlineExceededError(idle_message);
+               if (ctx->IsCancelled() && drained()) return absl::UnavailableError(kDrainingIngest);
                if (ctx->IsCancelled()) {
                  return absl::CancelledError(
                      "Ingest: the client cancelled the stream; nothing was committed");
                }
-               // The stream ended cleanly: its commit takes effect now.
+               // The stream ended cleanly: its commit takes effect now (not once the drain
+               // has ended the call: the client is told UNAVAILABLE).
+               if (drained()) return absl::UnavailableError(kDrainingIngest);
                return (*stream)->Finish();
              });
 }

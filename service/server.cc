@@ -22,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kvshade/base/file.h"
+#include "kvshade/service/engine.h"
 #include "kvshade/service/grpc_service.h"
 #include "kvshade/service/ucx_server.h"
 #include "kvshade/storage/spill_tier.h"
@@ -244,24 +245,37 @@ absl::Status Server::Shutdown(absl::Duration grace) {
   std::lock_guard<std::mutex> lock(shutdown_mu_);
   if (shut_down_ || !server_) return absl::OkStatus();
   shut_down_ = true;
-  // 1. Tell load balancers and clients to go elsewhere; new sessions are refused by Drain.
+  const absl::Time t0 = absl::Now();
+  const absl::Time end = t0 + grace;
+  // 1. Tell load balancers and clients to go elsewhere.
   auto* health = server_->GetHealthCheckService();
   health->SetServingStatus(kServiceName, false);
   health->SetServingStatus(false);
-  // 2. Drain: refuse new work, flush durable sessions.
-  const absl::Time t0 = absl::Now();
+  // 2. Drain: refuse new writes (UNAVAILABLE), end open Ingest streams, flush durable
+  // sessions.
   absl::Status drained = service_ ? service_->Drain() : absl::OkStatus();
   if (!drained.ok()) spdlog::error("drain: {}", std::string(drained.message()));
   const absl::Time t1 = absl::Now();
-  // 3. Stop: in-flight calls get `grace`, then are cancelled.
-  // gRPC also waits for connected clients to acknowledge its GOAWAY; an idle client that
-  // nothing polls adds a few seconds here (bounded by gRPC, not by `grace`).
-  server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(grace));
+  // 3. Reads keep being served (the gRPC server still accepts calls) until the grace ends,
+  // or earlier once no attachment is live (no worker is decoding any more).
+  int64_t attachments = -1;
+  while (absl::Now() < end) {
+    attachments = service_ ? static_cast<int64_t>(service_->engine().LiveAttachments()) : 0;
+    if (attachments == 0) break;
+    absl::SleepFor(std::min(absl::Milliseconds(50), end - absl::Now()));
+  }
+  const absl::Time t2 = absl::Now();
+  // 4. Stop: calls still in flight get what is left of the grace (at least 1 s), then are
+  // cancelled. gRPC also waits for connected clients to acknowledge its GOAWAY; an idle
+  // client that nothing polls adds a few seconds here (bounded by gRPC, not by `grace`).
+  const absl::Duration left = std::max(end - absl::Now(), absl::Seconds(1));
+  server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(left));
   server_->Wait();
   if (ucx_) ucx_->Stop();  // data-plane requests in flight finish; new ones are dropped
   exposer_.reset();
-  spdlog::info("kvshade-server stopped (drain {}, gRPC stop {})", absl::FormatDuration(t1 - t0),
-               absl::FormatDuration(absl::Now() - t1));
+  spdlog::info("kvshade-server stopped (drain {}, reads served {}{}, gRPC stop {})",
+               absl::FormatDuration(t1 - t0), absl::FormatDuration(t2 - t1),
+               attachments > 0 ? " until the grace ended" : "", absl::FormatDuration(absl::Now() - t2));
   return drained;
 }
 

@@ -97,6 +97,11 @@ absl::Status ServerProcess::StartOnce(const std::vector<std::string>& given,
     args.push_back("--backend");
     args.push_back("cpu");
   }
+  if (!has("--grace")) {
+    // A SIGTERM serves reads while attachments are live, up to the grace: keep stops short.
+    args.push_back("--grace");
+    args.push_back("2");
+  }
   args_ = args;
   if (!log_dir_) log_dir_ = std::make_unique<TempDir>();
   log_path_ = log_dir_->path() + "/server.log";
@@ -148,6 +153,15 @@ absl::Status ServerProcess::StartOnce(const std::vector<std::string>& given,
 int ServerProcess::Stop(absl::Duration grace) {
   if (pid_ <= 0) return -1;
   kill(pid_, SIGTERM);
+  return WaitExit(grace);
+}
+
+void ServerProcess::Terminate() {
+  if (pid_ > 0) kill(pid_, SIGTERM);
+}
+
+int ServerProcess::WaitExit(absl::Duration grace) {
+  if (pid_ <= 0) return -1;
   const absl::Time end = absl::Now() + grace;
   absl::Duration backoff = absl::Milliseconds(2);
   while (absl::Now() < end) {

@@ -41,8 +41,8 @@ class ServerProcess {
   ServerProcess() = default;
   ~ServerProcess();  // SIGKILL if still running
 
-  // Starts kvshade-server with `args` plus --listen 127.0.0.1:<free port> and
-  // --metrics-port <free port> (unless given), waits up to `ready` for SERVING. Extra
+  // Starts kvshade-server with `args` plus --listen 127.0.0.1:<free port>,
+  // --metrics-port <free port> and --grace 2 (unless given), waits up to `ready` for SERVING. Extra
   // client options (TLS, token) are used for the health poll.
   absl::Status Start(std::vector<std::string> args,
                      const client::ClientOptions& health_options = {},
@@ -50,6 +50,10 @@ class ServerProcess {
   // SIGTERM, then wait up to `grace` for exit; returns the exit code (SIGKILL and -1 on
   // timeout).
   int Stop(absl::Duration grace = absl::Seconds(20));
+  // SIGTERM without waiting (the drain runs while the caller watches it).
+  void Terminate();
+  // Waits up to `grace` for the process to exit: its exit code (SIGKILL and -1 on timeout).
+  int WaitExit(absl::Duration grace = absl::Seconds(20));
   // SIGKILL and reap.
   void Kill9();
   bool running() const { return pid_ > 0; }

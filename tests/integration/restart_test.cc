@@ -96,6 +96,50 @@ TEST(Restart, GracefulRestartKeepsAppendedTokens) {
   EXPECT_EQ(again.Stop(), 0) << again.log();
 }
 
+// append_fsync always: every acknowledged append survives kill -9 (no drain); the default
+// (no) returns the session to its last commit, as documented. The session's own choice
+// (CreateSessionRequest.append_fsync) overrides the server's.
+TEST(Restart, AppendsAcknowledgedUnderAlwaysSurviveKillNine) {
+  TempDir spill;
+  const std::vector<std::string> args = {"--spill-path", spill.path() + "/rocks", "--append-fsync",
+                                         "always"};
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start(args));
+  auto c = server.Connect();
+  const synthetic::Document doc(SmallDoc(512));
+  KV_ASSERT_OK_AND_ASSIGN(logged, CreateAndIngest(*c, doc, ShadowProfile(), -1, /*durable=*/true));
+  v1::CreateSessionRequest cr = synthetic::MakeCreate(doc, ShadowProfile(), -1, /*durable=*/true);
+  cr.set_append_fsync(v1::APPEND_FSYNC_NO);
+  KV_ASSERT_OK_AND_ASSIGN(unlogged, c->CreateSession(cr));  // reuses the cached prefix
+  ASSERT_EQ(unlogged.tokens_to_ingest(), 0u);
+  for (int64_t at = 512; at < 576; at += 8) {
+    for (const auto* s : {&logged, &unlogged}) {
+      KV_ASSERT_OK_AND_ASSIGN(r, c->AppendTokens(synthetic::MakeAppend(doc, s->session_id(), 0, at, at + 8)));
+      EXPECT_EQ(r.tokens(), uint64_t(at + 8));
+    }
+  }
+  const Snapshot before = FirstSelect(*c, doc, logged.session_id(), 576);
+  ASSERT_FALSE(before.chunks.empty());
+  server.Kill9();
+
+  ServerProcess again;
+  KV_ASSERT_OK(again.Start(args));
+  auto c2 = again.Connect();
+  KV_ASSERT_OK_AND_ASSIGN(info, c2->GetSession(logged.session_id()));
+  EXPECT_EQ(info.tokens(), 576u);
+  EXPECT_EQ(info.append_fsync(), v1::APPEND_FSYNC_ALWAYS);
+  const Snapshot after = FirstSelect(*c2, doc, logged.session_id(), 576);
+  EXPECT_EQ(after.chunks, before.chunks);
+  EXPECT_EQ(after.keys, before.keys);
+  EXPECT_EQ(after.values, before.values);
+  KV_ASSERT_OK_AND_ASSIGN(info2, c2->GetSession(unlogged.session_id()));
+  EXPECT_EQ(info2.tokens(), 512u);
+  EXPECT_EQ(info2.append_fsync(), v1::APPEND_FSYNC_NO);
+  // Decoding goes on from the restored position.
+  KV_ASSERT_OK(c2->AppendTokens(synthetic::MakeAppend(doc, logged.session_id(), 0, 576, 584)).status());
+  EXPECT_EQ(again.Stop(), 0) << again.log();
+}
+
 // The spill directory's WAL files, largest first.
 std::vector<std::filesystem::path> WalFiles(const std::string& dir) {
   std::vector<std::filesystem::path> out;

@@ -119,6 +119,8 @@ class Engine {
   // background work, and writes durable sessions' state through. Idempotent.
   absl::Status Drain();
   bool draining() const;
+  // Live attachments of every tenant (a drain serves reads while there are any).
+  uint64_t LiveAttachments();
 
   // Reaps expired leases and runs pending refactorizations now (what the background
   // thread does). Returns the number of refactorizations completed.

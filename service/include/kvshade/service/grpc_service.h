@@ -11,6 +11,8 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
+#include <set>
 
 #include <grpcpp/grpcpp.h>
 
@@ -45,9 +47,10 @@ class KvShadeService final : public kvshade::v1::KvShade::Service {
   static absl::StatusOr<std::unique_ptr<KvShadeService>> Create(const ServiceDeps& deps);
   ~KvShadeService() override;
 
-  // Stops accepting new sessions, ingests and attachments (UNAVAILABLE), waits for
-  // background refactorizations, and flushes durable sessions to the spill tier.
-  // Idempotent.
+  // Stops accepting new sessions, forks, ingests, attachments and appends (UNAVAILABLE),
+  // ends every open Ingest stream with UNAVAILABLE (nothing of it is committed; an idle
+  // stream must not hold the shutdown), waits for background refactorizations, and
+  // flushes durable sessions to the spill tier. Reads keep being served. Idempotent.
   absl::Status Drain();
 
   Engine& engine() { return *engine_; }
@@ -92,6 +95,10 @@ class KvShadeService final : public kvshade::v1::KvShade::Service {
 
   ServiceDeps deps_;
   std::unique_ptr<Engine> engine_;
+  // Open Ingest calls, so that Drain can end them.
+  std::mutex streams_mu_;
+  std::set<grpc::ServerContext*> ingest_calls_;
+  bool draining_ = false;
 };
 
 }  // namespace kvshade::service
