@@ -343,6 +343,32 @@ absl::Status EngineImpl::RestoreDurable() {
   return RestoreRecords(metas, [this](const storage::SegmentId& id, int layer, FactorKind kind,
                                       absl::Span<std::byte> dst) {
     return spill_->ReadFactor(id, layer, kind, dst);
+// What makes a parsed segment record unusable for model `m` (nullptr when nothing does).
+// Records pass their checksum, so these are the bytes some writer put there; the restore
+// indexes the prompt's prefix keys by the positions and sizes its blobs by the counts, so
+// every position, count and per-head length is checked here instead of trusted.
+const char* SegmentRecordProblem(const SegRecord& r, const ModelInfo& m) {
+  constexpr int64_t kMaxTokens = int64_t{1} << 40;
+  if (r.first < 0 || r.first > kMaxTokens || r.n_tokens < 0 || r.n_tokens > kMaxTokens) {
+    return "token range out of bounds";
+  }
+  if (r.C < 1 || r.C > 65536) return "chunk size out of bounds";
+  const int h = m.shape.h, d = m.shape.d;
+  for (const SegRecord::Layer& l : r.layers) {
+    if (l.n_chunks < 0 || l.r < 0 || l.r > h * d || l.s_cap < 0 || l.n_tail < 0 || l.a_rows < 0) {
+      return "negative or oversized layer count";
+    }
+    if (l.s_len.size() != size_t(h)) return "static lengths do not match the KV heads";
+    for (int32_t len : l.s_len) {
+      if (len < 0 || len > l.s_cap) return "static length outside the static capacity";
+    }
+    for (const auto& b : l.int2) {
+      if (b.rows < 0 || b.valid < 0) return "negative INT2 block size";
+    }
+  }
+  return nullptr;
+}
+
   });
 }
 
@@ -463,6 +489,10 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
     seg->value_layout = r.meta.layout;
     seg->store = store_link_;
     seg->durable = true;
+    if (const char* problem = SegmentRecordProblem(r, m)) {
+      spdlog::error("restore: segment record {} skipped: {}", r.meta.id.ToHex(), problem);
+      continue;  // the sessions using it are skipped below
+    }
     if (r.has_key) seg->prefix_key = r.key;
     if (r.has_base) {
       auto b = built.find(r.base);
