@@ -324,6 +324,7 @@ Schema MakeSchema(ServerConfig& c, std::string& tokens_file, uint32_t& metrics_p
       {"host_budget", {Bytes("host_budget", &c.host_budget_bytes), {}}},
       {"spill_budget", {Bytes("spill_budget", &c.spill_budget_bytes), {}}},
       {"spill_path", {Scalar("spill_path", &c.spill_path), {}}},
+      {"append_fsync", {Scalar("append_fsync", &c.append_fsync), {}}},
       {"prefix_secret", {Scalar("prefix_secret", &c.prefix_secret), {}}},
       {"metrics_port", {Scalar("metrics_port", &metrics_port), {}}},
       {"metrics_listen", {Scalar("metrics_listen", &c.metrics_listen), {}}},
@@ -373,6 +374,12 @@ Schema MakeSchema(ServerConfig& c, std::string& tokens_file, uint32_t& metrics_p
          {"mini_heavy_ratio", Scalar("profile.mini_heavy_ratio", &p.mini_heavy_ratio)},
          {"value_codec", Scalar("profile.value_codec", &p.value_codec)},
          {"int4_from_tokens", Scalar("profile.int4_from_tokens", &p.int4_from_tokens)},
+         {"rerank_factor", Scalar("profile.rerank_factor", &p.rerank_factor)},
+         {"mass_top_p", Scalar("profile.mass_top_p", &p.mass_top_p)},
+         {"mass_min_chunks", Scalar("profile.mass_min_chunks", &p.mass_min_chunks)},
+         {"recall_sample_rate", Scalar("profile.recall_sample_rate", &p.recall_sample_rate)},
+         {"recall_floor", Scalar("profile.recall_floor", &p.recall_floor)},
+         {"recall_action", Scalar("profile.recall_action", &p.recall_action)},
          {"factorize_iterations", Scalar("profile.factorize_iterations", &p.factorize_iterations)}}}},
       {"log",
        {nullptr,
@@ -548,6 +555,9 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (!c.spill_path.empty()) {
     if (absl::Status s = CheckSpillPath(c.spill_path); !s.ok()) return s;
   }
+  if (c.append_fsync != "no" && c.append_fsync != "everysec" && c.append_fsync != "always") {
+    return bad("append_fsync must be no, everysec or always, got '", c.append_fsync, "'");
+  }
   // TLS
   const TlsConfig& t = c.tls;
   if (t.cert_file.empty() != t.key_file.empty()) {
@@ -605,6 +615,21 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (p.rank == 0 || p.rank % 8 != 0) return bad("profile.rank must be a positive multiple of 8, got ", p.rank);
   if (p.chunk_size == 0 || p.chunk_size > 256) return bad("profile.chunk_size must be in [1, 256], got ", p.chunk_size);
   if (p.sparse_budget == 0) return bad("profile.sparse_budget must be > 0");
+  if (p.rerank_factor == 0 || p.rerank_factor > 64) {
+    return bad("profile.rerank_factor must be in [1, 64] (1 = one stage), got ", p.rerank_factor);
+  }
+  if (!(p.mass_top_p >= 0 && p.mass_top_p <= 1)) {
+    return bad("profile.mass_top_p must be in [0, 1] (0 = fixed budget), got ", p.mass_top_p);
+  }
+  if (!(p.recall_sample_rate >= 0 && p.recall_sample_rate <= 1)) {
+    return bad("profile.recall_sample_rate must be in [0, 1] (0 = off), got ", p.recall_sample_rate);
+  }
+  if (!(p.recall_floor > 0 && p.recall_floor <= 1)) {
+    return bad("profile.recall_floor must be in (0, 1], got ", p.recall_floor);
+  }
+  if (p.recall_action != "report" && p.recall_action != "widen" && p.recall_action != "exact") {
+    return bad("profile.recall_action must be report, widen or exact, got '", p.recall_action, "'");
+  }
   if (p.factorize_iterations > 64) {
     return bad("profile.factorize_iterations must be in [0, 64], got ", p.factorize_iterations);
   }
@@ -688,10 +713,10 @@ std::string DescribeConfig(const ServerConfig& c) {
   std::set<std::string> tenants;
   for (const auto& [_, name] : c.tenant_tokens) tenants.insert(name);
   return absl::StrFormat(
-      "listen=%s backend=%s device_budget=%d host_budget=%d spill=%s tls=%s mtls=%s tenants=[%s] "
+      "listen=%s backend=%s device_budget=%d host_budget=%d spill=%s append_fsync=%s tls=%s mtls=%s tenants=[%s] "
       "metrics=%s ucx=%s session_idle_ttl=%s streams_per_tenant=%d stream_idle_timeout=%s",
       c.listen, c.backend, c.device_budget_bytes, c.host_budget_bytes,
-      c.spill_path.empty() ? "off" : c.spill_path, c.tls.cert_file.empty() ? "off" : "on",
+      c.spill_path.empty() ? "off" : c.spill_path, c.append_fsync, c.tls.cert_file.empty() ? "off" : "on",
       c.tls.require_client_cert ? "required" : (c.tls.client_ca_file.empty() ? "off" : "optional"),
       tenants.empty() ? "open" : absl::StrJoin(tenants, ","),
       c.metrics_port ? absl::StrCat(c.metrics_listen, ":", c.metrics_port) : "off",

@@ -251,19 +251,6 @@ class EngineImpl {
   // Runs one session's refactorization; true when it swapped in a new basis.
   bool Refactor(const std::shared_ptr<Session>& s);
   absl::Status RestoreDurable();
-};
-
-// INT2 KIVI of k, v [rows, d] bf16 host (keys per-channel, values per-token groups of G):
-// the codes into *kb (device), the dequantized rows into *dk, *dv (host).
-absl::Status QuantizeKivi(EngineImpl& e, int d, int G, const std::vector<kernels::bf16>& k,
-                          const std::vector<kernels::bf16>& v, int rows, KiviBlock* kb,
-                          std::vector<kernels::bf16>* dk, std::vector<kernels::bf16>* dv);
-
-// Helpers shared by the .cc files.
-size_t Bf16Bytes(size_t elements);
-std::vector<int64_t> Positions(int64_t first, int64_t n);
-
-}  // namespace kvshade::service
 
  public:
   // --- durable.cc ---
@@ -278,3 +265,16 @@ std::vector<int64_t> Positions(int64_t first, int64_t n);
   // a damaged one is skipped, never a crash.
   absl::Status RestoreRecords(const std::vector<storage::SegmentMeta>& metas,
                               const FactorReader& read_factor);
+};
+
+// INT2 KIVI of k, v [rows, d] bf16 host (keys per-channel, values per-token groups of G):
+// the codes into *kb (device), the dequantized rows into *dk, *dv (host).
+absl::Status QuantizeKivi(EngineImpl& e, int d, int G, const std::vector<kernels::bf16>& k,
+                          const std::vector<kernels::bf16>& v, int rows, KiviBlock* kb,
+                          std::vector<kernels::bf16>* dk, std::vector<kernels::bf16>* dv);
+
+// Helpers shared by the .cc files.
+size_t Bf16Bytes(size_t elements);
+std::vector<int64_t> Positions(int64_t first, int64_t n);
+
+}  // namespace kvshade::service

@@ -64,7 +64,7 @@ struct ProfileDefaults {
   // 0 = fixed k; floor mass_min_chunks) and the recall guard (recall_sample_rate of decode
   // steps checked against the oracle, 0 = off; recall_floor; recall_action report | widen |
   // exact).
-  uint32_t rerank_factor = 4, mass_min_chunks = 32;
+  uint32_t rerank_factor = 1, mass_min_chunks = 32;
   float mass_top_p = 0.0f, recall_sample_rate = 0.0f, recall_floor = 0.5f;
   std::string recall_action = "widen";
   std::string value_codec = "auto";  // auto | bf16 | fp8 | int4 | int2
@@ -104,6 +104,10 @@ struct ServerConfig {
   uint64_t device_budget_bytes = 8ull << 30, host_budget_bytes = 32ull << 30,
            spill_budget_bytes = 0;         // 0 = unbounded spill tier
   std::string spill_path;                  // RocksDB directory; empty = no spill, no durability
+  // When appends of durable sessions reach the disk (sessions may ask otherwise at create):
+  // "no" (at the next commit or drain), "everysec" (written before the acknowledgement,
+  // synced once a second), "always" (synced before the acknowledgement).
+  std::string append_fsync = "no";
   TlsConfig tls;
   std::map<std::string, std::string> tenant_tokens;  // token -> tenant name
   std::string prefix_secret;  // mixed into tenant salts; keep stable across restarts
