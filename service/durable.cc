@@ -14,8 +14,10 @@
 //            Factors per layer: kA, kB, kLandmarks, kExcluded, kStatic (sk, sv, tk, tv,
 //            then each INT2 block's k codes, scale, min, v codes, scale, min).
 //   session "KVSHSES1": id, tenant, version, ModelSpec, Profile, label, prompt, reused,
-//            tokens, created, chain ids, appended tokens, tail length; factors kOther per
+//            tokens, created, chain ids, appended tokens, tail length, append_fsync (one
+//            byte; absent in records written before it: the config's); factors kOther per
 //            layer: tail k_pre, k, v.
+//   logged append "KVSHAPP1": append_log.cc.
 // The exact tail needs nothing more: its remainder part is the chain's remainder rows that
 // no chunk covers (implied by the segments' first_position and n_chunks, a sealed open
 // segment's included), and those rows' coordinates are the segment's A rows after its
@@ -235,6 +237,7 @@ absl::Status EngineImpl::PersistSession(Session& s) {
   const size_t tok = size_t(s.model.shape.h) * s.model.shape.d;
   const uint32_t t = s.tail.empty() ? 0 : static_cast<uint32_t>(s.tail[0].k.size() / tok);
   w.Put<uint32_t>(t);
+  w.Put<uint8_t>(static_cast<uint8_t>(s.append_fsync));  // absent in older records: config's
   storage::SegmentWrite rec;
   rec.id = *storage::Id128::FromHex(SessionManager::NewId());
   rec.layout = EmptyLayout(s.model.layers);
@@ -259,11 +262,15 @@ absl::Status EngineImpl::PersistSession(Session& s) {
     spill_->DeleteSegment(s.record_id).IgnoreError();
   }
   s.record_id = rec.id;
+  // The logged appends are in the record now.
+  DropAppendRecords(s, &s.append_records);
   return absl::OkStatus();
 }
 
 void EngineImpl::DeleteDurableRecord(const Session& s) {
-  if (!spill_ || s.durable_record_version == 0) return;
+  if (!spill_) return;
+  if (!s.append_records.empty()) spill_->DeleteSegments(s.append_records).IgnoreError();
+  if (s.durable_record_version == 0) return;
   if (!store_->Erase(s.record_id).ok()) spill_->DeleteSegment(s.record_id).IgnoreError();
 }
 
@@ -336,13 +343,6 @@ bool ParseSegment(const storage::SegmentMeta& meta, SegRecord* r) {
   return rd.ok();
 }
 
-}  // namespace
-
-absl::Status EngineImpl::RestoreDurable() {
-  KVSHADE_ASSIGN_OR_RETURN(std::vector<storage::SegmentMeta> metas, store_->RestoreDurable());
-  return RestoreRecords(metas, [this](const storage::SegmentId& id, int layer, FactorKind kind,
-                                      absl::Span<std::byte> dst) {
-    return spill_->ReadFactor(id, layer, kind, dst);
 // What makes a parsed segment record unusable for model `m` (nullptr when nothing does).
 // Records pass their checksum, so these are the bytes some writer put there; the restore
 // indexes the prompt's prefix keys by the positions and sizes its blobs by the counts, so
@@ -358,7 +358,10 @@ const char* SegmentRecordProblem(const SegRecord& r, const ModelInfo& m) {
     if (l.n_chunks < 0 || l.r < 0 || l.r > h * d || l.s_cap < 0 || l.n_tail < 0 || l.a_rows < 0) {
       return "negative or oversized layer count";
     }
-    if (l.s_len.size() != size_t(h)) return "static lengths do not match the KV heads";
+    // A layer without static rows (an appended segment's) may carry no lengths at all.
+    if (l.s_len.size() != size_t(h) && (l.s_cap > 0 || !l.s_len.empty())) {
+      return "static lengths do not match the KV heads";
+    }
     for (int32_t len : l.s_len) {
       if (len < 0 || len > l.s_cap) return "static length outside the static capacity";
     }
@@ -369,6 +372,13 @@ const char* SegmentRecordProblem(const SegRecord& r, const ModelInfo& m) {
   return nullptr;
 }
 
+}  // namespace
+
+absl::Status EngineImpl::RestoreDurable() {
+  KVSHADE_ASSIGN_OR_RETURN(std::vector<storage::SegmentMeta> metas, store_->RestoreDurable());
+  return RestoreRecords(metas, [this](const storage::SegmentId& id, int layer, FactorKind kind,
+                                      absl::Span<std::byte> dst) {
+    return spill_->ReadFactor(id, layer, kind, dst);
   });
 }
 
@@ -420,6 +430,8 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
     }
     rd.Vec(&s->appended_tokens);
     rd.Get(&rec.tail);
+    uint8_t fsync = 0;  // a trailing byte since append_fsync; older records: the config's
+    if (rd.ok() && !rd.empty()) rd.Get(&fsync);
     v1::ModelSpec ms;
     v1::Profile pp;
     if (!rd.ok() || !ms.ParseFromString(spec) || !pp.ParseFromString(prof)) {
@@ -433,6 +445,9 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
     s->model = *model;
     s->profile = *profile;
     s->durable = true;
+    s->append_fsync = ResolveAppendFsync(
+        true, v1::AppendFsync_IsValid(fsync) ? static_cast<v1::AppendFsync>(fsync)
+                                             : v1::APPEND_FSYNC_UNSPECIFIED);
     s->state = SessionState::kReady;
     s->durable_record_version = rec.version;
     s->record_id = m->id;
@@ -477,6 +492,10 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
     const ModelInfo& m = *mit->second;
     const int h = m.shape.h, d = m.shape.d, D = m.shape.D();
     if (r.L != m.layers) continue;
+    if (const char* problem = SegmentRecordProblem(r, m)) {
+      spdlog::error("restore: segment record {} skipped: {}", r.meta.id.ToHex(), problem);
+      continue;  // the sessions using it are skipped below
+    }
     auto seg = std::make_shared<Segment>();
     seg->id = r.meta.id;
     seg->kind = static_cast<v1::ProfileKind>(r.kind);
@@ -489,10 +508,6 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
     seg->value_layout = r.meta.layout;
     seg->store = store_link_;
     seg->durable = true;
-    if (const char* problem = SegmentRecordProblem(r, m)) {
-      spdlog::error("restore: segment record {} skipped: {}", r.meta.id.ToHex(), problem);
-      continue;  // the sessions using it are skipped below
-    }
     if (r.has_key) seg->prefix_key = r.key;
     if (r.has_base) {
       auto b = built.find(r.base);

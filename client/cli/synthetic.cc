@@ -151,13 +151,14 @@ Document::Document(const DocSpec& spec) : spec_(spec) {
   }
 }
 
-std::vector<float> Document::QuestionLatents(int question) const {
+std::vector<float> Document::QuestionLatents(int question, int64_t count) const {
   const int R = spec_.latent_rank;
-  std::vector<float> z(static_cast<size_t>(spec_.question_tokens) * R);
+  if (count < 0) count = spec_.question_tokens;
+  std::vector<float> z(static_cast<size_t>(count) * R);
   Rng lat(spec_.seed * 1000003 + kQuestion * 7919 + static_cast<uint64_t>(question));
   const float innov = std::sqrt(1 - kLatentRho * kLatentRho);
   const float* prev = &doc_latent_[(spec_.doc_tokens - 1) * R];
-  for (int t = 0; t < spec_.question_tokens; ++t) {
+  for (int64_t t = 0; t < count; ++t) {
     for (int r = 0; r < R; ++r) z[t * R + r] = kLatentRho * prev[r] + innov * lat.Normal();
     prev = &z[t * R];
   }
@@ -192,7 +193,7 @@ void Document::KeysValues(int layer, int question, int64_t t0, int64_t t1, std::
   k->resize(static_cast<size_t>(t1 - t0) * D);
   v->resize(static_cast<size_t>(t1 - t0) * D);
   std::vector<float> qlat;
-  if (t1 > n) qlat = QuestionLatents(question);
+  if (t1 > n) qlat = QuestionLatents(question, t1 - n);
   const float sqrt_d = std::sqrt(static_cast<float>(d));
   const auto& mk = mix_k_[layer];
   const auto& mv = mix_v_[layer];

@@ -85,9 +85,11 @@ class Document {
   }
 
  private:
-  // Latents [question_tokens, latent_rank] of question j's tokens: the document's AR(1)
-  // process continued with a per-question random stream (recomputed per call: tiny).
-  std::vector<float> QuestionLatents(int question) const;
+  // Latents [count, latent_rank] of the `count` tokens after the document on question j's
+  // timeline (default count: its question tokens; more: the tokens decoded after it): the
+  // document's AR(1) process continued with a per-question random stream (recomputed per
+  // call: tiny).
+  std::vector<float> QuestionLatents(int question, int64_t count = -1) const;
 
   DocSpec spec_;
   std::vector<int32_t> tokens_;
