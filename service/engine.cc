@@ -170,13 +170,8 @@ absl::StatusOr<Engine::SlotGeometry> Engine::AttachmentSlots(const Tenant& t,
                            impl_->sessions_.Use(t.name, attachment_id));
   const Session& s = *a->session;
   SlotGeometry g;
-  g.layers = static_cast<uint32_t>(s.model.layers);
-  g.heads = static_cast<uint32_t>(s.model.shape.h);
-  g.slots_per_head = s.profile.kind == v1::PROFILE_KIND_SHADOW ? s.profile.sparse_budget : 0;
-  g.chunk_size = static_cast<uint32_t>(s.profile.chunk_size);
-  g.head_dim = static_cast<uint32_t>(s.model.shape.d);
-  g.buffer_bytes = uint64_t{g.layers} * g.heads * g.slots_per_head * g.chunk_size * g.head_dim *
-                   sizeof(kernels::bf16);
+  static_cast<SlotLayout&>(g) = SlotLayout::Of(s.model, s.profile);
+  g.buffer_bytes = g.BufferBytes();
   g.delivery = a->delivery;
   return g;
 }
@@ -804,9 +799,9 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
             : "cuda_ipc is only for delivery DELIVERY_MODE_CUDA_IPC");
   }
   KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, sessions_.FindSession(t.name, r.session_id()));
-  const uint32_t slots = s->profile.kind == v1::PROFILE_KIND_SHADOW ? s->profile.sparse_budget : 0;
-  const uint64_t slot_bytes = uint64_t{static_cast<uint32_t>(s->model.layers)} * s->model.shape.h *
-                              slots * s->profile.chunk_size * s->model.shape.d * sizeof(kernels::bf16);
+  const SlotLayout layout = SlotLayout::Of(s->model, s->profile);
+  const uint32_t slots = layout.slots_per_head;
+  const uint64_t slot_bytes = layout.BufferBytes();
   std::shared_ptr<PeerSlots> peer;
   if (ipc) {
     if (slots == 0) {
@@ -823,7 +818,7 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
   resp.set_attachment_id(a->id);
   resp.set_lease_expires_unix_ms(sessions_.LeaseExpiry(*a));
   resp.set_chunk_size(s->profile.chunk_size);
-  resp.set_slots_per_head(s->profile.kind == v1::PROFILE_KIND_SHADOW ? s->profile.sparse_budget : 0);
+  resp.set_slots_per_head(slots);
   resp.set_local_window(s->profile.local_window);
   resp.set_writer(a->writer);
   a->delivery = r.delivery();

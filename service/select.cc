@@ -470,7 +470,7 @@ absl::StatusOr<v1::SelectAndReconstructResponse> EngineImpl::SelectAndReconstruc
         std::vector<bf16> keys, values;
         // CUDA IPC delivery: rows of run.keys/values -> rows of the worker's slot buffers.
         const PeerSlots* peer = qs[i].attachment->peer_slots.get();
-        const int64_t slots_per_head = qs[i].session->profile.sparse_budget;
+        const SlotLayout layout = SlotLayout::Of(qs[i].session->model, qs[i].session->profile);
         std::vector<int64_t> src_rows, dst_rows;
         for (int hh = 0; hh < h; ++hh) {
           for (int x = 0; x < k; ++x) selected += run.selected[jj * hk + hh * k + x] >= 0;
@@ -482,7 +482,7 @@ absl::StatusOr<v1::SelectAndReconstructResponse> EngineImpl::SelectAndReconstruc
             delta->add_chunk(run.miss_chunk[jj * hk + hh * k + x]);
             if (peer != nullptr) {
               src_rows.push_back(int64_t(jj * hk) + hh * k + x);
-              dst_rows.push_back((int64_t(layer) * h + hh) * slots_per_head + slot);
+              dst_rows.push_back(static_cast<int64_t>(layout.Row(layer, hh, slot)));
             }
           }
           if (mc > 0 && peer == nullptr) {

@@ -608,7 +608,7 @@ void UcxServer::DeliverSelect(std::shared_ptr<Conn> conn, ucp_ep_h ep, uint64_t 
     const Registration& r = it->second;
     const Engine::SlotGeometry& g = r.geometry;
     const uint64_t m = static_cast<uint64_t>(d.head_size());
-    const uint64_t row_bytes = uint64_t{g.chunk_size} * g.head_dim * 2;  // bf16
+    const uint64_t row_bytes = g.RowBytes();
     // The engine's delta must match the geometry the buffers were registered with; a
     // mismatch is our bug, never a reason to write outside the buffers.
     auto tensor_ok = [&](const v1::Tensor& t) {
@@ -631,7 +631,7 @@ void UcxServer::DeliverSelect(std::shared_ptr<Conn> conn, ucp_ep_h ep, uint64_t 
         const uint32_t head = d.head(static_cast<int>(i));
         const uint32_t slot = d.slot(static_cast<int>(i));
         if (head >= g.heads || slot >= g.slots_per_head) return false;
-        *row = (uint64_t{layer} * g.heads + head) * g.slots_per_head + slot;
+        *row = g.Row(layer, head, slot);
         return (*row + 1) * row_bytes <= r.bytes;
       };
       uint64_t row0 = 0;

@@ -1,6 +1,7 @@
 // Slot tables read back and reset (Engine::SlotTable): the table is what the deltas told
 // the worker, and after a reset the next select delivers everything again, bit for bit as
 // a fresh attachment gets it (the resynchronisation of a worker that lost a response).
+#include "kvshade/service/slot_layout.h"
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
@@ -100,6 +101,47 @@ TEST(SlotTableTest, OtherTenantsAndUnknownAttachmentsAreRefused) {
   r.set_attachment_id(std::string(1000, 'a'));
   EXPECT_EQ(hx.engine->SlotTable(hx.tenant, r).status().code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// The slot-buffer layout every delivery writes by: [L, h, slots_per_head] rows of C x d bf16,
+// row-major, exactly filling BufferBytes; what Attach reports for a session.
+TEST(SlotLayoutTest, RowsAreRowMajorAndFillTheBuffer) {
+  ModelInfo model;
+  model.layers = 3;
+  model.shape.h = 2;
+  model.shape.d = 64;
+  ProfileInfo profile;
+  profile.kind = v1::PROFILE_KIND_SHADOW;
+  profile.sparse_budget = 5;
+  profile.chunk_size = 8;
+  const SlotLayout l = SlotLayout::Of(model, profile);
+  EXPECT_EQ(l.RowBytes(), 8u * 64 * 2);
+  uint64_t expect = 0;
+  for (uint32_t layer = 0; layer < 3; ++layer) {
+    for (uint32_t head = 0; head < 2; ++head) {
+      for (uint32_t slot = 0; slot < 5; ++slot) EXPECT_EQ(l.Row(layer, head, slot), expect++);
+    }
+  }
+  EXPECT_EQ(l.BufferBytes(), expect * l.RowBytes());
+  profile.kind = v1::PROFILE_KIND_EXACT;  // selects nothing: no slots, no buffer
+  EXPECT_EQ(SlotLayout::Of(model, profile).slots_per_head, 0u);
+  EXPECT_EQ(SlotLayout::Of(model, profile).BufferBytes(), 0u);
+
+  // Attach reports the same for a session.
+  Harness hx;
+  Stream s = MakeStream(256, hx.model, 23);
+  auto o = hx.Open(s, Sparse(4));
+  v1::AttachRequest ar;
+  ar.set_session_id(o.session);
+  auto a = hx.engine->Attach(hx.tenant, ar);
+  ASSERT_TRUE(a.ok()) << a.status();
+  auto g = hx.engine->AttachmentSlots(hx.tenant, a->attachment_id());
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->slots_per_head, 4u);
+  EXPECT_EQ(a->slots_per_head(), 4u);
+  EXPECT_EQ(a->slot_buffer_bytes(), g->BufferBytes());
+  EXPECT_EQ(g->buffer_bytes, uint64_t{uint32_t(hx.model.num_layers())} * s.h * 4 *
+                                 a->chunk_size() * s.d * 2);
 }
 
 }  // namespace

@@ -29,6 +29,7 @@
 #include "kvshade/service/config.h"
 #include "kvshade/service/metrics.h"
 #include "kvshade/service/session_manager.h"
+#include "kvshade/service/slot_layout.h"
 #include "kvshade/v1/kvshade.pb.h"
 
 namespace kvshade::service {
@@ -103,13 +104,8 @@ class Engine {
 
   // The slot-buffer geometry of an attachment the tenant owns, for data planes that write
   // into a worker's registered slot buffers (v1.CudaIpcSlotBuffers has the layout).
-  struct SlotGeometry {
-    uint32_t layers = 0;
-    uint32_t heads = 0;           // KV heads
-    uint32_t slots_per_head = 0;  // 0: the session's profile selects nothing
-    uint32_t chunk_size = 0;
-    uint32_t head_dim = 0;
-    uint64_t buffer_bytes = 0;    // bytes of each of K and V
+  struct SlotGeometry : SlotLayout {
+    uint64_t buffer_bytes = 0;    // bytes of each of K and V (SlotLayout::BufferBytes)
     v1::DeliveryMode delivery = v1::DELIVERY_MODE_INLINE;
   };
   absl::StatusOr<SlotGeometry> AttachmentSlots(const Tenant& t, const std::string& attachment_id);
