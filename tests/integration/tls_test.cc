@@ -93,5 +93,33 @@ TEST(Tls, MutualTlsRequiresAClientCertificate) {
   EXPECT_EQ(server.Stop(), 0) << server.log();
 }
 
+// A client certificate that is well formed but issued by another CA than --tls-client-ca
+// is refused at the handshake; the same client with a certificate of the trusted CA works.
+TEST(Tls, MutualTlsRefusesAClientCertificateFromAnotherCa) {
+  if (!HaveOpenssl()) GTEST_SKIP() << "openssl not installed";
+  TempDir dir, other;
+  KV_ASSERT_OK(MakeCerts(dir.path()));
+  KV_ASSERT_OK(MakeCerts(other.path()));  // its own CA, client certificate and key
+  client::ClientOptions mtls;
+  mtls.ca_file = dir.path() + "/ca.pem";
+  mtls.cert_file = dir.path() + "/client.pem";
+  mtls.key_file = dir.path() + "/client.key";
+  mtls.tls_server_name = "localhost";
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({"--tls-cert", dir.path() + "/server.pem", "--tls-key", dir.path() + "/server.key",
+                             "--tls-client-ca", dir.path() + "/ca.pem", "--require-client-cert"},
+                            mtls));
+  client::ClientOptions foreign = mtls;
+  foreign.cert_file = other.path() + "/client.pem";
+  foreign.key_file = other.path() + "/client.key";
+  foreign.timeout = absl::Seconds(3);
+  auto f = server.Connect(foreign);
+  EXPECT_EQ(f->ListSessions().status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(f->Stats().status().code(), absl::StatusCode::kUnavailable);
+  auto c = server.Connect(mtls);
+  KV_ASSERT_OK(c->ListSessions().status());
+  EXPECT_EQ(server.Stop(), 0) << server.log();
+}
+
 }  // namespace
 }  // namespace kvshade::integration

@@ -31,12 +31,14 @@ TEST_P(UcxMismatchTest, SelectWorksOverUcx) {
   ar.set_worker_id("w");
   KV_ASSERT_OK_AND_ASSIGN(att, c->Attach(ar));
   ASSERT_TRUE(c->ucx_connected());
-  const auto start = absl::Now();
   for (int l = 0; l < doc.spec().layers; ++l) {
     KV_ASSERT_OK(c->SelectAndReconstruct(MakeSelect(doc, l, {att.attachment_id()}, 0, 0, 512)).status());
   }
-  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+  // Every call went over UCX: a call that timed out or failed over UCX would have marked the
+  // data plane failed and been counted as a fallback to gRPC (no clock is read: a loaded
+  // machine may be slow, and slowness alone is not a mismatch).
   EXPECT_EQ(c->ucx_fallbacks(), 0u);
+  EXPECT_TRUE(c->ucx_connected());
 }
 
 TEST(UcxTimeoutTest, TimedOutCallMarksDataPlaneFailedAndClientFallsBackToGrpc) {
@@ -63,11 +65,13 @@ TEST(UcxTimeoutTest, TimedOutCallMarksDataPlaneFailedAndClientFallsBackToGrpc) {
   EXPECT_EQ(lost.status().code(), absl::StatusCode::kDeadlineExceeded) << lost.status();
   // From then on the data plane is failed: calls fail at once, not after another timeout.
   EXPECT_TRUE(dp->failed());
-  const auto start = absl::Now();
+  // "At once" is read from the status, not a clock: a call that was sent and waited for
+  // the timeout would end DEADLINE_EXCEEDED; one refused before sending ends UNAVAILABLE
+  // with the earlier failure's reason.
   auto again = dp->SelectAndReconstruct(sel);
   ASSERT_FALSE(again.ok());
   EXPECT_EQ(again.status().code(), absl::StatusCode::kUnavailable) << again.status();
-  EXPECT_LT(absl::Now() - start, absl::Seconds(1));
+  EXPECT_NE(again.status().message().find("no longer used"), std::string::npos) << again.status();
   dp.reset();
   // The Client drops it loudly and routes the call over gRPC.
   KV_ASSERT_OK(c->SelectAndReconstruct(sel).status());
