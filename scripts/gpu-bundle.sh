@@ -13,8 +13,13 @@ BUILD=${2:-build-gpu}
 read -r -a TARGETS <<< "${KVSHADE_BUNDLE_TARGETS:-kernels_gpu_test storage_gpu_test delivery_gpu_test \
 kvshade_kernel_bench kvshade_delivery_bench kvshade_ucx_bench kvshade-server kvshade kvshade_c}"
 
-cmake -S . -B "$BUILD" -G Ninja -DKVSHADE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
-  -DCMAKE_BUILD_TYPE=Release >/dev/null
+# KVSHADE_BUNDLE_REUSE=1 builds the targets in an existing CUDA-enabled build folder as it is
+# configured (e.g. `make build`'s, which already compiles sm_90) instead of configuring a
+# Release build.
+if [ "${KVSHADE_BUNDLE_REUSE:-0}" != 1 ]; then
+  cmake -S . -B "$BUILD" -G Ninja -DKVSHADE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DCMAKE_BUILD_TYPE=Release >/dev/null
+fi
 cmake --build "$BUILD" -j "$(nproc)" --target "${TARGETS[@]}"
 
 rm -rf "$BUNDLE"
