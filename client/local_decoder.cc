@@ -30,14 +30,59 @@ int64_t NowMs() {
 
 // One backend per name for the whole process, and the regions it has mapped: a CUDA IPC
 // handle may be opened only once per process, and several decoders may read one daemon.
+//
+// Shared host regions stay mapped (and registered with the device) after the last decoder
+// using them closes, up to LocalDecoderOptions::idle_mapped_bytes, least recently released
+// first out: registering host memory costs about 0.3 s per GiB, and the daemon reuses its
+// value buffers for later sessions, so the next session's decoder finds them ready. Their
+// ids are never reused by a daemon, so a kept mapping can never stand for another buffer.
+// Device regions (CUDA IPC) are closed at once: their ids are reused addresses.
 struct WorkerContext {
+  using Key = std::pair<std::string, uint64_t>;  // (daemon instance, region id)
   std::unique_ptr<kernels::Backend> backend;
   std::mutex mu;
   struct Mapping {
     kernels::ImportedMemory memory;
     int refs = 0;
+    uint64_t released_at = 0;  // release order of an idle mapping (refs == 0)
   };
-  std::map<std::pair<std::string, uint64_t>, Mapping> mappings;  // (daemon, region id)
+  std::map<Key, Mapping> mappings;
+  size_t idle_bytes = 0;
+  uint64_t releases = 0;
+
+  // One reference to `key` fewer; the mapping is closed or kept idle (see above), and idle
+  // ones beyond `idle_cap` bytes are closed, oldest first.
+  void Unref(const Key& key, size_t idle_cap) {
+    auto it = mappings.find(key);
+    if (it == mappings.end() || --it->second.refs > 0) return;
+    if (it->second.memory.kind == kernels::ExportedMemory::Kind::kDeviceIpc || idle_cap == 0) {
+      (void)backend->ReleaseImported(it->second.memory);
+      mappings.erase(it);
+      return;
+    }
+    it->second.released_at = ++releases;
+    idle_bytes += it->second.memory.bytes;
+    while (idle_bytes > idle_cap) {
+      auto oldest = mappings.end();
+      for (auto m = mappings.begin(); m != mappings.end(); ++m) {
+        if (m->second.refs == 0 && (oldest == mappings.end() ||
+                                    m->second.released_at < oldest->second.released_at)) {
+          oldest = m;
+        }
+      }
+      if (oldest == mappings.end()) break;
+      idle_bytes -= oldest->second.memory.bytes;
+      (void)backend->ReleaseImported(oldest->second.memory);
+      mappings.erase(oldest);
+    }
+  }
+  // One reference more to a mapping found in `mappings` (an idle one is in use again).
+  void Ref(Mapping& m) {
+    if (m.refs++ == 0 && m.released_at != 0) {
+      idle_bytes -= m.memory.bytes;
+      m.released_at = 0;
+    }
+  }
 };
 
 absl::StatusOr<WorkerContext*> ContextFor(const std::string& name) {
@@ -187,12 +232,7 @@ absl::Status LocalDecoder::Impl::SetCounters(kernels::Stream stream) {
 void LocalDecoder::Impl::UnmapRegions(Seq& seq) {
   std::lock_guard<std::mutex> lock(ctx->mu);
   for (const auto& key : seq.regions) {
-    auto it = ctx->mappings.find(key);
-    if (it == ctx->mappings.end()) continue;
-    if (--it->second.refs == 0) {
-      (void)be->ReleaseImported(it->second.memory);
-      ctx->mappings.erase(it);
-    }
+    ctx->Unref(key, options.idle_mapped_bytes);
   }
   seq.regions.clear();
 }
@@ -217,18 +257,12 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
         m.region_bytes = r.bytes();
         absl::StatusOr<kernels::ImportedMemory> im = be->ImportMemory(m);
         if (!im.ok()) {
-          for (const auto& k : held) {
-            auto h2 = ctx->mappings.find(k);
-            if (h2 != ctx->mappings.end() && --h2->second.refs == 0) {
-              (void)be->ReleaseImported(h2->second.memory);
-              ctx->mappings.erase(h2);
-            }
-          }
+          for (const auto& k : held) ctx->Unref(k, options.idle_mapped_bytes);
           return im.status();
         }
-        it = ctx->mappings.emplace(key, WorkerContext::Mapping{*im, 0}).first;
+        it = ctx->mappings.emplace(key, WorkerContext::Mapping{*im, 0, 0}).first;
       }
-      ++it->second.refs;
+      ctx->Ref(it->second);
       held.push_back(key);
       base[r.id()] = static_cast<char*>(it->second.memory.base);
     }

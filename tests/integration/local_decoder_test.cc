@@ -166,6 +166,46 @@ TEST(LocalDecoder, MatchesAttendRpcAcrossAppendsAndRefreshes) {
   EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
 }
 
+// Sessions one after another, each over another document, each read by a new decoder
+// and then closed (the daemon reuses the freed value memory for the next one): with the
+// shared host regions kept mapped between decoders (the default) and unmapped at once
+// (idle_mapped_bytes = 0), every decoder attends exactly like the Attend RPC, so a kept
+// mapping never shows a decoder another session's bytes.
+TEST(LocalDecoder, KeptMappingsServeLaterSessionsExactly) {
+  Fixture f;
+  KV_ASSERT_OK(f.server.Start({"--backend", "cpu"}));
+  f.c = f.server.Connect();
+  const v1::Profile profile = ShadowProfile(16, 8, 4);
+  for (size_t idle : {size_t{64} << 30, size_t{0}}) {
+    for (uint64_t seed = 11; seed < 14; ++seed) {
+      const synthetic::Document doc(SmallDoc(1024, seed));
+      KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, doc, profile, 0));
+      v1::AttachRequest ar;
+      ar.set_session_id(cs.session_id());
+      KV_ASSERT_OK_AND_ASSIGN(att, f.c->Attach(ar));
+      client::LocalDecoderOptions opt;
+      opt.backend = "cpu";
+      opt.idle_mapped_bytes = idle;
+      KV_ASSERT_OK_AND_ASSIGN(dec, client::LocalDecoder::Open(f.c.get(), {att.attachment_id()}, opt));
+      const auto& spec = doc.spec();
+      const int64_t pos = static_cast<int64_t>(doc.SessionTokens(0).size());
+      std::vector<float> out(size_t(spec.q_heads) * spec.head_dim);
+      for (int l = 0; l < spec.layers; ++l) {
+        std::vector<bf16> qb = QueryBf16(doc, l, 0, 0, pos);
+        KV_ASSERT_OK(dec->Attend(l, qb.data(), nullptr, nullptr, out.data()));
+        std::vector<float> ref = RpcAttend(*f.c, att.attachment_id(), l, qb, spec.q_heads, spec.head_dim);
+        ASSERT_EQ(ref.size(), out.size());
+        EXPECT_LT(MaxRelDiff(ref, out.data(), out.size()), 1e-5)
+            << "seed " << seed << " layer " << l << " idle_mapped_bytes " << idle;
+      }
+      dec.reset();
+      KV_ASSERT_OK(f.c->Detach(att.attachment_id()));
+      KV_ASSERT_OK(f.c->CloseSession(cs.session_id()));
+    }
+  }
+  EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
+}
+
 TEST(LocalDecoder, BatchEqualsEachSequenceAlone) {
   Fixture f;
   KV_ASSERT_OK(f.server.Start({"--backend", "cpu"}));
