@@ -33,7 +33,7 @@ int64_t NowMs() {
 //
 // Shared host regions stay mapped (and registered with the device) after the last decoder
 // using them closes, up to LocalDecoderOptions::idle_mapped_bytes, least recently released
-// first out: registering host memory costs about 0.3 s per GiB, and the daemon reuses its
+// first out: registering host memory costs about 0.2-0.3 s per GiB, and the daemon reuses its
 // value buffers for later sessions, so the next session's decoder finds them ready. Their
 // ids are never reused by a daemon, so a kept mapping can never stand for another buffer.
 // Device regions (CUDA IPC) are closed at once: their ids are reused addresses.

@@ -55,7 +55,7 @@ struct LocalDecoderOptions {
   bool count_hits = false;
   // Shared host memory of the daemon (the sessions' values) stays mapped in this process
   // after the decoders reading it close, up to this many bytes, so that a later session's
-  // decoder does not register it again (about 0.3 s per GiB). The pages are the daemon's;
+  // decoder does not register it again (0.2-0.3 s per GiB). The pages are the daemon's;
   // only memory the daemon has since freed is held by a kept mapping. 0 = unmap at once.
   size_t idle_mapped_bytes = size_t{64} << 30;
 };
