@@ -181,9 +181,11 @@ absl::Status EngineImpl::ReplayAppendLog() {
     const ModelInfo& m = s.model;
     const size_t tok = size_t(m.shape.h) * m.shape.d;
     bool failed = false;
+    size_t folded = 0;
     for (const AppendRecord& r : recs) {
       if (r.base_version != s.durable_record_version) {
         drop.push_back(r.meta.id);  // folded into the session record already
+        ++folded;
         continue;
       }
       if (failed) {
@@ -221,6 +223,10 @@ absl::Status EngineImpl::ReplayAppendLog() {
       s.append_seq = r.seq + 1;
     }
     lock.unlock();
+    if (folded > 0) {
+      spdlog::info("restart: session {}: {} logged appends of an earlier session record (version "
+                   "!= {}) dropped as folded in", s.id, folded, s.durable_record_version);
+    }
     if (!drop.empty()) spill_->DeleteSegments(drop).IgnoreError();
   }
   if (applied > 0) {

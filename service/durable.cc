@@ -269,9 +269,13 @@ absl::Status EngineImpl::PersistSession(Session& s) {
 
 void EngineImpl::DeleteDurableRecord(const Session& s) {
   if (!spill_) return;
+  // The session record first: a crash between the two deletes then leaves logged appends of
+  // no session (deleted at the next start), never the session without its acknowledged
+  // appends (an older state brought back).
+  if (s.durable_record_version != 0 && !store_->Erase(s.record_id).ok()) {
+    spill_->DeleteSegment(s.record_id).IgnoreError();
+  }
   if (!s.append_records.empty()) spill_->DeleteSegments(s.append_records).IgnoreError();
-  if (s.durable_record_version == 0) return;
-  if (!store_->Erase(s.record_id).ok()) spill_->DeleteSegment(s.record_id).IgnoreError();
 }
 
 // ---------------------------------------------------------------------------------------

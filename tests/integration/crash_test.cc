@@ -19,6 +19,7 @@
 #include <random>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
 #include "harness.h"
 
@@ -43,6 +44,7 @@ struct Tracked {
   int64_t acked = 0;   // tokens acknowledged
   int64_t pending = 0; // tokens if the append in flight at the kill landed (0: none)
   bool close_pending = false;
+  std::string history;  // what was acknowledged when, for a failure's message
 };
 
 int EnvInt(const char* name, int fallback) {
@@ -88,6 +90,7 @@ TEST(CrashTest, RandomKillsLoseNoAcknowledgedWrite) {
   std::map<std::string, Tracked> live;
   std::vector<std::string> closed;
   uint64_t creates = 0, appends = 0, closes = 0, verified_sessions = 0;
+  int kills = 0;
   std::vector<double> restart_s;
 
   ServerProcess server;
@@ -117,6 +120,8 @@ TEST(CrashTest, RandomKillsLoseNoAcknowledgedWrite) {
           t.doc = d;
           t.question = q;
           t.base = t.acked = n;
+          t.history += absl::StrCat(" [kill ", it, "] created (", n, " tokens, ", r->reused_tokens(),
+                                    " reused)");
           ++creates;
           t.snap = SelectNow(*c, docs[d], r->session_id(), q, n);  // fails only past the kill
           t.snap_tokens = t.snap.ok ? n : -1;
@@ -130,6 +135,7 @@ TEST(CrashTest, RandomKillsLoseNoAcknowledgedWrite) {
             if (!killed.load()) traffic_error = "append: " + r.status().ToString();
             return;
           }
+          t.history += absl::StrCat(" [kill ", it, "] append ", t.acked, "->", t.pending);
           t.acked = t.pending;
           t.pending = 0;
           ++appends;
@@ -153,6 +159,7 @@ TEST(CrashTest, RandomKillsLoseNoAcknowledgedWrite) {
         std::chrono::milliseconds(std::uniform_int_distribution<int>(400, 2500)(rng)));
     killed.store(true);
     server.Kill9();
+    ++kills;
     traffic.join();
     ASSERT_TRUE(traffic_error.empty()) << "iteration " << it << ": " << traffic_error << "\n"
                                        << server.log();
@@ -178,7 +185,8 @@ TEST(CrashTest, RandomKillsLoseNoAcknowledgedWrite) {
       EXPECT_EQ(info->state(), "ready");
       const int64_t tokens = static_cast<int64_t>(info->tokens());
       if (t.pending != 0 && tokens == t.pending) t.acked = tokens;
-      EXPECT_EQ(tokens, t.acked) << "iteration " << it << ": session " << it_s->first;
+      EXPECT_EQ(tokens, t.acked) << "iteration " << it << ": session " << it_s->first << " (document "
+                                 << t.doc << ", prompt " << t.question << "):" << t.history;
       t.acked = tokens;
       t.pending = 0;
       t.close_pending = false;
@@ -203,10 +211,11 @@ TEST(CrashTest, RandomKillsLoseNoAcknowledgedWrite) {
   const double p50 = restart_s.empty() ? 0 : restart_s[restart_s.size() / 2];
   const double worst = restart_s.empty() ? 0 : restart_s.back();
   std::printf("crash test: %d kills; acknowledged %llu durable creates, %llu appends, %llu closes; "
-              "%llu sessions answered as before the kill; restart p50 %.2f s, max %.2f s\n",
-              iterations, (unsigned long long)creates, (unsigned long long)appends,
+              "%llu sessions answered as before the kill; restart until SERVING as the harness "
+              "polls it: p50 %.2f s, max %.2f s\n",
+              kills, (unsigned long long)creates, (unsigned long long)appends,
               (unsigned long long)closes, (unsigned long long)verified_sessions, p50, worst);
-  RecordProperty("kills", iterations);
+  RecordProperty("kills", kills);
   RecordProperty("acknowledged_writes", static_cast<int>(creates + appends + closes));
   EXPECT_GT(creates + appends, 0u);
 }

@@ -140,6 +140,42 @@ TEST(Restart, AppendsAcknowledgedUnderAlwaysSurviveKillNine) {
   EXPECT_EQ(again.Stop(), 0) << again.log();
 }
 
+// Logged appends of a session that reuses another's whole prompt survive kill -9s in a row
+// (the appends replayed at one restart and those acknowledged after it), while another
+// session over the same prompt comes and goes and the prompt's owner is closed.
+TEST(Restart, LoggedAppendsSurviveRepeatedKillsOnAReusedPrefix) {
+  TempDir spill;
+  const std::vector<std::string> args = {"--spill-path", spill.path() + "/rocks", "--append-fsync",
+                                         "always"};
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start(args));
+  auto c = server.Connect();
+  const synthetic::Document doc(SmallDoc(512));
+  KV_ASSERT_OK_AND_ASSIGN(owner, CreateAndIngest(*c, doc, ShadowProfile(), -1, /*durable=*/true));
+  KV_ASSERT_OK_AND_ASSIGN(reuser, CreateAndIngest(*c, doc, ShadowProfile(), -1, /*durable=*/true));
+  ASSERT_EQ(reuser.tokens_to_ingest(), 0u);
+  int64_t at = 512;
+  for (int round = 0; round < 3; ++round) {
+    for (int i = 0; i < 2; ++i, at += 8) {
+      KV_ASSERT_OK(c->AppendTokens(synthetic::MakeAppend(doc, reuser.session_id(), 0, at, at + 8)).status());
+      EXPECT_FALSE(FirstSelect(*c, doc, reuser.session_id(), at + 8).chunks.empty());
+    }
+    if (round == 1) {  // another reuser comes and goes
+      KV_ASSERT_OK_AND_ASSIGN(other, CreateAndIngest(*c, doc, ShadowProfile(), -1, /*durable=*/true));
+      KV_ASSERT_OK(c->AppendTokens(synthetic::MakeAppend(doc, other.session_id(), 0, 512, 520)).status());
+      KV_ASSERT_OK(c->CloseSession(other.session_id()));
+      KV_ASSERT_OK(c->CloseSession(owner.session_id()));
+    }
+    server.Kill9();
+    KV_ASSERT_OK(server.Start(args));
+    c = server.Connect();
+    KV_ASSERT_OK_AND_ASSIGN(info, c->GetSession(reuser.session_id()));
+    EXPECT_EQ(info.tokens(), uint64_t(at)) << "after kill " << round << "\n" << server.log();
+    EXPECT_FALSE(FirstSelect(*c, doc, reuser.session_id(), at).chunks.empty());
+  }
+  EXPECT_EQ(server.Stop(), 0) << server.log();
+}
+
 // The spill directory's WAL files, largest first.
 std::vector<std::filesystem::path> WalFiles(const std::string& dir) {
   std::vector<std::filesystem::path> out;
