@@ -7,7 +7,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: deps configure build test demo clean
+.PHONY: deps configure build fuzz-build test demo clean
 
 deps:
 	./scripts/install-deps.sh
@@ -18,9 +18,14 @@ configure: deps
 build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The libFuzzer targets (clang, ASan + UBSan) in $(BUILD)/fuzz, which ctest's fuzz.<target>
+# entries run for 20 s each (tests/README.md "Fuzzing").
+fuzz-build: deps
+	./scripts/fuzz.sh build $(BUILD)/fuzz
+
 # ctest's own summary, then one line: how many tests passed, failed and were skipped, and
 # why (tests/ctest-summary.sh). Skipped tests are listed by ctest as "(Skipped)".
-test: build
+test: build fuzz-build
 	rc=0; ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) \
 	  --output-log $(BUILD)/Testing/make-test.log || rc=$$?; \
 	./tests/ctest-summary.sh $(BUILD)/Testing/make-test.log; exit $$rc

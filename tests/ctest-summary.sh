@@ -29,7 +29,11 @@ fi
 if grep -qx python_hf_adapter <<< "$skipped_names"; then
   echo "   python_hf_adapter skipped: transformers is not importable by /usr/bin/python3 (it runs on the GPU machine)"
 fi
-other=$(grep -vE '^(kernels_gpu_test|storage_gpu_test|delivery_gpu_test)\.|^python_hf_adapter$' <<< "$skipped_names")
+san=$(grep -cE '^sanitize\.' <<< "$skipped_names")
+if [ "$san" -gt 0 ]; then
+  echo "   $san sanitizer runs (label sanitize) skipped: no ASan/TSan build here (scripts/sanitize.sh build address build/asan, or thread build/tsan; tests/README.md \"Sanitizers\")"
+fi
+other=$(grep -vE '^(kernels_gpu_test|storage_gpu_test|delivery_gpu_test)\.|^python_hf_adapter$|^sanitize\.' <<< "$skipped_names")
 if [ -n "$other" ]; then
   echo "   also skipped (their output says why; ctest --test-dir <build> -R <name> -V):"
   sed 's/^/     /' <<< "$other"
