@@ -15,6 +15,7 @@
 #include "kvshade/service/engine.h"
 #include "kvshade/service/log.h"
 #include "kvshade/service/ucx_server.h"
+#include "device_fault.h"
 #include "status_util.h"
 
 namespace kvshade::service {
@@ -30,6 +31,12 @@ grpc::Status Run(const ServiceDeps& deps, std::string_view method, grpc::ServerC
   absl::StatusOr<Tenant> tenant = deps.auth->Authenticate(*ctx);
   if (!tenant.ok()) {
     st = tenant.status();
+  } else if (absl::Status fault = DeviceFault(*deps.backend); !fault.ok()) {
+    // The device is gone for this process: nothing can be served; the server is exiting.
+    st = absl::UnavailableError(absl::StrCat(
+        std::string(method), ": this daemon's device failed (", fault.message(),
+        "); it is restarting, and its durable sessions come back with it: retry after the "
+        "restart or on another replica"));
   } else {
     absl::StatusOr<Resp> r = op(*tenant);
     if (r.ok()) {

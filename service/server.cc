@@ -6,6 +6,7 @@
 
 #include <signal.h>
 
+#include <cerrno>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -27,6 +28,7 @@
 #include "kvshade/service/ucx_server.h"
 #include "kvshade/storage/spill_tier.h"
 #include "kvshade/version.h"
+#include "device_fault.h"
 
 namespace kvshade::service {
 namespace {
@@ -235,10 +237,23 @@ absl::Status Server::RunUntilSignal(absl::Duration grace) {
   sigemptyset(&set);
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGINT);
-  int sig = 0;
-  if (sigwait(&set, &sig) != 0) return absl::InternalError("sigwait failed");
-  spdlog::info("received {}, draining", sig == SIGTERM ? "SIGTERM" : "SIGINT");
-  return Shutdown(grace);
+  // A signal, or a device fault (checked once a second): after one nothing can be served,
+  // so the server drains and exits with an error for its supervisor to start a new process.
+  const timespec tick{1, 0};
+  while (true) {
+    const int sig = sigtimedwait(&set, nullptr, &tick);
+    if (sig == SIGTERM || sig == SIGINT) {
+      spdlog::info("received {}, draining", sig == SIGTERM ? "SIGTERM" : "SIGINT");
+      return Shutdown(grace);
+    }
+    if (sig < 0 && errno != EAGAIN && errno != EINTR) return absl::InternalError("sigtimedwait failed");
+    if (absl::Status fault = DeviceFault(*backend_); !fault.ok()) {
+      spdlog::error("device fault, draining and exiting (a new process restores the durable "
+                    "sessions): {}", std::string(fault.message()));
+      Shutdown(grace).IgnoreError();
+      return absl::UnavailableError(absl::StrCat("stopped on a device fault: ", fault.message()));
+    }
+  }
 }
 
 absl::Status Server::Shutdown(absl::Duration grace) {

@@ -16,6 +16,8 @@
 #include <unistd.h>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -24,6 +26,26 @@
 #include "cuda/cuda_check.h"
 
 namespace kvshade::kernels {
+
+namespace cuda {
+namespace {
+std::mutex fault_mu;
+std::string* fault = nullptr;  // the first sticky error (never freed: process lifetime)
+}  // namespace
+
+void RecordDeviceFault(const std::string& message) {
+  std::lock_guard<std::mutex> lock(fault_mu);
+  if (fault == nullptr) fault = new std::string(message);
+}
+
+absl::Status RecordedDeviceFault() {
+  std::lock_guard<std::mutex> lock(fault_mu);
+  if (fault == nullptr) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("CUDA device fault: ", *fault));
+}
+}  // namespace cuda
+
+absl::Status CudaBackend::DeviceFault() const { return cuda::RecordedDeviceFault(); }
 
 using cuda::ToCudaStream;
 using cuda::UseDevice;

@@ -24,6 +24,7 @@ class CudaBackend final : public Backend {
   CudaBackend& operator=(const CudaBackend&) = delete;
 
   std::string_view name() const override { return "cuda"; }
+  absl::Status DeviceFault() const override;
   MemorySpace space() const override { return MemorySpace::kDevice; }
   int device() const { return device_; }
 

@@ -35,14 +35,43 @@ namespace kvshade::kernels::cuda {
 // ---------------------------------------------------------------------------------------
 // Errors
 
+// CUDA's sticky errors: after one, the process's context on the device is unusable and
+// every later call fails (only a new process recovers).
+inline bool IsStickyCudaError(cudaError_t e) {
+  switch (e) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorECCUncorrectable:
+    case cudaErrorAssert:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The first sticky error this process met (cuda_backend.cc); Backend::DeviceFault reports
+// it from then on.
+void RecordDeviceFault(const std::string& message);
+absl::Status RecordedDeviceFault();
+
 // Allocation failures are ResourceExhausted (the caller may free and retry), a missing
 // device or driver is Unavailable, everything else Internal (device errors are bugs or
-// sticky faults; the service drains on them).
+// sticky faults; a sticky one is recorded, and the service stops serving on it).
 inline absl::Status CudaErrorToStatus(cudaError_t e, const char* expr, const char* file,
                                       int line) {
   if (e == cudaSuccess) return absl::OkStatus();
   std::string msg = absl::StrCat(file, ":", line, ": ", expr, " failed: ", cudaGetErrorName(e),
                                  " (", cudaGetErrorString(e), ")");
+  if (IsStickyCudaError(e)) {
+    RecordDeviceFault(msg);
+    return absl::InternalError(absl::StrCat(msg, "; the device context is lost"));
+  }
   switch (e) {
     case cudaErrorMemoryAllocation:
       return absl::ResourceExhaustedError(msg);

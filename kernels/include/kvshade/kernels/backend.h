@@ -301,6 +301,11 @@ class Backend {
 
   virtual std::string_view name() const = 0;  // "cpu" or "cuda"
   virtual MemorySpace space() const = 0;
+  // OK while the device works. After an error that leaves the device unusable for this
+  // process (CUDA's sticky errors: an illegal address, a failed launch, an uncorrectable
+  // ECC error, a device-side assert...), that error, for good: every later operation fails
+  // too and only a new process recovers. The service stops serving and exits on it.
+  virtual absl::Status DeviceFault() const { return absl::OkStatus(); }
 
   // --- Memory and streams (set-up time, never on the request path) ---
   virtual absl::StatusOr<Buffer> Allocate(size_t bytes) = 0;
