@@ -106,7 +106,13 @@ TEST(CrashTest, RandomKillsLoseNoAcknowledgedWrite) {
         const double p = std::uniform_real_distribution<double>(0, 1)(trng);
         std::vector<std::string> ids;
         for (const auto& [id, t] : live) ids.push_back(id);
-        if (ids.size() < 3 || p < 0.25) {
+        // Creates, appends and closes, with between 3 and 40 live sessions (a long run must
+        // stay under the tenant's session limit).
+        enum class Op { kCreate, kAppend, kClose };
+        Op op = p < 0.25 ? Op::kCreate : p < 0.85 ? Op::kAppend : Op::kClose;
+        if (ids.size() < 3) op = Op::kCreate;
+        if (ids.size() > 40 && op == Op::kCreate) op = Op::kClose;
+        if (op == Op::kCreate) {
           const int d = static_cast<int>(trng() % docs.size());
           const int q = static_cast<int>(trng() % 3) - 1;
           auto r = CreateAndIngest(*c, docs[d], profile, q, /*durable=*/true);
@@ -125,7 +131,7 @@ TEST(CrashTest, RandomKillsLoseNoAcknowledgedWrite) {
           ++creates;
           t.snap = SelectNow(*c, docs[d], r->session_id(), q, n);  // fails only past the kill
           t.snap_tokens = t.snap.ok ? n : -1;
-        } else if (p < 0.85) {
+        } else if (op == Op::kAppend) {
           const std::string id = ids[trng() % ids.size()];
           Tracked& t = live[id];
           t.pending = t.acked + kAppend;
