@@ -68,19 +68,29 @@ TEST(Tls, TlsServerAcceptsTlsClientsOnly) {
   EXPECT_EQ(server.Stop(), 0) << server.log();
 }
 
+// A client of the certificates MakeCerts wrote into `dir` (its CA, its client pair).
+client::ClientOptions MutualTlsClient(const std::string& dir) {
+  client::ClientOptions o;
+  o.ca_file = dir + "/ca.pem";
+  o.cert_file = dir + "/client.pem";
+  o.key_file = dir + "/client.key";
+  o.tls_server_name = "localhost";
+  return o;
+}
+
+// A server that requires client certificates of the CA MakeCerts wrote into `dir`.
+std::vector<std::string> MutualTlsServerArgs(const std::string& dir) {
+  return {"--tls-cert", dir + "/server.pem", "--tls-key", dir + "/server.key",
+          "--tls-client-ca", dir + "/ca.pem", "--require-client-cert"};
+}
+
 TEST(Tls, MutualTlsRequiresAClientCertificate) {
   if (!HaveOpenssl()) GTEST_SKIP() << "openssl not installed";
   TempDir dir;
   KV_ASSERT_OK(MakeCerts(dir.path()));
-  client::ClientOptions mtls;
-  mtls.ca_file = dir.path() + "/ca.pem";
-  mtls.cert_file = dir.path() + "/client.pem";
-  mtls.key_file = dir.path() + "/client.key";
-  mtls.tls_server_name = "localhost";
+  const client::ClientOptions mtls = MutualTlsClient(dir.path());
   ServerProcess server;
-  KV_ASSERT_OK(server.Start({"--tls-cert", dir.path() + "/server.pem", "--tls-key", dir.path() + "/server.key",
-                             "--tls-client-ca", dir.path() + "/ca.pem", "--require-client-cert"},
-                            mtls));
+  KV_ASSERT_OK(server.Start(MutualTlsServerArgs(dir.path()), mtls));
   auto c = server.Connect(mtls);
   KV_ASSERT_OK_AND_ASSIGN(list, c->ListSessions());
   EXPECT_EQ(list.sessions_size(), 0);
@@ -100,15 +110,9 @@ TEST(Tls, MutualTlsRefusesAClientCertificateFromAnotherCa) {
   TempDir dir, other;
   KV_ASSERT_OK(MakeCerts(dir.path()));
   KV_ASSERT_OK(MakeCerts(other.path()));  // its own CA, client certificate and key
-  client::ClientOptions mtls;
-  mtls.ca_file = dir.path() + "/ca.pem";
-  mtls.cert_file = dir.path() + "/client.pem";
-  mtls.key_file = dir.path() + "/client.key";
-  mtls.tls_server_name = "localhost";
+  const client::ClientOptions mtls = MutualTlsClient(dir.path());
   ServerProcess server;
-  KV_ASSERT_OK(server.Start({"--tls-cert", dir.path() + "/server.pem", "--tls-key", dir.path() + "/server.key",
-                             "--tls-client-ca", dir.path() + "/ca.pem", "--require-client-cert"},
-                            mtls));
+  KV_ASSERT_OK(server.Start(MutualTlsServerArgs(dir.path()), mtls));
   client::ClientOptions foreign = mtls;
   foreign.cert_file = other.path() + "/client.pem";
   foreign.key_file = other.path() + "/client.key";
