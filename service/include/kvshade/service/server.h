@@ -3,8 +3,8 @@
 // registers the KvShadeService, serves Prometheus /metrics (MetricsEndpoint), and shuts
 // down gracefully.
 //
-// Life cycle: Start() -> SERVING. Shutdown() (or a SIGTERM/SIGINT seen by
-// RunUntilSignal()) sets health NOT_SERVING, drains the service (no new sessions; durable
+// Life cycle: Start() -> SERVING. Shutdown() (or a SIGTERM/SIGINT or a device fault seen
+// by RunUntilSignal()) sets health NOT_SERVING, drains the service (no new sessions; durable
 // state flushed), then stops the gRPC server with a deadline for in-flight calls.
 // Durable sessions are restored by KvShadeService::Create at start.
 #pragma once
@@ -45,8 +45,11 @@ class Server {
   int metrics_port() const { return metrics_port_; }
   std::string_view backend_name() const;
 
-  // Waits for SIGTERM or SIGINT, then Shutdown(grace). The signals must be blocked in every
-  // thread: call BlockSignals() first thing in main, before any thread exists.
+  // Waits for SIGTERM or SIGINT, then Shutdown(grace) and its status. A device fault
+  // (service/README.md "Device faults", checked once a second) also ends the wait: then
+  // Shutdown(grace) and UNAVAILABLE naming the fault, for main to exit with an error. The
+  // signals must be blocked in every thread: call BlockSignals() first thing in main,
+  // before any thread exists.
   absl::Status RunUntilSignal(absl::Duration grace);
 
   // Health NOT_SERVING, Drain(), stop the server (in-flight calls get `grace` to finish).
