@@ -45,6 +45,15 @@ case "$cmd" in
     export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
     export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$ROOT/tests/tsan.supp${TSAN_EXTRA:+:$TSAN_EXTRA}"
     export LSAN_OPTIONS="suppressions=$ROOT/tests/lsan.supp"
+    # UCX's memory-event hooks (libucm) intercept madvise and mmap; under TSan they crash
+    # in thread teardown, and sanitizers track memory themselves: off.
+    export UCX_MEM_EVENTS=no
+    # OpenMP (libgomp) and OpenBLAS threads synchronize in uninstrumented code (barriers),
+    # so TSan would report their hand-offs as races: one thread each under TSan (our own
+    # threads are what it checks).
+    if grep -q '^KVSHADE_SANITIZE:STRING=thread' "$dir/CMakeCache.txt" 2>/dev/null; then
+      export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+    fi
     if [ -n "$symbolizer" ]; then
       export ASAN_SYMBOLIZER_PATH="$symbolizer" TSAN_SYMBOLIZER_PATH="$symbolizer"
     fi
