@@ -35,6 +35,11 @@ Snapshot FirstSelect(client::Client& c, const synthetic::Document& doc, const st
   return {std::vector<int32_t>(d.chunk().begin(), d.chunk().end()), d.keys().data(), d.values().data()};
 }
 
+// A daemon on `spill` whose durable sessions sync every append before acknowledging it.
+std::vector<std::string> AlwaysFsyncArgs(const TempDir& spill) {
+  return {"--spill-path", spill.path() + "/rocks", "--append-fsync", "always"};
+}
+
 TEST(Restart, KillNineKeepsDurableSessions) {
   TempDir spill;
   const std::vector<std::string> args = {"--spill-path", spill.path() + "/rocks"};
@@ -101,8 +106,7 @@ TEST(Restart, GracefulRestartKeepsAppendedTokens) {
 // (CreateSessionRequest.append_fsync) overrides the server's.
 TEST(Restart, AppendsAcknowledgedUnderAlwaysSurviveKillNine) {
   TempDir spill;
-  const std::vector<std::string> args = {"--spill-path", spill.path() + "/rocks", "--append-fsync",
-                                         "always"};
+  const std::vector<std::string> args = AlwaysFsyncArgs(spill);
   ServerProcess server;
   KV_ASSERT_OK(server.Start(args));
   auto c = server.Connect();
@@ -145,8 +149,7 @@ TEST(Restart, AppendsAcknowledgedUnderAlwaysSurviveKillNine) {
 // session over the same prompt comes and goes and the prompt's owner is closed.
 TEST(Restart, LoggedAppendsSurviveRepeatedKillsOnAReusedPrefix) {
   TempDir spill;
-  const std::vector<std::string> args = {"--spill-path", spill.path() + "/rocks", "--append-fsync",
-                                         "always"};
+  const std::vector<std::string> args = AlwaysFsyncArgs(spill);
   ServerProcess server;
   KV_ASSERT_OK(server.Start(args));
   auto c = server.Connect();
