@@ -36,7 +36,9 @@ int64_t NowMs() {
 // first out: registering host memory costs about 0.2-0.3 s per GiB, and the daemon reuses its
 // value buffers for later sessions, so the next session's decoder finds them ready. Their
 // ids are never reused by a daemon, so a kept mapping can never stand for another buffer.
-// Device regions (CUDA IPC) are closed at once: their ids are reused addresses.
+// Device regions (CUDA IPC) are closed at once: their ids are reused addresses. Idle
+// mappings of another daemon instance (a daemon that restarted) are closed when a decoder
+// maps a generation of a different one.
 struct WorkerContext {
   using Key = std::pair<std::string, uint64_t>;  // (daemon instance, region id)
   std::unique_ptr<kernels::Backend> backend;
@@ -74,6 +76,19 @@ struct WorkerContext {
       idle_bytes -= oldest->second.memory.bytes;
       (void)backend->ReleaseImported(oldest->second.memory);
       mappings.erase(oldest);
+    }
+  }
+  // Closes the idle mappings of daemon instances other than `daemon`: a restarted daemon's
+  // memory is never read again, and a kept mapping would keep it allocated.
+  void DropIdleOfOtherDaemons(const std::string& daemon) {
+    for (auto m = mappings.begin(); m != mappings.end();) {
+      if (m->second.refs == 0 && m->first.first != daemon) {
+        idle_bytes -= m->second.memory.bytes;
+        (void)backend->ReleaseImported(m->second.memory);
+        m = mappings.erase(m);
+      } else {
+        ++m;
+      }
     }
   }
   // One reference more to a mapping found in `mappings` (an idle one is in use again).
@@ -243,6 +258,7 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
   std::vector<std::pair<std::string, uint64_t>> held;
   {
     std::lock_guard<std::mutex> lock(ctx->mu);
+    ctx->DropIdleOfOtherDaemons(exp.daemon_instance());
     for (const v1::SharedRegion& r : exp.regions()) {
       auto key = std::make_pair(exp.daemon_instance(), r.id());
       auto it = ctx->mappings.find(key);

@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <thread>
 
 #include "harness.h"
@@ -204,6 +205,45 @@ TEST(LocalDecoder, KeptMappingsServeLaterSessionsExactly) {
     }
   }
   EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
+}
+
+// The daemon's shared memory mapped into this process (memfd regions named "kvshade").
+int MappedDaemonRegions() {
+  std::ifstream maps("/proc/self/maps");
+  int n = 0;
+  for (std::string line; std::getline(maps, line);) n += line.find("memfd:kvshade") != std::string::npos;
+  return n;
+}
+
+// Kept mappings hold the daemon's memory only while that daemon lives: after a restart,
+// the first decoder of the new daemon closes the idle mappings of the old one.
+TEST(LocalDecoder, KeptMappingsOfARestartedDaemonAreClosed) {
+  const synthetic::Document doc(SmallDoc(1024, 31));
+  const v1::Profile profile = ShadowProfile(16, 8, 4);
+  client::LocalDecoderOptions opt;
+  opt.backend = "cpu";
+  const int before = MappedDaemonRegions();
+  int kept = 0;
+  for (int daemon = 0; daemon < 2; ++daemon) {
+    ServerProcess server;
+    KV_ASSERT_OK(server.Start({"--backend", "cpu"}));
+    auto c = server.Connect();
+    KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*c, doc, profile, 0));
+    v1::AttachRequest ar;
+    ar.set_session_id(cs.session_id());
+    KV_ASSERT_OK_AND_ASSIGN(att, c->Attach(ar));
+    KV_ASSERT_OK_AND_ASSIGN(dec, client::LocalDecoder::Open(c.get(), {att.attachment_id()}, opt));
+    dec.reset();
+    if (daemon == 0) {
+      kept = MappedDaemonRegions() - before;
+      EXPECT_GT(kept, 0) << "the first daemon's regions stay mapped after the decoder closed";
+    } else {
+      // Only the second daemon's regions are left: as many as the first one had.
+      EXPECT_EQ(MappedDaemonRegions() - before, kept);
+    }
+    KV_ASSERT_OK(c->Detach(att.attachment_id()));
+    EXPECT_EQ(server.Stop(), 0) << server.log();
+  }
 }
 
 TEST(LocalDecoder, BatchEqualsEachSequenceAlone) {
