@@ -171,7 +171,6 @@ absl::StatusOr<Engine::SlotGeometry> Engine::AttachmentSlots(const Tenant& t,
   const Session& s = *a->session;
   SlotGeometry g;
   static_cast<SlotLayout&>(g) = SlotLayout::Of(s.model, s.profile);
-  g.buffer_bytes = g.BufferBytes();
   g.delivery = a->delivery;
   return g;
 }

@@ -764,9 +764,9 @@ void UcxServer::OnRegister(ucx::AmMessage&& m) {
       st = absl::FailedPreconditionError(absl::StrCat(
           "ucx REGISTER: the session of attachment ", bufs->attachment_id(),
           " selects no chunks (its profile is not shadow): there is nothing to deliver"));
-    } else if (st.ok() && bufs->bytes() < g->buffer_bytes) {
+    } else if (st.ok() && bufs->bytes() < g->BufferBytes()) {
       st = absl::InvalidArgumentError(absl::StrCat(
-          "ucx REGISTER: bytes must be >= slot_buffer_bytes ", g->buffer_bytes,
+          "ucx REGISTER: bytes must be >= slot_buffer_bytes ", g->BufferBytes(),
           " (L*h*slots_per_head*C*d bf16) for attachment ", bufs->attachment_id(), ", got ",
           bufs->bytes()));
     }

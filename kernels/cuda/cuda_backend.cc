@@ -14,6 +14,8 @@
 // ProjectKeys, ObservationMass) serialize on one lock while they run (cuda_check.h,
 // ScopedLibraryStream); they are synchronous ingest-time ops anyway.
 #include <unistd.h>
+
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -31,14 +33,17 @@ namespace cuda {
 namespace {
 std::mutex fault_mu;
 std::string* fault = nullptr;  // the first sticky error (never freed: process lifetime)
+std::atomic<bool> faulted{false};  // lets the check on every call skip the lock
 }  // namespace
 
 void RecordDeviceFault(const std::string& message) {
   std::lock_guard<std::mutex> lock(fault_mu);
   if (fault == nullptr) fault = new std::string(message);
+  faulted.store(true, std::memory_order_release);
 }
 
 absl::Status RecordedDeviceFault() {
+  if (!faulted.load(std::memory_order_acquire)) return absl::OkStatus();
   std::lock_guard<std::mutex> lock(fault_mu);
   if (fault == nullptr) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("CUDA device fault: ", *fault));

@@ -278,7 +278,7 @@ TEST(SelectTest, AttachDeliveryModesAndSlotGeometry) {
   EXPECT_EQ(rma->slot_buffer_bytes(), want);
   auto g = hx.engine->AttachmentSlots(hx.tenant, rma->attachment_id());
   ASSERT_TRUE(g.ok()) << g.status();
-  EXPECT_EQ(g->buffer_bytes, want);
+  EXPECT_EQ(g->BufferBytes(), want);
   EXPECT_EQ(g->slots_per_head, 8u);
   EXPECT_EQ(g->heads, uint32_t(kH));
   EXPECT_EQ(g->delivery, v1::DELIVERY_MODE_UCX_RMA);

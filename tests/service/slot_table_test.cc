@@ -140,7 +140,7 @@ TEST(SlotLayoutTest, RowsAreRowMajorAndFillTheBuffer) {
   EXPECT_EQ(g->slots_per_head, 4u);
   EXPECT_EQ(a->slots_per_head(), 4u);
   EXPECT_EQ(a->slot_buffer_bytes(), g->BufferBytes());
-  EXPECT_EQ(g->buffer_bytes, uint64_t{uint32_t(hx.model.num_layers())} * s.h * 4 *
+  EXPECT_EQ(g->BufferBytes(), uint64_t{uint32_t(hx.model.num_layers())} * s.h * 4 *
                                  a->chunk_size() * s.d * 2);
 }
 

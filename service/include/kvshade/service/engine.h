@@ -105,7 +105,6 @@ class Engine {
   // The slot-buffer geometry of an attachment the tenant owns, for data planes that write
   // into a worker's registered slot buffers (v1.CudaIpcSlotBuffers has the layout).
   struct SlotGeometry : SlotLayout {
-    uint64_t buffer_bytes = 0;    // bytes of each of K and V (SlotLayout::BufferBytes)
     v1::DeliveryMode delivery = v1::DELIVERY_MODE_INLINE;
   };
   absl::StatusOr<SlotGeometry> AttachmentSlots(const Tenant& t, const std::string& attachment_id);
