@@ -153,12 +153,11 @@ absl::StatusOr<v1::GetStaticSetResponse> Engine::GetStaticSet(const Tenant& t,
                                                               const v1::GetStaticSetRequest& r) {
   return impl_->GetStaticSet(t, r);
 }
-absl::StatusOr<v1::SelectAndReconstructResponse> Engine::SelectAndReconstruct(
-    const Tenant& t, const v1::SelectAndReconstructRequest& r) {
-  return impl_->SelectAndReconstruct(t, r);
+absl::Status Engine::Select(const Tenant& t, const SelectRequestView& r, SelectResult* out) {
+  return impl_->Select(t, r, out);
 }
-absl::StatusOr<v1::AttendResponse> Engine::Attend(const Tenant& t, const v1::AttendRequest& r) {
-  return impl_->Attend(t, r);
+absl::Status Engine::Attend(const Tenant& t, const AttendRequestView& r, AttendResult* out) {
+  return impl_->Attend(t, r, out);
 }
 absl::StatusOr<v1::SessionExport> Engine::ExportSession(const Tenant& t,
                                                         const v1::ExportSessionRequest& r) {
@@ -201,6 +200,7 @@ EngineImpl::~EngineImpl() {
   bg_cv_.notify_all();
   if (bg_thread_.joinable()) bg_thread_.join();
   StopWalSync();
+  for (kernels::Stream st : idle_streams_) (void)backend_->DestroyStream(st);
   // Durable segments stay in the spill tier when the process ends; cached ones are
   // dropped by the spill tier at its next open.
   if (store_link_) store_link_->keep = true;
@@ -312,6 +312,43 @@ absl::Status EngineImpl::Download(void* host, const void* src, size_t bytes) {
   KVSHADE_RETURN_IF_ERROR(backend_->Synchronize());
   KVSHADE_RETURN_IF_ERROR(backend_->CopyToHost(host, src, bytes));
   return backend_->Synchronize();
+}
+
+absl::StatusOr<DeviceBlock> EngineImpl::UploadOn(kernels::Stream stream, const void* host,
+                                                 size_t bytes, ArenaKind kind) {
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock b, Alloc(bytes, kind));
+  if (bytes > 0) KVSHADE_RETURN_IF_ERROR(backend_->CopyFromHost(b.data(), host, bytes, stream));
+  return b;
+}
+
+absl::Status EngineImpl::DownloadOn(kernels::Stream stream, void* host, const void* src,
+                                    size_t bytes) {
+  if (bytes == 0) return absl::OkStatus();
+  KVSHADE_RETURN_IF_ERROR(backend_->CopyToHost(host, src, bytes, stream));
+  return backend_->Synchronize(stream);
+}
+
+EngineImpl::StreamLease::StreamLease(EngineImpl& e) : e_(e) {
+  {
+    std::lock_guard<std::mutex> lock(e.streams_mu_);
+    if (!e.idle_streams_.empty()) {
+      s_ = e.idle_streams_.back();
+      e.idle_streams_.pop_back();
+      return;
+    }
+  }
+  if (e.backend_->space() == kernels::MemorySpace::kHost) return;  // runs to completion anyway
+  // A stream that cannot be made leaves the request on the default stream (correct,
+  // only without overlap).
+  if (auto st = e.backend_->CreateStream(); st.ok()) s_ = *st;
+}
+
+EngineImpl::StreamLease::~StreamLease() {
+  if (s_.handle == nullptr) return;
+  // A request that failed half-way may have left work queued: the next one starts clean.
+  (void)e_.backend_->Synchronize(s_);
+  std::lock_guard<std::mutex> lock(e_.streams_mu_);
+  e_.idle_streams_.push_back(s_);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -919,6 +956,7 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer) {
   StaticCache& c = s.cache[layer];
   const int h = s.model.shape.h, d = s.model.shape.d;
   const size_t row = size_t(d);
+  bool rebuilt = false;
   if (c.static_version != s.static_version) {
     // Per head: every segment's static rows (exact, or dequantized INT2), in chain order.
     std::vector<std::vector<kernels::bf16>> hk(h), hv(h);
@@ -960,6 +998,7 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer) {
       KVSHADE_ASSIGN_OR_RETURN(c.lengths, Upload(c.host_lengths.data(), h * 4, ArenaKind::kStatic));
     }
     c.static_version = s.static_version;
+    rebuilt = true;
     c.tail_version = ~0ull;  // segment remainders live in the tail part: rebuild it too
   }
   if (c.tail_version != s.tail_version) {
@@ -995,7 +1034,10 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer) {
       KVSHADE_ASSIGN_OR_RETURN(c.tv, Upload(c.host_tv.data(), Bf16Bytes(c.host_tv.size()), ArenaKind::kStatic));
     }
     c.tail_version = s.tail_version;
+    rebuilt = true;
   }
+  // The uploads ran on the default stream; decode requests read the cache on their own.
+  if (rebuilt) KVSHADE_RETURN_IF_ERROR(backend_->Synchronize());
   return &c;
 }
 

@@ -137,9 +137,8 @@ class EngineImpl {
   // --- select.cc ---
   absl::StatusOr<v1::GetStaticSetResponse> GetStaticSet(const Tenant& t,
                                                         const v1::GetStaticSetRequest& r);
-  absl::StatusOr<v1::SelectAndReconstructResponse> SelectAndReconstruct(
-      const Tenant& t, const v1::SelectAndReconstructRequest& r);
-  absl::StatusOr<v1::AttendResponse> Attend(const Tenant& t, const v1::AttendRequest& r);
+  absl::Status Select(const Tenant& t, const SelectRequestView& r, SelectResult* out);
+  absl::Status Attend(const Tenant& t, const AttendRequestView& r, AttendResult* out);
   // --- peer_memory.cc: worker GPU memory named by CUDA IPC handles (same-node ingest) ---
   absl::StatusOr<kernels::PeerBuffer> AcquirePeer(const std::string& handle);
   void ReleasePeer(const std::string& handle);
@@ -163,6 +162,27 @@ class EngineImpl {
   absl::StatusOr<DeviceBlock> Alloc(size_t bytes, storage::ArenaKind kind);
   absl::StatusOr<DeviceBlock> Upload(const void* host, size_t bytes, storage::ArenaKind kind);
   absl::Status Download(void* host, const void* src, size_t bytes);
+  // The same in the order of `stream` (the decode path's per-request streams); DownloadOn
+  // returns once the bytes are on the host.
+  absl::StatusOr<DeviceBlock> UploadOn(kernels::Stream stream, const void* host, size_t bytes,
+                                       storage::ArenaKind kind);
+  absl::Status DownloadOn(kernels::Stream stream, void* host, const void* src, size_t bytes);
+  // A stream of the decode pool for one request (created on first need, returned by the
+  // lease's destructor), so that concurrent decode requests overlap on the device instead
+  // of serialising on device-wide synchronizes. The CPU backend's default stream when the
+  // backend makes none.
+  class StreamLease {
+   public:
+    explicit StreamLease(EngineImpl& e);
+    ~StreamLease();
+    StreamLease(const StreamLease&) = delete;
+    StreamLease& operator=(const StreamLease&) = delete;
+    kernels::Stream get() const { return s_; }
+
+   private:
+    EngineImpl& e_;
+    kernels::Stream s_;
+  };
   // Absolute positions first .. first+n-1 as int64 in backend memory (RoPE and
   // observation kernels read positions from the backend's memory space).
   absl::StatusOr<DeviceBlock> DevicePositions(int64_t first, int64_t n);
@@ -211,6 +231,10 @@ class EngineImpl {
   std::unique_ptr<KvEventPublisher> kv_events_;
   storage::PrefixIndex prefix_;
   SessionManager sessions_;
+
+  // Decode streams not leased right now (StreamLease); destroyed with the engine.
+  std::mutex streams_mu_;
+  std::vector<kernels::Stream> idle_streams_;
 
   base::Mutex seg_mu_;
   absl::flat_hash_map<storage::SegmentId, std::shared_ptr<const Segment>> registered_

@@ -354,34 +354,58 @@ absl::StatusOr<std::vector<bf16>> DecodeTensor(const v1::Tensor& t, absl::Span<c
   return out;
 }
 
+TensorView ViewOf(const v1::Tensor& t) {
+  TensorView v;
+  v.dtype = t.dtype();
+  if (t.shape_size() > TensorView::kMaxRank) {  // no shape check can pass
+    v.rank = TensorView::kMaxRank;
+    for (int64_t& s : v.shape) s = -1;
+  } else {
+    v.rank = t.shape_size();
+    for (int i = 0; i < v.rank; ++i) v.shape[i] = t.shape(i);
+  }
+  v.data = t.data();
+  return v;
+}
+
 absl::Status DecodeTensorInto(const v1::Tensor& t, absl::Span<const int64_t> shape,
                               v1::DType dtype, std::string_view what, absl::Span<bf16> out) {
-  const std::string name(what);
-  if (t.dtype() != dtype) {
-    return Bad(absl::StrCat(name, ".dtype"),
-               absl::StrCat("must be ", v1::DType_Name(dtype), " (the model's dtype), got ",
-                            v1::DType_Name(t.dtype())));
-  }
-  bool same = t.shape_size() == static_cast<int>(shape.size());
-  for (int i = 0; same && i < t.shape_size(); ++i) same = t.shape(i) == shape[i];
-  if (!same) {
-    return Bad(absl::StrCat(name, ".shape"),
+  if (t.shape_size() > TensorView::kMaxRank) {
+    return Bad(absl::StrCat(std::string(what), ".shape"),
                absl::StrCat("must be ", ShapeString(shape), ", got ",
                             ShapeString(absl::MakeConstSpan(t.shape().data(), t.shape_size()))));
+  }
+  return DecodeTensorInto(ViewOf(t), shape, dtype, what, out);
+}
+
+absl::Status DecodeTensorInto(const TensorView& t, absl::Span<const int64_t> shape,
+                              v1::DType dtype, std::string_view what, absl::Span<bf16> out) {
+  const std::string name(what);
+  if (t.dtype != dtype) {
+    return Bad(absl::StrCat(name, ".dtype"),
+               absl::StrCat("must be ", v1::DType_Name(dtype), " (the model's dtype), got ",
+                            v1::DType_IsValid(t.dtype) ? v1::DType_Name(t.dtype)
+                                                       : absl::StrCat(static_cast<int>(t.dtype))));
+  }
+  bool same = t.rank == static_cast<int>(shape.size());
+  for (int i = 0; same && i < t.rank; ++i) same = t.shape[i] == shape[i];
+  if (!same) {
+    return Bad(absl::StrCat(name, ".shape"),
+               absl::StrCat("must be ", ShapeString(shape), ", got ", ShapeString(t.dims())));
   }
   size_t count = 1;
   for (int64_t s : shape) count *= static_cast<size_t>(s);
   const size_t eb = DTypeBytes(dtype);
-  if (t.data().size() != count * eb) {
+  if (t.data.size() != count * eb) {
     return Bad(absl::StrCat(name, ".data"),
                absl::StrCat("must hold ", count * eb, " bytes for shape ", ShapeString(shape), " of ",
-                            v1::DType_Name(dtype), ", got ", t.data().size()));
+                            v1::DType_Name(dtype), ", got ", t.data.size()));
   }
   if (out.size() != count) {  // a caller's bug, not the peer's
     return absl::InternalError(absl::StrCat("DecodeTensorInto(", name, "): destination holds ",
                                             out.size(), " values, the tensor ", count));
   }
-  const char* src = t.data().data();
+  const char* src = t.data.data();
   auto non_finite = [&](size_t i) {
     return Bad(name, absl::StrCat("holds a non-finite value at flat index ", i));
   };

@@ -17,6 +17,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "delivery.h"
 #include "engine_impl.h"
 #include "kvshade/base/status_macros.h"
 
@@ -26,8 +27,9 @@ namespace {
 using kernels::bf16;
 using storage::ArenaKind;
 
-// Reconstruct outputs of one sub-batch are bounded by this many bytes.
-constexpr size_t kReconstructScratchBytes = size_t{64} << 20;
+// Reconstruct outputs of one sub-batch are bounded by this many bytes (a batch of 24
+// Llama-3-8B-shaped queries at budget 256 needs 384 MiB: it runs as one).
+constexpr size_t kReconstructScratchBytes = size_t{1} << 30;
 
 struct Query {
   std::shared_ptr<Attachment> attachment;
@@ -39,22 +41,24 @@ struct Query {
 template <typename Q>
 absl::StatusOr<std::vector<Query>> Resolve(SessionManager& sm, const LimitsConfig& limits,
                                            const Tenant& t, uint32_t layer,
-                                           const google::protobuf::RepeatedPtrField<Q>& in) {
-  if (in.size() > static_cast<int>(limits.max_batch)) {
+                                           absl::Span<const Q> in) {
+  if (in.size() > limits.max_batch) {
     return absl::InvalidArgumentError(absl::StrCat("queries has ", in.size(),
                                                    " entries, over the limit max_batch = ",
                                                    limits.max_batch));
   }
   std::vector<Query> out;
-  absl::flat_hash_set<std::string> seen;
-  for (int i = 0; i < in.size(); ++i) {
+  out.reserve(in.size());
+  for (size_t i = 0; i < in.size(); ++i) {
     const Q& qi = in[i];
-    if (!seen.insert(qi.attachment_id()).second) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "queries[", i, "]: attachment '", qi.attachment_id(),
-          "' appears more than once in the batch (one query per attachment per call)"));
+    for (size_t j = 0; j < i; ++j) {
+      if (in[j].attachment_id == qi.attachment_id) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "queries[", i, "]: attachment '", std::string(qi.attachment_id),
+            "' appears more than once in the batch (one query per attachment per call)"));
+      }
     }
-    auto a = sm.Use(t.name, qi.attachment_id());
+    auto a = sm.Use(t.name, std::string(qi.attachment_id));
     if (!a.ok()) {
       return absl::Status(a.status().code(),
                           absl::StrCat("queries[", i, "]: ", a.status().message()));
@@ -68,16 +72,17 @@ absl::StatusOr<std::vector<Query>> Resolve(SessionManager& sm, const LimitsConfi
                                                      " of session '", q.session->id,
                                                      "', got ", layer));
     }
-    if constexpr (std::is_same_v<Q, v1::SelectQuery>) {
-      if (TensorEmpty(qi.q()) && !TensorEmpty(qi.chunks())) {  // model-native: q unused
-        q.q.assign(size_t(m.shape.query_heads()) * m.shape.d, bf16{});
+    q.q.resize(size_t(m.shape.query_heads()) * m.shape.d);
+    if constexpr (std::is_same_v<Q, SelectQueryView>) {
+      if (qi.q.empty() && !qi.chunks.empty()) {  // model-native: q unused
+        std::fill(q.q.begin(), q.q.end(), bf16{});
         out.push_back(std::move(q));
         continue;
       }
     }
-    KVSHADE_ASSIGN_OR_RETURN(
-        q.q, DecodeTensor(qi.q(), {m.shape.query_heads(), m.shape.d}, m.dtype,
-                          absl::StrCat("queries[", i, "].q")));
+    const int64_t shape[2] = {m.shape.query_heads(), m.shape.d};
+    KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(qi.q, shape, m.dtype, absl::StrCat("queries[", i, "].q"),
+                                             absl::MakeSpan(q.q)));
     out.push_back(std::move(q));
   }
   return out;
@@ -153,16 +158,16 @@ constexpr int kMaxGuardBudget = 4096;
 
 // Model-native chunk ids of one query: an int32 tensor [h, m] with m <= k, each entry -1
 // or a chunk id in [0, total), distinct per head; returned as [h, k] rows, -1 padded.
-absl::StatusOr<std::vector<int32_t>> NativeChunks(const v1::Tensor& t, int h, int k, int total,
+absl::StatusOr<std::vector<int32_t>> NativeChunks(const TensorView& t, int h, int k, int total,
                                                   const std::string& what) {
-  if (t.dtype() != v1::DTYPE_INT32 || t.shape_size() != 2 || t.shape(0) != h || t.shape(1) < 0 ||
-      t.shape(1) > k) {
+  if (t.dtype != v1::DTYPE_INT32 || t.rank != 2 || t.shape[0] != h || t.shape[1] < 0 ||
+      t.shape[1] > k) {
     return absl::InvalidArgumentError(absl::StrCat(
         what, " must be an INT32 tensor [h = ", h, ", m] with m <= slots per head (", k, ")"));
   }
-  const int64_t m = t.shape(1);
-  if (t.data().size() != size_t(h * m) * 4) {
-    return absl::InvalidArgumentError(absl::StrCat(what, " holds ", t.data().size(),
+  const int64_t m = t.shape[1];
+  if (t.data.size() != size_t(h * m) * 4) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " holds ", t.data.size(),
                                                    " bytes, expected ", h * m * 4));
   }
   std::vector<int32_t> out(size_t(h) * k, -1);
@@ -170,7 +175,7 @@ absl::StatusOr<std::vector<int32_t>> NativeChunks(const v1::Tensor& t, int h, in
     absl::flat_hash_set<int32_t> seen;
     for (int64_t x = 0; x < m; ++x) {
       int32_t c;
-      std::memcpy(&c, t.data().data() + (hh * m + x) * 4, 4);
+      std::memcpy(&c, t.data.data() + (hh * m + x) * 4, 4);
       if (c == -1) continue;
       if (c < -1 || c >= total) {
         return absl::InvalidArgumentError(absl::StrCat(what, "[", hh, ", ", x, "] = ", c,
@@ -195,8 +200,10 @@ struct SelectRun {
   DeviceBlock keys, values;  // [items, h, k, C, d] bf16
 };
 
-// Runs Select and Reconstruct over `items` (views, queries, slot tables in backend memory).
-static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, const SelectGroup& g,
+// Runs Select over `items` (views, queries, slot tables in backend memory) on `st`, brings
+// the selection to the host, and queues Reconstruct of the misses behind it (not waited
+// for: the delivery that reads the rows synchronizes once).
+static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, kernels::Stream st, const SelectGroup& g,
                                            std::vector<kernels::SelectItem>& sel,
                                            std::vector<kernels::ReconstructItem>& rec,
                                            const std::vector<std::vector<bf16>*>& queries,
@@ -206,9 +213,10 @@ static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, const SelectGroup& g,
   const int h = g.shape.h, k = g.k, n = static_cast<int>(sel.size());
   const size_t hk = size_t(h) * k;
   SelectRun run;
-  std::vector<bf16> qhost;
+  thread_local std::vector<bf16> qhost;  // kept between calls
+  qhost.clear();
   for (auto* q : queries) qhost.insert(qhost.end(), q->begin(), q->end());
-  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qd, e.Upload(qhost.data(), Bf16Bytes(qhost.size()), ArenaKind::kOther));
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qd, e.UploadOn(st, qhost.data(), Bf16Bytes(qhost.size()), ArenaKind::kOther));
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock outs, e.Alloc(size_t(n) * (3 * hk + h) * 4, ArenaKind::kOther));
   int32_t* base = Ptr<int32_t>(outs);
   const size_t qstride = size_t(g.shape.query_heads()) * g.shape.d;
@@ -219,31 +227,32 @@ static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, const SelectGroup& g,
     sel[i].miss_chunk = base + 2 * n * hk + i * hk;
     sel[i].miss_count = base + 3 * n * hk + i * h;
   }
+  std::vector<int32_t> all(size_t(n) * (3 * hk + h));
   {
     StageTimer timer(e.metrics_, "select");
     const bool plain = g.opts.candidates == 0 && g.opts.top_p == 0;
+    DeviceBlock ws;
     if (given != nullptr) {
       // Model-native: the callers' ids [h, k] go into `selected`, then the slot diff.
       for (int i = 0; i < n; ++i) {
-        KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(sel[i].selected, (*given)[i]->data(), hk * 4));
+        KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(sel[i].selected, (*given)[i]->data(), hk * 4, st));
       }
       const size_t wsb = e.backend_->AssignSlotsWorkspaceBytes(g.shape, k, sel);
-      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
-      KVSHADE_RETURN_IF_ERROR(e.backend_->AssignSlots(g.shape, k, sel, kernels::Workspace{ws.data(), wsb}));
+      KVSHADE_ASSIGN_OR_RETURN(ws, e.Alloc(wsb, ArenaKind::kOther));
+      KVSHADE_RETURN_IF_ERROR(e.backend_->AssignSlots(g.shape, k, sel, kernels::Workspace{ws.data(), wsb}, st));
     } else if (plain) {
       const size_t wsb = e.backend_->SelectWorkspaceBytes(g.shape, k, sel);
-      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
-      KVSHADE_RETURN_IF_ERROR(e.backend_->Select(g.shape, k, sel, kernels::Workspace{ws.data(), wsb}));
+      KVSHADE_ASSIGN_OR_RETURN(ws, e.Alloc(wsb, ArenaKind::kOther));
+      KVSHADE_RETURN_IF_ERROR(e.backend_->Select(g.shape, k, sel, kernels::Workspace{ws.data(), wsb}, st));
     } else {
       const size_t wsb = e.backend_->SelectExWorkspaceBytes(g.shape, k, g.opts, sel);
-      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
+      KVSHADE_ASSIGN_OR_RETURN(ws, e.Alloc(wsb, ArenaKind::kOther));
       KVSHADE_RETURN_IF_ERROR(
-          e.backend_->SelectEx(g.shape, k, g.opts, sel, kernels::Workspace{ws.data(), wsb}));
+          e.backend_->SelectEx(g.shape, k, g.opts, sel, kernels::Workspace{ws.data(), wsb}, st));
     }
-    KVSHADE_RETURN_IF_ERROR(e.backend_->Synchronize());
+    // The one wait of the selection: its outputs come to the host.
+    KVSHADE_RETURN_IF_ERROR(e.DownloadOn(st, all.data(), base, all.size() * 4));
   }
-  std::vector<int32_t> all(size_t(n) * (3 * hk + h));
-  KVSHADE_RETURN_IF_ERROR(e.Download(all.data(), base, all.size() * 4));
   run.selected.assign(all.begin(), all.begin() + n * hk);
   run.miss_slot.assign(all.begin() + n * hk, all.begin() + 2 * n * hk);
   run.miss_chunk.assign(all.begin() + 2 * n * hk, all.begin() + 3 * n * hk);
@@ -267,20 +276,23 @@ static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, const SelectGroup& g,
   const size_t wsb = e.backend_->ReconstructWorkspaceBytes(g.shape, k, rec);
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
   KVSHADE_RETURN_IF_ERROR(e.backend_->Reconstruct(g.shape, g.C, k, g.rope, g.codec, rec,
-                                                  kernels::Workspace{ws.data(), wsb}));
-  KVSHADE_RETURN_IF_ERROR(e.backend_->Synchronize());
+                                                  kernels::Workspace{ws.data(), wsb}, st));
+  // The workspace is released when this returns: wait for the kernel that uses it. (The
+  // stage timer measures the kernel, as before; delivery then costs no further wait.)
+  KVSHADE_RETURN_IF_ERROR(e.backend_->Synchronize(st));
   return run;
 }
 
 // Makes sure an attachment's slot table for `layer` has k slots per head, keeping the
 // slots it had (the session only ever gains chunks, so k only grows).
-static absl::Status EnsureSlots(EngineImpl& e, Attachment& a, int layer, int h, int k) {
+static absl::Status EnsureSlots(EngineImpl& e, kernels::Stream st, Attachment& a, int layer,
+                                int h, int k) {
   SlotTable& t = a.slots[layer];
   if (t.slots && t.k == k) return absl::OkStatus();
   std::vector<int32_t> table(size_t(h) * k, -1);
   if (t.slots) {
     std::vector<int32_t> old(size_t(h) * t.k);
-    KVSHADE_RETURN_IF_ERROR(e.Download(old.data(), t.slots.data(), old.size() * 4));
+    KVSHADE_RETURN_IF_ERROR(e.DownloadOn(st, old.data(), t.slots.data(), old.size() * 4));
     const int keep = std::min(t.k, k);
     for (int hh = 0; hh < h; ++hh) {
       std::copy_n(old.begin() + size_t(hh) * t.k, keep, table.begin() + size_t(hh) * k);
@@ -288,7 +300,7 @@ static absl::Status EnsureSlots(EngineImpl& e, Attachment& a, int layer, int h, 
   }
   KVSHADE_ASSIGN_OR_RETURN(storage::ArenaBlock b,
                            e.arena_->Allocate(std::max<size_t>(table.size() * 4, 1), ArenaKind::kSlots));
-  KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(b.data(), table.data(), table.size() * 4));
+  KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(b.data(), table.data(), table.size() * 4, st));
   t.slots = DeviceBlock(std::move(b));
   t.k = k;
   return absl::OkStatus();
@@ -373,29 +385,10 @@ static absl::Status GuardStep(EngineImpl& e, Session& s, const SelectGroup& g, i
   return absl::OkStatus();
 }
 
-// CUDA IPC delivery of one item's misses: keys and values rows of `run` into the worker's
-// slot buffers (one scatter launch each), finished before the response leaves.
-static absl::Status DeliverRows(EngineImpl& e, const SelectRun& run, const PeerSlots& peer,
-                                const std::vector<int64_t>& src_rows,
-                                const std::vector<int64_t>& dst_rows, size_t row_bytes) {
-  const size_t n = src_rows.size();
-  std::vector<int64_t> rows(src_rows);
-  rows.insert(rows.end(), dst_rows.begin(), dst_rows.end());
-  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock idx, e.Upload(rows.data(), rows.size() * 8, ArenaKind::kOther));
-  const int64_t* src_d = Ptr<int64_t>(idx);
-  const int64_t* dst_d = src_d + n;
-  KVSHADE_RETURN_IF_ERROR(e.backend_->CopyRows(run.keys.data(), peer.k, row_bytes,
-                                               static_cast<int>(n), src_d, dst_d));
-  KVSHADE_RETURN_IF_ERROR(e.backend_->CopyRows(run.values.data(), peer.v, row_bytes,
-                                               static_cast<int>(n), src_d, dst_d));
-  return e.backend_->Synchronize();
-}
-
-absl::StatusOr<v1::SelectAndReconstructResponse> EngineImpl::SelectAndReconstruct(
-    const Tenant& t, const v1::SelectAndReconstructRequest& r) {
+absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, SelectResult* out) {
   KVSHADE_ASSIGN_OR_RETURN(std::vector<Query> qs,
-                           Resolve(sessions_, config_->limits, t, r.layer(), r.queries()));
-  const int layer = static_cast<int>(r.layer());
+                           Resolve(sessions_, config_->limits, t, r.layer, r.queries));
+  const int layer = static_cast<int>(r.layer);
   BatchLocks locks;
   KVSHADE_RETURN_IF_ERROR(locks.Lock(qs));
   std::vector<Attachment*> as;
@@ -404,32 +397,31 @@ absl::StatusOr<v1::SelectAndReconstructResponse> EngineImpl::SelectAndReconstruc
   std::vector<std::unique_lock<std::mutex>> alocks;
   for (Attachment* a : as) alocks.emplace_back(a->mu);
 
-  v1::SelectAndReconstructResponse resp;
-  std::vector<v1::SlotDelta*> deltas;
-  for (const Query& q : qs) {
-    v1::SlotDelta* d = resp.add_deltas();
-    d->set_attachment_id(q.attachment->id);
-    deltas.push_back(d);
-  }
-  // Views (pins held until the response is built) and groups.
+  StreamLease stream(*this);
+  const kernels::Stream st = stream.get();
+  out->Reset(qs.size());
+  // Views (pins held until the result is built) and groups.
   std::vector<LayerViewHold> holds(qs.size());
   std::vector<int> ks(qs.size(), 0);
   std::vector<std::vector<int32_t>> native(qs.size());  // model-native ids [h, k]
   std::map<std::string, SelectGroup> groups;
   for (size_t i = 0; i < qs.size(); ++i) {
     const Session& s = *qs[i].session;
+    SlotDeltaResult& delta = out->deltas[i];
+    delta.chunk_size = static_cast<uint32_t>(s.profile.chunk_size);
+    delta.head_dim = static_cast<uint32_t>(s.model.shape.d);
     if (s.profile.kind != v1::PROFILE_KIND_SHADOW) continue;  // no per-query selection
     KVSHADE_ASSIGN_OR_RETURN(holds[i], BuildView(s, layer));
     if (holds[i].total_chunks == 0) continue;
     ks[i] = std::min(s.profile.sparse_budget, holds[i].total_chunks);
-    const v1::SelectQuery& sq = r.queries(static_cast<int>(i));
-    const bool is_native = !TensorEmpty(sq.chunks());
+    const SelectQueryView& sq = r.queries[i];
+    const bool is_native = !sq.chunks.empty();
     if (is_native) {
-      KVSHADE_ASSIGN_OR_RETURN(native[i], NativeChunks(sq.chunks(), s.model.shape.h, ks[i],
+      KVSHADE_ASSIGN_OR_RETURN(native[i], NativeChunks(sq.chunks, s.model.shape.h, ks[i],
                                                        holds[i].total_chunks,
                                                        absl::StrCat("queries[", i, "].chunks")));
     }
-    KVSHADE_RETURN_IF_ERROR(EnsureSlots(*this, *qs[i].attachment, layer, s.model.shape.h, ks[i]));
+    KVSHADE_RETURN_IF_ERROR(EnsureSlots(*this, st, *qs[i].attachment, layer, s.model.shape.h, ks[i]));
     const kernels::SelectOptions opts = is_native ? kernels::SelectOptions{} : OptionsOf(s, ks[i]);
     SelectGroup& g = groups[GroupKey(s, ks[i], opts, is_native)];
     g.shape = s.model.shape;
@@ -459,77 +451,81 @@ absl::StatusOr<v1::SelectAndReconstructResponse> EngineImpl::SelectAndReconstruc
         queries.push_back(&qs[i].q);
         given.push_back(&native[i]);
       }
-      KVSHADE_ASSIGN_OR_RETURN(SelectRun run, RunSelect(*this, g, sel, rec, queries, true,
+      KVSHADE_ASSIGN_OR_RETURN(SelectRun run, RunSelect(*this, st, g, sel, rec, queries, true,
                                                         g.native ? &given : nullptr));
       const size_t hk = size_t(h) * k;
-      const size_t row = size_t(C) * d;
+      Delivery delivery(*this, st);
+      std::vector<int64_t> src_rows, dst_rows;
       for (size_t j = b0; j < b1; ++j) {
         const size_t i = g.items[j], jj = j - b0;
-        v1::SlotDelta* delta = deltas[i];
-        uint32_t selected = 0, misses = 0;
-        std::vector<bf16> keys, values;
-        // CUDA IPC delivery: rows of run.keys/values -> rows of the worker's slot buffers.
+        SlotDeltaResult& delta = out->deltas[i];
+        uint32_t selected = 0;
         const PeerSlots* peer = qs[i].attachment->peer_slots.get();
         const SlotLayout layout = SlotLayout::Of(qs[i].session->model, qs[i].session->profile);
-        std::vector<int64_t> src_rows, dst_rows;
+        src_rows.clear();
+        dst_rows.clear();
         for (int hh = 0; hh < h; ++hh) {
           for (int x = 0; x < k; ++x) selected += run.selected[jj * hk + hh * k + x] >= 0;
           const int mc = run.miss_count[jj * h + hh];
           for (int x = 0; x < mc; ++x) {
             const int32_t slot = run.miss_slot[jj * hk + hh * k + x];
-            delta->add_head(hh);
-            delta->add_slot(slot);
-            delta->add_chunk(run.miss_chunk[jj * hk + hh * k + x]);
+            delta.head.push_back(static_cast<uint32_t>(hh));
+            delta.slot.push_back(static_cast<uint32_t>(slot));
+            delta.chunk.push_back(run.miss_chunk[jj * hk + hh * k + x]);
+            // A head's misses are rows [0, mc) of its [k, C, d] block.
+            src_rows.push_back(int64_t(jj * hk) + hh * k + x);
             if (peer != nullptr) {
-              src_rows.push_back(int64_t(jj * hk) + hh * k + x);
               dst_rows.push_back(static_cast<int64_t>(layout.Row(layer, hh, slot)));
             }
           }
-          if (mc > 0 && peer == nullptr) {
-            // A head's misses are rows [0, mc) of its [k, C, d] block: one copy each.
-            const size_t off = (jj * hk + size_t(hh) * k) * row;
-            const size_t at = keys.size();
-            keys.resize(at + mc * row);
-            values.resize(at + mc * row);
-            KVSHADE_RETURN_IF_ERROR(Download(keys.data() + at, Ptr<bf16>(run.keys) + off, Bf16Bytes(mc * row)));
-            KVSHADE_RETURN_IF_ERROR(Download(values.data() + at, Ptr<bf16>(run.values) + off, Bf16Bytes(mc * row)));
-          }
-          misses += mc;
         }
-        if (peer != nullptr && !src_rows.empty()) {
-          KVSHADE_RETURN_IF_ERROR(DeliverRows(*this, run, *peer, src_rows, dst_rows, Bf16Bytes(row)));
+        if (peer != nullptr) {
+          delivery.ToPeer(*peer, src_rows, dst_rows, &delta);
+        } else {
+          delivery.ToReply(src_rows, &delta);
         }
-        EncodeBf16(keys, {int64_t(misses), C, d}, delta->mutable_keys());
-        EncodeBf16(values, {int64_t(misses), C, d}, delta->mutable_values());
-        delta->set_delivered(peer != nullptr);
+        delta.selected = selected;
+        delta.hits = selected - delta.misses();
+      }
+      if (run.keys) {
+        KVSHADE_RETURN_IF_ERROR(delivery.Run(Ptr<const bf16>(run.keys), Ptr<const bf16>(run.values),
+                                             Bf16Bytes(size_t(C) * d)));
+      } else {
+        for (size_t j = b0; j < b1; ++j) {  // no misses: nothing to copy
+          out->deltas[g.items[j]].delivered = qs[g.items[j]].attachment->peer_slots != nullptr;
+        }
+      }
+      for (size_t j = b0; j < b1; ++j) {
+        const size_t i = g.items[j], jj = j - b0;
+        SlotDeltaResult& delta = out->deltas[i];
         if (!g.native) {
           KVSHADE_RETURN_IF_ERROR(GuardStep(*this, *qs[i].session, g, layer, holds[i].view, qs[i].q,
                                             run.selected.data() + jj * hk, k, holds[i].total_chunks));
         }
-        delta->set_fallback(qs[i].session->selection.Fallback(layer));
-        delta->set_selected(selected);
-        delta->set_hits(selected - misses);
-        qs[i].attachment->selected += selected;
-        qs[i].attachment->hits += selected - misses;
-        total_selected += selected;
-        total_hits += selected - misses;
+        delta.fallback = qs[i].session->selection.Fallback(layer);
+        qs[i].attachment->selected += delta.selected;
+        qs[i].attachment->hits += delta.hits;
+        total_selected += delta.selected;
+        total_hits += delta.hits;
       }
     }
   }
   chunks_selected_ += total_selected;
   chunk_hits_ += total_hits;
   metrics_->ChunkSelection(total_selected, total_hits);
-  return resp;
+  return absl::OkStatus();
 }
 
-absl::StatusOr<v1::AttendResponse> EngineImpl::Attend(const Tenant& t, const v1::AttendRequest& r) {
+absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, AttendResult* out) {
   KVSHADE_ASSIGN_OR_RETURN(std::vector<Query> qs,
-                           Resolve(sessions_, config_->limits, t, r.layer(), r.queries()));
-  const int layer = static_cast<int>(r.layer());
+                           Resolve(sessions_, config_->limits, t, r.layer, r.queries));
+  const int layer = static_cast<int>(r.layer);
   BatchLocks locks;
   KVSHADE_RETURN_IF_ERROR(locks.Lock(qs));
   StageTimer timer(metrics_, "attend");
-  v1::AttendResponse resp;
+  StreamLease stream(*this);
+  const kernels::Stream st = stream.get();
+  out->Reset(qs.size());
   for (size_t i = 0; i < qs.size(); ++i) {
     Session& s = *qs[i].session;
     const kernels::LayerShape& shape = s.model.shape;
@@ -553,9 +549,8 @@ absl::StatusOr<v1::AttendResponse> EngineImpl::Attend(const Tenant& t, const v1:
       }
       if (s.open && s.open->layers[layer].n_tail > 0) parts.push_back(&s.open->layers[layer]);
       const int64_t tok = int64_t(h) * d;
-      const v1::AttendQuery& q_i = r.queries(static_cast<int>(i));
-      const size_t room = size_t(kernels::kMaxKvBlocks) -
-                          (TensorEmpty(q_i.k_new()) && TensorEmpty(q_i.v_new()) ? 0 : 1);
+      const AttendQueryView& q_i = r.queries[i];
+      const size_t room = size_t(kernels::kMaxKvBlocks) - (q_i.k_new.empty() && q_i.v_new.empty() ? 0 : 1);
       if (parts.size() <= room) {
         for (const LayerData* p : parts) {
           KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(p->tk), Ptr<const bf16>(p->tv),
@@ -568,11 +563,11 @@ absl::StatusOr<v1::AttendResponse> EngineImpl::Attend(const Tenant& t, const v1:
           const size_t at = hk.size();
           hk.resize(at + n);
           hv.resize(at + n);
-          KVSHADE_RETURN_IF_ERROR(Download(hk.data() + at, p->tk.data(), Bf16Bytes(n)));
-          KVSHADE_RETURN_IF_ERROR(Download(hv.data() + at, p->tv.data(), Bf16Bytes(n)));
+          KVSHADE_RETURN_IF_ERROR(DownloadOn(st, hk.data() + at, p->tk.data(), Bf16Bytes(n)));
+          KVSHADE_RETURN_IF_ERROR(DownloadOn(st, hv.data() + at, p->tv.data(), Bf16Bytes(n)));
         }
-        KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kb, Upload(hk.data(), Bf16Bytes(hk.size()), ArenaKind::kOther));
-        KVSHADE_ASSIGN_OR_RETURN(DeviceBlock vb, Upload(hv.data(), Bf16Bytes(hv.size()), ArenaKind::kOther));
+        KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kb, UploadOn(st, hk.data(), Bf16Bytes(hk.size()), ArenaKind::kOther));
+        KVSHADE_ASSIGN_OR_RETURN(DeviceBlock vb, UploadOn(st, hv.data(), Bf16Bytes(hv.size()), ArenaKind::kOther));
         KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(kb), Ptr<const bf16>(vb),
                                                            int64_t(hk.size() / tok), nullptr, d, tok}));
         keep.push_back(std::move(kb));
@@ -605,13 +600,13 @@ absl::StatusOr<v1::AttendResponse> EngineImpl::Attend(const Tenant& t, const v1:
           // 0.. in ascending chunk order, so each head's first miss_count*C rows are its
           // selected chunks.
           std::vector<int32_t> empty(size_t(h) * g.k, -1);
-          KVSHADE_ASSIGN_OR_RETURN(DeviceBlock slots, Upload(empty.data(), empty.size() * 4, ArenaKind::kOther));
+          KVSHADE_ASSIGN_OR_RETURN(DeviceBlock slots, UploadOn(st, empty.data(), empty.size() * 4, ArenaKind::kOther));
           std::vector<kernels::SelectItem> sel(1);
           std::vector<kernels::ReconstructItem> rec;
           sel[0].view = hold.view;
           sel[0].slots = Ptr<int32_t>(slots);
           std::vector<std::vector<bf16>*> queries = {&qs[i].q};
-          KVSHADE_ASSIGN_OR_RETURN(run, RunSelect(*this, g, sel, rec, queries, true));
+          KVSHADE_ASSIGN_OR_RETURN(run, RunSelect(*this, st, g, sel, rec, queries, true));
           KVSHADE_RETURN_IF_ERROR(GuardStep(*this, s, g, layer, hold.view, qs[i].q, run.selected.data(),
                                             g.k, hold.total_chunks));
           std::vector<int32_t> lens(h);
@@ -621,7 +616,7 @@ absl::StatusOr<v1::AttendResponse> EngineImpl::Attend(const Tenant& t, const v1:
             any += lens[hh];
           }
           if (any > 0) {
-            KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ld, Upload(lens.data(), lens.size() * 4, ArenaKind::kOther));
+            KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ld, UploadOn(st, lens.data(), lens.size() * 4, ArenaKind::kOther));
             KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{
                 Ptr<const bf16>(run.keys), Ptr<const bf16>(run.values), int64_t(g.k) * C,
                 Ptr<const int32_t>(ld), int64_t(g.k) * C * d, d}));
@@ -633,19 +628,21 @@ absl::StatusOr<v1::AttendResponse> EngineImpl::Attend(const Tenant& t, const v1:
     }
     // The step's new token, if given: rotated at the position after the session's last
     // token and attended as one more block (not stored).
-    const v1::AttendQuery& aq = r.queries(static_cast<int>(i));
-    if (!TensorEmpty(aq.k_new()) || !TensorEmpty(aq.v_new())) {
+    const AttendQueryView& aq = r.queries[i];
+    if (!aq.k_new.empty() || !aq.v_new.empty()) {
       const std::string what = absl::StrCat("queries[", i, "]");
-      KVSHADE_ASSIGN_OR_RETURN(std::vector<bf16> kn, DecodeTensor(aq.k_new(), {h, d}, s.model.dtype, what + ".k_new"));
-      KVSHADE_ASSIGN_OR_RETURN(std::vector<bf16> vn, DecodeTensor(aq.v_new(), {h, d}, s.model.dtype, what + ".v_new"));
+      const int64_t hd[2] = {h, d};
+      std::vector<bf16> kn(size_t(h) * d), vn(size_t(h) * d);
+      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(aq.k_new, hd, s.model.dtype, what + ".k_new", absl::MakeSpan(kn)));
+      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(aq.v_new, hd, s.model.dtype, what + ".v_new", absl::MakeSpan(vn)));
       if (item.n_blocks == kernels::kMaxKvBlocks) {
         return absl::InternalError("too many attention blocks for the new token");
       }
-      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kd, Upload(kn.data(), Bf16Bytes(kn.size()), ArenaKind::kOther));
-      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock vd, Upload(vn.data(), Bf16Bytes(vn.size()), ArenaKind::kOther));
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kd, UploadOn(st, kn.data(), Bf16Bytes(kn.size()), ArenaKind::kOther));
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock vd, UploadOn(st, vn.data(), Bf16Bytes(vn.size()), ArenaKind::kOther));
       const std::vector<int64_t> pos = {static_cast<int64_t>(s.tokens)};
       KVSHADE_RETURN_IF_ERROR(backend_->ApplyRope(s.model.rope, pos, h, d,
-                                                  absl::Span<bf16>(Ptr<bf16>(kd), kn.size())));
+                                                  absl::Span<bf16>(Ptr<bf16>(kd), kn.size()), st));
       KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(kd), Ptr<const bf16>(vd), 1,
                                                          nullptr, d, int64_t(h) * d}));
       keep.push_back(std::move(kd));
@@ -654,7 +651,7 @@ absl::StatusOr<v1::AttendResponse> EngineImpl::Attend(const Tenant& t, const v1:
     if (item.n_blocks == 0) {
       return absl::FailedPreconditionError(absl::StrCat("session '", s.id, "' has no tokens to attend"));
     }
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qd, Upload(qs[i].q.data(), Bf16Bytes(qs[i].q.size()), ArenaKind::kOther));
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qd, UploadOn(st, qs[i].q.data(), Bf16Bytes(qs[i].q.size()), ArenaKind::kOther));
     const size_t out_n = size_t(shape.query_heads()) * d;
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock od, Alloc((out_n + shape.query_heads()) * 4, ArenaKind::kOther));
     item.q = Ptr<const bf16>(qd);
@@ -664,15 +661,15 @@ absl::StatusOr<v1::AttendResponse> EngineImpl::Attend(const Tenant& t, const v1:
     const size_t wsb = backend_->AttendWorkspaceBytes(shape, items);
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, Alloc(wsb, ArenaKind::kOther));
     KVSHADE_RETURN_IF_ERROR(backend_->Attend(shape, 1.0f / std::sqrt(float(d)), items,
-                                             kernels::Workspace{ws.data(), wsb}));
-    std::vector<float> out(out_n + shape.query_heads());
-    KVSHADE_RETURN_IF_ERROR(Download(out.data(), od.data(), out.size() * 4));
-    std::vector<float> lse(out.begin() + out_n, out.end());
-    out.resize(out_n);
-    EncodeF32(out, {shape.query_heads(), d}, resp.add_outputs());
-    EncodeF32(lse, {shape.query_heads()}, resp.add_lse());
+                                             kernels::Workspace{ws.data(), wsb}, st));
+    std::vector<float>& o = out->outputs[i];
+    std::vector<float>& lse = out->lse[i];
+    o.resize(out_n);
+    lse.resize(shape.query_heads());
+    KVSHADE_RETURN_IF_ERROR(backend_->CopyToHost(o.data(), od.data(), out_n * 4, st));
+    KVSHADE_RETURN_IF_ERROR(DownloadOn(st, lse.data(), Ptr<float>(od) + out_n, lse.size() * 4));
   }
-  return resp;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<v1::GetStaticSetResponse> EngineImpl::GetStaticSet(const Tenant& t,

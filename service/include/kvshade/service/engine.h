@@ -1,7 +1,9 @@
 // Engine: everything the kvshade.v1.KvShade service does, without the transport. Each
-// operation takes the authenticated Tenant and a v1 request and returns the v1 response
-// or an absl::Status whose code is the gRPC code to answer with (validation in model.h;
-// rules in service/README.md "Sessions and workers").
+// operation takes the authenticated Tenant and returns an absl::Status whose code is the
+// gRPC code to answer with (validation in model.h; rules in service/README.md "Sessions
+// and workers"). The decode path (Select, Attend) speaks the domain types of decode.h,
+// views over the caller's bytes, so that the UCX data plane's binary frames reach it
+// without a message in between; the control calls take and return v1 messages.
 //
 // Storage it creates from the ServerConfig: the DeviceArena (device_budget_bytes; factors,
 // landmarks, static sets, slot tables, per-call scratch), the HostValueStore
@@ -27,6 +29,7 @@
 #include "kvshade/kernels/backend.h"
 #include "kvshade/service/auth.h"
 #include "kvshade/service/config.h"
+#include "kvshade/service/decode.h"
 #include "kvshade/service/metrics.h"
 #include "kvshade/service/session_manager.h"
 #include "kvshade/service/slot_layout.h"
@@ -94,6 +97,11 @@ class Engine {
                                                         const v1::GetStaticSetRequest& r);
   // Reads back (and with `reset`, empties) an attachment's slot tables (slot_table.cc).
   absl::StatusOr<v1::SlotTableResponse> SlotTable(const Tenant& t, const v1::SlotTableRequest& r);
+  // The decode path in domain types (decode.h): the data planes' entry points. `out` is
+  // reset and filled; on error its contents are unspecified. Rules as the v1 RPCs.
+  absl::Status Select(const Tenant& t, const SelectRequestView& r, SelectResult* out);
+  absl::Status Attend(const Tenant& t, const AttendRequestView& r, AttendResult* out);
+  // The same for v1 messages (wire.cc translates both ways; the gRPC service's form).
   absl::StatusOr<v1::SelectAndReconstructResponse> SelectAndReconstruct(
       const Tenant& t, const v1::SelectAndReconstructRequest& r);
   absl::StatusOr<v1::AttendResponse> Attend(const Tenant& t, const v1::AttendRequest& r);

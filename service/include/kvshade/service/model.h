@@ -13,6 +13,7 @@
 #include "absl/types/span.h"
 #include "kvshade/kernels/backend.h"
 #include "kvshade/service/config.h"
+#include "kvshade/service/decode.h"
 #include "kvshade/v1/kvshade.pb.h"
 
 namespace kvshade::service {
@@ -90,6 +91,13 @@ absl::StatusOr<std::vector<kernels::bf16>> DecodeTensor(const v1::Tensor& t,
 absl::Status DecodeTensorInto(const v1::Tensor& t, absl::Span<const int64_t> shape,
                               v1::DType dtype, std::string_view what,
                               absl::Span<kernels::bf16> out);
+// The same over a caller-owned view (decode.h), the decode path's form.
+absl::Status DecodeTensorInto(const TensorView& t, absl::Span<const int64_t> shape,
+                              v1::DType dtype, std::string_view what,
+                              absl::Span<kernels::bf16> out);
+// A view of a v1 tensor's bytes (valid while `t` is); a shape of rank > kMaxRank becomes
+// [-1, -1, -1, -1], which no shape check accepts.
+TensorView ViewOf(const v1::Tensor& t);
 // True when the tensor carries no shape and no data (an omitted optional tensor).
 bool TensorEmpty(const v1::Tensor& t);
 

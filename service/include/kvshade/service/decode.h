@@ -1,0 +1,93 @@
+// The decode path's domain types: what Engine::Select and Engine::Attend take and fill.
+// Requests are views over caller-owned bytes (a wire frame, a proto's strings, a test's
+// vectors) that must stay valid for the call; nothing is copied before it is validated and
+// converted once into the backend's input. Results are plain structs the caller may keep
+// and pass again: their vectors are cleared, not freed, so a data plane that reuses one
+// result per connection allocates nothing per call in steady state.
+//
+// The wire adapters (gRPC: wire.cc over v1 messages; UCX: transport/frame.h binary frames)
+// translate at the edge into these types; the engine never sees a wire message on this
+// path.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/types/span.h"
+#include "kvshade/kernels/types.h"
+#include "kvshade/v1/kvshade.pb.h"  // the DType enum only
+
+namespace kvshade::service {
+
+// A tensor the caller owns: dtype, shape and raw little-endian bytes. Empty (rank 0 and no
+// bytes) means "not given".
+struct TensorView {
+  static constexpr int kMaxRank = 4;
+  v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+  int rank = 0;
+  int64_t shape[kMaxRank] = {0, 0, 0, 0};
+  std::string_view data;
+
+  bool empty() const { return rank == 0 && data.empty(); }
+  absl::Span<const int64_t> dims() const { return {shape, static_cast<size_t>(rank)}; }
+};
+
+// --- SelectAndReconstruct ---------------------------------------------------------------
+
+struct SelectQueryView {
+  std::string_view attachment_id;
+  TensorView q;       // [hq, d] post-RoPE, the model's dtype
+  TensorView chunks;  // model-native selection: INT32 [h, m], m <= slots per head; else empty
+};
+
+struct SelectRequestView {
+  uint32_t layer = 0;
+  absl::Span<const SelectQueryView> queries;
+};
+
+// One query's slot-table change (v1.SlotDelta has the meaning of every field).
+struct SlotDeltaResult {
+  std::vector<uint32_t> head, slot;
+  std::vector<int32_t> chunk;
+  // The misses' rows [misses, C, d] bf16, in delta order, when they travel in the reply
+  // (inline delivery, and UCX RMA, whose adapter puts them); empty when `delivered`.
+  std::vector<kernels::bf16> keys, values;
+  uint32_t chunk_size = 0, head_dim = 0;
+  uint32_t selected = 0, hits = 0;
+  bool delivered = false;  // written into the worker's slot buffers (CUDA IPC)
+  bool fallback = false;    // the recall guard widened or opened this layer
+
+  uint32_t misses() const { return static_cast<uint32_t>(head.size()); }
+  void Clear();
+};
+
+struct SelectResult {
+  std::vector<SlotDeltaResult> deltas;  // one per query, in request order
+  // Sizes `deltas` to n, clearing each (capacity kept).
+  void Reset(size_t n);
+};
+
+// --- Attend ------------------------------------------------------------------------------
+
+struct AttendQueryView {
+  std::string_view attachment_id;
+  TensorView q;      // [hq, d] post-RoPE
+  TensorView k_new;  // optional: this step's token, pre-RoPE [h, d]
+  TensorView v_new;  // optional: [h, d]
+};
+
+struct AttendRequestView {
+  uint32_t layer = 0;
+  absl::Span<const AttendQueryView> queries;
+};
+
+struct AttendResult {
+  // Per query (of its session's shape): output [hq, d] fp32 and log-sum-exp [hq] fp32
+  // (natural log; -inf for none).
+  std::vector<std::vector<float>> outputs, lse;
+  void Reset(size_t n);
+};
+
+}  // namespace kvshade::service
