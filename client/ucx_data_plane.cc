@@ -10,12 +10,14 @@
 #include <future>
 
 #include "absl/strings/str_cat.h"
+#include "kvshade/transport/decode_frame.h"
 #include "kvshade/transport/frame.h"
 #include "kvshade/transport/ucx_core.h"
 
 namespace kvshade::client {
 
 namespace ucx = kvshade::transport::ucx;
+namespace frame = kvshade::transport::frame;
 using SteadyClock = std::chrono::steady_clock;
 
 struct UcxDataPlane::SlotBuffers {
@@ -53,6 +55,9 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Open(const std::stri
   std::map<unsigned, ucx::UcxLoop::Handler> handlers;
   handlers[ucx::kReply] = [self](ucx::AmMessage&& m) {
     self->OnReply(std::move(m.header), std::move(m.payload), m.oversize);
+  };
+  handlers[ucx::kFrameReply] = [self](ucx::AmMessage&& m) {
+    self->OnFrameReply(std::move(m.header), std::move(m.payload), m.oversize);
   };
   // The tick enforces call deadlines and notices a failed endpoint while idle.
   auto loop = ucx::UcxLoop::Start(options.transports, std::move(handlers),
@@ -276,40 +281,225 @@ absl::StatusOr<UcxDataPlane::Reply> UcxDataPlane::Call(unsigned am_id, const std
 
 // --- Decode -------------------------------------------------------------------------------
 
+namespace {
+
+// A request tensor as a frame tensor: [rows, cols] whose bytes match its shape (the frame
+// carries no separate length), or absent.
+absl::StatusOr<frame::TensorRef> FrameTensorOf(const v1::Tensor& t, const std::string& what) {
+  frame::TensorRef r;
+  if (t.shape_size() == 0 && t.data().empty()) return r;
+  const size_t eb = frame::ElementBytes(static_cast<uint8_t>(t.dtype()));
+  if (t.shape_size() != 2 || t.shape(0) < 0 || t.shape(1) < 0 || t.shape(0) > UINT32_MAX ||
+      t.shape(1) > UINT32_MAX || eb == 0 || t.has_cuda_ipc()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " must be an inline 2-D tensor of BF16, FP16, FP32 or INT32 (shape has ",
+        t.shape_size(), " dimensions, dtype ", v1::DType_Name(t.dtype()), ")"));
+  }
+  r.dtype = static_cast<uint8_t>(t.dtype());
+  r.rows = static_cast<uint32_t>(t.shape(0));
+  r.cols = static_cast<uint32_t>(t.shape(1));
+  if (t.data().size() != uint64_t{r.rows} * r.cols * eb) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ".data must hold ",
+                                                   uint64_t{r.rows} * r.cols * eb, " bytes for shape [",
+                                                   r.rows, ", ", r.cols, "], got ", t.data().size()));
+  }
+  r.data = t.data();
+  return r;
+}
+
+absl::StatusOr<std::string> SelectBody(const v1::SelectAndReconstructRequest& req) {
+  std::string body;
+  for (int i = 0; i < req.queries_size(); ++i) {
+    const v1::SelectQuery& q = req.queries(i);
+    frame::QueryRef ref;
+    ref.attachment_id = q.attachment_id();
+    const std::string at = absl::StrCat("queries[", i, "]");
+    auto qt = FrameTensorOf(q.q(), at + ".q");
+    if (!qt.ok()) return qt.status();
+    auto ct = FrameTensorOf(q.chunks(), at + ".chunks");
+    if (!ct.ok()) return ct.status();
+    ref.q = *qt;
+    ref.extra[0] = *ct;
+    frame::AppendQuery(ref, &body);
+  }
+  return body;
+}
+
+absl::StatusOr<std::string> AttendBody(const v1::AttendRequest& req) {
+  std::string body;
+  for (int i = 0; i < req.queries_size(); ++i) {
+    const v1::AttendQuery& q = req.queries(i);
+    frame::QueryRef ref;
+    ref.attachment_id = q.attachment_id();
+    const std::string at = absl::StrCat("queries[", i, "]");
+    auto qt = FrameTensorOf(q.q(), at + ".q");
+    if (!qt.ok()) return qt.status();
+    auto kt = FrameTensorOf(q.k_new(), at + ".k_new");
+    if (!kt.ok()) return kt.status();
+    auto vt = FrameTensorOf(q.v_new(), at + ".v_new");
+    if (!vt.ok()) return vt.status();
+    ref.q = *qt;
+    ref.extra[0] = *kt;
+    ref.extra[1] = *vt;
+    frame::AppendQuery(ref, &body);
+  }
+  return body;
+}
+
+void SetTensor(v1::Tensor* t, v1::DType dtype, std::initializer_list<int64_t> shape,
+               std::string_view data) {
+  for (int64_t d : shape) t->add_shape(d);
+  t->set_dtype(dtype);
+  t->set_data(data.data(), data.size());
+}
+
+absl::StatusOr<v1::SelectAndReconstructResponse> SelectReply(
+    const absl::StatusOr<UcxDataPlane::Reply>& r, const v1::SelectAndReconstructRequest& req) {
+  if (!r.ok()) return r.status();
+  if (r->code != 0) return absl::Status(static_cast<absl::StatusCode>(r->code), r->payload);
+  if (r->count != static_cast<uint32_t>(req.queries_size())) {
+    return absl::InternalError(absl::StrCat("UCX SelectAndReconstruct: the reply has ", r->count,
+                                            " deltas for ", req.queries_size(), " queries"));
+  }
+  auto deltas = frame::ParseDeltas(r->payload, r->count);
+  if (!deltas.ok()) return absl::InternalError(deltas.status().message());
+  v1::SelectAndReconstructResponse resp;
+  for (size_t i = 0; i < deltas->size(); ++i) {
+    const frame::Delta& d = (*deltas)[i];
+    v1::SlotDelta* out = resp.add_deltas();
+    out->set_attachment_id(req.queries(static_cast<int>(i)).attachment_id());
+    out->mutable_head()->Add(d.head.begin(), d.head.end());
+    out->mutable_slot()->Add(d.slot.begin(), d.slot.end());
+    out->mutable_chunk()->Add(d.chunk.begin(), d.chunk.end());
+    const int64_t m = static_cast<int64_t>(d.head.size());
+    SetTensor(out->mutable_keys(), v1::DTYPE_BF16, {m, d.chunk_size, d.head_dim}, d.keys);
+    SetTensor(out->mutable_values(), v1::DTYPE_BF16, {m, d.chunk_size, d.head_dim}, d.values);
+    out->set_delivered(d.delivered);
+    out->set_fallback(d.fallback);
+    out->set_selected(d.selected);
+    out->set_hits(d.hits);
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::AttendResponse> AttendReply(const absl::StatusOr<UcxDataPlane::Reply>& r,
+                                               const v1::AttendRequest& req) {
+  if (!r.ok()) return r.status();
+  if (r->code != 0) return absl::Status(static_cast<absl::StatusCode>(r->code), r->payload);
+  if (r->count != static_cast<uint32_t>(req.queries_size())) {
+    return absl::InternalError(absl::StrCat("UCX Attend: the reply has ", r->count,
+                                            " outputs for ", req.queries_size(), " queries"));
+  }
+  auto outs = frame::ParseOutputs(r->payload, r->count);
+  if (!outs.ok()) return absl::InternalError(outs.status().message());
+  v1::AttendResponse resp;
+  for (const frame::OutputRef& o : *outs) {
+    SetTensor(resp.add_outputs(), v1::DTYPE_FP32, {o.query_heads, o.head_dim}, o.output);
+    SetTensor(resp.add_lse(), v1::DTYPE_FP32, {o.query_heads}, o.lse);
+  }
+  return resp;
+}
+
+}  // namespace
+
 absl::StatusOr<v1::SelectAndReconstructResponse> UcxDataPlane::SelectAndReconstruct(
     const v1::SelectAndReconstructRequest& req) {
-  auto r = Call(ucx::kSelect, "", key_, req.SerializeAsString());
-  if (absl::Status st = ReplyStatus(r); !st.ok()) return st;
-  return ParseReply<v1::SelectAndReconstructResponse>(r->payload, "SelectAndReconstruct");
+  auto body = SelectBody(req);
+  if (!body.ok()) return body.status();
+  return SelectReply(CallFrame(frame::kSelect, key_, req.layer(), req.queries_size(), *std::move(body)), req);
 }
 
 void UcxDataPlane::SelectAndReconstructAsync(const v1::SelectAndReconstructRequest& req,
                                              Callback<v1::SelectAndReconstructResponse> done) {
-  CallAsync(ucx::kSelect, "", key_, req.SerializeAsString(), nullptr, {},
-            [done = std::move(done)](absl::StatusOr<Reply> r) {
-              if (absl::Status st = ReplyStatus(r); !st.ok()) {
-                done(st);
-                return;
-              }
-              done(ParseReply<v1::SelectAndReconstructResponse>(r->payload, "SelectAndReconstruct"));
-            });
+  auto body = SelectBody(req);
+  if (!body.ok()) {
+    done(body.status());
+    return;
+  }
+  CallFrameAsync(frame::kSelect, key_, req.layer(), req.queries_size(), *std::move(body),
+                 [req, done = std::move(done)](absl::StatusOr<Reply> r) { done(SelectReply(r, req)); });
 }
 
 absl::StatusOr<v1::AttendResponse> UcxDataPlane::Attend(const v1::AttendRequest& req) {
-  auto r = Call(ucx::kAttend, "", key_, req.SerializeAsString());
-  if (absl::Status st = ReplyStatus(r); !st.ok()) return st;
-  return ParseReply<v1::AttendResponse>(r->payload, "Attend");
+  auto body = AttendBody(req);
+  if (!body.ok()) return body.status();
+  return AttendReply(CallFrame(frame::kAttend, key_, req.layer(), req.queries_size(), *std::move(body)), req);
 }
 
 void UcxDataPlane::AttendAsync(const v1::AttendRequest& req, Callback<v1::AttendResponse> done) {
-  CallAsync(ucx::kAttend, "", key_, req.SerializeAsString(), nullptr, {},
-            [done = std::move(done)](absl::StatusOr<Reply> r) {
-              if (absl::Status st = ReplyStatus(r); !st.ok()) {
-                done(st);
-                return;
-              }
-              done(ParseReply<v1::AttendResponse>(r->payload, "Attend"));
-            });
+  auto body = AttendBody(req);
+  if (!body.ok()) {
+    done(body.status());
+    return;
+  }
+  CallFrameAsync(frame::kAttend, key_, req.layer(), req.queries_size(), *std::move(body),
+                 [req, done = std::move(done)](absl::StatusOr<Reply> r) { done(AttendReply(r, req)); });
+}
+
+void UcxDataPlane::CallFrameAsync(frame::Kind kind, const std::string& key, uint32_t layer,
+                                  uint32_t count, std::string body, Callback<Reply> done) {
+  if (ep_ == nullptr) {
+    done(absl::FailedPreconditionError("UCX: not connected"));
+    return;
+  }
+  if (failed()) {
+    done(absl::UnavailableError(failure()));
+    return;
+  }
+  const uint64_t id = next_id_.fetch_add(1);
+  frame::FrameHeader h;
+  h.kind = kind;
+  h.request_id = id;
+  h.key = key;
+  h.layer = layer;
+  h.count = count;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    pending_[id] = Pending{std::move(done), SteadyClock::now() + absl::ToChronoMilliseconds(options_.timeout)};
+  }
+  UcxDataPlane* self = this;
+  const unsigned am = kind == frame::kSelect ? ucx::kSelectFrame : ucx::kAttendFrame;
+  const bool posted = loop_->Post([self, id, am, hdr = frame::EncodeHeader(h), body = std::move(body)]() mutable {
+    absl::Status st = self->loop_->Send(self->ep_->get(), am, std::move(hdr), std::move(body));
+    if (!st.ok()) self->Complete(id, st);
+  });
+  if (!posted) Complete(id, absl::UnavailableError("UCX: the progress thread has stopped"));
+}
+
+absl::StatusOr<UcxDataPlane::Reply> UcxDataPlane::CallFrame(frame::Kind kind, const std::string& key,
+                                                            uint32_t layer, uint32_t count,
+                                                            std::string body) {
+  auto p = std::make_shared<std::promise<absl::StatusOr<Reply>>>();
+  auto f = p->get_future();
+  CallFrameAsync(kind, key, layer, count, std::move(body),
+                 [p](absl::StatusOr<Reply> r) { p->set_value(std::move(r)); });
+  return f.get();
+}
+
+absl::StatusOr<std::string> UcxDataPlane::RawFrameRequest(frame::Kind kind, const std::string& key,
+                                                          uint32_t layer, uint32_t count,
+                                                          std::string body) {
+  auto r = CallFrame(kind, key, layer, count, std::move(body));
+  if (!r.ok()) return r.status();
+  if (r->code != 0) return absl::Status(static_cast<absl::StatusCode>(r->code), r->payload);
+  return std::move(r->payload);
+}
+
+void UcxDataPlane::OnFrameReply(std::string header, std::string payload, size_t oversize) {
+  auto h = frame::DecodeHeader(header);
+  if (!h.ok() || h->kind != frame::kReply) return;
+  if (oversize > 0) {
+    Complete(h->request_id,
+             absl::ResourceExhaustedError(absl::StrCat(
+                 "UCX: the daemon's ", oversize, "-byte reply exceeds this client's limit (",
+                 options_.max_reply_bytes, " bytes)")));
+    return;
+  }
+  Reply r;
+  r.code = h->code;
+  r.count = h->count;
+  r.payload = std::move(payload);
+  Complete(h->request_id, std::move(r));
 }
 
 // --- Append -------------------------------------------------------------------------------

@@ -12,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvshade/service/engine.h"
 #include "kvshade/service/log.h"
+#include "delivery.h"
 #include "kvshade/transport/frame.h"
 #include "kvshade/v1/kvshade.pb.h"
 
@@ -27,6 +28,7 @@ constexpr size_t kMaxRegistrationsPerConnection = 4096;  // slot-buffer registra
 using SteadyClock = std::chrono::steady_clock;
 
 constexpr std::string_view kSelectMethod = "ucx/SelectAndReconstruct";
+constexpr std::string_view kAttendMethod = "ucx/Attend";
 
 std::string RandomKey() {
   std::string k(16, '\0');
@@ -68,12 +70,16 @@ absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Start(const ServerConfig& 
   UcxServer* self = s.get();
   std::map<unsigned, ucx::UcxLoop::Handler> handlers;
   handlers[ucx::kHello] = [self](ucx::AmMessage&& m) { self->OnHello(std::move(m)); };
-  handlers[ucx::kSelect] = [self](ucx::AmMessage&& m) { self->OnSelect(std::move(m)); };
+  handlers[ucx::kSelectFrame] = [self](ucx::AmMessage&& m) {
+    self->OnDecodeFrame(std::move(m), frame::kSelect);
+  };
   handlers[ucx::kBye] = [self](ucx::AmMessage&& m) { self->OnBye(std::move(m)); };
   handlers[ucx::kIngest] = [self](ucx::AmMessage&& m) { self->OnIngest(std::move(m)); };
   handlers[ucx::kRegister] = [self](ucx::AmMessage&& m) { self->OnRegister(std::move(m)); };
   handlers[ucx::kAppend] = [self](ucx::AmMessage&& m) { self->OnAppend(std::move(m)); };
-  handlers[ucx::kAttend] = [self](ucx::AmMessage&& m) { self->OnAttend(std::move(m)); };
+  handlers[ucx::kAttendFrame] = [self](ucx::AmMessage&& m) {
+    self->OnDecodeFrame(std::move(m), frame::kAttend);
+  };
   handlers[ucx::kUnregister] = [self](ucx::AmMessage&& m) { self->OnUnregister(std::move(m)); };
   auto loop = ucx::UcxLoop::Start(config.ucx.transports, std::move(handlers));
   if (!loop.ok()) {
@@ -172,10 +178,15 @@ void UcxServer::Finish(const std::shared_ptr<Conn>& conn, ucp_ep_h ep, uint64_t 
   log::Rpc(method, out.status, secs, {});
   // (ObserveRpc counts the error too.)
   if (!out.status.ok()) out.payload = std::string(out.status.message());
-  auto send = [this, conn, ep, request_id, code, payload = std::move(out.payload)]() mutable {
+  auto send = [this, conn, ep, request_id, code, frame = out.frame, count = out.count,
+               payload = std::move(out.payload)]() mutable {
     // A closed connection's endpoint (often the very reply endpoint) is gone.
     if (conn->closed) return;
-    Reply(ep, request_id, code, std::move(payload));
+    if (frame) {
+      ReplyFrame(ep, request_id, code, code == 0 ? count : 0, std::move(payload));
+    } else {
+      Reply(ep, request_id, code, std::move(payload));
+    }
   };
   if (loop_->on_loop_thread()) {
     send();
@@ -559,121 +570,240 @@ void UcxServer::IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine,
 
 // --- Select, Attend, Append ---------------------------------------------------------------
 
-void UcxServer::OnSelect(ucx::AmMessage&& m) {
+namespace {
+
+TensorView ViewOf(const frame::TensorRef& t) {
+  TensorView v;
+  if (!t.present()) return v;
+  v.dtype = static_cast<v1::DType>(t.dtype);
+  v.rank = 2;
+  v.shape[0] = t.rows;
+  v.shape[1] = t.cols;
+  v.data = t.data;
+  return v;
+}
+
+std::string_view Bytes(const std::vector<kernels::bf16>& v) {
+  return {reinterpret_cast<const char*>(v.data()), v.size() * sizeof(kernels::bf16)};
+}
+
+std::string EncodeDeltas(const SelectResult& r) {
+  size_t bytes = 0;
+  for (const SlotDeltaResult& d : r.deltas) bytes += 24 + 12 * d.head.size() + 2 * Bytes(d.keys).size();
+  std::string body;
+  body.reserve(bytes);
+  for (const SlotDeltaResult& d : r.deltas) {
+    frame::DeltaRef ref;
+    ref.chunk_size = d.chunk_size;
+    ref.head_dim = d.head_dim;
+    ref.selected = d.selected;
+    ref.hits = d.hits;
+    ref.delivered = d.delivered;
+    ref.fallback = d.fallback;
+    ref.misses = d.misses();
+    ref.head = d.head.data();
+    ref.slot = d.slot.data();
+    ref.chunk = d.chunk.data();
+    if (!d.delivered) {
+      ref.keys = Bytes(d.keys);
+      ref.values = Bytes(d.values);
+    }
+    frame::AppendDelta(ref, &body);
+  }
+  return body;
+}
+
+std::string EncodeOutputs(const AttendResult& r) {
+  std::string body;
+  for (size_t i = 0; i < r.outputs.size(); ++i) {
+    frame::OutputRef o;
+    o.query_heads = static_cast<uint32_t>(r.lse[i].size());
+    o.head_dim = o.query_heads == 0 ? 0 : static_cast<uint32_t>(r.outputs[i].size() / o.query_heads);
+    o.output = {reinterpret_cast<const char*>(r.outputs[i].data()), r.outputs[i].size() * 4};
+    o.lse = {reinterpret_cast<const char*>(r.lse[i].data()), r.lse[i].size() * 4};
+    frame::AppendOutput(o, &body);
+  }
+  return body;
+}
+
+}  // namespace
+
+void UcxServer::ReplyFrame(ucp_ep_h ep, uint64_t request_id, int code, uint32_t count,
+                           std::string payload) {
+  if (ep == nullptr) return;
+  frame::FrameHeader h;
+  h.kind = frame::kReply;
+  h.request_id = request_id;
+  h.code = code;
+  h.count = count;
+  absl::Status st = loop_->Send(ep, ucx::kFrameReply, frame::EncodeHeader(h), std::move(payload));
+  if (!st.ok()) spdlog::warn("ucx data plane: reply failed: {}", std::string(st.message()));
+}
+
+void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
   const auto start = SteadyClock::now();
-  v1::DataPlaneHeader h;
+  const std::string_view method = kind == frame::kSelect ? kSelectMethod : kAttendMethod;
+  absl::StatusOr<frame::FrameHeader> h = frame::DecodeHeader(m.header);
+  if (h.ok() && h->kind != kind) {
+    h = absl::InvalidArgumentError("ucx frame: the header's kind does not match the message");
+  }
+  if (!h.ok()) {
+    metrics_->Error(static_cast<int>(h.status().code()));
+    ReplyFrame(m.reply_ep, 0, static_cast<int>(h.status().code()), 0, std::string(h.status().message()));
+    return;
+  }
+  std::shared_ptr<Conn> conn;
   Engine* engine = nullptr;
-  std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "SelectAndReconstruct");
-  if (conn == nullptr) return;
-  // Engine work leaves the progress thread; the reply (and any RMA) comes back to it.
-  Enqueue([this, engine, conn, id = h.request_id(), ep = m.reply_ep,
-           payload = std::move(m.payload), start]() mutable {
-    v1::SelectAndReconstructRequest req;
-    if (!req.ParseFromString(payload)) {
-      Finish(conn, ep, id, kSelectMethod, start,
-             {absl::InvalidArgumentError(
-                  "ucx SelectAndReconstruct: the payload is not a SelectAndReconstructRequest"),
-              ""});
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = connections_.find(h->key);
+    if (it != connections_.end()) {
+      conn = it->second;
+      engine = engine_;
+    } else {
+      ++refused_;
+    }
+  }
+  absl::Status st;
+  if (conn == nullptr) {
+    st = absl::PermissionDeniedError(absl::StrCat(
+        "ucx ", std::string(method), ": not admitted (send HELLO with an admission token from Attach)"));
+  } else if (engine == nullptr) {
+    st = absl::UnavailableError(absl::StrCat("ucx ", std::string(method), ": the server is stopping"));
+  } else if (m.oversize > 0) {
+    st = absl::ResourceExhaustedError(absl::StrCat(
+        "ucx ", std::string(method), ": the ", m.oversize,
+        "-byte payload exceeds limits.max_message_bytes (", config_.limits.max_message_bytes, ")"));
+  } else if (h->count > config_.limits.max_batch) {
+    st = absl::InvalidArgumentError(absl::StrCat("ucx ", std::string(method), ": ", h->count,
+                                                 " queries, over the limit max_batch = ",
+                                                 config_.limits.max_batch));
+  }
+  if (!st.ok()) {
+    metrics_->Error(static_cast<int>(st.code()));
+    ReplyFrame(m.reply_ep, h->request_id, static_cast<int>(st.code()), 0, std::string(st.message()));
+    return;
+  }
+  auto job = [this, engine, conn, kind, method, layer = h->layer, count = h->count,
+              id = h->request_id, ep = m.reply_ep, payload = std::move(m.payload), start]() {
+    absl::StatusOr<std::vector<frame::QueryRef>> qs = frame::ParseQueries(payload, count, kind);
+    if (!qs.ok()) {
+      Finish(conn, ep, id, method, start, {qs.status(), "", true, 0});
       return;
     }
-    auto r = engine->SelectAndReconstruct(conn->tenant, req);
-    if (!r.ok()) {
-      Finish(conn, ep, id, kSelectMethod, start, {r.status(), ""});
+    if (kind == frame::kAttend) {
+      std::vector<AttendQueryView> views(qs->size());
+      for (size_t i = 0; i < qs->size(); ++i) {
+        const frame::QueryRef& q = (*qs)[i];
+        views[i] = {q.attachment_id, ViewOf(q.q), ViewOf(q.extra[0]), ViewOf(q.extra[1])};
+      }
+      AttendResult res;
+      absl::Status st = engine->Attend(conn->tenant, AttendRequestView{layer, views}, &res);
+      Finish(conn, ep, id, method, start,
+             {st, st.ok() ? EncodeOutputs(res) : "", true, static_cast<uint32_t>(views.size())});
+      return;
+    }
+    std::vector<SelectQueryView> views(qs->size());
+    for (size_t i = 0; i < qs->size(); ++i) {
+      const frame::QueryRef& q = (*qs)[i];
+      views[i] = {q.attachment_id, ViewOf(q.q), ViewOf(q.extra[0])};
+    }
+    auto res = std::make_shared<SelectResult>();
+    absl::Status st = engine->Select(conn->tenant, SelectRequestView{layer, views}, res.get());
+    if (!st.ok()) {
+      Finish(conn, ep, id, method, start, {st, "", true, 0});
       return;
     }
     if (conn->num_regs.load() > 0) {
-      auto resp = std::make_shared<v1::SelectAndReconstructResponse>(*std::move(r));
-      loop_->Post([this, conn, ep, id, layer = req.layer(), resp, start] {
-        DeliverSelect(conn, ep, id, layer, resp, start);
-      });
+      std::vector<std::string> ids;
+      for (const SelectQueryView& v : views) ids.emplace_back(v.attachment_id);
+      auto deliver = [this, conn, ep, id, layer, res, ids = std::move(ids), start]() mutable {
+        DeliverSelect(conn, ep, id, layer, std::move(ids), res, start);
+      };
+      if (loop_->on_loop_thread()) {
+        deliver();
+      } else {
+        loop_->Post(std::move(deliver));
+      }
       return;
     }
-    Finish(conn, ep, id, kSelectMethod, start, {absl::OkStatus(), r->SerializeAsString()});
-  });
+    Finish(conn, ep, id, method, start,
+           {absl::OkStatus(), EncodeDeltas(*res), true, static_cast<uint32_t>(res->deltas.size())});
+  };
+  // Small batches run here, on the progress thread: no hand-off to an engine thread and
+  // back. Larger ones leave it free for other connections.
+  if (h->count <= config_.ucx.inline_max_batch) {
+    job();
+  } else {
+    Enqueue(std::move(job));
+  }
 }
 
 void UcxServer::DeliverSelect(std::shared_ptr<Conn> conn, ucp_ep_h ep, uint64_t request_id,
-                              uint32_t layer,
-                              std::shared_ptr<v1::SelectAndReconstructResponse> resp,
-                              SteadyClock::time_point start) {
+                              uint32_t layer, std::vector<std::string> ids,
+                              std::shared_ptr<SelectResult> res, SteadyClock::time_point start) {
   if (conn->closed) return;
-  std::vector<int> registered;  // deltas whose misses go by RMA
+  std::vector<size_t> registered;  // deltas whose misses go by RMA
   absl::Status st;
   bool any_put = false;
-  for (int i = 0; i < resp->deltas_size() && st.ok(); ++i) {
-    const v1::SlotDelta& d = resp->deltas(i);
-    if (d.delivered()) continue;  // already in the worker's buffers (CUDA IPC)
-    auto it = conn->regs.find(d.attachment_id());
+  for (size_t i = 0; i < res->deltas.size() && st.ok(); ++i) {
+    const SlotDeltaResult& d = res->deltas[i];
+    if (d.delivered) continue;  // already in the worker's buffers (CUDA IPC)
+    auto it = conn->regs.find(ids[i]);
     if (it == conn->regs.end() || conn->ep == nullptr) continue;
     const Registration& r = it->second;
-    const Engine::SlotGeometry& g = r.geometry;
-    const uint64_t m = static_cast<uint64_t>(d.head_size());
+    const SlotLayout& g = r.geometry;
     const uint64_t row_bytes = g.RowBytes();
+    const uint64_t m = d.misses();
     // The engine's delta must match the geometry the buffers were registered with; a
     // mismatch is our bug, never a reason to write outside the buffers.
-    auto tensor_ok = [&](const v1::Tensor& t) {
-      return t.dtype() == v1::DTYPE_BF16 && t.shape_size() == 3 &&
-             static_cast<uint64_t>(t.shape(0)) == m && t.shape(1) == g.chunk_size &&
-             t.shape(2) == g.head_dim && t.data().size() == m * row_bytes;
-    };
-    if (static_cast<uint64_t>(d.slot_size()) != m || static_cast<uint64_t>(d.chunk_size()) != m ||
-        (m > 0 && (!tensor_ok(d.keys()) || !tensor_ok(d.values()))) || layer >= g.layers) {
+    if (d.chunk_size != g.chunk_size || d.head_dim != g.head_dim ||
+        Bytes(d.keys).size() != m * row_bytes || Bytes(d.values).size() != m * row_bytes) {
       st = absl::InternalError(absl::StrCat(
-          "ucx SelectAndReconstruct: the delta of attachment ", d.attachment_id(),
+          "ucx SelectAndReconstruct: the delta of attachment ", ids[i],
           " does not match its registered slot-buffer geometry (", m, " misses; C ",
-          g.chunk_size, ", d ", g.head_dim, ", layer ", layer, " of ", g.layers, ")"));
+          g.chunk_size, ", d ", g.head_dim, ")"));
       break;
     }
-    const char* kdata = d.keys().data().data();
-    const char* vdata = d.values().data().data();
-    for (uint64_t i0 = 0; i0 < m && st.ok();) {
-      auto row_of = [&](uint64_t i, uint64_t* row) -> bool {
-        const uint32_t head = d.head(static_cast<int>(i));
-        const uint32_t slot = d.slot(static_cast<int>(i));
-        if (head >= g.heads || slot >= g.slots_per_head) return false;
-        *row = g.Row(layer, head, slot);
-        return (*row + 1) * row_bytes <= r.bytes;
-      };
-      uint64_t row0 = 0;
-      if (!row_of(i0, &row0)) {
-        st = absl::InternalError(absl::StrCat(
-            "ucx SelectAndReconstruct: miss ", i0, " of attachment ", d.attachment_id(),
-            " (head ", d.head(static_cast<int>(i0)), ", slot ", d.slot(static_cast<int>(i0)),
-            ") falls outside its registered slot buffers (", r.bytes, " bytes)"));
-        break;
-      }
-      // Misses in consecutive slots of one head are consecutive rows: one put each.
-      uint64_t run = 1, next = 0;
-      while (i0 + run < m && row_of(i0 + run, &next) && next == row0 + run) ++run;
-      st = ucx::Put(conn->ep->get(), kdata + i0 * row_bytes, run * row_bytes,
-                    r.k_address + row0 * row_bytes, r.k_rkey->get());
+    const char* kdata = Bytes(d.keys).data();
+    const char* vdata = Bytes(d.values).data();
+    const bool inside = ForEachRowRun(g, layer, d, [&](uint32_t first, uint32_t n, uint64_t row) {
+      if ((row + n) * row_bytes > r.bytes) return false;
+      st = ucx::Put(conn->ep->get(), kdata + first * row_bytes, n * row_bytes,
+                    r.k_address + row * row_bytes, r.k_rkey->get());
       if (st.ok()) {
-        st = ucx::Put(conn->ep->get(), vdata + i0 * row_bytes, run * row_bytes,
-                      r.v_address + row0 * row_bytes, r.v_rkey->get());
+        st = ucx::Put(conn->ep->get(), vdata + first * row_bytes, n * row_bytes,
+                      r.v_address + row * row_bytes, r.v_rkey->get());
       }
       any_put = true;
-      i0 += run;
+      return st.ok();
+    });
+    if (!inside && st.ok()) {
+      st = absl::InternalError(absl::StrCat(
+          "ucx SelectAndReconstruct: a miss of attachment ", ids[i],
+          " falls outside its registered slot buffers (", r.bytes, " bytes, layer ", layer, ")"));
     }
     if (st.ok()) registered.push_back(i);
   }
-  auto reply = [this, conn, ep, request_id, resp, registered, start](absl::Status st) {
+  auto reply = [this, conn, ep, request_id, res, registered, start](absl::Status st) {
     if (st.ok()) {
-      for (int i : registered) {
-        v1::SlotDelta* d = resp->mutable_deltas(i);
-        d->mutable_keys()->clear_data();
-        d->mutable_values()->clear_data();
-        d->set_delivered(true);
+      for (size_t i : registered) {
+        SlotDeltaResult& d = res->deltas[i];
+        d.keys.clear();
+        d.values.clear();
+        d.delivered = true;
       }
-      Finish(conn, ep, request_id, kSelectMethod, start, {absl::OkStatus(), resp->SerializeAsString()});
+      Finish(conn, ep, request_id, kSelectMethod, start,
+             {absl::OkStatus(), EncodeDeltas(*res), true, static_cast<uint32_t>(res->deltas.size())});
     } else {
-      Finish(conn, ep, request_id, kSelectMethod, start, {st, ""});
+      Finish(conn, ep, request_id, kSelectMethod, start, {st, "", true, 0});
     }
   };
   if (!any_put) {
     reply(st);
     return;
   }
-  // The response holds the puts' source bytes: it lives in this callback until the flush
+  // The result holds the puts' source bytes: it lives in this callback until the flush
   // says they have landed (or failed).
   ucx::Flush(conn->ep->get(), [this, reply, st](absl::Status flushed) {
     absl::Status result = st;
@@ -683,27 +813,6 @@ void UcxServer::DeliverSelect(std::shared_ptr<Conn> conn, ucp_ep_h ep, uint64_t 
           flushed.message()));
     }
     loop_->Post([reply, result] { reply(result); });
-  });
-}
-
-void UcxServer::OnAttend(ucx::AmMessage&& m) {
-  const auto start = SteadyClock::now();
-  v1::DataPlaneHeader h;
-  Engine* engine = nullptr;
-  std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "Attend");
-  if (conn == nullptr) return;
-  Enqueue([this, engine, conn, id = h.request_id(), ep = m.reply_ep,
-           payload = std::move(m.payload), start]() mutable {
-    v1::AttendRequest req;
-    Outcome out;
-    if (!req.ParseFromString(payload)) {
-      out.status = absl::InvalidArgumentError("ucx Attend: the payload is not an AttendRequest");
-    } else if (auto r = engine->Attend(conn->tenant, req); r.ok()) {
-      out.payload = r->SerializeAsString();
-    } else {
-      out.status = r.status();
-    }
-    Finish(conn, ep, id, "ucx/Attend", start, std::move(out));
   });
 }
 

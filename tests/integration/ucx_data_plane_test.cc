@@ -10,6 +10,7 @@
 #include "harness.h"
 #include "kvshade/client/tensor.h"
 #include "kvshade/client/ucx_data_plane.h"
+#include "kvshade/transport/decode_frame.h"
 #include "kvshade/transport/ucx_core.h"
 
 namespace kvshade::integration {
@@ -29,7 +30,9 @@ class UcxDataPlaneTest : public ::testing::TestWithParam<std::string> {};
 TEST_P(UcxDataPlaneTest, SelectOverUcxEqualsGrpcInlineBitForBit) {
   TempDir dir;
   ServerProcess server;
-  KV_ASSERT_OK(server.Start({"-c", UcxConfig(dir, GetParam())}));
+  // Batches of one run on the progress thread, batches of two on the engine threads: both
+  // paths are compared.
+  KV_ASSERT_OK(server.Start({"-c", UcxConfig(dir, GetParam(), "  inline_max_batch: 1\n")}));
   auto grpc_client = server.Connect();
   client::ClientOptions uo = UcxClientOptions(GetParam());
   auto ucx_client = server.Connect(uo);
@@ -124,21 +127,111 @@ TEST_P(UcxDataPlaneTest, AdmissionTokenIsOneTimeAndEnforced) {
   v1::UcxSlotBuffers bufs;
   bufs.set_attachment_id(att.attachment_id());
   const std::vector<std::pair<unsigned, std::string>> requests = {
-      {transport::ucx::kSelect, sel.SerializeAsString()},
-      {transport::ucx::kAttend, attend.SerializeAsString()},
       {transport::ucx::kAppend, ""},
       {transport::ucx::kIngest, ""},
       {transport::ucx::kRegister, bufs.SerializeAsString()},
       {transport::ucx::kUnregister, bufs.SerializeAsString()}};
+  std::string select_body, attend_body;
+  {
+    const auto& q = sel.queries(0);
+    transport::frame::QueryRef ref;
+    ref.attachment_id = q.attachment_id();
+    ref.q = {static_cast<uint8_t>(q.q().dtype()), static_cast<uint32_t>(q.q().shape(0)),
+             static_cast<uint32_t>(q.q().shape(1)), q.q().data()};
+    transport::frame::AppendQuery(ref, &select_body);
+    transport::frame::AppendQuery(ref, &attend_body);
+  }
+  // The frames are valid: the admitted client gets answers to them.
+  KV_ASSERT_OK(dp->RawAdmittedFrameRequest(transport::frame::kSelect, 0, 1, select_body).status());
+  KV_ASSERT_OK(dp->RawAdmittedFrameRequest(transport::frame::kAttend, 0, 1, attend_body).status());
   for (const std::string& key : {std::string(), std::string(16, 'x')}) {
     for (const auto& [id, payload] : requests) {
       auto r = raw->RawRequest(id, key, payload);
       ASSERT_FALSE(r.ok()) << "message " << id;
       EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << "message " << id << ": " << r.status();
     }
+    for (auto [kind, body] : {std::pair{transport::frame::kSelect, select_body},
+                              std::pair{transport::frame::kAttend, attend_body}}) {
+      auto r = raw->RawFrameRequest(kind, key, 0, 1, body);
+      ASSERT_FALSE(r.ok()) << "frame " << kind;
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << "frame " << kind << ": " << r.status();
+    }
   }
   // The admitted client still works, and so does gRPC.
   KV_ASSERT_OK(dp->SelectAndReconstruct(sel).status());
+  KV_ASSERT_OK(c->SelectAndReconstruct(sel).status());
+  dp.reset();
+}
+
+// Malformed binary frames from an admitted client get INVALID_ARGUMENT (or the limit's
+// code) naming what is wrong, and harm neither that connection nor the session.
+TEST_P(UcxDataPlaneTest, MalformedFramesAreRefusedAndHarmNothing) {
+  TempDir dir;
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({"-c", UcxConfig(dir, GetParam())}));
+  auto c = server.Connect();
+  ASSERT_NE(c, nullptr);
+  const synthetic::Document doc(SmallDoc(512));
+  KV_ASSERT_OK_AND_ASSIGN(created, CreateAndIngest(*c, doc, ShadowProfile(), -1));
+  v1::AttachRequest ar;
+  ar.set_session_id(created.session_id());
+  ar.set_worker_id("w");
+  KV_ASSERT_OK_AND_ASSIGN(att, c->Attach(ar));
+  client::UcxOptions o;
+  o.transports = GetParam();
+  o.timeout = absl::Seconds(20);
+  KV_ASSERT_OK_AND_ASSIGN(dp, client::UcxDataPlane::Connect(att.data_plane_address(),
+                                                            att.data_plane_token(), o));
+  const auto sel = MakeSelect(doc, 0, {att.attachment_id()}, 0, 0, 512);
+  const v1::Tensor& q = sel.queries(0).q();
+  auto body_of = [&](uint8_t dtype, uint32_t rows, uint32_t cols, std::string_view data) {
+    transport::frame::QueryRef ref;
+    ref.attachment_id = att.attachment_id();
+    ref.q = {dtype, rows, cols, data};
+    std::string b;
+    transport::frame::AppendQuery(ref, &b);
+    return b;
+  };
+  const uint32_t hq = static_cast<uint32_t>(q.shape(0)), d = static_cast<uint32_t>(q.shape(1));
+  const std::string good = body_of(1, hq, d, q.data());
+  KV_ASSERT_OK_AND_ASSIGN(first, dp->SelectAndReconstruct(sel));
+  struct Bad {
+    std::string what;
+    uint32_t count;
+    std::string body;
+    absl::StatusCode code;
+    std::string needle;
+  };
+  const std::vector<Bad> bad = {
+      {"truncated", 1, good.substr(0, good.size() - 3), absl::StatusCode::kInvalidArgument, "q needs"},
+      {"count over the entries", 2, good, absl::StatusCode::kInvalidArgument, "entry 1"},
+      {"trailing bytes", 1, good + "xyz", absl::StatusCode::kInvalidArgument, "bytes after the last"},
+      {"unknown dtype", 1, body_of(9, hq, d, q.data()), absl::StatusCode::kInvalidArgument, "unknown dtype 9"},
+      {"wrong shape", 1, body_of(1, hq / 2, d * 2, q.data()), absl::StatusCode::kInvalidArgument,
+       "queries[0].q.shape"},
+      {"wrong dtype", 1, body_of(3, hq / 2, d, q.data()), absl::StatusCode::kInvalidArgument,
+       "queries[0].q.dtype"},
+      {"over max_batch", 100000, good, absl::StatusCode::kInvalidArgument, "max_batch"},
+  };
+  for (const Bad& b : bad) {
+    for (auto kind : {transport::frame::kSelect, transport::frame::kAttend}) {
+      auto r = dp->RawAdmittedFrameRequest(kind, 0, b.count, b.body);
+      ASSERT_FALSE(r.ok()) << b.what;
+      EXPECT_EQ(r.status().code(), b.code) << b.what << ": " << r.status();
+      EXPECT_NE(std::string(r.status().message()).find(b.needle), std::string::npos)
+          << b.what << ": " << r.status();
+    }
+  }
+  // A layer out of range is the engine's INVALID_ARGUMENT, as over gRPC.
+  auto layer = dp->RawAdmittedFrameRequest(transport::frame::kSelect, 1000, 1, good);
+  ASSERT_FALSE(layer.ok());
+  EXPECT_EQ(layer.status().code(), absl::StatusCode::kInvalidArgument) << layer.status();
+  // The connection and the session are fine: the same step again hits every chunk the
+  // first call delivered, over UCX and over gRPC alike.
+  KV_ASSERT_OK_AND_ASSIGN(again, dp->SelectAndReconstruct(sel));
+  ASSERT_EQ(again.deltas_size(), 1);
+  EXPECT_EQ(again.deltas(0).hits(), again.deltas(0).selected());
+  EXPECT_EQ(again.deltas(0).selected(), first.deltas(0).selected());
   KV_ASSERT_OK(c->SelectAndReconstruct(sel).status());
   dp.reset();
 }

@@ -37,6 +37,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "kvshade/transport/decode_frame.h"
 #include "kvshade/v1/kvshade.pb.h"
 
 namespace kvshade::transport::ucx {
@@ -131,16 +132,29 @@ class UcxDataPlane {
   absl::StatusOr<std::string> RawAdmittedRequest(unsigned am_id, const std::string& payload) {
     return RawRequest(am_id, key_, payload);
   }
+  // Test hook: sends a decode frame (transport/decode_frame.h) with an arbitrary key,
+  // layer, query count and body (hand-made or malformed frames); returns the reply's
+  // entries.
+  absl::StatusOr<std::string> RawFrameRequest(transport::frame::Kind kind, const std::string& key,
+                                              uint32_t layer, uint32_t count, std::string body);
+  absl::StatusOr<std::string> RawAdmittedFrameRequest(transport::frame::Kind kind, uint32_t layer,
+                                                      uint32_t count, std::string body) {
+    return RawFrameRequest(kind, key_, layer, count, std::move(body));
+  }
   // Test hook: connects without HELLO (no connection key).
   static absl::StatusOr<std::unique_ptr<UcxDataPlane>> ConnectWithoutHello(
       const std::string& address, const UcxOptions& options = {});
 
- private:
+  // A daemon's answer to one call: its status code and payload (a serialized response, a
+  // frame's entries, or the error message).
   struct Reply {
     int code = 0;
     std::string payload;
     std::string connection_key;
+    uint32_t count = 0;  // frame replies: entries in `payload`
   };
+
+ private:
   struct Pending {
     Callback<Reply> done;
     std::chrono::steady_clock::time_point deadline;
@@ -162,6 +176,13 @@ class UcxDataPlane {
   // Completes every pending call (`only_expired`: those past their deadline) with `why`.
   void FailPending(const absl::Status& why, bool only_expired);
   void OnReply(std::string header, std::string payload, size_t oversize);
+  // Binary decode frames (transport/decode_frame.h): SELECT_FRAME / ATTEND_FRAME out,
+  // FRAME_REPLY back, matched by request id in `pending_` like every other call.
+  void CallFrameAsync(transport::frame::Kind kind, const std::string& key, uint32_t layer,
+                      uint32_t count, std::string body, Callback<Reply> done);
+  absl::StatusOr<Reply> CallFrame(transport::frame::Kind kind, const std::string& key,
+                                  uint32_t layer, uint32_t count, std::string body);
+  void OnFrameReply(std::string header, std::string payload, size_t oversize);
   // The next sequence number of ingest stream `stream`; `ends` (commit, cancel) restarts
   // its count.
   uint64_t NextSequence(uint64_t stream, bool ends);

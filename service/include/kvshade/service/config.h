@@ -76,6 +76,9 @@ struct UcxConfig {
   bool enable = false;
   std::string transports;       // UCX_TLS value, e.g. "tcp,self" or "shm,self"; "" = UCX's choice
   uint32_t engine_threads = 2;  // threads that run data-plane requests on the engine
+  // SELECT and ATTEND frames of at most this many queries run on the progress thread
+  // itself (no hand-off to an engine thread and back); 0: every request is handed off.
+  uint32_t inline_max_batch = 8;
 };
 
 // Same-node decode (service/README.md "Same-node decode"). Export hands a worker the

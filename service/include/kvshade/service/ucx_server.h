@@ -9,7 +9,12 @@
 // endpoint per connection) for RMA puts into registered slot buffers and, where the
 // transports detect a dead peer, to notice a client that vanishes.
 //
-// Messages (ucx_core.h AmId): SELECT, ATTEND, APPEND, INGEST, REGISTER, UNREGISTER, BYE.
+// Messages (ucx_core.h AmId): SELECT_FRAME, ATTEND_FRAME, APPEND, INGEST, REGISTER,
+// UNREGISTER, BYE.
+// - SELECT_FRAME and ATTEND_FRAME are binary (transport/decode_frame.h): the payload is
+//   parsed into views the engine's decode API (decode.h) takes as they are, and the reply
+//   is a binary frame. A frame of at most ucx.inline_max_batch queries runs on the
+//   progress thread itself; larger ones on the engine threads.
 // - INGEST messages (one per gRPC IngestRequest; tensor bytes as the payload) of one
 //   connection run one at a time, in arrival order, on the engine threads, so a client
 //   may send several ahead (compressing layer l overlaps receiving layer l+1). Each
@@ -18,12 +23,12 @@
 //   client's worker vanishing discards its streams.
 // - REGISTER (UcxSlotBuffers) binds an attachment of this connection's tenant, attached
 //   with DELIVERY_MODE_UCX_RMA, to the client's K and V slot buffers. A SELECT whose
-//   delta names a registered attachment puts each miss's K and V rows into those buffers,
-//   flushes, and replies with the delta's data cleared and `delivered` set.
+//   delta names a registered attachment puts each miss's K and V rows into those buffers
+//   (service/delivery.h), flushes, and replies with the delta's rows dropped and
+//   `delivered` set.
 //
-// Requests run on a small pool of engine threads, never on the progress thread; the reply
-// (an active message: header DataPlaneHeader, payload the serialized v1 response or the
-// error message) is sent from the progress thread.
+// Other requests run on a small pool of engine threads; every reply (and any RMA) is sent
+// from the progress thread.
 #pragma once
 
 #include <condition_variable>
@@ -43,12 +48,14 @@
 #include "kvshade/service/config.h"
 #include "kvshade/service/engine.h"
 #include "kvshade/service/metrics.h"
+#include "kvshade/transport/decode_frame.h"
 #include "kvshade/transport/ucx_core.h"
 #include "kvshade/v1/kvshade.pb.h"
 
 namespace kvshade::service {
 
 namespace ucx = ::kvshade::transport::ucx;
+namespace frame = ::kvshade::transport::frame;
 
 class UcxServer {
  public:
@@ -113,13 +120,16 @@ class UcxServer {
   struct Outcome {
     absl::Status status;
     std::string payload;
+    bool frame = false;  // a binary decode frame's reply (kFrameReply, `count` entries)
+    uint32_t count = 0;
   };
 
   UcxServer(const ServerConfig& config, Metrics* metrics) : config_(config), metrics_(metrics) {}
   void OnHello(ucx::AmMessage&& m);
   void OnBye(ucx::AmMessage&& m);
-  void OnSelect(ucx::AmMessage&& m);
-  void OnAttend(ucx::AmMessage&& m);
+  // SELECT_FRAME and ATTEND_FRAME (transport/decode_frame.h): parsed into decode.h views
+  // over the payload; run inline when the batch is at most ucx.inline_max_batch.
+  void OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind);
   void OnAppend(ucx::AmMessage&& m);
   void OnIngest(ucx::AmMessage&& m);
   void OnRegister(ucx::AmMessage&& m);
@@ -132,15 +142,19 @@ class UcxServer {
   // Loop thread: sends a reply (code 0 = payload is the response).
   void Reply(ucp_ep_h ep, uint64_t request_id, int code, std::string payload,
              std::string connection_key = "");
+  // Loop thread: sends a frame reply (code 0: `count` entries in `payload`).
+  void ReplyFrame(ucp_ep_h ep, uint64_t request_id, int code, uint32_t count, std::string payload);
   // Any thread: records the call's metrics and has the loop thread reply to an admitted
   // connection (dropped when the connection has gone meanwhile).
   void Finish(const std::shared_ptr<Conn>& conn, ucp_ep_h ep, uint64_t request_id,
               std::string_view method, std::chrono::steady_clock::time_point start,
               Outcome out);
-  // Loop thread: puts the misses of the registered deltas of `resp` (for `layer`) into
-  // the client's slot buffers, flushes, then replies with those deltas' data cleared.
+  // Loop thread: puts the misses of the registered deltas of `res` (attachments `ids`, in
+  // order; for `layer`) into the client's slot buffers (delivery.h ForEachRowRun),
+  // flushes, then replies with those deltas' rows dropped and `delivered` set.
   void DeliverSelect(std::shared_ptr<Conn> conn, ucp_ep_h ep, uint64_t request_id,
-                     uint32_t layer, std::shared_ptr<v1::SelectAndReconstructResponse> resp,
+                     uint32_t layer, std::vector<std::string> ids,
+                     std::shared_ptr<SelectResult> res,
                      std::chrono::steady_clock::time_point start);
   void DropConnection(const std::string& key);
   // Loop thread: flushes the connection's endpoint, then destroys `regs` (rkeys that

@@ -44,14 +44,18 @@ absl::StatusOr<std::string> DecodeWorkerAddress(const std::string& text);
 // daemon -> client carry kReply).
 enum AmId : unsigned {
   kHello = 1,      // header: admission_token; reply payload: "" (key in the reply header)
-  kSelect = 2,     // payload: SelectAndReconstructRequest; reply: ...Response
   kBye = 3,        // forget the connection key; no reply
   kIngest = 4,     // header.body: IngestRequest without tensor data; payload: the data
   kRegister = 5,   // payload: UcxSlotBuffers (RMA slot buffers of one attachment)
   kAppend = 6,     // header.body: AppendTokensRequest without tensor data; payload: the data
-  kAttend = 7,     // payload: AttendRequest; reply: AttendResponse
   kUnregister = 8, // payload: UcxSlotBuffers with only attachment_id; reply after a flush
-  kReply = 100,    // header: request_id, code; payload: response or error message
+  // Binary decode frames (decode_frame.h): header and payload carry no protobuf; the
+  // reply comes as kFrameReply. (Ids 2 and 7, the protobuf SELECT and ATTEND of earlier
+  // releases, are not served.)
+  kSelectFrame = 9,
+  kAttendFrame = 10,
+  kReply = 100,       // header: DataPlaneHeader (request_id, code); payload: response or error
+  kFrameReply = 101,  // header: frame::FrameHeader (kind REPLY); payload: entries or error
 };
 
 class UcxContext {
