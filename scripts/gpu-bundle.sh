@@ -26,7 +26,9 @@ rm -rf "$BUNDLE"
 mkdir -p "$BUNDLE/bin" "$BUNDLE/lib"
 for t in "${TARGETS[@]}"; do
   [ "$t" = kvshade_c ] && continue  # the C ABI library: below
-  f=$(find "$BUILD" -type f -name "$t" -perm -u+x | head -1)
+  # The build's own binary, not one of a nested tree (scripts/sanitize.sh builds asan/ and
+  # tsan/ trees inside the build folder): the shallowest match.
+  f=$(find "$BUILD" -type f -name "$t" -perm -u+x | awk -F/ '{print NF, $0}' | sort -n | head -1 | cut -d' ' -f2-)
   cp "$f" "$BUNDLE/bin/"
   strip "$BUNDLE/bin/$t"
 done
