@@ -1,9 +1,13 @@
 // Shared by the loopback benchmarks: starts kvshade-server as a child process on a
-// kernel-chosen loopback port (reading the port back from its --port-file), stops it, and
-// takes percentiles of the measured round trips.
+// kernel-chosen loopback port (reading the port back from its --port-file), stops it,
+// takes percentiles of the measured round trips, and reads the daemon's stage times from
+// its /metrics.
 #pragma once
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -13,6 +17,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <optional>
 #include <string>
 #include <thread>
@@ -98,6 +103,64 @@ inline int StopServer(const SpawnedServer& s) {
   std::remove(s.log.c_str());
   rmdir(s.dir.c_str());
   return status;
+}
+
+// A free loopback TCP port (bound, read, released; the daemon binds it right after).
+inline int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t n = sizeof(a);
+  int port = 0;
+  if (fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n) == 0) {
+    port = ntohs(a.sin_port);
+  }
+  if (fd >= 0) close(fd);
+  return port;
+}
+
+// Seconds summed so far per stage of kvshade_stage_duration_seconds, from the daemon's
+// /metrics on 127.0.0.1:`port` (empty when it cannot be read).
+inline std::map<std::string, double> StageSeconds(int port, bool with_rpcs = false) {
+  std::map<std::string, double> out;
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
+    if (fd >= 0) close(fd);
+    return out;
+  }
+  const std::string req = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+  if (write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
+    close(fd);
+    return out;
+  }
+  std::string body;
+  char buf[65536];
+  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) body.append(buf, static_cast<size_t>(n));
+  close(fd);
+  const std::string key = "kvshade_stage_duration_seconds_sum{stage=\"";
+  for (size_t p = body.find(key); p != std::string::npos; p = body.find(key, p + 1)) {
+    const size_t s = p + key.size(), e = body.find('"', s);
+    const size_t v = body.find("} ", e);
+    if (e == std::string::npos || v == std::string::npos) break;
+    out[body.substr(s, e - s)] = std::strtod(body.c_str() + v + 2, nullptr);
+  }
+  // With `with_rpcs`: each method's kvshade_rpc_duration_seconds sum too, as "rpc:<method>"
+  // (summed over its codes).
+  const std::string rkey = "kvshade_rpc_duration_seconds_sum{";
+  for (size_t p = with_rpcs ? body.find(rkey) : std::string::npos; p != std::string::npos;
+       p = body.find(rkey, p + 1)) {
+    const size_t m = body.find("method=\"", p), end = body.find("} ", p);
+    if (m == std::string::npos || end == std::string::npos || m > end) continue;
+    const size_t ms = m + 8, me = body.find('"', ms);
+    out["rpc:" + body.substr(ms, me - ms)] += std::strtod(body.c_str() + end + 2, nullptr);
+  }
+  return out;
 }
 
 }  // namespace kvshade::bench

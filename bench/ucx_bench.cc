@@ -73,54 +73,6 @@ struct Options {
   std::vector<size_t> batches = {1, 8, 24};
 };
 
-// A free loopback TCP port (bound, read, released; the daemon binds it right after).
-int FreePort() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t n = sizeof(a);
-  int port = 0;
-  if (fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&a), &n) == 0) {
-    port = ntohs(a.sin_port);
-  }
-  if (fd >= 0) close(fd);
-  return port;
-}
-
-// Seconds summed so far per stage of kvshade_stage_duration_seconds, from the daemon's
-// /metrics on 127.0.0.1:`port` (empty when it cannot be read).
-std::map<std::string, double> StageSeconds(int port) {
-  std::map<std::string, double> out;
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (fd < 0 || connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) != 0) {
-    if (fd >= 0) close(fd);
-    return out;
-  }
-  const std::string req = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
-  if (write(fd, req.data(), req.size()) != static_cast<ssize_t>(req.size())) {
-    close(fd);
-    return out;
-  }
-  std::string body;
-  char buf[65536];
-  for (ssize_t n; (n = read(fd, buf, sizeof(buf))) > 0;) body.append(buf, static_cast<size_t>(n));
-  close(fd);
-  const std::string key = "kvshade_stage_duration_seconds_sum{stage=\"";
-  for (size_t p = body.find(key); p != std::string::npos; p = body.find(key, p + 1)) {
-    const size_t s = p + key.size(), e = body.find('"', s);
-    const size_t v = body.find("} ", e);
-    if (e == std::string::npos || v == std::string::npos) break;
-    out[body.substr(s, e - s)] = std::strtod(body.c_str() + v + 2, nullptr);
-  }
-  return out;
-}
-
 double Mean(const std::vector<double>& v) {
   double s = 0;
   for (double x : v) s += x;
@@ -300,7 +252,7 @@ int main(int argc, char** argv) {
     if (fd >= 0) close(fd);
     return std::string(tmpl);
   }();
-  const int metrics_port = FreePort();
+  const int metrics_port = kvshade::bench::FreePort();
   std::ofstream(cfg) << "metrics_port: " << metrics_port << "\n"
                      << "ucx:\n  enable: true\n  transports: \"" << o.transports
                      << "\"\nlimits:\n  max_attachments_per_session: 256\n"
@@ -479,7 +431,7 @@ int main(int argc, char** argv) {
     size_t calls = 0;
     const int steps = std::max(2, o.reps / o.select_layers);
     for (int step = 0; step <= steps; ++step) {
-      if (step == 1) stage0 = StageSeconds(metrics_port);
+      if (step == 1) stage0 = kvshade::bench::StageSeconds(metrics_port);
       for (int l = 0; l < o.select_layers; ++l) {
         v1::SelectAndReconstructRequest req[3];
         for (auto& r : req) r.set_layer(l);
@@ -510,7 +462,7 @@ int main(int argc, char** argv) {
     }
     // The daemon's kernel time per call: select + reconstruct stage seconds over the timed
     // calls of this batch size (-1 when /metrics could not be read).
-    std::map<std::string, double> stage1 = StageSeconds(metrics_port);
+    std::map<std::string, double> stage1 = kvshade::bench::StageSeconds(metrics_port);
     const double kernel_us =
         stage1.empty() || calls == 0
             ? -1.0

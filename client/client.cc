@@ -272,6 +272,7 @@ absl::StatusOr<v1::AttachResponse> Client::Attach(const v1::AttachRequest& req) 
   o.transports = options_.ucx_transports;
   o.timeout = options_.timeout;
   o.ingest_window = options_.ucx_ingest_window;
+  o.busy_poll = absl::Microseconds(std::max(0, options_.ucx_busy_poll_us));
   o.max_reply_bytes = options_.max_message_bytes;
   auto dp = UcxDataPlane::Connect(r->data_plane_address(), r->data_plane_token(), o);
   if (!dp.ok()) {

@@ -65,6 +65,7 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Open(const std::stri
   if (!loop.ok()) return loop.status();
   dp->loop_ = *std::move(loop);
   dp->loop_->set_max_payload(options.max_reply_bytes);
+  dp->loop_->set_busy_poll(absl::ToChronoMicroseconds(options.busy_poll));
   auto raw = ucx::DecodeWorkerAddress(address);
   if (!raw.ok()) return raw.status();
   absl::Status st = dp->loop_->CallStatus([self, &raw]() -> absl::Status {
@@ -473,6 +474,11 @@ absl::StatusOr<UcxDataPlane::Reply> UcxDataPlane::CallFrame(frame::Kind kind, co
   auto f = p->get_future();
   CallFrameAsync(kind, key, layer, count, std::move(body),
                  [p](absl::StatusOr<Reply> r) { p->set_value(std::move(r)); });
+  // Spin on the reply for up to busy_poll before blocking (a blocked wait costs a wake-up).
+  const auto spin_until = SteadyClock::now() + absl::ToChronoMicroseconds(options_.busy_poll);
+  while (SteadyClock::now() < spin_until &&
+         f.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+  }
   return f.get();
 }
 

@@ -342,7 +342,8 @@ Schema MakeSchema(ServerConfig& c, std::string& tokens_file, uint32_t& metrics_p
         {{"enable", Scalar("ucx.enable", &c.ucx.enable)},
          {"transports", Scalar("ucx.transports", &c.ucx.transports)},
          {"engine_threads", Scalar("ucx.engine_threads", &c.ucx.engine_threads)},
-         {"inline_max_batch", Scalar("ucx.inline_max_batch", &c.ucx.inline_max_batch)}}}},
+         {"inline_max_batch", Scalar("ucx.inline_max_batch", &c.ucx.inline_max_batch)},
+         {"busy_poll_us", Scalar("ucx.busy_poll_us", &c.ucx.busy_poll_us)}}}},
       {"same_node", {nullptr, {{"export", Scalar("same_node.export", &c.same_node.export_state)}}}},
       {"limits",
        {nullptr,
@@ -665,6 +666,9 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (c.worker_threads > 1024) return bad("worker_threads must be <= 1024, got ", c.worker_threads);
   if (c.ucx.engine_threads < 1 || c.ucx.engine_threads > 256) {
     return bad("ucx.engine_threads must be in [1, 256], got ", c.ucx.engine_threads);
+  }
+  if (c.ucx.busy_poll_us > 1000000) {
+    return bad("ucx.busy_poll_us must be <= 1000000 (1 s), got ", c.ucx.busy_poll_us);
   }
   return absl::OkStatus();
 }

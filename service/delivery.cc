@@ -27,6 +27,7 @@ void Delivery::ToPeer(const PeerSlots& peer, const std::vector<int64_t>& src_row
 
 absl::Status Delivery::Run(const bf16* keys, const bf16* values, size_t row_bytes) {
   const size_t np = peer_src_.size(), nr = reply_src_.size();
+  StageTimer timer(e_.metrics_, "deliver");
   if (np + nr > 0) {
     kernels::Backend& b = *e_.backend_;
     const size_t row_elems = row_bytes / sizeof(bf16);
@@ -70,16 +71,14 @@ absl::Status Delivery::Run(const bf16* keys, const bf16* values, size_t row_byte
       const int64_t* rd = rs + nr;
       KVSHADE_RETURN_IF_ERROR(b.CopyRows(keys, gk, row_bytes, static_cast<int>(nr), rs, rd, stream_));
       KVSHADE_RETURN_IF_ERROR(b.CopyRows(values, gv, row_bytes, static_cast<int>(nr), rs, rd, stream_));
-      thread_local std::vector<bf16> host;  // kept between calls: no allocation per call
-      host.resize(2 * nr * row_elems);
-      KVSHADE_RETURN_IF_ERROR(b.CopyToHost(host.data(), gk, 2 * nr * row_bytes, stream_));
-      KVSHADE_RETURN_IF_ERROR(b.Synchronize(stream_));
+      // Each reply's rows are contiguous in the gathered block: copied straight into it.
       for (const ReplyJob& j : reply_jobs_) {
-        const bf16* hk = host.data() + j.first * row_elems;
-        const bf16* hv = host.data() + (nr + j.first) * row_elems;
-        j.delta->keys.assign(hk, hk + j.n * row_elems);
-        j.delta->values.assign(hv, hv + j.n * row_elems);
+        j.delta->keys.resize(j.n * row_elems);
+        j.delta->values.resize(j.n * row_elems);
+        KVSHADE_RETURN_IF_ERROR(b.CopyToHost(j.delta->keys.data(), gk + j.first * row_elems, j.n * row_bytes, stream_));
+        KVSHADE_RETURN_IF_ERROR(b.CopyToHost(j.delta->values.data(), gv + j.first * row_elems, j.n * row_bytes, stream_));
       }
+      KVSHADE_RETURN_IF_ERROR(b.Synchronize(stream_));
     } else {
       KVSHADE_RETURN_IF_ERROR(b.Synchronize(stream_));
     }

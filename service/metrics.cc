@@ -52,7 +52,7 @@ const std::set<std::string, std::less<>>& KnownStages() {
   static const auto* s = new std::set<std::string, std::less<>>{
       "ingest_rope", "ingest_factorize", "ingest_project", "ingest_landmarks", "ingest_values",
       "ingest_heavy", "ingest_commit", "select", "reconstruct", "attend", "append", "spill",
-      "page_in", "refactorize", "static_set"};
+      "page_in", "refactorize", "static_set", "decode_prepare", "deliver"};
   return *s;
 }
 

@@ -386,6 +386,7 @@ static absl::Status GuardStep(EngineImpl& e, Session& s, const SelectGroup& g, i
 }
 
 absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, SelectResult* out) {
+  std::optional<StageTimer> prepare(std::in_place, metrics_, "decode_prepare");
   KVSHADE_ASSIGN_OR_RETURN(std::vector<Query> qs,
                            Resolve(sessions_, config_->limits, t, r.layer, r.queries));
   const int layer = static_cast<int>(r.layer);
@@ -433,6 +434,7 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
     g.native = is_native;
     g.items.push_back(i);
   }
+  prepare.reset();
   uint64_t total_selected = 0, total_hits = 0;
   for (auto& [key, g] : groups) {
     const int h = g.shape.h, d = g.shape.d, C = g.C, k = g.k;

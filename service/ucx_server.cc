@@ -89,6 +89,7 @@ absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Start(const ServerConfig& 
   s->loop_ = *std::move(loop);
   s->address_ = ucx::EncodeWorkerAddress(s->loop_->address());
   s->loop_->set_max_payload(config.limits.max_message_bytes);
+  s->loop_->set_busy_poll(std::chrono::microseconds(config.ucx.busy_poll_us));
   const int threads = std::max<uint32_t>(1, config.ucx.engine_threads);
   for (int i = 0; i < threads; ++i) s->workers_.emplace_back([self] { self->WorkerMain(); });
   spdlog::info("ucx data plane: worker address {} bytes, transports '{}', {} engine threads",

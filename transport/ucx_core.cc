@@ -392,6 +392,7 @@ bool UcxLoop::Post(std::function<void()> task) {
     std::lock_guard<std::mutex> lock(mu_);
     if (stopping_) return false;
     tasks_.push_back(std::move(task));
+    has_tasks_.store(true, std::memory_order_release);
   }
   ucp_worker_signal(worker_->get());
   return true;
@@ -427,8 +428,10 @@ void UcxLoop::Run() {
     {
       std::lock_guard<std::mutex> lock(mu_);
       tasks.swap(tasks_);
+      has_tasks_.store(false, std::memory_order_relaxed);
       stopping = stopping_;
     }
+    if (!tasks.empty()) last_progress = std::chrono::steady_clock::now();
     for (auto& t : tasks) {
       try {
         t();
@@ -451,15 +454,18 @@ void UcxLoop::Run() {
         continue;
       }
     }
-    // Spin briefly before sleeping: a decode loop sends its next request within
-    // microseconds, and waking from epoll costs more than that.
-    const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+    // Spin before sleeping (set_busy_poll): a decode loop sends its next request within
+    // microseconds, and waking from epoll costs more than that. The spin runs from the last
+    // activity, so a busy worker never sleeps between messages.
+    const auto spin_until = last_progress + std::chrono::microseconds(busy_poll_us_.load());
     bool busy = false;
     while (std::chrono::steady_clock::now() < spin_until) {
       if (ucp_worker_progress(w) != 0) {
         busy = true;
+        last_progress = std::chrono::steady_clock::now();
         break;
       }
+      if (has_tasks_.load(std::memory_order_acquire)) break;  // a posted task: run it now
     }
     if (busy) continue;
     {

@@ -58,6 +58,9 @@ struct ClientOptions {
   bool use_ucx = false;
   std::string ucx_transports;  // UCX_TLS value for the client's worker ("" = UCX's choice)
   int ucx_ingest_window = 4;   // ingest messages in flight per stream over UCX
+  // UcxOptions::busy_poll in microseconds: polling after the last message, and spinning on
+  // a decode call's reply, before sleeping (more: lower latency, a busy core).
+  int ucx_busy_poll_us = 50;
 };
 
 // grpc.health.v1 ServingStatus.

@@ -56,6 +56,10 @@ struct UcxOptions {
   absl::Duration connect_timeout = absl::Seconds(3);
   int ingest_window = 4;                        // INGEST messages in flight per stream
   uint64_t max_reply_bytes = 512ull << 20;      // larger replies fail RESOURCE_EXHAUSTED
+  // The progress thread polls this long after its last message before it sleeps, and a
+  // synchronous decode call spins this long on its reply before it blocks: a decode loop
+  // then pays no wake-up per call, at the price of a busy core while it runs.
+  absl::Duration busy_poll = absl::Microseconds(50);
 };
 
 class UcxDataPlane {

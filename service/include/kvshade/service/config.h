@@ -79,6 +79,9 @@ struct UcxConfig {
   // SELECT and ATTEND frames of at most this many queries run on the progress thread
   // itself (no hand-off to an engine thread and back); 0: every request is handed off.
   uint32_t inline_max_batch = 8;
+  // The progress thread keeps polling this long after its last message before it sleeps:
+  // longer saves each decode call a wake-up and costs a busy core while calls keep coming.
+  uint32_t busy_poll_us = 50;
 };
 
 // Same-node decode (service/README.md "Same-node decode"). Export hands a worker the

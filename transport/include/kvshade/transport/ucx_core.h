@@ -239,6 +239,10 @@ class UcxLoop {
   // Larger payloads are dropped unread and the message is delivered with `oversize` set
   // (default 512 MiB). Set before peers connect.
   void set_max_payload(size_t bytes) { max_payload_ = bytes; }
+  // How long the loop keeps polling the worker after its last activity before it sleeps
+  // on the worker's event fd (default 50 us). Longer keeps a decode loop's next message
+  // from paying a wake-up (tens of microseconds) at the price of a busy core.
+  void set_busy_poll(std::chrono::microseconds d) { busy_poll_us_ = d.count(); }
 
   UcxContext& context() { return *context_; }
   UcxWorker& worker() { return *worker_; }
@@ -260,6 +264,7 @@ class UcxLoop {
   std::chrono::milliseconds tick_every_{50};
   int efd_ = -1;  // the worker's event fd (ticking loops wait on it with a timeout)
   std::atomic<size_t> max_payload_{size_t{512} << 20};
+  std::atomic<int64_t> busy_poll_us_{50};
   struct AmArg {
     UcxLoop* loop;
     unsigned id;
@@ -268,6 +273,7 @@ class UcxLoop {
   int in_flight_ = 0;  // loop thread: sends and rendezvous receives not yet complete
   std::mutex mu_;
   std::deque<std::function<void()>> tasks_;
+  std::atomic<bool> has_tasks_{false};  // tasks_ is not empty (read while spinning)
   bool stopping_ = false;
   std::atomic<bool> stopped_{false};
   std::thread thread_;
