@@ -185,6 +185,71 @@ TEST(SelectTest, AttachmentsHaveIndependentSlotTablesAndBatch) {
   EXPECT_EQ(single->keys().data(), resp->deltas(1).keys().data());
 }
 
+// The domain-type entry point the UCX frames use (Engine::Select over views, decode.h)
+// against the v1 form gRPC uses, on twin attachments: the same deltas bit for bit, with
+// one SelectResult reused across calls of different batch sizes (nothing of an earlier,
+// larger call survives in it).
+TEST(SelectTest, DomainSelectEqualsTheV1FormWithAReusedResult) {
+  Harness hx;
+  Stream s1 = MakeStream(400, hx.model, 21, 16, 100);
+  auto a = hx.Open(s1, SparseShadow(4));
+  const std::string twin_a = hx.AttachTo(a.session);
+  const std::string b = hx.AttachTo(a.session), twin_b = hx.AttachTo(a.session);
+  SelectResult reused;
+  for (int step = 0; step < 4; ++step) {
+    const auto q = hx.Query(200 + 37 * step);
+    const v1::Tensor tq = ToTensor(q, {4, kD});
+    // Steps 0 and 2 batch two attachments, 1 and 3 one.
+    std::vector<std::string> ids = {a.attachment}, twins = {twin_a};
+    if (step % 2 == 0) {
+      ids.push_back(b);
+      twins.push_back(twin_b);
+    }
+    std::vector<SelectQueryView> views;
+    for (const std::string& id : ids) views.push_back({id, ViewOf(tq), {}});
+    ASSERT_TRUE(hx.engine->Select(hx.tenant, SelectRequestView{1, views}, &reused).ok());
+    v1::SelectAndReconstructRequest r;
+    r.set_layer(1);
+    for (const std::string& id : twins) {
+      auto* sq = r.add_queries();
+      sq->set_attachment_id(id);
+      *sq->mutable_q() = tq;
+    }
+    auto resp = hx.engine->SelectAndReconstruct(hx.tenant, r);
+    ASSERT_TRUE(resp.ok()) << resp.status();
+    ASSERT_EQ(reused.deltas.size(), ids.size()) << "step " << step;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const SlotDeltaResult& d = reused.deltas[i];
+      const v1::SlotDelta& w = resp->deltas(static_cast<int>(i));
+      ASSERT_EQ(d.misses(), static_cast<uint32_t>(w.head_size())) << "step " << step;
+      for (uint32_t x = 0; x < d.misses(); ++x) {
+        EXPECT_EQ(d.head[x], w.head(x));
+        EXPECT_EQ(d.slot[x], w.slot(x));
+        EXPECT_EQ(d.chunk[x], w.chunk(x));
+      }
+      EXPECT_EQ(std::string(reinterpret_cast<const char*>(d.keys.data()), d.keys.size() * 2),
+                w.keys().data());
+      EXPECT_EQ(std::string(reinterpret_cast<const char*>(d.values.data()), d.values.size() * 2),
+                w.values().data());
+      EXPECT_EQ(d.selected, w.selected());
+      EXPECT_EQ(d.hits, w.hits());
+      EXPECT_EQ(d.chunk_size, static_cast<uint32_t>(kC));
+      EXPECT_EQ(d.head_dim, static_cast<uint32_t>(kD));
+      EXPECT_FALSE(d.delivered);
+      if (step == 0) EXPECT_GT(d.misses(), 0u);  // the comparison moves rows
+    }
+  }
+  // A bad view is refused with the field named, as over the wire.
+  const auto q = hx.Query(200);
+  const v1::Tensor tq = ToTensor(q, {4, kD});
+  TensorView bad = ViewOf(tq);
+  bad.shape[0] = 2;
+  std::vector<SelectQueryView> views = {{a.attachment, bad, {}}};
+  absl::Status st = hx.engine->Select(hx.tenant, SelectRequestView{1, views}, &reused);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("queries[0].q.shape"), std::string::npos) << st;
+}
+
 TEST(SelectTest, ConcurrentReadersOnOneSession) {
   Harness hx;
   Stream s = MakeStream(400, hx.model, 14);
