@@ -308,43 +308,39 @@ absl::StatusOr<frame::TensorRef> FrameTensorOf(const v1::Tensor& t, const std::s
   return r;
 }
 
-absl::StatusOr<std::string> SelectBody(const v1::SelectAndReconstructRequest& req) {
+// The frame body of a request's queries: each query's attachment id and its tensors in
+// frame order, as `fields(query)` lists them (pointer and name for errors).
+template <typename Q, typename Fields>
+absl::StatusOr<std::string> FrameBody(const google::protobuf::RepeatedPtrField<Q>& queries,
+                                      Fields fields) {
   std::string body;
-  for (int i = 0; i < req.queries_size(); ++i) {
-    const v1::SelectQuery& q = req.queries(i);
+  for (int i = 0; i < queries.size(); ++i) {
     frame::QueryRef ref;
-    ref.attachment_id = q.attachment_id();
-    const std::string at = absl::StrCat("queries[", i, "]");
-    auto qt = FrameTensorOf(q.q(), at + ".q");
-    if (!qt.ok()) return qt.status();
-    auto ct = FrameTensorOf(q.chunks(), at + ".chunks");
-    if (!ct.ok()) return ct.status();
-    ref.q = *qt;
-    ref.extra[0] = *ct;
+    ref.attachment_id = queries[i].attachment_id();
+    frame::TensorRef* slots[3] = {&ref.q, &ref.extra[0], &ref.extra[1]};
+    int n = 0;
+    for (const auto& [tensor, name] : fields(queries[i])) {
+      auto t = FrameTensorOf(*tensor, absl::StrCat("queries[", i, "].", name));
+      if (!t.ok()) return t.status();
+      *slots[n++] = *t;
+    }
     frame::AppendQuery(ref, &body);
   }
   return body;
 }
 
+using NamedTensors = std::vector<std::pair<const v1::Tensor*, const char*>>;
+
+absl::StatusOr<std::string> SelectBody(const v1::SelectAndReconstructRequest& req) {
+  return FrameBody(req.queries(), [](const v1::SelectQuery& q) {
+    return NamedTensors{{&q.q(), "q"}, {&q.chunks(), "chunks"}};
+  });
+}
+
 absl::StatusOr<std::string> AttendBody(const v1::AttendRequest& req) {
-  std::string body;
-  for (int i = 0; i < req.queries_size(); ++i) {
-    const v1::AttendQuery& q = req.queries(i);
-    frame::QueryRef ref;
-    ref.attachment_id = q.attachment_id();
-    const std::string at = absl::StrCat("queries[", i, "]");
-    auto qt = FrameTensorOf(q.q(), at + ".q");
-    if (!qt.ok()) return qt.status();
-    auto kt = FrameTensorOf(q.k_new(), at + ".k_new");
-    if (!kt.ok()) return kt.status();
-    auto vt = FrameTensorOf(q.v_new(), at + ".v_new");
-    if (!vt.ok()) return vt.status();
-    ref.q = *qt;
-    ref.extra[0] = *kt;
-    ref.extra[1] = *vt;
-    frame::AppendQuery(ref, &body);
-  }
-  return body;
+  return FrameBody(req.queries(), [](const v1::AttendQuery& q) {
+    return NamedTensors{{&q.q(), "q"}, {&q.k_new(), "k_new"}, {&q.v_new(), "v_new"}};
+  });
 }
 
 void SetTensor(v1::Tensor* t, v1::DType dtype, std::initializer_list<int64_t> shape,
@@ -403,38 +399,49 @@ absl::StatusOr<v1::AttendResponse> AttendReply(const absl::StatusOr<UcxDataPlane
 
 }  // namespace
 
-absl::StatusOr<v1::SelectAndReconstructResponse> UcxDataPlane::SelectAndReconstruct(
-    const v1::SelectAndReconstructRequest& req) {
-  auto body = SelectBody(req);
-  if (!body.ok()) return body.status();
-  return SelectReply(CallFrame(frame::kSelect, key_, req.layer(), req.queries_size(), *std::move(body)), req);
+template <typename Req, typename Resp>
+void UcxDataPlane::DecodeAsync(frame::Kind kind, const Req& req, absl::StatusOr<std::string> body,
+                               absl::StatusOr<Resp> (*parse)(const absl::StatusOr<Reply>&, const Req&),
+                               Callback<Resp> done) {
+  if (!body.ok()) {
+    done(body.status());
+    return;
+  }
+  CallFrameAsync(kind, key_, req.layer(), req.queries_size(), *std::move(body),
+                 [req, parse, done = std::move(done)](absl::StatusOr<Reply> r) { done(parse(r, req)); });
+}
+
+template <typename T>
+absl::StatusOr<T> UcxDataPlane::Await(const std::function<void(Callback<T>)>& start) {
+  auto p = std::make_shared<std::promise<absl::StatusOr<T>>>();
+  auto f = p->get_future();
+  start([p](absl::StatusOr<T> r) { p->set_value(std::move(r)); });
+  // Spin on the reply for up to busy_poll before blocking (a blocked wait costs a wake-up).
+  const auto spin_until = SteadyClock::now() + absl::ToChronoMicroseconds(options_.busy_poll);
+  while (SteadyClock::now() < spin_until &&
+         f.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+  }
+  return f.get();
 }
 
 void UcxDataPlane::SelectAndReconstructAsync(const v1::SelectAndReconstructRequest& req,
                                              Callback<v1::SelectAndReconstructResponse> done) {
-  auto body = SelectBody(req);
-  if (!body.ok()) {
-    done(body.status());
-    return;
-  }
-  CallFrameAsync(frame::kSelect, key_, req.layer(), req.queries_size(), *std::move(body),
-                 [req, done = std::move(done)](absl::StatusOr<Reply> r) { done(SelectReply(r, req)); });
+  DecodeAsync(frame::kSelect, req, SelectBody(req), &SelectReply, std::move(done));
 }
 
-absl::StatusOr<v1::AttendResponse> UcxDataPlane::Attend(const v1::AttendRequest& req) {
-  auto body = AttendBody(req);
-  if (!body.ok()) return body.status();
-  return AttendReply(CallFrame(frame::kAttend, key_, req.layer(), req.queries_size(), *std::move(body)), req);
+absl::StatusOr<v1::SelectAndReconstructResponse> UcxDataPlane::SelectAndReconstruct(
+    const v1::SelectAndReconstructRequest& req) {
+  return Await<v1::SelectAndReconstructResponse>(
+      [&](Callback<v1::SelectAndReconstructResponse> done) { SelectAndReconstructAsync(req, std::move(done)); });
 }
 
 void UcxDataPlane::AttendAsync(const v1::AttendRequest& req, Callback<v1::AttendResponse> done) {
-  auto body = AttendBody(req);
-  if (!body.ok()) {
-    done(body.status());
-    return;
-  }
-  CallFrameAsync(frame::kAttend, key_, req.layer(), req.queries_size(), *std::move(body),
-                 [req, done = std::move(done)](absl::StatusOr<Reply> r) { done(AttendReply(r, req)); });
+  DecodeAsync(frame::kAttend, req, AttendBody(req), &AttendReply, std::move(done));
+}
+
+absl::StatusOr<v1::AttendResponse> UcxDataPlane::Attend(const v1::AttendRequest& req) {
+  return Await<v1::AttendResponse>(
+      [&](Callback<v1::AttendResponse> done) { AttendAsync(req, std::move(done)); });
 }
 
 void UcxDataPlane::CallFrameAsync(frame::Kind kind, const std::string& key, uint32_t layer,
@@ -467,25 +474,12 @@ void UcxDataPlane::CallFrameAsync(frame::Kind kind, const std::string& key, uint
   if (!posted) Complete(id, absl::UnavailableError("UCX: the progress thread has stopped"));
 }
 
-absl::StatusOr<UcxDataPlane::Reply> UcxDataPlane::CallFrame(frame::Kind kind, const std::string& key,
-                                                            uint32_t layer, uint32_t count,
-                                                            std::string body) {
-  auto p = std::make_shared<std::promise<absl::StatusOr<Reply>>>();
-  auto f = p->get_future();
-  CallFrameAsync(kind, key, layer, count, std::move(body),
-                 [p](absl::StatusOr<Reply> r) { p->set_value(std::move(r)); });
-  // Spin on the reply for up to busy_poll before blocking (a blocked wait costs a wake-up).
-  const auto spin_until = SteadyClock::now() + absl::ToChronoMicroseconds(options_.busy_poll);
-  while (SteadyClock::now() < spin_until &&
-         f.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
-  }
-  return f.get();
-}
-
 absl::StatusOr<std::string> UcxDataPlane::RawFrameRequest(frame::Kind kind, const std::string& key,
                                                           uint32_t layer, uint32_t count,
                                                           std::string body) {
-  auto r = CallFrame(kind, key, layer, count, std::move(body));
+  auto r = Await<Reply>([&](Callback<Reply> done) {
+    CallFrameAsync(kind, key, layer, count, std::move(body), std::move(done));
+  });
   if (!r.ok()) return r.status();
   if (r->code != 0) return absl::Status(static_cast<absl::StatusCode>(r->code), r->payload);
   return std::move(r->payload);

@@ -6,6 +6,12 @@
 // that is accepted must give each tensor exactly its part of the payload, and framing the
 // result again (FrameWriter, the client's side) must give back the same part sizes and bytes.
 //
+// The same input also goes through the binary decode frames (transport/decode_frame.cc):
+// the header as a frame header, the payload as `byte 0 >> 2` SELECT queries (byte 0 bit 1
+// clear) or ATTEND queries (set), and as that many SELECT-reply deltas and ATTEND-reply
+// outputs (the client's side). Whatever parses must stay inside the payload and come back
+// the same when written again and re-read.
+//
 // Input: byte 0 picks the body (even: IngestRequest, odd: AppendTokensRequest); u16 header
 // length (little-endian); the header bytes; the rest is the payload.
 //
@@ -18,6 +24,7 @@
 #include <string>
 #include <vector>
 
+#include "kvshade/transport/decode_frame.h"
 #include "kvshade/transport/frame.h"
 #include "kvshade/transport/ucx_core.h"
 #include "kvshade/v1/kvshade.pb.h"
@@ -58,6 +65,67 @@ void CheckFrame(const v1::DataPlaneHeader& h, const std::string& payload) {
     joined.append(static_cast<const char*>(iov[i].first), iov[i].second);
   }
   if (joined != payload) std::abort();
+}
+
+namespace frame = transport::frame;
+
+bool Inside(std::string_view part, const std::string& payload) {
+  return part.empty() || (part.data() >= payload.data() &&
+                          part.data() + part.size() <= payload.data() + payload.size());
+}
+
+bool SameTensor(const frame::TensorRef& a, const frame::TensorRef& b) {
+  return a.dtype == b.dtype && a.rows == b.rows && a.cols == b.cols && a.data == b.data;
+}
+
+void CheckDecodeFrames(uint8_t pick, const std::string& header, const std::string& payload) {
+  if (auto h = frame::DecodeHeader(header); h.ok()) {
+    auto again = frame::DecodeHeader(frame::EncodeHeader(*h));
+    if (!again.ok() || again->kind != h->kind || again->request_id != h->request_id ||
+        again->key != h->key || again->code != h->code || again->layer != h->layer ||
+        again->count != h->count) {
+      std::abort();
+    }
+  }
+  const uint32_t count = pick >> 2;
+  const frame::Kind kind = (pick & 2) ? frame::kAttend : frame::kSelect;
+  if (auto qs = frame::ParseQueries(payload, count, kind); qs.ok()) {
+    std::string body;
+    for (const frame::QueryRef& q : *qs) {
+      if (!Inside(q.attachment_id, payload) || !Inside(q.q.data, payload) ||
+          !Inside(q.extra[0].data, payload) || !Inside(q.extra[1].data, payload)) {
+        std::abort();
+      }
+      frame::AppendQuery(q, &body);
+    }
+    auto again = frame::ParseQueries(body, count, kind);
+    if (!again.ok() || again->size() != qs->size()) std::abort();
+    for (size_t i = 0; i < qs->size(); ++i) {
+      const frame::QueryRef &a = (*qs)[i], &b = (*again)[i];
+      if (a.attachment_id != b.attachment_id || !SameTensor(a.q, b.q) ||
+          !SameTensor(a.extra[0], b.extra[0]) || !SameTensor(a.extra[1], b.extra[1])) {
+        std::abort();
+      }
+    }
+  } else if (qs.status().code() != absl::StatusCode::kInvalidArgument) {
+    std::abort();
+  }
+  if (auto ds = frame::ParseDeltas(payload, count); ds.ok()) {
+    for (const frame::Delta& d : *ds) {
+      if (d.slot.size() != d.head.size() || d.chunk.size() != d.head.size() ||
+          !Inside(d.keys, payload) || !Inside(d.values, payload) || d.keys.size() != d.values.size()) {
+        std::abort();
+      }
+    }
+  }
+  if (auto os = frame::ParseOutputs(payload, count); os.ok()) {
+    for (const frame::OutputRef& o : *os) {
+      if (!Inside(o.output, payload) || !Inside(o.lse, payload) ||
+          o.output.size() != uint64_t{o.query_heads} * o.head_dim * 4 || o.lse.size() != uint64_t{o.query_heads} * 4) {
+        std::abort();
+      }
+    }
+  }
 }
 
 void WriteFile(const std::string& path, const std::string& bytes) {
@@ -116,6 +184,52 @@ void WriteSeeds(const std::string& dir) {
     *kv->mutable_v() = Tensor({1, 2, 8}, char('c' + l));
   }
   WriteFile(dir + "/append", Seed(1, ap));
+  {
+    // A SELECT frame of one query and an ATTEND frame of one query with k_new and v_new.
+    frame::FrameHeader fh;
+    fh.kind = frame::kSelect;
+    fh.request_id = 9;
+    fh.key = "0123456789abcdef";
+    fh.count = 1;
+    const std::string q(4 * 8 * 2, 'q'), kv(2 * 8 * 2, 'k');
+    frame::QueryRef ref;
+    ref.attachment_id = "0123456789abcdef0123456789abcdef";
+    ref.q = {1, 4, 8, q};
+    std::string body;
+    frame::AppendQuery(ref, &body);
+    const std::string h = frame::EncodeHeader(fh);
+    auto seed = [&](uint8_t pick, const std::string& hdr, const std::string& payload) {
+      std::string out(1, char(pick));
+      out.push_back(char(hdr.size() & 0xff));
+      out.push_back(char(hdr.size() >> 8));
+      return out + hdr + payload;
+    };
+    WriteFile(dir + "/select_frame", seed(1 << 2, h, body));
+    ref.extra[0] = {1, 2, 8, kv};
+    ref.extra[1] = {1, 2, 8, kv};
+    std::string abody;
+    frame::AppendQuery(ref, &abody);
+    fh.kind = frame::kAttend;
+    WriteFile(dir + "/attend_frame", seed((1 << 2) | 2, frame::EncodeHeader(fh), abody));
+    const uint32_t head[2] = {0, 1}, slot[2] = {3, 4};
+    const int32_t chunk[2] = {7, 9};
+    const std::string rows(2 * 8 * 8 * 2, 'r');
+    frame::DeltaRef d;
+    d.chunk_size = 8;
+    d.head_dim = 8;
+    d.selected = 4;
+    d.hits = 2;
+    d.misses = 2;
+    d.head = head;
+    d.slot = slot;
+    d.chunk = chunk;
+    d.keys = rows;
+    d.values = rows;
+    std::string dbody;
+    frame::AppendDelta(d, &dbody);
+    fh.kind = frame::kReply;
+    WriteFile(dir + "/select_reply", seed(1 << 2, frame::EncodeHeader(fh), dbody));
+  }
   WriteFile(dir + "/worker_address",
             std::string(1, char(2)) + std::string(2, '\0') + transport::ucx::EncodeWorkerAddress("\x01\x02raw"));
   std::exit(0);
@@ -141,6 +255,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     auto again = transport::ucx::DecodeWorkerAddress(transport::ucx::EncodeWorkerAddress(*address));
     if (!again.ok() || *again != *address) std::abort();
   }
+  CheckDecodeFrames(data[0], header_bytes, payload);
   v1::DataPlaneHeader h;
   if (!h.ParseFromString(header_bytes)) return 0;  // refused: "not a DataPlaneHeader"
   if (data[0] % 2 == 0) {

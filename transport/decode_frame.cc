@@ -182,9 +182,11 @@ void AppendDelta(const DeltaRef& d, std::string* body) {
   Put<uint32_t>(body, d.hits);
   Put<uint8_t>(body, (d.delivered ? 1 : 0) | (d.fallback ? 2 : 0) | (rows ? 4 : 0));
   body->append(3, '\0');
-  body->append(reinterpret_cast<const char*>(d.head), size_t{d.misses} * 4);
-  body->append(reinterpret_cast<const char*>(d.slot), size_t{d.misses} * 4);
-  body->append(reinterpret_cast<const char*>(d.chunk), size_t{d.misses} * 4);
+  if (d.misses > 0) {
+    body->append(reinterpret_cast<const char*>(d.head), size_t{d.misses} * 4);
+    body->append(reinterpret_cast<const char*>(d.slot), size_t{d.misses} * 4);
+    body->append(reinterpret_cast<const char*>(d.chunk), size_t{d.misses} * 4);
+  }
   if (rows) {
     body->append(d.keys);
     body->append(d.values);
@@ -218,9 +220,11 @@ absl::StatusOr<std::vector<Delta>> ParseDeltas(std::string_view body, uint32_t c
     d.head.resize(m);
     d.slot.resize(m);
     d.chunk.resize(m);
-    std::memcpy(d.head.data(), ids.data(), size_t{m} * 4);
-    std::memcpy(d.slot.data(), ids.data() + size_t{m} * 4, size_t{m} * 4);
-    std::memcpy(d.chunk.data(), ids.data() + size_t{m} * 8, size_t{m} * 4);
+    if (m > 0) {
+      std::memcpy(d.head.data(), ids.data(), size_t{m} * 4);
+      std::memcpy(d.slot.data(), ids.data() + size_t{m} * 4, size_t{m} * 4);
+      std::memcpy(d.chunk.data(), ids.data() + size_t{m} * 8, size_t{m} * 4);
+    }
     if (flags & 4) {
       const uint64_t n = uint64_t{m} * d.chunk_size * d.head_dim * 2;
       if (n > r.left() || !r.Take(static_cast<size_t>(n), &d.keys)) return Short("SELECT reply", i, "keys", n, r.left());

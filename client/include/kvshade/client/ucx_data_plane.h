@@ -184,8 +184,15 @@ class UcxDataPlane {
   // FRAME_REPLY back, matched by request id in `pending_` like every other call.
   void CallFrameAsync(transport::frame::Kind kind, const std::string& key, uint32_t layer,
                       uint32_t count, std::string body, Callback<Reply> done);
-  absl::StatusOr<Reply> CallFrame(transport::frame::Kind kind, const std::string& key,
-                                  uint32_t layer, uint32_t count, std::string body);
+  // A decode call: its frame body (or the reason there is none), sent; `parse` turns the
+  // reply into the v1 response.
+  template <typename Req, typename Resp>
+  void DecodeAsync(transport::frame::Kind kind, const Req& req, absl::StatusOr<std::string> body,
+                   absl::StatusOr<Resp> (*parse)(const absl::StatusOr<Reply>&, const Req&),
+                   Callback<Resp> done);
+  // Runs `start` and waits for the callback it was given, spinning up to busy_poll first.
+  template <typename T>
+  absl::StatusOr<T> Await(const std::function<void(Callback<T>)>& start);
   void OnFrameReply(std::string header, std::string payload, size_t oversize);
   // The next sequence number of ingest stream `stream`; `ends` (commit, cancel) restarts
   // its count.
