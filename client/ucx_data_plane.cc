@@ -309,7 +309,8 @@ absl::StatusOr<frame::TensorRef> FrameTensorOf(const v1::Tensor& t, const std::s
 }
 
 // The frame body of a request's queries: each query's attachment id and its tensors in
-// frame order, as `fields(query)` lists them (pointer and name for errors).
+// frame order, as `fields(query, &entry)` lists them (pointer and name for errors; it may
+// set the entry's other fields).
 template <typename Q, typename Fields>
 absl::StatusOr<std::string> FrameBody(const google::protobuf::RepeatedPtrField<Q>& queries,
                                       Fields fields) {
@@ -319,7 +320,7 @@ absl::StatusOr<std::string> FrameBody(const google::protobuf::RepeatedPtrField<Q
     ref.attachment_id = queries[i].attachment_id();
     frame::TensorRef* slots[3] = {&ref.q, &ref.extra[0], &ref.extra[1]};
     int n = 0;
-    for (const auto& [tensor, name] : fields(queries[i])) {
+    for (const auto& [tensor, name] : fields(queries[i], &ref)) {
       auto t = FrameTensorOf(*tensor, absl::StrCat("queries[", i, "].", name));
       if (!t.ok()) return t.status();
       *slots[n++] = *t;
@@ -332,13 +333,15 @@ absl::StatusOr<std::string> FrameBody(const google::protobuf::RepeatedPtrField<Q
 using NamedTensors = std::vector<std::pair<const v1::Tensor*, const char*>>;
 
 absl::StatusOr<std::string> SelectBody(const v1::SelectAndReconstructRequest& req) {
-  return FrameBody(req.queries(), [](const v1::SelectQuery& q) {
+  return FrameBody(req.queries(), [](const v1::SelectQuery& q, frame::QueryRef*) {
     return NamedTensors{{&q.q(), "q"}, {&q.chunks(), "chunks"}};
   });
 }
 
 absl::StatusOr<std::string> AttendBody(const v1::AttendRequest& req) {
-  return FrameBody(req.queries(), [](const v1::AttendQuery& q) {
+  return FrameBody(req.queries(), [](const v1::AttendQuery& q, frame::QueryRef* ref) {
+    ref->stage = q.has_stage_token_id();
+    ref->stage_token_id = q.stage_token_id();
     return NamedTensors{{&q.q(), "q"}, {&q.k_new(), "k_new"}, {&q.v_new(), "v_new"}};
   });
 }
@@ -393,6 +396,7 @@ absl::StatusOr<v1::AttendResponse> AttendReply(const absl::StatusOr<UcxDataPlane
   for (const frame::OutputRef& o : *outs) {
     SetTensor(resp.add_outputs(), v1::DTYPE_FP32, {o.query_heads, o.head_dim}, o.output);
     SetTensor(resp.add_lse(), v1::DTYPE_FP32, {o.query_heads}, o.lse);
+    resp.add_tokens(o.tokens);
   }
   return resp;
 }

@@ -517,7 +517,19 @@ absl::StatusOr<v1::AppendTokensResponse> EngineImpl::AppendTokens(const Tenant& 
     KVSHADE_ASSIGN_OR_RETURN(ks[lk.layer()], DecodeTensor(lk.k(), shape, m.dtype, absl::StrCat("layers[", i, "].k")));
     KVSHADE_ASSIGN_OR_RETURN(vs[lk.layer()], DecodeTensor(lk.v(), shape, m.dtype, absl::StrCat("layers[", i, "].v")));
   }
-  KVSHADE_RETURN_IF_ERROR(sessions_.CheckWriter(t.name, s, r.attachment_id()));
+  const absl::Span<const int32_t> ids(r.token_ids().data(), n);
+  KVSHADE_ASSIGN_OR_RETURN(uint64_t tokens, CommitAppend(t, s, r.attachment_id(), ids, ks, vs));
+  v1::AppendTokensResponse resp;
+  resp.set_tokens(tokens);
+  return resp;
+}
+
+absl::StatusOr<uint64_t> EngineImpl::CommitAppend(const Tenant& t, Session& s,
+                                                  const std::string& attachment_id,
+                                                  absl::Span<const int32_t> ids,
+                                                  const std::vector<std::vector<bf16>>& ks,
+                                                  const std::vector<std::vector<bf16>>& vs) {
+  KVSHADE_RETURN_IF_ERROR(sessions_.CheckWriter(t.name, s, attachment_id));
 
   std::unique_lock lock(s.mu);
   if (s.state == SessionState::kClosed) {
@@ -527,7 +539,6 @@ absl::StatusOr<v1::AppendTokensResponse> EngineImpl::AppendTokens(const Tenant& 
     return absl::FailedPreconditionError(absl::StrCat(
         "session '", s.id, "' is ", SessionStateName(s.state), "; commit its ingest first"));
   }
-  const absl::Span<const int32_t> ids(r.token_ids().data(), n);
   KVSHADE_RETURN_IF_ERROR(ValidateTokens(ids, s.tokens, config_->limits, "token_ids"));
   // Logged appends: on disk before they happen (and so before the acknowledgement).
   const bool logged = s.durable && spill_ && s.append_fsync != v1::APPEND_FSYNC_NO;
@@ -536,9 +547,7 @@ absl::StatusOr<v1::AppendTokensResponse> EngineImpl::AppendTokens(const Tenant& 
     if (logged) DropLastAppendRecord(s);
     return st;
   }
-  v1::AppendTokensResponse resp;
-  resp.set_tokens(s.tokens);
-  return resp;
+  return s.tokens;
 }
 
 absl::Status EngineImpl::SealOpen(Session& s) {

@@ -22,6 +22,7 @@ void SelectResult::Reset(size_t n) {
 void AttendResult::Reset(size_t n) {
   outputs.resize(n);
   lse.resize(n);
+  tokens.assign(n, 0);
   for (auto& o : outputs) o.clear();
   for (auto& l : lse) l.clear();
 }

@@ -114,6 +114,13 @@ class EngineImpl {
   // --- append.cc ---
   absl::StatusOr<v1::AppendTokensResponse> AppendTokens(const Tenant& t,
                                                         const v1::AppendTokensRequest& r);
+  // Checks the writer rule, takes s.mu exclusively, validates `ids` against the session,
+  // logs (durable sessions) and applies the append (k pre-RoPE [n, h, d] per layer,
+  // decoded); returns the session's new length. AppendTokens and Attend's staged token.
+  absl::StatusOr<uint64_t> CommitAppend(const Tenant& t, Session& s, const std::string& attachment_id,
+                                        absl::Span<const int32_t> ids,
+                                        const std::vector<std::vector<kernels::bf16>>& ks,
+                                        const std::vector<std::vector<kernels::bf16>>& vs);
   // The append itself (s.mu held exclusively; tokens validated, k pre-RoPE [n, h, d]).
   absl::Status ApplyAppend(Session& s, absl::Span<const int32_t> ids,
                            const std::vector<std::vector<kernels::bf16>>& ks,

@@ -522,12 +522,21 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
   KVSHADE_ASSIGN_OR_RETURN(std::vector<Query> qs,
                            Resolve(sessions_, config_->limits, t, r.layer, r.queries));
   const int layer = static_cast<int>(r.layer);
+  // Staged tokens this call completes: appended once the reads' locks are released.
+  struct Commit {
+    Session* session;
+    std::string attachment;
+    int32_t token = 0;
+    std::vector<std::vector<bf16>> k, v;
+  };
+  std::vector<Commit> commits;
+  out->Reset(qs.size());
+  {
   BatchLocks locks;
   KVSHADE_RETURN_IF_ERROR(locks.Lock(qs));
   StageTimer timer(metrics_, "attend");
   StreamLease stream(*this);
   const kernels::Stream st = stream.get();
-  out->Reset(qs.size());
   for (size_t i = 0; i < qs.size(); ++i) {
     Session& s = *qs[i].session;
     const kernels::LayerShape& shape = s.model.shape;
@@ -631,12 +640,39 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
     // The step's new token, if given: rotated at the position after the session's last
     // token and attended as one more block (not stored).
     const AttendQueryView& aq = r.queries[i];
+    const std::string what = absl::StrCat("queries[", i, "]");
+    if (aq.stage && (aq.k_new.empty() || aq.v_new.empty() || aq.stage_token_id < 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ".stage_token_id: staging needs k_new and v_new and a token id >= 0, got id ",
+          aq.stage_token_id, aq.k_new.empty() || aq.v_new.empty() ? " without k_new/v_new" : ""));
+    }
     if (!aq.k_new.empty() || !aq.v_new.empty()) {
-      const std::string what = absl::StrCat("queries[", i, "]");
       const int64_t hd[2] = {h, d};
       std::vector<bf16> kn(size_t(h) * d), vn(size_t(h) * d);
       KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(aq.k_new, hd, s.model.dtype, what + ".k_new", absl::MakeSpan(kn)));
       KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(aq.v_new, hd, s.model.dtype, what + ".v_new", absl::MakeSpan(vn)));
+      if (aq.stage) {
+        // Kept per layer (pre-RoPE, as AppendTokens takes it); the last layer commits.
+        Attachment& a = *qs[i].attachment;
+        KVSHADE_RETURN_IF_ERROR(sessions_.CheckWriter(t.name, s, a.id));
+        std::lock_guard<std::mutex> alock(a.mu);
+        Attachment::StagedToken& sg = a.staged;
+        const int L = s.model.layers;
+        if (sg.layers == 0 || sg.token_id != aq.stage_token_id || sg.at_tokens != s.tokens) {
+          sg.token_id = aq.stage_token_id;
+          sg.at_tokens = s.tokens;
+          sg.k.assign(L, {});
+          sg.v.assign(L, {});
+          sg.layers = 0;
+        }
+        if (sg.k[layer].empty()) ++sg.layers;
+        sg.k[layer] = kn;
+        sg.v[layer] = vn;
+        if (sg.layers == L) {
+          commits.push_back({&s, a.id, sg.token_id, std::move(sg.k), std::move(sg.v)});
+          sg = Attachment::StagedToken{};
+        }
+      }
       if (item.n_blocks == kernels::kMaxKvBlocks) {
         return absl::InternalError("too many attention blocks for the new token");
       }
@@ -670,6 +706,15 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
     lse.resize(shape.query_heads());
     KVSHADE_RETURN_IF_ERROR(backend_->CopyToHost(o.data(), od.data(), out_n * 4, st));
     KVSHADE_RETURN_IF_ERROR(DownloadOn(st, lse.data(), Ptr<float>(od) + out_n, lse.size() * 4));
+    out->tokens[i] = s.tokens;
+  }
+  }
+  for (Commit& c : commits) {
+    const int32_t id[1] = {c.token};
+    KVSHADE_ASSIGN_OR_RETURN(uint64_t tokens, CommitAppend(t, *c.session, c.attachment, id, c.k, c.v));
+    for (size_t i = 0; i < qs.size(); ++i) {
+      if (qs[i].session.get() == c.session) out->tokens[i] = tokens;
+    }
   }
   return absl::OkStatus();
 }

@@ -622,6 +622,7 @@ std::string EncodeOutputs(const AttendResult& r) {
     o.head_dim = o.query_heads == 0 ? 0 : static_cast<uint32_t>(r.outputs[i].size() / o.query_heads);
     o.output = {reinterpret_cast<const char*>(r.outputs[i].data()), r.outputs[i].size() * 4};
     o.lse = {reinterpret_cast<const char*>(r.lse[i].data()), r.lse[i].size() * 4};
+    o.tokens = r.tokens[i];
     frame::AppendOutput(o, &body);
   }
   return body;
@@ -696,7 +697,8 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
       std::vector<AttendQueryView> views(qs->size());
       for (size_t i = 0; i < qs->size(); ++i) {
         const frame::QueryRef& q = (*qs)[i];
-        views[i] = {q.attachment_id, ViewOf(q.q), ViewOf(q.extra[0]), ViewOf(q.extra[1])};
+        views[i] = {q.attachment_id, ViewOf(q.q), ViewOf(q.extra[0]), ViewOf(q.extra[1]), q.stage,
+                    q.stage_token_id};
       }
       AttendResult res;
       absl::Status st = engine->Attend(conn->tenant, AttendRequestView{layer, views}, &res);

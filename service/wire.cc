@@ -50,6 +50,8 @@ absl::StatusOr<v1::AttendResponse> Engine::Attend(const Tenant& t, const v1::Att
     qs[i].q = ViewOf(q.q());
     qs[i].k_new = ViewOf(q.k_new());
     qs[i].v_new = ViewOf(q.v_new());
+    qs[i].stage = q.has_stage_token_id();
+    qs[i].stage_token_id = q.stage_token_id();
   }
   AttendResult res;
   KVSHADE_RETURN_IF_ERROR(Attend(t, AttendRequestView{r.layer(), qs}, &res));
@@ -60,6 +62,7 @@ absl::StatusOr<v1::AttendResponse> Engine::Attend(const Tenant& t, const v1::Att
     const int64_t lse_shape[1] = {hq};
     EncodeF32(res.outputs[i], out_shape, resp.add_outputs());
     EncodeF32(res.lse[i], lse_shape, resp.add_lse());
+    resp.add_tokens(res.tokens[i]);
   }
   return resp;
 }

@@ -45,9 +45,9 @@ absl::Status Short(std::string_view what, uint32_t i, std::string_view field, si
                                                  " bytes, ", left, " left in the payload"));
 }
 
-constexpr size_t kQueryEntryBytes = 32;
+constexpr size_t kQueryEntryBytes = 36;
 constexpr size_t kDeltaEntryBytes = 24;
-constexpr size_t kOutputEntryBytes = 8;
+constexpr size_t kOutputEntryBytes = 16;
 
 uint64_t TensorBytes(const TensorRef& t) {
   return uint64_t{t.rows} * t.cols * ElementBytes(t.dtype);
@@ -109,11 +109,13 @@ void AppendQuery(const QueryRef& q, std::string* body) {
   Put<uint8_t>(body, q.q.dtype);
   Put<uint8_t>(body, q.extra[0].dtype);
   Put<uint8_t>(body, q.extra[1].dtype);
-  body->append(3, '\0');
+  Put<uint8_t>(body, q.stage ? 1 : 0);
+  body->append(2, '\0');
   for (const TensorRef* t : {&q.q, &q.extra[0], &q.extra[1]}) {
     Put<uint32_t>(body, t->rows);
     Put<uint32_t>(body, t->cols);
   }
+  Put<int32_t>(body, q.stage_token_id);
   body->append(q.attachment_id.substr(0, 0xffff));
   for (const TensorRef* t : {&q.q, &q.extra[0], &q.extra[1]}) body->append(t->data);
 }
@@ -153,6 +155,17 @@ absl::StatusOr<std::vector<QueryRef>> ParseQueries(std::string_view body, uint32
                                                        ": ", std::string(names[t]),
                                                        " is absent (dtype 0) but has a shape"));
       }
+    }
+    const uint8_t flags = static_cast<uint8_t>(fixed[5]);
+    if (flags & ~1u) {
+      return absl::InvalidArgumentError(absl::StrCat("ucx ", std::string(what), " frame: entry ", i,
+                                                     ": unknown flags ", int{flags}));
+    }
+    q.stage = flags & 1;
+    q.stage_token_id = Get<int32_t>(fixed.data() + 32);
+    if (kind == kSelect && q.stage) {
+      return absl::InvalidArgumentError(absl::StrCat("ucx SELECT frame: entry ", i,
+                                                     ": a select query stages no token"));
     }
     if (kind == kSelect && q.extra[1].present()) {
       return absl::InvalidArgumentError(absl::StrCat("ucx SELECT frame: entry ", i,
@@ -241,6 +254,7 @@ absl::StatusOr<std::vector<Delta>> ParseDeltas(std::string_view body, uint32_t c
 void AppendOutput(const OutputRef& o, std::string* body) {
   Put<uint32_t>(body, o.query_heads);
   Put<uint32_t>(body, o.head_dim);
+  Put<uint64_t>(body, o.tokens);
   body->append(o.output);
   body->append(o.lse);
 }
@@ -259,6 +273,7 @@ absl::StatusOr<std::vector<OutputRef>> ParseOutputs(std::string_view body, uint3
     OutputRef& o = out[i];
     o.query_heads = Get<uint32_t>(fixed.data());
     o.head_dim = Get<uint32_t>(fixed.data() + 4);
+    o.tokens = Get<uint64_t>(fixed.data() + 8);
     const uint64_t n = uint64_t{o.query_heads} * o.head_dim * 4, nl = uint64_t{o.query_heads} * 4;
     if (n > r.left() || !r.Take(static_cast<size_t>(n), &o.output)) return Short("ATTEND reply", i, "output", n, r.left());
     if (nl > r.left() || !r.Take(static_cast<size_t>(nl), &o.lse)) return Short("ATTEND reply", i, "lse", nl, r.left());

@@ -7,6 +7,8 @@
 //     lse' = log(e^lse + 1), from the answer without the token.
 //   - The same token appended (AppendTokens) and attended without k_new: the same tokens,
 //     so the same output and LSE (only the block order differs).
+// Staging: the token staged layer by layer through Attend and appended after the last
+// layer equals the same token appended by AppendTokens, bit for bit.
 // Tolerance: fp32 accumulation over ~200 bf16 products per score and an online softmax in
 // another block order: 1e-5 relative to the output's largest magnitude, 1e-5 absolute on
 // the LSE (values of order 10).
@@ -112,6 +114,89 @@ TEST(AttendDecode, NewTokenAndLogSumExpAgainstReferences) {
       const std::vector<float> lse = TensorF32(r->lse(0));
       for (size_t qh = 0; qh < lse.size(); ++qh) EXPECT_NEAR(lse[qh], lse_new[layer][qh], 1e-5);
     }
+  }
+}
+
+// A decode step through Attend alone: every layer's call stages the new token
+// (stage_token_id), the last layer's call appends it. The session then answers exactly
+// as a twin that got the same token by AppendTokens, bit for bit. A different token id
+// part-way restarts the staging (only the second token is appended).
+TEST(AttendDecode, StagedTokenIsAppendedAfterTheLastLayer) {
+  for (v1::ProfileKind kind : {v1::PROFILE_KIND_SHADOW, v1::PROFILE_KIND_EXACT}) {
+    SCOPED_TRACE(v1::ProfileKind_Name(kind));
+    Harness hx;
+    const int n = 200;
+    Stream s = MakeStream(n + 1, hx.model, 47);
+    v1::Profile p = ProfileOf(kind);
+    p.set_rank(16);
+    p.set_sparse_budget(8);
+    p.set_outliers(2);
+    auto a = hx.Open(s, p, n);
+    auto b = hx.Open(s, p, n);
+    const std::string writer = hx.AttachTo(a.session, true);
+    auto token_kv = [&](int layer, int t, bool v) {
+      const auto& src = v ? s.v[layer] : s.k[layer];
+      return std::vector<bf16>(src.begin() + size_t(t) * kH * kD, src.begin() + size_t(t + 1) * kH * kD);
+    };
+    // A false start: token 999 on layer 0 only, then the real token on every layer.
+    {
+      std::vector<bf16> kn = token_kv(0, n, false), vn = token_kv(0, n, true);
+      v1::AttendRequest r = AttendReq(hx, writer, 0, hx.Query(5), &kn, &vn);
+      r.mutable_queries(0)->set_stage_token_id(999);
+      auto resp = hx.engine->Attend(hx.tenant, r);
+      ASSERT_TRUE(resp.ok()) << resp.status();
+      EXPECT_EQ(resp->tokens(0), uint64_t(n));
+    }
+    for (int layer = 0; layer < s.L; ++layer) {
+      std::vector<bf16> kn = token_kv(layer, n, false), vn = token_kv(layer, n, true);
+      v1::AttendRequest r = AttendReq(hx, writer, layer, hx.Query(300 + layer), &kn, &vn);
+      r.mutable_queries(0)->set_stage_token_id(s.tokens[n]);
+      auto resp = hx.engine->Attend(hx.tenant, r);
+      ASSERT_TRUE(resp.ok()) << resp.status();
+      ASSERT_EQ(resp->tokens_size(), 1);
+      EXPECT_EQ(resp->tokens(0), uint64_t(layer + 1 < s.L ? n : n + 1)) << "layer " << layer;
+    }
+    v1::AppendTokensRequest ap;
+    ap.set_session_id(b.session);
+    ap.add_token_ids(s.tokens[n]);
+    for (int layer = 0; layer < s.L; ++layer) {
+      auto* lk = ap.add_layers();
+      lk->set_layer(layer);
+      *lk->mutable_k() = ToTensor(token_kv(layer, n, false), {1, kH, kD});
+      *lk->mutable_v() = ToTensor(token_kv(layer, n, true), {1, kH, kD});
+    }
+    ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, ap).ok());
+    auto ia = hx.engine->GetSession(hx.tenant, [&] {
+      v1::GetSessionRequest g;
+      g.set_session_id(a.session);
+      return g;
+    }());
+    ASSERT_TRUE(ia.ok());
+    EXPECT_EQ(ia->tokens(), uint64_t(n + 1));
+    for (int layer = 0; layer < s.L; ++layer) {
+      const std::vector<bf16> q = hx.Query(400 + layer);
+      auto ra = hx.engine->Attend(hx.tenant, AttendReq(hx, a.attachment, layer, q, nullptr, nullptr));
+      auto rb = hx.engine->Attend(hx.tenant, AttendReq(hx, b.attachment, layer, q, nullptr, nullptr));
+      ASSERT_TRUE(ra.ok() && rb.ok());
+      EXPECT_EQ(ra->outputs(0).data(), rb->outputs(0).data()) << "layer " << layer;
+      EXPECT_EQ(ra->lse(0).data(), rb->lse(0).data()) << "layer " << layer;
+      EXPECT_EQ(ra->tokens(0), uint64_t(n + 1));
+    }
+    // The writer rule holds for staging: another attachment may not stage.
+    std::vector<bf16> kn = token_kv(0, n, false), vn = token_kv(0, n, true);
+    v1::AttendRequest r = AttendReq(hx, a.attachment, 0, hx.Query(6), &kn, &vn);
+    r.mutable_queries(0)->set_stage_token_id(5);
+    auto denied = hx.engine->Attend(hx.tenant, r);
+    ASSERT_FALSE(denied.ok());
+    EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied) << denied.status();
+    // Staging needs the token's K and V.
+    v1::AttendRequest bare = AttendReq(hx, writer, 0, hx.Query(6), nullptr, nullptr);
+    bare.mutable_queries(0)->set_stage_token_id(5);
+    auto refused = hx.engine->Attend(hx.tenant, bare);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(refused.status().message()).find("queries[0].stage_token_id"), std::string::npos)
+        << refused.status();
   }
 }
 

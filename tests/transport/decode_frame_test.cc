@@ -90,16 +90,21 @@ TEST(DecodeFrame, QueriesRoundTrip) {
   c.q = {1, 32, 128, q0};
   c.extra[0] = {1, 8, 128, kn};
   c.extra[1] = {1, 8, 128, vn};
+  c.stage = true;
+  c.stage_token_id = 1234;
   std::string abody;
   AppendQuery(c, &abody);
   auto as = ParseQueries(abody, 1, kAttend);
   ASSERT_TRUE(as.ok()) << as.status();
   EXPECT_EQ((*as)[0].extra[0].data, kn);
   EXPECT_EQ((*as)[0].extra[1].data, vn);
+  EXPECT_TRUE((*as)[0].stage);
+  EXPECT_EQ((*as)[0].stage_token_id, 1234);
+  EXPECT_FALSE((*qs)[1].stage);
   // A select query carries no third tensor.
   auto wrong = ParseQueries(abody, 1, kSelect);
   ASSERT_FALSE(wrong.ok());
-  EXPECT_NE(wrong.status().message().find("q and chunks only"), std::string::npos) << wrong.status();
+  EXPECT_NE(std::string(wrong.status().message()).find("stages no token"), std::string::npos) << wrong.status();
 }
 
 TEST(DecodeFrame, MalformedQueriesAreRefusedWithoutOverreading) {
@@ -124,7 +129,7 @@ TEST(DecodeFrame, MalformedQueriesAreRefusedWithoutOverreading) {
   }
   expect_bad(ParseQueries(body.substr(0, body.size() - 1), 1, kSelect), "entry 0: q needs 128 bytes");
   expect_bad(ParseQueries(body + "x", 1, kSelect), "1 bytes after the last of 1 queries");
-  expect_bad(ParseQueries(body, 2, kSelect), "entry 1: the entry needs 32 bytes, 0 left");
+  expect_bad(ParseQueries(body, 2, kSelect), "entry 1: the entry needs 36 bytes, 0 left");
   expect_bad(ParseQueries(body, 0xffffffffu, kSelect), "queries cannot fit");
   // A shape larger than the bytes: rows say 4000.
   std::string big = body;
@@ -140,6 +145,9 @@ TEST(DecodeFrame, MalformedQueriesAreRefusedWithoutOverreading) {
   std::string dt = body;
   dt[2] = 9;
   expect_bad(ParseQueries(dt, 1, kSelect), "q has unknown dtype 9");
+  std::string flagged = body;
+  flagged[5] = 4;
+  expect_bad(ParseQueries(flagged, 1, kSelect), "unknown flags 4");
   std::string ghost = body;
   const uint32_t one = 1;
   std::memcpy(ghost.data() + 16, &one, 4);  // chunks rows, chunks dtype 0
@@ -206,12 +214,14 @@ TEST(DecodeFrame, OutputsRoundTrip) {
   std::mt19937 rng(5);
   const std::string out = RandomBytes(rng, 32 * 128 * 4), lse = RandomBytes(rng, 32 * 4);
   std::string body;
-  AppendOutput({32, 128, out, lse}, &body);
-  AppendOutput({32, 128, out, lse}, &body);
+  AppendOutput({32, 128, 7, out, lse}, &body);
+  AppendOutput({32, 128, 8, out, lse}, &body);
   auto os = ParseOutputs(body, 2);
   ASSERT_TRUE(os.ok()) << os.status();
   EXPECT_EQ((*os)[1].query_heads, 32u);
   EXPECT_EQ((*os)[1].head_dim, 128u);
+  EXPECT_EQ((*os)[0].tokens, 7u);
+  EXPECT_EQ((*os)[1].tokens, 8u);
   EXPECT_EQ((*os)[1].output, out);
   EXPECT_EQ((*os)[1].lse, lse);
   EXPECT_FALSE(ParseOutputs(std::string_view(body).substr(0, body.size() - 4), 2).ok());

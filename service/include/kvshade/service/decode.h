@@ -76,6 +76,9 @@ struct AttendQueryView {
   TensorView q;      // [hq, d] post-RoPE
   TensorView k_new;  // optional: this step's token, pre-RoPE [h, d]
   TensorView v_new;  // optional: [h, d]
+  // Stage the new token as token `stage_token_id` (v1.AttendQuery.stage_token_id).
+  bool stage = false;
+  int32_t stage_token_id = 0;
 };
 
 struct AttendRequestView {
@@ -87,6 +90,8 @@ struct AttendResult {
   // Per query (of its session's shape): output [hq, d] fp32 and log-sum-exp [hq] fp32
   // (natural log; -inf for none).
   std::vector<std::vector<float>> outputs, lse;
+  // Per query: the session's length after the call (a staged token's commit included).
+  std::vector<uint64_t> tokens;
   void Reset(size_t n);
 };
 

@@ -5,12 +5,13 @@
 // replies) use; service/README.md "UCX data plane" documents the layout for other clients.
 //
 // Requests: FrameHeader{kind SELECT or ATTEND, request_id, connection key, layer, count}
-// then `count` query entries, each a QueryEntry followed by its attachment id and its
+// then `count` query entries, each a 36-byte fixed part (id length, dtypes, flags, rows and
+// cols of three tensors, the staged token id) followed by its attachment id and its
 // tensors' bytes (SELECT: q, then chunks; ATTEND: q, then k_new, then v_new).
 // Replies: FrameHeader{kind REPLY, request_id, code, count}; on code 0 `count` entries
-// (SELECT: DeltaEntry + head[m] u32 + slot[m] u32 + chunk[m] i32 + keys and values
-// [m, C, d] bf16 when the rows travel; ATTEND: OutputEntry + output [hq, d] f32 + lse [hq]
-// f32), else the error message.
+// (SELECT: a 24-byte DeltaEntry + head[m] u32 + slot[m] u32 + chunk[m] i32 + keys and
+// values [m, C, d] bf16 when the rows travel; ATTEND: a 16-byte entry (hq, d, the
+// session's length) + output [hq, d] f32 + lse [hq] f32), else the error message.
 //
 // Readers check every length against the bytes at hand and return INVALID_ARGUMENT naming
 // the entry and field; parsed views point into the caller's buffer.
@@ -57,6 +58,8 @@ struct QueryRef {
   std::string_view attachment_id;
   TensorRef q;
   TensorRef extra[2];  // SELECT: chunks (INT32 [h, m]); ATTEND: k_new, v_new ([h, d])
+  bool stage = false;  // ATTEND: stage the new token as `stage_token_id`
+  int32_t stage_token_id = 0;
 };
 
 // Requests. The writer appends one query's entry to `body`; the reader parses `count`
@@ -89,6 +92,7 @@ absl::StatusOr<std::vector<Delta>> ParseDeltas(std::string_view body, uint32_t c
 // ATTEND replies: one output per query.
 struct OutputRef {
   uint32_t query_heads = 0, head_dim = 0;
+  uint64_t tokens = 0;           // the session's length after the call
   std::string_view output, lse;  // f32 [hq, d] and [hq]
 };
 void AppendOutput(const OutputRef& o, std::string* body);
