@@ -230,9 +230,9 @@ void UcxDataPlane::OnReply(std::string header, std::string payload, size_t overs
   Complete(h.request_id(), std::move(r));
 }
 
-void UcxDataPlane::CallAsync(unsigned am_id, const std::string& token, const std::string& key,
-                             std::string payload, const v1::DataPlaneHeader* extra, Iov iov,
-                             Callback<Reply> done) {
+void UcxDataPlane::Dispatch(unsigned am_id, const std::function<std::string(uint64_t)>& header,
+                            std::string payload, Iov iov, absl::Duration timeout,
+                            Callback<Reply> done) {
   if (ep_ == nullptr) {
     done(absl::FailedPreconditionError("UCX: not connected"));
     return;
@@ -242,21 +242,13 @@ void UcxDataPlane::CallAsync(unsigned am_id, const std::string& token, const std
     return;
   }
   const uint64_t id = next_id_.fetch_add(1);
-  v1::DataPlaneHeader h;
-  if (extra != nullptr) h = *extra;
-  h.set_request_id(id);
-  if (!token.empty()) h.set_admission_token(token);
-  if (!key.empty()) h.set_connection_key(key);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const absl::Duration timeout = am_id == ucx::kHello
-                                       ? std::min(options_.timeout, options_.connect_timeout)
-                                       : options_.timeout;
     pending_[id] = Pending{std::move(done), SteadyClock::now() + absl::ToChronoMilliseconds(timeout)};
   }
   UcxDataPlane* self = this;
-  const bool posted = loop_->Post([self, id, am_id, hdr = h.SerializeAsString(),
-                                   payload = std::move(payload), iov = std::move(iov)]() mutable {
+  const bool posted = loop_->Post([self, id, am_id, hdr = header(id), payload = std::move(payload),
+                                   iov = std::move(iov)]() mutable {
     size_t total = 0;
     for (const auto& part : iov) total += part.second;
     // An iov send needs at least one non-empty part; a bodiless message goes plainly.
@@ -267,6 +259,22 @@ void UcxDataPlane::CallAsync(unsigned am_id, const std::string& token, const std
     if (!st.ok()) self->Complete(id, st);
   });
   if (!posted) Complete(id, absl::UnavailableError("UCX: the progress thread has stopped"));
+}
+
+void UcxDataPlane::CallAsync(unsigned am_id, const std::string& token, const std::string& key,
+                             std::string payload, const v1::DataPlaneHeader* extra, Iov iov,
+                             Callback<Reply> done) {
+  auto header = [&](uint64_t id) {
+    v1::DataPlaneHeader h;
+    if (extra != nullptr) h = *extra;
+    h.set_request_id(id);
+    if (!token.empty()) h.set_admission_token(token);
+    if (!key.empty()) h.set_connection_key(key);
+    return h.SerializeAsString();
+  };
+  const absl::Duration timeout =
+      am_id == ucx::kHello ? std::min(options_.timeout, options_.connect_timeout) : options_.timeout;
+  Dispatch(am_id, header, std::move(payload), std::move(iov), timeout, std::move(done));
 }
 
 absl::StatusOr<UcxDataPlane::Reply> UcxDataPlane::Call(unsigned am_id, const std::string& token,
@@ -450,32 +458,17 @@ absl::StatusOr<v1::AttendResponse> UcxDataPlane::Attend(const v1::AttendRequest&
 
 void UcxDataPlane::CallFrameAsync(frame::Kind kind, const std::string& key, uint32_t layer,
                                   uint32_t count, std::string body, Callback<Reply> done) {
-  if (ep_ == nullptr) {
-    done(absl::FailedPreconditionError("UCX: not connected"));
-    return;
-  }
-  if (failed()) {
-    done(absl::UnavailableError(failure()));
-    return;
-  }
-  const uint64_t id = next_id_.fetch_add(1);
-  frame::FrameHeader h;
-  h.kind = kind;
-  h.request_id = id;
-  h.key = key;
-  h.layer = layer;
-  h.count = count;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    pending_[id] = Pending{std::move(done), SteadyClock::now() + absl::ToChronoMilliseconds(options_.timeout)};
-  }
-  UcxDataPlane* self = this;
-  const unsigned am = kind == frame::kSelect ? ucx::kSelectFrame : ucx::kAttendFrame;
-  const bool posted = loop_->Post([self, id, am, hdr = frame::EncodeHeader(h), body = std::move(body)]() mutable {
-    absl::Status st = self->loop_->Send(self->ep_->get(), am, std::move(hdr), std::move(body));
-    if (!st.ok()) self->Complete(id, st);
-  });
-  if (!posted) Complete(id, absl::UnavailableError("UCX: the progress thread has stopped"));
+  auto header = [&](uint64_t id) {
+    frame::FrameHeader h;
+    h.kind = kind;
+    h.request_id = id;
+    h.key = key;
+    h.layer = layer;
+    h.count = count;
+    return frame::EncodeHeader(h);
+  };
+  Dispatch(kind == frame::kSelect ? ucx::kSelectFrame : ucx::kAttendFrame, header, std::move(body), {},
+           options_.timeout, std::move(done));
 }
 
 absl::StatusOr<std::string> UcxDataPlane::RawFrameRequest(frame::Kind kind, const std::string& key,

@@ -167,6 +167,12 @@ class UcxDataPlane {
   UcxDataPlane() = default;
   static absl::StatusOr<std::unique_ptr<UcxDataPlane>> Open(const std::string& address,
                                                             const UcxOptions& options);
+  // Registers `done` under a fresh request id and sends (am_id, header(id), payload or the
+  // `iov` buffers) from the progress thread; `done` gets the reply, the transport's
+  // failure, or the failure that kept the message from being sent.
+  void Dispatch(unsigned am_id, const std::function<std::string(uint64_t)>& header,
+                std::string payload, std::vector<std::pair<const void*, size_t>> iov,
+                absl::Duration timeout, Callback<Reply> done);
   // Sends (am_id, header with request id + `key`/`token` + `extra`, payload or the `iov`
   // buffers) and calls `done` with the reply (or the transport's failure).
   void CallAsync(unsigned am_id, const std::string& token, const std::string& key,
