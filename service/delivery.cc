@@ -32,8 +32,8 @@ absl::Status Delivery::Run(const bf16* keys, const bf16* values, size_t row_byte
     kernels::Backend& b = *e_.backend_;
     const size_t row_elems = row_bytes / sizeof(bf16);
     if (row_bytes % 16 != 0) {
-      // Rows CopyRows cannot move (a chunk of fewer than 8 bf16): peers never get such a
-      // geometry (Attach refuses it), replies copy row by row.
+      // Rows CopyRows cannot move (C*d*2 not a multiple of 16: only the CPU backend takes
+      // such small head dims, and it has no peer buffers); replies copy row by row.
       if (np > 0) return absl::InternalError("peer delivery of rows not a multiple of 16 bytes");
       for (const ReplyJob& j : reply_jobs_) {
         j.delta->keys.resize(j.n * row_elems);

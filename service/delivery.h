@@ -39,8 +39,8 @@ class Delivery {
               const std::vector<int64_t>& dst_rows, SlotDeltaResult* delta);
 
   // Copies every planned row out of `keys` / `values` (the reconstruct output, rows of
-  // `row_bytes`) and waits for the copies. The caller's stream must have the reconstruct
-  // queued before.
+  // `row_bytes`; null when nothing missed) and waits for the copies, then marks the peer
+  // deltas delivered. The caller's stream must have the reconstruct queued before.
   absl::Status Run(const kernels::bf16* keys, const kernels::bf16* values, size_t row_bytes);
 
  private:

@@ -201,8 +201,8 @@ struct SelectRun {
 };
 
 // Runs Select over `items` (views, queries, slot tables in backend memory) on `st`, brings
-// the selection to the host, and queues Reconstruct of the misses behind it (not waited
-// for: the delivery that reads the rows synchronizes once).
+// the selection to the host (one wait), then Reconstruct of the misses (a second wait, for
+// its workspace); the rows stay on the device for the delivery.
 static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, kernels::Stream st, const SelectGroup& g,
                                            std::vector<kernels::SelectItem>& sel,
                                            std::vector<kernels::ReconstructItem>& rec,
@@ -489,14 +489,9 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
         delta.selected = selected;
         delta.hits = selected - delta.misses();
       }
-      if (run.keys) {
-        KVSHADE_RETURN_IF_ERROR(delivery.Run(Ptr<const bf16>(run.keys), Ptr<const bf16>(run.values),
-                                             Bf16Bytes(size_t(C) * d)));
-      } else {
-        for (size_t j = b0; j < b1; ++j) {  // no misses: nothing to copy
-          out->deltas[g.items[j]].delivered = qs[g.items[j]].attachment->peer_slots != nullptr;
-        }
-      }
+      // (Without misses there are no rows: Run copies nothing and marks peers delivered.)
+      KVSHADE_RETURN_IF_ERROR(delivery.Run(Ptr<const bf16>(run.keys), Ptr<const bf16>(run.values),
+                                           Bf16Bytes(size_t(C) * d)));
       for (size_t j = b0; j < b1; ++j) {
         const size_t i = g.items[j], jj = j - b0;
         SlotDeltaResult& delta = out->deltas[i];

@@ -250,6 +250,34 @@ TEST(SelectTest, DomainSelectEqualsTheV1FormWithAReusedResult) {
   EXPECT_NE(std::string(st.message()).find("queries[0].q.shape"), std::string::npos) << st;
 }
 
+// Rows the device row copy cannot move (C 1 x d 4 bf16 = 8 bytes) reach the reply row by
+// row: each miss carries its own token's values.
+TEST(SelectTest, NarrowRowsReachTheReply) {
+  Harness hx;
+  hx.model = TestModel(/*L=*/2, /*h=*/2, /*g=*/2, /*d=*/4);
+  Stream s = MakeStream(300, hx.model, 17);
+  v1::Profile p = SparseShadow(8);
+  p.set_chunk_size(1);
+  p.set_rank(8);  // = h*d
+  auto o = hx.Open(s, p);
+  const int layer = 1, d = 4;
+  for (int step = 0; step < 2; ++step) {
+    auto delta = hx.Select(o.attachment, layer, hx.Query(100 + step));
+    ASSERT_TRUE(delta.ok()) << delta.status();
+    ASSERT_GT(delta->head_size(), 0) << step;
+    const std::vector<bf16> values = TensorBf16(delta->values());
+    ASSERT_EQ(values.size(), size_t(delta->head_size()) * d);
+    for (int i = 0; i < delta->head_size(); ++i) {
+      const int tok = delta->chunk(i);  // C = 1: chunk c is token c
+      for (int c = 0; c < d; ++c) {
+        ASSERT_EQ(values[size_t(i) * d + c].bits,
+                  s.v[layer][(size_t(tok) * kH + delta->head(i)) * d + c].bits)
+            << "miss " << i << " step " << step;
+      }
+    }
+  }
+}
+
 TEST(SelectTest, ConcurrentReadersOnOneSession) {
   Harness hx;
   Stream s = MakeStream(400, hx.model, 14);
