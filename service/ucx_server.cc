@@ -196,6 +196,37 @@ void UcxServer::Finish(const std::shared_ptr<Conn>& conn, ucp_ep_h ep, uint64_t 
   }
 }
 
+absl::Status UcxServer::Lookup(const std::string& key, size_t oversize, bool oversize_ok,
+                               std::string_view what, std::shared_ptr<Conn>* conn,
+                               Engine** engine) {
+  *engine = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = connections_.find(key);
+    if (it != connections_.end()) {
+      *conn = it->second;
+      *engine = engine_;
+    } else {
+      ++refused_;
+    }
+  }
+  absl::Status st;
+  if (*conn == nullptr) {
+    st = absl::PermissionDeniedError(absl::StrCat(
+        "ucx ", std::string(what),
+        ": not admitted (send HELLO with an admission token from Attach)"));
+  } else if (*engine == nullptr) {
+    st = absl::UnavailableError(absl::StrCat("ucx ", std::string(what), ": the server is stopping"));
+  } else if (oversize > 0 && !oversize_ok) {
+    st = absl::ResourceExhaustedError(absl::StrCat(
+        "ucx ", std::string(what), ": the ", oversize,
+        "-byte payload exceeds limits.max_message_bytes (", config_.limits.max_message_bytes,
+        "); send smaller parts"));
+  }
+  if (!st.ok()) metrics_->Error(static_cast<int>(st.code()));
+  return st;
+}
+
 std::shared_ptr<UcxServer::Conn> UcxServer::Admit(const ucx::AmMessage& m, v1::DataPlaneHeader* h,
                                                   Engine** engine, std::string_view what) {
   if (!h->ParseFromString(m.header)) {
@@ -204,32 +235,9 @@ std::shared_ptr<UcxServer::Conn> UcxServer::Admit(const ucx::AmMessage& m, v1::D
     return nullptr;
   }
   std::shared_ptr<Conn> conn;
-  *engine = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = connections_.find(h->connection_key());
-    if (it != connections_.end()) {
-      conn = it->second;
-      *engine = engine_;
-    } else {
-      ++refused_;
-    }
-  }
-  absl::Status st;
-  if (conn == nullptr) {
-    st = absl::PermissionDeniedError(absl::StrCat(
-        "ucx ", std::string(what),
-        ": not admitted (send HELLO with an admission token from Attach)"));
-  } else if (*engine == nullptr) {
-    st = absl::UnavailableError(absl::StrCat("ucx ", std::string(what), ": the server is stopping"));
-  } else if (m.oversize > 0 && what != "Ingest") {  // ingest fails it in stream order
-    st = absl::ResourceExhaustedError(absl::StrCat(
-        "ucx ", std::string(what), ": the ", m.oversize,
-        "-byte payload exceeds limits.max_message_bytes (", config_.limits.max_message_bytes,
-        "); send smaller parts"));
-  }
+  // Ingest fails an oversize message in stream order instead.
+  absl::Status st = Lookup(h->connection_key(), m.oversize, what == "Ingest", what, &conn, engine);
   if (!st.ok()) {
-    metrics_->Error(static_cast<int>(st.code()));
     Reply(m.reply_ep, h->request_id(), static_cast<int>(st.code()), std::string(st.message()));
     return nullptr;
   }
@@ -656,33 +664,9 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
   }
   std::shared_ptr<Conn> conn;
   Engine* engine = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = connections_.find(h->key);
-    if (it != connections_.end()) {
-      conn = it->second;
-      engine = engine_;
-    } else {
-      ++refused_;
-    }
-  }
-  absl::Status st;
-  if (conn == nullptr) {
-    st = absl::PermissionDeniedError(absl::StrCat(
-        "ucx ", std::string(method), ": not admitted (send HELLO with an admission token from Attach)"));
-  } else if (engine == nullptr) {
-    st = absl::UnavailableError(absl::StrCat("ucx ", std::string(method), ": the server is stopping"));
-  } else if (m.oversize > 0) {
-    st = absl::ResourceExhaustedError(absl::StrCat(
-        "ucx ", std::string(method), ": the ", m.oversize,
-        "-byte payload exceeds limits.max_message_bytes (", config_.limits.max_message_bytes, ")"));
-  } else if (h->count > config_.limits.max_batch) {
-    st = absl::InvalidArgumentError(absl::StrCat("ucx ", std::string(method), ": ", h->count,
-                                                 " queries, over the limit max_batch = ",
-                                                 config_.limits.max_batch));
-  }
-  if (!st.ok()) {
-    metrics_->Error(static_cast<int>(st.code()));
+  // (Batch and shape limits are the engine's; the parse refuses counts the payload cannot
+  // hold.)
+  if (absl::Status st = Lookup(h->key, m.oversize, false, method, &conn, &engine); !st.ok()) {
     ReplyFrame(m.reply_ep, h->request_id, static_cast<int>(st.code()), 0, std::string(st.message()));
     return;
   }

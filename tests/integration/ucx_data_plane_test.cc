@@ -194,6 +194,11 @@ TEST_P(UcxDataPlaneTest, MalformedFramesAreRefusedAndHarmNothing) {
   };
   const uint32_t hq = static_cast<uint32_t>(q.shape(0)), d = static_cast<uint32_t>(q.shape(1));
   const std::string good = body_of(1, hq, d, q.data());
+  auto repeated = [](const std::string& entry, int n) {
+    std::string out;
+    for (int i = 0; i < n; ++i) out += entry;
+    return out;
+  };
   KV_ASSERT_OK_AND_ASSIGN(first, dp->SelectAndReconstruct(sel));
   struct Bad {
     std::string what;
@@ -211,7 +216,10 @@ TEST_P(UcxDataPlaneTest, MalformedFramesAreRefusedAndHarmNothing) {
        "queries[0].q.shape"},
       {"wrong dtype", 1, body_of(3, hq / 2, d, q.data()), absl::StatusCode::kInvalidArgument,
        "queries[0].q.dtype"},
-      {"over max_batch", 100000, good, absl::StatusCode::kInvalidArgument, "max_batch"},
+      {"a count the payload cannot hold", 100000, good, absl::StatusCode::kInvalidArgument,
+       "queries cannot fit"},
+      {"over max_batch", 300, repeated(good, 300), absl::StatusCode::kInvalidArgument,
+       "over the limit max_batch = 256"},
   };
   for (const Bad& b : bad) {
     for (auto kind : {transport::frame::kSelect, transport::frame::kAttend}) {

@@ -135,6 +135,10 @@ class UcxServer {
   void OnRegister(ucx::AmMessage&& m);
   void OnUnregister(ucx::AmMessage&& m);
 
+  // Finds the connection `key` names and the engine; otherwise (unknown key, stopping, an
+  // oversize payload unless `oversize_ok`) counts the error and returns it, naming `what`.
+  absl::Status Lookup(const std::string& key, size_t oversize, bool oversize_ok,
+                      std::string_view what, std::shared_ptr<Conn>* conn, Engine** engine);
   // Loop thread: parses the header and finds the connection its key names; otherwise
   // replies (INVALID_ARGUMENT, PERMISSION_DENIED or UNAVAILABLE) and returns null.
   std::shared_ptr<Conn> Admit(const ucx::AmMessage& m, v1::DataPlaneHeader* h, Engine** engine,
