@@ -34,6 +34,7 @@
 #include <filesystem>
 #include <functional>
 #include <mutex>
+#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -1351,6 +1352,22 @@ absl::Status RocksSpillTier::Flush() {
   rocksdb::Status s = im.db->Flush(fo, im.AllCfs());
   if (!s.ok()) return im.WriteFailed(s, "flush");
   return absl::OkStatus();
+}
+
+bool RocksSpillTier::WaitForBackgroundWork(uint32_t timeout_ms) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (;;) {
+    uint64_t busy = 0;
+    for (const rocksdb::Slice property :
+         {rocksdb::DB::Properties::kNumRunningFlushes, rocksdb::DB::Properties::kNumRunningCompactions,
+          rocksdb::DB::Properties::kMemTableFlushPending, rocksdb::DB::Properties::kCompactionPending}) {
+      uint64_t n = 0;
+      if (impl_->db->GetAggregatedIntProperty(property, &n)) busy += n;
+    }
+    if (busy == 0) return true;
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
 }
 
 uint64_t RocksSpillTier::dropped_on_open() const { return impl_->dropped_on_open; }

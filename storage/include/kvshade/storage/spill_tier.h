@@ -259,6 +259,10 @@ class RocksSpillTier final : public SpillTier {
   // memory until a flush; e.g. before measuring or at an orderly shutdown). Refused
   // (the stopping error) while RocksDB refuses writes.
   absl::Status Flush();
+  // Waits until RocksDB runs no flush or compaction and has none pending, or `timeout_ms`
+  // passed; true when idle. A quiescent point: before copying the directory, or in a test
+  // that injects a fault and must not also fail a compaction still running.
+  bool WaitForBackgroundWork(uint32_t timeout_ms);
   // Scans every record of every column family (checksums included).
   absl::StatusOr<ConsistencyReport> CheckConsistency();
   // Number of segments dropped at open (kCache leftovers of the previous process).
