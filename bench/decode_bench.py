@@ -14,12 +14,15 @@ Two tables (bench/RESULTS.md "Same-node decode"):
 
   e2e: `model(...)` decode steps of a randomly initialised Llama-3-8B-shaped model
     (transformers, bf16, 32 layers, hidden 4096, 32/8 heads, head dim 128) after a prompt
-    of --e2e-tokens, batch 1: DynamicCache + SDPA, kvshade.hf_cache with decode="local",
-    and with decode="rpc" (the per-layer RPC path, fewer steps). ms/token median and p90.
+    of --e2e-tokens, batch --e2e-batch: DynamicCache + SDPA, kvshade.hf_cache with
+    decode="local", and with decode="rpc" (kvshade.remote.RemoteDecoder: one select per
+    layer over the UCX data plane (--ucx, busy polling --busy-poll-us on both sides), misses
+    delivered by --e2e-delivery, attention in this process). ms/token median and p90.
 
 Usage (on the GPU machine, daemon binary from the bundle):
   python3 bench/decode_bench.py --server .gpu/bin/kvshade-server [--attn-tokens 131072]
       [--batches 1,8,24,48] [--e2e-tokens 32768] [--e2e-steps 32] [--skip-e2e]
+      [--e2e-modes local,rpc] [--e2e-delivery auto] [--ucx shm,self] [--busy-poll-us 2000]
 """
 import argparse
 import json
@@ -42,8 +45,13 @@ from kvshade.local import LocalDecoder  # noqa: E402
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
 
 
-def start_server(binary, extra):
+def start_server(binary, extra, ucx="", busy_poll_us=50):
     d = tempfile.mkdtemp(prefix="kvshade-bench-")
+    if ucx:
+        cfg = os.path.join(d, "kvshade.yaml")
+        with open(cfg, "w") as f:
+            f.write('ucx:\n  enable: true\n  transports: "%s"\n  busy_poll_us: %d\n' % (ucx, busy_poll_us))
+        extra = ["-c", cfg] + list(extra)
     port_file = os.path.join(d, "port")
     log = open(os.path.join(d, "server.log"), "w")
     import socket
@@ -233,7 +241,7 @@ def decode_loop(model, cache, first_logits, steps, n_prompt):
     return times, toks
 
 
-def e2e_table(c, args):
+def e2e_table(c, args, ucx_client=None):
     from transformers import DynamicCache
     from kvshade import hf_cache
     model = build_model(args)
@@ -264,7 +272,7 @@ def e2e_table(c, args):
     torch.cuda.empty_cache()
     print(f"e2e {n} x{B}: dense {rows[-1]['ms_median']:.2f} ms/step = {B * 1e3 / rows[-1]['ms_median']:.0f} "
           f"tokens/s (prefill {prefill_s:.1f} s)")
-    modes = {"local": args.e2e_steps, "rpc": max(4, args.e2e_steps // 8)}
+    modes = {"local": args.e2e_steps, "rpc": args.e2e_steps}
     runs = []
     for m in [m for m in args.e2e_modes.split(",") if m]:
         runs.append((m, modes[m], "first"))
@@ -277,9 +285,14 @@ def e2e_table(c, args):
         prompt = ids if which == "first" else torch.randint(0, 32000, (1, n), device="cuda").repeat(B, 1)
         hf_cache.enable(model)
         torch.cuda.reset_peak_memory_stats()
-        kc = hf_cache.KvShadeCache(c, model, kvshade.Profile("shadow", value_codec=args.codec),
+        # The RPC path as a worker on another node would run it: its data calls over UCX.
+        client = ucx_client if mode == "rpc" and ucx_client is not None else c
+        kc = hf_cache.KvShadeCache(client, model, kvshade.Profile("shadow", value_codec=args.codec),
                                    prompt_ids=prompt if B > 1 else prompt[0], decode=mode,
-                                   model_id="bench/llama3-8b-random")
+                                   model_id="bench/llama3-8b-random", delivery=args.e2e_delivery,
+                                   # rpc: decode as a remote worker would; the prompt still comes
+                                   # from this GPU (ingest is measured elsewhere)
+                                   ingest="device" if mode == "rpc" else "auto")
         before = stage_seconds()
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -302,7 +315,10 @@ def e2e_table(c, args):
                      "ms_p90": float(np.percentile(times[1:], 90)), "prefill_plus_ingest_s": ready_s,
                      "steps": steps, "greedy_agreement_with_dense": agree,
                      "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-                     "local_error": str(kc.local_error) if kc.local_error else None})
+                     "local_error": str(kc.local_error) if kc.local_error else None,
+                     "delivery": kc.remote.delivery if kc.remote is not None else None,
+                     "ucx": args.ucx if client is not c else None,
+                     "hit_ratio": kc.hit_ratio})
         # Ready after prefill: how much later than the dense prefill the session is ready
         # (the adapter ingests each layer while the prefill computes the next).
         rows[-1]["ready_after_prefill_s"] = ready_s - prefill_s
@@ -329,19 +345,27 @@ def main():
     ap.add_argument("--e2e-steps", type=int, default=32)
     ap.add_argument("--e2e-batch", type=int, default=1)
     ap.add_argument("--e2e-modes", default="local,rpc")
+    ap.add_argument("--e2e-delivery", default="auto", help="RemoteDecoder delivery of the rpc mode")
+    ap.add_argument("--ucx", default="shm,self", help="UCX_TLS of the daemon's data plane and the rpc "
+                    "mode's client (\"\" = the rpc mode over gRPC)")
+    ap.add_argument("--busy-poll-us", type=int, default=2000, help="ucx busy_poll_us of daemon and client")
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--skip-attn", action="store_true")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     args.batches = [int(x) for x in args.batches.split(",") if x]
     proc, c, log = start_server(args.server, ["--device-budget", "48GiB", "--host-budget", "96GiB",
-                                               "--max-message-bytes", "512MiB"])
+                                               "--max-message-bytes", "512MiB"], args.ucx, args.busy_poll_us)
+    ucx_client = None
+    if args.ucx:
+        ucx_client = kvshade.Client(c.target, max_message_bytes=512 << 20, timeout=900.0, use_ucx=True,
+                                    ucx_transports=args.ucx, ucx_busy_poll_us=args.busy_poll_us)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     try:
         if not args.skip_attn:
             result["attention"] = attention_table(c, args)
         if not args.skip_e2e:
-            result["e2e"] = e2e_table(c, args)
+            result["e2e"] = e2e_table(c, args, ucx_client)
     finally:
         proc.terminate()
         proc.wait(30)

@@ -48,7 +48,7 @@ struct kvshade_select_result {
     std::vector<float> keys, values;
     int64_t chunk_size = 0, head_dim = 0;
     uint32_t hits = 0, selected = 0;
-    bool delivered = false;
+    bool delivered = false, fallback = false;
   };
   std::vector<Delta> deltas;
 };
@@ -221,6 +221,7 @@ int DecodeSelect(const v1::SelectAndReconstructResponse& r, kvshade_select_resul
     dl.hits = sd.hits();
     dl.selected = sd.selected();
     dl.delivered = sd.delivered();
+    dl.fallback = sd.fallback();
     if (dl.slot.size() != dl.head.size() || dl.chunk.size() != dl.head.size()) {
       return Report(absl::InternalError("malformed SlotDelta from the server (head/slot/chunk lengths differ)"));
     }
@@ -317,6 +318,10 @@ int kvshade_connect(const kvshade_client_options* o, kvshade_client** out) {
       opts.use_ucx = o->use_ucx != 0;
       if (o->ucx_transports != nullptr) opts.ucx_transports = o->ucx_transports;
       if (o->ucx_ingest_window > 0) opts.ucx_ingest_window = o->ucx_ingest_window;
+      if (o->ucx_busy_poll_us > 1000000) {
+        return Bad(absl::StrCat("ucx_busy_poll_us must be <= 1000000, got ", o->ucx_busy_poll_us));
+      }
+      if (o->ucx_busy_poll_us != 0) opts.ucx_busy_poll_us = std::max(0, o->ucx_busy_poll_us);
     }
     auto c = Client::Connect(opts);
     if (!c.ok()) return Report(c.status());
@@ -827,6 +832,7 @@ int kvshade_select_delta(const kvshade_select_result* r, size_t i, kvshade_slot_
   out->hits = dl.hits;
   out->selected = dl.selected;
   out->delivered = dl.delivered ? 1 : 0;
+  out->fallback = dl.fallback ? 1 : 0;
   return Report(absl::OkStatus());
 }
 

@@ -228,7 +228,8 @@ class HfAdapterTest(unittest.TestCase):
                 hooks = [layer.self_attn.k_proj.register_forward_hook(spy_k_proj(i))
                          for i, layer in enumerate(model.model.layers)]
                 prefill = cache.hook.prefill
-                cache.hook.prefill = lambda t, k, v: (sent.append([x.clone() for x in k]), prefill(t, k, v))[1]
+                cache.hook.prefill = lambda t, k, v, **kw: (sent.append([x.clone() for x in k]),
+                                                            prefill(t, k, v, **kw))[1]
                 try:
                     seq, logits = self.generate(model, ids, cache, steps)
                 finally:
@@ -327,8 +328,9 @@ class HfAdapterTest(unittest.TestCase):
 
     def test_local_decode_equals_rpc_decode(self):
         # The same session state, attended in this process (LocalDecoder over the daemon's
-        # exported memory) or by the daemon per layer (Select RPC + host attention): the
-        # same chunks are selected, so logits agree to fp32 rounding and greedy tokens match.
+        # exported memory) or through the daemon's data path (kvshade.remote.RemoteDecoder:
+        # one select per layer, attention here over the delivered misses): the same chunks
+        # are selected, so logits agree to fp32 rounding and greedy tokens match.
         n, steps = 192, 6
         model = tiny_llama(self.seed)
         ids = self.prompt(n)
@@ -341,6 +343,7 @@ class HfAdapterTest(unittest.TestCase):
         rpc = self.kvshade_cache(model, ids, self.small_shadow(), "local-vs-rpc", decode="rpc")
         r_logits = self.teacher_forced(model, ids, ref_seq[0, n:].tolist(), rpc)
         self.assertIsNone(rpc.local)
+        self.assertIsNotNone(rpc.remote)
         errs = [rel_err(a, b) for a, b in zip(l_logits, r_logits)]
         print("local vs rpc: rel logit err per step %s" % ["%.3g" % e for e in errs])
         self.assertLess(max(errs), 1e-3)

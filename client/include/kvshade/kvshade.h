@@ -96,6 +96,10 @@ typedef struct kvshade_client_options {
   int32_t use_ucx;
   const char* ucx_transports;  /* UCX_TLS of the client's worker; NULL or "" = UCX's choice */
   int32_t ucx_ingest_window;   /* ingest messages in flight per stream over UCX; <= 0 = 4 */
+  /* Microseconds the client's UCX progress thread keeps polling after its last message
+   * (and spins on a decode call's reply) before sleeping: lower latency, a busy core.
+   * 0 = the library's default (50); < 0 = no busy polling. */
+  int32_t ucx_busy_poll_us;
 } kvshade_client_options;
 
 KVSHADE_API void kvshade_client_options_init(kvshade_client_options* options);
@@ -329,6 +333,9 @@ typedef struct kvshade_slot_delta {
   int64_t chunk_size, head_dim; /* C, d (0 when m == 0) */
   uint32_t hits, selected;
   int32_t delivered;
+  /* The recall guard put this layer under a fallback that does not fit the slots (then
+   * m == 0): attend this layer with kvshade_attend instead. */
+  int32_t fallback;
 } kvshade_slot_delta;
 
 KVSHADE_API int kvshade_select_delta(const kvshade_select_result* r, size_t i,

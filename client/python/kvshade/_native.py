@@ -24,7 +24,8 @@ class ClientOptions(ctypes.Structure):
     _fields_ = [("target", _c_char_p), ("bearer_token", _c_char_p), ("tls", _i32),
                 ("ca_file", _c_char_p), ("cert_file", _c_char_p), ("key_file", _c_char_p),
                 ("tls_server_name", _c_char_p), ("timeout_ms", _i64), ("max_message_bytes", _u64),
-                ("use_ucx", _i32), ("ucx_transports", _c_char_p), ("ucx_ingest_window", _i32)]
+                ("use_ucx", _i32), ("ucx_transports", _c_char_p), ("ucx_ingest_window", _i32),
+                ("ucx_busy_poll_us", _i32)]
 
 
 class Model(ctypes.Structure):
@@ -68,7 +69,8 @@ class SlotDelta(ctypes.Structure):
                 ("head", ctypes.POINTER(_u32)), ("slot", ctypes.POINTER(_u32)),
                 ("chunk", ctypes.POINTER(_i32)), ("keys", ctypes.POINTER(_f32)),
                 ("values", ctypes.POINTER(_f32)), ("chunk_size", _i64), ("head_dim", _i64),
-                ("hits", _u32), ("selected", _u32), ("delivered", _i32)]
+                ("hits", _u32), ("selected", _u32), ("delivered", _i32),
+                ("fallback", _i32)]
 
 
 class AttachOptions(ctypes.Structure):

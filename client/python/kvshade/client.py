@@ -80,6 +80,26 @@ def to_wire(x, dtype):
     raise InvalidArgument("dtype must be one of bf16, fp16, fp32, got %r" % (dtype,))
 
 
+def cuda_ipc_ref(t, name, instead):
+    """(cudaIpcMemHandle_t bytes, byte offset of t's first element in that allocation) of a
+    torch CUDA tensor, for the daemon to open by CUDA IPC. `instead` ends the error for a
+    tensor that has no such handle."""
+    # (device, handle, storage bytes, storage offset in the allocation, ...): the handle names
+    # the allocation (torch's caching allocator block), the offset the storage in it.
+    shared = t.untyped_storage()._share_cuda_()
+    handle = bytes(shared[1])
+    if len(handle) > 64:
+        # torch >= 2.5 prefixes a type byte: 'c' for a cudaMalloc block (then the 64 bytes of
+        # its cudaIpcMemHandle_t), 'e' for an expandable segment (no cudaIpcMemHandle_t
+        # exists for those).
+        if handle[-65:-64] != b"c":
+            raise InvalidArgument("%s lives in an expandable CUDA segment (PYTORCH_CUDA_ALLOC_CONF="
+                                  "expandable_segments:True), which has no CUDA IPC handle; %s"
+                                  % (name, instead))
+        handle = handle[-64:]
+    return handle, int(shared[3]) + t.storage_offset() * t.element_size()
+
+
 def _ptr(a):
     return a.ctypes.data_as(ctypes.c_void_p)
 
@@ -205,6 +225,9 @@ class SlotDelta:
     hits: int = 0
     selected: int = 0
     delivered: bool = False
+    # The recall guard put this layer under a fallback that does not fit the slots: attend
+    # it with attend() (the service's attention) instead.
+    fallback: bool = False
 
 
 def _decode_select(lib, r):
@@ -221,7 +244,7 @@ def _decode_select(lib, r):
         else:
             keys, values = _copy_f32(d.keys, m * C * D, (m, C, D)), _copy_f32(d.values, m * C * D, (m, C, D))
         out.append(SlotDelta(d.attachment_id.decode(), u32(d.head), u32(d.slot), chunk, keys, values,
-                             d.hits, d.selected, bool(d.delivered)))
+                             d.hits, d.selected, bool(d.delivered), bool(d.fallback)))
     return out
 
 
@@ -271,24 +294,8 @@ class Ingest(_NativeHandle):
                 raise InvalidArgument("%s must be a contiguous CUDA bfloat16 tensor [n, h, d]" % name)
         if k.shape != v.shape:
             raise InvalidArgument("k and v must have the same shape, got %s and %s" % (tuple(k.shape), tuple(v.shape)))
-        refs = []
-        for t in (k, v):
-            st = t.untyped_storage()
-            # (device, handle, storage bytes, storage offset in the allocation, ...): the handle
-            # names the allocation (torch's caching allocator block), the offset the storage in it.
-            shared = st._share_cuda_()
-            handle = bytes(shared[1])
-            if len(handle) > 64:
-                # torch >= 2.5 prefixes a type byte: 'c' for a cudaMalloc block (then the 64
-                # bytes of its cudaIpcMemHandle_t), 'e' for an expandable segment (no
-                # cudaIpcMemHandle_t exists for those).
-                if handle[-65:-64] != b"c":
-                    raise InvalidArgument(
-                        "%s lives in an expandable CUDA segment (PYTORCH_CUDA_ALLOC_CONF="
-                        "expandable_segments:True), which has no CUDA IPC handle; ingest it from "
-                        "host memory instead" % ("k" if t is k else "v"))
-                handle = handle[-64:]
-            refs.append((handle, int(shared[3]) + t.storage_offset() * t.element_size()))
+        refs = [cuda_ipc_ref(k, "k", "ingest it from host memory instead"),
+                cuda_ipc_ref(v, "v", "ingest it from host memory instead")]
         torch.cuda.current_stream(k.device).synchronize()
         n, h, d = k.shape
         _check(_native.lib().kvshade_ingest_layer_cuda_ipc(self._h, layer, n, h, d, refs[0][0], refs[0][1],
@@ -397,12 +404,15 @@ class Client(_NativeHandle):
     the daemon offers a data plane (transports `ucx_transports`, the UCX_TLS value; None =
     UCX's choice)
     and the data calls (ingest, append, select, attend) go over it; `ucx_ingest_window` ingest
-    messages are in flight per stream (0 = 4). If UCX cannot connect, or the connection dies,
-    calls fall back to gRPC inline with a line on stderr; `ucx_fallbacks` counts them."""
+    messages are in flight per stream (0 = 4); `ucx_busy_poll_us`: how long the client's UCX
+    thread keeps polling after its last message and spins on a decode reply before sleeping
+    (0 = 50 us, < 0 = none; more: lower latency, a busy core). If UCX cannot connect, or the
+    connection dies, calls fall back to gRPC inline with a line on stderr; `ucx_fallbacks`
+    counts them."""
 
     def __init__(self, target="127.0.0.1:50551", token=None, tls=False, ca_file=None, cert_file=None,
                  key_file=None, server_name=None, timeout=60.0, max_message_bytes=0, use_ucx=False,
-                 ucx_transports=None, ucx_ingest_window=0):
+                 ucx_transports=None, ucx_ingest_window=0, ucx_busy_poll_us=0):
         lib = _native.lib()
         o = _native.ClientOptions()
         lib.kvshade_client_options_init(ctypes.byref(o))
@@ -414,6 +424,7 @@ class Client(_NativeHandle):
         o.use_ucx = int(bool(use_ucx))
         o.ucx_transports = _b(ucx_transports)
         o.ucx_ingest_window = ucx_ingest_window  # 0 = the library's default (4)
+        o.ucx_busy_poll_us = ucx_busy_poll_us  # 0 = the library's default (50 us), < 0 = none
         self._slot_buffers = {}  # attachment id -> (k, v): kept alive while registered
         self._h = ctypes.c_void_p()
         _check(lib.kvshade_connect(ctypes.byref(o), ctypes.byref(self._h)))

@@ -20,17 +20,19 @@ that selection needs:
     Decode (q_len == 1): `update` records the new token's post-RoPE key and value and
     returns them; the layer lengths keep `get_seq_length`, positions and mask sizes right.
   * `kvshade_attention`, registered with `AttentionInterface.register("kvshade", ...)`.
-    For the decode step of a KvShadeCache it hands q and the recorded k, v to
-    `KvShadeKVCache.attend` (static set + select deltas + exact local tokens) and returns
-    [1, 1, hq, d] as transformers' attention functions do. Every other call (the prompt,
+    For the decode step of a KvShadeCache it hands q and the recorded k, v to the
+    decoder (`kvshade.local.LocalDecoder` or `kvshade.remote.RemoteDecoder`: static set +
+    selected chunks + exact local tokens) and returns [B, 1, hq, d] as transformers'
+    attention functions do. Every other call (the prompt,
     or the model used with another cache) goes to the prefill attention, "sdpa" by default.
 
 Contract and limits:
   * Batch size B >= 1 (each sequence its own kvshade session; prompt_ids [B, n], prompts of
     one length, no padding), one prefill forward and then one token per forward (greedy or
     sampled `generate`). Decode attention runs on the model's device over the state the
-    daemon on this node exports (`decode="local"`, one batched call per layer), or per layer
-    and sequence through the daemon's Select RPC (`decode="rpc"`, another node).
+    daemon on this node exports (`decode="local"`, one batched call per layer), or over
+    slot buffers that one batched select per layer fills through the daemon's data path
+    (`decode="rpc"`, another node).
     Not supported, refused with an error: padded batches, chunked prefill or a
     second multi-token forward (a new turn: make a new KvShadeCache over the whole
     conversation, the cached prefix is reused), beam search, assisted/speculative decoding
@@ -446,13 +448,17 @@ class KvShadeCache(Cache):
                the cuda backend and decode is not "rpc"
     decode   : "local" runs decode attention in this process on the model's device over the
                session state the daemon on this node exports (kvshade.local.LocalDecoder: no
-               RPC per layer); "rpc" asks the daemon per layer (a worker on another node);
-               "auto" (default) tries "local" and falls back to "rpc" when the daemon's
-               memory cannot be mapped here (another node, another user)
+               RPC per layer); "rpc" selects through the daemon's data path, one batched
+               select per layer, and attends on the model's device over the misses it
+               delivers (kvshade.remote.RemoteDecoder: a worker on another node); "auto"
+               (default) tries "local" and falls back to "rpc" when the daemon's memory
+               cannot be mapped here (another node, another user)
+    delivery : how the "rpc" path receives the misses (RemoteDecoder): "cuda_ipc", "ucx_rma",
+               "inline" or "auto" (default: the first the daemon grants, in that order)
     """
 
     def __init__(self, client, model, profile, prompt_ids=None, model_id=None, worker_id="hf-cache",
-                 prefill_attention="sdpa", decode="auto", count_hits=False, ingest="auto"):
+                 prefill_attention="sdpa", decode="auto", count_hits=False, ingest="auto", delivery="auto"):
         config = _text_config(model.config)
         impl = getattr(config, "_attn_implementation", None)
         if impl != ATTENTION_NAME:
@@ -490,6 +496,8 @@ class KvShadeCache(Cache):
         self._model_params_device = {next(model.parameters()).device}
         self.local = None  # kvshade.local.LocalDecoder once the prompt is ingested (local mode)
         self.local_error = None  # why "auto" fell back to "rpc"
+        self.remote = None  # kvshade.remote.RemoteDecoder on the "rpc" path
+        self._delivery = delivery
         super().__init__(layers=[KvShadeCacheLayer(self, i) for i in range(L)])
 
     # --- Public state ---
@@ -531,13 +539,13 @@ class KvShadeCache(Cache):
     def hits(self):
         if self.local is not None:
             return self.local.stats()["hits"]
-        return sum(h.hits for h in self.hooks)
+        return self.remote.hits if self.remote is not None else 0
 
     @property
     def selected(self):
         if self.local is not None:
             return self.local.stats()["selected"]
-        return sum(h.selected for h in self.hooks)
+        return self.remote.selected if self.remote is not None else 0
 
     @property
     def hit_ratio(self):
@@ -552,6 +560,9 @@ class KvShadeCache(Cache):
         if self.local is not None:
             self.local.close()
             self.local = None
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
         for h in self.hooks:
             h.close(close_session=close_session)
 
@@ -641,11 +652,14 @@ class KvShadeCache(Cache):
 
     def _device_ingest_wanted(self, key_states):
         """Stream the prompt's layers from the GPU (same-node ingest) when the model runs on a
-        GPU, decode is not forced onto the RPC path, and the daemon runs on a GPU backend."""
-        if not key_states.is_cuda or self._decode_mode == "rpc" or self._ingest_mode == "host":
+        GPU and ingest="device"; with ingest="auto", when decode is not "rpc" (a worker on
+        another node) and the daemon runs on a GPU backend."""
+        if not key_states.is_cuda or self._ingest_mode == "host":
             return False
         if self._ingest_mode == "device":
             return True
+        if self._decode_mode == "rpc":
+            return False
         try:
             return self._hook_args[0].stats()["backend"] == "cuda"
         except Exception:  # noqa: BLE001 - then the host path
@@ -710,22 +724,26 @@ class KvShadeCache(Cache):
             for b in range(B):
                 self.hooks[b].effective_profile = self.created_all[b].effective_profile
                 self.hooks[b].reused_tokens = self.created_all[b].reused_tokens
-                self.hooks[b].attach(self.created_all[b].session_id)
+                self.hooks[b].session_id = self.created_all[b].session_id
+                if self._decode_mode != "rpc":
+                    self.hooks[b].attach(self.created_all[b].session_id)
             self._streams = []
         else:
             while len(self.hooks) < B:
                 self.hooks.append(KvShadeKVCache(client, spec, profile, worker_id=worker_id))
+            # The "rpc" path attaches through its RemoteDecoder; the hooks only ingest.
             self.created_all = [
-                self.hooks[b].prefill(self._prompt_ids[b], [k[b] for k in self._pre_k], [v[b] for v in self._v])
+                self.hooks[b].prefill(self._prompt_ids[b], [k[b] for k in self._pre_k], [v[b] for v in self._v],
+                                      attach=self._decode_mode != "rpc")
                 for b in range(B)]
             self.created = self.created_all[0]
         self._pre_k = [None] * len(self._pre_k)
         self._v = [None] * len(self._v)
         self._decoding = True
+        device = next(iter(self._model_params_device))
         if self._decode_mode != "rpc":
             from .local import LocalDecoder
             try:
-                device = next(iter(self._model_params_device))
                 self.local = LocalDecoder(client, [h.attachment.attachment_id for h in self.hooks],
                                           backend="cuda:%d" % (device.index or 0) if device.type == "cuda" else "cpu",
                                           count_hits=self._count_hits)
@@ -733,6 +751,10 @@ class KvShadeCache(Cache):
                 if self._decode_mode == "local":
                     raise
                 self.local_error = e
+        if self.local is None:
+            from .remote import RemoteDecoder
+            self.remote = RemoteDecoder(client, self.session_ids, self.spec, device=device, delivery=self._delivery,
+                                        worker_id=worker_id)
 
     def _decode_attention(self, layer, query, key, value, scaling):
         """One decode step of one layer through kvshade: [B, hq, 1, d] -> [B, 1, hq, d]."""
@@ -753,7 +775,6 @@ class KvShadeCache(Cache):
                 self.local.advance()
             self._awaiting = None
             return out.to(query.dtype).reshape(b, 1, hq, d)
-        out = torch.stack([self.hooks[i].attend(layer, q[i], key[i, :, 0, :], value[i, :, 0, :])
-                           for i in range(b)])
+        out = self.remote.attend(layer, q, key[:, :, 0, :], value[:, :, 0, :])
         self._awaiting = None
         return out.to(query.dtype).reshape(b, 1, hq, d)

@@ -33,8 +33,9 @@ class KvShadeKVCache:
         self.selected = 0
 
     # --- Setup ---
-    def prefill(self, token_ids, keys, values, observation_queries=None):
-        """Registers the prompt and ingests what no cached prefix covers, then attaches."""
+    def prefill(self, token_ids, keys, values, observation_queries=None, attach=True):
+        """Registers the prompt and ingests what no cached prefix covers, then attaches
+        (unless attach=False: another decoder attaches to self.session_id)."""
         m = self.model
         if len(keys) != m.num_layers or len(values) != m.num_layers:
             raise ValueError("keys and values need one [n, h, d] tensor per layer (%d)" % m.num_layers)
@@ -48,7 +49,8 @@ class KvShadeKVCache:
                     obs = None if observation_queries is None else observation_queries[layer]
                     ing.layer(layer, keys[layer][r:], values[layer][r:], obs)
                 ing.commit()
-        self.attach(self.session_id)
+        if attach:
+            self.attach(self.session_id)
         return created
 
     def attach(self, session_id, effective_profile=None):

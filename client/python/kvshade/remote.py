@@ -1,0 +1,298 @@
+"""Decode attention for a worker that reaches kvshade through its data path: a worker on
+another node, or one that cannot map the daemon's memory (kvshade.local needs both on one
+node and the same user).
+
+    dec = kvshade.remote.RemoteDecoder(client, session_ids, model_spec, device="cuda")
+    for layer in range(L):
+        out = dec.attend(layer, q, k_new, v_new)   # q [B, hq, d], k_new/v_new [B, h, d]
+    dec.close()
+
+The daemon keeps selection and reconstruction (ShadowKV's decode, docs/ALGORITHM.md
+"Decode"); this process keeps what a ShadowKV worker keeps, on `device`: per layer the
+static set and exact tail (loaded once), the slot buffers the select deltas fill, and the
+tokens decoded here (exact). Per layer and step there is one batched select for the whole
+batch (over the UCX data plane when the client uses it), and only the misses move, by the
+attachments' delivery:
+  "cuda_ipc"  the daemon writes them straight into this process's GPU slot buffers (a
+              daemon on this node's GPUs, a worker that cannot map the daemon's memory);
+  "ucx_rma"   into registered host buffers (UCX RMA: another node), copied to the device;
+  "inline"    in the select reply, copied to the device.
+"auto" tries them in that order (cuda_ipc only for a CUDA device, ucx_rma only for a client
+with a UCX data plane) and keeps the first the daemon grants. Attention is exact softmax
+in fp32 over static set + slots + tail + local tokens, as one batched computation per
+layer: the same result as kvshade.torch_hook.KvShadeKVCache.attend, without its per-head
+loop and host copies.
+
+q and the new token's key are post-RoPE (what the model computes); outputs are fp32
+[B, hq, d] on `device`. Tokens decoded here are not appended to the sessions.
+"""
+import math
+
+import numpy as np
+
+from .client import cuda_ipc_ref
+from .errors import FailedPrecondition, InvalidArgument
+
+
+def _torch():
+    import torch
+    return torch
+
+
+DELIVERY_ORDER = ("cuda_ipc", "ucx_rma", "inline")
+
+
+class RemoteDecoder:
+    def __init__(self, client, session_ids, model, device=None, delivery="auto", worker_id="remote-decoder",
+                 local_capacity=256):
+        torch = _torch()
+        if not session_ids:
+            raise InvalidArgument("session_ids must name at least one session")
+        if delivery != "auto" and delivery not in DELIVERY_ORDER:
+            raise InvalidArgument("delivery must be 'auto' or one of %s, got %r" % (DELIVERY_ORDER, delivery))
+        self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.client, self.model = client, model
+        self.batch = B = len(session_ids)
+        self.layers, self.kv_heads = L, h = model.num_layers, model.num_kv_heads
+        self.query_heads, self.head_dim = model.num_query_heads, model.head_dim
+        if self.query_heads % h:
+            raise InvalidArgument("num_query_heads (%d) must be a multiple of num_kv_heads (%d)" % (self.query_heads, h))
+        self.session_ids = list(session_ids)
+        self.worker_id = worker_id
+        self.attachments = [None] * B
+        self.hits = self.selected = 0
+        self._slot_k = self._slot_v = self._host_k = self._host_v = None
+        try:
+            self._attach_all(delivery)
+            self._load_static()
+        except BaseException:
+            self.close()
+            raise
+        d = self.head_dim
+        self._local_n = [0] * L
+        self._local_k = [torch.zeros((B, h, local_capacity, d), dtype=torch.bfloat16, device=self.device)
+                         for _ in range(L)]
+        self._local_v = [torch.zeros_like(x) for x in self._local_k]
+
+    # --- Setup ---
+    def _attach_all(self, delivery):
+        """Attaches every session; the shadow ones share one slot geometry (C, slots per head)
+        and get slot buffers by the first delivery the daemon grants."""
+        torch = _torch()
+        c, B, L, h, d = self.client, self.batch, self.layers, self.kv_heads, self.head_dim
+        self.profiles = [c.get_session(s)["profile"] for s in self.session_ids]
+        self._sel_index = [b for b in range(B) if self.profiles[b] == "shadow"]
+        self.delivery, self.chunk_size, self.slots_per_head = "none", 0, 0
+        if self._sel_index:
+            # The slot geometry comes with an attachment: a plain attach of the first shadow
+            # session says it (a CUDA IPC attach must name its buffers up front).
+            b0 = self._sel_index[0]
+            probe = c.attach(self.session_ids[b0], self.worker_id)
+            c.detach(probe.attachment_id)
+            self.chunk_size, self.slots_per_head = C, S = probe.chunk_size, probe.slots_per_head
+            if delivery == "auto":
+                order = [x for x in DELIVERY_ORDER
+                         if (x != "cuda_ipc" or self.device.type == "cuda") and (x != "ucx_rma" or probe.data_plane)]
+            else:
+                order = [delivery]
+            self._slot_k = torch.zeros((B, L, h, S, C, d), dtype=torch.bfloat16, device=self.device)
+            self._slot_v = torch.zeros_like(self._slot_k)
+            self._slot_used = np.zeros((L, B, h, S), dtype=bool)
+            errors = []
+            for mode in order:
+                try:
+                    self._attach_shadow(mode)
+                    self.delivery = mode
+                    break
+                except Exception as e:  # noqa: BLE001 - "auto": the next delivery; else raised below
+                    errors.append("%s: %s" % (mode, e))
+                    self.close()
+            else:
+                raise FailedPrecondition("no slot delivery was granted: " + "; ".join(errors))
+        for b in range(B):
+            if self.attachments[b] is None:
+                self.attachments[b] = c.attach(self.session_ids[b], self.worker_id)
+            a = self.attachments[b]
+            if b in self._sel_index and (a.chunk_size, a.slots_per_head) != (self.chunk_size, self.slots_per_head):
+                raise InvalidArgument("session %s has chunk size %d and %d slots per head, session %s %d and %d: "
+                                      "one RemoteDecoder serves sessions of one slot geometry"
+                                      % (self.session_ids[b], a.chunk_size, a.slots_per_head,
+                                         self.session_ids[self._sel_index[0]], self.chunk_size,
+                                         self.slots_per_head))
+
+    def _attach_shadow(self, mode):
+        """Attaches every shadow session with slot delivery `mode`."""
+        torch = _torch()
+        c = self.client
+        nbytes = self._slot_k[0].numel() * 2
+        if mode == "ucx_rma" and self._host_k is None:
+            pin = self.device.type == "cuda"
+            self._host_k = torch.zeros((self.batch, nbytes), dtype=torch.uint8, pin_memory=pin)
+            self._host_v = torch.zeros_like(self._host_k, pin_memory=pin)
+        for b in self._sel_index:
+            if mode == "cuda_ipc":
+                instead = "use delivery 'ucx_rma' or 'inline'"
+                kh, ko = cuda_ipc_ref(self._slot_k[b], "the slot buffer", instead)
+                vh, vo = cuda_ipc_ref(self._slot_v[b], "the slot buffer", instead)
+                # The daemon writes into these buffers from its own stream: they must hold
+                # their zeros before it does.
+                torch.cuda.current_stream(self.device).synchronize()
+                a = c.attach(self.session_ids[b], self.worker_id, delivery="cuda_ipc",
+                             cuda_ipc=dict(k_handle=kh, k_offset=ko, v_handle=vh, v_offset=vo, bytes=nbytes))
+            else:
+                a = c.attach(self.session_ids[b], self.worker_id, delivery=mode)
+            self.attachments[b] = a
+            if a.delivery != mode:
+                raise FailedPrecondition("asked for delivery %r, the daemon granted %r" % (mode, a.delivery))
+            if a.slot_buffer_bytes > nbytes:
+                raise FailedPrecondition("the slot buffers need %d bytes, %d were sized"
+                                         % (a.slot_buffer_bytes, nbytes))
+            if mode == "ucx_rma":
+                c.register_slot_buffers(a.attachment_id, self._host_k[b], self._host_v[b])
+
+    def _load_static(self):
+        """Per layer: static set and exact tail of every session, padded to one length and
+        masked, on the device."""
+        torch = _torch()
+        B, h, d = self.batch, self.kv_heads, self.head_dim
+        self._base_k, self._base_v, self._base_mask = [], [], []
+        for layer in range(self.layers):
+            sets = [self.client.static_set(a.attachment_id, layer) for a in self.attachments]
+            n = max(s.k.shape[1] + s.tail_k.shape[0] for s in sets)
+            k = np.zeros((B, h, n, d), np.float32)
+            v = np.zeros((B, h, n, d), np.float32)
+            mask = np.zeros((B, h, n), bool)
+            for b, s in enumerate(sets):
+                m, t = s.k.shape[1], s.tail_k.shape[0]
+                if m:
+                    k[b, :, :m] = s.k
+                    v[b, :, :m] = s.v
+                    mask[b, :, :m] = np.arange(m)[None, :] < s.lengths[:, None]
+                k[b, :, m:m + t] = s.tail_k.transpose(1, 0, 2)
+                v[b, :, m:m + t] = s.tail_v.transpose(1, 0, 2)
+                mask[b, :, m:m + t] = True
+            self._base_k.append(torch.from_numpy(k).to(self.device, torch.bfloat16))
+            self._base_v.append(torch.from_numpy(v).to(self.device, torch.bfloat16))
+            self._base_mask.append(torch.from_numpy(mask).to(self.device))
+
+    # --- Decode ---
+    def _check(self, name, t, shape):
+        torch = _torch()
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or not t.is_floating_point():
+            raise InvalidArgument("%s must be a float tensor of shape %s, got %s"
+                                  % (name, shape, tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)))
+        if t.device != self.device and not (t.device.type == self.device.type == "cuda"
+                                            and self.device.index is None):
+            raise InvalidArgument("%s must be on %s, got %s" % (name, self.device, t.device))
+
+    def _apply(self, layer, deltas):
+        """Records the misses of one layer's select in the slot tables and, where the rows
+        did not land in the device buffers themselves, copies them there."""
+        torch = _torch()
+        for b, dl in zip(self._sel_index, deltas):
+            if dl.fallback:
+                raise FailedPrecondition(
+                    "the recall guard put layer %d of session %s under a fallback that does not fit the "
+                    "slots; attend it in the service (Client.attend) or turn the guard's fallback off"
+                    % (layer, self.session_ids[b]))
+            self.hits += dl.hits
+            self.selected += dl.selected
+            if len(dl.head) == 0:
+                continue
+            hs = torch.from_numpy(dl.head.astype(np.int64))
+            ss = torch.from_numpy(dl.slot.astype(np.int64))
+            self._slot_used[layer, b, dl.head, dl.slot] = True
+            if self.delivery == "cuda_ipc":
+                continue  # already in the device buffers
+            if self.delivery == "ucx_rma":
+                if self.device.type == "cpu":
+                    rk = self._host_rows(self._host_k, b, layer, hs, ss)
+                    self._slot_k[b, layer, hs, ss] = rk
+                    self._slot_v[b, layer, hs, ss] = self._host_rows(self._host_v, b, layer, hs, ss)
+                else:
+                    dev = self.device
+                    self._slot_k[b, layer, hs.to(dev), ss.to(dev)] = \
+                        self._host_rows(self._host_k, b, layer, hs, ss).to(dev, non_blocking=True)
+                    self._slot_v[b, layer, hs.to(dev), ss.to(dev)] = \
+                        self._host_rows(self._host_v, b, layer, hs, ss).to(dev, non_blocking=True)
+                continue
+            dev = self.device
+            kk = torch.from_numpy(dl.keys).to(dev, torch.bfloat16)
+            vv = torch.from_numpy(dl.values).to(dev, torch.bfloat16)
+            self._slot_k[b, layer, hs.to(dev), ss.to(dev)] = kk
+            self._slot_v[b, layer, hs.to(dev), ss.to(dev)] = vv
+
+    def _host_rows(self, host, b, layer, hs, ss):
+        torch = _torch()
+        L, h, S, C, d = self._slot_k.shape[1:]
+        return host[b].view(torch.bfloat16).view(L, h, S, C, d)[layer, hs, ss]
+
+    def attend(self, layer, q, k_new=None, v_new=None):
+        """q [B, hq, d] post-RoPE; k_new, v_new [B, h, d] (the step's token, post-RoPE key)
+        or None. Returns fp32 [B, hq, d] on the decoder's device."""
+        torch = _torch()
+        B, hq, h, d, L = self.batch, self.query_heads, self.kv_heads, self.head_dim, self.layers
+        if not 0 <= int(layer) < L:
+            raise InvalidArgument("layer must be in [0, %d), got %s" % (L, layer))
+        self._check("q", q, (B, hq, d))
+        if (k_new is None) != (v_new is None):
+            raise InvalidArgument("k_new and v_new must both be given or both be None")
+        if k_new is not None:
+            self._check("k_new", k_new, (B, h, d))
+            self._check("v_new", v_new, (B, h, d))
+        if self._sel_index:
+            qs = q[self._sel_index] if len(self._sel_index) < B else q
+            deltas = self.client.select(layer, [self.attachments[b].attachment_id for b in self._sel_index],
+                                        qs.detach().to(torch.bfloat16))
+            self._apply(layer, deltas)
+        if k_new is not None:
+            n = self._local_n[layer]
+            if n == self._local_k[layer].shape[2]:
+                for buf in (self._local_k, self._local_v):
+                    grown = torch.zeros((B, h, 2 * n, d), dtype=torch.bfloat16, device=self.device)
+                    grown[:, :, :n] = buf[layer]
+                    buf[layer] = grown
+            self._local_k[layer][:, :, n] = k_new.detach().to(torch.bfloat16)
+            self._local_v[layer][:, :, n] = v_new.detach().to(torch.bfloat16)
+            self._local_n[layer] = n + 1
+        n = self._local_n[layer]
+        keys = [self._base_k[layer]]
+        values = [self._base_v[layer]]
+        masks = [self._base_mask[layer]]
+        if self._slot_k is not None:
+            S, C = self.slots_per_head, self.chunk_size
+            keys.append(self._slot_k[:, layer].reshape(B, h, S * C, d))
+            values.append(self._slot_v[:, layer].reshape(B, h, S * C, d))
+            used = torch.from_numpy(self._slot_used[layer]).to(self.device, non_blocking=True)
+            masks.append(used.repeat_interleave(C, dim=2))
+        if n:
+            keys.append(self._local_k[layer][:, :, :n])
+            values.append(self._local_v[layer][:, :, :n])
+            masks.append(torch.ones((B, h, n), dtype=torch.bool, device=self.device))
+        kc = torch.cat(keys, dim=2).float()    # [B, h, N, d]
+        vc = torch.cat(values, dim=2).float()
+        mask = torch.cat(masks, dim=2)          # [B, h, N]
+        qf = q.detach().float().reshape(B, h, hq // h, d)
+        scores = torch.matmul(qf, kc.transpose(2, 3)) * (1.0 / math.sqrt(d))  # [B, h, g, N]
+        scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1), vc)  # [B, h, g, d]
+        return out.reshape(B, hq, d)
+
+    def stats(self):
+        return {"selected": self.selected, "hits": self.hits, "delivery": self.delivery}
+
+    def close(self):
+        """Detaches every attachment (idempotent)."""
+        for b, a in enumerate(self.attachments):
+            if a is not None:
+                try:
+                    self.client.detach(a.attachment_id)
+                except Exception:  # noqa: BLE001 - best effort: the lease ends it otherwise
+                    pass
+                self.attachments[b] = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

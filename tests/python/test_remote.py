@@ -1,0 +1,186 @@
+"""kvshade.remote.RemoteDecoder against real kvshade-servers: for every slot delivery the
+daemon can grant here ("inline" over gRPC; "ucx_rma" over a UCX data plane on tcp; and
+"cuda_ipc" where a CUDA daemon and a GPU are at hand), its batched attention equals the
+per-head reference of kvshade.torch_hook (same session, same queries, same new tokens) and,
+without new tokens, the daemon's own Attend; a batch equals each session alone; exact
+sessions in the batch are served from their tail; bad calls are refused."""
+import contextlib
+import os
+import tempfile
+import unittest
+
+import numpy as np
+import torch
+
+from kvshade_testutil import Server, seed
+
+import kvshade
+from kvshade.remote import RemoteDecoder
+from kvshade.torch_hook import KvShadeKVCache
+
+L, HQ, H, D, N = 2, 4, 2, 32, 512
+
+
+@contextlib.contextmanager
+def daemon(ucx):
+    if not ucx:
+        with Server() as server:
+            yield server
+        return
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as cfg:
+        cfg.write('ucx:\n  enable: true\n  transports: "tcp,self"\n')
+        cfg.flush()
+        with Server("-c", cfg.name) as server:
+            yield server
+
+
+def device():
+    return "cuda" if torch.cuda.is_available() and os.environ.get("KVSHADE_TEST_BACKEND") == "cuda" else "cpu"
+
+
+class RemoteDecoderTest(unittest.TestCase):
+    def setUp(self):
+        self.rng = np.random.default_rng(seed())
+        self.model = kvshade.ModelSpec("py-remote", L, HQ, H, D)
+        self.shadow = kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=8, outliers=4, local_window=32)
+
+    def session(self, c, profile=None, n=N):
+        ids = self.rng.integers(0, 30000, n)
+        s = c.create_session(self.model, profile or self.shadow, ids)
+        with c.ingest(s.session_id) as ing:
+            for l in range(L):
+                ing.layer(l, self.rng.standard_normal((n, H, D)), self.rng.standard_normal((n, H, D)))
+            ing.commit()
+        return s.session_id
+
+    def steps(self, n_steps, batch):
+        """Random decode inputs: per step and layer q [B, hq, d], k, v [B, h, d] (bf16-exact)."""
+        out = []
+        for _ in range(n_steps):
+            per_layer = []
+            for _ in range(L):
+                q = torch.randn(batch, HQ, D).bfloat16().float() * 2
+                k = torch.randn(batch, H, D).bfloat16().float()
+                v = torch.randn(batch, H, D).bfloat16().float()
+                per_layer.append((q, k, v))
+            out.append(per_layer)
+        return out
+
+    def check_against_reference(self, client, delivery):
+        sids = [self.session(client), self.session(client)]
+        dev = device()
+        refs = []
+        for sid in sids:
+            r = KvShadeKVCache(client, self.model, self.shadow, worker_id="reference")
+            r.attach(sid)
+            refs.append(r)
+        with RemoteDecoder(client, sids, self.model, device=dev, delivery=delivery) as dec:
+            self.assertEqual(dec.delivery, delivery)
+            for step in self.steps(6, 2):
+                for layer, (q, k, v) in enumerate(step):
+                    out = dec.attend(layer, q.to(dev), k.to(dev), v.to(dev)).cpu()
+                    self.assertEqual(tuple(out.shape), (2, HQ, D))
+                    for b, r in enumerate(refs):
+                        want = r.attend(layer, q[b], k[b], v[b])
+                        torch.testing.assert_close(out[b], want, rtol=2e-5, atol=2e-5)
+            st = dec.stats()
+            self.assertEqual(st["selected"], sum(r.selected for r in refs))
+            self.assertEqual(st["hits"], sum(r.hits for r in refs))
+            self.assertGreater(st["selected"] - st["hits"], 0)  # misses moved
+            self.assertGreater(st["hits"], 0)                   # and slots were reused
+        for r in refs:
+            r.close()
+        self.assertEqual(client.get_session(sids[0])["attachments"], 0)  # the decoder detached
+
+    def test_inline_equals_the_reference(self):
+        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+            c.wait_ready(20)
+            self.check_against_reference(c, "inline")
+
+    def test_ucx_rma_equals_the_reference(self):
+        with daemon(ucx=True) as server, \
+                kvshade.Client(server.target, timeout=30, use_ucx=True, ucx_transports="tcp,self") as c:
+            c.wait_ready(20)
+            self.check_against_reference(c, "ucx_rma")
+            self.assertEqual(c.ucx_fallbacks, 0)
+
+    @unittest.skipUnless(device() == "cuda", "cuda_ipc needs a CUDA daemon and a GPU (KVSHADE_TEST_BACKEND=cuda)")
+    def test_cuda_ipc_equals_the_reference(self):
+        with daemon(ucx=True) as server, \
+                kvshade.Client(server.target, timeout=30, use_ucx=True) as c:
+            c.wait_ready(20)
+            self.check_against_reference(c, "cuda_ipc")
+
+    def test_auto_picks_a_granted_delivery(self):
+        with daemon(ucx=True) as server, \
+                kvshade.Client(server.target, timeout=30, use_ucx=True, ucx_transports="tcp,self") as c:
+            c.wait_ready(20)
+            sid = self.session(c)
+            with RemoteDecoder(c, [sid], self.model, device=device()) as dec:
+                self.assertEqual(dec.delivery, "cuda_ipc" if device() == "cuda" else "ucx_rma")
+        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+            c.wait_ready(20)
+            sid = self.session(c)
+            with RemoteDecoder(c, [sid], self.model, device="cpu") as dec:
+                self.assertEqual(dec.delivery, "inline")
+
+    def test_without_new_tokens_equals_the_service_attend(self):
+        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+            c.wait_ready(20)
+            sid = self.session(c)
+            a = c.attach(sid, "service")
+            with RemoteDecoder(c, [sid], self.model, device="cpu") as dec:
+                for step in self.steps(3, 1):
+                    for layer, (q, _, _) in enumerate(step):
+                        got = dec.attend(layer, q)
+                        want = torch.from_numpy(c.attend(layer, [a.attachment_id], q.numpy()))
+                        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+    def test_batch_equals_each_session_alone_and_serves_exact_sessions(self):
+        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+            c.wait_ready(20)
+            sids = [self.session(c), self.session(c, kvshade.Profile("exact"), n=200)]
+            self.assertEqual([c.get_session(s)["profile"] for s in sids], ["shadow", "exact"])
+            steps = self.steps(4, 2)
+            with RemoteDecoder(c, sids, self.model, device="cpu") as both:
+                batched = [[both.attend(l, q, k, v) for l, (q, k, v) in enumerate(step)] for step in steps]
+            for b, sid in enumerate(sids):
+                with RemoteDecoder(c, [sid], self.model, device="cpu") as one:
+                    for i, step in enumerate(steps):
+                        for l, (q, k, v) in enumerate(step):
+                            got = one.attend(l, q[b:b + 1], k[b:b + 1], v[b:b + 1])
+                            torch.testing.assert_close(got[0], batched[i][l][b], rtol=1e-6, atol=1e-6)
+            # The exact session: attention over all its tokens and the new ones, as a dense cache.
+            ref = KvShadeKVCache(c, self.model, kvshade.Profile("exact"), worker_id="reference")
+            ref.attach(sids[1])
+            for i, step in enumerate(steps):
+                for l, (q, k, v) in enumerate(step):
+                    torch.testing.assert_close(batched[i][l][1], ref.attend(l, q[1], k[1], v[1]),
+                                               rtol=2e-5, atol=2e-5)
+            ref.close()
+
+    def test_bad_calls_are_refused(self):
+        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+            c.wait_ready(20)
+            sid = self.session(c)
+            with self.assertRaises(kvshade.InvalidArgument):
+                RemoteDecoder(c, [], self.model)
+            with self.assertRaises(kvshade.InvalidArgument):
+                RemoteDecoder(c, [sid], self.model, delivery="carrier-pigeon")
+            with self.assertRaises(kvshade.NotFound):
+                RemoteDecoder(c, [sid, "no-such-session"], self.model, device="cpu")
+            self.assertEqual(c.get_session(sid)["attachments"], 0)  # nothing left attached
+            with self.assertRaises(kvshade.FailedPrecondition):  # ucx_rma needs a data plane
+                RemoteDecoder(c, [sid], self.model, device="cpu", delivery="ucx_rma")
+            self.assertEqual(c.get_session(sid)["attachments"], 0)
+            with RemoteDecoder(c, [sid], self.model, device="cpu") as dec:
+                with self.assertRaises(kvshade.InvalidArgument):
+                    dec.attend(0, torch.zeros(1, HQ + 1, D))
+                with self.assertRaises(kvshade.InvalidArgument):
+                    dec.attend(L, torch.zeros(1, HQ, D))
+                with self.assertRaises(kvshade.InvalidArgument):
+                    dec.attend(0, torch.zeros(1, HQ, D), torch.zeros(1, H, D))
+
+
+if __name__ == "__main__":
+    unittest.main()
