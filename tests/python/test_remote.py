@@ -18,7 +18,7 @@ import kvshade
 from kvshade.remote import RemoteDecoder
 from kvshade.torch_hook import KvShadeKVCache
 
-L, HQ, H, D, N = 2, 4, 2, 32, 512
+L, HQ, H, D, N = 2, 4, 2, 64, 512  # d 64: a head dim the CUDA backend has kernels for
 
 
 @contextlib.contextmanager

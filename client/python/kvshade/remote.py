@@ -126,9 +126,13 @@ class RemoteDecoder:
         c = self.client
         nbytes = self._slot_k[0].numel() * 2
         if mode == "ucx_rma" and self._host_k is None:
+            # Pinned on a CUDA device: each select's layer is then one asynchronous copy.
             pin = self.device.type == "cuda"
-            self._host_k = torch.zeros((self.batch, nbytes), dtype=torch.uint8, pin_memory=pin)
-            self._host_v = torch.zeros_like(self._host_k, pin_memory=pin)
+            shape = self._slot_k.shape
+            self._host_k = torch.zeros(shape, dtype=torch.bfloat16, pin_memory=pin)
+            self._host_v = torch.zeros(shape, dtype=torch.bfloat16, pin_memory=pin)
+            if not pin:  # the CPU: attention reads the buffers the daemon writes
+                self._slot_k, self._slot_v = self._host_k, self._host_v
         for b in self._sel_index:
             if mode == "cuda_ipc":
                 instead = "use delivery 'ucx_rma' or 'inline'"
@@ -148,7 +152,8 @@ class RemoteDecoder:
                 raise FailedPrecondition("the slot buffers need %d bytes, %d were sized"
                                          % (a.slot_buffer_bytes, nbytes))
             if mode == "ucx_rma":
-                c.register_slot_buffers(a.attachment_id, self._host_k[b], self._host_v[b])
+                as_bytes = lambda t: t[b].view(-1).view(torch.int16).numpy()  # noqa: E731
+                c.register_slot_buffers(a.attachment_id, as_bytes(self._host_k), as_bytes(self._host_v))
 
     def _load_static(self):
         """Per layer: static set and exact tail of every session, padded to one length and
@@ -205,27 +210,19 @@ class RemoteDecoder:
             if self.delivery == "cuda_ipc":
                 continue  # already in the device buffers
             if self.delivery == "ucx_rma":
-                if self.device.type == "cpu":
-                    rk = self._host_rows(self._host_k, b, layer, hs, ss)
-                    self._slot_k[b, layer, hs, ss] = rk
-                    self._slot_v[b, layer, hs, ss] = self._host_rows(self._host_v, b, layer, hs, ss)
-                else:
-                    dev = self.device
-                    self._slot_k[b, layer, hs.to(dev), ss.to(dev)] = \
-                        self._host_rows(self._host_k, b, layer, hs, ss).to(dev, non_blocking=True)
-                    self._slot_v[b, layer, hs.to(dev), ss.to(dev)] = \
-                        self._host_rows(self._host_v, b, layer, hs, ss).to(dev, non_blocking=True)
+                if self._slot_k is not self._host_k:
+                    # The daemon put the rows into the pinned host buffers: the layer's
+                    # slots go to the device in one copy each (reads of this layer's buffers
+                    # are done: the next select comes after the next step's query reached
+                    # the host).
+                    self._slot_k[b, layer].copy_(self._host_k[b, layer], non_blocking=True)
+                    self._slot_v[b, layer].copy_(self._host_v[b, layer], non_blocking=True)
                 continue
             dev = self.device
             kk = torch.from_numpy(dl.keys).to(dev, torch.bfloat16)
             vv = torch.from_numpy(dl.values).to(dev, torch.bfloat16)
             self._slot_k[b, layer, hs.to(dev), ss.to(dev)] = kk
             self._slot_v[b, layer, hs.to(dev), ss.to(dev)] = vv
-
-    def _host_rows(self, host, b, layer, hs, ss):
-        torch = _torch()
-        L, h, S, C, d = self._slot_k.shape[1:]
-        return host[b].view(torch.bfloat16).view(L, h, S, C, d)[layer, hs, ss]
 
     def attend(self, layer, q, k_new=None, v_new=None):
         """q [B, hq, d] post-RoPE; k_new, v_new [B, h, d] (the step's token, post-RoPE key)
