@@ -8,6 +8,7 @@
 #include <chrono>
 #include <deque>
 #include <future>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "kvshade/transport/decode_frame.h"
@@ -316,9 +317,9 @@ absl::StatusOr<frame::TensorRef> FrameTensorOf(const v1::Tensor& t, const std::s
   return r;
 }
 
-// The frame body of a request's queries: each query's attachment id and its tensors in
-// frame order, as `fields(query, &entry)` lists them (pointer and name for errors; it may
-// set the entry's other fields).
+// The frame body of a request's queries: each query's attachment id and its tensors, as
+// `fields(query, &entry)` lists them (the request's tensor, the entry's slot for it, a name
+// for errors; it may set the entry's other fields).
 template <typename Q, typename Fields>
 absl::StatusOr<std::string> FrameBody(const google::protobuf::RepeatedPtrField<Q>& queries,
                                       Fields fields) {
@@ -326,23 +327,26 @@ absl::StatusOr<std::string> FrameBody(const google::protobuf::RepeatedPtrField<Q
   for (int i = 0; i < queries.size(); ++i) {
     frame::QueryRef ref;
     ref.attachment_id = queries[i].attachment_id();
-    frame::TensorRef* slots[3] = {&ref.q, &ref.extra[0], &ref.extra[1]};
-    int n = 0;
-    for (const auto& [tensor, name] : fields(queries[i], &ref)) {
+    for (const auto& [tensor, slot, name] : fields(queries[i], &ref)) {
       auto t = FrameTensorOf(*tensor, absl::StrCat("queries[", i, "].", name));
       if (!t.ok()) return t.status();
-      *slots[n++] = *t;
+      *slot = *t;
     }
     frame::AppendQuery(ref, &body);
   }
   return body;
 }
 
-using NamedTensors = std::vector<std::pair<const v1::Tensor*, const char*>>;
+using FrameTensors = std::vector<std::tuple<const v1::Tensor*, frame::TensorRef*, const char*>>;
 
 absl::StatusOr<std::string> SelectBody(const v1::SelectAndReconstructRequest& req) {
-  return FrameBody(req.queries(), [](const v1::SelectQuery& q, frame::QueryRef*) {
-    return NamedTensors{{&q.q(), "q"}, {&q.chunks(), "chunks"}};
+  return FrameBody(req.queries(), [](const v1::SelectQuery& q, frame::QueryRef* ref) {
+    ref->stage = q.has_stage_token_id();
+    ref->stage_token_id = q.stage_token_id();
+    return FrameTensors{{&q.q(), &ref->q, "q"},
+                        {&q.chunks(), &ref->chunks, "chunks"},
+                        {&q.k_new(), &ref->k_new, "k_new"},
+                        {&q.v_new(), &ref->v_new, "v_new"}};
   });
 }
 
@@ -350,7 +354,9 @@ absl::StatusOr<std::string> AttendBody(const v1::AttendRequest& req) {
   return FrameBody(req.queries(), [](const v1::AttendQuery& q, frame::QueryRef* ref) {
     ref->stage = q.has_stage_token_id();
     ref->stage_token_id = q.stage_token_id();
-    return NamedTensors{{&q.q(), "q"}, {&q.k_new(), "k_new"}, {&q.v_new(), "v_new"}};
+    return FrameTensors{{&q.q(), &ref->q, "q"},
+                        {&q.k_new(), &ref->k_new, "k_new"},
+                        {&q.v_new(), &ref->v_new, "v_new"}};
   });
 }
 
@@ -384,6 +390,7 @@ absl::StatusOr<v1::SelectAndReconstructResponse> SelectReply(
     SetTensor(out->mutable_values(), v1::DTYPE_BF16, {m, d.chunk_size, d.head_dim}, d.values);
     out->set_delivered(d.delivered);
     out->set_fallback(d.fallback);
+    out->set_tokens(d.tokens);
     out->set_selected(d.selected);
     out->set_hits(d.hits);
   }

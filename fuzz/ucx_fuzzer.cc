@@ -92,8 +92,9 @@ void CheckDecodeFrames(uint8_t pick, const std::string& header, const std::strin
   if (auto qs = frame::ParseQueries(payload, count, kind); qs.ok()) {
     std::string body;
     for (const frame::QueryRef& q : *qs) {
-      if (!Inside(q.attachment_id, payload) || !Inside(q.q.data, payload) ||
-          !Inside(q.extra[0].data, payload) || !Inside(q.extra[1].data, payload)) {
+      if (!Inside(q.attachment_id, payload) || !Inside(q.q.data, payload) || !Inside(q.chunks.data, payload) ||
+          !Inside(q.k_new.data, payload) || !Inside(q.v_new.data, payload) ||
+          (kind == frame::kAttend && q.chunks.present())) {
         std::abort();
       }
       frame::AppendQuery(q, &body);
@@ -102,8 +103,9 @@ void CheckDecodeFrames(uint8_t pick, const std::string& header, const std::strin
     if (!again.ok() || again->size() != qs->size()) std::abort();
     for (size_t i = 0; i < qs->size(); ++i) {
       const frame::QueryRef &a = (*qs)[i], &b = (*again)[i];
-      if (a.attachment_id != b.attachment_id || !SameTensor(a.q, b.q) ||
-          !SameTensor(a.extra[0], b.extra[0]) || !SameTensor(a.extra[1], b.extra[1])) {
+      if (a.attachment_id != b.attachment_id || !SameTensor(a.q, b.q) || !SameTensor(a.chunks, b.chunks) ||
+          !SameTensor(a.k_new, b.k_new) || !SameTensor(a.v_new, b.v_new) || a.stage != b.stage ||
+          a.stage_token_id != b.stage_token_id) {
         std::abort();
       }
     }
@@ -205,8 +207,13 @@ void WriteSeeds(const std::string& dir) {
       return out + hdr + payload;
     };
     WriteFile(dir + "/select_frame", seed(1 << 2, h, body));
-    ref.extra[0] = {1, 2, 8, kv};
-    ref.extra[1] = {1, 2, 8, kv};
+    ref.k_new = {1, 2, 8, kv};
+    ref.v_new = {1, 2, 8, kv};
+    ref.stage = true;
+    ref.stage_token_id = 42;
+    std::string sbody;
+    frame::AppendQuery(ref, &sbody);
+    WriteFile(dir + "/select_stage_frame", seed(1 << 2, h, sbody));
     std::string abody;
     frame::AppendQuery(ref, &abody);
     fh.kind = frame::kAttend;
@@ -225,6 +232,7 @@ void WriteSeeds(const std::string& dir) {
     d.chunk = chunk;
     d.keys = rows;
     d.values = rows;
+    d.tokens = 4097;
     std::string dbody;
     frame::AppendDelta(d, &dbody);
     fh.kind = frame::kReply;

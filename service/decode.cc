@@ -12,6 +12,7 @@ void SlotDeltaResult::Clear() {
   chunk_size = head_dim = selected = hits = 0;
   delivered = false;
   fallback = false;
+  tokens = 0;
 }
 
 void SelectResult::Reset(size_t n) {

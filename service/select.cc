@@ -35,6 +35,19 @@ struct Query {
   std::shared_ptr<Attachment> attachment;
   std::shared_ptr<Session> session;
   std::vector<bf16> q;  // [hq, d]
+  // The step's new token, pre-RoPE [h, d] each (empty when not given), and whether to
+  // stage it as token `stage_token_id`.
+  std::vector<bf16> k_new, v_new;
+  bool stage = false;
+  int32_t stage_token_id = 0;
+};
+
+// A token whose last layer a call staged: appended once the call's locks are released.
+struct StagedCommit {
+  Session* session;
+  std::string attachment;
+  int32_t token = 0;
+  std::vector<std::vector<bf16>> k, v;
 };
 
 // Resolves and validates every (attachment, query) of a batch.
@@ -73,16 +86,35 @@ absl::StatusOr<std::vector<Query>> Resolve(SessionManager& sm, const LimitsConfi
                                                      "', got ", layer));
     }
     q.q.resize(size_t(m.shape.query_heads()) * m.shape.d);
+    bool native = false;
     if constexpr (std::is_same_v<Q, SelectQueryView>) {
-      if (qi.q.empty() && !qi.chunks.empty()) {  // model-native: q unused
-        std::fill(q.q.begin(), q.q.end(), bf16{});
-        out.push_back(std::move(q));
-        continue;
-      }
+      native = qi.q.empty() && !qi.chunks.empty();  // model-native: q unused
     }
-    const int64_t shape[2] = {m.shape.query_heads(), m.shape.d};
-    KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(qi.q, shape, m.dtype, absl::StrCat("queries[", i, "].q"),
-                                             absl::MakeSpan(q.q)));
+    const std::string what = absl::StrCat("queries[", i, "]");
+    if (native) {
+      std::fill(q.q.begin(), q.q.end(), bf16{});
+    } else {
+      const int64_t shape[2] = {m.shape.query_heads(), m.shape.d};
+      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(qi.q, shape, m.dtype, what + ".q", absl::MakeSpan(q.q)));
+    }
+    if (qi.stage && (qi.k_new.empty() || qi.v_new.empty() || qi.stage_token_id < 0)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ".stage_token_id: staging needs k_new and v_new and a token id >= 0, got id ",
+          qi.stage_token_id, qi.k_new.empty() || qi.v_new.empty() ? " without k_new/v_new" : ""));
+    }
+    if (!qi.k_new.empty() || !qi.v_new.empty()) {
+      if (std::is_same_v<Q, SelectQueryView> && !qi.stage) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            what, ".k_new: a select query carries the new token only to stage it (set stage_token_id)"));
+      }
+      const int64_t hd[2] = {m.shape.h, m.shape.d};
+      q.k_new.resize(size_t(m.shape.h) * m.shape.d);
+      q.v_new.resize(q.k_new.size());
+      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(qi.k_new, hd, m.dtype, what + ".k_new", absl::MakeSpan(q.k_new)));
+      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(qi.v_new, hd, m.dtype, what + ".v_new", absl::MakeSpan(q.v_new)));
+    }
+    q.stage = qi.stage;
+    q.stage_token_id = qi.stage_token_id;
     out.push_back(std::move(q));
   }
   return out;
@@ -187,6 +219,44 @@ absl::StatusOr<std::vector<int32_t>> NativeChunks(const TensorView& t, int h, in
       }
       out[size_t(hh) * k + x] = c;
     }
+  }
+  return out;
+}
+
+// Keeps this layer's K/V of query q's new token in its attachment's staged token (a.mu
+// held); queues the token in `commits` once every layer of the model is staged. A new
+// token id, or an append since staging began, starts over.
+absl::Status StageLayer(SessionManager& sm, const Tenant& t, Session& s, Attachment& a, int layer,
+                        const Query& q, std::vector<StagedCommit>* commits) {
+  KVSHADE_RETURN_IF_ERROR(sm.CheckWriter(t.name, s, a.id));
+  Attachment::StagedToken& sg = a.staged;
+  const int L = s.model.layers;
+  if (sg.layers == 0 || sg.token_id != q.stage_token_id || sg.at_tokens != s.tokens) {
+    sg.token_id = q.stage_token_id;
+    sg.at_tokens = s.tokens;
+    sg.k.assign(L, {});
+    sg.v.assign(L, {});
+    sg.layers = 0;
+  }
+  if (sg.k[layer].empty()) ++sg.layers;
+  sg.k[layer] = q.k_new;
+  sg.v[layer] = q.v_new;
+  if (sg.layers == L) {
+    commits->push_back({&s, a.id, sg.token_id, std::move(sg.k), std::move(sg.v)});
+    sg = Attachment::StagedToken{};
+  }
+  return absl::OkStatus();
+}
+
+// Appends the tokens a call's staging completed (its locks released) and returns each
+// appended session's new length.
+absl::StatusOr<std::vector<std::pair<const Session*, uint64_t>>> CommitStaged(
+    EngineImpl& e, const Tenant& t, std::vector<StagedCommit>& commits) {
+  std::vector<std::pair<const Session*, uint64_t>> out;
+  for (StagedCommit& c : commits) {
+    const int32_t id[1] = {c.token};
+    KVSHADE_ASSIGN_OR_RETURN(uint64_t tokens, e.CommitAppend(t, *c.session, c.attachment, id, c.k, c.v));
+    out.emplace_back(c.session, tokens);
   }
   return out;
 }
@@ -390,6 +460,8 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
   KVSHADE_ASSIGN_OR_RETURN(std::vector<Query> qs,
                            Resolve(sessions_, config_->limits, t, r.layer, r.queries));
   const int layer = static_cast<int>(r.layer);
+  std::vector<StagedCommit> commits;  // appended once the locks below are released
+  {
   BatchLocks locks;
   KVSHADE_RETURN_IF_ERROR(locks.Lock(qs));
   std::vector<Attachment*> as;
@@ -510,6 +582,20 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
   chunks_selected_ += total_selected;
   chunk_hits_ += total_hits;
   metrics_->ChunkSelection(total_selected, total_hits);
+  // The new tokens queries stage (every attachment's mutex is held), after the selection:
+  // a failed select stages nothing.
+  for (size_t i = 0; i < qs.size(); ++i) {
+    Session& s = *qs[i].session;
+    if (qs[i].stage) KVSHADE_RETURN_IF_ERROR(StageLayer(sessions_, t, s, *qs[i].attachment, layer, qs[i], &commits));
+    out->deltas[i].tokens = s.tokens;
+  }
+  }
+  KVSHADE_ASSIGN_OR_RETURN(auto appended, CommitStaged(*this, t, commits));
+  for (const auto& [session, tokens] : appended) {
+    for (size_t i = 0; i < qs.size(); ++i) {
+      if (qs[i].session.get() == session) out->deltas[i].tokens = tokens;
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -518,13 +604,7 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
                            Resolve(sessions_, config_->limits, t, r.layer, r.queries));
   const int layer = static_cast<int>(r.layer);
   // Staged tokens this call completes: appended once the reads' locks are released.
-  struct Commit {
-    Session* session;
-    std::string attachment;
-    int32_t token = 0;
-    std::vector<std::vector<bf16>> k, v;
-  };
-  std::vector<Commit> commits;
+  std::vector<StagedCommit> commits;
   out->Reset(qs.size());
   {
   BatchLocks locks;
@@ -555,8 +635,7 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
       }
       if (s.open && s.open->layers[layer].n_tail > 0) parts.push_back(&s.open->layers[layer]);
       const int64_t tok = int64_t(h) * d;
-      const AttendQueryView& q_i = r.queries[i];
-      const size_t room = size_t(kernels::kMaxKvBlocks) - (q_i.k_new.empty() && q_i.v_new.empty() ? 0 : 1);
+      const size_t room = size_t(kernels::kMaxKvBlocks) - (qs[i].k_new.empty() ? 0 : 1);
       if (parts.size() <= room) {
         for (const LayerData* p : parts) {
           KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(p->tk), Ptr<const bf16>(p->tv),
@@ -634,40 +713,15 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
     }
     // The step's new token, if given: rotated at the position after the session's last
     // token and attended as one more block (not stored).
-    const AttendQueryView& aq = r.queries[i];
-    const std::string what = absl::StrCat("queries[", i, "]");
-    if (aq.stage && (aq.k_new.empty() || aq.v_new.empty() || aq.stage_token_id < 0)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          what, ".stage_token_id: staging needs k_new and v_new and a token id >= 0, got id ",
-          aq.stage_token_id, aq.k_new.empty() || aq.v_new.empty() ? " without k_new/v_new" : ""));
+    if (qs[i].stage) {
+      // Kept per layer (pre-RoPE, as AppendTokens takes it); the last layer commits.
+      Attachment& a = *qs[i].attachment;
+      std::lock_guard<std::mutex> alock(a.mu);
+      KVSHADE_RETURN_IF_ERROR(StageLayer(sessions_, t, s, a, layer, qs[i], &commits));
     }
-    if (!aq.k_new.empty() || !aq.v_new.empty()) {
-      const int64_t hd[2] = {h, d};
-      std::vector<bf16> kn(size_t(h) * d), vn(size_t(h) * d);
-      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(aq.k_new, hd, s.model.dtype, what + ".k_new", absl::MakeSpan(kn)));
-      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(aq.v_new, hd, s.model.dtype, what + ".v_new", absl::MakeSpan(vn)));
-      if (aq.stage) {
-        // Kept per layer (pre-RoPE, as AppendTokens takes it); the last layer commits.
-        Attachment& a = *qs[i].attachment;
-        KVSHADE_RETURN_IF_ERROR(sessions_.CheckWriter(t.name, s, a.id));
-        std::lock_guard<std::mutex> alock(a.mu);
-        Attachment::StagedToken& sg = a.staged;
-        const int L = s.model.layers;
-        if (sg.layers == 0 || sg.token_id != aq.stage_token_id || sg.at_tokens != s.tokens) {
-          sg.token_id = aq.stage_token_id;
-          sg.at_tokens = s.tokens;
-          sg.k.assign(L, {});
-          sg.v.assign(L, {});
-          sg.layers = 0;
-        }
-        if (sg.k[layer].empty()) ++sg.layers;
-        sg.k[layer] = kn;
-        sg.v[layer] = vn;
-        if (sg.layers == L) {
-          commits.push_back({&s, a.id, sg.token_id, std::move(sg.k), std::move(sg.v)});
-          sg = Attachment::StagedToken{};
-        }
-      }
+    if (!qs[i].k_new.empty()) {
+      const std::vector<bf16>& kn = qs[i].k_new;
+      const std::vector<bf16>& vn = qs[i].v_new;
       if (item.n_blocks == kernels::kMaxKvBlocks) {
         return absl::InternalError("too many attention blocks for the new token");
       }
@@ -704,11 +758,10 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
     out->tokens[i] = s.tokens;
   }
   }
-  for (Commit& c : commits) {
-    const int32_t id[1] = {c.token};
-    KVSHADE_ASSIGN_OR_RETURN(uint64_t tokens, CommitAppend(t, *c.session, c.attachment, id, c.k, c.v));
+  KVSHADE_ASSIGN_OR_RETURN(auto appended, CommitStaged(*this, t, commits));
+  for (const auto& [session, tokens] : appended) {
     for (size_t i = 0; i < qs.size(); ++i) {
-      if (qs[i].session.get() == c.session) out->tokens[i] = tokens;
+      if (qs[i].session.get() == session) out->tokens[i] = tokens;
     }
   }
   return absl::OkStatus();

@@ -609,6 +609,7 @@ std::string EncodeDeltas(const SelectResult& r) {
     ref.hits = d.hits;
     ref.delivered = d.delivered;
     ref.fallback = d.fallback;
+    ref.tokens = d.tokens;
     ref.misses = d.misses();
     ref.head = d.head.data();
     ref.slot = d.slot.data();
@@ -681,7 +682,7 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
       std::vector<AttendQueryView> views(qs->size());
       for (size_t i = 0; i < qs->size(); ++i) {
         const frame::QueryRef& q = (*qs)[i];
-        views[i] = {q.attachment_id, ViewOf(q.q), ViewOf(q.extra[0]), ViewOf(q.extra[1]), q.stage,
+        views[i] = {q.attachment_id, ViewOf(q.q), ViewOf(q.k_new), ViewOf(q.v_new), q.stage,
                     q.stage_token_id};
       }
       AttendResult res;
@@ -693,7 +694,8 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
     std::vector<SelectQueryView> views(qs->size());
     for (size_t i = 0; i < qs->size(); ++i) {
       const frame::QueryRef& q = (*qs)[i];
-      views[i] = {q.attachment_id, ViewOf(q.q), ViewOf(q.extra[0])};
+      views[i] = {q.attachment_id, ViewOf(q.q), ViewOf(q.chunks), ViewOf(q.k_new), ViewOf(q.v_new),
+                  q.stage, q.stage_token_id};
     }
     auto res = std::make_shared<SelectResult>();
     absl::Status st = engine->Select(conn->tenant, SelectRequestView{layer, views}, res.get());

@@ -17,6 +17,10 @@ absl::StatusOr<v1::SelectAndReconstructResponse> Engine::SelectAndReconstruct(
     qs[i].attachment_id = q.attachment_id();
     qs[i].q = ViewOf(q.q());
     qs[i].chunks = ViewOf(q.chunks());
+    qs[i].k_new = ViewOf(q.k_new());
+    qs[i].v_new = ViewOf(q.v_new());
+    qs[i].stage = q.has_stage_token_id();
+    qs[i].stage_token_id = q.stage_token_id();
   }
   SelectResult res;
   KVSHADE_RETURN_IF_ERROR(Select(t, SelectRequestView{r.layer(), qs}, &res));
@@ -38,6 +42,7 @@ absl::StatusOr<v1::SelectAndReconstructResponse> Engine::SelectAndReconstruct(
     out->set_fallback(d.fallback);
     out->set_selected(d.selected);
     out->set_hits(d.hits);
+    out->set_tokens(d.tokens);
   }
   return resp;
 }

@@ -2,6 +2,7 @@
 // with memcpy (entries are not aligned).
 #include "kvshade/transport/decode_frame.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -45,8 +46,8 @@ absl::Status Short(std::string_view what, uint32_t i, std::string_view field, si
                                                  " bytes, ", left, " left in the payload"));
 }
 
-constexpr size_t kQueryEntryBytes = 36;
-constexpr size_t kDeltaEntryBytes = 24;
+constexpr size_t kQueryEntryBytes = 44;
+constexpr size_t kDeltaEntryBytes = 32;
 constexpr size_t kOutputEntryBytes = 16;
 
 uint64_t TensorBytes(const TensorRef& t) {
@@ -105,19 +106,18 @@ absl::StatusOr<FrameHeader> DecodeHeader(std::string_view b) {
 }
 
 void AppendQuery(const QueryRef& q, std::string* body) {
+  const TensorRef* ts[4] = {&q.q, &q.chunks, &q.k_new, &q.v_new};
   Put<uint16_t>(body, static_cast<uint16_t>(q.attachment_id.size()));
-  Put<uint8_t>(body, q.q.dtype);
-  Put<uint8_t>(body, q.extra[0].dtype);
-  Put<uint8_t>(body, q.extra[1].dtype);
+  for (const TensorRef* t : ts) Put<uint8_t>(body, t->dtype);
   Put<uint8_t>(body, q.stage ? 1 : 0);
-  body->append(2, '\0');
-  for (const TensorRef* t : {&q.q, &q.extra[0], &q.extra[1]}) {
+  body->append(1, '\0');
+  for (const TensorRef* t : ts) {
     Put<uint32_t>(body, t->rows);
     Put<uint32_t>(body, t->cols);
   }
   Put<int32_t>(body, q.stage_token_id);
   body->append(q.attachment_id.substr(0, 0xffff));
-  for (const TensorRef* t : {&q.q, &q.extra[0], &q.extra[1]}) body->append(t->data);
+  for (const TensorRef* t : ts) body->append(t->data);
 }
 
 absl::StatusOr<std::vector<QueryRef>> ParseQueries(std::string_view body, uint32_t count,
@@ -130,9 +130,7 @@ absl::StatusOr<std::vector<QueryRef>> ParseQueries(std::string_view body, uint32
                                                    " queries cannot fit a ", body.size(),
                                                    "-byte payload"));
   }
-  static constexpr std::string_view kSelectNames[3] = {"q", "chunks", "(unused)"};
-  static constexpr std::string_view kAttendNames[3] = {"q", "k_new", "v_new"};
-  const std::string_view* names = kind == kSelect ? kSelectNames : kAttendNames;
+  static constexpr std::string_view kNames[4] = {"q", "chunks", "k_new", "v_new"};
   std::vector<QueryRef> out(count);
   Reader r(body);
   for (uint32_t i = 0; i < count; ++i) {
@@ -140,42 +138,39 @@ absl::StatusOr<std::vector<QueryRef>> ParseQueries(std::string_view body, uint32
     if (!r.Take(kQueryEntryBytes, &fixed)) return Short(what, i, "the entry", kQueryEntryBytes, r.left());
     QueryRef& q = out[i];
     const uint16_t id_len = Get<uint16_t>(fixed.data());
-    TensorRef* ts[3] = {&q.q, &q.extra[0], &q.extra[1]};
-    for (int t = 0; t < 3; ++t) {
+    TensorRef* ts[4] = {&q.q, &q.chunks, &q.k_new, &q.v_new};
+    for (int t = 0; t < 4; ++t) {
       ts[t]->dtype = static_cast<uint8_t>(fixed[2 + t]);
       ts[t]->rows = Get<uint32_t>(fixed.data() + 8 + 8 * t);
       ts[t]->cols = Get<uint32_t>(fixed.data() + 12 + 8 * t);
       if (ts[t]->dtype != 0 && ElementBytes(ts[t]->dtype) == 0) {
         return absl::InvalidArgumentError(absl::StrCat("ucx ", std::string(what), " frame: entry ", i,
-                                                       ": ", std::string(names[t]), " has unknown dtype ",
+                                                       ": ", std::string(kNames[t]), " has unknown dtype ",
                                                        int{ts[t]->dtype}));
       }
       if (ts[t]->dtype == 0 && (ts[t]->rows != 0 || ts[t]->cols != 0)) {
         return absl::InvalidArgumentError(absl::StrCat("ucx ", std::string(what), " frame: entry ", i,
-                                                       ": ", std::string(names[t]),
+                                                       ": ", std::string(kNames[t]),
                                                        " is absent (dtype 0) but has a shape"));
       }
     }
-    const uint8_t flags = static_cast<uint8_t>(fixed[5]);
-    if (flags & ~1u) {
+    const uint8_t flags = static_cast<uint8_t>(fixed[6]);
+    if ((flags & ~1u) != 0 || fixed[7] != 0) {
       return absl::InvalidArgumentError(absl::StrCat("ucx ", std::string(what), " frame: entry ", i,
-                                                     ": unknown flags ", int{flags}));
+                                                     ": unknown flags ", int{flags}, "/",
+                                                     int{static_cast<uint8_t>(fixed[7])}));
     }
     q.stage = flags & 1;
-    q.stage_token_id = Get<int32_t>(fixed.data() + 32);
-    if (kind == kSelect && q.stage) {
-      return absl::InvalidArgumentError(absl::StrCat("ucx SELECT frame: entry ", i,
-                                                     ": a select query stages no token"));
-    }
-    if (kind == kSelect && q.extra[1].present()) {
-      return absl::InvalidArgumentError(absl::StrCat("ucx SELECT frame: entry ", i,
-                                                     ": a select query carries q and chunks only"));
+    q.stage_token_id = Get<int32_t>(fixed.data() + 40);
+    if (kind == kAttend && q.chunks.present()) {
+      return absl::InvalidArgumentError(absl::StrCat("ucx ATTEND frame: entry ", i,
+                                                     ": an attend query carries no chunks"));
     }
     if (!r.Take(id_len, &q.attachment_id)) return Short(what, i, "attachment_id", id_len, r.left());
-    for (int t = 0; t < 3; ++t) {
+    for (int t = 0; t < 4; ++t) {
       const uint64_t n = TensorBytes(*ts[t]);
       if (n > r.left() || !r.Take(static_cast<size_t>(n), &ts[t]->data)) {
-        return Short(what, i, names[t], static_cast<size_t>(std::min<uint64_t>(n, SIZE_MAX)), r.left());
+        return Short(what, i, kNames[t], static_cast<size_t>(std::min<uint64_t>(n, SIZE_MAX)), r.left());
       }
     }
   }
@@ -195,6 +190,7 @@ void AppendDelta(const DeltaRef& d, std::string* body) {
   Put<uint32_t>(body, d.hits);
   Put<uint8_t>(body, (d.delivered ? 1 : 0) | (d.fallback ? 2 : 0) | (rows ? 4 : 0));
   body->append(3, '\0');
+  Put<uint64_t>(body, d.tokens);
   if (d.misses > 0) {
     body->append(reinterpret_cast<const char*>(d.head), size_t{d.misses} * 4);
     body->append(reinterpret_cast<const char*>(d.slot), size_t{d.misses} * 4);
@@ -226,6 +222,7 @@ absl::StatusOr<std::vector<Delta>> ParseDeltas(std::string_view body, uint32_t c
     const uint8_t flags = static_cast<uint8_t>(fixed[20]);
     d.delivered = flags & 1;
     d.fallback = flags & 2;
+    d.tokens = Get<uint64_t>(fixed.data() + 24);
     std::string_view ids;
     if (uint64_t{m} * 12 > r.left() || !r.Take(size_t{m} * 12, &ids)) {
       return Short("SELECT reply", i, "head, slot and chunk", size_t{m} * 12, r.left());

@@ -1,5 +1,6 @@
-// Integration: the UCX data plane's AppendTokens, Attend (sync and async) and pipelined
-// Ingest against the real kvshade-server on loopback. Every call over UCX must give the
+// Integration: the UCX data plane's AppendTokens, Attend (sync and async), staged decode
+// (SelectAndReconstruct and Attend frames carrying the new token) and pipelined Ingest
+// against the real kvshade-server on loopback. Every call over UCX must give the
 // same result as the same call over gRPC inline, bit for bit; an error in the middle of a
 // pipelined ingest returns the stream's first error and leaves nothing behind; a payload
 // over the daemon's limit is refused, not dropped; 64 clients on their own UCX
@@ -125,6 +126,71 @@ TEST_P(UcxCallsTest, AppendAndAttendOverUcxEqualGrpcInline) {
   EXPECT_EQ(wrong.status().code(), absl::StatusCode::kNotFound) << wrong.status();
   EXPECT_EQ(u->ucx_fallbacks(), 0u);
   EXPECT_TRUE(u->ucx_connected());
+}
+
+// A decode loop that hands each layer's new token to the daemon as it goes: staged by
+// SelectAndReconstruct (every layer but one) and Attend (layer 1), appended by the call
+// that stages the last layer. Over the UCX frames and over gRPC the answers are the same,
+// bit for bit, and each step grows the session by one token.
+TEST_P(UcxCallsTest, StagedDecodeOverUcxFramesEqualsGrpc) {
+  TempDir dir;
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({"-c", UcxConfig(dir, GetParam())}));
+  auto g = server.Connect();
+  auto u = server.Connect(UcxClientOptions(GetParam()));
+  const synthetic::Document doc(SmallDoc(512));
+  KV_ASSERT_OK_AND_ASSIGN(sa, CreateAndIngest(*u, doc, ShadowProfile(), -1));
+  KV_ASSERT_OK_AND_ASSIGN(sb, CreateAndIngest(*g, doc, ShadowProfile(), -1));
+  v1::AttachRequest ar;
+  ar.set_writer(true);
+  ar.set_session_id(sa.session_id());
+  KV_ASSERT_OK_AND_ASSIGN(au, u->Attach(ar));
+  ar.set_session_id(sb.session_id());
+  KV_ASSERT_OK_AND_ASSIGN(ag, g->Attach(ar));
+  ASSERT_TRUE(u->ucx_connected());
+  const int L = doc.spec().layers;
+  ASSERT_GE(L, 2);
+  int64_t tokens = 512;
+  for (int step = 0; step < 3; ++step, ++tokens) {
+    // The step's token: its pre-RoPE K and V per layer, [h, d].
+    const v1::AppendTokensRequest next = synthetic::MakeAppend(doc, "", 0, tokens, tokens + 1);
+    auto token_of = [&](int l, bool v) {
+      v1::Tensor t = v ? next.layers(l).v() : next.layers(l).k();
+      t.mutable_shape()->erase(t.mutable_shape()->begin());  // [1, h, d] -> [h, d]
+      return t;
+    };
+    for (int l = 0; l < L; ++l) {
+      const bool last = l == L - 1;
+      for (auto* c : {u.get(), g.get()}) {
+        const std::string& att = c == u.get() ? au.attachment_id() : ag.attachment_id();
+        if (l == 1) {
+          v1::AttendRequest r = MakeAttend(doc, l, {att}, 0, step, tokens);
+          *r.mutable_queries(0)->mutable_k_new() = token_of(l, false);
+          *r.mutable_queries(0)->mutable_v_new() = token_of(l, true);
+          r.mutable_queries(0)->set_stage_token_id(next.token_ids(0));
+          KV_ASSERT_OK_AND_ASSIGN(resp, c->Attend(r));
+          EXPECT_EQ(resp.tokens(0), uint64_t(last ? tokens + 1 : tokens));
+        } else {
+          v1::SelectAndReconstructRequest r = MakeSelect(doc, l, {att}, 0, step, tokens);
+          *r.mutable_queries(0)->mutable_k_new() = token_of(l, false);
+          *r.mutable_queries(0)->mutable_v_new() = token_of(l, true);
+          r.mutable_queries(0)->set_stage_token_id(next.token_ids(0));
+          KV_ASSERT_OK_AND_ASSIGN(resp, c->SelectAndReconstruct(r));
+          EXPECT_EQ(resp.deltas(0).tokens(), uint64_t(last ? tokens + 1 : tokens)) << "layer " << l;
+        }
+      }
+    }
+    for (int l = 0; l < L; ++l) {
+      KV_ASSERT_OK_AND_ASSIGN(ru, u->Attend(MakeAttend(doc, l, {au.attachment_id()}, 1, step, tokens + 1)));
+      KV_ASSERT_OK_AND_ASSIGN(rg, g->Attend(MakeAttend(doc, l, {ag.attachment_id()}, 1, step, tokens + 1)));
+      EXPECT_EQ(ru.SerializeAsString(), rg.SerializeAsString()) << "layer " << l << " step " << step;
+      EXPECT_EQ(ru.tokens(0), uint64_t(tokens + 1));
+      KV_ASSERT_OK_AND_ASSIGN(su, u->SelectAndReconstruct(MakeSelect(doc, l, {au.attachment_id()}, 1, step, tokens + 1)));
+      KV_ASSERT_OK_AND_ASSIGN(sg, g->SelectAndReconstruct(MakeSelect(doc, l, {ag.attachment_id()}, 1, step, tokens + 1)));
+      EXPECT_EQ(Canonical(su), Canonical(sg)) << "layer " << l << " step " << step;
+    }
+  }
+  EXPECT_EQ(u->ucx_fallbacks(), 0u);
 }
 
 TEST_P(UcxCallsTest, PipelinedIngestEqualsGrpcIngest) {

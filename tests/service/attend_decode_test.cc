@@ -200,6 +200,98 @@ TEST(AttendDecode, StagedTokenIsAppendedAfterTheLastLayer) {
   }
 }
 
+// SelectAndReconstruct stages the new token like Attend (a worker that attends itself
+// still hands each layer's K/V to the session): layers staged by either call count alike,
+// the call that stages the last layer appends the token after its selection, and the
+// session then answers as a twin that got the token by AppendTokens, bit for bit. A select
+// that fails stages nothing; the new token alone is refused without stage_token_id.
+TEST(AttendDecode, SelectStagesTheNewTokenAlikeWithAttend) {
+  Harness hx;
+  const int n = 200;
+  Stream s = MakeStream(n + 1, hx.model, 53);
+  ASSERT_GE(s.L, 2);
+  v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  p.set_rank(16);
+  p.set_sparse_budget(8);
+  p.set_outliers(2);
+  auto a = hx.Open(s, p, n);
+  auto b = hx.Open(s, p, n);
+  const std::string writer = hx.AttachTo(a.session, true);
+  auto token_kv = [&](int layer, bool v) {
+    const auto& src = v ? s.v[layer] : s.k[layer];
+    return std::vector<bf16>(src.begin() + size_t(n) * kH * kD, src.begin() + size_t(n + 1) * kH * kD);
+  };
+  auto select_req = [&](const std::string& att, int layer, bool with_token, int32_t id) {
+    v1::SelectAndReconstructRequest r;
+    r.set_layer(layer);
+    auto* sq = r.add_queries();
+    sq->set_attachment_id(att);
+    *sq->mutable_q() = ToTensor(hx.Query(500 + layer), {int64_t(hx.model.num_query_heads()), kD});
+    if (with_token) {
+      *sq->mutable_k_new() = ToTensor(token_kv(layer, false), {kH, kD});
+      *sq->mutable_v_new() = ToTensor(token_kv(layer, true), {kH, kD});
+    }
+    if (id >= 0) sq->set_stage_token_id(id);
+    return r;
+  };
+  // Refusals first: they must stage nothing.
+  {
+    auto bare = hx.engine->SelectAndReconstruct(hx.tenant, select_req(writer, 0, true, -1));
+    ASSERT_FALSE(bare.ok());
+    EXPECT_EQ(bare.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(std::string(bare.status().message()).find("queries[0].k_new"), std::string::npos) << bare.status();
+    v1::SelectAndReconstructRequest bad_q = select_req(writer, 0, true, s.tokens[n]);
+    bad_q.mutable_queries(0)->mutable_q()->set_shape(0, hx.model.num_query_heads() + 1);
+    ASSERT_FALSE(hx.engine->SelectAndReconstruct(hx.tenant, bad_q).ok());
+    auto denied = hx.engine->SelectAndReconstruct(hx.tenant, select_req(a.attachment, 0, true, s.tokens[n]));
+    ASSERT_FALSE(denied.ok());
+    EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied) << denied.status();
+  }
+  // Every layer but one through SelectAndReconstruct, layer 1 through Attend; layer 0
+  // comes last, so the select of layer 0 appends.
+  for (int layer = 1; layer < s.L; ++layer) {
+    if (layer == 1) {
+      std::vector<bf16> kn = token_kv(layer, false), vn = token_kv(layer, true);
+      v1::AttendRequest r = AttendReq(hx, writer, layer, hx.Query(600), &kn, &vn);
+      r.mutable_queries(0)->set_stage_token_id(s.tokens[n]);
+      auto resp = hx.engine->Attend(hx.tenant, r);
+      ASSERT_TRUE(resp.ok()) << resp.status();
+      EXPECT_EQ(resp->tokens(0), uint64_t(n));
+      continue;
+    }
+    auto resp = hx.engine->SelectAndReconstruct(hx.tenant, select_req(writer, layer, true, s.tokens[n]));
+    ASSERT_TRUE(resp.ok()) << resp.status();
+    EXPECT_EQ(resp->deltas(0).tokens(), uint64_t(n)) << "layer " << layer;
+    EXPECT_GT(resp->deltas(0).selected(), 0u);
+  }
+  auto last = hx.engine->SelectAndReconstruct(hx.tenant, select_req(writer, 0, true, s.tokens[n]));
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(last->deltas(0).tokens(), uint64_t(n + 1));
+  // A select without staging reports the length as it is.
+  auto plain = hx.engine->SelectAndReconstruct(hx.tenant, select_req(a.attachment, 0, false, -1));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->deltas(0).tokens(), uint64_t(n + 1));
+
+  v1::AppendTokensRequest ap;
+  ap.set_session_id(b.session);
+  ap.add_token_ids(s.tokens[n]);
+  for (int layer = 0; layer < s.L; ++layer) {
+    auto* lk = ap.add_layers();
+    lk->set_layer(layer);
+    *lk->mutable_k() = ToTensor(token_kv(layer, false), {1, kH, kD});
+    *lk->mutable_v() = ToTensor(token_kv(layer, true), {1, kH, kD});
+  }
+  ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, ap).ok());
+  for (int layer = 0; layer < s.L; ++layer) {
+    const std::vector<bf16> q = hx.Query(700 + layer);
+    auto ra = hx.engine->Attend(hx.tenant, AttendReq(hx, a.attachment, layer, q, nullptr, nullptr));
+    auto rb = hx.engine->Attend(hx.tenant, AttendReq(hx, b.attachment, layer, q, nullptr, nullptr));
+    ASSERT_TRUE(ra.ok() && rb.ok());
+    EXPECT_EQ(ra->outputs(0).data(), rb->outputs(0).data()) << "layer " << layer;
+    EXPECT_EQ(ra->tokens(0), uint64_t(n + 1));
+  }
+}
+
 TEST(AttendDecode, BadNewTokenIsRefusedNamingTheField) {
   Harness hx;
   Stream s = MakeStream(64, hx.model, 43);

@@ -64,7 +64,7 @@ TEST(DecodeFrame, QueriesRoundTrip) {
   QueryRef b;
   b.attachment_id = "b";
   b.q = {3, 4, 64, q1};
-  b.extra[0] = {4, 8, 5, chunks};
+  b.chunks = {4, 8, 5, chunks};
   AppendQuery(a, &body);
   AppendQuery(b, &body);
   auto qs = ParseQueries(body, 2, kSelect);
@@ -75,36 +75,51 @@ TEST(DecodeFrame, QueriesRoundTrip) {
   EXPECT_EQ((*qs)[0].q.rows, 32u);
   EXPECT_EQ((*qs)[0].q.cols, 128u);
   EXPECT_EQ((*qs)[0].q.data, q0);
-  EXPECT_FALSE((*qs)[0].extra[0].present());
+  EXPECT_FALSE((*qs)[0].chunks.present());
+  EXPECT_FALSE((*qs)[0].k_new.present());
   EXPECT_EQ((*qs)[1].attachment_id, "b");
   EXPECT_EQ((*qs)[1].q.data, q1);
-  EXPECT_EQ((*qs)[1].extra[0].dtype, 4);
-  EXPECT_EQ((*qs)[1].extra[0].rows, 8u);
-  EXPECT_EQ((*qs)[1].extra[0].cols, 5u);
-  EXPECT_EQ((*qs)[1].extra[0].data, chunks);
+  EXPECT_EQ((*qs)[1].chunks.dtype, 4);
+  EXPECT_EQ((*qs)[1].chunks.rows, 8u);
+  EXPECT_EQ((*qs)[1].chunks.cols, 5u);
+  EXPECT_EQ((*qs)[1].chunks.data, chunks);
 
   // ATTEND: q, k_new, v_new.
   const std::string kn = RandomBytes(rng, 8 * 128 * 2), vn = RandomBytes(rng, 8 * 128 * 2);
   QueryRef c;
   c.attachment_id = "c";
   c.q = {1, 32, 128, q0};
-  c.extra[0] = {1, 8, 128, kn};
-  c.extra[1] = {1, 8, 128, vn};
+  c.k_new = {1, 8, 128, kn};
+  c.v_new = {1, 8, 128, vn};
   c.stage = true;
   c.stage_token_id = 1234;
   std::string abody;
   AppendQuery(c, &abody);
   auto as = ParseQueries(abody, 1, kAttend);
   ASSERT_TRUE(as.ok()) << as.status();
-  EXPECT_EQ((*as)[0].extra[0].data, kn);
-  EXPECT_EQ((*as)[0].extra[1].data, vn);
+  EXPECT_EQ((*as)[0].k_new.data, kn);
+  EXPECT_EQ((*as)[0].v_new.data, vn);
+  EXPECT_FALSE((*as)[0].chunks.present());
   EXPECT_TRUE((*as)[0].stage);
   EXPECT_EQ((*as)[0].stage_token_id, 1234);
   EXPECT_FALSE((*qs)[1].stage);
-  // A select query carries no third tensor.
-  auto wrong = ParseQueries(abody, 1, kSelect);
+  // A select query may stage too, beside model-native chunks: all four tensors.
+  QueryRef d = c;
+  d.chunks = {4, 8, 5, chunks};
+  std::string sbody;
+  AppendQuery(d, &sbody);
+  auto ss = ParseQueries(sbody, 1, kSelect);
+  ASSERT_TRUE(ss.ok()) << ss.status();
+  EXPECT_EQ((*ss)[0].q.data, q0);
+  EXPECT_EQ((*ss)[0].chunks.data, chunks);
+  EXPECT_EQ((*ss)[0].k_new.data, kn);
+  EXPECT_EQ((*ss)[0].v_new.data, vn);
+  EXPECT_TRUE((*ss)[0].stage);
+  EXPECT_EQ((*ss)[0].stage_token_id, 1234);
+  // An attend query carries no chunks.
+  auto wrong = ParseQueries(sbody, 1, kAttend);
   ASSERT_FALSE(wrong.ok());
-  EXPECT_NE(std::string(wrong.status().message()).find("stages no token"), std::string::npos) << wrong.status();
+  EXPECT_NE(std::string(wrong.status().message()).find("carries no chunks"), std::string::npos) << wrong.status();
 }
 
 TEST(DecodeFrame, MalformedQueriesAreRefusedWithoutOverreading) {
@@ -129,7 +144,7 @@ TEST(DecodeFrame, MalformedQueriesAreRefusedWithoutOverreading) {
   }
   expect_bad(ParseQueries(body.substr(0, body.size() - 1), 1, kSelect), "entry 0: q needs 128 bytes");
   expect_bad(ParseQueries(body + "x", 1, kSelect), "1 bytes after the last of 1 queries");
-  expect_bad(ParseQueries(body, 2, kSelect), "entry 1: the entry needs 36 bytes, 0 left");
+  expect_bad(ParseQueries(body, 2, kSelect), "entry 1: the entry needs 44 bytes, 0 left");
   expect_bad(ParseQueries(body, 0xffffffffu, kSelect), "queries cannot fit");
   // A shape larger than the bytes: rows say 4000.
   std::string big = body;
@@ -146,8 +161,11 @@ TEST(DecodeFrame, MalformedQueriesAreRefusedWithoutOverreading) {
   dt[2] = 9;
   expect_bad(ParseQueries(dt, 1, kSelect), "q has unknown dtype 9");
   std::string flagged = body;
-  flagged[5] = 4;
-  expect_bad(ParseQueries(flagged, 1, kSelect), "unknown flags 4");
+  flagged[6] = 4;
+  expect_bad(ParseQueries(flagged, 1, kSelect), "unknown flags 4/0");
+  std::string reserved = body;
+  reserved[7] = 1;
+  expect_bad(ParseQueries(reserved, 1, kSelect), "unknown flags 0/1");
   std::string ghost = body;
   const uint32_t one = 1;
   std::memcpy(ghost.data() + 16, &one, 4);  // chunks rows, chunks dtype 0
@@ -172,6 +190,7 @@ TEST(DecodeFrame, DeltasRoundTripAndTruncationsFail) {
   rows.keys = keys;
   rows.values = values;
   rows.fallback = true;
+  rows.tokens = uint64_t{5} << 33;  // past 32 bits
   AppendDelta(rows, &body);
   DeltaRef delivered = rows;
   delivered.keys = delivered.values = {};
@@ -196,11 +215,13 @@ TEST(DecodeFrame, DeltasRoundTripAndTruncationsFail) {
   EXPECT_EQ(a.hits, 13u);
   EXPECT_TRUE(a.fallback);
   EXPECT_FALSE(a.delivered);
+  EXPECT_EQ(a.tokens, uint64_t{5} << 33);
   const Delta& b = (*ds)[1];
   EXPECT_TRUE(b.delivered);
   EXPECT_TRUE(b.keys.empty());
   EXPECT_EQ(b.head, head);
   EXPECT_TRUE((*ds)[2].head.empty());
+  EXPECT_EQ((*ds)[2].tokens, 0u);
   EXPECT_EQ((*ds)[2].chunk_size, 8u);
 
   for (size_t n = 0; n < body.size(); n += 7) {

@@ -40,6 +40,11 @@ struct SelectQueryView {
   std::string_view attachment_id;
   TensorView q;       // [hq, d] post-RoPE, the model's dtype
   TensorView chunks;  // model-native selection: INT32 [h, m], m <= slots per head; else empty
+  // Stage the step's new token (k_new pre-RoPE [h, d], v_new [h, d]) as token
+  // `stage_token_id` (v1.SelectQuery.stage_token_id); not attended here.
+  TensorView k_new, v_new;
+  bool stage = false;
+  int32_t stage_token_id = 0;
 };
 
 struct SelectRequestView {
@@ -58,6 +63,7 @@ struct SlotDeltaResult {
   uint32_t selected = 0, hits = 0;
   bool delivered = false;  // written into the worker's slot buffers (CUDA IPC)
   bool fallback = false;    // the recall guard widened or opened this layer
+  uint64_t tokens = 0;      // the session's length after the call
 
   uint32_t misses() const { return static_cast<uint32_t>(head.size()); }
   void Clear();

@@ -5,13 +5,14 @@
 // replies) use; service/README.md "UCX data plane" documents the layout for other clients.
 //
 // Requests: FrameHeader{kind SELECT or ATTEND, request_id, connection key, layer, count}
-// then `count` query entries, each a 36-byte fixed part (id length, dtypes, flags, rows and
-// cols of three tensors, the staged token id) followed by its attachment id and its
-// tensors' bytes (SELECT: q, then chunks; ATTEND: q, then k_new, then v_new).
+// then `count` query entries, each a 44-byte fixed part (id length, dtypes, flags, rows and
+// cols of four tensors, the staged token id) followed by its attachment id and its
+// tensors' bytes in the order q, chunks (SELECT only), k_new, v_new; absent ones take none.
 // Replies: FrameHeader{kind REPLY, request_id, code, count}; on code 0 `count` entries
-// (SELECT: a 24-byte DeltaEntry + head[m] u32 + slot[m] u32 + chunk[m] i32 + keys and
-// values [m, C, d] bf16 when the rows travel; ATTEND: a 16-byte entry (hq, d, the
-// session's length) + output [hq, d] f32 + lse [hq] f32), else the error message.
+// (SELECT: a 32-byte DeltaEntry (counts, flags, the session's length) + head[m] u32 +
+// slot[m] u32 + chunk[m] i32 + keys and values [m, C, d] bf16 when the rows travel;
+// ATTEND: a 16-byte entry (hq, d, the session's length) + output [hq, d] f32 + lse [hq]
+// f32), else the error message.
 //
 // Readers check every length against the bytes at hand and return INVALID_ARGUMENT naming
 // the entry and field; parsed views point into the caller's buffer.
@@ -57,8 +58,9 @@ struct TensorRef {
 struct QueryRef {
   std::string_view attachment_id;
   TensorRef q;
-  TensorRef extra[2];  // SELECT: chunks (INT32 [h, m]); ATTEND: k_new, v_new ([h, d])
-  bool stage = false;  // ATTEND: stage the new token as `stage_token_id`
+  TensorRef chunks;        // SELECT only: model-native selection, INT32 [h, m]
+  TensorRef k_new, v_new;  // the step's new token, [h, d] (ATTEND: attended; both: staged)
+  bool stage = false;      // stage the new token as `stage_token_id`
   int32_t stage_token_id = 0;
 };
 
@@ -73,6 +75,7 @@ struct DeltaRef {
   uint32_t chunk_size = 0, head_dim = 0;
   uint32_t selected = 0, hits = 0;
   bool delivered = false, fallback = false;
+  uint64_t tokens = 0;  // the session's length after the call
   uint32_t misses = 0;
   const uint32_t* head = nullptr;  // the writer's arrays / views into the reader's buffer
   const uint32_t* slot = nullptr;  // (unaligned on the reader's side: read with memcpy,
@@ -83,6 +86,7 @@ void AppendDelta(const DeltaRef& d, std::string* body);
 struct Delta {
   uint32_t chunk_size = 0, head_dim = 0, selected = 0, hits = 0;
   bool delivered = false, fallback = false;
+  uint64_t tokens = 0;
   std::vector<uint32_t> head, slot;
   std::vector<int32_t> chunk;
   std::string_view keys, values;
