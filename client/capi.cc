@@ -49,6 +49,7 @@ struct kvshade_select_result {
     int64_t chunk_size = 0, head_dim = 0;
     uint32_t hits = 0, selected = 0;
     bool delivered = false, fallback = false;
+    uint64_t tokens = 0;
   };
   std::vector<Delta> deltas;
 };
@@ -209,6 +210,30 @@ v1::AttendRequest MakeAttend(uint32_t layer, size_t n, const char* const* ids, i
   return req;
 }
 
+// Checks a kvshade_new_tokens argument (NULL is fine) for n queries; `stage_required`:
+// select, which carries new tokens only to stage them.
+int CheckNewTokens(const kvshade_new_tokens* t, bool stage_required) {
+  if (t == nullptr) return KVSHADE_OK;
+  if (t->h <= 0) return Bad(absl::StrCat("tokens.h must be > 0, got ", t->h));
+  if (t->k_new == nullptr || t->v_new == nullptr) return Bad("tokens.k_new and tokens.v_new must not be NULL");
+  if (stage_required && t->stage_token_ids == nullptr) {
+    return Bad("tokens.stage_token_ids must not be NULL: a select carries new tokens only to stage them");
+  }
+  return KVSHADE_OK;
+}
+
+// Adds query i's new token (and its staging) from `t` to a select or attend query.
+template <typename Query>
+void AddNewToken(const kvshade_new_tokens* t, size_t i, int32_t dtype, int32_t d, bool only_staged, Query* q) {
+  if (t == nullptr) return;
+  const bool stage = t->stage_token_ids != nullptr && t->stage_token_ids[i] >= 0;
+  if (only_staged && !stage) return;
+  const int64_t bytes = static_cast<int64_t>(t->h) * d * DTypeBytes(dtype);
+  *q->mutable_k_new() = MakeTensor({t->h, d}, dtype, static_cast<const char*>(t->k_new) + i * bytes);
+  *q->mutable_v_new() = MakeTensor({t->h, d}, dtype, static_cast<const char*>(t->v_new) + i * bytes);
+  if (stage) q->set_stage_token_id(t->stage_token_ids[i]);
+}
+
 // Decodes a select response into a result handle (*out), reporting the outcome.
 int DecodeSelect(const v1::SelectAndReconstructResponse& r, kvshade_select_result** out) {
   auto res = std::make_unique<kvshade_select_result>();
@@ -222,6 +247,7 @@ int DecodeSelect(const v1::SelectAndReconstructResponse& r, kvshade_select_resul
     dl.selected = sd.selected();
     dl.delivered = sd.delivered();
     dl.fallback = sd.fallback();
+    dl.tokens = sd.tokens();
     if (dl.slot.size() != dl.head.size() || dl.chunk.size() != dl.head.size()) {
       return Report(absl::InternalError("malformed SlotDelta from the server (head/slot/chunk lengths differ)"));
     }
@@ -833,10 +859,62 @@ int kvshade_select_delta(const kvshade_select_result* r, size_t i, kvshade_slot_
   out->selected = dl.selected;
   out->delivered = dl.delivered ? 1 : 0;
   out->fallback = dl.fallback ? 1 : 0;
+  out->tokens = dl.tokens;
   return Report(absl::OkStatus());
 }
 
 void kvshade_select_free(kvshade_select_result* r) { delete r; }
+
+int kvshade_select_ex(kvshade_client* c, uint32_t layer, size_t n, const char* const* ids, int32_t dtype,
+                      int32_t hq, int32_t d, const void* q, const kvshade_new_tokens* tokens,
+                      kvshade_select_result** out) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    *out = nullptr;
+    if (int rc = CheckQueries(n, ids, dtype, hq, d, q); rc != KVSHADE_OK) return rc;
+    if (int rc = CheckNewTokens(tokens, true); rc != KVSHADE_OK) return rc;
+    v1::SelectAndReconstructRequest req = MakeSelect(layer, n, ids, dtype, hq, d, q);
+    for (size_t i = 0; i < n; ++i) AddNewToken(tokens, i, dtype, d, true, req.mutable_queries(static_cast<int>(i)));
+    auto r = c->impl->SelectAndReconstruct(req);
+    if (!r.ok()) return Report(r.status());
+    return DecodeSelect(*r, out);
+  });
+}
+
+int kvshade_attend_ex(kvshade_client* c, uint32_t layer, size_t n, const char* const* ids, int32_t dtype,
+                      int32_t hq, int32_t d, const void* q, const kvshade_new_tokens* tokens, float* out,
+                      float* lse, uint64_t* lengths) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    if (int rc = CheckQueries(n, ids, dtype, hq, d, q); rc != KVSHADE_OK) return rc;
+    if (int rc = CheckNewTokens(tokens, false); rc != KVSHADE_OK) return rc;
+    v1::AttendRequest req = MakeAttend(layer, n, ids, dtype, hq, d, q);
+    for (size_t i = 0; i < n; ++i) AddNewToken(tokens, i, dtype, d, false, req.mutable_queries(static_cast<int>(i)));
+    auto r = c->impl->Attend(req);
+    if (!r.ok()) return Report(r.status());
+    if (int rc = DecodeAttend(*r, n, static_cast<size_t>(hq) * d, out); rc != KVSHADE_OK) return rc;
+    if (lse != nullptr) {
+      if (r->lse_size() != static_cast<int>(n)) {
+        return Report(absl::InternalError(absl::StrCat("server returned ", r->lse_size(), " lse for ", n, " queries")));
+      }
+      for (size_t i = 0; i < n; ++i) {
+        auto f = kvshade::client::TensorToFloats(r->lse(static_cast<int>(i)));
+        if (!f.ok()) return Report(f.status());
+        if (f->size() != static_cast<size_t>(hq)) {
+          return Report(absl::InternalError(absl::StrCat("server returned ", f->size(), " lse values for hq = ", hq)));
+        }
+        std::copy(f->begin(), f->end(), lse + i * static_cast<size_t>(hq));
+      }
+    }
+    if (lengths != nullptr) {
+      if (r->tokens_size() != static_cast<int>(n)) {
+        return Report(absl::InternalError(absl::StrCat("server returned ", r->tokens_size(), " lengths for ", n, " queries")));
+      }
+      for (size_t i = 0; i < n; ++i) lengths[i] = r->tokens(static_cast<int>(i));
+    }
+    return Report(absl::OkStatus());
+  });
+}
 
 int kvshade_attend(kvshade_client* c, uint32_t layer, size_t n, const char* const* ids, int32_t dtype, int32_t hq,
                    int32_t d, const void* q, float* out) {

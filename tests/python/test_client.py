@@ -107,6 +107,49 @@ class ClientTest(unittest.TestCase):
         with self.assertRaises(kvshade.NotFound):
             self.c.get_session(created.session_id)
 
+    def test_staged_decode_step_equals_append(self):
+        # One decode step staged layer by layer (select for layer 1, attend for layer 0,
+        # which comes last and appends), against a twin session that gets the same token
+        # by append(): the same attention answers, bit for bit, and LSE/lengths come back.
+        n = 96
+        profile = kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=4, outliers=2, local_window=16)
+        tokens = self.rng.integers(0, 30000, n)
+        k, v = self.kv(n)
+        twins = []
+        for name in ("py-staged", "py-staged-twin"):  # separate prefix namespaces: no reuse
+            created = self.c.create_session(model(name=name), profile, tokens)
+            with self.c.ingest(created.session_id) as ing:
+                for l in range(L):
+                    ing.layer(l, k[l], v[l])
+                ing.commit()
+            twins.append(created)
+        a, b = twins
+        w = self.c.attach(a.session_id, "writer", writer=True)
+        rb = self.c.attach(b.session_id, "reader")
+        nk, nv = self.kv(1)  # [L, 1, H, D]
+        q = bf16(self.rng.standard_normal((1, HQ, D)).astype(np.float32))
+        with self.assertRaises(kvshade.InvalidArgument):  # a select's new token must be staged
+            self.c.select(1, [w.attachment_id], q, k_new=nk[1], v_new=nv[1])
+        (d1,) = self.c.select(1, [w.attachment_id], q, k_new=nk[1], v_new=nv[1], stage_token_ids=[777])
+        self.assertEqual(d1.tokens, n)
+        out, lse, lengths = self.c.attend(0, [w.attachment_id], q, k_new=nk[0], v_new=nv[0],
+                                          stage_token_ids=[777], with_lse=True)
+        self.assertEqual(out.shape, (1, HQ, D))
+        self.assertEqual(lse.shape, (1, HQ))
+        self.assertTrue(np.isfinite(lse).all())
+        self.assertEqual(list(lengths), [n + 1])
+        self.assertEqual(self.c.get_session(a.session_id)["tokens"], n + 1)
+        self.assertEqual(self.c.append(b.session_id, [777], nk, nv), n + 1)
+        ra = self.c.attach(a.session_id, "reader")
+        for layer in range(L):
+            qq = bf16(self.rng.standard_normal((1, HQ, D)).astype(np.float32))
+            np.testing.assert_array_equal(self.c.attend(layer, [ra.attachment_id], qq),
+                                          self.c.attend(layer, [rb.attachment_id], qq))
+        for att in (w, ra, rb):
+            self.c.detach(att.attachment_id)
+        self.c.close_session(a.session_id)
+        self.c.close_session(b.session_id)
+
     def test_shadow_prefix_fork_select(self):
         n = 256
         prof = kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=4, outliers=2, local_window=32)

@@ -87,7 +87,8 @@ class ExamplesRerunTest(unittest.TestCase):
     def test_readme_python_snippet_twice_on_one_server(self):
         with open(os.path.join(ROOT, "client", "README.md")) as f:
             blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-        snippet = [b for b in blocks if 'kvshade.Client("127.0.0.1:50551"' in b and "LocalDecoder" not in b]
+        snippet = [b for b in blocks if 'kvshade.Client("127.0.0.1:50551"' in b
+                   and "LocalDecoder" not in b and "RemoteDecoder" not in b]
         self.assertEqual(len(snippet), 1, "the Python package snippet of client/README.md")
         with Server() as server:
             code = snippet[0].replace("127.0.0.1:50551", server.target)
@@ -111,6 +112,20 @@ class ExamplesRerunTest(unittest.TestCase):
                 rc, out, err = run(["-c", code])
                 self.assertEqual(rc, 0, out + err + server.log())
                 self.assertIn("same-node decode: (1, 8, 64) torch.float32", out)
+            self.assertEqual(self.open_sessions(server.target), 0)
+
+
+    def test_readme_remote_decode_snippet_twice_on_one_server(self):
+        with open(os.path.join(ROOT, "client", "README.md")) as f:
+            blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
+        snippet = [b for b in blocks if "RemoteDecoder(c," in b]
+        self.assertEqual(len(snippet), 1, "the remote-decode snippet of client/README.md")
+        with Server() as server:
+            code = snippet[0].replace("127.0.0.1:50551", server.target)
+            for run_no in range(2):
+                rc, out, err = run(["-c", code])
+                self.assertEqual(rc, 0, out + err + server.log())
+                self.assertIn("remote decode: (1, 8, 64) torch.float32 delivery inline", out)
             self.assertEqual(self.open_sessions(server.target), 0)
 
 

@@ -336,6 +336,9 @@ typedef struct kvshade_slot_delta {
   /* The recall guard put this layer under a fallback that does not fit the slots (then
    * m == 0): attend this layer with kvshade_attend instead. */
   int32_t fallback;
+  /* The session's length after the call (one more when this call staged the last layer of
+   * a token: kvshade_select_ex). */
+  uint64_t tokens;
 } kvshade_slot_delta;
 
 KVSHADE_API int kvshade_select_delta(const kvshade_select_result* r, size_t i,
@@ -346,6 +349,33 @@ KVSHADE_API void kvshade_select_free(kvshade_select_result* r);
 KVSHADE_API int kvshade_attend(kvshade_client* client, uint32_t layer, size_t n,
                                const char* const* attachment_ids, int32_t dtype, int32_t hq,
                                int32_t d, const void* q, float* out);
+
+/* A decode step's new tokens for one layer, one per query: k_new, v_new [n, h, d] of the
+ * call's dtype (keys pre-RoPE). With stage_token_ids (NULL: none) the daemon stages query
+ * i's token as token stage_token_ids[i] (< 0: that query stages nothing), and the call
+ * that stages a session's last missing layer appends the token to it (the attachment must
+ * be its writer); service/README.md "Attend" and "SelectAndReconstruct". */
+typedef struct kvshade_new_tokens {
+  int32_t h;
+  const void* k_new;
+  const void* v_new;
+  const int32_t* stage_token_ids;
+} kvshade_new_tokens;
+
+/* kvshade_select that also stages new tokens (tokens != NULL needs stage_token_ids; a
+ * query whose id is < 0 sends no token). Each delta's `tokens` says the session's length. */
+KVSHADE_API int kvshade_select_ex(kvshade_client* client, uint32_t layer, size_t n,
+                                  const char* const* attachment_ids, int32_t dtype, int32_t hq,
+                                  int32_t d, const void* q, const kvshade_new_tokens* tokens,
+                                  kvshade_select_result** out);
+/* kvshade_attend with the step's new tokens attended exactly beside each session (and
+ * staged where stage_token_ids says so; tokens NULL: none), the log-sum-exp of each query
+ * head's scaled scores in lse [n, hq] and the sessions' lengths after the call in
+ * lengths [n] (each NULL: not wanted). */
+KVSHADE_API int kvshade_attend_ex(kvshade_client* client, uint32_t layer, size_t n,
+                                  const char* const* attachment_ids, int32_t dtype, int32_t hq,
+                                  int32_t d, const void* q, const kvshade_new_tokens* tokens,
+                                  float* out, float* lse, uint64_t* lengths);
 
 /* Async select and attend, for a decode loop that issues layer l+1 while it applies layer
  * l. The arguments are copied before the call returns (q and the ids may be reused); the

@@ -70,7 +70,12 @@ class SlotDelta(ctypes.Structure):
                 ("chunk", ctypes.POINTER(_i32)), ("keys", ctypes.POINTER(_f32)),
                 ("values", ctypes.POINTER(_f32)), ("chunk_size", _i64), ("head_dim", _i64),
                 ("hits", _u32), ("selected", _u32), ("delivered", _i32),
-                ("fallback", _i32)]
+                ("fallback", _i32), ("tokens", _u64)]
+
+
+class NewTokens(ctypes.Structure):
+    _fields_ = [("h", _i32), ("k_new", ctypes.c_void_p), ("v_new", ctypes.c_void_p),
+                ("stage_token_ids", ctypes.POINTER(_i32))]
 
 
 class AttachOptions(ctypes.Structure):
@@ -148,6 +153,10 @@ _SIGNATURES = {
     "kvshade_select_free": (None, [_vp]),
     "kvshade_attend": (ctypes.c_int, [_vp, _u32, _size_t, _P(_c_char_p), _i32, _i32, _i32, _vp,
                                       _P(_f32)]),
+    "kvshade_select_ex": (ctypes.c_int, [_vp, _u32, _size_t, _P(_c_char_p), _i32, _i32, _i32, _vp,
+                                         _P(NewTokens), _P(_vp)]),
+    "kvshade_attend_ex": (ctypes.c_int, [_vp, _u32, _size_t, _P(_c_char_p), _i32, _i32, _i32, _vp,
+                                         _P(NewTokens), _P(_f32), _P(_f32), _P(_u64)]),
     "kvshade_select_async": (ctypes.c_int, [_vp, _u32, _size_t, _P(_c_char_p), _i32, _i32, _i32, _vp,
                                             _P(_vp)]),
     "kvshade_select_future_ready": (ctypes.c_int, [_vp, _P(_i32)]),

@@ -228,6 +228,7 @@ class SlotDelta:
     # The recall guard put this layer under a fallback that does not fit the slots: attend
     # it with attend() (the service's attention) instead.
     fallback: bool = False
+    tokens: int = 0  # the session's length after the call (one more once a staged token landed)
 
 
 def _decode_select(lib, r):
@@ -244,7 +245,7 @@ def _decode_select(lib, r):
         else:
             keys, values = _copy_f32(d.keys, m * C * D, (m, C, D)), _copy_f32(d.values, m * C * D, (m, C, D))
         out.append(SlotDelta(d.attachment_id.decode(), u32(d.head), u32(d.slot), chunk, keys, values,
-                             d.hits, d.selected, bool(d.delivered), bool(d.fallback)))
+                             d.hits, d.selected, bool(d.delivered), bool(d.fallback), d.tokens))
     return out
 
 
@@ -618,13 +619,46 @@ class Client(_NativeHandle):
         arr = (ctypes.c_char_p * len(ids))(*ids)
         return arr, np.ascontiguousarray(qw)
 
-    def select(self, layer, attachment_ids: Sequence[str], q, dtype="bf16") -> List[SlotDelta]:
-        """One decode step of one layer for a batch: q [n, hq, d] post-RoPE."""
+    def _new_tokens(self, n, d, k_new, v_new, stage_token_ids, dtype, stage_required):
+        """A kvshade_new_tokens for n queries (None when no tokens are given), and the arrays
+        it points into (keep them alive through the call)."""
+        if k_new is None and v_new is None:
+            if stage_token_ids is not None:
+                raise InvalidArgument("stage_token_ids needs k_new and v_new")
+            return None, ()
+        if k_new is None or v_new is None:
+            raise InvalidArgument("k_new and v_new must both be given")
+        kw, vw = to_wire(k_new, dtype), to_wire(v_new, dtype)
+        if kw.ndim == 2:
+            kw, vw = kw[None], vw[None]
+        if kw.ndim != 3 or kw.shape != vw.shape or kw.shape[0] != n or kw.shape[2] != d:
+            raise InvalidArgument("k_new and v_new must be [n=%d, h, d=%d], got %s and %s" % (n, d, kw.shape, vw.shape))
+        if stage_required and stage_token_ids is None:
+            raise InvalidArgument("a select carries new tokens only to stage them: give stage_token_ids")
+        kw, vw = np.ascontiguousarray(kw), np.ascontiguousarray(vw)
+        t = _native.NewTokens(kw.shape[1], _ptr(kw), _ptr(vw), None)
+        keep = [kw, vw]
+        if stage_token_ids is not None:
+            ids = np.ascontiguousarray(np.asarray(stage_token_ids, dtype=np.int32).reshape(-1))
+            if ids.size != n:
+                raise InvalidArgument("stage_token_ids must have %d entries, got %d" % (n, ids.size))
+            t.stage_token_ids = ids.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+            keep.append(ids)
+        return t, keep
+
+    def select(self, layer, attachment_ids: Sequence[str], q, dtype="bf16", k_new=None, v_new=None,
+               stage_token_ids=None) -> List[SlotDelta]:
+        """One decode step of one layer for a batch: q [n, hq, d] post-RoPE. With k_new,
+        v_new [n, h, d] (pre-RoPE keys) and stage_token_ids [n] (< 0: none for that query)
+        the step's new tokens are staged as Attend stages them; each delta's `tokens` is the
+        session's length after the call."""
         lib = _native.lib()
         ids, qw = self._queries(attachment_ids, q, dtype)
+        nt, _keep = self._new_tokens(len(ids), qw.shape[2], k_new, v_new, stage_token_ids, dtype, True)
         r = ctypes.c_void_p()
-        _check(lib.kvshade_select(self._handle(), layer, len(ids), ids, _dtype_code(dtype), qw.shape[1],
-                                  qw.shape[2], _ptr(qw), ctypes.byref(r)))
+        _check(lib.kvshade_select_ex(self._handle(), layer, len(ids), ids, _dtype_code(dtype), qw.shape[1],
+                                     qw.shape[2], _ptr(qw), None if nt is None else ctypes.byref(nt),
+                                     ctypes.byref(r)))
         try:
             return _decode_select(lib, r)
         finally:
@@ -669,14 +703,24 @@ class Client(_NativeHandle):
                                                   qw.shape[1], qw.shape[2], _ptr(qw), ctypes.byref(h)))
         return AttendFuture(self, h, qw.shape)
 
-    def attend(self, layer, attachment_ids: Sequence[str], q, dtype="bf16"):
-        """Attention inside the service: returns float32 [n, hq, d]."""
+    def attend(self, layer, attachment_ids: Sequence[str], q, dtype="bf16", k_new=None, v_new=None,
+               stage_token_ids=None, with_lse=False):
+        """Attention inside the service: returns float32 [n, hq, d]. k_new, v_new [n, h, d]
+        (pre-RoPE keys): the step's new tokens, attended exactly beside each session, and
+        staged where stage_token_ids [n] says so (>= 0). with_lse=True returns (out,
+        lse [n, hq] float32, lengths [n]: the sessions' lengths after the call)."""
         ids, qw = self._queries(attachment_ids, q, dtype)
+        nt, _keep = self._new_tokens(len(ids), qw.shape[2], k_new, v_new, stage_token_ids, dtype, False)
+        n, hq = qw.shape[0], qw.shape[1]
         out = np.empty(qw.shape, dtype=np.float32)
-        _check(_native.lib().kvshade_attend(self._handle(), layer, len(ids), ids, _dtype_code(dtype), qw.shape[1],
-                                            qw.shape[2], _ptr(qw),
-                                            out.ctypes.data_as(ctypes.POINTER(ctypes.c_float))))
-        return out
+        lse = np.empty((n, hq), dtype=np.float32)
+        lengths = np.empty(n, dtype=np.uint64)
+        fp = ctypes.POINTER(ctypes.c_float)
+        _check(_native.lib().kvshade_attend_ex(self._handle(), layer, n, ids, _dtype_code(dtype), hq, qw.shape[2],
+                                               _ptr(qw), None if nt is None else ctypes.byref(nt),
+                                               out.ctypes.data_as(fp), lse.ctypes.data_as(fp),
+                                               lengths.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))))
+        return (out, lse, lengths) if with_lse else out
 
     def stats(self):
         s = _native.Stats()
