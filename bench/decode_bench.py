@@ -15,7 +15,8 @@ Two tables (bench/RESULTS.md "Same-node decode"):
   e2e: `model(...)` decode steps of a randomly initialised Llama-3-8B-shaped model
     (transformers, bf16, 32 layers, hidden 4096, 32/8 heads, head dim 128) after a prompt
     of --e2e-tokens, batch --e2e-batch: DynamicCache + SDPA, kvshade.hf_cache with
-    decode="local", and with decode="rpc" (kvshade.remote.RemoteDecoder: one select per
+    decode="local", and with decode="rpc" (mode "rpc-spec": with speculate=True)
+    (kvshade.remote.RemoteDecoder: one select per
     layer over the UCX data plane (--ucx, busy polling --busy-poll-us on both sides), misses
     delivered by --e2e-delivery, attention in this process). ms/token median and p90.
 
@@ -272,7 +273,7 @@ def e2e_table(c, args, ucx_client=None):
     torch.cuda.empty_cache()
     print(f"e2e {n} x{B}: dense {rows[-1]['ms_median']:.2f} ms/step = {B * 1e3 / rows[-1]['ms_median']:.0f} "
           f"tokens/s (prefill {prefill_s:.1f} s)")
-    modes = {"local": args.e2e_steps, "rpc": args.e2e_steps}
+    modes = {"local": args.e2e_steps, "rpc": args.e2e_steps, "rpc-spec": args.e2e_steps}
     runs = []
     for m in [m for m in args.e2e_modes.split(",") if m]:
         runs.append((m, modes[m], "first"))
@@ -286,13 +287,14 @@ def e2e_table(c, args, ucx_client=None):
         hf_cache.enable(model)
         torch.cuda.reset_peak_memory_stats()
         # The RPC path as a worker on another node would run it: its data calls over UCX.
-        client = ucx_client if mode == "rpc" and ucx_client is not None else c
+        client = ucx_client if mode.startswith("rpc") and ucx_client is not None else c
         kc = hf_cache.KvShadeCache(client, model, kvshade.Profile("shadow", value_codec=args.codec),
-                                   prompt_ids=prompt if B > 1 else prompt[0], decode=mode,
+                                   prompt_ids=prompt if B > 1 else prompt[0], decode=mode.split("-")[0],
+                                   speculate=mode == "rpc-spec",
                                    model_id="bench/llama3-8b-random", delivery=args.e2e_delivery,
                                    # rpc: decode as a remote worker would; the prompt still comes
                                    # from this GPU (ingest is measured elsewhere)
-                                   ingest="device" if mode == "rpc" else "auto")
+                                   ingest="device" if mode.startswith("rpc") else "auto")
         before = stage_seconds()
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -305,11 +307,11 @@ def e2e_table(c, args, ucx_client=None):
                          if k.startswith("ingest") and v[0] - before.get(k, (0.0, 0))[0] > 0}
         times, toks = decode_loop(model, kc, out.logits, steps, n)
         agree = sum(a == b for a, b in zip(toks, dense_toks)) / len(toks) if which == "first" else None
+        agree_local = None
         if mode == "local" and which == "first":
             local_toks = toks
-        elif mode == "rpc" and "local" in args.e2e_modes:
-            rows[-1]["greedy_agreement_local_vs_rpc"] = sum(
-                a == b for a, b in zip(toks, local_toks)) / len(toks)
+        elif mode.startswith("rpc") and "local" in args.e2e_modes:
+            agree_local = sum(a == b for a, b in zip(toks, local_toks)) / len(toks)
         name = f"kvshade {mode}" + (" (next session)" if which == "next" else "")
         rows.append({"config": name, "batch": B, "ms_median": statistics.median(times[1:]),
                      "ms_p90": float(np.percentile(times[1:], 90)), "prefill_plus_ingest_s": ready_s,
@@ -318,7 +320,9 @@ def e2e_table(c, args, ucx_client=None):
                      "local_error": str(kc.local_error) if kc.local_error else None,
                      "delivery": kc.remote.delivery if kc.remote is not None else None,
                      "ucx": args.ucx if client is not c else None,
-                     "hit_ratio": kc.hit_ratio})
+                     "hit_ratio": kc.hit_ratio,
+                     "remote_stats": kc.remote.stats() if kc.remote is not None else None,
+                     "greedy_agreement_local_vs_rpc": agree_local})
         # Ready after prefill: how much later than the dense prefill the session is ready
         # (the adapter ingests each layer while the prefill computes the next).
         rows[-1]["ready_after_prefill_s"] = ready_s - prefill_s

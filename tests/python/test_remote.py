@@ -159,6 +159,58 @@ class RemoteDecoderTest(unittest.TestCase):
                                                rtol=2e-5, atol=2e-5)
             ref.close()
 
+    def test_speculation_that_always_corrects_equals_the_reference(self):
+        # Every step re-selects (any cosine is below 1.5): the answers of synchronous
+        # selection, and each step after the first counts its corrections.
+        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+            c.wait_ready(20)
+            sids = [self.session(c), self.session(c)]
+            refs = []
+            for sid in sids:
+                r = KvShadeKVCache(c, self.model, self.shadow, worker_id="reference")
+                r.attach(sid)
+                refs.append(r)
+            steps = self.steps(4, 2)
+            with RemoteDecoder(c, sids, self.model, device="cpu", speculate=True, correct_below=1.5) as dec:
+                for step in steps:
+                    for layer, (q, k, v) in enumerate(step):
+                        out = dec.attend(layer, q, k, v)
+                        for b, r in enumerate(refs):
+                            torch.testing.assert_close(out[b], r.attend(layer, q[b], k[b], v[b]),
+                                                       rtol=2e-5, atol=2e-5)
+                st = dec.stats()
+                self.assertEqual(st["corrections"], 3 * L * 2)
+                self.assertEqual(st["speculated"], 0)
+            for r in refs:
+                r.close()
+
+    def test_speculation_that_never_corrects_attends_over_the_previous_selection(self):
+        # No correction (cosines are never below -2): layer l of step t attends over the
+        # chunks the daemon selected with step t-1's query. The reference is a synchronous
+        # decoder driven step by step: select with the previous query, then attend.
+        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+            c.wait_ready(20)
+            sids = [self.session(c), self.session(c)]
+            steps = self.steps(5, 2)
+            with RemoteDecoder(c, sids, self.model, device="cpu", speculate=True, correct_below=-2) as dec, \
+                    RemoteDecoder(c, sids, self.model, device="cpu", worker_id="reference") as ref:
+                differs = 0
+                for t, step in enumerate(steps):
+                    for layer, (q, k, v) in enumerate(step):
+                        got = dec.attend(layer, q, k, v)
+                        ref._select(layer, steps[max(t - 1, 0)][layer][0])  # the selection used
+                        ref._append_local(layer, k, v)
+                        want = ref._attention(layer, q)
+                        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+                        if t > 0:  # and it is not the current query's
+                            ref._select(layer, q)
+                            differs += not torch.allclose(ref._attention(layer, q), want, rtol=1e-4, atol=1e-4)
+                self.assertGreater(differs, 0)
+                st = dec.stats()
+                self.assertEqual(st["speculated"], 4 * L * 2)
+                self.assertEqual(st["corrections"], 0)
+                self.assertGreaterEqual(st["exposed_wait_s"], 0.0)
+
     def test_bad_calls_are_refused(self):
         with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
             c.wait_ready(20)

@@ -455,10 +455,14 @@ class KvShadeCache(Cache):
                cannot be mapped here (another node, another user)
     delivery : how the "rpc" path receives the misses (RemoteDecoder): "cuda_ipc", "ucx_rma",
                "inline" or "auto" (default: the first the daemon grants, in that order)
+    speculate: the "rpc" path attends over the chunks selected with the previous step's
+               query while this step's select runs, re-selecting a sequence's layer only when
+               its query drifted (RemoteDecoder speculate / correct_below); default off
     """
 
     def __init__(self, client, model, profile, prompt_ids=None, model_id=None, worker_id="hf-cache",
-                 prefill_attention="sdpa", decode="auto", count_hits=False, ingest="auto", delivery="auto"):
+                 prefill_attention="sdpa", decode="auto", count_hits=False, ingest="auto", delivery="auto",
+                 speculate=False, correct_below=0.9):
         config = _text_config(model.config)
         impl = getattr(config, "_attn_implementation", None)
         if impl != ATTENTION_NAME:
@@ -498,6 +502,7 @@ class KvShadeCache(Cache):
         self.local_error = None  # why "auto" fell back to "rpc"
         self.remote = None  # kvshade.remote.RemoteDecoder on the "rpc" path
         self._delivery = delivery
+        self._speculate = (bool(speculate), float(correct_below))
         super().__init__(layers=[KvShadeCacheLayer(self, i) for i in range(L)])
 
     # --- Public state ---
@@ -754,7 +759,8 @@ class KvShadeCache(Cache):
         if self.local is None:
             from .remote import RemoteDecoder
             self.remote = RemoteDecoder(client, self.session_ids, self.spec, device=device, delivery=self._delivery,
-                                        worker_id=worker_id)
+                                        worker_id=worker_id, speculate=self._speculate[0],
+                                        correct_below=self._speculate[1])
 
     def _decode_attention(self, layer, query, key, value, scaling):
         """One decode step of one layer through kvshade: [B, hq, 1, d] -> [B, 1, hq, d]."""

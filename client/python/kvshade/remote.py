@@ -23,10 +23,18 @@ in fp32 over static set + slots + tail + local tokens, as one batched computatio
 layer: the same result as kvshade.torch_hook.KvShadeKVCache.attend, without its per-head
 loop and host copies.
 
+speculate=True (FreeKV's speculate-and-correct): layer l of step t attends over the chunks
+selected with step t-1's query, whose select was issued right after that step's attention
+of layer l and ran while the model computed the other layers; a sequence whose query drifted
+(cosine to the previous query below `correct_below` for any query head) is re-selected
+synchronously for that layer first. stats() counts the speculated and corrected
+sequence-layers and the time spent waiting for speculative selects.
+
 q and the new token's key are post-RoPE (what the model computes); outputs are fp32
 [B, hq, d] on `device`. Tokens decoded here are not appended to the sessions.
 """
 import math
+import time
 
 import numpy as np
 
@@ -44,7 +52,7 @@ DELIVERY_ORDER = ("cuda_ipc", "ucx_rma", "inline")
 
 class RemoteDecoder:
     def __init__(self, client, session_ids, model, device=None, delivery="auto", worker_id="remote-decoder",
-                 local_capacity=256):
+                 local_capacity=256, speculate=False, correct_below=0.9):
         torch = _torch()
         if not session_ids:
             raise InvalidArgument("session_ids must name at least one session")
@@ -61,6 +69,15 @@ class RemoteDecoder:
         self.worker_id = worker_id
         self.attachments = [None] * B
         self.hits = self.selected = 0
+        # Speculate-and-correct: layer l of step t attends over the chunks selected with
+        # step t-1's query (its select ran while the model computed other layers) unless
+        # the query drifted (cosine to it below correct_below for any query head of the
+        # sequence): then that sequence's layer is re-selected synchronously.
+        self.speculate, self.correct_below = bool(speculate), float(correct_below)
+        self.speculated = self.corrections = 0
+        self.exposed_wait_s = 0.0
+        self._pending = [None] * model.num_layers  # (future, query it was issued with)
+        self._q_next = [None] * model.num_layers
         self._slot_k = self._slot_v = self._host_k = self._host_v = None
         try:
             self._attach_all(delivery)
@@ -190,11 +207,12 @@ class RemoteDecoder:
                                             and self.device.index is None):
             raise InvalidArgument("%s must be on %s, got %s" % (name, self.device, t.device))
 
-    def _apply(self, layer, deltas):
-        """Records the misses of one layer's select in the slot tables and, where the rows
-        did not land in the device buffers themselves, copies them there."""
+    def _apply(self, layer, sessions, deltas):
+        """Records the misses of one layer's select (of the sessions at batch indices
+        `sessions`) in the slot tables and, where the rows did not land in the device
+        buffers themselves, copies them there."""
         torch = _torch()
-        for b, dl in zip(self._sel_index, deltas):
+        for b, dl in zip(sessions, deltas):
             if dl.fallback:
                 raise FailedPrecondition(
                     "the recall guard put layer %d of session %s under a fallback that does not fit the "
@@ -224,6 +242,52 @@ class RemoteDecoder:
             self._slot_k[b, layer, hs.to(dev), ss.to(dev)] = kk
             self._slot_v[b, layer, hs.to(dev), ss.to(dev)] = vv
 
+    def _ids(self, sessions):
+        return [self.attachments[b].attachment_id for b in sessions]
+
+    def _select(self, layer, q):
+        """This step's selection for `layer`: synchronous, or (speculate) the select issued
+        with the previous step's query, corrected synchronously for the sequences whose
+        query drifted from it."""
+        torch = _torch()
+        sel = self._sel_index
+        qs = (q[sel] if len(sel) < self.batch else q).detach()
+        if not self.speculate:
+            self._apply(layer, sel, self.client.select(layer, self._ids(sel), qs.to(torch.bfloat16)))
+            return
+        qf = qs.float().cpu()  # [n, hq, d] on the host: the drift test and the next select
+        pending = self._pending[layer]
+        self._pending[layer] = None
+        redo = list(sel)
+        if pending is not None:
+            future, q_prev = pending
+            t0 = time.perf_counter()
+            deltas = future.result()
+            self.exposed_wait_s += time.perf_counter() - t0
+            self._apply(layer, sel, deltas)
+            # Cosine of each query head to the one the slots were selected with; the
+            # worst head of a sequence decides for the sequence.
+            cos = torch.nn.functional.cosine_similarity(qf, q_prev, dim=-1)  # [n, hq]
+            worst = cos.min(dim=1).values
+            redo = [b for b, c in zip(sel, worst.tolist()) if c < self.correct_below]
+            self.speculated += len(sel) - len(redo)
+        if redo:
+            self.corrections += len(redo) if pending is not None else 0
+            rows = [sel.index(b) for b in redo]
+            self._apply(layer, redo, self.client.select(layer, self._ids(redo), qs[rows].to(torch.bfloat16)))
+        self._q_next[layer] = qf
+
+    def _speculate(self, layer):
+        """Issues the select for this step's query, to be waited for at the next step of
+        `layer`: the daemon selects and delivers while the model computes other layers."""
+        torch = _torch()
+        if self.delivery in ("cuda_ipc", "ucx_rma") and self.device.type == "cuda":
+            # The daemon writes the slot buffers (cuda_ipc) or the host buffers the last
+            # copy read (ucx_rma) as soon as it has the request: this layer's reads first.
+            torch.cuda.current_stream(self.device).synchronize()
+        qf = self._q_next[layer]
+        self._pending[layer] = (self.client.select_async(layer, self._ids(self._sel_index), qf), qf)
+
     def attend(self, layer, q, k_new=None, v_new=None):
         """q [B, hq, d] post-RoPE; k_new, v_new [B, h, d] (the step's token, post-RoPE key)
         or None. Returns fp32 [B, hq, d] on the decoder's device."""
@@ -238,20 +302,32 @@ class RemoteDecoder:
             self._check("k_new", k_new, (B, h, d))
             self._check("v_new", v_new, (B, h, d))
         if self._sel_index:
-            qs = q[self._sel_index] if len(self._sel_index) < B else q
-            deltas = self.client.select(layer, [self.attachments[b].attachment_id for b in self._sel_index],
-                                        qs.detach().to(torch.bfloat16))
-            self._apply(layer, deltas)
+            self._select(layer, q)
         if k_new is not None:
-            n = self._local_n[layer]
-            if n == self._local_k[layer].shape[2]:
-                for buf in (self._local_k, self._local_v):
-                    grown = torch.zeros((B, h, 2 * n, d), dtype=torch.bfloat16, device=self.device)
-                    grown[:, :, :n] = buf[layer]
-                    buf[layer] = grown
-            self._local_k[layer][:, :, n] = k_new.detach().to(torch.bfloat16)
-            self._local_v[layer][:, :, n] = v_new.detach().to(torch.bfloat16)
-            self._local_n[layer] = n + 1
+            self._append_local(layer, k_new, v_new)
+        out = self._attention(layer, q)
+        if self._sel_index and self.speculate:
+            self._speculate(layer)
+        return out
+
+    def _append_local(self, layer, k_new, v_new):
+        """The step's token joins the layer's local tokens (exact, kept here)."""
+        torch = _torch()
+        B, h, d = self.batch, self.kv_heads, self.head_dim
+        n = self._local_n[layer]
+        if n == self._local_k[layer].shape[2]:
+            for buf in (self._local_k, self._local_v):
+                grown = torch.zeros((B, h, 2 * n, d), dtype=torch.bfloat16, device=self.device)
+                grown[:, :, :n] = buf[layer]
+                buf[layer] = grown
+        self._local_k[layer][:, :, n] = k_new.detach().to(torch.bfloat16)
+        self._local_v[layer][:, :, n] = v_new.detach().to(torch.bfloat16)
+        self._local_n[layer] = n + 1
+
+    def _attention(self, layer, q):
+        """Exact attention of q over static set + tail, slots and local tokens."""
+        torch = _torch()
+        B, hq, h, d = self.batch, self.query_heads, self.kv_heads, self.head_dim
         n = self._local_n[layer]
         keys = [self._base_k[layer]]
         values = [self._base_v[layer]]
@@ -276,10 +352,23 @@ class RemoteDecoder:
         return out.reshape(B, hq, d)
 
     def stats(self):
-        return {"selected": self.selected, "hits": self.hits, "delivery": self.delivery}
+        """selected / hits: chunks over every select (speculative and corrections included);
+        with speculate: speculated (sequence-layers attended over the previous step's
+        selection), corrections (re-selected because the query drifted), exposed_wait_s
+        (time spent waiting for speculative selects that had not come back)."""
+        return {"selected": self.selected, "hits": self.hits, "delivery": self.delivery,
+                "speculated": self.speculated, "corrections": self.corrections,
+                "exposed_wait_s": self.exposed_wait_s}
 
     def close(self):
-        """Detaches every attachment (idempotent)."""
+        """Waits for selects in flight, then detaches every attachment (idempotent)."""
+        for layer, pending in enumerate(getattr(self, "_pending", [])):
+            if pending is not None:
+                try:
+                    pending[0].result()  # its deliveries land before the buffers go
+                except Exception:  # noqa: BLE001 - the attachment goes anyway
+                    pass
+                self._pending[layer] = None
         for b, a in enumerate(self.attachments):
             if a is not None:
                 try:
