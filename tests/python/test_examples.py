@@ -101,32 +101,27 @@ class ExamplesRerunTest(unittest.TestCase):
             self.assertIn("reused 1024 ingested 0 out (1, 8, 64)", second)
             self.assertEqual(self.open_sessions(server.target), 0)
 
-    def test_readme_same_node_snippet_twice_on_one_server(self):
+    def run_snippet_twice(self, marker, what, expect):
+        """The one client/README.md Python block containing `marker`, run twice against one
+        server: both runs print `expect` and leave no session open."""
         with open(os.path.join(ROOT, "client", "README.md")) as f:
             blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-        snippet = [b for b in blocks if "LocalDecoder(c," in b]
-        self.assertEqual(len(snippet), 1, "the same-node snippet of client/README.md")
+        snippet = [b for b in blocks if marker in b]
+        self.assertEqual(len(snippet), 1, "the %s snippet of client/README.md" % what)
         with Server() as server:
             code = snippet[0].replace("127.0.0.1:50551", server.target)
             for run_no in range(2):
                 rc, out, err = run(["-c", code])
                 self.assertEqual(rc, 0, out + err + server.log())
-                self.assertIn("same-node decode: (1, 8, 64) torch.float32", out)
+                self.assertIn(expect, out)
             self.assertEqual(self.open_sessions(server.target), 0)
 
+    def test_readme_same_node_snippet_twice_on_one_server(self):
+        self.run_snippet_twice("LocalDecoder(c,", "same-node", "same-node decode: (1, 8, 64) torch.float32")
 
     def test_readme_remote_decode_snippet_twice_on_one_server(self):
-        with open(os.path.join(ROOT, "client", "README.md")) as f:
-            blocks = re.findall(r"```python\n(.*?)```", f.read(), re.S)
-        snippet = [b for b in blocks if "RemoteDecoder(c," in b]
-        self.assertEqual(len(snippet), 1, "the remote-decode snippet of client/README.md")
-        with Server() as server:
-            code = snippet[0].replace("127.0.0.1:50551", server.target)
-            for run_no in range(2):
-                rc, out, err = run(["-c", code])
-                self.assertEqual(rc, 0, out + err + server.log())
-                self.assertIn("remote decode: (1, 8, 64) torch.float32 delivery inline", out)
-            self.assertEqual(self.open_sessions(server.target), 0)
+        self.run_snippet_twice("RemoteDecoder(c,", "remote-decode",
+                               "remote decode: (1, 8, 64) torch.float32 delivery inline")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,38 @@ double MaxRel(const std::vector<float>& a, const std::vector<float>& b) {
   return diff / std::max(mx, 1e-30);
 }
 
+// Appends token `t` of stream `s` (position n) to session `session` by AppendTokens: the
+// twin that staging must equal.
+void AppendByRpc(Harness& hx, const Stream& s, const std::string& session, int n) {
+  v1::AppendTokensRequest ap;
+  ap.set_session_id(session);
+  ap.add_token_ids(s.tokens[n]);
+  for (int layer = 0; layer < s.L; ++layer) {
+    auto* lk = ap.add_layers();
+    lk->set_layer(layer);
+    std::vector<bf16> k(s.k[layer].begin() + size_t(n) * kH * kD, s.k[layer].begin() + size_t(n + 1) * kH * kD);
+    std::vector<bf16> v(s.v[layer].begin() + size_t(n) * kH * kD, s.v[layer].begin() + size_t(n + 1) * kH * kD);
+    *lk->mutable_k() = ToTensor(k, {1, kH, kD});
+    *lk->mutable_v() = ToTensor(v, {1, kH, kD});
+  }
+  ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, ap).ok());
+}
+
+// Attend over every layer of two attachments with the same queries: the same bits, and
+// both sessions `tokens` long.
+void ExpectSameAnswers(Harness& hx, const Stream& s, const std::string& a, const std::string& b,
+                       uint64_t stream, uint64_t tokens) {
+  for (int layer = 0; layer < s.L; ++layer) {
+    const std::vector<bf16> q = hx.Query(stream + layer);
+    auto ra = hx.engine->Attend(hx.tenant, AttendReq(hx, a, layer, q, nullptr, nullptr));
+    auto rb = hx.engine->Attend(hx.tenant, AttendReq(hx, b, layer, q, nullptr, nullptr));
+    ASSERT_TRUE(ra.ok() && rb.ok());
+    EXPECT_EQ(ra->outputs(0).data(), rb->outputs(0).data()) << "layer " << layer;
+    EXPECT_EQ(ra->lse(0).data(), rb->lse(0).data()) << "layer " << layer;
+    EXPECT_EQ(ra->tokens(0), tokens);
+  }
+}
+
 TEST(AttendDecode, NewTokenAndLogSumExpAgainstReferences) {
   for (v1::ProfileKind kind : {v1::PROFILE_KIND_SHADOW, v1::PROFILE_KIND_EXACT}) {
     SCOPED_TRACE(v1::ProfileKind_Name(kind));
@@ -95,18 +127,7 @@ TEST(AttendDecode, NewTokenAndLogSumExpAgainstReferences) {
       with_new[layer] = TensorF32(r->outputs(0));
       lse_new[layer] = TensorF32(r->lse(0));
     }
-    v1::AppendTokensRequest ap;
-    ap.set_session_id(o.session);
-    ap.add_token_ids(s.tokens[n]);
-    for (int layer = 0; layer < s.L; ++layer) {
-      auto* lk = ap.add_layers();
-      lk->set_layer(layer);
-      std::vector<bf16> kn(s.k[layer].begin() + size_t(n) * kH * kD, s.k[layer].begin() + size_t(n + 1) * kH * kD);
-      std::vector<bf16> vn(s.v[layer].begin() + size_t(n) * kH * kD, s.v[layer].begin() + size_t(n + 1) * kH * kD);
-      *lk->mutable_k() = ToTensor(kn, {1, kH, kD});
-      *lk->mutable_v() = ToTensor(vn, {1, kH, kD});
-    }
-    ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, ap).ok());
+    ASSERT_NO_FATAL_FAILURE(AppendByRpc(hx, s, o.session, n));
     for (int layer = 0; layer < s.L; ++layer) {
       auto r = hx.engine->Attend(hx.tenant, AttendReq(hx, o.attachment, layer, qs[layer], nullptr, nullptr));
       ASSERT_TRUE(r.ok()) << r.status();
@@ -156,16 +177,7 @@ TEST(AttendDecode, StagedTokenIsAppendedAfterTheLastLayer) {
       ASSERT_EQ(resp->tokens_size(), 1);
       EXPECT_EQ(resp->tokens(0), uint64_t(layer + 1 < s.L ? n : n + 1)) << "layer " << layer;
     }
-    v1::AppendTokensRequest ap;
-    ap.set_session_id(b.session);
-    ap.add_token_ids(s.tokens[n]);
-    for (int layer = 0; layer < s.L; ++layer) {
-      auto* lk = ap.add_layers();
-      lk->set_layer(layer);
-      *lk->mutable_k() = ToTensor(token_kv(layer, n, false), {1, kH, kD});
-      *lk->mutable_v() = ToTensor(token_kv(layer, n, true), {1, kH, kD});
-    }
-    ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, ap).ok());
+    ASSERT_NO_FATAL_FAILURE(AppendByRpc(hx, s, b.session, n));
     auto ia = hx.engine->GetSession(hx.tenant, [&] {
       v1::GetSessionRequest g;
       g.set_session_id(a.session);
@@ -173,15 +185,7 @@ TEST(AttendDecode, StagedTokenIsAppendedAfterTheLastLayer) {
     }());
     ASSERT_TRUE(ia.ok());
     EXPECT_EQ(ia->tokens(), uint64_t(n + 1));
-    for (int layer = 0; layer < s.L; ++layer) {
-      const std::vector<bf16> q = hx.Query(400 + layer);
-      auto ra = hx.engine->Attend(hx.tenant, AttendReq(hx, a.attachment, layer, q, nullptr, nullptr));
-      auto rb = hx.engine->Attend(hx.tenant, AttendReq(hx, b.attachment, layer, q, nullptr, nullptr));
-      ASSERT_TRUE(ra.ok() && rb.ok());
-      EXPECT_EQ(ra->outputs(0).data(), rb->outputs(0).data()) << "layer " << layer;
-      EXPECT_EQ(ra->lse(0).data(), rb->lse(0).data()) << "layer " << layer;
-      EXPECT_EQ(ra->tokens(0), uint64_t(n + 1));
-    }
+    ExpectSameAnswers(hx, s, a.attachment, b.attachment, 400, uint64_t(n + 1));
     // The writer rule holds for staging: another attachment may not stage.
     std::vector<bf16> kn = token_kv(0, n, false), vn = token_kv(0, n, true);
     v1::AttendRequest r = AttendReq(hx, a.attachment, 0, hx.Query(6), &kn, &vn);
@@ -272,24 +276,8 @@ TEST(AttendDecode, SelectStagesTheNewTokenAlikeWithAttend) {
   ASSERT_TRUE(plain.ok()) << plain.status();
   EXPECT_EQ(plain->deltas(0).tokens(), uint64_t(n + 1));
 
-  v1::AppendTokensRequest ap;
-  ap.set_session_id(b.session);
-  ap.add_token_ids(s.tokens[n]);
-  for (int layer = 0; layer < s.L; ++layer) {
-    auto* lk = ap.add_layers();
-    lk->set_layer(layer);
-    *lk->mutable_k() = ToTensor(token_kv(layer, false), {1, kH, kD});
-    *lk->mutable_v() = ToTensor(token_kv(layer, true), {1, kH, kD});
-  }
-  ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, ap).ok());
-  for (int layer = 0; layer < s.L; ++layer) {
-    const std::vector<bf16> q = hx.Query(700 + layer);
-    auto ra = hx.engine->Attend(hx.tenant, AttendReq(hx, a.attachment, layer, q, nullptr, nullptr));
-    auto rb = hx.engine->Attend(hx.tenant, AttendReq(hx, b.attachment, layer, q, nullptr, nullptr));
-    ASSERT_TRUE(ra.ok() && rb.ok());
-    EXPECT_EQ(ra->outputs(0).data(), rb->outputs(0).data()) << "layer " << layer;
-    EXPECT_EQ(ra->tokens(0), uint64_t(n + 1));
-  }
+  ASSERT_NO_FATAL_FAILURE(AppendByRpc(hx, s, b.session, n));
+  ExpectSameAnswers(hx, s, a.attachment, b.attachment, 700, uint64_t(n + 1));
 }
 
 TEST(AttendDecode, BadNewTokenIsRefusedNamingTheField) {
