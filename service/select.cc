@@ -480,6 +480,9 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
   std::map<std::string, SelectGroup> groups;
   for (size_t i = 0; i < qs.size(); ++i) {
     const Session& s = *qs[i].session;
+    // The writer rule before anything moves: a refused stage must not leave the slot
+    // tables ahead of a worker that never got the deltas.
+    if (qs[i].stage) KVSHADE_RETURN_IF_ERROR(sessions_.CheckWriter(t.name, s, qs[i].attachment->id));
     SlotDeltaResult& delta = out->deltas[i];
     delta.chunk_size = static_cast<uint32_t>(s.profile.chunk_size);
     delta.head_dim = static_cast<uint32_t>(s.model.shape.d);
@@ -583,7 +586,7 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
   chunk_hits_ += total_hits;
   metrics_->ChunkSelection(total_selected, total_hits);
   // The new tokens queries stage (every attachment's mutex is held), after the selection:
-  // a failed select stages nothing.
+  // a failed select stages nothing (and the writer rule was checked before it).
   for (size_t i = 0; i < qs.size(); ++i) {
     Session& s = *qs[i].session;
     if (qs[i].stage) KVSHADE_RETURN_IF_ERROR(StageLayer(sessions_, t, s, *qs[i].attachment, layer, qs[i], &commits));

@@ -250,6 +250,11 @@ TEST(AttendDecode, SelectStagesTheNewTokenAlikeWithAttend) {
     auto denied = hx.engine->SelectAndReconstruct(hx.tenant, select_req(a.attachment, 0, true, s.tokens[n]));
     ASSERT_FALSE(denied.ok());
     EXPECT_EQ(denied.status().code(), absl::StatusCode::kPermissionDenied) << denied.status();
+    // ... before its selection moved the slot table: the same select now misses every chunk.
+    auto after = hx.engine->SelectAndReconstruct(hx.tenant, select_req(a.attachment, 0, false, -1));
+    ASSERT_TRUE(after.ok()) << after.status();
+    EXPECT_GT(after->deltas(0).selected(), 0u);
+    EXPECT_EQ(after->deltas(0).hits(), 0u);
   }
   // Every layer but one through SelectAndReconstruct, layer 1 through Attend; layer 0
   // comes last, so the select of layer 0 appends.
