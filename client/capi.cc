@@ -6,9 +6,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <exception>
 #include <future>
+#include <limits>
 #include <memory>
 #include <set>
 #include <string>
@@ -156,16 +158,17 @@ v1::Profile ToProfile(const kvshade_profile& p) {
   s.set_rank(p.rank);
   s.set_chunk_size(p.chunk_size);
   s.set_sparse_budget(p.sparse_budget);
-  s.set_outliers(p.outliers);
+  // Fields that take 0 as a value are sent only when set (proto presence).
+  if (p.outliers != KVSHADE_UNSET_U32) s.set_outliers(p.outliers);
   if (p.keep_sink >= 0) s.set_keep_sink(p.keep_sink != 0);
   s.set_local_window(p.local_window);
-  s.set_heavy_chunks(p.heavy_chunks);
+  if (p.heavy_chunks != KVSHADE_UNSET_U32) s.set_heavy_chunks(p.heavy_chunks);
   s.set_value_codec(static_cast<v1::ValueCodec>(p.value_codec));
-  s.set_min_tokens(p.min_tokens);
-  s.set_refactor_threshold(p.refactor_threshold);
-  s.set_energy_target(p.energy_target);
-  s.set_mini_recent_ratio(p.mini_recent_ratio);
-  s.set_mini_heavy_ratio(p.mini_heavy_ratio);
+  if (p.min_tokens != KVSHADE_UNSET_U32) s.set_min_tokens(p.min_tokens);
+  if (!std::isnan(p.refactor_threshold)) s.set_refactor_threshold(p.refactor_threshold);
+  if (!std::isnan(p.energy_target)) s.set_energy_target(p.energy_target);
+  if (!std::isnan(p.mini_recent_ratio)) s.set_mini_recent_ratio(p.mini_recent_ratio);
+  if (!std::isnan(p.mini_heavy_ratio)) s.set_mini_heavy_ratio(p.mini_heavy_ratio);
   s.set_kivi_group(p.kivi_group);
   return s;
 }
@@ -324,6 +327,9 @@ void kvshade_profile_init(kvshade_profile* p) {
   if (p == nullptr) return;
   std::memset(p, 0, sizeof(*p));
   p->keep_sink = -1;
+  p->outliers = p->heavy_chunks = p->min_tokens = KVSHADE_UNSET_U32;
+  p->refactor_threshold = p->energy_target = p->mini_recent_ratio = p->mini_heavy_ratio =
+      std::numeric_limits<float>::quiet_NaN();
 }
 
 int kvshade_connect(const kvshade_client_options* o, kvshade_client** out) {

@@ -182,6 +182,8 @@ absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& p, const ProfileDe
   ProfileInfo o;
   auto pick = [](uint32_t v, uint32_t d) { return static_cast<int>(v != 0 ? v : d); };
   auto pickf = [](float v, float d) { return v != 0 ? v : d; };
+  // The optional fields (the proto's presence) take 0 as a value; the others' 0 is the
+  // default (0 is not valid for them).
   o.requested = p.kind() == v1::PROFILE_KIND_UNSPECIFIED ? v1::PROFILE_KIND_AUTO : p.kind();
   if (!v1::ProfileKind_IsValid(p.kind())) {
     return Bad("profile.kind", absl::StrCat("is unknown: ", static_cast<int>(p.kind())));
@@ -197,11 +199,11 @@ absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& p, const ProfileDe
   o.rank = pick(p.rank(), def.rank);
   o.chunk_size = pick(p.chunk_size(), def.chunk_size);
   o.sparse_budget = pick(p.sparse_budget(), def.sparse_budget);
-  o.outliers = pick(p.outliers(), def.outliers);
+  o.outliers = static_cast<int>(p.has_outliers() ? p.outliers() : def.outliers);
   o.keep_sink = p.has_keep_sink() ? p.keep_sink() : def.keep_sink;
   o.local_window = pick(p.local_window(), def.local_window);
-  o.heavy_chunks = pick(p.heavy_chunks(), def.heavy_chunks);
-  o.min_tokens = pick(p.min_tokens(), def.min_tokens);
+  o.heavy_chunks = static_cast<int>(p.has_heavy_chunks() ? p.heavy_chunks() : def.heavy_chunks);
+  o.min_tokens = static_cast<int>(p.has_min_tokens() ? p.min_tokens() : def.min_tokens);
   o.kivi_group = pick(p.kivi_group(), def.kivi_group);
   for (auto [name, v] : {std::pair{"refactor_threshold", p.refactor_threshold()},
                          {"energy_target", p.energy_target()},
@@ -211,10 +213,10 @@ absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& p, const ProfileDe
       return Bad(absl::StrCat("profile.", name), absl::StrCat("must be in [0, 1], got ", v));
     }
   }
-  o.refactor_threshold = pickf(p.refactor_threshold(), def.refactor_threshold);
+  o.refactor_threshold = p.has_refactor_threshold() ? p.refactor_threshold() : def.refactor_threshold;
   o.energy_target = p.energy_target();
-  o.mini_recent_ratio = pickf(p.mini_recent_ratio(), def.mini_recent_ratio);
-  o.mini_heavy_ratio = pickf(p.mini_heavy_ratio(), def.mini_heavy_ratio);
+  o.mini_recent_ratio = p.has_mini_recent_ratio() ? p.mini_recent_ratio() : def.mini_recent_ratio;
+  o.mini_heavy_ratio = p.has_mini_heavy_ratio() ? p.mini_heavy_ratio() : def.mini_heavy_ratio;
   // Selection options.
   if (p.rerank_factor() > 64) {
     return Bad("profile.rerank_factor", absl::StrCat("must be in [1, 64] (1 = one stage), got ",
@@ -235,9 +237,9 @@ absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& p, const ProfileDe
   }
   o.rerank_factor = pick(p.rerank_factor(), def.rerank_factor);
   o.mass_top_p = pickf(p.mass_top_p(), def.mass_top_p);
-  o.mass_min_chunks = pick(p.mass_min_chunks(), def.mass_min_chunks);
-  o.recall_sample_rate = pickf(p.recall_sample_rate(), def.recall_sample_rate);
-  o.recall_floor = pickf(p.recall_floor(), def.recall_floor);
+  o.mass_min_chunks = static_cast<int>(p.has_mass_min_chunks() ? p.mass_min_chunks() : def.mass_min_chunks);
+  o.recall_sample_rate = p.has_recall_sample_rate() ? p.recall_sample_rate() : def.recall_sample_rate;
+  o.recall_floor = p.has_recall_floor() ? p.recall_floor() : def.recall_floor;
   if (p.recall_action() != v1::RECALL_ACTION_UNSPECIFIED) {
     o.recall_action = p.recall_action();
   } else {

@@ -321,13 +321,13 @@ int main(int argc, char** argv) {
   lookup->add_option("--head-dim", head_dim, "Head dim")->required();
   lookup->add_option("--profile", profile_name, "Profile")->check(CLI::IsMember({"auto", "shadow", "mini", "exact"}));
   // The prefix key covers the profile's shape (rank, chunk, outliers, window, ...): give
-  // the same values the session was created with (0 = the server's default).
+  // the same values the session was created with (left out: the server's default).
   uint32_t l_rank = 0, l_chunk = 0, l_outliers = 0, l_window = 0, l_heavy = 0;
   lookup->add_option("--rank", l_rank, "Profile rank (0 = server default)");
   lookup->add_option("--chunk-size", l_chunk, "Profile chunk size (0 = server default)");
-  lookup->add_option("--outliers", l_outliers, "Profile outliers (0 = server default)");
+  auto* outliers_opt = lookup->add_option("--outliers", l_outliers, "Profile outliers (left out: server default)");
   lookup->add_option("--local-window", l_window, "Profile local window (0 = server default)");
-  lookup->add_option("--heavy-chunks", l_heavy, "Profile heavy chunks (0 = server default)");
+  auto* heavy_opt = lookup->add_option("--heavy-chunks", l_heavy, "Profile heavy chunks (left out: server default)");
   auto* tok_opt = lookup->add_option("--tokens", tokens_csv, "Token ids, comma separated");
   lookup->add_option("--tokens-file", tokens_file, "File of whitespace-separated token ids")
       ->check(CLI::ExistingFile)
@@ -469,9 +469,9 @@ int main(int argc, char** argv) {
     lreq.mutable_profile()->set_kind(kind);
     lreq.mutable_profile()->set_rank(l_rank);
     lreq.mutable_profile()->set_chunk_size(l_chunk);
-    lreq.mutable_profile()->set_outliers(l_outliers);
+    if (outliers_opt->count() > 0) lreq.mutable_profile()->set_outliers(l_outliers);
     lreq.mutable_profile()->set_local_window(l_window);
-    lreq.mutable_profile()->set_heavy_chunks(l_heavy);
+    if (heavy_opt->count() > 0) lreq.mutable_profile()->set_heavy_chunks(l_heavy);
     lreq.mutable_token_ids()->Assign(tokens.begin(), tokens.end());
     auto r = c.LookupPrefix(lreq);
     if (!r.ok()) return RpcFail("LookupPrefix", r.status());

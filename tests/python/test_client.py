@@ -150,6 +150,23 @@ class ClientTest(unittest.TestCase):
         self.c.close_session(a.session_id)
         self.c.close_session(b.session_id)
 
+    def test_zero_is_a_value_and_none_the_default(self):
+        # outliers=0 (and no sink): an empty static set; outliers left out: the server's 48
+        # (capped by the chunk count) fill it.
+        n = 256
+        base = dict(rank=16, chunk_size=8, sparse_budget=4, local_window=16, keep_sink=False)
+        for outliers, expect_empty in ((0, True), (None, False)):
+            created, _, _, _ = self.make_session(kvshade.Profile("shadow", outliers=outliers, **base), n,
+                                                 name="py-outliers-%s" % outliers)
+            att = self.c.attach(created.session_id, "w")
+            st = self.c.static_set(att.attachment_id, 0)
+            if expect_empty:
+                self.assertEqual(int(st.lengths.sum()), 0, "outliers=0 must leave no static chunks")
+            else:
+                self.assertGreater(int(st.lengths.min()), 0)
+            self.c.detach(att.attachment_id)
+            self.c.close_session(created.session_id)
+
     def test_shadow_prefix_fork_select(self):
         n = 256
         prof = kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=4, outliers=2, local_window=32)

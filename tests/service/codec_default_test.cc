@@ -1,6 +1,7 @@
 // The server's default value codec "auto": int4 host values for long shadow sessions,
 // bf16 for shorter ones and for the mini profile; an explicit request or server setting
-// wins. Also what GetSession reports.
+// wins. Also what GetSession reports. And the profile fields that take 0 as a value of
+// their own: set to 0 they are 0, left unset they are the server's default.
 #include <gtest/gtest.h>
 
 #include "kvshade/service/config.h"
@@ -59,6 +60,65 @@ TEST(CodecDefault, ExplicitChoicesWin) {
   ProfileDefaults low;
   low.int4_from_tokens = 1000;
   EXPECT_EQ(Resolve(p, low, 1000), kernels::ValueCodec::kINT4);
+}
+
+TEST(ProfilePresence, ZeroIsAValueWhereItMeansSomethingAndUnsetIsTheDefault) {
+  ProfileDefaults def;
+  auto model = ResolveModel(Llama8bShape(), LimitsConfig());
+  ASSERT_TRUE(model.ok()) << model.status();
+  v1::Profile unset;
+  unset.set_kind(v1::PROFILE_KIND_AUTO);
+  auto d = ResolveProfile(unset, def, *model, 1024);
+  ASSERT_TRUE(d.ok()) << d.status();
+  EXPECT_EQ(d->outliers, int(def.outliers));
+  EXPECT_EQ(d->min_tokens, int(def.min_tokens));
+  EXPECT_EQ(d->kind, v1::PROFILE_KIND_MINI);  // 1024 < min_tokens
+  EXPECT_FLOAT_EQ(d->refactor_threshold, def.refactor_threshold);
+  EXPECT_FLOAT_EQ(d->mini_recent_ratio, def.mini_recent_ratio);
+  EXPECT_FLOAT_EQ(d->recall_floor, def.recall_floor);
+  EXPECT_EQ(d->mass_min_chunks, int(def.mass_min_chunks));
+  ASSERT_GT(def.outliers, 0u);
+  ASSERT_GT(def.min_tokens, 0u);
+  ASSERT_GT(def.refactor_threshold, 0.0f);
+
+  v1::Profile zeros = unset;
+  zeros.set_outliers(0);
+  zeros.set_heavy_chunks(0);
+  zeros.set_min_tokens(0);
+  zeros.set_refactor_threshold(0);
+  zeros.set_energy_target(0);
+  zeros.set_mini_recent_ratio(0);
+  zeros.set_mini_heavy_ratio(0);
+  zeros.set_mass_min_chunks(0);
+  zeros.set_recall_sample_rate(0);
+  zeros.set_recall_floor(0);
+  auto z = ResolveProfile(zeros, def, *model, 1024);
+  ASSERT_TRUE(z.ok()) << z.status();
+  EXPECT_EQ(z->outliers, 0);
+  EXPECT_EQ(z->heavy_chunks, 0);
+  EXPECT_EQ(z->min_tokens, 0);
+  EXPECT_EQ(z->kind, v1::PROFILE_KIND_SHADOW);  // min_tokens 0: shadow whatever the length
+  EXPECT_EQ(z->refactor_threshold, 0.0f);
+  EXPECT_EQ(z->mini_recent_ratio, 0.0f);
+  EXPECT_EQ(z->mini_heavy_ratio, 0.0f);
+  EXPECT_EQ(z->mass_min_chunks, 0);
+  EXPECT_EQ(z->recall_floor, 0.0f);
+  // The effective profile reports what was resolved, 0 included, and resolves to itself.
+  const v1::Profile back = z->ToProto();
+  EXPECT_TRUE(back.has_outliers());
+  EXPECT_EQ(back.outliers(), 0u);
+  auto again = ResolveProfile(back, def, *model, 1024);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->outliers, 0);
+  EXPECT_EQ(again->min_tokens, 0);
+  // Fields where 0 is not valid keep 0 as "the default".
+  v1::Profile rank0 = unset;
+  rank0.set_rank(0);
+  rank0.set_local_window(0);
+  auto r = ResolveProfile(rank0, def, *model, 1024);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->rank, int(def.rank));
+  EXPECT_EQ(r->local_window, int(def.local_window));
 }
 
 }  // namespace

@@ -128,6 +128,13 @@ typedef struct kvshade_model {
 } kvshade_model;
 
 /* Zero means "the server's default" for every numeric field. */
+/* "The server's default" for the profile fields that take 0 as a value of their own. */
+#define KVSHADE_UNSET_U32 0xFFFFFFFFu
+
+/* rank, chunk_size, sparse_budget, local_window, kivi_group: 0 = the server's default (0
+ * is not valid for them). outliers, heavy_chunks, min_tokens: KVSHADE_UNSET_U32 = the
+ * server's default, 0 is a value (outliers = 0: no outlier chunks). The floats: NaN = the
+ * server's default, 0 is a value. kvshade_profile_init sets every field to its default. */
 typedef struct kvshade_profile {
   int32_t kind;               /* KVSHADE_PROFILE_* (0 = auto) */
   uint32_t rank, chunk_size, sparse_budget, outliers;
@@ -139,7 +146,8 @@ typedef struct kvshade_profile {
   uint32_t kivi_group;
 } kvshade_profile;
 
-/* Zero-fills both and sets keep_sink = -1, dtype = BF16. */
+/* Model: zero-filled, dtype = BF16. Profile: every field the server's default (zeros,
+ * keep_sink = -1, outliers / heavy_chunks / min_tokens = KVSHADE_UNSET_U32, floats NaN). */
 KVSHADE_API void kvshade_model_init(kvshade_model* model);
 KVSHADE_API void kvshade_profile_init(kvshade_profile* profile);
 

@@ -147,21 +147,24 @@ class ModelSpec:
 
 @dataclass
 class Profile:
-    """Compression parameters (kvshade.v1.Profile); 0 / None = the server's default."""
+    """Compression parameters (kvshade.v1.Profile); None = the server's default. 0 is a value
+    of its own for outliers, heavy_chunks, min_tokens and the floats (outliers=0: no outlier
+    chunks); for rank, chunk_size, sparse_budget, local_window and kivi_group, where 0 is not
+    valid, 0 also means the default."""
     kind: str = "auto"
     rank: int = 0
     chunk_size: int = 0
     sparse_budget: int = 0
-    outliers: int = 0
+    outliers: Optional[int] = None
     keep_sink: Optional[bool] = None
     local_window: int = 0
-    heavy_chunks: int = 0
+    heavy_chunks: Optional[int] = None
     value_codec: str = "default"
-    min_tokens: int = 0
-    refactor_threshold: float = 0.0
-    energy_target: float = 0.0
-    mini_recent_ratio: float = 0.0
-    mini_heavy_ratio: float = 0.0
+    min_tokens: Optional[int] = None
+    refactor_threshold: Optional[float] = None
+    energy_target: Optional[float] = None
+    mini_recent_ratio: Optional[float] = None
+    mini_heavy_ratio: Optional[float] = None
     kivi_group: int = 0
 
     def _c(self):
@@ -173,7 +176,8 @@ class Profile:
         for name in ("rank", "chunk_size", "sparse_budget", "outliers", "local_window", "heavy_chunks",
                      "min_tokens", "refactor_threshold", "energy_target", "mini_recent_ratio",
                      "mini_heavy_ratio", "kivi_group"):
-            setattr(p, name, getattr(self, name))
+            if getattr(self, name) is not None:  # None: the init's "server default"
+                setattr(p, name, getattr(self, name))
         p.keep_sink = -1 if self.keep_sink is None else int(bool(self.keep_sink))
         p.value_codec = CODECS[self.value_codec]
         return p
