@@ -5,6 +5,7 @@
 
 #include <openssl/rand.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include <spdlog/spdlog.h>
@@ -671,6 +672,14 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
     ReplyFrame(m.reply_ep, h->request_id, static_cast<int>(st.code()), 0, std::string(st.message()));
     return;
   }
+  // Small batches run on the progress thread (no hand-off to an engine thread and back),
+  // unless a query stages a token: the call that completes one appends it (a durable
+  // session may sync its log), which must not hold up every connection's progress.
+  bool run_here = h->count <= config_.ucx.inline_max_batch;
+  if (run_here) {
+    auto qs = frame::ParseQueries(m.payload, h->count, kind);
+    run_here = !qs.ok() || std::none_of(qs->begin(), qs->end(), [](const frame::QueryRef& q) { return q.stage; });
+  }
   auto job = [this, engine, conn, kind, method, layer = h->layer, count = h->count,
               id = h->request_id, ep = m.reply_ep, payload = std::move(m.payload), start]() {
     absl::StatusOr<std::vector<frame::QueryRef>> qs = frame::ParseQueries(payload, count, kind);
@@ -719,9 +728,7 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
     Finish(conn, ep, id, method, start,
            {absl::OkStatus(), EncodeDeltas(*res), true, static_cast<uint32_t>(res->deltas.size())});
   };
-  // Small batches run here, on the progress thread: no hand-off to an engine thread and
-  // back. Larger ones leave it free for other connections.
-  if (h->count <= config_.ucx.inline_max_batch) {
+  if (run_here) {
     job();
   } else {
     Enqueue(std::move(job));
