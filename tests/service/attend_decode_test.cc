@@ -47,6 +47,15 @@ double MaxRel(const std::vector<float>& a, const std::vector<float>& b) {
   return diff / std::max(mx, 1e-30);
 }
 
+// Rank 16, budget 8, 2 outliers: small enough that selection leaves chunks out.
+v1::Profile SmallProfile(v1::ProfileKind kind) {
+  v1::Profile p = ProfileOf(kind);
+  p.set_rank(16);
+  p.set_sparse_budget(8);
+  p.set_outliers(2);
+  return p;
+}
+
 // Appends token `t` of stream `s` (position n) to session `session` by AppendTokens: the
 // twin that staging must equal.
 void AppendByRpc(Harness& hx, const Stream& s, const std::string& session, int n) {
@@ -85,10 +94,7 @@ TEST(AttendDecode, NewTokenAndLogSumExpAgainstReferences) {
     Harness hx;
     const int n = 200;
     Stream s = MakeStream(n + 1, hx.model, 41);
-    v1::Profile p = ProfileOf(kind);
-    p.set_rank(16);
-    p.set_sparse_budget(8);
-    p.set_outliers(2);
+    const v1::Profile p = SmallProfile(kind);
     auto o = hx.Open(s, p, n);
     const int hq = hx.model.num_query_heads(), g = hq / kH;
     for (int layer = 0; layer < s.L; ++layer) {
@@ -148,10 +154,7 @@ TEST(AttendDecode, StagedTokenIsAppendedAfterTheLastLayer) {
     Harness hx;
     const int n = 200;
     Stream s = MakeStream(n + 1, hx.model, 47);
-    v1::Profile p = ProfileOf(kind);
-    p.set_rank(16);
-    p.set_sparse_budget(8);
-    p.set_outliers(2);
+    const v1::Profile p = SmallProfile(kind);
     auto a = hx.Open(s, p, n);
     auto b = hx.Open(s, p, n);
     const std::string writer = hx.AttachTo(a.session, true);
@@ -214,10 +217,7 @@ TEST(AttendDecode, SelectStagesTheNewTokenAlikeWithAttend) {
   const int n = 200;
   Stream s = MakeStream(n + 1, hx.model, 53);
   ASSERT_GE(s.L, 2);
-  v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);
-  p.set_rank(16);
-  p.set_sparse_budget(8);
-  p.set_outliers(2);
+  const v1::Profile p = SmallProfile(v1::PROFILE_KIND_SHADOW);
   auto a = hx.Open(s, p, n);
   auto b = hx.Open(s, p, n);
   const std::string writer = hx.AttachTo(a.session, true);
