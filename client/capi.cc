@@ -871,19 +871,51 @@ int kvshade_select_delta(const kvshade_select_result* r, size_t i, kvshade_slot_
 
 void kvshade_select_free(kvshade_select_result* r) { delete r; }
 
+// The request of kvshade_select_ex / kvshade_select_async_ex: checks the arguments
+// (reporting the first bad one) and builds *req.
+int MakeSelectEx(uint32_t layer, size_t n, const char* const* ids, int32_t dtype, int32_t hq, int32_t d,
+                 const void* q, const kvshade_new_tokens* tokens, int32_t purpose,
+                 v1::SelectAndReconstructRequest* req) {
+  if (int rc = CheckQueries(n, ids, dtype, hq, d, q); rc != KVSHADE_OK) return rc;
+  if (int rc = CheckNewTokens(tokens, true); rc != KVSHADE_OK) return rc;
+  if (!v1::SelectPurpose_IsValid(purpose)) {
+    return Bad(absl::StrCat("purpose must be a KVSHADE_SELECT_* value, got ", purpose));
+  }
+  *req = MakeSelect(layer, n, ids, dtype, hq, d, q);
+  for (size_t i = 0; i < n; ++i) {
+    v1::SelectQuery* sq = req->mutable_queries(static_cast<int>(i));
+    AddNewToken(tokens, i, dtype, d, true, sq);
+    sq->set_purpose(static_cast<v1::SelectPurpose>(purpose));
+  }
+  return KVSHADE_OK;
+}
+
 int kvshade_select_ex(kvshade_client* c, uint32_t layer, size_t n, const char* const* ids, int32_t dtype,
-                      int32_t hq, int32_t d, const void* q, const kvshade_new_tokens* tokens,
+                      int32_t hq, int32_t d, const void* q, const kvshade_new_tokens* tokens, int32_t purpose,
                       kvshade_select_result** out) {
   return Guard([&] {
     if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
     *out = nullptr;
-    if (int rc = CheckQueries(n, ids, dtype, hq, d, q); rc != KVSHADE_OK) return rc;
-    if (int rc = CheckNewTokens(tokens, true); rc != KVSHADE_OK) return rc;
-    v1::SelectAndReconstructRequest req = MakeSelect(layer, n, ids, dtype, hq, d, q);
-    for (size_t i = 0; i < n; ++i) AddNewToken(tokens, i, dtype, d, true, req.mutable_queries(static_cast<int>(i)));
+    v1::SelectAndReconstructRequest req;
+    if (int rc = MakeSelectEx(layer, n, ids, dtype, hq, d, q, tokens, purpose, &req); rc != KVSHADE_OK) return rc;
     auto r = c->impl->SelectAndReconstruct(req);
     if (!r.ok()) return Report(r.status());
     return DecodeSelect(*r, out);
+  });
+}
+
+int kvshade_select_async_ex(kvshade_client* c, uint32_t layer, size_t n, const char* const* ids, int32_t dtype,
+                            int32_t hq, int32_t d, const void* q, const kvshade_new_tokens* tokens,
+                            int32_t purpose, kvshade_select_future** out) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    *out = nullptr;
+    v1::SelectAndReconstructRequest req;
+    if (int rc = MakeSelectEx(layer, n, ids, dtype, hq, d, q, tokens, purpose, &req); rc != KVSHADE_OK) return rc;
+    auto f = std::make_unique<kvshade_select_future>();
+    f->f = c->impl->SelectAndReconstructAsync(req);
+    *out = f.release();
+    return Report(absl::OkStatus());
   });
 }
 

@@ -343,6 +343,8 @@ absl::StatusOr<std::string> SelectBody(const v1::SelectAndReconstructRequest& re
   return FrameBody(req.queries(), [](const v1::SelectQuery& q, frame::QueryRef* ref) {
     ref->stage = q.has_stage_token_id();
     ref->stage_token_id = q.stage_token_id();
+    // An unknown purpose travels as 3, which the daemon refuses (INVALID_ARGUMENT).
+    ref->purpose = v1::SelectPurpose_IsValid(q.purpose()) ? static_cast<uint8_t>(q.purpose()) : 3;
     return FrameTensors{{&q.q(), &ref->q, "q"},
                         {&q.chunks(), &ref->chunks, "chunks"},
                         {&q.k_new(), &ref->k_new, "k_new"},

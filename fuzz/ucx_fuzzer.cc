@@ -105,7 +105,7 @@ void CheckDecodeFrames(uint8_t pick, const std::string& header, const std::strin
       const frame::QueryRef &a = (*qs)[i], &b = (*again)[i];
       if (a.attachment_id != b.attachment_id || !SameTensor(a.q, b.q) || !SameTensor(a.chunks, b.chunks) ||
           !SameTensor(a.k_new, b.k_new) || !SameTensor(a.v_new, b.v_new) || a.stage != b.stage ||
-          a.stage_token_id != b.stage_token_id) {
+          a.stage_token_id != b.stage_token_id || a.purpose != b.purpose || a.purpose > 2) {
         std::abort();
       }
     }

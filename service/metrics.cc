@@ -164,6 +164,14 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                      .Help("Selected chunks already in the attachment's slot table (no bytes moved)")
                      .Register(r)
                      .Add({});
+  auto& selects = BuildCounter()
+                      .Name("kvshade_decode_selects_total")
+                      .Help("Select queries served, by the worker's purpose: synchronous, speculative "
+                            "(for the next step) or correction (the query drifted from the speculated one)")
+                      .Register(r);
+  decode_selects_[0] = &selects.Add({{"purpose", "synchronous"}});
+  decode_selects_[1] = &selects.Add({{"purpose", "speculative"}});
+  decode_selects_[2] = &selects.Add({{"purpose", "correction"}});
   reconstruction_energy_ = &BuildHistogram()
                                 .Name("kvshade_captured_energy_ratio")
                                 .Help("Key energy captured by the rank-r basis, per layer factorized")
@@ -265,6 +273,11 @@ void Metrics::PrefixLookup(bool hit, uint64_t reused_tokens, uint64_t lookup_tok
 void Metrics::ChunkSelection(uint64_t selected, uint64_t hits) {
   chunks_selected_->Increment(static_cast<double>(selected));
   chunk_hits_->Increment(static_cast<double>(hits));
+}
+
+void Metrics::DecodeSelect(int purpose) {
+  const int i = purpose;
+  if (i >= 0 && i < 3) decode_selects_[i]->Increment();
 }
 
 void Metrics::ReconstructionEnergy(double captured_energy) {

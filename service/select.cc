@@ -483,6 +483,10 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
     // The writer rule before anything moves: a refused stage must not leave the slot
     // tables ahead of a worker that never got the deltas.
     if (qs[i].stage) KVSHADE_RETURN_IF_ERROR(sessions_.CheckWriter(t.name, s, qs[i].attachment->id));
+    if (!v1::SelectPurpose_IsValid(r.queries[i].purpose)) {
+      return absl::InvalidArgumentError(absl::StrCat("queries[", i, "].purpose is unknown: ",
+                                                     static_cast<int>(r.queries[i].purpose)));
+    }
     SlotDeltaResult& delta = out->deltas[i];
     delta.chunk_size = static_cast<uint32_t>(s.profile.chunk_size);
     delta.head_dim = static_cast<uint32_t>(s.model.shape.d);
@@ -585,6 +589,7 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
   chunks_selected_ += total_selected;
   chunk_hits_ += total_hits;
   metrics_->ChunkSelection(total_selected, total_hits);
+  for (const SelectQueryView& q : r.queries) metrics_->DecodeSelect(static_cast<int>(q.purpose));
   // The new tokens queries stage (every attachment's mutex is held), after the selection:
   // a failed select stages nothing (and the writer rule was checked before it).
   for (size_t i = 0; i < qs.size(); ++i) {

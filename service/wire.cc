@@ -21,6 +21,7 @@ absl::StatusOr<v1::SelectAndReconstructResponse> Engine::SelectAndReconstruct(
     qs[i].v_new = ViewOf(q.v_new());
     qs[i].stage = q.has_stage_token_id();
     qs[i].stage_token_id = q.stage_token_id();
+    qs[i].purpose = q.purpose();
   }
   SelectResult res;
   KVSHADE_RETURN_IF_ERROR(Select(t, SelectRequestView{r.layer(), qs}, &res));

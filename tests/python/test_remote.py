@@ -6,8 +6,11 @@ without new tokens, the daemon's own Attend; a batch equals each session alone; 
 sessions in the batch are served from their tail; bad calls are refused."""
 import contextlib
 import os
+import re
+import socket
 import tempfile
 import unittest
+import urllib.request
 
 import numpy as np
 import torch
@@ -161,8 +164,13 @@ class RemoteDecoderTest(unittest.TestCase):
 
     def test_speculation_that_always_corrects_equals_the_reference(self):
         # Every step re-selects (any cosine is below 1.5): the answers of synchronous
-        # selection, and each step after the first counts its corrections.
-        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+        # selection, and each step after the first counts its corrections, in the decoder's
+        # stats and in the daemon's kvshade_decode_selects_total{purpose}.
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        with Server("--metrics-listen", "127.0.0.1", "--metrics-port", str(port)) as server, \
+                kvshade.Client(server.target, timeout=30) as c:
             c.wait_ready(20)
             sids = [self.session(c), self.session(c)]
             refs = []
@@ -181,6 +189,13 @@ class RemoteDecoderTest(unittest.TestCase):
                 st = dec.stats()
                 self.assertEqual(st["corrections"], 3 * L * 2)
                 self.assertEqual(st["speculated"], 0)
+            text = urllib.request.urlopen("http://127.0.0.1:%d/metrics" % port, timeout=10).read().decode()
+            counts = {m.group(1): float(m.group(2)) for m in
+                      re.finditer(r'^kvshade_decode_selects_total\{purpose="(\w+)"\} (\S+)$', text, re.M)}
+            # Per layer and sequence: step 0 synchronous, steps 1-3 corrected, every step one
+            # speculative select for the next (the references' selects are synchronous too).
+            self.assertEqual(counts, {"synchronous": 1 * L * 2 + 4 * L * 2, "correction": 3 * L * 2,
+                                      "speculative": 4 * L * 2})
             for r in refs:
                 r.close()
 

@@ -1,6 +1,8 @@
 // The select engine over several decode steps: per-attachment slot tables, deltas that a
 // worker can apply, reconstructed chunks, batching, and agreement between a worker's own
 // attention (static set + its slots + tail) and the service's Attend.
+#include <prometheus/text_serializer.h>
+
 #include <map>
 #include <set>
 #include <thread>
@@ -189,6 +191,60 @@ TEST(SelectTest, AttachmentsHaveIndependentSlotTablesAndBatch) {
 // against the v1 form gRPC uses, on twin attachments: the same deltas bit for bit, with
 // one SelectResult reused across calls of different batch sizes (nothing of an earlier,
 // larger call survives in it).
+// The purpose a worker gives its selects is counted per purpose (a speculating worker's
+// correction rate) and changes nothing else; an unknown one is refused and not counted.
+TEST(SelectTest, PurposesAreCountedAndChangeNothingElse) {
+  Harness hx;
+  Stream s1 = MakeStream(400, hx.model, 23, 16, 100);
+  auto a = hx.Open(s1, SparseShadow(4));
+  const std::string twin = hx.AttachTo(a.session);
+  auto count = [&](const std::string& purpose) {
+    prometheus::TextSerializer ser;
+    const std::string text = ser.Serialize(hx.metrics.registry()->Collect());
+    const std::string key = "kvshade_decode_selects_total{purpose=\"" + purpose + "\"} ";
+    const size_t at = text.find(key);
+    return at == std::string::npos ? -1.0 : std::stod(text.substr(at + key.size()));
+  };
+  EXPECT_EQ(count("synchronous"), 0);  // every series exists from the start
+  EXPECT_EQ(count("speculative"), 0);
+  EXPECT_EQ(count("correction"), 0);
+  const v1::SelectPurpose order[] = {v1::SELECT_PURPOSE_UNSPECIFIED, v1::SELECT_PURPOSE_SPECULATIVE,
+                                     v1::SELECT_PURPOSE_SPECULATIVE, v1::SELECT_PURPOSE_CORRECTION};
+  for (int step = 0; step < 4; ++step) {
+    const auto q = hx.Query(300 + 41 * step);
+    v1::SelectAndReconstructRequest r;
+    r.set_layer(0);
+    auto* sq = r.add_queries();
+    sq->set_attachment_id(a.attachment);
+    *sq->mutable_q() = ToTensor(q, {4, kD});
+    sq->set_purpose(order[step]);
+    v1::SelectAndReconstructRequest t = r;
+    t.mutable_queries(0)->set_attachment_id(twin);
+    t.mutable_queries(0)->clear_purpose();
+    auto ra = hx.engine->SelectAndReconstruct(hx.tenant, r);
+    auto rt = hx.engine->SelectAndReconstruct(hx.tenant, t);
+    ASSERT_TRUE(ra.ok() && rt.ok());
+    ra->mutable_deltas(0)->clear_attachment_id();
+    rt->mutable_deltas(0)->clear_attachment_id();
+    EXPECT_EQ(ra->SerializeAsString(), rt->SerializeAsString()) << "step " << step;
+  }
+  EXPECT_EQ(count("synchronous"), 1 + 4);  // the twin's four and step 0
+  EXPECT_EQ(count("speculative"), 2);
+  EXPECT_EQ(count("correction"), 1);
+  v1::SelectAndReconstructRequest bad;
+  bad.set_layer(0);
+  auto* sq = bad.add_queries();
+  sq->set_attachment_id(a.attachment);
+  *sq->mutable_q() = ToTensor(hx.Query(9), {4, kD});
+  sq->set_purpose(static_cast<v1::SelectPurpose>(7));
+  auto refused = hx.engine->SelectAndReconstruct(hx.tenant, bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(refused.status().message()).find("queries[0].purpose"), std::string::npos)
+      << refused.status();
+  EXPECT_EQ(count("synchronous") + count("speculative") + count("correction"), 5 + 2 + 1);
+}
+
 TEST(SelectTest, DomainSelectEqualsTheV1FormWithAReusedResult) {
   Harness hx;
   Stream s1 = MakeStream(400, hx.model, 21, 16, 100);

@@ -116,6 +116,18 @@ TEST(DecodeFrame, QueriesRoundTrip) {
   EXPECT_EQ((*ss)[0].v_new.data, vn);
   EXPECT_TRUE((*ss)[0].stage);
   EXPECT_EQ((*ss)[0].stage_token_id, 1234);
+  // The select's purpose travels in the flags.
+  for (uint8_t purpose : {0, 1, 2}) {
+    QueryRef e = d;
+    e.purpose = purpose;
+    std::string pbody;
+    AppendQuery(e, &pbody);
+    auto ps = ParseQueries(pbody, 1, kSelect);
+    ASSERT_TRUE(ps.ok()) << ps.status();
+    EXPECT_EQ((*ps)[0].purpose, purpose);
+    EXPECT_TRUE((*ps)[0].stage);
+    if (purpose != 0) EXPECT_FALSE(ParseQueries(pbody, 1, kAttend).ok());  // attend has none
+  }
   // An attend query carries no chunks.
   auto wrong = ParseQueries(sbody, 1, kAttend);
   ASSERT_FALSE(wrong.ok());
@@ -161,8 +173,11 @@ TEST(DecodeFrame, MalformedQueriesAreRefusedWithoutOverreading) {
   dt[2] = 9;
   expect_bad(ParseQueries(dt, 1, kSelect), "q has unknown dtype 9");
   std::string flagged = body;
-  flagged[6] = 4;
-  expect_bad(ParseQueries(flagged, 1, kSelect), "unknown flags 4/0");
+  flagged[6] = 8;
+  expect_bad(ParseQueries(flagged, 1, kSelect), "unknown flags 8/0");
+  std::string no_purpose = body;
+  no_purpose[6] = 6;  // purpose bits 3
+  expect_bad(ParseQueries(no_purpose, 1, kSelect), "unknown flags 6/0");
   std::string reserved = body;
   reserved[7] = 1;
   expect_bad(ParseQueries(reserved, 1, kSelect), "unknown flags 0/1");

@@ -370,12 +370,25 @@ typedef struct kvshade_new_tokens {
   const int32_t* stage_token_ids;
 } kvshade_new_tokens;
 
+/* Why a select is sent (v1.SelectPurpose), counted by the daemon in
+ * kvshade_decode_selects_total{purpose}: a speculating worker's correction rate. */
+#define KVSHADE_SELECT_SYNCHRONOUS 0
+#define KVSHADE_SELECT_SPECULATIVE 1 /* for the next step (speculate-and-correct) */
+#define KVSHADE_SELECT_CORRECTION 2  /* the query drifted from the speculated one */
+
 /* kvshade_select that also stages new tokens (tokens != NULL needs stage_token_ids; a
- * query whose id is < 0 sends no token). Each delta's `tokens` says the session's length. */
+ * query whose id is < 0 sends no token) and says its purpose (KVSHADE_SELECT_*). Each
+ * delta's `tokens` says the session's length. */
 KVSHADE_API int kvshade_select_ex(kvshade_client* client, uint32_t layer, size_t n,
                                   const char* const* attachment_ids, int32_t dtype, int32_t hq,
                                   int32_t d, const void* q, const kvshade_new_tokens* tokens,
-                                  kvshade_select_result** out);
+                                  int32_t purpose, kvshade_select_result** out);
+/* kvshade_select_async with kvshade_select_ex's tokens and purpose. */
+KVSHADE_API int kvshade_select_async_ex(kvshade_client* client, uint32_t layer, size_t n,
+                                        const char* const* attachment_ids, int32_t dtype,
+                                        int32_t hq, int32_t d, const void* q,
+                                        const kvshade_new_tokens* tokens, int32_t purpose,
+                                        kvshade_select_future** out);
 /* kvshade_attend with the step's new tokens attended exactly beside each session (and
  * staged where stage_token_ids says so; tokens NULL: none), the log-sum-exp of each query
  * head's scaled scores in lse [n, hq] and the sessions' lengths after the call in

@@ -100,6 +100,15 @@ def cuda_ipc_ref(t, name, instead):
     return handle, int(shared[3]) + t.storage_offset() * t.element_size()
 
 
+SELECT_PURPOSES = {"synchronous": 0, "speculative": 1, "correction": 2}
+
+
+def _purpose_code(purpose):
+    if purpose not in SELECT_PURPOSES:
+        raise InvalidArgument("purpose must be one of %s, got %r" % (sorted(SELECT_PURPOSES), purpose))
+    return SELECT_PURPOSES[purpose]
+
+
 def _ptr(a):
     return a.ctypes.data_as(ctypes.c_void_p)
 
@@ -651,18 +660,19 @@ class Client(_NativeHandle):
         return t, keep
 
     def select(self, layer, attachment_ids: Sequence[str], q, dtype="bf16", k_new=None, v_new=None,
-               stage_token_ids=None) -> List[SlotDelta]:
+               stage_token_ids=None, purpose="synchronous") -> List[SlotDelta]:
         """One decode step of one layer for a batch: q [n, hq, d] post-RoPE. With k_new,
         v_new [n, h, d] (pre-RoPE keys) and stage_token_ids [n] (< 0: none for that query)
         the step's new tokens are staged as Attend stages them; each delta's `tokens` is the
-        session's length after the call."""
+        session's length after the call. purpose: "synchronous", "speculative" or
+        "correction" (counted by the daemon, kvshade_decode_selects_total)."""
         lib = _native.lib()
         ids, qw = self._queries(attachment_ids, q, dtype)
         nt, _keep = self._new_tokens(len(ids), qw.shape[2], k_new, v_new, stage_token_ids, dtype, True)
         r = ctypes.c_void_p()
         _check(lib.kvshade_select_ex(self._handle(), layer, len(ids), ids, _dtype_code(dtype), qw.shape[1],
                                      qw.shape[2], _ptr(qw), None if nt is None else ctypes.byref(nt),
-                                     ctypes.byref(r)))
+                                     _purpose_code(purpose), ctypes.byref(r)))
         try:
             return _decode_select(lib, r)
         finally:
@@ -690,13 +700,16 @@ class Client(_NativeHandle):
         finally:
             lib.kvshade_select_free(r)
 
-    def select_async(self, layer, attachment_ids: Sequence[str], q, dtype="bf16") -> SelectFuture:
+    def select_async(self, layer, attachment_ids: Sequence[str], q, dtype="bf16",
+                     purpose="synchronous") -> SelectFuture:
         """select() without waiting: .result() of the returned future gives the deltas (e.g.
-        issue layer l+1 while applying layer l)."""
+        issue layer l+1 while applying layer l, or the next step's select: purpose
+        "speculative")."""
         ids, qw = self._queries(attachment_ids, q, dtype)
         h = ctypes.c_void_p()
-        _check(_native.lib().kvshade_select_async(self._handle(), layer, len(ids), ids, _dtype_code(dtype),
-                                                  qw.shape[1], qw.shape[2], _ptr(qw), ctypes.byref(h)))
+        _check(_native.lib().kvshade_select_async_ex(self._handle(), layer, len(ids), ids, _dtype_code(dtype),
+                                                     qw.shape[1], qw.shape[2], _ptr(qw), None,
+                                                     _purpose_code(purpose), ctypes.byref(h)))
         return SelectFuture(self, h)
 
     def attend_async(self, layer, attachment_ids: Sequence[str], q, dtype="bf16") -> AttendFuture:

@@ -274,7 +274,8 @@ class RemoteDecoder:
         if redo:
             self.corrections += len(redo) if pending is not None else 0
             rows = [sel.index(b) for b in redo]
-            self._apply(layer, redo, self.client.select(layer, self._ids(redo), qs[rows].to(torch.bfloat16)))
+            self._apply(layer, redo, self.client.select(layer, self._ids(redo), qs[rows].to(torch.bfloat16),
+                                                        purpose="correction" if pending is not None else "synchronous"))
         self._q_next[layer] = qf
 
     def _speculate(self, layer):
@@ -286,7 +287,8 @@ class RemoteDecoder:
             # copy read (ucx_rma) as soon as it has the request: this layer's reads first.
             torch.cuda.current_stream(self.device).synchronize()
         qf = self._q_next[layer]
-        self._pending[layer] = (self.client.select_async(layer, self._ids(self._sel_index), qf), qf)
+        self._pending[layer] = (self.client.select_async(layer, self._ids(self._sel_index), qf,
+                                                         purpose="speculative"), qf)
 
     def attend(self, layer, q, k_new=None, v_new=None):
         """q [B, hq, d] post-RoPE; k_new, v_new [B, h, d] (the step's token, post-RoPE key)

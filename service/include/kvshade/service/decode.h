@@ -17,7 +17,7 @@
 
 #include "absl/types/span.h"
 #include "kvshade/kernels/types.h"
-#include "kvshade/v1/kvshade.pb.h"  // the DType enum only
+#include "kvshade/v1/kvshade.pb.h"  // the DType and SelectPurpose enums only
 
 namespace kvshade::service {
 
@@ -45,6 +45,7 @@ struct SelectQueryView {
   TensorView k_new, v_new;
   bool stage = false;
   int32_t stage_token_id = 0;
+  v1::SelectPurpose purpose = v1::SELECT_PURPOSE_UNSPECIFIED;  // counted, nothing else
 };
 
 struct SelectRequestView {

@@ -50,6 +50,9 @@ class Metrics {
   // lookup_tokens: the prompt's length, the token-level hit ratio's denominator.
   void PrefixLookup(bool hit, uint64_t reused_tokens, uint64_t lookup_tokens = 0);
   void ChunkSelection(uint64_t selected, uint64_t hits);
+  // One query of a select that succeeded, by the worker's purpose:
+  // kvshade_decode_selects_total{purpose="synchronous|speculative|correction"}.
+  void DecodeSelect(int purpose);  // a v1::SelectPurpose value
   void ReconstructionEnergy(double captured_energy);
   void ProjectionResidual(double residual_energy);
   void Spill(uint64_t bytes);
@@ -78,6 +81,7 @@ class Metrics {
   prometheus::Gauge* export_generations_;
   prometheus::Gauge* segments_;
   prometheus::Counter* prefix_lookups_;
+  prometheus::Counter* decode_selects_[3];  // by v1::SelectPurpose
   prometheus::Counter* prefix_hits_;
   prometheus::Counter* prefix_reused_tokens_;
   prometheus::Counter* prefix_lookup_tokens_;

@@ -62,6 +62,7 @@ struct QueryRef {
   TensorRef k_new, v_new;  // the step's new token, [h, d] (ATTEND: attended; both: staged)
   bool stage = false;      // stage the new token as `stage_token_id`
   int32_t stage_token_id = 0;
+  uint8_t purpose = 0;     // SELECT only: v1.SelectPurpose (0 synchronous, 1 speculative, 2 correction)
 };
 
 // Requests. The writer appends one query's entry to `body`; the reader parses `count`
