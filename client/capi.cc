@@ -810,14 +810,7 @@ void kvshade_static_set_free(kvshade_static_set* s) { delete s; }
 
 int kvshade_select(kvshade_client* c, uint32_t layer, size_t n, const char* const* ids, int32_t dtype, int32_t hq,
                    int32_t d, const void* q, kvshade_select_result** out) {
-  return Guard([&] {
-    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
-    *out = nullptr;
-    if (int rc = CheckQueries(n, ids, dtype, hq, d, q); rc != KVSHADE_OK) return rc;
-    auto r = c->impl->SelectAndReconstruct(MakeSelect(layer, n, ids, dtype, hq, d, q));
-    if (!r.ok()) return Report(r.status());
-    return DecodeSelect(*r, out);
-  });
+  return kvshade_select_ex(c, layer, n, ids, dtype, hq, d, q, nullptr, KVSHADE_SELECT_SYNCHRONOUS, out);
 }
 
 int kvshade_select_chunks(kvshade_client* c, uint32_t layer, size_t n, const char* const* ids, int32_t h,
@@ -956,26 +949,12 @@ int kvshade_attend_ex(kvshade_client* c, uint32_t layer, size_t n, const char* c
 
 int kvshade_attend(kvshade_client* c, uint32_t layer, size_t n, const char* const* ids, int32_t dtype, int32_t hq,
                    int32_t d, const void* q, float* out) {
-  return Guard([&] {
-    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
-    if (int rc = CheckQueries(n, ids, dtype, hq, d, q); rc != KVSHADE_OK) return rc;
-    auto r = c->impl->Attend(MakeAttend(layer, n, ids, dtype, hq, d, q));
-    if (!r.ok()) return Report(r.status());
-    return DecodeAttend(*r, n, static_cast<size_t>(hq) * d, out);
-  });
+  return kvshade_attend_ex(c, layer, n, ids, dtype, hq, d, q, nullptr, out, nullptr, nullptr);
 }
 
 int kvshade_select_async(kvshade_client* c, uint32_t layer, size_t n, const char* const* ids, int32_t dtype,
                          int32_t hq, int32_t d, const void* q, kvshade_select_future** out) {
-  return Guard([&] {
-    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
-    *out = nullptr;
-    if (int rc = CheckQueries(n, ids, dtype, hq, d, q); rc != KVSHADE_OK) return rc;
-    auto f = std::make_unique<kvshade_select_future>();
-    f->f = c->impl->SelectAndReconstructAsync(MakeSelect(layer, n, ids, dtype, hq, d, q));
-    *out = f.release();
-    return Report(absl::OkStatus());
-  });
+  return kvshade_select_async_ex(c, layer, n, ids, dtype, hq, d, q, nullptr, KVSHADE_SELECT_SYNCHRONOUS, out);
 }
 
 int kvshade_select_future_ready(const kvshade_select_future* f, int32_t* ready) {

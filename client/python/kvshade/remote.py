@@ -77,7 +77,6 @@ class RemoteDecoder:
         self.speculated = self.corrections = 0
         self.exposed_wait_s = 0.0
         self._pending = [None] * model.num_layers  # (future, query it was issued with)
-        self._q_next = [None] * model.num_layers
         self._slot_k = self._slot_v = self._host_k = self._host_v = None
         try:
             self._attach_all(delivery)
@@ -222,8 +221,6 @@ class RemoteDecoder:
             self.selected += dl.selected
             if len(dl.head) == 0:
                 continue
-            hs = torch.from_numpy(dl.head.astype(np.int64))
-            ss = torch.from_numpy(dl.slot.astype(np.int64))
             self._slot_used[layer, b, dl.head, dl.slot] = True
             if self.delivery == "cuda_ipc":
                 continue  # already in the device buffers
@@ -237,10 +234,12 @@ class RemoteDecoder:
                     self._slot_v[b, layer].copy_(self._host_v[b, layer], non_blocking=True)
                 continue
             dev = self.device
+            hs = torch.from_numpy(dl.head.astype(np.int64)).to(dev)
+            ss = torch.from_numpy(dl.slot.astype(np.int64)).to(dev)
             kk = torch.from_numpy(dl.keys).to(dev, torch.bfloat16)
             vv = torch.from_numpy(dl.values).to(dev, torch.bfloat16)
-            self._slot_k[b, layer, hs.to(dev), ss.to(dev)] = kk
-            self._slot_v[b, layer, hs.to(dev), ss.to(dev)] = vv
+            self._slot_k[b, layer, hs, ss] = kk
+            self._slot_v[b, layer, hs, ss] = vv
 
     def _ids(self, sessions):
         return [self.attachments[b].attachment_id for b in sessions]
@@ -248,13 +247,14 @@ class RemoteDecoder:
     def _select(self, layer, q):
         """This step's selection for `layer`: synchronous, or (speculate) the select issued
         with the previous step's query, corrected synchronously for the sequences whose
-        query drifted from it."""
+        query drifted from it. Returns (speculate) the query on the host, for the next
+        step's select."""
         torch = _torch()
         sel = self._sel_index
         qs = (q[sel] if len(sel) < self.batch else q).detach()
         if not self.speculate:
             self._apply(layer, sel, self.client.select(layer, self._ids(sel), qs.to(torch.bfloat16)))
-            return
+            return None
         qf = qs.float().cpu()  # [n, hq, d] on the host: the drift test and the next select
         pending = self._pending[layer]
         self._pending[layer] = None
@@ -276,17 +276,17 @@ class RemoteDecoder:
             rows = [sel.index(b) for b in redo]
             self._apply(layer, redo, self.client.select(layer, self._ids(redo), qs[rows].to(torch.bfloat16),
                                                         purpose="correction" if pending is not None else "synchronous"))
-        self._q_next[layer] = qf
+        return qf
 
-    def _speculate(self, layer):
-        """Issues the select for this step's query, to be waited for at the next step of
-        `layer`: the daemon selects and delivers while the model computes other layers."""
+    def _speculate(self, layer, qf):
+        """Issues the select for this step's query (qf, on the host), to be waited for at the
+        next step of `layer`: the daemon selects and delivers while the model computes other
+        layers."""
         torch = _torch()
         if self.delivery in ("cuda_ipc", "ucx_rma") and self.device.type == "cuda":
             # The daemon writes the slot buffers (cuda_ipc) or the host buffers the last
             # copy read (ucx_rma) as soon as it has the request: this layer's reads first.
             torch.cuda.current_stream(self.device).synchronize()
-        qf = self._q_next[layer]
         self._pending[layer] = (self.client.select_async(layer, self._ids(self._sel_index), qf,
                                                          purpose="speculative"), qf)
 
@@ -303,13 +303,12 @@ class RemoteDecoder:
         if k_new is not None:
             self._check("k_new", k_new, (B, h, d))
             self._check("v_new", v_new, (B, h, d))
-        if self._sel_index:
-            self._select(layer, q)
+        q_host = self._select(layer, q) if self._sel_index else None
         if k_new is not None:
             self._append_local(layer, k_new, v_new)
         out = self._attention(layer, q)
-        if self._sel_index and self.speculate:
-            self._speculate(layer)
+        if q_host is not None:
+            self._speculate(layer, q_host)
         return out
 
     def _append_local(self, layer, k_new, v_new):
