@@ -62,9 +62,9 @@ def main():
             times = {"select": [], "apply": [], "attend": []}
             apply, select = dec._apply, uc.select
 
-            def timed_apply(layer, deltas):
+            def timed_apply(*args):
                 t = time.perf_counter()
-                apply(layer, deltas)
+                apply(*args)
                 torch.cuda.synchronize()
                 times["apply"].append(time.perf_counter() - t)
 
