@@ -170,6 +170,12 @@ v1::Profile ToProfile(const kvshade_profile& p) {
   if (!std::isnan(p.mini_recent_ratio)) s.set_mini_recent_ratio(p.mini_recent_ratio);
   if (!std::isnan(p.mini_heavy_ratio)) s.set_mini_heavy_ratio(p.mini_heavy_ratio);
   s.set_kivi_group(p.kivi_group);
+  s.set_rerank_factor(p.rerank_factor);
+  s.set_mass_top_p(p.mass_top_p);
+  if (p.mass_min_chunks != KVSHADE_UNSET_U32) s.set_mass_min_chunks(p.mass_min_chunks);
+  if (!std::isnan(p.recall_sample_rate)) s.set_recall_sample_rate(p.recall_sample_rate);
+  if (!std::isnan(p.recall_floor)) s.set_recall_floor(p.recall_floor);
+  s.set_recall_action(static_cast<v1::RecallAction>(p.recall_action));
   return s;
 }
 
@@ -327,9 +333,9 @@ void kvshade_profile_init(kvshade_profile* p) {
   if (p == nullptr) return;
   std::memset(p, 0, sizeof(*p));
   p->keep_sink = -1;
-  p->outliers = p->heavy_chunks = p->min_tokens = KVSHADE_UNSET_U32;
-  p->refactor_threshold = p->energy_target = p->mini_recent_ratio = p->mini_heavy_ratio =
-      std::numeric_limits<float>::quiet_NaN();
+  p->outliers = p->heavy_chunks = p->min_tokens = p->mass_min_chunks = KVSHADE_UNSET_U32;
+  p->refactor_threshold = p->energy_target = p->mini_recent_ratio = p->mini_heavy_ratio = p->recall_sample_rate =
+      p->recall_floor = std::numeric_limits<float>::quiet_NaN();
 }
 
 int kvshade_connect(const kvshade_client_options* o, kvshade_client** out) {

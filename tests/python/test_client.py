@@ -167,6 +167,37 @@ class ClientTest(unittest.TestCase):
             self.c.detach(att.attachment_id)
             self.c.close_session(created.session_id)
 
+    def test_selection_options_reach_the_daemon(self):
+        # Budgets by attention mass: a cap of 8 chunks per head, a floor of 1 and p = 0.01
+        # keep fewer chunks than the cap (the best chunk alone carries more than 1% of the
+        # estimated mass: there are 60 chunks); a floor equal to the cap keeps all 8.
+        n = 512
+        base = dict(rank=16, chunk_size=8, sparse_budget=8, outliers=2, local_window=16)
+        q = bf16(self.rng.standard_normal((1, HQ, D)).astype(np.float32))
+        selected = {}
+        for floor in (1, 8):
+            created, _, _, _ = self.make_session(
+                kvshade.Profile("shadow", mass_top_p=0.01, mass_min_chunks=floor, rerank_factor=2,
+                                recall_sample_rate=0.0, recall_action="report", **base), n,
+                name="py-selopts-%d" % floor)
+            att = self.c.attach(created.session_id, "w")
+            (delta,) = self.c.select(0, [att.attachment_id], q)
+            selected[floor] = delta.selected
+            self.c.detach(att.attachment_id)
+            self.c.close_session(created.session_id)
+        self.assertEqual(selected[8], 8 * H)
+        self.assertGreaterEqual(selected[1], H)
+        self.assertLess(selected[1], 8 * H)
+        # Out-of-range values are the daemon's refusals, naming the field.
+        for bad, field in ((dict(rerank_factor=65), "rerank_factor"), (dict(mass_top_p=1.5), "mass_top_p"),
+                           (dict(recall_floor=2.0), "recall_floor"), (dict(recall_sample_rate=-1.0),
+                                                                      "recall_sample_rate")):
+            with self.assertRaisesRegex(kvshade.InvalidArgument, field):
+                self.c.create_session(model("bf16", "py-selopts-bad"), kvshade.Profile("shadow", **bad, **base),
+                                      self.rng.integers(0, 30000, 64))
+        with self.assertRaisesRegex(kvshade.InvalidArgument, "recall_action"):
+            kvshade.Profile("shadow", recall_action="sometimes")._c()
+
     def test_shadow_prefix_fork_select(self):
         n = 256
         prof = kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=4, outliers=2, local_window=32)

@@ -34,7 +34,9 @@ extern "C" {
 #define KVSHADE_API
 #endif
 
-#define KVSHADE_ABI_VERSION 2 /* 2: UCX options and status, attachment data-plane fields */
+#define KVSHADE_ABI_VERSION 3 /* 2: UCX options and status, attachment data-plane fields;
+                                 3: profile selection options, ucx_busy_poll_us, slot delta
+                                 fallback and tokens, the _ex decode calls */
 #define KVSHADE_ID_CAP 128
 
 typedef enum kvshade_code {
@@ -131,10 +133,19 @@ typedef struct kvshade_model {
 /* "The server's default" for the profile fields that take 0 as a value of their own. */
 #define KVSHADE_UNSET_U32 0xFFFFFFFFu
 
-/* rank, chunk_size, sparse_budget, local_window, kivi_group: 0 = the server's default (0
- * is not valid for them). outliers, heavy_chunks, min_tokens: KVSHADE_UNSET_U32 = the
- * server's default, 0 is a value (outliers = 0: no outlier chunks). The floats: NaN = the
- * server's default, 0 is a value. kvshade_profile_init sets every field to its default. */
+/* rank, chunk_size, sparse_budget, local_window, kivi_group, rerank_factor, mass_top_p,
+ * recall_action: 0 = the server's default (0 is not valid for them). outliers,
+ * heavy_chunks, min_tokens, mass_min_chunks: KVSHADE_UNSET_U32 = the server's default, 0 is
+ * a value (outliers = 0: no outlier chunks). The other floats: NaN = the server's default, 0
+ * is a value. kvshade_profile_init sets every field to its default.
+ * Selection options (docs/ALGORITHM.md "Selection options"): rerank_factor (two-stage
+ * selection: stage 1 keeps rerank_factor x k candidates per head, stage 2 re-ranks them;
+ * 1 = one stage), mass_top_p and mass_min_chunks (budget by attention mass, between the
+ * floor and sparse_budget), recall_sample_rate, recall_floor, recall_action (the recall
+ * guard: KVSHADE_RECALL_*). */
+#define KVSHADE_RECALL_REPORT 1
+#define KVSHADE_RECALL_WIDEN 2
+#define KVSHADE_RECALL_EXACT 3
 typedef struct kvshade_profile {
   int32_t kind;               /* KVSHADE_PROFILE_* (0 = auto) */
   uint32_t rank, chunk_size, sparse_budget, outliers;
@@ -144,10 +155,16 @@ typedef struct kvshade_profile {
   uint32_t min_tokens;
   float refactor_threshold, energy_target, mini_recent_ratio, mini_heavy_ratio;
   uint32_t kivi_group;
+  uint32_t rerank_factor;
+  float mass_top_p;
+  uint32_t mass_min_chunks;
+  float recall_sample_rate, recall_floor;
+  int32_t recall_action;      /* KVSHADE_RECALL_*; 0 = server default */
 } kvshade_profile;
 
 /* Model: zero-filled, dtype = BF16. Profile: every field the server's default (zeros,
- * keep_sink = -1, outliers / heavy_chunks / min_tokens = KVSHADE_UNSET_U32, floats NaN). */
+ * keep_sink = -1, outliers / heavy_chunks / min_tokens / mass_min_chunks =
+ * KVSHADE_UNSET_U32, the floats that take 0 as a value NaN). */
 KVSHADE_API void kvshade_model_init(kvshade_model* model);
 KVSHADE_API void kvshade_profile_init(kvshade_profile* profile);
 

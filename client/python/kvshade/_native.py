@@ -11,7 +11,7 @@ import ctypes
 import glob
 import os
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 ID_CAP = 128
 
 _c_char_p = ctypes.c_char_p
@@ -42,7 +42,9 @@ class Profile(ctypes.Structure):
                 ("outliers", _u32), ("keep_sink", _i32), ("local_window", _u32),
                 ("heavy_chunks", _u32), ("value_codec", _i32), ("min_tokens", _u32),
                 ("refactor_threshold", _f32), ("energy_target", _f32),
-                ("mini_recent_ratio", _f32), ("mini_heavy_ratio", _f32), ("kivi_group", _u32)]
+                ("mini_recent_ratio", _f32), ("mini_heavy_ratio", _f32), ("kivi_group", _u32),
+                ("rerank_factor", _u32), ("mass_top_p", _f32), ("mass_min_chunks", _u32),
+                ("recall_sample_rate", _f32), ("recall_floor", _f32), ("recall_action", _i32)]
 
 
 class SessionCreated(ctypes.Structure):

@@ -18,6 +18,7 @@ DTYPES = {"bf16": 1, "bfloat16": 1, "fp16": 2, "float16": 2, "fp32": 3, "float32
 PROFILES = {"auto": 1, "shadow": 2, "mini": 3, "exact": 4}
 PROFILE_NAMES = {v: k for k, v in PROFILES.items()}
 CODECS = {"default": 0, "bf16": 1, "fp8": 2, "int4": 3, "int2": 4}
+RECALL_ACTIONS = {"default": 0, "report": 1, "widen": 2, "exact": 3}
 SCALINGS = {"none": 0, "linear": 1, "llama3": 2, "yarn": 3}
 PAIRINGS = {"half": 0, "neox": 0, "interleaved": 1, "gptj": 1}
 DELIVERIES = {0: "inline", 1: "ucx_rma", 2: "cuda_ipc"}
@@ -157,9 +158,17 @@ class ModelSpec:
 @dataclass
 class Profile:
     """Compression parameters (kvshade.v1.Profile); None = the server's default. 0 is a value
-    of its own for outliers, heavy_chunks, min_tokens and the floats (outliers=0: no outlier
-    chunks); for rank, chunk_size, sparse_budget, local_window and kivi_group, where 0 is not
-    valid, 0 also means the default."""
+    of its own for outliers, heavy_chunks, min_tokens, mass_min_chunks and the floats other
+    than mass_top_p (outliers=0: no outlier chunks); for rank, chunk_size, sparse_budget,
+    local_window, kivi_group, rerank_factor and mass_top_p, where 0 is not valid, 0 also
+    means the default.
+
+    Selection options (docs/ALGORITHM.md "Selection options"): rerank_factor (two-stage
+    selection: stage 1 keeps rerank_factor x k candidates per head, stage 2 re-ranks them;
+    1 = one stage), mass_top_p / mass_min_chunks (per head the fewest chunks whose
+    estimated attention mass reaches mass_top_p, at least mass_min_chunks, at most
+    sparse_budget), recall_sample_rate / recall_floor / recall_action ("report", "widen" or
+    "exact"; the recall guard)."""
     kind: str = "auto"
     rank: int = 0
     chunk_size: int = 0
@@ -175,6 +184,12 @@ class Profile:
     mini_recent_ratio: Optional[float] = None
     mini_heavy_ratio: Optional[float] = None
     kivi_group: int = 0
+    rerank_factor: int = 0
+    mass_top_p: float = 0.0
+    mass_min_chunks: Optional[int] = None
+    recall_sample_rate: Optional[float] = None
+    recall_floor: Optional[float] = None
+    recall_action: str = "default"
 
     def _c(self):
         p = _native.Profile()
@@ -184,11 +199,16 @@ class Profile:
         p.kind = PROFILES[self.kind]
         for name in ("rank", "chunk_size", "sparse_budget", "outliers", "local_window", "heavy_chunks",
                      "min_tokens", "refactor_threshold", "energy_target", "mini_recent_ratio",
-                     "mini_heavy_ratio", "kivi_group"):
+                     "mini_heavy_ratio", "kivi_group", "rerank_factor", "mass_top_p", "mass_min_chunks",
+                     "recall_sample_rate", "recall_floor"):
             if getattr(self, name) is not None:  # None: the init's "server default"
                 setattr(p, name, getattr(self, name))
         p.keep_sink = -1 if self.keep_sink is None else int(bool(self.keep_sink))
         p.value_codec = CODECS[self.value_codec]
+        if self.recall_action not in RECALL_ACTIONS:
+            raise InvalidArgument("recall_action must be one of %s, got %r"
+                                  % (sorted(RECALL_ACTIONS), self.recall_action))
+        p.recall_action = RECALL_ACTIONS[self.recall_action]
         return p
 
 
