@@ -15,6 +15,10 @@ are decoded greedily one token at a time, each layer's attention coming from:
            keys and values); k = budget
   exact / shadow / mini   kvshade: KvShadeKVCache.attend (static set, select deltas, tail,
            decoded tokens), one session per sample and profile
+  shadow, option rpc / rpc-spec   the same shadow session (bf16 values) decoded by
+           kvshade.remote.RemoteDecoder, the data-path worker: synchronous selection, or
+           speculate-and-correct (each layer attends over the chunks selected with the
+           previous step's query unless the query drifted below --correct-below)
 
 A budget of p % is k = max(1, round(p/100 * chunks)) chunks per KV head (sparse_budget for
 shadow, mini_heavy_ratio = p/100 for mini). recall@k (shadow): at every decode step, layer
@@ -213,6 +217,40 @@ class KvShadeAttend:
         self.cache.close(close_session=True)
 
 
+class RemoteAttend:
+    """Decode attention through kvshade.remote.RemoteDecoder (the worker of the data path)
+    for one sample: synchronous selection, or speculate-and-correct."""
+
+    def __init__(self, client, spec, profile, pf, prompt_ids, device, speculate, correct_below, worker_id="eval"):
+        from kvshade.remote import RemoteDecoder
+        from kvshade.torch_hook import KvShadeKVCache
+        self.cache = KvShadeKVCache(client, spec, profile, worker_id=worker_id)
+        self.cache.prefill(np.asarray(prompt_ids, np.int64), [t.cpu() for t in pf.k_pre],
+                           [t.cpu() for t in pf.v], [t.cpu() for t in pf.q_obs], attach=False)
+        try:
+            self.dec = RemoteDecoder(client, [self.cache.session_id], spec, device=device, worker_id=worker_id,
+                                     speculate=speculate, correct_below=correct_below)
+        except BaseException:
+            self.cache.close(close_session=True)
+            raise
+
+    def attend(self, layer, q, k, v):
+        return self.dec.attend(layer, q[None], k[None], v[None])[0]
+
+    def stats(self):
+        st = self.dec.stats()
+        return {key: st[key] for key in ("speculated", "corrections")}
+
+    def close(self):
+        try:
+            self.dec.close()
+        finally:
+            self.cache.close(close_session=True)
+
+
+REMOTE_OPTIONS = {"rpc": False, "rpc-spec": True}   # option name -> RemoteDecoder(speculate=)
+
+
 # --- Configurations ---------------------------------------------------------------------------
 
 def profile_fields():
@@ -259,6 +297,10 @@ def build_configs(a, n_chunks, n_tokens):
                 except ValueError:
                     extra[key] = val
         options.append((name, dict(value_codec="bf16", **extra)))
+    for dec in filter(None, a.decoders.split(",")):
+        if dec not in REMOTE_OPTIONS:
+            raise SystemExit("--decoders: unknown decoder %r (known: %s)" % (dec, ", ".join(REMOTE_OPTIONS)))
+        options.append((dec, dict(value_codec="bf16")))
     if "shadow" in want:
         for opt, kw in options:
             out += [("shadow", "shadow", b, kb[b], opt, dict(kind="shadow", sparse_budget=kb[b], **base, **kw))
@@ -369,6 +411,31 @@ def markdown(summary, cell_order, title=""):
     return "\n".join(lines) + "\n"
 
 
+def speculation_note(rows):
+    """Per budget: rpc-spec against rpc (the same selection, synchronous) on the same samples:
+    accuracy of each, % of samples decoded identically, and the corrections' share."""
+    sync = {(r["sample"], r["budget_pct"]): r for r in rows if r["option"] == "rpc"}
+    lines = []
+    for b in sorted({r["budget_pct"] for r in rows if r["option"] == "rpc-spec"}):
+        spec = [r for r in rows if r["option"] == "rpc-spec" and r["budget_pct"] == b
+                and (r["sample"], b) in sync]
+        if not spec:
+            continue
+        same = sum(r["generated"] == sync[(r["sample"], b)]["generated"] for r in spec)
+        acc_s = 100.0 * sum(r["correct"] for r in spec) / len(spec)
+        acc_y = 100.0 * sum(sync[(r["sample"], b)]["correct"] for r in spec) / len(spec)
+        spec_n = sum(r.get("speculated", 0) for r in spec)
+        corr = sum(r.get("corrections", 0) for r in spec)
+        lines.append("| %g%% | %d | %.1f | %.1f | %+.1f | %.1f | %d / %d (%.1f%%) |" % (
+            b, len(spec), acc_y, acc_s, acc_s - acc_y, 100.0 * same / len(spec), corr, spec_n + corr,
+            100.0 * corr / max(spec_n + corr, 1)))
+    if not lines:
+        return ""
+    return ("\nSpeculate-and-correct (rpc-spec) against synchronous selection (rpc), same samples:\n\n"
+            "| budget | samples | rpc accuracy | rpc-spec accuracy | delta (points) | decoded identically % "
+            "| corrected sequence-layers |\n|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -391,6 +458,10 @@ def main(argv=None):
     ap.add_argument("--no-auto-options", dest="auto_options", action="store_false",
                     help="do not add the shadow variants kvshade.Profile offers (rerank_factor 4: two-stage "
                          "selection; mass_top_p 0.9 with mass_min_chunks 4: budgets by attention mass)")
+    ap.add_argument("--decoders", default="rpc,rpc-spec",
+                    help="shadow (bf16) also decoded by kvshade.remote.RemoteDecoder: rpc (synchronous), rpc-spec "
+                         "(speculate-and-correct); empty for none")
+    ap.add_argument("--correct-below", type=float, default=0.9, help="rpc-spec: RemoteDecoder correct_below")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--outliers", type=int, default=2)
     ap.add_argument("--local-window", type=int, default=32)
@@ -452,6 +523,9 @@ def main(argv=None):
                     t1 = time.time()
                     if prof is None:
                         att = LocalAttend(pf, k, a.local_window)
+                    elif opt in REMOTE_OPTIONS:
+                        att = RemoteAttend(client, spec, kvshade.Profile(**prof), pf, ids_np[:-1], dev,
+                                           REMOTE_OPTIONS[opt], a.correct_below, worker_id="eval-%d" % si)
                     else:
                         att = KvShadeAttend(client, spec, kvshade.Profile(**prof), pf, ids_np[:-1], k,
                                             worker_id="eval-%d" % si)
@@ -468,7 +542,8 @@ def main(argv=None):
                     if name == "full":
                         full_gen = list(gen)
                     rec = getattr(att, "recalls", None)
-                    rows.append(dict(sample=si, task=s.task, locality=s.locality, config=name, budget_pct=b,
+                    extra = att.stats() if hasattr(att, "stats") else {}
+                    rows.append(dict(**extra,sample=si, task=s.task, locality=s.locality, config=name, budget_pct=b,
                                      k=k, option=opt, correct=int(ok), generated=[int(t) for t in gen],
                                      agrees_full=(None if full_gen is None else int(gen == full_gen)),
                                      answer=[int(t) for t in s.answer],
@@ -485,7 +560,7 @@ def main(argv=None):
              "C %d; accuracy %% (exact match of the answer); = full: %% of samples decoded exactly as with full "
              "attention" % (
                  os.path.basename(src_name), a.length, a.per_cell, a.rank, a.outliers, a.local_window, CHUNK))
-    md = markdown(summary, cell_order, title)
+    md = markdown(summary, cell_order, title) + speculation_note(rows)
     print(md)
     elapsed = time.time() - t0
     with open(a.out_md, "w") as f:

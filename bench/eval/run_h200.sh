@@ -13,7 +13,8 @@
 #                                                # the whole pipeline against build/service/kvshade-server
 # Arguments after these go to evaluate.py (e.g. --per-cell 16, --shadow-option NAME:field=value).
 # Environment: KVSHADE_SERVER, KVSHADE_LIB (default: the bundle's, else build/), PYTHON
-# (default python3), KVSHADE_BUNDLE (default .gpu), OUT.
+# (default python3), KVSHADE_BUNDLE (default .gpu), OUT, TRAIN_BUDGET_S (default 330: training
+# seconds), EVAL_TIME_LIMIT_S (default 150: no new samples after this long).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SMOKE=0
@@ -48,8 +49,8 @@ if [ "$SMOKE" = 1 ]; then
   EVAL_ARGS=(--device cpu --length 512 --per-cell 1)
 else
   BACKEND=cuda
-  TRAIN_ARGS=(--budget-s 330)
-  EVAL_ARGS=(--per-cell 8 --time-limit-s 150)
+  TRAIN_ARGS=(--budget-s "${TRAIN_BUDGET_S:-330}")
+  EVAL_ARGS=(--per-cell 8 --time-limit-s "${EVAL_TIME_LIMIT_S:-150}")
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUTDIR/gpu.txt" 2>&1 || true
 fi
 t0=$(date +%s)

@@ -19,9 +19,11 @@ attachments' delivery:
   "inline"    in the select reply, copied to the device.
 "auto" tries them in that order (cuda_ipc only for a CUDA device, ucx_rma only for a client
 with a UCX data plane) and keeps the first the daemon grants. Attention is exact softmax
-in fp32 over static set + slots + tail + local tokens, as one batched computation per
-layer: the same result as kvshade.torch_hook.KvShadeKVCache.attend, without its per-head
-loop and host copies.
+in fp32 over static set + tail, slots and local tokens: per layer they sit side by side in
+one device buffer (static set and tail loaded once, the slots copied in per step, each new
+token written in place), so a layer is one fused attention call (torch's
+scaled_dot_product_attention where it exists) and a handful of copies: the same result as
+kvshade.torch_hook.KvShadeKVCache.attend, without its per-head loop and host copies.
 
 speculate=True (FreeKV's speculate-and-correct): layer l of step t attends over the chunks
 selected with step t-1's query, whose select was issued right after that step's attention
@@ -78,17 +80,15 @@ class RemoteDecoder:
         self.exposed_wait_s = 0.0
         self._pending = [None] * model.num_layers  # (future, query it was issued with)
         self._slot_k = self._slot_v = self._host_k = self._host_v = None
+        self._slots_read = None  # CUDA event: this layer's slot buffers were copied out
         try:
             self._attach_all(delivery)
             self._load_static()
+            self._build_work(max(1, int(local_capacity)))
         except BaseException:
             self.close()
             raise
-        d = self.head_dim
         self._local_n = [0] * L
-        self._local_k = [torch.zeros((B, h, local_capacity, d), dtype=torch.bfloat16, device=self.device)
-                         for _ in range(L)]
-        self._local_v = [torch.zeros_like(x) for x in self._local_k]
 
     # --- Setup ---
     def _attach_all(self, delivery):
@@ -173,10 +173,9 @@ class RemoteDecoder:
 
     def _load_static(self):
         """Per layer: static set and exact tail of every session, padded to one length and
-        masked, on the device."""
-        torch = _torch()
+        masked (on the host until _build_work places them)."""
         B, h, d = self.batch, self.kv_heads, self.head_dim
-        self._base_k, self._base_v, self._base_mask = [], [], []
+        self._base = []
         for layer in range(self.layers):
             sets = [self.client.static_set(a.attachment_id, layer) for a in self.attachments]
             n = max(s.k.shape[1] + s.tail_k.shape[0] for s in sets)
@@ -192,9 +191,32 @@ class RemoteDecoder:
                 k[b, :, m:m + t] = s.tail_k.transpose(1, 0, 2)
                 v[b, :, m:m + t] = s.tail_v.transpose(1, 0, 2)
                 mask[b, :, m:m + t] = True
-            self._base_k.append(torch.from_numpy(k).to(self.device, torch.bfloat16))
-            self._base_v.append(torch.from_numpy(v).to(self.device, torch.bfloat16))
-            self._base_mask.append(torch.from_numpy(mask).to(self.device))
+            self._base.append((k, v, mask))
+
+    def _build_work(self, capacity):
+        """Per layer one working buffer [B, h, N, d] (bf16) and its mask [B, h, 1, N]: static
+        set + tail | slots (S x C rows per head) | `capacity` local tokens."""
+        torch = _torch()
+        B, h, d = self.batch, self.kv_heads, self.head_dim
+        sc = self.slots_per_head * self.chunk_size if self._slot_k is not None else 0
+        self._slot_dirty = [True] * self.layers
+        self._work_k, self._work_v, self._work_mask, self._slot_off = [], [], [], []
+        for k, v, mask in self._base:
+            nb = k.shape[2]
+            n = nb + sc + capacity
+            wk = torch.zeros((B, h, n, d), dtype=torch.bfloat16, device=self.device)
+            wv = torch.zeros_like(wk)
+            wm = torch.zeros((B, h, 1, n), dtype=torch.bool, device=self.device)
+            wk[:, :, :nb] = torch.from_numpy(k).to(self.device, torch.bfloat16)
+            wv[:, :, :nb] = torch.from_numpy(v).to(self.device, torch.bfloat16)
+            wm[:, :, 0, :nb] = torch.from_numpy(mask).to(self.device)
+            wm[:, :, 0, nb + sc:] = True  # local tokens: as many as have been written
+            self._work_k.append(wk)
+            self._work_v.append(wv)
+            self._work_mask.append(wm)
+            self._slot_off.append(nb)
+        self._base = None
+        self._sdpa = getattr(torch.nn.functional, "scaled_dot_product_attention", None)
 
     # --- Decode ---
     def _check(self, name, t, shape):
@@ -221,7 +243,9 @@ class RemoteDecoder:
             self.selected += dl.selected
             if len(dl.head) == 0:
                 continue
-            self._slot_used[layer, b, dl.head, dl.slot] = True
+            if not self._slot_used[layer, b, dl.head, dl.slot].all():
+                self._slot_used[layer, b, dl.head, dl.slot] = True
+                self._slot_dirty[layer] = True
             if self.delivery == "cuda_ipc":
                 continue  # already in the device buffers
             if self.delivery == "ucx_rma":
@@ -285,8 +309,9 @@ class RemoteDecoder:
         torch = _torch()
         if self.delivery in ("cuda_ipc", "ucx_rma") and self.device.type == "cuda":
             # The daemon writes the slot buffers (cuda_ipc) or the host buffers the last
-            # copy read (ucx_rma) as soon as it has the request: this layer's reads first.
-            torch.cuda.current_stream(self.device).synchronize()
+            # copy read (ucx_rma) as soon as it has the request: this layer's reads of them
+            # (the copy into the working buffer, queued before the attention) first.
+            self._slots_read.synchronize()
         self._pending[layer] = (self.client.select_async(layer, self._ids(self._sel_index), qf,
                                                          purpose="speculative"), qf)
 
@@ -312,44 +337,56 @@ class RemoteDecoder:
         return out
 
     def _append_local(self, layer, k_new, v_new):
-        """The step's token joins the layer's local tokens (exact, kept here)."""
+        """The step's token joins the layer's local tokens (exact, kept here), in place in
+        the working buffer (grown by doubling when full)."""
         torch = _torch()
-        B, h, d = self.batch, self.kv_heads, self.head_dim
         n = self._local_n[layer]
-        if n == self._local_k[layer].shape[2]:
-            for buf in (self._local_k, self._local_v):
-                grown = torch.zeros((B, h, 2 * n, d), dtype=torch.bfloat16, device=self.device)
-                grown[:, :, :n] = buf[layer]
-                buf[layer] = grown
-        self._local_k[layer][:, :, n] = k_new.detach().to(torch.bfloat16)
-        self._local_v[layer][:, :, n] = v_new.detach().to(torch.bfloat16)
+        wk, wv = self._work_k[layer], self._work_v[layer]
+        at = self._slot_off[layer] + (self.slots_per_head * self.chunk_size if self._slot_k is not None else 0) + n
+        if at == wk.shape[2]:
+            grow = max(n, 1)
+            pad = lambda t, fill: torch.cat([t, torch.full(t.shape[:-2] + (grow,) + t.shape[-1:], fill,  # noqa: E731
+                                                            dtype=t.dtype, device=t.device)], dim=-2)
+            self._work_k[layer] = wk = pad(wk, 0)
+            self._work_v[layer] = wv = pad(wv, 0)
+            self._work_mask[layer] = torch.cat(
+                [self._work_mask[layer], torch.ones(self._work_mask[layer].shape[:-1] + (grow,), dtype=torch.bool,
+                                                    device=self.device)], dim=-1)
+        wk[:, :, at].copy_(k_new.detach())
+        wv[:, :, at].copy_(v_new.detach())
         self._local_n[layer] = n + 1
 
     def _attention(self, layer, q):
-        """Exact attention of q over static set + tail, slots and local tokens."""
+        """Exact attention of q over the layer's working buffer: static set + tail, slots,
+        local tokens."""
         torch = _torch()
         B, hq, h, d = self.batch, self.query_heads, self.kv_heads, self.head_dim
-        n = self._local_n[layer]
-        keys = [self._base_k[layer]]
-        values = [self._base_v[layer]]
-        masks = [self._base_mask[layer]]
+        wk, wv, wm = self._work_k[layer], self._work_v[layer], self._work_mask[layer]
+        off = self._slot_off[layer]
+        end = off + self._local_n[layer]
         if self._slot_k is not None:
             S, C = self.slots_per_head, self.chunk_size
-            keys.append(self._slot_k[:, layer].reshape(B, h, S * C, d))
-            values.append(self._slot_v[:, layer].reshape(B, h, S * C, d))
-            used = torch.from_numpy(self._slot_used[layer]).to(self.device, non_blocking=True)
-            masks.append(used.repeat_interleave(C, dim=2))
-        if n:
-            keys.append(self._local_k[layer][:, :, :n])
-            values.append(self._local_v[layer][:, :, :n])
-            masks.append(torch.ones((B, h, n), dtype=torch.bool, device=self.device))
-        kc = torch.cat(keys, dim=2).float()    # [B, h, N, d]
-        vc = torch.cat(values, dim=2).float()
-        mask = torch.cat(masks, dim=2)          # [B, h, N]
-        qf = q.detach().float().reshape(B, h, hq // h, d)
-        scores = torch.matmul(qf, kc.transpose(2, 3)) * (1.0 / math.sqrt(d))  # [B, h, g, N]
-        scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1), vc)  # [B, h, g, d]
+            end += S * C
+            if self._slot_dirty[layer]:
+                used = torch.from_numpy(self._slot_used[layer]).to(self.device)
+                wm[:, :, 0, off:off + S * C] = used.repeat_interleave(C, dim=2)
+                self._slot_dirty[layer] = False
+            wk[:, :, off:off + S * C].copy_(self._slot_k[:, layer].reshape(B, h, S * C, d))
+            wv[:, :, off:off + S * C].copy_(self._slot_v[:, layer].reshape(B, h, S * C, d))
+            if self.device.type == "cuda":
+                if self._slots_read is None:
+                    self._slots_read = torch.cuda.Event()
+                self._slots_read.record()
+        kc = wk[:, :, :end].float()   # [B, h, N, d]
+        vc = wv[:, :, :end].float()
+        mask = wm[..., :end]          # [B, h, 1, N]
+        qf = q.detach().float().reshape(B, h, hq // h, d)  # a KV head's query heads as its queries
+        if self._sdpa is not None:
+            out = self._sdpa(qf, kc, vc, attn_mask=mask)
+        else:  # torch < 2.0
+            scores = torch.matmul(qf, kc.transpose(2, 3)) * (1.0 / math.sqrt(d))  # [B, h, g, N]
+            scores = scores.masked_fill(~mask, float("-inf"))
+            out = torch.matmul(torch.softmax(scores, dim=-1), vc)  # [B, h, g, d]
         return out.reshape(B, hq, d)
 
     def stats(self):
