@@ -162,7 +162,10 @@ def save(model: EvalLM, path, meta=None):
 
 
 def load(path, device="cpu"):
-    blob = torch.load(path, map_location="cpu")
+    try:  # our own file of tensors, lists and numbers (weights_only: torch >= 2.6 defaults to True)
+        blob = torch.load(path, map_location="cpu", weights_only=False)
+    except TypeError:  # torch < 1.13
+        blob = torch.load(path, map_location="cpu")
     m = EvalLM(ModelConfig(**blob["config"]))
     sd = {k: v.float() for k, v in blob["state"].items()}
     if m.c.tied:

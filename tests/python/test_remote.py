@@ -86,7 +86,10 @@ class RemoteDecoderTest(unittest.TestCase):
                     self.assertEqual(tuple(out.shape), (2, HQ, D))
                     for b, r in enumerate(refs):
                         want = r.attend(layer, q[b], k[b], v[b])
-                        torch.testing.assert_close(out[b], want, rtol=2e-5, atol=2e-5)
+                        # CUDA: attention over the bf16 rows in bf16 (fp32 softmax), the output
+                        # rounded to bf16: within a few bf16 ulps of outputs of magnitude <= ~1.
+                        tol = 2e-5 if dev == "cpu" else 2e-2
+                        torch.testing.assert_close(out[b], want, rtol=tol, atol=tol)
             st = dec.stats()
             self.assertEqual(st["selected"], sum(r.selected for r in refs))
             self.assertEqual(st["hits"], sum(r.hits for r in refs))
@@ -147,21 +150,27 @@ class RemoteDecoderTest(unittest.TestCase):
             sids = [self.session(c), self.session(c, kvshade.Profile("exact"), n=200)]
             self.assertEqual([c.get_session(s)["profile"] for s in sids], ["shadow", "exact"])
             steps = self.steps(4, 2)
-            with RemoteDecoder(c, sids, self.model, device="cpu") as both:
-                batched = [[both.attend(l, q, k, v) for l, (q, k, v) in enumerate(step)] for step in steps]
+            # CUDA: the batch attends with a mask (the exact session has no slots), each shadow
+            # session alone without one (other kernels): equal to bf16 precision; CPU: to fp32.
+            dev = device()
+            tight, loose = (1e-6, 2e-5) if dev == "cpu" else (2e-2, 2e-2)
+            on = lambda t: t.to(dev)  # noqa: E731
+            with RemoteDecoder(c, sids, self.model, device=dev) as both:
+                batched = [[both.attend(l, on(q), on(k), on(v)).cpu() for l, (q, k, v) in enumerate(step)]
+                           for step in steps]
             for b, sid in enumerate(sids):
-                with RemoteDecoder(c, [sid], self.model, device="cpu") as one:
+                with RemoteDecoder(c, [sid], self.model, device=dev) as one:
                     for i, step in enumerate(steps):
                         for l, (q, k, v) in enumerate(step):
-                            got = one.attend(l, q[b:b + 1], k[b:b + 1], v[b:b + 1])
-                            torch.testing.assert_close(got[0], batched[i][l][b], rtol=1e-6, atol=1e-6)
+                            got = one.attend(l, on(q[b:b + 1]), on(k[b:b + 1]), on(v[b:b + 1])).cpu()
+                            torch.testing.assert_close(got[0], batched[i][l][b], rtol=tight, atol=tight)
             # The exact session: attention over all its tokens and the new ones, as a dense cache.
             ref = KvShadeKVCache(c, self.model, kvshade.Profile("exact"), worker_id="reference")
             ref.attach(sids[1])
             for i, step in enumerate(steps):
                 for l, (q, k, v) in enumerate(step):
                     torch.testing.assert_close(batched[i][l][1], ref.attend(l, q[1], k[1], v[1]),
-                                               rtol=2e-5, atol=2e-5)
+                                               rtol=loose, atol=loose)
             ref.close()
 
     def test_speculation_that_always_corrects_equals_the_reference(self):

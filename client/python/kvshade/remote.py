@@ -18,12 +18,14 @@ attachments' delivery:
   "ucx_rma"   into registered host buffers (UCX RMA: another node), copied to the device;
   "inline"    in the select reply, copied to the device.
 "auto" tries them in that order (cuda_ipc only for a CUDA device, ucx_rma only for a client
-with a UCX data plane) and keeps the first the daemon grants. Attention is exact softmax
-in fp32 over static set + tail, slots and local tokens: per layer they sit side by side in
-one device buffer (static set and tail loaded once, the slots copied in per step, each new
-token written in place), so a layer is one fused attention call (torch's
-scaled_dot_product_attention where it exists) and a handful of copies: the same result as
-kvshade.torch_hook.KvShadeKVCache.attend, without its per-head loop and host copies.
+with a UCX data plane) and keeps the first the daemon grants. Attention runs over static
+set + tail, slots and local tokens: per layer they sit side by side in one device buffer
+(static set and tail loaded once, the slots copied in per step, each new token written in
+place), so a layer is one fused attention call and a handful of copies. On a CUDA device
+that call is torch's scaled_dot_product_attention on the bf16 rows (fp32 softmax inside,
+as the model's own attention; no mask once every slot is filled, so the flash kernels
+qualify): the result of kvshade.torch_hook.KvShadeKVCache.attend to bf16 precision.
+Elsewhere it is exact softmax in fp32: that result to float rounding.
 
 speculate=True (FreeKV's speculate-and-correct): layer l of step t attends over the chunks
 selected with step t-1's query, whose select was issued right after that step's attention
@@ -201,6 +203,10 @@ class RemoteDecoder:
         sc = self.slots_per_head * self.chunk_size if self._slot_k is not None else 0
         self._slot_dirty = [True] * self.layers
         self._work_k, self._work_v, self._work_mask, self._slot_off = [], [], [], []
+        # Per layer: whether every row of the static set + tail is real (no padding), and
+        # (below) whether every slot holds a chunk: then attention needs no mask.
+        self._base_full = [bool(mask.all()) for _, _, mask in self._base]
+        self._unmasked = [False] * self.layers
         for k, v, mask in self._base:
             nb = k.shape[2]
             n = nb + sc + capacity
@@ -371,15 +377,23 @@ class RemoteDecoder:
                 used = torch.from_numpy(self._slot_used[layer]).to(self.device)
                 wm[:, :, 0, off:off + S * C] = used.repeat_interleave(C, dim=2)
                 self._slot_dirty[layer] = False
+                self._unmasked[layer] = self._base_full[layer] and bool(self._slot_used[layer].all())
             wk[:, :, off:off + S * C].copy_(self._slot_k[:, layer].reshape(B, h, S * C, d))
             wv[:, :, off:off + S * C].copy_(self._slot_v[:, layer].reshape(B, h, S * C, d))
             if self.device.type == "cuda":
                 if self._slots_read is None:
                     self._slots_read = torch.cuda.Event()
                 self._slots_read.record()
+        mask = wm[..., :end]          # [B, h, 1, N]
+        if self._sdpa is not None and self.device.type == "cuda":
+            # bf16 rows as stored; a KV head's query heads as its queries.
+            qb = q.detach().to(torch.bfloat16).reshape(B, h, hq // h, d)
+            out = self._sdpa(qb, wk[:, :, :end], wv[:, :, :end],
+                             attn_mask=None if self._unmasked[layer] or self._slot_k is None and self._base_full[layer]
+                             else mask)
+            return out.reshape(B, hq, d).float()
         kc = wk[:, :, :end].float()   # [B, h, N, d]
         vc = wv[:, :, :end].float()
-        mask = wm[..., :end]          # [B, h, 1, N]
         qf = q.detach().float().reshape(B, h, hq // h, d)  # a KV head's query heads as its queries
         if self._sdpa is not None:
             out = self._sdpa(qf, kc, vc, attn_mask=mask)
