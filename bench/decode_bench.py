@@ -46,7 +46,7 @@ from kvshade.local import LocalDecoder  # noqa: E402
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
 
 
-def start_server(binary, extra, ucx="", busy_poll_us=50):
+def start_server(binary, extra, ucx="", busy_poll_us=50, gpu=None):
     d = tempfile.mkdtemp(prefix="kvshade-bench-")
     if ucx:
         cfg = os.path.join(d, "kvshade.yaml")
@@ -62,7 +62,10 @@ def start_server(binary, extra, ucx="", busy_poll_us=50):
         METRICS_PORT = sock.getsockname()[1]
     args = [binary, "--listen", "127.0.0.1:0", "--port-file", port_file, "--backend", "cuda",
             "--metrics-listen", "127.0.0.1", "--metrics-port", str(METRICS_PORT)] + extra
-    p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    env = dict(os.environ)
+    if gpu is not None:  # the daemon on its own GPU (as a disaggregated deployment runs it)
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    p = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
     for _ in range(600):
         if os.path.exists(port_file) and open(port_file).read().strip():
             break
@@ -353,13 +356,16 @@ def main():
     ap.add_argument("--ucx", default="shm,self", help="UCX_TLS of the daemon's data plane and the rpc "
                     "mode's client (\"\" = the rpc mode over gRPC)")
     ap.add_argument("--busy-poll-us", type=int, default=2000, help="ucx busy_poll_us of daemon and client")
+    ap.add_argument("--daemon-gpu", type=int, default=None,
+                    help="run the daemon on this GPU (CUDA_VISIBLE_DEVICES), the model on cuda:0")
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--skip-attn", action="store_true")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     args.batches = [int(x) for x in args.batches.split(",") if x]
     proc, c, log = start_server(args.server, ["--device-budget", "48GiB", "--host-budget", "96GiB",
-                                               "--max-message-bytes", "512MiB"], args.ucx, args.busy_poll_us)
+                                               "--max-message-bytes", "512MiB"], args.ucx, args.busy_poll_us,
+                          gpu=args.daemon_gpu)
     ucx_client = None
     if args.ucx:
         ucx_client = kvshade.Client(c.target, max_message_bytes=512 << 20, timeout=900.0, use_ucx=True,
