@@ -359,7 +359,8 @@ Schema MakeSchema(ServerConfig& c, std::string& tokens_file, uint32_t& metrics_p
          {"max_head_dim", Scalar("limits.max_head_dim", &l.max_head_dim)},
          {"session_idle_ttl_s", Scalar("limits.session_idle_ttl_s", &l.session_idle_ttl_s)},
          {"stream_idle_timeout_ms", Scalar("limits.stream_idle_timeout_ms", &l.stream_idle_timeout_ms)},
-         {"max_streams_per_tenant", Scalar("limits.max_streams_per_tenant", &l.max_streams_per_tenant)}}}},
+         {"max_streams_per_tenant", Scalar("limits.max_streams_per_tenant", &l.max_streams_per_tenant)},
+         {"max_calls_per_tenant", Scalar("limits.max_calls_per_tenant", &l.max_calls_per_tenant)}}}},
       {"profile",
        {nullptr,
         {{"rank", Scalar("profile.rank", &p.rank)},
@@ -612,6 +613,14 @@ absl::Status ValidateConfig(const ServerConfig& c) {
                ") must be below the gRPC thread cap (worker_threads, at least 4: ", cap,
                "), or one tenant's idle streams can hold every thread");
   }
+  if (l.max_calls_per_tenant > 65536) {
+    return bad("limits.max_calls_per_tenant must be <= 65536, got ", l.max_calls_per_tenant);
+  }
+  if (const uint32_t cap = GrpcThreadCap(c); cap != 0 && l.max_calls_per_tenant >= cap) {
+    return bad("limits.max_calls_per_tenant (", EffectiveMaxCallsPerTenant(c),
+               ") must be below the gRPC thread cap (worker_threads, at least 4: ", cap,
+               "), or one tenant's calls can hold every thread");
+  }
   // Profile defaults
   const ProfileDefaults& p = c.profile;
   if (p.rank == 0 || p.rank % 8 != 0) return bad("profile.rank must be a positive multiple of 8, got ", p.rank);
@@ -714,12 +723,19 @@ uint32_t EffectiveMaxStreamsPerTenant(const ServerConfig& c) {
   return cap == 0 ? 64 : std::max<uint32_t>(cap / 2, 1);
 }
 
+uint32_t EffectiveMaxCallsPerTenant(const ServerConfig& c) {
+  if (c.limits.max_calls_per_tenant != 0) return c.limits.max_calls_per_tenant;
+  const uint32_t cap = GrpcThreadCap(c);
+  return cap == 0 || c.tenant_tokens.empty() ? 0 : cap - 1;
+}
+
 std::string DescribeConfig(const ServerConfig& c) {
   std::set<std::string> tenants;
   for (const auto& [_, name] : c.tenant_tokens) tenants.insert(name);
   return absl::StrFormat(
       "listen=%s backend=%s device_budget=%d host_budget=%d spill=%s append_fsync=%s tls=%s mtls=%s tenants=[%s] "
-      "metrics=%s ucx=%s session_idle_ttl=%s streams_per_tenant=%d stream_idle_timeout=%s",
+      "metrics=%s ucx=%s session_idle_ttl=%s streams_per_tenant=%d calls_per_tenant=%s "
+      "stream_idle_timeout=%s",
       c.listen, c.backend, c.device_budget_bytes, c.host_budget_bytes,
       c.spill_path.empty() ? "off" : c.spill_path, c.append_fsync, c.tls.cert_file.empty() ? "off" : "on",
       c.tls.require_client_cert ? "required" : (c.tls.client_ca_file.empty() ? "off" : "optional"),
@@ -729,6 +745,7 @@ std::string DescribeConfig(const ServerConfig& c) {
                    : std::string("off"),
       c.limits.session_idle_ttl_s ? absl::StrCat(c.limits.session_idle_ttl_s, "s") : std::string("off"),
       EffectiveMaxStreamsPerTenant(c),
+      EffectiveMaxCallsPerTenant(c) ? absl::StrCat(EffectiveMaxCallsPerTenant(c)) : std::string("off"),
       c.limits.stream_idle_timeout_ms ? absl::StrCat(c.limits.stream_idle_timeout_ms, "ms")
                                       : std::string("off"));
 }

@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <utility>
 
@@ -21,16 +22,62 @@
 namespace kvshade::service {
 namespace {
 
-// Runs one unary RPC: authenticate, call `op` (Tenant -> StatusOr<Resp>), fill `out`,
-// observe latency and errors.
+// A tenant's share of a counted resource of one service (`owner`): its calls in flight
+// (limits.max_calls_per_tenant) or its open Ingest streams (limits.max_streams_per_tenant).
+// Held from construction while under `cap`; released by the destructor.
+class TenantSlot {
+ public:
+  TenantSlot(const void* owner, std::string tenant, uint32_t cap)
+      : key_(owner, std::move(tenant)) {
+    std::lock_guard<std::mutex> lock(Mu());
+    uint32_t& open = Open()[key_];
+    held_ = open < cap;
+    if (held_) ++open;
+    if (open == 0) Open().erase(key_);
+  }
+  ~TenantSlot() {
+    if (!held_) return;
+    std::lock_guard<std::mutex> lock(Mu());
+    auto it = Open().find(key_);
+    if (it != Open().end() && --it->second == 0) Open().erase(it);
+  }
+  TenantSlot(const TenantSlot&) = delete;
+  TenantSlot& operator=(const TenantSlot&) = delete;
+  bool held() const { return held_; }
+
+ private:
+  using Key = std::pair<const void*, std::string>;
+  static std::mutex& Mu() {
+    static std::mutex* mu = new std::mutex();
+    return *mu;
+  }
+  static std::map<Key, uint32_t>& Open() {
+    static auto* open = new std::map<Key, uint32_t>();
+    return *open;
+  }
+  Key key_;
+  bool held_ = false;
+};
+
+// Runs one RPC: authenticate, take one of the tenant's call slots, call `op` (Tenant ->
+// StatusOr<Resp>), fill `out`, observe latency and errors.
 template <typename Resp, typename Op>
 grpc::Status Run(const ServiceDeps& deps, std::string_view method, grpc::ServerContext* ctx,
                  Resp* out, Op&& op) {
   const auto start = std::chrono::steady_clock::now();
   absl::Status st;
   absl::StatusOr<Tenant> tenant = deps.auth->Authenticate(*ctx);
+  // Calls in flight per tenant (service/README.md "Limits on streams and calls"): each
+  // holds a sync-server thread, so one tenant must not be able to take them all.
+  const uint32_t call_cap = EffectiveMaxCallsPerTenant(*deps.config);
+  std::optional<TenantSlot> call;
+  if (tenant.ok() && call_cap != 0) call.emplace(&deps, tenant->name, call_cap);
   if (!tenant.ok()) {
     st = tenant.status();
+  } else if (call && !call->held()) {
+    st = absl::ResourceExhaustedError(absl::StrCat(
+        std::string(method), ": tenant '", tenant->name, "' already has ", call_cap,
+        " calls in flight (limits.max_calls_per_tenant); retry when one has ended"));
   } else if (absl::Status fault = DeviceFault(*deps.backend); !fault.ok()) {
     // The device is gone for this process: nothing can be served; the server is exiting.
     st = absl::UnavailableError(absl::StrCat(
@@ -54,8 +101,8 @@ grpc::Status Run(const ServiceDeps& deps, std::string_view method, grpc::ServerC
   return ToGrpcStatus(st);
 }
 
-// Limits on Ingest streams (service/README.md "Limits on streams"). A gRPC Ingest stream
-// holds a sync-server thread for as long as it is open, so a client that opens streams and
+// Limits on Ingest streams (service/README.md "Limits on streams and calls"). A gRPC Ingest
+// stream holds a sync-server thread for as long as it is open, so a client that opens streams and
 // sends nothing could take the whole pool (worker_threads) from everyone.
 
 // Ends idle streams: while a handler waits for the next message its call is armed with a
@@ -129,41 +176,6 @@ class IdleStreamWatchdog {
   std::condition_variable cv_;
   std::map<uint64_t, Entry> armed_;
   uint64_t next_id_ = 1;
-};
-
-// Open Ingest streams per (service, tenant), capped by limits.max_streams_per_tenant.
-class StreamSlot {
- public:
-  StreamSlot(const void* service, std::string tenant, uint32_t cap)
-      : key_(service, std::move(tenant)) {
-    std::lock_guard<std::mutex> lock(Mu());
-    uint32_t& open = Open()[key_];
-    held_ = open < cap;
-    if (held_) ++open;
-    if (open == 0) Open().erase(key_);
-  }
-  ~StreamSlot() {
-    if (!held_) return;
-    std::lock_guard<std::mutex> lock(Mu());
-    auto it = Open().find(key_);
-    if (it != Open().end() && --it->second == 0) Open().erase(it);
-  }
-  StreamSlot(const StreamSlot&) = delete;
-  StreamSlot& operator=(const StreamSlot&) = delete;
-  bool held() const { return held_; }
-
- private:
-  using Key = std::pair<const void*, std::string>;
-  static std::mutex& Mu() {
-    static std::mutex* mu = new std::mutex();
-    return *mu;
-  }
-  static std::map<Key, uint32_t>& Open() {
-    static auto* open = new std::map<Key, uint32_t>();
-    return *open;
-  }
-  Key key_;
-  bool held_ = false;
 };
 
 }  // namespace
@@ -251,7 +263,7 @@ grpc::Status KvShadeService::Ingest(grpc::ServerContext* ctx,
                // Limits on streams (above): a slot of the tenant's, and an idle timeout on
                // every wait for the next message.
                const uint32_t cap = EffectiveMaxStreamsPerTenant(*deps_.config);
-               StreamSlot slot(this, t.name, cap);
+               TenantSlot slot(this, t.name, cap);
                if (!slot.held()) {
                  return absl::ResourceExhaustedError(absl::StrCat(
                      "Ingest: tenant '", t.name, "' already has ", cap,

@@ -299,5 +299,53 @@ TEST(Concurrency, TheStreamCapIsPerTenant) {
   EXPECT_EQ(server.Stop(), 0) << server.log();
 }
 
+// Calls in flight are capped per tenant, Ingest streams included: a tenant whose two idle
+// streams hold its two call slots gets RESOURCE_EXHAUSTED for any further call, naming the
+// limit, while another tenant is served; once the streams end, its calls are served again.
+TEST(Concurrency, TheCallCapIsPerTenantAndCountsStreams) {
+  TempDir dir;
+  const std::string config = dir.path() + "/tenants.yaml";
+  std::ofstream(config) << "tenants:\n  - {name: alpha, token: alpha-token-1}\n"
+                           "  - {name: beta, token: beta-token-22}\n"
+                           "limits:\n  max_streams_per_tenant: 3\n  max_calls_per_tenant: 2\n"
+                           "  stream_idle_timeout_ms: 60000\n";
+  ServerProcess server;
+  client::ClientOptions alpha_options, beta_options;
+  alpha_options.bearer_token = "alpha-token-1";
+  beta_options.bearer_token = "beta-token-22";
+  KV_ASSERT_OK(server.Start({"--config", config, "--worker-threads", "8"}, alpha_options));
+  auto alpha = server.Connect(alpha_options);
+  auto beta = server.Connect(beta_options);
+  KV_ASSERT_OK(alpha->ListSessions().status());  // under the cap: served
+  auto stub = v1::KvShade::NewStub(alpha->channel());
+  std::vector<std::unique_ptr<IdleStream>> idle;
+  for (int i = 0; i < 2; ++i) idle.push_back(OpenIdleStream(*stub, "", "alpha-token-1"));
+  // The streams take their slots when the server starts their handlers: poll (no timing
+  // assumption beyond a generous deadline).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  absl::Status refused;
+  for (;;) {
+    refused = alpha->ListSessions().status();
+    if (refused.code() == absl::StatusCode::kResourceExhausted) break;
+    KV_ASSERT_OK(refused);
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "alpha's third call was not refused";
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(absl::StrContains(refused.message(), "limits.max_calls_per_tenant")) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "alpha")) << refused;
+  KV_ASSERT_OK(beta->ListSessions().status());  // another tenant is served meanwhile
+  for (auto& s : idle) s->ctx.TryCancel();
+  for (auto& s : idle) s->writer->Finish();
+  const auto again = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  absl::Status st;
+  do {
+    st = alpha->ListSessions().status();
+    if (st.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  } while (std::chrono::steady_clock::now() < again);
+  KV_ASSERT_OK(st);
+  EXPECT_EQ(server.Stop(), 0) << server.log();
+}
+
 }  // namespace
 }  // namespace kvshade::integration

@@ -209,6 +209,29 @@ TEST(Config, RejectsTyposBadValuesAndBadFiles) {
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.value_codec = "int3"; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.kivi_group = 12; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.refactor_threshold = 0; }), C::kInvalidArgument);
+  // A per-tenant call cap at or above the thread cap would let one tenant hold every thread.
+  EXPECT_EQ(invalid([](ServerConfig& c) {
+              c.worker_threads = 8;
+              c.limits.max_calls_per_tenant = 8;
+            }),
+            C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.limits.max_calls_per_tenant = 70000; }), C::kInvalidArgument);
+}
+
+// limits.max_calls_per_tenant: as given; automatic (0) = the thread cap minus one when the
+// threads are capped and tenants are configured, else no cap.
+TEST(Config, CallsPerTenantDefaultLeavesAThreadToOtherTenants) {
+  ServerConfig c;
+  EXPECT_EQ(EffectiveMaxCallsPerTenant(c), 0u);
+  c.worker_threads = 8;
+  EXPECT_EQ(EffectiveMaxCallsPerTenant(c), 0u);  // one tenant (default): nothing to share
+  ASSERT_TRUE(AddTenantToken("alpha:alpha-token-1", &c).ok());
+  EXPECT_EQ(EffectiveMaxCallsPerTenant(c), 7u);
+  c.worker_threads = 2;  // the thread cap has a floor of 4
+  EXPECT_EQ(EffectiveMaxCallsPerTenant(c), 3u);
+  c.limits.max_calls_per_tenant = 2;
+  EXPECT_EQ(EffectiveMaxCallsPerTenant(c), 2u);
+  EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
 }
 
 TEST(Config, RejectsAnUnusableSpillPath) {

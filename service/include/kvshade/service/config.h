@@ -45,6 +45,11 @@ struct LimitsConfig {
   // half of the gRPC thread cap when worker_threads is set, else 64
   // (EffectiveMaxStreamsPerTenant).
   uint32_t max_streams_per_tenant = 0;
+  // gRPC calls a tenant may have in flight at once, Ingest streams included; one more gets
+  // RESOURCE_EXHAUSTED. 0 = automatic: with worker_threads set and tenants configured, the
+  // gRPC thread cap minus one (one thread always left to the other tenants); otherwise no
+  // cap (EffectiveMaxCallsPerTenant).
+  uint32_t max_calls_per_tenant = 0;
 };
 
 // Server-side defaults for every Profile field a request leaves at zero.
@@ -157,6 +162,9 @@ uint32_t GrpcThreadCap(const ServerConfig& config);
 // limits.max_streams_per_tenant, or its automatic value when 0: half of GrpcThreadCap (at
 // least 1), or 64 without a cap.
 uint32_t EffectiveMaxStreamsPerTenant(const ServerConfig& config);
+// limits.max_calls_per_tenant, or its automatic value when 0: GrpcThreadCap - 1 when the
+// threads are capped and tenants are configured, else 0 (no cap).
+uint32_t EffectiveMaxCallsPerTenant(const ServerConfig& config);
 
 // Helpers shared by the YAML loader and the command-line flags.
 // "8GiB", "512MiB", "64M", "1G", "4096" (bytes). K/M/G/T are powers of 1024 too.
