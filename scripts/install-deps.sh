@@ -14,7 +14,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libucx-dev
   prometheus-cpp-dev
-  libcli11-dev libspdlog-dev libyaml-cpp-dev
+  libcli11-dev libspdlog-dev libyaml-cpp-dev libcpp-httplib-dev
   libssl-dev openssl
   # KV-events (service/kv_events.cc): ZMQ and msgpack's C++ headers; their test's subscriber.
   libzmq3-dev libmsgpack-dev python3-zmq python3-msgpack

@@ -4,17 +4,11 @@
 // unexpected strings cannot blow up the series count.
 #include "kvshade/service/metrics.h"
 
-#include <arpa/inet.h>
 #include <dirent.h>
-#include <netdb.h>
-#include <netinet/in.h>
-#include <poll.h>
-#include <sys/eventfd.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -22,6 +16,7 @@
 #include <sstream>
 
 #include <grpcpp/support/status.h>
+#include <httplib.h>
 #include <prometheus/text_serializer.h>
 
 #include "absl/strings/numbers.h"
@@ -388,121 +383,53 @@ std::vector<prometheus::MetricFamily> ProcessCollector::Collect() const {
 
 absl::StatusOr<std::unique_ptr<MetricsEndpoint>> MetricsEndpoint::Start(
     const std::string& host, uint16_t port, std::shared_ptr<prometheus::Registry> registry) {
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* res = nullptr;
-  const std::string service = std::to_string(port);
-  if (int rc = getaddrinfo(host.c_str(), service.c_str(), &hints, &res); rc != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics_listen '", host, "': ", gai_strerror(rc)));
-  }
-  int fd = -1;
-  int err = 0;
-  for (addrinfo* ai = res; ai != nullptr && fd < 0; ai = ai->ai_next) {
-    fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
-    if (fd < 0) continue;
-    const int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, ai->ai_addr, ai->ai_addrlen) != 0 || listen(fd, 16) != 0) {
-      err = errno;
-      close(fd);
-      fd = -1;
-    }
-  }
-  freeaddrinfo(res);
-  if (fd < 0) {
-    return absl::UnavailableError(absl::StrCat("cannot serve /metrics on ", host, ":", port, ": ",
-                                               std::strerror(err)));
-  }
   std::unique_ptr<MetricsEndpoint> e(new MetricsEndpoint());
   e->registry_ = std::move(registry);
-  e->listen_fd_ = fd;
-  sockaddr_storage addr{};
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  e->port_ = ntohs(addr.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port
-                                              : reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
-  e->wake_fd_ = eventfd(0, EFD_CLOEXEC);
-  if (e->wake_fd_ < 0) return absl::InternalError("eventfd failed");
-  e->thread_ = std::thread([p = e.get()] { p->Serve(); });
+  e->server_ = std::make_unique<httplib::Server>();
+  httplib::Server& srv = *e->server_;
+  // One serving thread; a scraper that stalls cannot hold it for more than 2 s, and every
+  // connection serves one request.
+  srv.new_task_queue = [] { return new httplib::ThreadPool(1); };
+  srv.set_read_timeout(2, 0);
+  srv.set_write_timeout(2, 0);
+  srv.set_keep_alive_max_count(1);
+  // SO_REUSEADDR only: httplib's default also sets SO_REUSEPORT, with which a second daemon
+  // given the same port would bind it too and take half of the scrapes.
+  srv.set_socket_options([](int sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+  });
+  MetricsEndpoint* self = e.get();
+  srv.Get("/metrics", [self](const httplib::Request&, httplib::Response& res) {
+    res.set_content(self->Scrape(), "text/plain; version=0.0.4; charset=utf-8");
+  });
+  srv.Get("/", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content("kvshade-server: metrics at /metrics\n", "text/plain; charset=utf-8");
+  });
+  srv.set_error_handler([](const httplib::Request&, httplib::Response& res) {
+    if (res.status == 404) res.set_content("not found; metrics are at /metrics\n", "text/plain; charset=utf-8");
+  });
+  // Binding first, so that a port in use or a bad address is an error here, not in the
+  // serving thread.
+  const int bound = port == 0 ? srv.bind_to_any_port(host) : (srv.bind_to_port(host, port) ? port : -1);
+  if (bound < 0) {
+    return absl::UnavailableError(absl::StrCat("cannot serve /metrics on ", host, ":", port,
+                                               " (address unknown, or the port is in use)"));
+  }
+  e->port_ = bound;
+  e->thread_ = std::thread([self] { self->server_->listen_after_bind(); });
   return e;
 }
 
 MetricsEndpoint::~MetricsEndpoint() {
-  if (wake_fd_ >= 0) {
-    const uint64_t one = 1;
-    (void)!write(wake_fd_, &one, sizeof(one));
-  }
+  if (server_) server_->stop();
   if (thread_.joinable()) thread_.join();
-  if (listen_fd_ >= 0) close(listen_fd_);
-  if (wake_fd_ >= 0) close(wake_fd_);
 }
 
-void MetricsEndpoint::Serve() {
-  while (true) {
-    pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
-    if (poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
-    }
-    if (fds[1].revents != 0) return;
-    if (fds[0].revents & POLLIN) {
-      const int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (conn >= 0) {
-        HandleConnection(conn);
-        close(conn);
-      }
-    }
-  }
-}
-
-void MetricsEndpoint::HandleConnection(int fd) {
-  // A scraper that stalls must not hold the endpoint: bounded reads and writes.
-  timeval tv{2, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  std::string req;
-  char buf[2048];
-  while (req.find("\r\n\r\n") == std::string::npos && req.find("\n\n") == std::string::npos &&
-         req.size() < 16384) {
-    const ssize_t r = recv(fd, buf, sizeof(buf), 0);
-    if (r <= 0) break;
-    req.append(buf, static_cast<size_t>(r));
-  }
-  const size_t eol = req.find_first_of("\r\n");
-  const std::string line = req.substr(0, eol == std::string::npos ? req.size() : eol);
-  std::string status = "200 OK", type = "text/plain; version=0.0.4; charset=utf-8", body;
-  if (line.rfind("GET ", 0) != 0 && line.rfind("HEAD ", 0) != 0) {
-    status = "405 Method Not Allowed";
-    body = "only GET /metrics\n";
-  } else {
-    std::string path = line.substr(line.find(' ') + 1);
-    path = path.substr(0, path.find(' '));
-    path = path.substr(0, path.find('?'));
-    if (path == "/metrics") {
-      std::vector<prometheus::MetricFamily> families = registry_->Collect();
-      for (auto& f : process_.Collect()) families.push_back(std::move(f));
-      body = prometheus::TextSerializer().Serialize(families);
-    } else if (path == "/") {
-      type = "text/plain; charset=utf-8";
-      body = "kvshade-server: metrics at /metrics\n";
-    } else {
-      status = "404 Not Found";
-      body = "not found; metrics are at /metrics\n";
-    }
-  }
-  std::string out = absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", type,
-                                 "\r\nContent-Length: ", body.size(),
-                                 "\r\nConnection: close\r\n\r\n");
-  if (line.rfind("HEAD ", 0) != 0) out += body;
-  size_t sent = 0;
-  while (sent < out.size()) {
-    const ssize_t w = send(fd, out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
-    if (w <= 0) break;
-    sent += static_cast<size_t>(w);
-  }
+std::string MetricsEndpoint::Scrape() const {
+  std::vector<prometheus::MetricFamily> families = registry_->Collect();
+  for (auto& f : process_.Collect()) families.push_back(std::move(f));
+  return prometheus::TextSerializer().Serialize(families);
 }
 
 }  // namespace kvshade::service

@@ -457,6 +457,10 @@ TEST(Metrics, FamiliesLabelsAndEndpoint) {
   want.insert("other");
   EXPECT_EQ(methods, want);
   EXPECT_EQ(get("/nope").rfind("HTTP/1.1 404", 0), 0u);
+  // A second endpoint on the same port is refused (no SO_REUSEPORT: it would share the
+  // port and take part of the scrapes).
+  auto again = MetricsEndpoint::Start("127.0.0.1", static_cast<uint16_t>((*endpoint)->port()), m.registry());
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kUnavailable) << again.status();
   endpoint->reset();  // stops cleanly
 }
 

@@ -21,6 +21,10 @@
 
 #include "absl/status/statusor.h"
 
+namespace httplib {
+class Server;
+}  // namespace httplib
+
 namespace kvshade::service {
 
 class Metrics {
@@ -109,11 +113,11 @@ class ProcessCollector : public prometheus::Collectable {
 };
 
 // Serves the registry, and the process metrics (ProcessCollector), in the Prometheus text
-// format on GET /metrics (HTTP/1.0 and 1.1, one request per connection). Our own ~100 lines instead of prometheus::Exposer:
-// Debian's civetweb runs handlers on 100 KiB thread stacks, and in this process (which
-// loads libquadmath through OpenBLAS/LAPACKE, registering printf hooks that send glibc's
-// printf down its stack-hungry positional path) every scrape overflowed that stack and
-// killed the daemon.
+// format on GET /metrics, with cpp-httplib (Debian's libcpp-httplib) on one serving
+// thread of the default stack size. Not prometheus::Exposer: Debian's civetweb runs
+// handlers on 100 KiB thread stacks, and in this process (which loads libquadmath through
+// OpenBLAS/LAPACKE, registering printf hooks that send glibc's printf down its
+// stack-hungry positional path) every scrape overflowed that stack and killed the daemon.
 class MetricsEndpoint {
  public:
   // Binds host:port (port 0 picks a free one) and starts the serving thread.
@@ -126,12 +130,10 @@ class MetricsEndpoint {
 
  private:
   MetricsEndpoint() = default;
-  void Serve();
-  void HandleConnection(int fd);
+  std::string Scrape() const;
   std::shared_ptr<prometheus::Registry> registry_;
   ProcessCollector process_;
-  int listen_fd_ = -1;
-  int wake_fd_ = -1;  // eventfd: wakes the poll() at shutdown
+  std::unique_ptr<httplib::Server> server_;
   int port_ = 0;
   std::thread thread_;
 };
