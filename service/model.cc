@@ -283,12 +283,13 @@ absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& p, const ProfileDe
     }
     if (o.codec.codec == kernels::ValueCodec::kINT2 || o.codec.codec == kernels::ValueCodec::kINT4 ||
         o.heavy_chunks > 0) {
-      // KIVI groups run along the head dim for values.
-      if (o.kivi_group < 1 || d % o.kivi_group != 0 ||
-          o.kivi_group % (32 / (o.codec.codec == kernels::ValueCodec::kINT4 ? 4 : 2)) != 0) {
+      // KIVI groups run along the head dim for values. Heavy chunks are INT2 whatever the
+      // value codec: 2-bit groups then, even with int4 values.
+      const bool int2_groups = o.codec.codec == kernels::ValueCodec::kINT2 || o.heavy_chunks > 0;
+      if (o.kivi_group < 1 || d % o.kivi_group != 0 || o.kivi_group % (int2_groups ? 16 : 8) != 0) {
         return Bad("profile.kivi_group",
                    absl::StrCat("must divide head_dim = ", d, " and be a multiple of 16 (8 for "
-                                "int4), got ", o.kivi_group));
+                                "int4 values without heavy chunks), got ", o.kivi_group));
       }
     }
     if (auto b = kernels::ValueChunkBytes(o.codec, o.chunk_size, d); !b.ok()) {

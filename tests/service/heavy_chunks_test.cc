@@ -324,5 +324,36 @@ TEST(HeavyChunksService, PlantedChunksJoinTheStaticSetAsInt2PerThePyramid) {
   }
 }
 
+// Heavy chunks are INT2 whatever the value codec, so their group must suit 2-bit codes (a
+// multiple of 16) also when the values are int4, whose own groups need only a multiple of
+// 8: CreateSession refuses such a profile, instead of the ingest failing once observation
+// queries arrive.
+TEST(HeavyChunksService, HeavyChunksNeedInt2GroupsWithInt4Values) {
+  Harness hx;
+  const Stream s = MakeStream(kN, hx.model, 63);
+  auto create = [&](int group, int heavy) {
+    v1::Profile p = HeavyProfile(heavy);
+    p.set_value_codec(v1::VALUE_CODEC_INT4);
+    p.set_kivi_group(uint32_t(group));
+    v1::CreateSessionRequest cr;
+    *cr.mutable_model() = hx.model;
+    *cr.mutable_profile() = p;
+    cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+    return hx.engine->CreateSession(hx.tenant, cr);
+  };
+  auto bad = create(8, 2);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("profile.kivi_group"), std::string_view::npos) << bad.status();
+  EXPECT_TRUE(create(8, 0).ok());  // int4 values alone: groups of 8 are fine
+  // Groups of 16 with heavy chunks ingest with observation queries.
+  auto good = create(16, 2);
+  ASSERT_TRUE(good.ok()) << good.status();
+  std::vector<std::vector<bf16>> qobs;
+  for (int l = 0; l < hx.model.num_layers(); ++l) qobs.push_back(hx.Query(64 + l));
+  auto ing = hx.engine->Ingest(hx.tenant, IngestStreamOf(good->session_id(), s, 0, kN, &qobs, 1));
+  EXPECT_TRUE(ing.ok()) << ing.status();
+}
+
 }  // namespace
 }  // namespace kvshade::service::testing
