@@ -207,8 +207,10 @@ TEST(HeavyChunksService, PlantedChunksJoinTheStaticSetAsInt2PerThePyramid) {
         }
         found.push_back(best);
       }
-      // They are the planted chunks: the ones the observation queries attend most.
+      // They are the planted chunks (the ones the observation queries attend most), in
+      // ascending order.
       EXPECT_EQ(std::set<int>(found.begin(), found.end()), p.heavy[l][hh]);
+      EXPECT_TRUE(std::is_sorted(found.begin(), found.end()));
       ASSERT_EQ(std::set<int>(found.begin(), found.end()).size(), found.size());
 
       // Values: per-token groups of G channels, INT2 (codec_bounds.h); not exact, and not
