@@ -1,5 +1,8 @@
 // Ingest per profile: what a committed session holds and how closely Attend over it
 // matches exact attention over the same tokens.
+#include <cstring>
+#include <string>
+
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
@@ -44,9 +47,37 @@ TEST(IngestTest, ShadowFullRankFullBudgetIsExact) {
   }
 }
 
+// Sets the key of token t (position t), head hh at `layer` so that its post-RoPE value is x.
+void SetPostRopeKey(Stream& s, int layer, int t, int hh, std::vector<float> x) {
+  auto table = kernels::MakeRopeTable(kernels::RopeSpec{}, s.d);
+  ASSERT_TRUE(table.ok());
+  kernels::ApplyRopeReference(*table, kernels::RopePairing::kHalfSplit, -t, x.data(), s.d);
+  for (int c = 0; c < s.d; ++c) s.k[layer][(size_t(t) * s.h + hh) * s.d + c] = kernels::FloatToBf16(x[c]);
+}
+
 TEST(IngestTest, ShadowStaticSetHoldsSinkOutliersAndTail) {
   Harness hx;
   Stream s = MakeStream(400, hx.model, 3);
+  const int layer = 1, C = 8, h = 2, d = 64;
+  // Planted outliers, different per head: in chunk c every token's post-RoPE key is u except
+  // the last, which is -u. The landmark is (7u - u) / 8 = 0.75u, so that token's cosine to
+  // it is -1: the smallest minimum cosine any chunk can have. The other chunks hold
+  // low-rank random keys, whose tokens agree with their own mean far better.
+  const std::vector<std::vector<int>> outliers = {{7, 19, 33}, {12, 25, 40}};
+  auto rng = kernels::testing::MakeRng(33);
+  std::normal_distribution<float> nd;
+  for (int hh = 0; hh < h; ++hh) {
+    for (int chunk : outliers[hh]) {
+      std::vector<float> u(d);
+      for (auto& x : u) x = nd(rng);  // norm ~8, like the stream's keys
+      for (int i = 0; i < C; ++i) {
+        std::vector<float> x = u;
+        if (i == C - 1)
+          for (auto& e : x) e = -e;
+        SetPostRopeKey(s, layer, chunk * C + i, hh, x);
+      }
+    }
+  }
   v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);
   p.set_rank(32);
   p.set_outliers(3);
@@ -54,23 +85,51 @@ TEST(IngestTest, ShadowStaticSetHoldsSinkOutliersAndTail) {
   auto o = hx.Open(s, p);
   v1::GetStaticSetRequest r;
   r.set_attachment_id(o.attachment);
-  r.set_layer(1);
+  r.set_layer(layer);
   auto st = hx.engine->GetStaticSet(hx.tenant, r);
   ASSERT_TRUE(st.ok()) << st.status();
   // (400 - 32) / 8 = 46 chunks; tail 400 - 368 = 32 tokens; sink + 3 outliers per head.
-  ASSERT_EQ(st->lengths_size(), 2);
-  for (uint32_t len : st->lengths()) EXPECT_EQ(len, 4u * 8u);
-  EXPECT_EQ(st->tail_k().shape(0), 32);
-  EXPECT_EQ(st->tail_k().shape(1), 2);
-  // The tail is exact: post-RoPE keys of tokens 368..399.
-  std::vector<float> ref = PostRope(s, 1);
-  std::vector<bf16> tk = TensorBf16(st->tail_k());
-  const size_t tok = 2 * 64;
-  double max_err = 0;
-  for (size_t i = 0; i < tk.size(); ++i) {
-    max_err = std::max<double>(max_err, std::abs(kernels::Bf16ToFloat(tk[i]) - ref[368 * tok + i]));
+  ASSERT_EQ(st->lengths_size(), h);
+  for (uint32_t len : st->lengths()) EXPECT_EQ(len, 4u * C);
+  ASSERT_EQ(st->k().shape_size(), 3);
+  ASSERT_GE(st->k().shape(1), 4 * C);
+  ASSERT_EQ(st->tail_k().shape(0), 32);
+  ASSERT_EQ(st->tail_k().shape(1), h);
+  // Which rows: head hh holds the sink chunk's tokens 0..7, then its own outlier chunks in
+  // ascending order, 8 tokens each; the tail holds tokens 368..399. Values are copied, so
+  // each row's value must be the input's bits; keys are the input rotated at the token's
+  // position (fp32) and rounded to bf16 once: within half an ulp, 2^-8 |x|, plus 1e-4 for
+  // the fp32 rotation; a row of another token differs by O(1).
+  const std::vector<float> ref = PostRope(s, layer);
+  const std::vector<bf16> sk = TensorBf16(st->k()), sv = TensorBf16(st->v());
+  const std::vector<bf16> tk = TensorBf16(st->tail_k()), tv = TensorBf16(st->tail_v());
+  const int64_t srows = st->k().shape(1);
+  auto expect_row = [&](const bf16* k, const bf16* v, int token, int hh, const std::string& what) {
+    const size_t src = (size_t(token) * h + hh) * d;
+    int kbad = 0, vdiff = 0;
+    for (int c = 0; c < d; ++c) {
+      const double err = std::abs(double(kernels::Bf16ToFloat(k[c])) - ref[src + c]);
+      kbad += err > std::ldexp(std::abs(ref[src + c]), -8) + 1e-4;
+      vdiff += std::memcmp(&v[c], &s.v[layer][src + c], sizeof(bf16)) != 0;
+    }
+    EXPECT_EQ(kbad, 0) << what << ": key of token " << token << ", head " << hh;
+    EXPECT_EQ(vdiff, 0) << what << ": value of token " << token << ", head " << hh;
+  };
+  for (int hh = 0; hh < h; ++hh) {
+    std::vector<int> chunks = {0};
+    chunks.insert(chunks.end(), outliers[hh].begin(), outliers[hh].end());
+    for (size_t j = 0; j < chunks.size(); ++j) {
+      for (int i = 0; i < C; ++i) {
+        const size_t row = (size_t(hh) * srows + j * C + i) * d;
+        expect_row(&sk[row], &sv[row], chunks[j] * C + i, hh,
+                   j == 0 ? "sink" : "outlier chunk " + std::to_string(chunks[j]));
+      }
+    }
+    for (int t = 0; t < 32; ++t) {
+      const size_t row = (size_t(t) * h + hh) * d;
+      expect_row(&tk[row], &tv[row], 368 + t, hh, "tail");
+    }
   }
-  EXPECT_LT(max_err, 0.05);
 }
 
 // Plants, for every layer and KV head, keys at `positions` whose post-RoPE value is
