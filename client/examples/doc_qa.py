@@ -10,7 +10,9 @@ reports it as reused_tokens and ingests only the rest).
 
 The K/V here are synthetic (low-rank keys, random values, a planted "needle" each question
 looks for) so the example runs without a model; a real runtime passes its own pre-RoPE
-keys, values and post-RoPE queries instead.
+keys, values and post-RoPE queries instead. The worker keeps each layer's slot table
+(slot -> chunk, from the deltas) and checks that the needle's chunk is in it for every KV
+head at every layer and step: the example exits with status 1 when it is not.
 
     python3 client/examples/doc_qa.py --target 127.0.0.1:50551
     KVSHADE_LIB=build/client/libkvshade.so python3 client/examples/doc_qa.py --spawn build/service/kvshade-server
@@ -50,6 +52,8 @@ def main():
     ap.add_argument("--question-tokens", type=int, default=16)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--budget", type=int, default=16, help="sparse budget: chunks per KV head per step")
+    ap.add_argument("--needle-scale", type=float, default=4.0,
+                    help="strength of the needle planted in the document's keys (0: none, and the check fails)")
     args = ap.parse_args()
 
     proc = None
@@ -65,7 +69,12 @@ def main():
     # A needle: a span of keys sharing one direction that the questions' queries look for.
     needle_at = (args.doc_tokens // 2) // C * C
     needle = rng.standard_normal((H, D)).astype(np.float32)
-    doc_k[:, needle_at:needle_at + C] += 4 * needle
+    doc_k[:, needle_at:needle_at + C] += args.needle_scale * needle
+    if args.needle_scale != 0:
+        # The needle's keys come from its own tokens (ids above the random ones): the prefix
+        # cache, keyed by token ids, then never serves a document without it for one with it.
+        doc_ids[needle_at:needle_at + C] = 32000 + np.arange(C)
+    missed = []  # (question, layer-steps where some head's slot table lacked the needle)
 
     try:
         with kvshade.Client(args.target, token=args.token) as c:
@@ -102,6 +111,7 @@ def main():
                     pos = args.doc_tokens + args.question_tokens
                     misses = hits = selected = 0
                     needle_chunk = needle_at // C
+                    slot_tables = [dict() for _ in range(LAYERS)]  # per layer: (head, slot) -> chunk
                     found = 0
                     for step in range(args.steps):
                         for l in range(LAYERS):
@@ -112,12 +122,17 @@ def main():
                             misses += len(delta.head)
                             hits += delta.hits
                             selected += delta.selected
-                            found += int((delta.chunk == needle_chunk).any())
+                            for hh, sl, ch in zip(delta.head, delta.slot, delta.chunk):
+                                slot_tables[l][(int(hh), int(sl))] = int(ch)
+                            held = {hh for (hh, _), ch in slot_tables[l].items() if ch == needle_chunk}
+                            found += int(len(held) == H)
                             out = c.attend(l, [att.attachment_id], q)[0]
                             assert np.isfinite(out).all()
                     print("question %d: forked %d shared tokens; %d steps x %d layers: %d chunks selected, "
-                          "%d hits, %d delivered; needle chunk delivered in %d layer-steps"
-                          % (qi, shared, args.steps, LAYERS, selected, hits, misses, found))
+                          "%d hits, %d delivered; needle chunk attended by every head in %d of %d layer-steps"
+                          % (qi, shared, args.steps, LAYERS, selected, hits, misses, found, args.steps * LAYERS))
+                    if found < args.steps * LAYERS:
+                        missed.append((qi, args.steps * LAYERS - found))
                     c.detach(att.attachment_id)
                     c.close_session(child)
                     open_sessions.remove(child)
@@ -137,6 +152,11 @@ def main():
         if proc is not None:
             proc.terminate()
             proc.wait()
+    for qi, n in missed:
+        print("error: question %d: the needle's chunk %d was missing from a head's slot table in %d "
+              "layer-steps" % (qi, needle_at // C, n), file=sys.stderr)
+    return 1 if missed else 0
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -47,6 +47,19 @@ class ExamplesRerunTest(unittest.TestCase):
             self.assertEqual(rc, 0, second + err + server.log())
             self.assertIn("document: all 1024 tokens reused from the prefix cache, nothing to ingest", second)
             self.assertEqual(len(re.findall(r"^question \d+: forked 1024 shared tokens", second, re.M)), 2, second)
+            for out in (first, second):
+                self.assertEqual(len(re.findall(r"needle chunk attended by every head in 4 of 4 layer-steps", out)),
+                                 2, out)
+            self.assertEqual(self.open_sessions(server.target), 0)
+
+    def test_doc_qa_fails_when_the_needle_is_not_attended(self):
+        # Without a needle in the document its chunk is not what the queries select: the
+        # example's check must fail the run (exit status 1), and still close its sessions.
+        with Server() as server:
+            rc, out, err = run([os.path.join(EXAMPLES, "doc_qa.py"), "--target", server.target, "--doc-tokens",
+                                "1024", "--questions", "1", "--steps", "2", "--needle-scale", "0"])
+            self.assertEqual(rc, 1, out + err)
+            self.assertIn("error: question 0: the needle's chunk 64 was missing", err)
             self.assertEqual(self.open_sessions(server.target), 0)
 
     def test_doc_qa_that_fails_closes_its_sessions(self):
