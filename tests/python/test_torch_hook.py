@@ -212,10 +212,12 @@ class TorchHookTest(unittest.TestCase):
         # (o = m_S o_S + (1 - m_S) o_rest), and o_S, o_rest are convex combinations of
         # the head's values, so |o_S - o| <= (1 - m0) * diam, with m0 the dense mass of S0
         # <= m_S and diam the largest distance between two of the head's values. The
-        # hook's own approximations (rank-16 keys of the selected chunks, bf16: logit errors
-        # estimated below 0.01 here, so weights within 2%) add at most 0.01 * |o|. Without the needle's chunk the
-        # dense output loses most of w: that reference lies far outside the bound (checked,
-        # so the bound can tell), and so would the hook's output.
+        # hook's own approximations (rank-16 keys of the selected chunks, bf16) move logits
+        # by an estimated < 0.01 here, so weights by < 2% and the output by
+        # < 0.02 * sum_i p_i |v_i - o|, about 0.02 * 2 (1 - m) |w| < 0.01 |o|: the bound adds
+        # 0.01 |o|. Without the needle's chunk the dense output loses most of w: that
+        # reference lies far outside the bound (checked, so the bound can tell), and so
+        # would the hook's output.
         n, C, local, budget = 544, 8, 32, 4
         chunks = (n - local) // C  # 64, 62 selectable besides the sink and one outlier
         rng = np.random.default_rng(seed() + 6)
