@@ -1084,7 +1084,9 @@ void EngineImpl::UpdateGauges() {
                            double(as.used_by_kind[k]));
   }
   metrics_->SetTierBytes("host", "values", double(hs.resident_bytes));
-  if (spill_) metrics_->SetTierBytes("spill", "values", double(hs.spill_bytes_written));
+  // What the spill tier holds now (durable write-through, restored and spilled segments'
+  // values), not the running total of spill writes.
+  if (spill_) metrics_->SetTierBytes("spill", "values", double(hs.spill_tier_bytes));
 }
 
 // Server-wide figures (every tenant's): for the operator, like /metrics. The Stats RPC
@@ -1106,7 +1108,7 @@ absl::StatusOr<v1::StatsResponse> EngineImpl::Stats() {
   r.set_device_bytes_budget(as.capacity);
   r.set_host_bytes_used(hs.resident_bytes);
   r.set_host_bytes_budget(hs.budget_bytes);
-  r.set_spilled_bytes(hs.spill_bytes_written);
+  r.set_spilled_bytes(hs.spill_tier_bytes);
   r.set_prefix_lookups(prefix_lookups_.load());
   r.set_prefix_hits(prefix_hits_.load());
   r.set_chunks_selected(chunks_selected_.load());
@@ -1139,7 +1141,7 @@ static absl::StatusOr<v1::StatsResponse> TenantStats(EngineImpl& e, const Tenant
     absl::StatusOr<storage::SegmentUsage> su = e.store_->Usage(owner.id);
     if (!su.ok()) return;
     host += su->resident_bytes;
-    if (su->state == storage::SegmentState::kSpilled) spilled += su->value_bytes;
+    if (su->on_spill_tier) spilled += su->value_bytes;
   };
   for (const auto& s : e.sessions_.ListSessions(t.name)) {
     std::shared_lock lock(s->mu);

@@ -843,6 +843,10 @@ HostStoreStats HostValueStore::Stats() const {
   for (const auto& [id, e] : impl_->entries) {
     if (e->state == State::kSpilled) ++s.spilled_segments;
     if (e->state == State::kResident) ++s.resident_segments;
+    if (e->on_tier) {
+      ++s.spill_tier_segments;
+      s.spill_tier_bytes += e->layout.total_bytes();
+    }
   }
   s.gathered_chunks = impl_->gathered.load(std::memory_order_relaxed);
   return s;

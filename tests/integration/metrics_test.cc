@@ -3,7 +3,8 @@
 // budget (kvshade_tier_budget_bytes) beside its usage (kvshade_tier_bytes, whose
 // kind="total" is the sum of the tier's kinds, for every tier), and the process metrics
 // (resident memory, CPU seconds, open and maximum file descriptors, start time), read from
-// /proc/self on each scrape.
+// /proc/self on each scrape; the spill tier's bytes are what it holds now (durable
+// write-through, deletes, a restart's restored sessions).
 #include <sys/wait.h>
 
 #include <array>
@@ -161,6 +162,78 @@ TEST(Metrics, SpillBudgetWithoutAndUnboundedSpillTier) {
   auto body = HttpGet(unbounded.metrics_port(), "/metrics");
   ASSERT_TRUE(body.ok()) << body.status();
   EXPECT_NE(body->find("\nkvshade_tier_budget_bytes{tier=\"spill\"} +Inf\n"), std::string::npos) << *body;
+}
+
+// kvshade_tier_bytes{tier="spill"} is what the spill tier holds now, not what was ever
+// spilled: with no memory pressure (nothing spills) a durable session's write-through is
+// counted; a segment leaving the tier takes its bytes off (a closed session's segment
+// that is not a cached prefix goes at once, a cached one stays for reuse until evicted or
+// until a restart drops it); after a restart the restored sessions' segments are counted.
+TEST(Metrics, SpillTierBytesAreWhatTheTierHoldsNow) {
+  TempDir dir;
+  const std::vector<std::string> args = {"--host-budget", "64MiB", "--spill-path", dir.path() + "/spill"};
+  const std::string spill = "kvshade_tier_bytes{kind=\"values\",tier=\"spill\"}";
+  const std::string total = "kvshade_tier_bytes{kind=\"total\",tier=\"spill\"}";
+  auto scrape = [](const ServerProcess& s) {
+    auto body = HttpGet(s.metrics_port(), "/metrics");
+    EXPECT_TRUE(body.ok()) << body.status();
+    return Samples(body.ok() ? *body : std::string());
+  };
+  auto spilled_stat = [](client::Client& c) -> double {
+    auto st = c.Stats();
+    EXPECT_TRUE(st.ok()) << st.status();
+    return st.ok() ? double(st->spilled_bytes()) : -1;
+  };
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start(args));
+  auto c = server.Connect();
+  EXPECT_EQ(Value(scrape(server), spill), 0);
+
+  // Two durable 1024-token documents (four 256-token prefix blocks each, so cached for
+  // reuse) of the same geometry: the same value bytes each.
+  const synthetic::Document kept_doc(SmallDoc(1024, 11)), cached_doc(SmallDoc(1024, 13));
+  KV_ASSERT_OK_AND_ASSIGN(kept, CreateAndIngest(*c, kept_doc, ShadowProfile(), -1, /*durable=*/true));
+  auto m = scrape(server);
+  const double one = Value(m, spill);
+  EXPECT_GT(one, 0);
+  EXPECT_EQ(Value(m, total), one);
+  EXPECT_EQ(Value(m, "kvshade_spills_total"), 0);  // written through, never spilled
+  EXPECT_EQ(spilled_stat(*c), one);
+  KV_ASSERT_OK_AND_ASSIGN(cached, CreateAndIngest(*c, cached_doc, ShadowProfile(), -1, /*durable=*/true));
+  EXPECT_EQ(Value(scrape(server), spill), 2 * one);
+
+  // 200 tokens: no whole prefix block, so never a cached prefix; closing the session
+  // deletes its segment from the tier.
+  const synthetic::Document brief_doc(SmallDoc(200, 12));
+  KV_ASSERT_OK_AND_ASSIGN(brief, CreateAndIngest(*c, brief_doc, ShadowProfile(), -1, /*durable=*/true));
+  const double three = Value(scrape(server), spill);
+  EXPECT_GT(three, 2 * one);
+  EXPECT_EQ(spilled_stat(*c), three);
+  KV_ASSERT_OK(c->CloseSession(brief.session_id()));
+  EXPECT_EQ(Value(scrape(server), spill), 2 * one);
+  EXPECT_EQ(spilled_stat(*c), 2 * one);
+
+  // A closed session's cached prefix stays on the tier (a later durable session reuses it)
+  // but is nobody's in Stats.
+  KV_ASSERT_OK(c->CloseSession(cached.session_id()));
+  EXPECT_EQ(Value(scrape(server), spill), 2 * one);
+  EXPECT_EQ(spilled_stat(*c), one);
+  EXPECT_EQ(server.Stop(), 0) << server.log();
+
+  // Restart: the open durable session is restored and counted; the closed one's cached
+  // segment belonged to no session record and is dropped.
+  ServerProcess again;
+  KV_ASSERT_OK(again.Start(args));
+  auto c2 = again.Connect();
+  KV_ASSERT_OK_AND_ASSIGN(info, c2->GetSession(kept.session_id()));
+  EXPECT_EQ(info.state(), "ready");
+  m = scrape(again);
+  EXPECT_EQ(Value(m, spill), one);
+  EXPECT_EQ(Value(m, total), one);
+  EXPECT_EQ(Value(m, "kvshade_spills_total"), 0);
+  EXPECT_EQ(spilled_stat(*c2), one);
+  KV_ASSERT_OK(c2->CloseSession(kept.session_id()));
+  EXPECT_EQ(again.Stop(), 0) << again.log();
 }
 
 }  // namespace

@@ -114,9 +114,14 @@ struct HostStoreStats {
   size_t segments = 0;
   size_t resident_segments = 0;
   size_t spilled_segments = 0;
+  // Value bytes (layout.total_bytes()) of the known segments with a copy on the spill tier
+  // now: durable ones (written through at Seal, or restored by RestoreDurable) and spilled
+  // ones (also after a page-in, which keeps the copy). Erase takes a segment's bytes off.
+  size_t spill_tier_bytes = 0;
+  size_t spill_tier_segments = 0;
   uint64_t spills = 0;            // segments moved out of memory
   uint64_t spill_writes = 0;      // of those, written to the spill tier (others were there)
-  uint64_t spill_bytes_written = 0;
+  uint64_t spill_bytes_written = 0;  // running total of those writes (durable seals excluded)
   uint64_t page_ins = 0;
   uint64_t page_in_bytes = 0;
   uint64_t gathered_chunks = 0;
