@@ -234,7 +234,7 @@ absl::Status EngineImpl::Init() {
   storage::HostValueStoreOptions ho;
   ho.budget_bytes = config_->host_budget_bytes;
   ho.slab_bytes = std::min<size_t>(ho.slab_bytes, std::max<size_t>(config_->host_budget_bytes / 4, 1 << 20));
-  ho.prefetch_thread = false;
+  ho.prefetch_thread = false;  // Attach's page-in runs inline (before it answers)
   // Host memory short and nothing spillable: cached segments no session holds go, least
   // recently used first (closed sessions' segments stay cached for reuse until then).
   ho.reclaim = [this](size_t) { return EvictIdlePrefix(*this); };
@@ -861,8 +861,10 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
   a->peer_slots = std::move(peer);
   resp.set_delivery(r.delivery());
   resp.set_slot_buffer_bytes(slot_bytes);
-  // Page the session's spilled values in ahead of its first decode step (asynchronous;
-  // an error here only means the first Select pages in synchronously, or reports it).
+  // Page the session's spilled values in ahead of its first decode step. Synchronous: the
+  // store has no prefetch thread (Init), so Prefetch runs inline and Attach answers once
+  // they are resident. An error is not Attach's: the first Select pages in again, or
+  // reports it.
   std::vector<storage::SegmentId> ids;
   {
     std::shared_lock<std::shared_mutex> lock(s->mu);

@@ -122,6 +122,40 @@ TEST(DurableTest, DrainFlushesAppendedTokens) {
   EXPECT_EQ(std::memcmp(after->data(), before->data(), before->size() * 4), 0);
 }
 
+double PageIns(Harness& hx) {
+  for (const auto& family : hx.metrics.registry()->Collect()) {
+    if (family.name == "kvshade_page_ins_total" && !family.metric.empty()) {
+      return family.metric[0].counter.value;
+    }
+  }
+  ADD_FAILURE() << "no kvshade_page_ins_total";
+  return -1;
+}
+
+// A restored session's values are on the spill tier only; Attach pages them in before it
+// answers (synchronously, the store has no prefetch thread): when it returns the page-in
+// has happened and is counted (Attach updates the metrics as it ends) and the host tier
+// holds the values. The spill tier keeps its copy.
+TEST(DurableTest, AttachPagesRestoredValuesInBeforeItAnswers) {
+  TempDir dir;
+  Harness hx(dir.path());
+  Stream s = MakeStream(512, hx.model, 63);
+  auto o = hx.Open(s, Shadow(64, 8), 512, /*durable=*/true);
+  hx.Restart();
+  auto restored = hx.engine->Stats(hx.tenant, {});
+  ASSERT_TRUE(restored.ok()) << restored.status();
+  EXPECT_EQ(restored->host_bytes_used(), 0u);
+  EXPECT_GT(restored->spilled_bytes(), 0u);
+  const double ins = PageIns(hx);
+  const std::string a = hx.AttachTo(o.session);
+  ASSERT_FALSE(a.empty());
+  EXPECT_EQ(PageIns(hx), ins + 1);  // its one segment
+  auto attached = hx.engine->Stats(hx.tenant, {});
+  ASSERT_TRUE(attached.ok()) << attached.status();
+  EXPECT_GE(attached->host_bytes_used(), restored->spilled_bytes());
+  EXPECT_EQ(attached->spilled_bytes(), restored->spilled_bytes());
+}
+
 // A stream whose first `n1` tokens have keys in one subspace and the rest in another.
 Stream TwoTopics(const v1::ModelSpec& m, int n1, int n2) {
   Stream a = MakeStream(n1, m, 70, 16, 100);
