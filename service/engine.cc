@@ -30,6 +30,18 @@ using storage::ArenaKind;
 
 size_t Bf16Bytes(size_t elements) { return elements * sizeof(kernels::bf16); }
 
+absl::Status TooManySegmentsError(const std::string& session_id) {
+  // A fork shares the parent's segments and so compacts nothing; a new session over the
+  // same tokens reuses the cached prefix (at most kMaxReusedSegments segments) and holds
+  // what it ingests as one segment.
+  return absl::FailedPreconditionError(absl::StrCat(
+      "session '", session_id, "' has more than ", kernels::kMaxSegments,
+      " segments with selectable chunks, more than a select searches; create a new session "
+      "over its whole token list (prompt and appended tokens) and ingest what is not reused: "
+      "it reuses at most ", kMaxReusedSegments,
+      " cached segments and holds the rest as one segment"));
+}
+
 std::vector<int64_t> Positions(int64_t first, int64_t n) {
   std::vector<int64_t> p(static_cast<size_t>(n));
   std::iota(p.begin(), p.end(), first);
@@ -466,7 +478,7 @@ static ReuseMatch FindReusable(EngineImpl& e, const storage::PrefixHasher& hashe
     if (end > int64_t(tokens.size())) break;
     if (need_durable && !seg->durable) break;
     // Room for the session's own segment and its open segment in the kernels' view.
-    if (int64_t(out.chain.size()) + 2 >= kernels::kMaxSegments) break;
+    if (int64_t(out.chain.size()) >= kMaxReusedSegments) break;
     if (!std::equal(seg->tokens.begin(), seg->tokens.end(), tokens.begin() + pos)) break;
     out.chain.push_back(seg);
     out.refs.push_back(std::move(ref));
@@ -915,11 +927,7 @@ absl::StatusOr<LayerViewHold> EngineImpl::BuildView(const Session& s, int layer)
     const LayerData& d = seg.data(layer);
     const LayerData& own = seg.layers[layer];
     if (d.n_chunks == 0) return absl::OkStatus();
-    if (v.n_segments == kernels::kMaxSegments) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "session '", s.id, "' has more than ", kernels::kMaxSegments,
-          " segments with selectable chunks; fork it at its end to compact"));
-    }
+    if (v.n_segments == kernels::kMaxSegments) return TooManySegmentsError(s.id);
     if (!own.basis || !own.a) {
       return absl::InternalError(absl::StrCat("segment of session '", s.id, "' has no factors"));
     }

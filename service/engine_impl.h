@@ -304,6 +304,14 @@ absl::Status QuantizeKivi(EngineImpl& e, int d, int G, const std::vector<kernels
                           const std::vector<kernels::bf16>& v, int rows, KiviBlock* kb,
                           std::vector<kernels::bf16>* dk, std::vector<kernels::bf16>* dv);
 
+// Segment caps (service/README.md "Sessions", "Segment caps"). A select searches at most
+// kernels::kMaxSegments segments with selectable chunks per session; CreateSession reuses
+// at most kMaxReusedSegments cached segments, leaving room for the session's own segment
+// and its open one (appended chunks).
+inline constexpr int kMaxReusedSegments = kernels::kMaxSegments - 2;
+// The refusal of a select (or an export) over a session with more segments than that.
+absl::Status TooManySegmentsError(const std::string& session_id);
+
 // Helpers shared by the .cc files.
 size_t Bf16Bytes(size_t elements);
 std::vector<int64_t> Positions(int64_t first, int64_t n);

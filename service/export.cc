@@ -145,11 +145,7 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
         const LayerData& ld = seg.data(layer);
         const LayerData& own = seg.layers[layer];
         if (ld.n_chunks == 0) return absl::OkStatus();
-        if (L->segments_size() == kernels::kMaxSegments) {
-          return absl::FailedPreconditionError(absl::StrCat(
-              "session '", s.id, "' has more than ", kernels::kMaxSegments,
-              " segments with selectable chunks; fork it at its end to compact"));
-        }
+        if (L->segments_size() == kernels::kMaxSegments) return TooManySegmentsError(s.id);
         if (!own.basis || !own.a) {
           return absl::InternalError(absl::StrCat("segment of session '", s.id, "' has no factors"));
         }
