@@ -12,26 +12,7 @@
 namespace kvshade::service::testing {
 namespace {
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "kvshade-fsync-XXXXXX").string();
-    path_ = mkdtemp(tmpl.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
 
- private:
-  std::string path_;
-};
-
-v1::Profile Shadow() {
-  v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);
-  p.set_rank(64);
-  p.set_sparse_budget(8);
-  p.set_outliers(2);
-  return p;
-}
 
 v1::AppendTokensRequest AppendOf(const std::string& session, const Stream& s, int from, int to) {
   v1::AppendTokensRequest ar;
@@ -72,7 +53,7 @@ void AppendAndCrash(const std::string& mode, bool expect_kept) {
   hx.config.append_fsync = mode;
   hx.Restart();
   Stream s = MakeStream(500, hx.model, 81);
-  auto o = hx.Open(s, Shadow(), 400, /*durable=*/true);
+  auto o = hx.Open(s, SmallShadowProfile(), 400, /*durable=*/true);
   for (int at = 400; at < 500; at += 25) {
     auto r = hx.engine->AppendTokens(hx.tenant, AppendOf(o.session, s, at, at + 25));
     ASSERT_TRUE(r.ok()) << r.status();
@@ -104,7 +85,7 @@ TEST(AppendFsync, PerSessionChoiceOverridesTheServerDefault) {
   Stream s = MakeStream(440, hx.model, 82);
   v1::CreateSessionRequest cr;
   *cr.mutable_model() = hx.model;
-  *cr.mutable_profile() = Shadow();
+  *cr.mutable_profile() = SmallShadowProfile();
   cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.begin() + 400);
   cr.set_durable(true);
   cr.set_append_fsync(v1::APPEND_FSYNC_ALWAYS);
@@ -135,7 +116,7 @@ TEST(AppendFsync, ACommitFoldsTheLogAndACloseDeletesIt) {
   hx.config.append_fsync = "always";
   hx.Restart();
   Stream s = MakeStream(480, hx.model, 83);
-  auto o = hx.Open(s, Shadow(), 400, /*durable=*/true);
+  auto o = hx.Open(s, SmallShadowProfile(), 400, /*durable=*/true);
   ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, AppendOf(o.session, s, 400, 440)).ok());
   ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, AppendOf(o.session, s, 440, 480)).ok());
   EXPECT_EQ(AppendRecords(hx), 2);

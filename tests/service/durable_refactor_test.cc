@@ -10,18 +10,6 @@ namespace {
 
 constexpr int kG = 2;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "kvshade-svc-XXXXXX").string();
-    path_ = mkdtemp(tmpl.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 v1::Profile Shadow(int rank, int budget) {
   v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);

@@ -13,26 +13,7 @@ namespace {
 constexpr int64_t kTtlS = 100;
 constexpr int64_t kS = 1000;  // ms
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "kvshade-idle-XXXXXX").string();
-    path_ = mkdtemp(tmpl.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
 
- private:
-  std::string path_;
-};
-
-v1::Profile Shadow() {
-  v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);
-  p.set_rank(64);
-  p.set_sparse_budget(8);
-  p.set_outliers(2);
-  return p;
-}
 
 // Tokens of their own per seed: no session reuses another's prefix.
 Stream Doc(const Harness& hx, int n, int seed) { return MakeStream(n, hx.model, seed, 16, seed * 1000); }
@@ -40,7 +21,7 @@ Stream Doc(const Harness& hx, int n, int seed) { return MakeStream(n, hx.model, 
 v1::CreateSessionRequest CreateRequest(const Harness& hx, const Stream& s, int n, bool durable) {
   v1::CreateSessionRequest cr;
   *cr.mutable_model() = hx.model;
-  *cr.mutable_profile() = Shadow();
+  *cr.mutable_profile() = SmallShadowProfile();
   cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.begin() + n);
   cr.set_durable(durable);
   return cr;

@@ -15,26 +15,7 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::Not;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "kvshade-svc-XXXXXX").string();
-    path_ = mkdtemp(tmpl.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
 
- private:
-  std::string path_;
-};
-
-v1::Profile Shadow() {
-  v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);
-  p.set_rank(64);
-  p.set_sparse_budget(8);
-  p.set_outliers(2);
-  return p;
-}
 
 constexpr int kBlock = 256;  // prefix block: each prompt below adds one cached segment
 
@@ -43,7 +24,7 @@ TEST(SegmentCaps, CreateSessionReusesAtMostSixSegments) {
   Stream s = MakeStream(8 * kBlock, hx.model, 71);
   // Prompts of 1..7 blocks: each reuses every segment of the previous one and adds one.
   for (int i = 1; i <= 7; ++i) {
-    auto o = hx.Open(s, Shadow(), i * kBlock);
+    auto o = hx.Open(s, SmallShadowProfile(), i * kBlock);
     ASSERT_FALSE(o.session.empty());
     EXPECT_EQ(o.reused, uint64_t(std::min(i - 1, 6) * kBlock)) << i;
   }
@@ -51,7 +32,7 @@ TEST(SegmentCaps, CreateSessionReusesAtMostSixSegments) {
   // segment's tokens are ingested, as one segment of the new session.
   v1::LookupPrefixRequest lr;
   *lr.mutable_model() = hx.model;
-  *lr.mutable_profile() = Shadow();
+  *lr.mutable_profile() = SmallShadowProfile();
   lr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.begin() + 7 * kBlock);
   auto lk = hx.engine->LookupPrefix(hx.tenant, lr);
   ASSERT_TRUE(lk.ok()) << lk.status();
@@ -60,7 +41,7 @@ TEST(SegmentCaps, CreateSessionReusesAtMostSixSegments) {
   for (int blocks : {7, 8}) {
     v1::CreateSessionRequest cr;
     *cr.mutable_model() = hx.model;
-    *cr.mutable_profile() = Shadow();
+    *cr.mutable_profile() = SmallShadowProfile();
     cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.begin() + blocks * kBlock);
     auto c = hx.engine->CreateSession(hx.tenant, cr);
     ASSERT_TRUE(c.ok()) << c.status();
@@ -93,7 +74,7 @@ TEST(SegmentCaps, SelectRefusesMoreThanEightSegmentsAndSaysWhatToDo) {
   Harness hx(dir.path());
   constexpr int kPrompt = 400, kStep = 48, kRounds = 8;
   Stream s = MakeStream(kPrompt + kRounds * kStep, hx.model, 73);
-  auto o = hx.Open(s, Shadow(), kPrompt, /*durable=*/true);
+  auto o = hx.Open(s, SmallShadowProfile(), kPrompt, /*durable=*/true);
   ASSERT_FALSE(o.session.empty());
   const auto q = hx.Query(74);
   // Each round appends whole chunks past the exact tail (into the open segment), then a
@@ -131,7 +112,7 @@ TEST(SegmentCaps, SelectRefusesMoreThanEightSegmentsAndSaysWhatToDo) {
 
   // The advice: a new session over the whole token list reuses the prompt's cached
   // segment, ingests the rest as one segment and selects.
-  auto fresh = hx.Open(s, Shadow(), pos + kStep);
+  auto fresh = hx.Open(s, SmallShadowProfile(), pos + kStep);
   ASSERT_FALSE(fresh.session.empty());
   EXPECT_EQ(fresh.reused, uint64_t(kPrompt));
   auto sel = hx.Select(fresh.attachment, 0, q);

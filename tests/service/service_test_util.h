@@ -4,8 +4,11 @@
 // the exact-attention reference over the same inputs.
 #pragma once
 
+#include <stdlib.h>
+
 #include <atomic>
 #include <cmath>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
@@ -315,6 +318,36 @@ class Harness {
 inline v1::Profile ProfileOf(v1::ProfileKind kind) {
   v1::Profile p;
   p.set_kind(kind);
+  return p;
+}
+
+// A temporary directory, removed with its contents (permissions restored first: some tests
+// make it unwritable).
+class TempDir {
+ public:
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "kvshade-svc-XXXXXX").string();
+    path_ = mkdtemp(tmpl.data());
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::permissions(path_, std::filesystem::perms::owner_all, ec);
+    std::filesystem::remove_all(path_, ec);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// A small shadow profile for engine tests: rank 64, 8 chunks per head, 2 outlier chunks.
+inline v1::Profile SmallShadowProfile() {
+  v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  p.set_rank(64);
+  p.set_sparse_budget(8);
+  p.set_outliers(2);
   return p;
 }
 

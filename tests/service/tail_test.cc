@@ -43,18 +43,6 @@ void ReportWorstErrors() {
   g_worst_key = g_worst_attend = 0;
 }
 
-class TempDir {
- public:
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "kvshade-tail-XXXXXX").string();
-    path_ = mkdtemp(tmpl.data());
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
 
 v1::Profile TailProfile(int rank) {
   v1::Profile p = ProfileOf(v1::PROFILE_KIND_SHADOW);
