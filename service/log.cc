@@ -3,6 +3,7 @@
 // the event builder and UCX's log handler.
 #include "kvshade/service/log.h"
 
+#include <grpc/support/log.h>
 #include <ucs/config/global_opts.h>
 #include <ucs/debug/log_def.h>
 
@@ -107,6 +108,16 @@ ucs_log_func_rc_t UcxHandler(const char* file, unsigned line, const char* /*func
   return UCS_LOG_FUNC_RC_STOP;  // not also UCX's fprintf
 }
 
+void GrpcHandler(gpr_log_func_args* args) {
+  const spdlog::level::level_enum level = args->severity == GPR_LOG_SEVERITY_ERROR  ? spdlog::level::err
+                                          : args->severity == GPR_LOG_SEVERITY_INFO ? spdlog::level::info
+                                                                                    : spdlog::level::debug;
+  const char* base = args->file == nullptr ? "" : args->file;
+  if (const char* slash = std::strrchr(base, '/')) base = slash + 1;
+  Event(level, "grpc").Str("file", base).Uint("line", static_cast<uint64_t>(args->line))
+      .Msg(args->message == nullptr ? "" : args->message);
+}
+
 }  // namespace
 
 absl::StatusOr<Format> ParseFormat(std::string_view name) {
@@ -151,6 +162,19 @@ void InstallUcxLogHandler() {
                                                                                : UCS_LOG_LEVEL_WARN;
     }
     ucs_log_push_handler(&UcxHandler);
+  });
+}
+
+void InstallGrpcLogHandler() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    if (std::getenv("GRPC_VERBOSITY") == nullptr) {
+      const auto ours = spdlog::default_logger_raw()->level();
+      gpr_set_log_verbosity(ours <= spdlog::level::trace   ? GPR_LOG_SEVERITY_DEBUG
+                            : ours <= spdlog::level::debug ? GPR_LOG_SEVERITY_INFO
+                                                           : GPR_LOG_SEVERITY_ERROR);
+    }
+    gpr_set_log_function(&GrpcHandler);
   });
 }
 

@@ -194,6 +194,7 @@ int main(int argc, char** argv) {
   if (!valid.ok()) return Fail(absl::StrCat("invalid configuration: ", valid.message()));
   configure_log(config.log.level, config.log.format);
   klog::InstallUcxLogHandler();
+  klog::InstallGrpcLogHandler();
   spdlog::info("config: {}", kvshade::service::DescribeConfig(config));
   if (f.check_config) {
     if (const std::string w = kvshade::service::InsecureListenWarning(config); !w.empty()) {

@@ -202,5 +202,19 @@ TEST(Logs, UcxMessagesGoThroughTheSameLogger) {
   // reaches stderr beside the JSON lines (ParseJsonLines fails on any such line).
 }
 
+TEST(Logs, GrpcMessagesGoThroughTheSameLogger) {
+  ServerProcess server;
+  // At trace the daemon asks gRPC for its debug messages (polling engine, ports, ...).
+  KV_ASSERT_OK(server.Start({"--log-format", "json", "--log-level", "trace"}));
+  ASSERT_EQ(server.Stop(), 0);
+  const std::vector<Struct> lines = ParseJsonLines(server.log());
+  const std::vector<Struct> grpc = Events(lines, "grpc");
+  ASSERT_FALSE(grpc.empty()) << server.log().substr(0, 4000);
+  EXPECT_FALSE(Field(grpc.front(), "file").empty());
+  EXPECT_FALSE(Field(grpc.front(), "msg").empty());
+  // None of gRPC's own format ("D1202 12:00:00.000000000 123 file.cc:45] ...") reaches
+  // stderr beside the JSON lines (ParseJsonLines fails on any such line).
+}
+
 }  // namespace
 }  // namespace kvshade::integration

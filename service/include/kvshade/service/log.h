@@ -38,6 +38,12 @@ Format CurrentFormat();
 // Idempotent.
 void InstallUcxLogHandler();
 
+// Routes gRPC's own messages (gpr_log) into this log, as event "grpc" with gRPC's source file
+// and line, instead of gRPC's stderr format. gRPC's verbosity follows ours where
+// GRPC_VERBOSITY is not set: error at info and above, info at debug, debug at trace. Call
+// before the first gRPC object. Idempotent.
+void InstallGrpcLogHandler();
+
 // One structured line (see the file comment). Keys are plain identifiers; string values are
 // escaped (JSON) or quoted when they hold spaces, quotes or '=' (text).
 class Event {
