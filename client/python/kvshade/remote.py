@@ -363,8 +363,8 @@ class RemoteDecoder:
         self._local_n[layer] = n + 1
 
     def _attention(self, layer, q):
-        """Exact attention of q over the layer's working buffer: static set + tail, slots,
-        local tokens."""
+        """Attention of q over the layer's working buffer (static set + tail, slots, local
+        tokens): bf16 SDPA on a CUDA device, exact fp32 elsewhere (module docstring)."""
         torch = _torch()
         B, hq, h, d = self.batch, self.query_heads, self.kv_heads, self.head_dim
         wk, wv, wm = self._work_k[layer], self._work_v[layer], self._work_mask[layer]
