@@ -8,24 +8,6 @@ namespace {
 
 constexpr int kG = 2, kH = 2, kD = 64;
 
-v1::AppendTokensRequest AppendOf(const std::string& session, const Stream& s, int from, int to,
-                                 const std::string& attachment = "") {
-  v1::AppendTokensRequest r;
-  r.set_session_id(session);
-  r.set_attachment_id(attachment);
-  const size_t tok = size_t(kH) * kD;
-  for (int t = from; t < to; ++t) r.add_token_ids(s.tokens[t]);
-  for (int l = 0; l < s.L; ++l) {
-    auto* lk = r.add_layers();
-    lk->set_layer(l);
-    std::vector<bf16> k(s.k[l].begin() + from * tok, s.k[l].begin() + to * tok);
-    std::vector<bf16> v(s.v[l].begin() + from * tok, s.v[l].begin() + to * tok);
-    *lk->mutable_k() = ToTensor(k, {to - from, kH, kD});
-    *lk->mutable_v() = ToTensor(v, {to - from, kH, kD});
-  }
-  return r;
-}
-
 int TailLength(Harness& hx, const std::string& attachment, int layer) {
   v1::GetStaticSetRequest r;
   r.set_attachment_id(attachment);

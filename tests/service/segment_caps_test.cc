@@ -56,17 +56,7 @@ TEST(SegmentCaps, CreateSessionReusesAtMostSixSegments) {
 
 // Appends tokens [from, to) of `s` to `session`.
 absl::Status Append(Harness& hx, const std::string& session, const Stream& s, int from, int to) {
-  v1::AppendTokensRequest ar;
-  ar.set_session_id(session);
-  const size_t tok = size_t(s.h) * s.d;
-  for (int t = from; t < to; ++t) ar.add_token_ids(s.tokens[t]);
-  for (int l = 0; l < s.L; ++l) {
-    auto* lk = ar.add_layers();
-    lk->set_layer(l);
-    *lk->mutable_k() = ToTensor({s.k[l].begin() + from * tok, s.k[l].begin() + to * tok}, {to - from, s.h, s.d});
-    *lk->mutable_v() = ToTensor({s.v[l].begin() + from * tok, s.v[l].begin() + to * tok}, {to - from, s.h, s.d});
-  }
-  return hx.engine->AppendTokens(hx.tenant, ar).status();
+  return hx.engine->AppendTokens(hx.tenant, AppendOf(session, s, from, to)).status();
 }
 
 TEST(SegmentCaps, SelectRefusesMoreThanEightSegmentsAndSaysWhatToDo) {

@@ -96,6 +96,23 @@ inline Stream MakeStream(int n, const v1::ModelSpec& m, uint64_t seed_stream, in
   return s;
 }
 
+// AppendTokens of tokens [from, to) of `s` (every layer), optionally as `attachment`.
+inline v1::AppendTokensRequest AppendOf(const std::string& session, const Stream& s, int from, int to,
+                                        const std::string& attachment = "") {
+  v1::AppendTokensRequest r;
+  r.set_session_id(session);
+  r.set_attachment_id(attachment);
+  const size_t tok = size_t(s.h) * s.d;
+  for (int t = from; t < to; ++t) r.add_token_ids(s.tokens[t]);
+  for (int l = 0; l < s.L; ++l) {
+    auto* lk = r.add_layers();
+    lk->set_layer(l);
+    *lk->mutable_k() = ToTensor({s.k[l].begin() + from * tok, s.k[l].begin() + to * tok}, {to - from, s.h, s.d});
+    *lk->mutable_v() = ToTensor({s.v[l].begin() + from * tok, s.v[l].begin() + to * tok}, {to - from, s.h, s.d});
+  }
+  return r;
+}
+
 // The tokens [from, to) of `s` as an ingest stream for `session_id` (each layer in two
 // parts when it has at least two tokens), committed.
 inline std::vector<v1::IngestRequest> IngestStreamOf(const std::string& session_id, const Stream& s,

@@ -57,22 +57,6 @@ v1::Profile TailProfile(int rank) {
 // The tail that `t` exact tokens leave: whole chunks go while it exceeds local + C.
 int Trimmed(int t) { return t > kLocal + kC ? t - (t - kLocal) / kC * kC : t; }
 
-v1::AppendTokensRequest AppendOf(const std::string& session, const Stream& s, int from, int to) {
-  v1::AppendTokensRequest r;
-  r.set_session_id(session);
-  const size_t tok = size_t(s.h) * s.d;
-  for (int t = from; t < to; ++t) r.add_token_ids(s.tokens[t]);
-  for (int l = 0; l < s.L; ++l) {
-    auto* lk = r.add_layers();
-    lk->set_layer(l);
-    std::vector<bf16> k(s.k[l].begin() + from * tok, s.k[l].begin() + to * tok);
-    std::vector<bf16> v(s.v[l].begin() + from * tok, s.v[l].begin() + to * tok);
-    *lk->mutable_k() = ToTensor(k, {to - from, s.h, s.d});
-    *lk->mutable_v() = ToTensor(v, {to - from, s.h, s.d});
-  }
-  return r;
-}
-
 absl::StatusOr<v1::GetStaticSetResponse> StaticSet(Harness& hx, const std::string& attachment,
                                                    int layer) {
   v1::GetStaticSetRequest r;
