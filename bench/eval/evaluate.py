@@ -239,7 +239,8 @@ class RemoteAttend:
 
     def stats(self):
         st = self.dec.stats()
-        return {key: st[key] for key in ("speculated", "corrections")}
+        return {key: st[key] for key in ("speculated", "corrections", "speculated_heads", "corrected_heads")
+                if key in st}
 
     def close(self):
         try:
@@ -426,14 +427,18 @@ def speculation_note(rows):
         acc_y = 100.0 * sum(sync[(r["sample"], b)]["correct"] for r in spec) / len(spec)
         spec_n = sum(r.get("speculated", 0) for r in spec)
         corr = sum(r.get("corrections", 0) for r in spec)
-        lines.append("| %g%% | %d | %.1f | %.1f | %+.1f | %.1f | %d / %d (%.1f%%) |" % (
+        hs = sum(r.get("speculated_heads", 0) for r in spec)
+        hc = sum(r.get("corrected_heads", 0) for r in spec)
+        lines.append("| %g%% | %d | %.1f | %.1f | %+.1f | %.1f | %d / %d (%.1f%%) | %s |" % (
             b, len(spec), acc_y, acc_s, acc_s - acc_y, 100.0 * same / len(spec), corr, spec_n + corr,
-            100.0 * corr / max(spec_n + corr, 1)))
+            100.0 * corr / max(spec_n + corr, 1),
+            "%d / %d (%.1f%%)" % (hc, hs + hc, 100.0 * hc / (hs + hc)) if hs + hc else "-"))
     if not lines:
         return ""
     return ("\nSpeculate-and-correct (rpc-spec) against synchronous selection (rpc), same samples:\n\n"
             "| budget | samples | rpc accuracy | rpc-spec accuracy | delta (points) | decoded identically % "
-            "| corrected sequence-layers |\n|---|---|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+            "| corrected sequence-layers | corrected KV heads |\n|---|---|---|---|---|---|---|---|\n"
+            + "\n".join(lines) + "\n")
 
 
 def main(argv=None):

@@ -237,6 +237,45 @@ class RemoteDecoderTest(unittest.TestCase):
                 self.assertEqual(st["corrections"], 0)
                 self.assertGreaterEqual(st["exposed_wait_s"], 0.0)
 
+    def test_speculation_corrects_only_the_heads_whose_query_drifted(self):
+        # KV head 0's query heads move a little each step (cosine about 0.93 to the last
+        # query), KV head 1's are fresh (cosine about 0): with correct_below 0.8 only head 1
+        # is re-selected. The reference, a synchronous decoder, selects with head 0's previous
+        # query and head 1's current one, then attends: the same output, and at some step
+        # not the output of a selection with the current query for every head.
+        g = HQ // H
+        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+            c.wait_ready(20)
+            sids = [self.session(c), self.session(c)]
+            steps = self.steps(5, 2)
+            for t in range(1, len(steps)):
+                for layer in range(L):
+                    q = steps[t][layer][0]
+                    prev = steps[t - 1][layer][0]
+                    q[:, :g] = (prev[:, :g] + 0.8 * torch.randn_like(prev[:, :g])).bfloat16().float()
+            with RemoteDecoder(c, sids, self.model, device="cpu", speculate=True, correct_below=0.8) as dec, \
+                    RemoteDecoder(c, sids, self.model, device="cpu", worker_id="reference") as ref:
+                differs = 0
+                for t, step in enumerate(steps):
+                    for layer, (q, k, v) in enumerate(step):
+                        got = dec.attend(layer, q, k, v)
+                        mixed = q.clone()
+                        if t > 0:
+                            mixed[:, :g] = steps[t - 1][layer][0][:, :g]
+                        ref._select(layer, mixed)
+                        ref._append_local(layer, k, v)
+                        want = ref._attention(layer, q)
+                        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+                        if t > 0:
+                            ref._select(layer, q)
+                            differs += not torch.allclose(ref._attention(layer, q), want, rtol=1e-4, atol=1e-4)
+                self.assertGreater(differs, 0)
+                st = dec.stats()
+                self.assertEqual(st["corrections"], 4 * L * 2)     # every sequence-layer after step 0
+                self.assertEqual(st["corrected_heads"], 4 * L * 2)  # one KV head of each
+                self.assertEqual(st["speculated_heads"], 4 * L * 2)
+                self.assertEqual(st["speculated"], 0)
+
     def test_bad_calls_are_refused(self):
         with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
             c.wait_ready(20)

@@ -29,10 +29,13 @@ Elsewhere it is exact softmax in fp32: that result to float rounding.
 
 speculate=True (FreeKV's speculate-and-correct): layer l of step t attends over the chunks
 selected with step t-1's query, whose select was issued right after that step's attention
-of layer l and ran while the model computed the other layers; a sequence whose query drifted
-(cosine to the previous query below `correct_below` for any query head) is re-selected
-synchronously for that layer first. stats() counts the speculated and corrected
-sequence-layers and the time spent waiting for speculative selects.
+of layer l and ran while the model computed the other layers. Correction is per KV head: a
+KV head whose query drifted (cosine to the previous query below `correct_below` for any of
+its query heads) is re-selected synchronously with the current query, in one select per
+layer for the sequences that have such a head; the other heads of that select carry the
+query their slots were selected with, so they select the same chunks again (hits, nothing
+delivered) and keep attending over them. stats() counts the speculated and corrected
+sequence-layers and KV heads and the time spent waiting for speculative selects.
 
 q and the new token's key are post-RoPE (what the model computes); outputs are fp32
 [B, hq, d] on `device`. Tokens decoded here are not appended to the sessions.
@@ -74,11 +77,12 @@ class RemoteDecoder:
         self.attachments = [None] * B
         self.hits = self.selected = 0
         # Speculate-and-correct: layer l of step t attends over the chunks selected with
-        # step t-1's query (its select ran while the model computed other layers) unless
-        # the query drifted (cosine to it below correct_below for any query head of the
-        # sequence): then that sequence's layer is re-selected synchronously.
+        # step t-1's query (its select ran while the model computed other layers); a KV
+        # head whose query drifted (cosine to it below correct_below for any of its query
+        # heads) is re-selected synchronously with the current query.
         self.speculate, self.correct_below = bool(speculate), float(correct_below)
         self.speculated = self.corrections = 0
+        self.corrected_heads = self.speculated_heads = 0
         self.exposed_wait_s = 0.0
         self._pending = [None] * model.num_layers  # (future, query it was issued with)
         self._slot_k = self._slot_v = self._host_k = self._host_v = None
@@ -276,8 +280,8 @@ class RemoteDecoder:
 
     def _select(self, layer, q):
         """This step's selection for `layer`: synchronous, or (speculate) the select issued
-        with the previous step's query, corrected synchronously for the sequences whose
-        query drifted from it. Returns (speculate) the query on the host, for the next
+        with the previous step's query, corrected synchronously for the KV heads whose query
+        drifted from it. Returns (speculate) the query on the host, for the next
         step's select."""
         torch = _torch()
         sel = self._sel_index
@@ -295,17 +299,29 @@ class RemoteDecoder:
             deltas = future.result()
             self.exposed_wait_s += time.perf_counter() - t0
             self._apply(layer, sel, deltas)
-            # Cosine of each query head to the one the slots were selected with; the
-            # worst head of a sequence decides for the sequence.
+            # Cosine of each query head to the one the slots were selected with; a KV head
+            # drifted when any of its query heads did.
+            n, hq, d = qf.shape
+            h = self.kv_heads
             cos = torch.nn.functional.cosine_similarity(qf, q_prev, dim=-1)  # [n, hq]
-            worst = cos.min(dim=1).values
-            redo = [b for b, c in zip(sel, worst.tolist()) if c < self.correct_below]
-            self.speculated += len(sel) - len(redo)
-        if redo:
-            self.corrections += len(redo) if pending is not None else 0
-            rows = [sel.index(b) for b in redo]
-            self._apply(layer, redo, self.client.select(layer, self._ids(redo), qs[rows].to(torch.bfloat16),
-                                                        purpose="correction" if pending is not None else "synchronous"))
+            drifted = (cos < self.correct_below).reshape(n, h, hq // h).any(dim=2)  # [n, h]
+            rows = [i for i in range(n) if bool(drifted[i].any())]
+            redo = [sel[i] for i in rows]
+            self.speculated += n - len(rows)
+            self.corrections += len(rows)
+            self.corrected_heads += int(drifted.sum())
+            self.speculated_heads += n * h - int(drifted.sum())
+            if rows:
+                # Drifted KV heads select with the current query; the others with the query
+                # their slots hold the selection of (the same chunks again: all hits).
+                keep = drifted[rows].reshape(len(rows), h, 1, 1)
+                mixed = torch.where(keep, qf[rows].reshape(len(rows), h, hq // h, d),
+                                    q_prev[rows].reshape(len(rows), h, hq // h, d)).reshape(len(rows), hq, d)
+                # (float32 on the host, as the speculative select was sent: the kept heads'
+                # rows convert to the same bf16 query.)
+                self._apply(layer, redo, self.client.select(layer, self._ids(redo), mixed, purpose="correction"))
+            return qf
+        self._apply(layer, redo, self.client.select(layer, self._ids(redo), qs.to(torch.bfloat16)))
         return qf
 
     def _speculate(self, layer, qf):
@@ -406,10 +422,12 @@ class RemoteDecoder:
     def stats(self):
         """selected / hits: chunks over every select (speculative and corrections included);
         with speculate: speculated (sequence-layers attended over the previous step's
-        selection), corrections (re-selected because the query drifted), exposed_wait_s
-        (time spent waiting for speculative selects that had not come back)."""
+        selection alone), corrections (sequence-layers with at least one KV head re-selected
+        because its query drifted), speculated_heads / corrected_heads (the same per KV head),
+        exposed_wait_s (time spent waiting for speculative selects that had not come back)."""
         return {"selected": self.selected, "hits": self.hits, "delivery": self.delivery,
                 "speculated": self.speculated, "corrections": self.corrections,
+                "speculated_heads": self.speculated_heads, "corrected_heads": self.corrected_heads,
                 "exposed_wait_s": self.exposed_wait_s}
 
     def close(self):
