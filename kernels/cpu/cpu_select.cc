@@ -114,6 +114,16 @@ int RankByScore(const float* s, int total, int m, int32_t* cand) {
   return n_cand;
 }
 
+// Whether chunk c (global id) is a chunk of the view that head hh may select: in range
+// and not excluded (static) for that head.
+bool SelectableChunk(const SessionLayerView& v, int hh, int32_t c) {
+  if (c < 0 || c >= v.total_chunks()) return false;
+  int local = c, si = 0;
+  while (local >= v.segments[si].n_chunks) local -= v.segments[si++].n_chunks;
+  const SegmentView& seg = v.segments[si];
+  return seg.excluded == nullptr || seg.excluded[int64_t(hh) * seg.n_chunks + local] == 0;
+}
+
 // Slot diff of one head for the chosen chunks ids[0, kk) (distinct, any order); aux [3k].
 void SlotDiff(int k, const int32_t* ids, int kk, const SelectItem& item, int hh, int32_t* aux) {
   int32_t* sorted_sel = aux;         // [kk] ascending chunk ids
@@ -144,7 +154,16 @@ void SlotDiff(int k, const int32_t* ids, int kk, const SelectItem& item, int hh,
     miss_chunk[n_miss] = sorted_sel[i];
     ++n_miss;
   }
-  for (int i = n_miss; i < n_free; ++i) slots[free_slots[i]] = -1;
+  // Free slots no miss took keep their chunk when it is a chunk of the session that this
+  // step did not select (a mass budget or model-native ids chose fewer than k): it was
+  // delivered before, so a worker's copy of the slot stays equal to the table and a later
+  // step that selects it again hits. Other entries (empty, not selectable by this head, or
+  // a second copy of a selected chunk) are emptied.
+  for (int i = n_miss; i < n_free; ++i) {
+    int32_t& c = slots[free_slots[i]];
+    const bool selected = std::binary_search(sorted_sel, sorted_sel + kk, c);
+    if (selected || !SelectableChunk(item.view, hh, c)) c = -1;
+  }
   for (int i = n_miss; i < k; ++i) miss_slot[i] = miss_chunk[i] = -1;
   item.miss_count[hh] = n_miss;
 }
@@ -389,16 +408,9 @@ absl::Status CpuBackend::AssignSlots(const LayerShape& shape, int k,
     const int hh = int(p % h);
     int32_t* ids = base + p * 4 * k;
     const int32_t* in = it.selected + int64_t(hh) * k;
-    const int total = it.view.total_chunks();
     int n = 0;
     for (int i = 0; i < k; ++i) {
-      const int32_t c = in[i];
-      if (c < 0 || c >= total) continue;
-      int local = c, si = 0;
-      while (local >= it.view.segments[si].n_chunks) local -= it.view.segments[si++].n_chunks;
-      const SegmentView& seg = it.view.segments[si];
-      if (seg.excluded != nullptr && seg.excluded[int64_t(hh) * seg.n_chunks + local] != 0) continue;
-      ids[n++] = c;
+      if (SelectableChunk(it.view, hh, in[i])) ids[n++] = in[i];
     }
     std::sort(ids, ids + n);
     n = int(std::unique(ids, ids + n) - ids);

@@ -157,6 +157,15 @@ __device__ __forceinline__ int SegmentOf(const DevView& v, int chunk) {
   return s;
 }
 
+// Whether head hh may select chunk c: in range and not excluded (static) for that head
+// (cpu_select.cc SelectableChunk).
+__device__ __forceinline__ bool SelectableChunk(const DevView& v, int hh, int c) {
+  if (c < 0 || c >= v.total) return false;
+  const DevSegment& sg = v.seg[SegmentOf(v, c)];
+  return sg.excluded == nullptr ||
+         sg.excluded[static_cast<long long>(hh) * sg.n_chunks + (c - sg.begin)] == 0;
+}
+
 // ---------------------------------------------------------------------------------------
 // Tensor cores and async copies (sm_80+ instructions, all in plain sm_90).
 

@@ -627,8 +627,11 @@ __global__ void __launch_bounds__(kThreads)
     const int chunk = static_cast<int>(hi ^ 0x80000000u);
     const int slot = static_cast<int>(static_cast<uint32_t>(p));
     const bool first = i == 0 || static_cast<uint32_t>(sp[i - 1] >> 32) != hi;
-    const bool hit = first && chunk >= 0 && SortedContains(sel_id, kk, chunk);
-    free_flag[slot] = hit ? 0 : 1;
+    const bool chosen = chunk >= 0 && SortedContains(sel_id, kk, chunk);
+    const bool hit = first && chosen;
+    // 0: hit; 1: free, emptied unless a miss takes it; 2: free, keeps its chunk (a session
+    // chunk this step did not select) unless a miss takes it (cpu_select.cc SlotDiff).
+    free_flag[slot] = hit ? 0 : (!chosen && cuda::SelectableChunk(it.view, hh, chunk) ? 2 : 1);
   }
   for (int i = tid; i < kk; i += blockDim.x) {
     miss_flag[i] = PairsContain(sp, k, static_cast<uint32_t>(sel_id[i]) ^ 0x80000000u) ? 0 : 1;
@@ -637,7 +640,7 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t n_free = 0;
   for (int base = 0; base < k; base += blockDim.x) {
     const int i = base + tid;
-    const uint32_t f = i < k ? static_cast<uint32_t>(free_flag[i]) : 0u;
+    const uint32_t f = i < k && free_flag[i] != 0 ? 1u : 0u;
     uint32_t excl, agg;
     BlockScan(scan_tmp).ExclusiveSum(f, excl, agg);
     if (f) free_list[n_free + excl] = i;
@@ -663,7 +666,9 @@ __global__ void __launch_bounds__(kThreads)
     __syncthreads();
   }
   n_miss = min(n_miss, n_free);
-  for (uint32_t j = n_miss + tid; j < n_free; j += blockDim.x) slots[free_list[j]] = -1;
+  for (uint32_t j = n_miss + tid; j < n_free; j += blockDim.x) {
+    if (free_flag[free_list[j]] == 1) slots[free_list[j]] = -1;
+  }
   for (int j = static_cast<int>(n_miss) + tid; j < k; j += blockDim.x) {
     miss_slot[j] = -1;
     miss_chunk[j] = -1;
@@ -1051,8 +1056,9 @@ __device__ void BitonicSortAsc(uint64_t* a, int n) {
 
 // The CPU's slot diff (cpu_select.cc SlotDiff), run by one thread: ids[0, kk) ascending and
 // distinct; scratch claimed [kk], free_slots [k].
-__device__ void SlotDiffSerial(const int* ids, int kk, int k, int* slots, int* miss_slot,
-                               int* miss_chunk, int* miss_count, int* claimed, int* free_slots) {
+__device__ void SlotDiffSerial(const int* ids, int kk, int k, const DevView& v, int hh,
+                               int* slots, int* miss_slot, int* miss_chunk, int* miss_count,
+                               int* claimed, int* free_slots) {
   for (int i = 0; i < kk; ++i) claimed[i] = 0;
   int n_free = 0;
   for (int slot = 0; slot < k; ++slot) {
@@ -1080,7 +1086,11 @@ __device__ void SlotDiffSerial(const int* ids, int kk, int k, int* slots, int* m
     miss_chunk[n_miss] = ids[i];
     ++n_miss;
   }
-  for (int i = n_miss; i < n_free; ++i) slots[free_slots[i]] = -1;
+  // Unused free slots keep a session chunk this step did not select (cpu_select.cc SlotDiff).
+  for (int i = n_miss; i < n_free; ++i) {
+    int& c = slots[free_slots[i]];
+    if (SortedContains(ids, kk, c) || !cuda::SelectableChunk(v, hh, c)) c = -1;
+  }
   for (int i = n_miss; i < k; ++i) miss_slot[i] = miss_chunk[i] = -1;
   *miss_count = n_miss;
 }
@@ -1195,7 +1205,7 @@ __global__ void __launch_bounds__(256)
   for (int i = tid; i < kk; i += blockDim.x) ids[i] = static_cast<int>(keys[i]);
   __syncthreads();
   if (tid == 0) {
-    SlotDiffSerial(ids, kk, k, e.slots + static_cast<long long>(hh) * k,
+    SlotDiffSerial(ids, kk, k, e.view, hh, e.slots + static_cast<long long>(hh) * k,
                    e.miss_slot + static_cast<long long>(hh) * k,
                    e.miss_chunk + static_cast<long long>(hh) * k, e.miss_count + hh, claimed,
                    free_slots);
@@ -1220,12 +1230,7 @@ __global__ void __launch_bounds__(256)
     uint64_t key = ~0ull;
     if (i < k) {
       const int c = in[i];
-      if (c >= 0 && c < v.total) {
-        const DevSegment& sg = v.seg[cuda::SegmentOf(v, c)];
-        const bool ex = sg.excluded != nullptr &&
-                        sg.excluded[static_cast<long long>(hh) * sg.n_chunks + (c - sg.begin)] != 0;
-        if (!ex) key = static_cast<uint64_t>(c);
-      }
+      if (cuda::SelectableChunk(v, hh, c)) key = static_cast<uint64_t>(c);
     }
     keys[i] = key;
   }
@@ -1237,7 +1242,7 @@ __global__ void __launch_bounds__(256)
       ids[n++] = static_cast<int>(keys[i]);
     }
     s_n = n;
-    SlotDiffSerial(ids, n, k, e.slots + static_cast<long long>(hh) * k,
+    SlotDiffSerial(ids, n, k, v, hh, e.slots + static_cast<long long>(hh) * k,
                    e.miss_slot + static_cast<long long>(hh) * k,
                    e.miss_chunk + static_cast<long long>(hh) * k, e.miss_count + hh, claimed,
                    free_slots);

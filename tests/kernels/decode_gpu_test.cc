@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <set>
@@ -219,6 +220,15 @@ struct SelectInput {
     for (const auto& s : segments) t += s.n_chunks;
     return t;
   }
+  // Head hh may select chunk c: in range and not excluded.
+  bool Selectable(int hh, int c) const {
+    if (c < 0) return false;
+    for (const auto& s : segments) {
+      if (c < s.n_chunks) return s.excluded[size_t(hh) * s.n_chunks + c] == 0;
+      c -= s.n_chunks;
+    }
+    return false;
+  }
 };
 
 struct SelectResult {
@@ -318,7 +328,7 @@ std::vector<double> ReferenceScores(const LayerShape& shape, const SelectInput& 
 // Checks the temporal-cache invariants of one head's step; "" when they hold.
 std::string CheckSlotDiff(const int32_t* old_slots, const int32_t* slots, const int32_t* selected,
                           const int32_t* miss_slot, const int32_t* miss_chunk, int miss_count,
-                          int k) {
+                          int k, const std::function<bool(int)>& selectable) {
   std::set<int> sel;
   for (int i = 0; i < k; ++i) {
     if (selected[i] >= 0 && !sel.insert(selected[i]).second) return "duplicate selected id";
@@ -347,8 +357,14 @@ std::string CheckSlotDiff(const int32_t* old_slots, const int32_t* slots, const 
     if (miss_slot[j] != free_slots[j]) return absl::StrCat("miss_slot[", j, "] wrong");
     if (slots[miss_slot[j]] != miss_chunk[j]) return absl::StrCat("slot of miss ", j, " wrong");
   }
+  // A free slot no miss took keeps a selectable chunk that was not selected; else -1.
   for (size_t j = misses.size(); j < free_slots.size(); ++j) {
-    if (slots[free_slots[j]] != -1) return "unused free slot not emptied";
+    const int was = old_slots[free_slots[j]];
+    const int want = selectable(was) && !sel.count(was) ? was : -1;
+    if (slots[free_slots[j]] != want) {
+      return absl::StrCat("unused free slot ", free_slots[j], " holds ", slots[free_slots[j]],
+                          ", want ", want);
+    }
   }
   std::multiset<int> now(slots, slots + k);
   for (int c : sel) {
@@ -430,7 +446,8 @@ void SelectParity(int batch) {
       const int32_t* sg = rg[i].selected.data() + o;
       std::string t3 = CheckSlotDiff(in[i].slots.data() + o, rg[i].slots.data() + o, sg,
                                      rg[i].miss_slot.data() + o, rg[i].miss_chunk.data() + o,
-                                     rg[i].miss_count[hh], k);
+                                     rg[i].miss_count[hh], k,
+                                     [&](int c) { return in[i].Selectable(hh, c); });
       EXPECT_EQ(t3, "") << "item " << i << " head " << hh;
       t3_failures += !t3.empty();
       if (std::equal(sc, sc + k, sg)) {

@@ -290,15 +290,18 @@ TEST(SelectEx, MassBudgetFloorAndCap) {
   EXPECT_EQ(Count(RunEx(*be, c, k, &o, std::vector<int32_t>(k, -1)).selected, 0, k), 1);
   o.top_p = 1.0f;  // never reached by 10 of 40 chunks: the cap decides
   EXPECT_EQ(Count(RunEx(*be, c, k, &o, std::vector<int32_t>(k, -1)).selected, 0, k), k);
-  // Slots a shorter cut leaves unused are emptied.
+  // Slots a shorter cut does not need keep their chunks (they were delivered before), so
+  // the table is unchanged and the full selection again hits every chunk.
   ExOut full = RunEx(*be, c, k, nullptr, std::vector<int32_t>(k, -1));
   o.top_p = 1e-6f;
   o.min_k = 2;
   ExOut cut = RunEx(*be, c, k, &o, full.slots);
-  int filled = 0;
-  for (int32_t s : cut.slots) filled += s >= 0;
-  EXPECT_EQ(filled, 2);
+  EXPECT_EQ(Count(cut.selected, 0, k), 2);
+  EXPECT_EQ(cut.slots, full.slots);
   EXPECT_EQ(cut.miss_count[0], 0);  // both kept chunks were already in slots
+  ExOut again = RunEx(*be, c, k, nullptr, cut.slots);
+  EXPECT_EQ(again.miss_count[0], 0);
+  EXPECT_EQ(again.slots, full.slots);
   // Two stages with a budget: the softmax over the candidates' max logits.
   SelectOptions t;
   t.candidates = 40;
@@ -310,6 +313,52 @@ TEST(SelectEx, MassBudgetFloorAndCap) {
   EXPECT_EQ(Count(ts.selected, 0, k), 3);
   const std::vector<int32_t> oracle = OracleTopK(c, 0, 3);
   EXPECT_EQ(std::vector<int32_t>(ts.selected.begin(), ts.selected.begin() + 3), oracle);
+}
+
+// A worker mirrors the slot table from the misses alone (slot <- chunk). Over steps that mix
+// mass budgets, two stages and plain selection with changing queries, the mirror must stay
+// equal to the table, hold each chunk at most once per head, and hold every selected chunk:
+// a slot the table emptied behind the worker's back would leave a stale chunk in the mirror,
+// attended twice once it is selected again into another slot.
+TEST(SelectEx, MissesAloneKeepAWorkersMirrorOfTheTable) {
+  auto be = Cpu();
+  auto rng = MakeRng(450);
+  LowRankCase c = RandomLowRank(rng, {2, 2, 16}, 4, 8, 60, /*static_every=*/7);
+  const int h = 2, k = 12;
+  std::vector<int32_t> slots(size_t(h) * k, -1), mirror = slots;
+  int cut_steps = 0;
+  for (int step = 0; step < 40; ++step) {
+    c.q = testing::RandomBf16(c.q.size(), rng, step % 3 == 0 ? 4.0f : 1.0f);
+    SelectOptions o;
+    if (step % 4 != 3) {
+      o.top_p = step % 2 == 0 ? 0.5f : 0.9f;
+      o.min_k = 1;
+    }
+    if (step % 5 == 4) {
+      o.candidates = 3 * k;
+      o.C = c.C;
+      o.rope = c.rope;
+    }
+    ExOut x = RunEx(*be, c, k, &o, slots);
+    for (int hh = 0; hh < h; ++hh) {
+      cut_steps += Count(x.selected, hh, k) < k;
+      for (int j = 0; j < x.miss_count[hh]; ++j) {
+        mirror[size_t(hh) * k + x.miss_slot[size_t(hh) * k + j]] = x.miss_chunk[size_t(hh) * k + j];
+      }
+      std::set<int32_t> held;
+      for (int i = 0; i < k; ++i) {
+        const int32_t m = mirror[size_t(hh) * k + i];
+        if (m >= 0) EXPECT_TRUE(held.insert(m).second) << "step " << step << ": chunk " << m << " twice";
+      }
+      for (int i = 0; i < k; ++i) {
+        const int32_t sel = x.selected[size_t(hh) * k + i];
+        if (sel >= 0) EXPECT_TRUE(held.count(sel)) << "step " << step << ": selected " << sel << " not held";
+      }
+    }
+    EXPECT_EQ(mirror, x.slots) << "step " << step;
+    slots = x.slots;
+  }
+  EXPECT_GT(cut_steps, 10);  // the mass budget did cut below the cap
 }
 
 TEST(SelectEx, RejectsBadOptions) {

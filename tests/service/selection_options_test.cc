@@ -124,6 +124,37 @@ TEST(SelectionProfiles, MassBudgetSelectsFewerChunksThanTheCap) {
   EXPECT_EQ(d2->selected(), 2u * 8);
 }
 
+// A worker that keeps its own copy of the slots applies the deltas' misses only. With a mass
+// budget (fewer chunks than slots on sharp queries, more on flat ones) its copy must stay the
+// daemon's table, read back through SlotTable, step after step.
+TEST(SelectionProfiles, MassBudgetDeltasKeepAWorkersSlotsEqualToTheTable) {
+  Harness hs;
+  const Stream s = MakeStream(512, hs.model, 5);
+  v1::Profile p = ShadowProfile(16);
+  p.set_mass_top_p(0.5f);
+  p.set_mass_min_chunks(1);
+  auto o = hs.Open(s, p);
+  const int h = hs.model.num_kv_heads(), k = 16, layer = 1;
+  std::vector<int32_t> mirror(size_t(h) * k, -1);
+  uint32_t fewest = 2 * k, most = 0;
+  for (int step = 0; step < 12; ++step) {
+    auto d = hs.Select(o.attachment, layer, hs.Query(40 + step, step % 2 == 0 ? 4.0f : 0.25f));
+    ASSERT_TRUE(d.ok()) << d.status();
+    fewest = std::min(fewest, d->selected());
+    most = std::max(most, d->selected());
+    for (int i = 0; i < d->slot_size(); ++i) mirror[size_t(d->head(i)) * k + d->slot(i)] = d->chunk(i);
+    v1::SlotTableRequest r;
+    r.set_attachment_id(o.attachment);
+    auto t = hs.engine->SlotTable(hs.tenant, r);
+    ASSERT_TRUE(t.ok()) << t.status();
+    ASSERT_EQ(t->layers_size(), 1);
+    ASSERT_EQ(t->layers(0).slots_per_head(), uint32_t(k));
+    const std::vector<int32_t> table(t->layers(0).chunk().begin(), t->layers(0).chunk().end());
+    EXPECT_EQ(mirror, table) << "step " << step;
+  }
+  EXPECT_LT(fewest, most);  // the budget did change between steps
+}
+
 std::string MetricsText(Harness& hs) {
   prometheus::TextSerializer ser;
   return ser.Serialize(hs.metrics.registry()->Collect());

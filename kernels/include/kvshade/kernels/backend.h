@@ -158,7 +158,14 @@ struct SessionLayerView {
 
 // Per-session state and outputs of one decode step for one layer.
 //   q           : [h*g, d] bf16, post-RoPE query of the newest token
-//   slots       : [h, k] int32, in/out slot table (chunk id, or -1 for an empty slot)
+//   slots       : [h, k] int32, in/out slot table (chunk id, or -1 for an empty slot;
+//                 ids distinct per head). The slot diff keeps hits in place and puts
+//                 misses into the other slots (ascending chunk into ascending slot); a
+//                 slot no miss needs keeps its chunk when it is a chunk of the view that
+//                 this step did not select, and is emptied (-1) otherwise (empty, out of
+//                 range, or a second copy of a selected chunk). So when fewer than k chunks
+//                 are selected (a mass budget, model-native ids) the table still holds only
+//                 chunks delivered before, and one that is selected again is a hit.
 //   selected    : [h, k] int32 out, top-k chunk ids by descending score (ties: lower id)
 //   miss_slot   : [h, k] int32 out, entries [0, miss_count[hh]) of row hh are the slots
 //                 filled this step, ascending
@@ -192,8 +199,8 @@ struct SelectItem {
 //                softmax) in one stage, and softmax over the candidates of m in two stages;
 //                summed in rank order in fp32.
 //   min_k      : the floor of the mass budget, in [0, k].
-// A head that keeps fewer than k chunks has -1 in its trailing `selected` entries, and the
-// slots not needed end up empty (-1), as with fewer selectable chunks than k.
+// A head that keeps fewer than k chunks has -1 in its trailing `selected` entries; the slots
+// it does not need keep the chunks they held (SelectItem::slots).
 struct SelectOptions {
   int candidates = 0;
   int C = 0;
@@ -412,8 +419,8 @@ class Backend {
   // (fp32) per query head, s = max over the group, top-k per KV head, then the slot-table
   // diff (hits stay; misses fill freed slots, ascending chunk into ascending slot).
   // Items are independent; `items` is host memory. k <= view.total_chunks() is checked;
-  // when a head has fewer than k selectable chunks its trailing `selected` entries are -1,
-  // and those slots end up empty (-1).
+  // when a head has fewer than k selectable chunks its trailing `selected` entries are -1
+  // (the slots it does not need: SelectItem::slots).
   virtual size_t SelectWorkspaceBytes(const LayerShape& shape, int k,
                                       absl::Span<const SelectItem> items) const = 0;
   virtual absl::Status Select(const LayerShape& shape, int k,
@@ -432,7 +439,7 @@ class Backend {
   // outside [0, total_chunks), static for that head (excluded) or repeated are ignored too
   // (callers that must refuse them check before). The slot diff is Select's (hits stay,
   // misses in ascending chunk id fill the free slots in ascending slot order, unused slots
-  // become -1) and fills slots, miss_slot, miss_chunk and miss_count; `q` is not read.
+  // keep or drop their chunk as SelectItem::slots says) and fills slots, miss_slot, miss_chunk and miss_count; `q` is not read.
   virtual size_t AssignSlotsWorkspaceBytes(const LayerShape& shape, int k,
                                            absl::Span<const SelectItem> items) const = 0;
   virtual absl::Status AssignSlots(const LayerShape& shape, int k,
