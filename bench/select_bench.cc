@@ -14,8 +14,11 @@
 // kept per head, and the median time of the selection call beside Select + Reconstruct of
 // k chunks (the decode step's selection work without the options).
 //
+// With --batch B every call carries B sessions (the same layer, each with its own slot
+// table and outputs), as a decode step of batch B does; times are per call.
+//
 //   kvshade_select_bench [--backend cpu|cuda] [--chunks 2048] [--k 32] [--h 8] [--g 4]
-//                        [--d 128] [--r 128] [--C 8] [--needles 8] [--trials 8]
+//                        [--d 128] [--r 128] [--C 8] [--needles 8] [--trials 8] [--batch 1]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -35,6 +38,7 @@ namespace {
 struct Args {
   std::string backend = "cpu";
   int chunks = 2048, k = 32, h = 8, g = 4, d = 128, r = 128, C = 8, needles = 8, trials = 8;
+  int batch = 1;
   int true_rank = 32;
   float needle_gain = 1.0f;
 };
@@ -54,6 +58,7 @@ Args Parse(int argc, char** argv) {
     else if (f == "--C") a.C = std::stoi(v);
     else if (f == "--needles") a.needles = std::stoi(v);
     else if (f == "--trials") a.trials = std::stoi(v);
+    else if (f == "--batch") a.batch = std::max(1, std::stoi(v));
     else if (f == "--true-rank") a.true_rank = std::stoi(v);
     else if (f == "--needle-gain") a.needle_gain = std::stof(v);
     else {
@@ -137,8 +142,9 @@ Layer Make(const Args& x, std::mt19937_64& rng) {
   for (size_t i = 0; i < a.size(); ++i) L.a[i] = FloatToBf16(a[i]);
   // Landmarks: chunk means of the post-RoPE reconstructed keys.
   L.landmarks.assign(size_t(x.chunks) * h * d, bf16{});
-  std::vector<float> key(d), mean(d);
+#pragma omp parallel for schedule(dynamic, 16)
   for (int c = 0; c < x.chunks; ++c) {
+    std::vector<float> key(d), mean(d);
     for (int hh = 0; hh < h; ++hh) {
       std::fill(mean.begin(), mean.end(), 0.0f);
       for (int t = c * x.C; t < (c + 1) * x.C; ++t) {
@@ -170,7 +176,8 @@ Out RunSelectEx(Backend& be, const Args& x, const Layer& L, int k, const SelectO
   std::vector<uint8_t> ex(size_t(h) * x.chunks, 0);
   for (int hh = 0; hh < h; ++hh) ex[size_t(hh) * x.chunks] = 1;  // the sink is static
   Buffer exb = Up(be, ex);
-  Buffer outs = be.Allocate(hk * 4 * 4 + size_t(h) * 4).value();
+  const size_t per = hk * 4 + size_t(h);  // int32 outputs of one item
+  Buffer outs = be.Allocate(per * 4 * x.batch).value();
   SelectItem it;
   it.view.n_segments = 1;
   it.view.b = static_cast<const bf16*>(b.data());
@@ -186,12 +193,20 @@ Out RunSelectEx(Backend& be, const Args& x, const Layer& L, int k, const SelectO
   it.miss_slot = base + 2 * hk;
   it.miss_chunk = base + 3 * hk;
   it.miss_count = base + 4 * hk;
-  std::vector<SelectItem> items = {it};
+  std::vector<SelectItem> items(x.batch, it);
+  for (int i = 1; i < x.batch; ++i) {
+    int32_t* bi = base + i * per;
+    items[i].slots = bi;
+    items[i].selected = bi + hk;
+    items[i].miss_slot = bi + 2 * hk;
+    items[i].miss_chunk = bi + 3 * hk;
+    items[i].miss_count = bi + 4 * hk;
+  }
   SelectOptions opts = o ? *o : SelectOptions{};
   Buffer ws = be.Allocate(std::max<size_t>(be.SelectExWorkspaceBytes({h, x.g, x.d}, k, opts, items), 1)).value();
   std::vector<double> times;
   for (int rep = 0; rep < reps; ++rep) {
-    (void)be.Fill(it.slots, 0xff, hk * 4);
+    for (const SelectItem& i : items) (void)be.Fill(i.slots, 0xff, hk * 4);
     (void)be.Synchronize();
     const auto t0 = std::chrono::steady_clock::now();
     absl::Status st = be.SelectEx({h, x.g, x.d}, k, opts, items, ws.workspace());
@@ -219,8 +234,9 @@ double ReconstructMs(Backend& be, const Args& x, const Layer& L, int k, int reps
   for (int hh = 0; hh < h; ++hh)
     for (int j = 0; j < k; ++j) mc[size_t(hh) * k + j] = 1 + j * (x.chunks - 1) / k;
   Buffer mcb = Up(be, mc), cntb = Up(be, cnt);
-  Buffer keys = be.Allocate(size_t(h) * k * x.C * x.d * 2).value();
-  Buffer vals = be.Allocate(size_t(h) * k * x.C * x.d * 2).value();
+  const size_t rows = size_t(h) * k * x.C * x.d;  // bf16 elements of one item's keys
+  Buffer keys = be.Allocate(rows * 2 * x.batch).value();
+  Buffer vals = be.Allocate(rows * 2 * x.batch).value();
   ReconstructItem it;
   it.view.n_segments = 1;
   it.view.b = static_cast<const bf16*>(b.data());
@@ -234,7 +250,11 @@ double ReconstructMs(Backend& be, const Args& x, const Layer& L, int k, int reps
   it.miss_count = static_cast<const int32_t*>(cntb.data());
   it.keys = static_cast<bf16*>(keys.data());
   it.values = static_cast<bf16*>(vals.data());
-  std::vector<ReconstructItem> items = {it};
+  std::vector<ReconstructItem> items(x.batch, it);
+  for (int i = 1; i < x.batch; ++i) {
+    items[i].keys = static_cast<bf16*>(keys.data()) + i * rows;
+    items[i].values = static_cast<bf16*>(vals.data()) + i * rows;
+  }
   LayerShape shape{h, x.g, x.d};
   Buffer ws = be.Allocate(std::max<size_t>(be.ReconstructWorkspaceBytes(shape, k, items), 1)).value();
   std::vector<double> times;
@@ -263,9 +283,9 @@ int main(int argc, char** argv) {
   }
   Backend& be = **be_or;
   std::printf("backend %s: %d chunks of C=%d (%d tokens), h=%d g=%d d=%d r=%d, k=%d (%.1f%%), "
-              "%d needles per head, %d trials\n",
+              "%d needles per head, %d trials, batch %d\n",
               x.backend.c_str(), x.chunks, x.C, x.chunks * x.C, x.h, x.g, x.d, x.r, x.k,
-              100.0 * x.k / x.chunks, x.needles, x.trials);
+              100.0 * x.k / x.chunks, x.needles, x.trials, x.batch);
   struct Opt {
     const char* name;
     int factor;
