@@ -40,6 +40,7 @@ struct kvshade_static_set {
   int64_t h = 0, s_max = 0, d = 0, t = 0;
   std::vector<float> k, v, tail_k, tail_v;
   std::vector<uint32_t> lengths;
+  std::vector<int64_t> positions, tail_positions;
 };
 
 struct kvshade_select_result {
@@ -47,6 +48,7 @@ struct kvshade_select_result {
     std::string attachment_id;
     std::vector<uint32_t> head, slot;
     std::vector<int32_t> chunk;
+    std::vector<int64_t> position;
     std::vector<float> keys, values;
     int64_t chunk_size = 0, head_dim = 0;
     uint32_t hits = 0, selected = 0;
@@ -252,13 +254,16 @@ int DecodeSelect(const v1::SelectAndReconstructResponse& r, kvshade_select_resul
     dl.head.assign(sd.head().begin(), sd.head().end());
     dl.slot.assign(sd.slot().begin(), sd.slot().end());
     dl.chunk.assign(sd.chunk().begin(), sd.chunk().end());
+    dl.position.assign(sd.position().begin(), sd.position().end());
     dl.hits = sd.hits();
     dl.selected = sd.selected();
     dl.delivered = sd.delivered();
     dl.fallback = sd.fallback();
     dl.tokens = sd.tokens();
-    if (dl.slot.size() != dl.head.size() || dl.chunk.size() != dl.head.size()) {
-      return Report(absl::InternalError("malformed SlotDelta from the server (head/slot/chunk lengths differ)"));
+    if (dl.slot.size() != dl.head.size() || dl.chunk.size() != dl.head.size() ||
+        dl.position.size() != dl.head.size()) {
+      return Report(absl::InternalError(
+          "malformed SlotDelta from the server (head/slot/chunk/position lengths differ)"));
     }
     if (!dl.head.empty() && sd.delivered()) {
       // K and V are already in the registered slot buffers: only the shape comes back.
@@ -789,6 +794,10 @@ int kvshade_get_static_set(kvshade_client* c, const char* attachment_id, uint32_
     s->k.resize(static_cast<size_t>(s->h * s->s_max * s->d));
     s->v.resize(s->k.size());
     s->lengths.resize(static_cast<size_t>(s->h));
+    s->positions.assign(r->positions().begin(), r->positions().end());
+    s->positions.resize(static_cast<size_t>(s->h * s->s_max), -1);
+    s->tail_positions.assign(r->tail_positions().begin(), r->tail_positions().end());
+    s->tail_positions.resize(static_cast<size_t>(s->t), -1);
     *out = s.release();
     return Report(absl::OkStatus());
   });
@@ -810,6 +819,13 @@ void kvshade_static_set_data(const kvshade_static_set* s, const float** k, const
   if (lengths != nullptr) *lengths = s->lengths.data();
   if (tail_k != nullptr) *tail_k = s->tail_k.data();
   if (tail_v != nullptr) *tail_v = s->tail_v.data();
+}
+
+void kvshade_static_set_positions(const kvshade_static_set* s, const int64_t** positions,
+                                  const int64_t** tail_positions) {
+  if (s == nullptr) return;
+  if (positions != nullptr) *positions = s->positions.data();
+  if (tail_positions != nullptr) *tail_positions = s->tail_positions.data();
 }
 
 void kvshade_static_set_free(kvshade_static_set* s) { delete s; }
@@ -856,6 +872,7 @@ int kvshade_select_delta(const kvshade_select_result* r, size_t i, kvshade_slot_
   out->head = dl.head.data();
   out->slot = dl.slot.data();
   out->chunk = dl.chunk.data();
+  out->position = dl.position.data();
   out->keys = dl.delivered ? nullptr : dl.keys.data();
   out->values = dl.delivered ? nullptr : dl.values.data();
   out->chunk_size = dl.chunk_size;

@@ -387,6 +387,7 @@ absl::StatusOr<v1::SelectAndReconstructResponse> SelectReply(
     out->mutable_head()->Add(d.head.begin(), d.head.end());
     out->mutable_slot()->Add(d.slot.begin(), d.slot.end());
     out->mutable_chunk()->Add(d.chunk.begin(), d.chunk.end());
+    out->mutable_position()->Add(d.position.begin(), d.position.end());
     const int64_t m = static_cast<int64_t>(d.head.size());
     SetTensor(out->mutable_keys(), v1::DTYPE_BF16, {m, d.chunk_size, d.head_dim}, d.keys);
     SetTensor(out->mutable_values(), v1::DTYPE_BF16, {m, d.chunk_size, d.head_dim}, d.values);

@@ -115,6 +115,7 @@ void CheckDecodeFrames(uint8_t pick, const std::string& header, const std::strin
   if (auto ds = frame::ParseDeltas(payload, count); ds.ok()) {
     for (const frame::Delta& d : *ds) {
       if (d.slot.size() != d.head.size() || d.chunk.size() != d.head.size() ||
+          d.position.size() != d.head.size() ||
           !Inside(d.keys, payload) || !Inside(d.values, payload) || d.keys.size() != d.values.size()) {
         std::abort();
       }
@@ -220,6 +221,7 @@ void WriteSeeds(const std::string& dir) {
     WriteFile(dir + "/attend_frame", seed((1 << 2) | 2, frame::EncodeHeader(fh), abody));
     const uint32_t head[2] = {0, 1}, slot[2] = {3, 4};
     const int32_t chunk[2] = {7, 9};
+    const int64_t position[2] = {56, 72};
     const std::string rows(2 * 8 * 8 * 2, 'r');
     frame::DeltaRef d;
     d.chunk_size = 8;
@@ -230,6 +232,7 @@ void WriteSeeds(const std::string& dir) {
     d.head = head;
     d.slot = slot;
     d.chunk = chunk;
+    d.position = position;
     d.keys = rows;
     d.values = rows;
     d.tokens = 4097;

@@ -7,6 +7,7 @@ void SlotDeltaResult::Clear() {
   head.clear();
   slot.clear();
   chunk.clear();
+  position.clear();
   keys.clear();
   values.clear();
   chunk_size = head_dim = selected = hits = 0;

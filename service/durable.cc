@@ -10,7 +10,9 @@
 // Record formats (user_metadata, little-endian: durable_codec.h; versioned by the magic):
 //   segment "KVSHSEG1": kind, first_position, n_tokens, C, L, tokens, prefix key, base id
 //            (refactorized segments), then per layer: n_chunks, a_rows, r, s_cap, s_len[h],
-//            n_tail, int2 blocks (rows, valid), energies.
+//            n_tail, int2 blocks (rows, valid), energies; then per layer the static rows'
+//            positions s_pos[h*s_cap] (absent in records written before them: restored
+//            as unknown, -1).
 //            Factors per layer: kA, kB, kLandmarks, kExcluded, kStatic (sk, sv, tk, tv,
 //            then each INT2 block's k codes, scale, min, v codes, scale, min).
 //   session "KVSHSES1": id, tenant, version, ModelSpec, Profile, label, prompt, reused,
@@ -112,6 +114,7 @@ std::string EngineImpl::SegmentMetadata(const Segment& seg, const ModelInfo& m) 
     w.Put<double>(d.captured_energy);
     w.Put<double>(d.residual_energy);
   }
+  for (int l = 0; l < m.layers; ++l) w.Vec(seg.data(l).s_pos);
   return w.out();
 }
 
@@ -295,6 +298,7 @@ struct SegRecord {
     int32_t n_chunks = 0, r = 0, s_cap = 0, n_tail = 0;
     int64_t a_rows = 0;
     std::vector<int32_t> s_len;
+    std::vector<int64_t> s_pos;  // empty: a record written before positions were kept
     struct Int2 {
       int32_t rows = 0, valid = 0;
       uint64_t bytes[6] = {};
@@ -344,6 +348,9 @@ bool ParseSegment(const storage::SegmentMeta& meta, SegRecord* r) {
     rd.Get(&l.captured);
     rd.Get(&l.residual);
   }
+  if (rd.ok() && rd.left() > 0) {
+    for (auto& l : r->layers) rd.Vec(&l.s_pos);
+  }
   return rd.ok();
 }
 
@@ -368,6 +375,12 @@ const char* SegmentRecordProblem(const SegRecord& r, const ModelInfo& m) {
     }
     for (int32_t len : l.s_len) {
       if (len < 0 || len > l.s_cap) return "static length outside the static capacity";
+    }
+    if (!l.s_pos.empty() && l.s_pos.size() != size_t(h) * size_t(l.s_cap)) {
+      return "static positions do not match the static capacity";
+    }
+    for (int64_t p : l.s_pos) {
+      if (p < -1 || p > kMaxTokens) return "static position out of bounds";
     }
     for (const auto& b : l.int2) {
       if (b.rows < 0 || b.valid < 0) return "negative INT2 block size";
@@ -552,6 +565,7 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
       ld.n_chunks = ld.cap_chunks = lr.n_chunks;
       ld.s_cap = lr.s_cap;
       ld.s_len = lr.s_len;
+      ld.s_pos = lr.s_pos.empty() ? std::vector<int64_t>(size_t(m.shape.h) * lr.s_cap, -1) : lr.s_pos;
       ld.n_tail = ld.cap_tail = lr.n_tail;
       ld.captured_energy = lr.captured;
       ld.residual_energy = lr.residual;

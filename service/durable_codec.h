@@ -113,6 +113,7 @@ class Reader {
     return true;
   }
   bool ok() const { return ok_; }
+  size_t left() const { return s_.size(); }
   bool empty() const { return s_.empty(); }
 
  private:

@@ -970,6 +970,7 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer) {
   if (c.static_version != s.static_version) {
     // Per head: every segment's static rows (exact, or dequantized INT2), in chain order.
     std::vector<std::vector<kernels::bf16>> hk(h), hv(h);
+    std::vector<std::vector<int64_t>> hp(h);
     auto add_segment = [&](const Segment& seg) -> absl::Status {
       const LayerData& ld = seg.data(layer);
       if (ld.s_cap == 0) return absl::OkStatus();
@@ -981,6 +982,10 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer) {
         const size_t len = size_t(ld.s_len[hh]) * row;
         hk[hh].insert(hk[hh].end(), k.begin() + off, k.begin() + off + len);
         hv[hh].insert(hv[hh].end(), v.begin() + off, v.begin() + off + len);
+        const size_t prow = size_t(hh) * ld.s_cap;
+        for (int i = 0; i < ld.s_len[hh]; ++i) {
+          hp[hh].push_back(prow + i < ld.s_pos.size() ? ld.s_pos[prow + i] : -1);
+        }
       }
       return absl::OkStatus();
     };
@@ -995,9 +1000,11 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer) {
     c.s = sn;
     c.host_k.assign(size_t(h) * sn * row, kernels::bf16{});
     c.host_v.assign(c.host_k.size(), kernels::bf16{});
+    c.host_pos.assign(size_t(h) * sn, -1);
     for (int hh = 0; hh < h; ++hh) {
       std::copy(hk[hh].begin(), hk[hh].end(), c.host_k.begin() + size_t(hh) * sn * row);
       std::copy(hv[hh].begin(), hv[hh].end(), c.host_v.begin() + size_t(hh) * sn * row);
+      std::copy(hp[hh].begin(), hp[hh].end(), c.host_pos.begin() + size_t(hh) * sn);
     }
     c.k = DeviceBlock();
     c.v = DeviceBlock();
@@ -1014,6 +1021,7 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer) {
   if (c.tail_version != s.tail_version) {
     c.host_tk.clear();
     c.host_tv.clear();
+    c.host_tail_pos.clear();
     const size_t tok = size_t(h) * d;
     // A remainder's rows that chunks of a later (open) segment cover left the tail.
     auto add_tail = [&](const Segment& seg) -> absl::Status {
@@ -1021,6 +1029,9 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer) {
       const int skip = CoveredRemainderRows(s, seg, layer);
       if (ld.n_tail - skip <= 0) return absl::OkStatus();
       const size_t n = size_t(ld.n_tail - skip) * tok, off = size_t(skip) * tok;
+      // The remainder is the segment's tokens after its chunks.
+      const int64_t first = seg.first_position + int64_t(ld.n_chunks) * seg.chunk_size;
+      for (int i = skip; i < ld.n_tail; ++i) c.host_tail_pos.push_back(first + i);
       const size_t at = c.host_tk.size();
       c.host_tk.resize(at + n);
       c.host_tv.resize(at + n);
@@ -1037,6 +1048,11 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer) {
     c.host_tk.insert(c.host_tk.end(), tl.k.begin(), tl.k.end());
     c.host_tv.insert(c.host_tv.end(), tl.v.begin(), tl.v.end());
     c.t = static_cast<int>(c.host_tk.size() / tok);
+    // The appended tail is the session's newest tokens.
+    const int64_t appended = static_cast<int64_t>(tl.k.size() / tok);
+    for (int64_t i = 0; i < appended; ++i) {
+      c.host_tail_pos.push_back(static_cast<int64_t>(s.tokens) - appended + i);
+    }
     c.tk = DeviceBlock();
     c.tv = DeviceBlock();
     if (c.t > 0) {

@@ -463,6 +463,16 @@ class IngestStreamImpl final : public Engine::IngestStream {
     out.sk = DeviceBlock(std::move(sl.static_k));
     out.sv = DeviceBlock(std::move(sl.static_v));
     out.static_chunks_per_head = sl.static_capacity;
+    out.s_pos.assign(size_t(m.shape.h) * out.s_cap, -1);
+    for (int hh = 0; hh < m.shape.h; ++hh) {
+      for (int i = 0; i < sl.static_capacity; ++i) {
+        const int32_t chunk = sl.static_chunks[size_t(hh) * sl.static_capacity + i];
+        if (chunk < 0) continue;
+        for (int j = 0; j < C; ++j) {
+          out.s_pos[(size_t(hh) * sl.static_capacity + i) * C + j] = first_ + int64_t(chunk) * C + j;
+        }
+      }
+    }
     if (sl.n_heavy > 0) {
       KiviBlock kb;
       kb.rows = sl.heavy_rows_per_head;
@@ -521,6 +531,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
     const int keep = window + heavy;
     const int mq = keep / G * G;  // whole KIVI groups; the newest leftovers stay exact
     std::vector<bf16> rk(size_t(h) * keep * d), rv(rk.size());
+    std::vector<int64_t> pos(size_t(h) * keep);
     std::vector<int32_t> idx(n);
     for (int hh = 0; hh < h; ++hh) {
       std::vector<int32_t> kept;
@@ -536,6 +547,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
       }
       for (int t = n - window; t < n; ++t) kept.push_back(t);
       for (int i = 0; i < keep; ++i) {
+        pos[size_t(hh) * keep + i] = first_ + kept[i];
         const size_t src = (size_t(kept[i]) * h + hh) * d;
         const size_t dst = (size_t(hh) * keep + i) * d;
         std::copy_n(krh.begin() + src, d, rk.begin() + dst);
@@ -563,6 +575,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
     }
     out.s_cap = keep;
     out.s_len.assign(h, keep);
+    out.s_pos = std::move(pos);
     KVSHADE_ASSIGN_OR_RETURN(out.sk, e_.Upload(rk.data(), Bf16Bytes(rk.size()), ArenaKind::kStatic));
     KVSHADE_ASSIGN_OR_RETURN(out.sv, e_.Upload(rv.data(), Bf16Bytes(rv.size()), ArenaKind::kStatic));
     return absl::OkStatus();

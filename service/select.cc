@@ -553,6 +553,7 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
             delta.head.push_back(static_cast<uint32_t>(hh));
             delta.slot.push_back(static_cast<uint32_t>(slot));
             delta.chunk.push_back(run.miss_chunk[jj * hk + hh * k + x]);
+            delta.position.push_back(holds[i].view.chunk_position(delta.chunk.back(), C));
             // A head's misses are rows [0, mc) of its [k, C, d] block.
             src_rows.push_back(int64_t(jj * hk) + hh * k + x);
             if (peer != nullptr) {
@@ -803,7 +804,8 @@ absl::StatusOr<v1::GetStaticSetResponse> EngineImpl::GetStaticSet(const Tenant& 
           "the exact session's ", total, " tokens do not fit one response (max_message_bytes = ",
           config_->limits.max_message_bytes, "); use Attend"));
     }
-    auto add = [&](const LayerData& p) -> absl::Status {
+    auto add = [&](const Segment& seg, const LayerData& p) -> absl::Status {
+      for (int i = 0; i < p.n_tail; ++i) resp.add_tail_positions(seg.first_position + i);
       const size_t n = size_t(p.n_tail) * tok;
       const size_t at = hk.size();
       hk.resize(at + n);
@@ -811,8 +813,8 @@ absl::StatusOr<v1::GetStaticSetResponse> EngineImpl::GetStaticSet(const Tenant& 
       KVSHADE_RETURN_IF_ERROR(Download(hk.data() + at, p.tk.data(), Bf16Bytes(n)));
       return Download(hv.data() + at, p.tv.data(), Bf16Bytes(n));
     };
-    for (const auto& seg : s.chain) KVSHADE_RETURN_IF_ERROR(add(seg->data(layer)));
-    if (s.open) KVSHADE_RETURN_IF_ERROR(add(s.open->layers[layer]));
+    for (const auto& seg : s.chain) KVSHADE_RETURN_IF_ERROR(add(*seg, seg->data(layer)));
+    if (s.open) KVSHADE_RETURN_IF_ERROR(add(*s.open, s.open->layers[layer]));
     EncodeBf16({}, {h, 0, d}, resp.mutable_k());
     EncodeBf16({}, {h, 0, d}, resp.mutable_v());
     for (int hh = 0; hh < h; ++hh) resp.add_lengths(0);
@@ -831,6 +833,8 @@ absl::StatusOr<v1::GetStaticSetResponse> EngineImpl::GetStaticSet(const Tenant& 
   for (int32_t len : c->host_lengths) resp.add_lengths(static_cast<uint32_t>(len));
   EncodeBf16(c->host_tk, {c->t, h, d}, resp.mutable_tail_k());
   EncodeBf16(c->host_tv, {c->t, h, d}, resp.mutable_tail_v());
+  resp.mutable_positions()->Add(c->host_pos.begin(), c->host_pos.end());
+  resp.mutable_tail_positions()->Add(c->host_tail_pos.begin(), c->host_tail_pos.end());
   return resp;
 }
 

@@ -615,6 +615,7 @@ std::string EncodeDeltas(const SelectResult& r) {
     ref.head = d.head.data();
     ref.slot = d.slot.data();
     ref.chunk = d.chunk.data();
+    ref.position = d.position.data();
     if (!d.delivered) {
       ref.keys = Bytes(d.keys);
       ref.values = Bytes(d.values);

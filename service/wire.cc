@@ -34,6 +34,7 @@ absl::StatusOr<v1::SelectAndReconstructResponse> Engine::SelectAndReconstruct(
       out->add_head(d.head[x]);
       out->add_slot(d.slot[x]);
       out->add_chunk(d.chunk[x]);
+      out->add_position(d.position[x]);
     }
     // Delivered rows keep their shape and carry no data (as the worker reads them).
     const int64_t shape[3] = {int64_t(d.misses()), d.chunk_size, d.head_dim};

@@ -201,6 +201,7 @@ void AppendDelta(const DeltaRef& d, std::string* body) {
     body->append(reinterpret_cast<const char*>(d.head), size_t{d.misses} * 4);
     body->append(reinterpret_cast<const char*>(d.slot), size_t{d.misses} * 4);
     body->append(reinterpret_cast<const char*>(d.chunk), size_t{d.misses} * 4);
+    body->append(reinterpret_cast<const char*>(d.position), size_t{d.misses} * 8);
   }
   if (rows) {
     body->append(d.keys);
@@ -230,16 +231,18 @@ absl::StatusOr<std::vector<Delta>> ParseDeltas(std::string_view body, uint32_t c
     d.fallback = flags & 2;
     d.tokens = Get<uint64_t>(fixed.data() + 24);
     std::string_view ids;
-    if (uint64_t{m} * 12 > r.left() || !r.Take(size_t{m} * 12, &ids)) {
-      return Short("SELECT reply", i, "head, slot and chunk", size_t{m} * 12, r.left());
+    if (uint64_t{m} * 20 > r.left() || !r.Take(size_t{m} * 20, &ids)) {
+      return Short("SELECT reply", i, "head, slot, chunk and position", size_t{m} * 20, r.left());
     }
     d.head.resize(m);
     d.slot.resize(m);
     d.chunk.resize(m);
+    d.position.resize(m);
     if (m > 0) {
       std::memcpy(d.head.data(), ids.data(), size_t{m} * 4);
       std::memcpy(d.slot.data(), ids.data() + size_t{m} * 4, size_t{m} * 4);
       std::memcpy(d.chunk.data(), ids.data() + size_t{m} * 8, size_t{m} * 4);
+      std::memcpy(d.position.data(), ids.data() + size_t{m} * 12, size_t{m} * 8);
     }
     if (flags & 4) {
       const uint64_t n = uint64_t{m} * d.chunk_size * d.head_dim * 2;

@@ -178,6 +178,12 @@ int main(void) {
   int v_mismatch = 0;
   for (int i = 0; i < N * H * D; ++i) v_mismatch += tv[i] != bf16_to_f32(v[1][i]);
   CHECK(v_mismatch == 0);
+  /* Row t of the tail is token t. */
+  const int64_t *spos = NULL, *tpos = NULL;
+  kvshade_static_set_positions(st, &spos, &tpos);
+  int pos_mismatch = 0;
+  for (int t = 0; t < N; ++t) pos_mismatch += tpos[t] != t;
+  CHECK(pos_mismatch == 0);
 
   /* attend == softmax(q K^T / sqrt(d)) V over the tail, per query head (GQA). */
   float q[HQ * D], out[HQ * D];

@@ -88,6 +88,7 @@ class ClientTest(unittest.TestCase):
         for layer in range(L):
             st = self.c.static_set(att.attachment_id, layer)
             self.assertEqual(st.tail_k.shape, (n, H, D))
+            np.testing.assert_array_equal(st.tail_positions, np.arange(n))  # row t is token t
             # Values come back bit-identical to the bf16 that went in.
             np.testing.assert_array_equal(st.tail_v, bf16(v[layer]))
             q = bf16(self.rng.standard_normal((HQ, D)).astype(np.float32))
@@ -164,6 +165,14 @@ class ClientTest(unittest.TestCase):
                 self.assertEqual(int(st.lengths.sum()), 0, "outliers=0 must leave no static chunks")
             else:
                 self.assertGreater(int(st.lengths.min()), 0)
+                # Static rows are whole chunks: C consecutive positions from a multiple of C
+                # (one segment); the tail ends at the last token.
+                for hh in range(H):
+                    rows = st.positions[hh, :int(st.lengths[hh])].reshape(-1, 8)
+                    np.testing.assert_array_equal(rows - rows[:, :1], np.tile(np.arange(8), (len(rows), 1)))
+                    self.assertTrue(((rows[:, 0] % 8) == 0).all())
+                    self.assertTrue((st.positions[hh, int(st.lengths[hh]):] == -1).all())
+                self.assertEqual(int(st.tail_positions[-1]), n - 1)
             self.c.detach(att.attachment_id)
             self.c.close_session(created.session_id)
 
@@ -227,9 +236,13 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(d1.values.shape, (m, 8, D))
         self.assertTrue(np.isfinite(d1.keys).all())
         self.assertTrue((d1.slot < 4).all() and (d1.head < H).all())
-        # Values of a selected chunk are the ingested values (bf16) of its tokens.
-        c0, h0 = int(d1.chunk[0]), int(d1.head[0])
-        np.testing.assert_array_equal(d1.values[0], bf16(v[0, c0 * 8:(c0 + 1) * 8, h0]))
+        # Values of a selected chunk are the ingested values (bf16) of its tokens, which its
+        # position names (one segment here: chunk c starts at token 8c).
+        self.assertEqual(d1.position.shape, (m,))
+        for i in range(m):
+            c, hh, p = int(d1.chunk[i]), int(d1.head[i]), int(d1.position[i])
+            self.assertEqual(p, 8 * c)
+            np.testing.assert_array_equal(d1.values[i], bf16(v[0, p:p + 8, hh]))
         # The same query again: everything hits, nothing moves.
         (d2,) = self.c.select(0, [att.attachment_id], q)
         self.assertEqual(len(d2.head), 0)

@@ -191,6 +191,7 @@ TEST(DecodeFrame, DeltasRoundTripAndTruncationsFail) {
   std::mt19937 rng(3);
   const std::vector<uint32_t> head = {0, 0, 1}, slot = {2, 3, 0};
   const std::vector<int32_t> chunk = {10, 11, 40};
+  const std::vector<int64_t> position = {80, 88, int64_t{3} << 33};  // past 32 bits
   const std::string keys = RandomBytes(rng, 3 * 8 * 64 * 2), values = RandomBytes(rng, 3 * 8 * 64 * 2);
   std::string body;
   DeltaRef rows;
@@ -202,6 +203,7 @@ TEST(DecodeFrame, DeltasRoundTripAndTruncationsFail) {
   rows.head = head.data();
   rows.slot = slot.data();
   rows.chunk = chunk.data();
+  rows.position = position.data();
   rows.keys = keys;
   rows.values = values;
   rows.fallback = true;
@@ -224,6 +226,7 @@ TEST(DecodeFrame, DeltasRoundTripAndTruncationsFail) {
   EXPECT_EQ(a.head, head);
   EXPECT_EQ(a.slot, slot);
   EXPECT_EQ(a.chunk, chunk);
+  EXPECT_EQ(a.position, position);
   EXPECT_EQ(a.keys, keys);
   EXPECT_EQ(a.values, values);
   EXPECT_EQ(a.selected, 16u);
@@ -235,6 +238,7 @@ TEST(DecodeFrame, DeltasRoundTripAndTruncationsFail) {
   EXPECT_TRUE(b.delivered);
   EXPECT_TRUE(b.keys.empty());
   EXPECT_EQ(b.head, head);
+  EXPECT_EQ(b.position, position);
   EXPECT_TRUE((*ds)[2].head.empty());
   EXPECT_EQ((*ds)[2].tokens, 0u);
   EXPECT_EQ((*ds)[2].chunk_size, 8u);

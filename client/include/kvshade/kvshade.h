@@ -34,9 +34,10 @@ extern "C" {
 #define KVSHADE_API
 #endif
 
-#define KVSHADE_ABI_VERSION 3 /* 2: UCX options and status, attachment data-plane fields;
+#define KVSHADE_ABI_VERSION 4 /* 2: UCX options and status, attachment data-plane fields;
                                  3: profile selection options, ucx_busy_poll_us, slot delta
-                                 fallback and tokens, the _ex decode calls */
+                                 fallback and tokens, the _ex decode calls;
+                                 4: slot delta positions, static set positions */
 #define KVSHADE_ID_CAP 128
 
 typedef enum kvshade_code {
@@ -290,6 +291,11 @@ KVSHADE_API void kvshade_static_set_shape(const kvshade_static_set* s, int64_t* 
 KVSHADE_API void kvshade_static_set_data(const kvshade_static_set* s, const float** k,
                                          const float** v, const uint32_t** lengths,
                                          const float** tail_k, const float** tail_v);
+/* positions [h, s_max]: the absolute token position of each static row (-1 past
+ * lengths[hh], or unknown for a durable session restored from an older record);
+ * tail_positions [t]: each tail row's. */
+KVSHADE_API void kvshade_static_set_positions(const kvshade_static_set* s, const int64_t** positions,
+                                              const int64_t** tail_positions);
 KVSHADE_API void kvshade_static_set_free(kvshade_static_set* s);
 
 /* ---- Same-node decode: no RPC per step (client/README.md "Same-node decode") -------- */
@@ -364,6 +370,8 @@ typedef struct kvshade_slot_delta {
   /* The session's length after the call (one more when this call staged the last layer of
    * a token: kvshade_select_ex). */
   uint64_t tokens;
+  /* [m] absolute position of the first of each miss's C tokens. */
+  const int64_t* position;
 } kvshade_slot_delta;
 
 KVSHADE_API int kvshade_select_delta(const kvshade_select_result* r, size_t i,

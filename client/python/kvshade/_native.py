@@ -11,7 +11,7 @@ import ctypes
 import glob
 import os
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 ID_CAP = 128
 
 _c_char_p = ctypes.c_char_p
@@ -72,7 +72,7 @@ class SlotDelta(ctypes.Structure):
                 ("chunk", ctypes.POINTER(_i32)), ("keys", ctypes.POINTER(_f32)),
                 ("values", ctypes.POINTER(_f32)), ("chunk_size", _i64), ("head_dim", _i64),
                 ("hits", _u32), ("selected", _u32), ("delivered", _i32),
-                ("fallback", _i32), ("tokens", _u64)]
+                ("fallback", _i32), ("tokens", _u64), ("position", ctypes.POINTER(_i64))]
 
 
 class NewTokens(ctypes.Structure):
@@ -145,6 +145,7 @@ _SIGNATURES = {
     "kvshade_static_set_shape": (None, [_vp, _P(_i64), _P(_i64), _P(_i64), _P(_i64)]),
     "kvshade_static_set_data": (None, [_vp, _P(_P(_f32)), _P(_P(_f32)), _P(_P(_u32)),
                                        _P(_P(_f32)), _P(_P(_f32))]),
+    "kvshade_static_set_positions": (None, [_vp, _P(_P(_i64)), _P(_P(_i64))]),
     "kvshade_static_set_free": (None, [_vp]),
     "kvshade_select": (ctypes.c_int, [_vp, _u32, _size_t, _P(_c_char_p), _i32, _i32, _i32, _vp,
                                       _P(_vp)]),

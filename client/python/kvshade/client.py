@@ -236,12 +236,16 @@ class AttachmentInfo:
 @dataclass
 class StaticSet:
     """One layer's always-attended set: k, v [h, s_max, d] (rows < lengths[h] valid),
-    tail_k, tail_v [t, h, d]; float32, keys post-RoPE."""
+    tail_k, tail_v [t, h, d]; float32, keys post-RoPE. positions [h, s_max] and
+    tail_positions [t]: each row's absolute token position (-1 past lengths[h], or unknown
+    for a durable session restored from a record written before positions were kept)."""
     k: np.ndarray
     v: np.ndarray
     lengths: np.ndarray
     tail_k: np.ndarray
     tail_v: np.ndarray
+    positions: Optional[np.ndarray] = None       # [h, s_max] int64
+    tail_positions: Optional[np.ndarray] = None  # [t] int64
 
 
 @dataclass
@@ -262,6 +266,8 @@ class SlotDelta:
     # it with attend() (the service's attention) instead.
     fallback: bool = False
     tokens: int = 0  # the session's length after the call (one more once a staged token landed)
+    # [m] int64: absolute position of the first of each miss's C tokens
+    position: Optional[np.ndarray] = None
 
 
 def _decode_select(lib, r):
@@ -273,12 +279,13 @@ def _decode_select(lib, r):
         m, C, D = d.m, d.chunk_size, d.head_dim
         u32 = lambda p: np.ctypeslib.as_array(p, shape=(m,)).copy() if m else np.zeros(0, np.uint32)
         chunk = np.ctypeslib.as_array(d.chunk, shape=(m,)).copy() if m else np.zeros(0, np.int32)
+        position = np.ctypeslib.as_array(d.position, shape=(m,)).copy() if m else np.zeros(0, np.int64)
         if d.delivered:
             keys = values = None
         else:
             keys, values = _copy_f32(d.keys, m * C * D, (m, C, D)), _copy_f32(d.values, m * C * D, (m, C, D))
         out.append(SlotDelta(d.attachment_id.decode(), u32(d.head), u32(d.slot), chunk, keys, values,
-                             d.hits, d.selected, bool(d.delivered), bool(d.fallback), d.tokens))
+                             d.hits, d.selected, bool(d.delivered), bool(d.fallback), d.tokens, position))
     return out
 
 
@@ -637,8 +644,13 @@ class Client(_NativeHandle):
                                         ctypes.byref(tv))
             H, S, D, T = H.value, S.value, D.value, T.value
             lengths = (np.ctypeslib.as_array(lens, shape=(H,)).copy() if H else np.zeros(0, np.uint32))
+            pos, tpos = ctypes.POINTER(ctypes.c_int64)(), ctypes.POINTER(ctypes.c_int64)()
+            lib.kvshade_static_set_positions(h, ctypes.byref(pos), ctypes.byref(tpos))
+            i64 = lambda p, shape, n: (np.ctypeslib.as_array(p, shape=(n,)).copy().reshape(shape)  # noqa: E731
+                                       if n else np.zeros(shape, np.int64))
             return StaticSet(_copy_f32(k, H * S * D, (H, S, D)), _copy_f32(v, H * S * D, (H, S, D)), lengths,
-                             _copy_f32(tk, T * H * D, (T, H, D)), _copy_f32(tv, T * H * D, (T, H, D)))
+                             _copy_f32(tk, T * H * D, (T, H, D)), _copy_f32(tv, T * H * D, (T, H, D)),
+                             i64(pos, (H, S), H * S), i64(tpos, (T,), T))
         finally:
             lib.kvshade_static_set_free(h)
 

@@ -154,6 +154,12 @@ struct SessionLayerView {
     for (int i = 0; i < n_segments; ++i) t += segments[i].n_chunks;
     return t;
   }
+  // Absolute position of the first of chunk c's C tokens (c in [0, total_chunks())).
+  int64_t chunk_position(int c, int C) const {
+    int i = 0;
+    while (i + 1 < n_segments && c >= segments[i].n_chunks) c -= segments[i++].n_chunks;
+    return segments[i].first_position + int64_t(c) * C;
+  }
 };
 
 // Per-session state and outputs of one decode step for one layer.

@@ -57,6 +57,7 @@ struct SelectRequestView {
 struct SlotDeltaResult {
   std::vector<uint32_t> head, slot;
   std::vector<int32_t> chunk;
+  std::vector<int64_t> position;  // of the first of each miss's chunk_size tokens
   // The misses' rows [misses, C, d] bf16, in delta order, when they travel in the reply
   // (inline delivery, and UCX RMA, whose adapter puts them); empty when `delivered`.
   std::vector<kernels::bf16> keys, values;

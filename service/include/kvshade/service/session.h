@@ -96,6 +96,9 @@ struct LayerData {
   // --- always-attended pieces ---
   int s_cap = 0;                // static rows per head (capacity)
   std::vector<int32_t> s_len;   // [h] valid static rows per head (host)
+  std::vector<int64_t> s_pos;   // [h, s_cap] absolute token position of each static row
+                                // (host; -1 past s_len, or all -1 when a record written
+                                // before positions were kept was restored)
   DeviceBlock sk, sv;           // [h, s_cap, d] bf16 post-RoPE K / V: sink, outlier and
                                 // (dequantized) heavy chunks; mini: the retained tokens
                                 // (dequantized from their KIVI codes)
@@ -170,9 +173,11 @@ struct StaticCache {
   DeviceBlock k, v;            // [h, s, d] bf16
   DeviceBlock lengths;         // [h] int32
   std::vector<kernels::bf16> host_k, host_v;  // host copies for GetStaticSet
+  std::vector<int64_t> host_pos;               // [h, s] positions of the static rows (-1: none)
   int t = 0;                   // exact tokens (uncovered segment remainders + appended tail)
   DeviceBlock tk, tv;          // [t, h, d] bf16
   std::vector<kernels::bf16> host_tk, host_tv;
+  std::vector<int64_t> host_tail_pos;  // [t] positions of the tail rows
 };
 
 enum class SessionState { kIngesting, kReady, kClosed };

@@ -10,7 +10,8 @@
 // tensors' bytes in the order q, chunks (SELECT only), k_new, v_new; absent ones take none.
 // Replies: FrameHeader{kind REPLY, request_id, code, count}; on code 0 `count` entries
 // (SELECT: a 32-byte DeltaEntry (counts, flags, the session's length) + head[m] u32 +
-// slot[m] u32 + chunk[m] i32 + keys and values [m, C, d] bf16 when the rows travel;
+// slot[m] u32 + chunk[m] i32 + position[m] i64 (each chunk's first token) + keys and
+// values [m, C, d] bf16 when the rows travel;
 // ATTEND: a 16-byte entry (hq, d, the session's length) + output [hq, d] f32 + lse [hq]
 // f32), else the error message.
 //
@@ -28,7 +29,7 @@
 
 namespace kvshade::transport::frame {
 
-constexpr uint32_t kMagic = 0x3146564b;  // "KVF1"
+constexpr uint32_t kMagic = 0x3246564b;  // "KVF2" (KVF1: deltas without positions)
 constexpr size_t kKeyBytes = 16;         // the connection key HELLO hands out
 
 enum Kind : uint16_t { kSelect = 1, kAttend = 2, kReply = 3 };
@@ -81,6 +82,7 @@ struct DeltaRef {
   const uint32_t* head = nullptr;  // the writer's arrays / views into the reader's buffer
   const uint32_t* slot = nullptr;  // (unaligned on the reader's side: read with memcpy,
   const int32_t* chunk = nullptr;  // or use the copies ParseDeltas makes)
+  const int64_t* position = nullptr;
   std::string_view keys, values;  // [misses, C, d] bf16, or empty when not carried
 };
 void AppendDelta(const DeltaRef& d, std::string* body);
@@ -90,6 +92,7 @@ struct Delta {
   uint64_t tokens = 0;
   std::vector<uint32_t> head, slot;
   std::vector<int32_t> chunk;
+  std::vector<int64_t> position;
   std::string_view keys, values;
 };
 absl::StatusOr<std::vector<Delta>> ParseDeltas(std::string_view body, uint32_t count);
