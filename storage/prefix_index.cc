@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <deque>
 #include <list>
 
 #include "absl/base/thread_annotations.h"
@@ -96,6 +97,12 @@ struct PrefixIndexState {
   std::list<PrefixNode*> lru ABSL_GUARDED_BY(mu);  // most recent first
   size_t bytes ABSL_GUARDED_BY(mu) = 0;
   PrefixIndexStats stats ABSL_GUARDED_BY(mu);
+  // Keys of removed segments (WasRemoved): key -> the removal's sequence number, and the
+  // same pairs oldest first; a pair whose number no longer matches the map was re-mapped
+  // or removed again later, and is skipped when it leaves the queue.
+  absl::flat_hash_map<PrefixKey, uint64_t> removed ABSL_GUARDED_BY(mu);
+  std::deque<std::pair<PrefixKey, uint64_t>> removed_order ABSL_GUARDED_BY(mu);
+  uint64_t removed_seq ABSL_GUARDED_BY(mu) = 0;
 
   void Touch(PrefixNode* n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     lru.splice(lru.begin(), lru, n->lru_it);
@@ -105,8 +112,21 @@ struct PrefixIndexState {
     auto it = nodes.find(id);
     if (it != nodes.end() && it->second->info.refs > 0) --it->second->info.refs;
   }
+  void RememberRemoved(const PrefixKey& k) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    removed[k] = ++removed_seq;
+    removed_order.emplace_back(k, removed_seq);
+    while (removed_order.size() > PrefixIndex::kRememberedRemovedKeys) {
+      const auto& [old, seq] = removed_order.front();
+      auto it = removed.find(old);
+      if (it != removed.end() && it->second == seq) removed.erase(it);
+      removed_order.pop_front();
+    }
+  }
   void RemoveLocked(PrefixNode* n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    for (const PrefixKey& k : n->keys) keys.erase(k);
+    for (const PrefixKey& k : n->keys) {
+      keys.erase(k);
+      RememberRemoved(k);
+    }
     if (n->info.parent) {
       auto p = nodes.find(*n->info.parent);
       if (p != nodes.end()) --p->second->info.children;
@@ -190,7 +210,10 @@ absl::StatusOr<SegmentRef> PrefixIndex::Insert(const SegmentId& segment,
   n->info.refs = 1;
   for (size_t i = 0; i < block_keys.size(); ++i) {
     const int64_t tokens = first_token + int64_t(i + 1) * block_tokens;
-    if (st.keys.emplace(block_keys[i], std::make_pair(n, tokens)).second) n->keys.push_back(block_keys[i]);
+    if (st.keys.emplace(block_keys[i], std::make_pair(n, tokens)).second) {
+      n->keys.push_back(block_keys[i]);
+      st.removed.erase(block_keys[i]);  // cached again
+    }
   }
   if (parent_node) ++parent_node->info.children;
   st.lru.push_front(n);
@@ -291,6 +314,12 @@ absl::Status PrefixIndex::Remove(const SegmentId& segment) {
   }
   st.RemoveLocked(it->second.get());
   return absl::OkStatus();
+}
+
+bool PrefixIndex::WasRemoved(const PrefixKey& key) const {
+  auto& st = *state_;
+  base::MutexLock lock(&st.mu);
+  return st.removed.contains(key);
 }
 
 std::optional<PrefixSegmentInfo> PrefixIndex::Info(const SegmentId& segment) const {

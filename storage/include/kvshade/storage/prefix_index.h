@@ -16,6 +16,9 @@
 // the middle. Lookup returns the deepest registered key's segment with its ancestors,
 // referenced: referenced segments are never evicted. Unreferenced segments are evicted
 // least recently used first (Evict, EvictOne), and the caller then frees their storage.
+// The keys of removed segments are remembered (the last kRememberedRemovedKeys of them) so
+// that a lookup that finds nothing can tell a prefix that was cached and evicted from one
+// that never was (WasRemoved).
 //
 // Thread-safe. SegmentRefs must not outlive the index's last owner (they share its state,
 // so destroying the PrefixIndex object first is safe).
@@ -163,6 +166,13 @@ class PrefixIndex {
       const std::function<bool(const PrefixSegmentInfo&)>& eligible);
   // Removes one segment now; FailedPrecondition when referenced or a parent.
   absl::Status Remove(const SegmentId& segment);
+
+  // Whether `key` mapped to a segment that has since been removed (Evict, EvictOne,
+  // Remove) and no segment maps it again. Remembers the keys of the most recent removals,
+  // kRememberedRemovedKeys keys at most (16 bytes and a counter each), oldest forgotten
+  // first; a forgotten or never-mapped key answers false.
+  bool WasRemoved(const PrefixKey& key) const;
+  static constexpr size_t kRememberedRemovedKeys = size_t{1} << 16;
 
   std::optional<PrefixSegmentInfo> Info(const SegmentId& segment) const;
   PrefixIndexStats Stats() const;
