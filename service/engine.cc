@@ -455,17 +455,36 @@ struct ReuseMatch {
   std::vector<std::shared_ptr<const Segment>> chain;
   std::vector<storage::SegmentRef> refs;
   int64_t tokens = 0;
+  PrefixStop stop = PrefixStop::kAbsent;  // why the chain ends where it does
+  int64_t paged_in = 0;                   // segments of `chain` paged in by page_in
 };
 
 }  // namespace
 
+// The values of a cached segment about to be reused, paged in when they are on the spill
+// tier: true when that happened, the page-in's error when they cannot be read back.
+static absl::StatusOr<bool> PageInForReuse(EngineImpl& e, const Segment& seg) {
+  const Segment& owner = seg.values_owner();
+  if (!owner.values_in_store) return false;
+  KVSHADE_ASSIGN_OR_RETURN(storage::SegmentUsage u, e.store_->Usage(owner.id));
+  if (u.state == storage::SegmentState::kResident || u.state == storage::SegmentState::kBuilding) {
+    return false;
+  }
+  KVSHADE_ASSIGN_OR_RETURN(storage::SegmentPin pin, e.store_->Pin(owner.id));
+  return true;  // resident now, most recently used; the pin goes, Attach pins it again
+}
+
+// page_in (CreateSession): a matched segment whose values were spilled is paged in before
+// it is reused, so that one that cannot be read back ends the reuse (the session ingests
+// those tokens itself) instead of failing the session's decode steps later.
 static ReuseMatch FindReusable(EngineImpl& e, const storage::PrefixHasher& hasher,
-                               absl::Span<const int32_t> tokens, bool need_durable) {
+                               absl::Span<const int32_t> tokens, bool need_durable, bool page_in) {
   ReuseMatch out;
   std::vector<storage::PrefixKey> keys = hasher.Chain(tokens);
-  if (keys.empty()) return out;
+  if (keys.empty()) return out;  // shorter than a block: nothing of it is ever cached
   storage::PrefixMatch m = e.prefix_.Lookup(keys);
   int64_t pos = 0;
+  std::optional<PrefixStop> stop;
   for (storage::SegmentRef& ref : m.chain) {
     std::shared_ptr<const Segment> seg;
     {
@@ -473,18 +492,52 @@ static ReuseMatch FindReusable(EngineImpl& e, const storage::PrefixHasher& hashe
       auto it = e.registered_.find(ref.segment());
       if (it != e.registered_.end()) seg = it->second;
     }
+    // Not registered yet (its registration is under way) or not where the chain goes.
     if (!seg || seg->first_position != pos) break;
     const int64_t end = pos + seg->n_tokens;
-    if (end > int64_t(tokens.size())) break;
-    if (need_durable && !seg->durable) break;
+    // Segments are reused whole: one that runs past the prompt's end, or whose tokens
+    // after its last matched block differ from the prompt's, is not.
+    if (end > int64_t(tokens.size()) ||
+        !std::equal(seg->tokens.begin(), seg->tokens.end(), tokens.begin() + pos)) {
+      stop = PrefixStop::kPartialSegment;
+      break;
+    }
+    if (need_durable && !seg->durable) {
+      stop = PrefixStop::kNotDurable;
+      break;
+    }
     // Room for the session's own segment and its open segment in the kernels' view.
-    if (int64_t(out.chain.size()) >= kMaxReusedSegments) break;
-    if (!std::equal(seg->tokens.begin(), seg->tokens.end(), tokens.begin() + pos)) break;
+    if (int64_t(out.chain.size()) >= kMaxReusedSegments) {
+      stop = PrefixStop::kQuota;
+      break;
+    }
+    if (page_in) {
+      absl::StatusOr<bool> paged = PageInForReuse(e, *seg);
+      if (!paged.ok()) {
+        log::Event(spdlog::level::warn, "prefix_read_failure")
+            .Str("segment", seg->id.ToHex())
+            .Str("error", std::string(paged.status().message()));
+        stop = PrefixStop::kReadFailure;
+        break;
+      }
+      out.paged_in += *paged;
+    }
     out.chain.push_back(seg);
     out.refs.push_back(std::move(ref));
     pos = end;
   }
   out.tokens = pos;
+  if (stop) {
+    out.stop = *stop;
+  } else if (pos == int64_t(tokens.size())) {
+    out.stop = PrefixStop::kFull;
+  } else {
+    // The chain ends before the prompt does: was the next block cached once?
+    const int64_t b = hasher.block_tokens();
+    const bool next_keyed = pos % b == 0 && pos / b < int64_t(keys.size());
+    out.stop = next_keyed && e.prefix_.WasRemoved(keys[pos / b]) ? PrefixStop::kEvicted
+                                                                  : PrefixStop::kAbsent;
+  }
   return out;
 }
 
@@ -535,13 +588,16 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
 
   // Prefix reuse: shadow and exact segments are content-addressed; mini keeps per-prompt
   // budgets (fractions of the prompt length), so its segments are not reusable by others.
+  std::optional<PrefixStop> reuse_stop;  // no lookup for mini
   if (profile.kind != v1::PROFILE_KIND_MINI) {
     KVSHADE_ASSIGN_OR_RETURN(storage::PrefixHasher hasher, Hasher(t, model, profile));
-    ReuseMatch m = FindReusable(*this, hasher, tokens, s->durable);
+    ReuseMatch m = FindReusable(*this, hasher, tokens, s->durable, /*page_in=*/true);
     ++prefix_lookups_;
     if (m.tokens > 0) ++prefix_hits_;
     sessions_.CountPrefixLookup(t.name, m.tokens > 0);
-    metrics_->PrefixLookup(m.tokens > 0, m.tokens, tokens.size());
+    metrics_->PrefixLookup(m.stop, tokens.size(), m.tokens, m.chain.size() - m.paged_in,
+                           m.paged_in);
+    reuse_stop = m.stop;
     s->chain = std::move(m.chain);
     s->prefix_refs = std::move(m.refs);
     s->reused_tokens = m.tokens;
@@ -585,6 +641,7 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
       .Str("profile", v1::ProfileKind_Name(profile.kind))
       .Uint("tokens", tokens.size())
       .Uint("reused_tokens", s->reused_tokens)
+      .Str("reuse_stop", reuse_stop ? PrefixStopName(*reuse_stop) : "none")
       .Bool("durable", s->durable);
   return resp;
 }
@@ -600,11 +657,11 @@ absl::StatusOr<v1::LookupPrefixResponse> EngineImpl::LookupPrefix(
   v1::LookupPrefixResponse resp;
   if (profile.kind == v1::PROFILE_KIND_MINI || tokens.empty()) return resp;
   KVSHADE_ASSIGN_OR_RETURN(storage::PrefixHasher hasher, Hasher(t, model, profile));
-  ReuseMatch m = FindReusable(*this, hasher, tokens, /*need_durable=*/false);
+  ReuseMatch m = FindReusable(*this, hasher, tokens, /*need_durable=*/false, /*page_in=*/false);
   ++prefix_lookups_;
   if (m.tokens > 0) ++prefix_hits_;
   sessions_.CountPrefixLookup(t.name, m.tokens > 0);
-  metrics_->PrefixLookup(m.tokens > 0, m.tokens, tokens.size());
+  metrics_->PrefixProbe(m.tokens > 0);
   resp.set_reusable_tokens(m.tokens);
   resp.set_cached_segments(m.chain.size());
   return resp;

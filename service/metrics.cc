@@ -1,7 +1,7 @@
 // Prometheus metrics of the daemon. Names, types and labels are documented in
 // service/README.md ("Metrics"); keep the two in step. Label values come from small fixed
-// sets (stage, tier, kind, code); method names are capped so that a caller passing
-// unexpected strings cannot blow up the series count.
+// sets (stage, tier, kind, code, result, reason, source); method names are capped so that a
+// caller passing unexpected strings cannot blow up the series count.
 #include "kvshade/service/metrics.h"
 
 #include <dirent.h>
@@ -70,6 +70,19 @@ std::string MethodLabel(std::string_view method) { return Bounded(method, KnownM
 
 }  // namespace
 
+std::string_view PrefixStopName(PrefixStop stop) {
+  switch (stop) {
+    case PrefixStop::kFull: return "full";
+    case PrefixStop::kAbsent: return "absent";
+    case PrefixStop::kEvicted: return "evicted";
+    case PrefixStop::kPartialSegment: return "partial_segment";
+    case PrefixStop::kNotDurable: return "not_durable";
+    case PrefixStop::kQuota: return "quota";
+    case PrefixStop::kReadFailure: return "read_failure";
+  }
+  return "absent";
+}
+
 std::string_view GrpcCodeName(int code) {
   static constexpr std::string_view kNames[] = {
       "OK",        "CANCELLED",           "UNKNOWN",        "INVALID_ARGUMENT", "DEADLINE_EXCEEDED",
@@ -129,26 +142,41 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                    .Help("Immutable compressed segments held (shared prefixes counted once)")
                    .Register(r)
                    .Add({});
-  prefix_lookups_ = &BuildCounter()
-                         .Name("kvshade_prefix_lookups_total")
-                         .Help("Prefix-index lookups (CreateSession and LookupPrefix)")
-                         .Register(r)
-                         .Add({});
-  prefix_hits_ = &BuildCounter()
-                      .Name("kvshade_prefix_hits_total")
-                      .Help("Prefix-index lookups that reused at least one token")
-                      .Register(r)
-                      .Add({});
-  prefix_reused_tokens_ = &BuildCounter()
-                               .Name("kvshade_prefix_reused_tokens_total")
-                               .Help("Tokens covered by reused cached segments")
-                               .Register(r)
-                               .Add({});
-  prefix_lookup_tokens_ = &BuildCounter()
-                              .Name("kvshade_prefix_lookup_tokens_total")
-                              .Help("Tokens of the prompts looked up in the prefix index (token-level hit-ratio denominator)")
-                              .Register(r)
-                              .Add({});
+  // Every (result, reason) a lookup can end in exists from the start (0), so that rates
+  // and ratios have their series before the first lookup. A miss never stops at the cap
+  // on reused segments (it reused none), and a hit is the only way to reuse everything.
+  auto& lookups = BuildCounter()
+                      .Name("kvshade_prefix_lookups_total")
+                      .Help("CreateSession prefix lookups, by result (hit: at least one token reused) "
+                            "and the reason the reuse stopped where it did")
+                      .Register(r);
+  for (int stop = 0; stop < kPrefixStops; ++stop) {
+    const std::string reason(PrefixStopName(PrefixStop(stop)));
+    if (PrefixStop(stop) != PrefixStop::kFull && PrefixStop(stop) != PrefixStop::kQuota) {
+      prefix_lookups_[0][stop] = &lookups.Add({{"result", "miss"}, {"reason", reason}});
+    }
+    prefix_lookups_[1][stop] = &lookups.Add({{"result", "hit"}, {"reason", reason}});
+  }
+  auto& prefix_tokens = BuildCounter()
+                            .Name("kvshade_prefix_tokens_total")
+                            .Help("Prompt tokens of CreateSession prefix lookups: requested (the "
+                                  "token-level hit ratio's denominator) and reused from the cache")
+                            .Register(r);
+  prefix_requested_tokens_ = &prefix_tokens.Add({{"kind", "requested"}});
+  prefix_reused_tokens_ = &prefix_tokens.Add({{"kind", "reused"}});
+  auto& reused_segments = BuildCounter()
+                              .Name("kvshade_prefix_reused_segments_total")
+                              .Help("Cached segments reused by CreateSession, by where their values "
+                                    "were: resident in host memory, or spilled and paged in by the lookup")
+                              .Register(r);
+  prefix_resident_segments_ = &reused_segments.Add({{"source", "resident"}});
+  prefix_paged_in_segments_ = &reused_segments.Add({{"source", "spilled_and_paged_in"}});
+  auto& probes = BuildCounter()
+                     .Name("kvshade_prefix_probes_total")
+                     .Help("LookupPrefix calls (a probe that reuses nothing), by result")
+                     .Register(r);
+  prefix_probes_[0] = &probes.Add({{"result", "miss"}});
+  prefix_probes_[1] = &probes.Add({{"result", "hit"}});
   chunks_selected_ = &BuildCounter()
                           .Name("kvshade_chunks_selected_total")
                           .Help("Chunks selected by select-and-reconstruct (hit-ratio denominator)")
@@ -258,12 +286,19 @@ void Metrics::SetAttachments(double n) { attachments_->Set(n); }
 void Metrics::SetExportGenerations(double n) { export_generations_->Set(n); }
 void Metrics::SetSegments(double n) { segments_->Set(n); }
 
-void Metrics::PrefixLookup(bool hit, uint64_t reused_tokens, uint64_t lookup_tokens) {
-  prefix_lookups_->Increment();
-  prefix_lookup_tokens_->Increment(static_cast<double>(lookup_tokens));
-  if (hit) prefix_hits_->Increment();
+void Metrics::PrefixLookup(PrefixStop stop, uint64_t requested_tokens, uint64_t reused_tokens,
+                           uint64_t resident_segments, uint64_t paged_in_segments) {
+  const int i = static_cast<int>(stop);
+  if (i >= 0 && i < kPrefixStops) {
+    if (prometheus::Counter* c = prefix_lookups_[reused_tokens > 0 ? 1 : 0][i]) c->Increment();
+  }
+  prefix_requested_tokens_->Increment(static_cast<double>(requested_tokens));
   prefix_reused_tokens_->Increment(static_cast<double>(reused_tokens));
+  prefix_resident_segments_->Increment(static_cast<double>(resident_segments));
+  prefix_paged_in_segments_->Increment(static_cast<double>(paged_in_segments));
 }
+
+void Metrics::PrefixProbe(bool hit) { prefix_probes_[hit ? 1 : 0]->Increment(); }
 
 void Metrics::ChunkSelection(uint64_t selected, uint64_t hits) {
   chunks_selected_->Increment(static_cast<double>(selected));

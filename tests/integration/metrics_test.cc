@@ -4,13 +4,17 @@
 // kind="total" is the sum of the tier's kinds, for every tier), and the process metrics
 // (resident memory, CPU seconds, open and maximum file descriptors, start time), read from
 // /proc/self on each scrape; the spill tier's bytes are what it holds now (durable
-// write-through, deletes, a restart's restored sessions).
+// write-through, deletes, a restart's restored sessions); CreateSession's prefix lookups
+// are counted by result and by the reason the reuse stopped, with the prompt tokens
+// requested and reused, and the reused segments paged in from the spill tier.
 #include <sys/wait.h>
 
 #include <array>
 #include <cmath>
 #include <cstdio>
 #include <ctime>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <regex>
 #include <string>
@@ -234,6 +238,255 @@ TEST(Metrics, SpillTierBytesAreWhatTheTierHoldsNow) {
   EXPECT_EQ(spilled_stat(*c2), one);
   KV_ASSERT_OK(c2->CloseSession(kept.session_id()));
   EXPECT_EQ(again.Stop(), 0) << again.log();
+}
+
+// --- Prefix lookups ---------------------------------------------------------------------
+
+// Every kvshade_prefix_* sample of a scrape.
+std::map<std::string, double> PrefixSamples(const ServerProcess& server) {
+  auto body = HttpGet(server.metrics_port(), "/metrics");
+  EXPECT_TRUE(body.ok()) << body.status();
+  std::map<std::string, double> out;
+  for (const auto& [name, v] : Samples(body.ok() ? *body : std::string())) {
+    if (name.rfind("kvshade_prefix_", 0) == 0) out[name] = v;
+  }
+  return out;
+}
+
+std::string Lookup(const std::string& result, const std::string& reason) {
+  return "kvshade_prefix_lookups_total{reason=\"" + reason + "\",result=\"" + result + "\"}";
+}
+const std::string kRequested = "kvshade_prefix_tokens_total{kind=\"requested\"}";
+const std::string kReused = "kvshade_prefix_tokens_total{kind=\"reused\"}";
+const std::string kResident = "kvshade_prefix_reused_segments_total{source=\"resident\"}";
+const std::string kPagedIn = "kvshade_prefix_reused_segments_total{source=\"spilled_and_paged_in\"}";
+
+// Expects the kvshade_prefix_* series to have moved from `before` to `after` by exactly
+// `deltas` (series not named there: unchanged); returns `after` for the next step.
+std::map<std::string, double> ExpectDeltas(const std::map<std::string, double>& before,
+                                           const std::map<std::string, double>& after,
+                                           const std::map<std::string, double>& deltas,
+                                           const std::string& step) {
+  EXPECT_EQ(before.size(), after.size()) << step;
+  for (const auto& [name, v] : after) {
+    auto b = before.find(name);
+    const double was = b == before.end() ? 0 : b->second;
+    auto d = deltas.find(name);
+    EXPECT_EQ(v - was, d == deltas.end() ? 0 : d->second) << step << ": " << name;
+  }
+  for (const auto& [name, d] : deltas) EXPECT_TRUE(after.count(name)) << step << ": no series " << name;
+  return after;
+}
+
+v1::CreateSessionRequest CreateOver(const synthetic::Document& doc, std::vector<int32_t> tokens,
+                                    bool durable = false) {
+  v1::CreateSessionRequest r = synthetic::MakeCreate(doc, ShadowProfile(), -1, durable);
+  r.mutable_token_ids()->Assign(tokens.begin(), tokens.end());
+  return r;
+}
+
+std::vector<int32_t> Concat(const std::vector<int32_t>& a, size_t na, const std::vector<int32_t>& b,
+                            size_t nb) {
+  std::vector<int32_t> out(a.begin(), a.begin() + na);
+  out.insert(out.end(), b.begin(), b.begin() + nb);
+  return out;
+}
+
+// The series exist from the start, at 0: every (result, reason) a lookup can end in.
+TEST(Metrics, PrefixLookupSeriesExistFromTheStart) {
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({}));
+  const auto s = PrefixSamples(server);
+  std::map<std::string, double> want;
+  for (const char* r : {"full", "absent", "evicted", "partial_segment", "not_durable", "quota", "read_failure"}) {
+    want[Lookup("hit", r)] = 0;
+  }
+  for (const char* r : {"absent", "evicted", "partial_segment", "not_durable", "read_failure"}) {
+    want[Lookup("miss", r)] = 0;
+  }
+  for (const std::string& n : {kRequested, kReused, kResident, kPagedIn}) want[n] = 0;
+  want["kvshade_prefix_probes_total{result=\"hit\"}"] = 0;
+  want["kvshade_prefix_probes_total{result=\"miss\"}"] = 0;
+  EXPECT_EQ(s, want);
+  EXPECT_EQ(server.Stop(), 0);
+}
+
+// Hits (whole prompt, or part of it and why the rest was not reused) and misses, by reason,
+// with the tokens requested and reused, one CreateSession at a time; LookupPrefix is a
+// probe, counted apart.
+TEST(Metrics, PrefixLookupsByResultAndReason) {
+  TempDir dir;
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({"--spill-path", dir.path() + "/spill"}));
+  auto c = server.Connect();
+  const synthetic::Document a(SmallDoc(1024, 21)), other(SmallDoc(1024, 22));
+  const std::vector<int32_t>& at = a.tokens();
+  auto m = PrefixSamples(server);
+
+  // Nothing cached: a miss, the rest (all of it) absent.
+  KV_ASSERT_OK_AND_ASSIGN(first, CreateAndIngest(*c, a, ShadowProfile(), -1));
+  EXPECT_EQ(first.reused_tokens(), 0u);
+  m = ExpectDeltas(m, PrefixSamples(server), {{Lookup("miss", "absent"), 1}, {kRequested, 1024}}, "first");
+
+  // The same prompt: all of it reused, one resident segment.
+  KV_ASSERT_OK_AND_ASSIGN(full, c->CreateSession(CreateOver(a, at)));
+  EXPECT_EQ(full.reused_tokens(), 1024u);
+  m = ExpectDeltas(m, PrefixSamples(server),
+                   {{Lookup("hit", "full"), 1}, {kRequested, 1024}, {kReused, 1024}, {kResident, 1}}, "full");
+
+  // The prompt and 512 tokens never seen: a hit, the rest absent.
+  KV_ASSERT_OK_AND_ASSIGN(longer, c->CreateSession(CreateOver(a, Concat(at, 1024, other.tokens(), 512))));
+  EXPECT_EQ(longer.reused_tokens(), 1024u);
+  m = ExpectDeltas(m, PrefixSamples(server),
+                   {{Lookup("hit", "absent"), 1}, {kRequested, 1536}, {kReused, 1024}, {kResident, 1}},
+                   "longer");
+
+  // Its first 512 tokens then others: two blocks match the cached segment, but segments are
+  // reused whole and this one goes on differently.
+  KV_ASSERT_OK_AND_ASSIGN(fork, c->CreateSession(CreateOver(a, Concat(at, 512, other.tokens(), 512))));
+  EXPECT_EQ(fork.reused_tokens(), 0u);
+  m = ExpectDeltas(m, PrefixSamples(server), {{Lookup("miss", "partial_segment"), 1}, {kRequested, 1024}},
+                   "diverging");
+
+  // Its first 512 tokens alone: the cached segment runs past the prompt.
+  KV_ASSERT_OK_AND_ASSIGN(shorter, c->CreateSession(CreateOver(a, Concat(at, 512, at, 0))));
+  EXPECT_EQ(shorter.reused_tokens(), 0u);
+  m = ExpectDeltas(m, PrefixSamples(server), {{Lookup("miss", "partial_segment"), 1}, {kRequested, 512}},
+                   "shorter");
+
+  // A durable session does not reuse a segment that is not durable.
+  KV_ASSERT_OK_AND_ASSIGN(durable, c->CreateSession(CreateOver(a, at, /*durable=*/true)));
+  EXPECT_EQ(durable.reused_tokens(), 0u);
+  m = ExpectDeltas(m, PrefixSamples(server), {{Lookup("miss", "not_durable"), 1}, {kRequested, 1024}},
+                   "durable");
+
+  // LookupPrefix: a probe, not a lookup of a session.
+  v1::LookupPrefixRequest probe;
+  *probe.mutable_model() = a.Model();
+  *probe.mutable_profile() = ShadowProfile();
+  probe.mutable_token_ids()->Assign(at.begin(), at.end());
+  KV_ASSERT_OK_AND_ASSIGN(probed, c->LookupPrefix(probe));
+  EXPECT_EQ(probed.reusable_tokens(), 1024u);
+  m = ExpectDeltas(m, PrefixSamples(server), {{"kvshade_prefix_probes_total{result=\"hit\"}", 1}}, "probe");
+
+  // The cap on reused segments per session: a chain of 7 one-block segments (each session
+  // reuses the ones before and ingests one more block), then a prompt over 8 blocks reuses
+  // the first kMaxReusedSegments = 6 of them only.
+  const synthetic::Document q(SmallDoc(2048, 23));
+  for (int k = 1; k <= 7; ++k) {
+    const size_t n = size_t(k) * 256;
+    KV_ASSERT_OK_AND_ASSIGN(created, c->CreateSession(CreateOver(q, Concat(q.tokens(), n, q.tokens(), 0))));
+    EXPECT_EQ(created.reused_tokens(), uint64_t(std::min(k - 1, 6)) * 256) << k;
+    KV_ASSERT_OK(synthetic::IngestRange(*c, q, created.session_id(), -1, int64_t(created.reused_tokens()),
+                                        int64_t(n)).status());
+    m = ExpectDeltas(m, PrefixSamples(server),
+                     {{Lookup(k == 1 ? "miss" : "hit", "absent"), 1},
+                      {kRequested, double(n)},
+                      {kReused, double(created.reused_tokens())},
+                      {kResident, double(created.reused_tokens() / 256)}},
+                     "chain " + std::to_string(k));
+  }
+  KV_ASSERT_OK_AND_ASSIGN(capped, c->CreateSession(CreateOver(q, q.tokens())));
+  EXPECT_EQ(capped.reused_tokens(), 6u * 256);
+  m = ExpectDeltas(m, PrefixSamples(server),
+                   {{Lookup("hit", "quota"), 1}, {kRequested, 2048}, {kReused, 6 * 256}, {kResident, 6}},
+                   "capped");
+  EXPECT_EQ(server.Stop(), 0) << server.log();
+}
+
+// A cached prefix evicted under memory pressure (no spill tier: a closed session's cached
+// segment goes when the host tier is full) is a miss with reason evicted, not absent.
+TEST(Metrics, PrefixLookupOfAnEvictedPrefixIsAMissEvicted) {
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({"--host-budget", "2MiB"}));
+  auto c = server.Connect();
+  // 2048 tokens of SmallDoc: 512 KiB of values; four fill the budget.
+  const synthetic::Document gone(SmallDoc(2048, 31));
+  KV_ASSERT_OK_AND_ASSIGN(s, CreateAndIngest(*c, gone, ShadowProfile(), -1));
+  KV_ASSERT_OK(c->CloseSession(s.session_id()));  // cached, nobody's
+  auto m = PrefixSamples(server);
+  int docs = 0;
+  while (Value(Samples(*HttpGet(server.metrics_port(), "/metrics")), "kvshade_evictions_total") == 0 &&
+         docs < 6) {
+    KV_ASSERT_OK(CreateAndIngest(*c, synthetic::Document(SmallDoc(2048, 40 + docs)), ShadowProfile(), -1).status());
+    ++docs;
+  }
+  ASSERT_EQ(Value(Samples(*HttpGet(server.metrics_port(), "/metrics")), "kvshade_evictions_total"), 1)
+      << server.log();
+  m = ExpectDeltas(m, PrefixSamples(server), {{Lookup("miss", "absent"), docs}, {kRequested, 2048.0 * docs}},
+                   "filling");
+  KV_ASSERT_OK_AND_ASSIGN(again, c->CreateSession(synthetic::MakeCreate(gone, ShadowProfile(), -1)));
+  EXPECT_EQ(again.reused_tokens(), 0u);
+  ExpectDeltas(m, PrefixSamples(server), {{Lookup("miss", "evicted"), 1}, {kRequested, 2048}}, "evicted");
+  EXPECT_EQ(server.Stop(), 0) << server.log();
+}
+
+// The values SST file of the spill tier (its largest: factors and records are small and
+// compressed, values are not), to damage.
+std::string LargestSst(const std::string& dir) {
+  std::string best;
+  uintmax_t size = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (e.path().extension() == ".sst" && e.file_size() > size) {
+      size = e.file_size();
+      best = e.path();
+    }
+  }
+  return best;
+}
+
+// After a restart a durable session's segment is on the spill tier only: a CreateSession
+// that reuses it pages it in first (counted as spilled_and_paged_in); when its values can
+// no longer be read back (the file damaged under the daemon), the lookup is a miss with
+// reason read_failure and the session ingests those tokens itself.
+TEST(Metrics, PrefixLookupPagesSpilledSegmentsInAndCountsReadFailures) {
+  TempDir dir;
+  const std::string spill = dir.path() + "/spill";
+  const std::vector<std::string> args = {"--spill-path", spill};
+  const synthetic::Document a(SmallDoc(1024, 51));
+  {
+    ServerProcess server;
+    KV_ASSERT_OK(server.Start(args));
+    auto c = server.Connect();
+    KV_ASSERT_OK(CreateAndIngest(*c, a, ShadowProfile(), -1, /*durable=*/true).status());
+    ASSERT_EQ(server.Stop(), 0) << server.log();
+  }
+  {
+    ServerProcess server;
+    KV_ASSERT_OK(server.Start(args));
+    auto c = server.Connect();
+    auto m = PrefixSamples(server);
+    const double page_ins = Value(Samples(*HttpGet(server.metrics_port(), "/metrics")), "kvshade_page_ins_total");
+    KV_ASSERT_OK_AND_ASSIGN(reused, c->CreateSession(synthetic::MakeCreate(a, ShadowProfile(), -1)));
+    EXPECT_EQ(reused.reused_tokens(), 1024u);
+    ExpectDeltas(m, PrefixSamples(server),
+                 {{Lookup("hit", "full"), 1}, {kRequested, 1024}, {kReused, 1024}, {kPagedIn, 1}}, "paged in");
+    EXPECT_EQ(Value(Samples(*HttpGet(server.metrics_port(), "/metrics")), "kvshade_page_ins_total"), page_ins + 1);
+    ASSERT_EQ(server.Stop(), 0) << server.log();
+  }
+  // Damage the middle of the values' last data block (the layer read last), where only a
+  // page-in reads: the start-up's scans read the first block of each segment.
+  const std::string sst = LargestSst(spill);
+  ASSERT_FALSE(sst.empty());
+  {
+    const uintmax_t size = std::filesystem::file_size(sst);
+    std::fstream f(sst, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(std::streamoff(size * 3 / 4));
+    const std::string junk(64, '\x5a');
+    f.write(junk.data(), std::streamsize(junk.size()));
+    ASSERT_TRUE(f.good());
+  }
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start(args));
+  auto c = server.Connect();
+  auto m = PrefixSamples(server);
+  KV_ASSERT_OK_AND_ASSIGN(unread, c->CreateSession(synthetic::MakeCreate(a, ShadowProfile(), -1)));
+  EXPECT_EQ(unread.reused_tokens(), 0u);
+  EXPECT_EQ(unread.tokens_to_ingest(), 1024u);
+  ExpectDeltas(m, PrefixSamples(server), {{Lookup("miss", "read_failure"), 1}, {kRequested, 1024}},
+               "read failure");
+  EXPECT_NE(server.log().find("prefix_read_failure"), std::string::npos) << server.log();
+  EXPECT_EQ(server.Stop(), 0) << server.log();
 }
 
 }  // namespace

@@ -221,8 +221,9 @@ TEST(Rpc, EveryRpcHealthReflectionMetricsAndCleanShutdown) {
   for (const char* name :
        {"kvshade_rpc_duration_seconds_bucket{method=\"SelectAndReconstruct\"", "kvshade_rpc_total{",
         "kvshade_stage_duration_seconds_bucket{stage=\"select\"", "kvshade_sessions ", "kvshade_attachments ",
-        "kvshade_segments ", "kvshade_prefix_lookups_total ", "kvshade_prefix_hits_total ",
-        "kvshade_prefix_reused_tokens_total ", "kvshade_chunks_selected_total ", "kvshade_chunk_hits_total ",
+        "kvshade_segments ", "kvshade_prefix_lookups_total{reason=\"full\",result=\"hit\"} ",
+        "kvshade_prefix_tokens_total{kind=\"reused\"} ", "kvshade_prefix_probes_total{result=\"hit\"} ",
+        "kvshade_chunks_selected_total ", "kvshade_chunk_hits_total ",
         "kvshade_captured_energy_ratio_count ", "kvshade_ingested_tokens_total ", "kvshade_tier_bytes{",
         "kvshade_errors_total{code=\"NOT_FOUND\"}"}) {
     EXPECT_NE(metrics.find(name), std::string::npos) << "missing in /metrics: " << name;

@@ -372,8 +372,9 @@ TEST(Metrics, FamiliesLabelsAndEndpoint) {
   m.SetTierBytes("device", "landmarks", 1024);
   m.SetTierBytes("nvme", "values", 1);  // unknown tier -> "other"
   m.SetSessions(3);
-  m.PrefixLookup(true, 100, 300);
-  m.PrefixLookup(false, 0, 50);
+  m.PrefixLookup(PrefixStop::kAbsent, 300, 100, 1, 1);  // a partial hit
+  m.PrefixLookup(PrefixStop::kEvicted, 50, 0, 0, 0);
+  m.PrefixProbe(true);
   m.ChunkSelection(64, 48);
   m.ReconstructionEnergy(0.97);
   m.ProjectionResidual(0.01);
@@ -423,10 +424,15 @@ TEST(Metrics, FamiliesLabelsAndEndpoint) {
            "kvshade_tier_bytes{kind=\"landmarks\",tier=\"device\"} 1024",
            "kvshade_tier_bytes{kind=\"values\",tier=\"other\"} 1",
            "kvshade_sessions 3",
-           "kvshade_prefix_lookups_total 2",
-           "kvshade_prefix_hits_total 1",
-           "kvshade_prefix_reused_tokens_total 100",
-           "kvshade_prefix_lookup_tokens_total 350",
+           "kvshade_prefix_lookups_total{reason=\"absent\",result=\"hit\"} 1",
+           "kvshade_prefix_lookups_total{reason=\"evicted\",result=\"miss\"} 1",
+           "kvshade_prefix_lookups_total{reason=\"full\",result=\"hit\"} 0",
+           "kvshade_prefix_tokens_total{kind=\"requested\"} 350",
+           "kvshade_prefix_tokens_total{kind=\"reused\"} 100",
+           "kvshade_prefix_reused_segments_total{source=\"resident\"} 1",
+           "kvshade_prefix_reused_segments_total{source=\"spilled_and_paged_in\"} 1",
+           "kvshade_prefix_probes_total{result=\"hit\"} 1",
+           "kvshade_prefix_probes_total{result=\"miss\"} 0",
            "kvshade_chunks_selected_total 64",
            "kvshade_chunk_hits_total 48",
            "kvshade_captured_energy_ratio_count 1",

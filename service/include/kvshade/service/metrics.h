@@ -1,6 +1,6 @@
 // Prometheus metrics of the daemon (prometheus-cpp). Every name, type and label is listed
 // in service/README.md; labels are low-cardinality only (method, code, stage, tier, kind,
-// result). Thread-safe: every method may be called from any RPC thread.
+// result, reason, source). Thread-safe: every method may be called from any RPC thread.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +27,20 @@ class Server;
 
 namespace kvshade::service {
 
+// Where CreateSession's prefix reuse stopped (the `reason` of
+// kvshade_prefix_lookups_total; service/README.md "Metrics" says when each is counted).
+enum class PrefixStop {
+  kFull,            // the whole prompt was reused
+  kAbsent,          // nothing is cached for the rest of the prompt
+  kEvicted,         // the rest's next block was cached, and its segment was evicted
+  kPartialSegment,  // the next cached segment runs past the prompt or differs from it
+  kNotDurable,      // a durable session: the next cached segment is not durable
+  kQuota,           // the cap on reused segments per session (kMaxReusedSegments)
+  kReadFailure,     // the next cached segment's values could not be read back from spill
+};
+inline constexpr int kPrefixStops = 7;
+std::string_view PrefixStopName(PrefixStop stop);
+
 class Metrics {
  public:
   Metrics();
@@ -51,8 +65,14 @@ class Metrics {
   void SetAttachments(double n);
   void SetExportGenerations(double n);  // same-node export generations held
   void SetSegments(double n);
-  // lookup_tokens: the prompt's length, the token-level hit ratio's denominator.
-  void PrefixLookup(bool hit, uint64_t reused_tokens, uint64_t lookup_tokens = 0);
+  // One CreateSession prefix lookup: kvshade_prefix_lookups_total{result,reason} (result
+  // "hit" when reused_tokens > 0), kvshade_prefix_tokens_total{kind="requested"} +=
+  // requested_tokens (the prompt's length) and {kind="reused"} += reused_tokens, and
+  // kvshade_prefix_reused_segments_total{source="resident"|"spilled_and_paged_in"}.
+  void PrefixLookup(PrefixStop stop, uint64_t requested_tokens, uint64_t reused_tokens,
+                    uint64_t resident_segments, uint64_t paged_in_segments);
+  // One LookupPrefix call: kvshade_prefix_probes_total{result="hit"|"miss"}.
+  void PrefixProbe(bool hit);
   void ChunkSelection(uint64_t selected, uint64_t hits);
   // One query of a select that succeeded, by the worker's purpose:
   // kvshade_decode_selects_total{purpose="synchronous|speculative|correction"}.
@@ -84,11 +104,13 @@ class Metrics {
   prometheus::Gauge* attachments_;
   prometheus::Gauge* export_generations_;
   prometheus::Gauge* segments_;
-  prometheus::Counter* prefix_lookups_;
-  prometheus::Counter* decode_selects_[3];  // by v1::SelectPurpose
-  prometheus::Counter* prefix_hits_;
+  prometheus::Counter* prefix_lookups_[2][kPrefixStops] = {};  // [hit][stop]; null: impossible
+  prometheus::Counter* prefix_requested_tokens_;
   prometheus::Counter* prefix_reused_tokens_;
-  prometheus::Counter* prefix_lookup_tokens_;
+  prometheus::Counter* prefix_resident_segments_;
+  prometheus::Counter* prefix_paged_in_segments_;
+  prometheus::Counter* prefix_probes_[2];  // [hit]
+  prometheus::Counter* decode_selects_[3];  // by v1::SelectPurpose
   prometheus::Counter* chunks_selected_;
   prometheus::Counter* chunk_hits_;
   prometheus::Histogram* reconstruction_energy_;
