@@ -30,7 +30,9 @@ grpc::StatusCode IngestHeaderOnly(v1::KvShade::Stub& stub, const std::string& se
 
 TEST(Drain, ServesReadsForTheGraceAndCutsIdleIngestStreams) {
   ServerProcess server;
-  KV_ASSERT_OK(server.Start({"--grace", "4"}));
+  // A grace far longer than the checks below, so that a loaded machine cannot make the
+  // drain end while they run (the attachment's detach ends it early, as the last check).
+  KV_ASSERT_OK(server.Start({"--grace", "30"}));
   auto c = server.Connect();
   const synthetic::Document doc(SmallDoc(512));
   KV_ASSERT_OK_AND_ASSIGN(s, CreateAndIngest(*c, doc, ShadowProfile(), -1));
@@ -55,12 +57,12 @@ TEST(Drain, ServesReadsForTheGraceAndCutsIdleIngestStreams) {
   const grpc::Status cut = idle->Finish();
   EXPECT_EQ(cut.error_code(), grpc::StatusCode::UNAVAILABLE) << cut.error_message();
   EXPECT_TRUE(absl::StrContains(cut.error_message(), "draining")) << cut.error_message();
-  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(2));
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(15));  // at once, not at the grace's end
 
   auto reader = server.Connect();  // a new connection during the drain is served too
   KV_ASSERT_OK_AND_ASSIGN(health, reader->CheckHealth());
   EXPECT_EQ(health, client::HealthStatus::kNotServing);
-  // Reads until 3 s into the 4 s grace; writes refused with UNAVAILABLE.
+  // Reads for 3 s of the grace; writes refused with UNAVAILABLE.
   int rounds = 0;
   while (Clock::now() - t0 < std::chrono::seconds(3)) {
     const auto got = reader->GetSession(s.session_id());
@@ -97,13 +99,13 @@ TEST(Drain, ServesReadsForTheGraceAndCutsIdleIngestStreams) {
 
 TEST(Drain, EndsOnceNoAttachmentIsLive) {
   ServerProcess server;
-  KV_ASSERT_OK(server.Start({"--grace", "30"}));
+  KV_ASSERT_OK(server.Start({"--grace", "120"}));
   auto c = server.Connect();
   const synthetic::Document doc(SmallDoc(512));
   KV_ASSERT_OK_AND_ASSIGN(s, CreateAndIngest(*c, doc, ShadowProfile(), -1));
   const auto t0 = Clock::now();
-  EXPECT_EQ(server.Stop(absl::Seconds(20)), 0) << server.log();
-  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(15));  // not the 30 s grace
+  EXPECT_EQ(server.Stop(absl::Seconds(100)), 0) << server.log();
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(60));  // not the 120 s grace
 }
 
 }  // namespace
