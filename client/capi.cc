@@ -242,7 +242,10 @@ void AddNewToken(const kvshade_new_tokens* t, size_t i, int32_t dtype, int32_t d
   const int64_t bytes = static_cast<int64_t>(t->h) * d * DTypeBytes(dtype);
   *q->mutable_k_new() = MakeTensor({t->h, d}, dtype, static_cast<const char*>(t->k_new) + i * bytes);
   *q->mutable_v_new() = MakeTensor({t->h, d}, dtype, static_cast<const char*>(t->v_new) + i * bytes);
-  if (stage) q->set_stage_token_id(t->stage_token_ids[i]);
+  if (stage) {
+    q->set_stage_token_id(t->stage_token_ids[i]);
+    q->set_stage_hold(t->hold != 0);
+  }
 }
 
 // Decodes a select response into a result handle (*out), reporting the outcome.
@@ -759,6 +762,18 @@ const char* kvshade_local_decoder_backend(const kvshade_local_decoder* dec) {
 }
 
 void kvshade_local_decoder_free(kvshade_local_decoder* dec) { delete dec; }
+
+int kvshade_commit_staged(kvshade_client* c, const char* attachment_id, int32_t stage_token_id, int32_t discard,
+                          uint64_t* tokens) {
+  return Guard([&] {
+    if (c == nullptr) return Bad("client must not be NULL");
+    if (!IdOk(attachment_id)) return Bad("attachment_id is NULL or too long");
+    auto r = c->impl->CommitStaged(attachment_id, stage_token_id, discard != 0);
+    if (!r.ok()) return Report(r.status());
+    if (tokens != nullptr) *tokens = *r;
+    return Report(absl::OkStatus());
+  });
+}
 
 int kvshade_get_static_set(kvshade_client* c, const char* attachment_id, uint32_t layer, kvshade_static_set** out) {
   return Guard([&] {

@@ -372,6 +372,17 @@ absl::StatusOr<v1::GetStaticSetResponse> Client::GetStaticSet(const std::string&
   return Unary<v1::GetStaticSetRequest, v1::GetStaticSetResponse>(&v1::KvShade::Stub::GetStaticSet, req);
 }
 
+absl::StatusOr<uint64_t> Client::CommitStaged(const std::string& attachment_id, int32_t stage_token_id,
+                                              bool discard) {
+  v1::CommitStagedRequest req;
+  req.set_attachment_id(attachment_id);
+  req.set_stage_token_id(stage_token_id);
+  req.set_discard(discard);
+  auto r = Unary<v1::CommitStagedRequest, v1::CommitStagedResponse>(&v1::KvShade::Stub::CommitStaged, req);
+  if (!r.ok()) return r.status();
+  return r->tokens();
+}
+
 absl::StatusOr<v1::SlotTableResponse> Client::SlotTable(const std::string& attachment_id,
                                                         bool reset) {
   v1::SlotTableRequest req;

@@ -343,6 +343,7 @@ absl::StatusOr<std::string> SelectBody(const v1::SelectAndReconstructRequest& re
   return FrameBody(req.queries(), [](const v1::SelectQuery& q, frame::QueryRef* ref) {
     ref->stage = q.has_stage_token_id();
     ref->stage_token_id = q.stage_token_id();
+    ref->hold = q.stage_hold();
     // An unknown purpose travels as 3, which the daemon refuses (INVALID_ARGUMENT).
     ref->purpose = v1::SelectPurpose_IsValid(q.purpose()) ? static_cast<uint8_t>(q.purpose()) : 3;
     return FrameTensors{{&q.q(), &ref->q, "q"},
@@ -356,6 +357,7 @@ absl::StatusOr<std::string> AttendBody(const v1::AttendRequest& req) {
   return FrameBody(req.queries(), [](const v1::AttendQuery& q, frame::QueryRef* ref) {
     ref->stage = q.has_stage_token_id();
     ref->stage_token_id = q.stage_token_id();
+    ref->hold = q.stage_hold();
     return FrameTensors{{&q.q(), &ref->q, "q"},
                         {&q.k_new(), &ref->k_new, "k_new"},
                         {&q.v_new(), &ref->v_new, "v_new"}};

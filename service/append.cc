@@ -528,7 +528,8 @@ absl::StatusOr<uint64_t> EngineImpl::CommitAppend(const Tenant& t, Session& s,
                                                   const std::string& attachment_id,
                                                   absl::Span<const int32_t> ids,
                                                   const std::vector<std::vector<bf16>>& ks,
-                                                  const std::vector<std::vector<bf16>>& vs) {
+                                                  const std::vector<std::vector<bf16>>& vs,
+                                                  std::optional<uint64_t> at_tokens) {
   KVSHADE_RETURN_IF_ERROR(sessions_.CheckWriter(t.name, s, attachment_id));
 
   std::unique_lock lock(s.mu);
@@ -538,6 +539,11 @@ absl::StatusOr<uint64_t> EngineImpl::CommitAppend(const Tenant& t, Session& s,
   if (s.state != SessionState::kReady) {
     return absl::FailedPreconditionError(absl::StrCat(
         "session '", s.id, "' is ", SessionStateName(s.state), "; commit its ingest first"));
+  }
+  if (at_tokens && *at_tokens != s.tokens) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session '", s.id, "' has ", s.tokens, " tokens, not the ", *at_tokens,
+        " it had when the token's staging began (an append came in between); stage it again"));
   }
   KVSHADE_RETURN_IF_ERROR(ValidateTokens(ids, s.tokens, config_->limits, "token_ids"));
   // Logged appends: on disk before they happen (and so before the acknowledgement).

@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine_impl.h"
+#include "status_util.h"
 #include "kvshade/service/log.h"
 #include "kvshade/kernels/pyramid.h"
 #include "kvshade/base/status_macros.h"
@@ -161,6 +162,16 @@ absl::StatusOr<v1::AttachResponse> Engine::Attach(const Tenant& t, const v1::Att
 absl::StatusOr<v1::DetachResponse> Engine::Detach(const Tenant& t, const v1::DetachRequest& r) {
   return impl_->Detach(t, r);
 }
+absl::StatusOr<v1::CommitStagedResponse> Engine::CommitStaged(const Tenant& t,
+                                                              const v1::CommitStagedRequest& r) {
+  KVSHADE_RETURN_IF_ERROR(CheckIdLength(r.attachment_id(), "attachment id"));
+  KVSHADE_ASSIGN_OR_RETURN(uint64_t tokens,
+                           impl_->CommitStaged(t, r.attachment_id(), r.stage_token_id(), r.discard()));
+  v1::CommitStagedResponse resp;
+  resp.set_tokens(tokens);
+  return resp;
+}
+
 absl::StatusOr<v1::GetStaticSetResponse> Engine::GetStaticSet(const Tenant& t,
                                                               const v1::GetStaticSetRequest& r) {
   return impl_->GetStaticSet(t, r);

@@ -9,9 +9,11 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -116,11 +118,15 @@ class EngineImpl {
                                                         const v1::AppendTokensRequest& r);
   // Checks the writer rule, takes s.mu exclusively, validates `ids` against the session,
   // logs (durable sessions) and applies the append (k pre-RoPE [n, h, d] per layer,
-  // decoded); returns the session's new length. AppendTokens and Attend's staged token.
+  // decoded); returns the session's new length. AppendTokens and staged tokens; a staged
+  // token passes the session's length when its staging began (`at_tokens`), and an append
+  // that came in between refuses it (FAILED_PRECONDITION: it was staged for a position the
+  // session has moved past).
   absl::StatusOr<uint64_t> CommitAppend(const Tenant& t, Session& s, const std::string& attachment_id,
                                         absl::Span<const int32_t> ids,
                                         const std::vector<std::vector<kernels::bf16>>& ks,
-                                        const std::vector<std::vector<kernels::bf16>>& vs);
+                                        const std::vector<std::vector<kernels::bf16>>& vs,
+                                        std::optional<uint64_t> at_tokens = std::nullopt);
   // The append itself (s.mu held exclusively; tokens validated, k pre-RoPE [n, h, d]).
   absl::Status ApplyAppend(Session& s, absl::Span<const int32_t> ids,
                            const std::vector<std::vector<kernels::bf16>>& ks,
@@ -142,6 +148,10 @@ class EngineImpl {
   void StopWalSync();
 
   // --- select.cc ---
+  // Appends (or with `discard` drops) an attachment's held staged token (select.cc);
+  // returns the session's length.
+  absl::StatusOr<uint64_t> CommitStaged(const Tenant& t, std::string_view attachment_id, int32_t token_id,
+                                        bool discard);
   absl::StatusOr<v1::GetStaticSetResponse> GetStaticSet(const Tenant& t,
                                                         const v1::GetStaticSetRequest& r);
   absl::Status Select(const Tenant& t, const SelectRequestView& r, SelectResult* out);

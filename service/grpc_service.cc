@@ -368,6 +368,12 @@ grpc::Status KvShadeService::GetStaticSet(grpc::ServerContext* ctx,
              [&](const Tenant& t) { return engine_->GetStaticSet(t, *req); });
 }
 
+grpc::Status KvShadeService::CommitStaged(grpc::ServerContext* ctx, const v1::CommitStagedRequest* req,
+                                          v1::CommitStagedResponse* resp) {
+  return Run(deps_, "CommitStaged", ctx, resp,
+             [&](const Tenant& t) { return engine_->CommitStaged(t, *req); });
+}
+
 grpc::Status KvShadeService::SlotTable(grpc::ServerContext* ctx, const v1::SlotTableRequest* req,
                                        v1::SlotTableResponse* resp) {
   return Run(deps_, "SlotTable", ctx, resp,

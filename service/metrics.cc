@@ -60,7 +60,7 @@ std::string Bounded(std::string_view v, const std::set<std::string, std::less<>>
 const std::set<std::string, std::less<>>& KnownMethods() {
   static const auto* s = new std::set<std::string, std::less<>>{
       "CreateSession", "Ingest", "ForkSession", "LookupPrefix", "AppendTokens", "GetSession",
-      "ListSessions", "CloseSession", "Attach", "Detach", "GetStaticSet", "SlotTable",
+      "ListSessions", "CloseSession", "Attach", "Detach", "GetStaticSet", "SlotTable", "CommitStaged",
       "SelectAndReconstruct", "Attend", "ExportSession", "Stats", "ucx/SelectAndReconstruct", "ucx/Attend",
       "ucx/AppendTokens", "ucx/Ingest", "ucx/Register", "ucx/Unregister"};
   return *s;

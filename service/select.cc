@@ -17,6 +17,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "delivery.h"
 #include "engine_impl.h"
 #include "kvshade/base/status_macros.h"
@@ -40,6 +41,7 @@ struct Query {
   std::vector<bf16> k_new, v_new;
   bool stage = false;
   int32_t stage_token_id = 0;
+  bool hold = false;
 };
 
 // A token whose last layer a call staged: appended once the call's locks are released.
@@ -47,6 +49,7 @@ struct StagedCommit {
   Session* session;
   std::string attachment;
   int32_t token = 0;
+  uint64_t at_tokens = 0;  // the session's length when its staging began
   std::vector<std::vector<bf16>> k, v;
 };
 
@@ -115,6 +118,7 @@ absl::StatusOr<std::vector<Query>> Resolve(SessionManager& sm, const LimitsConfi
     }
     q.stage = qi.stage;
     q.stage_token_id = qi.stage_token_id;
+    q.hold = qi.hold;
     out.push_back(std::move(q));
   }
   return out;
@@ -224,25 +228,27 @@ absl::StatusOr<std::vector<int32_t>> NativeChunks(const TensorView& t, int h, in
 }
 
 // Keeps this layer's K/V of query q's new token in its attachment's staged token (a.mu
-// held); queues the token in `commits` once every layer of the model is staged. A new
-// token id, or an append since staging began, starts over.
+// held); queues the token in `commits` once every layer of the model is staged, unless a
+// staging call of the token asked to hold it (then CommitStaged appends or discards it).
+// A new token id, or an append since staging began, starts over.
 absl::Status StageLayer(SessionManager& sm, const Tenant& t, Session& s, Attachment& a, int layer,
                         const Query& q, std::vector<StagedCommit>* commits) {
   KVSHADE_RETURN_IF_ERROR(sm.CheckWriter(t.name, s, a.id));
   Attachment::StagedToken& sg = a.staged;
   const int L = s.model.layers;
   if (sg.layers == 0 || sg.token_id != q.stage_token_id || sg.at_tokens != s.tokens) {
+    sg = Attachment::StagedToken{};
     sg.token_id = q.stage_token_id;
     sg.at_tokens = s.tokens;
     sg.k.assign(L, {});
     sg.v.assign(L, {});
-    sg.layers = 0;
   }
   if (sg.k[layer].empty()) ++sg.layers;
   sg.k[layer] = q.k_new;
   sg.v[layer] = q.v_new;
-  if (sg.layers == L) {
-    commits->push_back({&s, a.id, sg.token_id, std::move(sg.k), std::move(sg.v)});
+  sg.hold = sg.hold || q.hold;
+  if (sg.layers == L && !sg.hold) {
+    commits->push_back({&s, a.id, sg.token_id, sg.at_tokens, std::move(sg.k), std::move(sg.v)});
     sg = Attachment::StagedToken{};
   }
   return absl::OkStatus();
@@ -250,12 +256,13 @@ absl::Status StageLayer(SessionManager& sm, const Tenant& t, Session& s, Attachm
 
 // Appends the tokens a call's staging completed (its locks released) and returns each
 // appended session's new length.
-absl::StatusOr<std::vector<std::pair<const Session*, uint64_t>>> CommitStaged(
+absl::StatusOr<std::vector<std::pair<const Session*, uint64_t>>> AppendStaged(
     EngineImpl& e, const Tenant& t, std::vector<StagedCommit>& commits) {
   std::vector<std::pair<const Session*, uint64_t>> out;
   for (StagedCommit& c : commits) {
     const int32_t id[1] = {c.token};
-    KVSHADE_ASSIGN_OR_RETURN(uint64_t tokens, e.CommitAppend(t, *c.session, c.attachment, id, c.k, c.v));
+    KVSHADE_ASSIGN_OR_RETURN(uint64_t tokens,
+                             e.CommitAppend(t, *c.session, c.attachment, id, c.k, c.v, c.at_tokens));
     out.emplace_back(c.session, tokens);
   }
   return out;
@@ -599,7 +606,7 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
     out->deltas[i].tokens = s.tokens;
   }
   }
-  KVSHADE_ASSIGN_OR_RETURN(auto appended, CommitStaged(*this, t, commits));
+  KVSHADE_ASSIGN_OR_RETURN(auto appended, AppendStaged(*this, t, commits));
   for (const auto& [session, tokens] : appended) {
     for (size_t i = 0; i < qs.size(); ++i) {
       if (qs[i].session.get() == session) out->deltas[i].tokens = tokens;
@@ -767,7 +774,7 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
     out->tokens[i] = s.tokens;
   }
   }
-  KVSHADE_ASSIGN_OR_RETURN(auto appended, CommitStaged(*this, t, commits));
+  KVSHADE_ASSIGN_OR_RETURN(auto appended, AppendStaged(*this, t, commits));
   for (const auto& [session, tokens] : appended) {
     for (size_t i = 0; i < qs.size(); ++i) {
       if (qs[i].session.get() == session) out->tokens[i] = tokens;
@@ -836,6 +843,49 @@ absl::StatusOr<v1::GetStaticSetResponse> EngineImpl::GetStaticSet(const Tenant& 
   resp.mutable_positions()->Add(c->host_pos.begin(), c->host_pos.end());
   resp.mutable_tail_positions()->Add(c->host_tail_pos.begin(), c->host_tail_pos.end());
   return resp;
+}
+
+absl::StatusOr<uint64_t> EngineImpl::CommitStaged(const Tenant& t, std::string_view attachment_id,
+                                                  int32_t token_id, bool discard) {
+  if (!discard) KVSHADE_RETURN_IF_ERROR(CheckNotDraining("CommitStaged"));
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> a, sessions_.Use(t.name, std::string(attachment_id)));
+  Session& s = *a->session;
+  KVSHADE_RETURN_IF_ERROR(sessions_.CheckWriter(t.name, s, a->id));
+  StagedCommit c{&s, a->id, token_id, 0, {}, {}};
+  {
+    std::lock_guard<std::mutex> lock(a->mu);
+    Attachment::StagedToken& sg = a->staged;
+    if (sg.layers == 0 || sg.token_id != token_id) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "attachment '", a->id, "' has no staged token ", token_id,
+          sg.layers == 0 ? std::string(" (nothing is staged)")
+                         : absl::StrCat(" (token ", sg.token_id, " is)")));
+    }
+    if (discard) {
+      sg = Attachment::StagedToken{};
+      std::shared_lock slock(s.mu);
+      return s.tokens;
+    }
+    const int L = s.model.layers;
+    if (sg.layers < L) {
+      std::vector<int> missing;
+      for (int l = 0; l < L; ++l) {
+        if (sg.k[l].empty()) missing.push_back(l);
+      }
+      return absl::FailedPreconditionError(absl::StrCat(
+          "staged token ", token_id, " lacks layers [",
+          absl::StrJoin(missing.begin(), missing.begin() + std::min<size_t>(missing.size(), 16), ", "),
+          missing.size() > 16 ? ", ..." : "", "] of ", L, "; stage them first"));
+    }
+    c.at_tokens = sg.at_tokens;
+    c.k = std::move(sg.k);
+    c.v = std::move(sg.v);
+    sg = Attachment::StagedToken{};
+  }
+  std::vector<StagedCommit> commits;
+  commits.push_back(std::move(c));
+  KVSHADE_ASSIGN_OR_RETURN(auto appended, AppendStaged(*this, t, commits));
+  return appended[0].second;
 }
 
 }  // namespace kvshade::service

@@ -693,7 +693,7 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
       for (size_t i = 0; i < qs->size(); ++i) {
         const frame::QueryRef& q = (*qs)[i];
         views[i] = {q.attachment_id, ViewOf(q.q), ViewOf(q.k_new), ViewOf(q.v_new), q.stage,
-                    q.stage_token_id};
+                    q.stage_token_id, q.hold};
       }
       AttendResult res;
       absl::Status st = engine->Attend(conn->tenant, AttendRequestView{layer, views}, &res);
@@ -705,7 +705,7 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
     for (size_t i = 0; i < qs->size(); ++i) {
       const frame::QueryRef& q = (*qs)[i];
       views[i] = {q.attachment_id, ViewOf(q.q), ViewOf(q.chunks), ViewOf(q.k_new), ViewOf(q.v_new),
-                  q.stage, q.stage_token_id, static_cast<v1::SelectPurpose>(q.purpose)};
+                  q.stage, q.stage_token_id, static_cast<v1::SelectPurpose>(q.purpose), q.hold};
     }
     auto res = std::make_shared<SelectResult>();
     absl::Status st = engine->Select(conn->tenant, SelectRequestView{layer, views}, res.get());

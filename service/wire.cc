@@ -21,6 +21,7 @@ absl::StatusOr<v1::SelectAndReconstructResponse> Engine::SelectAndReconstruct(
     qs[i].v_new = ViewOf(q.v_new());
     qs[i].stage = q.has_stage_token_id();
     qs[i].stage_token_id = q.stage_token_id();
+    qs[i].hold = q.stage_hold();
     qs[i].purpose = q.purpose();
   }
   SelectResult res;
@@ -59,6 +60,7 @@ absl::StatusOr<v1::AttendResponse> Engine::Attend(const Tenant& t, const v1::Att
     qs[i].v_new = ViewOf(q.v_new());
     qs[i].stage = q.has_stage_token_id();
     qs[i].stage_token_id = q.stage_token_id();
+    qs[i].hold = q.stage_hold();
   }
   AttendResult res;
   KVSHADE_RETURN_IF_ERROR(Attend(t, AttendRequestView{r.layer(), qs}, &res));

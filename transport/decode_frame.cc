@@ -109,7 +109,7 @@ void AppendQuery(const QueryRef& q, std::string* body) {
   const TensorRef* ts[4] = {&q.q, &q.chunks, &q.k_new, &q.v_new};
   Put<uint16_t>(body, static_cast<uint16_t>(q.attachment_id.size()));
   for (const TensorRef* t : ts) Put<uint8_t>(body, t->dtype);
-  Put<uint8_t>(body, static_cast<uint8_t>((q.stage ? 1 : 0) | ((q.purpose & 3) << 1)));
+  Put<uint8_t>(body, static_cast<uint8_t>((q.stage ? 1 : 0) | ((q.purpose & 3) << 1) | (q.hold ? 8 : 0)));
   body->append(1, '\0');
   for (const TensorRef* t : ts) {
     Put<uint32_t>(body, t->rows);
@@ -155,14 +155,16 @@ absl::StatusOr<std::vector<QueryRef>> ParseQueries(std::string_view body, uint32
       }
     }
     const uint8_t flags = static_cast<uint8_t>(fixed[6]);
-    // Bit 0: stage; bits 1-2: the select's purpose (3 is none).
-    if ((flags & ~7u) != 0 || (flags >> 1) == 3 || fixed[7] != 0) {
+    // Bit 0: stage; bits 1-2: the select's purpose (3 is none); bit 3: hold the staged
+    // token for CommitStaged (only with bit 0).
+    if ((flags & ~15u) != 0 || ((flags >> 1) & 3) == 3 || ((flags & 8) && !(flags & 1)) || fixed[7] != 0) {
       return absl::InvalidArgumentError(absl::StrCat("ucx ", std::string(what), " frame: entry ", i,
                                                      ": unknown flags ", int{flags}, "/",
                                                      int{static_cast<uint8_t>(fixed[7])}));
     }
     q.stage = flags & 1;
-    q.purpose = static_cast<uint8_t>(flags >> 1);
+    q.hold = flags & 8;
+    q.purpose = static_cast<uint8_t>((flags >> 1) & 3);
     q.stage_token_id = Get<int32_t>(fixed.data() + 40);
     if (kind == kAttend && q.chunks.present()) {
       return absl::InvalidArgumentError(absl::StrCat("ucx ATTEND frame: entry ", i,

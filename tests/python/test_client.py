@@ -146,6 +146,28 @@ class ClientTest(unittest.TestCase):
             qq = bf16(self.rng.standard_normal((1, HQ, D)).astype(np.float32))
             np.testing.assert_array_equal(self.c.attend(layer, [ra.attachment_id], qq),
                                           self.c.attend(layer, [rb.attachment_id], qq))
+        # A held token (stage_hold): complete but not appended until commit_staged; a
+        # discarded one never is.
+        nk2, nv2 = self.kv(1)
+        for layer in range(L):
+            self.c.select(layer, [w.attachment_id], q, k_new=nk2[layer], v_new=nv2[layer], stage_token_ids=[778],
+                          stage_hold=True)
+        self.assertEqual(self.c.get_session(a.session_id)["tokens"], n + 1)
+        with self.assertRaises(kvshade.InvalidArgument):  # holding needs a staged token
+            self.c.attend(0, [w.attachment_id], q, stage_hold=True)
+        self.assertEqual(self.c.commit_staged(w.attachment_id, 778), n + 2)
+        self.assertEqual(self.c.append(b.session_id, [778], nk2, nv2), n + 2)
+        for layer in range(L):
+            self.c.attend(layer, [w.attachment_id], q, k_new=nk[layer], v_new=nv[layer], stage_token_ids=[779],
+                          stage_hold=True)
+        self.assertEqual(self.c.commit_staged(w.attachment_id, 779, discard=True), n + 2)
+        with self.assertRaises(kvshade.FailedPrecondition):
+            self.c.commit_staged(w.attachment_id, 779)
+        self.assertEqual(self.c.get_session(a.session_id)["tokens"], n + 2)
+        for layer in range(L):
+            qq = bf16(self.rng.standard_normal((1, HQ, D)).astype(np.float32))
+            np.testing.assert_array_equal(self.c.attend(layer, [ra.attachment_id], qq),
+                                          self.c.attend(layer, [rb.attachment_id], qq))
         for att in (w, ra, rb):
             self.c.detach(att.attachment_id)
         self.c.close_session(a.session_id)

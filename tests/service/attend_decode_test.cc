@@ -300,5 +300,80 @@ TEST(AttendDecode, BadNewTokenIsRefusedNamingTheField) {
   EXPECT_NE(resp.status().message().find("queries[0].k_new"), std::string::npos) << resp.status();
 }
 
+// A held staged token (stage_hold) is not appended when its last layer is staged; the
+// explicit CommitStaged appends it, and the session then answers as a twin that got the
+// token by AppendTokens, bit for bit. Refusals: no such token, a layer missing, an append
+// in between, not the writer; discard drops a complete held token and appends nothing.
+TEST(AttendDecode, HeldStagedTokenWaitsForCommitStaged) {
+  Harness hx;
+  const int n = 200;
+  Stream s = MakeStream(n + 2, hx.model, 59);
+  ASSERT_GE(s.L, 2);
+  const v1::Profile p = SmallProfile(v1::PROFILE_KIND_SHADOW);
+  auto a = hx.Open(s, p, n);
+  auto b = hx.Open(s, p, n);
+  const std::string writer = hx.AttachTo(a.session, true);
+  auto token_kv = [&](int layer, int t, bool v) {
+    const auto& src = v ? s.v[layer] : s.k[layer];
+    return std::vector<bf16>(src.begin() + size_t(t) * kH * kD, src.begin() + size_t(t + 1) * kH * kD);
+  };
+  auto stage = [&](int layer, int t, int32_t id, bool hold) {
+    std::vector<bf16> kn = token_kv(layer, t, false), vn = token_kv(layer, t, true);
+    v1::AttendRequest r = AttendReq(hx, writer, layer, hx.Query(700 + layer), &kn, &vn);
+    r.mutable_queries(0)->set_stage_token_id(id);
+    r.mutable_queries(0)->set_stage_hold(hold);
+    return hx.engine->Attend(hx.tenant, r);
+  };
+  auto commit = [&](const std::string& att, int32_t id, bool discard) {
+    v1::CommitStagedRequest r;
+    r.set_attachment_id(att);
+    r.set_stage_token_id(id);
+    r.set_discard(discard);
+    return hx.engine->CommitStaged(hx.tenant, r);
+  };
+  const int32_t id = s.tokens[n];
+  // Nothing staged yet.
+  EXPECT_EQ(commit(writer, id, false).status().code(), absl::StatusCode::kFailedPrecondition);
+  // Layer 0 held, the others not: the token is held (any call's hold holds it).
+  for (int layer = 0; layer < s.L; ++layer) {
+    auto r = stage(layer, n, id, layer == 0);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->tokens(0), uint64_t(n)) << "layer " << layer << ": a held token is not appended";
+  }
+  // The wrong id, and another attachment (not the writer), are refused.
+  auto wrong = commit(writer, id + 1, false);
+  EXPECT_EQ(wrong.status().code(), absl::StatusCode::kFailedPrecondition) << wrong.status();
+  EXPECT_NE(std::string(wrong.status().message()).find(std::to_string(id)), std::string::npos) << wrong.status();
+  EXPECT_EQ(commit(a.attachment, id, false).status().code(), absl::StatusCode::kPermissionDenied);
+  auto done = commit(writer, id, false);
+  ASSERT_TRUE(done.ok()) << done.status();
+  EXPECT_EQ(done->tokens(), uint64_t(n + 1));
+  ASSERT_NO_FATAL_FAILURE(AppendByRpc(hx, s, b.session, n));
+  ExpectSameAnswers(hx, s, a.attachment, b.attachment, 800, uint64_t(n + 1));
+  // Committed once: a second commit finds nothing.
+  EXPECT_EQ(commit(writer, id, false).status().code(), absl::StatusCode::kFailedPrecondition);
+
+  // A held token missing a layer: refused, naming the layer; then discarded.
+  const int32_t id2 = s.tokens[n + 1];
+  ASSERT_TRUE(stage(0, n + 1, id2, true).ok());
+  auto partial = commit(writer, id2, false);
+  EXPECT_EQ(partial.status().code(), absl::StatusCode::kFailedPrecondition) << partial.status();
+  EXPECT_NE(std::string(partial.status().message()).find("lacks layers [1"), std::string::npos) << partial.status();
+  for (int layer = 1; layer < s.L; ++layer) ASSERT_TRUE(stage(layer, n + 1, id2, true).ok());
+  auto dropped = commit(writer, id2, true);
+  ASSERT_TRUE(dropped.ok()) << dropped.status();
+  EXPECT_EQ(dropped->tokens(), uint64_t(n + 1));
+  EXPECT_EQ(commit(writer, id2, false).status().code(), absl::StatusCode::kFailedPrecondition);
+
+  // Staged completely and held, then an append comes in: the held token is refused.
+  for (int layer = 0; layer < s.L; ++layer) ASSERT_TRUE(stage(layer, n + 1, id2, true).ok());
+  v1::AppendTokensRequest ar = AppendOf(a.session, s, n + 1, n + 2, writer);
+  ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, ar).ok());
+  auto stale = commit(writer, id2, false);
+  EXPECT_EQ(stale.status().code(), absl::StatusCode::kFailedPrecondition) << stale.status();
+  EXPECT_NE(std::string(stale.status().message()).find("an append came in between"), std::string::npos)
+      << stale.status();
+}
+
 }  // namespace
 }  // namespace kvshade::service::testing

@@ -384,7 +384,7 @@ TEST(Metrics, FamiliesLabelsAndEndpoint) {
   m.IngestedTokens(512);
   for (const char* rpc : {"CreateSession", "Ingest", "ForkSession", "LookupPrefix", "AppendTokens",
                           "GetSession", "ListSessions", "CloseSession", "Attach", "Detach",
-                          "GetStaticSet", "SlotTable", "Attend", "ExportSession", "Stats",
+                          "GetStaticSet", "SlotTable", "CommitStaged", "Attend", "ExportSession", "Stats",
                           "ucx/SelectAndReconstruct", "ucx/Attend", "ucx/AppendTokens",
                           "ucx/Ingest", "ucx/Register", "ucx/Unregister"}) {
     m.ObserveRpc(rpc, 0, 0.0);
@@ -456,7 +456,7 @@ TEST(Metrics, FamiliesLabelsAndEndpoint) {
   }
   const std::set<std::string> documented = {
       "CreateSession", "Ingest", "ForkSession", "LookupPrefix", "AppendTokens", "GetSession",
-      "ListSessions", "CloseSession", "Attach", "Detach", "GetStaticSet", "SlotTable",
+      "ListSessions", "CloseSession", "Attach", "Detach", "GetStaticSet", "SlotTable", "CommitStaged",
       "SelectAndReconstruct", "Attend", "ExportSession", "Stats", "ucx/SelectAndReconstruct", "ucx/Attend",
       "ucx/AppendTokens", "ucx/Ingest", "ucx/Register", "ucx/Unregister"};
   std::set<std::string> want = documented;

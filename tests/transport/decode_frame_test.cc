@@ -126,6 +126,15 @@ TEST(DecodeFrame, QueriesRoundTrip) {
     ASSERT_TRUE(ps.ok()) << ps.status();
     EXPECT_EQ((*ps)[0].purpose, purpose);
     EXPECT_TRUE((*ps)[0].stage);
+    EXPECT_FALSE((*ps)[0].hold);
+    // A held staged token (stage_hold) travels beside the purpose.
+    e.hold = true;
+    std::string hbody;
+    AppendQuery(e, &hbody);
+    auto hs = ParseQueries(hbody, 1, kSelect);
+    ASSERT_TRUE(hs.ok()) << hs.status();
+    EXPECT_TRUE((*hs)[0].hold);
+    EXPECT_EQ((*hs)[0].purpose, purpose);
     if (purpose != 0) EXPECT_FALSE(ParseQueries(pbody, 1, kAttend).ok());  // attend has none
   }
   // An attend query carries no chunks.
@@ -173,8 +182,11 @@ TEST(DecodeFrame, MalformedQueriesAreRefusedWithoutOverreading) {
   dt[2] = 9;
   expect_bad(ParseQueries(dt, 1, kSelect), "q has unknown dtype 9");
   std::string flagged = body;
-  flagged[6] = 8;
-  expect_bad(ParseQueries(flagged, 1, kSelect), "unknown flags 8/0");
+  flagged[6] = 16;
+  expect_bad(ParseQueries(flagged, 1, kSelect), "unknown flags 16/0");
+  std::string hold_alone = body;
+  hold_alone[6] = 8;  // hold without stage
+  expect_bad(ParseQueries(hold_alone, 1, kSelect), "unknown flags 8/0");
   std::string no_purpose = body;
   no_purpose[6] = 6;  // purpose bits 3
   expect_bad(ParseQueries(no_purpose, 1, kSelect), "unknown flags 6/0");

@@ -37,7 +37,8 @@ extern "C" {
 #define KVSHADE_ABI_VERSION 4 /* 2: UCX options and status, attachment data-plane fields;
                                  3: profile selection options, ucx_busy_poll_us, slot delta
                                  fallback and tokens, the _ex decode calls;
-                                 4: slot delta positions, static set positions */
+                                 4: slot delta positions, static set positions, held
+                                 staging (kvshade_new_tokens.hold, kvshade_commit_staged) */
 #define KVSHADE_ID_CAP 128
 
 typedef enum kvshade_code {
@@ -393,7 +394,17 @@ typedef struct kvshade_new_tokens {
   const void* k_new;
   const void* v_new;
   const int32_t* stage_token_ids;
+  /* 1: hold each token once its last layer is staged instead of appending it;
+   * kvshade_commit_staged appends (or discards) it, e.g. a draft token of a speculative
+   * decoder. */
+  int32_t hold;
 } kvshade_new_tokens;
+
+/* Appends the attachment's held staged token stage_token_id to its session (discard = 1:
+ * drops it instead); *tokens (may be NULL) gets the session's length. FAILED_PRECONDITION
+ * when no such token is staged, a layer is missing, or the session changed since. */
+KVSHADE_API int kvshade_commit_staged(kvshade_client* client, const char* attachment_id,
+                                      int32_t stage_token_id, int32_t discard, uint64_t* tokens);
 
 /* Why a select is sent (v1.SelectPurpose), counted by the daemon in
  * kvshade_decode_selects_total{purpose}: a speculating worker's correction rate. */

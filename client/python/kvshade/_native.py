@@ -77,7 +77,7 @@ class SlotDelta(ctypes.Structure):
 
 class NewTokens(ctypes.Structure):
     _fields_ = [("h", _i32), ("k_new", ctypes.c_void_p), ("v_new", ctypes.c_void_p),
-                ("stage_token_ids", ctypes.POINTER(_i32))]
+                ("stage_token_ids", ctypes.POINTER(_i32)), ("hold", _i32)]
 
 
 class AttachOptions(ctypes.Structure):
@@ -147,6 +147,7 @@ _SIGNATURES = {
                                        _P(_P(_f32)), _P(_P(_f32))]),
     "kvshade_static_set_positions": (None, [_vp, _P(_P(_i64)), _P(_P(_i64))]),
     "kvshade_static_set_free": (None, [_vp]),
+    "kvshade_commit_staged": (ctypes.c_int, [_vp, _c_char_p, _i32, _i32, _P(_u64)]),
     "kvshade_select": (ctypes.c_int, [_vp, _u32, _size_t, _P(_c_char_p), _i32, _i32, _i32, _vp,
                                       _P(_vp)]),
     "kvshade_select_chunks": (ctypes.c_int, [_vp, _u32, _size_t, _P(_c_char_p), _i32, _i32,

@@ -664,13 +664,17 @@ class Client(_NativeHandle):
         arr = (ctypes.c_char_p * len(ids))(*ids)
         return arr, np.ascontiguousarray(qw)
 
-    def _new_tokens(self, n, d, k_new, v_new, stage_token_ids, dtype, stage_required):
+    def _new_tokens(self, n, d, k_new, v_new, stage_token_ids, dtype, stage_required, hold=False):
         """A kvshade_new_tokens for n queries (None when no tokens are given), and the arrays
         it points into (keep them alive through the call)."""
         if k_new is None and v_new is None:
             if stage_token_ids is not None:
                 raise InvalidArgument("stage_token_ids needs k_new and v_new")
+            if hold:
+                raise InvalidArgument("stage_hold needs k_new, v_new and stage_token_ids")
             return None, ()
+        if hold and stage_token_ids is None:
+            raise InvalidArgument("stage_hold needs stage_token_ids")
         if k_new is None or v_new is None:
             raise InvalidArgument("k_new and v_new must both be given")
         kw, vw = to_wire(k_new, dtype), to_wire(v_new, dtype)
@@ -681,7 +685,7 @@ class Client(_NativeHandle):
         if stage_required and stage_token_ids is None:
             raise InvalidArgument("a select carries new tokens only to stage them: give stage_token_ids")
         kw, vw = np.ascontiguousarray(kw), np.ascontiguousarray(vw)
-        t = _native.NewTokens(kw.shape[1], _ptr(kw), _ptr(vw), None)
+        t = _native.NewTokens(kw.shape[1], _ptr(kw), _ptr(vw), None, 1 if hold else 0)
         keep = [kw, vw]
         if stage_token_ids is not None:
             ids = np.ascontiguousarray(np.asarray(stage_token_ids, dtype=np.int32).reshape(-1))
@@ -692,15 +696,16 @@ class Client(_NativeHandle):
         return t, keep
 
     def select(self, layer, attachment_ids: Sequence[str], q, dtype="bf16", k_new=None, v_new=None,
-               stage_token_ids=None, purpose="synchronous") -> List[SlotDelta]:
+               stage_token_ids=None, purpose="synchronous", stage_hold=False) -> List[SlotDelta]:
         """One decode step of one layer for a batch: q [n, hq, d] post-RoPE. With k_new,
         v_new [n, h, d] (pre-RoPE keys) and stage_token_ids [n] (< 0: none for that query)
         the step's new tokens are staged as Attend stages them; each delta's `tokens` is the
-        session's length after the call. purpose: "synchronous", "speculative" or
+        session's length after the call. stage_hold=True keeps each token, once its last
+        layer is staged, until commit_staged(). purpose: "synchronous", "speculative" or
         "correction" (counted by the daemon, kvshade_decode_selects_total)."""
         lib = _native.lib()
         ids, qw = self._queries(attachment_ids, q, dtype)
-        nt, _keep = self._new_tokens(len(ids), qw.shape[2], k_new, v_new, stage_token_ids, dtype, True)
+        nt, _keep = self._new_tokens(len(ids), qw.shape[2], k_new, v_new, stage_token_ids, dtype, True, stage_hold)
         r = ctypes.c_void_p()
         _check(lib.kvshade_select_ex(self._handle(), layer, len(ids), ids, _dtype_code(dtype), qw.shape[1],
                                      qw.shape[2], _ptr(qw), None if nt is None else ctypes.byref(nt),
@@ -753,13 +758,14 @@ class Client(_NativeHandle):
         return AttendFuture(self, h, qw.shape)
 
     def attend(self, layer, attachment_ids: Sequence[str], q, dtype="bf16", k_new=None, v_new=None,
-               stage_token_ids=None, with_lse=False):
+               stage_token_ids=None, with_lse=False, stage_hold=False):
         """Attention inside the service: returns float32 [n, hq, d]. k_new, v_new [n, h, d]
         (pre-RoPE keys): the step's new tokens, attended exactly beside each session, and
-        staged where stage_token_ids [n] says so (>= 0). with_lse=True returns (out,
-        lse [n, hq] float32, lengths [n]: the sessions' lengths after the call)."""
+        staged where stage_token_ids [n] says so (>= 0; stage_hold=True: held for
+        commit_staged() once complete). with_lse=True returns (out, lse [n, hq] float32,
+        lengths [n]: the sessions' lengths after the call)."""
         ids, qw = self._queries(attachment_ids, q, dtype)
-        nt, _keep = self._new_tokens(len(ids), qw.shape[2], k_new, v_new, stage_token_ids, dtype, False)
+        nt, _keep = self._new_tokens(len(ids), qw.shape[2], k_new, v_new, stage_token_ids, dtype, False, stage_hold)
         n, hq = qw.shape[0], qw.shape[1]
         out = np.empty(qw.shape, dtype=np.float32)
         lse = np.empty((n, hq), dtype=np.float32)
@@ -770,6 +776,14 @@ class Client(_NativeHandle):
                                                out.ctypes.data_as(fp), lse.ctypes.data_as(fp),
                                                lengths.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))))
         return (out, lse, lengths) if with_lse else out
+
+    def commit_staged(self, attachment_id, stage_token_id, discard=False) -> int:
+        """Appends the attachment's held staged token (staged with stage_hold=True) to its
+        session, or with discard=True drops it; returns the session's length."""
+        tokens = ctypes.c_uint64()
+        _check(_native.lib().kvshade_commit_staged(self._handle(), _b(attachment_id), int(stage_token_id),
+                                                   1 if discard else 0, ctypes.byref(tokens)))
+        return tokens.value
 
     def stats(self):
         s = _native.Stats()

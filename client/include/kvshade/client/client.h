@@ -120,6 +120,10 @@ class Client {
   // SelectAndReconstruct response.
   absl::StatusOr<v1::SlotTableResponse> SlotTable(const std::string& attachment_id,
                                                   bool reset = false);
+  // Appends the attachment's held staged token `stage_token_id` (staged with stage_hold)
+  // to the session, or with `discard` drops it; returns the session's length.
+  absl::StatusOr<uint64_t> CommitStaged(const std::string& attachment_id, int32_t stage_token_id,
+                                        bool discard = false);
 
   // --- Decode ---
   absl::StatusOr<v1::SelectAndReconstructResponse> SelectAndReconstruct(

@@ -46,6 +46,7 @@ struct SelectQueryView {
   bool stage = false;
   int32_t stage_token_id = 0;
   v1::SelectPurpose purpose = v1::SELECT_PURPOSE_UNSPECIFIED;  // counted, nothing else
+  bool hold = false;  // stage_hold: wait for CommitStaged after the last layer
 };
 
 struct SelectRequestView {
@@ -87,6 +88,7 @@ struct AttendQueryView {
   // Stage the new token as token `stage_token_id` (v1.AttendQuery.stage_token_id).
   bool stage = false;
   int32_t stage_token_id = 0;
+  bool hold = false;  // stage_hold
 };
 
 struct AttendRequestView {

@@ -97,6 +97,8 @@ class Engine {
                                                         const v1::GetStaticSetRequest& r);
   // Reads back (and with `reset`, empties) an attachment's slot tables (slot_table.cc).
   absl::StatusOr<v1::SlotTableResponse> SlotTable(const Tenant& t, const v1::SlotTableRequest& r);
+  // Appends or discards an attachment's held staged token (stage_hold).
+  absl::StatusOr<v1::CommitStagedResponse> CommitStaged(const Tenant& t, const v1::CommitStagedRequest& r);
   // The decode path in domain types (decode.h): the data planes' entry points. `out` is
   // reset and filled; on error its contents are unspecified. Rules as the v1 RPCs.
   absl::Status Select(const Tenant& t, const SelectRequestView& r, SelectResult* out);

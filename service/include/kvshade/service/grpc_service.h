@@ -80,6 +80,8 @@ class KvShadeService final : public kvshade::v1::KvShade::Service {
                             v1::GetStaticSetResponse* resp) override;
   grpc::Status SlotTable(grpc::ServerContext* ctx, const v1::SlotTableRequest* req,
                          v1::SlotTableResponse* resp) override;
+  grpc::Status CommitStaged(grpc::ServerContext* ctx, const v1::CommitStagedRequest* req,
+                            v1::CommitStagedResponse* resp) override;
   grpc::Status SelectAndReconstruct(grpc::ServerContext* ctx,
                                     const v1::SelectAndReconstructRequest* req,
                                     v1::SelectAndReconstructResponse* resp) override;

@@ -83,13 +83,15 @@ struct Attachment {
   // Serializes selects of this attachment (its slot tables).
   std::mutex mu;
   std::vector<SlotTable> slots;  // [L], allocated on first use of a layer
-  // Attend's staged new token (stage_token_id): each layer's K [h, d] pre-RoPE and V as
-  // the calls come; appended once every layer is there. Guarded by `mu`.
+  // The staged new token (stage_token_id): each layer's K [h, d] pre-RoPE and V as the
+  // calls come; appended once every layer is there, or (hold) kept complete until
+  // CommitStaged. Guarded by `mu`.
   struct StagedToken {
     int32_t token_id = -1;
     uint64_t at_tokens = 0;  // the session's length when staging began
     std::vector<std::vector<kernels::bf16>> k, v;  // [L][h*d]; empty: layer not staged
     int layers = 0;
+    bool hold = false;  // some staging call asked to wait for CommitStaged
   } staged;
   // Chunks selected and slot-table hits, over the attachment's life (atomic: Stats reads
   // them while selects add).

@@ -63,6 +63,7 @@ struct QueryRef {
   TensorRef k_new, v_new;  // the step's new token, [h, d] (ATTEND: attended; both: staged)
   bool stage = false;      // stage the new token as `stage_token_id`
   int32_t stage_token_id = 0;
+  bool hold = false;       // with stage: hold the token for CommitStaged (stage_hold)
   uint8_t purpose = 0;     // SELECT only: v1.SelectPurpose (0 synchronous, 1 speculative, 2 correction)
 };
 
