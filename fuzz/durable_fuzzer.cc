@@ -205,8 +205,13 @@ void WriteSeed(const char* file) {
   config.spill_path = dir + "/spill";
   Metrics metrics;
   {
+    storage::RocksSpillOptions so;
+    so.path = config.spill_path;
+    auto spill = storage::RocksSpillTier::Open(so);
+    if (!spill.ok()) std::abort();
     EngineOptions o;
     o.background_thread = false;
+    o.spill_tier = spill->get();
     auto engine = Engine::Create(&Cpu(), &config, &metrics, o);
     if (!engine.ok()) std::abort();
     const Tenant t{"alice", TenantSalt("alice", "")};

@@ -213,7 +213,7 @@ int Engine::RunMaintenance() { return impl_->RunMaintenance(); }
 EngineImpl::EngineImpl(kernels::Backend* backend, const ServerConfig* config, Metrics* metrics,
                        EngineOptions options)
     : backend_(backend), config_(config), metrics_(metrics), options_(std::move(options)),
-      sessions_(config->limits, options_.clock) {}
+      spill_(options_.spill_tier), sessions_(config->limits, options_.clock) {}
 
 EngineImpl::~EngineImpl() {
   {
@@ -249,11 +249,6 @@ absl::Status EngineImpl::Init() {
   instance_id_ = SessionManager::NewId();
   KVSHADE_ASSIGN_OR_RETURN(arena_,
                            storage::DeviceArena::Create(*backend_, config_->device_budget_bytes));
-  if (!config_->spill_path.empty()) {
-    storage::RocksSpillOptions o;
-    o.path = config_->spill_path;
-    KVSHADE_ASSIGN_OR_RETURN(spill_, storage::RocksSpillTier::Open(o));
-  }
   storage::HostValueStoreOptions ho;
   ho.budget_bytes = config_->host_budget_bytes;
   ho.slab_bytes = std::min<size_t>(ho.slab_bytes, std::max<size_t>(config_->host_budget_bytes / 4, 1 << 20));
@@ -261,7 +256,7 @@ absl::Status EngineImpl::Init() {
   // Host memory short and nothing spillable: cached segments no session holds go, least
   // recently used first (closed sessions' segments stay cached for reuse until then).
   ho.reclaim = [this](size_t) { return EvictIdlePrefix(*this); };
-  KVSHADE_ASSIGN_OR_RETURN(store_, storage::HostValueStore::Create(*backend_, ho, spill_.get()));
+  KVSHADE_ASSIGN_OR_RETURN(store_, storage::HostValueStore::Create(*backend_, ho, spill_));
   store_link_ = std::make_shared<StoreLink>();
   store_link_->store = store_.get();
   if (!config_->kv_events.endpoint.empty()) {

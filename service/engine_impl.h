@@ -240,7 +240,7 @@ class EngineImpl {
   Metrics* metrics_;
   EngineOptions options_;
   std::unique_ptr<storage::DeviceArena> arena_;
-  std::unique_ptr<storage::RocksSpillTier> spill_;
+  storage::SpillTier* spill_ = nullptr;  // options_.spill_tier (not owned); null: none
   std::unique_ptr<storage::HostValueStore> store_;
   std::shared_ptr<StoreLink> store_link_;
   // KV-events of the prefix index (kv_events.endpoint); null when off. Declared before the

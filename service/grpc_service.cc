@@ -186,7 +186,9 @@ absl::StatusOr<std::unique_ptr<KvShadeService>> KvShadeService::Create(const Ser
     return absl::InvalidArgumentError(
         "KvShadeService::Create: backend, config, metrics and auth must all be set");
   }
-  auto engine = Engine::Create(deps.backend, deps.config, deps.metrics);
+  EngineOptions options;
+  options.spill_tier = deps.spill_tier;
+  auto engine = Engine::Create(deps.backend, deps.config, deps.metrics, std::move(options));
   if (!engine.ok()) return engine.status();
   return std::unique_ptr<KvShadeService>(new KvShadeService(deps, std::move(engine).value()));
 }

@@ -1,6 +1,6 @@
 // kvshade-server's process shell: gRPC server construction (credentials, limits, health,
-// reflection), the Prometheus exposer, graceful shutdown, and where the spill tier's
-// storage faults go (log and metrics). The service logic itself is KvShadeService
+// reflection), the Prometheus exposer, graceful shutdown, the spill tier the engine runs on
+// (spill_storage.h) and where its storage faults go (log and metrics). The service logic itself is KvShadeService
 // (grpc_service.h); this file never looks inside a request.
 #include "kvshade/service/server.h"
 
@@ -29,6 +29,7 @@
 #include "kvshade/storage/spill_tier.h"
 #include "kvshade/version.h"
 #include "device_fault.h"
+#include "spill_storage.h"
 
 namespace kvshade::service {
 namespace {
@@ -120,6 +121,8 @@ storage::SpillEventSink SpillEventsToLogAndMetrics(std::shared_ptr<prometheus::R
 
 }  // namespace
 
+Server::Server() = default;
+
 Server::~Server() {
   absl::Status s = Shutdown(absl::Seconds(5));
   if (!s.ok()) spdlog::warn("shutdown: {}", std::string(s.message()));
@@ -151,16 +154,20 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   s->backend_ = *std::move(backend);
   s->metrics_ = std::make_unique<Metrics>();
   s->auth_ = std::make_unique<Authenticator>(s->config_);
-  // Before the engine opens the spill tier: what the open finds (a damaged WAL) is reported
-  // too. A file-size limit (RLIMIT_FSIZE) must fail a write (EFBIG), not kill the daemon.
+  // Before the spill tier opens: what the open finds (a damaged WAL) is reported too. A
+  // file-size limit (RLIMIT_FSIZE) must fail a write (EFBIG), not kill the daemon.
   storage::SetDefaultSpillEventSink(SpillEventsToLogAndMetrics(s->metrics_->registry()));
   signal(SIGXFSZ, SIG_IGN);
+  auto spill = SpillStorage::Open(s->config_);
+  if (!spill.ok()) return spill.status();
+  s->spill_ = *std::move(spill);
 
   ServiceDeps deps;
   deps.backend = s->backend_.get();
   deps.config = &s->config_;
   deps.metrics = s->metrics_.get();
   deps.auth = s->auth_.get();
+  deps.spill_tier = s->spill_ ? s->spill_->tier() : nullptr;
   if (config.ucx.enable) {
     auto ucx = UcxServer::Start(s->config_, s->metrics_.get());
     if (!ucx.ok()) return ucx.status();

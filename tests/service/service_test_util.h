@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -22,6 +23,8 @@
 #include "kvshade/service/config.h"
 #include "kvshade/service/engine.h"
 #include "kvshade/service/metrics.h"
+#include "kvshade/storage/fault_injection.h"
+#include "kvshade/storage/spill_tier.h"
 
 namespace kvshade::service::testing {
 
@@ -230,29 +233,64 @@ inline std::vector<float> HeldAttend(const v1::GetStaticSetResponse& st, int g, 
   return out;
 }
 
-// An Engine on the CPU backend with small budgets and a fake clock.
+// How a Harness composes its spill tier (when it has a spill path).
+struct SpillSetup {
+  // Simulated disk faults under RocksDB's own files (RocksSpillOptions::disk_faults).
+  std::shared_ptr<storage::DiskFaults> disk_faults;
+  // A FaultInjectingSpillTier in front of the RocksDB tier, its faults off until the test
+  // sets them (Harness::faults).
+  bool fault_tier = false;
+  // Other setup work, after the config defaults and before the engine starts.
+  std::function<void(ServerConfig&)> configure;
+};
+
+// An Engine on the CPU backend with small budgets and a fake clock. With a spill path it
+// opens the spill tier itself, as the server does, and hands it to the engine; Restart()
+// closes and reopens it like a process restart.
 class Harness {
  public:
-  explicit Harness(std::string spill_path = "") {
+  explicit Harness(std::string spill_path = "", SpillSetup setup = {}) : setup(std::move(setup)) {
     config.device_budget_bytes = 256ull << 20;
     config.host_budget_bytes = 256ull << 20;
     config.spill_path = std::move(spill_path);
     config.profile.outliers = 4;
     config.profile.rank = 128;
     config.profile.min_tokens = 256;
+    if (this->setup.configure) this->setup.configure(config);
     backend = kernels::testing::Cpu();
     Start();
+  }
+  ~Harness() {
+    engine.reset();  // before the spill tier it runs on
+    faults.reset();
+    spill.reset();
   }
   void Start() {
     EngineOptions o;
     o.clock = [this] { return now_ms.load(); };
     o.background_thread = false;
+    if (!config.spill_path.empty()) {
+      storage::RocksSpillOptions so;
+      so.path = config.spill_path;
+      so.disk_faults = setup.disk_faults;
+      auto tier = storage::RocksSpillTier::Open(so);
+      EXPECT_TRUE(tier.ok()) << tier.status();
+      if (!tier.ok()) return;
+      spill = std::move(tier).value();
+      o.spill_tier = spill.get();
+      if (setup.fault_tier) {
+        faults = std::make_unique<storage::FaultInjectingSpillTier>(*spill, storage::FaultOptions{});
+        o.spill_tier = faults.get();
+      }
+    }
     auto e = Engine::Create(backend.get(), &config, &metrics, o);
     EXPECT_TRUE(e.ok()) << e.status();
     if (e.ok()) engine = std::move(e).value();
   }
   void Restart() {
     engine.reset();
+    faults.reset();
+    spill.reset();
     Start();
   }
 
@@ -321,9 +359,12 @@ class Harness {
     return kernels::testing::RandomBf16(size_t(model.num_query_heads()) * model.head_dim(), rng, scale);
   }
 
+  SpillSetup setup;
   ServerConfig config;
   Metrics metrics;
   std::unique_ptr<kernels::Backend> backend;
+  std::unique_ptr<storage::RocksSpillTier> spill;  // with a spill path
+  std::unique_ptr<storage::FaultInjectingSpillTier> faults;  // with setup.fault_tier
   std::unique_ptr<Engine> engine;
   std::atomic<int64_t> now_ms{1'700'000'000'000};
   // Salts as the Authenticator derives them (restored prefixes are re-keyed that way).

@@ -7,8 +7,10 @@
 //
 // Storage it creates from the ServerConfig: the DeviceArena (device_budget_bytes; factors,
 // landmarks, static sets, slot tables, per-call scratch), the HostValueStore
-// (host_budget_bytes; sealed segments' values, LRU spill), the RocksDB spill tier when
-// spill_path is set (spill target and durable sessions), and the prefix index.
+// (host_budget_bytes; sealed segments' values, LRU spill) and the prefix index. The spill
+// tier (spill target and durable sessions) it is given: whoever composes the engine opens
+// it (the Server: a RocksSpillTier on spill_path) and hands it over as
+// EngineOptions::spill_tier, so that a test can put a FaultInjectingSpillTier in front.
 //
 // Threading: every operation may be called from any thread. No global lock on the decode
 // path: SelectAndReconstruct and Attend take the registry lock briefly to resolve ids, then
@@ -35,12 +37,20 @@
 #include "kvshade/service/slot_layout.h"
 #include "kvshade/v1/kvshade.pb.h"
 
+namespace kvshade::storage {
+class SpillTier;
+}
+
 namespace kvshade::service {
 
 struct EngineOptions {
   Clock clock;                   // default: system clock (leases)
   bool background_thread = true; // lease reaper + background refactorization; when off,
                                  // RunMaintenance() does that work (tests)
+  // The spill tier: LRU spill target of the host value store and home of durable sessions
+  // (restored from it by Create). Not owned; must outlive the engine. Null: no spill tier,
+  // and durable sessions are refused (FAILED_PRECONDITION).
+  storage::SpillTier* spill_tier = nullptr;
 };
 
 class EngineImpl;
@@ -48,7 +58,7 @@ class EngineImpl;
 class Engine {
  public:
   // backend, config and metrics must outlive the engine. Restores durable sessions from
-  // the spill tier (config.spill_path).
+  // the spill tier (options.spill_tier).
   static absl::StatusOr<std::unique_ptr<Engine>> Create(kernels::Backend* backend,
                                                         const ServerConfig* config,
                                                         Metrics* metrics,

@@ -5,8 +5,8 @@
 // ingest, select, attend, validation) lives in the Engine so that it can be tested
 // without a transport.
 //
-// Life cycle: Create() builds the engine (and its storage tiers from the config) and
-// restores durable sessions; the Server registers the service; Drain() stops new
+// Life cycle: Create() builds the engine on the spill tier it is given (and its memory
+// tiers from the config) and restores durable sessions; the Server registers the service; Drain() stops new
 // sessions and flushes durable state before the server stops.
 #pragma once
 
@@ -24,19 +24,26 @@
 #include "kvshade/service/metrics.h"
 #include "kvshade/v1/kvshade.grpc.pb.h"
 
+namespace kvshade::storage {
+class SpillTier;
+}
+
 namespace kvshade::service {
 
 class Engine;
 class UcxServer;
 
 // What the service borrows from its owner (the Server). All must outlive the service;
-// none may be null. Storage objects (device arena, host value store, spill tier, prefix
-// index) are created by the engine itself from `config`.
+// none but spill_tier and ucx may be null. The memory tiers (device arena, host value
+// store) and the prefix index are created by the engine itself from `config`.
 struct ServiceDeps {
   kernels::Backend* backend = nullptr;
   const ServerConfig* config = nullptr;
   Metrics* metrics = nullptr;
   const Authenticator* auth = nullptr;
+  // The spill tier the engine spills to and keeps durable sessions in (the Server opens it
+  // on spill_path); null: none (no spill, no durable sessions).
+  storage::SpillTier* spill_tier = nullptr;
   // Optional: the UCX data plane. When set, Attach hands out its worker address and a
   // one-time admission token; when null (ucx.enable off), Attach leaves them empty.
   UcxServer* ucx = nullptr;

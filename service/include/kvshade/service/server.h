@@ -6,7 +6,8 @@
 // Life cycle: Start() -> SERVING. Shutdown() (or a SIGTERM/SIGINT or a device fault seen
 // by RunUntilSignal()) sets health NOT_SERVING, drains the service (no new sessions; durable
 // state flushed), then stops the gRPC server with a deadline for in-flight calls.
-// Durable sessions are restored by KvShadeService::Create at start.
+// The Server opens the spill tier (spill_path) and hands it to the service's engine, which
+// restores durable sessions from it at start.
 #pragma once
 
 #include <atomic>
@@ -27,6 +28,7 @@
 namespace kvshade::service {
 
 class KvShadeService;
+class SpillStorage;
 class UcxServer;
 
 class Server {
@@ -60,12 +62,14 @@ class Server {
   static void BlockSignals();
 
  private:
-  Server() = default;
+  Server();
 
   ServerConfig config_;
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Authenticator> auth_;
+  // Before service_ so that it outlives the engine that uses it.
+  std::unique_ptr<SpillStorage> spill_;
   std::unique_ptr<KvShadeService> service_;
   // After service_ so that it is destroyed first (its engine threads use the engine).
   std::unique_ptr<UcxServer> ucx_;
