@@ -177,6 +177,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   auto service = KvShadeService::Create(deps);
   if (!service.ok()) return service.status();
   s->service_ = *std::move(service);
+  // Test fault injection (KVSHADE_FAILPOINT_SPILL_FAULTS) starts after the restore.
+  if (s->spill_) s->spill_->ArmFaults();
   if (s->ucx_) s->ucx_->SetEngine(&s->service_->engine());
 
   auto creds = MakeCredentials(config.tls);
