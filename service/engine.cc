@@ -818,6 +818,26 @@ absl::StatusOr<v1::ListSessionsResponse> EngineImpl::ListSessions(const Tenant& 
 
 absl::StatusOr<v1::CloseSessionResponse> EngineImpl::CloseSession(
     const Tenant& t, const v1::CloseSessionRequest& r) {
+  // A durable session's record goes first, while the session is still registered: when the
+  // delete fails (a storage fault), the close answers its error and the session stays as
+  // it was, so that a restart never brings back a session whose close was acknowledged.
+  if (spill_) {
+    auto found = sessions_.FindSession(t.name, r.session_id());
+    if (found.ok() && (*found)->durable) {
+      Session& d = **found;
+      std::unique_lock lock(d.mu);
+      if (d.state != SessionState::kClosed) {
+        if (absl::Status st = DeleteDurableRecord(d); !st.ok()) {
+          return absl::Status(st.code(), absl::StrCat("CloseSession: session '", d.id,
+                                                      "' is durable and its record could not be "
+                                                      "deleted; it stays open (retry the close): ",
+                                                      st.message()));
+        }
+        // Nothing writes its record again (appends, commits and refactorizations check it).
+        d.state = SessionState::kClosed;
+      }
+    }
+  }
   KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
                            sessions_.RemoveSession(t.name, r.session_id()));
   std::vector<std::shared_ptr<const Segment>> chain;
@@ -833,7 +853,6 @@ absl::StatusOr<v1::CloseSessionResponse> EngineImpl::CloseSession(
     s->cache.clear();
     s->refactor_keys.clear();
   }
-  if (s->durable && spill_) DeleteDurableRecord(*s);
   refs.clear();
   chain.clear();
   open.reset();
@@ -1300,7 +1319,13 @@ static void ExpireIdleSessions(EngineImpl& e) {
       s->cache.clear();
       s->refactor_keys.clear();
     }
-    if (s->durable && e.spill_) e.DeleteDurableRecord(*s);
+    if (s->durable && e.spill_) {
+      if (absl::Status st = e.DeleteDurableRecord(*s); !st.ok()) {
+        spdlog::error("idle session {} expired, but its durable record could not be deleted "
+                      "({}): it comes back at the next restart",
+                      s->id, std::string(st.message()));
+      }
+    }
     log::Event(spdlog::level::info, "session_expired")
         .Str("session", s->id)
         .Str("tenant", s->tenant)

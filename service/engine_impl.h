@@ -216,7 +216,7 @@ class EngineImpl {
   absl::Status SealOpen(Session& s);
   // Writes a durable session's record (and any unwritten own segments) through.
   absl::Status PersistSession(Session& s);
-  void DeleteDurableRecord(const Session& s);
+  absl::Status DeleteDurableRecord(const Session& s);
   void DeleteSegmentRecord(const storage::Id128& id);
   absl::Status CheckNotDraining(std::string_view what) const;
   void ScheduleRefactor(const std::shared_ptr<Session>& s);

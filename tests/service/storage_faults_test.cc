@@ -236,5 +236,39 @@ TEST(EngineStorageFaults, SpillWriteAndPageInReadFaultsAreErrorsNeverWrongBytes)
   }
 }
 
+
+// Closing a durable session deletes its record first: a refused delete fails the close and
+// leaves the session open and served; an acknowledged close stays closed after a restart.
+TEST(EngineStorageFaults, RefusedDeleteFailsTheCloseAndTheSessionStaysOpen) {
+  TempDir dir;
+  SpillSetup setup;
+  setup.fault_tier = true;
+  Harness hx(dir.path(), setup);
+  ASSERT_NE(hx.faults, nullptr);
+  const Stream a = StreamOf(hx, 512, 31);
+  auto oa = hx.Open(a, SmallShadowProfile(), -1, /*durable=*/true);
+  ASSERT_FALSE(oa.attachment.empty());
+  const auto q = hx.Query(3);
+  ASSIGN_OK(ref, hx.Attend(oa.attachment, 1, q));
+  v1::CloseSessionRequest close;
+  close.set_session_id(oa.session);
+
+  hx.faults->SetOptions(Writes(1.0));
+  auto refused = hx.engine->CloseSession(hx.tenant, close);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  hx.faults->SetOptions({});
+  ASSIGN_OK(info, Info(hx, oa.session));
+  EXPECT_EQ(info.state(), "ready");
+  ASSIGN_OK(got, hx.Attend(oa.attachment, 1, q));
+  EXPECT_TRUE(SameBytes(got, ref));
+
+  hx.Restart();  // the close was not acknowledged: the session is there
+  ASSIGN_OK(back, hx.Attend(hx.AttachTo(oa.session), 1, q));
+  EXPECT_TRUE(SameBytes(back, ref));
+  ASSERT_TRUE(hx.engine->CloseSession(hx.tenant, close).ok());
+  hx.Restart();  // acknowledged: gone for good
+  EXPECT_EQ(Info(hx, oa.session).status().code(), absl::StatusCode::kNotFound);
+}
+
 }  // namespace
 }  // namespace kvshade::service::testing
