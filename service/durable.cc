@@ -226,7 +226,11 @@ absl::Status EngineImpl::PersistSession(Session& s) {
   w.out().append(kSesMagic);
   w.Str(s.id);
   w.Str(s.tenant);
-  w.Put<uint64_t>(++s.durable_record_version);
+  // The version advances only once the record is written: logged appends name the record
+  // they follow (append_log.cc), and one that names a record never written would be taken
+  // for folded in and dropped at the next start.
+  const uint64_t version = s.durable_record_version + 1;
+  w.Put<uint64_t>(version);
   w.Str(s.model.spec.SerializeAsString());
   w.Str(s.profile.ToProto().SerializeAsString());
   w.Str(s.label);
@@ -260,10 +264,12 @@ absl::Status EngineImpl::PersistSession(Session& s) {
   }
   for (size_t i = 0; i < blobs.size(); ++i) rec.factors[i].bytes = blobs[i];
   KVSHADE_RETURN_IF_ERROR(spill_->WriteSegment(rec));
-  // The new record is in; the previous one (if any) can go.
-  if (s.durable_record_version > 1) {
+  // The new record is in; the previous one (if any) can go (a failed delete leaves an older
+  // version, which the next start deletes).
+  if (s.durable_record_version != 0) {
     spill_->DeleteSegment(s.record_id).IgnoreError();
   }
+  s.durable_record_version = version;
   s.record_id = rec.id;
   // The logged appends are in the record now.
   DropAppendRecords(s, &s.append_records);

@@ -242,6 +242,9 @@ struct SpillSetup {
   bool fault_tier = false;
   // Other setup work, after the config defaults and before the engine starts.
   std::function<void(ServerConfig&)> configure;
+  // A tier of the test's own in front of the RocksDB tier (instead of fault_tier), made
+  // at each start.
+  std::function<std::unique_ptr<storage::SpillTier>(storage::SpillTier& base)> front;
 };
 
 // An Engine on the CPU backend with small budgets and a fake clock. With a spill path it
@@ -262,6 +265,7 @@ class Harness {
   }
   ~Harness() {
     engine.reset();  // before the spill tier it runs on
+    front.reset();
     faults.reset();
     spill.reset();
   }
@@ -281,6 +285,9 @@ class Harness {
       if (setup.fault_tier) {
         faults = std::make_unique<storage::FaultInjectingSpillTier>(*spill, storage::FaultOptions{});
         o.spill_tier = faults.get();
+      } else if (setup.front) {
+        front = setup.front(*spill);
+        o.spill_tier = front.get();
       }
     }
     auto e = Engine::Create(backend.get(), &config, &metrics, o);
@@ -289,6 +296,7 @@ class Harness {
   }
   void Restart() {
     engine.reset();
+    front.reset();
     faults.reset();
     spill.reset();
     Start();
@@ -365,6 +373,7 @@ class Harness {
   std::unique_ptr<kernels::Backend> backend;
   std::unique_ptr<storage::RocksSpillTier> spill;  // with a spill path
   std::unique_ptr<storage::FaultInjectingSpillTier> faults;  // with setup.fault_tier
+  std::unique_ptr<storage::SpillTier> front;  // with setup.front
   std::unique_ptr<Engine> engine;
   std::atomic<int64_t> now_ms{1'700'000'000'000};
   // Salts as the Authenticator derives them (restored prefixes are re-keyed that way).

@@ -4,6 +4,7 @@
 // (DiskFaults under RocksDB's own files: a full disk, RESOURCE_EXHAUSTED). A write fault
 // fails the call that needed the write and nothing else; nothing acknowledged is lost; a
 // read fault on page-in is an error, never wrong bytes.
+#include <atomic>
 #include <cstring>
 #include <shared_mutex>
 
@@ -268,6 +269,93 @@ TEST(EngineStorageFaults, RefusedDeleteFailsTheCloseAndTheSessionStaysOpen) {
   ASSERT_TRUE(hx.engine->CloseSession(hx.tenant, close).ok());
   hx.Restart();  // acknowledged: gone for good
   EXPECT_EQ(Info(hx, oa.session).status().code(), absl::StatusCode::kNotFound);
+}
+
+// Passes everything through to `base`, except that while `refuse_records` is on it refuses
+// the writes of session records (UNAVAILABLE), as a storage fault that meets exactly them.
+class RecordGate final : public storage::SpillTier {
+ public:
+  explicit RecordGate(storage::SpillTier& base) : base_(base) {}
+  std::atomic<bool> refuse_records{false};
+  std::atomic<int> refused{0};
+
+  absl::Status WriteSegment(const storage::SegmentWrite& w) override {
+    if (refuse_records.load() && w.user_metadata.rfind("KVSHSES1", 0) == 0) {
+      ++refused;
+      return absl::UnavailableError("session record write refused by the test");
+    }
+    return base_.WriteSegment(w);
+  }
+  absl::Status AddFactors(const storage::SegmentId& id,
+                          absl::Span<const storage::FactorBlob> f) override {
+    return base_.AddFactors(id, f);
+  }
+  absl::StatusOr<storage::SegmentMeta> ReadMeta(const storage::SegmentId& id) override {
+    return base_.ReadMeta(id);
+  }
+  absl::Status ReadValues(const storage::SegmentId& id, int layer, absl::Span<std::byte> dst) override {
+    return base_.ReadValues(id, layer, dst);
+  }
+  absl::Status ReadFactor(const storage::SegmentId& id, int layer, storage::FactorKind kind,
+                          absl::Span<std::byte> dst) override {
+    return base_.ReadFactor(id, layer, kind, dst);
+  }
+  absl::Status DeleteSegment(const storage::SegmentId& id) override { return base_.DeleteSegment(id); }
+  absl::Status SyncWal() override { return base_.SyncWal(); }
+  absl::StatusOr<std::vector<storage::SegmentMeta>> ListSegments() override {
+    return base_.ListSegments();
+  }
+  storage::SpillStats Stats() const override { return base_.Stats(); }
+
+ private:
+  storage::SpillTier& base_;
+};
+
+// A background refactorization whose session record cannot be written keeps serving the
+// refactorized session; the record on disk is still the one before it. Appends logged after
+// that must name that record, so that a restart applies them: none is lost.
+TEST(EngineStorageFaults, AppendsAfterARefusedRecordWriteSurviveARestart) {
+  TempDir dir;
+  RecordGate* gate = nullptr;
+  SpillSetup setup;
+  setup.configure = [](ServerConfig& c) { c.append_fsync = "always"; };
+  setup.front = [&](storage::SpillTier& base) {
+    auto g = std::make_unique<RecordGate>(base);
+    gate = g.get();
+    return std::unique_ptr<storage::SpillTier>(std::move(g));
+  };
+  Harness hx(dir.path(), setup);
+  ASSERT_NE(gate, nullptr);
+  // A document and a turn whose keys lie in another subspace: the turn's suffix drifts and
+  // a refactorization is scheduled (durable_refactor_test.cc RefactorTest).
+  Stream s = MakeStream(512, hx.model, 70, 16, 100);
+  const Stream b = MakeStream(208, hx.model, 71, 16, 100 + 512);
+  for (int l = 0; l < s.L; ++l) {
+    s.k[l].insert(s.k[l].end(), b.k[l].begin(), b.k[l].end());
+    s.v[l].insert(s.v[l].end(), b.v[l].begin(), b.v[l].end());
+  }
+  s.tokens.insert(s.tokens.end(), b.tokens.begin(), b.tokens.end());
+  v1::Profile profile = SmallShadowProfile();
+  profile.set_rank(32);
+  profile.set_sparse_budget(256);
+  auto doc = hx.Open(s, profile, 512, /*durable=*/true);
+  auto turn = hx.Open(s, profile, 712, /*durable=*/true);
+  ASSERT_EQ(turn.reused, 512u);
+  ASSERT_TRUE(turn.ingest.refactorization_scheduled());
+
+  gate->refuse_records = true;
+  EXPECT_EQ(hx.engine->RunMaintenance(), 1);  // refactorized; its record write refused
+  gate->refuse_records = false;
+  EXPECT_GE(gate->refused.load(), 1);
+  auto ap = hx.engine->AppendTokens(hx.tenant, AppendOf(turn.session, s, 712, 720));
+  ASSERT_TRUE(ap.ok()) << ap.status();
+  EXPECT_EQ(ap->tokens(), 720u);
+
+  hx.Restart();  // no drain: what a crash leaves
+  ASSIGN_OK(info, Info(hx, turn.session));
+  EXPECT_EQ(info.tokens(), 720u) << "an acknowledged append was lost";
+  ASSIGN_OK(out, hx.Attend(hx.AttachTo(turn.session), 1, hx.Query(4)));
+  EXPECT_FALSE(out.empty());
 }
 
 }  // namespace
