@@ -203,6 +203,14 @@ absl::Status EngineImpl::ReplayAppendLog() {
         }
         std::vector<std::byte> buf(f->bytes);
         st = spill_->ReadFactor(r.meta.id, l, FactorKind::kOther, absl::MakeSpan(buf));
+        if (!st.ok() && !absl::IsDataLoss(st)) {
+          // An I/O error, not a damaged record: refuse the start rather than drop the
+          // acknowledged append (the next start reads it again).
+          return absl::Status(st.code(), absl::StrCat("restart: reading logged append ", r.seq,
+                                                      " of session ", s.id, " failed, the start "
+                                                      "is refused so that it is not dropped: ",
+                                                      st.message()));
+        }
         if (!st.ok()) break;
         ks[l].resize(n * tok);
         vs[l].resize(n * tok);

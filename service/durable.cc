@@ -415,7 +415,23 @@ absl::Status EngineImpl::RestoreDurable() {
 }
 
 absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>& metas,
-                                        const FactorReader& read_factor) {
+                                        const FactorReader& read_stored_factor) {
+  // A record that fails its checks (DataLoss) is skipped, and so are the sessions that need
+  // it: it is never served. Any other read error (an I/O error) fails the restore, and so
+  // the start: skipping would leave acknowledged sessions out of this process (and their
+  // logged appends dropped) for a fault that the next start may not meet.
+  absl::Status read_error = absl::OkStatus();
+  auto read_factor = [&](const storage::SegmentId& id, int layer, FactorKind kind,
+                         absl::Span<std::byte> dst) -> absl::Status {
+    absl::Status st = read_stored_factor(id, layer, kind, dst);
+    if (!st.ok() && !absl::IsDataLoss(st) && read_error.ok()) {
+      read_error = absl::Status(st.code(), absl::StrCat("restore: reading durable record ",
+                                                        id.ToHex(), " failed, the start is "
+                                                        "refused so that nothing stored is "
+                                                        "dropped: ", st.message()));
+    }
+    return st;
+  };
   std::vector<SegRecord> segs;
   std::vector<const storage::SegmentMeta*> sessions;
   for (const auto& m : metas) {
@@ -621,9 +637,21 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
         ld.int2.push_back(std::move(kb));
       }
     }
-    if (!st.ok()) continue;  // the sessions using it are skipped below
+    if (!st.ok()) {
+      // An I/O error refuses the restore below: the half-built segment must not erase its
+      // stored values as it goes.
+      if (!read_error.ok()) seg->values_in_store = false;
+      continue;  // the sessions using it are skipped below
+    }
     built[seg->id] = seg;
   }
+  // Refusing: the segments built so far must not take their stored values with them when
+  // they go (Segment::~Segment erases unless the store link is kept).
+  auto refuse = [&]() {
+    store_link_->keep = true;
+    return read_error;
+  };
+  if (!read_error.ok()) return refuse();
 
   // Sessions: chains, tails, prefix registrations.
   for (auto& [sid, rec] : recs) {
@@ -669,6 +697,7 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
       tl.k.assign(p, p + n);
       tl.v.assign(p + n, p + 2 * n);
     }
+    if (!read_error.ok()) return refuse();
     if (!ok) continue;
     if (s.profile.kind == v1::PROFILE_KIND_SHADOW) {
       // As at the commit: a record written then holds the prompt's whole remainder, which

@@ -272,11 +272,15 @@ TEST(EngineStorageFaults, RefusedDeleteFailsTheCloseAndTheSessionStaysOpen) {
 }
 
 // Passes everything through to `base`, except that while `refuse_records` is on it refuses
-// the writes of session records (UNAVAILABLE), as a storage fault that meets exactly them.
-class RecordGate final : public storage::SpillTier {
+// the writes of session records, and while `fail_factor_reads` is on the factor reads (of
+// every record, or of those `fail_reads_of` names) fail with UNAVAILABLE: storage faults
+// that meet exactly those.
+class GateTier final : public storage::SpillTier {
  public:
-  explicit RecordGate(storage::SpillTier& base) : base_(base) {}
+  explicit GateTier(storage::SpillTier& base) : base_(base) {}
   std::atomic<bool> refuse_records{false};
+  std::atomic<bool> fail_factor_reads{false};
+  std::string fail_reads_of;  // with fail_factor_reads: only records whose metadata starts so
   std::atomic<int> refused{0};
 
   absl::Status WriteSegment(const storage::SegmentWrite& w) override {
@@ -298,6 +302,12 @@ class RecordGate final : public storage::SpillTier {
   }
   absl::Status ReadFactor(const storage::SegmentId& id, int layer, storage::FactorKind kind,
                           absl::Span<std::byte> dst) override {
+    if (fail_factor_reads.load()) {
+      auto meta = base_.ReadMeta(id);
+      if (fail_reads_of.empty() || (meta.ok() && meta->user_metadata.rfind(fail_reads_of, 0) == 0)) {
+        return absl::UnavailableError("factor read failed (test)");
+      }
+    }
     return base_.ReadFactor(id, layer, kind, dst);
   }
   absl::Status DeleteSegment(const storage::SegmentId& id) override { return base_.DeleteSegment(id); }
@@ -316,11 +326,11 @@ class RecordGate final : public storage::SpillTier {
 // that must name that record, so that a restart applies them: none is lost.
 TEST(EngineStorageFaults, AppendsAfterARefusedRecordWriteSurviveARestart) {
   TempDir dir;
-  RecordGate* gate = nullptr;
+  GateTier* gate = nullptr;
   SpillSetup setup;
   setup.configure = [](ServerConfig& c) { c.append_fsync = "always"; };
   setup.front = [&](storage::SpillTier& base) {
-    auto g = std::make_unique<RecordGate>(base);
+    auto g = std::make_unique<GateTier>(base);
     gate = g.get();
     return std::unique_ptr<storage::SpillTier>(std::move(g));
   };
@@ -356,6 +366,51 @@ TEST(EngineStorageFaults, AppendsAfterARefusedRecordWriteSurviveARestart) {
   EXPECT_EQ(info.tokens(), 720u) << "an acknowledged append was lost";
   ASSIGN_OK(out, hx.Attend(hx.AttachTo(turn.session), 1, hx.Query(4)));
   EXPECT_FALSE(out.empty());
+}
+
+// An I/O error while the restore reads durable records refuses the start instead of
+// leaving the session out (and dropping its logged appends); the next start restores all.
+TEST(EngineStorageFaults, ReadErrorsAtRestoreRefuseTheStartAndDropNothing) {
+  TempDir dir;
+  GateTier* gate = nullptr;
+  SpillSetup setup;
+  setup.configure = [](ServerConfig& c) { c.append_fsync = "always"; };
+  setup.front = [&](storage::SpillTier& base) {
+    auto g = std::make_unique<GateTier>(base);
+    gate = g.get();
+    return std::unique_ptr<storage::SpillTier>(std::move(g));
+  };
+  Harness hx(dir.path(), setup);
+  const Stream a = StreamOf(hx, 528, 41);
+  auto oa = hx.Open(a, SmallShadowProfile(), 512, /*durable=*/true);
+  ASSERT_FALSE(oa.attachment.empty());
+  ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, AppendOf(oa.session, a, 512, 520)).ok());
+
+  // Starts whose factor reads fail, then a start whose reads work: it has everything.
+  auto refused_then_restored = [&](const char* which, uint64_t tokens) {
+    hx.engine.reset();
+    gate->fail_factor_reads = true;
+    gate->fail_reads_of = which;
+    EngineOptions o;
+    o.background_thread = false;
+    o.spill_tier = hx.front.get();
+    auto refused = Engine::Create(hx.backend.get(), &hx.config, &hx.metrics, o);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable)
+        << "reads of '" << which << "' failing: " << refused.status();
+    refused = absl::UnknownError("gone");  // the engine goes before the next one starts
+    gate->fail_factor_reads = false;
+    hx.Restart();
+    auto info = Info(hx, oa.session);
+    ASSERT_TRUE(info.ok()) << "after reads of '" << which << "' failed: " << info.status();
+    EXPECT_EQ(info->state(), "ready");
+    EXPECT_EQ(info->tokens(), tokens) << "after reads of '" << which << "' failed";
+  };
+  refused_then_restored("", 520);          // every record
+  refused_then_restored("KVSHAPP1", 520);  // the logged append alone
+  // A drain folds the appends into the session record, with its exact tail.
+  ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, AppendOf(oa.session, a, 520, 528)).ok());
+  ASSERT_TRUE(hx.engine->Drain().ok());
+  refused_then_restored("KVSHSES1", 528);  // the session record's tail alone
 }
 
 }  // namespace
