@@ -56,6 +56,28 @@ v1::Profile SmallProfile(v1::ProfileKind kind) {
   return p;
 }
 
+// Two sessions over the same n-token prompt of a stream with `extra` more tokens: `a`, into
+// which the tests stage through its writer attachment, and its twin `b`, which gets the same
+// tokens by AppendTokens.
+struct StagingTwins {
+  Harness hx;
+  const int n;
+  Stream s;
+  Harness::Opened a, b;
+  std::string writer;
+  StagingTwins(int n_tokens, int extra, uint64_t seed, v1::ProfileKind kind = v1::PROFILE_KIND_SHADOW)
+      : n(n_tokens), s(MakeStream(n_tokens + extra, hx.model, seed)) {
+    a = hx.Open(s, SmallProfile(kind), n);
+    b = hx.Open(s, SmallProfile(kind), n);
+    writer = hx.AttachTo(a.session, true);
+  }
+  // Token t's K (pre-RoPE) or V [h, d] in `layer`.
+  std::vector<bf16> TokenKv(int layer, int t, bool v) const {
+    const auto& src = v ? s.v[layer] : s.k[layer];
+    return std::vector<bf16>(src.begin() + size_t(t) * kH * kD, src.begin() + size_t(t + 1) * kH * kD);
+  }
+};
+
 // Appends token `t` of stream `s` (position n) to session `session` by AppendTokens: the
 // twin that staging must equal.
 void AppendByRpc(Harness& hx, const Stream& s, const std::string& session, int n) {
@@ -151,17 +173,13 @@ TEST(AttendDecode, NewTokenAndLogSumExpAgainstReferences) {
 TEST(AttendDecode, StagedTokenIsAppendedAfterTheLastLayer) {
   for (v1::ProfileKind kind : {v1::PROFILE_KIND_SHADOW, v1::PROFILE_KIND_EXACT}) {
     SCOPED_TRACE(v1::ProfileKind_Name(kind));
-    Harness hx;
-    const int n = 200;
-    Stream s = MakeStream(n + 1, hx.model, 47);
-    const v1::Profile p = SmallProfile(kind);
-    auto a = hx.Open(s, p, n);
-    auto b = hx.Open(s, p, n);
-    const std::string writer = hx.AttachTo(a.session, true);
-    auto token_kv = [&](int layer, int t, bool v) {
-      const auto& src = v ? s.v[layer] : s.k[layer];
-      return std::vector<bf16>(src.begin() + size_t(t) * kH * kD, src.begin() + size_t(t + 1) * kH * kD);
-    };
+    StagingTwins tw(200, 1, 47, kind);
+    Harness& hx = tw.hx;
+    const int n = tw.n;
+    const Stream& s = tw.s;
+    const auto &a = tw.a, &b = tw.b;
+    const std::string& writer = tw.writer;
+    auto token_kv = [&](int layer, int t, bool v) { return tw.TokenKv(layer, t, v); };
     // A false start: token 999 on layer 0 only, then the real token on every layer.
     {
       std::vector<bf16> kn = token_kv(0, n, false), vn = token_kv(0, n, true);
@@ -213,18 +231,14 @@ TEST(AttendDecode, StagedTokenIsAppendedAfterTheLastLayer) {
 // session then answers as a twin that got the token by AppendTokens, bit for bit. A select
 // that fails stages nothing; the new token alone is refused without stage_token_id.
 TEST(AttendDecode, SelectStagesTheNewTokenAlikeWithAttend) {
-  Harness hx;
-  const int n = 200;
-  Stream s = MakeStream(n + 1, hx.model, 53);
+  StagingTwins tw(200, 1, 53);
+  Harness& hx = tw.hx;
+  const int n = tw.n;
+  const Stream& s = tw.s;
   ASSERT_GE(s.L, 2);
-  const v1::Profile p = SmallProfile(v1::PROFILE_KIND_SHADOW);
-  auto a = hx.Open(s, p, n);
-  auto b = hx.Open(s, p, n);
-  const std::string writer = hx.AttachTo(a.session, true);
-  auto token_kv = [&](int layer, bool v) {
-    const auto& src = v ? s.v[layer] : s.k[layer];
-    return std::vector<bf16>(src.begin() + size_t(n) * kH * kD, src.begin() + size_t(n + 1) * kH * kD);
-  };
+  const auto &a = tw.a, &b = tw.b;
+  const std::string& writer = tw.writer;
+  auto token_kv = [&](int layer, bool v) { return tw.TokenKv(layer, n, v); };
   auto select_req = [&](const std::string& att, int layer, bool with_token, int32_t id) {
     v1::SelectAndReconstructRequest r;
     r.set_layer(layer);
@@ -305,18 +319,14 @@ TEST(AttendDecode, BadNewTokenIsRefusedNamingTheField) {
 // token by AppendTokens, bit for bit. Refusals: no such token, a layer missing, an append
 // in between, not the writer; discard drops a complete held token and appends nothing.
 TEST(AttendDecode, HeldStagedTokenWaitsForCommitStaged) {
-  Harness hx;
-  const int n = 200;
-  Stream s = MakeStream(n + 2, hx.model, 59);
+  StagingTwins tw(200, 2, 59);
+  Harness& hx = tw.hx;
+  const int n = tw.n;
+  const Stream& s = tw.s;
   ASSERT_GE(s.L, 2);
-  const v1::Profile p = SmallProfile(v1::PROFILE_KIND_SHADOW);
-  auto a = hx.Open(s, p, n);
-  auto b = hx.Open(s, p, n);
-  const std::string writer = hx.AttachTo(a.session, true);
-  auto token_kv = [&](int layer, int t, bool v) {
-    const auto& src = v ? s.v[layer] : s.k[layer];
-    return std::vector<bf16>(src.begin() + size_t(t) * kH * kD, src.begin() + size_t(t + 1) * kH * kD);
-  };
+  const auto &a = tw.a, &b = tw.b;
+  const std::string& writer = tw.writer;
+  auto token_kv = [&](int layer, int t, bool v) { return tw.TokenKv(layer, t, v); };
   auto stage = [&](int layer, int t, int32_t id, bool hold) {
     std::vector<bf16> kn = token_kv(layer, t, false), vn = token_kv(layer, t, true);
     v1::AttendRequest r = AttendReq(hx, writer, layer, hx.Query(700 + layer), &kn, &vn);

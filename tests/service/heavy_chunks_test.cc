@@ -119,15 +119,6 @@ Ingested IngestPlanted(Harness& hx, const Planted& p, int heavy, bool with_obs) 
   return out;
 }
 
-v1::GetStaticSetResponse StaticSet(Harness& hx, const std::string& attachment, int layer) {
-  v1::GetStaticSetRequest r;
-  r.set_attachment_id(attachment);
-  r.set_layer(layer);
-  auto st = hx.engine->GetStaticSet(hx.tenant, r);
-  EXPECT_TRUE(st.ok()) << st.status();
-  return st.ok() ? *st : v1::GetStaticSetResponse();
-}
-
 std::vector<float> RowOf(const std::vector<bf16>& x, size_t row, int d) {
   std::vector<float> out(d);
   for (int c = 0; c < d; ++c) out[c] = kernels::Bf16ToFloat(x[row * d + c]);
@@ -154,9 +145,9 @@ TEST(HeavyChunksService, PlantedChunksJoinTheStaticSetAsInt2PerThePyramid) {
 
   for (int l = 0; l < kL; ++l) {
     SCOPED_TRACE(absl::StrCat("layer ", l));
-    const v1::GetStaticSetResponse b = StaticSet(hx, base.attachment, l);
-    const v1::GetStaticSetResponse st = StaticSet(hx, heavy.attachment, l);
-    const v1::GetStaticSetResponse nb = StaticSet(hx_no_obs, no_obs.attachment, l);
+    const v1::GetStaticSetResponse b = hx.StaticSet(base.attachment, l);
+    const v1::GetStaticSetResponse st = hx.StaticSet(heavy.attachment, l);
+    const v1::GetStaticSetResponse nb = hx_no_obs.StaticSet(no_obs.attachment, l);
     ASSERT_EQ(b.lengths_size(), kH);
     ASSERT_EQ(st.lengths_size(), kH);
     ASSERT_EQ(nb.lengths_size(), kH);

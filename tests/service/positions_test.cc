@@ -39,15 +39,6 @@ bool KeyOf(const std::vector<float>& ref, int h, int d, const bf16* key, int64_t
   return true;
 }
 
-v1::GetStaticSetResponse StaticSetOf(Harness& hx, const std::string& attachment, int layer) {
-  v1::GetStaticSetRequest r;
-  r.set_attachment_id(attachment);
-  r.set_layer(layer);
-  auto st = hx.engine->GetStaticSet(hx.tenant, r);
-  EXPECT_TRUE(st.ok()) << st.status();
-  return st.ok() ? *st : v1::GetStaticSetResponse();
-}
-
 // Checks that every static and tail row holds the token its position names, that the
 // tail's positions rise and end at the session's last token; returns the positions seen.
 std::vector<int64_t> CheckStaticSet(const v1::GetStaticSetResponse& st, const std::vector<float>& ref, int h,
@@ -114,7 +105,7 @@ TEST(Positions, NameTheTokenOfEveryRowAcrossSegmentsAppendsAndRestarts) {
   auto qa = hx.Open(s, FullRankShadow(128), 600, /*durable=*/true);
   ASSERT_EQ(qa.reused, 515u);
 
-  const std::vector<int64_t> statics = CheckStaticSet(StaticSetOf(hx, qa.attachment, layer), ref, h, d, 600, "2 segments");
+  const std::vector<int64_t> statics = CheckStaticSet(hx.StaticSet(qa.attachment, layer), ref, h, d, 600, "2 segments");
   EXPECT_TRUE(std::count(statics.begin(), statics.end(), 0)) << "the sink's first token";
   const std::vector<int64_t> misses = CheckDeltaPositions(hx, qa.attachment, layer, ref, h, d);
   // The second segment's chunks start at its first token, 515: mid-chunk for C = 8.
@@ -122,9 +113,9 @@ TEST(Positions, NameTheTokenOfEveryRowAcrossSegmentsAppendsAndRestarts) {
   EXPECT_TRUE(std::none_of(misses.begin(), misses.end(), [](int64_t p) { return p > 512 && p < 515; }));
 
   // A restart restores the durable session with its positions.
-  const v1::GetStaticSetResponse before = StaticSetOf(hx, qa.attachment, layer);
+  const v1::GetStaticSetResponse before = hx.StaticSet(qa.attachment, layer);
   hx.Restart();
-  const v1::GetStaticSetResponse after = StaticSetOf(hx, hx.AttachTo(qa.session), layer);
+  const v1::GetStaticSetResponse after = hx.StaticSet(hx.AttachTo(qa.session), layer);
   EXPECT_EQ(std::vector<int64_t>(after.positions().begin(), after.positions().end()),
             std::vector<int64_t>(before.positions().begin(), before.positions().end()));
   EXPECT_EQ(std::vector<int64_t>(after.tail_positions().begin(), after.tail_positions().end()),
@@ -134,7 +125,7 @@ TEST(Positions, NameTheTokenOfEveryRowAcrossSegmentsAppendsAndRestarts) {
   // Appends: 40 more tokens (some leave the tail as chunks of an open segment).
   v1::AppendTokensRequest ar = AppendOf(qa.session, s, 600, 640);
   ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, ar).ok());
-  CheckStaticSet(StaticSetOf(hx, hx.AttachTo(qa.session), layer), ref, h, d, 640, "after appends");
+  CheckStaticSet(hx.StaticSet(hx.AttachTo(qa.session), layer), ref, h, d, 640, "after appends");
   const std::vector<int64_t> later = CheckDeltaPositions(hx, hx.AttachTo(qa.session), layer, ref, h, d);
   EXPECT_GT(*std::max_element(later.begin(), later.end()), *std::max_element(misses.begin(), misses.end()));
 }
@@ -145,14 +136,14 @@ TEST(Positions, MiniAndExactRowsNameTheirTokens) {
   const Stream s = MakeStream(300, hx.model, 22);
   const std::vector<float> ref = PostRope(s, layer);
   auto ex = hx.Open(s, ProfileOf(v1::PROFILE_KIND_EXACT));
-  const v1::GetStaticSetResponse es = StaticSetOf(hx, ex.attachment, layer);
+  const v1::GetStaticSetResponse es = hx.StaticSet(ex.attachment, layer);
   ASSERT_EQ(es.tail_positions_size(), 300);
   for (int i = 0; i < 300; ++i) EXPECT_EQ(es.tail_positions(i), i);
   CheckStaticSet(es, ref, h, d, 300, "exact");
   // Mini: the retained tokens' keys are INT2 (direction only), so the check is on which
   // tokens: per head, distinct ascending positions ending with the recent window.
   auto mi = hx.Open(s, ProfileOf(v1::PROFILE_KIND_MINI));
-  const v1::GetStaticSetResponse ms = StaticSetOf(hx, mi.attachment, layer);
+  const v1::GetStaticSetResponse ms = hx.StaticSet(mi.attachment, layer);
   const int64_t srows = ms.k().shape(1);
   ASSERT_EQ(ms.positions_size(), h * srows);
   for (int hh = 0; hh < h; ++hh) {

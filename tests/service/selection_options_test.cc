@@ -46,6 +46,14 @@ v1::Profile ShadowProfile(int budget) {
   return p;
 }
 
+// Budgets by attention mass: cap `budget`, mass `top_p`, floor `min_chunks`.
+v1::Profile MassProfile(int budget, float top_p, int min_chunks) {
+  v1::Profile p = ShadowProfile(budget);
+  p.set_mass_top_p(top_p);
+  p.set_mass_min_chunks(min_chunks);
+  return p;
+}
+
 TEST(ModelNative, GivenChunksAreServedExactlyIntoTheSlots) {
   Harness hs;
   hs.config.profile.outliers = 0;  // only the sink is static: every id below is selectable
@@ -106,11 +114,7 @@ TEST(ModelNative, MalformedIdsAreRefused) {
 
 TEST(SelectionProfiles, MassBudgetSelectsFewerChunksThanTheCap) {
   Harness hs;
-  const Stream s = MakeStream(512, hs.model, 3);
-  v1::Profile p = ShadowProfile(16);
-  p.set_mass_top_p(0.05f);
-  p.set_mass_min_chunks(2);
-  auto o = hs.Open(s, p);
+  auto o = hs.Open(MakeStream(512, hs.model, 3), MassProfile(16, 0.05f, 2));
   auto d = hs.Select(o.attachment, 0, hs.Query(7, 3.0f));
   ASSERT_TRUE(d.ok()) << d.status();
   EXPECT_LT(d->selected(), 2u * 16);
@@ -129,11 +133,7 @@ TEST(SelectionProfiles, MassBudgetSelectsFewerChunksThanTheCap) {
 // daemon's table, read back through SlotTable, step after step.
 TEST(SelectionProfiles, MassBudgetDeltasKeepAWorkersSlotsEqualToTheTable) {
   Harness hs;
-  const Stream s = MakeStream(512, hs.model, 5);
-  v1::Profile p = ShadowProfile(16);
-  p.set_mass_top_p(0.5f);
-  p.set_mass_min_chunks(1);
-  auto o = hs.Open(s, p);
+  auto o = hs.Open(MakeStream(512, hs.model, 5), MassProfile(16, 0.5f, 1));
   const int h = hs.model.num_kv_heads(), k = 16, layer = 1;
   std::vector<int32_t> mirror(size_t(h) * k, -1);
   uint32_t fewest = 2 * k, most = 0;

@@ -351,6 +351,14 @@ class Harness {
     if (!resp.ok()) return resp.status();
     return TensorF32(resp->outputs(0));
   }
+  v1::GetStaticSetResponse StaticSet(const std::string& attachment, int layer) {
+    v1::GetStaticSetRequest r;
+    r.set_attachment_id(attachment);
+    r.set_layer(layer);
+    auto st = engine->GetStaticSet(tenant, r);
+    EXPECT_TRUE(st.ok()) << st.status();
+    return st.ok() ? *st : v1::GetStaticSetResponse();
+  }
   absl::StatusOr<v1::SlotDelta> Select(const std::string& attachment, int layer,
                                        const std::vector<bf16>& q) {
     v1::SelectAndReconstructRequest r;

@@ -321,19 +321,26 @@ class GateTier final : public storage::SpillTier {
   storage::SpillTier& base_;
 };
 
+// Appends fsynced always, and a GateTier in front of the RocksDB tier (made anew at each
+// start; *gate points at the current one).
+SpillSetup GatedSetup(GateTier** gate) {
+  SpillSetup setup;
+  setup.configure = [](ServerConfig& c) { c.append_fsync = "always"; };
+  setup.front = [gate](storage::SpillTier& base) {
+    auto g = std::make_unique<GateTier>(base);
+    *gate = g.get();
+    return std::unique_ptr<storage::SpillTier>(std::move(g));
+  };
+  return setup;
+}
+
 // A background refactorization whose session record cannot be written keeps serving the
 // refactorized session; the record on disk is still the one before it. Appends logged after
 // that must name that record, so that a restart applies them: none is lost.
 TEST(EngineStorageFaults, AppendsAfterARefusedRecordWriteSurviveARestart) {
   TempDir dir;
   GateTier* gate = nullptr;
-  SpillSetup setup;
-  setup.configure = [](ServerConfig& c) { c.append_fsync = "always"; };
-  setup.front = [&](storage::SpillTier& base) {
-    auto g = std::make_unique<GateTier>(base);
-    gate = g.get();
-    return std::unique_ptr<storage::SpillTier>(std::move(g));
-  };
+  const SpillSetup setup = GatedSetup(&gate);
   Harness hx(dir.path(), setup);
   ASSERT_NE(gate, nullptr);
   // A document and a turn whose keys lie in another subspace: the turn's suffix drifts and
@@ -373,13 +380,7 @@ TEST(EngineStorageFaults, AppendsAfterARefusedRecordWriteSurviveARestart) {
 TEST(EngineStorageFaults, ReadErrorsAtRestoreRefuseTheStartAndDropNothing) {
   TempDir dir;
   GateTier* gate = nullptr;
-  SpillSetup setup;
-  setup.configure = [](ServerConfig& c) { c.append_fsync = "always"; };
-  setup.front = [&](storage::SpillTier& base) {
-    auto g = std::make_unique<GateTier>(base);
-    gate = g.get();
-    return std::unique_ptr<storage::SpillTier>(std::move(g));
-  };
+  const SpillSetup setup = GatedSetup(&gate);
   Harness hx(dir.path(), setup);
   const Stream a = StreamOf(hx, 528, 41);
   auto oa = hx.Open(a, SmallShadowProfile(), 512, /*durable=*/true);
