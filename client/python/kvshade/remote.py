@@ -21,11 +21,12 @@ attachments' delivery:
 with a UCX data plane) and keeps the first the daemon grants. Attention runs over static
 set + tail, slots and local tokens: per layer they sit side by side in one device buffer
 (static set and tail loaded once, the slots copied in per step, each new token written in
-place), so a layer is one fused attention call and a handful of copies. On a CUDA device
-that call is torch's scaled_dot_product_attention on the bf16 rows (fp32 softmax inside,
-as the model's own attention; no mask once every slot is filled, so the flash kernels
-qualify): the result of kvshade.torch_hook.KvShadeKVCache.attend to bf16 precision.
-Elsewhere it is exact softmax in fp32: that result to float rounding.
+place), so a layer is one fused attention call and a handful of copies. For a bf16 or fp16
+query on a CUDA device (a model computing in that precision) that call is torch's
+scaled_dot_product_attention on the bf16 rows (fp32 softmax inside, as the model's own
+attention; no mask once every slot is filled, so the flash kernels qualify): the result of
+kvshade.torch_hook.KvShadeKVCache.attend to bf16 precision. For an fp32 query, and on the
+CPU, it is exact softmax in fp32 over the same rows: that result to float rounding.
 
 speculate=True (FreeKV's speculate-and-correct): layer l of step t attends over the chunks
 selected with step t-1's query, whose select was issued right after that step's attention
@@ -380,7 +381,8 @@ class RemoteDecoder:
 
     def _attention(self, layer, q):
         """Attention of q over the layer's working buffer (static set + tail, slots, local
-        tokens): bf16 SDPA on a CUDA device, exact fp32 elsewhere (module docstring)."""
+        tokens): bf16 SDPA for a bf16/fp16 query on a CUDA device, exact fp32 otherwise
+        (module docstring)."""
         torch = _torch()
         B, hq, h, d = self.batch, self.query_heads, self.kv_heads, self.head_dim
         wk, wv, wm = self._work_k[layer], self._work_v[layer], self._work_mask[layer]
@@ -401,7 +403,7 @@ class RemoteDecoder:
                     self._slots_read = torch.cuda.Event()
                 self._slots_read.record()
         mask = wm[..., :end]          # [B, h, 1, N]
-        if self._sdpa is not None and self.device.type == "cuda":
+        if self._sdpa is not None and self.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
             # bf16 rows as stored; a KV head's query heads as its queries.
             qb = q.detach().to(torch.bfloat16).reshape(B, h, hq // h, d)
             out = self._sdpa(qb, wk[:, :, :end], wv[:, :, :end],
