@@ -853,6 +853,8 @@ absl::StatusOr<uint64_t> EngineImpl::CommitStaged(const Tenant& t, std::string_v
   KVSHADE_RETURN_IF_ERROR(sessions_.CheckWriter(t.name, s, a->id));
   StagedCommit c{&s, a->id, token_id, 0, {}, {}};
   {
+    // a->mu alone: the session's lock is taken after it is released (decode calls take the
+    // session's lock first, then the attachment's).
     std::lock_guard<std::mutex> lock(a->mu);
     Attachment::StagedToken& sg = a->staged;
     if (sg.layers == 0 || sg.token_id != token_id) {
@@ -861,13 +863,8 @@ absl::StatusOr<uint64_t> EngineImpl::CommitStaged(const Tenant& t, std::string_v
           sg.layers == 0 ? std::string(" (nothing is staged)")
                          : absl::StrCat(" (token ", sg.token_id, " is)")));
     }
-    if (discard) {
-      sg = Attachment::StagedToken{};
-      std::shared_lock slock(s.mu);
-      return s.tokens;
-    }
     const int L = s.model.layers;
-    if (sg.layers < L) {
+    if (!discard && sg.layers < L) {
       std::vector<int> missing;
       for (int l = 0; l < L; ++l) {
         if (sg.k[l].empty()) missing.push_back(l);
@@ -877,10 +874,16 @@ absl::StatusOr<uint64_t> EngineImpl::CommitStaged(const Tenant& t, std::string_v
           absl::StrJoin(missing.begin(), missing.begin() + std::min<size_t>(missing.size(), 16), ", "),
           missing.size() > 16 ? ", ..." : "", "] of ", L, "; stage them first"));
     }
-    c.at_tokens = sg.at_tokens;
-    c.k = std::move(sg.k);
-    c.v = std::move(sg.v);
+    if (!discard) {
+      c.at_tokens = sg.at_tokens;
+      c.k = std::move(sg.k);
+      c.v = std::move(sg.v);
+    }
     sg = Attachment::StagedToken{};
+  }
+  if (discard) {
+    std::shared_lock slock(s.mu);
+    return s.tokens;
   }
   std::vector<StagedCommit> commits;
   commits.push_back(std::move(c));
