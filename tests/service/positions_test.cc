@@ -4,7 +4,7 @@
 // the position it names (a row of another token differs by O(1)), on a session of two
 // segments whose second starts mid-chunk (a reused 515-token prompt, C = 8), so that
 // positions do not follow from chunk ids alone; across a restart of the durable session;
-// and after appends.
+// after appends; and for exact (appended tokens included) and mini sessions.
 #include <algorithm>
 #include <cmath>
 
@@ -135,11 +135,12 @@ TEST(Positions, MiniAndExactRowsNameTheirTokens) {
   const int h = 2, d = 64, layer = 0;
   const Stream s = MakeStream(300, hx.model, 22);
   const std::vector<float> ref = PostRope(s, layer);
-  auto ex = hx.Open(s, ProfileOf(v1::PROFILE_KIND_EXACT));
+  auto ex = hx.Open(s, ProfileOf(v1::PROFILE_KIND_EXACT), 290);
+  ASSERT_TRUE(hx.engine->AppendTokens(hx.tenant, AppendOf(ex.session, s, 290, 300)).ok());
   const v1::GetStaticSetResponse es = hx.StaticSet(ex.attachment, layer);
   ASSERT_EQ(es.tail_positions_size(), 300);
   for (int i = 0; i < 300; ++i) EXPECT_EQ(es.tail_positions(i), i);
-  CheckStaticSet(es, ref, h, d, 300, "exact");
+  CheckStaticSet(es, ref, h, d, 300, "exact, 10 of its tokens appended");
   // Mini: the retained tokens' keys are INT2 (direction only), so the check is on which
   // tokens: per head, distinct ascending positions ending with the recent window.
   auto mi = hx.Open(s, ProfileOf(v1::PROFILE_KIND_MINI));
