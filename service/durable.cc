@@ -519,6 +519,8 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
   });
   absl::flat_hash_map<storage::Id128, std::shared_ptr<const Segment>> built;
   absl::flat_hash_map<storage::Id128, const ModelInfo*> model_of;
+  // The model each built segment's layers were sized and checked for.
+  absl::flat_hash_map<storage::Id128, const ModelInfo*> built_for;
   for (const auto& [sid, rec] : recs) {
     for (const auto& id : rec.chain) model_of[id] = &rec.s->model;
   }
@@ -644,6 +646,7 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
       continue;  // the sessions using it are skipped below
     }
     built[seg->id] = seg;
+    built_for[seg->id] = &m;
   }
   // Refusing: the segments built so far must not take their stored values with them when
   // they go (Segment::~Segment erases unless the store link is kept).
@@ -660,6 +663,15 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
     for (const auto& id : rec.chain) {
       auto it = built.find(id);
       if (it == built.end()) {
+        complete = false;
+        break;
+      }
+      // Records sharing a segment must agree on its shape: a chain built for another
+      // model's layers or heads is not this session's (the records are inconsistent).
+      const ModelInfo& bm = *built_for.at(id);
+      if (bm.layers != s.model.layers || bm.shape.h != s.model.shape.h || bm.shape.d != s.model.shape.d) {
+        spdlog::error("restore: session {} skipped: segment {} was written for another model shape", sid,
+                      id.ToHex());
         complete = false;
         break;
       }
