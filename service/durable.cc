@@ -700,6 +700,13 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
       }
       const size_t n = size_t(rec.tail) * tok;
       const bool has_pre = buf.size() == Bf16Bytes(3 * n);
+      if (!has_pre && buf.size() != Bf16Bytes(2 * n)) {
+        // The tail's rows and the record's tail length disagree: an inconsistent record.
+        spdlog::error("restore: session {} skipped: layer {} tail holds {} bytes, not the {} or {} "
+                      "its {} tokens need", sid, l, buf.size(), Bf16Bytes(2 * n), Bf16Bytes(3 * n), rec.tail);
+        ok = false;
+        break;
+      }
       TailLayer& tl = s.tail[l];
       const bf16* p = reinterpret_cast<const bf16*>(buf.data());
       if (has_pre) {
