@@ -264,8 +264,9 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
       auto it = ctx->mappings.find(key);
       if (it == ctx->mappings.end()) {
         kernels::ExportedMemory m;
-        m.kind = r.device() ? kernels::ExportedMemory::Kind::kDeviceIpc
-                            : kernels::ExportedMemory::Kind::kHostFile;
+        m.kind = r.device()     ? kernels::ExportedMemory::Kind::kDeviceIpc
+                 : r.host_vmm() ? kernels::ExportedMemory::Kind::kHostVmm
+                                : kernels::ExportedMemory::Kind::kHostFile;
         m.region_id = r.id();
         m.pid = r.pid();
         m.fd = r.fd();

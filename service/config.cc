@@ -344,7 +344,10 @@ Schema MakeSchema(ServerConfig& c, std::string& tokens_file, uint32_t& metrics_p
          {"engine_threads", Scalar("ucx.engine_threads", &c.ucx.engine_threads)},
          {"inline_max_batch", Scalar("ucx.inline_max_batch", &c.ucx.inline_max_batch)},
          {"busy_poll_us", Scalar("ucx.busy_poll_us", &c.ucx.busy_poll_us)}}}},
-      {"same_node", {nullptr, {{"export", Scalar("same_node.export", &c.same_node.export_state)}}}},
+      {"same_node",
+       {nullptr,
+        {{"export", Scalar("same_node.export", &c.same_node.export_state)},
+         {"host_memory", Scalar("same_node.host_memory", &c.same_node.host_memory)}}}},
       {"limits",
        {nullptr,
         {{"max_tokens_per_session", Scalar("limits.max_tokens_per_session", &l.max_tokens_per_session)},
@@ -664,6 +667,9 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   static const std::set<std::string> kLevels = {"trace", "debug", "info", "warn", "error", "critical", "off"};
   if (!kLevels.count(c.log.level)) {
     return bad("log.level must be trace, debug, info, warn, error, critical or off, got '", c.log.level, "'");
+  }
+  if (c.same_node.host_memory != "auto" && c.same_node.host_memory != "file") {
+    return bad("same_node.host_memory must be auto or file, got '", c.same_node.host_memory, "'");
   }
   if (c.log.format != "text" && c.log.format != "json") {
     return bad("log.format must be text or json, got '", c.log.format, "'");

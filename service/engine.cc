@@ -243,7 +243,9 @@ absl::Status EngineImpl::Init() {
   // Same-node export: the arena and the value store come from memory a worker on this node
   // can map (export.cc). Each shared allocation holds a file descriptor: allow many.
   if (config_->same_node.export_state) {
-    backend_->EnableSharedMemory();
+    backend_->EnableSharedMemory(config_->same_node.host_memory == "file"
+                                     ? kernels::SharedHostMemory::kFile
+                                     : kernels::SharedHostMemory::kAuto);
     RaiseOpenFileLimit();
   }
   instance_id_ = SessionManager::NewId();

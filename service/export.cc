@@ -42,6 +42,7 @@ class RegionTable {
       v1::SharedRegion* r = out_->add_regions();
       r->set_id(m.region_id);
       r->set_device(m.kind == kernels::ExportedMemory::Kind::kDeviceIpc);
+      r->set_host_vmm(m.kind == kernels::ExportedMemory::Kind::kHostVmm);
       r->set_pid(m.pid);
       r->set_fd(m.fd);
       r->set_cuda_ipc_handle(m.ipc_handle);

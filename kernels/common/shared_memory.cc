@@ -57,21 +57,27 @@ absl::StatusOr<Buffer> AllocateSharedHost(size_t bytes, std::function<void(void*
     return absl::ResourceExhaustedError(
         absl::StrCat("mmap of a ", mapped, "-byte memory file: ", std::strerror(err)));
   }
-  Registry& r = registry();
-  {
-    std::lock_guard<std::mutex> lock(r.mu);
-    r.by_base[reinterpret_cast<uintptr_t>(p)] = SharedHostRegion{r.next_id++, fd, p, mapped};
-  }
+  RegisterSharedHost(ExportedMemory::Kind::kHostFile, fd, p, mapped);
   return Buffer(p, bytes, [mapped, fd, on_release = std::move(on_release)](void* q) {
     if (on_release) on_release(q);
-    {
-      Registry& reg = registry();
-      std::lock_guard<std::mutex> lock(reg.mu);
-      reg.by_base.erase(reinterpret_cast<uintptr_t>(q));
-    }
+    UnregisterSharedHost(q);
     munmap(q, mapped);
     close(fd);
   });
+}
+
+uint64_t RegisterSharedHost(ExportedMemory::Kind kind, int fd, void* base, size_t bytes) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  const uint64_t id = r.next_id++;
+  r.by_base[reinterpret_cast<uintptr_t>(base)] = SharedHostRegion{id, fd, base, bytes, kind};
+  return id;
+}
+
+void UnregisterSharedHost(const void* base) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.by_base.erase(reinterpret_cast<uintptr_t>(base));
 }
 
 std::optional<SharedHostRegion> FindSharedHostRegion(const void* p) {
@@ -90,7 +96,7 @@ std::optional<ExportedMemory> ExportSharedHost(const void* p) {
   std::optional<SharedHostRegion> r = FindSharedHostRegion(p);
   if (!r) return std::nullopt;
   ExportedMemory m;
-  m.kind = ExportedMemory::Kind::kHostFile;
+  m.kind = r->kind;
   m.region_id = r->id;
   m.pid = getpid();
   m.fd = r->fd;

@@ -103,8 +103,8 @@ absl::StatusOr<ExportedMemory> CpuBackend::ExportMemory(const void* p) {
 absl::StatusOr<ImportedMemory> CpuBackend::ImportMemory(const ExportedMemory& m) {
   if (m.kind != ExportedMemory::Kind::kHostFile) {
     return absl::FailedPreconditionError(
-        "cpu: cannot map device memory of another process (the daemon runs on a GPU backend; "
-        "open the worker with the cuda backend)");
+        "cpu: cannot map device memory or CUDA host memory of another process (the daemon "
+        "runs on a GPU backend; open the worker with the cuda backend)");
   }
   return MapSharedHostRegion(m);
 }

@@ -36,7 +36,7 @@ class CpuBackend final : public Backend {
                         const int64_t* src_rows, const int64_t* dst_rows, Stream) override;
   absl::StatusOr<PeerBuffer> OpenPeerBuffer(std::string_view handle) override;
   absl::Status ClosePeerBuffer(const PeerBuffer& buffer) override;
-  void EnableSharedMemory() override { shared_ = true; }
+  void EnableSharedMemory(SharedHostMemory) override { shared_ = true; }  // always files
   absl::StatusOr<ExportedMemory> ExportMemory(const void* p) override;
   absl::StatusOr<ImportedMemory> ImportMemory(const ExportedMemory& m) override;
   absl::Status ReleaseImported(const ImportedMemory& m) override;

@@ -26,6 +26,7 @@
 #include "cuda/cuda_backend_impl.h"
 #include "kvshade/kernels/shared_memory.h"
 #include "cuda/cuda_check.h"
+#include "cuda/cuda_host_vmm.h"
 
 namespace kvshade::kernels {
 
@@ -125,6 +126,16 @@ absl::StatusOr<Buffer> CudaBackend::Allocate(size_t bytes) {
 absl::StatusOr<Buffer> CudaBackend::AllocateHostVisible(size_t bytes) {
   if (bytes == 0) return Buffer();
   KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
+  if (shared_ && shared_how_ == SharedHostMemory::kAuto && HostVmmSupported(device_)) {
+    // Pinned host memory of the driver, exported by descriptor (cuda_host_vmm.h).
+    absl::StatusOr<Buffer> buf = AllocateHostVmm(device_, bytes);
+    if (!buf.ok()) {
+      return absl::Status(buf.status().code(), absl::StrCat("AllocateHostVisible(", bytes,
+                                                            " shared bytes): ",
+                                                            buf.status().message()));
+    }
+    return buf;
+  }
   if (shared_) {
     // A shared memory file, registered (pinned + mapped) so kernels read it over PCIe; a
     // worker process maps the same pages and registers them in its own context.

@@ -43,7 +43,10 @@ class CudaBackend final : public Backend {
                         const int64_t* src_rows, const int64_t* dst_rows, Stream) override;
   absl::StatusOr<PeerBuffer> OpenPeerBuffer(std::string_view handle) override;
   absl::Status ClosePeerBuffer(const PeerBuffer& buffer) override;
-  void EnableSharedMemory() override { shared_ = true; }
+  void EnableSharedMemory(SharedHostMemory how) override {
+    shared_ = true;
+    shared_how_ = how;
+  }
   absl::StatusOr<ExportedMemory> ExportMemory(const void* p) override;
   absl::StatusOr<ImportedMemory> ImportMemory(const ExportedMemory& m) override;
   absl::Status ReleaseImported(const ImportedMemory& m) override;
@@ -125,7 +128,8 @@ class CudaBackend final : public Backend {
     std::map<uintptr_t, size_t> by_base;
   };
   std::shared_ptr<DeviceAllocations> allocs_ = std::make_shared<DeviceAllocations>();
-  bool shared_ = false;  // EnableSharedMemory: host-visible memory from shared memory files
+  bool shared_ = false;  // EnableSharedMemory: host-visible memory is shareable
+  SharedHostMemory shared_how_ = SharedHostMemory::kAuto;
   explicit CudaBackend(int device) : device_(device) {}
   int device_ = 0;
   // Handles bound to the default stream; ops on other streams rebind with

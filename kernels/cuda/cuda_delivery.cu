@@ -12,6 +12,7 @@
 #include "common/validate.h"
 #include "cuda/cuda_backend_impl.h"
 #include "cuda/cuda_check.h"
+#include "cuda/cuda_host_vmm.h"
 #include "kvshade/kernels/shared_memory.h"
 #include "kvshade/base/status_macros.h"
 
@@ -142,6 +143,10 @@ absl::StatusOr<ImportedMemory> CudaBackend::ImportMemory(const ExportedMemory& m
     }
     return ImportedMemory{m.kind, b.base, m.region_bytes};
   }
+  if (m.kind == ExportedMemory::Kind::kHostVmm) {
+    KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
+    return ImportHostVmm(device_, m);
+  }
   KVSHADE_ASSIGN_OR_RETURN(ImportedMemory im, MapSharedHostRegion(m));
   KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
   const cudaError_t e =
@@ -161,6 +166,10 @@ absl::Status CudaBackend::ReleaseImported(const ImportedMemory& m) {
   KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
   if (m.kind == ExportedMemory::Kind::kDeviceIpc) {
     KVSHADE_CUDA_RETURN_IF_ERROR(cudaIpcCloseMemHandle(m.base));
+    return absl::OkStatus();
+  }
+  if (m.kind == ExportedMemory::Kind::kHostVmm) {
+    ReleaseHostVmm(m);
     return absl::OkStatus();
   }
   cudaHostUnregister(m.base);

@@ -206,6 +206,9 @@ TEST(Config, RejectsTyposBadValuesAndBadFiles) {
             C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.limits.max_message_bytes = 1000; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.rank = 100; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.same_node.host_memory = "hugepages"; }),
+            C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.same_node.host_memory = "file"; }), C::kOk);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.value_codec = "int3"; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.kivi_group = 12; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.refactor_threshold = 0; }), C::kInvalidArgument);

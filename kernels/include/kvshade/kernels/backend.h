@@ -277,14 +277,27 @@ struct PeerBuffer {
 
 // Memory named for another process on this node (same-node decode; shared_memory.h).
 struct ExportedMemory {
-  enum class Kind { kHostFile = 0, kDeviceIpc = 1 };
+  // kHostFile: host memory in a memory file; kDeviceIpc: a CUDA device allocation;
+  // kHostVmm: pinned host memory allocated by the CUDA driver and exported as a descriptor.
+  enum class Kind { kHostFile = 0, kDeviceIpc = 1, kHostVmm = 2 };
   Kind kind = Kind::kHostFile;
   uint64_t region_id = 0;  // unique per region within the exporting process
-  int64_t pid = 0;         // kHostFile: the exporting process
-  int32_t fd = -1;         // kHostFile: its descriptor of the memory file
+  int64_t pid = 0;         // kHostFile, kHostVmm: the exporting process
+  int32_t fd = -1;         // kHostFile, kHostVmm: its descriptor of the region
   std::string ipc_handle;  // kDeviceIpc: the cudaIpcMemHandle_t bytes of the allocation
   size_t region_bytes = 0; // bytes of the whole region
   size_t offset = 0;       // of the exported pointer inside the region
+};
+
+// How shareable host memory is made (Backend::EnableSharedMemory).
+enum class SharedHostMemory {
+  // CUDA: pinned host memory of the CUDA driver exported as a descriptor where the GPU
+  // supports it (a CUDA worker maps it without pinning the pages again), else kFile.
+  // The CPU backend always uses kFile.
+  kAuto,
+  // Memory files: any process of the daemon's user maps them; a CUDA worker then
+  // registers (pins) every page in its own context, about 0.1-0.25 s per GiB.
+  kFile,
 };
 
 // A region mapped into this process by Backend::ImportMemory.
@@ -484,9 +497,9 @@ class Backend {
 
   // --- Same-node export of a daemon's state to worker processes (shared_memory.h) ---
   // Called once at start-up by a process that exports its memory: from then on,
-  // host-visible memory (and on the CPU backend every Allocate) comes from shared memory
-  // files. Memory allocated before stays private.
-  virtual void EnableSharedMemory() = 0;
+  // host-visible memory (and on the CPU backend every Allocate) is shareable. Memory
+  // allocated before stays private.
+  virtual void EnableSharedMemory(SharedHostMemory how) = 0;
   // Names the allocation that holds p (this backend's memory, or host-visible memory) for
   // another process on this node. FailedPrecondition for memory that cannot be shared.
   virtual absl::StatusOr<ExportedMemory> ExportMemory(const void* p) = 0;

@@ -94,6 +94,9 @@ struct UcxConfig {
 // a node whose workers are not trusted like the daemon's own user.
 struct SameNodeConfig {
   bool export_state = true;  // ExportSession allowed; memory allocated shareable
+  // How shareable host memory is made: "auto" (CUDA: pinned host memory of the driver,
+  // exported by descriptor, where the GPU supports it; else memory files) or "file".
+  std::string host_memory = "auto";
 };
 
 // The daemon's log (service/README.md "Logs"): spdlog on stderr.

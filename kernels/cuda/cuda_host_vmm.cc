@@ -1,0 +1,265 @@
+// Pinned host memory from the CUDA driver, shared by descriptor (cuda_host_vmm.h).
+#include "cuda/cuda_host_vmm.h"
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "kvshade/kernels/shared_memory.h"
+
+namespace kvshade::kernels {
+namespace {
+
+// The driver entry points this file uses, resolved once through the runtime.
+struct Driver {
+  bool ok = false;
+  CUresult (*mem_create)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                         unsigned long long) = nullptr;
+  CUresult (*mem_release)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*address_reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr,
+                              unsigned long long) = nullptr;
+  CUresult (*address_free)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*mem_map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                      unsigned long long) = nullptr;
+  CUresult (*mem_unmap)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  CUresult (*granularity)(size_t*, const CUmemAllocationProp*,
+                          CUmemAllocationGranularity_flags) = nullptr;
+  CUresult (*export_handle)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
+                            unsigned long long) = nullptr;
+  CUresult (*import_handle)(CUmemGenericAllocationHandle*, void*,
+                            CUmemAllocationHandleType) = nullptr;
+  CUresult (*error_string)(CUresult, const char**) = nullptr;
+  CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*device_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
+};
+
+template <typename F>
+bool Resolve(const char* symbol, F* fn) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess || p == nullptr) {
+    cudaGetLastError();
+    return false;
+  }
+  *fn = reinterpret_cast<F>(p);
+  return true;
+}
+
+const Driver& driver() {
+  static const Driver* d = [] {
+    auto* x = new Driver();
+    x->ok = Resolve("cuMemCreate", &x->mem_create) && Resolve("cuMemRelease", &x->mem_release) &&
+            Resolve("cuMemAddressReserve", &x->address_reserve) &&
+            Resolve("cuMemAddressFree", &x->address_free) && Resolve("cuMemMap", &x->mem_map) &&
+            Resolve("cuMemUnmap", &x->mem_unmap) && Resolve("cuMemSetAccess", &x->set_access) &&
+            Resolve("cuMemGetAllocationGranularity", &x->granularity) &&
+            Resolve("cuMemExportToShareableHandle", &x->export_handle) &&
+            Resolve("cuMemImportFromShareableHandle", &x->import_handle) &&
+            Resolve("cuGetErrorString", &x->error_string) &&
+            Resolve("cuDeviceGet", &x->device_get) &&
+            Resolve("cuDeviceGetAttribute", &x->device_attribute);
+    return x;
+  }();
+  return *d;
+}
+
+std::string DriverError(CUresult r) {
+  const char* s = nullptr;
+  if (driver().error_string != nullptr) driver().error_string(r, &s);
+  return s != nullptr ? std::string(s) : absl::StrCat("CUresult ", static_cast<int>(r));
+}
+
+absl::Status Check(CUresult r, absl::string_view what) {
+  if (r == CUDA_SUCCESS) return absl::OkStatus();
+  const absl::StatusCode code = r == CUDA_ERROR_OUT_OF_MEMORY ? absl::StatusCode::kResourceExhausted
+                                                              : absl::StatusCode::kInternal;
+  return absl::Status(code, absl::StrCat("cuda: ", what, ": ", DriverError(r)));
+}
+
+int HostNumaNode(int device) {
+  int numa = -1;
+  if (cudaDeviceGetAttribute(&numa, cudaDevAttrHostNumaId, device) != cudaSuccess) {
+    cudaGetLastError();
+    numa = -1;
+  }
+  return numa < 0 ? 0 : numa;  // 0 where the system has no NUMA
+}
+
+CUmemAllocationProp HostProp(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA;
+  prop.location.id = HostNumaNode(device);
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  return prop;
+}
+
+CUmemAccessDesc Access(CUmemLocationType type, int id) {
+  CUmemAccessDesc a{};
+  a.location.type = type;
+  a.location.id = id;
+  a.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  return a;
+}
+
+// Unmaps and frees a mapping made here; `handle` (0: none) and `fd` (-1: none) too.
+void Teardown(CUdeviceptr va, size_t mapped, size_t reserved, CUmemGenericAllocationHandle handle,
+              int fd) {
+  const Driver& d = driver();
+  if (mapped != 0) d.mem_unmap(va, mapped);
+  if (reserved != 0) d.address_free(va, reserved);
+  if (handle != 0) d.mem_release(handle);
+  if (fd >= 0) close(fd);
+}
+
+size_t RoundUp(size_t n, size_t g) { return (n + g - 1) / g * g; }
+
+}  // namespace
+
+bool HostVmmSupported(int device) {
+  static std::mutex mu;
+  static std::map<int, bool> known;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find(device);
+  if (it != known.end()) return it->second;
+  const Driver& d = driver();
+  int vmm = 0, host_numa = 0, fd = 0;
+  CUdevice dev = 0;
+  const bool ok =
+      d.ok && d.device_get(&dev, device) == CUDA_SUCCESS &&
+      d.device_attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev) ==
+          CUDA_SUCCESS &&
+      d.device_attribute(&host_numa,
+                         CU_DEVICE_ATTRIBUTE_HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+                         dev) == CUDA_SUCCESS &&
+      d.device_attribute(&fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                         dev) == CUDA_SUCCESS &&
+      vmm != 0 && host_numa != 0 && fd != 0;
+  known[device] = ok;
+  return ok;
+}
+
+absl::StatusOr<Buffer> AllocateHostVmm(int device, size_t bytes) {
+  const Driver& d = driver();
+  const CUmemAllocationProp prop = HostProp(device);
+  size_t gran = 0;
+  if (absl::Status st = Check(d.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+                              "host allocation granularity");
+      !st.ok()) {
+    return st;
+  }
+  const size_t size = RoundUp(bytes, gran);
+  CUmemGenericAllocationHandle handle = 0;
+  if (absl::Status st = Check(d.mem_create(&handle, size, &prop, 0),
+                              absl::StrCat("allocate ", size, " bytes of pinned host memory"));
+      !st.ok()) {
+    return st;
+  }
+  CUdeviceptr va = 0;
+  if (absl::Status st = Check(d.address_reserve(&va, size, gran, 0, 0), "reserve address range");
+      !st.ok()) {
+    Teardown(0, 0, 0, handle, -1);
+    return st;
+  }
+  if (absl::Status st = Check(d.mem_map(va, size, 0, handle, 0), "map host memory"); !st.ok()) {
+    Teardown(va, 0, size, handle, -1);
+    return st;
+  }
+  const CUmemAccessDesc access[2] = {Access(CU_MEM_LOCATION_TYPE_DEVICE, device),
+                                     Access(CU_MEM_LOCATION_TYPE_HOST_NUMA, prop.location.id)};
+  if (absl::Status st = Check(d.set_access(va, size, access, 2), "grant access"); !st.ok()) {
+    Teardown(va, size, size, handle, -1);
+    return st;
+  }
+  int fd = -1;
+  if (absl::Status st = Check(
+          d.export_handle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "export");
+      !st.ok()) {
+    Teardown(va, size, size, handle, -1);
+    return st;
+  }
+  // The mapping keeps the physical memory alive; the handle is no longer needed.
+  d.mem_release(handle);
+  void* p = reinterpret_cast<void*>(va);
+  RegisterSharedHost(ExportedMemory::Kind::kHostVmm, fd, p, size);
+  return Buffer(p, bytes, [size, fd](void* q) {
+    UnregisterSharedHost(q);
+    Teardown(reinterpret_cast<CUdeviceptr>(q), size, size, 0, fd);
+  });
+}
+
+absl::StatusOr<ImportedMemory> ImportHostVmm(int device, const ExportedMemory& m) {
+  if (!HostVmmSupported(device)) {
+    return absl::FailedPreconditionError(
+        "cuda: the daemon shares host memory as CUDA driver allocations, which this GPU or "
+        "driver cannot map (run the daemon with same_node.host_memory: file)");
+  }
+  const Driver& d = driver();
+  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(m.pid), 0));
+  if (pidfd < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot reach the daemon process ", m.pid, ": pidfd_open: ", std::strerror(errno),
+        " (same-node decode needs the worker on the daemon's node, in its PID namespace)"));
+  }
+  const int fd = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd, m.fd, 0));
+  const int err = errno;
+  close(pidfd);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot take the daemon's host memory descriptor (pidfd_getfd of fd ", m.fd, " in pid ",
+        m.pid, "): ", std::strerror(err),
+        " (the worker needs ptrace access to the daemon: the same user with Yama "
+        "ptrace_scope 0, or the daemon started by the worker, or CAP_SYS_PTRACE; otherwise "
+        "run the daemon with same_node.host_memory: file)"));
+  }
+  CUmemGenericAllocationHandle handle = 0;
+  absl::Status st =
+      Check(d.import_handle(&handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
+                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            "import the daemon's host memory");
+  close(fd);
+  if (!st.ok()) return st;
+  const CUmemAllocationProp prop = HostProp(device);
+  size_t gran = 0;
+  if (st = Check(d.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), "granularity");
+      !st.ok()) {
+    Teardown(0, 0, 0, handle, -1);
+    return st;
+  }
+  const size_t size = RoundUp(m.region_bytes, gran);
+  CUdeviceptr va = 0;
+  if (st = Check(d.address_reserve(&va, size, gran, 0, 0), "reserve address range"); !st.ok()) {
+    Teardown(0, 0, 0, handle, -1);
+    return st;
+  }
+  if (st = Check(d.mem_map(va, size, 0, handle, 0), "map the daemon's host memory"); !st.ok()) {
+    Teardown(va, 0, size, handle, -1);
+    return st;
+  }
+  d.mem_release(handle);
+  const CUmemAccessDesc access = Access(CU_MEM_LOCATION_TYPE_DEVICE, device);
+  if (st = Check(d.set_access(va, size, &access, 1), "grant the device access"); !st.ok()) {
+    Teardown(va, size, size, 0, -1);
+    return st;
+  }
+  return ImportedMemory{ExportedMemory::Kind::kHostVmm, reinterpret_cast<void*>(va), size};
+}
+
+void ReleaseHostVmm(const ImportedMemory& m) {
+  if (m.base == nullptr) return;
+  Teardown(reinterpret_cast<CUdeviceptr>(m.base), m.bytes, m.bytes, 0, -1);
+}
+
+}  // namespace kvshade::kernels
