@@ -31,14 +31,16 @@ int64_t NowMs() {
 // One backend per name for the whole process, and the regions it has mapped: a CUDA IPC
 // handle may be opened only once per process, and several decoders may read one daemon.
 //
-// Shared host regions stay mapped (and registered with the device) after the last decoder
-// using them closes, up to LocalDecoderOptions::idle_mapped_bytes, least recently released
-// first out: registering host memory costs about 0.2-0.3 s per GiB, and the daemon reuses its
-// value buffers for later sessions, so the next session's decoder finds them ready. Their
-// ids are never reused by a daemon, so a kept mapping can never stand for another buffer.
-// Device regions (CUDA IPC) are closed at once: their ids are reused addresses. Idle
-// mappings of another daemon instance (a daemon that restarted) are closed when a decoder
-// maps a generation of a different one.
+// Shared host regions stay mapped after the last decoder using them closes, up to
+// LocalDecoderOptions::idle_mapped_bytes, least recently released first out: mapping host
+// memory costs 0.01 s per GiB (driver host memory) to 0.2-0.3 s per GiB (a memory file the
+// worker registers), and the daemon reuses its value buffers for later sessions, so the
+// next session's decoder finds them ready. Device regions (CUDA IPC: the daemon's device
+// arena, allocated once) stay mapped too, the kIdleDeviceRegions most recently released:
+// opening a 48 GiB arena costs about 0.33 s per decoder on an H200, and a mapping costs the
+// worker only address space. Region ids are never reused by a daemon, so a kept mapping
+// can never stand for another buffer. Idle mappings of another daemon instance (a daemon
+// that restarted) are closed when a decoder maps a generation of a different one.
 struct WorkerContext {
   using Key = std::pair<std::string, uint64_t>;  // (daemon instance, region id)
   std::unique_ptr<kernels::Backend> backend;
@@ -52,28 +54,41 @@ struct WorkerContext {
   size_t idle_bytes = 0;
   uint64_t releases = 0;
 
-  // One reference to `key` fewer; the mapping is closed or kept idle (see above), and idle
-  // ones beyond `idle_cap` bytes are closed, oldest first.
+  static constexpr int kIdleDeviceRegions = 4;
+
+  static bool IsDevice(const Mapping& m) {
+    return m.memory.kind == kernels::ExportedMemory::Kind::kDeviceIpc;
+  }
+  // Idle bytes that count against idle_mapped_bytes: host mappings only.
+  static size_t CountedBytes(const Mapping& m) { return IsDevice(m) ? 0 : m.memory.bytes; }
+
+  // One reference to `key` fewer; the mapping is closed or kept idle (see above): idle host
+  // mappings beyond `idle_cap` bytes and idle device mappings beyond kIdleDeviceRegions are
+  // closed, oldest first.
   void Unref(const Key& key, size_t idle_cap) {
     auto it = mappings.find(key);
     if (it == mappings.end() || --it->second.refs > 0) return;
-    if (it->second.memory.kind == kernels::ExportedMemory::Kind::kDeviceIpc || idle_cap == 0) {
+    if (idle_cap == 0) {
       (void)backend->ReleaseImported(it->second.memory);
       mappings.erase(it);
       return;
     }
     it->second.released_at = ++releases;
-    idle_bytes += it->second.memory.bytes;
-    while (idle_bytes > idle_cap) {
+    idle_bytes += CountedBytes(it->second);
+    const bool device = IsDevice(it->second);
+    for (;;) {
+      int idle_device = 0;
       auto oldest = mappings.end();
       for (auto m = mappings.begin(); m != mappings.end(); ++m) {
-        if (m->second.refs == 0 && (oldest == mappings.end() ||
-                                    m->second.released_at < oldest->second.released_at)) {
+        if (m->second.refs != 0 || IsDevice(m->second) != device) continue;
+        if (device) ++idle_device;
+        if (oldest == mappings.end() || m->second.released_at < oldest->second.released_at) {
           oldest = m;
         }
       }
-      if (oldest == mappings.end()) break;
-      idle_bytes -= oldest->second.memory.bytes;
+      const bool over = device ? idle_device > kIdleDeviceRegions : idle_bytes > idle_cap;
+      if (!over || oldest == mappings.end()) break;
+      idle_bytes -= CountedBytes(oldest->second);
       (void)backend->ReleaseImported(oldest->second.memory);
       mappings.erase(oldest);
     }
@@ -83,7 +98,7 @@ struct WorkerContext {
   void DropIdleOfOtherDaemons(const std::string& daemon) {
     for (auto m = mappings.begin(); m != mappings.end();) {
       if (m->second.refs == 0 && m->first.first != daemon) {
-        idle_bytes -= m->second.memory.bytes;
+        idle_bytes -= CountedBytes(m->second);
         (void)backend->ReleaseImported(m->second.memory);
         m = mappings.erase(m);
       } else {
@@ -94,7 +109,7 @@ struct WorkerContext {
   // One reference more to a mapping found in `mappings` (an idle one is in use again).
   void Ref(Mapping& m) {
     if (m.refs++ == 0 && m.released_at != 0) {
-      idle_bytes -= m.memory.bytes;
+      idle_bytes -= CountedBytes(m);
       m.released_at = 0;
     }
   }

@@ -111,7 +111,7 @@ absl::StatusOr<Buffer> CudaBackend::Allocate(size_t bytes) {
   int device = device_;
   {
     std::lock_guard<std::mutex> lock(allocs_->mu);
-    allocs_->by_base[reinterpret_cast<uintptr_t>(p)] = bytes;
+    allocs_->by_base[reinterpret_cast<uintptr_t>(p)] = {bytes, allocs_->next_id++};
   }
   return Buffer(p, bytes, [device, allocs = allocs_](void* q) {
     {

@@ -124,8 +124,13 @@ class CudaBackend final : public Backend {
   // Live allocations of Allocate (base -> bytes): ExportMemory names the one holding a
   // pointer (shared with the release callbacks, which may outlive the backend).
   struct DeviceAllocations {
+    struct Allocation {
+      size_t bytes = 0;
+      uint64_t id = 0;  // never reused (a later allocation at the same address gets another)
+    };
     std::mutex mu;
-    std::map<uintptr_t, size_t> by_base;
+    std::map<uintptr_t, Allocation> by_base;
+    uint64_t next_id = 1;
   };
   std::shared_ptr<DeviceAllocations> allocs_ = std::make_shared<DeviceAllocations>();
   bool shared_ = false;  // EnableSharedMemory: host-visible memory is shareable

@@ -103,15 +103,17 @@ absl::StatusOr<ExportedMemory> CudaBackend::ExportMemory(const void* p) {
   // The allocation of Allocate that holds p.
   uintptr_t base = 0;
   size_t bytes = 0;
+  uint64_t id = 0;
   {
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
     std::lock_guard<std::mutex> lock(allocs_->mu);
     auto it = allocs_->by_base.upper_bound(a);
     if (it != allocs_->by_base.begin()) {
       --it;
-      if (a < it->first + it->second) {
+      if (a < it->first + it->second.bytes) {
         base = it->first;
-        bytes = it->second;
+        bytes = it->second.bytes;
+        id = it->second.id;
       }
     }
   }
@@ -125,7 +127,9 @@ absl::StatusOr<ExportedMemory> CudaBackend::ExportMemory(const void* p) {
   KVSHADE_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)));
   ExportedMemory m;
   m.kind = ExportedMemory::Kind::kDeviceIpc;
-  m.region_id = uint64_t(base) | (uint64_t{1} << 63);  // unique while it lives; apart from host ids
+  // Never reused within this process (a worker may keep the mapping while the region is
+  // idle); the top bit keeps device ids apart from host region ids.
+  m.region_id = id | (uint64_t{1} << 63);
   m.pid = getpid();
   m.ipc_handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
   m.region_bytes = bytes;
