@@ -303,6 +303,8 @@ def e2e_table(c, args, ucx_client=None):
         with torch.no_grad():
             out = model(input_ids=prompt, past_key_values=kc, use_cache=True, logits_to_keep=1)
         torch.cuda.synchronize()
+        kc.wait_ready()  # the commit and the decoder open may still run after the forward
+        torch.cuda.synchronize()
         ready_s = time.perf_counter() - t0
         # The daemon's ingest stages during this prefill (seconds summed over layers).
         after = stage_seconds()

@@ -495,6 +495,8 @@ class KvShadeCache(Cache):
             raise ValueError("ingest must be 'auto', 'device' or 'host', got %r" % (ingest,))
         self._ingest_mode = ingest
         self._streams = None  # same-node ingest streams per sequence (None: host path)
+        self._pending = None  # the thread finishing a same-node ingest (_ingest)
+        self._pending_error = None
         self.ingest_error = None  # why ingest="auto" fell back to the host path
         self._count_hits = count_hits
         self._model_params_device = {next(model.parameters()).device}
@@ -521,13 +523,16 @@ class KvShadeCache(Cache):
     @property
     def hook(self):
         """The KvShadeKVCache of sequence 0."""
+        self.wait_ready()
         return self.hooks[0]
 
     @property
     def session_ids(self):
+        self.wait_ready()
         return [h.session_id for h in self.hooks]
 
     def set_prompt(self, prompt_ids):
+        self.wait_ready()
         if self._decoding or any(x is not None for x in self._pre_k):
             raise ValueError("set_prompt must come before the prefill forward")
         self._prompt_ids = self._ids(prompt_ids)
@@ -542,12 +547,14 @@ class KvShadeCache(Cache):
 
     @property
     def hits(self):
+        self.wait_ready()
         if self.local is not None:
             return self.local.stats()["hits"]
         return self.remote.hits if self.remote is not None else 0
 
     @property
     def selected(self):
+        self.wait_ready()
         if self.local is not None:
             return self.local.stats()["selected"]
         return self.remote.selected if self.remote is not None else 0
@@ -562,6 +569,12 @@ class KvShadeCache(Cache):
         return self.hits / sel if sel else None
 
     def close(self, close_session=False):
+        try:
+            self.wait_ready()
+        finally:
+            self._close(close_session)
+
+    def _close(self, close_session):
         if self.local is not None:
             self.local.close()
             self.local = None
@@ -579,6 +592,7 @@ class KvShadeCache(Cache):
 
     # --- update ---
     def _update(self, layer_obj, key_states, value_states, cache_kwargs):
+        self.wait_ready()
         li = layer_obj.layer_idx
         b, h, n, d = key_states.shape
         if h != self.spec.num_kv_heads or d != self.spec.head_dim or tuple(value_states.shape) != (b, h, n, d):
@@ -717,6 +731,40 @@ class KvShadeCache(Cache):
                              "set_prompt(ids) before the prefill forward")
         B = self._pre_k[0].shape[0]
         self._check_prompt(n, B)
+        if self._streams is not None:
+            # Same node: this runs inside the prompt's last layer, before that layer's
+            # attention and MLP are launched. The commit, the attach and opening the decoder
+            # (mapping the daemon's memory) run on a thread while the model finishes the
+            # prompt on the GPU; the first decode step, or any read of the cache's state,
+            # waits for them (wait_ready) and sees their errors.
+            self._decoding = True  # no further prompt layer is accepted meanwhile
+            self._pending = threading.Thread(target=self._finish_in_background, args=(n, B),
+                                             name="kvshade-ingest", daemon=True)
+            self._pending.start()
+            return
+        self._finish_ingest(n, B)
+
+    def _finish_in_background(self, n, B):
+        try:
+            self._finish_ingest(n, B)
+        except BaseException as e:  # noqa: BLE001 - re-raised by wait_ready on the caller's thread
+            self._pending_error = e
+
+    def wait_ready(self):
+        """Blocks until the prompt is committed and the decoder is open, and raises what failed.
+        After a same-node prefill these finish on a thread while the model completes the
+        prompt's last layer; the first decode step and every read of the cache's state wait
+        for them anyway, so calling this is only needed to time when the session is ready."""
+        t = self._pending
+        if t is None or t is threading.current_thread():
+            return
+        t.join()
+        self._pending = None
+        e, self._pending_error = self._pending_error, None
+        if e is not None:
+            raise e
+
+    def _finish_ingest(self, n, B):
         client, spec, profile, worker_id = self._hook_args
         if self._streams is not None:
             try:
