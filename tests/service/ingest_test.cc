@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <iostream>
+#include <map>
 #include <numeric>
 #include <string>
 
@@ -528,4 +529,64 @@ TEST(IngestTest, ShadowLayersAreAllocatedFromTheDeviceBudget) {
 }
 
 }  // namespace
+// Server-wide bytes of a tier (kvshade_tier_bytes{tier, kind="total"}), as of the last
+// gauge update (every Stats call makes one).
+double TierTotal(Harness& hx, const std::string& tier) {
+  auto st = hx.engine->Stats(hx.tenant, v1::StatsRequest());
+  EXPECT_TRUE(st.ok()) << st.status();
+  for (const auto& family : hx.metrics.registry()->Collect()) {
+    if (family.name != "kvshade_tier_bytes") continue;
+    for (const auto& m : family.metric) {
+      std::map<std::string, std::string> labels;
+      for (const auto& l : m.label) labels[l.name] = l.value;
+      if (labels["tier"] == tier && labels["kind"] == "total") return m.gauge.value;
+    }
+  }
+  ADD_FAILURE() << "no kvshade_tier_bytes{tier=" << tier << ", kind=total}";
+  return -1;
+}
+
+TEST(IngestTest, AStreamDroppedAtAnyPartLeavesNoBytesBehind) {
+  // Issue: an ingest cancelled at any layer leaves nothing behind. For every cut point
+  // (after the header, after each layer part, after the commit of a stream that never
+  // ends) the dropped stream leaves the session ingesting with 0 tokens and the device
+  // and host tiers exactly as before it; then the whole stream still commits.
+  Harness hx;
+  Stream s = MakeStream(512, hx.model, 12);
+  v1::CreateSessionRequest cr;
+  *cr.mutable_model() = hx.model;
+  *cr.mutable_profile() = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+  auto c = hx.engine->CreateSession(hx.tenant, cr);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const auto msgs = IngestStreamOf(c->session_id(), s, 0, 512);
+  ASSERT_GE(msgs.size(), 4u);  // header, at least one part per layer, commit
+  const double device0 = TierTotal(hx, "device"), host0 = TierTotal(hx, "host");
+  v1::GetSessionRequest gr;
+  gr.set_session_id(c->session_id());
+  bool held_bytes_while_open = false;
+  for (size_t cut = 1; cut <= msgs.size(); ++cut) {
+    {
+      auto st = hx.engine->BeginIngest(hx.tenant, msgs[0]);
+      ASSERT_TRUE(st.ok()) << "cut " << cut << ": " << st.status();
+      for (size_t i = 1; i < cut; ++i) ASSERT_TRUE((*st)->Add(msgs[i]).ok()) << cut << " " << i;
+      // While open, the layers compressed so far hold memory (so the check below has
+      // something to find when a dropped stream leaks).
+      held_bytes_while_open |= TierTotal(hx, "device") > device0;
+    }  // dropped without an end
+    auto info = hx.engine->GetSession(hx.tenant, gr);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->state(), "ingesting") << "cut " << cut;
+    EXPECT_EQ(info->tokens(), 0u) << "cut " << cut;
+    EXPECT_EQ(TierTotal(hx, "device"), device0) << "cut " << cut;
+    EXPECT_EQ(TierTotal(hx, "host"), host0) << "cut " << cut;
+  }
+  EXPECT_TRUE(held_bytes_while_open);
+  auto ing = hx.engine->Ingest(hx.tenant, msgs);
+  ASSERT_TRUE(ing.ok()) << ing.status();
+  EXPECT_EQ(ing->tokens(), 512u);
+  EXPECT_GT(TierTotal(hx, "device"), device0);
+  EXPECT_GT(TierTotal(hx, "host"), host0);
+}
+
 }  // namespace kvshade::service::testing
