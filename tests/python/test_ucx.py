@@ -171,6 +171,42 @@ class UcxTest(unittest.TestCase):
             self.assertEqual(fast.ucx_fallbacks, 0)
             fast.detach(att.attachment_id)
 
+    def test_ingest_over_ucx_and_grpc_give_identical_sessions(self):
+        # The same prompt K/V ingested by a gRPC-only client and by a UCX client (two parts
+        # in flight) into separate prefix caches: the static sets and Attend over the two
+        # sessions are equal bit for bit.
+        ids = self.rng.integers(0, 30000, N).tolist()
+        ks = [self.rng.standard_normal((N, H, D)).astype(np.float32) for _ in range(L)]
+        vs = [self.rng.standard_normal((N, H, D)).astype(np.float32) for _ in range(L)]
+        with ucx_daemon() as server, \
+                kvshade.Client(server.target, timeout=30) as plain, \
+                kvshade.Client(server.target, timeout=30, use_ucx=True, ucx_transports="tcp,self",
+                               ucx_ingest_window=2) as fast:
+            plain.wait_ready(20)
+            atts = []
+            for name, c in (("grpc", plain), ("ucx", fast)):
+                model = kvshade.ModelSpec("py-ucx-ingest-" + name, L, HQ, H, D)
+                created = c.create_session(model, self.profile, ids)
+                with c.ingest(created.session_id) as ing:
+                    for l in range(L):
+                        ing.layer(l, ks[l], vs[l])
+                    ing.commit()
+                atts.append(plain.attach(created.session_id, "ingest-" + name).attachment_id)
+            self.assertTrue(fast.ucx_connected)
+            self.assertEqual(fast.ucx_fallbacks, 0)
+            for l in range(L):
+                a, b = plain.static_set(atts[0], l), plain.static_set(atts[1], l)
+                np.testing.assert_array_equal(a.k, b.k)
+                np.testing.assert_array_equal(a.v, b.v)
+                np.testing.assert_array_equal(a.tail_k, b.tail_k)
+                np.testing.assert_array_equal(a.tail_v, b.tail_v)
+                q = self.rng.standard_normal((1, HQ, D)).astype(np.float32)
+                out = [plain.attend(l, [att], q) for att in atts]
+                np.testing.assert_array_equal(out[0], out[1])
+                self.assertGreater(float(np.abs(out[0]).max()), 0.0)
+            for att in atts:
+                plain.detach(att)
+
     def test_daemon_without_ucx_falls_back_loudly(self):
         with Server() as server, \
                 kvshade.Client(server.target, timeout=30, use_ucx=True) as c:
