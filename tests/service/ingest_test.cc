@@ -442,16 +442,21 @@ TEST(IngestTest, AbandonedStreamLeavesSessionIngestingAndRetryable) {
 }
 
 
+// A shadow session over `s`'s tokens (not yet ingested).
+absl::StatusOr<v1::CreateSessionResponse> CreateShadow(Harness& hx, const Stream& s) {
+  v1::CreateSessionRequest cr;
+  *cr.mutable_model() = hx.model;
+  *cr.mutable_profile() = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+  return hx.engine->CreateSession(hx.tenant, cr);
+}
+
 TEST(IngestTest, CommitTakesEffectOnlyWhenTheStreamEndsCleanly) {
   // The defect this guards: [header, layer 0 (last), layer 1 (last), commit, layer 0]
   // answered INVALID_ARGUMENT yet left the session ready, so a retry was refused.
   Harness hx;
   Stream s = MakeStream(512, hx.model, 10);
-  v1::CreateSessionRequest cr;
-  *cr.mutable_model() = hx.model;
-  *cr.mutable_profile() = ProfileOf(v1::PROFILE_KIND_SHADOW);
-  cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
-  auto c = hx.engine->CreateSession(hx.tenant, cr);
+  auto c = CreateShadow(hx, s);
   ASSERT_TRUE(c.ok()) << c.status();
   v1::GetSessionRequest gr;
   gr.set_session_id(c->session_id());
@@ -553,11 +558,7 @@ TEST(IngestTest, AStreamDroppedAtAnyPartLeavesNoBytesBehind) {
   // and host tiers exactly as before it; then the whole stream still commits.
   Harness hx;
   Stream s = MakeStream(512, hx.model, 12);
-  v1::CreateSessionRequest cr;
-  *cr.mutable_model() = hx.model;
-  *cr.mutable_profile() = ProfileOf(v1::PROFILE_KIND_SHADOW);
-  cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
-  auto c = hx.engine->CreateSession(hx.tenant, cr);
+  auto c = CreateShadow(hx, s);
   ASSERT_TRUE(c.ok()) << c.status();
   const auto msgs = IngestStreamOf(c->session_id(), s, 0, 512);
   ASSERT_GE(msgs.size(), 4u);  // header, at least one part per layer, commit
