@@ -1,7 +1,7 @@
 // Delivery into a worker's slot buffers: CopyRows (a row scatter, one launch for all the
 // misses of a call instead of one cudaMemcpy per 2 KiB row) and the CUDA IPC mapping of a
 // worker's allocation into the daemon (OpenPeerBuffer / ClosePeerBuffer).
-#include <cuda.h>  // CUdeviceptr / CUresult types only; the driver is reached at run time
+#include <cuda.h>  // CUdeviceptr / CUresult types only; the driver: cuda_driver.h
 
 #include <cstring>
 #include <optional>
@@ -12,6 +12,7 @@
 #include "common/validate.h"
 #include "cuda/cuda_backend_impl.h"
 #include "cuda/cuda_check.h"
+#include "cuda/cuda_driver.h"
 #include "cuda/cuda_host_vmm.h"
 #include "kvshade/kernels/shared_memory.h"
 #include "kvshade/base/status_macros.h"
@@ -30,21 +31,6 @@ __global__ void CopyRowsKernel(const int4* __restrict__ src, int4* __restrict__ 
   const int4* from = src + s * row_vecs;
   int4* to = dst + d * row_vecs;
   for (size_t i = threadIdx.x; i < row_vecs; i += blockDim.x) to[i] = from[i];
-}
-
-// cuMemGetAddressRange through the runtime's driver entry point: the backend does not link
-// libcuda (binaries must load on machines without a driver).
-using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
-
-absl::StatusOr<GetAddressRangeFn> AddressRangeFn() {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult q{};
-  KVSHADE_CUDA_RETURN_IF_ERROR(cudaGetDriverEntryPointByVersion(
-      "cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &q));
-  if (q != cudaDriverEntryPointSuccess || fn == nullptr) {
-    return absl::InternalError("cuda: the driver has no cuMemGetAddressRange");
-  }
-  return reinterpret_cast<GetAddressRangeFn>(fn);
 }
 
 }  // namespace
@@ -79,10 +65,14 @@ absl::StatusOr<PeerBuffer> CudaBackend::OpenPeerBuffer(std::string_view handle) 
         "cannot open the CUDA IPC handle on device ", device_, ": ", cudaGetErrorString(e),
         " (the worker must be on this node and its buffer on a device this one can reach)"));
   }
-  KVSHADE_ASSIGN_OR_RETURN(GetAddressRangeFn range, AddressRangeFn());
+  if (Driver().address_range == nullptr) {
+    cudaIpcCloseMemHandle(base);
+    return absl::InternalError("cuda: the driver has no cuMemGetAddressRange");
+  }
   CUdeviceptr alloc_base = 0;
   size_t alloc_bytes = 0;
-  if (range(&alloc_base, &alloc_bytes, reinterpret_cast<CUdeviceptr>(base)) != CUDA_SUCCESS) {
+  if (Driver().address_range(&alloc_base, &alloc_bytes, reinterpret_cast<CUdeviceptr>(base)) !=
+      CUDA_SUCCESS) {
     cudaIpcCloseMemHandle(base);
     return absl::InternalError("cuda: cuMemGetAddressRange failed on a mapped IPC buffer");
   }

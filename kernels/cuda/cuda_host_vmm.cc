@@ -14,78 +14,17 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "cuda/cuda_driver.h"
 #include "kvshade/kernels/shared_memory.h"
 
 namespace kvshade::kernels {
 namespace {
 
-// The driver entry points this file uses, resolved once through the runtime.
-struct Driver {
-  bool ok = false;
-  CUresult (*mem_create)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
-                         unsigned long long) = nullptr;
-  CUresult (*mem_release)(CUmemGenericAllocationHandle) = nullptr;
-  CUresult (*address_reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr,
-                              unsigned long long) = nullptr;
-  CUresult (*address_free)(CUdeviceptr, size_t) = nullptr;
-  CUresult (*mem_map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
-                      unsigned long long) = nullptr;
-  CUresult (*mem_unmap)(CUdeviceptr, size_t) = nullptr;
-  CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
-  CUresult (*granularity)(size_t*, const CUmemAllocationProp*,
-                          CUmemAllocationGranularity_flags) = nullptr;
-  CUresult (*export_handle)(void*, CUmemGenericAllocationHandle, CUmemAllocationHandleType,
-                            unsigned long long) = nullptr;
-  CUresult (*import_handle)(CUmemGenericAllocationHandle*, void*,
-                            CUmemAllocationHandleType) = nullptr;
-  CUresult (*error_string)(CUresult, const char**) = nullptr;
-  CUresult (*device_get)(CUdevice*, int) = nullptr;
-  CUresult (*device_attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
-};
-
-template <typename F>
-bool Resolve(const char* symbol, F* fn) {
-  void* p = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &found) !=
-          cudaSuccess ||
-      found != cudaDriverEntryPointSuccess || p == nullptr) {
-    cudaGetLastError();
-    return false;
-  }
-  *fn = reinterpret_cast<F>(p);
-  return true;
-}
-
-const Driver& driver() {
-  static const Driver* d = [] {
-    auto* x = new Driver();
-    x->ok = Resolve("cuMemCreate", &x->mem_create) && Resolve("cuMemRelease", &x->mem_release) &&
-            Resolve("cuMemAddressReserve", &x->address_reserve) &&
-            Resolve("cuMemAddressFree", &x->address_free) && Resolve("cuMemMap", &x->mem_map) &&
-            Resolve("cuMemUnmap", &x->mem_unmap) && Resolve("cuMemSetAccess", &x->set_access) &&
-            Resolve("cuMemGetAllocationGranularity", &x->granularity) &&
-            Resolve("cuMemExportToShareableHandle", &x->export_handle) &&
-            Resolve("cuMemImportFromShareableHandle", &x->import_handle) &&
-            Resolve("cuGetErrorString", &x->error_string) &&
-            Resolve("cuDeviceGet", &x->device_get) &&
-            Resolve("cuDeviceGetAttribute", &x->device_attribute);
-    return x;
-  }();
-  return *d;
-}
-
-std::string DriverError(CUresult r) {
-  const char* s = nullptr;
-  if (driver().error_string != nullptr) driver().error_string(r, &s);
-  return s != nullptr ? std::string(s) : absl::StrCat("CUresult ", static_cast<int>(r));
-}
-
 absl::Status Check(CUresult r, absl::string_view what) {
   if (r == CUDA_SUCCESS) return absl::OkStatus();
   const absl::StatusCode code = r == CUDA_ERROR_OUT_OF_MEMORY ? absl::StatusCode::kResourceExhausted
                                                               : absl::StatusCode::kInternal;
-  return absl::Status(code, absl::StrCat("cuda: ", what, ": ", DriverError(r)));
+  return absl::Status(code, absl::StrCat("cuda: ", what, ": ", DriverErrorString(r)));
 }
 
 int HostNumaNode(int device) {
@@ -117,7 +56,7 @@ CUmemAccessDesc Access(CUmemLocationType type, int id) {
 // Unmaps and frees a mapping made here; `handle` (0: none) and `fd` (-1: none) too.
 void Teardown(CUdeviceptr va, size_t mapped, size_t reserved, CUmemGenericAllocationHandle handle,
               int fd) {
-  const Driver& d = driver();
+  const CudaDriver& d = Driver();
   if (mapped != 0) d.mem_unmap(va, mapped);
   if (reserved != 0) d.address_free(va, reserved);
   if (handle != 0) d.mem_release(handle);
@@ -134,11 +73,11 @@ bool HostVmmSupported(int device) {
   std::lock_guard<std::mutex> lock(mu);
   auto it = known.find(device);
   if (it != known.end()) return it->second;
-  const Driver& d = driver();
+  const CudaDriver& d = Driver();
   int vmm = 0, host_numa = 0, fd = 0;
   CUdevice dev = 0;
   const bool ok =
-      d.ok && d.device_get(&dev, device) == CUDA_SUCCESS &&
+      d.vmm && d.device_get(&dev, device) == CUDA_SUCCESS &&
       d.device_attribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev) ==
           CUDA_SUCCESS &&
       d.device_attribute(&host_numa,
@@ -152,7 +91,7 @@ bool HostVmmSupported(int device) {
 }
 
 absl::StatusOr<Buffer> AllocateHostVmm(int device, size_t bytes) {
-  const Driver& d = driver();
+  const CudaDriver& d = Driver();
   const CUmemAllocationProp prop = HostProp(device);
   size_t gran = 0;
   if (absl::Status st = Check(d.granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
@@ -206,7 +145,7 @@ absl::StatusOr<ImportedMemory> ImportHostVmm(int device, const ExportedMemory& m
         "cuda: the daemon shares host memory as CUDA driver allocations, which this GPU or "
         "driver cannot map (run the daemon with same_node.host_memory: file)");
   }
-  const Driver& d = driver();
+  const CudaDriver& d = Driver();
   const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(m.pid), 0));
   if (pidfd < 0) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -6,8 +6,7 @@
 // (cudaHostRegister pins every page again: 0.1-0.25 s per GiB), the import maps pages the
 // driver already pinned (about 0.01 s per GiB on an H200).
 //
-// The driver API is reached through cudaGetDriverEntryPointByVersion, so the backend does
-// not link libcuda and still loads on a machine without a GPU driver.
+// The driver API is reached through cuda_driver.h (the backend does not link libcuda).
 #pragma once
 
 #include <cstddef>
