@@ -55,10 +55,10 @@ absl::StatusOr<std::unique_ptr<UcxDataPlane>> UcxDataPlane::Open(const std::stri
   UcxDataPlane* self = dp.get();
   std::map<unsigned, ucx::UcxLoop::Handler> handlers;
   handlers[ucx::kReply] = [self](ucx::AmMessage&& m) {
-    self->OnReply(std::move(m.header), std::move(m.payload), m.oversize);
+    self->OnReply(std::move(m.header), std::move(m.payload).TakeString(), m.oversize);
   };
   handlers[ucx::kFrameReply] = [self](ucx::AmMessage&& m) {
-    self->OnFrameReply(std::move(m.header), std::move(m.payload), m.oversize);
+    self->OnFrameReply(std::move(m.header), std::move(m.payload).TakeString(), m.oversize);
   };
   // The tick enforces call deadlines and notices a failed endpoint while idle.
   auto loop = ucx::UcxLoop::Start(options.transports, std::move(handlers),

@@ -343,7 +343,9 @@ Schema MakeSchema(ServerConfig& c, std::string& tokens_file, uint32_t& metrics_p
          {"transports", Scalar("ucx.transports", &c.ucx.transports)},
          {"engine_threads", Scalar("ucx.engine_threads", &c.ucx.engine_threads)},
          {"inline_max_batch", Scalar("ucx.inline_max_batch", &c.ucx.inline_max_batch)},
-         {"busy_poll_us", Scalar("ucx.busy_poll_us", &c.ucx.busy_poll_us)}}}},
+         {"busy_poll_us", Scalar("ucx.busy_poll_us", &c.ucx.busy_poll_us)},
+         {"receive_buffers", Scalar("ucx.receive_buffers", &c.ucx.receive_buffers)},
+         {"receive_buffer_bytes", Bytes("ucx.receive_buffer_bytes", &c.ucx.receive_buffer_bytes)}}}},
       {"same_node",
        {nullptr,
         {{"export", Scalar("same_node.export", &c.same_node.export_state)},
@@ -684,6 +686,18 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   }
   if (c.ucx.busy_poll_us > 1000000) {
     return bad("ucx.busy_poll_us must be <= 1000000 (1 s), got ", c.ucx.busy_poll_us);
+  }
+  if (c.ucx.receive_buffers > 1024) {
+    return bad("ucx.receive_buffers must be <= 1024, got ", c.ucx.receive_buffers);
+  }
+  if (c.ucx.receive_buffer_bytes < (uint64_t{64} << 10) ||
+      c.ucx.receive_buffer_bytes > (uint64_t{1} << 30)) {
+    return bad("ucx.receive_buffer_bytes must be in [64KiB, 1GiB], got ",
+               c.ucx.receive_buffer_bytes);
+  }
+  if (c.ucx.receive_buffers * c.ucx.receive_buffer_bytes > (uint64_t{16} << 30)) {
+    return bad("ucx.receive_buffers x ucx.receive_buffer_bytes must be <= 16 GiB, got ",
+               c.ucx.receive_buffers * c.ucx.receive_buffer_bytes);
   }
   return absl::OkStatus();
 }

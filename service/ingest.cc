@@ -144,20 +144,25 @@ class IngestStreamImpl final : public Engine::IngestStream {
     if (!failed_.ok()) return Failed();
     absl::Status st;
     if (commit_accepted_) {
-      st = absl::InvalidArgumentError(
-          "Ingest: no message may follow the IngestCommit; the stream failed and nothing was "
-          "committed");
+      st = AfterCommit();
     } else {
       switch (msg.body_case()) {
         case v1::IngestRequest::kHeader:
           st = absl::InvalidArgumentError(
               "Ingest: the IngestHeader may only be the first message of the stream");
           break;
-        case v1::IngestRequest::kLayer: st = AddLayer(msg.layer()); break;
+        case v1::IngestRequest::kLayer: st = AddPart(msg.layer()); break;
         case v1::IngestRequest::kCommit: st = AcceptCommit(); break;
         default: st = absl::InvalidArgumentError("Ingest: a message has no body");
       }
     }
+    if (!st.ok()) failed_ = st;
+    return st;
+  }
+
+  absl::Status AddLayer(const IngestLayerView& part) override {
+    if (!failed_.ok()) return Failed();
+    absl::Status st = commit_accepted_ ? AfterCommit() : AddPart(part, nullptr);
     if (!st.ok()) failed_ = st;
     return st;
   }
@@ -192,51 +197,72 @@ class IngestStreamImpl final : public Engine::IngestStream {
     int w = 0;
   };
 
-  absl::Status AddLayer(const v1::IngestLayer& m) {
+  static absl::Status AfterCommit() {
+    return absl::InvalidArgumentError(
+        "Ingest: no message may follow the IngestCommit; the stream failed and nothing was "
+        "committed");
+  }
+
+  // A v1 layer message: its tensors as views; parts in the worker's GPU memory (cuda_ipc)
+  // are read from the message itself.
+  absl::Status AddPart(const v1::IngestLayer& m) {
+    IngestLayerView v;
+    v.layer = m.layer();
+    v.token_offset = m.token_offset();
+    v.last_part = m.last_part();
+    v.k = ViewOf(m.k());
+    v.v = ViewOf(m.v());
+    if (!TensorEmpty(m.observation_queries())) v.observation_queries = ViewOf(m.observation_queries());
+    const bool peer = m.k().has_cuda_ipc() || m.v().has_cuda_ipc();
+    return AddPart(v, peer ? &m : nullptr);
+  }
+
+  absl::Status AddPart(const IngestLayerView& m, const v1::IngestLayer* peer) {
     const ModelInfo& model = s_->model;
     const int h = model.shape.h, d = model.shape.d, hq = model.shape.query_heads();
-    if (m.layer() >= static_cast<uint32_t>(L_)) {
+    if (m.layer >= static_cast<uint32_t>(L_)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("layer must be < num_layers = ", L_, ", got ", m.layer()));
+          absl::StrCat("layer must be < num_layers = ", L_, ", got ", m.layer));
     }
-    const int l = static_cast<int>(m.layer());
+    const int l = static_cast<int>(m.layer);
     LayerBuf& b = bufs_[l];
     const std::string name = absl::StrCat("layer ", l);
     if (b.done) return absl::InvalidArgumentError(absl::StrCat(name, " is already complete"));
-    if (m.token_offset() != static_cast<uint64_t>(b.received)) {
+    if (m.token_offset != static_cast<uint64_t>(b.received)) {
       return absl::InvalidArgumentError(
           absl::StrCat(name, ": token_offset must be ", b.received,
-                       " (parts of a layer arrive in order), got ", m.token_offset()));
+                       " (parts of a layer arrive in order), got ", m.token_offset));
     }
-    if (m.k().shape_size() != 3 || m.k().shape(0) < 1 ||
-        m.k().shape(0) > int64_t(n_) - b.received) {
+    if (m.k.rank != 3 || m.k.shape[0] < 1 || m.k.shape[0] > int64_t(n_) - b.received) {
       return absl::InvalidArgumentError(absl::StrCat(
           name, ": k.shape must be [n_part, h, d] = [1..", int64_t(n_) - b.received, ", ", h,
           ", ", d, "] (", n_, " tokens to ingest, ", b.received, " received), got [",
-          absl::StrJoin(m.k().shape(), ", "), "]"));
+          absl::StrJoin(m.k.dims(), ", "), "]"));
     }
-    const int64_t n_part = m.k().shape(0);
+    const int64_t n_part = m.k.shape[0];
     const std::vector<int64_t> shape = {n_part, h, d};
     const bool completes = b.received + n_part == n_;
-    if (m.last_part() && !completes) {
+    if (m.last_part && !completes) {
       return absl::InvalidArgumentError(absl::StrCat(
           name, ": last_part is set but the layer has ", b.received + n_part, " of ", n_,
           " tokens"));
     }
-    if (!TensorEmpty(m.observation_queries())) {
+    if (!m.observation_queries.empty()) {
       if (!completes) {
         return absl::InvalidArgumentError(absl::StrCat(
             name, ": observation_queries must come with the layer's final part"));
       }
-      const v1::Tensor& q = m.observation_queries();
-      if (q.shape_size() != 3 || q.shape(0) < 1 || q.shape(0) > n_) {
+      const TensorView& q = m.observation_queries;
+      if (q.rank != 3 || q.shape[0] < 1 || q.shape[0] > n_) {
         return absl::InvalidArgumentError(absl::StrCat(
             name, ": observation_queries.shape must be [w, hq, d] with 1 <= w <= ", n_,
-            ", got [", absl::StrJoin(q.shape(), ", "), "]"));
+            ", got [", absl::StrJoin(q.dims(), ", "), "]"));
       }
-      const int64_t w = q.shape(0);
-      KVSHADE_ASSIGN_OR_RETURN(
-          b.qobs, DecodeTensor(q, {w, hq, d}, model.dtype, absl::StrCat(name, " observation_queries")));
+      const int64_t w = q.shape[0];
+      b.qobs.resize(size_t(w) * hq * d);
+      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(q, {w, hq, d}, model.dtype,
+                                               absl::StrCat(name, " observation_queries"),
+                                               absl::MakeSpan(b.qobs)));
       b.w = static_cast<int>(w);
     }
     // The part's slice of the layer (a failed part fails the stream, so a half-written slice
@@ -251,21 +277,16 @@ class IngestStreamImpl final : public Engine::IngestStream {
     }
     const absl::Span<bf16> kdst(static_cast<bf16*>(b.kd.data()) + off, len);
     const absl::Span<bf16> vdst(static_cast<bf16*>(b.vd.data()) + off, len);
-    if (m.k().has_cuda_ipc() || m.v().has_cuda_ipc()) {
+    if (peer != nullptr) {
       // Same node: the part is in the worker's GPU memory (service/README.md "Ingest").
-      KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(m.k(), shape, absl::StrCat(name, " k"), kdst, &peers_));
-      KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(m.v(), shape, absl::StrCat(name, " v"), vdst, &peers_));
+      KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->k(), shape, absl::StrCat(name, " k"), kdst, &peers_));
+      KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->v(), shape, absl::StrCat(name, " v"), vdst, &peers_));
     } else if (host_space_) {
-      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.k(), shape, model.dtype, absl::StrCat(name, " k"), kdst));
-      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v(), shape, model.dtype, absl::StrCat(name, " v"), vdst));
+      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.k, shape, model.dtype, absl::StrCat(name, " k"), kdst));
+      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v, shape, model.dtype, absl::StrCat(name, " v"), vdst));
     } else {
-      staging_.resize(len);
-      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.k(), shape, model.dtype, absl::StrCat(name, " k"), absl::MakeSpan(staging_)));
-      KVSHADE_RETURN_IF_ERROR(e_.backend_->CopyFromHost(kdst.data(), staging_.data(), Bf16Bytes(len)));
-      KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
-      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v(), shape, model.dtype, absl::StrCat(name, " v"), absl::MakeSpan(staging_)));
-      KVSHADE_RETURN_IF_ERROR(e_.backend_->CopyFromHost(vdst.data(), staging_.data(), Bf16Bytes(len)));
-      KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
+      KVSHADE_RETURN_IF_ERROR(UploadPart(m.k, shape, absl::StrCat(name, " k"), kdst));
+      KVSHADE_RETURN_IF_ERROR(UploadPart(m.v, shape, absl::StrCat(name, " v"), vdst));
     }
     if (direct_) {
       // Rotated now, while the part is fresh in cache; RoPE is per token, so part by part
@@ -283,6 +304,24 @@ class IngestStreamImpl final : public Engine::IngestStream {
     if (!st.ok()) return st;
     ++s_->layers_ingested;
     return absl::OkStatus();
+  }
+
+  // A host part into the layer's device slice: bf16 (the model's dtype) goes up straight
+  // from the caller's bytes once checked; other dtypes are converted through a part-sized
+  // host staging buffer.
+  absl::Status UploadPart(const TensorView& t, absl::Span<const int64_t> shape,
+                          const std::string& what, absl::Span<bf16> dst) {
+    const ModelInfo& model = s_->model;
+    if (model.dtype == v1::DTYPE_BF16) {
+      KVSHADE_RETURN_IF_ERROR(CheckTensor(t, shape, model.dtype, what));
+      KVSHADE_RETURN_IF_ERROR(e_.backend_->CopyFromHost(dst.data(), t.data.data(), Bf16Bytes(dst.size())));
+    } else {
+      staging_.resize(dst.size());
+      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(t, shape, model.dtype, what, absl::MakeSpan(staging_)));
+      KVSHADE_RETURN_IF_ERROR(e_.backend_->CopyFromHost(dst.data(), staging_.data(), Bf16Bytes(dst.size())));
+    }
+    // The caller's bytes (or the staging buffer) may be reused once this returns.
+    return e_.backend_->Synchronize();
   }
 
   // Reserves the segment's value block in the store (every profile: the store is also

@@ -233,6 +233,13 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                                  "limits.session_idle_ttl_s (durable ones included)")
                            .Register(r)
                            .Add({});
+  ucx_pool_misses_ = &BuildCounter()
+                          .Name("kvshade_ucx_receive_pool_misses_total")
+                          .Help("UCX payloads received into an allocation of their own: no "
+                                "buffer of the receive pool was free, or the payload was larger "
+                                "than one (ucx.receive_buffers, ucx.receive_buffer_bytes)")
+                          .Register(r)
+                          .Add({});
   errors_ = &BuildCounter()
                  .Name("kvshade_errors_total")
                  .Help("Failed gRPC calls, by status code")
@@ -328,6 +335,7 @@ void Metrics::PageIn(uint64_t bytes) {
 void Metrics::Eviction() { evictions_->Increment(); }
 void Metrics::IngestedTokens(uint64_t n) { ingested_tokens_->Increment(static_cast<double>(n)); }
 void Metrics::SessionsExpired(uint64_t n) { sessions_expired_->Increment(static_cast<double>(n)); }
+void Metrics::UcxReceivePoolMisses(uint64_t n) { ucx_pool_misses_->Increment(static_cast<double>(n)); }
 void Metrics::Error(int grpc_code) {
   errors_->Add({{"code", std::string(GrpcCodeName(grpc_code))}}).Increment();
 }

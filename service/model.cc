@@ -381,9 +381,11 @@ absl::Status DecodeTensorInto(const v1::Tensor& t, absl::Span<const int64_t> sha
   return DecodeTensorInto(ViewOf(t), shape, dtype, what, out);
 }
 
-absl::Status DecodeTensorInto(const TensorView& t, absl::Span<const int64_t> shape,
-                              v1::DType dtype, std::string_view what, absl::Span<bf16> out) {
-  const std::string name(what);
+namespace {
+
+// DecodeTensorInto's checks of dtype, shape and byte size; the element count in `count`.
+absl::Status CheckTensorHeader(const TensorView& t, absl::Span<const int64_t> shape,
+                               v1::DType dtype, const std::string& name, size_t* count) {
   if (t.dtype != dtype) {
     return Bad(absl::StrCat(name, ".dtype"),
                absl::StrCat("must be ", v1::DType_Name(dtype), " (the model's dtype), got ",
@@ -396,14 +398,38 @@ absl::Status DecodeTensorInto(const TensorView& t, absl::Span<const int64_t> sha
     return Bad(absl::StrCat(name, ".shape"),
                absl::StrCat("must be ", ShapeString(shape), ", got ", ShapeString(t.dims())));
   }
-  size_t count = 1;
-  for (int64_t s : shape) count *= static_cast<size_t>(s);
+  *count = 1;
+  for (int64_t s : shape) *count *= static_cast<size_t>(s);
   const size_t eb = DTypeBytes(dtype);
-  if (t.data.size() != count * eb) {
+  if (t.data.size() != *count * eb) {
     return Bad(absl::StrCat(name, ".data"),
-               absl::StrCat("must hold ", count * eb, " bytes for shape ", ShapeString(shape), " of ",
+               absl::StrCat("must hold ", *count * eb, " bytes for shape ", ShapeString(shape), " of ",
                             v1::DType_Name(dtype), ", got ", t.data.size()));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status CheckTensor(const TensorView& t, absl::Span<const int64_t> shape, v1::DType dtype,
+                         std::string_view what) {
+  const std::string name(what);
+  if (dtype != v1::DTYPE_BF16) {
+    return absl::InternalError(absl::StrCat("CheckTensor(", name, "): bf16 only, got ",
+                                            v1::DType_Name(dtype)));
+  }
+  size_t count = 0;
+  KVSHADE_RETURN_IF_ERROR(CheckTensorHeader(t, shape, dtype, name, &count));
+  const size_t bad = FirstNonFiniteBf16(reinterpret_cast<const bf16*>(t.data.data()), count);
+  if (bad < count) return Bad(name, absl::StrCat("holds a non-finite value at flat index ", bad));
+  return absl::OkStatus();
+}
+
+absl::Status DecodeTensorInto(const TensorView& t, absl::Span<const int64_t> shape,
+                              v1::DType dtype, std::string_view what, absl::Span<bf16> out) {
+  const std::string name(what);
+  size_t count = 0;
+  KVSHADE_RETURN_IF_ERROR(CheckTensorHeader(t, shape, dtype, name, &count));
   if (out.size() != count) {  // a caller's bug, not the peer's
     return absl::InternalError(absl::StrCat("DecodeTensorInto(", name, "): destination holds ",
                                             out.size(), " values, the tensor ", count));

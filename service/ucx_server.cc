@@ -11,7 +11,9 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "kvshade/base/status_macros.h"
 #include "kvshade/service/engine.h"
+#include "kvshade/service/model.h"
 #include "kvshade/service/log.h"
 #include "delivery.h"
 #include "kvshade/transport/frame.h"
@@ -89,14 +91,29 @@ absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Start(const ServerConfig& 
   }
   s->loop_ = *std::move(loop);
   s->address_ = ucx::EncodeWorkerAddress(s->loop_->address());
+  if (config.ucx.receive_buffers > 0) {
+    auto pool = ucx::ReceivePool::Create(config.ucx.receive_buffers, config.ucx.receive_buffer_bytes);
+    if (!pool.ok()) {
+      return absl::Status(pool.status().code(),
+                          absl::StrCat("ucx data plane: ", pool.status().message(),
+                                       " (ucx.receive_buffers x ucx.receive_buffer_bytes)"));
+    }
+    s->pool_ = *std::move(pool);
+    // Set on the loop thread, which reads it; no peer can have connected yet.
+    (void)s->loop_->CallStatus([self] {
+      self->loop_->set_receive_pool(self->pool_);
+      return absl::OkStatus();
+    });
+  }
   s->loop_->set_max_payload(config.limits.max_message_bytes);
   s->loop_->set_busy_poll(std::chrono::microseconds(config.ucx.busy_poll_us));
   const int threads = std::max<uint32_t>(1, config.ucx.engine_threads);
   for (int i = 0; i < threads; ++i) s->workers_.emplace_back([self] { self->WorkerMain(); });
-  spdlog::info("ucx data plane: worker address {} bytes, transports '{}', {} engine threads",
+  spdlog::info("ucx data plane: worker address {} bytes, transports '{}', {} engine threads, "
+               "{} receive buffers of {} bytes",
                s->loop_->address().size(),
                config.ucx.transports.empty() ? std::string("auto") : config.ucx.transports,
-               threads);
+               threads, config.ucx.receive_buffers, config.ucx.receive_buffer_bytes);
   return s;
 }
 
@@ -413,6 +430,11 @@ void UcxServer::RunInOrder(const std::shared_ptr<Conn>& conn, std::function<void
 
 void UcxServer::OnIngest(ucx::AmMessage&& m) {
   const auto start = SteadyClock::now();
+  if (pool_ != nullptr) {
+    const uint64_t misses = pool_->misses();
+    if (misses > pool_misses_reported_) metrics_->UcxReceivePoolMisses(misses - pool_misses_reported_);
+    pool_misses_reported_ = misses;
+  }
   v1::DataPlaneHeader h;
   Engine* engine = nullptr;
   std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "Ingest");
@@ -465,8 +487,42 @@ void UcxServer::OnIngest(ucx::AmMessage&& m) {
   }
 }
 
+namespace {
+
+TensorView ViewOfMeta(const v1::Tensor& t, std::string_view bytes) {
+  TensorView v = ViewOf(t);  // shape and dtype; the body carries no bytes
+  v.data = bytes;
+  return v;
+}
+
+}  // namespace
+
+absl::Status UcxServer::AddLayerPart(Engine::IngestStream& stream, const v1::DataPlaneHeader& h,
+                                     const v1::IngestLayer& layer, std::string_view payload) {
+  // The body's tensors in wire order (transport/frame.h BodyTensors): k, v, observation
+  // queries, those present.
+  const v1::Tensor* tensors[3];
+  size_t n = 0;
+  if (layer.has_k()) tensors[n++] = &layer.k();
+  if (layer.has_v()) tensors[n++] = &layer.v();
+  if (layer.has_observation_queries()) tensors[n++] = &layer.observation_queries();
+  KVSHADE_ASSIGN_OR_RETURN(std::vector<std::string_view> bytes,
+                           transport::SplitParts(h, payload, n, "Ingest"));
+  IngestLayerView part;
+  part.layer = layer.layer();
+  part.token_offset = layer.token_offset();
+  part.last_part = layer.last_part();
+  size_t i = 0;
+  if (layer.has_k()) part.k = ViewOfMeta(layer.k(), bytes[i++]);
+  if (layer.has_v()) part.v = ViewOfMeta(layer.v(), bytes[i++]);
+  if (layer.has_observation_queries()) {
+    part.observation_queries = ViewOfMeta(layer.observation_queries(), bytes[i++]);
+  }
+  return stream.AddLayer(part);
+}
+
 void UcxServer::IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine,
-                          v1::DataPlaneHeader h, ucp_ep_h ep, std::string payload,
+                          v1::DataPlaneHeader h, ucp_ep_h ep, ucx::Payload payload,
                           size_t oversize, SteadyClock::time_point start) {
   const uint64_t sid = h.stream_id();
   Outcome out;
@@ -545,9 +601,11 @@ void UcxServer::IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine,
       }
     } else if (out.status.ok()) {
       if (req.has_layer()) {
-        out.status = transport::AttachParts(h, payload, transport::BodyTensors(&req), "Ingest");
+        // The part's bytes are used where they landed (a receive-pool buffer): views, no copy.
+        out.status = AddLayerPart(*stream, h, req.layer(), payload.view());
+      } else {
+        out.status = stream->Add(req);
       }
-      if (out.status.ok()) out.status = stream->Add(req);
       // Over UCX the commit message is the stream's end (its numbering restarts after it),
       // so an accepted commit is applied now; a failure of either commits nothing.
       bool committed = false;
@@ -678,12 +736,12 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
   // session may sync its log), which must not hold up every connection's progress.
   bool run_here = h->count <= config_.ucx.inline_max_batch;
   if (run_here) {
-    auto qs = frame::ParseQueries(m.payload, h->count, kind);
+    auto qs = frame::ParseQueries(m.payload.view(), h->count, kind);
     run_here = !qs.ok() || std::none_of(qs->begin(), qs->end(), [](const frame::QueryRef& q) { return q.stage; });
   }
   auto job = [this, engine, conn, kind, method, layer = h->layer, count = h->count,
               id = h->request_id, ep = m.reply_ep, payload = std::move(m.payload), start]() {
-    absl::StatusOr<std::vector<frame::QueryRef>> qs = frame::ParseQueries(payload, count, kind);
+    absl::StatusOr<std::vector<frame::QueryRef>> qs = frame::ParseQueries(payload.view(), count, kind);
     if (!qs.ok()) {
       Finish(conn, ep, id, method, start, {qs.status(), "", true, 0});
       return;
@@ -826,8 +884,8 @@ void UcxServer::OnAppend(ucx::AmMessage&& m) {
     if (!req.ParseFromString(h.body())) {
       out.status = absl::InvalidArgumentError("ucx AppendTokens: the body is not an AppendTokensRequest");
     } else {
-      out.status =
-          transport::AttachParts(h, payload, transport::BodyTensors(&req), "AppendTokens");
+      std::string bytes = std::move(payload).TakeString();
+      out.status = transport::AttachParts(h, bytes, transport::BodyTensors(&req), "AppendTokens");
       if (out.status.ok()) {
         auto r = engine->AppendTokens(conn->tenant, req);
         if (r.ok()) {
@@ -850,7 +908,7 @@ void UcxServer::OnRegister(ucx::AmMessage&& m) {
   std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "REGISTER");
   if (conn == nullptr) return;
   auto bufs = std::make_shared<v1::UcxSlotBuffers>();
-  absl::Status st = bufs->ParseFromString(m.payload)
+  absl::Status st = bufs->ParseFromArray(m.payload.data(), static_cast<int>(m.payload.size()))
                         ? ValidateSlotBuffers(*bufs)
                         : absl::InvalidArgumentError("ucx REGISTER: the payload is not a UcxSlotBuffers");
   if (!st.ok()) {
@@ -936,7 +994,7 @@ void UcxServer::OnUnregister(ucx::AmMessage&& m) {
   std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "UNREGISTER");
   if (conn == nullptr) return;
   v1::UcxSlotBuffers bufs;
-  if (!bufs.ParseFromString(m.payload) || bufs.attachment_id().empty()) {
+  if (!bufs.ParseFromArray(m.payload.data(), static_cast<int>(m.payload.size())) || bufs.attachment_id().empty()) {
     Finish(conn, m.reply_ep, h.request_id(), "ucx/Unregister", start,
            {absl::InvalidArgumentError(
                 "ucx UNREGISTER: the payload must be a UcxSlotBuffers naming attachment_id"),

@@ -95,8 +95,9 @@ FrameWriter::Iov FrameWriter::Frame(const v1::AppendTokensRequest& msg,
   return iov;
 }
 
-absl::Status AttachParts(const v1::DataPlaneHeader& h, std::string& payload,
-                         const std::vector<v1::Tensor*>& parts, std::string_view what) {
+absl::StatusOr<std::vector<std::string_view>> SplitParts(const v1::DataPlaneHeader& h,
+                                                         std::string_view payload,
+                                                         size_t n_parts, std::string_view what) {
   uint64_t total = 0;
   for (uint64_t b : h.part_bytes()) {
     if (b > payload.size() - std::min<uint64_t>(total, payload.size())) {
@@ -105,21 +106,30 @@ absl::Status AttachParts(const v1::DataPlaneHeader& h, std::string& payload,
     }
     total += b;
   }
-  if (static_cast<size_t>(h.part_bytes_size()) != parts.size() || total != payload.size()) {
+  if (static_cast<size_t>(h.part_bytes_size()) != n_parts || total != payload.size()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "ucx ", std::string(what), ": part_bytes (", h.part_bytes_size(), " parts, ",
         total == UINT64_MAX ? std::string("more than the payload's") : absl::StrCat(total),
-        " bytes) does not describe the payload (", parts.size(), " tensors in the body, ",
+        " bytes) does not describe the payload (", n_parts, " tensors in the body, ",
         payload.size(), " bytes)"));
   }
+  std::vector<std::string_view> out;
+  out.reserve(n_parts);
+  size_t off = 0;
+  for (uint64_t b : h.part_bytes()) {
+    out.push_back(payload.substr(off, b));
+    off += b;
+  }
+  return out;
+}
+
+absl::Status AttachParts(const v1::DataPlaneHeader& h, std::string& payload,
+                         const std::vector<v1::Tensor*>& parts, std::string_view what) {
+  auto views = SplitParts(h, payload, parts.size(), what);
+  if (!views.ok()) return views.status();
   // Every part but the first is copied out; the first takes the payload's buffer itself
   // (truncated in place): one copy less of the largest message the daemon receives.
-  size_t off = parts.empty() ? 0 : h.part_bytes(0);
-  for (size_t i = 1; i < parts.size(); ++i) {
-    const size_t n = h.part_bytes(static_cast<int>(i));
-    parts[i]->set_data(payload.data() + off, n);
-    off += n;
-  }
+  for (size_t i = 1; i < parts.size(); ++i) parts[i]->set_data((*views)[i].data(), (*views)[i].size());
   if (!parts.empty()) {
     payload.resize(h.part_bytes(0));
     parts[0]->set_data(std::move(payload));

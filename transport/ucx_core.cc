@@ -4,8 +4,11 @@
 #include "kvshade/transport/ucx_core.h"
 
 #include <poll.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 
@@ -491,6 +494,77 @@ void UcxLoop::Run() {
   }
 }
 
+// --- ReceivePool, Payload ---------------------------------------------------------------
+
+struct ReceivePool::State {
+  std::mutex mu;
+  std::vector<char*> free;
+};
+
+absl::StatusOr<std::shared_ptr<ReceivePool>> ReceivePool::Create(size_t buffers,
+                                                                 size_t buffer_bytes) {
+  if (buffers == 0 || buffer_bytes == 0) {
+    return absl::InvalidArgumentError("UCX receive pool: buffers and buffer_bytes must be > 0");
+  }
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  const size_t stride = (buffer_bytes + page - 1) / page * page;
+  if (buffers > SIZE_MAX / stride) {
+    return absl::InvalidArgumentError("UCX receive pool: size overflows");
+  }
+  // MAP_POPULATE faults every page in now, once, instead of on each message.
+  void* base = mmap(nullptr, buffers * stride, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  if (base == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "UCX receive pool: cannot map ", buffers, " x ", buffer_bytes, " bytes: ", std::strerror(errno)));
+  }
+  return std::shared_ptr<ReceivePool>(
+      new ReceivePool(static_cast<char*>(base), buffers, buffer_bytes, stride));
+}
+
+ReceivePool::ReceivePool(char* base, size_t buffers, size_t buffer_bytes, size_t stride)
+    : buffers_(buffers),
+      buffer_bytes_(buffer_bytes),
+      state_(std::make_shared<State>()),
+      mapping_(base, [len = buffers * stride](void* p) { munmap(p, len); }) {
+  state_->free.reserve(buffers);
+  for (size_t i = buffers; i-- > 0;) state_->free.push_back(base + i * stride);
+}
+
+ReceivePool::~ReceivePool() = default;
+
+std::shared_ptr<char> ReceivePool::Acquire() {
+  char* buf = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (!state_->free.empty()) {
+      buf = state_->free.back();
+      state_->free.pop_back();
+    }
+  }
+  if (buf == nullptr) {
+    CountMiss();
+    return nullptr;
+  }
+  return std::shared_ptr<char>(buf, [state = state_, mapping = mapping_](char* p) {
+    std::lock_guard<std::mutex> lock(state->mu);
+    state->free.push_back(p);
+  });
+}
+
+size_t ReceivePool::free_buffers() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->free.size();
+}
+
+std::string Payload::TakeString() && {
+  if (!pooled_) return std::move(owned_);
+  std::string out(pooled_.get(), pooled_size_);
+  pooled_.reset();
+  pooled_size_ = 0;
+  return out;
+}
+
 namespace {
 
 struct RndvRecv {
@@ -533,13 +607,27 @@ ucs_status_t UcxLoop::OnAm(void* arg, const void* header, size_t header_length, 
       return UCS_OK;
     }
     if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0) {
-      m.payload.assign(static_cast<const char*>(data), length);
+      m.payload = Payload(std::string(static_cast<const char*>(data), length));
       a->loop->Deliver(std::move(m));
       return UCS_OK;
     }
-    // Rendezvous: pull the payload straight into the message's buffer.
+    // Rendezvous: pull the payload straight into a pool buffer, or the message's own.
     auto* r = new RndvRecv{a->loop, std::move(m), nullptr};
-    r->msg.payload.resize(length);
+    void* dst = nullptr;
+    if (ReceivePool* pool = a->loop->pool_.get(); pool != nullptr) {
+      std::shared_ptr<char> buf = length <= pool->buffer_bytes() ? pool->Acquire() : nullptr;
+      if (buf == nullptr) {
+        if (length > pool->buffer_bytes()) pool->CountMiss();
+      } else {
+        dst = buf.get();
+        r->msg.payload = Payload(std::move(buf), length);
+      }
+    }
+    if (dst == nullptr) {
+      std::string own(length, '\0');
+      dst = own.data();
+      r->msg.payload = Payload(std::move(own));
+    }
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.user_data = r;
@@ -550,8 +638,7 @@ ucs_status_t UcxLoop::OnAm(void* arg, const void* header, size_t header_length, 
       delete rr;
       ucp_request_free(req);
     };
-    ucs_status_ptr_t req = ucp_am_recv_data_nbx(a->loop->worker_->get(), data,
-                                                r->msg.payload.data(), length, &p);
+    ucs_status_ptr_t req = ucp_am_recv_data_nbx(a->loop->worker_->get(), data, dst, length, &p);
     if (req == nullptr) {
       a->loop->Deliver(std::move(r->msg));
       delete r;

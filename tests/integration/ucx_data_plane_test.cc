@@ -325,6 +325,63 @@ TEST_P(UcxDataPlaneTest, IngestOverUcxEqualsGrpcIngest) {
   }
 }
 
+// kvshade_ucx_receive_pool_misses_total of a daemon, or -1 when the series is missing.
+double PoolMisses(const ServerProcess& server) {
+  auto body = HttpGet(server.metrics_port(), "/metrics");
+  if (!body.ok()) return -1;
+  const std::string name = "\nkvshade_ucx_receive_pool_misses_total ";
+  const size_t at = body->find(name);
+  return at == std::string::npos ? -1 : std::stod(body->substr(at + name.size()));
+}
+
+TEST_P(UcxDataPlaneTest, IngestPartsGiveTheSameSessionInPoolBuffersOrOutside) {
+  // Ingest parts land in the daemon's receive pool, or, when none fits (one buffer of 64 KiB,
+  // parts of 128-256 KiB here) or none is free, in allocations of their own; both give the
+  // session gRPC ingest gives, and the misses are counted.
+  TempDir dir, dir_small;
+  ServerProcess pooled, unpooled, grpc;
+  KV_ASSERT_OK(pooled.Start({"-c", UcxConfig(dir, GetParam())}));
+  KV_ASSERT_OK(unpooled.Start(
+      {"-c", UcxConfig(dir_small, GetParam(), "  receive_buffers: 1\n  receive_buffer_bytes: 64KiB\n")}));
+  KV_ASSERT_OK(grpc.Start({}));
+  const synthetic::Document doc(SmallDoc(1024));
+  const v1::CreateSessionRequest create = synthetic::MakeCreate(doc, ShadowProfile(), -1);
+  std::vector<std::string> replies;
+  std::vector<std::vector<std::string>> selections;
+  for (ServerProcess* server : {&pooled, &unpooled, &grpc}) {
+    auto c = server->Connect();
+    KV_ASSERT_OK_AND_ASSIGN(created, c->CreateSession(create));
+    const auto msgs = IngestMessages(doc, created.session_id());
+    if (server == &grpc) {
+      KV_ASSERT_OK_AND_ASSIGN(r, c->Ingest(msgs));
+      replies.push_back(r.SerializeAsString());
+    } else {
+      KV_ASSERT_OK_AND_ASSIGN(dp, DataPlaneFor(*c, created.session_id(), GetParam()));
+      KV_ASSERT_OK_AND_ASSIGN(r, dp->Ingest(msgs));
+      replies.push_back(r.SerializeAsString());
+    }
+    v1::AttachRequest ar;
+    ar.set_worker_id("w");
+    ar.set_session_id(created.session_id());
+    KV_ASSERT_OK_AND_ASSIGN(w, c->Attach(ar));
+    selections.emplace_back();
+    for (int l = 0; l < doc.spec().layers; ++l) {
+      KV_ASSERT_OK_AND_ASSIGN(x, c->SelectAndReconstruct(MakeSelect(doc, l, {w.attachment_id()}, 0, 0, 1024)));
+      selections.back().push_back(Canonical(x));
+    }
+  }
+  EXPECT_EQ(replies[0], replies[2]);
+  EXPECT_EQ(replies[1], replies[2]);
+  EXPECT_EQ(selections[0], selections[2]);
+  EXPECT_EQ(selections[1], selections[2]);
+  EXPECT_EQ(PoolMisses(pooled), 0);
+  // Every layer part of the stream was larger than the small daemon's one buffer.
+  size_t parts = 0;
+  for (const auto& m : IngestMessages(doc, "x")) parts += m.has_layer() ? 1 : 0;
+  ASSERT_GT(parts, 0u);
+  EXPECT_EQ(PoolMisses(unpooled), static_cast<double>(parts));
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, UcxDataPlaneTest,
                          ::testing::Values(std::string("tcp,self"), std::string("shm,self")),
                          [](const auto& info) {

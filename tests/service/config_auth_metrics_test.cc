@@ -209,6 +209,14 @@ TEST(Config, RejectsTyposBadValuesAndBadFiles) {
   EXPECT_EQ(invalid([](ServerConfig& c) { c.same_node.host_memory = "hugepages"; }),
             C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.same_node.host_memory = "file"; }), C::kOk);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.ucx.receive_buffers = 0; }), C::kOk);  // no pool
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.ucx.receive_buffers = 1025; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.ucx.receive_buffer_bytes = 4096; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) {
+              c.ucx.receive_buffers = 64;
+              c.ucx.receive_buffer_bytes = uint64_t{1} << 30;  // 64 GiB resident
+            }),
+            C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.value_codec = "int3"; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.kivi_group = 12; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.refactor_threshold = 0; }), C::kInvalidArgument);
@@ -219,6 +227,18 @@ TEST(Config, RejectsTyposBadValuesAndBadFiles) {
             }),
             C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.limits.max_calls_per_tenant = 70000; }), C::kInvalidArgument);
+}
+
+TEST(Config, UcxReceivePoolKeysTakeCountsAndByteSizes) {
+  TempFile f("ucx:\n  receive_buffers: 3\n  receive_buffer_bytes: 2MiB\n");
+  auto c = LoadConfigFile(f.path());
+  ASSERT_TRUE(c.ok()) << c.status();
+  EXPECT_EQ(c->ucx.receive_buffers, 3u);
+  EXPECT_EQ(c->ucx.receive_buffer_bytes, uint64_t{2} << 20);
+  EXPECT_TRUE(ValidateConfig(*c).ok()) << ValidateConfig(*c);
+  ServerConfig d;  // defaults: 8 x 16 MiB
+  EXPECT_EQ(d.ucx.receive_buffers, 8u);
+  EXPECT_EQ(d.ucx.receive_buffer_bytes, uint64_t{16} << 20);
 }
 
 // limits.max_calls_per_tenant: as given; automatic (0) = the thread cap minus one when the

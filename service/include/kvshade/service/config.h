@@ -87,6 +87,11 @@ struct UcxConfig {
   // The progress thread keeps polling this long after its last message before it sleeps:
   // longer saves each decode call a wake-up and costs a busy core while calls keep coming.
   uint32_t busy_poll_us = 50;
+  // Rendezvous payloads (ingest parts) land in these pre-faulted buffers, mapped at
+  // start-up (receive_buffers x receive_buffer_bytes of resident memory); a payload that
+  // finds none free, or is larger, gets an allocation of its own. 0 buffers: none.
+  uint32_t receive_buffers = 8;
+  uint64_t receive_buffer_bytes = uint64_t{16} << 20;
 };
 
 // Same-node decode (service/README.md "Same-node decode"). Export hands a worker the

@@ -1,4 +1,5 @@
-// The decode path's domain types: what Engine::Select and Engine::Attend take and fill.
+// The data path's domain types: what Engine::Select and Engine::Attend take and fill, and
+// the layer parts an ingest stream takes.
 // Requests are views over caller-owned bytes (a wire frame, a proto's strings, a test's
 // vectors) that must stay valid for the call; nothing is copied before it is validated and
 // converted once into the backend's input. Results are plain structs the caller may keep
@@ -32,6 +33,19 @@ struct TensorView {
 
   bool empty() const { return rank == 0 && data.empty(); }
   absl::Span<const int64_t> dims() const { return {shape, static_cast<size_t>(rank)}; }
+};
+
+// --- Ingest ------------------------------------------------------------------------------
+
+// One layer part of an Ingest stream (v1.IngestLayer's fields), its tensors as views:
+// what a data plane that received the bytes into buffers of its own hands the engine
+// (Engine::IngestStream::AddLayer), so the part is copied once, into its layer.
+struct IngestLayerView {
+  uint32_t layer = 0;
+  uint64_t token_offset = 0;
+  bool last_part = false;
+  TensorView k, v;                 // [n_part, h, d] pre-RoPE, the model's dtype
+  TensorView observation_queries;  // [w, hq, d] with the layer's final part, or empty
 };
 
 // --- SelectAndReconstruct ---------------------------------------------------------------

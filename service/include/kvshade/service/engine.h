@@ -89,6 +89,9 @@ class Engine {
     // A layer part or the commit (checked: every layer complete). A message after the
     // commit is INVALID_ARGUMENT; after any error the stream is failed.
     virtual absl::Status Add(const v1::IngestRequest& msg) = 0;
+    // A layer part as views (decode.h), the same rules as a layer message to Add; the
+    // views need to stay valid for the call only.
+    virtual absl::Status AddLayer(const IngestLayerView& part) = 0;
     // Applies the accepted commit (the session becomes ready) and returns the response.
     // INVALID_ARGUMENT without a commit; FAILED_PRECONDITION after a failure or a Finish.
     virtual absl::StatusOr<v1::IngestResponse> Finish() = 0;

@@ -84,6 +84,8 @@ class Metrics {
   void Eviction();
   void IngestedTokens(uint64_t n);
   void SessionsExpired(uint64_t n);  // closed by idle expiry (limits.session_idle_ttl_s)
+  // UCX payloads received outside the receive pool (none free, or larger than a buffer).
+  void UcxReceivePoolMisses(uint64_t n);
   void Error(int grpc_code);
 
  private:
@@ -122,6 +124,7 @@ class Metrics {
   prometheus::Counter* evictions_;
   prometheus::Counter* ingested_tokens_;
   prometheus::Counter* sessions_expired_;
+  prometheus::Counter* ucx_pool_misses_;
   prometheus::Family<prometheus::Counter>* errors_;
 };
 

@@ -95,6 +95,11 @@ absl::Status DecodeTensorInto(const v1::Tensor& t, absl::Span<const int64_t> sha
 absl::Status DecodeTensorInto(const TensorView& t, absl::Span<const int64_t> shape,
                               v1::DType dtype, std::string_view what,
                               absl::Span<kernels::bf16> out);
+// DecodeTensorInto's checks without the copy, for bf16 tensors whose bytes are used where
+// they are (e.g. copied straight to the device): dtype, shape, byte size, every value
+// finite.
+absl::Status CheckTensor(const TensorView& t, absl::Span<const int64_t> shape, v1::DType dtype,
+                         std::string_view what);
 // A view of a v1 tensor's bytes (valid while `t` is); a shape of rank > kMaxRank becomes
 // [-1, -1, -1, -1], which no shape check accepts.
 TensorView ViewOf(const v1::Tensor& t);

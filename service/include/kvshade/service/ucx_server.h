@@ -20,7 +20,9 @@
 //   may send several ahead (compressing layer l overlaps receiving layer l+1). Each
 //   stream (DataPlaneHeader.stream_id) drives one Engine::IngestStream; its first error
 //   discards it and fails its later messages. A connection dropped by BYE or by its
-//   client's worker vanishing discards its streams.
+//   client's worker vanishing discards its streams. A part's payload lands in a buffer
+//   of the receive pool (ucx.receive_buffers, pre-faulted at start-up) and the engine
+//   takes it from there as views (IngestLayerView): one copy, into the layer.
 // - REGISTER (UcxSlotBuffers) binds an attachment of this connection's tenant, attached
 //   with DELIVERY_MODE_UCX_RMA, to the client's K and V slot buffers. A SELECT whose
 //   delta names a registered attachment puts each miss's K and V rows into those buffers
@@ -168,8 +170,12 @@ class UcxServer {
   // Runs `job` on an engine thread after every earlier ingest job of `conn`.
   void RunInOrder(const std::shared_ptr<Conn>& conn, std::function<void()> job);
   void IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine, v1::DataPlaneHeader h,
-                 ucp_ep_h ep, std::string payload, size_t oversize,
+                 ucp_ep_h ep, ucx::Payload payload, size_t oversize,
                  std::chrono::steady_clock::time_point start);
+  // Hands a layer part's bytes (in `payload`, as the header's part_bytes split them) to
+  // the stream as views.
+  static absl::Status AddLayerPart(Engine::IngestStream& stream, const v1::DataPlaneHeader& h,
+                                   const v1::IngestLayer& layer, std::string_view payload);
   void Enqueue(std::function<void()> job);
   void WorkerMain();
 
@@ -183,6 +189,8 @@ class UcxServer {
   absl::flat_hash_map<std::string, Tenant> tokens_;  // one-time admission tokens
   absl::flat_hash_map<std::string, std::shared_ptr<Conn>> connections_;  // by key
   uint64_t refused_ = 0;
+  std::shared_ptr<ucx::ReceivePool> pool_;  // null: ucx.receive_buffers is 0
+  uint64_t pool_misses_reported_ = 0;       // loop thread
 
   std::mutex work_mu_;
   std::condition_variable work_cv_;

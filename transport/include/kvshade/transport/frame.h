@@ -1,6 +1,6 @@
 // The framing of the UCX data plane's tensor-carrying messages (INGEST, APPEND), defined
 // once for both sides: the client frames with FrameWriter, the daemon unframes with
-// AttachParts, and both walk a message's tensors in the order BodyTensors gives.
+// SplitParts (views) or AttachParts (into the message), and both walk a message's tensors in the order BodyTensors gives.
 //
 // A framed message is a DataPlaneHeader whose `body` is the request with every tensor's
 // shape and dtype but no data, and whose payload is the tensors' bytes concatenated in
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kvshade/v1/kvshade.pb.h"
 
 namespace kvshade::transport {
@@ -38,7 +39,15 @@ class FrameWriter {
   static Iov Frame(const v1::AppendTokensRequest& msg, v1::DataPlaneHeader* header);
 };
 
-// Receiver side. Gives each tensor of `parts` (BodyTensors of the parsed body) its bytes:
+// Receiver side, without copies: the `n_parts` byte ranges part_bytes describes, as views
+// of `payload`. INVALID_ARGUMENT naming `what` when part_bytes does not describe the
+// payload (a different number of parts than `n_parts`, the body's tensor count, or sizes
+// that do not add up to the payload's).
+absl::StatusOr<std::vector<std::string_view>> SplitParts(const v1::DataPlaneHeader& header,
+                                                         std::string_view payload,
+                                                         size_t n_parts, std::string_view what);
+
+// Receiver side, into a message. Gives each tensor of `parts` (BodyTensors of the parsed body) its bytes:
 // part_bytes[i] bytes each, in order, from `payload`, which is consumed. INVALID_ARGUMENT
 // naming `what` when part_bytes does not describe the payload (a different number of parts
 // than the body's tensors, or sizes that do not add up to the payload's).
