@@ -65,6 +65,28 @@ void Teardown(CUdeviceptr va, size_t mapped, size_t reserved, CUmemGenericAlloca
 
 size_t RoundUp(size_t n, size_t g) { return (n + g - 1) / g * g; }
 
+// Reserves `size` bytes of address space, maps `handle` there and grants `access`; on
+// failure undoes what it did. The handle stays the caller's either way.
+absl::StatusOr<CUdeviceptr> MapWithAccess(CUmemGenericAllocationHandle handle, size_t size,
+                                          size_t gran, const CUmemAccessDesc* access, int n_access,
+                                          absl::string_view what) {
+  const CudaDriver& d = Driver();
+  CUdeviceptr va = 0;
+  if (absl::Status st = Check(d.address_reserve(&va, size, gran, 0, 0), "reserve address range");
+      !st.ok()) {
+    return st;
+  }
+  if (absl::Status st = Check(d.mem_map(va, size, 0, handle, 0), what); !st.ok()) {
+    Teardown(va, 0, size, 0, -1);
+    return st;
+  }
+  if (absl::Status st = Check(d.set_access(va, size, access, n_access), "grant access"); !st.ok()) {
+    Teardown(va, size, size, 0, -1);
+    return st;
+  }
+  return va;
+}
+
 }  // namespace
 
 bool HostVmmSupported(int device) {
@@ -106,22 +128,14 @@ absl::StatusOr<Buffer> AllocateHostVmm(int device, size_t bytes) {
       !st.ok()) {
     return st;
   }
-  CUdeviceptr va = 0;
-  if (absl::Status st = Check(d.address_reserve(&va, size, gran, 0, 0), "reserve address range");
-      !st.ok()) {
-    Teardown(0, 0, 0, handle, -1);
-    return st;
-  }
-  if (absl::Status st = Check(d.mem_map(va, size, 0, handle, 0), "map host memory"); !st.ok()) {
-    Teardown(va, 0, size, handle, -1);
-    return st;
-  }
   const CUmemAccessDesc access[2] = {Access(CU_MEM_LOCATION_TYPE_DEVICE, device),
                                      Access(CU_MEM_LOCATION_TYPE_HOST_NUMA, prop.location.id)};
-  if (absl::Status st = Check(d.set_access(va, size, access, 2), "grant access"); !st.ok()) {
-    Teardown(va, size, size, handle, -1);
-    return st;
+  absl::StatusOr<CUdeviceptr> mapped = MapWithAccess(handle, size, gran, access, 2, "map host memory");
+  if (!mapped.ok()) {
+    Teardown(0, 0, 0, handle, -1);
+    return mapped.status();
   }
+  const CUdeviceptr va = *mapped;
   int fd = -1;
   if (absl::Status st = Check(
           d.export_handle(&fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "export");
@@ -178,22 +192,13 @@ absl::StatusOr<ImportedMemory> ImportHostVmm(int device, const ExportedMemory& m
     return st;
   }
   const size_t size = RoundUp(m.region_bytes, gran);
-  CUdeviceptr va = 0;
-  if (st = Check(d.address_reserve(&va, size, gran, 0, 0), "reserve address range"); !st.ok()) {
-    Teardown(0, 0, 0, handle, -1);
-    return st;
-  }
-  if (st = Check(d.mem_map(va, size, 0, handle, 0), "map the daemon's host memory"); !st.ok()) {
-    Teardown(va, 0, size, handle, -1);
-    return st;
-  }
-  d.mem_release(handle);
   const CUmemAccessDesc access = Access(CU_MEM_LOCATION_TYPE_DEVICE, device);
-  if (st = Check(d.set_access(va, size, &access, 1), "grant the device access"); !st.ok()) {
-    Teardown(va, size, size, 0, -1);
-    return st;
-  }
-  return ImportedMemory{ExportedMemory::Kind::kHostVmm, reinterpret_cast<void*>(va), size};
+  absl::StatusOr<CUdeviceptr> va =
+      MapWithAccess(handle, size, gran, &access, 1, "map the daemon's host memory");
+  // The mapping keeps the memory alive; the imported handle is no longer needed.
+  d.mem_release(handle);
+  if (!va.ok()) return va.status();
+  return ImportedMemory{ExportedMemory::Kind::kHostVmm, reinterpret_cast<void*>(*va), size};
 }
 
 void ReleaseHostVmm(const ImportedMemory& m) {
