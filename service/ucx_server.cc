@@ -68,7 +68,8 @@ absl::Status ValidateSlotBuffers(const v1::UcxSlotBuffers& b) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Start(const ServerConfig& config,
-                                                            Metrics* metrics) {
+                                                            Metrics* metrics,
+                                                            kernels::Backend* backend) {
   std::unique_ptr<UcxServer> s(new UcxServer(config, metrics));
   UcxServer* self = s.get();
   std::map<unsigned, ucx::UcxLoop::Handler> handlers;
@@ -92,7 +93,16 @@ absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Start(const ServerConfig& 
   s->loop_ = *std::move(loop);
   s->address_ = ucx::EncodeWorkerAddress(s->loop_->address());
   if (config.ucx.receive_buffers > 0) {
-    auto pool = ucx::ReceivePool::Create(config.ucx.receive_buffers, config.ucx.receive_buffer_bytes);
+    ucx::ReceivePool::Allocator alloc;
+    if (backend != nullptr) {
+      alloc = [backend](size_t bytes) -> absl::StatusOr<std::shared_ptr<void>> {
+        KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer buf, backend->AllocateStaging(bytes));
+        auto holder = std::make_shared<kernels::Buffer>(std::move(buf));
+        return std::shared_ptr<void>(holder, holder->data());
+      };
+    }
+    auto pool = ucx::ReceivePool::Create(config.ucx.receive_buffers, config.ucx.receive_buffer_bytes,
+                                         std::move(alloc));
     if (!pool.ok()) {
       return absl::Status(pool.status().code(),
                           absl::StrCat("ucx data plane: ", pool.status().message(),

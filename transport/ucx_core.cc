@@ -502,7 +502,8 @@ struct ReceivePool::State {
 };
 
 absl::StatusOr<std::shared_ptr<ReceivePool>> ReceivePool::Create(size_t buffers,
-                                                                 size_t buffer_bytes) {
+                                                                 size_t buffer_bytes,
+                                                                 Allocator alloc) {
   if (buffers == 0 || buffer_bytes == 0) {
     return absl::InvalidArgumentError("UCX receive pool: buffers and buffer_bytes must be > 0");
   }
@@ -511,22 +512,36 @@ absl::StatusOr<std::shared_ptr<ReceivePool>> ReceivePool::Create(size_t buffers,
   if (buffers > SIZE_MAX / stride) {
     return absl::InvalidArgumentError("UCX receive pool: size overflows");
   }
-  // MAP_POPULATE faults every page in now, once, instead of on each message.
-  void* base = mmap(nullptr, buffers * stride, PROT_READ | PROT_WRITE,
-                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-  if (base == MAP_FAILED) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "UCX receive pool: cannot map ", buffers, " x ", buffer_bytes, " bytes: ", std::strerror(errno)));
+  const size_t total = buffers * stride;
+  std::shared_ptr<void> memory;
+  if (alloc) {
+    absl::StatusOr<std::shared_ptr<void>> m = alloc(total);
+    if (!m.ok()) {
+      return absl::Status(m.status().code(), absl::StrCat("UCX receive pool of ", buffers, " x ",
+                                                          buffer_bytes, " bytes: ", m.status().message()));
+    }
+    memory = *std::move(m);
+  } else {
+    // MAP_POPULATE faults every page in now, once, instead of on each message.
+    void* base = mmap(nullptr, total, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (base == MAP_FAILED) {
+      return absl::ResourceExhaustedError(absl::StrCat("UCX receive pool: cannot map ", buffers, " x ",
+                                                       buffer_bytes, " bytes: ", std::strerror(errno)));
+    }
+    memory = std::shared_ptr<void>(base, [total](void* p) { munmap(p, total); });
   }
-  return std::shared_ptr<ReceivePool>(
-      new ReceivePool(static_cast<char*>(base), buffers, buffer_bytes, stride));
+  if (memory == nullptr) return absl::InternalError("UCX receive pool: the allocator gave no memory");
+  return std::shared_ptr<ReceivePool>(new ReceivePool(std::move(memory), buffers, buffer_bytes, stride));
 }
 
-ReceivePool::ReceivePool(char* base, size_t buffers, size_t buffer_bytes, size_t stride)
+ReceivePool::ReceivePool(std::shared_ptr<void> memory, size_t buffers, size_t buffer_bytes,
+                         size_t stride)
     : buffers_(buffers),
       buffer_bytes_(buffer_bytes),
       state_(std::make_shared<State>()),
-      mapping_(base, [len = buffers * stride](void* p) { munmap(p, len); }) {
+      memory_(std::move(memory)) {
+  char* base = static_cast<char*>(memory_.get());
   state_->free.reserve(buffers);
   for (size_t i = buffers; i-- > 0;) state_->free.push_back(base + i * stride);
 }
@@ -546,7 +561,7 @@ std::shared_ptr<char> ReceivePool::Acquire() {
     CountMiss();
     return nullptr;
   }
-  return std::shared_ptr<char>(buf, [state = state_, mapping = mapping_](char* p) {
+  return std::shared_ptr<char>(buf, [state = state_, memory = memory_](char* p) {
     std::lock_guard<std::mutex> lock(state->mu);
     state->free.push_back(p);
   });

@@ -2,6 +2,9 @@
 // Host-visible memory is the same thing on this backend.
 #include "cpu/cpu_backend.h"
 
+#include <sys/mman.h>
+
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
 
@@ -28,6 +31,18 @@ absl::StatusOr<Buffer> CpuBackend::Allocate(size_t bytes) {
 }
 
 absl::StatusOr<Buffer> CpuBackend::AllocateHostVisible(size_t bytes) { return Allocate(bytes); }
+
+absl::StatusOr<Buffer> CpuBackend::AllocateStaging(size_t bytes) {
+  if (bytes == 0) return Buffer();
+  // MAP_POPULATE faults every page in now rather than on first use.
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                 -1, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("cpu: cannot map ", bytes, " staging bytes: ", std::strerror(errno)));
+  }
+  return Buffer(p, bytes, [bytes](void* q) { munmap(q, bytes); });
+}
 
 absl::Status CpuBackend::CopyFromHost(void* dst, const void* src_host, size_t bytes, Stream) {
   if (bytes != 0 && (dst == nullptr || src_host == nullptr)) {

@@ -23,6 +23,7 @@ class CpuBackend final : public Backend {
 
   absl::StatusOr<Buffer> Allocate(size_t bytes) override;
   absl::StatusOr<Buffer> AllocateHostVisible(size_t bytes) override;
+  absl::StatusOr<Buffer> AllocateStaging(size_t bytes) override;
   absl::Status CopyFromHost(void* dst, const void* src_host, size_t bytes, Stream) override;
   absl::Status CopyToHost(void* dst_host, const void* src, size_t bytes, Stream) override;
   absl::Status Copy(void* dst, const void* src, size_t bytes, Stream) override;

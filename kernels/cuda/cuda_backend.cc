@@ -166,6 +166,19 @@ absl::StatusOr<Buffer> CudaBackend::AllocateHostVisible(size_t bytes) {
   return Buffer(p, bytes, [](void* q) { cudaFreeHost(q); });
 }
 
+absl::StatusOr<Buffer> CudaBackend::AllocateStaging(size_t bytes) {
+  if (bytes == 0) return Buffer();
+  KVSHADE_RETURN_IF_ERROR(UseDevice(device_));
+  void* p = nullptr;
+  // Portable: pinned for every context of the process; page-locked memory is resident.
+  absl::Status st = KVSHADE_CUDA_STATUS(cudaHostAlloc(&p, bytes, cudaHostAllocPortable));
+  if (!st.ok()) {
+    cudaGetLastError();
+    return absl::Status(st.code(), absl::StrCat("AllocateStaging(", bytes, " bytes): ", st.message()));
+  }
+  return Buffer(p, bytes, [](void* q) { cudaFreeHost(q); });
+}
+
 absl::Status CudaBackend::CopyFromHost(void* dst, const void* src_host, size_t bytes,
                                        Stream stream) {
   if (bytes == 0) return absl::OkStatus();

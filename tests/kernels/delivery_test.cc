@@ -1,7 +1,8 @@
 // Copy and Copy2D (the gathers of ingest), and CopyRows (row scatter into a worker's slot
 // buffers) on the CPU reference: every listed
-// row lands where asked, nothing else changes; malformed calls are rejected; and the cpu
-// backend refuses CUDA IPC peer buffers with a clear error.
+// row lands where asked, nothing else changes; malformed calls are rejected; the cpu
+// backend refuses CUDA IPC peer buffers with a clear error; and its staging memory (what
+// a data plane receives into before the copy) is private.
 #include <cstring>
 #include <random>
 #include <vector>
@@ -84,6 +85,26 @@ TEST(DeliveryTest, CopyRowsRejectsMalformedCalls) {
   EXPECT_EQ(cpu->CopyRows(a.data(), b.data(), 16, 1, rows, nullptr).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(cpu->CopyRows(nullptr, nullptr, 16, 0, nullptr, nullptr).ok());  // nothing to do
+}
+
+// Staging memory: writable over its whole size, resident, and private even when the
+// backend shares its other host memory for same-node decode.
+TEST(DeliveryTest, CpuStagingMemoryIsWritableAndNeverExported) {
+  auto be = testing::Cpu();
+  be->EnableSharedMemory(SharedHostMemory::kFile);
+  const size_t bytes = (1u << 20) + 7;
+  auto buf = be->AllocateStaging(bytes);
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  auto* p = static_cast<unsigned char*>(buf->data());
+  for (size_t i = 0; i < bytes; ++i) p[i] = static_cast<unsigned char>(i);
+  EXPECT_EQ(p[bytes - 1], static_cast<unsigned char>(bytes - 1));
+  EXPECT_FALSE(be->ExportMemory(p).ok());
+  auto shared = be->Allocate(4096);
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  EXPECT_TRUE(be->ExportMemory(shared->data()).ok());
+  auto none = be->AllocateStaging(0);
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->data(), nullptr);
 }
 
 TEST(DeliveryTest, CpuBackendRefusesPeerBuffers) {

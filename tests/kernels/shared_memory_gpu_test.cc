@@ -100,6 +100,30 @@ TEST(SharedHostMemoryGpu, FileModeExportsMemoryFiles) {
   RoundTrip(*be, ExportedMemory::Kind::kHostFile);
 }
 
+// Staging memory (a data plane's receive buffers) stays private while every host-visible
+// allocation is shared, and copies to the device and back are exact.
+TEST(SharedHostMemoryGpu, StagingMemoryIsNeverExported) {
+  KVSHADE_CUDA_OR_SKIP(be);
+  be->EnableSharedMemory(SharedHostMemory::kAuto);
+  const size_t bytes = (3u << 20) + 123;
+  auto buf = be->AllocateStaging(bytes);
+  ASSERT_TRUE(buf.ok()) << buf.status();
+  auto* host = static_cast<unsigned char*>(buf->data());
+  for (size_t i = 0; i < bytes; ++i) host[i] = static_cast<unsigned char>(i * 13 + 5);
+  EXPECT_FALSE(be->ExportMemory(host + 100).ok()) << "staging memory must not be exported";
+  auto dev = be->Allocate(bytes);
+  ASSERT_TRUE(dev.ok()) << dev.status();
+  ASSERT_TRUE(be->CopyFromHost(dev->data(), host, bytes).ok());
+  std::vector<unsigned char> back(bytes);
+  ASSERT_TRUE(be->CopyToHost(back.data(), dev->data(), bytes).ok());
+  ASSERT_TRUE(be->Synchronize().ok());
+  EXPECT_EQ(std::memcmp(back.data(), host, bytes), 0);
+  // The shared kind is still what host-visible memory gets.
+  auto shared = be->AllocateHostVisible(4096);
+  ASSERT_TRUE(shared.ok()) << shared.status();
+  EXPECT_TRUE(be->ExportMemory(shared->data()).ok());
+}
+
 TEST(SharedHostMemoryGpu, ADescriptorOfAMissingProcessIsRefusedClearly) {
   KVSHADE_CUDA_OR_SKIP(be);
   ExportedMemory m;

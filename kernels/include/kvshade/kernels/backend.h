@@ -337,6 +337,11 @@ class Backend {
   virtual absl::StatusOr<Buffer> Allocate(size_t bytes) = 0;
   // Host memory the backend's kernels can read directly (pinned + mapped for CUDA).
   virtual absl::StatusOr<Buffer> AllocateHostVisible(size_t bytes) = 0;
+  // Host memory to stage copies to the backend from (e.g. a data plane's receive buffers):
+  // faulted in on allocation, page-locked on CUDA (copies from it are DMA and need no
+  // bounce through a driver buffer), private to this process (never exported for
+  // same-node decode, unlike AllocateHostVisible's memory once sharing is on).
+  virtual absl::StatusOr<Buffer> AllocateStaging(size_t bytes) = 0;
   virtual absl::Status CopyFromHost(void* dst, const void* src_host, size_t bytes,
                                     Stream stream = {}) = 0;
   virtual absl::Status CopyToHost(void* dst_host, const void* src, size_t bytes,

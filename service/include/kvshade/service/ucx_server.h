@@ -62,9 +62,11 @@ namespace frame = ::kvshade::transport::frame;
 class UcxServer {
  public:
   // Starts the worker and its progress thread (config.ucx.transports). `metrics` must
-  // outlive the server. Requests are refused until SetEngine.
+  // outlive the server; `backend` (may be null: plain memory) gives the receive pool its
+  // staging memory (page-locked on CUDA). Requests are refused until SetEngine.
   static absl::StatusOr<std::unique_ptr<UcxServer>> Start(const ServerConfig& config,
-                                                          Metrics* metrics);
+                                                          Metrics* metrics,
+                                                          kernels::Backend* backend = nullptr);
   ~UcxServer();  // Stop()
   void Stop();
 

@@ -193,8 +193,14 @@ void Flush(ucp_ep_h ep, std::function<void(absl::Status)> done);
 // that holds one is destroyed. Thread-safe.
 class ReceivePool {
  public:
-  // `buffers` buffers of `buffer_bytes` each, mapped and faulted in now.
-  static absl::StatusOr<std::shared_ptr<ReceivePool>> Create(size_t buffers, size_t buffer_bytes);
+  // Where the buffers' memory comes from: `bytes` bytes, resident (faulted in), freed with
+  // the returned pointer; e.g. a backend's page-locked staging memory, from which copies
+  // to the device need no bounce.
+  using Allocator = std::function<absl::StatusOr<std::shared_ptr<void>>(size_t bytes)>;
+  // `buffers` buffers of `buffer_bytes` each, from `alloc` (null: anonymous memory mapped
+  // and faulted in now).
+  static absl::StatusOr<std::shared_ptr<ReceivePool>> Create(size_t buffers, size_t buffer_bytes,
+                                                             Allocator alloc = nullptr);
   ~ReceivePool();
   ReceivePool(const ReceivePool&) = delete;
   ReceivePool& operator=(const ReceivePool&) = delete;
@@ -211,11 +217,11 @@ class ReceivePool {
   void CountMiss() { misses_.fetch_add(1); }
 
  private:
-  ReceivePool(char* base, size_t buffers, size_t buffer_bytes, size_t stride);
+  ReceivePool(std::shared_ptr<void> memory, size_t buffers, size_t buffer_bytes, size_t stride);
   struct State;
   size_t buffers_, buffer_bytes_;
   std::shared_ptr<State> state_;     // the free list
-  std::shared_ptr<void> mapping_;    // unmapped when the pool and every held buffer are gone
+  std::shared_ptr<void> memory_;     // freed when the pool and every held buffer are gone
   std::atomic<uint64_t> misses_{0};
 };
 
