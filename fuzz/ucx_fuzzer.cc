@@ -1,8 +1,8 @@
 // Fuzz target: the UCX data plane's message parsing on the daemon's side (service/
 // ucx_server.cc), the bytes a connected client controls: the DataPlaneHeader of an active
 // message, the request in its body, and the binary frame that gives the body's tensors their
-// bytes from the payload (transport/frame.cc, AttachParts); and the worker address a client
-// decodes (DecodeWorkerAddress). Every input must parse or be refused with a status; a frame
+// bytes from the payload (transport/frame.cc, SplitParts and AttachParts); and the worker
+// address a client decodes (DecodeWorkerAddress). Every input must parse or be refused with a status; a frame
 // that is accepted must give each tensor exactly its part of the payload, and framing the
 // result again (FrameWriter, the client's side) must give back the same part sizes and bytes.
 //
@@ -39,11 +39,21 @@ void CheckFrame(const v1::DataPlaneHeader& h, const std::string& payload) {
   if (!body.ParseFromString(h.body())) return;  // refused before framing (ucx_server.cc)
   std::string consumed = payload;
   const std::vector<v1::Tensor*> parts = transport::BodyTensors(&body);
+  // The daemon's ingest path takes views (SplitParts); append copies (AttachParts). Both
+  // accept and refuse the same frames, and the views tile the payload in order.
+  auto views = transport::SplitParts(h, payload, parts.size(), "fuzz");
   absl::Status st = transport::AttachParts(h, consumed, parts, "fuzz");
+  if (views.ok() != st.ok()) std::abort();
   if (!st.ok()) {
     if (st.code() != absl::StatusCode::kInvalidArgument || st.message().empty()) std::abort();
     return;
   }
+  size_t at = 0;
+  for (std::string_view v : *views) {
+    if (v.data() != payload.data() + at && !v.empty()) std::abort();
+    at += v.size();
+  }
+  if (at != payload.size() || views->size() != parts.size()) std::abort();
   // Accepted: the parts are the payload, in order, part_bytes each.
   size_t off = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
