@@ -206,6 +206,15 @@ class IngestStreamImpl final : public Engine::IngestStream {
   // A v1 layer message: its tensors as views; parts in the worker's GPU memory (cuda_ipc)
   // are read from the message itself.
   absl::Status AddPart(const v1::IngestLayer& m) {
+    // Views hold at most kMaxRank dimensions: a longer shape is refused here, naming it.
+    for (const auto& [t, what] : {std::pair{&m.k(), "k"}, std::pair{&m.v(), "v"},
+                                  std::pair{&m.observation_queries(), "observation_queries"}}) {
+      if (t->shape_size() > TensorView::kMaxRank) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "layer ", m.layer(), " ", what, ".shape must have 3 dimensions, got [",
+            absl::StrJoin(t->shape(), ", "), "]"));
+      }
+    }
     IngestLayerView v;
     v.layer = m.layer();
     v.token_offset = m.token_offset();

@@ -442,6 +442,101 @@ TEST(IngestTest, AbandonedStreamLeavesSessionIngestingAndRetryable) {
 }
 
 
+// Engine::IngestStream::AddLayer (layer parts as views, what the UCX data plane hands the
+// engine from its receive buffers) gives the session a stream of v1 layer messages gives,
+// and follows the same rules.
+TEST(IngestTest, LayerPartsAsViewsGiveTheSameSessionAsLayerMessages) {
+  Harness hx;
+  Stream s = MakeStream(120, hx.model, 9);
+  v1::CreateSessionRequest cr;
+  *cr.mutable_model() = hx.model;
+  *cr.mutable_profile() = ProfileOf(v1::PROFILE_KIND_SHADOW);
+  cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+  // Both created before either is committed: no prefix reuse between them.
+  auto a = hx.engine->CreateSession(hx.tenant, cr);
+  auto b = hx.engine->CreateSession(hx.tenant, cr);
+  ASSERT_TRUE(a.ok() && b.ok());
+  auto ra = hx.engine->Ingest(hx.tenant, IngestStreamOf(a->session_id(), s, 0, 120));
+  ASSERT_TRUE(ra.ok()) << ra.status();
+
+  auto msgs = IngestStreamOf(b->session_id(), s, 0, 120);
+  auto st = hx.engine->BeginIngest(hx.tenant, msgs[0]);
+  ASSERT_TRUE(st.ok()) << st.status();
+  for (size_t i = 1; i < msgs.size(); ++i) {
+    if (!msgs[i].has_layer()) {
+      ASSERT_TRUE((*st)->Add(msgs[i]).ok()) << i;
+      continue;
+    }
+    const v1::IngestLayer& l = msgs[i].layer();
+    IngestLayerView part;
+    part.layer = l.layer();
+    part.token_offset = l.token_offset();
+    part.last_part = l.last_part();
+    part.k = ViewOf(l.k());
+    part.v = ViewOf(l.v());
+    if (l.has_observation_queries()) part.observation_queries = ViewOf(l.observation_queries());
+    ASSERT_TRUE((*st)->AddLayer(part).ok()) << i;
+  }
+  auto rb = (*st)->Finish();
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  EXPECT_EQ(ra->SerializeAsString(), rb->SerializeAsString());
+
+  // The static sets the two sessions serve are the same, bit for bit.
+  std::vector<std::string> sets;
+  for (const auto* id : {&a->session_id(), &b->session_id()}) {
+    v1::AttachRequest ar;
+    ar.set_session_id(*id);
+    auto att = hx.engine->Attach(hx.tenant, ar);
+    ASSERT_TRUE(att.ok()) << att.status();
+    v1::GetStaticSetRequest gr;
+    gr.set_attachment_id(att->attachment_id());
+    gr.set_layer(1);
+    auto set = hx.engine->GetStaticSet(hx.tenant, gr);
+    ASSERT_TRUE(set.ok()) << set.status();
+    sets.push_back(set->SerializeAsString());
+  }
+  EXPECT_EQ(sets[0], sets[1]);
+
+  // A part after the commit, or a malformed one, fails the stream like a message does.
+  auto c = hx.engine->CreateSession(hx.tenant, cr);
+  ASSERT_TRUE(c.ok());
+  auto cm = IngestStreamOf(c->session_id(), s, 0, 120);
+  auto sc = hx.engine->BeginIngest(hx.tenant, cm[0]);
+  ASSERT_TRUE(sc.ok());
+  IngestLayerView bad;
+  bad.layer = 0;
+  bad.k = ViewOf(cm[1].layer().k());
+  bad.v = ViewOf(cm[1].layer().v());
+  bad.k.shape[2] /= 2;  // [n, h, d/2]
+  const absl::Status refused = (*sc)->AddLayer(bad);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("k.shape"), std::string::npos) << refused;
+  EXPECT_EQ((*sc)->Add(cm[1]).code(), absl::StatusCode::kFailedPrecondition);  // the stream failed
+}
+
+// A layer message whose tensor has more dimensions than a view holds is refused with the
+// shape it sent.
+TEST(IngestTest, AFiveDimensionalLayerTensorIsRefusedNamingItsShape) {
+  Harness hx;
+  Stream s = MakeStream(64, hx.model, 3);
+  v1::CreateSessionRequest cr;
+  *cr.mutable_model() = hx.model;
+  *cr.mutable_profile() = ProfileOf(v1::PROFILE_KIND_EXACT);
+  cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+  auto c = hx.engine->CreateSession(hx.tenant, cr);
+  ASSERT_TRUE(c.ok());
+  auto msgs = IngestStreamOf(c->session_id(), s, 0, 64);
+  auto st = hx.engine->BeginIngest(hx.tenant, msgs[0]);
+  ASSERT_TRUE(st.ok());
+  v1::IngestRequest m = msgs[1];
+  m.mutable_layer()->mutable_v()->clear_shape();
+  for (int64_t x : {2, 3, 4, 5, 6}) m.mutable_layer()->mutable_v()->add_shape(x);
+  const absl::Status refused = (*st)->Add(m);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("v.shape must have 3 dimensions, got [2, 3, 4, 5, 6]"), std::string::npos)
+      << refused;
+}
+
 // A shadow session over `s`'s tokens (not yet ingested).
 absl::StatusOr<v1::CreateSessionResponse> CreateShadow(Harness& hx, const Stream& s) {
   v1::CreateSessionRequest cr;
