@@ -235,9 +235,10 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                            .Add({});
   ucx_pool_misses_ = &BuildCounter()
                           .Name("kvshade_ucx_receive_pool_misses_total")
-                          .Help("UCX payloads received into an allocation of their own: no "
-                                "buffer of the receive pool was free, or the payload was larger "
-                                "than one (ucx.receive_buffers, ucx.receive_buffer_bytes)")
+                          .Help("UCX ingest parts and large appends received into an allocation "
+                                "of their own: no buffer of the receive pool was free, or the "
+                                "payload was larger than one (ucx.receive_buffers, "
+                                "ucx.receive_buffer_bytes)")
                           .Register(r)
                           .Add({});
   errors_ = &BuildCounter()

@@ -438,13 +438,16 @@ void UcxServer::RunInOrder(const std::shared_ptr<Conn>& conn, std::function<void
 
 // --- Ingest -------------------------------------------------------------------------------
 
+void UcxServer::ReportPoolMisses() {
+  if (pool_ == nullptr) return;
+  const uint64_t misses = pool_->misses();
+  if (misses > pool_misses_reported_) metrics_->UcxReceivePoolMisses(misses - pool_misses_reported_);
+  pool_misses_reported_ = misses;
+}
+
 void UcxServer::OnIngest(ucx::AmMessage&& m) {
   const auto start = SteadyClock::now();
-  if (pool_ != nullptr) {
-    const uint64_t misses = pool_->misses();
-    if (misses > pool_misses_reported_) metrics_->UcxReceivePoolMisses(misses - pool_misses_reported_);
-    pool_misses_reported_ = misses;
-  }
+  ReportPoolMisses();
   v1::DataPlaneHeader h;
   Engine* engine = nullptr;
   std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "Ingest");
@@ -883,6 +886,7 @@ void UcxServer::DeliverSelect(std::shared_ptr<Conn> conn, ucp_ep_h ep, uint64_t 
 
 void UcxServer::OnAppend(ucx::AmMessage&& m) {
   const auto start = SteadyClock::now();
+  ReportPoolMisses();
   v1::DataPlaneHeader h;
   Engine* engine = nullptr;
   std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "AppendTokens");

@@ -84,7 +84,8 @@ class Metrics {
   void Eviction();
   void IngestedTokens(uint64_t n);
   void SessionsExpired(uint64_t n);  // closed by idle expiry (limits.session_idle_ttl_s)
-  // UCX payloads received outside the receive pool (none free, or larger than a buffer).
+  // UCX rendezvous payloads (ingest parts, large appends) received outside the receive
+  // pool (none free, or larger than a buffer).
   void UcxReceivePoolMisses(uint64_t n);
   void Error(int grpc_code);
 

@@ -21,7 +21,7 @@
 //   stream (DataPlaneHeader.stream_id) drives one Engine::IngestStream; its first error
 //   discards it and fails its later messages. A connection dropped by BYE or by its
 //   client's worker vanishing discards its streams. A part's payload lands in a buffer
-//   of the receive pool (ucx.receive_buffers, pre-faulted at start-up) and the engine
+//   of the receive pool (ucx.receive_buffers, resident from start-up) and the engine
 //   takes it from there as views (IngestLayerView): one copy, into the layer.
 // - REGISTER (UcxSlotBuffers) binds an attachment of this connection's tenant, attached
 //   with DELIVERY_MODE_UCX_RMA, to the client's K and V slot buffers. A SELECT whose
@@ -180,6 +180,8 @@ class UcxServer {
                                    const v1::IngestLayer& layer, std::string_view payload);
   void Enqueue(std::function<void()> job);
   void WorkerMain();
+  // Loop thread: adds the receive pool's misses since the last call to the metric.
+  void ReportPoolMisses();
 
   ServerConfig config_;
   Metrics* metrics_;
