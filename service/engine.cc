@@ -316,6 +316,11 @@ absl::StatusOr<DeviceBlock> EngineImpl::Alloc(size_t bytes, ArenaKind kind) {
   return b;
 }
 
+size_t EngineImpl::DeviceFreeBytes() const {
+  const storage::ArenaStats st = arena_->Stats();
+  return st.capacity - std::min(st.capacity, st.used);
+}
+
 absl::StatusOr<DeviceBlock> EngineImpl::Upload(const void* host, size_t bytes, ArenaKind kind) {
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock b, Alloc(bytes, kind));
   if (bytes > 0) KVSHADE_RETURN_IF_ERROR(backend_->CopyFromHost(b.data(), host, bytes));

@@ -177,6 +177,8 @@ class EngineImpl {
   // Backend memory from the arena; on exhaustion, unreferenced cached prefixes are
   // evicted and the allocation retried once.
   absl::StatusOr<DeviceBlock> Alloc(size_t bytes, storage::ArenaKind kind);
+  // Arena bytes not in live blocks (cached prefixes that could be evicted count as used).
+  size_t DeviceFreeBytes() const;
   absl::StatusOr<DeviceBlock> Upload(const void* host, size_t bytes, storage::ArenaKind kind);
   absl::Status Download(void* host, const void* src, size_t bytes);
   // The same in the order of `stream` (the decode path's per-request streams); DownloadOn

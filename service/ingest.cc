@@ -22,14 +22,26 @@
 // fails anywhere, a message after the commit included, or that is abandoned, frees what it
 // built and leaves the session "ingesting".
 //
+// Overlap: a completed layer is compressed on the stream's own compression thread while
+// the next layer's parts keep arriving on the caller's thread. At most one layer is being
+// compressed at a time and the caller waits for it before handing over the next, so a
+// stream holds at most two layers of raw K/V (the one compressing and the one arriving);
+// when the device budget cannot hold both, the arriving layer waits for the compressing
+// one to free its memory. A compression error fails the stream at its next message (or at
+// the commit), naming the layer.
+//
 // Copies: a part's tensors are decoded (checked) straight into the slice of the layer they
 // fill, never through a temporary. For the exact profile on a backend whose memory is host
 // memory (CPU), that slice is the segment's own block: keys are rotated part by part as
 // they arrive and the completed layer is handed over without another copy.
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <atomic>
+#include <mutex>
 #include <numeric>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -55,6 +67,7 @@ using storage::ArenaKind;
 // Where kernel composites (CompressShadowLayer) take their buffers: the engine's device
 // arena, with its evict-and-retry, so that a layer's factors, landmarks, static set and
 // scratch count against device_budget_bytes and no request calls the device allocator.
+// It also records the most bytes the composite held at once (peak_bytes()).
 class ArenaAllocator final : public kernels::Allocator {
  public:
   explicit ArenaAllocator(EngineImpl& engine) : engine_(engine) {}
@@ -62,9 +75,12 @@ class ArenaAllocator final : public kernels::Allocator {
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock block, engine_.Alloc(bytes, ToArenaKind(kind)));
     auto holder = std::make_shared<DeviceBlock>(std::move(block));
     void* data = holder->data();
+    const size_t now = live_->fetch_add(bytes) + bytes;
+    peak_ = std::max(peak_, now);
     // The Buffer keeps the arena block alive; releasing it returns the block to the pool.
-    return kernels::Buffer(data, bytes, [holder](void*) {});
+    return kernels::Buffer(data, bytes, [holder, live = live_, bytes](void*) { *live -= bytes; });
   }
+  size_t peak_bytes() const { return peak_; }
 
  private:
   static ArenaKind ToArenaKind(kernels::BufferKind kind) {
@@ -78,6 +94,8 @@ class ArenaAllocator final : public kernels::Allocator {
     return ArenaKind::kOther;
   }
   EngineImpl& engine_;
+  std::shared_ptr<std::atomic<size_t>> live_ = std::make_shared<std::atomic<size_t>>(0);
+  size_t peak_ = 0;  // Allocate runs on one thread (the composite's)
 };
 
 // Heavy-chunk counts per layer: the pyramid (docs/ALGORITHM.md) scaled to a mean of `mean`.
@@ -125,6 +143,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
   }
 
   ~IngestStreamImpl() override {
+    StopCompressor();
     for (const std::string& h : peers_) e_.ReleasePeer(h);
     if (!committed_ && store_created_) e_.store_->Erase(seg_id_).IgnoreError();
     if (!committed_) {
@@ -142,8 +161,10 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
   absl::Status Add(const v1::IngestRequest& msg) override {
     if (!failed_.ok()) return Failed();
-    absl::Status st;
-    if (commit_accepted_) {
+    absl::Status st = CompressorStatus();
+    if (!st.ok()) {
+      // a layer handed over earlier failed to compress
+    } else if (commit_accepted_) {
       st = AfterCommit();
     } else {
       switch (msg.body_case()) {
@@ -162,7 +183,8 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
   absl::Status AddLayer(const IngestLayerView& part) override {
     if (!failed_.ok()) return Failed();
-    absl::Status st = commit_accepted_ ? AfterCommit() : AddPart(part, nullptr);
+    absl::Status st = CompressorStatus();
+    if (st.ok()) st = commit_accepted_ ? AfterCommit() : AddPart(part, nullptr);
     if (!st.ok()) failed_ = st;
     return st;
   }
@@ -192,7 +214,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
   struct LayerBuf {
     DeviceBlock kd, vd;       // [n, h, d] backend memory; kd is post-RoPE when direct_
     int received = 0;
-    bool done = false;
+    bool done = false;        // every part arrived (caller's thread)
     std::vector<bf16> qobs;   // [w, hq, d]
     int w = 0;
   };
@@ -280,10 +302,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
     // Every part lands in the layer's backend-memory block: decoded in place on a host-space
     // backend, through a part-sized host staging copy on a device, and copied device to
     // device when the worker shares its GPU memory (cuda_ipc).
-    if (!b.kd) {
-      KVSHADE_ASSIGN_OR_RETURN(b.kd, e_.Alloc(Bf16Bytes(size_t(n_) * row), ArenaKind::kOther));
-      KVSHADE_ASSIGN_OR_RETURN(b.vd, e_.Alloc(Bf16Bytes(size_t(n_) * row), ArenaKind::kStatic));
-    }
+    if (!b.kd) KVSHADE_RETURN_IF_ERROR(AllocLayer(b, Bf16Bytes(size_t(n_) * row)));
     const absl::Span<bf16> kdst(static_cast<bf16*>(b.kd.data()) + off, len);
     const absl::Span<bf16> vdst(static_cast<bf16*>(b.vd.data()) + off, len);
     if (peer != nullptr) {
@@ -294,8 +313,10 @@ class IngestStreamImpl final : public Engine::IngestStream {
       KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.k, shape, model.dtype, absl::StrCat(name, " k"), kdst));
       KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v, shape, model.dtype, absl::StrCat(name, " v"), vdst));
     } else {
-      KVSHADE_RETURN_IF_ERROR(UploadPart(m.k, shape, absl::StrCat(name, " k"), kdst));
-      KVSHADE_RETURN_IF_ERROR(UploadPart(m.v, shape, absl::StrCat(name, " v"), vdst));
+      KVSHADE_RETURN_IF_ERROR(UploadPart(m.k, shape, absl::StrCat(name, " k"), kdst, &staging_));
+      KVSHADE_RETURN_IF_ERROR(UploadPart(m.v, shape, absl::StrCat(name, " v"), vdst, &staging_v_));
+      // The caller's bytes (and the staging buffers) may be reused once this returns.
+      KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
     }
     if (direct_) {
       // Rotated now, while the part is fresh in cache; RoPE is per token, so part by part
@@ -307,30 +328,125 @@ class IngestStreamImpl final : public Engine::IngestStream {
     }
     b.received += static_cast<int>(n_part);
     if (!completes) return absl::OkStatus();
-    absl::Status st = ProcessLayer(l);
-    b = LayerBuf();
-    b.done = st.ok();
-    if (!st.ok()) return st;
-    ++s_->layers_ingested;
+    b.done = true;
+    return HandToCompressor(l);
+  }
+
+  // The layer's raw K and V blocks. While a layer is being compressed they are taken only
+  // if the device arena keeps room for the most the compression took so far in this
+  // stream (not known before the first layer is done: then the caller waits); otherwise,
+  // and when the allocation fails for the budget, the compressing layer is waited for (its
+  // raw blocks are freed when it is done). So a tight budget ingests one layer at a time.
+  absl::Status AllocLayer(LayerBuf& b, size_t bytes) {
+    {
+      std::unique_lock lock(cmu_);
+      const bool busy = pending_ >= 0 || compressing_;
+      if (busy && (!peak_known_ ||
+                   e_.DeviceFreeBytes() < 2 * bytes + compression_peak_)) {
+        lock.unlock();
+        KVSHADE_RETURN_IF_ERROR(WaitCompressorIdle());
+      }
+    }
+    absl::StatusOr<DeviceBlock> k = e_.Alloc(bytes, ArenaKind::kOther);
+    absl::StatusOr<DeviceBlock> v = k.ok() ? e_.Alloc(bytes, ArenaKind::kStatic) : k.status();
+    if (!v.ok() && absl::IsResourceExhausted(v.status())) {
+      k = DeviceBlock();
+      KVSHADE_RETURN_IF_ERROR(WaitCompressorIdle());
+      KVSHADE_ASSIGN_OR_RETURN(k, e_.Alloc(bytes, ArenaKind::kOther));
+      v = e_.Alloc(bytes, ArenaKind::kStatic);
+    }
+    if (!v.ok()) return v.status();
+    b.kd = *std::move(k);
+    b.vd = *std::move(v);
     return absl::OkStatus();
   }
 
-  // A host part into the layer's device slice: bf16 (the model's dtype) goes up straight
-  // from the caller's bytes once checked; other dtypes are converted through a part-sized
-  // host staging buffer.
+  // --- the compression thread (see "Overlap" above) ---
+
+  // Waits until no layer is being compressed; returns the compressor's first error.
+  absl::Status WaitCompressorIdle() {
+    std::unique_lock lock(cmu_);
+    ccv_.wait(lock, [&] { return pending_ < 0 && !compressing_; });
+    return compressor_status_;
+  }
+
+  void NoteCompressionPeak(size_t bytes) {
+    std::lock_guard lock(cmu_);
+    compression_peak_ = std::max(compression_peak_, bytes);
+    peak_known_ = true;
+  }
+
+  absl::Status CompressorStatus() {
+    std::lock_guard lock(cmu_);
+    return compressor_status_;
+  }
+
+  // Hands a complete layer over once the previous one is compressed.
+  absl::Status HandToCompressor(int l) {
+    KVSHADE_RETURN_IF_ERROR(WaitCompressorIdle());
+    {
+      std::lock_guard lock(cmu_);
+      pending_ = l;
+    }
+    if (!compressor_.joinable()) compressor_ = std::thread([this] { CompressLoop(); });
+    ccv_.notify_all();
+    return absl::OkStatus();
+  }
+
+  void CompressLoop() {
+    for (;;) {
+      int l;
+      {
+        std::unique_lock lock(cmu_);
+        ccv_.wait(lock, [&] { return stop_ || pending_ >= 0; });
+        if (stop_) return;
+        l = pending_;
+        pending_ = -1;
+        compressing_ = true;
+      }
+      absl::Status st = ProcessLayer(l);
+      LayerBuf& b = bufs_[l];
+      b.kd = DeviceBlock();
+      b.vd = DeviceBlock();
+      std::vector<bf16>().swap(b.qobs);
+      if (st.ok()) {
+        ++s_->layers_ingested;
+      } else {
+        st = absl::Status(st.code(), absl::StrCat("layer ", l, ": ", st.message()));
+      }
+      {
+        std::lock_guard lock(cmu_);
+        compressing_ = false;
+        if (compressor_status_.ok()) compressor_status_ = st;
+      }
+      ccv_.notify_all();
+    }
+  }
+
+  // Stops the thread after the layer it is compressing (a waiting one is dropped).
+  void StopCompressor() {
+    {
+      std::lock_guard lock(cmu_);
+      stop_ = true;
+    }
+    ccv_.notify_all();
+    if (compressor_.joinable()) compressor_.join();
+  }
+
+  // Starts copying a host part into the layer's device slice (the caller synchronizes):
+  // bf16 (the model's dtype) goes up straight from the caller's bytes once checked; other
+  // dtypes are converted through a part-sized host staging buffer.
   absl::Status UploadPart(const TensorView& t, absl::Span<const int64_t> shape,
-                          const std::string& what, absl::Span<bf16> dst) {
+                          const std::string& what, absl::Span<bf16> dst,
+                          std::vector<bf16>* staging) {
     const ModelInfo& model = s_->model;
     if (model.dtype == v1::DTYPE_BF16) {
       KVSHADE_RETURN_IF_ERROR(CheckTensor(t, shape, model.dtype, what));
-      KVSHADE_RETURN_IF_ERROR(e_.backend_->CopyFromHost(dst.data(), t.data.data(), Bf16Bytes(dst.size())));
-    } else {
-      staging_.resize(dst.size());
-      KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(t, shape, model.dtype, what, absl::MakeSpan(staging_)));
-      KVSHADE_RETURN_IF_ERROR(e_.backend_->CopyFromHost(dst.data(), staging_.data(), Bf16Bytes(dst.size())));
+      return e_.backend_->CopyFromHost(dst.data(), t.data.data(), Bf16Bytes(dst.size()));
     }
-    // The caller's bytes (or the staging buffer) may be reused once this returns.
-    return e_.backend_->Synchronize();
+    staging->resize(dst.size());
+    KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(t, shape, model.dtype, what, absl::MakeSpan(*staging)));
+    return e_.backend_->CopyFromHost(dst.data(), staging->data(), Bf16Bytes(dst.size()));
   }
 
   // Reserves the segment's value block in the store (every profile: the store is also
@@ -384,6 +500,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
     KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(0));
     LayerData& out = out_[l];
     if (!direct_) KVSHADE_RETURN_IF_ERROR(RopeInPlace(b));  // direct_: rotated part by part
+    NoteCompressionPeak(size_t(n_) * sizeof(int64_t));   // the positions
     out.tk = std::move(b.kd);
     out.tv = std::move(b.vd);
     out.n_tail = out.cap_tail = n_;
@@ -475,12 +592,13 @@ class IngestStreamImpl final : public Engine::IngestStream {
     ArenaAllocator allocator(e_);
     {
       StageTimer timer(e_.metrics_, "ingest_factorize");
-      KVSHADE_ASSIGN_OR_RETURN(
-          sl, kernels::CompressShadowLayer(*e_.backend_, m.shape, m.rope, sp, Keys(b),
-                                           absl::Span<const bf16>(static_cast<const bf16*>(b.vd.data()),
-                                                                  b.vd.bytes() / sizeof(bf16)),
-                                           n_, first_, use_obs ? &obs : nullptr,
-                                           kernels::Stream{}, &allocator, values_out));
+      absl::StatusOr<kernels::ShadowLayer> r = kernels::CompressShadowLayer(
+          *e_.backend_, m.shape, m.rope, sp, Keys(b),
+          absl::Span<const bf16>(static_cast<const bf16*>(b.vd.data()), b.vd.bytes() / sizeof(bf16)),
+          n_, first_, use_obs ? &obs : nullptr, kernels::Stream{}, &allocator, values_out);
+      NoteCompressionPeak(allocator.peak_bytes());
+      if (!r.ok()) return r.status();
+      sl = *std::move(r);
     }
     if (values_out.data() == nullptr) {
       StageTimer timer(e_.metrics_, "ingest_values");
@@ -646,6 +764,8 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
   // The commit message: checked now, applied by Finish once the stream has ended.
   absl::Status AcceptCommit() {
+    // Every layer compressed (or the compressor's error).
+    KVSHADE_RETURN_IF_ERROR(WaitCompressorIdle());
     std::vector<int> missing;
     for (int l = 0; l < L_; ++l) {
       if (!bufs_[l].done) missing.push_back(l);
@@ -789,9 +909,19 @@ class IngestStreamImpl final : public Engine::IngestStream {
   bool committed_ = false;        // Finish applied it
   absl::Status failed_;           // the stream's first error
   bool host_space_ = false;  // the backend's memory is host memory (cpu)
-  std::vector<bf16> staging_;  // one part's tensor on its way to device memory
+  std::vector<bf16> staging_, staging_v_;  // one part's k and v on their way to device memory
   bool direct_ = false;  // exact profile on a host-memory backend: parts land in the segment
   v1::IngestResponse resp_;
+  // The compression thread and what it shares with the caller's thread (under cmu_).
+  std::thread compressor_;
+  std::mutex cmu_;
+  std::condition_variable ccv_;
+  int pending_ = -1;          // a complete layer waiting for the thread
+  bool compressing_ = false;  // the thread is compressing a layer
+  bool stop_ = false;
+  absl::Status compressor_status_;  // its first error
+  size_t compression_peak_ = 0;     // the most device bytes one layer's compression held
+  bool peak_known_ = false;         // (known once a layer is done; mini: never)
 };
 
 }  // namespace
