@@ -41,6 +41,7 @@
 #include <atomic>
 #include <mutex>
 #include <numeric>
+#include <system_error>
 #include <thread>
 
 #include <spdlog/spdlog.h>
@@ -384,11 +385,20 @@ class IngestStreamImpl final : public Engine::IngestStream {
   // Hands a complete layer over once the previous one is compressed.
   absl::Status HandToCompressor(int l) {
     KVSHADE_RETURN_IF_ERROR(WaitCompressorIdle());
+    if (!compressor_.joinable()) {
+      try {
+        compressor_ = std::thread([this] { CompressLoop(); });
+      } catch (const std::system_error& e) {
+        // No thread to be had (a process or memory limit): this layer, and the next ones,
+        // are compressed on the caller's thread.
+        spdlog::warn("session '{}': ingest compresses inline, no compression thread: {}", s_->id, e.what());
+        return CompressInline(l);
+      }
+    }
     {
       std::lock_guard lock(cmu_);
       pending_ = l;
     }
-    if (!compressor_.joinable()) compressor_ = std::thread([this] { CompressLoop(); });
     ccv_.notify_all();
     return absl::OkStatus();
   }
@@ -404,16 +414,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
         pending_ = -1;
         compressing_ = true;
       }
-      absl::Status st = ProcessLayer(l);
-      LayerBuf& b = bufs_[l];
-      b.kd = DeviceBlock();
-      b.vd = DeviceBlock();
-      std::vector<bf16>().swap(b.qobs);
-      if (st.ok()) {
-        ++s_->layers_ingested;
-      } else {
-        st = absl::Status(st.code(), absl::StrCat("layer ", l, ": ", st.message()));
-      }
+      absl::Status st = Compress(l);
       {
         std::lock_guard lock(cmu_);
         compressing_ = false;
@@ -421,6 +422,25 @@ class IngestStreamImpl final : public Engine::IngestStream {
       }
       ccv_.notify_all();
     }
+  }
+
+  // Compresses layer l and frees its raw K/V; an error names the layer.
+  absl::Status Compress(int l) {
+    absl::Status st = ProcessLayer(l);
+    LayerBuf& b = bufs_[l];
+    b.kd = DeviceBlock();
+    b.vd = DeviceBlock();
+    std::vector<bf16>().swap(b.qobs);
+    if (!st.ok()) return absl::Status(st.code(), absl::StrCat("layer ", l, ": ", st.message()));
+    ++s_->layers_ingested;
+    return absl::OkStatus();
+  }
+
+  absl::Status CompressInline(int l) {
+    absl::Status st = Compress(l);
+    std::lock_guard lock(cmu_);
+    if (compressor_status_.ok()) compressor_status_ = st;
+    return st;
   }
 
   // Stops the thread after the layer it is compressing (a waiting one is dropped).
