@@ -316,8 +316,9 @@ class IngestStreamImpl final : public Engine::IngestStream {
     } else {
       KVSHADE_RETURN_IF_ERROR(UploadPart(m.k, shape, absl::StrCat(name, " k"), kdst, &staging_));
       KVSHADE_RETURN_IF_ERROR(UploadPart(m.v, shape, absl::StrCat(name, " v"), vdst, &staging_v_));
-      // The caller's bytes (and the staging buffers) may be reused once this returns.
-      KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
+      // bf16 parts went up unread: their values are checked on the device. The caller's
+      // bytes (and the staging buffers) may be reused once this returns.
+      KVSHADE_RETURN_IF_ERROR(CheckFiniteOnDevice(name, kdst, vdst));
     }
     if (direct_) {
       // Rotated now, while the part is fresh in cache; RoPE is per token, so part by part
@@ -454,19 +455,38 @@ class IngestStreamImpl final : public Engine::IngestStream {
   }
 
   // Starts copying a host part into the layer's device slice (the caller synchronizes):
-  // bf16 (the model's dtype) goes up straight from the caller's bytes once checked; other
-  // dtypes are converted through a part-sized host staging buffer.
+  // bf16 (the model's dtype) goes up straight from the caller's bytes, its layout checked
+  // here and its values on the device (CheckFiniteOnDevice); other dtypes are converted
+  // and checked through a part-sized host staging buffer.
   absl::Status UploadPart(const TensorView& t, absl::Span<const int64_t> shape,
                           const std::string& what, absl::Span<bf16> dst,
                           std::vector<bf16>* staging) {
     const ModelInfo& model = s_->model;
     if (model.dtype == v1::DTYPE_BF16) {
-      KVSHADE_RETURN_IF_ERROR(CheckTensor(t, shape, model.dtype, what));
+      KVSHADE_RETURN_IF_ERROR(CheckTensorLayout(t, shape, model.dtype, what));
       return e_.backend_->CopyFromHost(dst.data(), t.data.data(), Bf16Bytes(dst.size()));
     }
     staging->resize(dst.size());
     KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(t, shape, model.dtype, what, absl::MakeSpan(*staging)));
     return e_.backend_->CopyFromHost(dst.data(), staging->data(), Bf16Bytes(dst.size()));
+  }
+
+  // Waits for the part's uploads and checks that every value of its bf16 k and v slices
+  // is finite (on the device: the host never reads them). Converted dtypes were already
+  // checked on the host; checking them again costs one pass over device memory.
+  absl::Status CheckFiniteOnDevice(const std::string& name, absl::Span<const bf16> k,
+                                   absl::Span<const bf16> v) {
+    if (!finite_) {
+      KVSHADE_ASSIGN_OR_RETURN(finite_, e_.Alloc(2 * sizeof(int64_t), ArenaKind::kOther));
+    }
+    const absl::Span<int64_t> first(static_cast<int64_t*>(finite_.data()), 2);
+    KVSHADE_RETURN_IF_ERROR(e_.backend_->FirstNonFinite(k, first.subspan(0, 1)));
+    KVSHADE_RETURN_IF_ERROR(e_.backend_->FirstNonFinite(v, first.subspan(1, 1)));
+    int64_t host[2];
+    KVSHADE_RETURN_IF_ERROR(e_.Download(host, finite_.data(), sizeof(host)));
+    if (size_t(host[0]) < k.size()) return NonFiniteError(absl::StrCat(name, " k"), size_t(host[0]));
+    if (size_t(host[1]) < v.size()) return NonFiniteError(absl::StrCat(name, " v"), size_t(host[1]));
+    return absl::OkStatus();
   }
 
   // Reserves the segment's value block in the store (every profile: the store is also
@@ -930,6 +950,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
   absl::Status failed_;           // the stream's first error
   bool host_space_ = false;  // the backend's memory is host memory (cpu)
   std::vector<bf16> staging_, staging_v_;  // one part's k and v on their way to device memory
+  DeviceBlock finite_;  // [2] int64: CheckFiniteOnDevice's results for k and v
   bool direct_ = false;  // exact profile on a host-memory backend: parts land in the segment
   v1::IngestResponse resp_;
   // The compression thread and what it shares with the caller's thread (under cmu_).

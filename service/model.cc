@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kvshade/base/bf16.h"
 #include "kvshade/base/status_macros.h"
 
 namespace kvshade::service {
@@ -326,24 +327,10 @@ bool TensorEmpty(const v1::Tensor& t) { return t.shape_size() == 0 && t.data().e
 
 namespace {
 
-// Index of the first bf16 in x [n] whose exponent is all ones (inf or NaN), or n. Words of
-// four values are tested at once (a lane of (bits & 0x7f80) ^ 0x7f80 is zero exactly when
-// the value is not finite; the carry trick finds a zero lane), so that the check runs at
-// the speed of the copy it follows while the block is still in L1.
+// Index of the first bf16 in x [n] whose exponent is all ones (inf or NaN), or n.
 size_t FirstNonFiniteBf16(const bf16* x, size_t n) {
-  constexpr uint64_t kExp = 0x7f807f807f807f80ull, kOnes = 0x0001000100010001ull,
-                     kHigh = 0x8000800080008000ull;
-  size_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    uint64_t w;
-    std::memcpy(&w, x + i, 8);
-    const uint64_t t = (w & kExp) ^ kExp;
-    if (((t - kOnes) & ~t & kHigh) != 0) break;
-  }
-  for (; i < n; ++i) {
-    if ((x[i].bits & 0x7f80u) == 0x7f80u) return i;
-  }
-  return n;
+  static_assert(sizeof(bf16) == sizeof(uint16_t));
+  return base::FirstNonFiniteBf16Bits(reinterpret_cast<const uint16_t*>(x), n);
 }
 
 }  // namespace
@@ -421,8 +408,18 @@ absl::Status CheckTensor(const TensorView& t, absl::Span<const int64_t> shape, v
   size_t count = 0;
   KVSHADE_RETURN_IF_ERROR(CheckTensorHeader(t, shape, dtype, name, &count));
   const size_t bad = FirstNonFiniteBf16(reinterpret_cast<const bf16*>(t.data.data()), count);
-  if (bad < count) return Bad(name, absl::StrCat("holds a non-finite value at flat index ", bad));
+  if (bad < count) return NonFiniteError(name, bad);
   return absl::OkStatus();
+}
+
+absl::Status CheckTensorLayout(const TensorView& t, absl::Span<const int64_t> shape,
+                               v1::DType dtype, std::string_view what) {
+  size_t count = 0;
+  return CheckTensorHeader(t, shape, dtype, std::string(what), &count);
+}
+
+absl::Status NonFiniteError(std::string_view what, size_t index) {
+  return Bad(what, absl::StrCat("holds a non-finite value at flat index ", index));
 }
 
 absl::Status DecodeTensorInto(const TensorView& t, absl::Span<const int64_t> shape,
@@ -435,9 +432,7 @@ absl::Status DecodeTensorInto(const TensorView& t, absl::Span<const int64_t> sha
                                             out.size(), " values, the tensor ", count));
   }
   const char* src = t.data.data();
-  auto non_finite = [&](size_t i) {
-    return Bad(name, absl::StrCat("holds a non-finite value at flat index ", i));
-  };
+  auto non_finite = [&](size_t i) { return NonFiniteError(name, i); };
   if (dtype == v1::DTYPE_BF16) {
     // Copy and check block by block (8 KiB: the check reads what the copy just wrote from
     // L1), one pass over memory instead of two.

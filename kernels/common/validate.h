@@ -49,6 +49,9 @@ absl::Status Reconstruct(const LayerShape& shape, int C, int k, const RopeSpec& 
 absl::Status CopyRows(const void* src, const void* dst, size_t row_bytes, int n,
                       const int64_t* src_rows, const int64_t* dst_rows);
 
+// x non-null when count > 0; first holds exactly one value.
+absl::Status FirstNonFinite(const void* x, size_t count, size_t first_size);
+
 absl::Status Attend(const LayerShape& shape, float scale, absl::Span<const AttendItem> items,
                     const Workspace& ws, size_t ws_needed);
 

@@ -229,6 +229,13 @@ absl::Status Attend(const LayerShape& shape, float scale, absl::Span<const Atten
   return CheckWorkspace(kOp, ws, ws_needed);
 }
 
+absl::Status FirstNonFinite(const void* x, size_t count, size_t first_size) {
+  constexpr std::string_view kOp = "FirstNonFinite";
+  if (first_size != 1) return Bad(kOp, absl::StrCat("first must hold 1 value, got ", first_size));
+  if (count > 0 && x == nullptr) return Bad(kOp, absl::StrCat("x is null with ", count, " values"));
+  return absl::OkStatus();
+}
+
 absl::Status CopyRows(const void* src, const void* dst, size_t row_bytes, int n,
                       const int64_t* src_rows, const int64_t* dst_rows) {
   constexpr std::string_view kOp = "CopyRows";

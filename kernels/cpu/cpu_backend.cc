@@ -10,6 +10,7 @@
 
 
 #include "absl/strings/str_cat.h"
+#include "kvshade/base/bf16.h"
 #include "kvshade/base/status_macros.h"
 #include "common/validate.h"
 #include "kvshade/kernels/shared_memory.h"
@@ -82,6 +83,14 @@ absl::Status CpuBackend::CopyToHost(void* dst_host, const void* src, size_t byte
 absl::Status CpuBackend::Fill(void* dst, uint8_t byte, size_t bytes, Stream) {
   if (bytes != 0 && dst == nullptr) return absl::InvalidArgumentError("Fill: null pointer");
   if (bytes != 0) std::memset(dst, byte, bytes);
+  return absl::OkStatus();
+}
+
+absl::Status CpuBackend::FirstNonFinite(absl::Span<const bf16> x, absl::Span<int64_t> first,
+                                        Stream) {
+  KVSHADE_RETURN_IF_ERROR(validate::FirstNonFinite(x.data(), x.size(), first.size()));
+  first[0] = static_cast<int64_t>(
+      base::FirstNonFiniteBf16Bits(reinterpret_cast<const uint16_t*>(x.data()), x.size()));
   return absl::OkStatus();
 }
 

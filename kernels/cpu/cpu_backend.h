@@ -33,6 +33,8 @@ class CpuBackend final : public Backend {
   absl::StatusOr<Stream> CreateStream() override { return Stream{}; }
   absl::Status DestroyStream(Stream) override { return absl::OkStatus(); }
   absl::Status Synchronize(Stream) override { return absl::OkStatus(); }
+  absl::Status FirstNonFinite(absl::Span<const bf16> x, absl::Span<int64_t> first,
+                              Stream) override;
   absl::Status CopyRows(const void* src, void* dst, size_t row_bytes, int n,
                         const int64_t* src_rows, const int64_t* dst_rows, Stream) override;
   absl::StatusOr<PeerBuffer> OpenPeerBuffer(std::string_view handle) override;

@@ -40,6 +40,8 @@ class CudaBackend final : public Backend {
   absl::StatusOr<Stream> CreateStream() override;
   absl::Status DestroyStream(Stream) override;
   absl::Status Synchronize(Stream) override;
+  absl::Status FirstNonFinite(absl::Span<const bf16> x, absl::Span<int64_t> first,
+                              Stream stream) override;
   absl::Status CopyRows(const void* src, void* dst, size_t row_bytes, int n,
                         const int64_t* src_rows, const int64_t* dst_rows, Stream) override;
   absl::StatusOr<PeerBuffer> OpenPeerBuffer(std::string_view handle) override;

@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <set>
@@ -1089,6 +1090,47 @@ TEST(DecodeGpuTest, Copy2DMatchesCpu) {
   EXPECT_EQ(diff, 0u);
   EXPECT_EQ(gpu->Copy2D(dst_g.data(), 8, src_g.data(), pitch, 16, 2).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvshade::kernels
+
+namespace kvshade::kernels {
+namespace {
+
+TEST(DecodeGpuTest, FirstNonFiniteMatchesCpu) {
+  // The device check of uploaded ingest parts: the first NaN or infinity, wherever it is
+  // and however many follow, equals the CPU backend's answer.
+  KVSHADE_CUDA_OR_SKIP(gpu);
+  auto cpu = Cpu();
+  auto rng = MakeRng(33);
+  const size_t n = (size_t(1) << 22) + 37;  // many blocks of the grid-stride loop, and a tail
+  std::vector<bf16> x = RandomBf16(n, rng, 100.0f);
+  Buffer xg = Upload(*gpu, x);
+  Buffer first = gpu->Allocate(sizeof(int64_t)).value();
+  const bf16 nan = FloatToBf16(std::numeric_limits<float>::quiet_NaN());
+  const bf16 inf = FloatToBf16(-std::numeric_limits<float>::infinity());
+  std::vector<size_t> plants = {n, 0, 1, 255, 256, n / 2, n - 1};
+  for (size_t p : plants) {
+    std::vector<bf16> y = x;
+    if (p < n) {
+      y[p] = (p % 2) ? nan : inf;
+      for (size_t q = p + 1000; q < n; q += n / 7) y[q] = nan;  // later ones in other blocks
+      ASSERT_TRUE(gpu->CopyFromHost(xg.data(), y.data(), n * sizeof(bf16)).ok());
+    } else {
+      ASSERT_TRUE(gpu->CopyFromHost(xg.data(), x.data(), n * sizeof(bf16)).ok());
+    }
+    int64_t want = -1;
+    ASSERT_TRUE(cpu->FirstNonFinite(y, absl::MakeSpan(&want, 1)).ok());
+    ASSERT_TRUE(gpu->FirstNonFinite(absl::Span<const bf16>(static_cast<const bf16*>(xg.data()), n),
+                                    absl::Span<int64_t>(static_cast<int64_t*>(first.data()), 1)).ok());
+    const int64_t got = Download<int64_t>(*gpu, first.data(), 1)[0];
+    EXPECT_EQ(got, want) << "planted at " << p;
+    EXPECT_EQ(want, static_cast<int64_t>(p < n ? p : n));
+  }
+  // An empty array has none.
+  ASSERT_TRUE(gpu->FirstNonFinite(absl::Span<const bf16>(), absl::Span<int64_t>(static_cast<int64_t*>(first.data()), 1)).ok());
+  EXPECT_EQ(Download<int64_t>(*gpu, first.data(), 1)[0], 0);
 }
 
 }  // namespace

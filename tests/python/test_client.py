@@ -333,6 +333,34 @@ class ClientTest(unittest.TestCase):
         self.assertIn("ingesting", str(cm.exception))
         self.c.close_session(created.session_id)
 
+    def test_non_finite_values_are_refused_naming_the_tensor_and_index(self):
+        # A NaN or infinity anywhere in a part fails the stream with INVALID_ARGUMENT naming
+        # the layer, the tensor and the flat index, commits nothing, and a clean stream
+        # still commits. (On a CUDA daemon the values are checked on the device.)
+        n = 64
+        shadow = kvshade.Profile("shadow", rank=16, chunk_size=8, outliers=2, local_window=16)
+        for profile, bad_value, tensor in ((shadow, np.nan, "v"), (kvshade.Profile("exact"), np.inf, "k")):
+            tokens = self.rng.integers(0, 30000, n)
+            k, v = self.kv(n)
+            created = self.c.create_session(model(), profile, tokens)
+            t, h, d = 37, 1, 5
+            flat = (t * H + h) * D + d
+            bad_k, bad_v = k.copy(), v.copy()
+            (bad_v if tensor == "v" else bad_k)[1, t, h, d] = bad_value
+            with self.assertRaises(kvshade.InvalidArgument) as cm:
+                with self.c.ingest(created.session_id) as ing:
+                    for l in range(L):
+                        ing.layer(l, bad_k[l], bad_v[l])
+                    ing.commit()
+            self.assertIn("layer 1 %s holds a non-finite value at flat index %d" % (tensor, flat),
+                          str(cm.exception))
+            self.assertEqual(self.c.get_session(created.session_id)["state"], "ingesting")
+            with self.c.ingest(created.session_id) as ing:
+                for l in range(L):
+                    ing.layer(l, k[l], v[l])
+                self.assertEqual(ing.commit(), n)
+            self.c.close_session(created.session_id)
+
     def test_package_loads_library_next_to_it(self):
         # A copy of the package with libkvshade.so inside it, in a fresh interpreter without
         # KVSHADE_LIB: the library next to the package is found and works.

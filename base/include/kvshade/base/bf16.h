@@ -3,6 +3,7 @@
 // tensors of the client and the daemon's decoders all convert through these.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 
@@ -21,6 +22,25 @@ inline uint16_t FloatToBf16Bits(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
   u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
   return static_cast<uint16_t>(u >> 16);
+}
+
+inline bool Bf16BitsNonFinite(uint16_t bits) { return (bits & 0x7f80u) == 0x7f80u; }
+
+// The index of the first NaN or infinity among n bf16 values (raw bits), or n when every
+// value is finite. Blocks of 256 are tested without a branch per value (the compiler
+// vectorizes them); only a block with a non-finite value is searched element by element.
+inline size_t FirstNonFiniteBf16Bits(const uint16_t* x, size_t n) {
+  constexpr size_t kBlock = 256;
+  size_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    unsigned bad = 0;
+    for (size_t j = 0; j < kBlock; ++j) bad |= Bf16BitsNonFinite(x[i + j]) ? 1u : 0u;
+    if (bad != 0) break;
+  }
+  for (; i < n; ++i) {
+    if (Bf16BitsNonFinite(x[i])) return i;
+  }
+  return n;
 }
 
 }  // namespace kvshade::base

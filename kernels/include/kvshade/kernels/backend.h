@@ -357,6 +357,11 @@ class Backend {
   virtual absl::StatusOr<Stream> CreateStream() = 0;
   virtual absl::Status DestroyStream(Stream stream) = 0;
   virtual absl::Status Synchronize(Stream stream = {}) = 0;
+  // first [1] int64 (backend memory) = the flat index of the first non-finite value (NaN
+  // or infinity) of x, or x.size() when every value is finite: how a device backend checks
+  // bytes it was handed without reading them on the host.
+  virtual absl::Status FirstNonFinite(absl::Span<const bf16> x, absl::Span<int64_t> first,
+                                      Stream stream = {}) = 0;
 
   // --- RoPE ---
   // x [n, heads, d] bf16, in place; positions [n] int64 absolute.

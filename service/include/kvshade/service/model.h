@@ -100,6 +100,12 @@ absl::Status DecodeTensorInto(const TensorView& t, absl::Span<const int64_t> sha
 // finite.
 absl::Status CheckTensor(const TensorView& t, absl::Span<const int64_t> shape, v1::DType dtype,
                          std::string_view what);
+// CheckTensor without reading the values (dtype, shape, byte size), for bytes whose values
+// are checked where they land (e.g. on the device, Backend::FirstNonFinite); a non-finite
+// value found there is reported with NonFiniteError.
+absl::Status CheckTensorLayout(const TensorView& t, absl::Span<const int64_t> shape,
+                               v1::DType dtype, std::string_view what);
+absl::Status NonFiniteError(std::string_view what, size_t index);
 // A view of a v1 tensor's bytes (valid while `t` is); a shape of rank > kMaxRank becomes
 // [-1, -1, -1, -1], which no shape check accepts.
 TensorView ViewOf(const v1::Tensor& t);
