@@ -310,6 +310,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
       // Same node: the part is in the worker's GPU memory (service/README.md "Ingest").
       KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->k(), shape, absl::StrCat(name, " k"), kdst, &peers_));
       KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->v(), shape, absl::StrCat(name, " v"), vdst, &peers_));
+      KVSHADE_RETURN_IF_ERROR(CheckFiniteOnDevice(name, kdst, vdst));
     } else if (host_space_) {
       KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.k, shape, model.dtype, absl::StrCat(name, " k"), kdst));
       KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v, shape, model.dtype, absl::StrCat(name, " v"), vdst));
@@ -471,8 +472,8 @@ class IngestStreamImpl final : public Engine::IngestStream {
     return e_.backend_->CopyFromHost(dst.data(), staging->data(), Bf16Bytes(dst.size()));
   }
 
-  // Waits for the part's uploads and checks that every value of its bf16 k and v slices
-  // is finite (on the device: the host never reads them). Converted dtypes were already
+  // Waits for the part's uploads (or peer copies) and checks that every value of its bf16
+  // k and v slices is finite (on the device: the host never reads them). Converted dtypes were already
   // checked on the host; checking them again costs one pass over device memory.
   absl::Status CheckFiniteOnDevice(const std::string& name, absl::Span<const bf16> k,
                                    absl::Span<const bf16> v) {

@@ -187,6 +187,29 @@ class LocalDecoderTest(unittest.TestCase):
             np.testing.assert_array_equal(self.client.attend(layer, [atts[0]], q),
                                           self.client.attend(layer, [atts[1]], q))
 
+    def test_ingest_from_gpu_memory_refuses_non_finite_values(self):
+        # A NaN in a layer read from this process's GPU memory fails the stream like one in
+        # inline bytes: INVALID_ARGUMENT naming the layer, tensor and flat index; nothing
+        # is committed.
+        if DEVICE != "cuda":
+            self.skipTest("needs a CUDA daemon and device (KVSHADE_TEST_BACKEND=cuda)")
+        rng = np.random.default_rng(10)
+        ids = rng.integers(0, 1000, N).tolist()
+        k = torch.from_numpy(rng.standard_normal((N, H, D)).astype(np.float32)).to(torch.bfloat16).cuda()
+        v = k.clone()
+        t, h, d = N // 2, H - 1, 3
+        v[t, h, d] = float("nan")
+        created = self.client.create_session(kvshade.ModelSpec("test/ingest-nan", L, HQ, H, D), self.profile, ids)
+        self.addCleanup(self.client.close_session, created.session_id)
+        with self.assertRaises(kvshade.InvalidArgument) as cm:
+            with self.client.ingest(created.session_id, "bf16") as ing:
+                for layer in range(L):
+                    ing.layer_cuda(layer, k, v if layer == L - 1 else k)
+                ing.commit()
+        self.assertIn("layer %d v holds a non-finite value at flat index %d" % (L - 1, (t * H + h) * D + d),
+                      str(cm.exception))
+        self.assertEqual(self.client.get_session(created.session_id)["state"], "ingesting")
+
     def test_bad_input_is_an_error(self):
         (a,) = [self.attach(1)]
         with LocalDecoder(self.client, [a], backend=BACKEND) as dec:
