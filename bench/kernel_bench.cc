@@ -6,7 +6,8 @@
 //             each step), the Quest-style offload pattern minus its K transfer
 //
 // Usage: kvshade_kernel_bench [--backend cpu|cuda|auto] [--preset small|full] [--reps N]
-//                             [--only SUBSTRING]
+//                             [--only SUBSTRING] [--tokens N] [--rank R] [--outliers O]
+//                             [--codec bf16|int4]  (overrides of the preset)
 //   full  : n = 131072 tokens, h=8, g=4, d=128, r=160, C=8, k=256, batch 1/8/24 (H200)
 //   small : n = 16384, batch 1/4 (CPU, `make demo`)
 // Timing: warm-up call, then `reps` timed calls, each followed by Synchronize; the median
@@ -41,6 +42,9 @@ struct Options {
   std::string preset = "";
   int reps = 20;
   std::string only;
+  // Overrides of the preset, e.g. to put the compress row beside a service run's shapes.
+  int tokens = 0, rank = 0, outliers = -1;
+  std::string codec = "bf16";  // the compress row's value codec: bf16 or int4
 };
 
 struct Cost {
@@ -261,18 +265,23 @@ void RunAll(Backend& be, const Options& opt, const Preset& p) {
   // encoded into host-visible memory (the value store's block). Floor: K and V read once,
   // A written, values over PCIe.
   {
+    const ValueCodecSpec cspec{opt.codec == "int4" ? ValueCodec::kINT4 : ValueCodec::kBF16,
+                               kDefaultKiviGroup};
+    const size_t cchunk = Value(ValueChunkBytes(cspec, C, p.d), "ValueChunkBytes");
     Buffer k_in = bench.RandomBf16(size_t(n) * D), v_in = bench.RandomBf16(size_t(n) * D);
-    Buffer vals_host = bench.AllocHost(size_t(p.h) * ((n - 32) / C) * vchunk);
+    Buffer vals_host = bench.AllocHost(size_t(p.h) * ((n - 32) / C) * cchunk);
     ShadowParams sp;
     sp.C = C;
     sp.rank = r;
     sp.subspace_iterations = 4;
-    sp.codec = vspec;
+    sp.codec = cspec;
+    if (opt.outliers >= 0) sp.outliers = opt.outliers;
     Cost c;
     c.hbm_bytes = 2.0 * n * D * 2 + 2.0 * n * r;
-    c.pcie_bytes = 2.0 * n * D;
+    c.pcie_bytes = double(p.h) * ((n - 32) / C) * cchunk;
     c.flops = 2.0 * n * D * D + 2.0 * n * D * r;
-    std::snprintf(shp, sizeof shp, "n=%d D=%d r=%d bf16 values", n, D, r);
+    std::snprintf(shp, sizeof shp, "n=%d D=%d r=%d %d outliers %s values", n, D, r, sp.outliers,
+                  opt.codec.c_str());
     bench.Run("compress_shadow_layer", shp, c, [&]() -> absl::Status {
       return CompressShadowLayer(be, shape, rope, sp, k_in.span<const bf16>(),
                                  v_in.span<const bf16>(), n, 0, nullptr, {}, nullptr,
@@ -459,10 +468,15 @@ int main(int argc, char** argv) {
     else if (a == "--preset") opt.preset = next();
     else if (a == "--reps") opt.reps = std::max(1, std::atoi(next().c_str()));
     else if (a == "--only") opt.only = next();
+    else if (a == "--tokens") opt.tokens = std::atoi(next().c_str());
+    else if (a == "--rank") opt.rank = std::atoi(next().c_str());
+    else if (a == "--outliers") opt.outliers = std::atoi(next().c_str());
+    else if (a == "--codec") opt.codec = next();
     else {
       std::fprintf(stderr,
                    "usage: %s [--backend cpu|cuda|auto] [--preset small|full] [--reps N] "
-                   "[--only SUBSTRING]\n", argv[0]);
+                   "[--only SUBSTRING] [--tokens N] [--rank R] [--outliers O] [--codec bf16|int4]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -477,6 +491,12 @@ int main(int argc, char** argv) {
   else if (opt.preset == "small") p = Preset{16384, 8, 4, 128, 160, 8, 256, {1, 4}};
   else {
     std::fprintf(stderr, "unknown preset %s\n", opt.preset.c_str());
+    return 2;
+  }
+  if (opt.tokens > 0) p.n = opt.tokens;
+  if (opt.rank > 0) p.r = opt.rank;
+  if (opt.codec != "bf16" && opt.codec != "int4") {
+    std::fprintf(stderr, "unknown codec %s (bf16 or int4)\n", opt.codec.c_str());
     return 2;
   }
   RunAll(**be, opt, p);
