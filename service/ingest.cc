@@ -145,6 +145,11 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
   ~IngestStreamImpl() override {
     StopCompressor();
+    if (upload_created_) {
+      // Nothing of this stream may still be in flight when its memory is freed.
+      e_.backend_->Synchronize(upload_).IgnoreError();
+      e_.backend_->DestroyStream(upload_).IgnoreError();
+    }
     for (const std::string& h : peers_) e_.ReleasePeer(h);
     if (!committed_ && store_created_) e_.store_->Erase(seg_id_).IgnoreError();
     if (!committed_) {
@@ -310,16 +315,20 @@ class IngestStreamImpl final : public Engine::IngestStream {
       // Same node: the part is in the worker's GPU memory (service/README.md "Ingest").
       KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->k(), shape, absl::StrCat(name, " k"), kdst, &peers_));
       KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->v(), shape, absl::StrCat(name, " v"), vdst, &peers_));
-      KVSHADE_RETURN_IF_ERROR(CheckFiniteOnDevice(name, kdst, vdst));
+      KVSHADE_RETURN_IF_ERROR(CheckFiniteOnDevice(name, kdst, vdst, kernels::Stream{}));
     } else if (host_space_) {
       KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.k, shape, model.dtype, absl::StrCat(name, " k"), kdst));
       KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v, shape, model.dtype, absl::StrCat(name, " v"), vdst));
     } else {
-      KVSHADE_RETURN_IF_ERROR(UploadPart(m.k, shape, absl::StrCat(name, " k"), kdst, &staging_));
-      KVSHADE_RETURN_IF_ERROR(UploadPart(m.v, shape, absl::StrCat(name, " v"), vdst, &staging_v_));
-      // bf16 parts went up unread: their values are checked on the device. The caller's
-      // bytes (and the staging buffers) may be reused once this returns.
-      KVSHADE_RETURN_IF_ERROR(CheckFiniteOnDevice(name, kdst, vdst));
+      // On the stream's own device stream, so that neither waits for the compression's
+      // kernels (AllocLayer orders it after earlier users of the layer's memory). bf16
+      // parts go up unread and their values are checked on the device. The caller's bytes
+      // (and the staging buffers) may be reused once this returns, an error included.
+      absl::Status st = UploadPart(m.k, shape, absl::StrCat(name, " k"), kdst, &staging_);
+      if (st.ok()) st = UploadPart(m.v, shape, absl::StrCat(name, " v"), vdst, &staging_v_);
+      if (st.ok()) st = CheckFiniteOnDevice(name, kdst, vdst, upload_);
+      if (!st.ok()) e_.backend_->Synchronize(upload_).IgnoreError();
+      KVSHADE_RETURN_IF_ERROR(st);
     }
     if (direct_) {
       // Rotated now, while the part is fresh in cache; RoPE is per token, so part by part
@@ -344,8 +353,9 @@ class IngestStreamImpl final : public Engine::IngestStream {
     {
       std::unique_lock lock(cmu_);
       const bool busy = pending_ >= 0 || compressing_;
-      if (busy && (!peak_known_ ||
-                   e_.DeviceFreeBytes() < 2 * bytes + compression_peak_)) {
+      // Before a layer is done: the working copy of the keys, the factors and the rest.
+      const size_t reserve = peak_known_ ? compression_peak_ : 3 * bytes;
+      if (busy && e_.DeviceFreeBytes() < 2 * bytes + reserve) {
         lock.unlock();
         KVSHADE_RETURN_IF_ERROR(WaitCompressorIdle());
       }
@@ -361,6 +371,19 @@ class IngestStreamImpl final : public Engine::IngestStream {
     if (!v.ok()) return v.status();
     b.kd = *std::move(k);
     b.vd = *std::move(v);
+    if (!host_space_) {
+      if (!finite_) {
+        KVSHADE_ASSIGN_OR_RETURN(finite_, e_.Alloc(2 * sizeof(int64_t), ArenaKind::kOther));
+      }
+      if (!upload_created_) {
+        KVSHADE_ASSIGN_OR_RETURN(upload_, e_.backend_->CreateStream());
+        upload_created_ = true;
+      }
+      // Whoever used this memory before may still have work queued on the default stream;
+      // the upload stream does not wait for it, so the layer starts after it (once per
+      // layer, not per part).
+      KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
+    }
     return absl::OkStatus();
   }
 
@@ -465,26 +488,23 @@ class IngestStreamImpl final : public Engine::IngestStream {
     const ModelInfo& model = s_->model;
     if (model.dtype == v1::DTYPE_BF16) {
       KVSHADE_RETURN_IF_ERROR(CheckTensorLayout(t, shape, model.dtype, what));
-      return e_.backend_->CopyFromHost(dst.data(), t.data.data(), Bf16Bytes(dst.size()));
+      return e_.backend_->CopyFromHost(dst.data(), t.data.data(), Bf16Bytes(dst.size()), upload_);
     }
     staging->resize(dst.size());
     KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(t, shape, model.dtype, what, absl::MakeSpan(*staging)));
-    return e_.backend_->CopyFromHost(dst.data(), staging->data(), Bf16Bytes(dst.size()));
+    return e_.backend_->CopyFromHost(dst.data(), staging->data(), Bf16Bytes(dst.size()), upload_);
   }
 
   // Waits for the part's uploads (or peer copies) and checks that every value of its bf16
   // k and v slices is finite (on the device: the host never reads them). Converted dtypes were already
   // checked on the host; checking them again costs one pass over device memory.
   absl::Status CheckFiniteOnDevice(const std::string& name, absl::Span<const bf16> k,
-                                   absl::Span<const bf16> v) {
-    if (!finite_) {
-      KVSHADE_ASSIGN_OR_RETURN(finite_, e_.Alloc(2 * sizeof(int64_t), ArenaKind::kOther));
-    }
+                                   absl::Span<const bf16> v, kernels::Stream stream) {
     const absl::Span<int64_t> first(static_cast<int64_t*>(finite_.data()), 2);
-    KVSHADE_RETURN_IF_ERROR(e_.backend_->FirstNonFinite(k, first.subspan(0, 1)));
-    KVSHADE_RETURN_IF_ERROR(e_.backend_->FirstNonFinite(v, first.subspan(1, 1)));
+    KVSHADE_RETURN_IF_ERROR(e_.backend_->FirstNonFinite(k, first.subspan(0, 1), stream));
+    KVSHADE_RETURN_IF_ERROR(e_.backend_->FirstNonFinite(v, first.subspan(1, 1), stream));
     int64_t host[2];
-    KVSHADE_RETURN_IF_ERROR(e_.Download(host, finite_.data(), sizeof(host)));
+    KVSHADE_RETURN_IF_ERROR(e_.DownloadOn(stream, host, finite_.data(), sizeof(host)));
     if (size_t(host[0]) < k.size()) return NonFiniteError(absl::StrCat(name, " k"), size_t(host[0]));
     if (size_t(host[1]) < v.size()) return NonFiniteError(absl::StrCat(name, " v"), size_t(host[1]));
     return absl::OkStatus();
@@ -952,6 +972,8 @@ class IngestStreamImpl final : public Engine::IngestStream {
   bool host_space_ = false;  // the backend's memory is host memory (cpu)
   std::vector<bf16> staging_, staging_v_;  // one part's k and v on their way to device memory
   DeviceBlock finite_;  // [2] int64: CheckFiniteOnDevice's results for k and v
+  kernels::Stream upload_;       // device backends: this stream's parts go up on it
+  bool upload_created_ = false;
   bool direct_ = false;  // exact profile on a host-memory backend: parts land in the segment
   v1::IngestResponse resp_;
   // The compression thread and what it shares with the caller's thread (under cmu_).
