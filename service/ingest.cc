@@ -28,10 +28,12 @@
 // stream holds at most two layers of raw K/V (the one compressing and the one arriving);
 // when the device budget cannot hold both, the arriving layer waits for the compressing
 // one to free its memory. A compression error fails the stream at its next message (or at
-// the commit), naming the layer.
+// the commit), naming the layer. On a device backend the parts go up on the stream's own
+// non-blocking device stream, so they do not queue behind the compression's kernels.
 //
 // Copies: a part's tensors are decoded (checked) straight into the slice of the layer they
-// fill, never through a temporary. For the exact profile on a backend whose memory is host
+// fill, never through a temporary; on a device backend a bf16 part is copied up unread
+// and its values are checked on the device. For the exact profile on a backend whose memory is host
 // memory (CPU), that slice is the segment's own block: keys are rotated part by part as
 // they arrive and the completed layer is handed over without another copy.
 #include <algorithm>
@@ -495,8 +497,8 @@ class IngestStreamImpl final : public Engine::IngestStream {
     return e_.backend_->CopyFromHost(dst.data(), staging->data(), Bf16Bytes(dst.size()), upload_);
   }
 
-  // Waits for the part's uploads (or peer copies) and checks that every value of its bf16
-  // k and v slices is finite (on the device: the host never reads them). Converted dtypes were already
+  // Waits for the part's uploads (or peer copies) on `stream` and checks that every value
+  // of its bf16 k and v slices is finite, on the device. Converted dtypes were already
   // checked on the host; checking them again costs one pass over device memory.
   absl::Status CheckFiniteOnDevice(const std::string& name, absl::Span<const bf16> k,
                                    absl::Span<const bf16> v, kernels::Stream stream) {
