@@ -8,6 +8,8 @@
 // Usage: kvshade_kernel_bench [--backend cpu|cuda|auto] [--preset small|full] [--reps N]
 //                             [--only SUBSTRING] [--tokens N] [--rank R] [--outliers O]
 //                             [--codec bf16|int4]  (overrides of the preset)
+//                             [--shared-host auto|file]  (host-visible memory made shareable,
+//                             as a daemon that exports its state allocates its value store)
 //   full  : n = 131072 tokens, h=8, g=4, d=128, r=160, C=8, k=256, batch 1/8/24 (H200)
 //   small : n = 16384, batch 1/4 (CPU, `make demo`)
 // Timing: warm-up call, then `reps` timed calls, each followed by Synchronize; the median
@@ -45,6 +47,7 @@ struct Options {
   // Overrides of the preset, e.g. to put the compress row beside a service run's shapes.
   int tokens = 0, rank = 0, outliers = -1;
   std::string codec = "bf16";  // the compress row's value codec: bf16 or int4
+  std::string shared_host;     // "", auto or file: Backend::EnableSharedMemory first
 };
 
 struct Cost {
@@ -141,8 +144,9 @@ void RunAll(Backend& be, const Options& opt, const Preset& p) {
   const int n_chunks = (n - 32) / C;
   char shp[128];
 
-  std::printf("# backend=%s preset n=%d h=%d g=%d d=%d r=%d C=%d k=%d reps=%d\n",
-              std::string(be.name()).c_str(), n, p.h, p.g, p.d, r, C, k, opt.reps);
+  std::printf("# backend=%s preset n=%d h=%d g=%d d=%d r=%d C=%d k=%d reps=%d%s%s\n",
+              std::string(be.name()).c_str(), n, p.h, p.g, p.d, r, C, k, opt.reps,
+              opt.shared_host.empty() ? "" : " shared-host=", opt.shared_host.c_str());
   std::printf("# floors are the H200's: max(HBM bytes / 4.23 TB/s, PCIe bytes / 55 GB/s, "
               "FLOPs / 790 TFLOP/s)\n");
   std::printf("%-28s %-34s %10s %10s %10s %10s %10s %9s\n", "op", "shape", "median_ms", "HBM_MB",
@@ -472,10 +476,12 @@ int main(int argc, char** argv) {
     else if (a == "--rank") opt.rank = std::atoi(next().c_str());
     else if (a == "--outliers") opt.outliers = std::atoi(next().c_str());
     else if (a == "--codec") opt.codec = next();
+    else if (a == "--shared-host") opt.shared_host = next();
     else {
       std::fprintf(stderr,
                    "usage: %s [--backend cpu|cuda|auto] [--preset small|full] [--reps N] "
-                   "[--only SUBSTRING] [--tokens N] [--rank R] [--outliers O] [--codec bf16|int4]\n",
+                   "[--only SUBSTRING] [--tokens N] [--rank R] [--outliers O] [--codec bf16|int4] "
+                   "[--shared-host auto|file]\n",
                    argv[0]);
       return 2;
     }
@@ -484,6 +490,12 @@ int main(int argc, char** argv) {
   if (!be.ok()) {
     std::fprintf(stderr, "kernel_bench: %s\n", std::string(be.status().message()).c_str());
     return 1;
+  }
+  if (opt.shared_host == "auto") (*be)->EnableSharedMemory(SharedHostMemory::kAuto);
+  else if (opt.shared_host == "file") (*be)->EnableSharedMemory(SharedHostMemory::kFile);
+  else if (!opt.shared_host.empty()) {
+    std::fprintf(stderr, "unknown --shared-host %s (auto or file)\n", opt.shared_host.c_str());
+    return 2;
   }
   if (opt.preset.empty()) opt.preset = (*be)->space() == MemorySpace::kDevice ? "full" : "small";
   Preset p;

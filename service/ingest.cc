@@ -311,6 +311,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
     // backend, through a part-sized host staging copy on a device, and copied device to
     // device when the worker shares its GPU memory (cuda_ipc).
     if (!b.kd) KVSHADE_RETURN_IF_ERROR(AllocLayer(b, Bf16Bytes(size_t(n_) * row)));
+    StageTimer parts_timer(e_.metrics_, "ingest_parts");
     const absl::Span<bf16> kdst(static_cast<bf16*>(b.kd.data()) + off, len);
     const absl::Span<bf16> vdst(static_cast<bf16*>(b.vd.data()) + off, len);
     if (peer != nullptr) {
@@ -384,6 +385,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
       // Whoever used this memory before may still have work queued on the default stream;
       // the upload stream does not wait for it, so the layer starts after it (once per
       // layer, not per part).
+      StageTimer timer(e_.metrics_, "ingest_wait");
       KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
     }
     return absl::OkStatus();
@@ -393,6 +395,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
   // Waits until no layer is being compressed; returns the compressor's first error.
   absl::Status WaitCompressorIdle() {
+    StageTimer timer(e_.metrics_, "ingest_wait");
     std::unique_lock lock(cmu_);
     ccv_.wait(lock, [&] { return pending_ < 0 && !compressing_; });
     return compressor_status_;

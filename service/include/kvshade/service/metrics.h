@@ -50,8 +50,7 @@ class Metrics {
   // is also counted in kvshade_errors_total; call Error() only for failures that are not
   // reported through ObserveRpc.
   void ObserveRpc(std::string_view method, int grpc_code, double seconds);
-  // stages: ingest_rope, ingest_factorize, ingest_project, ingest_landmarks, ingest_values,
-  // select, reconstruct, attend, append, spill, page_in
+  // stages: KnownStages() in metrics.cc (service/README.md "Metrics"); any other is "other"
   void ObserveStage(std::string_view stage, double seconds);
   // tier: device|host|spill. kind="total" of a tier is kept here, the sum of its other
   // kinds (a call with kind "total" is ignored); every tier has one from the start (0).
