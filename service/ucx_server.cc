@@ -514,11 +514,8 @@ absl::Status UcxServer::AddLayerPart(Engine::IngestStream& stream, const v1::Dat
                                      const v1::IngestLayer& layer, std::string_view payload) {
   // The body's tensors in wire order (transport/frame.h BodyTensors): k, v, observation
   // queries, those present.
-  const v1::Tensor* tensors[3];
-  size_t n = 0;
-  if (layer.has_k()) tensors[n++] = &layer.k();
-  if (layer.has_v()) tensors[n++] = &layer.v();
-  if (layer.has_observation_queries()) tensors[n++] = &layer.observation_queries();
+  const size_t n = size_t{layer.has_k()} + size_t{layer.has_v()} +
+                  size_t{layer.has_observation_queries()};
   KVSHADE_ASSIGN_OR_RETURN(std::vector<std::string_view> bytes,
                            transport::SplitParts(h, payload, n, "Ingest"));
   IngestLayerView part;
