@@ -6,7 +6,7 @@
 // [ObservationMass(Qobs, Kr) -> ChunkSum -> TopK(largest, static masked) -> heavy chunks];
 // EncodeValueChunks(V) -> host-visible store; then the static set and the tail are gathered.
 // Everything stays in backend memory: the post-RoPE keys are a device copy of K_pre, the
-// static set, the INT2 heavy rows and the tail are gathered with Copy/Copy2D, and the values
+// static set and the INT2 heavy rows are gathered with CopyRows, the tail with Copy, and the values
 // are encoded by the backend straight into host-visible memory (the caller's block when
 // values_out is given, e.g. the host value store's slab). Only small things cross to the
 // host: the outlier/heavy chunk ids (TopK results) and the eigenvalues.
@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <string>
 
@@ -80,6 +81,55 @@ absl::StatusOr<std::vector<int32_t>> TopKChunks(Mem& mem, const Buffer& scores,
   for (int hh = 0; hh < h; ++hh) std::sort(ids.begin() + size_t(hh) * k, ids.begin() + size_t(hh + 1) * k);
   return ids;
 }
+
+// Rows of d elements gathered out of a [n, h, d] tensor (row token * h + head): whole
+// chunks of the static set and the INT2 heavy rows with their padding. With rows of a
+// multiple of 16 bytes this is one CopyRows launch per tensor from a row index uploaded
+// once (a static set of 49 chunks x 8 heads would otherwise be 392 copies per tensor);
+// other head dims copy row by row.
+class RowGather {
+ public:
+  RowGather(Mem& mem, int h, int d, int C) : mem_(mem), h_(h), d_(d), C_(C) {}
+
+  // The C tokens of chunk `chunk` of head `head` to destination rows dst_row...
+  void AddChunk(int head, int chunk, size_t dst_row) {
+    for (int t = 0; t < C_; ++t) AddRow(int64_t(chunk) * C_ + t, head, dst_row + t);
+  }
+  void AddRow(int64_t token, int head, size_t dst_row) {
+    src_.push_back(token * h_ + head);
+    dst_.push_back(int64_t(dst_row));
+  }
+
+  absl::Status Prepare(Stream stream) {
+    if (src_.empty() || RowBytes() % 16 != 0 || src_.size() > size_t(std::numeric_limits<int>::max())) {
+      return absl::OkStatus();
+    }
+    std::vector<int64_t> idx(src_);
+    idx.insert(idx.end(), dst_.begin(), dst_.end());
+    KVSHADE_ASSIGN_OR_RETURN(index_, Upload(mem_, idx.data(), idx.size(), BufferKind::kScratch, stream));
+    return absl::OkStatus();
+  }
+
+  absl::Status Copy(const bf16* src, bf16* dst, Stream stream) const {
+    const int n = static_cast<int>(src_.size());
+    if (index_.data() != nullptr) {
+      const auto* idx = static_cast<const int64_t*>(index_.data());
+      return mem_.be.CopyRows(src, dst, RowBytes(), n, idx, idx + n, stream);
+    }
+    for (size_t i = 0; i < src_.size(); ++i) {
+      KVSHADE_RETURN_IF_ERROR(mem_.be.Copy(dst + size_t(dst_[i]) * d_, src + size_t(src_[i]) * d_,
+                                           RowBytes(), stream));
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  size_t RowBytes() const { return size_t(d_) * sizeof(bf16); }
+  Mem& mem_;
+  int h_, d_, C_;
+  std::vector<int64_t> src_, dst_;
+  Buffer index_;
+};
 
 }  // namespace
 
@@ -306,12 +356,9 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
 
   // --- static set: exact sink/outlier chunks, then heavy chunks; and the tail ---
   // Gathered in backend memory: chunk c of head hh is C rows of d elements, D apart.
-  const size_t row = size_t(d) * sizeof(bf16), src_pitch = size_t(D) * sizeof(bf16);
+  const size_t row = size_t(d) * sizeof(bf16);
   const bf16* kr_d = static_cast<const bf16*>(kr.data());
   const bf16* v_d = v.data();
-  auto chunk_src = [&](const bf16* base, int hh, int chunk) {
-    return base + size_t(chunk) * C * D + size_t(hh) * d;
-  };
   const int n_exact = sink + L.n_outliers;
   L.static_capacity = n_exact + L.n_heavy;
   L.static_count.assign(h, L.static_capacity);
@@ -331,13 +378,17 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
   }
   bf16* sk = static_cast<bf16*>(L.static_k.data());
   bf16* sv = static_cast<bf16*>(L.static_v.data());
-  for (int hh = 0; hh < h; ++hh) {
-    for (int i = 0; i < n_exact; ++i) {
-      const int chunk = L.static_chunks[size_t(hh) * L.static_capacity + i];
-      const size_t dst = (size_t(hh) * rows_per_head + size_t(i) * C) * d;
-      KVSHADE_RETURN_IF_ERROR(be.Copy2D(sk + dst, row, chunk_src(kr_d, hh, chunk), src_pitch, row, C, stream));
-      KVSHADE_RETURN_IF_ERROR(be.Copy2D(sv + dst, row, chunk_src(v_d, hh, chunk), src_pitch, row, C, stream));
+  {
+    RowGather exact(mem, h, d, C);
+    for (int hh = 0; hh < h; ++hh) {
+      for (int i = 0; i < n_exact; ++i) {
+        exact.AddChunk(hh, L.static_chunks[size_t(hh) * L.static_capacity + i],
+                       size_t(hh) * rows_per_head + size_t(i) * C);
+      }
     }
+    KVSHADE_RETURN_IF_ERROR(exact.Prepare(stream));
+    KVSHADE_RETURN_IF_ERROR(exact.Copy(kr_d, sk, stream));
+    KVSHADE_RETURN_IF_ERROR(exact.Copy(v_d, sv, stream));
   }
 
   if (L.n_heavy > 0) {
@@ -357,22 +408,21 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
     };
     Part parts[2] = {{kr_d, sk, &L.heavy_k_layout, &L.heavy_k_codes, &L.heavy_k_scale, &L.heavy_k_min},
                      {v_d, sv, &L.heavy_v_layout, &L.heavy_v_codes, &L.heavy_v_scale, &L.heavy_v_min}};
+    // Each head: its heavy chunks, then copies of its last heavy token up to a whole group.
+    RowGather heavy(mem, h, d, C);
+    for (int hh = 0; hh < h; ++hh) {
+      const int32_t* chunks = L.heavy_chunks.data() + size_t(hh) * L.n_heavy;
+      const size_t first = size_t(hh) * L.heavy_rows_per_head;
+      for (int j = 0; j < L.n_heavy; ++j) heavy.AddChunk(hh, chunks[j], first + size_t(j) * C);
+      const int64_t last = int64_t(chunks[L.n_heavy - 1]) * C + C - 1;
+      for (int rr = heavy_rows; rr < L.heavy_rows_per_head; ++rr) heavy.AddRow(last, hh, first + rr);
+    }
+    KVSHADE_RETURN_IF_ERROR(heavy.Prepare(stream));
     for (Part& q : parts) {
       const KiviLayout& l = *q.layout;
       KVSHADE_ASSIGN_OR_RETURN(Buffer x, AllocElems<bf16>(mem, size_t(rows) * d, BufferKind::kScratch));
       bf16* xd = static_cast<bf16*>(x.data());
-      for (int hh = 0; hh < h; ++hh) {
-        bf16* head = xd + size_t(hh) * L.heavy_rows_per_head * d;
-        const int32_t* chunks = L.heavy_chunks.data() + size_t(hh) * L.n_heavy;
-        for (int j = 0; j < L.n_heavy; ++j) {
-          KVSHADE_RETURN_IF_ERROR(be.Copy2D(head + size_t(j) * C * d, row,
-                                            chunk_src(q.src, hh, chunks[j]), src_pitch, row, C, stream));
-        }
-        const bf16* last = chunk_src(q.src, hh, chunks[L.n_heavy - 1]) + size_t(C - 1) * D;
-        for (int rr = heavy_rows; rr < L.heavy_rows_per_head; ++rr) {
-          KVSHADE_RETURN_IF_ERROR(be.Copy(head + size_t(rr) * d, last, row, stream));
-        }
-      }
+      KVSHADE_RETURN_IF_ERROR(heavy.Copy(q.src, xd, stream));
       KVSHADE_ASSIGN_OR_RETURN(*q.codes, AllocElems<uint32_t>(mem, l.code_words(), BufferKind::kStatic));
       KVSHADE_ASSIGN_OR_RETURN(*q.scale, AllocElems<fp16>(mem, l.n_groups(), BufferKind::kStatic));
       KVSHADE_ASSIGN_OR_RETURN(*q.mn, AllocElems<fp16>(mem, l.n_groups(), BufferKind::kStatic));

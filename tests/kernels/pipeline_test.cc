@@ -447,17 +447,22 @@ TEST(AlgorithmVectors, T8Determinism) {
 }
 
 // ------------------------------------------------------------------------- composite
-TEST(ShadowLayer, StaticSetTailAndStoreLayout) {
+// d = 64: the static set is gathered with CopyRows (rows of 128 bytes); d = 12: rows of 24
+// bytes, which CopyRows does not take, are copied one by one. Both must give the same layout.
+class ShadowLayerHeadDim : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(GatherPaths, ShadowLayerHeadDim, ::testing::Values(64, 12));
+
+TEST_P(ShadowLayerHeadDim, StaticSetTailAndStoreLayout) {
   auto be = Cpu();
   auto rng = MakeRng(54);
-  const LayerShape shape{3, 2, 64};
+  const LayerShape shape{3, 2, GetParam()};
   const int n = 700;
   const int64_t first = 40;
   RopeSpec rope;
   const auto k_pre = LowRankKeys(shape, n, 24, rng);
   const auto v = RandomBf16(size_t(n) * shape.D(), rng);
   ShadowParams p;
-  p.rank = 64;
+  p.rank = std::min(64, shape.D() / 8 * 8);
   p.outliers = 5;
   p.local_min = 40;
   p.codec = {ValueCodec::kFP8};
@@ -467,7 +472,7 @@ TEST(ShadowLayer, StaticSetTailAndStoreLayout) {
   EXPECT_EQ(layer->n_chunks, (n - 40) / C);
   EXPECT_EQ(layer->n_tail, n - layer->n_chunks * C);
   EXPECT_GE(layer->n_tail, 40);
-  EXPECT_EQ(layer->r, 64);
+  EXPECT_EQ(layer->r, p.rank);
   EXPECT_EQ(layer->static_capacity, 6);
 
   // Post-RoPE keys as the backend computes them (bf16), for bitwise comparisons.
