@@ -285,6 +285,7 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
         m.region_id = r.id();
         m.pid = r.pid();
         m.fd = r.fd();
+        m.broker = r.descriptor_broker();
         m.ipc_handle = r.cuda_ipc_handle();
         m.region_bytes = r.bytes();
         absl::StatusOr<kernels::ImportedMemory> im = be->ImportMemory(m);

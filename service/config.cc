@@ -349,7 +349,8 @@ Schema MakeSchema(ServerConfig& c, std::string& tokens_file, uint32_t& metrics_p
       {"same_node",
        {nullptr,
         {{"export", Scalar("same_node.export", &c.same_node.export_state)},
-         {"host_memory", Scalar("same_node.host_memory", &c.same_node.host_memory)}}}},
+         {"host_memory", Scalar("same_node.host_memory", &c.same_node.host_memory)},
+         {"descriptor_broker", Scalar("same_node.descriptor_broker", &c.same_node.descriptor_broker)}}}},
       {"limits",
        {nullptr,
         {{"max_tokens_per_session", Scalar("limits.max_tokens_per_session", &l.max_tokens_per_session)},
@@ -669,6 +670,12 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   static const std::set<std::string> kLevels = {"trace", "debug", "info", "warn", "error", "critical", "off"};
   if (!kLevels.count(c.log.level)) {
     return bad("log.level must be trace, debug, info, warn, error, critical or off, got '", c.log.level, "'");
+  }
+  if (const std::string& b = c.same_node.descriptor_broker;
+      b.empty() || (b[0] == '@' && (b.size() < 2 || b.size() > 100)) ||
+      (b[0] != '@' && b != "auto" && b != "off" && (b[0] != '/' || b.size() > 107))) {
+    return bad("same_node.descriptor_broker must be auto, off, @name (1 to 99 characters) or "
+               "an absolute socket path (at most 107 characters), got '", b, "'");
   }
   if (c.same_node.host_memory != "auto" && c.same_node.host_memory != "file") {
     return bad("same_node.host_memory must be auto or file, got '", c.same_node.host_memory, "'");

@@ -2,6 +2,7 @@
 // (memory, views, gauges). The data paths are in ingest.cc, append.cc and select.cc;
 // durability in durable.cc.
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include "kvshade/service/engine.h"
 
@@ -249,6 +250,20 @@ absl::Status EngineImpl::Init() {
     RaiseOpenFileLimit();
   }
   instance_id_ = SessionManager::NewId();
+  if (config_->same_node.export_state && config_->same_node.descriptor_broker != "off") {
+    // Workers take the shared regions' descriptors here (SCM_RIGHTS), needing neither
+    // ptrace access nor the daemon's PID namespace; without it they use /proc or pidfd.
+    const std::string& want = config_->same_node.descriptor_broker;
+    const std::string address =
+        want == "auto" ? absl::StrCat("@kvshade-", getpid(), "-", instance_id_.substr(0, 8)) : want;
+    absl::StatusOr<std::unique_ptr<kernels::DescriptorBroker>> b =
+        kernels::DescriptorBroker::Start(address);
+    if (!b.ok()) {
+      return absl::Status(b.status().code(),
+                          absl::StrCat("same_node.descriptor_broker: ", b.status().message()));
+    }
+    broker_ = *std::move(b);
+  }
   KVSHADE_ASSIGN_OR_RETURN(arena_,
                            storage::DeviceArena::Create(*backend_, config_->device_budget_bytes));
   storage::HostValueStoreOptions ho;

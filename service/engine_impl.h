@@ -22,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "kvshade/base/sync.h"
 #include "kvshade/kernels/backend.h"
+#include "kvshade/kernels/shared_memory.h"
 #include "kvshade/service/engine.h"
 #include "kvshade/service/kv_events.h"
 #include "kvshade/service/session.h"
@@ -271,6 +272,7 @@ class EngineImpl {
   std::mutex exports_mu_;
   std::map<std::string, std::unique_ptr<AttachmentExports>> exports_;
   std::string instance_id_;  // random per engine: scopes exported region ids
+  std::unique_ptr<kernels::DescriptorBroker> broker_;  // same_node.descriptor_broker
   struct MappedPeer {
     kernels::PeerBuffer buffer;
     int refs = 0;

@@ -45,6 +45,7 @@ class RegionTable {
       r->set_host_vmm(m.kind == kernels::ExportedMemory::Kind::kHostVmm);
       r->set_pid(m.pid);
       r->set_fd(m.fd);
+      r->set_descriptor_broker(m.broker);
       r->set_cuda_ipc_handle(m.ipc_handle);
       r->set_bytes(m.region_bytes);
     }

@@ -3,11 +3,8 @@
 
 #include <cuda.h>
 #include <cuda_runtime.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
-#include <cerrno>
-#include <cstring>
 #include <map>
 #include <mutex>
 
@@ -15,6 +12,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "cuda/cuda_driver.h"
+#include "kvshade/base/status_macros.h"
 #include "kvshade/kernels/shared_memory.h"
 
 namespace kvshade::kernels {
@@ -160,23 +158,7 @@ absl::StatusOr<ImportedMemory> ImportHostVmm(int device, const ExportedMemory& m
         "driver cannot map (run the daemon with same_node.host_memory: file)");
   }
   const CudaDriver& d = Driver();
-  const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(m.pid), 0));
-  if (pidfd < 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cannot reach the daemon process ", m.pid, ": pidfd_open: ", std::strerror(errno),
-        " (same-node decode needs the worker on the daemon's node, in its PID namespace)"));
-  }
-  const int fd = static_cast<int>(syscall(SYS_pidfd_getfd, pidfd, m.fd, 0));
-  const int err = errno;
-  close(pidfd);
-  if (fd < 0) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "cannot take the daemon's host memory descriptor (pidfd_getfd of fd ", m.fd, " in pid ",
-        m.pid, "): ", std::strerror(err),
-        " (the worker needs ptrace access to the daemon: the same user with Yama "
-        "ptrace_scope 0, or the daemon started by the worker, or CAP_SYS_PTRACE; otherwise "
-        "run the daemon with same_node.host_memory: file)"));
-  }
+  KVSHADE_ASSIGN_OR_RETURN(const int fd, TakeSharedDescriptor(m));
   CUmemGenericAllocationHandle handle = 0;
   absl::Status st =
       Check(d.import_handle(&handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),

@@ -1,7 +1,8 @@
 // Pinned host memory from the CUDA driver, shared with worker processes on the node by a
 // descriptor (kHostVmm, shared_memory.h): the daemon allocates it (cuMemCreate on the GPU's
 // host NUMA node, mapped for the device and the CPU) and keeps its exported descriptor; a
-// CUDA worker takes that descriptor from the daemon (pidfd_getfd) and maps the same pinned
+// CUDA worker takes that descriptor from the daemon (its descriptor broker, else
+// pidfd_getfd: TakeSharedDescriptor) and maps the same pinned
 // pages into its own device address space. Unlike a memory file registered in the worker
 // (cudaHostRegister pins every page again: 0.1-0.25 s per GiB), the import maps pages the
 // driver already pinned (about 0.01 s per GiB on an H200).

@@ -9,6 +9,8 @@
 // to a few fp32 ulps of the largest value: 1e-5 relative to the output's max magnitude.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -387,6 +389,56 @@ TEST(LocalDecoder, GenerationHoldsThroughMemoryPressure) {
 
 namespace kvshade::integration {
 namespace {
+
+// The daemon's descriptor broker: every host region of an export names it, the socket is
+// private to the daemon's user and gone after exit, and a decoder that takes descriptors
+// through it attends exactly as the daemon does. With the broker off the exports name
+// none and the decoder takes the same memory through /proc.
+TEST(LocalDecoder, DescriptorsComeFromTheDaemonsBrokerOrProc) {
+  for (const bool broker : {true, false}) {
+    SCOPED_TRACE(broker ? "broker at a socket path" : "broker off");
+    TempDir dir;
+    const std::string sock = dir.path() + "/fd.sock", cfg = dir.path() + "/kvshade.yaml";
+    std::ofstream(cfg) << "same_node:\n  descriptor_broker: " << (broker ? sock : "off") << "\n";
+    ServerProcess server;
+    KV_ASSERT_OK(server.Start({"--backend", "cpu", "-c", cfg}));
+    struct stat st;
+    ASSERT_EQ(lstat(sock.c_str(), &st) == 0, broker);
+    if (broker) EXPECT_EQ(st.st_mode & 0777, 0600u);
+    auto c = server.Connect();
+    synthetic::Document doc(SmallDoc(1024));
+    KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*c, doc, ShadowProfile(16, 8, 4), 0));
+    v1::AttachRequest ar;
+    ar.set_session_id(cs.session_id());
+    KV_ASSERT_OK_AND_ASSIGN(att, c->Attach(ar));
+    v1::ExportSessionRequest er;
+    er.set_attachment_id(att.attachment_id());
+    KV_ASSERT_OK_AND_ASSIGN(exp, c->ExportSession(er));
+    ASSERT_GT(exp.regions_size(), 0);
+    for (const v1::SharedRegion& r : exp.regions()) {
+      EXPECT_EQ(r.descriptor_broker(), broker ? sock : "") << "region " << r.id();
+    }
+    er.set_renew_only(true);
+    er.add_release_generations(exp.generation());
+    KV_ASSERT_OK(c->ExportSession(er).status());
+    client::LocalDecoderOptions opt;
+    opt.backend = "cpu";
+    KV_ASSERT_OK_AND_ASSIGN(dec, client::LocalDecoder::Open(c.get(), {att.attachment_id()}, opt));
+    const auto& spec = doc.spec();
+    const int64_t pos = static_cast<int64_t>(doc.SessionTokens(0).size());
+    std::vector<float> out(size_t(spec.q_heads) * spec.head_dim);
+    for (int l = 0; l < spec.layers; ++l) {
+      std::vector<bf16> qb = QueryBf16(doc, l, 0, 0, pos);
+      KV_ASSERT_OK(dec->Attend(l, qb.data(), nullptr, nullptr, out.data()));
+      std::vector<float> ref = RpcAttend(*c, att.attachment_id(), l, qb, spec.q_heads, spec.head_dim);
+      ASSERT_EQ(ref.size(), out.size());
+      EXPECT_LT(MaxRelDiff(ref, out.data(), out.size()), 1e-5) << "layer " << l;
+    }
+    dec.reset();
+    EXPECT_EQ(server.Stop(), 0) << server.log();
+    EXPECT_NE(lstat(sock.c_str(), &st), 0);  // removed at exit
+  }
+}
 
 // same_node.export: false keeps the daemon's memory private: ExportSession is refused and
 // a decoder cannot open; the RPC path still serves the attachment.

@@ -209,6 +209,15 @@ TEST(Config, RejectsTyposBadValuesAndBadFiles) {
   EXPECT_EQ(invalid([](ServerConfig& c) { c.same_node.host_memory = "hugepages"; }),
             C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.same_node.host_memory = "file"; }), C::kOk);
+  for (const char* ok : {"auto", "off", "@kvshade-fd", "/run/kvshade/fd.sock"}) {
+    EXPECT_EQ(invalid([&](ServerConfig& c) { c.same_node.descriptor_broker = ok; }), C::kOk) << ok;
+  }
+  for (const std::string bad : {std::string(), std::string("@"), std::string("fd.sock"),
+                                "/" + std::string(120, 'x'), "@" + std::string(120, 'x')}) {
+    EXPECT_EQ(invalid([&](ServerConfig& c) { c.same_node.descriptor_broker = bad; }),
+              C::kInvalidArgument)
+        << bad;
+  }
   EXPECT_EQ(invalid([](ServerConfig& c) { c.ucx.receive_buffers = 0; }), C::kOk);  // no pool
   EXPECT_EQ(invalid([](ServerConfig& c) { c.ucx.receive_buffers = 1025; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.ucx.receive_buffer_bytes = 4096; }), C::kInvalidArgument);

@@ -284,6 +284,9 @@ struct ExportedMemory {
   uint64_t region_id = 0;  // unique per region within the exporting process
   int64_t pid = 0;         // kHostFile, kHostVmm: the exporting process
   int32_t fd = -1;         // kHostFile, kHostVmm: its descriptor of the region
+  // kHostFile, kHostVmm: the exporting process's descriptor broker (a Unix socket that
+  // hands `fd` over by SCM_RIGHTS; "@name" is an abstract socket), "" when it runs none.
+  std::string broker;
   std::string ipc_handle;  // kDeviceIpc: the cudaIpcMemHandle_t bytes of the allocation
   size_t region_bytes = 0; // bytes of the whole region
   size_t offset = 0;       // of the exported pointer inside the region

@@ -15,16 +15,25 @@
 // carry an id unique within the exporting process, so an importer can map each region once
 // and tell a new region from a recycled file descriptor number.
 //
+// How a worker gets the region's descriptor: from the daemon's descriptor broker when it
+// runs one (DescriptorBroker: a Unix socket that passes the descriptor by SCM_RIGHTS to a
+// process of the daemon's user, so neither ptrace access nor a shared PID namespace is
+// needed), else by /proc/<pid>/fd/<fd> (memory files) or pidfd_getfd (CUDA driver memory),
+// which need the daemon's PID namespace and, for pidfd_getfd, ptrace access.
+//
 // Trust: a process that can open /proc/<daemon pid>/fd/* can read the daemon's memory
 // anyway (same user or CAP_SYS_PTRACE); CUDA IPC is node-local. Same-node export is for
-// workers that the operator runs under the daemon's user, as ordinary shared memory is.
+// workers that the operator runs under the daemon's user, as ordinary shared memory is;
+// the broker answers only peers of the daemon's user (or root), checked by SO_PEERCRED.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "kvshade/kernels/backend.h"
@@ -56,5 +65,36 @@ std::optional<ExportedMemory> ExportSharedHost(const void* p);
 // Maps another process's shared host region (kHostFile) read-write into this one.
 absl::StatusOr<ImportedMemory> MapSharedHostRegion(const ExportedMemory& m);
 void UnmapSharedHostRegion(const ImportedMemory& m);
+
+// Hands the descriptors of this process's shared host regions to same-user processes
+// over a Unix socket (SCM_RIGHTS). While one runs, ExportSharedHost names its address in
+// ExportedMemory::broker. A request names a region id; the answer is the region's
+// descriptor (a duplicate: the region may be freed meanwhile without the descriptor
+// naming anything else), or an error. Requests are served one at a time, each bounded by
+// a one-second socket timeout.
+class DescriptorBroker {
+ public:
+  // address: "@name" for an abstract socket (no file; the network namespace's), else a
+  // filesystem path (an existing socket file there is replaced; removed on destruction).
+  static absl::StatusOr<std::unique_ptr<DescriptorBroker>> Start(const std::string& address);
+  ~DescriptorBroker();
+  DescriptorBroker(const DescriptorBroker&) = delete;
+  DescriptorBroker& operator=(const DescriptorBroker&) = delete;
+  const std::string& address() const { return address_; }
+
+ private:
+  DescriptorBroker(std::string address, int listen_fd, int stop_fd);
+  void Serve();
+  void Answer(int conn);
+
+  std::string address_;
+  int listen_fd_, stop_fd_;
+  std::thread thread_;
+};
+
+// The descriptor of region m (kHostFile or kHostVmm) in this process, to be closed by the
+// caller: from m.broker when set, else via /proc/<pid>/fd (kHostFile) or pidfd_getfd
+// (kHostVmm). When the broker fails the other way is tried, and an error names both.
+absl::StatusOr<int> TakeSharedDescriptor(const ExportedMemory& m);
 
 }  // namespace kvshade::kernels

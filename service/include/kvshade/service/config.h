@@ -102,6 +102,10 @@ struct SameNodeConfig {
   // How shareable host memory is made: "auto" (CUDA: pinned host memory of the driver,
   // exported by descriptor, where the GPU supports it; else memory files) or "file".
   std::string host_memory = "auto";
+  // Where workers take the descriptors of shared host memory (kernels DescriptorBroker):
+  // "auto" (an abstract Unix socket named after the process), "off" (workers use
+  // /proc/<pid>/fd or pidfd_getfd), "@name" (that abstract socket) or a socket path.
+  std::string descriptor_broker = "auto";
 };
 
 // The daemon's log (service/README.md "Logs"): spdlog on stderr.
