@@ -7,9 +7,10 @@
 // EncodeValueChunks(V) -> host-visible store; then the static set and the tail are gathered.
 // Everything stays in backend memory: the post-RoPE keys are a device copy of K_pre, the
 // static set and the INT2 heavy rows are gathered with CopyRows, the tail with Copy, and the values
-// are encoded by the backend straight into host-visible memory (the caller's block when
-// values_out is given, e.g. the host value store's slab). Only small things cross to the
-// host: the outlier/heavy chunk ids (TopK results) and the eigenvalues.
+// are encoded into host-visible memory (the caller's block when values_out is given, e.g.
+// the host value store's slab); a device encodes slices in its own memory and copies each
+// out by DMA. Only small things cross to the host: the outlier/heavy chunk ids (TopK
+// results) and the eigenvalues.
 #include "kvshade/kernels/shadow_layer.h"
 
 #include <algorithm>
@@ -81,6 +82,9 @@ absl::StatusOr<std::vector<int32_t>> TopKChunks(Mem& mem, const Buffer& scores,
   for (int hh = 0; hh < h; ++hh) std::sort(ids.begin() + size_t(hh) * k, ids.begin() + size_t(hh + 1) * k);
   return ids;
 }
+
+// Bytes of encoded values a device stages at a time before copying them to host memory.
+constexpr size_t kValueSliceBytes = size_t{32} << 20;
 
 // Rows of d elements gathered out of a [n, h, d] tensor (row token * h + head): whole
 // chunks of the static set and the INT2 heavy rows with their padding. With rows of a
@@ -351,7 +355,27 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
       return Bad(absl::StrCat("values_out must have h*n_chunks*chunk_bytes = ", bytes,
                               " bytes, got ", dst.size()));
     }
-    KVSHADE_RETURN_IF_ERROR(be.EncodeValueChunks(v, n, h, d, C, n_chunks, p.codec, dst, stream));
+    if (be.space() == MemorySpace::kHost || n_chunks == 0) {
+      KVSHADE_RETURN_IF_ERROR(be.EncodeValueChunks(v, n, h, d, C, n_chunks, p.codec, dst, stream));
+    } else {
+      // A device encodes into its own memory and copies each slice out by DMA: a kernel's
+      // small scattered stores straight into host memory cross PCIe many times slower than
+      // one copy of the same bytes. Slices of whole chunks of every head bound the scratch.
+      const size_t per_chunk = size_t(h) * L.value_chunk_bytes;
+      const int slice = int(std::clamp<size_t>(kValueSliceBytes / per_chunk, 1, size_t(n_chunks)));
+      KVSHADE_ASSIGN_OR_RETURN(Buffer scratch, mem.Alloc(size_t(slice) * per_chunk, BufferKind::kScratch));
+      auto* sp = static_cast<std::byte*>(scratch.data());
+      for (int j0 = 0; j0 < n_chunks; j0 += slice) {
+        const int m = std::min(slice, n_chunks - j0);
+        const size_t row = size_t(m) * L.value_chunk_bytes;  // one head's chunks of the slice
+        KVSHADE_RETURN_IF_ERROR(be.EncodeValueChunks(
+            v.subspan(size_t(j0) * C * D, size_t(m) * C * D), m * C, h, d, C, m, p.codec,
+            absl::Span<std::byte>(sp, size_t(h) * row), stream));
+        KVSHADE_RETURN_IF_ERROR(be.Copy2D(dst.data() + size_t(j0) * L.value_chunk_bytes,
+                                          size_t(n_chunks) * L.value_chunk_bytes, sp, row, row, h,
+                                          stream));
+      }
+    }
   }
 
   // --- static set: exact sink/outlier chunks, then heavy chunks; and the tail ---

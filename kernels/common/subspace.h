@@ -3,12 +3,19 @@
 // the CPU and CUDA backends so that both start from the same block.
 //
 //   P  = min(D, rank + kSubspaceOversample) columns; Q0[i, j] = SubspaceStart(j*D + i)
-//   q times: Y = G Q, Q = orth(Y)          (CholQR applied twice: S = Y^T Y = R^T R, Y R^-1)
+//   q times: Y = G Q, Q = orth(Y)          (shifted CholeskyQR3: S = Y^T Y + s I = R^T R,
+//                                           Y R^-1, then twice unshifted S = Y^T Y = R^T R,
+//                                           Y R^-1; s = SubspaceShift(D, P) trace(Y^T Y))
 //   Rayleigh-Ritz: T = Q^T G Q [P, P], T = U diag(theta) U^T; top-rank Ritz vectors Q U.
-// The Ritz values are the eigenvalues the op reports (zeros below the top rank). When the
-// block is (numerically) rank deficient, Cholesky fails or Q loses orthonormality
-// (max |Q^T Q - I| > kSubspaceOrthTolerance): the op then falls back to the full solve, as
-// it does when P would reach D or n < P.
+// The Ritz values are the eigenvalues the op reports (zeros below the top rank). The shifted
+// first pass (Fukaya et al., "Shifted Cholesky QR for computing the QR factorization of
+// ill-conditioned matrices", 2020) keeps a block whose columns span very different scales
+// orthonormalizable in fp32: keys with a steep spectrum (a few strong directions over a
+// weak floor) leave Y with a condition number near 1e4, whose Gram matrix plain CholQR
+// cannot factor in single precision. When the block is rank deficient even so (exactly
+// low-rank keys, K = 0), Cholesky fails or Q loses orthonormality (max |Q^T Q - I| >
+// kSubspaceOrthTolerance): the op then falls back to the full solve
+// (FactorizeResult::subspace_fallback), as it does when P would reach D or n < P.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +36,13 @@ inline int SubspaceColumns(int n, int D, int rank, int iterations) {
   const int p = rank + kSubspaceOversample;
   return iterations > 0 && p < D && p <= n ? p : 0;
 }
+
+// The shifted pass's shift relative to trace(Y^T Y) = ||Y||_F^2: large enough to cover the
+// rounding error of the fp32 Gram matrix Y^T Y (about D u ||Y||^2 per entry), small enough
+// that the weak directions come out of the pass only ~1/sqrt(shift) times weaker than the
+// strong ones. (Fukaya et al. prove stability for 11 (m n + n (n + 1)) u, which at D = 1024
+// would be a shift of 5% and leave a steep block about as ill-conditioned as before.)
+inline double SubspaceShift(int D, int P) { return 4.0 * (double(D) + P) * 0x1p-24; }
 
 // Element i of the start block: a fixed pseudo-random value in [-1, 1) (splitmix64), exact
 // in fp32 (a multiple of 2^-23), identical on every backend.

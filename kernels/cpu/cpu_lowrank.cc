@@ -8,7 +8,8 @@
 //      workspace: 1 + 6D + 2D^2 floats and 3 + 5D ints); eigenvalues reported descending
 //      (raw, may be slightly negative from rounding). With options.subspace_iterations > 0
 //      only the top rank eigenpairs, by block subspace iteration (common/subspace.h:
-//      cblas_ssymm, CholQR with ssyrk + spotrf + strsm, Rayleigh-Ritz with ssyevd on P x P);
+//      cblas_ssymm, shifted CholeskyQR3 with ssyrk + spotrf + strsm, Rayleigh-Ritz with
+//      ssyevd on P x P);
 //      the full solve remains the fallback.
 //   3. Rank: options.rank, or with energy_target > 0 the smallest multiple of 8 whose
 //      captured energy sum(top r eigenvalues, each clamped at 0) / trace(G) reaches the
@@ -101,8 +102,14 @@ bool SubspaceEigen(float* G, int D, int P, int r, int iterations, float* evals, 
                    lapack_int* iwork, lapack_int liwork) {
   for (int64_t e = 0; e < int64_t{D} * P; ++e) Q[e] = SubspaceStart(uint64_t(e));
   auto orth = [&](float* X) {
-    for (int pass = 0; pass < 2; ++pass) {
+    for (int pass = 0; pass < 3; ++pass) {
       cblas_ssyrk(CblasColMajor, CblasUpper, CblasTrans, P, D, 1.0f, X, D, 0.0f, S, P);
+      if (pass == 0) {  // shifted CholeskyQR: the first pass only
+        double trace = 0;
+        for (int j = 0; j < P; ++j) trace += S[int64_t{j} * P + j];
+        const float shift = float(SubspaceShift(D, P) * trace);
+        for (int j = 0; j < P; ++j) S[int64_t{j} * P + j] += shift;
+      }
       if (LAPACKE_spotrf(LAPACK_COL_MAJOR, 'U', P, S, P) != 0) return false;
       cblas_strsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, D, P, 1.0f,
                   S, P, X, D);
@@ -196,6 +203,7 @@ absl::StatusOr<FactorizeResult> CpuBackend::Factorize(absl::Span<const bf16> k, 
       P > 0 && SubspaceEigen(G, D, P, options.rank, options.subspace_iterations, evals, sub,
                              sub + size_t(D) * P, sub + 2 * size_t(D) * P,
                              sub + 2 * size_t(D) * P + size_t(P) * P, work, lwork, iwork, liwork);
+  const bool fallback = P > 0 && !subspace;
   if (!subspace) {
     const lapack_int info = LAPACKE_ssyevd_work(LAPACK_COL_MAJOR, 'V', 'L', D, G, D, evals, work,
                                                 lwork, iwork, liwork);
@@ -261,6 +269,7 @@ absl::StatusOr<FactorizeResult> CpuBackend::Factorize(absl::Span<const bf16> k, 
   FactorizeResult result;
   result.rank = r;
   result.captured_energy = captured(r);
+  result.subspace_fallback = fallback;
   return result;
 }
 

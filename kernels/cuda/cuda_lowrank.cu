@@ -10,8 +10,8 @@
 //   2. trace(G) in double from the diagonal (before the solver overwrites G).
 //   3. cusolverDnSsyevd on G (lower triangle): all D eigenvalues (ascending) and
 //      eigenvectors, in place. Or, with options.subspace_iterations > 0, only the top rank
-//      eigenpairs by block subspace iteration (common/subspace.h: SGEMM with G, CholQR
-//      with Ssyrk + Spotrf + Strsm, Rayleigh-Ritz with Ssyevd on P x P; failures are
+//      eigenpairs by block subspace iteration (common/subspace.h: SGEMM with G, shifted
+//      CholeskyQR3 with Ssyrk + Spotrf + Strsm, Rayleigh-Ritz with Ssyevd on P x P; failures are
 //      flagged on the device and read once, the full solve is the fallback), written where
 //      Ssyevd would put them. Eigenvalues and the trace go to the host, which picks the
 //      rank (adaptive or fixed) and the captured energy.
@@ -344,6 +344,22 @@ __global__ void OrthCheckKernel(const float* S, int P, int* fail) {
   if (threadIdx.x == 0 && bad) *fail = 1;
 }
 
+// S [P, P] += factor * trace(S) * I (the shifted CholeskyQR pass; P <= 1024, one block;
+// the trace in double, summed in a fixed order).
+__global__ void ShiftDiagonalKernel(float* S, int P, float factor) {
+  __shared__ double part[1024];
+  double t = 0;
+  for (int j = threadIdx.x; j < P; j += blockDim.x) t += S[size_t(j) * P + j];
+  part[threadIdx.x] = t;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (int(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  const float add = float(double(factor) * part[0]);
+  for (int j = threadIdx.x; j < P; j += blockDim.x) S[size_t(j) * P + j] += add;
+}
+
 // Top-r eigenpairs of G by subspace iteration (common/subspace.h). Returns false, with G
 // untouched, when the block was rank deficient; true with the Ritz vectors in columns
 // D-r..D-1 of G and the Ritz values in evals[D-r..D-1] (zeros below).
@@ -356,10 +372,15 @@ absl::StatusOr<bool> SubspaceEigen(cublasHandle_t blas, cusolverDnHandle_t solve
   KVSHADE_CUDA_LAUNCH_CHECK();
   float* Q = p.sub_q;
   float* Y = p.sub_y;
+  const float shift = float(SubspaceShift(D, P));
   auto orth = [&](float* X) -> absl::Status {
-    for (int pass = 0; pass < 2; ++pass) {
+    for (int pass = 0; pass < 3; ++pass) {
       KVSHADE_CUBLAS_RETURN_IF_ERROR(cublasSsyrk(blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_T, P, D,
                                                  &one, X, D, &zero, p.sub_s, P));
+      if (pass == 0) {  // shifted CholeskyQR: the first pass only
+        ShiftDiagonalKernel<<<1, 1024, 0, s>>>(p.sub_s, P, shift);
+        KVSHADE_CUDA_LAUNCH_CHECK();
+      }
       KVSHADE_CUSOLVER_RETURN_IF_ERROR(cusolverDnSpotrf(solver, CUBLAS_FILL_MODE_UPPER, P, p.sub_s,
                                                         P, p.solver_work, lwork, p.info));
       AccumulateFailKernel<<<1, 1, 0, s>>>(p.info, p.sub_fail);
@@ -511,6 +532,7 @@ absl::StatusOr<FactorizeResult> CudaBackend::Factorize(
   FactorizeResult result;
   result.rank = rp;
   result.captured_energy = captured(rp);
+  result.subspace_fallback = P > 0 && !solved;
 
   SelectEigenvectorsKernel<<<rp, 256, 0, s>>>(p.gram, D, shape.d, rp, p.wt_hi, p.wt_lo,
                                               cuda::AsNv(b.data()));

@@ -114,6 +114,9 @@ struct FactorizeOptions {
 struct FactorizeResult {
   int rank = 0;                // rank chosen (== options.rank unless adaptive)
   double captured_energy = 0;  // sum(top rank eigenvalues) / trace(K^T K)
+  // Subspace iteration was asked for but its block was rank deficient, so the full
+  // eigendecomposition ran instead (common/subspace.h).
+  bool subspace_fallback = false;
 };
 
 // Energies of a projection onto an existing basis.
