@@ -846,6 +846,7 @@ bool EngineImpl::Refactor(const std::shared_ptr<Session>& sp) {
     if (!fr.ok() || !backend_->Synchronize().ok()) continue;
     const int r = fr->rank;
     metrics_->ReconstructionEnergy(fr->captured_energy);
+    if (fr->subspace_fallback) metrics_->FactorizeFallback();
     std::vector<bf16> a_all(size_t(n) * r);
     if (!Download(a_all.data(), ad->data(), Bf16Bytes(a_all.size())).ok()) continue;
     auto basis = std::make_shared<Basis>();

@@ -665,6 +665,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
       NoteCompressionPeak(allocator.peak_bytes());
       if (!r.ok()) return r.status();
       sl = *std::move(r);
+      if (sl.factorize.subspace_fallback) e_.metrics_->FactorizeFallback();
     }
     if (values_out.data() == nullptr) {
       StageTimer timer(e_.metrics_, "ingest_values");

@@ -233,6 +233,13 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                                  "limits.session_idle_ttl_s (durable ones included)")
                            .Register(r)
                            .Add({});
+  factorize_fallbacks_ = &BuildCounter()
+                             .Name("kvshade_factorize_fallbacks_total")
+                             .Help("Shadow layers whose factorization fell back from subspace "
+                                   "iteration to the full eigensolver (a rank-deficient key "
+                                   "block)")
+                             .Register(r)
+                             .Add({});
   ucx_pool_misses_ = &BuildCounter()
                           .Name("kvshade_ucx_receive_pool_misses_total")
                           .Help("UCX ingest parts and large appends received into an allocation "
@@ -336,6 +343,7 @@ void Metrics::PageIn(uint64_t bytes) {
 void Metrics::Eviction() { evictions_->Increment(); }
 void Metrics::IngestedTokens(uint64_t n) { ingested_tokens_->Increment(static_cast<double>(n)); }
 void Metrics::SessionsExpired(uint64_t n) { sessions_expired_->Increment(static_cast<double>(n)); }
+void Metrics::FactorizeFallback() { factorize_fallbacks_->Increment(); }
 void Metrics::UcxReceivePoolMisses(uint64_t n) { ucx_pool_misses_->Increment(static_cast<double>(n)); }
 void Metrics::Error(int grpc_code) {
   errors_->Add({{"code", std::string(GrpcCodeName(grpc_code))}}).Increment();

@@ -102,9 +102,9 @@ bool SubspaceEigen(float* G, int D, int P, int r, int iterations, float* evals, 
                    lapack_int* iwork, lapack_int liwork) {
   for (int64_t e = 0; e < int64_t{D} * P; ++e) Q[e] = SubspaceStart(uint64_t(e));
   auto orth = [&](float* X) {
-    for (int pass = 0; pass < 3; ++pass) {
+    for (int pass = 0; pass < kSubspaceShiftedPasses + 2; ++pass) {
       cblas_ssyrk(CblasColMajor, CblasUpper, CblasTrans, P, D, 1.0f, X, D, 0.0f, S, P);
-      if (pass == 0) {  // shifted CholeskyQR: the first pass only
+      if (pass < kSubspaceShiftedPasses) {  // shifted CholeskyQR
         double trace = 0;
         for (int j = 0; j < P; ++j) trace += S[int64_t{j} * P + j];
         const float shift = float(SubspaceShift(D, P) * trace);

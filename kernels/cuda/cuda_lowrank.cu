@@ -374,10 +374,10 @@ absl::StatusOr<bool> SubspaceEigen(cublasHandle_t blas, cusolverDnHandle_t solve
   float* Y = p.sub_y;
   const float shift = float(SubspaceShift(D, P));
   auto orth = [&](float* X) -> absl::Status {
-    for (int pass = 0; pass < 3; ++pass) {
+    for (int pass = 0; pass < kSubspaceShiftedPasses + 2; ++pass) {
       KVSHADE_CUBLAS_RETURN_IF_ERROR(cublasSsyrk(blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_T, P, D,
                                                  &one, X, D, &zero, p.sub_s, P));
-      if (pass == 0) {  // shifted CholeskyQR: the first pass only
+      if (pass < kSubspaceShiftedPasses) {  // shifted CholeskyQR
         ShiftDiagonalKernel<<<1, 1024, 0, s>>>(p.sub_s, P, shift);
         KVSHADE_CUDA_LAUNCH_CHECK();
       }

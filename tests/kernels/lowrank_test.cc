@@ -420,15 +420,22 @@ TEST(LowRank, SubspaceHandlesASteepSpectrumWithoutTheFullSolve) {
   }
 }
 
-// A rank-deficient block (K of rank 40 < P = 96 columns) cannot be orthonormalized by
-// Cholesky: the op falls back to the full solve and gives exactly its result; so does K = 0.
+// A rank-deficient block cannot be orthonormalized even with the shifted passes: K whose
+// tokens repeat 40 distinct keys (exactly rank 40 < P = 96 columns, even in bf16), and
+// K = 0. The op falls back to the full solve, says so, and gives exactly its result.
 TEST(LowRank, SubspaceFallsBackToTheFullSolveOnDeficientKeys) {
   auto cpu = Cpu();
   auto rng = MakeRng(43);
   const LayerShape s{4, 1, 64};
   const int n = 1024, D = s.D(), r = 64;
   for (int modes : {40, 0}) {
-    std::vector<bf16> k = modes > 0 ? ToBf16(LowRankKeys(n, D, modes, rng)) : std::vector<bf16>(size_t(n) * D);
+    std::vector<bf16> k(size_t(n) * D);
+    if (modes > 0) {
+      const std::vector<bf16> keys = testing::RandomBf16(size_t(modes) * D, rng);
+      for (int t = 0; t < n; ++t) {
+        std::copy_n(keys.begin() + size_t(t % modes) * D, D, k.begin() + size_t(t) * D);
+      }
+    }
     FactorizeOptions full;
     full.rank = r;
     FactorizeOptions sub = full;

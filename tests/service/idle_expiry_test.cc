@@ -49,16 +49,6 @@ bool Alive(Harness& hx, const std::string& session) {
   return false;
 }
 
-double Counter(Harness& hx, const std::string& name) {
-  for (const auto& family : hx.metrics.registry()->Collect()) {
-    if (family.name != name || family.metric.empty()) continue;
-    return family.type == prometheus::MetricType::Counter ? family.metric[0].counter.value
-                                                           : family.metric[0].gauge.value;
-  }
-  ADD_FAILURE() << "no metric " << name;
-  return -1;
-}
-
 // Advances the fake clock to t0 + `seconds` and runs the maintenance.
 void At(Harness& hx, int64_t t0, double seconds) {
   hx.now_ms = t0 + static_cast<int64_t>(seconds * kS);
@@ -71,7 +61,7 @@ TEST(IdleExpiry, OffByDefault) {
   const std::string s = Ready(hx, Doc(hx, 256, 201));
   At(hx, hx.now_ms, 30.0 * 24 * 3600);  // a month
   EXPECT_TRUE(Alive(hx, s));
-  EXPECT_EQ(Counter(hx, "kvshade_sessions_expired_total"), 0);
+  EXPECT_EQ(MetricValue(hx, "kvshade_sessions_expired_total"), 0);
 }
 
 TEST(IdleExpiry, AnUntouchedSessionGoesAfterTheTtlAndIsCounted) {
@@ -103,7 +93,7 @@ TEST(IdleExpiry, AnUntouchedSessionGoesAfterTheTtlAndIsCounted) {
 
   At(hx, t0, kTtlS - 1);
   EXPECT_TRUE(Alive(hx, a));
-  EXPECT_EQ(Counter(hx, "kvshade_sessions_expired_total"), 0);
+  EXPECT_EQ(MetricValue(hx, "kvshade_sessions_expired_total"), 0);
   At(hx, t0, kTtlS + 1);
   EXPECT_FALSE(Alive(hx, a));
   v1::GetSessionRequest ga;
@@ -111,8 +101,8 @@ TEST(IdleExpiry, AnUntouchedSessionGoesAfterTheTtlAndIsCounted) {
   EXPECT_EQ(hx.engine->GetSession(hx.tenant, ga).status().code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(Alive(hx, b));
   EXPECT_TRUE(Alive(hx, c));
-  EXPECT_EQ(Counter(hx, "kvshade_sessions_expired_total"), 1);
-  EXPECT_EQ(Counter(hx, "kvshade_sessions"), 2);
+  EXPECT_EQ(MetricValue(hx, "kvshade_sessions_expired_total"), 1);
+  EXPECT_EQ(MetricValue(hx, "kvshade_sessions"), 2);
 
   At(hx, t0, 60 + kTtlS - 1);
   EXPECT_TRUE(Alive(hx, b));
@@ -120,8 +110,8 @@ TEST(IdleExpiry, AnUntouchedSessionGoesAfterTheTtlAndIsCounted) {
   At(hx, t0, 60 + kTtlS + 1);
   EXPECT_FALSE(Alive(hx, b));
   EXPECT_FALSE(Alive(hx, c));
-  EXPECT_EQ(Counter(hx, "kvshade_sessions_expired_total"), 3);
-  EXPECT_EQ(Counter(hx, "kvshade_sessions"), 0);
+  EXPECT_EQ(MetricValue(hx, "kvshade_sessions_expired_total"), 3);
+  EXPECT_EQ(MetricValue(hx, "kvshade_sessions"), 0);
 
   // The tenant's session count is freed too: the limit counts only what is left.
   hx.config.limits.max_sessions_per_tenant = 1;
@@ -156,7 +146,7 @@ TEST(IdleExpiry, LiveAttachmentsAndDecodeCallsKeepASessionAlive) {
   EXPECT_TRUE(Alive(hx, held));
   // The other one's lease ended at 10 s; its attach touched it at 0 s.
   EXPECT_FALSE(Alive(hx, leased));
-  EXPECT_EQ(Counter(hx, "kvshade_sessions_expired_total"), 1);
+  EXPECT_EQ(MetricValue(hx, "kvshade_sessions_expired_total"), 1);
 
   // A decode call touches the session (and renews the lease); after the detach the TTL
   // counts from that call.
@@ -169,7 +159,7 @@ TEST(IdleExpiry, LiveAttachmentsAndDecodeCallsKeepASessionAlive) {
   EXPECT_TRUE(Alive(hx, held));
   At(hx, t0, 2 * kTtlS + kTtlS + 1);
   EXPECT_FALSE(Alive(hx, held));
-  EXPECT_EQ(Counter(hx, "kvshade_sessions_expired_total"), 2);
+  EXPECT_EQ(MetricValue(hx, "kvshade_sessions_expired_total"), 2);
 }
 
 TEST(IdleExpiry, AnOpenIngestStreamKeepsItsSessionAlive) {
@@ -213,7 +203,7 @@ TEST(IdleExpiry, DurableSessionsGoWithTheirRecord) {
   At(hx, t0, kTtlS + 1);
   EXPECT_FALSE(Alive(hx, idle));
   EXPECT_TRUE(Alive(hx, used));
-  EXPECT_EQ(Counter(hx, "kvshade_sessions_expired_total"), 1);
+  EXPECT_EQ(MetricValue(hx, "kvshade_sessions_expired_total"), 1);
 
   // A new engine over the same spill tier restores only the session that was kept.
   hx.Restart();

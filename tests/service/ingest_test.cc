@@ -52,6 +52,21 @@ TEST(IngestTest, ShadowFullRankFullBudgetIsExact) {
   }
 }
 
+// Subspace iteration's fallback to the full eigensolver is counted
+// (kvshade_factorize_fallbacks_total): keys of rank 16 over a 1% noise floor (a steep
+// spectrum, like a trained model's), and the same without the floor (rank 16 up to bf16
+// rounding), take the fast path; all-zero keys leave the block rank deficient and fall
+// back, on each of the two layers.
+TEST(IngestTest, FactorizeFallbacksAreCounted) {
+  Harness hx;
+  const v1::Profile p = SmallShadowProfile();  // rank 64: 96 columns of D = 128
+  hx.Open(MakeStream(512, hx.model, 3), p);
+  hx.Open(MakeStream(512, hx.model, 4, /*key_rank=*/16, /*token_base=*/5000, /*noise=*/0.0f), p);
+  EXPECT_EQ(MetricValue(hx, "kvshade_factorize_fallbacks_total"), 0);
+  hx.Open(MakeStream(512, hx.model, 5, /*key_rank=*/0, /*token_base=*/9000, /*noise=*/0.0f), p);
+  EXPECT_EQ(MetricValue(hx, "kvshade_factorize_fallbacks_total"), 2);
+}
+
 // Sets the key of token t (position t), head hh at `layer` so that its post-RoPE value is x.
 void SetPostRopeKey(Stream& s, int layer, int t, int hh, std::vector<float> x) {
   auto table = kernels::MakeRopeTable(kernels::RopeSpec{}, s.d);

@@ -390,6 +390,18 @@ class Harness {
   v1::ModelSpec model = TestModel();
 };
 
+// The value of a counter or gauge without labels in the harness's metrics; -1 (and a test
+// failure) when there is no such series.
+inline double MetricValue(Harness& hx, const std::string& name) {
+  for (const auto& family : hx.metrics.registry()->Collect()) {
+    if (family.name != name || family.metric.empty()) continue;
+    return family.type == prometheus::MetricType::Counter ? family.metric[0].counter.value
+                                                           : family.metric[0].gauge.value;
+  }
+  ADD_FAILURE() << "no metric " << name;
+  return -1;
+}
+
 inline v1::Profile ProfileOf(v1::ProfileKind kind) {
   v1::Profile p;
   p.set_kind(kind);

@@ -86,6 +86,8 @@ class Metrics {
   // UCX rendezvous payloads (ingest parts, large appends) received outside the receive
   // pool (none free, or larger than a buffer).
   void UcxReceivePoolMisses(uint64_t n);
+  // Shadow layers whose factorization fell back from subspace iteration to the full solve.
+  void FactorizeFallback();
   void Error(int grpc_code);
 
  private:
@@ -125,6 +127,7 @@ class Metrics {
   prometheus::Counter* ingested_tokens_;
   prometheus::Counter* sessions_expired_;
   prometheus::Counter* ucx_pool_misses_;
+  prometheus::Counter* factorize_fallbacks_;
   prometheus::Family<prometheus::Counter>* errors_;
 };
 
