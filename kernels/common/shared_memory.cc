@@ -251,7 +251,9 @@ absl::StatusOr<int> TakeFromBroker(const ExportedMemory& m) {
   };
   if (connect(fd, reinterpret_cast<const sockaddr*>(&addr), len) != 0) return fail("connect");
   const BrokerRequest req{kBrokerMagic, kBrokerVersion, m.region_id};
-  if (!SendAll(fd, &req, sizeof req)) return fail("send");
+  // A broker that refuses may close before all of it is read: its answer is read anyway.
+  const bool sent = SendAll(fd, &req, sizeof req);
+  const int send_errno = errno;
   BrokerAnswer a{};
   iovec iov{&a, sizeof a};
   msghdr msg{};
@@ -265,6 +267,10 @@ absl::StatusOr<int> TakeFromBroker(const ExportedMemory& m) {
     r = recvmsg(fd, &msg, MSG_CMSG_CLOEXEC | MSG_WAITALL);
   } while (r < 0 && errno == EINTR);
   if (r != static_cast<ssize_t>(sizeof a)) {
+    if (!sent) {
+      errno = send_errno;
+      return fail("send");
+    }
     if (r >= 0) errno = EPROTO;
     return fail("no answer");
   }
@@ -422,6 +428,15 @@ void DescriptorBroker::Serve() {
 }
 
 void DescriptorBroker::Answer(int conn) {
+  // The request is read first, whoever sent it, so that the sender's write completes and
+  // it reads the answer instead of a broken pipe.
+  BrokerRequest req{};
+  if (!RecvAll(conn, &req, sizeof req) || req.magic != kBrokerMagic ||
+      req.version != kBrokerVersion) {
+    SendAnswer(conn, absl::StatusCode::kInvalidArgument,
+               absl::StrCat("not a descriptor request of version ", kBrokerVersion), -1);
+    return;
+  }
   ucred peer{};
   socklen_t len = sizeof peer;
   if (getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &peer, &len) != 0) {
@@ -434,13 +449,6 @@ void DescriptorBroker::Answer(int conn) {
                absl::StrCat("the daemon's shared memory is for processes of uid ", self,
                             "; this one runs as uid ", peer.uid),
                -1);
-    return;
-  }
-  BrokerRequest req{};
-  if (!RecvAll(conn, &req, sizeof req) || req.magic != kBrokerMagic ||
-      req.version != kBrokerVersion) {
-    SendAnswer(conn, absl::StatusCode::kInvalidArgument,
-               absl::StrCat("not a descriptor request of version ", kBrokerVersion), -1);
     return;
   }
   int fd = -1, err = 0;
