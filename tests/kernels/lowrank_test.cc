@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -66,6 +67,16 @@ Factors RunFactorize(Backend& be, const std::vector<bf16>& k, int n, const Layer
   f.status = res.status();
   if (res.ok()) f.result = *res;
   return f;
+}
+
+// The full solve and 4 steps of subspace iteration at rank r on the same keys.
+std::pair<Factors, Factors> FullAndSubspace(Backend& be, const std::vector<bf16>& k, int n,
+                                            const LayerShape& shape, int r) {
+  FactorizeOptions full;
+  full.rank = r;
+  FactorizeOptions sub = full;
+  sub.subspace_iterations = 4;
+  return {RunFactorize(be, k, n, shape, full), RunFactorize(be, k, n, shape, sub)};
 }
 
 // W^T [r, D] from b [h, r, d] (bf16 -> fp32).
@@ -403,11 +414,7 @@ TEST(LowRank, SubspaceHandlesASteepSpectrumWithoutTheFullSolve) {
   SCOPED_TRACE(s.D());
   const int n = 2048, D = s.D(), r = 64;
   const std::vector<bf16> k = ToBf16(LowRankKeys(n, D, strong, rng, 1.0f, 0.05f));
-  FactorizeOptions full;
-  full.rank = r;
-  FactorizeOptions sub = full;
-  sub.subspace_iterations = 4;
-  Factors f = RunFactorize(*cpu, k, n, s, full), g = RunFactorize(*cpu, k, n, s, sub);
+  const auto [f, g] = FullAndSubspace(*cpu, k, n, s, r);
   ASSERT_TRUE(f.status.ok() && g.status.ok()) << f.status << g.status;
   EXPECT_FALSE(f.result.subspace_fallback);  // not asked for
   EXPECT_FALSE(g.result.subspace_fallback);
@@ -436,11 +443,7 @@ TEST(LowRank, SubspaceFallsBackToTheFullSolveOnDeficientKeys) {
         std::copy_n(keys.begin() + size_t(t % modes) * D, D, k.begin() + size_t(t) * D);
       }
     }
-    FactorizeOptions full;
-    full.rank = r;
-    FactorizeOptions sub = full;
-    sub.subspace_iterations = 4;
-    Factors f = RunFactorize(*cpu, k, n, s, full), g = RunFactorize(*cpu, k, n, s, sub);
+    const auto [f, g] = FullAndSubspace(*cpu, k, n, s, r);
     ASSERT_TRUE(f.status.ok() && g.status.ok()) << f.status << g.status;
     EXPECT_TRUE(g.result.subspace_fallback) << "modes " << modes;
     EXPECT_EQ(g.result.captured_energy, f.result.captured_energy) << "modes " << modes;
