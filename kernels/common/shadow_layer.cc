@@ -345,6 +345,9 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
   KVSHADE_ASSIGN_OR_RETURN(L.excluded, Upload(mem, excluded.data(), excluded.size(), BufferKind::kLandmarks, stream));
 
   // --- 7. values, encoded straight into their host-visible home ---
+  // Scratch read by queued device work lives until the synchronization at the end: an
+  // allocator may hand freed memory to another stream at once.
+  Buffer value_scratch;
   {
     const size_t bytes = size_t(h) * n_chunks * L.value_chunk_bytes;
     absl::Span<std::byte> dst = values_out;
@@ -363,8 +366,8 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
       // one copy of the same bytes. Slices of whole chunks of every head bound the scratch.
       const size_t per_chunk = size_t(h) * L.value_chunk_bytes;
       const int slice = int(std::clamp<size_t>(kValueSliceBytes / per_chunk, 1, size_t(n_chunks)));
-      KVSHADE_ASSIGN_OR_RETURN(Buffer scratch, mem.Alloc(size_t(slice) * per_chunk, BufferKind::kScratch));
-      auto* sp = static_cast<std::byte*>(scratch.data());
+      KVSHADE_ASSIGN_OR_RETURN(value_scratch, mem.Alloc(size_t(slice) * per_chunk, BufferKind::kScratch));
+      auto* sp = static_cast<std::byte*>(value_scratch.data());
       for (int j0 = 0; j0 < n_chunks; j0 += slice) {
         const int m = std::min(slice, n_chunks - j0);
         const size_t row = size_t(m) * L.value_chunk_bytes;  // one head's chunks of the slice
@@ -402,18 +405,16 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
   }
   bf16* sk = static_cast<bf16*>(L.static_k.data());
   bf16* sv = static_cast<bf16*>(L.static_v.data());
-  {
-    RowGather exact(mem, h, d, C);
-    for (int hh = 0; hh < h; ++hh) {
-      for (int i = 0; i < n_exact; ++i) {
-        exact.AddChunk(hh, L.static_chunks[size_t(hh) * L.static_capacity + i],
-                       size_t(hh) * rows_per_head + size_t(i) * C);
-      }
+  RowGather exact(mem, h, d, C);  // its row index is read until the final synchronization
+  for (int hh = 0; hh < h; ++hh) {
+    for (int i = 0; i < n_exact; ++i) {
+      exact.AddChunk(hh, L.static_chunks[size_t(hh) * L.static_capacity + i],
+                     size_t(hh) * rows_per_head + size_t(i) * C);
     }
-    KVSHADE_RETURN_IF_ERROR(exact.Prepare(stream));
-    KVSHADE_RETURN_IF_ERROR(exact.Copy(kr_d, sk, stream));
-    KVSHADE_RETURN_IF_ERROR(exact.Copy(v_d, sv, stream));
   }
+  KVSHADE_RETURN_IF_ERROR(exact.Prepare(stream));
+  KVSHADE_RETURN_IF_ERROR(exact.Copy(kr_d, sk, stream));
+  KVSHADE_RETURN_IF_ERROR(exact.Copy(v_d, sv, stream));
 
   if (L.n_heavy > 0) {
     const int G = p.heavy_group;
