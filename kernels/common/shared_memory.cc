@@ -360,7 +360,16 @@ absl::StatusOr<std::unique_ptr<DescriptorBroker>> DescriptorBroker::Start(
         return absl::FailedPreconditionError(absl::StrCat(
             "descriptor broker: ", address, " exists and is not a socket"));
       }
-      unlink(address.c_str());  // a socket left by an earlier run
+      // A socket left by an earlier run is replaced; one a live process answers on is not.
+      const int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      const bool live =
+          probe >= 0 && connect(probe, reinterpret_cast<const sockaddr*>(&addr), len) == 0;
+      if (probe >= 0) close(probe);
+      if (live) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "descriptor broker: another process serves ", address));
+      }
+      unlink(address.c_str());
     }
   }
   const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);

@@ -107,9 +107,27 @@ TEST(DescriptorBroker, ASocketPathIsPrivateAndRemovedAndAFileIsNotReplaced) {
     auto fd = TakeSharedDescriptor(r.m);
     ASSERT_TRUE(fd.ok()) << fd.status();
     close(*fd);
+    // A second daemon on the same path does not take the socket of a live one.
+    auto second = DescriptorBroker::Start(path);
+    ASSERT_FALSE(second.ok());
+    EXPECT_NE(second.status().message().find("another process serves"), std::string::npos)
+        << second.status();
+    EXPECT_EQ(lstat(path.c_str(), &st), 0);
   }
   struct stat st;
   EXPECT_NE(lstat(path.c_str(), &st), 0);  // removed
+  {
+    // A socket file nobody listens on (a daemon killed with -9) is replaced.
+    const int stale = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
+    ASSERT_EQ(bind(stale, reinterpret_cast<const sockaddr*>(&a), sizeof a), 0) << std::strerror(errno);
+    close(stale);
+    ASSERT_EQ(lstat(path.c_str(), &st), 0);
+    auto again = DescriptorBroker::Start(path);
+    ASSERT_TRUE(again.ok()) << again.status();
+  }
   const std::string file = absl::StrCat(dir, "kvshade-broker-", getpid(), ".txt");
   std::ofstream(file) << "not a socket";
   auto refused = DescriptorBroker::Start(file);
