@@ -44,6 +44,7 @@
 #include <mutex>
 #include <numeric>
 #include <system_error>
+#include <optional>
 #include <thread>
 
 #include <spdlog/spdlog.h>
@@ -311,9 +312,9 @@ class IngestStreamImpl final : public Engine::IngestStream {
     // backend, through a part-sized host staging copy on a device, and copied device to
     // device when the worker shares its GPU memory (cuda_ipc).
     if (!b.kd) KVSHADE_RETURN_IF_ERROR(AllocLayer(b, Bf16Bytes(size_t(n_) * row)));
-    StageTimer parts_timer(e_.metrics_, "ingest_parts");
     const absl::Span<bf16> kdst(static_cast<bf16*>(b.kd.data()) + off, len);
     const absl::Span<bf16> vdst(static_cast<bf16*>(b.vd.data()) + off, len);
+    std::optional<StageTimer> parts_timer(std::in_place, e_.metrics_, "ingest_parts");
     if (peer != nullptr) {
       // Same node: the part is in the worker's GPU memory (service/README.md "Ingest").
       KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->k(), shape, absl::StrCat(name, " k"), kdst, &peers_));
@@ -333,6 +334,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
       if (!st.ok()) e_.backend_->Synchronize(upload_).IgnoreError();
       KVSHADE_RETURN_IF_ERROR(st);
     }
+    parts_timer.reset();  // placed; RoPE and the hand-over are timed on their own
     if (direct_) {
       // Rotated now, while the part is fresh in cache; RoPE is per token, so part by part
       // equals the whole layer at once. The backend's memory is host memory here.
