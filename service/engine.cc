@@ -258,11 +258,15 @@ absl::Status EngineImpl::Init() {
         want == "auto" ? absl::StrCat("@kvshade-", getpid(), "-", instance_id_.substr(0, 8)) : want;
     absl::StatusOr<std::unique_ptr<kernels::DescriptorBroker>> b =
         kernels::DescriptorBroker::Start(address);
-    if (!b.ok()) {
+    if (b.ok()) {
+      broker_ = *std::move(b);
+    } else if (want == "auto") {
+      // Only a convenience: workers still reach the memory through /proc or pidfd_getfd.
+      log::Event(spdlog::level::warn, "descriptor_broker_unavailable").Status(b.status());
+    } else {
       return absl::Status(b.status().code(),
                           absl::StrCat("same_node.descriptor_broker: ", b.status().message()));
     }
-    broker_ = *std::move(b);
   }
   KVSHADE_ASSIGN_OR_RETURN(arena_,
                            storage::DeviceArena::Create(*backend_, config_->device_budget_bytes));
