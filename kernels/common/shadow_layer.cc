@@ -108,17 +108,22 @@ class RowGather {
     if (src_.empty() || RowBytes() % 16 != 0 || src_.size() > size_t(std::numeric_limits<int>::max())) {
       return absl::OkStatus();
     }
-    std::vector<int64_t> idx(src_);
-    idx.insert(idx.end(), dst_.begin(), dst_.end());
-    KVSHADE_ASSIGN_OR_RETURN(index_, Upload(mem_, idx.data(), idx.size(), BufferKind::kScratch, stream));
+    host_index_ = src_;
+    host_index_.insert(host_index_.end(), dst_.begin(), dst_.end());
+    if (mem_.be.space() == MemorySpace::kHost) {
+      index_data_ = host_index_.data();  // the backend reads host memory: no allocation
+    } else {
+      KVSHADE_ASSIGN_OR_RETURN(index_, Upload(mem_, host_index_.data(), host_index_.size(),
+                                              BufferKind::kScratch, stream));
+      index_data_ = static_cast<const int64_t*>(index_.data());
+    }
     return absl::OkStatus();
   }
 
   absl::Status Copy(const bf16* src, bf16* dst, Stream stream) const {
     const int n = static_cast<int>(src_.size());
-    if (index_.data() != nullptr) {
-      const auto* idx = static_cast<const int64_t*>(index_.data());
-      return mem_.be.CopyRows(src, dst, RowBytes(), n, idx, idx + n, stream);
+    if (index_data_ != nullptr) {
+      return mem_.be.CopyRows(src, dst, RowBytes(), n, index_data_, index_data_ + n, stream);
     }
     for (size_t i = 0; i < src_.size(); ++i) {
       KVSHADE_RETURN_IF_ERROR(mem_.be.Copy(dst + size_t(dst_[i]) * d_, src + size_t(src_[i]) * d_,
@@ -132,7 +137,9 @@ class RowGather {
   Mem& mem_;
   int h_, d_, C_;
   std::vector<int64_t> src_, dst_;
-  Buffer index_;
+  std::vector<int64_t> host_index_;  // source rows, then destination rows
+  Buffer index_;                     // host_index_ in device memory (device backends)
+  const int64_t* index_data_ = nullptr;
 };
 
 }  // namespace
