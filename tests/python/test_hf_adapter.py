@@ -227,18 +227,21 @@ class HfAdapterTest(unittest.TestCase):
                     return hook
                 hooks = [layer.self_attn.k_proj.register_forward_hook(spy_k_proj(i))
                          for i, layer in enumerate(model.model.layers)]
-                prefill = cache.hook.prefill
-                cache.hook.prefill = lambda t, k, v, **kw: (sent.append([x.clone() for x in k]),
-                                                            prefill(t, k, v, **kw))[1]
+                # What the host path hands each layer's Ingest stream (from its sender thread).
+                send_layer = kvshade.client.Ingest.layer
+                kvshade.client.Ingest.layer = lambda ing, l, k, v, *a: (sent.append((l, k.clone())),
+                                                                       send_layer(ing, l, k, v, *a))[1]
                 try:
                     seq, logits = self.generate(model, ids, cache, steps)
                 finally:
+                    kvshade.client.Ingest.layer = send_layer
                     for hk in hooks:
                         hk.remove()
+                self.assertEqual([l for l, _ in sent], list(range(LAYERS)))  # streamed in layer order
                 unexact = 0
                 for layer in range(LAYERS):
                     own = k_proj[layer][0].reshape(n, H, D).float().cpu()
-                    diff = (sent[0][layer].float() - own).abs()
+                    diff = (sent[layer][1].float().cpu() - own).abs()
                     # Bit-exact, except where an element is tiny next to its rotation pair:
                     # the model's fp32 rotation rounds at ~2^-24 of the pair's magnitude.
                     floor = own.abs().amax(dim=-1, keepdim=True) * 2.0 ** -20
@@ -372,6 +375,78 @@ class HfAdapterTest(unittest.TestCase):
                     self.assertLess(max(rel_err(x[b], y) for x, y in zip(logits, a_logits)), 1e-3)
                     alone.close(close_session=True)
                 batch.close(close_session=True)
+
+    # --- the host path's streaming ---
+    def test_host_ingest_streams_during_the_prefill(self):
+        # Each layer goes to its Ingest stream while the prefill goes on: the last layer's
+        # key projection waits until layer 0 has been sent (a path that sent only after the
+        # prefill would never get there and time out).
+        import threading
+        n, steps = 128, 4
+        model = tiny_llama(self.seed)
+        ids = self.prompt(n)
+        ref_seq, _ = self.reference(model, ids, steps)
+        cache = self.kvshade_cache(model, ids, kvshade.Profile("exact"), "host-stream", ingest="host")
+        sent, layer0_sent, seen_before_last = [], threading.Event(), []
+        send_layer = kvshade.client.Ingest.layer
+
+        def spy(ing, l, k, v, *a):
+            out = send_layer(ing, l, k, v, *a)
+            sent.append(l)
+            if l == 0:
+                layer0_sent.set()
+            return out
+        kvshade.client.Ingest.layer = spy
+        last = model.model.layers[-1].self_attn.k_proj.register_forward_hook(
+            lambda mod, inp, out: seen_before_last.append(layer0_sent.wait(30)))
+        try:
+            seq, _ = self.generate(model, ids, cache, steps)
+        finally:
+            kvshade.client.Ingest.layer = send_layer
+            last.remove()
+        self.assertEqual(seen_before_last[0], True)
+        self.assertEqual(sent, list(range(LAYERS)))
+        self.assertEqual(seq.tolist(), ref_seq.tolist())
+        cache.close(close_session=True)
+
+    def test_failed_host_ingest_leaves_no_session(self):
+        # A layer the daemon refuses mid-prefill: the error comes back at the first use of the
+        # cache (wait_ready, or the first decode step), and the sessions the prefill created
+        # are closed; a prefill abandoned half-way is cancelled by close().
+        n = 96
+        model = tiny_llama(self.seed)
+        ids = self.prompt(n)
+        before = self.client.stats()["sessions"]
+        send_layer = kvshade.client.Ingest.layer
+
+        def refuse_layer_1(ing, l, k, v, *a):
+            if l == 1:
+                raise kvshade.errors.ResourceExhausted("injected: no room for layer 1")
+            return send_layer(ing, l, k, v, *a)
+        cache = self.kvshade_cache(model, ids, kvshade.Profile("exact"), "host-fail", ingest="host")
+        kvshade.client.Ingest.layer = refuse_layer_1
+        try:
+            with torch.no_grad():
+                model(input_ids=ids, past_key_values=cache, use_cache=True)
+            with self.assertRaisesRegex(kvshade.errors.ResourceExhausted, "injected"):
+                cache.wait_ready()
+        finally:
+            kvshade.client.Ingest.layer = send_layer
+        self.assertEqual(self.client.stats()["sessions"], before)
+        cache.close(close_session=True)
+
+        cache = self.kvshade_cache(model, ids, kvshade.Profile("exact"), "host-abandoned", ingest="host")
+        def interrupt(mod, inp, out):
+            raise KeyboardInterrupt("stopped mid-prefill")
+        stop = model.model.layers[-1].self_attn.k_proj.register_forward_hook(interrupt)
+        try:
+            with torch.no_grad(), self.assertRaises(KeyboardInterrupt):
+                model(input_ids=ids, past_key_values=cache, use_cache=True)
+        finally:
+            stop.remove()
+        self.assertEqual(self.client.stats()["sessions"], before + 1)  # created at layer 0
+        cache.close()
+        self.assertEqual(self.client.stats()["sessions"], before)
 
     # --- refusals ---
     def test_refusals(self):

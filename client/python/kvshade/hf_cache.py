@@ -15,8 +15,11 @@ that selection needs:
     Prefill (the one forward with q_len > 1): `update` hands the model its own key/value
     states back, so the prompt's attention is the model's own (exact); it also un-rotates
     the post-RoPE keys with the model's own rotary embedding (the cos/sin of positions
-    0..n-1) and, after the last layer, ingests the prompt through
-    `kvshade.torch_hook.KvShadeKVCache.prefill` (CreateSession reuses a cached prefix).
+    0..n-1) and streams each layer to the daemon while the model computes the next one
+    (CreateSession at the first layer reuses a cached prefix): from the GPU by CUDA IPC on
+    the same node, otherwise copied to pinned host memory on a side stream and sent over
+    the client's data plane (UCX or gRPC) by a sender thread. After the last layer the
+    commit runs while the model finishes the prompt.
     Decode (q_len == 1): `update` records the new token's post-RoPE key and value and
     returns them; the layer lengths keep `get_seq_length`, positions and mask sizes right.
   * `kvshade_attention`, registered with `AttentionInterface.register("kvshade", ...)`.
@@ -53,6 +56,7 @@ objects, `DynamicLayer`) and `AttentionInterface`; checked at import with a clea
 Target: transformers 5.17 with torch 2.11; written against 4.56+ signatures as well.
 """
 import math
+import queue
 import threading
 import uuid
 from dataclasses import dataclass
@@ -431,6 +435,95 @@ class KvShadeCacheLayer(DynamicLayer):
         pass
 
 
+_SENT = object()  # KvShadeCache._pre_k: the layer is with the host sender
+
+
+class _LayerSender:
+    """The host path of a prompt's ingest: sends each layer to the sequences' Ingest streams
+    on a thread, in layer order, while the model computes the next layers. A layer on the
+    GPU is copied into pinned host memory by that thread, on a copy stream of its own that
+    waits for the model's stream to have produced it, so the prefill waits neither for the
+    copy nor for the wire. The first error stops the sending; finish() raises it (the
+    streams cancelled), or commits."""
+
+    def __init__(self, streams, reused):
+        self._streams = streams
+        self._reused = reused
+        self._copy_stream = None
+        self._queue = queue.Queue()
+        self._error = None
+        self._thread = threading.Thread(target=self._run, name="kvshade-ingest-send", daemon=True)
+        self._thread.start()
+
+    def put(self, layer, k, v):
+        """k, v: [B, n, h, d] bf16, pre-RoPE keys and values, on the GPU or in host memory.
+        The queue holds them (the model's allocator cannot reuse them) until they are sent."""
+        ready = None
+        if k.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(k.device))
+        self._queue.put((layer, k, v, ready))
+
+    def _to_host(self, k, v, ready):
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(k.device)
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(ready)
+            hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
+            hv = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+            hk.copy_(k, non_blocking=True)
+            hv.copy_(v, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        done.synchronize()
+        return hk, hv
+
+    def _run(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            layer, k, v, ready = item
+            item = None
+            if self._error is not None:
+                continue
+            try:
+                if ready is not None:
+                    k, v = self._to_host(k, v, ready)  # the GPU tensors are released here
+                for b, ing in enumerate(self._streams):
+                    if ing is not None:
+                        r = self._reused[b]
+                        ing.layer(layer, k[b, r:], v[b, r:])
+            except BaseException as e:  # noqa: BLE001 - raised by finish()
+                self._error = e
+            k = v = None
+
+    def cancel(self):
+        """Stops sending and cancels the streams (a prefill that did not finish)."""
+        if self._error is None:
+            self._error = RuntimeError("cancelled")
+        self._queue.put(None)
+        self._thread.join()
+        for ing in self._streams:
+            if ing is not None:
+                ing.close()
+
+    def finish(self):
+        """Waits for the queued layers, then commits every stream; raises the first error."""
+        self._queue.put(None)
+        self._thread.join()
+        try:
+            if self._error is not None:
+                raise self._error
+            for ing in self._streams:
+                if ing is not None:
+                    ing.commit()
+        finally:
+            for ing in self._streams:
+                if ing is not None:
+                    ing.close()
+
+
 class KvShadeCache(Cache):
     """A transformers Cache whose long-context K/V live in kvshade (see the module doc).
 
@@ -443,7 +536,9 @@ class KvShadeCache(Cache):
     prefill_attention: attention function (or registered name) for the prompt; "sdpa"
     ingest   : "device" streams each prompt layer to the daemon from the GPU as the prefill
                computes it (same node, daemon on a GPU backend: CUDA IPC, no host copy
-               here); "host" copies the layers to host memory and sends them over the wire;
+               here); "host" sends each layer over the client's data plane (UCX or gRPC) from a
+               thread while the prefill computes the next one (a layer on the GPU is
+               first copied to pinned host memory on a copy stream of its own);
                "auto" (default) picks "device" for a model on a GPU when the daemon runs on
                the cuda backend and decode is not "rpc"
     decode   : "local" runs decode attention in this process on the model's device over the
@@ -484,7 +579,9 @@ class KvShadeCache(Cache):
         self.created_all = []    # of every sequence
         self._prompt_ids = None if prompt_ids is None else self._ids(prompt_ids)
         L = self.spec.num_layers
-        self._pre_k = [None] * L  # prompt keys pre-RoPE [n, h, d] bf16 (host) until ingest
+        # Per prompt layer until the commit: the pre-RoPE keys and values [B, n, h, d] bf16 on
+        # the GPU (same-node streams read them from there), or _SENT once the host sender has them.
+        self._pre_k = [None] * L
         self._v = [None] * L
         self._decoding = False
         self._awaiting = None  # a decode layer whose attention has not come through yet
@@ -495,6 +592,7 @@ class KvShadeCache(Cache):
             raise ValueError("ingest must be 'auto', 'device' or 'host', got %r" % (ingest,))
         self._ingest_mode = ingest
         self._streams = None  # same-node ingest streams per sequence (None: host path)
+        self._sender = None  # _LayerSender of the host path (None: not started or same node)
         self._pending = None  # the thread finishing a same-node ingest (_ingest)
         self._pending_error = None
         self.ingest_error = None  # why ingest="auto" fell back to the host path
@@ -575,6 +673,17 @@ class KvShadeCache(Cache):
             self._close(close_session)
 
     def _close(self, close_session):
+        if self._sender is not None or self._streams:
+            # A prefill that did not reach its last layer: its sessions were never committed
+            # and nobody else knows their ids.
+            if self._sender is not None:
+                self._sender.cancel()
+                self._sender = None
+            for ing in self._streams or []:
+                if ing is not None:
+                    ing.close()
+            self._streams = None
+            self._close_created_sessions()
         if self.local is not None:
             self.local.close()
             self.local = None
@@ -619,7 +728,7 @@ class KvShadeCache(Cache):
             pre = self._unrotate(key_states, cache_kwargs)
             pk = pre.to(STORE_DTYPE)                       # [B, n, h, d] pre-RoPE
             pv = v.transpose(1, 2).to(STORE_DTYPE)          # [B, n, h, d]
-        if self._streams is None and self._device_ingest_wanted(key_states):
+        if self._streams is None and self._sender is None and self._device_ingest_wanted(key_states):
             self._begin_device_ingest(n, pk.shape[0])
         if self._streams is not None:
             # Same node: the daemon reads this layer from the GPU while the model computes
@@ -631,10 +740,14 @@ class KvShadeCache(Cache):
                         r = self.created_all[b].reused_tokens
                         ing.layer_cuda(li, pk[b, r:].contiguous(), pv[b, r:].contiguous())
             except Exception as e:  # noqa: BLE001 - "auto" falls back to the host path
-                self._abandon_device_ingest(e)
+                self._abandon_device_ingest(e)  # sends every layer held so far, this one too
         else:
-            self._pre_k[li] = pk.cpu()
-            self._v[li] = pv.cpu()
+            # Host path: this layer goes to the daemon over the wire while the model computes
+            # the next one (the sender copies it off the GPU on a stream of its own).
+            if self._sender is None:
+                self._begin_host_ingest(n, pk.shape[0])
+            self._sender.put(li, pk, pv)
+            self._pre_k[li] = self._v[li] = _SENT
         layer_obj.length = n
         if all(x is not None for x in self._pre_k):
             self._ingest(n)
@@ -684,17 +797,32 @@ class KvShadeCache(Cache):
         except Exception:  # noqa: BLE001 - then the host path
             return False
 
-    def _begin_device_ingest(self, n, B):
+    def _open_ingest(self, n, B):
         """Creates every sequence's session (prefix reuse decides what to ingest) and opens
-        the ingest streams that layers are then written to as the prefill computes them."""
+        the ingest streams that layers are then written to as the prefill computes them
+        (None for a sequence whose whole prompt is cached)."""
         self._check_prompt(n, B)
         client, spec, profile, worker_id = self._hook_args
         while len(self.hooks) < B:
             self.hooks.append(KvShadeKVCache(client, spec, profile, worker_id=worker_id))
         self.created_all = [client.create_session(spec, profile, ids) for ids in self._prompt_ids]
         self.created = self.created_all[0]
-        self._streams = [client.ingest(c.session_id, spec.dtype) if c.tokens_to_ingest > 0 else None
-                         for c in self.created_all]
+        return [client.ingest(c.session_id, spec.dtype) if c.tokens_to_ingest > 0 else None
+                for c in self.created_all]
+
+    def _begin_device_ingest(self, n, B):
+        self._streams = self._open_ingest(n, B)
+
+    def _begin_host_ingest(self, n, B):
+        self._sender = _LayerSender(self._open_ingest(n, B), [c.reused_tokens for c in self.created_all])
+
+    def _close_created_sessions(self):
+        client = self._hook_args[0]
+        for c in self.created_all:
+            try:
+                client.close_session(c.session_id)
+            except Exception:  # noqa: BLE001 - best effort
+                pass
 
     def _abandon_device_ingest(self, error):
         """Same-node ingest failed (e.g. the daemon is on another node): with ingest="auto"
@@ -703,17 +831,18 @@ class KvShadeCache(Cache):
         if self._ingest_mode == "device":
             raise error
         self.ingest_error = error
-        client = self._hook_args[0]
         for ing in self._streams or []:
             if ing is not None:
                 ing.close()
-        for c in self.created_all:
-            try:
-                client.close_session(c.session_id)
-            except Exception:  # noqa: BLE001 - best effort; the host path makes new ones
-                pass
+        self._close_created_sessions()  # the host path makes new ones
         self._streams = None
         self._ingest_mode = "host"
+        held = [(li, k, v) for li, (k, v) in enumerate(zip(self._pre_k, self._v)) if k is not None]
+        B, n = held[0][1].shape[:2]
+        self._begin_host_ingest(n, B)
+        for li, k, v in held:
+            self._sender.put(li, k, v)
+            self._pre_k[li] = self._v[li] = _SENT
 
     def _check_prompt(self, n, B):
         if self._prompt_ids is None:
@@ -729,20 +858,16 @@ class KvShadeCache(Cache):
         if self._prompt_ids is None:
             raise ValueError("KvShadeCache needs the prompt's token ids: KvShadeCache(..., prompt_ids=ids) or "
                              "set_prompt(ids) before the prefill forward")
-        B = self._pre_k[0].shape[0]
-        self._check_prompt(n, B)
-        if self._streams is not None:
-            # Same node: this runs inside the prompt's last layer, before that layer's
-            # attention and MLP are launched. The commit, the attach and opening the decoder
-            # (mapping the daemon's memory) run on a thread while the model finishes the
-            # prompt on the GPU; the first decode step, or any read of the cache's state,
-            # waits for them (wait_ready) and sees their errors.
-            self._decoding = True  # no further prompt layer is accepted meanwhile
-            self._pending = threading.Thread(target=self._finish_in_background, args=(n, B),
-                                             name="kvshade-ingest", daemon=True)
-            self._pending.start()
-            return
-        self._finish_ingest(n, B)
+        B = len(self.created_all)
+        # This runs inside the prompt's last layer, before that layer's attention and MLP are
+        # launched. The rest of the ingest (the last layer's transfer on the host path), the
+        # commit, the attach and, on the same node, opening the decoder (mapping the daemon's
+        # memory) run on a thread while the model finishes the prompt; the first decode step,
+        # or any read of the cache's state, waits for them (wait_ready) and sees their errors.
+        self._decoding = True  # no further prompt layer is accepted meanwhile
+        self._pending = threading.Thread(target=self._finish_in_background, args=(n, B),
+                                         name="kvshade-ingest", daemon=True)
+        self._pending.start()
 
     def _finish_in_background(self, n, B):
         try:
@@ -773,23 +898,21 @@ class KvShadeCache(Cache):
                         ing.commit()
             except Exception as e:  # noqa: BLE001 - "auto" falls back to the host path
                 self._abandon_device_ingest(e)
-        if self._streams is not None:
-            for b in range(B):
-                self.hooks[b].effective_profile = self.created_all[b].effective_profile
-                self.hooks[b].reused_tokens = self.created_all[b].reused_tokens
-                self.hooks[b].session_id = self.created_all[b].session_id
-                if self._decode_mode != "rpc":
-                    self.hooks[b].attach(self.created_all[b].session_id)
-            self._streams = []
-        else:
-            while len(self.hooks) < B:
-                self.hooks.append(KvShadeKVCache(client, spec, profile, worker_id=worker_id))
-            # The "rpc" path attaches through its RemoteDecoder; the hooks only ingest.
-            self.created_all = [
-                self.hooks[b].prefill(self._prompt_ids[b], [k[b] for k in self._pre_k], [v[b] for v in self._v],
-                                      attach=self._decode_mode != "rpc")
-                for b in range(B)]
-            self.created = self.created_all[0]
+        if self._sender is not None:
+            sender, self._sender = self._sender, None
+            try:
+                sender.finish()  # the layers still queued, then the commit
+            except BaseException:
+                self._close_created_sessions()
+                raise
+        for b in range(B):
+            self.hooks[b].effective_profile = self.created_all[b].effective_profile
+            self.hooks[b].reused_tokens = self.created_all[b].reused_tokens
+            self.hooks[b].session_id = self.created_all[b].session_id
+            # The "rpc" path attaches through its RemoteDecoder.
+            if self._decode_mode != "rpc":
+                self.hooks[b].attach(self.created_all[b].session_id)
+        self._streams = []
         self._pre_k = [None] * len(self._pre_k)
         self._v = [None] * len(self._v)
         self._decoding = True
