@@ -19,11 +19,16 @@ Two tables (bench/RESULTS.md "Same-node decode"):
     (kvshade.remote.RemoteDecoder: one select per
     layer over the UCX data plane (--ucx, busy polling --busy-poll-us on both sides), misses
     delivered by --e2e-delivery, attention in this process). ms/token median and p90.
+    Modes ingest-device, ingest-ucx, ingest-grpc: the same prompt's session for a remote
+    worker (decode="rpc", a few steps to check it), its layers streamed during the prefill
+    from this GPU by CUDA IPC, or from pinned host memory over the UCX data plane (--ucx) or
+    over gRPC; "ready after prefill" is what each adds to the DynamicCache prefill, and the
+    three must decode the same tokens (they ingest the same bytes).
 
 Usage (on the GPU machine, daemon binary from the bundle):
   python3 bench/decode_bench.py --server .gpu/bin/kvshade-server [--attn-tokens 131072]
       [--batches 1,8,24,48] [--e2e-tokens 32768] [--e2e-steps 32] [--skip-e2e]
-      [--e2e-modes local,rpc] [--e2e-delivery auto] [--ucx shm,self] [--busy-poll-us 2000]
+      [--e2e-modes local,rpc,ingest-device,ingest-ucx,ingest-grpc] [--e2e-delivery auto] [--ucx shm,self] [--busy-poll-us 2000]
 """
 import argparse
 import json
@@ -276,7 +281,11 @@ def e2e_table(c, args, ucx_client=None):
     torch.cuda.empty_cache()
     print(f"e2e {n} x{B}: dense {rows[-1]['ms_median']:.2f} ms/step = {B * 1e3 / rows[-1]['ms_median']:.0f} "
           f"tokens/s (prefill {prefill_s:.1f} s)")
-    modes = {"local": args.e2e_steps, "rpc": args.e2e_steps, "rpc-spec": args.e2e_steps}
+    modes = {"local": args.e2e_steps, "rpc": args.e2e_steps, "rpc-spec": args.e2e_steps,
+             # Ingest paths (a remote worker's session, decoded by RemoteDecoder for a few
+             # steps to check it): from this GPU by CUDA IPC, or streamed from host memory over
+             # the UCX data plane or over gRPC while the prefill runs.
+             "ingest-device": 8, "ingest-ucx": 8, "ingest-grpc": 8}
     runs = []
     for m in [m for m in args.e2e_modes.split(",") if m]:
         runs.append((m, modes[m], "first"))
@@ -290,14 +299,22 @@ def e2e_table(c, args, ucx_client=None):
         hf_cache.enable(model)
         torch.cuda.reset_peak_memory_stats()
         # The RPC path as a worker on another node would run it: its data calls over UCX.
-        client = ucx_client if mode.startswith("rpc") and ucx_client is not None else c
+        client = ucx_client if (mode.startswith("rpc") or mode == "ingest-ucx") and ucx_client is not None else c
+        if mode == "ingest-ucx" and client is c:
+            raise SystemExit("mode ingest-ucx needs --ucx")
+        ingest_mode = mode.startswith("ingest-")
         kc = hf_cache.KvShadeCache(client, model, kvshade.Profile("shadow", value_codec=args.codec),
-                                   prompt_ids=prompt if B > 1 else prompt[0], decode=mode.split("-")[0],
+                                   prompt_ids=prompt if B > 1 else prompt[0],
+                                   decode="rpc" if ingest_mode else mode.split("-")[0],
                                    speculate=mode == "rpc-spec",
-                                   model_id="bench/llama3-8b-random", delivery=args.e2e_delivery,
+                                   # The ingest modes ingest the same prompt each: a model id of
+                                   # their own, so that none reuses another's cached prefix.
+                                   model_id="bench/llama3-8b-random" + ("/" + mode if ingest_mode else ""),
+                                   delivery=args.e2e_delivery,
                                    # rpc: decode as a remote worker would; the prompt still comes
-                                   # from this GPU (ingest is measured elsewhere)
-                                   ingest="device" if mode.startswith("rpc") else "auto")
+                                   # from this GPU (the ingest modes measure the ingest paths)
+                                   ingest={"ingest-device": "device", "ingest-ucx": "host", "ingest-grpc": "host"}.get(
+                                       mode, "device" if mode.startswith("rpc") else "auto"))
         before = stage_seconds()
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -317,6 +334,13 @@ def e2e_table(c, args, ucx_client=None):
             local_toks = toks
         elif mode.startswith("rpc") and "local" in args.e2e_modes:
             agree_local = sum(a == b for a, b in zip(toks, local_toks)) / len(toks)
+        if mode == "ingest-device":
+            device_ingest_toks = toks
+        elif ingest_mode and "ingest-device" in args.e2e_modes:
+            # Every path ingests the same bytes, so the sessions decode the same tokens.
+            rows_extra = {"tokens_equal_device_ingest": toks == device_ingest_toks[:len(toks)]}
+        ingest_bytes = 2 * n * B * model.config.num_hidden_layers * model.config.num_key_value_heads * \
+            model.config.head_dim * 2
         name = f"kvshade {mode}" + (" (next session)" if which == "next" else "")
         rows.append({"config": name, "batch": B, "ms_median": statistics.median(times[1:]),
                      "ms_p90": float(np.percentile(times[1:], 90)), "prefill_plus_ingest_s": ready_s,
@@ -327,7 +351,9 @@ def e2e_table(c, args, ucx_client=None):
                      "ucx": args.ucx if client is not c else None,
                      "hit_ratio": kc.hit_ratio,
                      "remote_stats": kc.remote.stats() if kc.remote is not None else None,
-                     "greedy_agreement_local_vs_rpc": agree_local})
+                     "greedy_agreement_local_vs_rpc": agree_local, "ingest_gib": ingest_bytes / 2**30})
+        if ingest_mode and mode != "ingest-device" and "ingest-device" in args.e2e_modes:
+            rows[-1].update(rows_extra)
         # Ready after prefill: how much later than the dense prefill the session is ready
         # (the adapter ingests each layer while the prefill computes the next).
         rows[-1]["ready_after_prefill_s"] = ready_s - prefill_s
