@@ -351,7 +351,9 @@ def e2e_table(c, args, ucx_client=None):
                      "ucx": args.ucx if client is not c else None,
                      "hit_ratio": kc.hit_ratio,
                      "remote_stats": kc.remote.stats() if kc.remote is not None else None,
-                     "greedy_agreement_local_vs_rpc": agree_local, "ingest_gib": ingest_bytes / 2**30})
+                     "greedy_agreement_local_vs_rpc": agree_local, "ingest_gib": ingest_bytes / 2**30,
+                     "host_ingest_times": kc.host_ingest_times,
+                     "ucx_fallbacks": client.ucx_fallbacks if client is not c else None})
         if ingest_mode and mode != "ingest-device" and "ingest-device" in args.e2e_modes:
             rows[-1].update(rows_extra)
         # Ready after prefill: how much later than the dense prefill the session is ready

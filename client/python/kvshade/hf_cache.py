@@ -58,6 +58,7 @@ Target: transformers 5.17 with torch 2.11; written against 4.56+ signatures as w
 import math
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -440,29 +441,35 @@ _SENT = object()  # KvShadeCache._pre_k: the layer is with the host sender
 
 class _LayerSender:
     """The host path of a prompt's ingest: sends each layer to the sequences' Ingest streams
-    on a thread, in layer order, while the model computes the next layers. A layer on the
-    GPU is copied into pinned host memory by that thread, on a copy stream of its own that
-    waits for the model's stream to have produced it, so the prefill waits neither for the
-    copy nor for the wire. The first error stops the sending; finish() raises it (the
-    streams cancelled), or commits."""
+    in layer order while the model computes the next layers. Two threads: a copier that moves
+    each layer on the GPU into pinned host memory as soon as the model's stream has produced
+    it (on a CUDA stream of its own, so the GPU memory is given back at once however slow
+    the wire is), and a sender that hands the host copies to the streams. The prefill waits
+    for neither. The first error stops the sending; finish() raises it (the streams
+    cancelled), or commits."""
 
     def __init__(self, streams, reused):
         self._streams = streams
         self._reused = reused
         self._copy_stream = None
-        self._queue = queue.Queue()
+        self._to_copy = queue.Queue()
+        self._to_send = queue.Queue()
         self._error = None
-        self._thread = threading.Thread(target=self._run, name="kvshade-ingest-send", daemon=True)
-        self._thread.start()
+        # Seconds copying layers off the GPU and on the wire, and the bytes sent.
+        self.times = {"copy_s": 0.0, "send_s": 0.0, "bytes": 0}
+        self._copier = threading.Thread(target=self._copy_loop, name="kvshade-ingest-copy", daemon=True)
+        self._sender = threading.Thread(target=self._send_loop, name="kvshade-ingest-send", daemon=True)
+        self._copier.start()
+        self._sender.start()
 
     def put(self, layer, k, v):
         """k, v: [B, n, h, d] bf16, pre-RoPE keys and values, on the GPU or in host memory.
-        The queue holds them (the model's allocator cannot reuse them) until they are sent."""
+        The copier holds GPU tensors (the model's allocator cannot reuse them) until copied."""
         ready = None
         if k.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(k.device))
-        self._queue.put((layer, k, v, ready))
+        self._to_copy.put((layer, k, v, ready))
 
     def _to_host(self, k, v, ready):
         if self._copy_stream is None:
@@ -478,40 +485,63 @@ class _LayerSender:
         done.synchronize()
         return hk, hv
 
-    def _run(self):
+    def _copy_loop(self):
         while True:
-            item = self._queue.get()
+            item = self._to_copy.get()
             if item is None:
+                self._to_send.put(None)
                 return
             layer, k, v, ready = item
+            item = None
+            if self._error is None and ready is not None:
+                try:
+                    t0 = time.perf_counter()
+                    k, v = self._to_host(k, v, ready)  # the GPU tensors are released here
+                    self.times["copy_s"] += time.perf_counter() - t0
+                except BaseException as e:  # noqa: BLE001 - raised by finish()
+                    self._error = e
+            if self._error is None:
+                self._to_send.put((layer, k, v))
+            k = v = None
+
+    def _send_loop(self):
+        while True:
+            item = self._to_send.get()
+            if item is None:
+                return
+            layer, k, v = item
             item = None
             if self._error is not None:
                 continue
             try:
-                if ready is not None:
-                    k, v = self._to_host(k, v, ready)  # the GPU tensors are released here
+                t0 = time.perf_counter()
                 for b, ing in enumerate(self._streams):
                     if ing is not None:
                         r = self._reused[b]
                         ing.layer(layer, k[b, r:], v[b, r:])
+                        self.times["bytes"] += 2 * k[b, r:].numel() * k.element_size()
+                self.times["send_s"] += time.perf_counter() - t0
             except BaseException as e:  # noqa: BLE001 - raised by finish()
                 self._error = e
             k = v = None
+
+    def _join(self):
+        self._to_copy.put(None)
+        self._copier.join()
+        self._sender.join()
 
     def cancel(self):
         """Stops sending and cancels the streams (a prefill that did not finish)."""
         if self._error is None:
             self._error = RuntimeError("cancelled")
-        self._queue.put(None)
-        self._thread.join()
+        self._join()
         for ing in self._streams:
             if ing is not None:
                 ing.close()
 
     def finish(self):
         """Waits for the queued layers, then commits every stream; raises the first error."""
-        self._queue.put(None)
-        self._thread.join()
+        self._join()
         try:
             if self._error is not None:
                 raise self._error
@@ -596,6 +626,9 @@ class KvShadeCache(Cache):
         self._pending = None  # the thread finishing a same-node ingest (_ingest)
         self._pending_error = None
         self.ingest_error = None  # why ingest="auto" fell back to the host path
+        # Host path: {"copy_s", "send_s", "bytes"}, the sender's seconds copying the prompt's
+        # layers off the GPU and sending them, and the bytes sent (None on the device path).
+        self.host_ingest_times = None
         self._count_hits = count_hits
         self._model_params_device = {next(model.parameters()).device}
         self.local = None  # kvshade.local.LocalDecoder once the prompt is ingested (local mode)
@@ -900,6 +933,7 @@ class KvShadeCache(Cache):
                 self._abandon_device_ingest(e)
         if self._sender is not None:
             sender, self._sender = self._sender, None
+            self.host_ingest_times = sender.times
             try:
                 sender.finish()  # the layers still queued, then the commit
             except BaseException:
