@@ -445,8 +445,12 @@ class _LayerSender:
     each layer on the GPU into pinned host memory as soon as the model's stream has produced
     it (on a CUDA stream of its own, so the GPU memory is given back at once however slow
     the wire is), and a sender that hands the host copies to the streams. The prefill waits
-    for neither. The first error stops the sending; finish() raises it (the streams
-    cancelled), or commits."""
+    for neither, unless more than MAX_PENDING_GPU_BYTES of layers (at least one layer)
+    still wait for their copy: then put() waits, so that a copier that cannot keep up
+    costs time rather than GPU memory. The first error stops the sending; finish() raises
+    it (the streams cancelled), or commits."""
+
+    MAX_PENDING_GPU_BYTES = 2 << 30
 
     def __init__(self, streams, reused):
         self._streams = streams
@@ -454,6 +458,8 @@ class _LayerSender:
         self._copy_stream = None
         self._to_copy = queue.Queue()
         self._to_send = queue.Queue()
+        self._pending = threading.Condition()
+        self._pending_bytes = 0  # GPU bytes put but not yet copied
         self._error = None
         # Seconds copying layers off the GPU and on the wire, and the bytes sent.
         self.times = {"copy_s": 0.0, "send_s": 0.0, "bytes": 0}
@@ -465,11 +471,16 @@ class _LayerSender:
     def put(self, layer, k, v):
         """k, v: [B, n, h, d] bf16, pre-RoPE keys and values, on the GPU or in host memory.
         The copier holds GPU tensors (the model's allocator cannot reuse them) until copied."""
-        ready = None
+        ready, size = None, 0
         if k.is_cuda:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(k.device))
-        self._to_copy.put((layer, k, v, ready))
+            size = 2 * k.numel() * k.element_size()
+            with self._pending:
+                self._pending.wait_for(lambda: self._pending_bytes == 0 or
+                                       self._pending_bytes + size <= self.MAX_PENDING_GPU_BYTES)
+                self._pending_bytes += size
+        self._to_copy.put((layer, k, v, ready, size))
 
     def _to_host(self, k, v, ready):
         if self._copy_stream is None:
@@ -491,18 +502,22 @@ class _LayerSender:
             if item is None:
                 self._to_send.put(None)
                 return
-            layer, k, v, ready = item
+            layer, k, v, ready, size = item
             item = None
             if self._error is None and ready is not None:
                 try:
                     t0 = time.perf_counter()
-                    k, v = self._to_host(k, v, ready)  # the GPU tensors are released here
+                    k, v = self._to_host(k, v, ready)
                     self.times["copy_s"] += time.perf_counter() - t0
                 except BaseException as e:  # noqa: BLE001 - raised by finish()
                     self._error = e
             if self._error is None:
                 self._to_send.put((layer, k, v))
-            k = v = None
+            k = v = None  # the GPU tensors (or, after an error, anything) are released here
+            if size:
+                with self._pending:
+                    self._pending_bytes -= size
+                    self._pending.notify_all()
 
     def _send_loop(self):
         while True:
