@@ -334,11 +334,12 @@ def e2e_table(c, args, ucx_client=None):
             local_toks = toks
         elif mode.startswith("rpc") and "local" in args.e2e_modes:
             agree_local = sum(a == b for a, b in zip(toks, local_toks)) / len(toks)
+        # Every ingest path ingests the same bytes, so the sessions decode the same tokens.
+        tokens_equal = None
         if mode == "ingest-device":
             device_ingest_toks = toks
         elif ingest_mode and "ingest-device" in args.e2e_modes:
-            # Every path ingests the same bytes, so the sessions decode the same tokens.
-            rows_extra = {"tokens_equal_device_ingest": toks == device_ingest_toks[:len(toks)]}
+            tokens_equal = toks == device_ingest_toks[:len(toks)]
         ingest_bytes = 2 * n * B * model.config.num_hidden_layers * model.config.num_key_value_heads * \
             model.config.head_dim * 2
         name = f"kvshade {mode}" + (" (next session)" if which == "next" else "")
@@ -353,9 +354,8 @@ def e2e_table(c, args, ucx_client=None):
                      "remote_stats": kc.remote.stats() if kc.remote is not None else None,
                      "greedy_agreement_local_vs_rpc": agree_local, "ingest_gib": ingest_bytes / 2**30,
                      "host_ingest_times": kc.host_ingest_times,
-                     "ucx_fallbacks": client.ucx_fallbacks if client is not c else None})
-        if ingest_mode and mode != "ingest-device" and "ingest-device" in args.e2e_modes:
-            rows[-1].update(rows_extra)
+                     "ucx_fallbacks": client.ucx_fallbacks if client is not c else None,
+                     "tokens_equal_device_ingest": tokens_equal})
         # Ready after prefill: how much later than the dense prefill the session is ready
         # (the adapter ingests each layer while the prefill computes the next).
         rows[-1]["ready_after_prefill_s"] = ready_s - prefill_s

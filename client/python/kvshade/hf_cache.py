@@ -461,7 +461,8 @@ class _LayerSender:
         self._pending = threading.Condition()
         self._pending_bytes = 0  # GPU bytes put but not yet copied
         self._error = None
-        # Seconds copying layers off the GPU and on the wire, and the bytes sent.
+        # Seconds copying layers off the GPU (from the moment each was produced) and on the
+        # wire, and the bytes sent.
         self.times = {"copy_s": 0.0, "send_s": 0.0, "bytes": 0}
         self._copier = threading.Thread(target=self._copy_loop, name="kvshade-ingest-copy", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name="kvshade-ingest-send", daemon=True)
@@ -506,6 +507,7 @@ class _LayerSender:
             item = None
             if self._error is None and ready is not None:
                 try:
+                    ready.synchronize()  # the model has produced the layer: time the copy alone
                     t0 = time.perf_counter()
                     k, v = self._to_host(k, v, ready)
                     self.times["copy_s"] += time.perf_counter() - t0
