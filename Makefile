@@ -7,7 +7,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: deps configure build fuzz-build test demo clean
+.PHONY: deps configure build fuzz-build sanitize-build test demo clean
 
 deps:
 	./scripts/install-deps.sh
@@ -19,13 +19,19 @@ build: configure
 	cmake --build $(BUILD) -j $(JOBS)
 
 # The libFuzzer targets (clang, ASan + UBSan) in $(BUILD)/fuzz, which ctest's fuzz.<target>
-# entries run for 20 s each (tests/README.md "Fuzzing").
+# entries run for 20 s each (tests/README.md "Fuzzing"), and the service unit tests built
+# from the same objects.
 fuzz-build: deps
 	./scripts/fuzz.sh build $(BUILD)/fuzz
 
+# The short sanitizer runs (tests/README.md "Sanitizers"): the service unit tests under
+# ASan + UBSan come from the fuzz tree above, under TSan from $(BUILD)/tsan.
+sanitize-build: deps
+	./scripts/sanitize.sh build thread $(BUILD)/tsan service_test
+
 # ctest's own summary, then one line: how many tests passed, failed and were skipped, and
 # why (tests/ctest-summary.sh). Skipped tests are listed by ctest as "(Skipped)".
-test: build fuzz-build
+test: build fuzz-build sanitize-build
 	rc=0; ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) \
 	  --output-log $(BUILD)/Testing/make-test.log || rc=$$?; \
 	./tests/ctest-summary.sh $(BUILD)/Testing/make-test.log; exit $$rc

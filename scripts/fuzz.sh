@@ -2,7 +2,8 @@
 # libFuzzer targets of fuzz/ (fuzz/README.md, tests/README.md "Fuzzing").
 #
 #   scripts/fuzz.sh build [DIR]             configure (clang, -DKVSHADE_FUZZ=ON) and build
-#                                           the fuzzers in DIR (default build-fuzz)
+#                                           the fuzzers and service_test (the same ASan +
+#                                           UBSan objects) in DIR (default build-fuzz)
 #   scripts/fuzz.sh run DIR TARGET [ARGS]   run TARGET from DIR over its checked-in corpus
 #                                           (fuzz/corpus/TARGET, read-only: new inputs go to
 #                                           a temporary directory) with libFuzzer ARGS, e.g.
@@ -33,10 +34,14 @@ case "$cmd" in
     cc="${cxx/++/}"
     if [ ! -f "$dir/CMakeCache.txt" ]; then
       CC="$cc" CXX="$cxx" cmake -S "$ROOT" -B "$dir" -G Ninja -DKVSHADE_FUZZ=ON \
-        -DKVSHADE_CUDA=OFF -DKVSHADE_BUILD_TESTS=OFF -DKVSHADE_BUILD_BENCH=OFF \
+        -DKVSHADE_CUDA=OFF -DKVSHADE_BUILD_TESTS=ON -DKVSHADE_BUILD_BENCH=OFF \
         -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+    elif ! grep -q '^KVSHADE_BUILD_TESTS:BOOL=ON' "$dir/CMakeCache.txt"; then
+      cmake -S "$ROOT" -B "$dir" -DKVSHADE_BUILD_TESTS=ON >/dev/null  # a tree made before
     fi
-    cmake --build "$dir" --target fuzzers -j "${JOBS:-$(nproc)}"
+    # The service unit tests too: built from the same ASan + UBSan objects, they are the
+    # short ASan run of `make test` (sanitize.asan.service_test).
+    cmake --build "$dir" --target fuzzers service_test -j "${JOBS:-$(nproc)}"
     ;;
   run)
     dir="$2"; target="$3"; shift 3

@@ -31,7 +31,7 @@ if grep -qx python_hf_adapter <<< "$skipped_names"; then
 fi
 san=$(grep -cE '^sanitize\.' <<< "$skipped_names")
 if [ "$san" -gt 0 ]; then
-  echo "   $san sanitizer runs (label sanitize) skipped: no ASan/TSan build here (scripts/sanitize.sh build address build/asan, or thread build/tsan; tests/README.md \"Sanitizers\")"
+  echo "   $san sanitizer runs (label sanitize) skipped: their sanitizer build has no such binary (the integration tests' long runs are built by hand: scripts/sanitize.sh build address build/asan, or thread build/tsan; tests/README.md \"Sanitizers\")"
 fi
 other=$(grep -vE '^(kernels_gpu_test|storage_gpu_test|delivery_gpu_test)\.|^python_hf_adapter$|^sanitize\.' <<< "$skipped_names")
 if [ -n "$other" ]; then

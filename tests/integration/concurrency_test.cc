@@ -225,8 +225,16 @@ TEST(Concurrency, IdleIngestStreamsCannotTakeTheThreadPool) {
     ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "streams over the cap were not refused";
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  // Another caller is served while four streams sit idle.
+  // Another caller is served while four streams sit idle. The refused streams' handler
+  // threads go back to gRPC's pool only after their refusal is counted (a slow machine or a
+  // sanitizer build widens that moment): the first call may wait for them, within bounds;
+  // from then on every call must be served.
   auto other = server.Connect();
+  const auto settle = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!other->Stats().ok()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), settle) << "no other call served while streams sit idle";
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   for (int i = 0; i < 20; ++i) {
     KV_ASSERT_OK(other->Stats().status());
     KV_ASSERT_OK(other->ListSessions().status());

@@ -164,6 +164,9 @@ void RunCrashTest(const std::string& faults, CrashFigures* f) {
   ServerProcess server;
   if (!faults.empty()) env.Set(absl::StrCat("seed=", rng() % 1000000, ",", faults));
   KV_ASSERT_OK(server.Start(args));
+  // Set by the traffic at its first acknowledged write: until then a kill waits for one, so
+  // that a slow machine (or a sanitizer build) cannot make a run that verifies nothing.
+  std::atomic<bool> acknowledged{false};
   for (int it = 0; it < iterations; ++it) {
     // Traffic until the kill; one call in flight at a time, so at most one is unknown.
     std::atomic<bool> killed{false};
@@ -212,6 +215,7 @@ void RunCrashTest(const std::string& faults, CrashFigures* f) {
           t.history += absl::StrCat(" [kill ", it, "] created (", n, " tokens, ", cr->reused_tokens(),
                                     " reused)");
           ++f->creates;
+          acknowledged.store(true);
           t.snap = SelectNow(*c, docs[d], cr->session_id(), q, n, &f->read_retries);  // fails only past the kill
           t.snap_tokens = t.snap.ok ? n : -1;
         } else if (op == Op::kAppend) {
@@ -238,6 +242,7 @@ void RunCrashTest(const std::string& faults, CrashFigures* f) {
           t.pending = 0;
           t.close_pending = false;  // a refused close before it did not happen
           ++f->appends;
+          acknowledged.store(true);
           t.snap = SelectNow(*c, docs[t.doc], id, t.question, t.acked, &f->read_retries);
           t.snap_tokens = t.snap.ok ? t.acked : -1;
         } else {
@@ -257,11 +262,15 @@ void RunCrashTest(const std::string& faults, CrashFigures* f) {
           live.erase(id);
           closed.push_back(id);
           ++f->closes;
+          acknowledged.store(true);
         }
       }
     });
     std::this_thread::sleep_for(
         std::chrono::milliseconds(std::uniform_int_distribution<int>(400, 2500)(rng)));
+    for (int waited = 0; !acknowledged.load() && waited < 1200; ++waited) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
     killed.store(true);
     server.Kill9();
     ++f->kills;

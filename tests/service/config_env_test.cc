@@ -137,8 +137,7 @@ TEST(ConfigEnv, StringsAreTakenVerbatimAndTenantsAreAYamlList) {
 }
 
 TEST(ConfigEnv, TheRuleAndThePrecedenceAreDocumentedInDeployReadme) {
-  // This file is tests/service/config_env_test.cc; the build passes its absolute path.
-  std::ifstream in(std::filesystem::path(__FILE__).parent_path() / "../../deploy/README.md");
+  std::ifstream in(std::filesystem::path(KVSHADE_SOURCE_DIR) / "deploy/README.md");
   ASSERT_TRUE(in) << "deploy/README.md";
   std::stringstream text;
   text << in.rdbuf();
