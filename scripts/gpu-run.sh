@@ -2,7 +2,7 @@
 # Runs on the GPU machine from the repository root, over a bundle made by gpu-bundle.sh:
 # the GPU test label (CUDA vs CPU parity of the kernels and storage; CUDA IPC delivery
 # between two processes), the kernel benchmark table and the delivery benchmark, and the
-# Python tests that need torch/transformers when given. Logs go to $OUT (or ./gpu-out).
+# Python tests that need torch/transformers or a CUDA daemon. Logs go to $OUT (or ./gpu-out).
 # Usage: .gpu/gpu-run.sh [bundle-dir] [kernel-bench args...]
 #   KVSHADE_GPU_STAGES="tests kbench dbench ubench python" selects stages (default: all).
 # Here a skip is a failure: KVSHADE_REQUIRE_GPU=1 makes a GPU test that cannot reach CUDA
@@ -52,10 +52,15 @@ if has python; then
   # The ctypes package from this checkout; the Python, torch and transformers of the
   # machine; the daemon on the CPU backend, then the adapter against the CUDA backend.
   export PYTHONPATH="$PWD/client/python:${PYTHONPATH:-}"
+  # d = 64 for the adapter here too: its same-node case decodes with the CUDA kernels.
   for t in test_torch_hook test_hf_adapter; do
     [ -f "tests/python/$t.py" ] || continue
-    (cd tests/python && python3 run_unittest.py "$t") 2>&1 | tee "$OUTDIR/py_${t}_cpu.log" || rc=1
+    (cd tests/python && KVSHADE_TEST_HEAD_DIM=64 python3 run_unittest.py "$t") 2>&1 \
+      | tee "$OUTDIR/py_${t}_cpu.log" || rc=1
   done
+  # Same-node decode over a CUDA daemon's exported state (CUDA IPC, CUDA graphs).
+  (cd tests/python && KVSHADE_TEST_BACKEND=cuda python3 run_unittest.py test_local) 2>&1 \
+    | tee "$OUTDIR/py_test_local_cuda.log" || rc=1
   # The CUDA kernels take head dims 64, 80, 96, 128 and 256: the tiny model gets d = 64.
   if [ -f tests/python/test_hf_adapter.py ]; then
     for tl in "" tcp,self; do

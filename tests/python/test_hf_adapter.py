@@ -457,6 +457,52 @@ class HfAdapterTest(unittest.TestCase):
         self.assertEqual(seq.tolist(), ref_seq.tolist())
         cache.close(close_session=True)
 
+    def test_host_ingest_reuses_a_bounded_set_of_pinned_buffers(self):
+        # The host path copies each layer into a (K, V) pair of pinned buffers from a pool:
+        # a pair comes back once sent, and beyond the pool's bound a copy waits for one.
+        import threading
+        if DEV.type != "cuda":
+            self.skipTest("pinned host memory needs CUDA")
+        pair = 2 * 64 * 4 * 2  # a [64, 4] bf16 pair
+        pool = hf_cache._PinnedPool(max_bytes=pair + pair // 2)
+        a = pool.get((64, 4), torch.bfloat16)
+        got = []
+        waiter = threading.Thread(target=lambda: got.append(pool.get((64, 4), torch.bfloat16)))
+        waiter.start()
+        waiter.join(0.3)
+        self.assertTrue(waiter.is_alive(), "a second pair was lent beyond the bound")
+        pool.put(a)
+        waiter.join(10)
+        self.assertEqual([t.data_ptr() for t in got[0]], [t.data_ptr() for t in a])  # reused
+        self.assertTrue(got[0][0].is_pinned())
+        pool.put(got[0])
+        # A free pair of another shape makes room; a pair larger than the bound is lent when
+        # nothing else is held.
+        b = pool.get((32, 4), torch.bfloat16)
+        pool.put(b)
+        big = pool.get((1024, 4), torch.bfloat16)
+        self.assertEqual(tuple(big[0].shape), (1024, 4))
+        pool.put(big)
+
+        # A prefill over a pool that holds one layer's pair: every layer reuses it, nothing
+        # waits forever, the tokens are the reference's and the pair is back at the end.
+        n, steps = 128, 3
+        model = tiny_llama(self.seed)
+        ids = self.prompt(n)
+        ref_seq, _ = self.reference(model, ids, steps)
+        saved = hf_cache._pinned_pool
+        hf_cache._pinned_pool = small = hf_cache._PinnedPool(max_bytes=1)
+        try:
+            cache = self.kvshade_cache(model, ids, kvshade.Profile("exact"), "host-pool", ingest="host")
+            seq, _ = self.generate(model, ids, cache, steps)
+            cache.wait_ready()
+        finally:
+            hf_cache._pinned_pool = saved
+        self.assertEqual(seq.tolist(), ref_seq.tolist())
+        self.assertEqual(sum(len(v) for v in small._free.values()), 1)  # one pair, returned
+        self.assertEqual(cache.host_ingest_times["bytes"], 2 * n * H * D * 2 * LAYERS)
+        cache.close(close_session=True)
+
     def test_failed_host_ingest_leaves_no_session(self):
         # A layer the daemon refuses mid-prefill: the error comes back at the first use of the
         # cache (wait_ready, or the first decode step), and the sessions the prefill created

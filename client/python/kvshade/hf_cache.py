@@ -439,6 +439,72 @@ class KvShadeCacheLayer(DynamicLayer):
 _SENT = object()  # KvShadeCache._pre_k: the layer is with the host sender
 
 
+class _PinnedPool:
+    """Pinned host buffers for the host path's layer copies, one (K, V) pair per layer,
+    reused across layers and prompts. Pinning fresh memory is slow (about 0.1 s per 256 MiB
+    on an H200 host, 20x the copy into it, and the copier would pay it for every layer the
+    sender has not yet sent), so pairs come back here once sent. At most max_bytes are held
+    (at least one pair): get() waits for a pair to come back beyond that, which bounds the
+    host memory a slow wire can take."""
+
+    def __init__(self, max_bytes):
+        self._max = max_bytes
+        self._cv = threading.Condition()
+        self._free = {}  # (shape, dtype) -> [(k, v)]
+        self._bytes = 0  # held: free and lent out
+
+    @staticmethod
+    def _size(shape, dtype):
+        return 2 * math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+    def get(self, shape, dtype):
+        key = (tuple(shape), dtype)
+        size = self._size(shape, dtype)
+        with self._cv:
+            while True:
+                if self._free.get(key):
+                    return self._free[key].pop()
+                if self._bytes == 0 or self._bytes + size <= self._max:
+                    self._bytes += size
+                    break
+                # Free pairs of another shape (an earlier prompt's) make room.
+                other = next((k for k, lst in self._free.items() if lst), None)
+                if other is not None:
+                    self._free[other].pop()
+                    self._bytes -= self._size(*other)
+                    continue
+                self._cv.wait()
+        try:
+            return (torch.empty(shape, dtype=dtype, pin_memory=True),
+                    torch.empty(shape, dtype=dtype, pin_memory=True))
+        except BaseException:
+            self.forget(shape, dtype)
+            raise
+
+    def put(self, pair):
+        with self._cv:
+            self._free.setdefault((tuple(pair[0].shape), pair[0].dtype), []).append(pair)
+            self._cv.notify_all()
+
+    def forget(self, shape, dtype):
+        """A lent pair that will not come back."""
+        with self._cv:
+            self._bytes -= self._size(shape, dtype)
+            self._cv.notify_all()
+
+
+_pinned_pool = None
+_pinned_pool_lock = threading.Lock()
+
+
+def _pinned():
+    global _pinned_pool
+    with _pinned_pool_lock:
+        if _pinned_pool is None:
+            _pinned_pool = _PinnedPool(_LayerSender.MAX_PINNED_HOST_BYTES)
+        return _pinned_pool
+
+
 class _LayerSender:
     """The host path of a prompt's ingest: sends each layer to the sequences' Ingest streams
     in layer order while the model computes the next layers. Two threads: a copier that moves
@@ -447,10 +513,14 @@ class _LayerSender:
     the wire is), and a sender that hands the host copies to the streams. The prefill waits
     for neither, unless more than MAX_PENDING_GPU_BYTES of layers (at least one layer)
     still wait for their copy: then put() waits, so that a copier that cannot keep up
-    costs time rather than GPU memory. The first error stops the sending; finish() raises
-    it (the streams cancelled), or commits."""
+    costs time rather than GPU memory. The host copies come from a process-wide pool of
+    pinned buffers of at most MAX_PINNED_HOST_BYTES (at least one buffer), reused once
+    sent: a wire slower than the prefill makes the copier wait for a buffer, then put().
+    The first error stops the sending; finish() raises it (the streams cancelled), or
+    commits."""
 
     MAX_PENDING_GPU_BYTES = 2 << 30
+    MAX_PINNED_HOST_BYTES = 4 << 30
 
     def __init__(self, streams, reused):
         self._streams = streams
@@ -461,8 +531,8 @@ class _LayerSender:
         self._pending = threading.Condition()
         self._pending_bytes = 0  # GPU bytes put but not yet copied
         self._error = None
-        # Seconds copying layers off the GPU (from the moment each was produced) and on the
-        # wire, and the bytes sent.
+        # Seconds copying layers off the GPU (from the moment each was produced, waits for a
+        # pinned buffer included) and on the wire, and the bytes sent.
         self.times = {"copy_s": 0.0, "send_s": 0.0, "bytes": 0}
         self._copier = threading.Thread(target=self._copy_loop, name="kvshade-ingest-copy", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name="kvshade-ingest-send", daemon=True)
@@ -486,15 +556,22 @@ class _LayerSender:
     def _to_host(self, k, v, ready):
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(k.device)
-        with torch.cuda.stream(self._copy_stream):
-            self._copy_stream.wait_event(ready)
-            hk = torch.empty(k.shape, dtype=k.dtype, pin_memory=True)
-            hv = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
-            hk.copy_(k, non_blocking=True)
-            hv.copy_(v, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._copy_stream)
-        done.synchronize()
+        if k.shape != v.shape or k.dtype != v.dtype:
+            raise ValueError("k and v must have the same shape and dtype, got %s %s and %s %s"
+                             % (tuple(k.shape), k.dtype, tuple(v.shape), v.dtype))
+        pool = _pinned()
+        hk, hv = pool.get(k.shape, k.dtype)
+        try:
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_stream.wait_event(ready)
+                hk.copy_(k, non_blocking=True)
+                hv.copy_(v, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self._copy_stream)
+            done.synchronize()
+        except BaseException:
+            pool.forget(k.shape, k.dtype)  # the copy may still be writing them: not reused
+            raise
         return hk, hv
 
     def _copy_loop(self):
@@ -505,16 +582,20 @@ class _LayerSender:
                 return
             layer, k, v, ready, size = item
             item = None
+            pooled = False
             if self._error is None and ready is not None:
                 try:
                     ready.synchronize()  # the model has produced the layer: time the copy alone
                     t0 = time.perf_counter()
                     k, v = self._to_host(k, v, ready)
+                    pooled = True
                     self.times["copy_s"] += time.perf_counter() - t0
                 except BaseException as e:  # noqa: BLE001 - raised by finish()
                     self._error = e
             if self._error is None:
-                self._to_send.put((layer, k, v))
+                self._to_send.put((layer, k, v, pooled))
+            elif pooled:
+                _pinned().put((k, v))
             k = v = None  # the GPU tensors (or, after an error, anything) are released here
             if size:
                 with self._pending:
@@ -526,20 +607,22 @@ class _LayerSender:
             item = self._to_send.get()
             if item is None:
                 return
-            layer, k, v = item
+            layer, k, v, pooled = item
             item = None
-            if self._error is not None:
-                continue
-            try:
-                t0 = time.perf_counter()
-                for b, ing in enumerate(self._streams):
-                    if ing is not None:
-                        r = self._reused[b]
-                        ing.layer(layer, k[b, r:], v[b, r:])
-                        self.times["bytes"] += 2 * k[b, r:].numel() * k.element_size()
-                self.times["send_s"] += time.perf_counter() - t0
-            except BaseException as e:  # noqa: BLE001 - raised by finish()
-                self._error = e
+            if self._error is None:
+                try:
+                    t0 = time.perf_counter()
+                    for b, ing in enumerate(self._streams):
+                        if ing is not None:
+                            r = self._reused[b]
+                            # Returns once the bytes are copied out (the buffer is free).
+                            ing.layer(layer, k[b, r:], v[b, r:])
+                            self.times["bytes"] += 2 * k[b, r:].numel() * k.element_size()
+                    self.times["send_s"] += time.perf_counter() - t0
+                except BaseException as e:  # noqa: BLE001 - raised by finish()
+                    self._error = e
+            if pooled:
+                _pinned().put((k, v))
             k = v = None
 
     def _join(self):
@@ -585,7 +668,8 @@ class KvShadeCache(Cache):
                computes it (same node, daemon on a GPU backend: CUDA IPC, no host copy
                here); "host" sends each layer over the client's data plane (UCX or gRPC) from a
                thread while the prefill computes the next one (a layer on the GPU is
-               first copied to pinned host memory on a copy stream of its own);
+               first copied to pinned host memory on a copy stream of its own, into
+               buffers the process keeps for reuse: at most 4 GiB, see _LayerSender);
                "auto" (default) picks "device" for a model on a GPU when the daemon runs on
                the cuda backend and decode is not "rpc"
     decode   : "local" runs decode attention in this process on the model's device over the
