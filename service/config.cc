@@ -81,10 +81,18 @@ absl::Status ReadBytes(const YAML::Node& node, std::string_view key, uint64_t* o
   return absl::OkStatus();
 }
 
+// A reader stores one key's value into the object being loaded (Target); `path` names the
+// key in errors (limits.max_batch). The tables of readers are built once (static) and take
+// that object as an argument, so loading a config builds no table.
+template <typename Target>
+using Reader = std::function<absl::Status(const YAML::Node&, std::string_view path, Target&)>;
+template <typename Target>
+using Readers = std::map<std::string, Reader<Target>>;
+
 // A map of key -> reader; keys not in the table are rejected.
-using Reader = std::function<absl::Status(const YAML::Node&)>;
-absl::Status ReadMap(const YAML::Node& node, std::string_view section,
-                     const std::map<std::string, Reader>& readers) {
+template <typename Target>
+absl::Status ReadMap(const YAML::Node& node, std::string_view section, const Readers<Target>& readers,
+                     Target& into) {
   if (!node.IsMap()) {
     return absl::InvalidArgumentError(
         absl::StrCat("config: ", Where(node, section), " must be a mapping"));
@@ -99,20 +107,57 @@ absl::Status ReadMap(const YAML::Node& node, std::string_view section,
           "config: unknown key '", section.empty() ? "" : absl::StrCat(std::string(section), "."),
           key, "' (line ", kv.first.Mark().line + 1, "); known keys: ", absl::StrJoin(known, ", ")));
     }
-    const std::string path = section.empty() ? key : absl::StrCat(std::string(section), ".", key);
     if (kv.second.IsNull()) continue;  // "key:" with no value keeps the default
-    absl::Status s = it->second(kv.second);
+    const std::string path = section.empty() ? key : absl::StrCat(std::string(section), ".", key);
+    absl::Status s = it->second(kv.second, path, into);
     if (!s.ok()) return s;
   }
   return absl::OkStatus();
 }
 
-template <typename T>
-Reader Scalar(std::string path, T* out) {
-  return [path, out](const YAML::Node& n) { return ReadScalar(n, path, out); };
+// Readers of a field: `field` of C (the loaded object or one of its bases) or, with
+// `section`, `field` of the member `section` of C. kBytes reads a byte size (512MiB),
+// otherwise a scalar of the field's type.
+template <bool kBytes, typename T>
+absl::Status ReadValue(const YAML::Node& n, std::string_view path, T* out) {
+  if constexpr (kBytes) {
+    return ReadBytes(n, path, out);
+  } else {
+    return ReadScalar(n, path, out);
+  }
 }
-Reader Bytes(std::string path, uint64_t* out) {
-  return [path, out](const YAML::Node& n) { return ReadBytes(n, path, out); };
+template <bool kBytes, typename C, typename T>
+struct Field {
+  T C::*field;
+  template <typename Target>
+  absl::Status operator()(const YAML::Node& n, std::string_view path, Target& t) const {
+    return ReadValue<kBytes>(n, path, &(static_cast<C&>(t).*field));
+  }
+};
+template <bool kBytes, typename C, typename S, typename T>
+struct SectionField {
+  S C::*section;
+  T S::*field;
+  template <typename Target>
+  absl::Status operator()(const YAML::Node& n, std::string_view path, Target& t) const {
+    return ReadValue<kBytes>(n, path, &((static_cast<C&>(t).*section).*field));
+  }
+};
+template <typename C, typename T>
+Field<false, C, T> Scalar(T C::*field) {
+  return {field};
+}
+template <typename C, typename S, typename T>
+SectionField<false, C, S, T> Scalar(S C::*section, T S::*field) {
+  return {section, field};
+}
+template <typename C>
+Field<true, C, uint64_t> Bytes(uint64_t C::*field) {
+  return {field};
+}
+template <typename C, typename S>
+SectionField<true, C, S, uint64_t> Bytes(S C::*section, uint64_t S::*field) {
+  return {section, field};
 }
 
 bool ValidTenantName(std::string_view name) {
@@ -153,13 +198,18 @@ absl::Status ReadTenants(const YAML::Node& node, ServerConfig* config) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config: ", Where(node, "tenants"), " must be a list of {name, token} or {name, token_file}"));
   }
-  for (const auto& item : node) {
+  struct Tenant {
     std::string name, token, token_file;
-    absl::Status s = ReadMap(item, "tenants[]",
-                             {{"name", Scalar("tenants[].name", &name)},
-                              {"token", Scalar("tenants[].token", &token)},
-                              {"token_file", Scalar("tenants[].token_file", &token_file)}});
+  };
+  static const Readers<Tenant>* const kTenantKeys = new Readers<Tenant>{
+      {"name", Scalar(&Tenant::name)},
+      {"token", Scalar(&Tenant::token)},
+      {"token_file", Scalar(&Tenant::token_file)}};
+  for (const auto& item : node) {
+    Tenant tenant;
+    absl::Status s = ReadMap(item, "tenants[]", *kTenantKeys, tenant);
     if (!s.ok()) return s;
+    auto& [name, token, token_file] = tenant;
     if (!token.empty() == !token_file.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "config: tenant '", name, "' (line ", item.Mark().line + 1,
@@ -302,117 +352,135 @@ absl::Status LoadTokensFile(const std::string& path, ServerConfig* config) {
 
 namespace {
 
+// What a load fills: the config, and two values that are read into pending fields and
+// applied after every source has been read (a tokens file is loaded once; the port is
+// range-checked once).
+struct Loading : ServerConfig {
+  std::string pending_tokens_file;
+  uint32_t pending_metrics_port = 0;
+};
+
 // One entry of the configuration schema: a leaf key with its reader, or a section (tls,
 // limits, ...) with a reader per key. The YAML loader and the environment overlay both
 // walk this one table, so a key added here is at once a YAML key and a KVSHADE_* variable.
 struct SchemaEntry {
-  Reader read;                           // leaf keys
-  std::map<std::string, Reader> section;  // sections
+  Reader<Loading> read;     // leaf keys
+  Readers<Loading> section;  // sections
 };
 using Schema = std::map<std::string, SchemaEntry>;
 
-// The schema bound to the config being loaded. tokens_file and metrics_port are read into
-// locals and applied after every source has been read (a tokens file is loaded once; the
-// port is range-checked once).
-Schema MakeSchema(ServerConfig& c, std::string& tokens_file, uint32_t& metrics_port) {
-  LimitsConfig& l = c.limits;
-  ProfileDefaults& p = c.profile;
-  Schema s = {
-      {"listen", {Scalar("listen", &c.listen), {}}},
-      {"backend", {Scalar("backend", &c.backend), {}}},
-      {"device_budget", {Bytes("device_budget", &c.device_budget_bytes), {}}},
-      {"host_budget", {Bytes("host_budget", &c.host_budget_bytes), {}}},
-      {"spill_budget", {Bytes("spill_budget", &c.spill_budget_bytes), {}}},
-      {"spill_path", {Scalar("spill_path", &c.spill_path), {}}},
-      {"append_fsync", {Scalar("append_fsync", &c.append_fsync), {}}},
-      {"prefix_secret", {Scalar("prefix_secret", &c.prefix_secret), {}}},
-      {"metrics_port", {Scalar("metrics_port", &metrics_port), {}}},
-      {"metrics_listen", {Scalar("metrics_listen", &c.metrics_listen), {}}},
-      {"worker_threads", {Scalar("worker_threads", &c.worker_threads), {}}},
-      {"tokens_file", {Scalar("tokens_file", &tokens_file), {}}},
-      {"tenants", {[&c](const YAML::Node& n) { return ReadTenants(n, &c); }, {}}},
-      {"tls",
-       {nullptr,
-        {{"cert_file", Scalar("tls.cert_file", &c.tls.cert_file)},
-         {"key_file", Scalar("tls.key_file", &c.tls.key_file)},
-         {"client_ca_file", Scalar("tls.client_ca_file", &c.tls.client_ca_file)},
-         {"require_client_cert", Scalar("tls.require_client_cert", &c.tls.require_client_cert)}}}},
-      {"ucx",
-       {nullptr,
-        {{"enable", Scalar("ucx.enable", &c.ucx.enable)},
-         {"transports", Scalar("ucx.transports", &c.ucx.transports)},
-         {"engine_threads", Scalar("ucx.engine_threads", &c.ucx.engine_threads)},
-         {"inline_max_batch", Scalar("ucx.inline_max_batch", &c.ucx.inline_max_batch)},
-         {"busy_poll_us", Scalar("ucx.busy_poll_us", &c.ucx.busy_poll_us)},
-         {"receive_buffers", Scalar("ucx.receive_buffers", &c.ucx.receive_buffers)},
-         {"receive_buffer_bytes", Bytes("ucx.receive_buffer_bytes", &c.ucx.receive_buffer_bytes)}}}},
-      {"same_node",
-       {nullptr,
-        {{"export", Scalar("same_node.export", &c.same_node.export_state)},
-         {"host_memory", Scalar("same_node.host_memory", &c.same_node.host_memory)},
-         {"descriptor_broker", Scalar("same_node.descriptor_broker", &c.same_node.descriptor_broker)}}}},
-      {"limits",
-       {nullptr,
-        {{"max_tokens_per_session", Scalar("limits.max_tokens_per_session", &l.max_tokens_per_session)},
-         {"max_sessions_per_tenant", Scalar("limits.max_sessions_per_tenant", &l.max_sessions_per_tenant)},
-         {"max_message_bytes", Bytes("limits.max_message_bytes", &l.max_message_bytes)},
-         {"max_batch", Scalar("limits.max_batch", &l.max_batch)},
-         {"max_attachments_per_session",
-          Scalar("limits.max_attachments_per_session", &l.max_attachments_per_session)},
-         {"default_lease_ms", Scalar("limits.default_lease_ms", &l.default_lease_ms)},
-         {"max_lease_ms", Scalar("limits.max_lease_ms", &l.max_lease_ms)},
-         {"max_layers", Scalar("limits.max_layers", &l.max_layers)},
-         {"max_head_dim", Scalar("limits.max_head_dim", &l.max_head_dim)},
-         {"session_idle_ttl_s", Scalar("limits.session_idle_ttl_s", &l.session_idle_ttl_s)},
-         {"stream_idle_timeout_ms", Scalar("limits.stream_idle_timeout_ms", &l.stream_idle_timeout_ms)},
-         {"max_streams_per_tenant", Scalar("limits.max_streams_per_tenant", &l.max_streams_per_tenant)},
-         {"max_calls_per_tenant", Scalar("limits.max_calls_per_tenant", &l.max_calls_per_tenant)}}}},
-      {"profile",
-       {nullptr,
-        {{"rank", Scalar("profile.rank", &p.rank)},
-         {"chunk_size", Scalar("profile.chunk_size", &p.chunk_size)},
-         {"sparse_budget", Scalar("profile.sparse_budget", &p.sparse_budget)},
-         {"outliers", Scalar("profile.outliers", &p.outliers)},
-         {"local_window", Scalar("profile.local_window", &p.local_window)},
-         {"heavy_chunks", Scalar("profile.heavy_chunks", &p.heavy_chunks)},
-         {"min_tokens", Scalar("profile.min_tokens", &p.min_tokens)},
-         {"kivi_group", Scalar("profile.kivi_group", &p.kivi_group)},
-         {"keep_sink", Scalar("profile.keep_sink", &p.keep_sink)},
-         {"refactor_threshold", Scalar("profile.refactor_threshold", &p.refactor_threshold)},
-         {"mini_recent_ratio", Scalar("profile.mini_recent_ratio", &p.mini_recent_ratio)},
-         {"mini_heavy_ratio", Scalar("profile.mini_heavy_ratio", &p.mini_heavy_ratio)},
-         {"value_codec", Scalar("profile.value_codec", &p.value_codec)},
-         {"int4_from_tokens", Scalar("profile.int4_from_tokens", &p.int4_from_tokens)},
-         {"rerank_factor", Scalar("profile.rerank_factor", &p.rerank_factor)},
-         {"mass_top_p", Scalar("profile.mass_top_p", &p.mass_top_p)},
-         {"mass_min_chunks", Scalar("profile.mass_min_chunks", &p.mass_min_chunks)},
-         {"recall_sample_rate", Scalar("profile.recall_sample_rate", &p.recall_sample_rate)},
-         {"recall_floor", Scalar("profile.recall_floor", &p.recall_floor)},
-         {"recall_action", Scalar("profile.recall_action", &p.recall_action)},
-         {"factorize_iterations", Scalar("profile.factorize_iterations", &p.factorize_iterations)}}}},
-      {"log",
-       {nullptr,
-        {{"level", Scalar("log.level", &c.log.level)}, {"format", Scalar("log.format", &c.log.format)}}}},
-      {"kv_events",
-       {nullptr,
-        {{"endpoint", Scalar("kv_events.endpoint", &c.kv_events.endpoint)},
-         {"topic", Scalar("kv_events.topic", &c.kv_events.topic)}}}},
-  };
-  return s;
+// The schema, built once. `top` reads the root mapping: a leaf's reader, or for a section
+// one that reads the section's mapping with the section's readers.
+struct ConfigSchema {
+  Schema entries;
+  Readers<Loading> top;
+};
+
+const ConfigSchema& TheSchema() {
+  static const ConfigSchema* const kSchema = [] {
+    using C = ServerConfig;
+    using L = LimitsConfig;
+    using P = ProfileDefaults;
+    auto* s = new ConfigSchema;
+    s->entries = {
+        {"listen", {Scalar(&C::listen), {}}},
+        {"backend", {Scalar(&C::backend), {}}},
+        {"device_budget", {Bytes(&C::device_budget_bytes), {}}},
+        {"host_budget", {Bytes(&C::host_budget_bytes), {}}},
+        {"spill_budget", {Bytes(&C::spill_budget_bytes), {}}},
+        {"spill_path", {Scalar(&C::spill_path), {}}},
+        {"append_fsync", {Scalar(&C::append_fsync), {}}},
+        {"prefix_secret", {Scalar(&C::prefix_secret), {}}},
+        {"metrics_port", {Scalar(&Loading::pending_metrics_port), {}}},
+        {"metrics_listen", {Scalar(&C::metrics_listen), {}}},
+        {"worker_threads", {Scalar(&C::worker_threads), {}}},
+        {"tokens_file", {Scalar(&Loading::pending_tokens_file), {}}},
+        {"tenants",
+         {[](const YAML::Node& n, std::string_view, Loading& d) { return ReadTenants(n, &d); }, {}}},
+        {"tls",
+         {nullptr,
+          {{"cert_file", Scalar(&C::tls, &TlsConfig::cert_file)},
+           {"key_file", Scalar(&C::tls, &TlsConfig::key_file)},
+           {"client_ca_file", Scalar(&C::tls, &TlsConfig::client_ca_file)},
+           {"require_client_cert", Scalar(&C::tls, &TlsConfig::require_client_cert)}}}},
+        {"ucx",
+         {nullptr,
+          {{"enable", Scalar(&C::ucx, &UcxConfig::enable)},
+           {"transports", Scalar(&C::ucx, &UcxConfig::transports)},
+           {"engine_threads", Scalar(&C::ucx, &UcxConfig::engine_threads)},
+           {"inline_max_batch", Scalar(&C::ucx, &UcxConfig::inline_max_batch)},
+           {"busy_poll_us", Scalar(&C::ucx, &UcxConfig::busy_poll_us)},
+           {"receive_buffers", Scalar(&C::ucx, &UcxConfig::receive_buffers)},
+           {"receive_buffer_bytes", Bytes(&C::ucx, &UcxConfig::receive_buffer_bytes)}}}},
+        {"same_node",
+         {nullptr,
+          {{"export", Scalar(&C::same_node, &SameNodeConfig::export_state)},
+           {"host_memory", Scalar(&C::same_node, &SameNodeConfig::host_memory)},
+           {"descriptor_broker", Scalar(&C::same_node, &SameNodeConfig::descriptor_broker)}}}},
+        {"limits",
+         {nullptr,
+          {{"max_tokens_per_session", Scalar(&C::limits, &L::max_tokens_per_session)},
+           {"max_sessions_per_tenant", Scalar(&C::limits, &L::max_sessions_per_tenant)},
+           {"max_message_bytes", Bytes(&C::limits, &L::max_message_bytes)},
+           {"max_batch", Scalar(&C::limits, &L::max_batch)},
+           {"max_attachments_per_session", Scalar(&C::limits, &L::max_attachments_per_session)},
+           {"default_lease_ms", Scalar(&C::limits, &L::default_lease_ms)},
+           {"max_lease_ms", Scalar(&C::limits, &L::max_lease_ms)},
+           {"max_layers", Scalar(&C::limits, &L::max_layers)},
+           {"max_head_dim", Scalar(&C::limits, &L::max_head_dim)},
+           {"session_idle_ttl_s", Scalar(&C::limits, &L::session_idle_ttl_s)},
+           {"stream_idle_timeout_ms", Scalar(&C::limits, &L::stream_idle_timeout_ms)},
+           {"max_streams_per_tenant", Scalar(&C::limits, &L::max_streams_per_tenant)},
+           {"max_calls_per_tenant", Scalar(&C::limits, &L::max_calls_per_tenant)}}}},
+        {"profile",
+         {nullptr,
+          {{"rank", Scalar(&C::profile, &P::rank)},
+           {"chunk_size", Scalar(&C::profile, &P::chunk_size)},
+           {"sparse_budget", Scalar(&C::profile, &P::sparse_budget)},
+           {"outliers", Scalar(&C::profile, &P::outliers)},
+           {"local_window", Scalar(&C::profile, &P::local_window)},
+           {"heavy_chunks", Scalar(&C::profile, &P::heavy_chunks)},
+           {"min_tokens", Scalar(&C::profile, &P::min_tokens)},
+           {"kivi_group", Scalar(&C::profile, &P::kivi_group)},
+           {"keep_sink", Scalar(&C::profile, &P::keep_sink)},
+           {"refactor_threshold", Scalar(&C::profile, &P::refactor_threshold)},
+           {"mini_recent_ratio", Scalar(&C::profile, &P::mini_recent_ratio)},
+           {"mini_heavy_ratio", Scalar(&C::profile, &P::mini_heavy_ratio)},
+           {"value_codec", Scalar(&C::profile, &P::value_codec)},
+           {"int4_from_tokens", Scalar(&C::profile, &P::int4_from_tokens)},
+           {"rerank_factor", Scalar(&C::profile, &P::rerank_factor)},
+           {"mass_top_p", Scalar(&C::profile, &P::mass_top_p)},
+           {"mass_min_chunks", Scalar(&C::profile, &P::mass_min_chunks)},
+           {"recall_sample_rate", Scalar(&C::profile, &P::recall_sample_rate)},
+           {"recall_floor", Scalar(&C::profile, &P::recall_floor)},
+           {"recall_action", Scalar(&C::profile, &P::recall_action)},
+           {"factorize_iterations", Scalar(&C::profile, &P::factorize_iterations)}}}},
+        {"log",
+         {nullptr,
+          {{"level", Scalar(&C::log, &LogConfig::level)},
+           {"format", Scalar(&C::log, &LogConfig::format)}}}},
+        {"kv_events",
+         {nullptr,
+          {{"endpoint", Scalar(&C::kv_events, &KvEventsConfig::endpoint)},
+           {"topic", Scalar(&C::kv_events, &KvEventsConfig::topic)}}}},
+    };
+    for (const auto& [key, entry] : s->entries) {
+      if (entry.read) {
+        s->top.emplace(key, entry.read);
+      } else {
+        const Readers<Loading>* section = &entry.section;
+        s->top.emplace(key, [section](const YAML::Node& n, std::string_view path, Loading& d) {
+          return ReadMap(n, path, *section, d);
+        });
+      }
+    }
+    return s;
+  }();
+  return *kSchema;
 }
 
-absl::Status ReadTree(const YAML::Node& root, const Schema& schema) {
-  std::map<std::string, Reader> top;
-  for (const auto& [key, entry] : schema) {
-    if (entry.read) {
-      top.emplace(key, entry.read);
-    } else {
-      const std::map<std::string, Reader>* section = &entry.section;
-      std::string name = key;
-      top.emplace(key, [section, name](const YAML::Node& n) { return ReadMap(n, name, *section); });
-    }
-  }
-  return ReadMap(root, "", top);
+absl::Status ReadTree(const YAML::Node& root, Loading& into) {
+  return ReadMap(root, "", TheSchema().top, into);
 }
 
 std::string EnvNameOf(absl::string_view key_path) {
@@ -424,31 +492,46 @@ std::string EnvNameOf(absl::string_view key_path) {
 // The prefixes of the sections: a KVSHADE_* variable under one of them that names no key
 // is a typo and is refused, as an unknown YAML key is. Other KVSHADE_* variables (the
 // CLI's KVSHADE_TARGET, test settings) are not the daemon's and are left alone.
-bool UnderASection(absl::string_view name, const Schema& schema) {
-  for (const auto& [key, entry] : schema) {
+bool UnderASection(absl::string_view name) {
+  for (const auto& [key, entry] : TheSchema().entries) {
     if (!entry.read && absl::StartsWith(name, EnvNameOf(key) + "_")) return true;
   }
   return false;
 }
 
+// Each configuration key's KVSHADE_* variable, from the schema, built once.
+const std::vector<std::pair<std::string, std::string>>& EnvironmentVariables() {
+  static const auto* const kVariables = [] {
+    auto* out = new std::vector<std::pair<std::string, std::string>>;
+    for (const auto& [key, entry] : TheSchema().entries) {
+      if (entry.read) {
+        out->emplace_back(key, EnvNameOf(key));
+      } else {
+        for (const auto& [sub, _] : entry.section) {
+          const std::string path = absl::StrCat(key, ".", sub);
+          out->emplace_back(path, EnvNameOf(path));
+        }
+      }
+    }
+    return out;
+  }();
+  return *kVariables;
+}
+
+// The key path of each variable's name.
+const std::map<std::string, std::string>& KeyOfVariable() {
+  static const auto* const kKeys = [] {
+    auto* by_name = new std::map<std::string, std::string>;
+    for (const auto& [key_path, name] : EnvironmentVariables()) by_name->emplace(name, key_path);
+    return by_name;
+  }();
+  return *kKeys;
+}
+
 }  // namespace
 
 std::vector<std::pair<std::string, std::string>> ConfigEnvironmentVariables() {
-  ServerConfig c;
-  std::string tokens_file;
-  uint32_t metrics_port = 0;
-  std::vector<std::pair<std::string, std::string>> out;
-  for (const auto& [key, entry] : MakeSchema(c, tokens_file, metrics_port)) {
-    if (entry.read) {
-      out.emplace_back(key, EnvNameOf(key));
-    } else {
-      for (const auto& [sub, _] : entry.section) {
-        const std::string path = absl::StrCat(key, ".", sub);
-        out.emplace_back(path, EnvNameOf(path));
-      }
-    }
-  }
-  return out;
+  return EnvironmentVariables();
 }
 
 std::vector<std::pair<std::string, std::string>> ProcessEnvironment() {
@@ -465,10 +548,8 @@ std::vector<std::pair<std::string, std::string>> ProcessEnvironment() {
 
 absl::StatusOr<ServerConfig> LoadConfig(const std::string& path,
                                         const std::vector<std::pair<std::string, std::string>>& env) {
-  ServerConfig c;
-  std::string tokens_file;
-  uint32_t metrics_port = c.metrics_port;
-  const Schema schema = MakeSchema(c, tokens_file, metrics_port);
+  Loading c;
+  c.pending_metrics_port = c.metrics_port;
 
   // 1. The YAML file, when there is one.
   if (!path.empty()) {
@@ -482,7 +563,7 @@ absl::StatusOr<ServerConfig> LoadConfig(const std::string& path,
     }
     if (!root.IsNull()) {  // an empty file keeps every default
       try {
-        if (absl::Status s = ReadTree(root, schema); !s.ok()) return s;
+        if (absl::Status s = ReadTree(root, c); !s.ok()) return s;
       } catch (const YAML::Exception& e) {
         return absl::InvalidArgumentError(absl::StrCat("config: '", path, "': ", e.what()));
       }
@@ -491,12 +572,11 @@ absl::StatusOr<ServerConfig> LoadConfig(const std::string& path,
 
   // 2. KVSHADE_* variables over it, one key each, read by the same readers as the file's
   // values (so sizes, booleans and ranges parse alike). An empty value counts as unset.
-  std::map<std::string, std::string> by_name;
-  for (const auto& [key_path, name] : ConfigEnvironmentVariables()) by_name.emplace(name, key_path);
+  const std::map<std::string, std::string>& by_name = KeyOfVariable();
   for (const auto& [name, value] : env) {
     auto it = by_name.find(name);
     if (it == by_name.end()) {
-      if (UnderASection(name, schema)) {
+      if (UnderASection(name)) {
         std::vector<std::string> known;
         for (const auto& [n, _] : by_name) known.push_back(n);
         return absl::InvalidArgumentError(absl::StrCat(
@@ -517,7 +597,7 @@ absl::StatusOr<ServerConfig> LoadConfig(const std::string& path,
       } else {
         root[key_path.substr(0, dot)][key_path.substr(dot + 1)] = leaf;
       }
-      if (absl::Status s = ReadTree(root, schema); !s.ok()) {
+      if (absl::Status s = ReadTree(root, c); !s.ok()) {
         absl::string_view message = s.message();
         absl::ConsumePrefix(&message, "config: ");
         return absl::InvalidArgumentError(absl::StrCat("environment: ", name, ": ", message));
@@ -527,16 +607,16 @@ absl::StatusOr<ServerConfig> LoadConfig(const std::string& path,
     }
   }
 
-  if (metrics_port > 65535) {
+  if (c.pending_metrics_port > 65535) {
     return absl::InvalidArgumentError(
-        absl::StrCat("config: metrics_port must be in [0, 65535], got ", metrics_port));
+        absl::StrCat("config: metrics_port must be in [0, 65535], got ", c.pending_metrics_port));
   }
-  c.metrics_port = static_cast<uint16_t>(metrics_port);
-  if (!tokens_file.empty()) {
-    absl::Status s = LoadTokensFile(tokens_file, &c);
+  c.metrics_port = static_cast<uint16_t>(c.pending_metrics_port);
+  if (!c.pending_tokens_file.empty()) {
+    absl::Status s = LoadTokensFile(c.pending_tokens_file, &c);
     if (!s.ok()) return s;
   }
-  return c;
+  return static_cast<ServerConfig&&>(c);
 }
 
 absl::StatusOr<ServerConfig> LoadConfigFile(const std::string& path) { return LoadConfig(path, {}); }
