@@ -9,7 +9,9 @@
 #                                           a temporary directory) with libFuzzer ARGS, e.g.
 #                                           -max_total_time=20 or -runs=10000000; exit 1 on
 #                                           any crash, leak, timeout or sanitizer report,
-#                                           with the reproducer copied to DIR/crashes/
+#                                           with the reproducer copied to DIR/crashes/;
+#                                           FUZZ_WORKERS=N runs N libFuzzer workers over
+#                                           one shared corpus, each running ARGS' -runs
 #   scripts/fuzz.sh smoke DIR [SECONDS]     `run` every target for SECONDS (default 20)
 #   scripts/fuzz.sh seeds DIR               regenerate the generated seeds of fuzz/corpus/
 #
@@ -60,11 +62,16 @@ case "$cmd" in
     work="$(mktemp -d)"
     trap 'rm -rf "$work"' EXIT
     mkdir -p "$work/new" "$dir/crashes"
+    # Parallel workers (libFuzzer's -jobs/-workers) share $work/new; libFuzzer copies each
+    # worker's log into its own output when the worker ends, and fails if any worker does.
+    workers="${FUZZ_WORKERS:-1}"
+    parallel=()
+    [ "$workers" -gt 1 ] && parallel=(-jobs="$workers" -workers="$workers")
     rc=0
     # Timeouts and out-of-memory count as failures; the corpus directory is only read. One
     # OpenMP thread: the inputs' tensors are tiny.
     (cd "$work" && OMP_NUM_THREADS=1 "$bin" -timeout=25 -rss_limit_mb=2048 -max_len=$max_len -print_final_stats=1 \
-       -artifact_prefix="$work/" "$@" "$work/new" "$ROOT/fuzz/corpus/$target") \
+       -artifact_prefix="$work/" "${parallel[@]}" "$@" "$work/new" "$ROOT/fuzz/corpus/$target") \
        >"$work/log" 2>&1 || rc=$?
     grep -E "^#[0-9]+[[:space:]]+DONE|^stat::|Done [0-9]+ runs" "$work/log" || true
     if [ $rc -ne 0 ]; then
