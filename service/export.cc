@@ -216,6 +216,13 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
       }
       const int k = s.profile.kind == v1::PROFILE_KIND_SHADOW ? std::min(s.profile.sparse_budget, total) : 0;
       L->set_slots_per_head(static_cast<uint32_t>(k));
+      if (k > 0) {
+        const int budget = s.selection.Budget(layer, k, total);
+        if (budget > k) {
+          L->set_guard_budget(static_cast<uint32_t>(budget));
+          L->set_guard_fallback(s.profile.recall_action);
+        }
+      }
       for (uint32_t n : selectable) L->add_selectable_per_head(n);
       if (k == 0) L->clear_segments();
       // The static set and the exact tail, copied: GetCache rebuilds them in place.
@@ -259,6 +266,7 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
   WireRope(m.rope, out.mutable_rope());
   out.set_value_codec(CodecToProto(s.profile.codec.codec));
   out.set_value_group(static_cast<uint32_t>(s.profile.codec.group));
+  *out.mutable_profile() = s.profile.ToProto();
 
   std::lock_guard<std::mutex> lock(exports_mu_);
   auto& slot = exports_[a->id];

@@ -52,6 +52,18 @@ std::string ProfileInfo::Fingerprint() const {
                       ";hh=", mini_heavy_ratio, ";G=", kivi_group);
 }
 
+decode::SelectionPolicy ProfileInfo::Policy() const {
+  decode::SelectionPolicy p;
+  p.sparse_budget = sparse_budget;
+  p.rerank_factor = rerank_factor;
+  p.mass_top_p = mass_top_p;
+  p.mass_min_chunks = mass_min_chunks;
+  p.recall_sample_rate = recall_sample_rate;
+  p.recall_floor = recall_floor;
+  p.recall_action = static_cast<decode::RecallAction>(static_cast<int>(recall_action));
+  return p;
+}
+
 v1::Profile ProfileInfo::ToProto() const {
   v1::Profile p;
   p.set_kind(kind);

@@ -155,42 +155,28 @@ T* Ptr(const DeviceBlock& b) {
   return static_cast<T*>(b.data());
 }
 
-// One decode step's selection for a group of sessions that share the geometry and k.
-struct SelectGroup {
-  kernels::LayerShape shape;
-  int k = 0;
-  int C = 0;
-  kernels::RopeSpec rope;
-  kernels::ValueCodecSpec codec;
-  kernels::SelectOptions opts;  // docs/ALGORITHM.md "Selection options"
-  bool native = false;          // model-native: the callers chose the chunks (AssignSlots)
+// One decode step's selection for a group of sessions that share the geometry, k and
+// options (the decode core's SelectionGroup), and the batch items it covers.
+struct SelectGroup : decode::SelectionGroup {
   std::vector<size_t> items;  // indices into the batch
 };
 
-// The selection options of a session's profile at budget k.
-kernels::SelectOptions OptionsOf(const Session& s, int k) {
-  kernels::SelectOptions o;
-  const ProfileInfo& p = s.profile;
-  if (p.rerank_factor > 1) {
-    o.candidates = p.rerank_factor * k;
-    o.C = p.chunk_size;
-    o.rope = s.model.rope;
-  }
-  if (p.mass_top_p > 0) {
-    o.top_p = p.mass_top_p;
-    o.min_k = std::min(p.mass_min_chunks, k);
-  }
-  return o;
+// The decode core's group of session `s` at slot width k.
+SelectGroup GroupOf(const Session& s, int k, bool native) {
+  SelectGroup g;
+  g.shape = s.model.shape;
+  g.k = k;
+  g.C = s.profile.chunk_size;
+  g.rope = s.model.rope;
+  g.codec = s.profile.codec;
+  g.native = native;
+  if (!native) g.options = s.profile.Policy().OptionsAt(k, g.C, g.rope);
+  return g;
 }
 
-std::string GroupKey(const Session& s, int k, const kernels::SelectOptions& o, bool native) {
-  return absl::StrCat(s.model.Fingerprint(), "|", s.profile.chunk_size, "|",
-                      static_cast<int>(s.profile.codec.codec), "/", s.profile.codec.group, "|", k,
-                      "|", native ? -1 : o.candidates, "|", o.top_p, "|", o.min_k);
+std::string GroupKey(const Session& s, const SelectGroup& g) {
+  return absl::StrCat(s.model.Fingerprint(), "|", g.Key());
 }
-
-// Budgets the recall guard may widen a layer to: the CUDA backend's largest Select width.
-constexpr int kMaxGuardBudget = 4096;
 
 // Model-native chunk ids of one query: an int32 tensor [h, m] with m <= k, each entry -1
 // or a chunk id in [0, total), distinct per head; returned as [h, k] rows, -1 padded.
@@ -277,83 +263,72 @@ struct SelectRun {
   DeviceBlock keys, values;  // [items, h, k, C, d] bf16
 };
 
-// Runs Select over `items` (views, queries, slot tables in backend memory) on `st`, brings
-// the selection to the host (one wait), then Reconstruct of the misses (a second wait, for
-// its workspace); the rows stay on the device for the delivery.
+// Runs the decode core's selection over `items` (views, queries, slot tables in backend
+// memory) on `st`, brings the selection to the host (one wait), then reconstructs the
+// misses into rows [0, miss_count) of each head (a second wait, for its workspace); the
+// rows stay on the device for the delivery. `given`: model-native ids [h, k] per item.
 static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, kernels::Stream st, const SelectGroup& g,
                                            std::vector<kernels::SelectItem>& sel,
-                                           std::vector<kernels::ReconstructItem>& rec,
                                            const std::vector<std::vector<bf16>*>& queries,
-                                           bool reconstruct,
                                            const std::vector<const std::vector<int32_t>*>* given =
                                                nullptr) {
   const int h = g.shape.h, k = g.k, n = static_cast<int>(sel.size());
   const size_t hk = size_t(h) * k;
+  const size_t words = decode::SelectOutputWords(h, k);
   SelectRun run;
   thread_local std::vector<bf16> qhost;  // kept between calls
   qhost.clear();
   for (auto* q : queries) qhost.insert(qhost.end(), q->begin(), q->end());
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qd, e.UploadOn(st, qhost.data(), Bf16Bytes(qhost.size()), ArenaKind::kOther));
-  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock outs, e.Alloc(size_t(n) * (3 * hk + h) * 4, ArenaKind::kOther));
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock outs, e.Alloc(size_t(n) * words * 4, ArenaKind::kOther));
   int32_t* base = Ptr<int32_t>(outs);
   const size_t qstride = size_t(g.shape.query_heads()) * g.shape.d;
   for (int i = 0; i < n; ++i) {
     sel[i].q = Ptr<bf16>(qd) + i * qstride;
-    sel[i].selected = base + i * hk;
-    sel[i].miss_slot = base + n * hk + i * hk;
-    sel[i].miss_chunk = base + 2 * n * hk + i * hk;
-    sel[i].miss_count = base + 3 * n * hk + i * h;
+    decode::BindOutputs(base + i * words, h, k, &sel[i]);
   }
-  std::vector<int32_t> all(size_t(n) * (3 * hk + h));
+  std::vector<int32_t> all(size_t(n) * words);
   {
     StageTimer timer(e.metrics_, "select");
-    const bool plain = g.opts.candidates == 0 && g.opts.top_p == 0;
-    DeviceBlock ws;
     if (given != nullptr) {
       // Model-native: the callers' ids [h, k] go into `selected`, then the slot diff.
       for (int i = 0; i < n; ++i) {
         KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(sel[i].selected, (*given)[i]->data(), hk * 4, st));
       }
-      const size_t wsb = e.backend_->AssignSlotsWorkspaceBytes(g.shape, k, sel);
-      KVSHADE_ASSIGN_OR_RETURN(ws, e.Alloc(wsb, ArenaKind::kOther));
-      KVSHADE_RETURN_IF_ERROR(e.backend_->AssignSlots(g.shape, k, sel, kernels::Workspace{ws.data(), wsb}, st));
-    } else if (plain) {
-      const size_t wsb = e.backend_->SelectWorkspaceBytes(g.shape, k, sel);
-      KVSHADE_ASSIGN_OR_RETURN(ws, e.Alloc(wsb, ArenaKind::kOther));
-      KVSHADE_RETURN_IF_ERROR(e.backend_->Select(g.shape, k, sel, kernels::Workspace{ws.data(), wsb}, st));
-    } else {
-      const size_t wsb = e.backend_->SelectExWorkspaceBytes(g.shape, k, g.opts, sel);
-      KVSHADE_ASSIGN_OR_RETURN(ws, e.Alloc(wsb, ArenaKind::kOther));
-      KVSHADE_RETURN_IF_ERROR(
-          e.backend_->SelectEx(g.shape, k, g.opts, sel, kernels::Workspace{ws.data(), wsb}, st));
     }
+    const size_t wsb = decode::SelectionWorkspaceBytes(*e.backend_, g, sel);
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
+    KVSHADE_RETURN_IF_ERROR(decode::RunSelection(*e.backend_, g, sel, kernels::Workspace{ws.data(), wsb}, st));
     // The one wait of the selection: its outputs come to the host.
     KVSHADE_RETURN_IF_ERROR(e.DownloadOn(st, all.data(), base, all.size() * 4));
   }
-  run.selected.assign(all.begin(), all.begin() + n * hk);
-  run.miss_slot.assign(all.begin() + n * hk, all.begin() + 2 * n * hk);
-  run.miss_chunk.assign(all.begin() + 2 * n * hk, all.begin() + 3 * n * hk);
-  run.miss_count.assign(all.begin() + 3 * n * hk, all.end());
+  run.selected.resize(size_t(n) * hk);
+  run.miss_slot.resize(size_t(n) * hk);
+  run.miss_chunk.resize(size_t(n) * hk);
+  run.miss_count.resize(size_t(n) * h);
+  for (int i = 0; i < n; ++i) {
+    const int32_t* o = all.data() + i * words;
+    std::copy_n(o, hk, run.selected.begin() + i * hk);
+    std::copy_n(o + hk, hk, run.miss_slot.begin() + i * hk);
+    std::copy_n(o + 2 * hk, hk, run.miss_chunk.begin() + i * hk);
+    std::copy_n(o + 3 * hk, h, run.miss_count.begin() + i * h);
+  }
   int64_t misses = 0;
   for (int32_t m : run.miss_count) misses += m;
-  if (!reconstruct || misses == 0) return run;
+  if (misses == 0) return run;
 
   StageTimer timer(e.metrics_, "reconstruct");
   const size_t per_item = hk * g.C * g.shape.d;
   KVSHADE_ASSIGN_OR_RETURN(run.keys, e.Alloc(Bf16Bytes(n * per_item), ArenaKind::kSlots));
   KVSHADE_ASSIGN_OR_RETURN(run.values, e.Alloc(Bf16Bytes(n * per_item), ArenaKind::kSlots));
-  rec.resize(n);
+  std::vector<kernels::ReconstructItem> rec(n);
   for (int i = 0; i < n; ++i) {
-    rec[i].view = sel[i].view;
-    rec[i].miss_chunk = sel[i].miss_chunk;
-    rec[i].miss_count = sel[i].miss_count;
-    rec[i].keys = Ptr<bf16>(run.keys) + i * per_item;
-    rec[i].values = Ptr<bf16>(run.values) + i * per_item;
+    rec[i] = decode::ReconstructOf(sel[i], Ptr<bf16>(run.keys) + i * per_item,
+                                   Ptr<bf16>(run.values) + i * per_item, /*into_slots=*/false);
   }
-  const size_t wsb = e.backend_->ReconstructWorkspaceBytes(g.shape, k, rec);
+  const size_t wsb = decode::ReconstructWorkspaceBytes(*e.backend_, g, rec);
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
-  KVSHADE_RETURN_IF_ERROR(e.backend_->Reconstruct(g.shape, g.C, k, g.rope, g.codec, rec,
-                                                  kernels::Workspace{ws.data(), wsb}, st));
+  KVSHADE_RETURN_IF_ERROR(decode::RunReconstruct(*e.backend_, g, rec, kernels::Workspace{ws.data(), wsb}, st));
   // The workspace is released when this returns: wait for the kernel that uses it. (The
   // stage timer measures the kernel, as before; delivery then costs no further wait.)
   KVSHADE_RETURN_IF_ERROR(e.backend_->Synchronize(st));
@@ -383,82 +358,28 @@ static absl::Status EnsureSlots(EngineImpl& e, kernels::Stream st, Attachment& a
   return absl::OkStatus();
 }
 
-// Recall@k of one item's selection (`selected`, [h, k_sel] host rows) against the oracle
-// top-k_oracle of the reconstructed keys (SelectEx scoring every chunk), averaged over the
-// heads; nullopt when the backend cannot score every chunk in one call (CUDA above 16384
-// chunks): that step is then not sampled.
-static absl::StatusOr<std::optional<double>> OracleRecall(EngineImpl& e, const SelectGroup& g,
-                                                          const kernels::SessionLayerView& view,
-                                                          const std::vector<bf16>& q,
-                                                          const int32_t* selected, int k_sel,
-                                                          int k_oracle) {
-  const int h = g.shape.h;
-  const size_t hk = size_t(h) * k_oracle;
-  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qd, e.Upload(q.data(), Bf16Bytes(q.size()), ArenaKind::kOther));
-  std::vector<int32_t> init(3 * hk + h, -1);
-  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock outs, e.Upload(init.data(), init.size() * 4, ArenaKind::kOther));
-  std::vector<int32_t> slots(hk, -1);
-  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock sd, e.Upload(slots.data(), slots.size() * 4, ArenaKind::kOther));
-  kernels::SelectItem it;
-  it.view = view;
-  it.q = Ptr<bf16>(qd);
-  it.slots = Ptr<int32_t>(sd);
-  it.selected = Ptr<int32_t>(outs);
-  it.miss_slot = it.selected + hk;
-  it.miss_chunk = it.selected + 2 * hk;
-  it.miss_count = it.selected + 3 * hk;
-  kernels::SelectOptions o;
-  o.candidates = view.total_chunks();
-  o.C = g.C;
-  o.rope = g.rope;
-  std::vector<kernels::SelectItem> items = {it};
-  const size_t wsb = e.backend_->SelectExWorkspaceBytes(g.shape, k_oracle, o, items);
+// The recall guard's part of one decode step of one session's layer (the decode core's
+// GuardStep, docs/ALGORITHM.md "Recall guard"), on a step the guard samples: recall@k of
+// `selected` ([h, k_sel] host, the selection the step attends at the budget it used)
+// against the oracle, exported, recorded and acted on.
+static absl::Status GuardStep(EngineImpl& e, kernels::Stream st, Session& s, const SelectGroup& g,
+                              int layer, const kernels::SessionLayerView& view,
+                              const std::vector<bf16>& q, const int32_t* selected, int k_sel) {
+  const decode::SelectionPolicy policy = s.profile.Policy();
+  if (!decode::GuardSamples(s.selection, policy, layer)) return absl::OkStatus();
+  const int k0 = decode::OracleBudget(policy, view.total_chunks());
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qd, e.UploadOn(st, q.data(), Bf16Bytes(q.size()), ArenaKind::kOther));
+  const size_t wsb = decode::OracleWorkspaceBytes(*e.backend_, g, view, k0);
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
-  absl::Status st = e.backend_->SelectEx(g.shape, k_oracle, o, items, kernels::Workspace{ws.data(), wsb});
-  if (absl::IsInvalidArgument(st)) return std::optional<double>();
-  KVSHADE_RETURN_IF_ERROR(st);
-  KVSHADE_RETURN_IF_ERROR(e.backend_->Synchronize());
-  std::vector<int32_t> oracle(hk);
-  KVSHADE_RETURN_IF_ERROR(e.Download(oracle.data(), it.selected, hk * 4));
-  double sum = 0;
-  int heads = 0;
-  for (int hh = 0; hh < h; ++hh) {
-    int n = 0, hit = 0;
-    for (int x = 0; x < k_oracle; ++x) {
-      const int32_t c = oracle[size_t(hh) * k_oracle + x];
-      if (c < 0) continue;
-      ++n;
-      const int32_t* row = selected + size_t(hh) * k_sel;
-      hit += std::find(row, row + k_sel, c) != row + k_sel;
-    }
-    if (n == 0) continue;
-    sum += double(hit) / n;
-    ++heads;
-  }
-  if (heads == 0) return std::optional<double>();
-  return std::optional<double>(sum / heads);
-}
-
-// The recall guard's part of one decode step of one session's layer (docs/ALGORITHM.md
-// "Recall guard"): on a sampled step, recall@k of `selected` ([h, k_sel] host) against the
-// oracle at the profile's budget, exported, recorded, and acted on.
-static absl::Status GuardStep(EngineImpl& e, Session& s, const SelectGroup& g, int layer,
-                              const kernels::SessionLayerView& view, const std::vector<bf16>& q,
-                              const int32_t* selected, int k_sel, int total) {
-  const ProfileInfo& p = s.profile;
-  if (!(p.recall_sample_rate > 0) || !s.selection.Sample(layer, p.recall_sample_rate)) {
-    return absl::OkStatus();
-  }
-  const int k0 = std::min(p.sparse_budget, total);
-  KVSHADE_ASSIGN_OR_RETURN(std::optional<double> recall,
-                           OracleRecall(e, g, view, q, selected, k_sel, k0));
-  if (!recall) return absl::OkStatus();
+  KVSHADE_ASSIGN_OR_RETURN(decode::GuardOutcome o,
+                           decode::GuardStep(*e.backend_, s.selection, policy, g, layer, view,
+                                             Ptr<const bf16>(qd), selected, k_sel,
+                                             kernels::Workspace{ws.data(), wsb}, st));
+  if (!o.sampled) return absl::OkStatus();
   SelectionMetrics* m = SelectionMetrics::For(e.metrics_->registry());
-  const std::string label = SelectionLabel(p, g.native);
-  m->Sampled(label, *recall);
-  const v1::RecallAction a =
-      s.selection.Record(layer, *recall, p.recall_floor, p.recall_action, k_sel, total, kMaxGuardBudget);
-  if (a != v1::RECALL_ACTION_UNSPECIFIED) m->Acted(label, a);
+  const std::string label = policy.Label(g.native);
+  m->Sampled(label, o.recall);
+  if (o.action != decode::RecallAction::kNone) m->Acted(label, o.action);
   return absl::OkStatus();
 }
 
@@ -508,17 +429,17 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
                                                        holds[i].total_chunks,
                                                        absl::StrCat("queries[", i, "].chunks")));
     }
+    // A layer the recall guard widened past the slots is attended through Attend: nothing
+    // is selected, reconstructed or delivered for it here, and the slot table stays.
+    if (!is_native && s.selection.Budget(layer, ks[i], holds[i].total_chunks) > ks[i]) {
+      delta.fallback = true;
+      ks[i] = 0;
+      continue;
+    }
     KVSHADE_RETURN_IF_ERROR(EnsureSlots(*this, st, *qs[i].attachment, layer, s.model.shape.h, ks[i]));
-    const kernels::SelectOptions opts = is_native ? kernels::SelectOptions{} : OptionsOf(s, ks[i]);
-    SelectGroup& g = groups[GroupKey(s, ks[i], opts, is_native)];
-    g.shape = s.model.shape;
-    g.k = ks[i];
-    g.C = s.profile.chunk_size;
-    g.rope = s.model.rope;
-    g.codec = s.profile.codec;
-    g.opts = opts;
-    g.native = is_native;
-    g.items.push_back(i);
+    SelectGroup g = GroupOf(s, ks[i], is_native);
+    SelectGroup& group = groups.try_emplace(GroupKey(s, g), std::move(g)).first->second;
+    group.items.push_back(i);
   }
   prepare.reset();
   uint64_t total_selected = 0, total_hits = 0;
@@ -529,7 +450,6 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
     for (size_t b0 = 0; b0 < g.items.size(); b0 += step) {
       const size_t b1 = std::min(g.items.size(), b0 + step);
       std::vector<kernels::SelectItem> sel(b1 - b0);
-      std::vector<kernels::ReconstructItem> rec;
       std::vector<std::vector<bf16>*> queries;
       std::vector<const std::vector<int32_t>*> given;
       for (size_t j = b0; j < b1; ++j) {
@@ -539,7 +459,7 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
         queries.push_back(&qs[i].q);
         given.push_back(&native[i]);
       }
-      KVSHADE_ASSIGN_OR_RETURN(SelectRun run, RunSelect(*this, st, g, sel, rec, queries, true,
+      KVSHADE_ASSIGN_OR_RETURN(SelectRun run, RunSelect(*this, st, g, sel, queries,
                                                         g.native ? &given : nullptr));
       const size_t hk = size_t(h) * k;
       Delivery delivery(*this, st);
@@ -583,10 +503,11 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
         const size_t i = g.items[j], jj = j - b0;
         SlotDeltaResult& delta = out->deltas[i];
         if (!g.native) {
-          KVSHADE_RETURN_IF_ERROR(GuardStep(*this, *qs[i].session, g, layer, holds[i].view, qs[i].q,
-                                            run.selected.data() + jj * hk, k, holds[i].total_chunks));
+          KVSHADE_RETURN_IF_ERROR(GuardStep(*this, st, *qs[i].session, g, layer, holds[i].view, qs[i].q,
+                                            run.selected.data() + jj * hk, k));
         }
-        delta.fallback = qs[i].session->selection.Fallback(layer);
+        // (When the guard widened the layer on this step, this step's selection is still
+        // delivered and attended; the layer's later steps are fallbacks.)
         qs[i].attachment->selected += delta.selected;
         qs[i].attachment->hits += delta.hits;
         total_selected += delta.selected;
@@ -632,16 +553,11 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
     Session& s = *qs[i].session;
     const kernels::LayerShape& shape = s.model.shape;
     const int h = shape.h, d = shape.d, C = s.profile.chunk_size;
-    kernels::AttendItem item;
+    // The rows attended, in the decode core's order (as same-node decode attends them):
+    // static set, selected chunks, exact tail, the step's new token.
+    decode::AttendRows rows;
     std::vector<DeviceBlock> keep;  // scratch alive until Attend ran
     SelectRun run;
-    auto add_block = [&](const kernels::KvBlock& b) -> absl::Status {
-      if (item.n_blocks == kernels::kMaxKvBlocks) {
-        return absl::InternalError("too many attention blocks");
-      }
-      item.blocks[item.n_blocks++] = b;
-      return absl::OkStatus();
-    };
     if (s.profile.kind == v1::PROFILE_KIND_EXACT) {
       // Every token: the segments' exact blocks (gathered into one when there are more
       // than the kernel takes).
@@ -654,7 +570,7 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
       const size_t room = size_t(kernels::kMaxKvBlocks) - (qs[i].k_new.empty() ? 0 : 1);
       if (parts.size() <= room) {
         for (const LayerData* p : parts) {
-          KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(p->tk), Ptr<const bf16>(p->tv),
+          KVSHADE_RETURN_IF_ERROR(rows.Add(kernels::KvBlock{Ptr<const bf16>(p->tk), Ptr<const bf16>(p->tv),
                                                              p->n_tail, nullptr, d, tok}));
         }
       } else {
@@ -669,47 +585,33 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
         }
         KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kb, UploadOn(st, hk.data(), Bf16Bytes(hk.size()), ArenaKind::kOther));
         KVSHADE_ASSIGN_OR_RETURN(DeviceBlock vb, UploadOn(st, hv.data(), Bf16Bytes(hv.size()), ArenaKind::kOther));
-        KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(kb), Ptr<const bf16>(vb),
+        KVSHADE_RETURN_IF_ERROR(rows.Add(kernels::KvBlock{Ptr<const bf16>(kb), Ptr<const bf16>(vb),
                                                            int64_t(hk.size() / tok), nullptr, d, tok}));
         keep.push_back(std::move(kb));
         keep.push_back(std::move(vb));
       }
     } else {
       KVSHADE_ASSIGN_OR_RETURN(const StaticCache* c, GetCache(s, layer));
-      if (c->s > 0) {
-        KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(c->k), Ptr<const bf16>(c->v), c->s,
-                                                           Ptr<const int32_t>(c->lengths),
-                                                           int64_t(c->s) * d, d}));
-      }
-      if (c->t > 0) {
-        KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(c->tk), Ptr<const bf16>(c->tv), c->t,
-                                                           nullptr, d, int64_t(h) * d}));
-      }
+      KVSHADE_RETURN_IF_ERROR(rows.AddStatic(Ptr<const bf16>(c->k), Ptr<const bf16>(c->v), c->s,
+                                             Ptr<const int32_t>(c->lengths), d));
       if (s.profile.kind == v1::PROFILE_KIND_SHADOW) {
         KVSHADE_ASSIGN_OR_RETURN(LayerViewHold hold, BuildView(s, layer));
         if (hold.total_chunks > 0) {
-          SelectGroup g;
-          g.shape = shape;
           // The recall guard may have widened this layer's budget (or opened every chunk).
-          g.k = s.selection.Budget(layer, std::min(s.profile.sparse_budget, hold.total_chunks),
-                                   hold.total_chunks);
-          g.C = C;
-          g.rope = s.model.rope;
-          g.codec = s.profile.codec;
-          g.opts = OptionsOf(s, g.k);
-          // A fresh, empty slot table: every selected chunk is a miss and lands in slots
-          // 0.. in ascending chunk order, so each head's first miss_count*C rows are its
-          // selected chunks.
+          const int k = s.selection.Budget(layer, std::min(s.profile.sparse_budget, hold.total_chunks),
+                                           hold.total_chunks);
+          const SelectGroup g = GroupOf(s, k, /*native=*/false);
+          // A fresh, empty slot table: every selected chunk is a miss and lands in rows
+          // [0, miss_count) of its head in ascending chunk order.
           std::vector<int32_t> empty(size_t(h) * g.k, -1);
           KVSHADE_ASSIGN_OR_RETURN(DeviceBlock slots, UploadOn(st, empty.data(), empty.size() * 4, ArenaKind::kOther));
           std::vector<kernels::SelectItem> sel(1);
-          std::vector<kernels::ReconstructItem> rec;
           sel[0].view = hold.view;
           sel[0].slots = Ptr<int32_t>(slots);
           std::vector<std::vector<bf16>*> queries = {&qs[i].q};
-          KVSHADE_ASSIGN_OR_RETURN(run, RunSelect(*this, st, g, sel, rec, queries, true));
-          KVSHADE_RETURN_IF_ERROR(GuardStep(*this, s, g, layer, hold.view, qs[i].q, run.selected.data(),
-                                            g.k, hold.total_chunks));
+          KVSHADE_ASSIGN_OR_RETURN(run, RunSelect(*this, st, g, sel, queries));
+          // Sampled at the budget this step attends (a widened layer doubles from there).
+          KVSHADE_RETURN_IF_ERROR(GuardStep(*this, st, s, g, layer, hold.view, qs[i].q, run.selected.data(), g.k));
           std::vector<int32_t> lens(h);
           int64_t any = 0;
           for (int hh = 0; hh < h; ++hh) {
@@ -718,14 +620,15 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
           }
           if (any > 0) {
             KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ld, UploadOn(st, lens.data(), lens.size() * 4, ArenaKind::kOther));
-            KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{
-                Ptr<const bf16>(run.keys), Ptr<const bf16>(run.values), int64_t(g.k) * C,
-                Ptr<const int32_t>(ld), int64_t(g.k) * C * d, d}));
+            KVSHADE_RETURN_IF_ERROR(rows.AddSelected(Ptr<const bf16>(run.keys), Ptr<const bf16>(run.values),
+                                                     int64_t(g.k) * C, Ptr<const int32_t>(ld), d));
             keep.push_back(std::move(ld));
           }
           keep.push_back(std::move(slots));
         }
       }
+      KVSHADE_RETURN_IF_ERROR(rows.AddTokens(Ptr<const bf16>(c->tk), Ptr<const bf16>(c->tv), c->t, nullptr,
+                                             int64_t(h) * d, d));
     }
     // The step's new token, if given: rotated at the position after the session's last
     // token and attended as one more block (not stored).
@@ -738,29 +641,23 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
     if (!qs[i].k_new.empty()) {
       const std::vector<bf16>& kn = qs[i].k_new;
       const std::vector<bf16>& vn = qs[i].v_new;
-      if (item.n_blocks == kernels::kMaxKvBlocks) {
-        return absl::InternalError("too many attention blocks for the new token");
-      }
       KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kd, UploadOn(st, kn.data(), Bf16Bytes(kn.size()), ArenaKind::kOther));
       KVSHADE_ASSIGN_OR_RETURN(DeviceBlock vd, UploadOn(st, vn.data(), Bf16Bytes(vn.size()), ArenaKind::kOther));
       const std::vector<int64_t> pos = {static_cast<int64_t>(s.tokens)};
       KVSHADE_RETURN_IF_ERROR(backend_->ApplyRope(s.model.rope, pos, h, d,
                                                   absl::Span<bf16>(Ptr<bf16>(kd), kn.size()), st));
-      KVSHADE_RETURN_IF_ERROR(add_block(kernels::KvBlock{Ptr<const bf16>(kd), Ptr<const bf16>(vd), 1,
+      KVSHADE_RETURN_IF_ERROR(rows.Add(kernels::KvBlock{Ptr<const bf16>(kd), Ptr<const bf16>(vd), 1,
                                                          nullptr, d, int64_t(h) * d}));
       keep.push_back(std::move(kd));
       keep.push_back(std::move(vd));
     }
-    if (item.n_blocks == 0) {
+    if (rows.size() == 0) {
       return absl::FailedPreconditionError(absl::StrCat("session '", s.id, "' has no tokens to attend"));
     }
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qd, UploadOn(st, qs[i].q.data(), Bf16Bytes(qs[i].q.size()), ArenaKind::kOther));
     const size_t out_n = size_t(shape.query_heads()) * d;
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock od, Alloc((out_n + shape.query_heads()) * 4, ArenaKind::kOther));
-    item.q = Ptr<const bf16>(qd);
-    item.out = Ptr<float>(od);
-    item.lse = Ptr<float>(od) + out_n;
-    std::vector<kernels::AttendItem> items = {item};
+    std::vector<kernels::AttendItem> items = {rows.Item(Ptr<const bf16>(qd), Ptr<float>(od), Ptr<float>(od) + out_n)};
     const size_t wsb = backend_->AttendWorkspaceBytes(shape, items);
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, Alloc(wsb, ArenaKind::kOther));
     KVSHADE_RETURN_IF_ERROR(backend_->Attend(shape, 1.0f / std::sqrt(float(d)), items,

@@ -1,89 +1,7 @@
 #include "kvshade/service/selection_guard.h"
 
-#include <algorithm>
-#include <cmath>
-
-namespace kvshade::service {
-
-bool SelectionGuard::Sample(int layer, double rate) {
-  if (!(rate > 0)) return false;
-  std::lock_guard lock(mu_);
-  Layer& l = layers_[layer];
-  const uint64_t n = l.steps++;
-  return std::floor(double(n + 1) * rate) > std::floor(double(n) * rate);
-}
-
-int SelectionGuard::Budget(int layer, int k, int total) const {
-  std::lock_guard lock(mu_);
-  auto it = layers_.find(layer);
-  if (it == layers_.end() || it->second.budget <= 0) return k;
-  return std::min(std::max(it->second.budget, k), total);
-}
-
-bool SelectionGuard::Fallback(int layer) const {
-  std::lock_guard lock(mu_);
-  auto it = layers_.find(layer);
-  return it != layers_.end() && it->second.fallback != v1::RECALL_ACTION_UNSPECIFIED;
-}
-
-v1::RecallAction SelectionGuard::Record(int layer, double recall, double floor,
-                                        v1::RecallAction action, int budget_now, int total,
-                                        int cap) {
-  std::lock_guard lock(mu_);
-  Layer& l = layers_[layer];
-  ++l.samples;
-  l.recall_sum += recall;
-  l.window.push_back(recall);
-  while (l.window.size() > size_t(kWindow)) l.window.pop_front();
-  if (l.window.size() < size_t(kWindow)) return v1::RECALL_ACTION_UNSPECIFIED;
-  double mean = 0;
-  for (double r : l.window) mean += r;
-  mean /= double(l.window.size());
-  if (mean >= floor) return v1::RECALL_ACTION_UNSPECIFIED;
-  l.window.clear();
-  const int limit = std::min(total, cap);
-  switch (action) {
-    case v1::RECALL_ACTION_WIDEN:
-      if (budget_now >= limit) return v1::RECALL_ACTION_UNSPECIFIED;  // nothing left to add
-      l.budget = std::min(limit, std::max(1, budget_now) * 2);
-      break;
-    case v1::RECALL_ACTION_EXACT:
-      if (budget_now >= limit) return v1::RECALL_ACTION_UNSPECIFIED;
-      l.budget = limit;
-      break;
-    default:
-      ++l.actions;
-      return v1::RECALL_ACTION_REPORT;
-  }
-  l.fallback = action;
-  ++l.actions;
-  return action;
-}
-
-void SelectionGuard::Fill(v1::SelectionHealth* out) const {
-  std::lock_guard lock(mu_);
-  uint64_t samples = 0;
-  double sum = 0;
-  for (const auto& [layer, l] : layers_) {
-    if (l.samples == 0) continue;
-    samples += l.samples;
-    sum += l.recall_sum;
-    v1::LayerSelection* o = out->add_layers();
-    o->set_layer(static_cast<uint32_t>(layer));
-    o->set_samples(l.samples);
-    o->set_recall(l.recall_sum / double(l.samples));
-    double recent = 0;
-    for (double r : l.window) recent += r;
-    o->set_recent_recall(l.window.empty() ? o->recall() : recent / double(l.window.size()));
-    o->set_budget(static_cast<uint32_t>(std::max(l.budget, 0)));
-    o->set_fallback(l.fallback);
-    o->set_actions(l.actions);
-  }
-  out->set_samples(samples);
-  out->set_recall(samples == 0 ? 0.0 : sum / double(samples));
-}
-
-}  // namespace kvshade::service
+#include <map>
+#include <mutex>
 
 #include <prometheus/counter.h>
 #include <prometheus/family.h>
@@ -95,12 +13,23 @@ void SelectionGuard::Fill(v1::SelectionHealth* out) const {
 
 namespace kvshade::service {
 
-std::string SelectionLabel(const ProfileInfo& p, bool native) {
-  if (native) return "shadow+native";
-  std::string s = "shadow";
-  if (p.rerank_factor > 1) absl::StrAppend(&s, "+rerank", p.rerank_factor);
-  if (p.mass_top_p > 0) absl::StrAppend(&s, "+top_p", p.mass_top_p);
-  return s;
+void FillSelectionHealth(const SelectionGuard& guard, v1::SelectionHealth* out) {
+  uint64_t samples = 0;
+  double sum = 0;
+  for (const decode::LayerHealth& l : guard.Snapshot()) {
+    samples += l.samples;
+    sum += l.recall * double(l.samples);
+    v1::LayerSelection* o = out->add_layers();
+    o->set_layer(static_cast<uint32_t>(l.layer));
+    o->set_samples(l.samples);
+    o->set_recall(l.recall);
+    o->set_recent_recall(l.recent_recall);
+    o->set_budget(static_cast<uint32_t>(l.budget));
+    o->set_fallback(static_cast<v1::RecallAction>(static_cast<int>(l.fallback)));
+    o->set_actions(l.actions);
+  }
+  out->set_samples(samples);
+  out->set_recall(samples == 0 ? 0.0 : sum / double(samples));
 }
 
 SelectionMetrics::SelectionMetrics(prometheus::Registry& r)
@@ -136,11 +65,8 @@ void SelectionMetrics::Sampled(const std::string& profile, double recall) {
   recall_->Add({{"profile", profile}}, kBuckets).Observe(recall);
 }
 
-void SelectionMetrics::Acted(const std::string& profile, v1::RecallAction action) {
-  const char* name = action == v1::RECALL_ACTION_WIDEN   ? "widen"
-                     : action == v1::RECALL_ACTION_EXACT ? "exact"
-                                                         : "report";
-  actions_->Add({{"profile", profile}, {"action", name}}).Increment();
+void SelectionMetrics::Acted(const std::string& profile, decode::RecallAction action) {
+  actions_->Add({{"profile", profile}, {"action", decode::RecallActionName(action)}}).Increment();
 }
 
 }  // namespace kvshade::service

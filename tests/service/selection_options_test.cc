@@ -187,10 +187,13 @@ v1::SessionInfo Info(Harness& hs, const std::string& session) {
 
 TEST(RecallGuard, WidensTheBudgetOfALowRecallLayer) {
   Planted pl(v1::RECALL_ACTION_WIDEN);
+  // The step on which the guard acts is still served from the slots (its selection was
+  // delivered); the layer's later selects are fallbacks.
   for (int step = 0; step < SelectionGuard::kWindow; ++step) {
     auto d = pl.hs.Select(pl.o.attachment, 1, pl.hs.Query(100 + step));
     ASSERT_TRUE(d.ok()) << d.status();
-    EXPECT_EQ(d->fallback(), step == SelectionGuard::kWindow - 1) << "step " << step;
+    EXPECT_FALSE(d->fallback()) << "step " << step;
+    EXPECT_GT(d->selected(), 0u) << "step " << step;
   }
   const v1::SessionInfo info = Info(pl.hs, pl.o.session);
   ASSERT_EQ(info.selection().layers_size(), 1);
@@ -207,12 +210,38 @@ TEST(RecallGuard, WidensTheBudgetOfALowRecallLayer) {
   v1::GetSessionRequest plain;
   plain.set_session_id(pl.o.session);
   EXPECT_FALSE(pl.hs.engine->GetSession(pl.hs.tenant, plain)->has_selection());
+  // A fallback select selects, reconstructs and delivers nothing, and is not sampled.
+  auto fb = pl.hs.Select(pl.o.attachment, 1, pl.hs.Query(120));
+  ASSERT_TRUE(fb.ok()) << fb.status();
+  EXPECT_TRUE(fb->fallback());
+  EXPECT_EQ(fb->selected(), 0u);
+  EXPECT_EQ(fb->head_size(), 0);
+  EXPECT_EQ(Info(pl.hs, pl.o.session).selection().layers(0).samples(), uint64_t(SelectionGuard::kWindow));
   const std::string text = MetricsText(pl.hs);
   EXPECT_NE(text.find("kvshade_selection_recall_count{profile=\"shadow\"} 4"), std::string::npos)
       << text;
   EXPECT_NE(text.find("kvshade_selection_guard_actions_total{action=\"widen\",profile=\"shadow\"} 1"),
             std::string::npos)
       << text;
+}
+
+// Attend serves a widened layer at its widened budget and samples there: a second window
+// below the floor doubles the budget again (2 -> 4 -> 8), not back from the profile's.
+TEST(RecallGuard, WidenDoublesFromTheBudgetInUse) {
+  Planted pl(v1::RECALL_ACTION_WIDEN, /*floor=*/1.0f);
+  std::vector<uint32_t> budgets;
+  for (int step = 0; step < 3 * SelectionGuard::kWindow; ++step) {
+    ASSERT_TRUE(pl.hs.Attend(pl.o.attachment, 0, pl.hs.Query(600 + step)).ok());
+    const v1::SessionInfo info = Info(pl.hs, pl.o.session);
+    ASSERT_EQ(info.selection().layers_size(), 1);
+    budgets.push_back(info.selection().layers(0).budget());
+  }
+  const int w = SelectionGuard::kWindow;
+  EXPECT_EQ(budgets[w - 2], 0u);  // the profile's until the first full window
+  EXPECT_EQ(budgets[w - 1], 4u);
+  EXPECT_EQ(budgets[2 * w - 1], 8u) << "the second action doubles the widened budget";
+  const v1::SessionInfo info = Info(pl.hs, pl.o.session);
+  EXPECT_EQ(info.selection().layers(0).samples(), uint64_t(3 * w));
 }
 
 TEST(RecallGuard, ExactFallbackAttendsEveryChunk) {

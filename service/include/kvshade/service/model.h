@@ -12,6 +12,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "kvshade/kernels/backend.h"
+#include "kvshade/kernels/decode_step.h"
 #include "kvshade/service/config.h"
 #include "kvshade/service/decode.h"
 #include "kvshade/v1/kvshade.pb.h"
@@ -58,6 +59,8 @@ struct ProfileInfo {
   float recall_floor = 0.5f;
   v1::RecallAction recall_action = v1::RECALL_ACTION_WIDEN;
 
+  // The selection options and the recall guard's settings, as the decode core takes them.
+  decode::SelectionPolicy Policy() const;
   // The fields that change what is stored (part of prefix keys).
   std::string Fingerprint() const;
   v1::Profile ToProto() const;
