@@ -756,6 +756,47 @@ int kvshade_local_decoder_info(kvshade_local_decoder* dec, int32_t* batch, int32
   });
 }
 
+int kvshade_local_decoder_attend_chunks(kvshade_local_decoder* dec, uint32_t layer, const void* q,
+                                        const int32_t* chunks, int32_t m, const void* k_new,
+                                        const void* v_new, float* out, float* lse, void* stream) {
+  return Guard([&] {
+    if (dec == nullptr) return Bad("decoder must not be NULL");
+    return Report(dec->impl->AttendChunks(static_cast<int>(layer), static_cast<const kvshade::kernels::bf16*>(q),
+                                          chunks, m, static_cast<const kvshade::kernels::bf16*>(k_new),
+                                          static_cast<const kvshade::kernels::bf16*>(v_new), out,
+                                          kvshade::kernels::Stream{stream}, lse));
+  });
+}
+
+int kvshade_local_decoder_selected(kvshade_local_decoder* dec, uint32_t b, uint32_t layer, int32_t* out,
+                                   size_t cap, int32_t* k) {
+  return Guard([&] {
+    if (dec == nullptr) return Bad("decoder must not be NULL");
+    auto sel = dec->impl->Selected(static_cast<int>(b), static_cast<int>(layer));
+    if (!sel.ok()) return Report(sel.status());
+    if (k) *k = dec->impl->slots_per_head(static_cast<int>(b), static_cast<int>(layer));
+    if (out != nullptr) std::copy_n(sel->begin(), std::min(cap, sel->size()), out);
+    return int(KVSHADE_OK);
+  });
+}
+
+int kvshade_local_decoder_selection(kvshade_local_decoder* dec, uint32_t b, kvshade_layer_selection* out,
+                                    size_t cap, size_t* n) {
+  return Guard([&] {
+    if (dec == nullptr) return Bad("decoder must not be NULL");
+    auto layers = dec->impl->Selection(static_cast<int>(b));
+    if (!layers.ok()) return Report(layers.status());
+    if (n) *n = layers->size();
+    for (size_t i = 0; i < layers->size() && i < cap && out != nullptr; ++i) {
+      const kvshade::decode::LayerHealth& l = (*layers)[i];
+      out[i] = kvshade_layer_selection{static_cast<uint32_t>(l.layer), l.samples, l.recall,
+                                       l.recent_recall, static_cast<uint32_t>(l.budget),
+                                       static_cast<int32_t>(l.fallback), l.actions};
+    }
+    return int(KVSHADE_OK);
+  });
+}
+
 const char* kvshade_local_decoder_backend(const kvshade_local_decoder* dec) {
   if (dec == nullptr) return "";
   return dec->impl->backend().name().data();  // a string literal of the backend

@@ -161,9 +161,11 @@ absl::StatusOr<v1::LookupPrefixResponse> Client::LookupPrefix(const v1::LookupPr
   return Unary<v1::LookupPrefixRequest, v1::LookupPrefixResponse>(&v1::KvShade::Stub::LookupPrefix, req);
 }
 
-absl::StatusOr<v1::SessionInfo> Client::GetSession(const std::string& session_id) {
+absl::StatusOr<v1::SessionInfo> Client::GetSession(const std::string& session_id,
+                                                  bool include_selection) {
   v1::GetSessionRequest req;
   req.set_session_id(session_id);
+  req.set_include_selection(include_selection);
   return Unary<v1::GetSessionRequest, v1::SessionInfo>(&v1::KvShade::Stub::GetSession, req);
 }
 

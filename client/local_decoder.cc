@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvshade/base/status_macros.h"
+#include "kvshade/kernels/decode_step.h"
 
 namespace kvshade::client {
 namespace {
@@ -154,12 +155,29 @@ absl::StatusOr<kernels::ValueCodec> FromWire(v1::ValueCodec c) {
   }
 }
 
+// The selection policy of an exported session (its resolved profile).
+decode::SelectionPolicy PolicyFromWire(const v1::Profile& p) {
+  decode::SelectionPolicy o;
+  o.sparse_budget = static_cast<int>(p.sparse_budget());
+  o.rerank_factor = std::max<int>(1, static_cast<int>(p.rerank_factor()));
+  o.mass_top_p = p.mass_top_p();
+  o.mass_min_chunks = static_cast<int>(p.mass_min_chunks());
+  o.recall_sample_rate = p.recall_sample_rate();
+  o.recall_floor = p.recall_floor();
+  o.recall_action = static_cast<decode::RecallAction>(static_cast<int>(p.recall_action()));
+  return o;
+}
+
 }  // namespace
 
 // One sequence's mapped generation and per-layer decode state.
 struct SeqLayer {
   kernels::SessionLayerView view;
-  int k = 0;                           // slots per head (0: nothing to select)
+  int k = 0;                           // slots per head (0: nothing to select): the
+                                       // profile's budget, or the recall guard's wider one
+  int base_k = 0;                      // the profile's budget (the export's slots_per_head)
+  std::vector<int32_t> selectable;     // [h] chunks each head may select
+  bool primed = false;                 // every slot holds a chunk (PrimeSlots)
   std::vector<int32_t> slot_len_host;  // [h] m_hh * C
   const bf16* static_k = nullptr;      // [h, s, d]
   const bf16* static_v = nullptr;
@@ -182,6 +200,7 @@ struct Seq {
   std::vector<SeqLayer> layers;
   uint64_t session_tokens = 0;  // tokens the generation covers
   std::atomic<int64_t> lease_expires_ms{0};
+  decode::SelectionGuard guard;  // this decoder's recall guard of the sequence
 };
 
 struct LocalDecoder::Impl {
@@ -194,6 +213,9 @@ struct LocalDecoder::Impl {
   kernels::RopeSpec rope;
   kernels::ValueCodecSpec codec;
   kernels::LayerShape shape;
+  decode::SelectionPolicy policy;  // the sessions' selection options and recall guard
+  kernels::Buffer zero_q;          // [hq, d] zeros: PrimeSlots' query
+  kernels::Buffer guard_ws;        // the recall guard's oracle scratch, grown on need
   // Exact local tail: [L][cap, B, h, d] bf16 K and V; n_local tokens valid.
   kernels::Buffer local_k, local_v;
   int n_local = 0;
@@ -214,6 +236,21 @@ struct LocalDecoder::Impl {
   std::thread renewer;
 
   absl::Status MapGeneration(Seq& seq, v1::SessionExport exp);
+  // (Re)allocates a sequence layer's slot table (empty) and slot buffers at k per head.
+  absl::Status AllocSlots(SeqLayer& sl, int k);
+  // Fills every slot of the layer with a selectable chunk (a selection of a zero query):
+  // a step that selects fewer than k chunks (a mass budget, model-native ids) then still
+  // attends only chunks, never an empty slot. Synchronous.
+  absl::Status PrimeSlots(SeqLayer& sl, kernels::Stream stream);
+  // The decode core's group of a sequence layer at its slot width.
+  decode::SelectionGroup GroupOf(const SeqLayer& sl, bool native) const;
+  // The recall guard after a step of `layer` (docs/ALGORITHM.md "Recall guard"): sampled
+  // sequences' selections against the oracle; a widened layer gets wider slots, primed.
+  absl::Status GuardAfterStep(int layer, const bf16* q, kernels::Stream stream);
+  // One layer of a step for the whole batch (LocalDecoder::Attend, AttendChunks).
+  absl::Status Step(int layer, const bf16* q, const int32_t* chunks, int n_chunks,
+                    const bf16* k_new, const bf16* v_new, float* out, kernels::Stream stream,
+                    float* lse);
   void UnmapRegions(Seq& seq);
   absl::Status CheckLeases() const;
   void RenewLoop();
@@ -352,19 +389,16 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
         sv.value_head_stride = es.value_head_stride();
         sv.value_chunk_stride = es.value_chunk_stride();
       }
-      sl.slot_len_host.resize(h);
-      for (int hh = 0; hh < h; ++hh) {
-        const int m = std::min<int>(sl.k, static_cast<int>(el.selectable_per_head(hh)));
-        sl.slot_len_host[hh] = m * C;
+      sl.selectable.assign(el.selectable_per_head().begin(), el.selectable_per_head().end());
+      sl.selectable.resize(h, 0);
+      sl.base_k = sl.k;
+      // The recall guard's budget: the daemon's (a layer it widened), or this decoder's.
+      if (el.guard_budget() > static_cast<uint32_t>(sl.k)) {
+        seq.guard.Adopt(l, static_cast<int>(el.guard_budget()),
+                        static_cast<decode::RecallAction>(static_cast<int>(el.guard_fallback())));
       }
-      const size_t hk = size_t(h) * sl.k;
-      KVSHADE_ASSIGN_OR_RETURN(sl.slots, be->Allocate(hk * 4));
-      KVSHADE_RETURN_IF_ERROR(be->Fill(sl.slots.data(), 0xff, hk * 4));  // -1: empty
-      KVSHADE_ASSIGN_OR_RETURN(sl.slot_len, be->Allocate(size_t(h) * 4));
-      KVSHADE_RETURN_IF_ERROR(be->CopyFromHost(sl.slot_len.data(), sl.slot_len_host.data(), size_t(h) * 4));
-      KVSHADE_ASSIGN_OR_RETURN(sl.slot_k, be->Allocate(hk * C * d * 2));
-      KVSHADE_ASSIGN_OR_RETURN(sl.slot_v, be->Allocate(hk * C * d * 2));
-      KVSHADE_ASSIGN_OR_RETURN(sl.outs, be->Allocate((3 * hk + h) * 4));
+      sl.k = seq.guard.Budget(l, sl.base_k, sl.view.total_chunks());
+      KVSHADE_RETURN_IF_ERROR(AllocSlots(sl, sl.k));
     }
     sl.s = static_cast<int>(el.static_rows());
     if (sl.s > 0) {
@@ -394,6 +428,88 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
   return absl::OkStatus();
 }
 
+absl::Status LocalDecoder::Impl::AllocSlots(SeqLayer& sl, int k) {
+  sl.k = k;
+  sl.primed = false;
+  sl.slot_len_host.resize(h);
+  for (int hh = 0; hh < h; ++hh) sl.slot_len_host[hh] = std::min<int>(k, sl.selectable[hh]) * C;
+  const size_t hk = size_t(h) * k;
+  KVSHADE_ASSIGN_OR_RETURN(sl.slots, be->Allocate(hk * 4));
+  KVSHADE_RETURN_IF_ERROR(be->Fill(sl.slots.data(), 0xff, hk * 4));  // -1: empty
+  KVSHADE_ASSIGN_OR_RETURN(sl.slot_len, be->Allocate(size_t(h) * 4));
+  KVSHADE_RETURN_IF_ERROR(be->CopyFromHost(sl.slot_len.data(), sl.slot_len_host.data(), size_t(h) * 4));
+  KVSHADE_ASSIGN_OR_RETURN(sl.slot_k, be->Allocate(hk * C * d * 2));
+  KVSHADE_ASSIGN_OR_RETURN(sl.slot_v, be->Allocate(hk * C * d * 2));
+  KVSHADE_ASSIGN_OR_RETURN(sl.outs, be->Allocate(decode::SelectOutputWords(h, k) * 4));
+  return absl::OkStatus();
+}
+
+decode::SelectionGroup LocalDecoder::Impl::GroupOf(const SeqLayer& sl, bool native) const {
+  decode::SelectionGroup g;
+  g.shape = shape;
+  g.k = sl.k;
+  g.C = C;
+  g.rope = rope;
+  g.codec = codec;
+  g.native = native;
+  if (!native) g.options = policy.OptionsAt(sl.k, C, rope);
+  return g;
+}
+
+absl::Status LocalDecoder::Impl::PrimeSlots(SeqLayer& sl, kernels::Stream stream) {
+  if (sl.k == 0 || sl.primed) return absl::OkStatus();
+  decode::SelectionGroup g = GroupOf(sl, false);
+  g.options = kernels::SelectOptions{};  // plain: a zero query ranks chunks by id
+  kernels::SelectItem si;
+  si.view = sl.view;
+  si.q = static_cast<const bf16*>(zero_q.data());
+  si.slots = static_cast<int32_t*>(sl.slots.data());
+  decode::BindOutputs(static_cast<int32_t*>(sl.outs.data()), h, sl.k, &si);
+  const kernels::ReconstructItem ri = decode::ReconstructOf(
+      si, static_cast<bf16*>(sl.slot_k.data()), static_cast<bf16*>(sl.slot_v.data()), true);
+  const size_t need = std::max(decode::SelectionWorkspaceBytes(*be, g, {&si, 1}),
+                               decode::ReconstructWorkspaceBytes(*be, g, {&ri, 1}));
+  KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer ws, be->Allocate(std::max<size_t>(need, 16)));
+  KVSHADE_RETURN_IF_ERROR(decode::RunSelection(*be, g, {&si, 1}, ws.workspace(), stream));
+  KVSHADE_RETURN_IF_ERROR(decode::RunReconstruct(*be, g, {&ri, 1}, ws.workspace(), stream));
+  KVSHADE_RETURN_IF_ERROR(be->Synchronize(stream));
+  sl.primed = true;
+  return absl::OkStatus();
+}
+
+absl::Status LocalDecoder::Impl::GuardAfterStep(int layer, const bf16* q, kernels::Stream stream) {
+  if (!policy.guard()) return absl::OkStatus();
+  const size_t qstride = size_t(hq) * d;
+  bool widened = false;
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    Seq& seq = *seqs[b];
+    SeqLayer& sl = seq.layers[layer];
+    if (sl.k == 0 || !decode::GuardSamples(seq.guard, policy, layer)) continue;
+    // The selection this step attends, on the host (the one wait of a sampled step).
+    std::vector<int32_t> selected(size_t(h) * sl.k);
+    KVSHADE_RETURN_IF_ERROR(be->CopyToHost(selected.data(), sl.outs.data(), selected.size() * 4, stream));
+    const decode::SelectionGroup g = GroupOf(sl, false);
+    const int k0 = decode::OracleBudget(policy, sl.view.total_chunks());
+    const size_t need = decode::OracleWorkspaceBytes(*be, g, sl.view, k0);
+    if (guard_ws.bytes() < need) {
+      KVSHADE_ASSIGN_OR_RETURN(guard_ws, be->Allocate(need));
+    }
+    KVSHADE_ASSIGN_OR_RETURN(decode::GuardOutcome o,
+                             decode::GuardStep(*be, seq.guard, policy, g, layer, sl.view, q + b * qstride,
+                                               selected.data(), sl.k, guard_ws.workspace(), stream));
+    const int k = seq.guard.Budget(layer, sl.base_k, sl.view.total_chunks());
+    if (o.action != decode::RecallAction::kNone && k > sl.k) {
+      // Wider from the next step on: new slots (this step's attention has been queued on
+      // `stream` over the old ones; wait for it before they are freed).
+      KVSHADE_RETURN_IF_ERROR(be->Synchronize(stream));
+      KVSHADE_RETURN_IF_ERROR(AllocSlots(sl, k));
+      KVSHADE_RETURN_IF_ERROR(PrimeSlots(sl, stream));
+      widened = true;
+    }
+  }
+  return widened ? SizeWorkspace() : absl::OkStatus();
+}
+
 absl::Status LocalDecoder::Impl::SizeWorkspace() {
   // The largest Select / Reconstruct / Attend workspace of any layer for the whole batch at
   // the full local tail.
@@ -402,6 +518,7 @@ absl::Status LocalDecoder::Impl::SizeWorkspace() {
   for (int l = 0; l < L; ++l) {
     std::map<int, std::vector<kernels::SelectItem>> sel;
     std::map<int, std::vector<kernels::ReconstructItem>> rec;
+    std::map<int, const SeqLayer*> any;  // one sequence layer of each width
     std::vector<kernels::AttendItem> att(B);
     for (int b = 0; b < B; ++b) {
       const SeqLayer& sl = seqs[b]->layers[l];
@@ -409,6 +526,7 @@ absl::Status LocalDecoder::Impl::SizeWorkspace() {
         kernels::SelectItem si;
         si.view = sl.view;
         sel[sl.k].push_back(si);
+        any[sl.k] = &sl;
         kernels::ReconstructItem ri;
         ri.view = sl.view;
         rec[sl.k].push_back(ri);
@@ -420,8 +538,14 @@ absl::Status LocalDecoder::Impl::SizeWorkspace() {
       if (sl.t > 0) ai.blocks[ai.n_blocks++] = kernels::KvBlock{nullptr, nullptr, sl.t, nullptr, 0, 0};
       ai.blocks[ai.n_blocks++] = kernels::KvBlock{nullptr, nullptr, options.local_capacity, nullptr, 0, 0};
     }
-    for (const auto& [k, items] : sel) need = std::max(need, be->SelectWorkspaceBytes(shape, k, items));
-    for (const auto& [k, items] : rec) need = std::max(need, be->ReconstructWorkspaceBytes(shape, k, items));
+    for (const auto& [k, items] : sel) {
+      // Whatever a step of this width may run: the profile's selection or the caller's ids.
+      need = std::max(need, decode::SelectionWorkspaceBytes(*be, GroupOf(*any[k], false), items));
+      need = std::max(need, decode::SelectionWorkspaceBytes(*be, GroupOf(*any[k], true), items));
+    }
+    for (const auto& [k, items] : rec) {
+      need = std::max(need, decode::ReconstructWorkspaceBytes(*be, GroupOf(*any[k], false), items));
+    }
     need = std::max(need, be->AttendWorkspaceBytes(shape, att));
   }
   need = std::max<size_t>(need, 256);
@@ -539,6 +663,19 @@ absl::StatusOr<std::unique_ptr<LocalDecoder>> LocalDecoder::Open(
   m.rope = FromWire(e0.rope());
   KVSHADE_ASSIGN_OR_RETURN(m.codec.codec, FromWire(e0.value_codec()));
   m.codec.group = static_cast<int>(e0.value_group());
+  m.policy = PolicyFromWire(e0.profile());
+  for (size_t i = 1; i < exports.size(); ++i) {
+    const decode::SelectionPolicy p = PolicyFromWire(exports[i].profile());
+    if (p.sparse_budget != m.policy.sparse_budget || p.rerank_factor != m.policy.rerank_factor ||
+        p.mass_top_p != m.policy.mass_top_p || p.mass_min_chunks != m.policy.mass_min_chunks ||
+        p.recall_sample_rate != m.policy.recall_sample_rate ||
+        p.recall_floor != m.policy.recall_floor || p.recall_action != m.policy.recall_action) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attachment '", attachment_ids[i], "' differs from '", attachment_ids[0],
+          "' in its profile's selection options (sparse_budget, rerank_factor, mass_top_p, "
+          "mass_min_chunks, recall guard); one decoder batches sessions of one profile"));
+    }
+  }
   for (size_t i = 0; i < exports.size(); ++i) {
     auto seq = std::make_unique<Seq>();
     seq->attachment_id = attachment_ids[i];
@@ -556,6 +693,8 @@ absl::StatusOr<std::unique_ptr<LocalDecoder>> LocalDecoder::Open(
         "LocalDecoder: batch * kv_heads * head_dim * 2 bytes must be a multiple of 16, got ",
         m.seqs.size() * size_t(m.h) * m.d * 2));
   }
+  KVSHADE_ASSIGN_OR_RETURN(m.zero_q, m.be->Allocate(size_t(m.hq) * m.d * 2));
+  KVSHADE_RETURN_IF_ERROR(m.be->Fill(m.zero_q.data(), 0, m.zero_q.bytes()));
   KVSHADE_RETURN_IF_ERROR(m.BuildCounterTable());
   KVSHADE_RETURN_IF_ERROR(m.SetCounters({}));
   KVSHADE_RETURN_IF_ERROR(m.SizeWorkspace());
@@ -567,11 +706,17 @@ absl::StatusOr<std::unique_ptr<LocalDecoder>> LocalDecoder::Open(
     KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer q0, m.be->Allocate(qn * 2));
     KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer o0, m.be->Allocate(qn * 4));
     KVSHADE_RETURN_IF_ERROR(m.be->Fill(q0.data(), 0, qn * 2));
-    KVSHADE_RETURN_IF_ERROR(dec->Attend(0, static_cast<const bf16*>(q0.data()), nullptr, nullptr,
-                                        static_cast<float*>(o0.data())));
+    // (Not a decode step: the recall guard does not sample it.)
+    const float rate = m.policy.recall_sample_rate;
+    m.policy.recall_sample_rate = 0;
+    absl::Status probe = dec->Attend(0, static_cast<const bf16*>(q0.data()), nullptr, nullptr,
+                                     static_cast<float*>(o0.data()));
+    m.policy.recall_sample_rate = rate;
+    KVSHADE_RETURN_IF_ERROR(probe);
     for (auto& s : m.seqs) {
       SeqLayer& sl = s->layers[0];
       if (sl.k > 0) KVSHADE_RETURN_IF_ERROR(m.be->Fill(sl.slots.data(), 0xff, size_t(m.h) * sl.k * 4));
+      sl.primed = false;
     }
     KVSHADE_RETURN_IF_ERROR(m.be->Synchronize());
   }
@@ -594,7 +739,20 @@ std::vector<uint64_t> LocalDecoder::tokens() const {
 
 absl::Status LocalDecoder::Attend(int layer, const bf16* q, const bf16* k_new, const bf16* v_new,
                                   float* out, kernels::Stream stream, float* lse) {
-  Impl& m = *impl_;
+  return impl_->Step(layer, q, nullptr, 0, k_new, v_new, out, stream, lse);
+}
+
+absl::Status LocalDecoder::AttendChunks(int layer, const bf16* q, const int32_t* chunks, int m,
+                                        const bf16* k_new, const bf16* v_new, float* out,
+                                        kernels::Stream stream, float* lse) {
+  if (chunks == nullptr) return absl::InvalidArgumentError("AttendChunks: chunks must be set");
+  return impl_->Step(layer, q, chunks, m, k_new, v_new, out, stream, lse);
+}
+
+absl::Status LocalDecoder::Impl::Step(int layer, const bf16* q, const int32_t* chunks, int n_chunks,
+                                      const bf16* k_new, const bf16* v_new, float* out,
+                                      kernels::Stream stream, float* lse) {
+  Impl& m = *this;
   if (layer < 0 || layer >= m.L) {
     return absl::InvalidArgumentError(absl::StrCat("layer must be in [0, ", m.L, "), got ", layer));
   }
@@ -625,76 +783,90 @@ absl::Status LocalDecoder::Attend(int layer, const bf16* q, const bf16* k_new, c
     KVSHADE_RETURN_IF_ERROR(m.be->CopyRows(v_new, lv, B * tok * 2, 1, zero, m.new_row(), stream));
   }
 
-  // Select + reconstruct into the slot buffers, one launch each per group of equal k.
-  std::map<int, std::vector<int>> groups;
+  // Model-native ids: at most the slot width of every sequence's layer.
+  if (chunks != nullptr) {
+    for (int b = 0; b < B; ++b) {
+      const int k = m.seqs[b]->layers[layer].k;
+      if (n_chunks < 0 || (k > 0 && n_chunks > k)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "AttendChunks: chunks per head must be in [0, slots per head = ", k, "] for layer ",
+            layer, " of sequence ", b, ", got ", n_chunks));
+      }
+    }
+  }
+  // Select + reconstruct into the slot buffers (the decode core), one launch each per group
+  // of sequences with equal slot width and options.
+  std::map<std::string, std::pair<decode::SelectionGroup, std::vector<int>>> groups;
   for (int b = 0; b < B; ++b) {
-    if (m.seqs[b]->layers[layer].k > 0) groups[m.seqs[b]->layers[layer].k].push_back(b);
+    SeqLayer& sl = m.seqs[b]->layers[layer];
+    if (sl.k == 0) continue;
+    // A step that may select fewer than k chunks attends primed slots (PrimeSlots).
+    if (chunks != nullptr || m.policy.mass_top_p > 0) KVSHADE_RETURN_IF_ERROR(m.PrimeSlots(sl, stream));
+    decode::SelectionGroup g = m.GroupOf(sl, chunks != nullptr);
+    auto& e = groups[g.Key()];
+    e.first = g;
+    e.second.push_back(b);
   }
   const size_t qstride = size_t(m.hq) * d;
   kernels::Workspace ws{m.workspace.data(), m.workspace_bytes};
-  for (const auto& [k, members] : groups) {
+  for (const auto& [key, entry] : groups) {
+    const decode::SelectionGroup& g = entry.first;
     std::vector<kernels::SelectItem> sel;
     std::vector<kernels::ReconstructItem> rec;
-    const size_t hk = size_t(h) * k;
-    for (int b : members) {
+    for (int b : entry.second) {
       SeqLayer& sl = m.seqs[b]->layers[layer];
-      int32_t* o = static_cast<int32_t*>(sl.outs.data());
       kernels::SelectItem si;
       si.view = sl.view;
       si.q = q + b * qstride;
       si.slots = static_cast<int32_t*>(sl.slots.data());
-      si.selected = o;
-      si.miss_slot = o + hk;
-      si.miss_chunk = o + 2 * hk;
-      si.miss_count = o + 3 * hk;
+      decode::BindOutputs(static_cast<int32_t*>(sl.outs.data()), h, sl.k, &si);
+      if (chunks != nullptr) {
+        // The caller's ids [h, n_chunks] into `selected` [h, k], -1 padded.
+        KVSHADE_RETURN_IF_ERROR(m.be->Fill(si.selected, 0xff, size_t(h) * sl.k * 4, stream));
+        if (n_chunks > 0) {
+          KVSHADE_RETURN_IF_ERROR(m.be->Copy2D(si.selected, size_t(sl.k) * 4,
+                                               chunks + size_t(b) * h * n_chunks, size_t(n_chunks) * 4,
+                                               size_t(n_chunks) * 4, h, stream));
+        }
+      }
       sel.push_back(si);
-      kernels::ReconstructItem ri;
-      ri.view = sl.view;
-      ri.miss_chunk = si.miss_chunk;
-      ri.miss_count = si.miss_count;
-      ri.miss_slot = si.miss_slot;
-      ri.keys = static_cast<bf16*>(sl.slot_k.data());
-      ri.values = static_cast<bf16*>(sl.slot_v.data());
-      rec.push_back(ri);
+      rec.push_back(decode::ReconstructOf(si, static_cast<bf16*>(sl.slot_k.data()),
+                                          static_cast<bf16*>(sl.slot_v.data()), /*into_slots=*/true));
     }
-    KVSHADE_RETURN_IF_ERROR(m.be->Select(m.shape, k, sel, ws, stream));
-    KVSHADE_RETURN_IF_ERROR(m.be->Reconstruct(m.shape, C, k, m.rope, m.codec, rec, ws, stream));
+    KVSHADE_RETURN_IF_ERROR(decode::RunSelection(*m.be, g, sel, ws, stream));
+    KVSHADE_RETURN_IF_ERROR(decode::RunReconstruct(*m.be, g, rec, ws, stream));
   }
 
   std::vector<kernels::AttendItem> items(B);
   for (int b = 0; b < B; ++b) {
     const SeqLayer& sl = m.seqs[b]->layers[layer];
-    kernels::AttendItem& it = items[b];
-    it.q = q + b * qstride;
-    it.out = out + b * qstride;
-    it.lse = lse == nullptr ? nullptr : lse + size_t(b) * m.hq;
-    it.n_blocks = 0;
-    if (sl.s > 0) {
-      it.blocks[it.n_blocks++] =
-          kernels::KvBlock{sl.static_k, sl.static_v, sl.s, sl.static_len, int64_t(sl.s) * d, d};
-    }
+    // The decode core's order: static set, selected chunks, exact tail, local tokens.
+    decode::AttendRows rows;
+    KVSHADE_RETURN_IF_ERROR(rows.AddStatic(sl.static_k, sl.static_v, sl.s, sl.static_len, d));
     if (sl.k > 0) {
-      it.blocks[it.n_blocks++] = kernels::KvBlock{
-          static_cast<const bf16*>(sl.slot_k.data()), static_cast<const bf16*>(sl.slot_v.data()),
-          int64_t(sl.k) * C, static_cast<const int32_t*>(sl.slot_len.data()), int64_t(sl.k) * C * d, d};
+      KVSHADE_RETURN_IF_ERROR(rows.AddSelected(static_cast<const bf16*>(sl.slot_k.data()),
+                                               static_cast<const bf16*>(sl.slot_v.data()), int64_t(sl.k) * C,
+                                               static_cast<const int32_t*>(sl.slot_len.data()), d));
     }
-    if (sl.t > 0) {
-      it.blocks[it.n_blocks++] = kernels::KvBlock{sl.tail_k, sl.tail_v, sl.t, nullptr, d, int64_t(tok)};
-    }
+    KVSHADE_RETURN_IF_ERROR(rows.AddTokens(sl.tail_k, sl.tail_v, sl.t, nullptr, int64_t(tok), d));
     // The local tail's length per head comes from the device counters (len is only the
     // bound the kernels size their grid by): a captured step attends over the tokens of
     // the step it replays.
     if (with_new || m.n_local > 0) {
-      it.blocks[it.n_blocks++] = kernels::KvBlock{lk + b * tok, lv + b * tok, m.options.local_capacity,
-                                                  with_new ? m.len_with() : m.len_without(), d,
-                                                  int64_t(B) * int64_t(tok)};
+      KVSHADE_RETURN_IF_ERROR(rows.AddTokens(lk + b * tok, lv + b * tok, m.options.local_capacity,
+                                             with_new ? m.len_with() : m.len_without(),
+                                             int64_t(B) * int64_t(tok), d));
     }
-    if (it.n_blocks == 0) {
+    if (rows.size() == 0) {
       return absl::FailedPreconditionError(absl::StrCat(
           "attachment '", m.seqs[b]->attachment_id, "' has no tokens to attend in layer ", layer));
     }
+    items[b] = rows.Item(q + b * qstride, out + b * qstride, lse == nullptr ? nullptr : lse + size_t(b) * m.hq);
   }
-  return m.be->Attend(m.shape, 1.0f / std::sqrt(float(d)), items, ws, stream);
+  KVSHADE_RETURN_IF_ERROR(m.be->Attend(m.shape, 1.0f / std::sqrt(float(d)), items, ws, stream));
+  // The recall guard samples kvshade's own selections (not the caller's ids).
+  if (chunks == nullptr) KVSHADE_RETURN_IF_ERROR(m.GuardAfterStep(layer, q, stream));
+  return absl::OkStatus();
 }
 
 absl::Status LocalDecoder::Advance() {
@@ -791,5 +963,33 @@ absl::Status LocalDecoder::Refresh() {
 }
 
 absl::StatusOr<LocalDecoderStats> LocalDecoder::Stats() { return impl_->stats; }
+
+absl::StatusOr<std::vector<int32_t>> LocalDecoder::Selected(int b, int layer) {
+  Impl& m = *impl_;
+  if (b < 0 || b >= batch() || layer < 0 || layer >= m.L) {
+    return absl::InvalidArgumentError(absl::StrCat("Selected: sequence ", b, " / layer ", layer,
+                                                   " out of range (batch ", batch(), ", layers ", m.L, ")"));
+  }
+  const SeqLayer& sl = m.seqs[b]->layers[layer];
+  std::vector<int32_t> out(size_t(m.h) * sl.k);
+  if (sl.k == 0) return out;
+  KVSHADE_RETURN_IF_ERROR(m.be->Synchronize(m.last_stream));
+  KVSHADE_RETURN_IF_ERROR(m.be->CopyToHost(out.data(), sl.outs.data(), out.size() * 4));
+  KVSHADE_RETURN_IF_ERROR(m.be->Synchronize());
+  return out;
+}
+
+int LocalDecoder::slots_per_head(int b, int layer) const {
+  if (b < 0 || b >= batch() || layer < 0 || layer >= impl_->L) return 0;
+  return impl_->seqs[b]->layers[layer].k;
+}
+
+absl::StatusOr<std::vector<decode::LayerHealth>> LocalDecoder::Selection(int b) const {
+  if (b < 0 || b >= batch()) {
+    return absl::InvalidArgumentError(absl::StrCat("Selection: sequence ", b, " out of range (batch ",
+                                                   batch(), ")"));
+  }
+  return impl_->seqs[b]->guard.Snapshot();
+}
 
 }  // namespace kvshade::client

@@ -331,6 +331,39 @@ KVSHADE_API int kvshade_local_decoder_info(kvshade_local_decoder* dec, int32_t* 
                                            int32_t* layers, int32_t* kv_heads,
                                            int32_t* query_heads, int32_t* head_dim,
                                            uint64_t* selected, uint64_t* hits, uint64_t* steps);
+/* Model-native selection on the same-node path (docs/ALGORITHM.md "Selection options"):
+ * chunks [n, h, m] int32 in the decoder's memory space, the chunks each sequence attends
+ * in this layer (-1 = none, m <= slots per head), instead of the profile's selection; ids
+ * out of range, static for the head or repeated are ignored. lse may be NULL. */
+KVSHADE_API int kvshade_local_decoder_attend_chunks(kvshade_local_decoder* dec, uint32_t layer,
+                                                    const void* q, const int32_t* chunks,
+                                                    int32_t m, const void* k_new,
+                                                    const void* v_new, float* out, float* lse,
+                                                    void* stream);
+/* The chunk ids sequence b's last step of `layer` selected: out [h, k] (host, -1 = none),
+ * *k = slots per head (the profile's budget, or the recall guard's); at most cap entries
+ * are written (cap >= h * *k for all). Synchronizes with the decoder's work. */
+KVSHADE_API int kvshade_local_decoder_selected(kvshade_local_decoder* dec, uint32_t b,
+                                               uint32_t layer, int32_t* out, size_t cap,
+                                               int32_t* k);
+
+/* The recall guard's figures of one layer (docs/ALGORITHM.md "Recall guard"). */
+typedef struct kvshade_layer_selection {
+  uint32_t layer;
+  uint64_t samples;      /* sampled decode steps */
+  double recall;         /* mean recall@k over them */
+  double recent_recall;  /* mean over the guard's current window */
+  uint32_t budget;       /* chunks per KV head the guard widened to (0 = the profile's) */
+  int32_t fallback;      /* KVSHADE_RECALL_WIDEN or _EXACT once the guard acted, else 0 */
+  uint64_t actions;      /* times the guard acted on the layer */
+} kvshade_layer_selection;
+
+/* The same-node decoder's recall guard for sequence b: layers it sampled or that are under
+ * a fallback, the lowest recent recall first. Writes min(cap, *n) entries to out (may be
+ * NULL with cap 0); *n gets the count. */
+KVSHADE_API int kvshade_local_decoder_selection(kvshade_local_decoder* dec, uint32_t b,
+                                                kvshade_layer_selection* out, size_t cap,
+                                                size_t* n);
 /* "cpu" or "cuda": the backend the decoder runs on (where attend's pointers must be). */
 KVSHADE_API const char* kvshade_local_decoder_backend(const kvshade_local_decoder* dec);
 KVSHADE_API void kvshade_local_decoder_free(kvshade_local_decoder* dec);

@@ -87,6 +87,12 @@ class AttachOptions(ctypes.Structure):
                 ("cuda_ipc_v_offset", _u64), ("cuda_ipc_bytes", _u64)]
 
 
+class LayerSelection(ctypes.Structure):
+    _fields_ = [("layer", _u32), ("samples", _u64), ("recall", ctypes.c_double),
+                ("recent_recall", ctypes.c_double), ("budget", _u32), ("fallback", _i32),
+                ("actions", _u64)]
+
+
 class Stats(ctypes.Structure):
     _fields_ = [("backend", ctypes.c_char * 64), ("version", ctypes.c_char * 64)] + [
         (name, _u64) for name in (
@@ -138,6 +144,10 @@ _SIGNATURES = {
     "kvshade_local_decoder_info": (ctypes.c_int, [_vp, _P(_i32), _P(_i32), _P(_i32), _P(_i32), _P(_i32),
                                                   _P(ctypes.c_uint64), _P(ctypes.c_uint64), _P(ctypes.c_uint64)]),
     "kvshade_local_decoder_free": (None, [_vp]),
+    "kvshade_local_decoder_attend_chunks": (ctypes.c_int, [_vp, _u32, _vp, _vp, _i32, _vp, _vp, _vp, _vp, _vp]),
+    "kvshade_local_decoder_selected": (ctypes.c_int, [_vp, _u32, _u32, _P(_i32), ctypes.c_size_t, _P(_i32)]),
+    "kvshade_local_decoder_selection": (ctypes.c_int, [_vp, _u32, _P(LayerSelection), ctypes.c_size_t,
+                                                       _P(ctypes.c_size_t)]),
     "kvshade_ingest_layer_cuda_ipc": (ctypes.c_int, [_vp, _u32, _i64, _i32, _i32, _c_char_p, ctypes.c_uint64,
                                                      _c_char_p, ctypes.c_uint64]),
     "kvshade_local_decoder_backend": (_c_char_p, [_vp]),

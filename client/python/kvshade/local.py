@@ -53,10 +53,13 @@ class LocalDecoder(_NativeHandle):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
 
-    def attend(self, layer, q, k_new=None, v_new=None, out=None, return_lse=False):
+    def attend(self, layer, q, k_new=None, v_new=None, out=None, return_lse=False, chunks=None):
         """q [B, hq, d] bf16; k_new, v_new [B, h, d] bf16 or None; returns out [B, hq, d] fp32,
         and with return_lse=True (out, lse [B, hq] fp32): the log-sum-exp of each query head's
-        scaled scores, to merge with attention over tokens the decoder does not hold."""
+        scaled scores, to merge with attention over tokens the decoder does not hold.
+        chunks: model-native selection, an int32 tensor [B, h, m] on q's device (-1 = none,
+        m <= the layer's slots per head): the chunks to attend instead of the profile's
+        selection (docs/ALGORITHM.md "Selection options")."""
         torch = _torch()
         B, hq, h, d = self.batch, self.query_heads, self.kv_heads, self.head_dim
         self._check_tensor("q", q, (B, hq, d))
@@ -77,6 +80,16 @@ class LocalDecoder(_NativeHandle):
         if q.is_cuda:
             stream = ctypes.c_void_p(torch.cuda.current_stream(q.device).cuda_stream)
         lse = torch.empty((B, hq), dtype=torch.float32, device=q.device) if return_lse else None
+        if chunks is not None:
+            if chunks.dtype != torch.int32 or chunks.dim() != 3 or tuple(chunks.shape[:2]) != (B, h) \
+                    or not chunks.is_contiguous() or chunks.device != q.device:
+                raise ValueError(f"chunks must be a contiguous int32 [{B}, {h}, m] tensor on {q.device}")
+            _check(_native.lib().kvshade_local_decoder_attend_chunks(
+                self._h, int(layer), ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(chunks.data_ptr()),
+                int(chunks.shape[2]), None if k_new is None else ctypes.c_void_p(k_new.data_ptr()),
+                None if v_new is None else ctypes.c_void_p(v_new.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+                None if lse is None else ctypes.c_void_p(lse.data_ptr()), stream))
+            return (out, lse) if return_lse else out
         _check(_native.lib().kvshade_local_decoder_attend_lse(
             self._h, int(layer), ctypes.c_void_p(q.data_ptr()),
             None if k_new is None else ctypes.c_void_p(k_new.data_ptr()),
@@ -96,4 +109,31 @@ class LocalDecoder(_NativeHandle):
                                                         ctypes.byref(hits), ctypes.byref(steps)))
         return {"selected": sel.value, "hits": hits.value, "steps": steps.value}
 
+    def selected(self, b, layer):
+        """The chunk ids sequence b's last step of `layer` selected: int32 numpy [h, k]
+        (-1 = none), k the layer's slots per head."""
+        import numpy as np
+        k = ctypes.c_int32()
+        _check(_native.lib().kvshade_local_decoder_selected(self._h, int(b), int(layer), None, 0, ctypes.byref(k)))
+        out = np.empty((self.kv_heads, k.value), dtype=np.int32)
+        _check(_native.lib().kvshade_local_decoder_selected(
+            self._h, int(b), int(layer), out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), out.size, None))
+        return out
+
+    def selection(self, b=None):
+        """The recall guard's figures (docs/ALGORITHM.md "Recall guard") per layer, the lowest
+        recent recall first: for sequence b, or a list over the batch when b is None."""
+        if b is None:
+            return [self.selection(i) for i in range(self.batch)]
+        n = ctypes.c_size_t()
+        _check(_native.lib().kvshade_local_decoder_selection(self._h, int(b), None, 0, ctypes.byref(n)))
+        arr = (_native.LayerSelection * max(n.value, 1))()
+        _check(_native.lib().kvshade_local_decoder_selection(self._h, int(b), arr, n.value, ctypes.byref(n)))
+        return [{"layer": x.layer, "samples": x.samples, "recall": x.recall, "recent_recall": x.recent_recall,
+                 "budget": x.budget, "fallback": _RECALL_ACTIONS.get(x.fallback, str(x.fallback)),
+                 "actions": x.actions} for x in arr[:n.value]]
+
     _free = "kvshade_local_decoder_free"
+
+
+_RECALL_ACTIONS = {0: None, 1: "report", 2: "widen", 3: "exact"}

@@ -83,7 +83,9 @@ class Client {
   absl::StatusOr<v1::ForkSessionResponse> ForkSession(const std::string& parent_session_id,
                                                       uint64_t at_token);
   absl::StatusOr<v1::LookupPrefixResponse> LookupPrefix(const v1::LookupPrefixRequest& req);
-  absl::StatusOr<v1::SessionInfo> GetSession(const std::string& session_id);
+  // include_selection: with the recall guard's figures per layer (SessionInfo.selection).
+  absl::StatusOr<v1::SessionInfo> GetSession(const std::string& session_id,
+                                             bool include_selection = false);
   absl::StatusOr<v1::ListSessionsResponse> ListSessions();
   absl::Status CloseSession(const std::string& session_id);
 

@@ -41,6 +41,7 @@
 #include "absl/time/time.h"
 #include "kvshade/client/client.h"
 #include "kvshade/kernels/backend.h"
+#include "kvshade/kernels/decode_step.h"
 
 namespace kvshade::client {
 
@@ -90,6 +91,16 @@ class LocalDecoder {
   absl::Status Attend(int layer, const kernels::bf16* q, const kernels::bf16* k_new,
                       const kernels::bf16* v_new, float* out, kernels::Stream stream = {},
                       float* lse = nullptr);
+  // Model-native selection (docs/ALGORITHM.md "Selection options"): the chunks each
+  // sequence attends in this layer are the caller's (a model's own indexer) instead of the
+  // profile's selection. chunks: [B, h, m] int32 in the decoder's memory space, -1 = none,
+  // m <= slots_per_head of every sequence's layer. Served through the slot tables as the
+  // daemon serves kvshade_select_chunks (hits stay, misses reconstructed); ids out of range,
+  // static for the head or repeated are ignored (the daemon's RPC refuses them; the decoder
+  // does not read the ids on the host). The recall guard does not sample these steps.
+  absl::Status AttendChunks(int layer, const kernels::bf16* q, const int32_t* chunks, int m,
+                            const kernels::bf16* k_new, const kernels::bf16* v_new, float* out,
+                            kernels::Stream stream = {}, float* lse = nullptr);
   // Ends a step: the tokens given to every layer's Attend join the local tail.
   absl::Status Advance();
   // Maps the daemon's current generation of every session (after appends or a new turn),
@@ -97,6 +108,15 @@ class LocalDecoder {
   absl::Status Refresh();
   // Selection counters (hits are counted only with options.count_hits).
   absl::StatusOr<LocalDecoderStats> Stats();
+  // The chunk ids sequence b's last step of `layer` selected, [h, slots_per_head] (-1 =
+  // none), after the step's work (synchronizes). For tests and inspection.
+  absl::StatusOr<std::vector<int32_t>> Selected(int b, int layer);
+  // Slots per KV head of sequence b's layer: the profile's budget, or the recall guard's.
+  int slots_per_head(int b, int layer) const;
+  // The recall guard's figures for sequence b (docs/ALGORITHM.md "Recall guard"), the
+  // lowest recent recall first: layers this decoder sampled, and layers under a fallback
+  // (the daemon's, carried by the export, or this decoder's).
+  absl::StatusOr<std::vector<decode::LayerHealth>> Selection(int b) const;
 
   struct Impl;
 
