@@ -84,6 +84,8 @@ class Client {
                                                       uint64_t at_token);
   absl::StatusOr<v1::LookupPrefixResponse> LookupPrefix(const v1::LookupPrefixRequest& req);
   absl::StatusOr<v1::SessionInfo> GetSession(const std::string& session_id);
+  // With `include_selection`: SessionInfo.selection, the recall guard's figures.
+  absl::StatusOr<v1::SessionInfo> GetSession(const v1::GetSessionRequest& req);
   absl::StatusOr<v1::ListSessionsResponse> ListSessions();
   absl::Status CloseSession(const std::string& session_id);
 
