@@ -26,7 +26,8 @@ query on a CUDA device (a model computing in that precision) that call is torch'
 scaled_dot_product_attention on the bf16 rows (fp32 softmax inside, as the model's own
 attention; no mask once every slot is filled, so the flash kernels qualify): the result of
 kvshade.torch_hook.KvShadeKVCache.attend to bf16 precision. For an fp32 query, and on the
-CPU, it is exact softmax in fp32 over the same rows: that result to float rounding.
+CPU, it is exact softmax in fp32 over the same rows (kvshade.testing.attention, the
+reference the torch hook uses too): that result to float rounding.
 
 speculate=True (FreeKV's speculate-and-correct): layer l of step t attends over the chunks
 selected with step t-1's query, whose select was issued right after that step's attention
@@ -41,13 +42,13 @@ sequence-layers and KV heads and the time spent waiting for speculative selects.
 q and the new token's key are post-RoPE (what the model computes); outputs are fp32
 [B, hq, d] on `device`. Tokens decoded here are not appended to the sessions.
 """
-import math
 import time
 
 import numpy as np
 
 from .client import cuda_ipc_ref
 from .errors import FailedPrecondition, InvalidArgument
+from .testing import attention
 
 
 def _torch():
@@ -410,16 +411,8 @@ class RemoteDecoder:
                              attn_mask=None if self._unmasked[layer] or self._slot_k is None and self._base_full[layer]
                              else mask)
             return out.reshape(B, hq, d).float()
-        kc = wk[:, :, :end].float()   # [B, h, N, d]
-        vc = wv[:, :, :end].float()
-        qf = q.detach().float().reshape(B, h, hq // h, d)  # a KV head's query heads as its queries
-        if self._sdpa is not None:
-            out = self._sdpa(qf, kc, vc, attn_mask=mask)
-        else:  # torch < 2.0
-            scores = torch.matmul(qf, kc.transpose(2, 3)) * (1.0 / math.sqrt(d))  # [B, h, g, N]
-            scores = scores.masked_fill(~mask, float("-inf"))
-            out = torch.matmul(torch.softmax(scores, dim=-1), vc)  # [B, h, g, d]
-        return out.reshape(B, hq, d)
+        # Exact softmax in fp32 over the same rows: the reference (kvshade.testing).
+        return attention(q.detach(), wk[:, :, :end], wv[:, :, :end], mask[:, :, 0])
 
     def stats(self):
         """selected / hits: chunks over every select (speculative and corrections included);
