@@ -15,6 +15,7 @@ import torch
 from kvshade_testutil import Server
 
 import kvshade
+from kvshade.decoder import Decoder
 from kvshade.local import LocalDecoder
 
 L, HQ, H, D, N = 2, 4, 2, 64, 512
@@ -209,6 +210,26 @@ class LocalDecoderTest(unittest.TestCase):
         self.assertIn("layer %d v holds a non-finite value at flat index %d" % (L - 1, (t * H + h) * D + d),
                       str(cm.exception))
         self.assertEqual(self.client.get_session(created.session_id)["state"], "ingesting")
+
+    def test_follows_the_decoder_protocol(self):
+        # A step of every layer through the protocol's calls; the recall guard's figures are
+        # not kept by the same-node decoder (yet): selection() says so.
+        (a,) = [self.attach(0)]
+        with LocalDecoder(self.client, [a], backend=BACKEND) as dec:
+            self.assertIsInstance(dec, Decoder)
+            self.assertEqual((dec.batch, dec.layers, dec.kv_heads, dec.query_heads, dec.head_dim), (1, L, H, HQ, D))
+            for layer in range(dec.layers):
+                q = torch.randn(1, HQ, D).to(torch.bfloat16).to(DEVICE)
+                k = torch.randn(1, H, D).to(torch.bfloat16).to(DEVICE)
+                out = dec.attend(layer, q, k, k.clone())
+                self.assertEqual((tuple(out.shape), out.dtype), ((1, HQ, D), torch.float32))
+            dec.advance()
+            st = dec.stats()
+            self.assertEqual(st["steps"], 1)
+            self.assertIn("selected", st)
+            self.assertIn("hits", st)
+            with self.assertRaises(NotImplementedError):
+                dec.selection()
 
     def test_bad_input_is_an_error(self):
         (a,) = [self.attach(1)]

@@ -3,7 +3,8 @@ daemon can grant here ("inline" over gRPC; "ucx_rma" over a UCX data plane on tc
 "cuda_ipc" where a CUDA daemon and a GPU are at hand), its batched attention equals the
 per-head reference of kvshade.torch_hook (same session, same queries, same new tokens) and,
 without new tokens, the daemon's own Attend; a batch equals each session alone; exact
-sessions in the batch are served from their tail; bad calls are refused."""
+sessions in the batch are served from their tail; the decoder follows
+kvshade.decoder.Decoder; bad calls are refused."""
 import contextlib
 import os
 import re
@@ -18,6 +19,7 @@ import torch
 from kvshade_testutil import Server, seed
 
 import kvshade
+from kvshade.decoder import Decoder
 from kvshade.remote import RemoteDecoder
 from kvshade.torch_hook import KvShadeKVCache
 
@@ -275,6 +277,26 @@ class RemoteDecoderTest(unittest.TestCase):
                 self.assertEqual(st["corrected_heads"], 4 * L * 2)  # one KV head of each
                 self.assertEqual(st["speculated_heads"], 4 * L * 2)
                 self.assertEqual(st["speculated"], 0)
+
+    def test_follows_the_decoder_protocol(self):
+        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+            c.wait_ready(20)
+            sid = self.session(c)
+            with RemoteDecoder(c, [sid], self.model, device="cpu") as dec:
+                self.assertIsInstance(dec, Decoder)
+                self.assertEqual((dec.batch, dec.layers, dec.kv_heads, dec.query_heads, dec.head_dim),
+                                 (1, L, H, HQ, D))
+                for step in self.steps(2, 1):
+                    for layer, (q, k, v) in enumerate(step):
+                        self.assertEqual(tuple(dec.attend(layer, q, k, v).shape), (1, HQ, D))
+                    dec.advance()
+                st = dec.stats()
+                self.assertEqual(st["steps"], 2)
+                self.assertGreater(st["selected"], 0)
+                self.assertIn("hits", st)
+                self.assertEqual(dec.selection(), [])  # no recall guard on this profile
+            self.assertNotIsInstance(KvShadeKVCache(c, self.model, self.shadow), Decoder)
+            self.assertNotIsInstance(object(), Decoder)
 
     def test_bad_calls_are_refused(self):
         with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:

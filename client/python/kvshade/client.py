@@ -296,7 +296,7 @@ class _NativeHandle:
 
     _free = None
 
-    def close(self):
+    def close(self) -> None:
         if getattr(self, "_h", None):
             getattr(_native.lib(), self._free)(self._h)
             self._h = ctypes.c_void_p()
@@ -304,7 +304,7 @@ class _NativeHandle:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __del__(self):

@@ -12,12 +12,17 @@ current torch CUDA stream, with its slot tables on the GPU. Tensors stay where t
 CUDA tensors for a daemon on the cuda backend, CPU tensors for one on the cpu backend.
 q and the new token's key are post-RoPE (what the model computes); the output is fp32
 [B, hq, d]. Tokens decoded here stay exact in the decoder until `refresh()` maps a newer
-generation (after the runtime appended them to the sessions).
+generation (after the runtime appended them to the sessions). The decoder follows
+kvshade.decoder.Decoder.
 """
 import ctypes
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _native
-from .client import _NativeHandle, _b, _check
+from .client import Client, _NativeHandle, _b, _check
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _torch():
@@ -26,7 +31,8 @@ def _torch():
 
 
 class LocalDecoder(_NativeHandle):
-    def __init__(self, client, attachment_ids, backend="auto", local_capacity=1024, count_hits=False):
+    def __init__(self, client: Client, attachment_ids: Sequence[str], backend: str = "auto",
+                 local_capacity: int = 1024, count_hits: bool = False) -> None:
         ids = [_b(a) for a in attachment_ids]
         arr = (ctypes.c_char_p * len(ids))(*ids)
         self._h = ctypes.c_void_p()
@@ -53,7 +59,9 @@ class LocalDecoder(_NativeHandle):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
 
-    def attend(self, layer, q, k_new=None, v_new=None, out=None, return_lse=False):
+    def attend(self, layer: int, q: "torch.Tensor", k_new: Optional["torch.Tensor"] = None,
+               v_new: Optional["torch.Tensor"] = None, out: Optional["torch.Tensor"] = None,
+               return_lse: bool = False) -> Union["torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"]]:
         """q [B, hq, d] bf16; k_new, v_new [B, h, d] bf16 or None; returns out [B, hq, d] fp32,
         and with return_lse=True (out, lse [B, hq] fp32): the log-sum-exp of each query head's
         scaled scores, to merge with attention over tokens the decoder does not hold."""
@@ -84,16 +92,27 @@ class LocalDecoder(_NativeHandle):
             ctypes.c_void_p(out.data_ptr()), None if lse is None else ctypes.c_void_p(lse.data_ptr()), stream))
         return (out, lse) if return_lse else out
 
-    def advance(self):
+    def advance(self) -> None:
+        """Ends a step whose attend() calls gave k_new / v_new: its tokens join the local tail."""
         _check(_native.lib().kvshade_local_decoder_advance(self._h))
 
-    def refresh(self):
+    def refresh(self) -> None:
+        """Maps the daemon's current generation (after appends); drops the local tokens it covers."""
         _check(_native.lib().kvshade_local_decoder_refresh(self._h))
 
-    def stats(self):
+    def stats(self) -> Dict[str, Any]:
+        """selected / hits (chunks; hits counted with count_hits=True), steps (advance() calls)."""
         sel, hits, steps = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
         _check(_native.lib().kvshade_local_decoder_info(self._h, None, None, None, None, None, ctypes.byref(sel),
                                                         ctypes.byref(hits), ctypes.byref(steps)))
         return {"selected": sel.value, "hits": hits.value, "steps": steps.value}
+
+    def selection(self) -> List[Dict[str, Any]]:
+        """Not available yet: the same-node decoder selects as the daemon's plain selection
+        does and runs no recall guard of its own (docs/ALGORITHM.md "Recall guard"), and the
+        C ABI has no call that reads its figures. The daemon's figures of a session:
+        Client.session_selection(session_id)."""
+        raise NotImplementedError("the same-node decoder keeps no recall guard figures; "
+                                  "Client.session_selection(session_id) gives the daemon's")
 
     _free = "kvshade_local_decoder_free"

@@ -40,15 +40,20 @@ delivered) and keep attending over them. stats() counts the speculated and corre
 sequence-layers and KV heads and the time spent waiting for speculative selects.
 
 q and the new token's key are post-RoPE (what the model computes); outputs are fp32
-[B, hq, d] on `device`. Tokens decoded here are not appended to the sessions.
+[B, hq, d] on `device`. Tokens decoded here are not appended to the sessions. The decoder
+follows kvshade.decoder.Decoder.
 """
 import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .client import cuda_ipc_ref
+from .client import Client, ModelSpec, cuda_ipc_ref
 from .errors import FailedPrecondition, InvalidArgument
 from .testing import attention
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _torch():
@@ -60,8 +65,9 @@ DELIVERY_ORDER = ("cuda_ipc", "ucx_rma", "inline")
 
 
 class RemoteDecoder:
-    def __init__(self, client, session_ids, model, device=None, delivery="auto", worker_id="remote-decoder",
-                 local_capacity=256, speculate=False, correct_below=0.9):
+    def __init__(self, client: Client, session_ids: Sequence[str], model: ModelSpec, device: Any = None,
+                 delivery: str = "auto", worker_id: str = "remote-decoder", local_capacity: int = 256,
+                 speculate: bool = False, correct_below: float = 0.9) -> None:
         torch = _torch()
         if not session_ids:
             raise InvalidArgument("session_ids must name at least one session")
@@ -86,6 +92,7 @@ class RemoteDecoder:
         self.speculated = self.corrections = 0
         self.corrected_heads = self.speculated_heads = 0
         self.exposed_wait_s = 0.0
+        self.steps = 0      # advance() calls
         self._pending = [None] * model.num_layers  # (future, query it was issued with)
         self._slot_k = self._slot_v = self._host_k = self._host_v = None
         self._slots_read = None  # CUDA event: this layer's slot buffers were copied out
@@ -339,10 +346,11 @@ class RemoteDecoder:
         self._pending[layer] = (self.client.select_async(layer, self._ids(self._sel_index), qf,
                                                          purpose="speculative"), qf)
 
-    def attend(self, layer, q, k_new=None, v_new=None):
+    def attend(self, layer: int, q: "torch.Tensor", k_new: Optional["torch.Tensor"] = None,
+               v_new: Optional["torch.Tensor"] = None) -> "torch.Tensor":
         """q [B, hq, d] post-RoPE; k_new, v_new [B, h, d] (the step's token, post-RoPE key)
-        or None. Returns fp32 [B, hq, d] on the decoder's device."""
-        torch = _torch()
+        or None. Returns fp32 [B, hq, d] on the decoder's device. The token joins the layer's
+        local tokens here (advance() only counts the step)."""
         B, hq, h, d, L = self.batch, self.query_heads, self.kv_heads, self.head_dim, self.layers
         if not 0 <= int(layer) < L:
             raise InvalidArgument("layer must be in [0, %d), got %s" % (L, layer))
@@ -414,18 +422,36 @@ class RemoteDecoder:
         # Exact softmax in fp32 over the same rows: the reference (kvshade.testing).
         return attention(q.detach(), wk[:, :, :end], wv[:, :, :end], mask[:, :, 0])
 
-    def stats(self):
+    def advance(self) -> None:
+        """Ends a decode step (kvshade.decoder.Decoder): counted in stats()["steps"]; the
+        step's tokens already joined the local tokens in attend()."""
+        self.steps += 1
+
+    def stats(self) -> Dict[str, Any]:
         """selected / hits: chunks over every select (speculative and corrections included);
-        with speculate: speculated (sequence-layers attended over the previous step's
-        selection alone), corrections (sequence-layers with at least one KV head re-selected
-        because its query drifted), speculated_heads / corrected_heads (the same per KV head),
-        exposed_wait_s (time spent waiting for speculative selects that had not come back)."""
-        return {"selected": self.selected, "hits": self.hits, "delivery": self.delivery,
+        steps: advance() calls; with speculate: speculated (sequence-layers attended over the
+        previous step's selection alone), corrections (sequence-layers with at least one KV
+        head re-selected because its query drifted), speculated_heads / corrected_heads (the
+        same per KV head), exposed_wait_s (time spent waiting for speculative selects that
+        had not come back)."""
+        return {"selected": self.selected, "hits": self.hits, "steps": self.steps, "delivery": self.delivery,
                 "speculated": self.speculated, "corrections": self.corrections,
                 "speculated_heads": self.speculated_heads, "corrected_heads": self.corrected_heads,
                 "exposed_wait_s": self.exposed_wait_s}
 
-    def close(self):
+    def selection(self) -> List[Dict[str, Any]]:
+        """The recall guard's figures of the decoder's sessions (Client.session_selection),
+        per session and layer with samples, worst mean recall first; each dict also names
+        its session (`session_id`) and batch index (`sequence`)."""
+        out = []
+        for b, sid in enumerate(self.session_ids):
+            for rec in self.client.session_selection(sid):
+                rec.update(session_id=sid, sequence=b)
+                out.append(rec)
+        out.sort(key=lambda x: (x["recall"], x["recent_recall"], x["sequence"], x["layer"]))
+        return out
+
+    def close(self) -> None:
         """Waits for selects in flight, then detaches every attachment (idempotent)."""
         for layer, pending in enumerate(getattr(self, "_pending", [])):
             if pending is not None:
@@ -442,8 +468,8 @@ class RemoteDecoder:
                     pass
                 self.attachments[b] = None
 
-    def __enter__(self):
+    def __enter__(self) -> "RemoteDecoder":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
