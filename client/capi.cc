@@ -58,6 +58,12 @@ struct kvshade_select_result {
   std::vector<Delta> deltas;
 };
 
+struct kvshade_session_selection {
+  uint64_t samples = 0;
+  double recall = 0;
+  std::vector<kvshade_layer_selection> layers;
+};
+
 struct kvshade_select_future {
   std::future<absl::StatusOr<kvshade::v1::SelectAndReconstructResponse>> f;
   bool waited = false;
@@ -487,6 +493,60 @@ int kvshade_close_session(kvshade_client* c, const char* session_id) {
     return Report(c->impl->CloseSession(session_id));
   });
 }
+
+int kvshade_get_session_selection(kvshade_client* c, const char* session_id, kvshade_session_selection** out) {
+  return Guard([&] {
+    if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
+    *out = nullptr;
+    if (!IdOk(session_id)) return Bad("session_id is NULL or too long");
+    v1::GetSessionRequest req;
+    req.set_session_id(session_id);
+    req.set_include_selection(true);
+    auto r = c->impl->GetSession(req);
+    if (!r.ok()) return Report(r.status());
+    auto res = std::make_unique<kvshade_session_selection>();
+    const v1::SelectionHealth& h = r->selection();
+    res->samples = h.samples();
+    res->recall = h.recall();
+    for (const v1::LayerSelection& l : h.layers()) {
+      kvshade_layer_selection o;
+      std::memset(&o, 0, sizeof(o));
+      o.layer = l.layer();
+      o.samples = l.samples();
+      o.recall = l.recall();
+      o.recent_recall = l.recent_recall();
+      o.budget = l.budget();
+      // Only a fallback (widen, exact) is one; REPORT never puts a layer under one.
+      o.fallback = l.fallback() == v1::RECALL_ACTION_WIDEN || l.fallback() == v1::RECALL_ACTION_EXACT
+                       ? static_cast<int32_t>(l.fallback())
+                       : 0;
+      o.actions = l.actions();
+      res->layers.push_back(o);
+    }
+    *out = res.release();
+    return Report(absl::OkStatus());
+  });
+}
+
+void kvshade_session_selection_summary(const kvshade_session_selection* s, uint64_t* samples, double* recall) {
+  if (samples != nullptr) *samples = s == nullptr ? 0 : s->samples;
+  if (recall != nullptr) *recall = s == nullptr ? 0.0 : s->recall;
+}
+
+size_t kvshade_session_selection_count(const kvshade_session_selection* s) {
+  return s == nullptr ? 0 : s->layers.size();
+}
+
+int kvshade_session_selection_layer(const kvshade_session_selection* s, size_t i, kvshade_layer_selection* out) {
+  if (s == nullptr || out == nullptr) return Bad("selection and out must not be NULL");
+  if (i >= s->layers.size()) {
+    return Report(absl::OutOfRangeError(absl::StrCat("layer index ", i, " >= count ", s->layers.size())));
+  }
+  *out = s->layers[i];
+  return Report(absl::OkStatus());
+}
+
+void kvshade_session_selection_free(kvshade_session_selection* s) { delete s; }
 
 int kvshade_ingest_begin(kvshade_client* c, const char* session_id, kvshade_ingest** out) {
   return Guard([&] {

@@ -166,6 +166,10 @@ absl::StatusOr<v1::SessionInfo> Client::GetSession(const std::string& session_id
   v1::GetSessionRequest req;
   req.set_session_id(session_id);
   req.set_include_selection(include_selection);
+  return GetSession(req);
+}
+
+absl::StatusOr<v1::SessionInfo> Client::GetSession(const v1::GetSessionRequest& req) {
   return Unary<v1::GetSessionRequest, v1::SessionInfo>(&v1::KvShade::Stub::GetSession, req);
 }
 

@@ -200,6 +200,7 @@ std::vector<LayerHealth> SelectionGuard::Snapshot() const {
   }
   std::stable_sort(out.begin(), out.end(), [](const LayerHealth& a, const LayerHealth& b) {
     if (a.samples == 0 || b.samples == 0) return a.samples > b.samples;  // unsampled last
+    if (a.recall != b.recall) return a.recall < b.recall;
     return a.recent_recall < b.recent_recall;
   });
   return out;

@@ -209,7 +209,7 @@ TEST(DecodePathsGuard, WidensAlikeAndAttendsTheWiderSelection) {
   }
   EXPECT_GT(widened, 0) << "the guard never widened a layer: the test proves nothing";
   // The worst layer first.
-  for (size_t i = 1; i < local.size(); ++i) EXPECT_LE(local[i - 1].recent_recall, local[i].recent_recall);
+  for (size_t i = 1; i < local.size(); ++i) EXPECT_LE(local[i - 1].recall, local[i].recall);
 
   // A select on a widened layer is a fallback: nothing selected or delivered.
   v1::SelectAndReconstructRequest req;

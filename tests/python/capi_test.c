@@ -2,8 +2,9 @@
  * real kvshade-server at $KVSHADE_TARGET (tests/python/run_with_server.py starts it).
  * Covers connect/health, create + ingest (exact) + get_session, attach, static set (values
  * come back bit-identical), attend against attention over the static set, select, append,
- * stats, the error contract (codes and messages, NULL arguments), and the UCX options and
- * status: with $KVSHADE_UCX_TRANSPORTS set the server offers a UCX data plane (started with
+ * stats, the recall guard's figures (kvshade_get_session_selection), the error contract
+ * (codes and messages, NULL arguments), and the UCX options and status: with
+ * $KVSHADE_UCX_TRANSPORTS set the server offers a UCX data plane (started with
  * `run_with_server.py --ucx ...`) and a use_ucx client must connect with no fallback;
  * without it, a use_ucx client must fall back to gRPC, counted. */
 #include <math.h>
@@ -263,6 +264,74 @@ int main(void) {
   {
     static uint16_t kb[64], vb[64];
     CHECK(kvshade_register_slot_buffers(c, att.attachment_id, kb, vb, sizeof(kb)) == KVSHADE_FAILED_PRECONDITION);
+  }
+
+  /* The recall guard's figures: none for a session without the guard; a shadow session
+   * sampling every step has one record for the layer it selected, no fallback (report). */
+  {
+    kvshade_session_selection* gs = NULL;
+    REQUIRE_OK(kvshade_get_session_selection(c, created.session_id, &gs));
+    CHECK(kvshade_session_selection_count(gs) == 0);
+    uint64_t gsamples = 99;
+    double grecall = -1;
+    kvshade_session_selection_summary(gs, &gsamples, &grecall);
+    CHECK(gsamples == 0 && grecall == 0);
+    kvshade_layer_selection ls;
+    CHECK(kvshade_session_selection_layer(gs, 0, &ls) == KVSHADE_OUT_OF_RANGE);
+    kvshade_session_selection_free(gs);
+    kvshade_session_selection_free(NULL);
+    gs = NULL;
+    CHECK(kvshade_get_session_selection(c, "no-such-session", &gs) == KVSHADE_NOT_FOUND);
+    CHECK(gs == NULL);
+    CHECK(kvshade_get_session_selection(NULL, created.session_id, &gs) == KVSHADE_INVALID_ARGUMENT);
+    CHECK(kvshade_get_session_selection(c, created.session_id, NULL) == KVSHADE_INVALID_ARGUMENT);
+
+    kvshade_model gm = m;
+    gm.model_id = "capi-test-guard";
+    kvshade_profile gp;
+    kvshade_profile_init(&gp);
+    gp.kind = KVSHADE_PROFILE_SHADOW;
+    gp.rank = 8;
+    gp.chunk_size = 8;
+    gp.sparse_budget = 1;
+    gp.outliers = 0;
+    gp.heavy_chunks = 0;
+    gp.local_window = 16;
+    gp.recall_sample_rate = 1;
+    gp.recall_floor = 1;
+    gp.recall_action = KVSHADE_RECALL_REPORT;
+    kvshade_session_created gc;
+    REQUIRE_OK(kvshade_create_session(c, &gm, &gp, tokens, N, 0, "capi-guard", &gc));
+    CHECK(gc.effective_profile == KVSHADE_PROFILE_SHADOW);
+    REQUIRE_OK(kvshade_ingest_begin(c, gc.session_id, &ing));
+    for (int l = 0; l < L; ++l) REQUIRE_OK(kvshade_ingest_layer(ing, (uint32_t)l, KVSHADE_DTYPE_BF16, N, H, D, k[l], v[l], NULL, 0, 0));
+    REQUIRE_OK(kvshade_ingest_commit(ing, NULL));
+    kvshade_ingest_free(ing);
+    kvshade_attachment ga;
+    REQUIRE_OK(kvshade_attach(c, gc.session_id, "capi-guard", 0, 0, &ga));
+    const char* gids[1] = {ga.attachment_id};
+    for (int step = 0; step < 4; ++step) {
+      uint16_t gq[HQ * D];
+      for (int i = 0; i < HQ * D; ++i) gq[i] = rand_bf16();
+      kvshade_select_result* gr = NULL;
+      REQUIRE_OK(kvshade_select(c, 0, 1, gids, KVSHADE_DTYPE_BF16, HQ, D, gq, &gr));
+      kvshade_select_free(gr);
+    }
+    REQUIRE_OK(kvshade_get_session_selection(c, gc.session_id, &gs));
+    CHECK(kvshade_session_selection_count(gs) == 1);
+    kvshade_session_selection_summary(gs, &gsamples, NULL);
+    CHECK(gsamples == 4);
+    REQUIRE_OK(kvshade_session_selection_layer(gs, 0, &ls));
+    fprintf(stderr, "guard: layer %u samples %llu recall %g recent %g budget %u fallback %d actions %llu\n",
+            ls.layer, (unsigned long long)ls.samples, ls.recall, ls.recent_recall, ls.budget, ls.fallback,
+            (unsigned long long)ls.actions);
+    CHECK(ls.layer == 0 && ls.samples == 4);
+    CHECK(ls.recall >= 0 && ls.recall <= 1 && ls.recent_recall >= 0 && ls.recent_recall <= 1);
+    CHECK(ls.fallback == 0 && ls.budget == 0);  /* report: counted, never a fallback */
+    CHECK(ls.actions <= 1);
+    kvshade_session_selection_free(gs);
+    REQUIRE_OK(kvshade_detach(c, ga.attachment_id));
+    REQUIRE_OK(kvshade_close_session(c, gc.session_id));
   }
 
   /* append two tokens for every layer ([L, t, h, d]). */

@@ -273,6 +273,58 @@ class ClientTest(unittest.TestCase):
         self.c.close_session(child)
         self.c.close_session(created.session_id)
 
+    def test_session_selection(self):
+        # The recall guard's figures per layer (GetSession with include_selection), worst
+        # mean recall first. A floor of 1 at a budget of one chunk acts after a full window
+        # of 4 sampled steps: widen (twice the budget, a fallback the select's delta says);
+        # a layer with 2 samples is counted, not acted on; no guard, no figures.
+        n = 256
+        base = dict(rank=16, chunk_size=8, sparse_budget=1, outliers=2, local_window=16)
+        created, _, _, _ = self.make_session(
+            kvshade.Profile("shadow", recall_sample_rate=1.0, recall_floor=1.0, recall_action="widen", **base), n,
+            name="py-guard")
+        sid = created.session_id
+        self.assertEqual(self.c.session_selection(sid), [])
+        att = self.c.attach(sid, "w")
+        fallback = {}
+        for layer, steps in ((0, 4), (1, 2)):
+            for _ in range(steps):
+                q = self.rng.standard_normal((1, HQ, D)).astype(np.float32)
+                (delta,) = self.c.select(layer, [att.attachment_id], q)
+            fallback[layer] = delta.fallback
+        recs = self.c.session_selection(sid)
+        self.assertEqual([r["recall"] for r in recs], sorted(r["recall"] for r in recs))
+        by_layer = {r["layer"]: r for r in recs}
+        self.assertEqual(sorted(by_layer), [0, 1])
+        for r in recs:
+            self.assertEqual(set(r), {"layer", "samples", "recall", "recent_recall", "budget", "fallback", "actions"})
+            self.assertTrue(0 <= r["recall"] <= 1 and 0 <= r["recent_recall"] <= 1, r)
+        l0, l1 = by_layer[0], by_layer[1]
+        self.assertEqual((l0["samples"], l1["samples"]), (4, 2))
+        self.assertLess(l0["recall"], 1.0)  # one chunk of about 30 against the oracle's: below the floor
+        self.assertEqual((l0["fallback"], l0["budget"], l0["actions"]), ("widen", 2, 1))
+        self.assertEqual(l0["recent_recall"], l0["recall"])  # the window starts anew after acting
+        self.assertEqual((l1["fallback"], l1["budget"], l1["actions"]), (None, 0, 0))
+        # The step on which the guard acted was served from the slots; the layer's next
+        # select is a fallback: nothing selected or delivered, and it is not sampled.
+        self.assertEqual(fallback, {0: False, 1: False})
+        (delta,) = self.c.select(0, [att.attachment_id], self.rng.standard_normal((1, HQ, D)).astype(np.float32))
+        self.assertTrue(delta.fallback)
+        self.assertEqual((len(delta.head), delta.selected), (0, 0))
+        self.assertEqual({r["layer"]: r["samples"] for r in self.c.session_selection(sid)}, {0: 4, 1: 2})
+        self.c.detach(att.attachment_id)
+        self.c.close_session(sid)
+        # Without the guard: nothing sampled.
+        created, _, _, _ = self.make_session(kvshade.Profile("shadow", recall_sample_rate=0.0, **base), n,
+                                             name="py-guard-off")
+        att = self.c.attach(created.session_id, "w")
+        self.c.select(0, [att.attachment_id], self.rng.standard_normal((1, HQ, D)).astype(np.float32))
+        self.assertEqual(self.c.session_selection(created.session_id), [])
+        self.c.detach(att.attachment_id)
+        self.c.close_session(created.session_id)
+        with self.assertRaises(kvshade.NotFound):
+            self.c.session_selection("no-such-session")
+
     def test_model_native_select(self):
         # The caller names the chunks (a model's own indexer); kvshade serves them into the
         # slot tables: the deltas carry exactly those chunks (the sink, chunk 0, is static

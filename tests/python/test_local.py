@@ -15,6 +15,7 @@ import torch
 from kvshade_testutil import Server
 
 import kvshade
+from kvshade.decoder import Decoder
 from kvshade.local import LocalDecoder
 
 L, HQ, H, D, N = 2, 4, 2, 64, 512
@@ -209,6 +210,64 @@ class LocalDecoderTest(unittest.TestCase):
         self.assertIn("layer %d v holds a non-finite value at flat index %d" % (L - 1, (t * H + h) * D + d),
                       str(cm.exception))
         self.assertEqual(self.client.get_session(created.session_id)["state"], "ingesting")
+
+    def test_follows_the_decoder_protocol(self):
+        # A step of every layer through the protocol's calls; without the recall guard the
+        # decoder has no figures to report.
+        (a,) = [self.attach(0)]
+        with LocalDecoder(self.client, [a], backend=BACKEND) as dec:
+            self.assertIsInstance(dec, Decoder)
+            self.assertEqual((dec.batch, dec.layers, dec.kv_heads, dec.query_heads, dec.head_dim), (1, L, H, HQ, D))
+            for layer in range(dec.layers):
+                q = torch.randn(1, HQ, D).to(torch.bfloat16).to(DEVICE)
+                k = torch.randn(1, H, D).to(torch.bfloat16).to(DEVICE)
+                out = dec.attend(layer, q, k, k.clone())
+                self.assertEqual((tuple(out.shape), out.dtype), ((1, HQ, D), torch.float32))
+            dec.advance()
+            st = dec.stats()
+            self.assertEqual(st["steps"], 1)
+            self.assertIn("selected", st)
+            self.assertIn("hits", st)
+            self.assertEqual(dec.selection(), [])
+
+    def test_recall_guard_and_native_ids_as_the_daemon(self):
+        # A session whose profile turns the recall guard on (every step sampled, floor 1,
+        # budget 2): the decoder's guard acts as the daemon's on the same queries (same
+        # samples, recall and widened budgets), and attends as the daemon's Attend.
+        rng = np.random.default_rng(8)
+        profile = kvshade.Profile("shadow", rank=16, sparse_budget=2, outliers=4, chunk_size=8,
+                                  recall_sample_rate=1.0, recall_floor=1.0, recall_action="widen")
+        ids = rng.integers(0, 1000, N).tolist()
+        created = self.client.create_session(kvshade.ModelSpec("test/local-guard", L, HQ, H, D), profile, ids)
+        self.addCleanup(self.client.close_session, created.session_id)
+        with self.client.ingest(created.session_id, "bf16") as ing:
+            for layer in range(L):
+                ing.layer(layer, rng.standard_normal((N, H, D)), rng.standard_normal((N, H, D)))
+            ing.commit()
+        a = self.client.attach(created.session_id, "test-local").attachment_id
+        self.addCleanup(self.client.detach, a)
+        g = torch.Generator().manual_seed(9)
+        with LocalDecoder(self.client, [a], backend=BACKEND) as dec:
+            for step in range(10):
+                for layer in range(L):
+                    q = torch.randn(1, HQ, D, generator=g).to(torch.bfloat16)
+                    out = dec.attend(layer, q.to(DEVICE)).cpu().numpy()
+                    ref = self.client.attend(layer, [a], q.float().numpy())
+                    self.assertLess(self.rel(ref, out), TOL, f"step {step} layer {layer}")
+            local = dec.selection(0)
+            daemon = self.client.session_selection(created.session_id)
+            key = lambda r: r["layer"]
+            self.assertEqual([(r["layer"], r["samples"], r["budget"], r["fallback"]) for r in sorted(local, key=key)],
+                             [(r["layer"], r["samples"], r["budget"], r["fallback"]) for r in sorted(daemon, key=key)])
+            self.assertTrue(any(r["budget"] > 2 for r in local), local)
+            # Model-native ids: the chunks the last step selected, given back, attend alike.
+            q = torch.randn(1, HQ, D, generator=g).to(torch.bfloat16).to(DEVICE)
+            first = dec.attend(0, q)
+            chunks = torch.from_numpy(dec.selected(0, 0)).reshape(1, H, -1).contiguous().to(DEVICE)
+            again = dec.attend(0, q, chunks=chunks)
+            self.assertLess(self.rel(first.cpu().numpy(), again.cpu().numpy()), TOL)
+            with self.assertRaises(ValueError):
+                dec.attend(0, q, chunks=chunks.to(torch.int64))
 
     def test_bad_input_is_an_error(self):
         (a,) = [self.attach(1)]

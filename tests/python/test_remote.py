@@ -3,7 +3,10 @@ daemon can grant here ("inline" over gRPC; "ucx_rma" over a UCX data plane on tc
 "cuda_ipc" where a CUDA daemon and a GPU are at hand), its batched attention equals the
 per-head reference of kvshade.torch_hook (same session, same queries, same new tokens) and,
 without new tokens, the daemon's own Attend; a batch equals each session alone; exact
-sessions in the batch are served from their tail; bad calls are refused."""
+sessions in the batch are served from their tail; a layer the recall guard puts under a
+fallback is attended through the daemon's Attend merged with the tokens decoded here
+(equal to kvshade.testing's reference over the daemon's own rows); the decoder follows
+kvshade.decoder.Decoder; bad calls are refused."""
 import contextlib
 import os
 import re
@@ -18,7 +21,9 @@ import torch
 from kvshade_testutil import Server, seed
 
 import kvshade
+from kvshade.decoder import Decoder
 from kvshade.remote import RemoteDecoder
+from kvshade.testing import attention, merge_attention
 from kvshade.torch_hook import KvShadeKVCache
 
 L, HQ, H, D, N = 2, 4, 2, 64, 512  # d 64: a head dim the CUDA backend has kernels for
@@ -275,6 +280,136 @@ class RemoteDecoderTest(unittest.TestCase):
                 self.assertEqual(st["corrected_heads"], 4 * L * 2)  # one KV head of each
                 self.assertEqual(st["speculated_heads"], 4 * L * 2)
                 self.assertEqual(st["speculated"], 0)
+
+    def daemon_rows(self, c, session_id, layer, slots):
+        """The rows the daemon's Attend attends for a layer with every chunk open (the guard's
+        "exact" fallback): static set, every selectable chunk reconstructed (fetched by
+        model-native selects of `slots` chunks per head through an attachment of its own) and
+        exact tail; keys, values [h, n, d] float32 and the mask [h, n] of real rows."""
+        probe = c.attach(session_id, "rows")
+        try:
+            st = c.static_set(probe.attachment_id, layer)
+            C = probe.chunk_size
+            first_tail = int(st.tail_positions[0])
+            self.assertEqual(first_tail % C, 0)
+            n_chunks = first_tail // C  # chunk j covers tokens [j*C, (j+1)*C): one segment
+            chunks = [dict() for _ in range(H)]
+            for c0 in range(0, n_chunks, slots):
+                ids = list(range(c0, min(c0 + slots, n_chunks)))
+                ids += [-1] * (slots - len(ids))
+                (d,) = c.select_chunks(layer, [probe.attachment_id], np.array([ids] * H, np.int32))
+                for i in range(len(d.head)):
+                    chunks[int(d.head[i])][int(d.chunk[i])] = (d.keys[i], d.values[i])
+        finally:
+            c.detach(probe.attachment_id)
+        # Every chunk is the head's: static (an outlier or the sink) or served above.
+        for hh in range(H):
+            static = {int(p) // C for p in st.positions[hh, :int(st.lengths[hh])]}
+            self.assertEqual(static | set(chunks[hh]), set(range(n_chunks)), "head %d" % hh)
+            self.assertFalse(static & set(chunks[hh]))
+        m = max(len(x) for x in chunks) * C
+        ck, cv = np.zeros((H, m, D), np.float32), np.zeros((H, m, D), np.float32)
+        cmask = np.zeros((H, m), bool)
+        for hh in range(H):
+            rows = [chunks[hh][j] for j in sorted(chunks[hh])]
+            if rows:
+                ck[hh, :len(rows) * C] = np.concatenate([r[0] for r in rows])
+                cv[hh, :len(rows) * C] = np.concatenate([r[1] for r in rows])
+                cmask[hh, :len(rows) * C] = True
+        smask = np.arange(st.k.shape[1])[None, :] < st.lengths[:, None].astype(np.int64)
+        keys = np.concatenate([st.k, ck, st.tail_k.transpose(1, 0, 2)], axis=1)
+        values = np.concatenate([st.v, cv, st.tail_v.transpose(1, 0, 2)], axis=1)
+        mask = np.concatenate([smask, cmask, np.ones((H, st.tail_k.shape[0]), bool)], axis=1)
+        return torch.from_numpy(keys), torch.from_numpy(values), torch.from_numpy(mask)
+
+    def test_recall_guard_fallback_attends_through_the_service(self):
+        # Session 0 samples every step against the oracle with a floor of 1 and a budget of 2
+        # chunks: after a window of 4 samples of a layer the guard opens every chunk of it
+        # ("exact"), more than the slots hold, and the select's delta says `fallback`. From
+        # then on the decoder attends that layer of session 0 through the daemon's Attend,
+        # merged with the tokens decoded here: equal to the same Attend + merge done here,
+        # and to the fp32 reference over the daemon's own rows (static set, every chunk
+        # reconstructed, tail) and the local tokens. Session 1 (same slot geometry, no
+        # guard) keeps the slot path, equal to the torch_hook reference. Synchronous and
+        # speculating decoders alike.
+        geometry = dict(rank=16, chunk_size=8, sparse_budget=2, outliers=4, local_window=32)
+        guarded = kvshade.Profile("shadow", recall_sample_rate=1.0, recall_floor=1.0, recall_action="exact",
+                                  **geometry)
+        plain = kvshade.Profile("shadow", **geometry)
+        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+            c.wait_ready(20)
+            for speculate in (False, True):
+                with self.subTest(speculate=speculate):
+                    sids = [self.session(c, guarded), self.session(c, plain)]
+                    service = c.attach(sids[0], "service")
+                    ref = KvShadeKVCache(c, self.model, plain, worker_id="reference")
+                    ref.attach(sids[1])
+                    rows = {}
+                    local_k, local_v = [[] for _ in range(L)], [[] for _ in range(L)]
+                    checked = 0
+                    with RemoteDecoder(c, sids, self.model, device="cpu", speculate=speculate,
+                                       correct_below=1.5) as dec:
+                        for step in self.steps(8, 2):
+                            for layer, (q, k, v) in enumerate(step):
+                                before = dec.stats()["fallbacks"]
+                                out = dec.attend(layer, q, k, v)
+                                local_k[layer].append(k[0])
+                                local_v[layer].append(v[0])
+                                torch.testing.assert_close(out[1], ref.attend(layer, q[1], k[1], v[1]),
+                                                           rtol=2e-5, atol=2e-5)
+                                if dec.stats()["fallbacks"] == before:
+                                    continue  # not (yet) under the fallback: the slot path
+                                self.assertEqual(dec.stats()["fallbacks"], before + 1)
+                                lk = torch.stack(local_k[layer], dim=1)  # [h, n, d]
+                                lv = torch.stack(local_v[layer], dim=1)
+                                o, lse, _ = c.attend(layer, [service.attachment_id], q[:1], with_lse=True)
+                                o_loc, lse_loc = attention(q[0], lk, lv, return_lse=True)
+                                want, _ = merge_attention(torch.from_numpy(o[0]), torch.from_numpy(lse[0]),
+                                                          o_loc, lse_loc)
+                                torch.testing.assert_close(out[0], want, rtol=1e-6, atol=1e-6)
+                                if layer not in rows:
+                                    rows[layer] = self.daemon_rows(c, sids[0], layer, slots=2)
+                                keys, values, mask = rows[layer]
+                                full = attention(q[0], [keys, lk], [values, lv], [mask, None])
+                                torch.testing.assert_close(out[0], full, rtol=2e-5, atol=2e-5)
+                                checked += 1
+                        st = dec.stats()
+                        self.assertEqual(st["fallbacks"], checked)
+                        self.assertGreater(checked, 0)
+                        # The guard's figures: session 0 only (session 1 samples nothing),
+                        # every chunk open on the layers that fell back, worst recall first.
+                        sel = dec.selection()
+                        self.assertEqual({r["session_id"] for r in sel}, {sids[0]})
+                        self.assertEqual({r["sequence"] for r in sel}, {0})
+                        self.assertEqual([r["recall"] for r in sel], sorted(r["recall"] for r in sel))
+                        fell = {r["layer"] for r in sel if r["fallback"] == "exact"}
+                        self.assertEqual(fell, set(rows))
+                        self.assertTrue(all(r["budget"] > 2 for r in sel if r["layer"] in fell))
+                        self.assertEqual(sel, sorted(sel, key=lambda r: (r["recall"], r["recent_recall"],
+                                                                         r["layer"])))
+                    ref.close()
+                    c.detach(service.attachment_id)
+
+    def test_follows_the_decoder_protocol(self):
+        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+            c.wait_ready(20)
+            sid = self.session(c)
+            with RemoteDecoder(c, [sid], self.model, device="cpu") as dec:
+                self.assertIsInstance(dec, Decoder)
+                self.assertEqual((dec.batch, dec.layers, dec.kv_heads, dec.query_heads, dec.head_dim),
+                                 (1, L, H, HQ, D))
+                for step in self.steps(2, 1):
+                    for layer, (q, k, v) in enumerate(step):
+                        self.assertEqual(tuple(dec.attend(layer, q, k, v).shape), (1, HQ, D))
+                    dec.advance()
+                st = dec.stats()
+                self.assertEqual(st["steps"], 2)
+                self.assertEqual(st["fallbacks"], 0)
+                self.assertGreater(st["selected"], 0)
+                self.assertIn("hits", st)
+                self.assertEqual(dec.selection(), [])  # no recall guard on this profile
+            self.assertNotIsInstance(KvShadeKVCache(c, self.model, self.shadow), Decoder)
+            self.assertNotIsInstance(object(), Decoder)
 
     def test_bad_calls_are_refused(self):
         with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:

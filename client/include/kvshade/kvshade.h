@@ -205,6 +205,34 @@ KVSHADE_API int kvshade_get_session(kvshade_client* client, const char* session_
                                     kvshade_session_info* out);
 KVSHADE_API int kvshade_close_session(kvshade_client* client, const char* session_id);
 
+/* The recall guard's figures of a session (docs/ALGORITHM.md "Recall guard"; GetSession
+ * with include_selection): sampled decode steps and mean recall@k over all its layers, and
+ * one record per layer with samples or a fallback, the lowest mean recall first. */
+typedef struct kvshade_session_selection kvshade_session_selection;
+typedef struct kvshade_layer_selection {
+  uint32_t layer;
+  uint64_t samples;       /* sampled decode steps of the layer */
+  double recall;          /* mean recall@k over them */
+  double recent_recall;   /* mean over the guard's current window */
+  uint32_t budget;        /* chunks per KV head the guard widened to; 0 = the profile's
+                             sparse_budget */
+  int32_t fallback;       /* KVSHADE_RECALL_WIDEN or KVSHADE_RECALL_EXACT once the guard put
+                             the layer under a fallback (attend it with kvshade_attend), else 0 */
+  uint64_t actions;       /* times the guard acted on the layer (report included) */
+} kvshade_layer_selection;
+
+KVSHADE_API int kvshade_get_session_selection(kvshade_client* client, const char* session_id,
+                                              kvshade_session_selection** out);
+/* Sampled steps over all layers and their mean recall@k (either pointer may be NULL). */
+KVSHADE_API void kvshade_session_selection_summary(const kvshade_session_selection* s,
+                                                   uint64_t* samples, double* recall);
+/* Layers with samples or a fallback; kvshade_session_selection_layer(s, i, &out) for i
+ * below it. */
+KVSHADE_API size_t kvshade_session_selection_count(const kvshade_session_selection* s);
+KVSHADE_API int kvshade_session_selection_layer(const kvshade_session_selection* s, size_t i,
+                                                kvshade_layer_selection* out);
+KVSHADE_API void kvshade_session_selection_free(kvshade_session_selection* s);
+
 /* ---- Ingest (one stream per session; nothing is visible before commit) --------------- */
 KVSHADE_API int kvshade_ingest_begin(kvshade_client* client, const char* session_id,
                                      kvshade_ingest** out);
@@ -347,19 +375,8 @@ KVSHADE_API int kvshade_local_decoder_selected(kvshade_local_decoder* dec, uint3
                                                uint32_t layer, int32_t* out, size_t cap,
                                                int32_t* k);
 
-/* The recall guard's figures of one layer (docs/ALGORITHM.md "Recall guard"). */
-typedef struct kvshade_layer_selection {
-  uint32_t layer;
-  uint64_t samples;      /* sampled decode steps */
-  double recall;         /* mean recall@k over them */
-  double recent_recall;  /* mean over the guard's current window */
-  uint32_t budget;       /* chunks per KV head the guard widened to (0 = the profile's) */
-  int32_t fallback;      /* KVSHADE_RECALL_WIDEN or _EXACT once the guard acted, else 0 */
-  uint64_t actions;      /* times the guard acted on the layer */
-} kvshade_layer_selection;
-
 /* The same-node decoder's recall guard for sequence b: layers it sampled or that are under
- * a fallback, the lowest recent recall first. Writes min(cap, *n) entries to out (may be
+ * a fallback, the lowest mean recall first. Writes min(cap, *n) entries to out (may be
  * NULL with cap 0); *n gets the count. */
 KVSHADE_API int kvshade_local_decoder_selection(kvshade_local_decoder* dec, uint32_t b,
                                                 kvshade_layer_selection* out, size_t cap,

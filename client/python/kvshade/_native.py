@@ -60,6 +60,12 @@ class SessionInfo(ctypes.Structure):
                 ("gpu_bytes", _u64), ("host_bytes", _u64)]
 
 
+class LayerSelection(ctypes.Structure):
+    _fields_ = [("layer", _u32), ("samples", _u64), ("recall", ctypes.c_double),
+                ("recent_recall", ctypes.c_double), ("budget", _u32), ("fallback", _i32),
+                ("actions", _u64)]
+
+
 class Attachment(ctypes.Structure):
     _fields_ = [("attachment_id", ctypes.c_char * ID_CAP), ("lease_expires_unix_ms", _u64),
                 ("chunk_size", _u32), ("slots_per_head", _u32), ("local_window", _u32),
@@ -85,12 +91,6 @@ class AttachOptions(ctypes.Structure):
                 ("writer", _i32), ("delivery", _i32), ("cuda_ipc_k_handle", ctypes.c_uint8 * 64),
                 ("cuda_ipc_k_offset", _u64), ("cuda_ipc_v_handle", ctypes.c_uint8 * 64),
                 ("cuda_ipc_v_offset", _u64), ("cuda_ipc_bytes", _u64)]
-
-
-class LayerSelection(ctypes.Structure):
-    _fields_ = [("layer", _u32), ("samples", _u64), ("recall", ctypes.c_double),
-                ("recent_recall", ctypes.c_double), ("budget", _u32), ("fallback", _i32),
-                ("actions", _u64)]
 
 
 class Stats(ctypes.Structure):
@@ -123,6 +123,11 @@ _SIGNATURES = {
     "kvshade_fork_session": (ctypes.c_int, [_vp, _c_char_p, _u64, ctypes.c_char_p, _P(_u64)]),
     "kvshade_get_session": (ctypes.c_int, [_vp, _c_char_p, _P(SessionInfo)]),
     "kvshade_close_session": (ctypes.c_int, [_vp, _c_char_p]),
+    "kvshade_get_session_selection": (ctypes.c_int, [_vp, _c_char_p, _P(_vp)]),
+    "kvshade_session_selection_summary": (None, [_vp, _P(_u64), _P(ctypes.c_double)]),
+    "kvshade_session_selection_count": (_size_t, [_vp]),
+    "kvshade_session_selection_layer": (ctypes.c_int, [_vp, _size_t, _P(LayerSelection)]),
+    "kvshade_session_selection_free": (None, [_vp]),
     "kvshade_ingest_begin": (ctypes.c_int, [_vp, _c_char_p, _P(_vp)]),
     "kvshade_ingest_layer": (ctypes.c_int, [_vp, _u32, _i32, _i64, _i32, _i32, _vp, _vp, _vp,
                                             _i64, _i32]),

@@ -7,7 +7,7 @@ kvshade.errors, chosen by status code.
 """
 import ctypes
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -19,6 +19,7 @@ PROFILES = {"auto": 1, "shadow": 2, "mini": 3, "exact": 4}
 PROFILE_NAMES = {v: k for k, v in PROFILES.items()}
 CODECS = {"default": 0, "bf16": 1, "fp8": 2, "int4": 3, "int2": 4}
 RECALL_ACTIONS = {"default": 0, "report": 1, "widen": 2, "exact": 3}
+FALLBACK_NAMES = {2: "widen", 3: "exact"}  # kvshade_layer_selection.fallback
 SCALINGS = {"none": 0, "linear": 1, "llama3": 2, "yarn": 3}
 PAIRINGS = {"half": 0, "neox": 0, "interleaved": 1, "gptj": 1}
 DELIVERIES = {0: "inline", 1: "ucx_rma", 2: "cuda_ipc"}
@@ -295,7 +296,7 @@ class _NativeHandle:
 
     _free = None
 
-    def close(self):
+    def close(self) -> None:
         if getattr(self, "_h", None):
             getattr(_native.lib(), self._free)(self._h)
             self._h = ctypes.c_void_p()
@@ -303,7 +304,7 @@ class _NativeHandle:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __del__(self):
@@ -554,6 +555,31 @@ class Client(_NativeHandle):
                 "profile": PROFILE_NAMES.get(i.profile, str(i.profile)), "durable": bool(i.durable),
                 "attachments": i.attachments, "layers_ingested": i.layers_ingested, "tokens": i.tokens,
                 "reused_tokens": i.reused_tokens, "gpu_bytes": i.gpu_bytes, "host_bytes": i.host_bytes}
+
+    def session_selection(self, session_id: str) -> List[Dict[str, Any]]:
+        """The recall guard's figures of a session, per layer with sampled decode steps
+        (docs/ALGORITHM.md "Recall guard"), worst mean recall first (ties: worst recent
+        recall, then lower layer). Each dict: layer, samples (sampled steps), recall (mean
+        recall@k over them), recent_recall (mean over the guard's current window), budget
+        (chunks per KV head the guard widened to; 0 = the profile's sparse_budget), fallback
+        ("widen" or "exact" once the guard put the layer under a fallback: selects mark its
+        deltas `fallback` and it is attended through attend(); else None), actions (times
+        the guard acted on the layer). Empty when the guard is off or sampled nothing."""
+        lib = _native.lib()
+        h = ctypes.c_void_p()
+        _check(lib.kvshade_get_session_selection(self._handle(), _b(session_id), ctypes.byref(h)))
+        try:
+            out = []
+            for i in range(lib.kvshade_session_selection_count(h)):
+                r = _native.LayerSelection()
+                _check(lib.kvshade_session_selection_layer(h, i, ctypes.byref(r)))
+                out.append({"layer": r.layer, "samples": r.samples, "recall": r.recall,
+                            "recent_recall": r.recent_recall, "budget": r.budget,
+                            "fallback": FALLBACK_NAMES.get(r.fallback), "actions": r.actions})
+        finally:
+            lib.kvshade_session_selection_free(h)
+        out.sort(key=lambda x: (x["recall"], x["recent_recall"], x["layer"]))
+        return out
 
     def close_session(self, session_id):
         _check(_native.lib().kvshade_close_session(self._handle(), _b(session_id)))

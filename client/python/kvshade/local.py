@@ -12,12 +12,18 @@ current torch CUDA stream, with its slot tables on the GPU. Tensors stay where t
 CUDA tensors for a daemon on the cuda backend, CPU tensors for one on the cpu backend.
 q and the new token's key are post-RoPE (what the model computes); the output is fp32
 [B, hq, d]. Tokens decoded here stay exact in the decoder until `refresh()` maps a newer
-generation (after the runtime appended them to the sessions).
+generation (after the runtime appended them to the sessions). The decoder follows
+kvshade.decoder.Decoder.
 """
 import ctypes
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _native
-from .client import _NativeHandle, _b, _check
+from .client import FALLBACK_NAMES, Client, _NativeHandle, _b, _check
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 def _torch():
@@ -26,7 +32,8 @@ def _torch():
 
 
 class LocalDecoder(_NativeHandle):
-    def __init__(self, client, attachment_ids, backend="auto", local_capacity=1024, count_hits=False):
+    def __init__(self, client: Client, attachment_ids: Sequence[str], backend: str = "auto",
+                 local_capacity: int = 1024, count_hits: bool = False) -> None:
         ids = [_b(a) for a in attachment_ids]
         arr = (ctypes.c_char_p * len(ids))(*ids)
         self._h = ctypes.c_void_p()
@@ -53,7 +60,10 @@ class LocalDecoder(_NativeHandle):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
 
-    def attend(self, layer, q, k_new=None, v_new=None, out=None, return_lse=False, chunks=None):
+    def attend(self, layer: int, q: "torch.Tensor", k_new: Optional["torch.Tensor"] = None,
+               v_new: Optional["torch.Tensor"] = None, out: Optional["torch.Tensor"] = None,
+               return_lse: bool = False, chunks: Optional["torch.Tensor"] = None
+               ) -> Union["torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"]]:
         """q [B, hq, d] bf16; k_new, v_new [B, h, d] bf16 or None; returns out [B, hq, d] fp32,
         and with return_lse=True (out, lse [B, hq] fp32): the log-sum-exp of each query head's
         scaled scores, to merge with attention over tokens the decoder does not hold.
@@ -97,19 +107,22 @@ class LocalDecoder(_NativeHandle):
             ctypes.c_void_p(out.data_ptr()), None if lse is None else ctypes.c_void_p(lse.data_ptr()), stream))
         return (out, lse) if return_lse else out
 
-    def advance(self):
+    def advance(self) -> None:
+        """Ends a step whose attend() calls gave k_new / v_new: its tokens join the local tail."""
         _check(_native.lib().kvshade_local_decoder_advance(self._h))
 
-    def refresh(self):
+    def refresh(self) -> None:
+        """Maps the daemon's current generation (after appends); drops the local tokens it covers."""
         _check(_native.lib().kvshade_local_decoder_refresh(self._h))
 
-    def stats(self):
+    def stats(self) -> Dict[str, Any]:
+        """selected / hits (chunks; hits counted with count_hits=True), steps (advance() calls)."""
         sel, hits, steps = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
         _check(_native.lib().kvshade_local_decoder_info(self._h, None, None, None, None, None, ctypes.byref(sel),
                                                         ctypes.byref(hits), ctypes.byref(steps)))
         return {"selected": sel.value, "hits": hits.value, "steps": steps.value}
 
-    def selected(self, b, layer):
+    def selected(self, b: int, layer: int) -> "np.ndarray":
         """The chunk ids sequence b's last step of `layer` selected: int32 numpy [h, k]
         (-1 = none), k the layer's slots per head."""
         import numpy as np
@@ -120,20 +133,21 @@ class LocalDecoder(_NativeHandle):
             self._h, int(b), int(layer), out.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), out.size, None))
         return out
 
-    def selection(self, b=None):
-        """The recall guard's figures (docs/ALGORITHM.md "Recall guard") per layer, the lowest
-        recent recall first: for sequence b, or a list over the batch when b is None."""
+    def selection(self, b: Optional[int] = None) -> List[Dict[str, Any]]:
+        """This decoder's recall guard (docs/ALGORITHM.md "Recall guard"): per layer it sampled
+        or widened, the lowest mean recall first, for sequence b, or for every sequence when
+        b is None (each dict then names its batch index, `sequence`). Keys as
+        Client.session_selection's."""
         if b is None:
-            return [self.selection(i) for i in range(self.batch)]
+            out = [dict(rec, sequence=i) for i in range(self.batch) for rec in self.selection(i)]
+            out.sort(key=lambda x: (x["recall"], x["recent_recall"], x["sequence"], x["layer"]))
+            return out
         n = ctypes.c_size_t()
         _check(_native.lib().kvshade_local_decoder_selection(self._h, int(b), None, 0, ctypes.byref(n)))
         arr = (_native.LayerSelection * max(n.value, 1))()
         _check(_native.lib().kvshade_local_decoder_selection(self._h, int(b), arr, n.value, ctypes.byref(n)))
         return [{"layer": x.layer, "samples": x.samples, "recall": x.recall, "recent_recall": x.recent_recall,
-                 "budget": x.budget, "fallback": _RECALL_ACTIONS.get(x.fallback, str(x.fallback)),
-                 "actions": x.actions} for x in arr[:n.value]]
+                 "budget": x.budget, "fallback": FALLBACK_NAMES.get(x.fallback), "actions": x.actions}
+                for x in arr[:n.value]]
 
     _free = "kvshade_local_decoder_free"
-
-
-_RECALL_ACTIONS = {0: None, 1: "report", 2: "widen", 3: "exact"}

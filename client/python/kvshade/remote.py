@@ -26,7 +26,8 @@ query on a CUDA device (a model computing in that precision) that call is torch'
 scaled_dot_product_attention on the bf16 rows (fp32 softmax inside, as the model's own
 attention; no mask once every slot is filled, so the flash kernels qualify): the result of
 kvshade.torch_hook.KvShadeKVCache.attend to bf16 precision. For an fp32 query, and on the
-CPU, it is exact softmax in fp32 over the same rows: that result to float rounding.
+CPU, it is exact softmax in fp32 over the same rows (kvshade.testing.attention, the
+reference the torch hook uses too): that result to float rounding.
 
 speculate=True (FreeKV's speculate-and-correct): layer l of step t attends over the chunks
 selected with step t-1's query, whose select was issued right after that step's attention
@@ -38,16 +39,29 @@ query their slots were selected with, so they select the same chunks again (hits
 delivered) and keep attending over them. stats() counts the speculated and corrected
 sequence-layers and KV heads and the time spent waiting for speculative selects.
 
+A layer the daemon's recall guard put under a fallback (docs/ALGORITHM.md "Recall guard":
+a budget widened beyond the slots; the select's delta says `fallback`) is attended through
+the daemon's Attend for the sessions concerned, which applies the widened budget over the
+session's tokens, merged by log-sum-exp with attention over the tokens decoded here (which
+the daemon does not hold); the session's layer is selected no more (the guard keeps its
+fallback for the session's life). The other layers and sessions keep the slot path.
+stats() counts those sequence-layers (`fallbacks`); selection() gives the guard's figures.
+
 q and the new token's key are post-RoPE (what the model computes); outputs are fp32
-[B, hq, d] on `device`. Tokens decoded here are not appended to the sessions.
+[B, hq, d] on `device`. Tokens decoded here are not appended to the sessions. The decoder
+follows kvshade.decoder.Decoder.
 """
-import math
 import time
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from .client import cuda_ipc_ref
+from .client import Client, ModelSpec, cuda_ipc_ref
 from .errors import FailedPrecondition, InvalidArgument
+from .testing import attention, merge_attention
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _torch():
@@ -59,8 +73,9 @@ DELIVERY_ORDER = ("cuda_ipc", "ucx_rma", "inline")
 
 
 class RemoteDecoder:
-    def __init__(self, client, session_ids, model, device=None, delivery="auto", worker_id="remote-decoder",
-                 local_capacity=256, speculate=False, correct_below=0.9):
+    def __init__(self, client: Client, session_ids: Sequence[str], model: ModelSpec, device: Any = None,
+                 delivery: str = "auto", worker_id: str = "remote-decoder", local_capacity: int = 256,
+                 speculate: bool = False, correct_below: float = 0.9) -> None:
         torch = _torch()
         if not session_ids:
             raise InvalidArgument("session_ids must name at least one session")
@@ -85,7 +100,11 @@ class RemoteDecoder:
         self.speculated = self.corrections = 0
         self.corrected_heads = self.speculated_heads = 0
         self.exposed_wait_s = 0.0
-        self._pending = [None] * model.num_layers  # (future, query it was issued with)
+        self.steps = 0      # advance() calls
+        self.fallbacks = 0  # sequence-layers attended through the daemon's Attend
+        # [layer, b]: the recall guard put the layer of session b under a fallback.
+        self._fallback = np.zeros((L, B), dtype=bool)
+        self._pending = [None] * model.num_layers  # (future, query it was issued with, batch indices)
         self._slot_k = self._slot_v = self._host_k = self._host_v = None
         self._slots_read = None  # CUDA event: this layer's slot buffers were copied out
         try:
@@ -246,10 +265,9 @@ class RemoteDecoder:
         torch = _torch()
         for b, dl in zip(sessions, deltas):
             if dl.fallback:
-                raise FailedPrecondition(
-                    "the recall guard put layer %d of session %s under a fallback that does not fit the "
-                    "slots; attend it in the service (Client.attend) or turn the guard's fallback off"
-                    % (layer, self.session_ids[b]))
+                # The recall guard widened the layer beyond the slots, for the session's life:
+                # attend() serves it through the daemon's Attend from now on.
+                self._fallback[layer, b] = True
             self.hits += dl.hits
             self.selected += dl.selected
             if len(dl.head) == 0:
@@ -279,27 +297,41 @@ class RemoteDecoder:
     def _ids(self, sessions):
         return [self.attachments[b].attachment_id for b in sessions]
 
+    def _selecting(self, layer):
+        """Batch indices of the sessions whose `layer` is served through the slots: the shadow
+        sessions that the recall guard has not put under a fallback there."""
+        return [b for b in self._sel_index if not self._fallback[layer, b]]
+
     def _select(self, layer, q):
         """This step's selection for `layer`: synchronous, or (speculate) the select issued
         with the previous step's query, corrected synchronously for the KV heads whose query
-        drifted from it. Returns (speculate) the query on the host, for the next
-        step's select."""
+        drifted from it. Returns (speculate) the batch indices that select and their queries
+        on the host, for the next step's select."""
         torch = _torch()
-        sel = self._sel_index
+        sel = self._selecting(layer)
+        pending = self._pending[layer] if self.speculate else None
+        if pending is not None:
+            # The sessions the speculative select was sent for; a layer its delta puts under
+            # a fallback is attended through Attend, not corrected.
+            self._pending[layer] = None
+            future, q_prev, prev = pending
+            t0 = time.perf_counter()
+            deltas = future.result()
+            self.exposed_wait_s += time.perf_counter() - t0
+            self._apply(layer, prev, deltas)
+            keep = [i for i, b in enumerate(prev) if not self._fallback[layer, b]]
+            sel = [prev[i] for i in keep]
+            if len(keep) < len(prev):
+                q_prev = q_prev[keep]
+        if not sel:
+            return None
         qs = (q[sel] if len(sel) < self.batch else q).detach()
         if not self.speculate:
             self._apply(layer, sel, self.client.select(layer, self._ids(sel), qs.to(torch.bfloat16)))
             return None
         qf = qs.float().cpu()  # [n, hq, d] on the host: the drift test and the next select
-        pending = self._pending[layer]
-        self._pending[layer] = None
         redo = list(sel)
         if pending is not None:
-            future, q_prev = pending
-            t0 = time.perf_counter()
-            deltas = future.result()
-            self.exposed_wait_s += time.perf_counter() - t0
-            self._apply(layer, sel, deltas)
             # Cosine of each query head to the one the slots were selected with; a KV head
             # drifted when any of its query heads did.
             n, hq, d = qf.shape
@@ -321,27 +353,33 @@ class RemoteDecoder:
                 # (float32 on the host, as the speculative select was sent: the kept heads'
                 # rows convert to the same bf16 query.)
                 self._apply(layer, redo, self.client.select(layer, self._ids(redo), mixed, purpose="correction"))
-            return qf
+            return sel, qf
         self._apply(layer, redo, self.client.select(layer, self._ids(redo), qs.to(torch.bfloat16)))
-        return qf
+        return sel, qf
 
-    def _speculate(self, layer, qf):
-        """Issues the select for this step's query (qf, on the host), to be waited for at the
-        next step of `layer`: the daemon selects and delivers while the model computes other
-        layers."""
-        torch = _torch()
+    def _speculate(self, layer, selected):
+        """Issues the select for this step's query (`selected`: the batch indices and their
+        queries on the host, from _select), to be waited for at the next step of `layer`: the
+        daemon selects and delivers while the model computes other layers."""
+        sel, qf = selected
+        keep = [i for i, b in enumerate(sel) if not self._fallback[layer, b]]
+        if not keep:
+            return
+        if len(keep) < len(sel):
+            sel, qf = [sel[i] for i in keep], qf[keep]
         if self.delivery in ("cuda_ipc", "ucx_rma") and self.device.type == "cuda":
             # The daemon writes the slot buffers (cuda_ipc) or the host buffers the last
             # copy read (ucx_rma) as soon as it has the request: this layer's reads of them
             # (the copy into the working buffer, queued before the attention) first.
             self._slots_read.synchronize()
-        self._pending[layer] = (self.client.select_async(layer, self._ids(self._sel_index), qf,
-                                                         purpose="speculative"), qf)
+        self._pending[layer] = (self.client.select_async(layer, self._ids(sel), qf, purpose="speculative"),
+                                qf, sel)
 
-    def attend(self, layer, q, k_new=None, v_new=None):
+    def attend(self, layer: int, q: "torch.Tensor", k_new: Optional["torch.Tensor"] = None,
+               v_new: Optional["torch.Tensor"] = None) -> "torch.Tensor":
         """q [B, hq, d] post-RoPE; k_new, v_new [B, h, d] (the step's token, post-RoPE key)
-        or None. Returns fp32 [B, hq, d] on the decoder's device."""
-        torch = _torch()
+        or None. Returns fp32 [B, hq, d] on the decoder's device. The token joins the layer's
+        local tokens here (advance() only counts the step)."""
         B, hq, h, d, L = self.batch, self.query_heads, self.kv_heads, self.head_dim, self.layers
         if not 0 <= int(layer) < L:
             raise InvalidArgument("layer must be in [0, %d), got %s" % (L, layer))
@@ -351,13 +389,40 @@ class RemoteDecoder:
         if k_new is not None:
             self._check("k_new", k_new, (B, h, d))
             self._check("v_new", v_new, (B, h, d))
-        q_host = self._select(layer, q) if self._sel_index else None
+        selected = self._select(layer, q) if self._sel_index else None
         if k_new is not None:
             self._append_local(layer, k_new, v_new)
         out = self._attention(layer, q)
-        if q_host is not None:
-            self._speculate(layer, q_host)
+        if selected is not None:
+            self._speculate(layer, selected)
+        fallback = [b for b in self._sel_index if self._fallback[layer, b]]
+        if fallback:
+            self._attend_fallback(layer, q, fallback, out)
         return out
+
+    def _local_at(self, layer):
+        """The row of the layer's working buffer where its local tokens start."""
+        return self._slot_off[layer] + (self.slots_per_head * self.chunk_size if self._slot_k is not None else 0)
+
+    def _attend_fallback(self, layer, q, sessions, out):
+        """Writes into out [B, hq, d] the attention of the sessions at batch indices
+        `sessions`, whose `layer` is under the recall guard's fallback: the daemon's Attend
+        (static set, tail and the guard's widened selection, with the log-sum-exp of each
+        query head's scores) merged with attention over the tokens decoded here."""
+        torch = _torch()
+        idx = torch.tensor(sessions, dtype=torch.int64, device=self.device)
+        qb = q.detach()[idx]
+        o, lse, _ = self.client.attend(layer, self._ids(sessions), qb, dtype=self.model.dtype, with_lse=True)
+        o = torch.from_numpy(o).to(self.device)
+        lse = torch.from_numpy(lse).to(self.device)
+        n = self._local_n[layer]
+        if n:
+            at = self._local_at(layer)
+            o_local, lse_local = attention(qb, self._work_k[layer][idx, :, at:at + n],
+                                           self._work_v[layer][idx, :, at:at + n], return_lse=True)
+            o, _ = merge_attention(o, lse, o_local, lse_local)
+        out[idx] = o
+        self.fallbacks += len(sessions)
 
     def _append_local(self, layer, k_new, v_new):
         """The step's token joins the layer's local tokens (exact, kept here), in place in
@@ -365,7 +430,7 @@ class RemoteDecoder:
         torch = _torch()
         n = self._local_n[layer]
         wk, wv = self._work_k[layer], self._work_v[layer]
-        at = self._slot_off[layer] + (self.slots_per_head * self.chunk_size if self._slot_k is not None else 0) + n
+        at = self._local_at(layer) + n
         if at == wk.shape[2]:
             grow = max(n, 1)
             pad = lambda t, fill: torch.cat([t, torch.full(t.shape[:-2] + (grow,) + t.shape[-1:], fill,  # noqa: E731
@@ -410,29 +475,40 @@ class RemoteDecoder:
                              attn_mask=None if self._unmasked[layer] or self._slot_k is None and self._base_full[layer]
                              else mask)
             return out.reshape(B, hq, d).float()
-        kc = wk[:, :, :end].float()   # [B, h, N, d]
-        vc = wv[:, :, :end].float()
-        qf = q.detach().float().reshape(B, h, hq // h, d)  # a KV head's query heads as its queries
-        if self._sdpa is not None:
-            out = self._sdpa(qf, kc, vc, attn_mask=mask)
-        else:  # torch < 2.0
-            scores = torch.matmul(qf, kc.transpose(2, 3)) * (1.0 / math.sqrt(d))  # [B, h, g, N]
-            scores = scores.masked_fill(~mask, float("-inf"))
-            out = torch.matmul(torch.softmax(scores, dim=-1), vc)  # [B, h, g, d]
-        return out.reshape(B, hq, d)
+        # Exact softmax in fp32 over the same rows: the reference (kvshade.testing).
+        return attention(q.detach(), wk[:, :, :end], wv[:, :, :end], mask[:, :, 0])
 
-    def stats(self):
+    def advance(self) -> None:
+        """Ends a decode step (kvshade.decoder.Decoder): counted in stats()["steps"]; the
+        step's tokens already joined the local tokens in attend()."""
+        self.steps += 1
+
+    def stats(self) -> Dict[str, Any]:
         """selected / hits: chunks over every select (speculative and corrections included);
-        with speculate: speculated (sequence-layers attended over the previous step's
-        selection alone), corrections (sequence-layers with at least one KV head re-selected
-        because its query drifted), speculated_heads / corrected_heads (the same per KV head),
-        exposed_wait_s (time spent waiting for speculative selects that had not come back)."""
-        return {"selected": self.selected, "hits": self.hits, "delivery": self.delivery,
-                "speculated": self.speculated, "corrections": self.corrections,
+        steps: advance() calls; fallbacks: sequence-layers attended through the daemon's
+        Attend because the recall guard put the layer under a fallback; with speculate:
+        speculated (sequence-layers attended over the previous step's selection alone),
+        corrections (sequence-layers with at least one KV head re-selected because its query
+        drifted), speculated_heads / corrected_heads (the same per KV head), exposed_wait_s
+        (time spent waiting for speculative selects that had not come back)."""
+        return {"selected": self.selected, "hits": self.hits, "steps": self.steps, "delivery": self.delivery,
+                "fallbacks": self.fallbacks, "speculated": self.speculated, "corrections": self.corrections,
                 "speculated_heads": self.speculated_heads, "corrected_heads": self.corrected_heads,
                 "exposed_wait_s": self.exposed_wait_s}
 
-    def close(self):
+    def selection(self) -> List[Dict[str, Any]]:
+        """The recall guard's figures of the decoder's sessions (Client.session_selection),
+        per session and layer with samples, worst mean recall first; each dict also names
+        its session (`session_id`) and batch index (`sequence`)."""
+        out = []
+        for b, sid in enumerate(self.session_ids):
+            for rec in self.client.session_selection(sid):
+                rec.update(session_id=sid, sequence=b)
+                out.append(rec)
+        out.sort(key=lambda x: (x["recall"], x["recent_recall"], x["sequence"], x["layer"]))
+        return out
+
+    def close(self) -> None:
         """Waits for selects in flight, then detaches every attachment (idempotent)."""
         for layer, pending in enumerate(getattr(self, "_pending", [])):
             if pending is not None:
@@ -449,8 +525,8 @@ class RemoteDecoder:
                     pass
                 self.attachments[b] = None
 
-    def __enter__(self):
+    def __enter__(self) -> "RemoteDecoder":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()

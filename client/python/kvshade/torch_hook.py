@@ -13,12 +13,11 @@ Shapes (torch, any device; results on q's device):
   attend k, v         : [h, d] the newest token's post-RoPE key and its value
   attend result       : [hq, d] float32
 """
-import math
-
 import numpy as np
 import torch
 
 from .client import Client, ModelSpec, Profile
+from .testing import attention
 
 
 class KvShadeKVCache:
@@ -102,22 +101,22 @@ class KvShadeKVCache:
             self.hits += delta.hits
             self.selected += delta.selected
             self._apply(layer, delta)
+        # Per KV head: static set (its valid rows) | the slots holding a chunk | exact tail |
+        # local tokens, attended by the head's g query heads (kvshade.testing.attention).
         st = self._static[layer]
-        lk = torch.stack(self._local_k[layer])  # [t_local, h, d]
-        lv = torch.stack(self._local_v[layer])
-        qf = q.detach().float().cpu().reshape(h, g, d)
-        out = torch.empty(h, g, d)
-        scale = 1.0 / math.sqrt(d)
-        for j in range(h):
-            n_static = int(st.lengths[j]) if len(st.lengths) else 0
-            used = self._slot_used[layer][j]
-            parts_k = [torch.from_numpy(st.k[j, :n_static]) if n_static else torch.zeros(0, d),
-                       torch.from_numpy(self._slot_k[layer][j][used].reshape(-1, d)),
-                       torch.from_numpy(st.tail_k[:, j]), lk[:, j]]
-            parts_v = [torch.from_numpy(st.v[j, :n_static]) if n_static else torch.zeros(0, d),
-                       torch.from_numpy(self._slot_v[layer][j][used].reshape(-1, d)),
-                       torch.from_numpy(st.tail_v[:, j]), lv[:, j]]
-            kj, vj = torch.cat(parts_k), torch.cat(parts_v)
-            p = torch.softmax((qf[j] @ kj.T) * scale, dim=-1)
-            out[j] = p @ vj
-        return out.reshape(h * g, d).to(dev)
+        S, C = self.attachment.slots_per_head, self.attachment.chunk_size
+        lk = torch.stack(self._local_k[layer]).transpose(0, 1)  # [h, t_local, d]
+        lv = torch.stack(self._local_v[layer]).transpose(0, 1)
+        n_static = st.k.shape[1] if len(st.lengths) else 0
+        static_k = torch.from_numpy(st.k) if n_static else torch.zeros(h, 0, d)
+        static_v = torch.from_numpy(st.v) if n_static else torch.zeros(h, 0, d)
+        static_mask = (torch.arange(n_static)[None, :] < torch.from_numpy(st.lengths.astype(np.int64))[:, None]
+                       if n_static else None)
+        used = torch.from_numpy(self._slot_used[layer]).repeat_interleave(C, dim=1)  # [h, S*C]
+        keys = [static_k, torch.from_numpy(self._slot_k[layer]).reshape(h, S * C, d),
+                torch.from_numpy(st.tail_k).transpose(0, 1), lk]
+        values = [static_v, torch.from_numpy(self._slot_v[layer]).reshape(h, S * C, d),
+                  torch.from_numpy(st.tail_v).transpose(0, 1), lv]
+        out = attention(q.detach().float().cpu().reshape(h * g, d), keys, values,
+                        [static_mask, used, None, None])
+        return out.to(dev)

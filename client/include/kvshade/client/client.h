@@ -86,6 +86,7 @@ class Client {
   // include_selection: with the recall guard's figures per layer (SessionInfo.selection).
   absl::StatusOr<v1::SessionInfo> GetSession(const std::string& session_id,
                                              bool include_selection = false);
+  absl::StatusOr<v1::SessionInfo> GetSession(const v1::GetSessionRequest& req);
   absl::StatusOr<v1::ListSessionsResponse> ListSessions();
   absl::Status CloseSession(const std::string& session_id);
 

@@ -114,7 +114,7 @@ class LocalDecoder {
   // Slots per KV head of sequence b's layer: the profile's budget, or the recall guard's.
   int slots_per_head(int b, int layer) const;
   // The recall guard's figures for sequence b (docs/ALGORITHM.md "Recall guard"), the
-  // lowest recent recall first: layers this decoder sampled, and layers under a fallback
+  // lowest mean recall first: layers this decoder sampled, and layers under a fallback
   // (the daemon's, carried by the export, or this decoder's).
   absl::StatusOr<std::vector<decode::LayerHealth>> Selection(int b) const;
 

@@ -141,7 +141,8 @@ class SelectionGuard {
                       int budget_now, int total, int cap);
   // A widened budget learned elsewhere (the daemon's, carried by a session export).
   void Adopt(int layer, int budget, RecallAction fallback);
-  // Every layer with samples or a fallback, the lowest recent recall first.
+  // Every layer with samples or a fallback, the lowest mean recall first (then the lowest
+  // recent recall; layers with no samples last).
   std::vector<LayerHealth> Snapshot() const;
 
  private:
