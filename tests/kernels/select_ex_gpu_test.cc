@@ -1,5 +1,6 @@
-// CUDA parity of SelectEx (two stages, mass budgets, both, every chunk scored) and
-// AssignSlots against the CPU reference (select_ex_test.cc holds the CPU's own tests).
+// CUDA parity of SelectEx (two stages, mass budgets, both, every chunk scored; stage 2's
+// per-query-head normalisation on a planted group) and AssignSlots against the CPU reference
+// (select_ex_test.cc holds the CPU's own tests).
 // Scores are summed in another order on the GPU, so chunks whose scores tie to within fp32
 // rounding may swap: a difference is accepted only where the double-precision stage-2
 // scores (log m over the CPU's stage-1 candidates) of the two chunks agree to 1e-3.
@@ -96,6 +97,36 @@ TEST(SelectExGpu, ParityWithTheCpuReference) {
         slots = a.slots;
         c.q = testing::RandomBf16(c.q.size(), rng, 1.0f);
       }
+    }
+  }
+}
+
+// Stage 2 normalises each query head on the GPU as on the CPU (FlatHeadCase: chunk kX first,
+// then kY, then ties by id; the mass budget's shares w), through stage 1 and over every chunk.
+TEST(SelectExGpu, StageTwoNormalisesEachQueryHead) {
+  KVSHADE_CUDA_OR_SKIP(gpu);
+  auto cpu = Cpu();
+  using testing::FlatHeadCase;
+  const LowRankCase c = FlatHeadCase::Make();
+  const int X = FlatHeadCase::kX, Y = FlatHeadCase::kY, k = 4;
+  struct Want {
+    float top_p;
+    std::vector<int32_t> selected;
+  };
+  const Want wants[] = {{0.0f, {X, Y, 0, 1}}, {0.95f, {X, -1, -1, -1}}, {1.0f, {X, Y, -1, -1}}};
+  for (int candidates : {4, FlatHeadCase::kChunks}) {
+    for (const Want& w : wants) {
+      SelectOptions o;
+      o.candidates = candidates;
+      o.C = c.C;
+      o.rope = c.rope;
+      o.top_p = w.top_p;
+      const std::vector<int32_t> slots(k, -1);
+      const ExOut a = RunEx(*cpu, c, k, &o, slots), b = RunEx(*gpu, c, k, &o, slots);
+      EXPECT_EQ(a.selected, w.selected) << "candidates " << candidates << " top_p " << w.top_p;
+      EXPECT_EQ(b.selected, w.selected) << "candidates " << candidates << " top_p " << w.top_p;
+      EXPECT_EQ(a.slots, b.slots);
+      EXPECT_EQ(a.miss_count, b.miss_count);
     }
   }
 }
