@@ -9,10 +9,11 @@
 // Landmarks are the chunk means of the keys, as ingest computes them.
 //
 // For each option it reports, averaged over `trials` queries (each a fresh query direction
-// with its own needles): recall@k against the oracle (SelectEx scoring every chunk by the
-// max logit of its reconstructed keys), the fraction of needle chunks selected, the chunks
-// kept per head, and the median time of the selection call beside Select + Reconstruct of
-// k chunks (the decode step's selection work without the options).
+// with its own needles): recall@k against the oracle (SelectEx's stage 2 over every chunk:
+// the group's maximum of each query head's softmax over all reconstructed keys), the
+// fraction of needle chunks selected, the chunks kept per head, and the median time of the
+// selection call beside Select + Reconstruct of k chunks (the decode step's selection work
+// without the options).
 //
 // With --batch B every call carries B sessions (the same layer, each with its own slot
 // table and outputs), as a decode step of batch B does; times are per call.

@@ -16,11 +16,12 @@
 // then reused as the int32 candidate list), aux [4k] int32 (slot-diff scratch).
 //
 // SelectEx (SelectOptions in backend.h) runs the same scoring, keeps the best
-// max(candidates, k) chunks in two-stage mode and re-ranks them by MaxLogit (keys
-// reconstructed exactly as cpu_reconstruct.cc does, rounded to bf16, fp32 dots in channel
-// order), then cuts at the mass budget; workspace per (item, head): s, cand, m [total],
-// aux [4k], acc [d]. AssignSlots filters the caller's ids (range, static, repeats) and runs
-// the same slot diff.
+// max(candidates, k) chunks in two-stage mode and re-ranks them by the per-query-head
+// softmax over every candidate token (ChunkStats, StageTwoScores; keys reconstructed exactly
+// as cpu_reconstruct.cc does, rounded to bf16, fp32 dots in channel order), then cuts at the
+// mass budget; workspace per (item, head): s, cand, m [total], aux [4k], acc [d], and in
+// two stages stats [min(total, candidates), g] (M, S) and lse [g]. AssignSlots filters the
+// caller's ids (range, static, repeats) and runs the same slot diff.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -179,10 +180,14 @@ void SelectHead(const LayerShape& shape, int k, const SelectItem& item, int hh, 
   SlotDiff(k, cand, kk, item, hh, aux);
 }
 
-// Stage 2 score of chunk c of head hh: the max over its tokens and the group's query heads
-// of q . k_hat / sqrt(d), k_hat the bf16-rounded reconstructed post-RoPE key. acc [d].
-float MaxLogit(const LayerShape& shape, const SelectOptions& o, const RopeTable& table,
-               const SelectItem& item, int hh, int c, float* acc) {
+// Stage-2 statistics of chunk c of head hh, per query head n of the group, over the logits
+// l = q_n . k_hat / sqrt(d) of its C tokens (k_hat the bf16-rounded reconstructed post-RoPE
+// key, fp32 dot): M = the max logit and S = sum_t exp(l - M), accumulated in token order
+// and rescaled when the max grows (the CUDA kernel runs the same sequence). Non-finite logits
+// (NaN, or +-inf from overflow) carry no weight; a head without a finite logit has M = -inf,
+// S = 0. stats [g] (M, S) pairs; acc [d].
+void ChunkStats(const LayerShape& shape, const SelectOptions& o, const RopeTable& table,
+                const SelectItem& item, int hh, int c, float* acc, float* stats) {
   const int g = shape.g, d = shape.d, C = o.C;
   const SessionLayerView& view = item.view;
   const int r = view.r;
@@ -191,7 +196,10 @@ float MaxLogit(const LayerShape& shape, const SelectOptions& o, const RopeTable&
   const SegmentView& seg = view.segments[si];
   const bf16* b = view.b + int64_t(hh) * r * d;
   const float scale = 1.0f / std::sqrt(float(d));
-  float best = -std::numeric_limits<float>::infinity();
+  for (int n = 0; n < g; ++n) {
+    stats[2 * n] = -std::numeric_limits<float>::infinity();
+    stats[2 * n + 1] = 0.0f;
+  }
   for (int t = 0; t < C; ++t) {
     const bf16* a = seg.a + (int64_t(local) * C + t) * r;
     std::fill(acc, acc + d, 0.0f);
@@ -207,54 +215,102 @@ float MaxLogit(const LayerShape& shape, const SelectOptions& o, const RopeTable&
       float dot = 0.0f;
       for (int ch = 0; ch < d; ++ch) dot += Bf16ToFloat(qv[ch]) * acc[ch];
       const float logit = dot * scale;
-      if (!std::isnan(logit)) best = std::max(best, logit);
+      if (!std::isfinite(logit)) continue;
+      float& mx = stats[2 * n];
+      float& sum = stats[2 * n + 1];
+      if (logit > mx) {
+        sum = sum * std::exp(mx - logit) + 1.0f;
+        mx = logit;
+      } else {
+        sum += std::exp(logit - mx);
+      }
     }
   }
-  return best;
 }
 
-// Words of SelectEx's workspace row per (item, head): s [total], cand [total],
-// m [total], aux [4k], acc [d].
-int64_t RowWordsEx(int64_t total, int k, int d) { return 3 * total + 4 * int64_t(k) + d; }
+// Stage-2 scores of the candidates cand[0, n_cand) from their stats [n_cand, g] (M, S),
+// normalised per query head over every candidate token: per head n,
+//   LSE_n = log sum_i S_in exp(M_in)   (the max of M + log S first, then the sum in
+//                                       candidate order)
+//   m[c] = max_n exp(M_cn - LSE_n)            (the chunk's best token probability)
+//   w[c] = max_n exp(M_cn + log S_cn - LSE_n) (the chunk's share of the head's attention)
+// over the heads with a finite M_cn; 0 for a candidate without any. m and w are indexed by
+// chunk id; lse [g] scratch.
+void StageTwoScores(int g, const int32_t* cand, int n_cand, const float* stats, float* lse,
+                    float* m, float* w) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int n = 0; n < g; ++n) {
+    float mx = kNegInf;
+    for (int i = 0; i < n_cand; ++i) {
+      const float M = stats[(int64_t(i) * g + n) * 2];
+      if (M != kNegInf) mx = std::max(mx, M + std::log(stats[(int64_t(i) * g + n) * 2 + 1]));
+    }
+    if (mx == kNegInf) {
+      lse[n] = kNegInf;  // no finite logit for this head: it scores nothing
+      continue;
+    }
+    float z = 0.0f;
+    for (int i = 0; i < n_cand; ++i) {
+      const float M = stats[(int64_t(i) * g + n) * 2];
+      if (M != kNegInf) z += std::exp(M + std::log(stats[(int64_t(i) * g + n) * 2 + 1]) - mx);
+    }
+    lse[n] = mx + std::log(z);
+  }
+  for (int i = 0; i < n_cand; ++i) {
+    float best = 0.0f, mass = 0.0f;
+    for (int n = 0; n < g; ++n) {
+      const float M = stats[(int64_t(i) * g + n) * 2];
+      if (M == kNegInf) continue;
+      best = std::max(best, std::exp(M - lse[n]));
+      mass = std::max(mass, std::exp(M + std::log(stats[(int64_t(i) * g + n) * 2 + 1]) - lse[n]));
+    }
+    m[cand[i]] = best;
+    w[cand[i]] = mass;
+  }
+}
+
+int StageOneWidth(const SelectOptions& o, int k) {
+  return o.two_stage() ? std::max(o.candidates, k) : k;
+}
+
+// Words of SelectEx's workspace row per (item, head): s [total], cand [total], m [total],
+// aux [4k], acc [d], then in two stages stats [min(total, candidates), g] (M, S) and
+// lse [g].
+int64_t RowWordsEx(int64_t total, int k, int d, int g, const SelectOptions& o) {
+  int64_t words = 3 * total + 4 * int64_t(k) + d;
+  if (o.two_stage()) words += 2 * std::min<int64_t>(total, StageOneWidth(o, k)) * g + g;
+  return words;
+}
 
 void SelectExHead(const LayerShape& shape, int k, const SelectOptions& o, const RopeTable* table,
                   const SelectItem& item, int hh, float* row) {
   const int total = item.view.total_chunks();
+  const int g = shape.g, d = shape.d;
   float* s = row;
   int32_t* cand = reinterpret_cast<int32_t*>(row + total);
   float* m = row + 2 * total;
   int32_t* aux = reinterpret_cast<int32_t*>(row + 3 * total);
   float* acc = row + 3 * total + 4 * k;
   ScoreHead(shape, item, hh, s, m);  // m as scratch
-  const int stage1 = o.two_stage() ? std::max(o.candidates, k) : k;
+  const int stage1 = StageOneWidth(o, k);
   const int n_sel = RankByScore(s, total, stage1, cand);
   const int n_cand = std::min(stage1, n_sel);
-  // w: the mass estimate of cand[i], in rank order (after stage 2's re-ranking).
-  float* w = m;
+  // The mass estimate of chunk c is s[c]: the landmark score in one stage, w in two.
   if (o.two_stage()) {
-    // m indexed by chunk id: stage-2 scores of the candidates.
-    for (int i = 0; i < n_cand; ++i) m[cand[i]] = MaxLogit(shape, o, *table, item, hh, cand[i], acc);
+    float* stats = acc + d;
+    float* lse = stats + int64_t(2) * std::min(total, stage1) * g;
+    for (int i = 0; i < n_cand; ++i) {
+      ChunkStats(shape, o, *table, item, hh, cand[i], acc, stats + int64_t(2) * g * i);
+    }
+    // m and w (into s: the landmark scores are no longer needed), indexed by chunk id.
+    StageTwoScores(g, cand, n_cand, stats, lse, m, s);
     std::sort(cand, cand + n_cand, [m](int32_t a, int32_t b) {
       const bool na = std::isnan(m[a]), nb = std::isnan(m[b]);
       if (na != nb) return nb;
       if (!na && m[a] != m[b]) return m[a] > m[b];
       return a < b;
     });
-    if (o.top_p > 0.0f) {
-      // Softmax over the candidates of m, into s (indexed by chunk id; s is no longer needed).
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int i = 0; i < n_cand; ++i) mx = std::max(mx, m[cand[i]]);
-      float sum = 0.0f;
-      for (int i = 0; i < n_cand; ++i) {
-        const float e = mx == -std::numeric_limits<float>::infinity() ? 0.0f
-                                                                       : std::exp(m[cand[i]] - mx);
-        s[cand[i]] = e;
-        sum += e;
-      }
-      for (int i = 0; i < n_cand; ++i) s[cand[i]] = sum > 0.0f ? s[cand[i]] / sum : 0.0f;
-    }
   }
-  (void)w;
   int kk = std::min(k, n_cand);
   if (o.top_p > 0.0f && kk > 0) {
     float cum = 0.0f;
@@ -352,11 +408,11 @@ absl::Status CheckOptions(const LayerShape& shape, int k, const SelectOptions& o
 size_t CpuBackend::SelectExWorkspaceBytes(const LayerShape& shape, int k,
                                           const SelectOptions& options,
                                           absl::Span<const SelectItem> items) const {
-  (void)options;
   int64_t words = 0;
   for (const SelectItem& it : items) {
-    words += int64_t(std::max(shape.h, 0)) *
-             RowWordsEx(SafeTotalChunks(it.view), std::max(k, 0), std::max(shape.d, 0));
+    words += int64_t(std::max(shape.h, 0)) * RowWordsEx(SafeTotalChunks(it.view), std::max(k, 0),
+                                                        std::max(shape.d, 0),
+                                                        std::max(shape.g, 0), options);
   }
   return size_t(words) * sizeof(float);
 }
@@ -373,7 +429,8 @@ absl::Status CpuBackend::SelectEx(const LayerShape& shape, int k, const SelectOp
   const int h = shape.h;
   std::vector<int64_t> offs(items.size() + 1, 0);
   for (size_t i = 0; i < items.size(); ++i) {
-    offs[i + 1] = offs[i] + int64_t(h) * RowWordsEx(SafeTotalChunks(items[i].view), k, shape.d);
+    offs[i + 1] = offs[i] + int64_t(h) * RowWordsEx(SafeTotalChunks(items[i].view), k, shape.d,
+                                                    shape.g, options);
   }
   float* base = static_cast<float*>(ws.data);
   const int64_t pairs = int64_t(items.size()) * h;
@@ -383,7 +440,7 @@ absl::Status CpuBackend::SelectEx(const LayerShape& shape, int k, const SelectOp
     const int hh = int(p % h);
     const int64_t total = SafeTotalChunks(items[i].view);
     SelectExHead(shape, k, options, &table, items[i], hh,
-                 base + offs[i] + hh * RowWordsEx(total, k, shape.d));
+                 base + offs[i] + hh * RowWordsEx(total, k, shape.d, shape.g, options));
   }
   return absl::OkStatus();
 }

@@ -859,13 +859,18 @@ absl::Status CudaBackend::Select(const LayerShape& shape, int k, absl::Span<cons
 //     - every other item: Select's two kernels at k1 = max(candidates, k) (or k in one
 //       stage) into a scratch slot table, their `selected` rows being the candidates.
 //   Stage2Kernel (two stages): one warp per candidate reconstructs its C keys (fp32 sums,
-//     RoPE as the reference, bf16 rounding) and keeps the max of q . k / sqrt(d) over the
-//     tokens and the group: score [h, width].
+//     RoPE as the reference, bf16 rounding) and, per query head n of the group, keeps the
+//     max M and S = sum_t exp(l - M) of the logits l = q_n . k / sqrt(d) over its tokens
+//     (lane n, in token order, rescaled when the max grows, as cpu_select.cc ChunkStats):
+//     stats [h, width, g] (M, S).
 //   FinalKernel (block per item and head): in one stage the score is Select's landmark
-//     probability s (from the stage-1 logits and softmax partials); ranks the candidates by
-//     (score desc, id asc) with a bitonic sort in shared memory, cuts at the mass budget
-//     (thread 0 sums in rank order, as the CPU does), writes `selected`, and does the slot
-//     diff on thread 0 exactly as the CPU (sorted ids, binary search, first slot hits).
+//     probability s (from the stage-1 logits and softmax partials); in two, per query head
+//     LSE_n = log sum over the candidates of S exp(M) (warp n: the max of M + log S, then
+//     the sum) and the score m = max_n exp(M - LSE_n), the mass w = max_n exp(M + log S -
+//     LSE_n) (cpu_select.cc StageTwoScores). Ranks the candidates by (score desc, id asc)
+//     with a bitonic sort in shared memory, cuts at the mass budget (thread 0 sums in rank
+//     order, as the CPU does), writes `selected`, and does the slot diff on thread 0
+//     exactly as the CPU (sorted ids, binary search, first slot hits).
 //   Sums run in a different order than the CPU's, so ids whose scores tie to within fp32
 //   rounding can swap (the parity tests allow it). Limits: Select's, plus k1 <= 4096 and,
 //   for "all" items, total <= 16384 chunks (the shared-memory sort).
@@ -878,7 +883,8 @@ struct ExDesc {
   DevView view;
   const __nv_bfloat16* q;
   int* cand;            // [h, width] candidate ids (-1 = none)
-  float* score;         // [h, width] stage-2 scores (two stages)
+  float2* stats;        // [h, width, g] stage-2 (M, S) per candidate and query head (two
+                        // stages)
   const float* logits;  // stage 1: [h, total, g] (one stage only)
   const float2* partials;
   int n_blocks;
@@ -910,7 +916,7 @@ bool IsAll(const SelectOptions& o, int64_t total, int k) {
 size_t PlanSelectEx(const LayerShape& shape, int k, const SelectOptions& o,
                     absl::Span<const SelectItem> items, void* base, std::vector<ExDesc>* descs,
                     ExPlan* plan) {
-  const int64_t h = std::max(shape.h, 0);
+  const int64_t h = std::max(shape.h, 0), g = std::max(shape.g, 0);
   const int k1 = ExK1(std::max(k, 0), o);
   cuda::WorkspaceCarver c(base);
   ExDesc* dd = c.Take<ExDesc>(items.size());
@@ -921,11 +927,11 @@ size_t PlanSelectEx(const LayerShape& shape, int k, const SelectOptions& o,
     const bool all = IsAll(o, total, k);
     const int64_t width = all ? total : k1;
     int* cand = c.Take<int>(size_t(h * width));
-    float* score = o.two_stage() ? c.Take<float>(size_t(h * width)) : nullptr;
+    float2* stats = o.two_stage() ? c.Take<float2>(size_t(h * width * g)) : nullptr;
     if (descs != nullptr) {
       ExDesc& e = (*descs)[i];
       e.cand = cand;
-      e.score = score;
+      e.stats = stats;
       e.width = static_cast<int>(width);
       e.all = all ? 1 : 0;
     }
@@ -965,7 +971,8 @@ __global__ void FillAllKernel(const ExDesc* __restrict__ descs, int h) {
 }
 
 // Grid (candidate groups, h, items); warp w scores candidate blockIdx.x*kStage2Warps + w.
-// Dynamic shared memory: kStage2Warps rows of d floats.
+// Dynamic shared memory: kStage2Warps rows of d floats. Lane n (< g <= 32) keeps query head
+// n's (M, S); non-finite logits carry no weight (M = -inf, S = 0 for a head without one).
 __global__ void __launch_bounds__(32 * kStage2Warps)
     Stage2Kernel(const ExDesc* __restrict__ descs, int g, int d, int C, float scale,
                  const __grid_constant__ cuda::DeviceRope rope) {
@@ -976,9 +983,10 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
   const int i = blockIdx.x * kStage2Warps + warp;
   if (i >= e.width) return;
   const long long at = static_cast<long long>(hh) * e.width + i;
+  float2* stats = e.stats + at * g;
   const int c = e.cand[at];
   if (c < 0) {
-    if (lane == 0) e.score[at] = __int_as_float(0x7fc00000);
+    if (lane < g) stats[lane] = make_float2(-INFINITY, 0.0f);
     return;
   }
   const DevView& v = e.view;
@@ -986,7 +994,7 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
   const int local = c - sg.begin, r = v.r;
   const __nv_bfloat16* b = v.b + static_cast<long long>(hh) * r * d;
   float* acc = rows + warp * d;
-  float best = -INFINITY;
+  float run_m = -INFINITY, run_s = 0.0f;  // this lane's query head (lane < g)
   for (int t = 0; t < C; ++t) {
     const __nv_bfloat16* a = sg.a + (static_cast<long long>(local) * C + t) * r;
     for (int ch = lane; ch < d; ch += 32) {
@@ -1013,14 +1021,38 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
         const float kv = __bfloat162float(__float2bfloat16_rn(acc[ch]));
         part = __fadd_rn(part, __fmul_rn(__bfloat162float(qv[ch]), kv));
       }
+      // Butterfly: every lane ends with the same sum.
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
-      const float logit = part * scale;
-      if (!isnan(logit)) best = fmaxf(best, logit);
+      const float logit = __fmul_rn(part, scale);
+      if (lane == n && isfinite(logit)) {
+        if (logit > run_m) {
+          run_s = __fadd_rn(__fmul_rn(run_s, expf(run_m - logit)), 1.0f);
+          run_m = logit;
+        } else {
+          run_s = __fadd_rn(run_s, expf(logit - run_m));
+        }
+      }
     }
     __syncwarp();
   }
-  if (lane == 0) e.score[at] = best;
+  if (lane < g) stats[lane] = make_float2(run_m, run_s);
+}
+
+// Stage-2 score m and mass w of one candidate from its stats [g] and the heads' LSE
+// (cpu_select.cc StageTwoScores): over the heads with a finite M, m = max exp(M - LSE),
+// w = max exp(M + log S - LSE); 0 for a candidate without any.
+__device__ __forceinline__ float StageTwoScore(const float2* st, int g, const float* lse,
+                                               float* w) {
+  float best = 0.0f, mass = 0.0f;
+  for (int n = 0; n < g; ++n) {
+    const float2 x = st[n];
+    if (x.x == -INFINITY) continue;
+    best = fmaxf(best, expf(x.x - lse[n]));
+    mass = fmaxf(mass, expf(x.x + logf(x.y) - lse[n]));
+  }
+  *w = mass;
+  return best;
 }
 
 // Order-preserving bits of a float (NaN -> 0, below every number).
@@ -1095,14 +1127,22 @@ __device__ void SlotDiffSerial(const int* ids, int kk, int k, const DevView& v, 
   *miss_count = n_miss;
 }
 
+// Ranking key of candidate chunk c with score sc: valid candidates rank above padding, the
+// key being (order bits + 1) so that a NaN score (bits 0) still beats an empty entry (0).
+__device__ __forceinline__ uint64_t CandidateKey(float sc, int c) {
+  return (static_cast<uint64_t>(FloatOrder(sc)) + 1ull) << 32 |
+         (0xffffffffu - static_cast<uint32_t>(c));
+}
+
 // Block (hh, item). Dynamic shared memory: keys [kpow2] u64, then ids [k], claimed [k],
-// free [k] int.
+// free [k] int (claimed holds the masses w of the first k ranks before the slot diff).
 __global__ void __launch_bounds__(256)
     FinalKernel(const ExDesc* __restrict__ descs, int g, int k, int two_stage, float top_p,
                 int min_k, int max_pow2) {
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ float s_m[kMaxG], s_z[kMaxG];
-  __shared__ int s_kk;
+  __shared__ float s_m[kMaxG], s_z[kMaxG];  // one stage: each query head's (max, sum)
+  __shared__ float s_lse[kMaxG];             // two stages: each query head's LSE_n
+  __shared__ int s_valid, s_kk;
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem);
   int* ids = reinterpret_cast<int*>(keys + max_pow2);
   int* claimed = ids + k;
@@ -1111,6 +1151,7 @@ __global__ void __launch_bounds__(256)
   const int hh = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int total = e.view.total;
+  const long long row = static_cast<long long>(hh) * e.width;
   if (!two_stage) {
     // Each query head's softmax (max, sum) from Select's partials, as TopKKernel does.
     if (warp < g) {
@@ -1128,17 +1169,43 @@ __global__ void __launch_bounds__(256)
         s_z[warp] = z;
       }
     }
-    __syncthreads();
+  } else {
+    // LSE_n over the candidates' tokens: the max of M + log S (candidates with a
+    // finite M; padding has M = -inf), then the sum of exp(M + log S - max); warp n.
+    for (int n = warp; n < g; n += blockDim.x / 32) {
+      float mx = -INFINITY;
+      for (int i = lane; i < e.width; i += 32) {
+        const float2 x = e.stats[(row + i) * g + n];
+        if (x.x != -INFINITY) mx = fmaxf(mx, x.x + logf(x.y));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      float z = 0.0f;
+      if (mx != -INFINITY) {
+        for (int i = lane; i < e.width; i += 32) {
+          const float2 x = e.stats[(row + i) * g + n];
+          if (x.x != -INFINITY) z += expf(x.x + logf(x.y) - mx);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+      }
+      if (lane == 0) s_lse[n] = mx == -INFINITY ? -INFINITY : mx + logf(z);
+    }
   }
+  // Masses of the first k ranks (two stages), filled after the sort; zero until then.
+  float* wrank = reinterpret_cast<float*>(claimed);
+  for (int i = tid; i < k; i += blockDim.x) wrank[i] = 0.0f;
+  __syncthreads();
   const int kpow2 = e.kpow2;
   for (int i = tid; i < kpow2; i += blockDim.x) {
     uint64_t key = 0;
     if (i < e.width) {
-      const int c = e.cand[static_cast<long long>(hh) * e.width + i];
+      const int c = e.cand[row + i];
       if (c >= 0) {
         float sc;
         if (two_stage) {
-          sc = e.score[static_cast<long long>(hh) * e.width + i];
+          float w;
+          sc = StageTwoScore(e.stats + (row + i) * g, g, s_lse, &w);
         } else {
           // s = max over the group of exp(x - max) / sum, NaN -> -inf (the CPU's rule).
           sc = -INFINITY;
@@ -1150,10 +1217,7 @@ __global__ void __launch_bounds__(256)
             sc = fmaxf(sc, p);
           }
         }
-        // Valid candidates rank above padding: the key is (order bits + 1) so that a NaN
-        // score (bits 0) still beats an empty entry (key 0).
-        key = (static_cast<uint64_t>(FloatOrder(sc)) + 1ull) << 32 |
-              (0xffffffffu - static_cast<uint32_t>(c));
+        key = CandidateKey(sc, c);
       }
     }
     keys[i] = ~key;  // ascending sort of ~key: best first
@@ -1162,22 +1226,40 @@ __global__ void __launch_bounds__(256)
   if (tid == 0) {
     int n_valid = 0;
     while (n_valid < kpow2 && ~keys[n_valid] != 0ull) ++n_valid;
-    int kk = min(k, n_valid);
-    if (top_p > 0.0f && kk > 0) {
-      float mx = 0.0f, sum = 0.0f;
-      if (two_stage) {
-        mx = OrderFloat(static_cast<uint32_t>((~keys[0]) >> 32) - 1u);
-        for (int i = 0; i < n_valid; ++i) {
-          const float x = OrderFloat(static_cast<uint32_t>((~keys[i]) >> 32) - 1u);
-          sum += mx == -INFINITY ? 0.0f : expf(x - mx);
-        }
+    s_valid = n_valid;
+  }
+  __syncthreads();
+  const int n_valid = s_valid;
+  const int k_cap = min(k, n_valid);
+  // Two stages with a budget: the masses w of ranks [0, k_cap) into wrank, each candidate
+  // finding its rank by a binary search of its key among the sorted keys (distinct ids).
+  if (two_stage && top_p > 0.0f && k_cap > 0) {
+    for (int i = tid; i < e.width; i += blockDim.x) {
+      const int c = e.cand[row + i];
+      if (c < 0) continue;
+      float w;
+      const float sc = StageTwoScore(e.stats + (row + i) * g, g, s_lse, &w);
+      const uint64_t key = ~CandidateKey(sc, c);
+      int lo = 0, hi = n_valid;
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (keys[mid] < key)
+          lo = mid + 1;
+        else
+          hi = mid;
       }
+      if (lo < k_cap) wrank[lo] = w;
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    int kk = k_cap;
+    if (top_p > 0.0f && kk > 0) {
       float cum = 0.0f;
       int n = kk;
       for (int i = 0; i < kk; ++i) {
-        const float x = OrderFloat(static_cast<uint32_t>((~keys[i]) >> 32) - 1u);
-        float w = x;
-        if (two_stage) w = sum > 0.0f ? (mx == -INFINITY ? 0.0f : expf(x - mx)) / sum : 0.0f;
+        const float w =
+            two_stage ? wrank[i] : OrderFloat(static_cast<uint32_t>((~keys[i]) >> 32) - 1u);
         cum += isfinite(w) && w > 0.0f ? w : 0.0f;
         if (cum >= top_p) {
           n = i + 1;

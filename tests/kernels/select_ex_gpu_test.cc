@@ -1,8 +1,9 @@
-// CUDA parity of SelectEx (two stages, mass budgets, both, every chunk scored) and
-// AssignSlots against the CPU reference (select_ex_test.cc holds the CPU's own tests).
+// CUDA parity of SelectEx (two stages, mass budgets, both, every chunk scored; stage 2's
+// per-query-head normalisation on a planted group) and AssignSlots against the CPU reference
+// (select_ex_test.cc holds the CPU's own tests).
 // Scores are summed in another order on the GPU, so chunks whose scores tie to within fp32
-// rounding may swap: a difference is accepted only where the oracle scores of the two
-// chunks agree to 1e-3.
+// rounding may swap: a difference is accepted only where the double-precision stage-2
+// scores (log m over the CPU's stage-1 candidates) of the two chunks agree to 1e-3.
 #include <algorithm>
 #include <set>
 #include <vector>
@@ -22,10 +23,10 @@ using testing::MakeRng;
 using testing::RandomLowRank;
 using testing::RunEx;
 
-// Same selected sets per head, up to swaps of near-tied chunks (by the oracle score in two
-// stages).
+// Same selected sets per head, up to swaps of near-tied chunks (by the reference stage-2
+// score over the candidates `cands` in two stages; null: one stage, no swaps).
 void ExpectSameSelection(const LowRankCase& c, int k, const ExOut& a, const ExOut& b,
-                         bool two_stage) {
+                         const std::vector<std::vector<int32_t>>* cands) {
   for (int hh = 0; hh < c.shape.h; ++hh) {
     std::set<int32_t> sa, sb;
     int na = 0, nb = 0;
@@ -40,9 +41,15 @@ void ExpectSameSelection(const LowRankCase& c, int k, const ExOut& a, const ExOu
     std::set_difference(sb.begin(), sb.end(), sa.begin(), sa.end(), std::back_inserter(only_b));
     ASSERT_EQ(only_a.size(), only_b.size());
     for (size_t i = 0; i < only_a.size(); ++i) {
-      if (two_stage) {
-        EXPECT_NEAR(testing::OracleScore(c, hh, only_a[i]), testing::OracleScore(c, hh, only_b[i]),
-                    1e-3)
+      if (cands != nullptr) {
+        // A chunk the GPU's stage 1 kept in place of a near-tied one is scored among the
+        // CPU's candidates too.
+        std::vector<int32_t> set = (*cands)[hh];
+        for (int32_t x : {only_a[i], only_b[i]}) {
+          if (std::find(set.begin(), set.end(), x) == set.end()) set.push_back(x);
+        }
+        const testing::OracleScores ref = testing::ScoreCandidates(c, hh, set);
+        EXPECT_NEAR(ref.LogM(only_a[i]), ref.LogM(only_b[i]), 1e-3)
             << "head " << hh << ": " << only_a[i] << " vs " << only_b[i];
       } else {
         ADD_FAILURE() << "head " << hh << ": chunk " << only_a[i] << " vs " << only_b[i];
@@ -84,10 +91,42 @@ TEST(SelectExGpu, ParityWithTheCpuReference) {
       for (int step = 0; step < 2; ++step) {
         ExOut a = RunEx(*cpu, c, k, &o, slots);
         ExOut b = RunEx(*gpu, c, k, &o, slots);
-        ExpectSameSelection(c, k, a, b, m.factor != 0);
+        std::vector<std::vector<int32_t>> cands;
+        if (m.factor != 0) cands = testing::StageOneCandidates(*cpu, c, k, o);
+        ExpectSameSelection(c, k, a, b, m.factor != 0 ? &cands : nullptr);
         slots = a.slots;
         c.q = testing::RandomBf16(c.q.size(), rng, 1.0f);
       }
+    }
+  }
+}
+
+// Stage 2 normalises each query head on the GPU as on the CPU (FlatHeadCase: chunk kX first,
+// then kY, then ties by id; the mass budget's shares w), through stage 1 and over every chunk.
+TEST(SelectExGpu, StageTwoNormalisesEachQueryHead) {
+  KVSHADE_CUDA_OR_SKIP(gpu);
+  auto cpu = Cpu();
+  using testing::FlatHeadCase;
+  const LowRankCase c = FlatHeadCase::Make();
+  const int X = FlatHeadCase::kX, Y = FlatHeadCase::kY, k = 4;
+  struct Want {
+    float top_p;
+    std::vector<int32_t> selected;
+  };
+  const Want wants[] = {{0.0f, {X, Y, 0, 1}}, {0.95f, {X, -1, -1, -1}}, {1.0f, {X, Y, -1, -1}}};
+  for (int candidates : {4, FlatHeadCase::kChunks}) {
+    for (const Want& w : wants) {
+      SelectOptions o;
+      o.candidates = candidates;
+      o.C = c.C;
+      o.rope = c.rope;
+      o.top_p = w.top_p;
+      const std::vector<int32_t> slots(k, -1);
+      const ExOut a = RunEx(*cpu, c, k, &o, slots), b = RunEx(*gpu, c, k, &o, slots);
+      EXPECT_EQ(a.selected, w.selected) << "candidates " << candidates << " top_p " << w.top_p;
+      EXPECT_EQ(b.selected, w.selected) << "candidates " << candidates << " top_p " << w.top_p;
+      EXPECT_EQ(a.slots, b.slots);
+      EXPECT_EQ(a.miss_count, b.miss_count);
     }
   }
 }
@@ -158,7 +197,11 @@ TEST(SelectExGpu, MixedBatchParity) {
     o.top_p = top_p;
     o.min_k = top_p > 0 ? 3 : 0;
     const std::vector<ExOut> a = RunBatch(*cpu, cs, k, o), b = RunBatch(*gpu, cs, k, o);
-    for (size_t i = 0; i < cs.size(); ++i) ExpectSameSelection(cs[i], k, a[i], b[i], true);
+    for (size_t i = 0; i < cs.size(); ++i) {
+      const std::vector<std::vector<int32_t>> cands =
+          testing::StageOneCandidates(*cpu, cs[i], k, o);
+      ExpectSameSelection(cs[i], k, a[i], b[i], &cands);
+    }
   }
 }
 

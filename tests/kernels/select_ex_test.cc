@@ -1,11 +1,13 @@
 // SelectEx (two-stage selection, mass budgets) and AssignSlots (model-native selection) on
 // the CPU reference: defaults equal Select; two stages over every chunk equal a brute-force
-// double-precision oracle; on planted needles two stages never recall less than stage 1
-// alone; the mass budget against a reference cut, its floor and cap; caller-chosen ids
-// served exactly (slot diff and the reconstructed rows).
+// double-precision oracle; stage 2 normalises each query head before the group's maximum;
+// on planted needles two stages never recall less than stage 1 alone; the mass budget
+// against a reference cut (landmark scores in one stage, stage-2 shares in two), its floor
+// and cap; caller-chosen ids served exactly (slot diff and the reconstructed rows).
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -302,7 +304,7 @@ TEST(SelectEx, MassBudgetFloorAndCap) {
   ExOut again = RunEx(*be, c, k, nullptr, cut.slots);
   EXPECT_EQ(again.miss_count[0], 0);
   EXPECT_EQ(again.slots, full.slots);
-  // Two stages with a budget: the softmax over the candidates' max logits.
+  // Two stages with a budget: the candidates' shares w of the attention over them.
   SelectOptions t;
   t.candidates = 40;
   t.C = c.C;
@@ -313,6 +315,133 @@ TEST(SelectEx, MassBudgetFloorAndCap) {
   EXPECT_EQ(Count(ts.selected, 0, k), 3);
   const std::vector<int32_t> oracle = OracleTopK(c, 0, 3);
   EXPECT_EQ(std::vector<int32_t>(ts.selected.begin(), ts.selected.begin() + 3), oracle);
+}
+
+// Stage 2 normalises each query head over the candidates' tokens before the group's maximum,
+// as stage 1 and the oracle do (FlatHeadCase: the raw maximum ranks chunk 2 first, the
+// normalised scores chunk 5). The mass budget sums the chunks' shares w: chunk 5 alone holds
+// 0.99 of head 1's attention (a softmax of the raw maxima gave it 0.095, and 4 chunks reached
+// only 0.62).
+TEST(SelectEx, TwoStageNormalisesEachQueryHead) {
+  auto be = Cpu();
+  using testing::FlatHeadCase;
+  const int C = FlatHeadCase::kC, n_chunks = FlatHeadCase::kChunks;
+  const int X = FlatHeadCase::kX, Y = FlatHeadCase::kY;
+  const LowRankCase c = FlatHeadCase::Make();
+
+  // What the raw maximum would rank first: chunk Y, above X.
+  auto raw_max = [&](int j) {
+    double best = -INFINITY;
+    for (int t = 0; t < C; ++t) {
+      const std::vector<float> k = testing::KeyOf(c, 0, j * C + t);
+      for (int n = 0; n < 2; ++n) {
+        double dot = 0;
+        for (int ch = 0; ch < 16; ++ch) dot += double(Bf16ToFloat(c.q[n * 16 + ch])) * k[ch];
+        best = std::max(best, dot / 4.0);
+      }
+    }
+    return best;
+  };
+  EXPECT_DOUBLE_EQ(raw_max(Y), 11.25);
+  EXPECT_DOUBLE_EQ(raw_max(X), 10.0);
+
+  for (int candidates : {4, n_chunks}) {
+    SelectOptions o;
+    o.candidates = candidates;
+    o.C = C;
+    o.rope = c.rope;
+    const int k = 2;
+    ExOut x = RunEx(*be, c, k, &o, std::vector<int32_t>(k, -1));
+    EXPECT_EQ(x.selected, (std::vector<int32_t>{X, Y})) << "candidates " << candidates;
+  }
+  EXPECT_EQ(OracleTopK(c, 0, 2), (std::vector<int32_t>{X, Y}));
+  {
+    SelectOptions o;
+    o.candidates = n_chunks;
+    o.C = C;
+    o.rope = c.rope;
+    // The chunks after X and Y tie (every token at 10 under head 0): ids break the tie.
+    EXPECT_EQ(RunEx(*be, c, 4, &o, std::vector<int32_t>(4, -1)).selected,
+              (std::vector<int32_t>{X, Y, 0, 1}));
+  }
+
+  // Mass budget over every chunk: w(X) = (e^8 + 3) / (e^8 + 31) = 0.9907 (head 1),
+  // w(Y) = (e^1.25 + 3) / (e^1.25 + 31) = 0.188 (head 0), every other chunk 4 / 34.49.
+  const testing::OracleScores ref = testing::ScoreCandidates(c, 0, testing::SelectableChunks(c, 0));
+  EXPECT_NEAR(std::exp(ref.log_w[X]), (std::exp(8.0) + 3) / (std::exp(8.0) + 31), 1e-12);
+  EXPECT_NEAR(std::exp(ref.log_w[Y]), (std::exp(1.25) + 3) / (std::exp(1.25) + 31), 1e-12);
+  SelectOptions o;
+  o.candidates = n_chunks;
+  o.C = C;
+  o.rope = c.rope;
+  const int k = 4;
+  o.top_p = 0.95f;  // X alone
+  EXPECT_EQ(RunEx(*be, c, k, &o, std::vector<int32_t>(k, -1)).selected,
+            (std::vector<int32_t>{X, -1, -1, -1}));
+  o.top_p = 1.0f;  // X and Y: 1.18 (the group's maxima can sum past 1)
+  EXPECT_EQ(RunEx(*be, c, k, &o, std::vector<int32_t>(k, -1)).selected,
+            (std::vector<int32_t>{X, Y, -1, -1}));
+}
+
+// Reference cut of the mass budget in two stages (double): the candidates in stage-2 rank
+// order with their log w.
+int ReferenceTwoStageCut(const std::vector<std::pair<int32_t, double>>& ranked, int k,
+                         double top_p, int min_k) {
+  const int kk = std::min<int>(k, int(ranked.size()));
+  double cum = 0;
+  int n = kk;
+  for (int i = 0; i < kk; ++i) {
+    cum += std::exp(ranked[i].second);
+    if (cum >= top_p) {
+      n = i + 1;
+      break;
+    }
+  }
+  return std::min(kk, std::max(n, min_k));
+}
+
+// Two stages, with stage 1 narrowing the candidates and with every chunk a candidate: the
+// fixed-k ranking is the reference's stage-2 ranking of the same candidates (Select's top
+// max(candidates, k)), and the mass budget cuts it where the reference's w does.
+TEST(SelectEx, TwoStageMassBudgetCutsWhereTheReferenceDoes) {
+  auto be = Cpu();
+  const int h = 2, k = 12;
+  for (int seed = 0; seed < 6; ++seed) {
+    auto rng = MakeRng(350 + seed);
+    LowRankCase c = RandomLowRank(rng, {h, 3, 16}, 4, 8, 48, /*static_every=*/6);
+    for (bf16& x : c.q) x = FloatToBf16(Bf16ToFloat(x) * 3.0f);
+    for (int candidates : {3 * k, 1000}) {  // 36 of 40 selectable per head; all of them
+      SelectOptions o;
+      o.candidates = candidates;
+      o.C = c.C;
+      o.rope = c.rope;
+      const std::vector<std::vector<int32_t>> cands = testing::StageOneCandidates(*be, c, k, o);
+      ExOut full = RunEx(*be, c, k, &o, std::vector<int32_t>(size_t(h) * k, -1));
+      std::vector<std::vector<std::pair<int32_t, double>>> ranked(h);
+      for (int hh = 0; hh < h; ++hh) {
+        ASSERT_EQ(cands[hh].size(), size_t(std::min(candidates, 40)));
+        ranked[hh] = testing::RankCandidates(c, hh, cands[hh]);
+        for (int i = 0; i < k; ++i) {
+          EXPECT_EQ(full.selected[size_t(hh) * k + i], ranked[hh][i].first)
+              << "seed " << seed << " candidates " << candidates << " head " << hh << " rank " << i;
+        }
+      }
+      for (double p : {0.3, 0.6, 0.9}) {
+        for (int min_k : {0, 3}) {
+          o.top_p = float(p);
+          o.min_k = min_k;
+          ExOut x = RunEx(*be, c, k, &o, std::vector<int32_t>(size_t(h) * k, -1));
+          for (int hh = 0; hh < h; ++hh) {
+            const int want = ReferenceTwoStageCut(ranked[hh], k, p, min_k);
+            EXPECT_EQ(Count(x.selected, hh, k), want)
+                << "seed " << seed << " candidates " << candidates << " p " << p << " head " << hh;
+            for (int i = 0; i < want; ++i)
+              EXPECT_EQ(x.selected[hh * k + i], full.selected[hh * k + i]);
+          }
+        }
+      }
+    }
+  }
 }
 
 // A worker mirrors the slot table from the misses alone (slot <- chunk). Over steps that mix

@@ -1,12 +1,13 @@
 // Inputs for the SelectEx / AssignSlots tests (CPU and CUDA parity): a one-segment session
 // layer in low-rank form whose landmarks are the chunk means of its reconstructed keys, so
-// that two-stage selection has real keys to re-rank with, plus a runner that copies
-// everything into a backend's memory.
+// that two-stage selection has real keys to re-rank with, a runner that copies everything
+// into a backend's memory, and a double-precision reference of the stage-2 scores.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "kvshade/kernels/backend.h"
@@ -82,6 +83,53 @@ inline LowRankCase RandomLowRank(std::mt19937_64& rng, LayerShape shape, int C, 
   return c;
 }
 
+// Keys given exactly: one KV head of g query heads, d = r = 16, B = I and RoPE on channels
+// 0..7 only, so that keys[t] and q[n] (channels 8..15, values exact in bf16) reach the
+// logits unrotated and unrounded. keys [n_chunks*C][8], q [g][8].
+inline LowRankCase ExactKeys(int g, int C, int n_chunks, const std::vector<std::vector<float>>& keys,
+                      const std::vector<std::vector<float>>& q) {
+  LowRankCase c;
+  const int d = 16;
+  c.shape = {1, g, d};
+  c.C = C;
+  c.r = d;
+  c.n_chunks = n_chunks;
+  c.first_position = 5;
+  c.rope.theta = 10000.0f;
+  c.rope.rotary_dim = 8;
+  c.b.assign(size_t(d) * d, bf16{});
+  for (int x = 0; x < d; ++x) c.b[size_t(x) * d + x] = FloatToBf16(1.0f);
+  c.a.assign(size_t(n_chunks) * C * d, bf16{});
+  for (size_t t = 0; t < keys.size(); ++t)
+    for (int x = 0; x < 8; ++x) c.a[t * d + 8 + x] = FloatToBf16(keys[t][x]);
+  c.q.assign(size_t(g) * d, bf16{});
+  for (int n = 0; n < g; ++n)
+    for (int x = 0; x < 8; ++x) c.q[size_t(n) * d + 8 + x] = FloatToBf16(q[n][x]);
+  c.excluded.assign(n_chunks, 0);
+  BuildLandmarks(c);
+  return c;
+}
+
+// A group of 2 query heads over 8 chunks of 4 tokens (ExactKeys): query head 0 has a large
+// norm and near-equal logits on every token (10, and 11.25 on one token of chunk kY), so its
+// softmax is nearly flat; head 1 puts almost all of its attention on one token of chunk kX,
+// whose logit (8) is below every one of head 0's. The raw group maximum ranks kY first, then
+// the other chunks tied at 10; per query head probabilities rank kX first (0.99 under head
+// 1), then kY (0.10 under head 0).
+struct FlatHeadCase {
+  static constexpr int kC = 4, kChunks = 8, kX = 5, kY = 2;
+  static LowRankCase Make() {
+    std::vector<std::vector<float>> keys(kChunks * kC, std::vector<float>(8, 0.0f));
+    for (auto& k : keys) k[0] = 1.0f;
+    keys[kY * kC + 1][0] = 1.125f;
+    keys[kX * kC + 2][1] = 4.0f;
+    std::vector<std::vector<float>> q(2, std::vector<float>(8, 0.0f));
+    q[0][0] = 40.0f;  // logits 40 * 1 / sqrt(16) = 10 everywhere, 11.25 on kY's token
+    q[1][1] = 8.0f;   // logit 8 on kX's token, 0 elsewhere
+    return ExactKeys(2, kC, kChunks, keys, q);
+  }
+};
+
 struct ExOut {
   std::vector<int32_t> slots, selected, miss_slot, miss_chunk, miss_count;
 };
@@ -146,35 +194,115 @@ inline ExOut RunEx(Backend& be, const LowRankCase& c, int k, const SelectOptions
   return out;
 }
 
-// Double-precision oracle score of chunk j of head hh: max over tokens and the group of
-// q . bf16(k) / sqrt(d).
-inline double OracleScore(const LowRankCase& c, int hh, int j) {
+// Double-precision stage-2 scores of the candidate chunks `cands` of head hh (SelectOptions
+// in backend.h), in the log domain: for each query head n of the group, its softmax over
+// every token of every candidate of the logits l_n(t) = q_n . bf16(k_t) / sqrt(d); a chunk's
+// log m is max_n log max_{t in c} p_n(t) and its log w is max_n log sum_{t in c} p_n(t).
+struct OracleScores {
+  std::vector<int32_t> ids;
+  std::vector<double> log_m, log_w;
+  // log m of chunk id c (which must be a candidate).
+  double LogM(int32_t c) const {
+    return log_m[std::find(ids.begin(), ids.end(), c) - ids.begin()];
+  }
+};
+
+inline OracleScores ScoreCandidates(const LowRankCase& c, int hh,
+                                    const std::vector<int32_t>& cands) {
   const int g = c.shape.g, d = c.shape.d;
-  double best = -INFINITY;
-  for (int t = 0; t < c.C; ++t) {
-    const std::vector<float> k = KeyOf(c, hh, j * c.C + t);
-    for (int n = 0; n < g; ++n) {
-      double dot = 0;
-      for (int ch = 0; ch < d; ++ch) {
-        dot += double(Bf16ToFloat(c.q[size_t(hh * g + n) * d + ch])) *
-               double(Bf16ToFloat(FloatToBf16(k[ch])));
+  const size_t n_cand = cands.size();
+  // l[i][t][n]: logits of candidate i's tokens.
+  std::vector<std::vector<std::vector<double>>> l(n_cand);
+  std::vector<double> mx(g, -INFINITY);
+  for (size_t i = 0; i < n_cand; ++i) {
+    l[i].assign(c.C, std::vector<double>(g));
+    for (int t = 0; t < c.C; ++t) {
+      const std::vector<float> k = KeyOf(c, hh, cands[i] * c.C + t);
+      for (int n = 0; n < g; ++n) {
+        double dot = 0;
+        for (int ch = 0; ch < d; ++ch) {
+          dot += double(Bf16ToFloat(c.q[size_t(hh * g + n) * d + ch])) *
+                 double(Bf16ToFloat(FloatToBf16(k[ch])));
+        }
+        l[i][t][n] = dot / std::sqrt(double(d));
+        mx[n] = std::max(mx[n], l[i][t][n]);
       }
-      best = std::max(best, dot / std::sqrt(double(d)));
     }
   }
-  return best;
+  std::vector<double> lse(g, 0.0);
+  for (int n = 0; n < g; ++n) {
+    double z = 0;
+    for (size_t i = 0; i < n_cand; ++i)
+      for (int t = 0; t < c.C; ++t) z += std::exp(l[i][t][n] - mx[n]);
+    lse[n] = mx[n] + std::log(z);
+  }
+  OracleScores o;
+  o.ids = cands;
+  for (size_t i = 0; i < n_cand; ++i) {
+    double best = -INFINITY, mass = -INFINITY;
+    for (int n = 0; n < g; ++n) {
+      double cm = -INFINITY, z = 0;
+      for (int t = 0; t < c.C; ++t) cm = std::max(cm, l[i][t][n]);
+      for (int t = 0; t < c.C; ++t) z += std::exp(l[i][t][n] - cm);
+      best = std::max(best, cm - lse[n]);
+      mass = std::max(mass, cm + std::log(z) - lse[n]);
+    }
+    o.log_m.push_back(best);
+    o.log_w.push_back(mass);
+  }
+  return o;
 }
 
-// The oracle's top-k selectable chunks of head hh (score desc, id asc).
-inline std::vector<int32_t> OracleTopK(const LowRankCase& c, int hh, int k) {
-  std::vector<std::pair<double, int>> s;
-  for (int j = 0; j < c.n_chunks; ++j) {
-    if (c.excluded[size_t(hh) * c.n_chunks + j]) continue;
-    s.push_back({-OracleScore(c, hh, j), j});
-  }
-  std::sort(s.begin(), s.end());
+// The selectable chunks of head hh, ascending.
+inline std::vector<int32_t> SelectableChunks(const LowRankCase& c, int hh) {
   std::vector<int32_t> out;
-  for (int i = 0; i < k && i < int(s.size()); ++i) out.push_back(s[i].second);
+  for (int j = 0; j < c.n_chunks; ++j)
+    if (!c.excluded[size_t(hh) * c.n_chunks + j]) out.push_back(j);
+  return out;
+}
+
+// Stage 1's candidates per head on `be` for two-stage options `o` at width k: Select's top
+// max(candidates, k), or every selectable chunk when that covers them all.
+inline std::vector<std::vector<int32_t>> StageOneCandidates(Backend& be, const LowRankCase& c,
+                                                            int k, const SelectOptions& o) {
+  const int h = c.shape.h, k1 = std::max(o.candidates, k);
+  std::vector<std::vector<int32_t>> out(h);
+  if (k1 >= c.n_chunks) {
+    for (int hh = 0; hh < h; ++hh) out[hh] = SelectableChunks(c, hh);
+    return out;
+  }
+  const ExOut s1 = RunEx(be, c, k1, nullptr, std::vector<int32_t>(size_t(h) * k1, -1));
+  for (int hh = 0; hh < h; ++hh) {
+    for (int i = 0; i < k1; ++i) {
+      if (s1.selected[size_t(hh) * k1 + i] >= 0) out[hh].push_back(s1.selected[size_t(hh) * k1 + i]);
+    }
+  }
+  return out;
+}
+
+// The candidates' ids ranked by stage 2 (log m desc, id asc), with their log w.
+inline std::vector<std::pair<int32_t, double>> RankCandidates(const LowRankCase& c, int hh,
+                                                              const std::vector<int32_t>& cands) {
+  const OracleScores o = ScoreCandidates(c, hh, cands);
+  std::vector<size_t> order(cands.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    if (o.log_m[a] != o.log_m[b]) return o.log_m[a] > o.log_m[b];
+    return o.ids[a] < o.ids[b];
+  });
+  std::vector<std::pair<int32_t, double>> out;
+  for (size_t i : order) out.push_back({o.ids[i], o.log_w[i]});
+  return out;
+}
+
+// The oracle's top-k selectable chunks of head hh: two stages with every selectable chunk a
+// candidate (score desc, id asc).
+inline std::vector<int32_t> OracleTopK(const LowRankCase& c, int hh, int k) {
+  std::vector<int32_t> out;
+  for (const auto& [id, log_w] : RankCandidates(c, hh, SelectableChunks(c, hh))) {
+    if (int(out.size()) == k) break;
+    out.push_back(id);
+  }
   return out;
 }
 

@@ -194,19 +194,27 @@ struct SelectItem {
 // makes SelectEx select exactly what Select selects (same order, same slot diff).
 //   candidates : two-stage selection when > 0 (and >= k). Stage 1 ranks the selectable chunks
 //                by landmark score as Select does and keeps the best min(candidates,
-//                selectable) per KV head; stage 2 scores each candidate c by
-//                  m[c] = max over its C tokens t and the g query heads n of
-//                         dot(q[n], bf16(RoPE(A[t] . B_h, pos_t))) / sqrt(d)
-//                (keys reconstructed as Reconstruct does them, fp32 dot) and re-ranks the
-//                candidates by (m desc, id asc), NaN last. candidates >= total chunks makes
-//                stage 2 score every selectable chunk: the oracle top-k of reconstructed keys.
+//                selectable) per KV head; stage 2 normalises each query head n of the group
+//                over every token t of every candidate, as stage 1 does over the landmarks,
+//                  l_n(t) = dot(q[n], bf16(RoPE(A[t] . B_h, pos_t))) / sqrt(d)
+//                  p_n(t) = softmax over all candidate tokens of l_n
+//                  m[c]   = max over n and the C tokens t of c of p_n(t)
+//                (keys reconstructed as Reconstruct does them, fp32 dots; per candidate and
+//                n the max logit M and S = sum_t exp(l_n(t) - M), LSE_n = logsumexp over the
+//                candidates of M + log S, m[c] = max_n exp(M - LSE_n); non-finite logits
+//                carry no weight, and a candidate without a finite one scores 0) and re-ranks
+//                the candidates by (m desc, id asc), NaN last. candidates >= total chunks
+//                makes stage 2 score every selectable chunk: the oracle top-k of
+//                reconstructed keys.
 //   C, rope    : chunk size and RoPE of the view (stage 2 only).
 //   top_p      : mass budget when in (0, 1]: after ranking, each head keeps the shortest
 //                prefix whose estimated attention mass reaches top_p, at least min_k and at
 //                most k chunks (k is the cap and the slot-table width). The mass of a chunk
 //                is its landmark score s (Select's max over the group of the per-query-head
-//                softmax) in one stage, and softmax over the candidates of m in two stages;
-//                summed in rank order in fp32.
+//                softmax) in one stage, and w[c] = max over n of sum_{t in c} p_n(t) (its
+//                share of query head n's attention over the candidates, the group's
+//                maximum; exp(M + log S - LSE_n)) in two; summed in rank order in fp32.
+//                Group maxima can sum past 1 when g > 1, so top_p = 1 may cut before k.
 //   min_k      : the floor of the mass budget, in [0, k].
 // A head that keeps fewer than k chunks has -1 in its trailing `selected` entries; the slots
 // it does not need keep the chunks they held (SelectItem::slots).
