@@ -742,7 +742,7 @@ int kvshade_local_decoder_open(kvshade_client* c, size_t n, const char* const* a
   return Guard([&] {
     if (c == nullptr || out == nullptr) return Bad("client and out must not be NULL");
     *out = nullptr;
-    if (n == 0 || attachment_ids == nullptr) return Bad("give at least one attachment id");
+    if (n > 0 && attachment_ids == nullptr) return Bad("attachment_ids must not be NULL when n > 0");
     std::vector<std::string> ids;
     for (size_t i = 0; i < n; ++i) {
       if (!IdOk(attachment_ids[i])) return Bad("an attachment id is NULL or too long");
@@ -816,6 +816,24 @@ int kvshade_local_decoder_info(kvshade_local_decoder* dec, int32_t* batch, int32
   });
 }
 
+int kvshade_local_decoder_join(kvshade_local_decoder* dec, const char* attachment_id, int32_t* index) {
+  return Guard([&] {
+    if (dec == nullptr) return Bad("decoder must not be NULL");
+    if (!IdOk(attachment_id)) return Bad("attachment_id is NULL or too long");
+    auto b = dec->impl->Join(attachment_id);
+    if (!b.ok()) return Report(b.status());
+    if (index) *index = *b;
+    return int(KVSHADE_OK);
+  });
+}
+
+int kvshade_local_decoder_leave(kvshade_local_decoder* dec, uint32_t index) {
+  return Guard([&] {
+    if (dec == nullptr) return Bad("decoder must not be NULL");
+    return Report(dec->impl->Leave(static_cast<int>(index)));
+  });
+}
+
 int kvshade_local_decoder_attend_chunks(kvshade_local_decoder* dec, uint32_t layer, const void* q,
                                         const int32_t* chunks, int32_t m, const void* k_new,
                                         const void* v_new, float* out, float* lse, void* stream) {
@@ -859,7 +877,7 @@ int kvshade_local_decoder_selection(kvshade_local_decoder* dec, uint32_t b, kvsh
 
 const char* kvshade_local_decoder_backend(const kvshade_local_decoder* dec) {
   if (dec == nullptr) return "";
-  return dec->impl->backend().name().data();  // a string literal of the backend
+  return dec->impl->backend_name().data();  // a string literal of the backend, or ""
 }
 
 void kvshade_local_decoder_free(kvshade_local_decoder* dec) { delete dec; }

@@ -199,6 +199,7 @@ struct Seq {
   std::vector<std::pair<std::string, uint64_t>> regions;  // mapped regions it holds
   std::vector<SeqLayer> layers;
   uint64_t session_tokens = 0;  // tokens the generation covers
+  int n_local = 0;              // tokens decoded here since the generation (local tail)
   std::atomic<int64_t> lease_expires_ms{0};
   decode::SelectionGuard guard;  // this decoder's recall guard of the sequence
 };
@@ -208,7 +209,11 @@ struct LocalDecoder::Impl {
   LocalDecoderOptions options;
   WorkerContext* ctx = nullptr;
   kernels::Backend* be = nullptr;
-  std::vector<std::unique_ptr<Seq>> seqs;
+  // The batch, in batch order (Join appends, Leave removes and closes the gap). Shared
+  // with the renewal thread, which copies the list under renew_mu.
+  std::vector<std::shared_ptr<Seq>> seqs;
+  bool geometry = false;  // set by the first sequence's export
+  bool probed = false;    // the first step's kernels ran (Probe)
   int L = 0, h = 0, hq = 0, g = 0, d = 0, C = 0;
   kernels::RopeSpec rope;
   kernels::ValueCodecSpec codec;
@@ -216,15 +221,18 @@ struct LocalDecoder::Impl {
   decode::SelectionPolicy policy;  // the sessions' selection options and recall guard
   kernels::Buffer zero_q;          // [hq, d] zeros: PrimeSlots' query
   kernels::Buffer guard_ws;        // the recall guard's oracle scratch, grown on need
-  // Exact local tail: [L][cap, B, h, d] bf16 K and V; n_local tokens valid.
+  // Exact local tails: [L][seq_cap][local_capacity][h][d] bf16 K and V; sequence b's first
+  // seqs[b]->n_local tokens are valid. seq_cap sequences fit before they are reallocated.
   kernels::Buffer local_k, local_v;
-  int n_local = 0;
+  int seq_cap = 0;
   // Step counters in backend memory, so that a captured step (CUDA graph) reads the
-  // current values at replay: [h] int32 n_local+1, [h] int32 n_local, then int64 n_local
-  // (the new token's row) and int64 0. Advance/Refresh (never captured) set them by a
-  // device copy of row n_local of `counter_table` (every value precomputed at Open, rows
-  // 0..local_capacity), so a step costs no host synchronisation.
-  kernels::Buffer counters, counter_table, counter_index;  // index: int64 [cap+1] = 0..cap
+  // current values at replay: per sequence a row of CounterBytes() with [h] int32
+  // n_local+1 and [h] int32 n_local (the local tail's length with and without the step's
+  // token); `rows` holds int64 [seq_cap] 0..seq_cap-1 (the new tokens' rows of k_new), then
+  // int64 [seq_cap] b*local_capacity + n_local (where they go in the local tails). Advance,
+  // Join, Leave and Refresh (never captured) upload them (UploadCounters): a step itself
+  // costs no host synchronisation.
+  kernels::Buffer counters, rows;
   kernels::Buffer workspace;
   size_t workspace_bytes = 0;
   kernels::Stream last_stream;
@@ -255,46 +263,83 @@ struct LocalDecoder::Impl {
   absl::Status CheckLeases() const;
   void RenewLoop();
   absl::Status SizeWorkspace();
-  absl::Status SetCounters(kernels::Stream stream);
-  absl::Status BuildCounterTable();
-  size_t CounterBytes() const { return (CountersRowOffset() + 16 + 15) / 16 * 16; }
-  const int32_t* len_with() const { return static_cast<const int32_t*>(counters.data()); }
-  const int32_t* len_without() const { return len_with() + h; }
-  const int64_t* new_row() const {
-    return reinterpret_cast<const int64_t*>(static_cast<const char*>(counters.data()) + CountersRowOffset());
+  // Sets the geometry, backend and selection policy from the first sequence's export.
+  absl::Status SetGeometry(const v1::SessionExport& e);
+  // Whether a later sequence's export fits this decoder (InvalidArgument naming `id`).
+  absl::Status CheckCompatible(const v1::SessionExport& e, const std::string& id) const;
+  // Room for `n` sequences in the local tails and counters (reallocated, kept, between
+  // steps).
+  absl::Status EnsureCapacity(int n);
+  absl::Status UploadCounters(kernels::Stream stream);
+  // Adds a sequence (its attachment's current generation) at the end of the batch.
+  absl::StatusOr<int> Join(const std::string& attachment_id, v1::SessionExport exp);
+  absl::Status CheckNotMember(const std::string& attachment_id) const;
+  // One step of layer 0 with a zero query over the whole batch, so that a geometry this
+  // backend's kernels do not take fails at the first Open/Join, where a caller can still
+  // pick another path, and not at the first decode step. The slot tables it filled are
+  // reset; the recall guard does not sample it.
+  absl::Status Probe(LocalDecoder& dec);
+  // Closes the gap a sequence leaves at batch index b in the local tails.
+  absl::Status RemoveSeq(int b);
+  // The local tail of sequence b in `layer` (K or V buffer).
+  bf16* LocalRows(const kernels::Buffer& buf, int layer, int b) const {
+    return static_cast<bf16*>(buf.data()) +
+           (size_t(layer) * seq_cap + b) * size_t(options.local_capacity) * h * d;
   }
-  size_t CountersRowOffset() const { return (size_t(2 * h) * 4 + 7) / 8 * 8; }
+  size_t CounterBytes() const { return (size_t(2 * h) * 4 + 15) / 16 * 16; }
+  const int32_t* len_with(int b) const {
+    return reinterpret_cast<const int32_t*>(static_cast<const char*>(counters.data()) + size_t(b) * CounterBytes());
+  }
+  const int32_t* len_without(int b) const { return len_with(b) + h; }
+  const int64_t* iota_rows() const { return static_cast<const int64_t*>(rows.data()); }
+  const int64_t* new_rows() const { return iota_rows() + seq_cap; }
 };
 
-absl::Status LocalDecoder::Impl::BuildCounterTable() {
-  const int cap = options.local_capacity;
-  const size_t row = CounterBytes();
-  std::vector<char> table(size_t(cap + 1) * row, 0);
-  std::vector<int64_t> index(cap + 1);
-  for (int n = 0; n <= cap; ++n) {
-    char* r = table.data() + size_t(n) * row;
-    int32_t* lw = reinterpret_cast<int32_t*>(r);
-    for (int i = 0; i < h; ++i) {
-      lw[i] = n + 1;
-      lw[h + i] = n;
+absl::Status LocalDecoder::Impl::EnsureCapacity(int n) {
+  if (n <= seq_cap) return absl::OkStatus();
+  const int cap = std::max({n, 2 * seq_cap, 4});
+  const size_t per_seq = size_t(options.local_capacity) * h * d;  // elements
+  KVSHADE_RETURN_IF_ERROR(be->Synchronize(last_stream));
+  for (kernels::Buffer* buf : {&local_k, &local_v}) {
+    KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer grown, be->Allocate(size_t(L) * cap * per_seq * 2));
+    if (seq_cap > 0) {
+      for (int l = 0; l < L; ++l) {
+        KVSHADE_RETURN_IF_ERROR(be->Copy(static_cast<bf16*>(grown.data()) + size_t(l) * cap * per_seq,
+                                         static_cast<const bf16*>(buf->data()) + size_t(l) * seq_cap * per_seq,
+                                         size_t(seq_cap) * per_seq * 2));
+      }
+      KVSHADE_RETURN_IF_ERROR(be->Synchronize());
     }
-    const int64_t rows[2] = {n, 0};
-    std::memcpy(r + CountersRowOffset(), rows, sizeof(rows));
-    index[n] = n;
+    *buf = std::move(grown);
   }
-  KVSHADE_ASSIGN_OR_RETURN(counters, be->Allocate(row));
-  KVSHADE_ASSIGN_OR_RETURN(counter_table, be->Allocate(table.size()));
-  KVSHADE_ASSIGN_OR_RETURN(counter_index, be->Allocate(index.size() * 8));
-  KVSHADE_RETURN_IF_ERROR(be->CopyFromHost(counter_table.data(), table.data(), table.size()));
-  KVSHADE_RETURN_IF_ERROR(be->CopyFromHost(counter_index.data(), index.data(), index.size() * 8));
-  return be->Synchronize();
+  KVSHADE_ASSIGN_OR_RETURN(counters, be->Allocate(size_t(cap) * CounterBytes()));
+  KVSHADE_ASSIGN_OR_RETURN(rows, be->Allocate(size_t(cap) * 2 * 8));
+  std::vector<int64_t> host(size_t(cap) * 2, 0);
+  for (int i = 0; i < cap; ++i) host[i] = i;
+  KVSHADE_RETURN_IF_ERROR(be->CopyFromHost(rows.data(), host.data(), host.size() * 8));
+  seq_cap = cap;
+  return UploadCounters({});
 }
 
-absl::Status LocalDecoder::Impl::SetCounters(kernels::Stream stream) {
-  const int64_t* index = static_cast<const int64_t*>(counter_index.data());
-  return be->CopyRows(counter_table.data(), counters.data(), CounterBytes(), 1, index + n_local,
-                      index, stream);
+absl::Status LocalDecoder::Impl::UploadCounters(kernels::Stream stream) {
+  const int B = static_cast<int>(seqs.size());
+  if (B == 0 || seq_cap == 0) return absl::OkStatus();
+  // Pageable host memory: the copy is staged at the call, so these may be reused at once.
+  std::vector<char> block(size_t(B) * CounterBytes(), 0);
+  std::vector<int64_t> dst(B);
+  for (int b = 0; b < B; ++b) {
+    int32_t* r = reinterpret_cast<int32_t*>(block.data() + size_t(b) * CounterBytes());
+    const int n = seqs[b]->n_local;
+    for (int i = 0; i < h; ++i) {
+      r[i] = n + 1;
+      r[h + i] = n;
+    }
+    dst[b] = int64_t(b) * options.local_capacity + n;
+  }
+  KVSHADE_RETURN_IF_ERROR(be->CopyFromHost(counters.data(), block.data(), block.size(), stream));
+  return be->CopyFromHost(const_cast<int64_t*>(new_rows()), dst.data(), dst.size() * 8, stream);
 }
+
 
 void LocalDecoder::Impl::UnmapRegions(Seq& seq) {
   std::lock_guard<std::mutex> lock(ctx->mu);
@@ -577,7 +622,10 @@ void LocalDecoder::Impl::RenewLoop() {
     for (const auto& s : seqs) lease_ms = std::max<int64_t>(lease_ms, s->exp.lease_ms());
     const auto wait = std::chrono::milliseconds(std::max<int64_t>(lease_ms / 3, 50));
     if (renew_cv.wait_for(lock, wait, [&] { return stop; })) return;
-    for (auto& s : seqs) {
+    // A copy: sequences may join or leave while a renewal is in flight.
+    const std::vector<std::shared_ptr<Seq>> batch = seqs;
+    for (const auto& s : batch) {
+      if (stop) return;
       v1::ExportSessionRequest req;
       req.set_attachment_id(s->attachment_id);
       req.set_renew_only(true);
@@ -613,13 +661,158 @@ LocalDecoder::~LocalDecoder() {
   }
 }
 
+absl::Status LocalDecoder::Impl::SetGeometry(const v1::SessionExport& e0) {
+  std::string backend = options.backend;
+  if (backend == "auto") backend = e0.backend();
+  KVSHADE_ASSIGN_OR_RETURN(ctx, ContextFor(backend));
+  be = ctx->backend.get();
+  L = static_cast<int>(e0.num_layers());
+  h = static_cast<int>(e0.num_kv_heads());
+  hq = static_cast<int>(e0.num_query_heads());
+  g = hq / std::max(h, 1);
+  d = static_cast<int>(e0.head_dim());
+  C = static_cast<int>(e0.chunk_size());
+  shape = kernels::LayerShape{h, g, d};
+  rope = FromWire(e0.rope());
+  KVSHADE_ASSIGN_OR_RETURN(codec.codec, FromWire(e0.value_codec()));
+  codec.group = static_cast<int>(e0.value_group());
+  policy = PolicyFromWire(e0.profile());
+  if ((size_t(h) * d * 2) % 16 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "LocalDecoder: kv_heads * head_dim * 2 bytes must be a multiple of 16, got ", size_t(h) * d * 2));
+  }
+  KVSHADE_ASSIGN_OR_RETURN(zero_q, be->Allocate(size_t(hq) * d * 2));
+  KVSHADE_RETURN_IF_ERROR(be->Fill(zero_q.data(), 0, zero_q.bytes()));
+  geometry = true;
+  return absl::OkStatus();
+}
+
+absl::Status LocalDecoder::Impl::CheckCompatible(const v1::SessionExport& e, const std::string& id) const {
+  const std::string first = seqs.empty() ? std::string("the decoder's sessions") : absl::StrCat("'", seqs[0]->attachment_id, "'");
+  std::string backend = options.backend;
+  if (backend == "auto") backend = e.backend();
+  if (e.num_layers() != uint32_t(L) || e.num_kv_heads() != uint32_t(h) || e.num_query_heads() != uint32_t(hq) ||
+      e.head_dim() != uint32_t(d) || e.chunk_size() != uint32_t(C) || e.value_group() != uint32_t(codec.group) ||
+      FromWire(e.value_codec()).value_or(kernels::ValueCodec::kBF16) != codec.codec ||
+      backend.substr(0, 4) != std::string(be->name()).substr(0, 4) ||
+      FromWire(e.rope()).theta != rope.theta || FromWire(e.rope()).rotary_dim != rope.rotary_dim ||
+      FromWire(e.rope()).scaling != rope.scaling || FromWire(e.rope()).factor != rope.factor ||
+      FromWire(e.rope()).pairing != rope.pairing) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attachment '", id, "' differs from ", first,
+        " in model geometry, RoPE, chunk size, value codec or backend; one decoder batches sessions "
+        "of one model and profile"));
+  }
+  const decode::SelectionPolicy p = PolicyFromWire(e.profile());
+  if (p.sparse_budget != policy.sparse_budget || p.rerank_factor != policy.rerank_factor ||
+      p.mass_top_p != policy.mass_top_p || p.mass_min_chunks != policy.mass_min_chunks ||
+      p.recall_sample_rate != policy.recall_sample_rate || p.recall_floor != policy.recall_floor ||
+      p.recall_action != policy.recall_action) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attachment '", id, "' differs from ", first,
+        " in its profile's selection options (sparse_budget, rerank_factor, mass_top_p, "
+        "mass_min_chunks, recall guard); one decoder batches sessions of one profile"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status LocalDecoder::Impl::CheckNotMember(const std::string& attachment_id) const {
+  for (const auto& s : seqs) {
+    if (s->attachment_id == attachment_id) {
+      return absl::AlreadyExistsError(absl::StrCat("attachment '", attachment_id, "' is already in the batch"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int> LocalDecoder::Impl::Join(const std::string& attachment_id, v1::SessionExport exp) {
+  auto seq = std::make_shared<Seq>();
+  seq->attachment_id = attachment_id;
+  const uint64_t generation = exp.generation();
+  absl::Status st = CheckNotMember(attachment_id);
+  if (st.ok()) st = geometry ? CheckCompatible(exp, attachment_id) : SetGeometry(exp);
+  if (st.ok()) st = be->Synchronize(last_stream);  // the last step may still read
+  if (st.ok()) st = MapGeneration(*seq, std::move(exp));
+  if (st.ok()) st = EnsureCapacity(static_cast<int>(seqs.size()) + 1);
+  if (!st.ok()) {
+    // Nothing of the sequence stays: its mappings and its generation are released.
+    if (ctx != nullptr) UnmapRegions(*seq);
+    v1::ExportSessionRequest rel;
+    rel.set_attachment_id(attachment_id);
+    rel.set_renew_only(true);
+    rel.add_release_generations(generation);
+    (void)client->ExportSession(rel);
+    return st;
+  }
+  {
+    std::lock_guard<std::mutex> lock(renew_mu);
+    seqs.push_back(std::move(seq));
+  }
+  KVSHADE_RETURN_IF_ERROR(UploadCounters({}));
+  KVSHADE_RETURN_IF_ERROR(SizeWorkspace());
+  KVSHADE_RETURN_IF_ERROR(be->Synchronize());
+  return static_cast<int>(seqs.size()) - 1;
+}
+
+absl::Status LocalDecoder::Impl::Probe(LocalDecoder& dec) {
+  if (probed || seqs.empty()) return absl::OkStatus();
+  const size_t qn = seqs.size() * size_t(hq) * d;
+  KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer q0, be->Allocate(qn * 2));
+  KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer o0, be->Allocate(qn * 4));
+  KVSHADE_RETURN_IF_ERROR(be->Fill(q0.data(), 0, qn * 2));
+  const float rate = policy.recall_sample_rate;
+  policy.recall_sample_rate = 0;
+  absl::Status probe = dec.Attend(0, static_cast<const bf16*>(q0.data()), nullptr, nullptr,
+                                  static_cast<float*>(o0.data()));
+  policy.recall_sample_rate = rate;
+  KVSHADE_RETURN_IF_ERROR(probe);
+  for (auto& s : seqs) {
+    SeqLayer& sl = s->layers[0];
+    if (sl.k > 0) KVSHADE_RETURN_IF_ERROR(be->Fill(sl.slots.data(), 0xff, size_t(h) * sl.k * 4));
+    sl.primed = false;
+  }
+  KVSHADE_RETURN_IF_ERROR(be->Synchronize());
+  probed = true;
+  return absl::OkStatus();
+}
+
+absl::Status LocalDecoder::Impl::RemoveSeq(int b) {
+  const int B = static_cast<int>(seqs.size());
+  const size_t tok = size_t(h) * d;
+  // Later sequences move one place down, their local tails with them (slot blocks are
+  // disjoint, so each copy is between distinct blocks).
+  for (int j = b + 1; j < B; ++j) {
+    const size_t bytes = size_t(seqs[j]->n_local) * tok * 2;
+    if (bytes == 0) continue;
+    for (int l = 0; l < L; ++l) {
+      for (const kernels::Buffer* buf : {&local_k, &local_v}) {
+        KVSHADE_RETURN_IF_ERROR(be->Copy(LocalRows(*buf, l, j - 1), LocalRows(*buf, l, j), bytes));
+      }
+    }
+  }
+  std::shared_ptr<Seq> gone;
+  {
+    std::lock_guard<std::mutex> lock(renew_mu);
+    gone = seqs[b];
+    seqs.erase(seqs.begin() + b);
+  }
+  KVSHADE_RETURN_IF_ERROR(UploadCounters({}));
+  KVSHADE_RETURN_IF_ERROR(be->Synchronize());
+  UnmapRegions(*gone);
+  if (gone->exp.generation() != 0) {
+    v1::ExportSessionRequest rel;
+    rel.set_attachment_id(gone->attachment_id);
+    rel.set_renew_only(true);
+    rel.add_release_generations(gone->exp.generation());
+    (void)client->ExportSession(rel);  // best effort: a detach releases it too
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<LocalDecoder>> LocalDecoder::Open(
     Client* client, const std::vector<std::string>& attachment_ids,
     const LocalDecoderOptions& options) {
   if (client == nullptr) return absl::InvalidArgumentError("LocalDecoder::Open: client is null");
-  if (attachment_ids.empty()) {
-    return absl::InvalidArgumentError("LocalDecoder::Open: give at least one attachment");
-  }
   if (options.local_capacity < 1) {
     return absl::InvalidArgumentError(absl::StrCat("local_capacity must be >= 1, got ",
                                                    options.local_capacity));
@@ -635,93 +828,54 @@ absl::StatusOr<std::unique_ptr<LocalDecoder>> LocalDecoder::Open(
     KVSHADE_ASSIGN_OR_RETURN(v1::SessionExport e, client->ExportSession(req));
     exports.push_back(std::move(e));
   }
-  const v1::SessionExport& e0 = exports[0];
-  for (size_t i = 1; i < exports.size(); ++i) {
-    const v1::SessionExport& e = exports[i];
-    if (e.num_layers() != e0.num_layers() || e.num_kv_heads() != e0.num_kv_heads() ||
-        e.num_query_heads() != e0.num_query_heads() || e.head_dim() != e0.head_dim() ||
-        e.chunk_size() != e0.chunk_size() || e.value_codec() != e0.value_codec() ||
-        e.value_group() != e0.value_group() || e.backend() != e0.backend() ||
-        e.rope().SerializeAsString() != e0.rope().SerializeAsString()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "attachment '", attachment_ids[i], "' differs from '", attachment_ids[0],
-          "' in model geometry, RoPE, chunk size or value codec; one decoder batches sessions "
-          "of one model and profile"));
-    }
-  }
-  std::string backend = options.backend;
-  if (backend == "auto") backend = e0.backend();
-  KVSHADE_ASSIGN_OR_RETURN(m.ctx, ContextFor(backend));
-  m.be = m.ctx->backend.get();
-  m.L = static_cast<int>(e0.num_layers());
-  m.h = static_cast<int>(e0.num_kv_heads());
-  m.hq = static_cast<int>(e0.num_query_heads());
-  m.g = m.hq / std::max(m.h, 1);
-  m.d = static_cast<int>(e0.head_dim());
-  m.C = static_cast<int>(e0.chunk_size());
-  m.shape = kernels::LayerShape{m.h, m.g, m.d};
-  m.rope = FromWire(e0.rope());
-  KVSHADE_ASSIGN_OR_RETURN(m.codec.codec, FromWire(e0.value_codec()));
-  m.codec.group = static_cast<int>(e0.value_group());
-  m.policy = PolicyFromWire(e0.profile());
-  for (size_t i = 1; i < exports.size(); ++i) {
-    const decode::SelectionPolicy p = PolicyFromWire(exports[i].profile());
-    if (p.sparse_budget != m.policy.sparse_budget || p.rerank_factor != m.policy.rerank_factor ||
-        p.mass_top_p != m.policy.mass_top_p || p.mass_min_chunks != m.policy.mass_min_chunks ||
-        p.recall_sample_rate != m.policy.recall_sample_rate ||
-        p.recall_floor != m.policy.recall_floor || p.recall_action != m.policy.recall_action) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "attachment '", attachment_ids[i], "' differs from '", attachment_ids[0],
-          "' in its profile's selection options (sparse_budget, rerank_factor, mass_top_p, "
-          "mass_min_chunks, recall guard); one decoder batches sessions of one profile"));
-    }
-  }
-  for (size_t i = 0; i < exports.size(); ++i) {
-    auto seq = std::make_unique<Seq>();
-    seq->attachment_id = attachment_ids[i];
-    m.seqs.push_back(std::move(seq));
-  }
   std::unique_ptr<LocalDecoder> dec(new LocalDecoder(std::move(impl)));
+  if (options.backend != "auto") {
+    KVSHADE_ASSIGN_OR_RETURN(m.ctx, ContextFor(options.backend));
+    m.be = m.ctx->backend.get();
+  }
   for (size_t i = 0; i < exports.size(); ++i) {
-    KVSHADE_RETURN_IF_ERROR(m.MapGeneration(*m.seqs[i], std::move(exports[i])));
+    KVSHADE_RETURN_IF_ERROR(m.Join(attachment_ids[i], std::move(exports[i])).status());
   }
-  const size_t local_bytes = size_t(m.L) * m.options.local_capacity * m.seqs.size() * m.h * m.d * 2;
-  KVSHADE_ASSIGN_OR_RETURN(m.local_k, m.be->Allocate(local_bytes));
-  KVSHADE_ASSIGN_OR_RETURN(m.local_v, m.be->Allocate(local_bytes));
-  if ((m.seqs.size() * size_t(m.h) * m.d * 2) % 16 != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "LocalDecoder: batch * kv_heads * head_dim * 2 bytes must be a multiple of 16, got ",
-        m.seqs.size() * size_t(m.h) * m.d * 2));
-  }
-  KVSHADE_ASSIGN_OR_RETURN(m.zero_q, m.be->Allocate(size_t(m.hq) * m.d * 2));
-  KVSHADE_RETURN_IF_ERROR(m.be->Fill(m.zero_q.data(), 0, m.zero_q.bytes()));
-  KVSHADE_RETURN_IF_ERROR(m.BuildCounterTable());
-  KVSHADE_RETURN_IF_ERROR(m.SetCounters({}));
-  KVSHADE_RETURN_IF_ERROR(m.SizeWorkspace());
-  // One step of layer 0 with a zero query, so that a geometry this backend's kernels do not
-  // take (e.g. a head dim the CUDA kernels lack) fails here, where a caller can still pick
-  // another path, and not at the first decode step. The slot tables it filled are reset.
-  {
-    const size_t qn = m.seqs.size() * size_t(m.hq) * m.d;
-    KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer q0, m.be->Allocate(qn * 2));
-    KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer o0, m.be->Allocate(qn * 4));
-    KVSHADE_RETURN_IF_ERROR(m.be->Fill(q0.data(), 0, qn * 2));
-    // (Not a decode step: the recall guard does not sample it.)
-    const float rate = m.policy.recall_sample_rate;
-    m.policy.recall_sample_rate = 0;
-    absl::Status probe = dec->Attend(0, static_cast<const bf16*>(q0.data()), nullptr, nullptr,
-                                     static_cast<float*>(o0.data()));
-    m.policy.recall_sample_rate = rate;
-    KVSHADE_RETURN_IF_ERROR(probe);
-    for (auto& s : m.seqs) {
-      SeqLayer& sl = s->layers[0];
-      if (sl.k > 0) KVSHADE_RETURN_IF_ERROR(m.be->Fill(sl.slots.data(), 0xff, size_t(m.h) * sl.k * 4));
-      sl.primed = false;
-    }
-    KVSHADE_RETURN_IF_ERROR(m.be->Synchronize());
-  }
+  KVSHADE_RETURN_IF_ERROR(m.Probe(*dec));
   if (options.renew_leases) m.renewer = std::thread([&m] { m.RenewLoop(); });
   return dec;
+}
+
+absl::StatusOr<int> LocalDecoder::Join(const std::string& attachment_id) {
+  Impl& m = *impl_;
+  KVSHADE_RETURN_IF_ERROR(m.CheckNotMember(attachment_id));
+  v1::ExportSessionRequest req;
+  req.set_attachment_id(attachment_id);
+  KVSHADE_ASSIGN_OR_RETURN(v1::SessionExport e, m.client->ExportSession(req));
+  KVSHADE_ASSIGN_OR_RETURN(int b, m.Join(attachment_id, std::move(e)));
+  absl::Status probe = m.Probe(*this);
+  if (!probe.ok()) {
+    (void)m.RemoveSeq(b);
+    return probe;
+  }
+  return b;
+}
+
+absl::Status LocalDecoder::Leave(int b) {
+  Impl& m = *impl_;
+  if (b < 0 || b >= batch()) {
+    return absl::InvalidArgumentError(absl::StrCat("Leave: sequence ", b, " is not in the batch (batch ", batch(), ")"));
+  }
+  if (m.be != nullptr) KVSHADE_RETURN_IF_ERROR(m.be->Synchronize(m.last_stream));
+  return m.RemoveSeq(b);
+}
+
+absl::Status LocalDecoder::Leave(const std::string& attachment_id) {
+  for (int b = 0; b < batch(); ++b) {
+    if (impl_->seqs[b]->attachment_id == attachment_id) return Leave(b);
+  }
+  return absl::NotFoundError(absl::StrCat("attachment '", attachment_id, "' is not in the batch"));
+}
+
+std::vector<std::string> LocalDecoder::attachment_ids() const {
+  std::vector<std::string> out;
+  for (const auto& s : impl_->seqs) out.push_back(s->attachment_id);
+  return out;
 }
 
 int LocalDecoder::batch() const { return static_cast<int>(impl_->seqs.size()); }
@@ -730,10 +884,13 @@ int LocalDecoder::kv_heads() const { return impl_->h; }
 int LocalDecoder::query_heads() const { return impl_->hq; }
 int LocalDecoder::head_dim() const { return impl_->d; }
 kernels::Backend& LocalDecoder::backend() { return *impl_->be; }
+std::string_view LocalDecoder::backend_name() const {
+  return impl_->be == nullptr ? std::string_view() : impl_->be->name();
+}
 
 std::vector<uint64_t> LocalDecoder::tokens() const {
   std::vector<uint64_t> t;
-  for (const auto& s : impl_->seqs) t.push_back(s->session_tokens + impl_->n_local);
+  for (const auto& s : impl_->seqs) t.push_back(s->session_tokens + s->n_local);
   return t;
 }
 
@@ -753,6 +910,9 @@ absl::Status LocalDecoder::Impl::Step(int layer, const bf16* q, const int32_t* c
                                       const bf16* k_new, const bf16* v_new, float* out,
                                       kernels::Stream stream, float* lse) {
   Impl& m = *this;
+  if (m.seqs.empty()) {
+    return absl::FailedPreconditionError("the decoder has no sequences: Join one first");
+  }
   if (layer < 0 || layer >= m.L) {
     return absl::InvalidArgumentError(absl::StrCat("layer must be in [0, ", m.L, "), got ", layer));
   }
@@ -760,29 +920,18 @@ absl::Status LocalDecoder::Impl::Step(int layer, const bf16* q, const int32_t* c
     return absl::InvalidArgumentError(
         "Attend: q and out must be set, and k_new and v_new both set or both null");
   }
-  const bool with_new = k_new != nullptr;
-  if (with_new && m.n_local >= m.options.local_capacity) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the local tail is full (local_capacity = ", m.options.local_capacity,
-        " tokens): append the decoded tokens to the session and call Refresh()"));
-  }
-  KVSHADE_RETURN_IF_ERROR(m.CheckLeases());
-  m.last_stream = stream;
   const int B = static_cast<int>(m.seqs.size());
-  const int h = m.h, d = m.d, C = m.C;
-  const size_t tok = size_t(h) * d;  // elements of one token of one sequence
-
-  // The new tokens join the local tail of this layer: rows [n_local] of [cap, B, h, d].
-  bf16* lk = static_cast<bf16*>(m.local_k.data()) + size_t(layer) * m.options.local_capacity * B * tok;
-  bf16* lv = static_cast<bf16*>(m.local_v.data()) + size_t(layer) * m.options.local_capacity * B * tok;
-  // A row copy whose destination row is read on the device (the step counter), so that a
-  // captured step writes where the replayed step is.
+  const bool with_new = k_new != nullptr;
   if (with_new) {
-    const int64_t* zero = m.new_row() + 1;
-    KVSHADE_RETURN_IF_ERROR(m.be->CopyRows(k_new, lk, B * tok * 2, 1, zero, m.new_row(), stream));
-    KVSHADE_RETURN_IF_ERROR(m.be->CopyRows(v_new, lv, B * tok * 2, 1, zero, m.new_row(), stream));
+    for (int b = 0; b < B; ++b) {
+      if (m.seqs[b]->n_local >= m.options.local_capacity) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "the local tail of sequence ", b, " (attachment '", m.seqs[b]->attachment_id,
+            "') is full (local_capacity = ", m.options.local_capacity,
+            " tokens): append its decoded tokens to the session and call Refresh()"));
+      }
+    }
   }
-
   // Model-native ids: at most the slot width of every sequence's layer.
   if (chunks != nullptr) {
     for (int b = 0; b < B; ++b) {
@@ -794,6 +943,21 @@ absl::Status LocalDecoder::Impl::Step(int layer, const bf16* q, const int32_t* c
       }
     }
   }
+  KVSHADE_RETURN_IF_ERROR(m.CheckLeases());
+  m.last_stream = stream;
+  const int h = m.h, d = m.d, C = m.C;
+  const size_t tok = size_t(h) * d;  // elements of one token of one sequence
+
+  // The new tokens join the local tails of this layer: row b of k_new/v_new to row
+  // b*local_capacity + n_local[b]. The destination rows are read on the device (the
+  // counters), so that a captured step writes where the replayed step is.
+  if (with_new) {
+    KVSHADE_RETURN_IF_ERROR(m.be->CopyRows(k_new, m.LocalRows(m.local_k, layer, 0), tok * 2, B,
+                                           m.iota_rows(), m.new_rows(), stream));
+    KVSHADE_RETURN_IF_ERROR(m.be->CopyRows(v_new, m.LocalRows(m.local_v, layer, 0), tok * 2, B,
+                                           m.iota_rows(), m.new_rows(), stream));
+  }
+
   // Select + reconstruct into the slot buffers (the decode core), one launch each per group
   // of sequences with equal slot width and options.
   std::map<std::string, std::pair<decode::SelectionGroup, std::vector<int>>> groups;
@@ -852,10 +1016,10 @@ absl::Status LocalDecoder::Impl::Step(int layer, const bf16* q, const int32_t* c
     // The local tail's length per head comes from the device counters (len is only the
     // bound the kernels size their grid by): a captured step attends over the tokens of
     // the step it replays.
-    if (with_new || m.n_local > 0) {
-      KVSHADE_RETURN_IF_ERROR(rows.AddTokens(lk + b * tok, lv + b * tok, m.options.local_capacity,
-                                             with_new ? m.len_with() : m.len_without(),
-                                             int64_t(B) * int64_t(tok), d));
+    if (with_new || m.seqs[b]->n_local > 0) {
+      KVSHADE_RETURN_IF_ERROR(rows.AddTokens(m.LocalRows(m.local_k, layer, b), m.LocalRows(m.local_v, layer, b),
+                                             m.options.local_capacity,
+                                             with_new ? m.len_with(b) : m.len_without(b), int64_t(tok), d));
     }
     if (rows.size() == 0) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -871,12 +1035,15 @@ absl::Status LocalDecoder::Impl::Step(int layer, const bf16* q, const int32_t* c
 
 absl::Status LocalDecoder::Advance() {
   Impl& m = *impl_;
-  if (m.n_local >= m.options.local_capacity) {
-    return absl::ResourceExhaustedError("Advance: the local tail is full; Refresh() first");
+  for (const auto& s : m.seqs) {
+    if (s->n_local >= m.options.local_capacity) {
+      return absl::ResourceExhaustedError(absl::StrCat("Advance: the local tail of attachment '",
+                                                       s->attachment_id, "' is full; Refresh() first"));
+    }
   }
-  ++m.n_local;
+  for (const auto& s : m.seqs) ++s->n_local;
   ++m.stats.steps;
-  KVSHADE_RETURN_IF_ERROR(m.SetCounters(m.last_stream));
+  KVSHADE_RETURN_IF_ERROR(m.UploadCounters(m.last_stream));
   for (const auto& s : m.seqs) {
     for (int l = 0; l < m.L; ++l) {
       const SeqLayer& sl = s->layers[l];
@@ -904,6 +1071,7 @@ absl::Status LocalDecoder::Advance() {
 
 absl::Status LocalDecoder::Refresh() {
   Impl& m = *impl_;
+  if (m.seqs.empty()) return absl::OkStatus();
   KVSHADE_RETURN_IF_ERROR(m.be->Synchronize(m.last_stream));
   const int B = static_cast<int>(m.seqs.size());
   std::vector<v1::SessionExport> next;
@@ -913,22 +1081,15 @@ absl::Status LocalDecoder::Refresh() {
     KVSHADE_ASSIGN_OR_RETURN(v1::SessionExport e, m.client->ExportSession(req));
     next.push_back(std::move(e));
   }
-  // Local tokens the daemon now holds: the same count for every sequence (they advance in
-  // lockstep). The daemon may hold more (e.g. the token of the step about to run).
-  uint64_t gained0 = 0;
-  for (int b = 0; b < B; ++b) {
-    const uint64_t gained = next[b].tokens() - std::min(next[b].tokens(), m.seqs[b]->session_tokens);
-    if (b == 0) gained0 = gained;
-    if (gained != gained0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "Refresh: the sessions gained different token counts (", gained0, " vs ", gained,
-          "); append the same decoded tokens to every session first"));
-    }
-  }
-  const uint64_t covered = std::min<uint64_t>(gained0, uint64_t(m.n_local));
   std::lock_guard<std::mutex> lock(m.renew_mu);
+  const size_t tok = size_t(m.h) * m.d;
   for (int b = 0; b < B; ++b) {
     Seq& s = *m.seqs[b];
+    // The local tokens the daemon now holds (sequences join at different times and may
+    // append different counts); the daemon may hold more (e.g. the token of the step about
+    // to run).
+    const uint64_t gained = next[b].tokens() - std::min(next[b].tokens(), s.session_tokens);
+    const int covered = static_cast<int>(std::min<uint64_t>(gained, uint64_t(s.n_local)));
     const uint64_t old_gen = s.exp.generation();
     std::vector<std::pair<std::string, uint64_t>> old_regions = std::move(s.regions);
     s.regions.clear();
@@ -942,22 +1103,25 @@ absl::Status LocalDecoder::Refresh() {
     rel.set_renew_only(true);
     rel.add_release_generations(old_gen);
     KVSHADE_RETURN_IF_ERROR(m.client->ExportSession(rel).status());
-  }
-  if (covered > 0) {
-    // Drop the first `covered` local tokens of every layer: shift rows down.
-    const size_t row = size_t(B) * m.h * m.d * 2;
-    const int keep = m.n_local - static_cast<int>(covered);
+    if (covered == 0) continue;
+    // Drop the sequence's first `covered` local tokens in every layer: its rows move down
+    // (one copy when source and destination do not overlap, else row by row, ascending).
+    const int keep = s.n_local - covered;
     for (int l = 0; l < m.L; ++l) {
-      for (kernels::Buffer* buf : {&m.local_k, &m.local_v}) {
-        char* base = static_cast<char*>(buf->data()) + size_t(l) * m.options.local_capacity * row;
-        for (int i = 0; i < keep; ++i) {
-          KVSHADE_RETURN_IF_ERROR(m.be->CopyFromHost(base + i * row, base + (i + covered) * row, row));
+      for (const kernels::Buffer* buf : {&m.local_k, &m.local_v}) {
+        bf16* base = m.LocalRows(*buf, l, b);
+        if (keep <= covered) {
+          if (keep > 0) KVSHADE_RETURN_IF_ERROR(m.be->Copy(base, base + covered * tok, keep * tok * 2));
+        } else {
+          for (int i = 0; i < keep; ++i) {
+            KVSHADE_RETURN_IF_ERROR(m.be->Copy(base + i * tok, base + (i + covered) * tok, tok * 2));
+          }
         }
       }
     }
-    m.n_local = keep;
+    s.n_local = keep;
   }
-  KVSHADE_RETURN_IF_ERROR(m.SetCounters({}));
+  KVSHADE_RETURN_IF_ERROR(m.UploadCounters({}));
   KVSHADE_RETURN_IF_ERROR(m.SizeWorkspace());
   return m.be->Synchronize();
 }

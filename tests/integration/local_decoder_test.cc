@@ -11,6 +11,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -293,6 +294,188 @@ TEST(LocalDecoder, BatchEqualsEachSequenceAlone) {
     }
   }
   both.reset();
+  EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
+}
+
+// A token of step `step` for sequence `seq`: deterministic, distinct per sequence and step.
+std::vector<bf16> StepToken(int hd, int seq, int step, float scale) {
+  std::vector<bf16> t(hd);
+  for (int i = 0; i < hd; ++i) {
+    t[i] = kernels::FloatToBf16(scale * std::sin(0.37f * float(i) + 1.3f * float(seq) + 0.71f * float(step)));
+  }
+  return t;
+}
+
+// Continuous batching: sequences of different sessions and lengths join and leave a
+// decoder between steps; every step, each sequence's output equals a decoder of that
+// sequence alone fed the same tokens since it joined (bit for bit on the CPU backend:
+// the same kernels over the same rows), and a sequence that left frees its place.
+TEST(LocalDecoder, SequencesJoinAndLeaveBetweenSteps) {
+  Fixture f;
+  KV_ASSERT_OK(f.server.Start({"--backend", "cpu"}));
+  f.c = f.server.Connect();
+  const v1::Profile profile = ShadowProfile(16, 8, 4);
+  std::vector<synthetic::Document> docs;
+  for (int i = 0; i < 3; ++i) docs.emplace_back(SmallDoc(1024 + 512 * i, 20 + i));
+  std::vector<std::string> batch_att(3), solo_att(3);
+  for (int i = 0; i < 3; ++i) {
+    KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, docs[i], profile, -1));
+    v1::AttachRequest ar;
+    ar.set_session_id(cs.session_id());
+    KV_ASSERT_OK_AND_ASSIGN(a, f.c->Attach(ar));
+    KV_ASSERT_OK_AND_ASSIGN(b, f.c->Attach(ar));
+    batch_att[i] = a.attachment_id();
+    solo_att[i] = b.attachment_id();
+  }
+  client::LocalDecoderOptions opt;
+  opt.backend = "cpu";
+  opt.local_capacity = 16;
+  // An empty decoder: sequences join as they arrive.
+  KV_ASSERT_OK_AND_ASSIGN(dec, client::LocalDecoder::Open(f.c.get(), {}, opt));
+  EXPECT_EQ(dec->batch(), 0);
+  std::vector<float> none(64);
+  std::vector<bf16> q0(64);
+  EXPECT_TRUE(absl::IsFailedPrecondition(dec->Attend(0, q0.data(), nullptr, nullptr, none.data())));
+  std::vector<std::unique_ptr<client::LocalDecoder>> solo(3);
+  const auto& spec = docs[0].spec();
+  const int L = spec.layers, hq = spec.q_heads, d = spec.head_dim, hd = spec.kv_heads * d;
+  // Step at which each sequence joins and leaves (-1: stays).
+  const int join_at[3] = {0, 2, 4}, leave_at[3] = {7, -1, 9};
+  std::vector<int> members;  // sequence ids in batch order
+  for (int step = 0; step < 10; ++step) {
+    for (int i = 0; i < 3; ++i) {
+      if (leave_at[i] == step) {
+        const auto it = std::find(members.begin(), members.end(), i);
+        ASSERT_NE(it, members.end());
+        KV_ASSERT_OK(dec->Leave(static_cast<int>(it - members.begin())));
+        members.erase(it);
+        solo[i].reset();
+      }
+      if (join_at[i] == step) {
+        KV_ASSERT_OK_AND_ASSIGN(b, dec->Join(batch_att[i]));
+        EXPECT_EQ(b, static_cast<int>(members.size()));
+        members.push_back(i);
+        KV_ASSERT_OK_AND_ASSIGN(one, client::LocalDecoder::Open(f.c.get(), {solo_att[i]}, opt));
+        solo[i] = std::move(one);
+      }
+    }
+    const int B = static_cast<int>(members.size());
+    ASSERT_EQ(dec->batch(), B);
+    std::vector<std::string> ids;
+    for (int i : members) ids.push_back(batch_att[i]);
+    EXPECT_EQ(dec->attachment_ids(), ids);
+    EXPECT_TRUE(absl::IsAlreadyExists(dec->Join(batch_att[members[0]]).status()));
+    for (int l = 0; l < L; ++l) {
+      std::vector<bf16> qs, ks, vs;
+      std::vector<std::vector<float>> want(B);
+      for (int b = 0; b < B; ++b) {
+        const int i = members[b];
+        const std::vector<bf16> q = QueryBf16(docs[i], l, 0, step, spec.doc_tokens);
+        const std::vector<bf16> k = StepToken(hd, i, step * L + l, 0.5f), v = StepToken(hd, i + 7, step * L + l, 1.0f);
+        want[b].resize(size_t(hq) * d);
+        KV_ASSERT_OK(solo[i]->Attend(l, q.data(), k.data(), v.data(), want[b].data()));
+        qs.insert(qs.end(), q.begin(), q.end());
+        ks.insert(ks.end(), k.begin(), k.end());
+        vs.insert(vs.end(), v.begin(), v.end());
+      }
+      std::vector<float> out(size_t(B) * hq * d);
+      KV_ASSERT_OK(dec->Attend(l, qs.data(), ks.data(), vs.data(), out.data()));
+      for (int b = 0; b < B; ++b) {
+        for (size_t x = 0; x < want[b].size(); ++x) {
+          ASSERT_EQ(want[b][x], out[size_t(b) * hq * d + x])
+              << "step " << step << " layer " << l << " sequence " << members[b] << " element " << x;
+        }
+      }
+    }
+    KV_ASSERT_OK(dec->Advance());
+    for (int i : members) KV_ASSERT_OK(solo[i]->Advance());
+    const std::vector<uint64_t> tokens = dec->tokens();
+    for (int b = 0; b < B; ++b) {
+      const int i = members[b];
+      EXPECT_EQ(tokens[b], uint64_t(docs[i].spec().doc_tokens + step + 1 - join_at[i])) << "sequence " << i;
+    }
+  }
+  EXPECT_TRUE(absl::IsInvalidArgument(dec->Leave(5)));
+  EXPECT_TRUE(absl::IsNotFound(dec->Leave("no-such-attachment")));
+  dec.reset();
+  for (auto& s : solo) s.reset();
+  EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
+}
+
+// Sequences refresh independently: one whose session gained its decoded token drops it from
+// its local tail, another that appended nothing keeps its own; both go on attending as a
+// decoder of each alone does.
+TEST(LocalDecoder, RefreshDropsEachSequencesOwnCoveredTokens) {
+  Fixture f;
+  synthetic::DocSpec spec = SmallDoc(1024);
+  spec.question_tokens = 16;
+  const synthetic::Document doc(spec);
+  KV_ASSERT_OK(f.server.Start({"--backend", "cpu"}));
+  f.c = f.server.Connect();
+  const v1::Profile profile = ShadowProfile(16, 8, 4);
+  std::vector<std::string> sessions, batch_att, solo_att;
+  for (int i = 0; i < 2; ++i) {
+    KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, doc, profile, -1));
+    sessions.push_back(cs.session_id());
+    v1::AttachRequest ar;
+    ar.set_session_id(cs.session_id());
+    ar.set_writer(i == 0);
+    KV_ASSERT_OK_AND_ASSIGN(a, f.c->Attach(ar));
+    ar.set_writer(false);
+    KV_ASSERT_OK_AND_ASSIGN(b, f.c->Attach(ar));
+    batch_att.push_back(a.attachment_id());
+    solo_att.push_back(b.attachment_id());
+  }
+  client::LocalDecoderOptions opt;
+  opt.backend = "cpu";
+  KV_ASSERT_OK_AND_ASSIGN(dec, client::LocalDecoder::Open(f.c.get(), batch_att, opt));
+  std::vector<std::unique_ptr<client::LocalDecoder>> solo(2);
+  for (int i = 0; i < 2; ++i) {
+    KV_ASSERT_OK_AND_ASSIGN(one, client::LocalDecoder::Open(f.c.get(), {solo_att[i]}, opt));
+    solo[i] = std::move(one);
+  }
+  const int L = spec.layers, hq = spec.q_heads, d = spec.head_dim, hd = spec.kv_heads * d;
+  int64_t pos = spec.doc_tokens;
+  for (int step = 0; step < 4; ++step, ++pos) {
+    // Session 0 appends its step token (read back post-RoPE); session 1 appends nothing.
+    std::vector<std::vector<bf16>> kn0, vn0;
+    AppendAndReadNew(*f.c, doc, sessions[0], batch_att[0], 0, pos, &kn0, &vn0);
+    ASSERT_FALSE(HasFatalFailure());
+    for (int l = 0; l < L; ++l) {
+      std::vector<bf16> qs, ks, vs;
+      std::vector<std::vector<float>> want(2);
+      for (int i = 0; i < 2; ++i) {
+        const std::vector<bf16> q = QueryBf16(doc, l, 0, step, pos);
+        const std::vector<bf16> k = i == 0 ? kn0[l] : StepToken(hd, 1, step * L + l, 0.5f);
+        const std::vector<bf16> v = i == 0 ? vn0[l] : StepToken(hd, 9, step * L + l, 1.0f);
+        want[i].resize(size_t(hq) * d);
+        KV_ASSERT_OK(solo[i]->Attend(l, q.data(), k.data(), v.data(), want[i].data()));
+        qs.insert(qs.end(), q.begin(), q.end());
+        ks.insert(ks.end(), k.begin(), k.end());
+        vs.insert(vs.end(), v.begin(), v.end());
+      }
+      std::vector<float> out(size_t(2) * hq * d);
+      KV_ASSERT_OK(dec->Attend(l, qs.data(), ks.data(), vs.data(), out.data()));
+      for (int i = 0; i < 2; ++i) {
+        for (size_t x = 0; x < want[i].size(); ++x) {
+          ASSERT_EQ(want[i][x], out[size_t(i) * hq * d + x]) << "step " << step << " layer " << l << " seq " << i;
+        }
+      }
+    }
+    KV_ASSERT_OK(dec->Advance());
+    for (auto& s : solo) KV_ASSERT_OK(s->Advance());
+    if (step % 2 == 1) {
+      // Different gains (1 or 2 tokens vs none): each sequence drops what its session holds.
+      KV_ASSERT_OK(dec->Refresh());
+      for (auto& s : solo) KV_ASSERT_OK(s->Refresh());
+      const std::vector<uint64_t> t = dec->tokens();
+      EXPECT_EQ(t[0], uint64_t(pos + 1));
+      EXPECT_EQ(t[1], uint64_t(spec.doc_tokens + step + 1));
+      EXPECT_EQ(t, (std::vector<uint64_t>{solo[0]->tokens()[0], solo[1]->tokens()[0]}));
+    }
+  }
+  dec.reset();
+  for (auto& s : solo) s.reset();
   EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
 }
 

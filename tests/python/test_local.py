@@ -230,6 +230,42 @@ class LocalDecoderTest(unittest.TestCase):
             self.assertIn("hits", st)
             self.assertEqual(dec.selection(), [])
 
+    def test_sequences_join_and_leave_between_steps(self):
+        # An empty decoder filled by joins; every step each sequence attends as a decoder of
+        # it alone fed the same tokens; a sequence that leaves closes the gap.
+        a0, a1 = self.attach(0), self.attach(1)
+        s0, s1 = self.attach(0), self.attach(1)
+        g = torch.Generator().manual_seed(21)
+        with LocalDecoder(self.client, [], backend=BACKEND) as dec, \
+                LocalDecoder(self.client, [s0], backend=BACKEND) as solo0, \
+                LocalDecoder(self.client, [s1], backend=BACKEND) as solo1:
+            self.assertEqual(dec.batch, 0)
+            self.assertEqual(dec.join(a0), 0)
+            solos = [solo0]
+            for step in range(5):
+                if step == 2:
+                    self.assertEqual(dec.join(a1), 1)
+                    solos.append(solo1)
+                if step == 4:
+                    dec.leave(a0)
+                    solos.pop(0)
+                    self.assertEqual(dec.attachment_ids, [a1])
+                self.assertEqual(dec.batch, len(solos))
+                for layer in range(L):
+                    q = torch.randn(dec.batch, HQ, D, generator=g).to(torch.bfloat16).to(DEVICE)
+                    k = torch.randn(dec.batch, H, D, generator=g).to(torch.bfloat16).to(DEVICE)
+                    v = torch.randn(dec.batch, H, D, generator=g).to(torch.bfloat16).to(DEVICE)
+                    out = dec.attend(layer, q, k, v).cpu().numpy()
+                    for b, solo in enumerate(solos):
+                        ref = solo.attend(layer, q[b:b + 1].contiguous(), k[b:b + 1].contiguous(),
+                                          v[b:b + 1].contiguous()).cpu().numpy()
+                        self.assertLess(self.rel(ref[0], out[b]), TOL, f"step {step} layer {layer} seq {b}")
+                dec.advance()
+                for solo in solos:
+                    solo.advance()
+            with self.assertRaises(IndexError):
+                dec.leave(3)
+
     def test_recall_guard_and_native_ids_as_the_daemon(self):
         # A session whose profile turns the recall guard on (every step sampled, floor 1,
         # budget 2): the decoder's guard acts as the daemon's on the same queries (same

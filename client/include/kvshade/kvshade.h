@@ -329,7 +329,8 @@ KVSHADE_API void kvshade_static_set_free(kvshade_static_set* s);
 
 /* ---- Same-node decode: no RPC per step (client/README.md "Same-node decode") -------- */
 /* A decoder maps the session state of n attachments (one session each, same model and
- * profile) from the daemon on this node and runs select, reconstruct and attend itself.
+ * profile; n may be 0, then sequences join later) from the daemon on this node and runs
+ * select, reconstruct and attend itself.
  * backend: "auto" (the daemon's kind), "cpu" or "cuda"/"cuda:N". local_capacity: tokens
  * per sequence kept exact locally between refreshes (0 = 1024). */
 typedef struct kvshade_local_decoder kvshade_local_decoder;
@@ -359,6 +360,13 @@ KVSHADE_API int kvshade_local_decoder_info(kvshade_local_decoder* dec, int32_t* 
                                            int32_t* layers, int32_t* kv_heads,
                                            int32_t* query_heads, int32_t* head_dim,
                                            uint64_t* selected, uint64_t* hits, uint64_t* steps);
+/* Continuous batching: between steps, a sequence joins at the end of the batch (*index
+ * gets its batch index; index may be NULL) or leaves it (later sequences move down one
+ * index; its local tokens are dropped, its memory freed). A decoder may be opened with
+ * n = 0 sequences and filled by joins. */
+KVSHADE_API int kvshade_local_decoder_join(kvshade_local_decoder* dec, const char* attachment_id,
+                                           int32_t* index);
+KVSHADE_API int kvshade_local_decoder_leave(kvshade_local_decoder* dec, uint32_t index);
 /* Model-native selection on the same-node path (docs/ALGORITHM.md "Selection options"):
  * chunks [n, h, m] int32 in the decoder's memory space, the chunks each sequence attends
  * in this layer (-1 = none, m <= slots per head), instead of the profile's selection; ids

@@ -149,6 +149,8 @@ _SIGNATURES = {
     "kvshade_local_decoder_info": (ctypes.c_int, [_vp, _P(_i32), _P(_i32), _P(_i32), _P(_i32), _P(_i32),
                                                   _P(ctypes.c_uint64), _P(ctypes.c_uint64), _P(ctypes.c_uint64)]),
     "kvshade_local_decoder_free": (None, [_vp]),
+    "kvshade_local_decoder_join": (ctypes.c_int, [_vp, _c_char_p, _P(_i32)]),
+    "kvshade_local_decoder_leave": (ctypes.c_int, [_vp, _u32]),
     "kvshade_local_decoder_attend_chunks": (ctypes.c_int, [_vp, _u32, _vp, _vp, _i32, _vp, _vp, _vp, _vp, _vp]),
     "kvshade_local_decoder_selected": (ctypes.c_int, [_vp, _u32, _u32, _P(_i32), ctypes.c_size_t, _P(_i32)]),
     "kvshade_local_decoder_selection": (ctypes.c_int, [_vp, _u32, _P(LayerSelection), ctypes.c_size_t,

@@ -14,6 +14,10 @@ q and the new token's key are post-RoPE (what the model computes); the output is
 [B, hq, d]. Tokens decoded here stay exact in the decoder until `refresh()` maps a newer
 generation (after the runtime appended them to the sessions). The decoder follows
 kvshade.decoder.Decoder.
+
+Continuous batching: sequences join() and leave() the batch between steps (a decoder may
+start empty, LocalDecoder(client, [])); each keeps its own local tail, so sequences of
+different lengths decode together and a finished one frees its memory at once.
 """
 import ctypes
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -41,15 +45,45 @@ class LocalDecoder(_NativeHandle):
         _check(_native.lib().kvshade_local_decoder_open(client._handle(), len(ids), arr, _b(backend),
                                                         int(local_capacity), 1 if count_hits else 0,
                                                         ctypes.byref(self._h)))
+        self._backend_arg = backend
+        self.attachment_ids: List[str] = list(attachment_ids)
+        self._read_info()
+
+    def _read_info(self) -> None:
         b, L, h, hq, d = (ctypes.c_int32() for _ in range(5))
         _check(_native.lib().kvshade_local_decoder_info(self._h, ctypes.byref(b), ctypes.byref(L), ctypes.byref(h),
                                                         ctypes.byref(hq), ctypes.byref(d), None, None, None))
         self.batch, self.layers, self.kv_heads, self.query_heads, self.head_dim = (
             b.value, L.value, h.value, hq.value, d.value)
+        backend = self._backend_arg
         name = _native.lib().kvshade_local_decoder_backend(self._h).decode()
         self.backend = name if backend == "auto" else backend
-        # Where the tensors of attend() live: the CUDA device the decoder runs on, or the CPU.
-        self.device = "cpu" if name == "cpu" else ("cuda:%s" % backend.split(":")[1] if ":" in backend else "cuda")
+        # Where the tensors of attend() live: the CUDA device the decoder runs on, or the CPU
+        # (unknown, None, until the first sequence of an "auto" decoder joins).
+        if not name:
+            self.device = None
+        else:
+            self.device = "cpu" if name == "cpu" else ("cuda:%s" % backend.split(":")[1] if ":" in backend else "cuda")
+
+    def join(self, attachment_id: str) -> int:
+        """Continuous batching: adds the attachment's session at the end of the batch between
+        steps and returns its batch index (the batch order is the join order)."""
+        index = ctypes.c_int32()
+        _check(_native.lib().kvshade_local_decoder_join(self._h, _b(attachment_id), ctypes.byref(index)))
+        self.attachment_ids.append(attachment_id)
+        self._read_info()
+        return index.value
+
+    def leave(self, sequence: Union[int, str]) -> None:
+        """Removes a sequence (batch index or attachment id) between steps: its local tokens
+        are dropped (append them to its session first to keep them) and its memory freed; the
+        later sequences move down one index."""
+        b = self.attachment_ids.index(sequence) if isinstance(sequence, str) else int(sequence)
+        if not 0 <= b < len(self.attachment_ids):
+            raise IndexError(f"sequence {sequence} is not in the batch of {len(self.attachment_ids)}")
+        _check(_native.lib().kvshade_local_decoder_leave(self._h, b))
+        del self.attachment_ids[b]
+        self._read_info()
 
     def _check_tensor(self, name, t, shape):
         torch = _torch()

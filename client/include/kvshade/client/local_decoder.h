@@ -5,8 +5,16 @@
 // values in shared host memory) and runs selection, reconstruction and attention itself,
 // in its own stream, with the slot tables (the temporal cache) on its own device. One
 // LocalDecoder serves a batch of B attachments (one session each, any mix of sessions of
-// the same model geometry and value codec); every call covers the whole batch in one
-// launch per kernel.
+// the same model geometry, value codec and selection options); every call covers the whole
+// batch in one launch per kernel.
+//
+// Continuous batching: sequences Join() and Leave() the batch between steps, without
+// reopening the decoder. The batch order is the join order; Leave(b) closes the gap (the
+// later sequences move down one index) and frees the sequence's slot tables and mapped
+// generation at once. Each sequence keeps its own local tail (its tokens decoded here),
+// so sequences of different lengths and ages decode together. A captured step (CUDA
+// graph) is valid for the batch it was captured with: capture again after Join/Leave
+// (one graph per batch size is enough when the runtime keeps its batch order).
 //
 // Decode step, per layer l (in order), then Advance():
 //   Attend(l, q, k_new, v_new, out)
@@ -34,6 +42,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -70,12 +79,26 @@ struct LocalDecoderStats {
 
 class LocalDecoder {
  public:
+  // attachment_ids may be empty: sequences then Join later (the first one sets the model
+  // geometry, the profile's selection options and, for backend "auto", the backend).
   static absl::StatusOr<std::unique_ptr<LocalDecoder>> Open(
       Client* client, const std::vector<std::string>& attachment_ids,
       const LocalDecoderOptions& options = {});
   ~LocalDecoder();
   LocalDecoder(const LocalDecoder&) = delete;
   LocalDecoder& operator=(const LocalDecoder&) = delete;
+
+  // Adds the attachment's session at the end of the batch (its current generation, no
+  // local tokens yet) and returns its batch index. Between steps. InvalidArgument when its
+  // model, profile or backend differ from the batch's; AlreadyExists when it is in it.
+  absl::StatusOr<int> Join(const std::string& attachment_id);
+  // Removes sequence b (or the attachment's) from the batch between steps: its local tokens
+  // are dropped (append them to the session first to keep them), its memory is freed and
+  // its generation released. Later sequences move down one index.
+  absl::Status Leave(int b);
+  absl::Status Leave(const std::string& attachment_id);
+  // The batch's attachments, in batch order.
+  std::vector<std::string> attachment_ids() const;
 
   int batch() const;
   int layers() const;
@@ -84,7 +107,10 @@ class LocalDecoder {
   int head_dim() const;
   // Tokens each sequence attends over before the next step's token (session + local).
   std::vector<uint64_t> tokens() const;
+  // The backend the decoder runs on (set at Open for a named backend, else by the first
+  // sequence); backend() only once it is set.
   kernels::Backend& backend();
+  std::string_view backend_name() const;  // "cpu", "cuda", or "" before it is set
 
   // lse: [B, hq] f32 or null: the log-sum-exp of each query head's scaled scores over
   // what it attended (to merge with attention over tokens the decoder does not hold).
@@ -104,7 +130,8 @@ class LocalDecoder {
   // Ends a step: the tokens given to every layer's Attend join the local tail.
   absl::Status Advance();
   // Maps the daemon's current generation of every session (after appends or a new turn),
-  // drops the local tokens it covers, resets the slot tables, releases the old generation.
+  // drops each sequence's local tokens it covers (sequences may have appended different
+  // counts), resets the slot tables, releases the old generations.
   absl::Status Refresh();
   // Selection counters (hits are counted only with options.count_hits).
   absl::StatusOr<LocalDecoderStats> Stats();
