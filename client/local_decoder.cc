@@ -50,6 +50,9 @@ struct WorkerContext {
     kernels::ImportedMemory memory;
     int refs = 0;
     uint64_t released_at = 0;  // release order of an idle mapping (refs == 0)
+    // The daemon may free the region while it runs (device memory on demand): never kept
+    // idle, since CUDA IPC memory must be unmapped here before its owner frees it.
+    bool transient = false;
   };
   std::map<Key, Mapping> mappings;
   size_t idle_bytes = 0;
@@ -69,7 +72,7 @@ struct WorkerContext {
   void Unref(const Key& key, size_t idle_cap) {
     auto it = mappings.find(key);
     if (it == mappings.end() || --it->second.refs > 0) return;
-    if (idle_cap == 0) {
+    if (idle_cap == 0 || it->second.transient) {
       (void)backend->ReleaseImported(it->second.memory);
       mappings.erase(it);
       return;
@@ -375,7 +378,7 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
           for (const auto& k : held) ctx->Unref(k, options.idle_mapped_bytes);
           return im.status();
         }
-        it = ctx->mappings.emplace(key, WorkerContext::Mapping{*im, 0, 0}).first;
+        it = ctx->mappings.emplace(key, WorkerContext::Mapping{*im, 0, 0, r.transient()}).first;
       }
       ctx->Ref(it->second);
       held.push_back(key);

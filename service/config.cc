@@ -386,6 +386,7 @@ const ConfigSchema& TheSchema() {
         {"listen", {Scalar(&C::listen), {}}},
         {"backend", {Scalar(&C::backend), {}}},
         {"device_budget", {Bytes(&C::device_budget_bytes), {}}},
+        {"device_growth", {Bytes(&C::device_growth_bytes), {}}},
         {"host_budget", {Bytes(&C::host_budget_bytes), {}}},
         {"spill_budget", {Bytes(&C::spill_budget_bytes), {}}},
         {"spill_path", {Scalar(&C::spill_path), {}}},
@@ -840,10 +841,10 @@ std::string DescribeConfig(const ServerConfig& c) {
   std::set<std::string> tenants;
   for (const auto& [_, name] : c.tenant_tokens) tenants.insert(name);
   return absl::StrFormat(
-      "listen=%s backend=%s device_budget=%d host_budget=%d spill=%s append_fsync=%s tls=%s mtls=%s tenants=[%s] "
+      "listen=%s backend=%s device_budget=%d device_growth=%d host_budget=%d spill=%s append_fsync=%s tls=%s mtls=%s tenants=[%s] "
       "metrics=%s ucx=%s session_idle_ttl=%s streams_per_tenant=%d calls_per_tenant=%s "
       "stream_idle_timeout=%s",
-      c.listen, c.backend, c.device_budget_bytes, c.host_budget_bytes,
+      c.listen, c.backend, c.device_budget_bytes, c.device_growth_bytes, c.host_budget_bytes,
       c.spill_path.empty() ? "off" : c.spill_path, c.append_fsync, c.tls.cert_file.empty() ? "off" : "on",
       c.tls.require_client_cert ? "required" : (c.tls.client_ca_file.empty() ? "off" : "optional"),
       tenants.empty() ? "open" : absl::StrJoin(tenants, ","),

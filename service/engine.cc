@@ -268,8 +268,16 @@ absl::Status EngineImpl::Init() {
                           absl::StrCat("same_node.descriptor_broker: ", b.status().message()));
     }
   }
-  KVSHADE_ASSIGN_OR_RETURN(arena_,
-                           storage::DeviceArena::Create(*backend_, config_->device_budget_bytes));
+  if (config_->device_growth_bytes == 0) {
+    KVSHADE_ASSIGN_OR_RETURN(arena_, storage::DeviceArena::Create(*backend_, config_->device_budget_bytes));
+  } else {
+    // Steps of device_growth (a multiple of the arena's alignment), at most the budget.
+    constexpr size_t kAlign = 256;
+    const size_t budget = config_->device_budget_bytes / kAlign * kAlign;
+    const size_t growth = std::max<size_t>(
+        kAlign, std::min<size_t>(config_->device_growth_bytes, budget) / kAlign * kAlign);
+    KVSHADE_ASSIGN_OR_RETURN(arena_, storage::DeviceArena::CreateOnDemand(*backend_, budget, growth, kAlign));
+  }
   storage::HostValueStoreOptions ho;
   ho.budget_bytes = config_->host_budget_bytes;
   ho.slab_bytes = std::min<size_t>(ho.slab_bytes, std::max<size_t>(config_->host_budget_bytes / 4, 1 << 20));
@@ -337,7 +345,7 @@ absl::StatusOr<DeviceBlock> EngineImpl::Alloc(size_t bytes, ArenaKind kind) {
 
 size_t EngineImpl::DeviceFreeBytes() const {
   const storage::ArenaStats st = arena_->Stats();
-  return st.capacity - std::min(st.capacity, st.used);
+  return st.budget - std::min(st.budget, st.used);
 }
 
 absl::StatusOr<DeviceBlock> EngineImpl::Upload(const void* host, size_t bytes, ArenaKind kind) {
@@ -1213,6 +1221,7 @@ void EngineImpl::UpdateGauges() {
     reported_ = hs;
   }
   const storage::ArenaStats as = arena_->Stats();
+  metrics_->SetDeviceHeld(double(as.capacity), double(as.pools));
   for (int k = 0; k < storage::kArenaKinds; ++k) {
     metrics_->SetTierBytes("device", storage::ArenaKindName(ArenaKind(k)),
                            double(as.used_by_kind[k]));
@@ -1239,7 +1248,8 @@ absl::StatusOr<v1::StatsResponse> EngineImpl::Stats() {
     r.set_segments(std::max(registered_.size(), hs.segments));
   }
   r.set_device_bytes_used(as.used);
-  r.set_device_bytes_budget(as.capacity);
+  r.set_device_bytes_budget(as.budget);
+  r.set_device_bytes_held(as.capacity);
   r.set_host_bytes_used(hs.resident_bytes);
   r.set_host_bytes_budget(hs.budget_bytes);
   r.set_spilled_bytes(hs.spill_tier_bytes);
@@ -1288,7 +1298,7 @@ static absl::StatusOr<v1::StatsResponse> TenantStats(EngineImpl& e, const Tenant
   r.set_attachments(u.attachments);
   r.set_segments(segments);
   r.set_device_bytes_used(device);
-  r.set_device_bytes_budget(e.arena_->Stats().capacity);
+  r.set_device_bytes_budget(e.arena_->budget());
   r.set_host_bytes_used(host);
   r.set_host_bytes_budget(e.store_->Stats().budget_bytes);
   r.set_spilled_bytes(spilled);
@@ -1365,6 +1375,12 @@ int EngineImpl::RunMaintenance() {
   sessions_.ReapExpired();
   ExpireIdleSessions(*this);
   PruneExports();
+  // Device memory on demand: steps no data uses go back to the device (one step is kept
+  // as headroom, so that a burst does not allocate again at once).
+  const size_t trimmed = arena_->Trim(static_cast<size_t>(config_->device_growth_bytes));
+  if (trimmed > 0) {
+    log::Event(spdlog::level::debug, "device_memory_released").Uint("bytes", trimmed);
+  }
   UpdateGauges();
   int done = 0;
   for (;;) {

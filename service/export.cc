@@ -33,7 +33,8 @@ namespace {
 // Regions of one response, deduplicated by id.
 class RegionTable {
  public:
-  RegionTable(kernels::Backend& backend, v1::SessionExport* out) : backend_(backend), out_(out) {}
+  RegionTable(kernels::Backend& backend, v1::SessionExport* out, bool transient_device)
+      : backend_(backend), out_(out), transient_device_(transient_device) {}
 
   absl::Status Ref(const void* p, v1::RegionRef* ref) {
     KVSHADE_ASSIGN_OR_RETURN(kernels::ExportedMemory m, backend_.ExportMemory(p));
@@ -48,6 +49,7 @@ class RegionTable {
       r->set_descriptor_broker(m.broker);
       r->set_cuda_ipc_handle(m.ipc_handle);
       r->set_bytes(m.region_bytes);
+      r->set_transient(transient_device_ && r->device());
     }
     ref->set_region(m.region_id);
     ref->set_offset(m.offset);
@@ -57,6 +59,7 @@ class RegionTable {
  private:
   kernels::Backend& backend_;
   v1::SessionExport* out_;
+  bool transient_device_;
   std::vector<uint64_t> ids_;
 };
 
@@ -128,7 +131,7 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
   }
   auto gen = std::make_unique<ExportGeneration>();
   v1::SessionExport out;
-  RegionTable regions(*backend_, &out);
+  RegionTable regions(*backend_, &out, arena_->on_demand());
   const ModelInfo& m = s.model;
   const int h = m.shape.h, d = m.shape.d, C = s.profile.chunk_size;
   {

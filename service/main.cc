@@ -22,7 +22,7 @@ using kvshade::service::ServerConfig;
 
 struct Flags {
   std::string config_file;
-  std::string listen, backend, device_budget, host_budget, spill_budget, spill_path;
+  std::string listen, backend, device_budget, device_growth, host_budget, spill_budget, spill_path;
   std::string append_fsync;
   int metrics_port = -1;
   std::string metrics_listen;
@@ -65,6 +65,8 @@ int main(int argc, char** argv) {
   app.add_option("--listen", f.listen, "gRPC address HOST:PORT (port 0 picks a free one)");
   app.add_option("--backend", f.backend, "Kernel backend: cpu, cuda, cuda:N or auto");
   app.add_option("--device-budget", f.device_budget, "Device tier budget, e.g. 8GiB");
+  app.add_option("--device-growth", f.device_growth,
+                 "Device memory is held on demand in steps of this size (0: the whole budget at start)");
   app.add_option("--host-budget", f.host_budget, "Host tier budget, e.g. 32GiB");
   app.add_option("--spill-budget", f.spill_budget, "Spill tier budget (0 = unbounded)");
   app.add_option("--spill-path", f.spill_path, "RocksDB directory for spill and durable sessions");
@@ -153,6 +155,7 @@ int main(int argc, char** argv) {
   if (!f.listen.empty()) config.listen = f.listen;
   if (!f.backend.empty()) config.backend = f.backend;
   if (!bytes("--device-budget", f.device_budget, &config.device_budget_bytes) ||
+      !bytes("--device-growth", f.device_growth, &config.device_growth_bytes) ||
       !bytes("--host-budget", f.host_budget, &config.host_budget_bytes) ||
       !bytes("--spill-budget", f.spill_budget, &config.spill_budget_bytes) ||
       !bytes("--max-message-bytes", f.max_message_bytes, &config.limits.max_message_bytes)) {

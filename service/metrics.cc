@@ -119,6 +119,17 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                       .Help("Configured budget per storage tier (device|host|spill); +Inf: unbounded, "
                             "0: no such tier")
                       .Register(r);
+  device_held_ = &BuildGauge()
+                      .Name("kvshade_device_held_bytes")
+                      .Help("Device memory the daemon holds now: with device_growth, the steps its "
+                            "data needs plus one of headroom; else the whole device_budget")
+                      .Register(r)
+                      .Add({});
+  device_pools_ = &BuildGauge()
+                       .Name("kvshade_device_allocations")
+                       .Help("Device allocations the daemon holds (steps of device_growth, or 1)")
+                       .Register(r)
+                       .Add({});
   build_info_ = &BuildGauge()
                      .Name("kvshade_build_info")
                      .Help("Always 1; the labels say which build is running and on which backend")
@@ -280,6 +291,11 @@ void Metrics::SetTierBytes(std::string_view tier, std::string_view kind, double 
   }
   tier_bytes_->Add({{"tier", t}, {"kind", k}}).Set(bytes);
   tier_bytes_->Add({{"tier", t}, {"kind", "total"}}).Set(total);
+}
+
+void Metrics::SetDeviceHeld(double bytes, double pools) {
+  device_held_->Set(bytes);
+  device_pools_->Set(pools);
 }
 
 void Metrics::SetTierBudget(std::string_view tier, double bytes) {

@@ -7,6 +7,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "range_allocator.h"
+#include "kvshade/base/status_macros.h"
 #include "kvshade/base/sync.h"
 
 namespace kvshade::storage {
@@ -77,6 +78,11 @@ class ArenaPool {
     return ranges_.capacity();
   }
 
+  size_t used() const {
+    base::MutexLock lock(&mu_);
+    return stats_.used;
+  }
+
  private:
   kernels::Buffer buffer_;
   std::byte* base_ = nullptr;
@@ -113,33 +119,63 @@ void ArenaBlock::Reset() {
   bytes_ = reserved_ = 0;
 }
 
+namespace {
+
+absl::Status CheckAlignment(size_t alignment) {
+  if (alignment < 16 || alignment > (size_t{1} << 20) || (alignment & (alignment - 1)) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DeviceArena: alignment must be a power of two in [16, 1048576], got ", alignment));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<internal::ArenaPool>> DeviceArena::NewPool(size_t bytes) {
+  // One extra alignment unit so that the first block is aligned whatever the backend's own
+  // alignment is (the CPU backend gives 64 bytes).
+  absl::StatusOr<kernels::Buffer> buffer = backend_->Allocate(bytes + alignment_);
+  if (!buffer.ok()) {
+    return absl::Status(buffer.status().code(),
+                        absl::StrCat("DeviceArena: cannot allocate a ", bytes, "-byte pool on ",
+                                     std::string(backend_->name()), ": ", buffer.status().message()));
+  }
+  return std::make_shared<internal::ArenaPool>(std::move(buffer).value(), bytes, alignment_);
+}
+
 absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::Create(kernels::Backend& backend,
                                                                  size_t budget_bytes,
                                                                  size_t alignment) {
   if (budget_bytes == 0) {
     return absl::InvalidArgumentError("DeviceArena: budget_bytes must be > 0, got 0");
   }
-  if (alignment < 16 || alignment > (size_t{1} << 20) || (alignment & (alignment - 1)) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "DeviceArena: alignment must be a power of two in [16, 1048576], got ", alignment));
-  }
+  KVSHADE_RETURN_IF_ERROR(CheckAlignment(alignment));
   if (budget_bytes < alignment) {
     return absl::InvalidArgumentError(absl::StrCat("DeviceArena: budget_bytes (", budget_bytes,
                                                    ") is below the alignment (", alignment,
                                                    ")"));
   }
-  // One extra alignment unit so that the first block is aligned whatever the backend's own
-  // alignment is (the CPU backend gives 64 bytes).
-  absl::StatusOr<kernels::Buffer> buffer = backend.Allocate(budget_bytes + alignment);
-  if (!buffer.ok()) {
-    return absl::Status(buffer.status().code(),
-                        absl::StrCat("DeviceArena: cannot allocate the ", budget_bytes,
-                                     "-byte pool on ", std::string(backend.name()), ": ",
-                                     buffer.status().message()));
+  std::unique_ptr<DeviceArena> arena(new DeviceArena(&backend, budget_bytes, 0, backend.space(), alignment));
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<internal::ArenaPool> pool, arena->NewPool(budget_bytes));
+  arena->pools_.push_back(std::move(pool));
+  return arena;
+}
+
+absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::CreateOnDemand(kernels::Backend& backend,
+                                                                         size_t budget_bytes,
+                                                                         size_t growth_bytes,
+                                                                         size_t alignment) {
+  if (budget_bytes == 0) {
+    return absl::InvalidArgumentError("DeviceArena: budget_bytes must be > 0, got 0");
   }
-  auto pool = std::make_shared<internal::ArenaPool>(std::move(buffer).value(),
-                                                    budget_bytes, alignment);
-  return std::unique_ptr<DeviceArena>(new DeviceArena(std::move(pool), backend.space(), alignment));
+  KVSHADE_RETURN_IF_ERROR(CheckAlignment(alignment));
+  if (growth_bytes == 0 || growth_bytes % alignment != 0 || growth_bytes > budget_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "DeviceArena: growth_bytes must be a positive multiple of the alignment (", alignment,
+        ") at most budget_bytes (", budget_bytes, "), got ", growth_bytes));
+  }
+  return std::unique_ptr<DeviceArena>(
+      new DeviceArena(&backend, budget_bytes, growth_bytes, backend.space(), alignment));
 }
 
 DeviceArena::~DeviceArena() = default;
@@ -149,13 +185,108 @@ absl::StatusOr<ArenaBlock> DeviceArena::Allocate(size_t bytes, ArenaKind kind) {
   if (int(kind) < 0 || int(kind) >= kArenaKinds) {
     return absl::InvalidArgumentError(absl::StrCat("DeviceArena::Allocate: bad kind ", int(kind)));
   }
-  absl::StatusOr<std::pair<size_t, size_t>> taken = pool_->Take(bytes, kind);
-  if (!taken.ok()) return taken.status();
+  std::lock_guard<std::mutex> lock(mu_);
+  absl::Status last = absl::ResourceExhaustedError("arena: no pool");
+  size_t held = 0, used = 0;
+  for (const auto& pool : pools_) {
+    absl::StatusOr<std::pair<size_t, size_t>> taken = pool->Take(bytes, kind);
+    if (taken.ok()) {
+      auto [offset, reserved] = *taken;
+      for (const auto& p : pools_) used += p->used();
+      peak_used_ = std::max(peak_used_, used);
+      return ArenaBlock(pool, pool->base() + offset, offset, bytes, reserved, kind);
+    }
+    last = taken.status();
+    held += pool->capacity();
+  }
+  if (growth_ == 0) {
+    ++failed_;
+    return last;
+  }
+  // A new pool: growth_bytes, or the request rounded up to the alignment when larger, and
+  // what is left of the budget at most.
+  const size_t need = (bytes + alignment_ - 1) / alignment_ * alignment_;
+  const size_t left = budget_ - std::min(budget_, held);
+  const size_t size = std::min(std::max(growth_, need), left / alignment_ * alignment_);
+  if (size < need) {
+    ++failed_;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "arena: no room for ", bytes, " bytes of ", std::string(ArenaKindName(kind)), ": ", held,
+        " of the budget's ", budget_, " bytes are held in ", pools_.size(),
+        " pools and none has a free range that large"));
+  }
+  absl::StatusOr<std::shared_ptr<internal::ArenaPool>> pool = NewPool(size);
+  if (!pool.ok()) {
+    ++failed_;
+    return pool.status();
+  }
+  pools_.push_back(*pool);
+  absl::StatusOr<std::pair<size_t, size_t>> taken = (*pool)->Take(bytes, kind);
+  if (!taken.ok()) return taken.status();  // cannot happen: the pool was sized for it
+  for (const auto& p : pools_) used += p->used();
+  peak_used_ = std::max(peak_used_, used);
   auto [offset, reserved] = *taken;
-  return ArenaBlock(pool_, pool_->base() + offset, offset, bytes, reserved, kind);
+  return ArenaBlock(*pool, (*pool)->base() + offset, offset, bytes, reserved, kind);
 }
 
-ArenaStats DeviceArena::Stats() const { return pool_->Stats(); }
-size_t DeviceArena::capacity() const { return pool_->capacity(); }
+size_t DeviceArena::Trim(size_t keep_bytes) {
+  if (growth_ == 0) return 0;
+  std::vector<std::shared_ptr<internal::ArenaPool>> released;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Newest first: the empty pools kept as headroom are the most recently made.
+    size_t kept = 0;
+    for (size_t i = pools_.size(); i-- > 0;) {
+      // No block can be taken from a pool while mu_ is held, and a pool no block uses has
+      // no other owner than this list.
+      if (pools_[i]->used() != 0) continue;
+      if (kept + pools_[i]->capacity() <= keep_bytes) {
+        kept += pools_[i]->capacity();
+        continue;
+      }
+      released.push_back(std::move(pools_[i]));
+      pools_.erase(pools_.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+  size_t bytes = 0;
+  for (const auto& p : released) bytes += p->capacity();
+  return bytes;  // the pools' memory goes back to the backend as `released` is destroyed
+}
+
+ArenaStats DeviceArena::Stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  ArenaStats s;
+  s.budget = budget_;
+  s.pools = pools_.size();
+  for (const auto& p : pools_) {
+    const ArenaStats ps = p->Stats();
+    s.capacity += ps.capacity;
+    s.used += ps.used;
+    s.largest_free = std::max(s.largest_free, ps.largest_free);
+    s.free_ranges += ps.free_ranges;
+    s.failed_allocations += ps.failed_allocations;
+    for (int k = 0; k < kArenaKinds; ++k) {
+      s.used_by_kind[k] += ps.used_by_kind[k];
+      s.blocks_by_kind[k] += ps.blocks_by_kind[k];
+    }
+    if (growth_ == 0) s.peak_used = ps.peak_used;
+  }
+  if (growth_ > 0) {
+    s.peak_used = std::max(peak_used_, s.used);
+    // A block up to what is left of the budget fits in a new pool.
+    const size_t left = budget_ - std::min(budget_, s.capacity);
+    s.largest_free = std::max(s.largest_free, left / alignment_ * alignment_);
+    // Failures of pools tried before a new one was made are not the arena's.
+    s.failed_allocations = failed_;
+  }
+  return s;
+}
+
+size_t DeviceArena::capacity() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t c = 0;
+  for (const auto& p : pools_) c += p->capacity();
+  return c;
+}
 
 }  // namespace kvshade::storage

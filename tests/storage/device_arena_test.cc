@@ -4,6 +4,7 @@
 #include "kvshade/storage/device_arena.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <thread>
@@ -55,6 +56,128 @@ TEST(DeviceArena, AllocatesAlignedAndAccountsByKind) {
   EXPECT_EQ(s.used_by_kind[int(ArenaKind::kB)], 0u);
   EXPECT_EQ(s.blocks_by_kind[int(ArenaKind::kB)], 0u);
   EXPECT_EQ(s.peak_used, 1024u + 512u);
+}
+
+// On demand: nothing is held at first; steps of growth_bytes (or a larger request) are
+// allocated as blocks need them, never past the budget; Trim returns the steps no block
+// uses beyond the headroom asked for; blocks keep their bytes across other steps' release.
+TEST(DeviceArenaOnDemand, GrowsInStepsUpToTheBudgetAndTrimsEmptySteps) {
+  auto cpu = kernels::testing::Cpu();
+  EXPECT_EQ(DeviceArena::CreateOnDemand(*cpu, 1 << 20, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DeviceArena::CreateOnDemand(*cpu, 1 << 20, 1000).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(DeviceArena::CreateOnDemand(*cpu, 1 << 20, 2 << 20).status().code(), absl::StatusCode::kInvalidArgument);
+  auto arena = DeviceArena::CreateOnDemand(*cpu, 64 * 1024, 16 * 1024, 256);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  DeviceArena& a = **arena;
+  EXPECT_TRUE(a.on_demand());
+  EXPECT_EQ(a.capacity(), 0u);
+  EXPECT_EQ(a.Stats().budget, 64u * 1024);
+  EXPECT_EQ(a.Stats().largest_free, 64u * 1024);  // a new step may take the whole budget
+
+  auto b1 = a.Allocate(10 * 1024, ArenaKind::kA);  // step 1 (16 KiB)
+  ASSERT_TRUE(b1.ok()) << b1.status();
+  EXPECT_EQ(a.capacity(), 16u * 1024);
+  auto b2 = a.Allocate(4 * 1024, ArenaKind::kB);   // fits step 1
+  ASSERT_TRUE(b2.ok());
+  EXPECT_EQ(a.Stats().pools, 1u);
+  auto b3 = a.Allocate(20 * 1024, ArenaKind::kStatic);  // larger than a step: its own 20 KiB
+  ASSERT_TRUE(b3.ok());
+  EXPECT_EQ(a.capacity(), 36u * 1024);
+  auto b4 = a.Allocate(16 * 1024, ArenaKind::kSlots);  // step 3
+  ASSERT_TRUE(b4.ok());
+  EXPECT_EQ(a.capacity(), 52u * 1024);
+  EXPECT_EQ(a.Stats().pools, 3u);
+  // 12 KiB of the budget are left: a 13 KiB block does not fit anywhere.
+  auto over = a.Allocate(13 * 1024, ArenaKind::kOther);
+  EXPECT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted) << over.status();
+  EXPECT_NE(over.status().message().find("budget"), std::string::npos) << over.status();
+  EXPECT_EQ(a.Stats().failed_allocations, 1u);
+  auto last = a.Allocate(12 * 1024, ArenaKind::kOther);  // the rest of the budget
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(a.capacity(), 64u * 1024);
+  std::memset(b1->data(), 0x11, b1->bytes());
+  std::memset(b4->data(), 0x44, b4->bytes());
+
+  // Nothing to trim while every step is in use.
+  EXPECT_EQ(a.Trim(), 0u);
+  b3->Reset();    // its step is now empty
+  last->Reset();  // so is the last one
+  ArenaStats s = a.Stats();
+  EXPECT_EQ(s.used, (10u + 4u + 16u) * 1024);
+  EXPECT_EQ(s.peak_used, 62u * 1024);
+  // Keep 12 KiB of empty steps as headroom: the newest (the last, 12 KiB) stays.
+  EXPECT_EQ(a.Trim(12 * 1024), 20u * 1024);
+  EXPECT_EQ(a.capacity(), 44u * 1024);
+  EXPECT_EQ(a.Trim(), 12u * 1024);
+  EXPECT_EQ(a.capacity(), 32u * 1024);
+  EXPECT_EQ(a.Stats().pools, 2u);
+  // Live blocks kept their bytes.
+  EXPECT_EQ(static_cast<unsigned char*>(b1->data())[b1->bytes() - 1], 0x11);
+  EXPECT_EQ(static_cast<unsigned char*>(b4->data())[0], 0x44);
+  // Freed room is used again, then new steps.
+  auto again = a.Allocate(30 * 1024, ArenaKind::kA);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(a.capacity(), 62u * 1024);
+  b1->Reset();
+  b2->Reset();
+  b4->Reset();
+  again->Reset();
+  EXPECT_EQ(a.Trim(), 62u * 1024);
+  EXPECT_EQ(a.capacity(), 0u);
+  EXPECT_EQ(a.Stats().used, 0u);
+}
+
+// A reserved arena (growth 0) holds its whole budget from the start and never trims.
+TEST(DeviceArenaOnDemand, ReservedArenaHoldsTheBudgetAndTrimIsANoOp) {
+  auto cpu = kernels::testing::Cpu();
+  auto arena = DeviceArena::Create(*cpu, 64 * 1024, 256);
+  ASSERT_TRUE(arena.ok());
+  EXPECT_FALSE((*arena)->on_demand());
+  EXPECT_EQ((*arena)->capacity(), 64u * 1024);
+  EXPECT_EQ((*arena)->Trim(), 0u);
+  EXPECT_EQ((*arena)->Stats().budget, 64u * 1024);
+  EXPECT_EQ((*arena)->Stats().pools, 1u);
+}
+
+// Threads allocating and freeing across steps while another trims: blocks never overlap
+// and every byte written is read back.
+TEST(DeviceArenaOnDemand, ConcurrentAllocateFreeAndTrim) {
+  auto cpu = kernels::testing::Cpu();
+  auto arena = DeviceArena::CreateOnDemand(*cpu, 4 << 20, 64 * 1024, 256);
+  ASSERT_TRUE(arena.ok());
+  DeviceArena& a = **arena;
+  std::atomic<bool> stop{false};
+  std::thread trimmer([&] {
+    while (!stop) a.Trim(64 * 1024);
+  });
+  std::vector<std::thread> workers;
+  std::atomic<int> errors{0};
+  for (int t = 0; t < 2; ++t) {
+    workers.emplace_back([&, t] {
+      std::vector<std::pair<ArenaBlock, unsigned char>> held;
+      for (int i = 0; i < 400; ++i) {
+        const size_t bytes = 1024 + size_t((i * 7919 + t * 131) % 40000);
+        auto b = a.Allocate(bytes, ArenaKind::kOther);
+        if (!b.ok()) continue;  // the budget may be full for a moment
+        const auto fill = static_cast<unsigned char>(t * 16 + i % 16);
+        std::memset(b->data(), fill, b->bytes());
+        held.emplace_back(std::move(*b), fill);
+        if (held.size() > 20) {
+          const ArenaBlock& old = held.front().first;
+          const auto* p = static_cast<const unsigned char*>(old.data());
+          for (size_t x = 0; x < old.bytes(); x += 97) errors += p[x] != held.front().second;
+          held.erase(held.begin());
+        }
+      }
+    });
+  }
+  for (auto& w : workers) w.join();
+  stop = true;
+  trimmer.join();
+  EXPECT_EQ(errors.load(), 0);
+  EXPECT_EQ(a.Stats().used, 0u);
+  a.Trim();
+  EXPECT_EQ(a.capacity(), 0u);
 }
 
 TEST(DeviceArena, FullArenaIsResourceExhaustedAndFreeCoalesces) {

@@ -126,6 +126,9 @@ struct ServerConfig {
   std::string backend = "cpu";             // cpu | cuda | auto
   uint64_t device_budget_bytes = 8ull << 30, host_budget_bytes = 32ull << 30,
            spill_budget_bytes = 0;         // 0 = unbounded spill tier
+  // The device tier holds memory on demand, in steps of this many bytes (capped at the
+  // budget), and returns steps no data uses; 0 reserves the whole budget at start.
+  uint64_t device_growth_bytes = 1ull << 30;
   std::string spill_path;                  // RocksDB directory; empty = no spill, no durability
   // When appends of durable sessions reach the disk (sessions may ask otherwise at create):
   // "no" (at the next commit or drain), "everysec" (written before the acknowledgement,

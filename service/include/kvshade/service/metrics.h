@@ -57,6 +57,8 @@ class Metrics {
   void SetTierBytes(std::string_view tier, std::string_view kind, double bytes);
   // The configured budget of a tier (+Inf: unbounded; 0: no such tier).
   void SetTierBudget(std::string_view tier, double bytes);
+  // The device memory the daemon holds (kvshade_device_held_bytes) in `pools` allocations.
+  void SetDeviceHeld(double bytes, double pools);
   // kvshade_build_info{version,commit,backend} 1 (set once at start-up; a later call
   // replaces the series).
   void SetBuildInfo(std::string_view version, std::string_view commit, std::string_view backend);
@@ -99,6 +101,8 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>* stage_seconds_;
   prometheus::Family<prometheus::Gauge>* tier_bytes_;
   prometheus::Family<prometheus::Gauge>* tier_budget_;
+  prometheus::Gauge* device_held_;
+  prometheus::Gauge* device_pools_;
   prometheus::Family<prometheus::Gauge>* build_info_;
   std::mutex tier_mu_;
   std::map<std::pair<std::string, std::string>, double> tier_kinds_;  // (tier, kind) -> bytes

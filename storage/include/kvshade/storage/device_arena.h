@@ -1,6 +1,12 @@
-// DeviceArena: one memory pool per backend, made once at start-up from a byte budget with a
-// single Backend::Allocate call, then sub-allocated (best fit over a free list, neighbours
-// coalesced on free). Nothing on the request path calls the backend allocator.
+// DeviceArena: the memory of a backend under one byte budget, sub-allocated (best fit over
+// a free list per pool, neighbours coalesced on free). Two ways to hold it:
+// - reserved (growth_bytes = 0): one pool of the whole budget, made at start-up with a
+//   single Backend::Allocate call; nothing on the request path calls the backend allocator;
+// - on demand (growth_bytes > 0): pools of growth_bytes (or the request, if larger) are
+//   allocated when no pool has room, up to the budget, and Trim() returns pools no block
+//   uses to the backend, so the arena holds about what its blocks need and a process
+//   sharing the device gets the rest. Each pool is one backend allocation (one exported
+//   region for same-node decode).
 //
 // Over a CUDA backend the pool is device memory (factors, landmarks, static sets, slot
 // buffers); over the CPU backend Backend::Allocate is host memory, so the same class is the
@@ -20,7 +26,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "kvshade/kernels/backend.h"
@@ -32,7 +40,9 @@ inline constexpr int kArenaKinds = 6;
 std::string_view ArenaKindName(ArenaKind k);
 
 struct ArenaStats {
-  size_t capacity = 0;       // pool bytes
+  size_t capacity = 0;       // pool bytes held now (the budget when reserved)
+  size_t budget = 0;         // the most the arena may hold
+  size_t pools = 0;          // backend allocations held
   size_t used = 0;           // bytes in live blocks (after alignment rounding)
   size_t peak_used = 0;
   size_t largest_free = 0;   // biggest single block that would fit now
@@ -87,6 +97,13 @@ class DeviceArena {
   static absl::StatusOr<std::unique_ptr<DeviceArena>> Create(kernels::Backend& backend,
                                                              size_t budget_bytes,
                                                              size_t alignment = 256);
+  // On demand: no pool at first; pools of at least growth_bytes (a multiple of the
+  // alignment, > 0) as blocks need them, up to budget_bytes. The backend must outlive the
+  // arena and its blocks.
+  static absl::StatusOr<std::unique_ptr<DeviceArena>> CreateOnDemand(kernels::Backend& backend,
+                                                                     size_t budget_bytes,
+                                                                     size_t growth_bytes,
+                                                                     size_t alignment = 256);
   ~DeviceArena();
   DeviceArena(const DeviceArena&) = delete;
   DeviceArena& operator=(const DeviceArena&) = delete;
@@ -94,20 +111,38 @@ class DeviceArena {
   // A block of `bytes` (> 0) in the backend's memory space; ResourceExhausted when no free
   // range is large enough (the message says the request, the free bytes and the largest
   // free range).
+  // On demand, a new pool is allocated when none has room (ResourceExhausted, as above,
+  // when the budget does not allow one, or with the backend's message when the backend
+  // has no memory left).
   absl::StatusOr<ArenaBlock> Allocate(size_t bytes, ArenaKind kind);
+
+  // On demand: returns to the backend every pool no block uses, beyond `keep_bytes` of
+  // such empty pools (the newest are kept: headroom against allocating again at once);
+  // returns the bytes released. A no-op for a reserved arena.
+  size_t Trim(size_t keep_bytes = 0);
 
   ArenaStats Stats() const;
   kernels::MemorySpace space() const { return space_; }
   size_t alignment() const { return alignment_; }
-  size_t capacity() const;
+  size_t capacity() const;  // bytes held now
+  size_t budget() const { return budget_; }
+  bool on_demand() const { return growth_ > 0; }
 
  private:
-  DeviceArena(std::shared_ptr<internal::ArenaPool> pool, kernels::MemorySpace space,
+  DeviceArena(kernels::Backend* backend, size_t budget, size_t growth, kernels::MemorySpace space,
               size_t alignment)
-      : pool_(std::move(pool)), space_(space), alignment_(alignment) {}
-  std::shared_ptr<internal::ArenaPool> pool_;
+      : backend_(backend), budget_(budget), growth_(growth), space_(space), alignment_(alignment) {}
+  absl::StatusOr<std::shared_ptr<internal::ArenaPool>> NewPool(size_t bytes);
+
+  kernels::Backend* backend_;
+  const size_t budget_;
+  const size_t growth_;  // 0: reserved (one pool)
   kernels::MemorySpace space_;
   size_t alignment_;
+  mutable std::mutex mu_;  // the pool list (pools have their own locks)
+  std::vector<std::shared_ptr<internal::ArenaPool>> pools_;
+  size_t peak_used_ = 0;
+  uint64_t failed_ = 0;
 };
 
 }  // namespace kvshade::storage
