@@ -1299,6 +1299,7 @@ static absl::StatusOr<v1::StatsResponse> TenantStats(EngineImpl& e, const Tenant
   r.set_segments(segments);
   r.set_device_bytes_used(device);
   r.set_device_bytes_budget(e.arena_->budget());
+  r.set_device_bytes_held(e.arena_->capacity());  // server-wide, as the budget
   r.set_host_bytes_used(host);
   r.set_host_bytes_budget(e.store_->Stats().budget_bytes);
   r.set_spilled_bytes(spilled);
