@@ -18,38 +18,6 @@ namespace {
 
 using kernels::bf16;
 
-std::vector<bf16> QueryBf16(const synthetic::Document& doc, int layer, int step, int64_t pos) {
-  std::vector<float> q = doc.Query(layer, 0, step, pos);
-  std::vector<bf16> out(q.size());
-  for (size_t i = 0; i < q.size(); ++i) out[i] = kernels::FloatToBf16(q[i]);
-  return out;
-}
-
-v1::Tensor Bf16Tensor(const std::vector<bf16>& q, int hq, int d) {
-  v1::Tensor t;
-  t.add_shape(hq);
-  t.add_shape(d);
-  t.set_dtype(v1::DTYPE_BF16);
-  t.set_data(std::string(reinterpret_cast<const char*>(q.data()), q.size() * 2));
-  return t;
-}
-
-// The daemon's Attend of one query.
-std::vector<float> DaemonAttend(client::Client& c, const std::string& attachment, int layer,
-                                const std::vector<bf16>& q, int hq, int d) {
-  v1::AttendRequest at;
-  at.set_layer(layer);
-  auto* aq = at.add_queries();
-  aq->set_attachment_id(attachment);
-  *aq->mutable_q() = Bf16Tensor(q, hq, d);
-  auto r = c.Attend(at);
-  EXPECT_TRUE(r.ok()) << r.status();
-  if (!r.ok()) return {};
-  auto f = client::TensorToFloats(r->outputs(0));
-  EXPECT_TRUE(f.ok());
-  return f.ok() ? *f : std::vector<float>();
-}
-
 // The daemon's selection of one query, per KV head: SelectAndReconstruct on a fresh
 // attachment (empty slot tables), whose misses are then exactly the selection.
 std::vector<std::set<int32_t>> DaemonSelection(client::Client& c, const std::string& session, int layer,
@@ -88,12 +56,7 @@ std::vector<std::set<int32_t>> Rows(const std::vector<int32_t>& selected, int h)
 }
 
 double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& b) {
-  double mx = 0, diff = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i) {
-    mx = std::max(mx, double(std::fabs(a[i])));
-    diff = std::max(diff, double(std::fabs(a[i] - b[i])));
-  }
-  return a.size() == b.size() ? diff / std::max(mx, 1e-30) : 1e30;
+  return a.size() == b.size() ? integration::MaxRelDiff(a, b.data(), a.size()) : 1e30;
 }
 
 struct Options {
@@ -133,7 +96,7 @@ TEST_P(DecodePaths, SameSelectionEveryOption) {
   int fewer = 0;  // head-steps that selected fewer than k chunks (the mass budget at work)
   for (int step = 0; step < 6; ++step) {
     for (int l = 0; l < L; ++l) {
-      const std::vector<bf16> q = QueryBf16(doc, l, step, pos);
+      const std::vector<bf16> q = QueryBf16(doc, l, 0, step, pos);
       KV_ASSERT_OK(dec->Attend(l, q.data(), nullptr, nullptr, out.data()));
       KV_ASSERT_OK_AND_ASSIGN(sel, dec->Selected(0, l));
       const auto local = Rows(sel, h);
@@ -144,7 +107,7 @@ TEST_P(DecodePaths, SameSelectionEveryOption) {
         fewer += int(local[hh].size()) < dec->slots_per_head(0, l);
       }
       if (o.top_p == 0) {
-        const std::vector<float> ref = DaemonAttend(*c, att.attachment_id(), l, q, hq, d);
+        const std::vector<float> ref = AttendRpc(*c, att.attachment_id(), l, q, hq, d);
         EXPECT_LT(MaxRelDiff(ref, out), 1e-5) << o.name << " step " << step << " layer " << l;
       }
     }
@@ -187,9 +150,9 @@ TEST(DecodePathsGuard, WidensAlikeAndAttendsTheWiderSelection) {
   std::vector<float> out(size_t(hq) * d);
   for (int step = 0; step < 12; ++step) {
     for (int l = 0; l < L; ++l) {
-      const std::vector<bf16> q = QueryBf16(doc, l, step, pos);
+      const std::vector<bf16> q = QueryBf16(doc, l, 0, step, pos);
       KV_ASSERT_OK(dec->Attend(l, q.data(), nullptr, nullptr, out.data()));
-      const std::vector<float> ref = DaemonAttend(*c, att.attachment_id(), l, q, hq, d);
+      const std::vector<float> ref = AttendRpc(*c, att.attachment_id(), l, q, hq, d);
       EXPECT_LT(MaxRelDiff(ref, out), 1e-5) << "step " << step << " layer " << l;
     }
   }
@@ -216,7 +179,7 @@ TEST(DecodePathsGuard, WidensAlikeAndAttendsTheWiderSelection) {
   req.set_layer(static_cast<uint32_t>(local[0].layer));
   auto* sq = req.add_queries();
   sq->set_attachment_id(att.attachment_id());
-  *sq->mutable_q() = Bf16Tensor(QueryBf16(doc, local[0].layer, 0, pos), hq, d);
+  *sq->mutable_q() = Bf16Tensor(QueryBf16(doc, local[0].layer, 0, 0, pos), hq, d);
   if (local[0].budget > 2) {
     KV_ASSERT_OK_AND_ASSIGN(r, c->SelectAndReconstruct(req));
     EXPECT_TRUE(r.deltas(0).fallback());
@@ -257,7 +220,7 @@ TEST(DecodePathsNative, CallerIdsAttendAsTheirSelection) {
   std::vector<float> o1(size_t(hq) * d), o2(size_t(hq) * d);
   for (int step = 0; step < 4; ++step) {
     for (int l = 0; l < L; ++l) {
-      const std::vector<bf16> q = QueryBf16(doc, l, step, spec.doc_tokens);
+      const std::vector<bf16> q = QueryBf16(doc, l, 0, step, spec.doc_tokens);
       KV_ASSERT_OK(plain->Attend(l, q.data(), nullptr, nullptr, o1.data()));
       KV_ASSERT_OK_AND_ASSIGN(sel, plain->Selected(0, l));
       const int k = plain->slots_per_head(0, l);
@@ -268,7 +231,7 @@ TEST(DecodePathsNative, CallerIdsAttendAsTheirSelection) {
   }
   // More ids than slots is refused.
   const std::vector<int32_t> wide(size_t(h) * 64, -1);
-  const std::vector<bf16> q = QueryBf16(doc, 0, 0, spec.doc_tokens);
+  const std::vector<bf16> q = QueryBf16(doc, 0, 0, 0, spec.doc_tokens);
   EXPECT_TRUE(absl::IsInvalidArgument(native->AttendChunks(0, q.data(), wide.data(), 64, nullptr, nullptr,
                                                            o2.data())));
   plain.reset();

@@ -10,6 +10,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -242,6 +246,47 @@ synthetic::DocSpec SmallDoc(int64_t tokens, uint64_t seed) {
   s.latent_rank = 8;
   s.seed = seed;
   return s;
+}
+
+std::vector<kernels::bf16> QueryBf16(const synthetic::Document& doc, int layer, int question, int step,
+                                     int64_t pos) {
+  std::vector<float> q = doc.Query(layer, question, step, pos);
+  std::vector<kernels::bf16> out(q.size());
+  for (size_t i = 0; i < q.size(); ++i) out[i] = kernels::FloatToBf16(q[i]);
+  return out;
+}
+
+v1::Tensor Bf16Tensor(const std::vector<kernels::bf16>& q, int hq, int d) {
+  v1::Tensor t;
+  t.add_shape(hq);
+  t.add_shape(d);
+  t.set_dtype(v1::DTYPE_BF16);
+  t.set_data(std::string(reinterpret_cast<const char*>(q.data()), q.size() * 2));
+  return t;
+}
+
+std::vector<float> AttendRpc(client::Client& c, const std::string& attachment, int layer,
+                             const std::vector<kernels::bf16>& q, int hq, int d) {
+  v1::AttendRequest at;
+  at.set_layer(layer);
+  auto* aq = at.add_queries();
+  aq->set_attachment_id(attachment);
+  *aq->mutable_q() = Bf16Tensor(q, hq, d);
+  auto r = c.Attend(at);
+  EXPECT_TRUE(r.ok()) << r.status();
+  if (!r.ok()) return {};
+  auto f = client::TensorToFloats(r->outputs(0));
+  EXPECT_TRUE(f.ok());
+  return f.ok() ? *f : std::vector<float>();
+}
+
+double MaxRelDiff(const std::vector<float>& a, const float* b, size_t n) {
+  double mx = 0, diff = 0;
+  for (size_t i = 0; i < n && i < a.size(); ++i) {
+    mx = std::max(mx, double(std::fabs(a[i])));
+    diff = std::max(diff, double(std::fabs(a[i] - b[i])));
+  }
+  return diff / std::max(mx, 1e-30);
 }
 
 v1::Profile ShadowProfile(int rank, int budget, int outliers) {

@@ -18,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "kvshade/client/client.h"
+#include "kvshade/kernels/types.h"
 #include "synthetic.h"
 
 namespace kvshade::integration {
@@ -101,6 +102,19 @@ absl::StatusOr<v1::CreateSessionResponse> CreateAndIngest(client::Client& c,
                                                           const synthetic::Document& doc,
                                                           const v1::Profile& profile, int question,
                                                           bool durable = false);
+
+// Decode helpers shared by the same-node and daemon-path tests.
+// The synthetic query of (layer, question, step) at `pos` as bf16 [hq, d].
+std::vector<kernels::bf16> QueryBf16(const synthetic::Document& doc, int layer, int question, int step,
+                                     int64_t pos);
+// A bf16 [hq, d] tensor of `q`.
+v1::Tensor Bf16Tensor(const std::vector<kernels::bf16>& q, int hq, int d);
+// The daemon's Attend of one query of one attachment: [hq, d] fp32 (empty on failure,
+// which is also reported as a test failure).
+std::vector<float> AttendRpc(client::Client& c, const std::string& attachment, int layer,
+                             const std::vector<kernels::bf16>& q, int hq, int d);
+// max |a - b| / max |a| over the first n values.
+double MaxRelDiff(const std::vector<float>& a, const float* b, size_t n);
 
 // A SelectAndReconstruct request of one query per attachment (query of `question`, step).
 v1::SelectAndReconstructRequest MakeSelect(const synthetic::Document& doc, uint32_t layer,

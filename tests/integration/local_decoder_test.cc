@@ -33,15 +33,6 @@ struct Fixture {
   synthetic::Document doc{SmallDoc(1024)};
 };
 
-// The query of (layer, step) as bf16, [hq, d].
-std::vector<bf16> QueryBf16(const synthetic::Document& doc, int layer, int question, int step,
-                            int64_t pos) {
-  std::vector<float> q = doc.Query(layer, question, step, pos);
-  std::vector<bf16> out(q.size());
-  for (size_t i = 0; i < q.size(); ++i) out[i] = kernels::FloatToBf16(q[i]);
-  return out;
-}
-
 // Appends token `pos` of `question` to the session, then reads back its post-RoPE K and V
 // for every layer from the daemon's exact tail (GetStaticSet): [L][h*d] each.
 void AppendAndReadNew(client::Client& c, const synthetic::Document& doc, const std::string& session,
@@ -66,33 +57,6 @@ void AppendAndReadNew(client::Client& c, const synthetic::Document& doc, const s
   }
 }
 
-std::vector<float> RpcAttend(client::Client& c, const std::string& attachment, int layer,
-                             const std::vector<bf16>& q, int hq, int d) {
-  v1::AttendRequest at;
-  at.set_layer(layer);
-  auto* aq = at.add_queries();
-  aq->set_attachment_id(attachment);
-  v1::Tensor* t = aq->mutable_q();
-  t->add_shape(hq);
-  t->add_shape(d);
-  t->set_dtype(v1::DTYPE_BF16);
-  t->set_data(std::string(reinterpret_cast<const char*>(q.data()), q.size() * 2));
-  auto r = c.Attend(at);
-  EXPECT_TRUE(r.ok()) << r.status();
-  if (!r.ok()) return {};
-  auto f = client::TensorToFloats(r->outputs(0));
-  EXPECT_TRUE(f.ok());
-  return f.ok() ? *f : std::vector<float>();
-}
-
-double MaxRelDiff(const std::vector<float>& a, const float* b, size_t n) {
-  double mx = 0, diff = 0;
-  for (size_t i = 0; i < n; ++i) {
-    mx = std::max(mx, double(std::fabs(a[i])));
-    diff = std::max(diff, double(std::fabs(a[i] - b[i])));
-  }
-  return diff / std::max(mx, 1e-30);
-}
 
 TEST(LocalDecoder, MatchesAttendRpcAcrossAppendsAndRefreshes) {
   Fixture f;
@@ -150,7 +114,7 @@ TEST(LocalDecoder, MatchesAttendRpcAcrossAppendsAndRefreshes) {
       std::vector<bf16> qb = QueryBf16(doc, l, q, step, pos);
       KV_ASSERT_OK(dec->Attend(l, qb.data(), with_new ? kn[l].data() : nullptr,
                                with_new ? vn[l].data() : nullptr, out.data()));
-      std::vector<float> ref = RpcAttend(*f.c, att.attachment_id(), l, qb, hq, d);
+      std::vector<float> ref = AttendRpc(*f.c, att.attachment_id(), l, qb, hq, d);
       ASSERT_EQ(ref.size(), out.size());
       EXPECT_LT(MaxRelDiff(ref, out.data(), out.size()), 1e-5)
           << "step " << step << " layer " << l << (with_new ? " (new token local)" : "");
@@ -197,7 +161,7 @@ TEST(LocalDecoder, KeptMappingsServeLaterSessionsExactly) {
       for (int l = 0; l < spec.layers; ++l) {
         std::vector<bf16> qb = QueryBf16(doc, l, 0, 0, pos);
         KV_ASSERT_OK(dec->Attend(l, qb.data(), nullptr, nullptr, out.data()));
-        std::vector<float> ref = RpcAttend(*f.c, att.attachment_id(), l, qb, spec.q_heads, spec.head_dim);
+        std::vector<float> ref = AttendRpc(*f.c, att.attachment_id(), l, qb, spec.q_heads, spec.head_dim);
         ASSERT_EQ(ref.size(), out.size());
         EXPECT_LT(MaxRelDiff(ref, out.data(), out.size()), 1e-5)
             << "seed " << seed << " layer " << l << " idle_mapped_bytes " << idle;
@@ -613,7 +577,7 @@ TEST(LocalDecoder, DescriptorsComeFromTheDaemonsBrokerOrProc) {
     for (int l = 0; l < spec.layers; ++l) {
       std::vector<bf16> qb = QueryBf16(doc, l, 0, 0, pos);
       KV_ASSERT_OK(dec->Attend(l, qb.data(), nullptr, nullptr, out.data()));
-      std::vector<float> ref = RpcAttend(*c, att.attachment_id(), l, qb, spec.q_heads, spec.head_dim);
+      std::vector<float> ref = AttendRpc(*c, att.attachment_id(), l, qb, spec.q_heads, spec.head_dim);
       ASSERT_EQ(ref.size(), out.size());
       EXPECT_LT(MaxRelDiff(ref, out.data(), out.size()), 1e-5) << "layer " << l;
     }
@@ -650,7 +614,7 @@ TEST(LocalDecoder, ExportOffIsRefusedAndTheRpcPathServes) {
   EXPECT_NE(dec.status().message().find("same_node.export"), std::string::npos) << dec.status();
   const auto& spec = doc.spec();
   std::vector<bf16> qb = QueryBf16(doc, 0, 0, 0, 1100);
-  std::vector<float> out = RpcAttend(*c, att.attachment_id(), 0, qb, spec.q_heads, spec.head_dim);
+  std::vector<float> out = AttendRpc(*c, att.attachment_id(), 0, qb, spec.q_heads, spec.head_dim);
   EXPECT_EQ(out.size(), size_t(spec.q_heads) * spec.head_dim);
   EXPECT_EQ(server.Stop(), 0) << server.log();
 }
