@@ -181,11 +181,12 @@ pid_t ServerPid(int port) {
 
 // RLIMIT_FSIZE set on the running daemon (prlimit, same user, no root): a WAL record over
 // the limit fails with EFBIG, an I/O error other than a full disk. Small budgets keep the
-// daemon's later memory files (host slabs) under the limit.
+// daemon's later memory files (host slabs) under the limit, and the device tier (a memory
+// file on the cpu backend) is reserved at start (--device-growth 0), before the limit.
 TEST(StorageFaults, SpillFileSizeLimitFailsDurableCommitsWithUnavailable) {
   TempDir dir;
   const std::vector<std::string> args = {"--spill-path", dir.path() + "/rocks", "--device-budget",
-                                         "256MiB", "--host-budget", "8MiB"};
+                                         "256MiB", "--device-growth", "0", "--host-budget", "8MiB"};
   ServerProcess server;
   KV_ASSERT_OK(server.Start(args));
   const pid_t pid = ServerPid(server.port());
