@@ -991,8 +991,9 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
   resp.set_slot_buffer_bytes(slot_bytes);
   // Page the session's spilled values in ahead of its first decode step. Synchronous: the
   // store has no prefetch thread (Init), so Prefetch runs inline and Attach answers once
-  // they are resident. An error is not Attach's: the first Select pages in again, or
-  // reports it.
+  // they are resident. A read that fails fails the Attach with its error (UNAVAILABLE for
+  // an I/O error, DATA_LOSS for bytes that fail their checksum), and the attachment is
+  // undone: a worker is never attached to a session whose values cannot be read.
   std::vector<storage::SegmentId> ids;
   {
     std::shared_lock<std::shared_mutex> lock(s->mu);
@@ -1002,7 +1003,17 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
     }
   }
   if (!ids.empty()) {
-    store_->Prefetch(std::move(ids), [](absl::Status) {});
+    auto paged = std::make_shared<absl::Status>();
+    store_->Prefetch(std::move(ids), [paged](absl::Status st) { *paged = std::move(st); });
+    if (!paged->ok()) {
+      (void)sessions_.Detach(t.name, a->id);
+      log::Event(spdlog::level::warn, "attach_page_in_failed")
+          .Str("session", s->id)
+          .Str("tenant", t.name)
+          .Status(*paged);
+      return absl::Status(paged->code(), absl::StrCat("attach: paging in the values of session '", s->id,
+                                                      "' failed: ", paged->message()));
+    }
   }
   UpdateGauges();
   log::Event(spdlog::level::info, "attached")
