@@ -242,13 +242,20 @@ def _load():
             lib = ctypes.CDLL(path)
         else:
             continue
+        if lib.kvshade_abi_version() != ABI_VERSION:
+            raise ImportError("%s implements kvshade ABI %d, this package needs %d"
+                              % (path, lib.kvshade_abi_version(), ABI_VERSION))
+        # Functions added since the library was built (the ABI version counts changed
+        # layouts and signatures, not additions): said by name, not as an AttributeError.
+        missing = [name for name in _SIGNATURES if not hasattr(lib, name)]
+        if missing:
+            raise ImportError("%s lacks %s%s: it is older than this package; rebuild libkvshade.so"
+                              % (path, ", ".join(missing[:4]), " and %d more" % (len(missing) - 4)
+                                 if len(missing) > 4 else ""))
         for name, (res, args) in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.restype = res
             fn.argtypes = args
-        if lib.kvshade_abi_version() != ABI_VERSION:
-            raise ImportError("%s implements kvshade ABI %d, this package needs %d"
-                              % (path, lib.kvshade_abi_version(), ABI_VERSION))
         lib._kvshade_path = path
         return lib
     raise ImportError("libkvshade.so not found (set KVSHADE_LIB); tried: " + ", ".join(tried))
