@@ -99,23 +99,6 @@ ReconstructItem ReconstructOf(const SelectItem& s, bf16* keys, bf16* values, boo
 
 // --- Recall guard ------------------------------------------------------------------------
 
-SelectionGuard::SelectionGuard(const SelectionGuard& o) {
-  std::lock_guard lock(o.mu_);
-  layers_ = o.layers_;
-}
-
-SelectionGuard& SelectionGuard::operator=(const SelectionGuard& o) {
-  if (this == &o) return *this;
-  std::map<int, Layer> copy;
-  {
-    std::lock_guard lock(o.mu_);
-    copy = o.layers_;
-  }
-  std::lock_guard lock(mu_);
-  layers_ = std::move(copy);
-  return *this;
-}
-
 bool SelectionGuard::Sample(int layer, double rate) {
   if (!(rate > 0)) return false;
   std::lock_guard lock(mu_);

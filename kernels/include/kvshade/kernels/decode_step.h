@@ -121,10 +121,6 @@ class SelectionGuard {
   // full window, and starts a new one after acting.
   static constexpr int kWindow = 4;
 
-  SelectionGuard() = default;
-  SelectionGuard(const SelectionGuard& o);
-  SelectionGuard& operator=(const SelectionGuard& o);
-
   // Advances the layer's decode-step counter; true when this step is sampled: the steps
   // where floor(n * rate) increases (rate 1: every step; 0.25: every 4th; 0: none).
   bool Sample(int layer, double rate);
