@@ -2,6 +2,7 @@
 #include "kvshade/storage/device_arena.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "absl/base/thread_annotations.h"
@@ -26,12 +27,19 @@ std::string_view ArenaKindName(ArenaKind k) {
 
 namespace internal {
 
+// Bytes in live blocks over every pool of an arena, and their peak (shared by the pools).
+struct ArenaUsage {
+  std::atomic<size_t> used{0};
+  std::atomic<size_t> peak{0};
+};
+
 // The pool and its bookkeeping, shared by the arena and its live blocks.
 class ArenaPool {
  public:
   // `buffer` holds capacity + alignment bytes so that the base can be aligned up.
-  ArenaPool(kernels::Buffer buffer, size_t capacity, size_t alignment)
-      : buffer_(std::move(buffer)), ranges_(capacity, alignment) {
+  ArenaPool(kernels::Buffer buffer, size_t capacity, size_t alignment,
+            std::shared_ptr<ArenaUsage> usage)
+      : buffer_(std::move(buffer)), ranges_(capacity, alignment), usage_(std::move(usage)) {
     const auto p = reinterpret_cast<uintptr_t>(buffer_.data());
     base_ = static_cast<std::byte*>(buffer_.data()) + ((alignment - p % alignment) % alignment);
   }
@@ -53,6 +61,10 @@ class ArenaPool {
     stats_.peak_used = std::max(stats_.peak_used, stats_.used);
     stats_.used_by_kind[int(kind)] += reserved;
     stats_.blocks_by_kind[int(kind)] += 1;
+    const size_t total = usage_->used.fetch_add(reserved) + reserved;
+    size_t peak = usage_->peak.load();
+    while (total > peak && !usage_->peak.compare_exchange_weak(peak, total)) {
+    }
     return std::make_pair(*offset, reserved);
   }
 
@@ -62,6 +74,7 @@ class ArenaPool {
     stats_.used -= reserved;
     stats_.used_by_kind[int(kind)] -= reserved;
     stats_.blocks_by_kind[int(kind)] -= 1;
+    usage_->used.fetch_sub(reserved);
   }
 
   ArenaStats Stats() const {
@@ -89,6 +102,7 @@ class ArenaPool {
   mutable base::Mutex mu_;
   RangeAllocator ranges_ ABSL_GUARDED_BY(mu_);
   ArenaStats stats_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<ArenaUsage> usage_;
 };
 
 }  // namespace internal
@@ -140,7 +154,7 @@ absl::StatusOr<std::shared_ptr<internal::ArenaPool>> DeviceArena::NewPool(size_t
                         absl::StrCat("DeviceArena: cannot allocate a ", bytes, "-byte pool on ",
                                      std::string(backend_->name()), ": ", buffer.status().message()));
   }
-  return std::make_shared<internal::ArenaPool>(std::move(buffer).value(), bytes, alignment_);
+  return std::make_shared<internal::ArenaPool>(std::move(buffer).value(), bytes, alignment_, usage_);
 }
 
 absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::Create(kernels::Backend& backend,
@@ -178,6 +192,11 @@ absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::CreateOnDemand(kernels
       new DeviceArena(&backend, budget_bytes, growth_bytes, backend.space(), alignment));
 }
 
+DeviceArena::DeviceArena(kernels::Backend* backend, size_t budget, size_t growth,
+                         kernels::MemorySpace space, size_t alignment)
+    : backend_(backend), budget_(budget), growth_(growth), space_(space), alignment_(alignment),
+      usage_(std::make_shared<internal::ArenaUsage>()) {}
+
 DeviceArena::~DeviceArena() = default;
 
 absl::StatusOr<ArenaBlock> DeviceArena::Allocate(size_t bytes, ArenaKind kind) {
@@ -187,13 +206,11 @@ absl::StatusOr<ArenaBlock> DeviceArena::Allocate(size_t bytes, ArenaKind kind) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   absl::Status last = absl::ResourceExhaustedError("arena: no pool");
-  size_t held = 0, used = 0;
+  size_t held = 0;
   for (const auto& pool : pools_) {
     absl::StatusOr<std::pair<size_t, size_t>> taken = pool->Take(bytes, kind);
     if (taken.ok()) {
       auto [offset, reserved] = *taken;
-      for (const auto& p : pools_) used += p->used();
-      peak_used_ = std::max(peak_used_, used);
       return ArenaBlock(pool, pool->base() + offset, offset, bytes, reserved, kind);
     }
     last = taken.status();
@@ -223,8 +240,6 @@ absl::StatusOr<ArenaBlock> DeviceArena::Allocate(size_t bytes, ArenaKind kind) {
   pools_.push_back(*pool);
   absl::StatusOr<std::pair<size_t, size_t>> taken = (*pool)->Take(bytes, kind);
   if (!taken.ok()) return taken.status();  // cannot happen: the pool was sized for it
-  for (const auto& p : pools_) used += p->used();
-  peak_used_ = std::max(peak_used_, used);
   auto [offset, reserved] = *taken;
   return ArenaBlock(*pool, (*pool)->base() + offset, offset, bytes, reserved, kind);
 }
@@ -272,7 +287,7 @@ ArenaStats DeviceArena::Stats() const {
     if (growth_ == 0) s.peak_used = ps.peak_used;
   }
   if (growth_ > 0) {
-    s.peak_used = std::max(peak_used_, s.used);
+    s.peak_used = std::max(usage_->peak.load(), s.used);
     // A block up to what is left of the budget fits in a new pool.
     const size_t left = budget_ - std::min(budget_, s.capacity);
     s.largest_free = std::max(s.largest_free, left / alignment_ * alignment_);

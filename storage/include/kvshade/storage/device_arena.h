@@ -54,6 +54,7 @@ struct ArenaStats {
 
 namespace internal {
 class ArenaPool;
+struct ArenaUsage;
 }
 
 // A live block of an arena. Move-only; returns the block to its pool on destruction.
@@ -130,8 +131,7 @@ class DeviceArena {
 
  private:
   DeviceArena(kernels::Backend* backend, size_t budget, size_t growth, kernels::MemorySpace space,
-              size_t alignment)
-      : backend_(backend), budget_(budget), growth_(growth), space_(space), alignment_(alignment) {}
+              size_t alignment);
   absl::StatusOr<std::shared_ptr<internal::ArenaPool>> NewPool(size_t bytes);
 
   kernels::Backend* backend_;
@@ -141,7 +141,7 @@ class DeviceArena {
   size_t alignment_;
   mutable std::mutex mu_;  // the pool list (pools have their own locks)
   std::vector<std::shared_ptr<internal::ArenaPool>> pools_;
-  size_t peak_used_ = 0;
+  std::shared_ptr<internal::ArenaUsage> usage_;  // over every pool, made in the constructor
   uint64_t failed_ = 0;
 };
 
