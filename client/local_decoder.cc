@@ -222,6 +222,7 @@ struct LocalDecoder::Impl {
   kernels::ValueCodecSpec codec;
   kernels::LayerShape shape;
   decode::SelectionPolicy policy;  // the sessions' selection options and recall guard
+  v1::SessionExport first_export;  // the first sequence's geometry, which later ones match
   kernels::Buffer zero_q;          // [hq, d] zeros: PrimeSlots' query
   kernels::Buffer guard_ws;        // the recall guard's oracle scratch, grown on need
   // Exact local tails: [L][seq_cap][local_capacity][h][d] bf16 K and V; sequence b's first
@@ -251,10 +252,13 @@ struct LocalDecoder::Impl {
   absl::Status AllocSlots(SeqLayer& sl, int k);
   // Fills every slot of the layer with a selectable chunk (a selection of a zero query):
   // a step that selects fewer than k chunks (a mass budget, model-native ids) then still
-  // attends only chunks, never an empty slot. Synchronous.
+  // attends only chunks, never an empty slot. In `stream`'s order, in the decoder's
+  // workspace.
   absl::Status PrimeSlots(SeqLayer& sl, kernels::Stream stream);
-  // The decode core's group of a sequence layer at its slot width.
+  // The decode core's group of a sequence layer at its slot width; PrimeGroupOf: the
+  // plain selection PrimeSlots runs.
   decode::SelectionGroup GroupOf(const SeqLayer& sl, bool native) const;
+  decode::SelectionGroup PrimeGroupOf(const SeqLayer& sl) const;
   // The recall guard after a step of `layer` (docs/ALGORITHM.md "Recall guard"): sampled
   // sequences' selections against the oracle; a widened layer gets wider slots, primed.
   absl::Status GuardAfterStep(int layer, const bf16* q, kernels::Stream stream);
@@ -504,10 +508,15 @@ decode::SelectionGroup LocalDecoder::Impl::GroupOf(const SeqLayer& sl, bool nati
   return g;
 }
 
-absl::Status LocalDecoder::Impl::PrimeSlots(SeqLayer& sl, kernels::Stream stream) {
-  if (sl.k == 0 || sl.primed) return absl::OkStatus();
+decode::SelectionGroup LocalDecoder::Impl::PrimeGroupOf(const SeqLayer& sl) const {
   decode::SelectionGroup g = GroupOf(sl, false);
   g.options = kernels::SelectOptions{};  // plain: a zero query ranks chunks by id
+  return g;
+}
+
+absl::Status LocalDecoder::Impl::PrimeSlots(SeqLayer& sl, kernels::Stream stream) {
+  if (sl.k == 0 || sl.primed) return absl::OkStatus();
+  const decode::SelectionGroup g = PrimeGroupOf(sl);
   kernels::SelectItem si;
   si.view = sl.view;
   si.q = static_cast<const bf16*>(zero_q.data());
@@ -515,12 +524,11 @@ absl::Status LocalDecoder::Impl::PrimeSlots(SeqLayer& sl, kernels::Stream stream
   decode::BindOutputs(static_cast<int32_t*>(sl.outs.data()), h, sl.k, &si);
   const kernels::ReconstructItem ri = decode::ReconstructOf(
       si, static_cast<bf16*>(sl.slot_k.data()), static_cast<bf16*>(sl.slot_v.data()), true);
-  const size_t need = std::max(decode::SelectionWorkspaceBytes(*be, g, {&si, 1}),
-                               decode::ReconstructWorkspaceBytes(*be, g, {&ri, 1}));
-  KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer ws, be->Allocate(std::max<size_t>(need, 16)));
-  KVSHADE_RETURN_IF_ERROR(decode::RunSelection(*be, g, {&si, 1}, ws.workspace(), stream));
-  KVSHADE_RETURN_IF_ERROR(decode::RunReconstruct(*be, g, {&ri, 1}, ws.workspace(), stream));
-  KVSHADE_RETURN_IF_ERROR(be->Synchronize(stream));
+  // The decoder's workspace (SizeWorkspace counts this selection too), in stream order
+  // before the step's own selection.
+  const kernels::Workspace ws{workspace.data(), workspace_bytes};
+  KVSHADE_RETURN_IF_ERROR(decode::RunSelection(*be, g, {&si, 1}, ws, stream));
+  KVSHADE_RETURN_IF_ERROR(decode::RunReconstruct(*be, g, {&ri, 1}, ws, stream));
   sl.primed = true;
   return absl::OkStatus();
 }
@@ -528,7 +536,6 @@ absl::Status LocalDecoder::Impl::PrimeSlots(SeqLayer& sl, kernels::Stream stream
 absl::Status LocalDecoder::Impl::GuardAfterStep(int layer, const bf16* q, kernels::Stream stream) {
   if (!policy.guard()) return absl::OkStatus();
   const size_t qstride = size_t(hq) * d;
-  bool widened = false;
   for (size_t b = 0; b < seqs.size(); ++b) {
     Seq& seq = *seqs[b];
     SeqLayer& sl = seq.layers[layer];
@@ -551,11 +558,11 @@ absl::Status LocalDecoder::Impl::GuardAfterStep(int layer, const bf16* q, kernel
       // `stream` over the old ones; wait for it before they are freed).
       KVSHADE_RETURN_IF_ERROR(be->Synchronize(stream));
       KVSHADE_RETURN_IF_ERROR(AllocSlots(sl, k));
+      KVSHADE_RETURN_IF_ERROR(SizeWorkspace());
       KVSHADE_RETURN_IF_ERROR(PrimeSlots(sl, stream));
-      widened = true;
     }
   }
-  return widened ? SizeWorkspace() : absl::OkStatus();
+  return absl::OkStatus();
 }
 
 absl::Status LocalDecoder::Impl::SizeWorkspace() {
@@ -587,9 +594,11 @@ absl::Status LocalDecoder::Impl::SizeWorkspace() {
       ai.blocks[ai.n_blocks++] = kernels::KvBlock{nullptr, nullptr, options.local_capacity, nullptr, 0, 0};
     }
     for (const auto& [k, items] : sel) {
-      // Whatever a step of this width may run: the profile's selection or the caller's ids.
+      // Whatever a step of this width may run: the profile's selection, the caller's ids,
+      // or the plain selection that primes the slots.
       need = std::max(need, decode::SelectionWorkspaceBytes(*be, GroupOf(*any[k], false), items));
       need = std::max(need, decode::SelectionWorkspaceBytes(*be, GroupOf(*any[k], true), items));
+      need = std::max(need, decode::SelectionWorkspaceBytes(*be, PrimeGroupOf(*any[k]), items));
     }
     for (const auto& [k, items] : rec) {
       need = std::max(need, decode::ReconstructWorkspaceBytes(*be, GroupOf(*any[k], false), items));
@@ -680,6 +689,10 @@ absl::Status LocalDecoder::Impl::SetGeometry(const v1::SessionExport& e0) {
   KVSHADE_ASSIGN_OR_RETURN(codec.codec, FromWire(e0.value_codec()));
   codec.group = static_cast<int>(e0.value_group());
   policy = PolicyFromWire(e0.profile());
+  // What later sequences must match (CheckCompatible): the geometry fields, not the state.
+  first_export = e0;
+  first_export.clear_regions();
+  first_export.clear_layers();
   if ((size_t(h) * d * 2) % 16 != 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "LocalDecoder: kv_heads * head_dim * 2 bytes must be a multiple of 16, got ", size_t(h) * d * 2));
@@ -691,30 +704,21 @@ absl::Status LocalDecoder::Impl::SetGeometry(const v1::SessionExport& e0) {
 }
 
 absl::Status LocalDecoder::Impl::CheckCompatible(const v1::SessionExport& e, const std::string& id) const {
-  const std::string first = seqs.empty() ? std::string("the decoder's sessions") : absl::StrCat("'", seqs[0]->attachment_id, "'");
-  std::string backend = options.backend;
-  if (backend == "auto") backend = e.backend();
-  if (e.num_layers() != uint32_t(L) || e.num_kv_heads() != uint32_t(h) || e.num_query_heads() != uint32_t(hq) ||
-      e.head_dim() != uint32_t(d) || e.chunk_size() != uint32_t(C) || e.value_group() != uint32_t(codec.group) ||
-      FromWire(e.value_codec()).value_or(kernels::ValueCodec::kBF16) != codec.codec ||
-      backend.substr(0, 4) != std::string(be->name()).substr(0, 4) ||
-      FromWire(e.rope()).theta != rope.theta || FromWire(e.rope()).rotary_dim != rope.rotary_dim ||
-      FromWire(e.rope()).scaling != rope.scaling || FromWire(e.rope()).factor != rope.factor ||
-      FromWire(e.rope()).pairing != rope.pairing) {
+  const v1::SessionExport& e0 = first_export;
+  if (e.num_layers() != e0.num_layers() || e.num_kv_heads() != e0.num_kv_heads() ||
+      e.num_query_heads() != e0.num_query_heads() || e.head_dim() != e0.head_dim() ||
+      e.chunk_size() != e0.chunk_size() || e.value_codec() != e0.value_codec() ||
+      e.value_group() != e0.value_group() || e.backend() != e0.backend() ||
+      e.rope().SerializeAsString() != e0.rope().SerializeAsString()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "attachment '", id, "' differs from ", first,
-        " in model geometry, RoPE, chunk size, value codec or backend; one decoder batches sessions "
-        "of one model and profile"));
+        "attachment '", id, "' differs from the batch's first session in model geometry, RoPE, chunk "
+        "size, value codec or backend; one decoder batches sessions of one model and profile"));
   }
-  const decode::SelectionPolicy p = PolicyFromWire(e.profile());
-  if (p.sparse_budget != policy.sparse_budget || p.rerank_factor != policy.rerank_factor ||
-      p.mass_top_p != policy.mass_top_p || p.mass_min_chunks != policy.mass_min_chunks ||
-      p.recall_sample_rate != policy.recall_sample_rate || p.recall_floor != policy.recall_floor ||
-      p.recall_action != policy.recall_action) {
+  if (!(PolicyFromWire(e.profile()) == policy)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "attachment '", id, "' differs from ", first,
-        " in its profile's selection options (sparse_budget, rerank_factor, mass_top_p, "
-        "mass_min_chunks, recall guard); one decoder batches sessions of one profile"));
+        "attachment '", id, "' differs from the batch's first session in its profile's selection options "
+        "(sparse_budget, rerank_factor, mass_top_p, mass_min_chunks, recall guard); one decoder batches "
+        "sessions of one profile"));
   }
   return absl::OkStatus();
 }

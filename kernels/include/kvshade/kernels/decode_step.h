@@ -57,6 +57,7 @@ struct SelectionPolicy {
   // "shadow+native" for model-native steps.
   std::string Label(bool native) const;
   bool guard() const { return recall_sample_rate > 0; }
+  bool operator==(const SelectionPolicy&) const = default;
 };
 
 // Sequences of one step whose selection runs in one launch: same geometry, slot width and
