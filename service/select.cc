@@ -433,7 +433,6 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
     // is selected, reconstructed or delivered for it here, and the slot table stays.
     if (!is_native && s.selection.Budget(layer, ks[i], holds[i].total_chunks) > ks[i]) {
       delta.fallback = true;
-      ks[i] = 0;
       continue;
     }
     KVSHADE_RETURN_IF_ERROR(EnsureSlots(*this, st, *qs[i].attachment, layer, s.model.shape.h, ks[i]));

@@ -9,6 +9,7 @@
 #include <set>
 
 #include "harness.h"
+#include "kvshade/base/status_macros.h"
 #include "kvshade/client/local_decoder.h"
 #include "kvshade/client/tensor.h"
 #include "kvshade/kernels/types.h"
@@ -59,6 +60,30 @@ double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() ? integration::MaxRelDiff(a, b.data(), a.size()) : 1e30;
 }
 
+struct Decoded {
+  v1::CreateSessionResponse session;
+  v1::AttachResponse attachment;
+  std::unique_ptr<client::LocalDecoder> decoder;
+};
+
+client::LocalDecoderOptions CpuDecoder() {
+  client::LocalDecoderOptions opt;
+  opt.backend = "cpu";
+  return opt;
+}
+
+// A session of `doc` under `profile`, one attachment, and a same-node decoder over it.
+absl::StatusOr<Decoded> OpenDecoded(client::Client& c, const synthetic::Document& doc,
+                                    const v1::Profile& profile) {
+  Decoded d;
+  KVSHADE_ASSIGN_OR_RETURN(d.session, CreateAndIngest(c, doc, profile, -1));
+  v1::AttachRequest ar;
+  ar.set_session_id(d.session.session_id());
+  KVSHADE_ASSIGN_OR_RETURN(d.attachment, c.Attach(ar));
+  KVSHADE_ASSIGN_OR_RETURN(d.decoder, client::LocalDecoder::Open(&c, {d.attachment.attachment_id()}, CpuDecoder()));
+  return d;
+}
+
 struct Options {
   const char* name;
   int rerank = 1;
@@ -82,13 +107,8 @@ TEST_P(DecodePaths, SameSelectionEveryOption) {
   profile.set_rerank_factor(o.rerank);
   profile.set_mass_top_p(o.top_p);
   profile.set_mass_min_chunks(o.min_chunks);
-  KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*c, doc, profile, -1));
-  v1::AttachRequest ar;
-  ar.set_session_id(cs.session_id());
-  KV_ASSERT_OK_AND_ASSIGN(att, c->Attach(ar));
-  client::LocalDecoderOptions opt;
-  opt.backend = "cpu";
-  KV_ASSERT_OK_AND_ASSIGN(dec, client::LocalDecoder::Open(c.get(), {att.attachment_id()}, opt));
+  KV_ASSERT_OK_AND_ASSIGN(one, OpenDecoded(*c, doc, profile));
+  auto& [cs, att, dec] = one;
   const auto& spec = doc.spec();
   const int L = spec.layers, h = spec.kv_heads, hq = spec.q_heads, d = spec.head_dim;
   const int64_t pos = spec.doc_tokens;
@@ -137,13 +157,8 @@ TEST(DecodePathsGuard, WidensAlikeAndAttendsTheWiderSelection) {
   profile.set_recall_sample_rate(1.0f);
   profile.set_recall_floor(1.0f);  // any sample below full recall counts against the layer
   profile.set_recall_action(v1::RECALL_ACTION_WIDEN);
-  KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*c, doc, profile, -1));
-  v1::AttachRequest ar;
-  ar.set_session_id(cs.session_id());
-  KV_ASSERT_OK_AND_ASSIGN(att, c->Attach(ar));
-  client::LocalDecoderOptions opt;
-  opt.backend = "cpu";
-  KV_ASSERT_OK_AND_ASSIGN(dec, client::LocalDecoder::Open(c.get(), {att.attachment_id()}, opt));
+  KV_ASSERT_OK_AND_ASSIGN(one, OpenDecoded(*c, doc, profile));
+  auto& [cs, att, dec] = one;
   const auto& spec = doc.spec();
   const int L = spec.layers, hq = spec.q_heads, d = spec.head_dim;
   const int64_t pos = spec.doc_tokens;
@@ -188,7 +203,7 @@ TEST(DecodePathsGuard, WidensAlikeAndAttendsTheWiderSelection) {
   }
   // A new decoder starts from the daemon's widened budgets (carried by the export).
   dec.reset();
-  KV_ASSERT_OK_AND_ASSIGN(dec2, client::LocalDecoder::Open(c.get(), {att.attachment_id()}, opt));
+  KV_ASSERT_OK_AND_ASSIGN(dec2, client::LocalDecoder::Open(c.get(), {att.attachment_id()}, CpuDecoder()));
   for (const auto& l : local) {
     EXPECT_EQ(dec2->slots_per_head(0, l.layer), std::max<int>(2, l.budget)) << "layer " << l.layer;
   }
@@ -211,10 +226,8 @@ TEST(DecodePathsNative, CallerIdsAttendAsTheirSelection) {
   ar.set_session_id(cs.session_id());
   KV_ASSERT_OK_AND_ASSIGN(a1, c->Attach(ar));
   KV_ASSERT_OK_AND_ASSIGN(a2, c->Attach(ar));
-  client::LocalDecoderOptions opt;
-  opt.backend = "cpu";
-  KV_ASSERT_OK_AND_ASSIGN(plain, client::LocalDecoder::Open(c.get(), {a1.attachment_id()}, opt));
-  KV_ASSERT_OK_AND_ASSIGN(native, client::LocalDecoder::Open(c.get(), {a2.attachment_id()}, opt));
+  KV_ASSERT_OK_AND_ASSIGN(plain, client::LocalDecoder::Open(c.get(), {a1.attachment_id()}, CpuDecoder()));
+  KV_ASSERT_OK_AND_ASSIGN(native, client::LocalDecoder::Open(c.get(), {a2.attachment_id()}, CpuDecoder()));
   const auto& spec = doc.spec();
   const int L = spec.layers, h = spec.kv_heads, hq = spec.q_heads, d = spec.head_dim;
   std::vector<float> o1(size_t(hq) * d), o2(size_t(hq) * d);
