@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from . import _native
-from .errors import InvalidArgument, from_code
+from .errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, from_code
 
 DTYPES = {"bf16": 1, "bfloat16": 1, "fp16": 2, "float16": 2, "fp32": 3, "float32": 3}
 PROFILES = {"auto": 1, "shadow": 2, "mini": 3, "exact": 4}
@@ -319,8 +319,13 @@ class Ingest(_NativeHandle):
 
     def __init__(self, client, session_id, dtype):
         self._client = client
+        self._session_id = session_id
         self._dtype = _dtype_code(dtype)
         self._h = ctypes.c_void_p()
+        # layer_cuda tensors the daemon may still read, in the order sent, and how many of
+        # the layers sent it has finished with (those are no longer held here).
+        self._keep: List[Any] = []
+        self._released = 0
         _check(_native.lib().kvshade_ingest_begin(client._handle(), _b(session_id), ctypes.byref(self._h)))
 
     def layer_cuda(self, layer, k, v):
@@ -342,9 +347,47 @@ class Ingest(_NativeHandle):
         n, h, d = k.shape
         _check(_native.lib().kvshade_ingest_layer_cuda_ipc(self._h, layer, n, h, d, refs[0][0], refs[0][1],
                                                            refs[1][0], refs[1][1]))
-        if not hasattr(self, "_keep"):
-            self._keep = []
         self._keep.append((k, v))
+
+    @property
+    def held_cuda_bytes(self) -> int:
+        """Bytes of layer_cuda tensors this stream still holds (the daemon may still read them)."""
+        return sum(2 * k.numel() * k.element_size() for k, _ in self._keep[self._released:])
+
+    def release_taken(self, max_held_bytes: Optional[int] = None, timeout: float = 600.0) -> int:
+        """Drops this stream's references to the layer_cuda tensors the daemon has finished
+        with (a layer counts once the daemon has compressed it: it read the whole layer long
+        before), so that their GPU memory can be reused before the commit. With
+        max_held_bytes, waits until at most that many bytes (at least the newest layer)
+        are still held; an ingest that stops making progress for `timeout` seconds, or a
+        session that is no longer ingesting, raises. Returns the layers released so far."""
+        import time
+        deadline = time.monotonic() + timeout
+        pause = 0.0005
+        while True:
+            info = self._client.get_session(self._session_id)
+            if info["state"] == "ingesting" and int(info["layers_ingested"]) < self._released:
+                # The daemon resets the count when a stream ends without a commit.
+                raise FailedPrecondition("the daemon ended the ingest stream of session %s after %d layers "
+                                         "(commit() reports why)" % (self._session_id, self._released))
+            done = min(int(info["layers_ingested"]), len(self._keep))
+            if done > self._released:
+                for i in range(self._released, done):
+                    self._keep[i] = None
+                self._released = done
+                deadline = time.monotonic() + timeout
+            held = len(self._keep) - self._released
+            if max_held_bytes is None or held <= 1 or self.held_cuda_bytes <= max_held_bytes:
+                return self._released
+            if info["state"] != "ingesting":
+                raise FailedPrecondition("session %s is %s, not ingesting: the daemon stopped taking its layers "
+                                         "(%d of %d sent taken)" % (self._session_id, info["state"], done,
+                                                                    len(self._keep)))
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded("the daemon took no layer of session %s for %.0f s (%d of %d sent taken)"
+                                  % (self._session_id, timeout, done, len(self._keep)))
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
 
     def layer(self, layer, k, v, observation_queries=None):
         """k, v: [n, h, d] pre-RoPE; observation_queries: [w, hq, d] post-RoPE or None."""
@@ -368,6 +411,7 @@ class Ingest(_NativeHandle):
         finally:
             self.close()
             self._keep = []  # layer_cuda tensors: the daemon has read them (or the stream failed)
+            self._released = 0
         return tokens.value
 
     _free = "kvshade_ingest_free"
@@ -486,7 +530,7 @@ class Client(_NativeHandle):
     def healthy(self):
         """True when the server answers SERVING; False when it is not serving (draining),
         unreachable or does not answer in time."""
-        from .errors import DeadlineExceeded, Unavailable
+        from .errors import Unavailable
         s = ctypes.c_int32()
         try:
             _check(_native.lib().kvshade_health(self._handle(), ctypes.byref(s)))

@@ -331,8 +331,22 @@ def kvshade_attention(module, query, key, value, attention_mask, scaling=None, d
 
 
 def register():
-    """Registers `kvshade_attention` as attention implementation "kvshade" (idempotent)."""
+    """Registers `kvshade_attention` as attention implementation "kvshade" (idempotent), with
+    sdpa's mask format (the prompt's attention is sdpa's; a decode step needs no mask)."""
     AttentionInterface.register(ATTENTION_NAME, kvshade_attention)
+    register_sdpa_mask(ATTENTION_NAME)
+
+
+def register_sdpa_mask(name):
+    """Gives attention implementation `name` the mask function of "sdpa", where the installed
+    transformers has the mask interface (4.53+): sdpa's masks skip the mask altogether when
+    it is plain causal or a one-token step."""
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+        sdpa = ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]
+    except (ImportError, KeyError):  # older transformers: masks are the model's own business
+        return
+    AttentionMaskInterface.register(name, sdpa)
 
 
 def enable(model):
@@ -353,6 +367,29 @@ def enable(model):
 
 
 register()
+
+
+# --- Decode through a same-node decoder ----------------------------------------------------------
+
+def decode_query(query, scaling):
+    """[B, hq, 1, d] query of a decode step -> [B, hq, d], with any attention scaling other
+    than kvshade's 1/sqrt(d) folded in."""
+    q = query[:, :, 0, :]
+    d = query.shape[-1]
+    if scaling is not None and abs(scaling * math.sqrt(d) - 1.0) > 1e-7:
+        q = q * (scaling * math.sqrt(d))
+    return q
+
+
+def attend_local(decoder, layer, q, key, value, last_layer):
+    """One layer's decode attention of every sequence through a kvshade.local.LocalDecoder,
+    on the model's device with no host copy: q [B, hq, d], key/value [B, h, 1, d] (the step's
+    post-RoPE key and its value) -> [B, hq, d] fp32. The model's last layer ends the step."""
+    out = decoder.attend(layer, q.to(STORE_DTYPE).contiguous(), key[:, :, 0, :].to(STORE_DTYPE).contiguous(),
+                         value[:, :, 0, :].to(STORE_DTYPE).contiguous())
+    if last_layer:
+        decoder.advance()
+    return out
 
 
 # --- The cache ------------------------------------------------------------------------------------
@@ -437,6 +474,7 @@ class KvShadeCacheLayer(DynamicLayer):
 
 
 _SENT = object()  # KvShadeCache._pre_k: the layer is with the host sender
+_TAKEN = object()  # KvShadeCache._pre_k: the daemon took the layer from the GPU (device path)
 
 
 class _PinnedPool:
@@ -684,11 +722,20 @@ class KvShadeCache(Cache):
     speculate: the "rpc" path attends over the chunks selected with the previous step's
                query while this step's select runs, re-selecting a sequence's layer only when
                its query drifted (RemoteDecoder speculate / correct_below); default off
+    ingest_window_bytes: on the device path, the most bytes of prompt layers (pre-RoPE keys
+               and values of every sequence) kept on the GPU for the daemon to read: each
+               layer is let go as soon as the daemon has taken it, and the prefill waits
+               when the daemon lags by more (at least one layer is always held). The host
+               path bounds its GPU copies to the same default (2 GiB). So a prompt's peak
+               GPU memory is the forward's own plus this window, not the prompt's K/V.
+    decode   : also None: prefill only; once the prompt is committed nothing is attached and
+               no decoder opened (session_ids name the ready sessions, for a decoder
+               elsewhere, e.g. kvshade.serving.BatchDecoder)
     """
 
     def __init__(self, client, model, profile, prompt_ids=None, model_id=None, worker_id="hf-cache",
                  prefill_attention="sdpa", decode="auto", count_hits=False, ingest="auto", delivery="auto",
-                 speculate=False, correct_below=0.9):
+                 speculate=False, correct_below=0.9, ingest_window_bytes=2 << 30):
         config = _text_config(model.config)
         impl = getattr(config, "_attn_implementation", None)
         if impl != ATTENTION_NAME:
@@ -716,8 +763,12 @@ class KvShadeCache(Cache):
         self._v = [None] * L
         self._decoding = False
         self._awaiting = None  # a decode layer whose attention has not come through yet
-        if decode not in ("auto", "local", "rpc"):
-            raise ValueError("decode must be 'auto', 'local' or 'rpc', got %r" % (decode,))
+        if decode not in ("auto", "local", "rpc", None):
+            raise ValueError("decode must be 'auto', 'local', 'rpc' or None, got %r" % (decode,))
+        if int(ingest_window_bytes) <= 0:
+            raise ValueError("ingest_window_bytes must be > 0, got %r" % (ingest_window_bytes,))
+        self._ingest_window = int(ingest_window_bytes)
+        self._sent_layers = []  # device path: prompt layers in the order sent
         self._decode_mode = decode
         if ingest not in ("auto", "device", "host"):
             raise ValueError("ingest must be 'auto', 'device' or 'host', got %r" % (ingest,))
@@ -847,6 +898,9 @@ class KvShadeCache(Cache):
                                "attention implementation still %r?)" % (self._awaiting, ATTENTION_NAME))
         k, v = _round_to_store(key_states), _round_to_store(value_states)
         if self._decoding:
+            if self._decode_mode is None:
+                raise RuntimeError("this KvShadeCache was made with decode=None (prefill only): decode its "
+                                   "sessions %s with a decoder of their own" % (self.session_ids,))
             if n != 1:
                 raise NotImplementedError(
                     "KvShadeCache: a %d-token forward after the prompt (chunked prefill, a new turn, speculative "
@@ -875,6 +929,10 @@ class KvShadeCache(Cache):
                         ing.layer_cuda(li, pk[b, r:].contiguous(), pv[b, r:].contiguous())
             except Exception as e:  # noqa: BLE001 - "auto" falls back to the host path
                 self._abandon_device_ingest(e)  # sends every layer held so far, this one too
+            else:
+                del pk, pv
+                self._sent_layers.append(li)
+                self._release_taken_layers()
         else:
             # Host path: this layer goes to the daemon over the wire while the model computes
             # the next one (the sender copies it off the GPU on a stream of its own).
@@ -915,6 +973,15 @@ class KvShadeCache(Cache):
         rot = torch.cat([-kr[..., half:], kr[..., :half]], dim=-1)
         pre = (kr * c - rot * s) / (c * c + s * s)
         return torch.cat([pre, k[..., rd:]], dim=-1) if rd < k.shape[-1] else pre
+
+    def _release_taken_layers(self):
+        """Device path: lets go of the prompt layers every stream's daemon side has taken, and
+        waits while more than ingest_window_bytes are still held."""
+        streams = [ing for ing in self._streams if ing is not None]
+        per_stream = max(1, self._ingest_window // max(1, len(streams)))
+        taken = min((ing.release_taken(per_stream) for ing in streams), default=len(self._sent_layers))
+        for li in self._sent_layers[:taken]:
+            self._pre_k[li] = self._v[li] = _TAKEN
 
     def _device_ingest_wanted(self, key_states):
         """Stream the prompt's layers from the GPU (same-node ingest) when the model runs on a
@@ -963,6 +1030,9 @@ class KvShadeCache(Cache):
         the prompt goes the host path instead (the layers are still on the GPU); the
         sessions the device path created are closed. With ingest="device" the error stands."""
         if self._ingest_mode == "device":
+            raise error
+        if any(x is _TAKEN for x in self._pre_k):
+            # Layers the daemon took are no longer here to send another way.
             raise error
         self.ingest_error = error
         for ing in self._streams or []:
@@ -1044,13 +1114,16 @@ class KvShadeCache(Cache):
             self.hooks[b].effective_profile = self.created_all[b].effective_profile
             self.hooks[b].reused_tokens = self.created_all[b].reused_tokens
             self.hooks[b].session_id = self.created_all[b].session_id
-            # The "rpc" path attaches through its RemoteDecoder.
-            if self._decode_mode != "rpc":
+            # The "rpc" path attaches through its RemoteDecoder; prefill only attaches nothing.
+            if self._decode_mode not in ("rpc", None):
                 self.hooks[b].attach(self.created_all[b].session_id)
         self._streams = []
         self._pre_k = [None] * len(self._pre_k)
         self._v = [None] * len(self._v)
+        self._sent_layers = []
         self._decoding = True
+        if self._decode_mode is None:
+            return
         device = next(iter(self._model_params_device))
         if self._decode_mode != "rpc":
             from .local import LocalDecoder
@@ -1074,17 +1147,9 @@ class KvShadeCache(Cache):
         if b != len(self.hooks) or q_len != 1:
             raise ValueError("kvshade decode attention needs query [%d, hq, 1, d], got %s"
                              % (len(self.hooks), tuple(query.shape)))
-        q = query[:, :, 0, :]
-        # kvshade scales scores by 1/sqrt(d); fold any other scaling into q.
-        if scaling is not None and abs(scaling * math.sqrt(d) - 1.0) > 1e-7:
-            q = q * (scaling * math.sqrt(d))
+        q = decode_query(query, scaling)
         if self.local is not None:
-            # On the model's device, no host copy: [B, hq, d] bf16 in, fp32 out.
-            out = self.local.attend(layer, q.to(STORE_DTYPE).contiguous(),
-                                    key[:, :, 0, :].to(STORE_DTYPE).contiguous(),
-                                    value[:, :, 0, :].to(STORE_DTYPE).contiguous())
-            if layer == self.spec.num_layers - 1:
-                self.local.advance()
+            out = attend_local(self.local, layer, q, key, value, last_layer=layer == self.spec.num_layers - 1)
             self._awaiting = None
             return out.to(query.dtype).reshape(b, 1, hq, d)
         out = self.remote.attend(layer, q, key[:, :, 0, :], value[:, :, 0, :])

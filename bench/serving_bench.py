@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Document QA under Poisson arrivals on one GPU: kvshade.serving.Generator (continuous
+batching over kvshade sessions) beside transformers' own continuous batching
+(`generate_batch`: paged attention, CUDA graphs) on the same requests, in one run.
+
+Workload: --docs documents of --doc-tokens random tokens; request i asks a question of
+--question-tokens random tokens about document i % docs (prompt = document + question) and
+generates --max-new-tokens tokens greedily. Requests arrive as a Poisson process of --rate
+per second (seeded). Model: randomly initialised Llama-3-8B shape, bf16 (bench/capacity_bench.py).
+
+kvshade: each prompt is prefilled through hf_cache.KvShadeCache (its layers streamed to a
+daemon on the same GPU; the document's K/V are reused from the prefix cache from its second
+question on, so the daemon ingests only the question) and joins one decode batch between
+steps. Reported: throughput (generated tokens / makespan), time to first token from arrival
+(p50, p99), time per output token (p50, p99 over every gap between two tokens of a request),
+and the GPU memory in use (every process, sampled each step) and the daemon's host memory.
+
+transformers continuous batching: the same prompts through model.generate_batch, all
+submitted at once (it takes no arrival times): throughput and, where it records timestamps,
+time per output token. A reference for the decode rate of the strongest stock runtime, not
+an arrival-for-arrival comparison.
+
+Usage (GPU machine):
+  python3 bench/serving_bench.py --server .gpu/bin/kvshade-server [--doc-tokens 32768]
+      [--docs 2] [--requests 16] [--rate 0.5] [--max-new-tokens 32] [--max-batch 16] [--json f]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "client", "python"))
+sys.path.insert(0, HERE)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import kvshade  # noqa: E402
+from capacity_bench import GIB, build_model, gpu_used_gib  # noqa: E402
+from decode_bench import start_server  # noqa: E402
+
+
+def pct(xs, p):
+    return float(np.percentile(xs, p)) if xs else None
+
+
+def workload(args):
+    rng = np.random.default_rng(args.seed)
+    docs = [rng.integers(10, 120000, args.doc_tokens).tolist() for _ in range(args.docs)]
+    prompts = [docs[i % args.docs] + rng.integers(10, 120000, args.question_tokens).tolist()
+               for i in range(args.requests)]
+    arrivals = np.cumsum(rng.exponential(1.0 / args.rate, args.requests)).tolist()
+    arrivals = [a - arrivals[0] for a in arrivals]  # the first request at t = 0
+    return prompts, arrivals
+
+
+def run_kvshade(c, model, prompts, arrivals, args):
+    from kvshade import serving
+    gen = serving.Generator(c, model, kvshade.Profile("shadow"), max_batch=args.max_batch,
+                            model_id="bench/serving-%d" % args.seed, local_capacity=max(64, args.max_new_tokens))
+    # Warm-up: one short request (kernel selection, allocator, the decoder's first mapping).
+    gen.submit(prompts[0][-2048:], 2)
+    gen.run()
+    reqs, memory = [], []
+    t0 = time.perf_counter()
+    nxt = 0
+    host_peak = 0.0
+    while nxt < len(prompts) or gen.busy:
+        now = time.perf_counter() - t0
+        while nxt < len(prompts) and arrivals[nxt] <= now:
+            r = gen.submit(prompts[nxt], args.max_new_tokens)
+            r.submitted_at = t0 + arrivals[nxt]  # waiting to be submitted counts
+            reqs.append(r)
+            nxt += 1
+        if not gen.busy:
+            time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
+            continue
+        gen.step()
+        st = c.stats()
+        host_peak = max(host_peak, st["host_bytes_used"] / GIB)
+        memory.append((round(time.perf_counter() - t0, 3), round(gpu_used_gib(), 2), gen.cache.batch))
+    makespan = time.perf_counter() - t0
+    gen.close()
+    ttft = [r.ttft for r in reqs]
+    tpot = [g for r in reqs for g in r.tpot]
+    return {"config": "kvshade serving.Generator", "requests": len(reqs),
+            "throughput_tokens_per_s": sum(len(r.tokens) for r in reqs) / makespan, "makespan_s": makespan,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "tpot_p50_ms": pct(tpot, 50) * 1e3, "tpot_p99_ms": pct(tpot, 99) * 1e3,
+            "gpu_used_peak_gib": max(m[1] for m in memory), "daemon_host_peak_gib": host_peak,
+            "max_batch_seen": max(m[2] for m in memory),
+            "reused_tokens_mean": statistics.mean(r.reused_tokens for r in reqs),
+            "memory_over_time": memory}
+
+
+def run_transformers_cb(model, prompts, args):
+    from transformers import GenerationConfig
+    model.set_attn_implementation("sdpa")
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    try:
+        out = model.generate_batch(inputs=prompts, generation_config=cfg, record_timestamps=True,
+                                   progress_bar=False)
+    except Exception as e:  # noqa: BLE001 - reported: this transformers may lack or refuse it
+        return {"config": "transformers generate_batch", "error": "%s: %s" % (type(e).__name__, str(e)[:300])}
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    outs = list(out.values())
+    toks = sum(len(getattr(o, "generated_tokens", []) or []) for o in outs)
+    tpot = []
+    for o in outs:
+        ts = getattr(o, "timestamps", None)
+        if ts:
+            tpot.extend(b - a for a, b in zip(ts, ts[1:]))
+    return {"config": "transformers generate_batch (paged, all submitted at once)", "requests": len(outs),
+            "throughput_tokens_per_s": toks / wall, "makespan_s": wall,
+            "tpot_p50_ms": pct(tpot, 50) and pct(tpot, 50) * 1e3, "tpot_p99_ms": pct(tpot, 99) and pct(tpot, 99) * 1e3,
+            "gpu_used_after_gib": gpu_used_gib(),
+            "output_fields": sorted(k for k in vars(outs[0]) if not k.startswith("_")) if outs else []}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--server", required=True)
+    ap.add_argument("--doc-tokens", type=int, default=32768)
+    ap.add_argument("--docs", type=int, default=2)
+    ap.add_argument("--question-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--rate", type=float, default=0.5, help="arrivals per second")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--configs", default="kvshade,transformers")
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    prompts, arrivals = workload(args)
+    model = build_model(args.doc_tokens + args.question_tokens + args.max_new_tokens + 1024)
+    result = {"gpu": torch.cuda.get_device_name(), "args": vars(args), "rows": []}
+    configs = args.configs.split(",")
+    if "kvshade" in configs:
+        proc, c, _ = start_server(args.server, ["--device-budget", "100GiB", "--host-budget", "100GiB",
+                                                "--max-message-bytes", "512MiB"])
+        try:
+            row = run_kvshade(c, model, prompts, arrivals, args)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        print(json.dumps({k: v for k, v in row.items() if k != "memory_over_time"}), flush=True)
+        result["rows"].append(row)
+        torch.cuda.empty_cache()
+    if "transformers" in configs:
+        row = run_transformers_cb(model, prompts, args)
+        print(json.dumps(row), flush=True)
+        result["rows"].append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,421 @@
+"""Serving long contexts with transformers: continuous batching over kvshade sessions.
+
+    import kvshade
+    from kvshade import hf_cache, serving
+    hf_cache.enable(model)
+    gen = serving.Generator(client, model, kvshade.Profile("shadow"), max_batch=48)
+    req = gen.submit(prompt_ids, max_new_tokens=128)
+    while gen.busy:
+        for done in gen.step():          # the requests that finished in this step
+            print(done.id, done.tokens)
+
+Two pieces, each usable alone:
+  * `BatchCache`, a transformers Cache for decode steps of a batch of ready kvshade sessions
+    that changes between steps: `join(session_id)` adds a sequence (any length, any prompt),
+    `leave(i)` drops one and frees its decoder memory at once. One `kvshade.local.LocalDecoder`
+    (same node, no RPC per step) serves the whole batch; each sequence keeps its own
+    positions (`position_ids()`), and `decode(model, tokens)` runs one model forward of one
+    token per sequence.
+  * `Generator`, a scheduler over it: requests wait in arrival order; between decode steps
+    it prefills up to `prefills_per_step` of them (each prompt through
+    `hf_cache.KvShadeCache(decode=None)`: its layers stream to the daemon during the prefill
+    and leave the GPU as soon as the daemon took them), picks the first token, and joins the
+    ready session to the batch; a request that reached max_new_tokens or an end token
+    leaves the batch in the same step. It records, per request, the time to the first token
+    and each later token's time.
+
+Limits: a prompt is prefilled in one forward (no chunked prefill) and stalls the batch's
+decode steps meanwhile; generated tokens stay exact in the decoder's local tail (at most
+`local_capacity` per sequence; they are not appended to the sessions); greedy decoding
+unless a `sampler` is given. Same-node decode only (the daemon on this node).
+"""
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+
+from . import hf_cache
+from .errors import FailedPrecondition
+from .local import LocalDecoder
+
+try:
+    from transformers.cache_utils import Cache, DynamicLayer
+except ImportError as e:  # hf_cache raised the clear error already; keep the names defined
+    raise ImportError("kvshade.serving needs transformers (see kvshade.hf_cache): %s" % e) from e
+
+
+class _BatchLayer(DynamicLayer):
+    """One model layer of a BatchCache: no tensors; its length is the batch's longest
+    sequence (what transformers sizes masks and cache positions from; the kvshade attention
+    ignores the mask, every sequence attends its own session)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, owner, layer_idx):
+        super().__init__()
+        self._owner = owner
+        self.layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states, value_states=None):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states.new_zeros(key_states.shape[0], key_states.shape[1], 0, key_states.shape[3])
+        self.values = self.keys
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self._owner._update(self.layer_idx, key_states, value_states)
+
+    def get_seq_length(self, *args, **kwargs):
+        return self._owner.max_length
+
+    def get_mask_sizes(self, query, *args, **kwargs):
+        if isinstance(query, torch.Tensor):
+            q = int(query) if query.dim() == 0 else int(query.shape[0])
+        else:
+            q = int(query)
+        return self._owner.max_length + q, 0
+
+    def get_max_length(self, *args, **kwargs):
+        return -1
+
+    def get_max_cache_shape(self, *args, **kwargs):
+        return -1
+
+    def _refuse(self, what):
+        raise NotImplementedError("BatchCache does not support %s: sequences join() and leave() between "
+                                  "decode steps" % what)
+
+    def crop(self, *args, **kwargs):
+        self._refuse("crop")
+
+    def reorder_cache(self, *args, **kwargs):
+        self._refuse("reorder_cache")
+
+    def reset(self, *args, **kwargs):
+        self._refuse("reset")
+
+    def batch_repeat_interleave(self, repeats):
+        if repeats != 1:
+            self._refuse("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices):
+        self._refuse("batch_select_indices (use leave())")
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+
+@dataclass
+class _Sequence:
+    session_id: str
+    attachment_id: str
+    length: int  # tokens before the next decode token: the session's, then one per step
+    decoded: int = 0  # decode steps in this batch (tokens in the decoder's local tail)
+
+
+class BatchCache(Cache):
+    """Decode steps of a changing batch of ready kvshade sessions, one token per sequence per
+    forward, through one same-node LocalDecoder (see the module doc).
+
+    client   : kvshade.Client of the daemon on this node
+    model    : the transformers model (`hf_cache.enable(model)` first)
+    model_id : when given, join() refuses sessions of another model id (their K/V came from
+               other weights)
+    local_capacity: tokens each sequence may decode in this batch (the decoder's local tail)
+    """
+
+    def __init__(self, client, model, model_id=None, worker_id="kvshade-serving", local_capacity=1024,
+                 count_hits=False):
+        config = hf_cache._text_config(model.config)
+        impl = getattr(config, "_attn_implementation", None)
+        if impl != hf_cache.ATTENTION_NAME:
+            raise ValueError("the model's attention implementation is %r, not %r: call kvshade.hf_cache.enable(model)"
+                             % (impl, hf_cache.ATTENTION_NAME))
+        self.client = client
+        self.model_id = model_id
+        self.worker_id = worker_id
+        self.num_layers = config.num_hidden_layers
+        self.device = next(model.parameters()).device
+        backend = "cuda:%d" % (self.device.index or 0) if self.device.type == "cuda" else "cpu"
+        self.decoder = LocalDecoder(client, [], backend=backend, local_capacity=local_capacity,
+                                    count_hits=count_hits)
+        self.local_capacity = int(local_capacity)
+        self.sequences: List[_Sequence] = []
+        self._awaiting = None
+        self._positions = None  # [B, 1] int64 on the model's device, rebuilt after each change
+        super().__init__(layers=[_BatchLayer(self, i) for i in range(self.num_layers)])
+
+    # --- The batch ---
+    @property
+    def batch(self) -> int:
+        return len(self.sequences)
+
+    @property
+    def max_length(self) -> int:
+        return max((s.length for s in self.sequences), default=0)
+
+    @property
+    def session_ids(self) -> List[str]:
+        return [s.session_id for s in self.sequences]
+
+    def join(self, session_id: str) -> int:
+        """Adds a ready session at the end of the batch (between steps); returns its index."""
+        info = self.client.get_session(session_id)
+        if info["state"] != "ready":
+            raise FailedPrecondition("session %s is %s, not ready" % (session_id, info["state"]))
+        if self.model_id is not None and info["model_id"] != self.model_id:
+            raise FailedPrecondition("session %s holds K/V of model %r, not %r" % (session_id, info["model_id"],
+                                                                                   self.model_id))
+        att = self.client.attach(session_id, self.worker_id)
+        try:
+            index = self.decoder.join(att.attachment_id)
+        except BaseException:
+            self.client.detach(att.attachment_id)
+            raise
+        self.sequences.append(_Sequence(session_id, att.attachment_id, int(info["tokens"])))
+        self._positions = None
+        return index
+
+    def leave(self, sequence: Union[int, str], close_session: bool = False) -> None:
+        """Drops a sequence (batch index or session id) between steps: its decoder memory is
+        freed at once, its attachment released (and its session closed with close_session);
+        later sequences move down one index."""
+        i = self.session_ids.index(sequence) if isinstance(sequence, str) else int(sequence)
+        if not 0 <= i < len(self.sequences):
+            raise IndexError("sequence %s is not in the batch of %d" % (sequence, len(self.sequences)))
+        seq = self.sequences[i]
+        self.decoder.leave(i)
+        del self.sequences[i]
+        self._positions = None
+        try:
+            self.client.detach(seq.attachment_id)
+        finally:
+            if close_session:
+                self.client.close_session(seq.session_id)
+
+    def position_ids(self) -> torch.Tensor:
+        """[B, 1] positions of the next decode token of each sequence (pass as position_ids)."""
+        if self._positions is None:
+            self._positions = torch.tensor([[s.length] for s in self.sequences], dtype=torch.long,
+                                           device=self.device)
+        return self._positions
+
+    def decode(self, model, tokens: torch.Tensor, **kwargs) -> torch.Tensor:
+        """One decode step of the whole batch: tokens [B] (each sequence's newest token) ->
+        logits [B, vocab] of the next token."""
+        if self.batch == 0:
+            raise FailedPrecondition("the batch is empty: join() a session first")
+        tokens = tokens.reshape(-1)
+        if tokens.numel() != self.batch:
+            raise ValueError("decode needs one token per sequence (%d), got %d" % (self.batch, tokens.numel()))
+        full = [s.session_id for s in self.sequences if s.decoded >= self.local_capacity]
+        if full:
+            raise FailedPrecondition("sequences %s decoded local_capacity (%d) tokens in this batch"
+                                     % (full, self.local_capacity))
+        with torch.no_grad():
+            out = model(input_ids=tokens.to(self.device)[:, None], position_ids=self.position_ids(),
+                        past_key_values=self, use_cache=True, **kwargs)
+        return out.logits[:, -1]
+
+    def close(self, close_sessions: bool = False) -> None:
+        """Leaves every sequence (closing their sessions with close_sessions) and frees the decoder."""
+        while self.sequences:
+            self.leave(len(self.sequences) - 1, close_session=close_sessions)
+        self.decoder.close()
+
+    # --- transformers hooks ---
+    def _update(self, layer, key_states, value_states):
+        b, _, n, _ = key_states.shape
+        if n != 1:
+            raise NotImplementedError("BatchCache decodes one token per sequence per forward, got %d: prefill "
+                                      "through hf_cache.KvShadeCache(decode=None) and join() the session" % n)
+        if b != self.batch:
+            raise ValueError("layer %d: the forward has %d sequences, the batch %d" % (layer, b, self.batch))
+        if self._awaiting is not None:
+            raise RuntimeError("layer %d's decode attention did not go through kvshade (is the model's "
+                               "attention implementation still %r?)" % (self._awaiting, hf_cache.ATTENTION_NAME))
+        k, v = hf_cache._round_to_store(key_states), hf_cache._round_to_store(value_states)
+        self._awaiting = layer
+        hf_cache._current.entry = (self, layer, k, "decode")
+        return k, v
+
+    def _decode_attention(self, layer, query, key, value, scaling):
+        b, hq, _, d = query.shape
+        last = layer == self.num_layers - 1
+        out = hf_cache.attend_local(self.decoder, layer, hf_cache.decode_query(query, scaling), key, value,
+                                    last_layer=last)
+        self._awaiting = None
+        if last:
+            for s in self.sequences:
+                s.length += 1
+                s.decoded += 1
+            self._positions = None
+        return out.to(query.dtype).reshape(b, 1, hq, d)
+
+
+@dataclass
+class Request:
+    """One generation request and what happened to it (times from time.perf_counter())."""
+    id: int
+    prompt: List[int]
+    max_new_tokens: int
+    eos_token_ids: Sequence[int] = ()
+    tokens: List[int] = field(default_factory=list)
+    submitted_at: float = 0.0
+    token_times: List[float] = field(default_factory=list)  # when each token was picked
+    session_id: Optional[str] = None
+    finish_reason: Optional[str] = None  # "length" or "eos" once done
+    reused_tokens: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def ttft(self) -> Optional[float]:
+        """Seconds from submit() to the first token."""
+        return self.token_times[0] - self.submitted_at if self.token_times else None
+
+    @property
+    def tpot(self) -> List[float]:
+        """Seconds between consecutive tokens (time per output token)."""
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+class Generator:
+    """Continuous batching of generation requests over kvshade sessions (see the module doc).
+
+    client, model, profile: as for hf_cache.KvShadeCache (one profile for every request)
+    max_batch       : the most sequences decoding together
+    prefills_per_step: the most waiting requests prefilled between two decode steps
+    model_id        : the prefix-cache namespace (default: the model's name; a fresh id for a
+                      model without one), shared by every request so that shared prompt
+                      prefixes are reused
+    sampler         : logits [B, vocab] -> tokens [B] (default greedy)
+    close_sessions  : close each request's session when it finishes (default True)
+    cache_kwargs    : more arguments for each prompt's hf_cache.KvShadeCache
+    """
+
+    def __init__(self, client, model, profile, max_batch=64, prefills_per_step=1, model_id=None,
+                 worker_id="kvshade-serving", local_capacity=1024, sampler: Optional[Callable] = None,
+                 close_sessions=True, cache_kwargs=None):
+        if max_batch < 1 or prefills_per_step < 1:
+            raise ValueError("max_batch and prefills_per_step must be >= 1")
+        hf_cache.enable(model)
+        self.client, self.model, self.profile = client, model, profile
+        if model_id is None:
+            config = hf_cache._text_config(model.config)
+            model_id = getattr(model, "name_or_path", "") or getattr(config, "_name_or_path", "")
+            model_id = model_id or "hf-serving-%x" % id(model)
+        self.model_id = model_id
+        self.max_batch, self.prefills_per_step = int(max_batch), int(prefills_per_step)
+        self.worker_id = worker_id
+        self.sampler = sampler or (lambda logits: logits.argmax(dim=-1))
+        self.close_sessions = close_sessions
+        self.cache_kwargs = dict(cache_kwargs or {})
+        self.cache = BatchCache(client, model, model_id=model_id, worker_id=worker_id,
+                                local_capacity=local_capacity)
+        self.waiting: List[Request] = []
+        self.running: List[Request] = []  # in batch order
+        self._next_id = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def submit(self, prompt_ids, max_new_tokens: int, eos_token_id=None) -> Request:
+        """Queues a request: prompt_ids [n] (list or tensor); returns its Request."""
+        prompt = [int(t) for t in (prompt_ids.reshape(-1).tolist() if isinstance(prompt_ids, torch.Tensor)
+                                   else prompt_ids)]
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if not 1 <= int(max_new_tokens) <= self.cache.local_capacity + 1:
+            raise ValueError("max_new_tokens must be in [1, local_capacity + 1 = %d], got %r"
+                             % (self.cache.local_capacity + 1, max_new_tokens))
+        eos = () if eos_token_id is None else (tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple))
+                                               else (int(eos_token_id),))
+        req = Request(self._next_id, prompt, int(max_new_tokens), eos, submitted_at=time.perf_counter())
+        self._next_id += 1
+        self.waiting.append(req)
+        return req
+
+    def _pick(self, req, token):
+        req.tokens.append(int(token))
+        req.token_times.append(time.perf_counter())
+        if int(token) in req.eos_token_ids:
+            req.finish_reason = "eos"
+        elif len(req.tokens) >= req.max_new_tokens:
+            req.finish_reason = "length"
+
+    def _prefill(self, req):
+        """The prompt through kvshade (streamed to the daemon during the forward), its first
+        token picked; returns once the session is ready."""
+        ids = torch.tensor([req.prompt], dtype=torch.long, device=self.cache.device)
+        kc = hf_cache.KvShadeCache(self.client, self.model, self.profile, prompt_ids=req.prompt,
+                                   model_id=self.model_id, worker_id=self.worker_id, decode=None,
+                                   **self.cache_kwargs)
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=ids, past_key_values=kc, use_cache=True, logits_to_keep=1)
+            token = self.sampler(out.logits[:, -1])[0]
+            kc.wait_ready()
+        except BaseException:
+            kc.close(close_session=True)
+            raise
+        req.session_id = kc.session_ids[0]
+        req.reused_tokens = kc.created.reused_tokens
+        kc.close()
+        self._pick(req, token)
+
+    def step(self) -> List[Request]:
+        """Admits waiting requests (prefill, first token, join), then one decode step of the
+        batch; returns the requests that finished in this step."""
+        finished = []
+        admitted = 0
+        while self.waiting and admitted < self.prefills_per_step and len(self.running) < self.max_batch:
+            req = self.waiting.pop(0)
+            admitted += 1
+            self._prefill(req)
+            if req.done:
+                self._finish(req, None)
+                finished.append(req)
+                continue
+            self.cache.join(req.session_id)
+            self.running.append(req)
+        if self.running:
+            last = torch.tensor([r.tokens[-1] for r in self.running], dtype=torch.long)
+            tokens = self.sampler(self.cache.decode(self.model, last)).tolist()
+            for req, t in zip(self.running, tokens):
+                self._pick(req, t)
+            for i in reversed(range(len(self.running))):
+                if self.running[i].done:
+                    req = self.running.pop(i)
+                    self._finish(req, i)
+                    finished.append(req)
+        return finished
+
+    def _finish(self, req, index):
+        if index is not None:
+            self.cache.leave(index, close_session=self.close_sessions)
+        elif self.close_sessions:
+            self.client.close_session(req.session_id)
+
+    def run(self) -> List[Request]:
+        """Steps until no request waits or runs; returns every request finished, in order."""
+        out = []
+        while self.busy:
+            out.extend(self.step())
+        return out
+
+    def close(self) -> None:
+        """Frees the batch (closing the running requests' sessions with close_sessions)."""
+        self.running.clear()
+        self.cache.close(close_sessions=self.close_sessions)

@@ -1,0 +1,216 @@
+"""kvshade.serving and the bounded prefill of kvshade.hf_cache, with a tiny random Llama
+(the model of test_hf_adapter) and a real kvshade-server.
+
+  * Generator (continuous batching): requests of different prompt lengths and lengths of
+    output join and leave one decode batch; each request's greedy tokens equal those of
+    the same prompt decoded alone (hf_cache.KvShadeCache, same-node decode, same shadow
+    profile: the same selection); sequences of different lengths decode in one batch;
+    every finished request's session is closed.
+  * BatchCache: refusals (an empty batch, a session that is unknown, of another model or of
+    the exact profile (nothing to decode same-node), a multi-token forward).
+  * The device path's window (daemon on the cuda backend only: KVSHADE_TEST_BACKEND=cuda):
+    with a window of one layer, the prompt's layers leave the GPU as the daemon takes them
+    (never more than the window plus the newest layer held), and the tokens are unchanged.
+
+Skipped without transformers (Debian has none); KVSHADE_REQUIRE_GPU=1 makes that a failure.
+
+    cd tests/python && KVSHADE_SERVER=... KVSHADE_LIB=... KVSHADE_TEST_BACKEND=cuda \
+        KVSHADE_TEST_HEAD_DIM=64 python3 -m unittest -v test_serving
+"""
+import os
+import unittest
+
+from kvshade_testutil import Server, seed
+
+import kvshade
+from test_hf_adapter import DEV, HAVE_TRANSFORMERS, REQUIRE_GPU, WHY, Bf16DynamicCache, tiny_llama
+
+if HAVE_TRANSFORMERS:
+    import torch
+
+    from kvshade import hf_cache, serving
+
+BACKEND = os.environ.get("KVSHADE_TEST_BACKEND", "cpu")
+
+
+@unittest.skipUnless(HAVE_TRANSFORMERS or REQUIRE_GPU, WHY)
+class ServingTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        if not HAVE_TRANSFORMERS:
+            raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
+        cls.seed = seed()
+        cls.gen = torch.Generator().manual_seed(cls.seed)
+        cls.server = Server()
+        cls.client = kvshade.Client(cls.server.target, timeout=60)
+        cls.client.wait_ready(20)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        assert cls.server.stop() == 0
+
+    def prompt(self, n):
+        return torch.randint(3, 97, (n,), generator=self.gen).tolist()
+
+    @staticmethod
+    def profile():
+        return kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=6, outliers=2, local_window=32)
+
+    def reference(self, model, prompt, steps, name):
+        """Greedy tokens of the prompt decoded alone through kvshade (generate() with a
+        KvShadeCache, same-node decode), under a model id of its own (ingested afresh)."""
+        hf_cache.enable(model)
+        kc = hf_cache.KvShadeCache(self.client, model, self.profile(), prompt_ids=prompt, decode="local",
+                                   model_id="serving-ref-%s-%d" % (name, self.seed))
+        ids = torch.tensor([prompt], device=DEV)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=kc,
+                                 max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+        self.assertIsNotNone(kc.local, kc.local_error)
+        kc.close(close_session=True)
+        return out[0, len(prompt):].tolist()
+
+    def test_continuous_batching_equals_each_request_alone(self):
+        model = tiny_llama(self.seed)
+        lengths, outs = [150, 230, 96, 310], [6, 9, 4, 7]
+        prompts = [self.prompt(n) for n in lengths]
+        refs = [self.reference(model, p, s, "cb%d" % i) for i, (p, s) in enumerate(zip(prompts, outs))]
+        gen = serving.Generator(self.client, model, self.profile(), max_batch=2,
+                                model_id="serving-test-%d" % self.seed)
+        reqs = [gen.submit(p, s) for p, s in zip(prompts, outs)]
+        batches, spread = [], 0
+        while gen.busy:
+            gen.step()
+            batches.append(gen.cache.batch)
+            if gen.cache.batch > 1:
+                pos = gen.cache.position_ids().reshape(-1).tolist()
+                spread = max(spread, max(pos) - min(pos))
+        for r, ref in zip(reqs, refs):
+            self.assertTrue(r.done)
+            self.assertEqual(r.finish_reason, "length")
+            self.assertEqual(r.tokens, ref, "request %d (prompt %d tokens)" % (r.id, len(r.prompt)))
+            self.assertEqual(len(r.token_times), len(r.tokens))
+            self.assertGreater(r.ttft, 0)
+        # The batch changed between steps: two sequences of different lengths decoded together,
+        # and it never held more than max_batch.
+        self.assertEqual(max(batches), 2)
+        self.assertGreater(spread, 0)
+        self.assertEqual(batches[-1], 0)
+        for r in reqs:
+            with self.assertRaises(kvshade.errors.NotFound):
+                self.client.get_session(r.session_id)
+        gen.close()
+
+    def test_eos_ends_a_request_and_frees_its_sequence(self):
+        model = tiny_llama(self.seed)
+        prompt = self.prompt(128)
+        ref = self.reference(model, prompt, 6, "eos")
+        gen = serving.Generator(self.client, model, self.profile(), model_id="serving-eos-%d" % self.seed)
+        req = gen.submit(prompt, 6, eos_token_id=ref[2])
+        gen.run()
+        self.assertEqual(req.finish_reason, "eos")
+        self.assertEqual(req.tokens, ref[:ref.index(ref[2]) + 1])
+        self.assertEqual(gen.cache.batch, 0)
+        gen.close()
+
+    def test_batch_cache_refusals(self):
+        model = tiny_llama(self.seed)
+        hf_cache.enable(model)
+        cache = serving.BatchCache(self.client, model, model_id="serving-refusals-%d" % self.seed)
+        with self.assertRaises(kvshade.errors.FailedPrecondition):
+            cache.decode(model, torch.tensor([1]))
+        with self.assertRaises(kvshade.errors.NotFound):
+            cache.join("no-such-session")
+        # A session of another model id is refused; one of this model joins.
+        prompt = self.prompt(100)
+        other = hf_cache.KvShadeCache(self.client, model, self.profile(), prompt_ids=prompt,
+                                      model_id="serving-other-%d" % self.seed, decode=None)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([prompt], device=DEV), past_key_values=other, use_cache=True)
+        with self.assertRaises(kvshade.errors.FailedPrecondition):
+            cache.join(other.session_ids[0])
+        with self.assertRaises(RuntimeError):  # a prefill-only cache does not decode
+            with torch.no_grad():
+                model(input_ids=torch.tensor([[5]], device=DEV), past_key_values=other, use_cache=True)
+        exact = hf_cache.KvShadeCache(self.client, model, kvshade.Profile("exact"), prompt_ids=prompt,
+                                      model_id="serving-refusals-%d" % self.seed, decode=None)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([prompt], device=DEV), past_key_values=exact, use_cache=True)
+        with self.assertRaises(kvshade.errors.FailedPrecondition):  # nothing compressed to decode here
+            cache.join(exact.session_ids[0])
+        self.assertEqual(cache.batch, 0)
+        exact.close(close_session=True)
+        mine = hf_cache.KvShadeCache(self.client, model, self.profile(), prompt_ids=prompt,
+                                     model_id="serving-refusals-%d" % self.seed, decode=None)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([prompt], device=DEV), past_key_values=mine, use_cache=True)
+        self.assertEqual(cache.join(mine.session_ids[0]), 0)
+        with self.assertRaises(ValueError):
+            cache.decode(model, torch.tensor([1, 2]))  # two tokens for one sequence
+        with self.assertRaises(NotImplementedError):
+            with torch.no_grad():
+                model(input_ids=torch.tensor([[1, 2]], device=DEV), past_key_values=cache, use_cache=True,
+                      position_ids=torch.tensor([[100, 101]], device=DEV))
+        cache.close(close_sessions=True)
+        other.close(close_session=True)
+
+
+@unittest.skipUnless((HAVE_TRANSFORMERS or REQUIRE_GPU) and BACKEND == "cuda",
+                     WHY or "the device ingest path needs a daemon on the cuda backend (KVSHADE_TEST_BACKEND=cuda)")
+class DeviceIngestWindowTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        if not HAVE_TRANSFORMERS:
+            raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
+        cls.seed = seed()
+        cls.server = Server()
+        cls.client = kvshade.Client(cls.server.target, timeout=60)
+        cls.client.wait_ready(20)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        assert cls.server.stop() == 0
+
+    def test_layers_leave_the_gpu_as_the_daemon_takes_them(self):
+        torch.manual_seed(self.seed)
+        model = tiny_llama(self.seed)
+        n = 640
+        prompt = torch.randint(3, 97, (n,)).tolist()
+        layer_bytes = 2 * n * model.config.num_key_value_heads * model.config.head_dim * 2
+        held = []
+        release = kvshade.client.Ingest.release_taken
+
+        def spy(ing, max_held_bytes=None, timeout=600.0):
+            r = release(ing, max_held_bytes, timeout)
+            held.append((len(ing._keep), r, ing.held_cuda_bytes))
+            return r
+        kvshade.client.Ingest.release_taken = spy
+        try:
+            hf_cache.enable(model)
+            kc = hf_cache.KvShadeCache(self.client, model, kvshade.Profile("exact"), prompt_ids=prompt,
+                                       model_id="window-%d" % self.seed, ingest="device",
+                                       ingest_window_bytes=layer_bytes)
+            ids = torch.tensor([prompt], device=DEV)
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=kc, max_new_tokens=5,
+                                     min_new_tokens=5, do_sample=False, pad_token_id=0)
+        finally:
+            kvshade.client.Ingest.release_taken = release
+        self.assertIsNone(kc.ingest_error)
+        self.assertEqual(len(held), model.config.num_hidden_layers)
+        for sent, released, bytes_held in held:
+            # After each layer: at most the window (one layer) beyond the newest is held.
+            self.assertLessEqual(sent - released, 1)
+            self.assertLessEqual(bytes_held, layer_bytes)
+        model.set_attn_implementation("sdpa")
+        with torch.no_grad():
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=Bf16DynamicCache(),
+                                 max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+        self.assertEqual(out[0, n:].tolist(), ref[0, n:].tolist())
+        kc.close(close_session=True)
+
+
+if __name__ == "__main__":
+    unittest.main()
