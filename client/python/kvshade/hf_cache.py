@@ -17,7 +17,8 @@ that selection needs:
     the post-RoPE keys with the model's own rotary embedding (the cos/sin of positions
     0..n-1) and streams each layer to the daemon while the model computes the next one
     (CreateSession at the first layer reuses a cached prefix): from the GPU by CUDA IPC on
-    the same node, otherwise copied to pinned host memory on a side stream and sent over
+    the same node (each layer let go of once the daemon has taken it: at most
+    ingest_window_bytes held), otherwise copied to pinned host memory on a side stream and sent over
     the client's data plane (UCX or gRPC) by a sender thread. After the last layer the
     commit runs while the model finishes the prompt.
     Decode (q_len == 1): `update` records the new token's post-RoPE key and value and
@@ -36,6 +37,8 @@ Contract and limits:
     daemon on this node exports (`decode="local"`, one batched call per layer), or over
     slot buffers that one batched select per layer fills through the daemon's data path
     (`decode="rpc"`, another node).
+    Sequences of different lengths that join and leave one decode batch: kvshade.serving
+    (BatchCache, Generator), over sessions prefilled here with decode=None.
     Not supported, refused with an error: padded batches, chunked prefill or a
     second multi-token forward (a new turn: make a new KvShadeCache over the whole
     conversation, the cached prefix is reused), beam search, assisted/speculative decoding
