@@ -61,9 +61,12 @@ def run_kvshade(c, model, prompts, arrivals, args):
     from kvshade import serving
     gen = serving.Generator(c, model, kvshade.Profile("shadow"), max_batch=args.max_batch,
                             model_id="bench/serving-%d" % args.seed, local_capacity=max(64, args.max_new_tokens))
-    # Warm-up: one short request (kernel selection, allocator, the decoder's first mapping).
-    gen.submit(prompts[0][-2048:], 2)
+    # Warm-up: one request of the workload's length (kernel selection, allocator, the
+    # decoder's first mapping; a shorter prompt could resolve another value codec).
+    warm = gen.submit(prompts[0], 2)
     gen.run()
+    if warm.error is not None:
+        raise warm.error
     reqs, memory = [], []
     t0 = time.perf_counter()
     nxt = 0
@@ -84,6 +87,9 @@ def run_kvshade(c, model, prompts, arrivals, args):
         memory.append((round(time.perf_counter() - t0, 3), round(gpu_used_gib(), 2), gen.cache.batch))
     makespan = time.perf_counter() - t0
     gen.close()
+    failed = [r for r in reqs if r.finish_reason == "error"]
+    if failed:
+        raise RuntimeError("%d requests failed, the first: %s" % (len(failed), failed[0].error))
     ttft = [r.ttft for r in reqs]
     tpot = [g for r in reqs for g in r.tpot]
     return {"config": "kvshade serving.Generator", "requests": len(reqs),

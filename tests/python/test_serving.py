@@ -8,9 +8,10 @@
     every finished request's session is closed.
   * BatchCache: refusals (an empty batch, a session that is unknown, of another model or of
     the exact profile (nothing to decode same-node), a multi-token forward).
-  * The device path's window (daemon on the cuda backend only: KVSHADE_TEST_BACKEND=cuda):
-    with a window of one layer, the prompt's layers leave the GPU as the daemon takes them
-    (never more than the window plus the newest layer held), and the tokens are unchanged.
+  * The device path (daemon on the cuda backend only: KVSHADE_TEST_BACKEND=cuda): with a
+    window of one layer, the prompt's layers leave the GPU as the daemon takes them (never
+    more than the window plus the newest layer held), and the tokens are unchanged; layers
+    sent by CUDA IPC are this process's memory again once committed and dropped.
 
 Skipped without transformers (Debian has none); KVSHADE_REQUIRE_GPU=1 makes that a failure.
 
@@ -58,18 +59,23 @@ class ServingTest(unittest.TestCase):
         return kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=6, outliers=2, local_window=32)
 
     def reference(self, model, prompt, steps, name):
-        """Greedy tokens of the prompt decoded alone through kvshade (generate() with a
-        KvShadeCache, same-node decode), under a model id of its own (ingested afresh)."""
+        """Greedy tokens of the prompt decoded alone through kvshade: a KvShadeCache (same-node
+        decode) and one model forward per token, as the Generator runs the model, under a
+        model id of its own (ingested afresh)."""
         hf_cache.enable(model)
         kc = hf_cache.KvShadeCache(self.client, model, self.profile(), prompt_ids=prompt, decode="local",
                                    model_id="serving-ref-%s-%d" % (name, self.seed))
-        ids = torch.tensor([prompt], device=DEV)
+        tokens = []
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=kc,
-                                 max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+            logits = model(input_ids=torch.tensor([prompt], device=DEV), past_key_values=kc,
+                           use_cache=True).logits[0, -1]
+            for _ in range(steps):
+                tokens.append(int(logits.argmax()))
+                logits = model(input_ids=torch.tensor([[tokens[-1]]], device=DEV), past_key_values=kc,
+                               use_cache=True).logits[0, -1]
         self.assertIsNotNone(kc.local, kc.local_error)
         kc.close(close_session=True)
-        return out[0, len(prompt):].tolist()
+        return tokens
 
     def test_continuous_batching_equals_each_request_alone(self):
         model = tiny_llama(self.seed)
@@ -172,6 +178,27 @@ class DeviceIngestWindowTest(unittest.TestCase):
     def tearDownClass(cls):
         cls.client.close()
         assert cls.server.stop() == 0
+
+    def test_layers_sent_from_the_gpu_are_freed_after_the_commit(self):
+        # The daemon opens each layer by CUDA IPC; once the stream is committed and the
+        # tensors dropped, their memory is this process's again (no block stays held for a
+        # consumer that never releases it).
+        n, h, hq, d, L = 4096, 2, 4, 64, 4
+        spec = kvshade.ModelSpec("leak-%d" % self.seed, L, hq, h, d)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        for rep in range(3):
+            created = self.client.create_session(spec, kvshade.Profile("shadow"), list(range(rep, rep + n)))
+            with self.client.ingest(created.session_id, "bf16") as ing:
+                for layer in range(L):
+                    k = torch.randn(n, h, d, device="cuda").to(torch.bfloat16)
+                    v = torch.randn(n, h, d, device="cuda").to(torch.bfloat16)
+                    ing.layer_cuda(layer, k, v)
+                    del k, v
+                ing.commit()
+            self.client.close_session(created.session_id)
+        torch.cuda.synchronize()
+        self.assertEqual(torch.cuda.memory_allocated(), base)
 
     def test_layers_leave_the_gpu_as_the_daemon_takes_them(self):
         torch.manual_seed(self.seed)

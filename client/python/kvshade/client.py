@@ -82,24 +82,47 @@ def to_wire(x, dtype):
     raise InvalidArgument("dtype must be one of bf16, fp16, fp32, got %r" % (dtype,))
 
 
+_cuda_driver = None
+
+
+def _driver():
+    """The CUDA driver library (libcuda), loaded once."""
+    global _cuda_driver
+    if _cuda_driver is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                                                ctypes.c_uint64]
+        lib.cuIpcGetMemHandle.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+        _cuda_driver = lib
+    return _cuda_driver
+
+
 def cuda_ipc_ref(t, name, instead):
     """(cudaIpcMemHandle_t bytes, byte offset of t's first element in that allocation) of a
     torch CUDA tensor, for the daemon to open by CUDA IPC. `instead` ends the error for a
-    tensor that has no such handle."""
-    # (device, handle, storage bytes, storage offset in the allocation, ...): the handle names
-    # the allocation (torch's caching allocator block), the offset the storage in it.
-    shared = t.untyped_storage()._share_cuda_()
-    handle = bytes(shared[1])
-    if len(handle) > 64:
-        # torch >= 2.5 prefixes a type byte: 'c' for a cudaMalloc block (then the 64 bytes of
-        # its cudaIpcMemHandle_t), 'e' for an expandable segment (no cudaIpcMemHandle_t
-        # exists for those).
-        if handle[-65:-64] != b"c":
-            raise InvalidArgument("%s lives in an expandable CUDA segment (PYTORCH_CUDA_ALLOC_CONF="
-                                  "expandable_segments:True), which has no CUDA IPC handle; %s"
-                                  % (name, instead))
-        handle = handle[-64:]
-    return handle, int(shared[3]) + t.storage_offset() * t.element_size()
+    tensor that has no such handle.
+
+    The handle comes from the driver (the allocation holding t, and t's offset in it), not
+    from torch's own CUDA IPC sharing: torch keeps a block it shared alive until a torch
+    consumer releases it, which the daemon never does, so every block shared that way would
+    stay allocated in this process for good. The caller keeps t alive while the daemon may
+    read it (the daemon keeps its mapping; what it reads after t is freed is not t)."""
+    import torch
+    drv = _driver()
+    with torch.cuda.device(t.device):
+        torch.cuda.current_stream(t.device)  # the device's primary context is current here
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        rc = drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(t.data_ptr()))
+        if rc != 0:
+            raise InvalidArgument("%s: the CUDA driver finds no allocation at its address (error %d); %s"
+                                  % (name, rc, instead))
+        handle = ctypes.create_string_buffer(64)
+        rc = drv.cuIpcGetMemHandle(handle, base.value)
+        if rc != 0:
+            raise InvalidArgument("%s has no CUDA IPC handle (cuIpcGetMemHandle error %d: memory of an expandable "
+                                  "segment, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or of a virtual memory "
+                                  "mapping has none); %s" % (name, rc, instead))
+    return handle.raw, t.data_ptr() - base.value
 
 
 SELECT_PURPOSES = {"synchronous": 0, "speculative": 1, "correction": 2}

@@ -24,6 +24,11 @@ Two pieces, each usable alone:
     leaves the batch in the same step. It records, per request, the time to the first token
     and each later token's time.
 
+One decoder batches sessions of one geometry, profile and value codec: with the server's
+value_codec "auto" (int4 from int4_from_tokens prompt tokens, bf16 below) a request whose
+prompt resolves another codec than the batch's ends with finish_reason "error" (its error
+says why) and the others go on; give the profile an explicit value_codec to mix lengths.
+
 Limits: a prompt is prefilled in one forward (no chunked prefill) and stalls the batch's
 decode steps meanwhile; generated tokens stay exact in the decoder's local tail (at most
 `local_capacity` per sequence; they are not appended to the sessions); greedy decoding
@@ -36,7 +41,7 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 
 from . import hf_cache
-from .errors import FailedPrecondition
+from .errors import FailedPrecondition, KvShadeError
 from .local import LocalDecoder
 
 try:
@@ -272,7 +277,8 @@ class Request:
     submitted_at: float = 0.0
     token_times: List[float] = field(default_factory=list)  # when each token was picked
     session_id: Optional[str] = None
-    finish_reason: Optional[str] = None  # "length" or "eos" once done
+    finish_reason: Optional[str] = None  # "length", "eos" or "error" once done
+    error: Optional[BaseException] = None  # why it ended with "error"
     reused_tokens: int = 0
 
     @property
@@ -383,12 +389,19 @@ class Generator:
         while self.waiting and admitted < self.prefills_per_step and len(self.running) < self.max_batch:
             req = self.waiting.pop(0)
             admitted += 1
-            self._prefill(req)
+            try:
+                self._prefill(req)
+                if not req.done:
+                    self.cache.join(req.session_id)
+            except KvShadeError as e:
+                # This request cannot be served (e.g. its session resolved another value
+                # codec than the batch's: value_codec "auto" picks by prompt length); the
+                # others go on.
+                req.finish_reason, req.error = "error", e
             if req.done:
                 self._finish(req, None)
                 finished.append(req)
                 continue
-            self.cache.join(req.session_id)
             self.running.append(req)
         if self.running:
             last = torch.tensor([r.tokens[-1] for r in self.running], dtype=torch.long)
@@ -405,7 +418,7 @@ class Generator:
     def _finish(self, req, index):
         if index is not None:
             self.cache.leave(index, close_session=self.close_sessions)
-        elif self.close_sessions:
+        elif self.close_sessions and req.session_id is not None:
             self.client.close_session(req.session_id)
 
     def run(self) -> List[Request]:
