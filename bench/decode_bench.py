@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Decode through kvshade against dense attention, in one run, on one GPU.
 
-Two tables (bench/RESULTS.md "Same-node decode"):
+Two tables (bench/RESULTS.md "Decode attention: kvshade against stock SDPA" and "End-to-end
+decode against `DynamicCache`"):
 
   attention: one layer of Llama-3-8B shape (8 KV heads, 32 query heads, head dim 128) at a
     long context, batch B: kvshade same-node (kvshade.local.LocalDecoder: select +

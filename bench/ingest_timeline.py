@@ -5,7 +5,8 @@ Runs bench/decode_bench.py's end-to-end table (local mode) with wall-clock event
 the transformers adapter's calls: session creation (first layer), each layer handed to the
 daemon, the commit after the last layer, opening the same-node decoder (GPU synchronized
 around it) and the start of each decode loop. The daemon logs session_created and
-ingest_committed on the same clock. bench/RESULTS.md "Ingest on the H200" reads it.
+ingest_committed on the same clock. bench/RESULTS.md "Ingest: time until a session is ready"
+has the figures it explains.
 
 Usage (GPU machine): python3 bench/ingest_timeline.py --server .gpu/bin/kvshade-server
     [--tokens 131072]

@@ -2,8 +2,7 @@
 """Time to open (and close) a same-node LocalDecoder over a small session, three opens per
 daemon, for two device arena sizes: what a worker pays per decoder beyond the session's
 own values (mapping the daemon's device arena by CUDA IPC, the export itself). Behind
-bench/RESULTS.md "Same-node ingest on the H200: ready after prefill, with shareable driver
-host memory".
+bench/RESULTS.md "Ingest: time until a session is ready" (the figures around ingest).
 
 Usage (GPU machine, from the repository root, with KVSHADE_SERVER and KVSHADE_LIB set and
 client/python on PYTHONPATH): KVSHADE_TEST_BACKEND=cuda python3 bench/probes/decoder_open.py

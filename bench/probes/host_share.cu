@@ -4,9 +4,9 @@
 //   (b) memory files (memfd) opened by the other process through /proc/<pid>/fd and
 //       registered with cudaHostRegister.
 // Prints the import time of each, a kernel's check of the imported bytes, and the
-// host-to-device copy rate from each. Behind bench/RESULTS.md "Same-node ingest on the
-// H200: ready after prefill, with shareable driver host memory" (kvshade's own use of (a) is
-// kernels/cuda/cuda_host_vmm.cc). Standalone; build and run on the GPU machine with
+// host-to-device copy rate from each. Behind bench/RESULTS.md "Ingest: time until a session
+// is ready" (kvshade's own use of (a) is kernels/cuda/cuda_host_vmm.cc). Standalone; build
+// and run on the GPU machine with
 //   nvcc -O2 -arch=sm_90 -o host_share host_share.cu -lcuda && ./host_share
 #include <cuda.h>
 #include <cuda_runtime.h>
