@@ -130,8 +130,11 @@ absl::Status ScanOne(WalFileScan* f) {
   auto emit = [&](bool damaged) {
     std::vector<SegmentMeta> metas;
     bool complete = false;
+    // A damaged batch is still read for what it names: its framing (entry lengths and the
+    // entry count) must parse whole and every metadata record in it must pass its own
+    // checksum, or what it wrote is unknown.
     ParseBatch(scratch, &metas, &complete);
-    if (damaged) complete = false;
+    (void)damaged;
     if (!complete) ++f->unreadable_batches;
     if (f->damaged) {
       if (!complete) ++f->unidentified_batches;
