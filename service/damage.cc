@@ -261,6 +261,17 @@ absl::Status EngineImpl::ApplyStartDamage() {
       }
     }
   }
+  if (damage.AnyMetaUnreadable()) {
+    // Logged appends are metadata records too: any of them may have been in the range.
+    for (const std::shared_ptr<Session>& s : sessions_.AllSessions()) {
+      if (!s->durable || s->append_fsync == v1::APPEND_FSYNC_NO || s->damaged.load()) continue;
+      MarkDamaged(*s, "record",
+                  "may have lost logged appends: a range of the spill tier's metadata that holds "
+                  "records of unknown sessions cannot be read, and this session logs its appends",
+                  0, /*persist=*/false);
+      ++damaged;
+    }
+  }
   if (damaged > 0 && config_->spill_on_damage == "refuse") {
     store_link_->keep = true;  // the segments built so far keep their stored values
     return absl::DataLossError(absl::StrCat(

@@ -55,6 +55,7 @@
 #include "rocksdb/listener.h"
 #include "rocksdb/options.h"
 #include "rocksdb/slice.h"
+#include "rocksdb/sst_file_reader.h"
 #include "rocksdb/table.h"
 #include "rocksdb/write_batch.h"
 
@@ -565,6 +566,7 @@ namespace {
 // Whether some key with `prefix` (all its continuations included when `longer`) lies in
 // the open interval (r.after, r.until).
 bool InRange(const SpillDamage::Range& r, const std::string& key, const std::string& upper) {
+  if (r.inclusive) return upper > r.after && key <= r.until;
   return (r.after.empty() || upper > r.after) && (r.until.empty() || key < r.until);
 }
 
@@ -575,7 +577,10 @@ bool SpillDamage::MetaUnreadable(const SegmentId& id) const {
   const std::string key = internal::MetaKey(id);
   for (const Range& r : unreadable) {
     if (r.column_family != "metadata") continue;
-    if ((r.after.empty() || key > r.after) && (r.until.empty() || key < r.until)) return true;
+    if (r.inclusive ? key >= r.after && key <= r.until
+                    : (r.after.empty() || key > r.after) && (r.until.empty() || key < r.until)) {
+      return true;
+    }
   }
   return false;
 }
@@ -711,7 +716,10 @@ void RocksSpillTier::Impl::AddUnreadable(SpillDamage::Range r, const rocksdb::St
   {
     std::lock_guard<std::mutex> lock(damage_mu);
     for (const SpillDamage::Range& o : damage.unreadable) {
-      if (o.column_family == r.column_family && o.after == r.after && o.until == r.until) return;
+      if (o.column_family == r.column_family && o.after == r.after && o.until == r.until &&
+          o.inclusive == r.inclusive) {
+        return;
+      }
     }
     damage.unreadable.push_back(r);
   }
@@ -722,8 +730,9 @@ void RocksSpillTier::Impl::AddUnreadable(SpillDamage::Range r, const rocksdb::St
   };
   reporter->Emit(SpillEvent::Kind::kCorruptRecord, true, absl::StatusCode::kDataLoss,
                  absl::StrCat("spill tier at ", options.path, ": a damaged table range of column "
-                              "family '", r.column_family, "' cannot be read (keys after ",
-                              hex(r.after), " and before ", hex(r.until), ": ", why.ToString(),
+                              "family '", r.column_family, "' cannot be read (keys ",
+                              r.inclusive ? "from " : "after ", hex(r.after),
+                              r.inclusive ? " to " : " and before ", hex(r.until), ": ", why.ToString(),
                               "); the segments with records there are not served, everything "
                               "else is"));
 }
@@ -1193,6 +1202,11 @@ absl::StatusOr<std::unique_ptr<RocksSpillTier>> RocksSpillTier::Open(
     value_opts.blob_compression_type = value_opts.compression;
     value_opts.enable_blob_garbage_collection = true;
   }
+  // No compaction until the open's scans are done: one that meets a damaged block first
+  // stops RocksDB's writes and races the scans that find and record the damage.
+  for (rocksdb::ColumnFamilyOptions* c : {&default_opts, &meta_opts, &factor_opts, &value_opts}) {
+    c->disable_auto_compactions = true;
+  }
   std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
       {rocksdb::kDefaultColumnFamilyName, default_opts},
       {"metadata", meta_opts},
@@ -1306,6 +1320,27 @@ absl::StatusOr<std::unique_ptr<RocksSpillTier>> RocksSpillTier::Open(
   }
 
   KVSHADE_RETURN_IF_ERROR(impl->CheckFormat());
+  // The metadata column family's table files are small and hold what names every segment
+  // and session: each is verified whole (block checksums). A merged iterator does not
+  // always read a damaged block of a small level-0 file, and a record lost there unseen
+  // would be a session missing without a report. A damaged file's whole key range is
+  // unreadable.
+  {
+    std::vector<rocksdb::LiveFileMetaData> files;
+    impl->db->GetLiveFilesMetaData(&files);
+    for (const rocksdb::LiveFileMetaData& f : files) {
+      if (f.column_family_name != "metadata") continue;
+      rocksdb::Options so;
+      so.env = dbo.env;
+      rocksdb::SstFileReader reader(so);
+      const std::string file = f.db_path + f.name;
+      rocksdb::Status vs = reader.Open(file);
+      if (vs.ok()) vs = reader.VerifyChecksum();
+      if (vs.ok()) continue;
+      if (!vs.IsCorruption()) return KVSHADE_ROCKS(vs, absl::StrCat("verify ", file));
+      impl->AddUnreadable({"metadata", f.smallestkey, f.largestkey, /*inclusive=*/true}, vs);
+    }
+  }
   if (options.drop_cache_segments_on_open) {
     if (absl::Status st = impl->DropCacheSegments(); !st.ok()) {
       // I/O (e.g. a full disk): the leftovers are never listed as durable and go at a later
@@ -1320,6 +1355,9 @@ absl::StatusOr<std::unique_ptr<RocksSpillTier>> RocksSpillTier::Open(
   if (options.on_damage == DamagePolicy::kRefuse) {
     // Table damage is found by reading (the scans above, ListSegments): refused as well.
     KVSHADE_RETURN_IF_ERROR(impl->RefuseIfDamaged());
+  }
+  for (rocksdb::ColumnFamilyHandle* cf : impl->AllCfs()) {
+    impl->db->SetOptions(cf, {{"disable_auto_compactions", "false"}}).PermitUncheckedError();
   }
   return std::unique_ptr<RocksSpillTier>(new RocksSpillTier(std::move(impl)));
 }

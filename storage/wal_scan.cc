@@ -106,6 +106,20 @@ void ParseBatch(const std::string& rep, std::vector<SegmentMeta>* out, bool* com
   *complete = s.ok() && !c.damaged_meta;
 }
 
+// Whether a physical record with a matching checksum starts at `q` and ends in the block.
+bool ValidAt(const std::string& data, size_t q, size_t end) {
+  if (q + kHeaderSize > end) return false;
+  const auto* h = reinterpret_cast<const uint8_t*>(data.data() + q);
+  const size_t length = size_t(h[4]) | size_t(h[5]) << 8;
+  const uint8_t type = h[6];
+  if (type == 0 || type > 10) return false;
+  const size_t header = type >= 5 && type <= 8 ? kRecyclableHeaderSize : kHeaderSize;
+  if (q + header + length > end) return false;
+  uint32_t masked = 0;
+  std::memcpy(&masked, h, 4);
+  return Unmask(masked) == Crc32c(0, data.data() + q + 6, header - 6 + length);
+}
+
 bool FileNumber(const std::filesystem::path& p, uint64_t* n) {
   const std::string stem = p.stem().string();
   if (stem.empty() || stem.size() > 19) return false;
@@ -164,41 +178,60 @@ absl::Status ScanOne(WalFileScan* f) {
       if (type == 0 && length == 0) break;  // zeroed (preallocated) space: rest of the block
       const bool recyclable = type >= 5 && type <= 8;
       const size_t header = recyclable ? kRecyclableHeaderSize : kHeaderSize;
-      if (pos + header + length > end) {
-        if (end == data.size()) {
-          // Cut short by the end of the file: a write torn by a crash (never acknowledged).
-          pos = end;
-          break;
-        }
-        damage(pos, "a record's length runs past its block");
-        if (in_fragments) scratch_damaged = true;
+      const bool fits = pos + header + length <= end;
+      if (!fits && end == data.size()) {
+        // Cut short by the end of the file: a write torn by a crash (never acknowledged).
         pos = end;
         break;
       }
-      const char* payload = data.data() + pos + header;
-      const uint32_t crc = Crc32c(0, data.data() + pos + 6, header - 6 + length);
-      if (Unmask(masked) != crc || type > 10) {
-        damage(pos, type > 10 ? "unknown record type" : "checksum mismatch");
-        // The length may be the damaged field: the rest of the block is not trusted (as
-        // RocksDB does). The record's own bytes are still read for what they name.
+      const uint32_t crc = fits ? Crc32c(0, data.data() + pos + 6, header - 6 + length) : 0;
+      if (!fits || Unmask(masked) != crc || type > 10) {
+        damage(pos, !fits ? "a record's length runs past its block"
+                    : type > 10 ? "unknown record type" : "checksum mismatch");
+        // The length may be the damaged field: the next record is where its length says if
+        // a valid record (or the block's end, or zero padding) is there, else the first
+        // offset in the block where one is (a checksum match at a wrong offset is a 2^-32
+        // chance). The damaged record's own bytes (up to there) are still read for what
+        // they name.
+        size_t next = end;
+        const size_t guess = pos + header + length;
+        auto zero_at = [&](size_t q) {
+          return q + kHeaderSize > end || (data[q + 4] == 0 && data[q + 5] == 0 && data[q + 6] == 0);
+        };
+        if (fits && (zero_at(guess) || ValidAt(data, guess, end))) {
+          next = guess;
+        } else {
+          for (size_t q = pos + 1; q + kHeaderSize <= end; ++q) {
+            if (ValidAt(data, q, end)) {
+              next = q;
+              break;
+            }
+          }
+        }
+        const size_t avail = next > pos + header ? next - pos - header : 0;
+        const char* payload = data.data() + pos + header;
+        const size_t n = std::min(avail, fits ? length : avail);
         const uint8_t base = recyclable ? uint8_t(type - 4) : type;
         if (base == 1 || base == 2) {
           if (in_fragments) emit(true);
-          scratch.assign(payload, length);
+          scratch.assign(payload, n);
           in_fragments = true;
           scratch_damaged = true;
           if (base == 1) emit(true);
-        } else if (in_fragments) {
-          scratch.append(payload, length);
+        } else if ((base == 3 || base == 4) && in_fragments) {
+          scratch.append(payload, n);
           scratch_damaged = true;
           if (base == 4) emit(true);
         } else {
+          // The type is the damaged field: what the record was is unknown.
+          if (in_fragments) emit(true);
           ++f->unidentified_batches;
           ++f->unreadable_batches;
         }
-        pos = end;
-        break;
+        pos = next;
+        continue;
       }
+      const char* payload = data.data() + pos + header;
       pos += header + length;
       const uint8_t base = recyclable ? uint8_t(type - 4) : type;
       switch (base) {

@@ -135,7 +135,7 @@ std::string_view SpillEventKindName(SpillEvent::Kind kind);  // "write_failed", 
 // state) prints them to stderr. Process-wide; thread-safe.
 void SetDefaultSpillEventSink(SpillEventSink sink);
 
-// What the open of a spill tier found damaged (README.md "Damage"), for the service to
+// What the open of a spill tier found damaged (README.md "Damage at open"), for the service to
 // name the sessions that lost data. Empty when nothing was.
 struct SpillDamage {
   // A key range of one column family that could not be read (a table block that fails its
@@ -145,6 +145,8 @@ struct SpillDamage {
   struct Range {
     std::string column_family;
     std::string after, until;
+    // [after, until] with both ends included instead (a whole table file's key range).
+    bool inclusive = false;
   };
   // The write-ahead log: RocksDB's point-in-time recovery dropped every write from the
   // first damaged record on. `wal_dropped` are the metadata records of the dropped writes
@@ -161,7 +163,7 @@ struct SpillDamage {
   // Metadata records that were read but fail their own checksum (never listed).
   std::vector<SegmentId> damaged_meta;
   // Set when a table file could not be opened at all and the tier opened without
-  // RocksDB's paranoid checks (README.md "Damage"): what happened, naming the file.
+  // RocksDB's paranoid checks (README.md "Damage at open"): what happened, naming the file.
   std::string table_report;
 
   bool any() const {
@@ -176,7 +178,7 @@ struct SpillDamage {
   bool AnyMetaUnreadable() const;
 };
 
-// How the open treats damage (README.md "Damage"): kServeRest opens with what can be read
+// How the open treats damage (README.md "Damage at open"): kServeRest opens with what can be read
 // and reports the rest (SpillDamage); kRefuse fails the open (DataLoss) before anything
 // is changed on disk when the WAL is damaged, and when a table range cannot be read.
 enum class DamagePolicy : uint8_t { kServeRest = 0, kRefuse = 1 };
