@@ -482,6 +482,9 @@ int kvshade_get_session(kvshade_client* c, const char* session_id, kvshade_sessi
     out->reused_tokens = r->reused_tokens();
     out->gpu_bytes = r->gpu_bytes();
     out->host_bytes = r->host_bytes();
+    out->damaged = r->damaged() ? 1 : 0;
+    CopyId(r->damage(), out->damage, sizeof(out->damage));
+    out->tokens_lost = r->tokens_lost();
     return Report(absl::OkStatus());
   });
 }

@@ -536,6 +536,7 @@ absl::StatusOr<uint64_t> EngineImpl::CommitAppend(const Tenant& t, Session& s,
   if (s.state == SessionState::kClosed) {
     return absl::NotFoundError(absl::StrCat("session '", s.id, "' not found (closed)"));
   }
+  KVSHADE_RETURN_IF_ERROR(CheckNotDamaged(s, "AppendTokens"));
   if (s.state != SessionState::kReady) {
     return absl::FailedPreconditionError(absl::StrCat(
         "session '", s.id, "' is ", SessionStateName(s.state), "; commit its ingest first"));

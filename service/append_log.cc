@@ -166,6 +166,13 @@ absl::Status EngineImpl::ReplayAppendLog() {
   for (auto& [key, recs] : by_session) {
     std::vector<storage::Id128> drop;
     auto found = sessions_.FindSession(key.first, key.second);
+    if (!found.ok() && spill_->Damage().AnyMetaUnreadable()) {
+      // Its session record may be the one in an unreadable range: kept for inspection.
+      spdlog::error("restart: {} logged appends of session {} (tenant '{}') are kept but not "
+                    "applied: the session was not restored, and its record may lie in a damaged "
+                    "table block", recs.size(), key.second, key.first);
+      continue;
+    }
     if (!found.ok()) {
       for (const AppendRecord& r : recs) drop.push_back(r.meta.id);
       spdlog::warn("restart: {} logged appends of session {} (tenant '{}') dropped: the session "
@@ -177,11 +184,20 @@ absl::Status EngineImpl::ReplayAppendLog() {
     Session& s = **found;
     std::sort(recs.begin(), recs.end(),
               [](const AppendRecord& a, const AppendRecord& b) { return a.seq < b.seq; });
+    if (s.damaged.load()) {
+      // Not applied to a damaged session (its records could not all be read); kept with
+      // it, for inspection, until it is closed.
+      std::unique_lock lock(s.mu);
+      for (const AppendRecord& r : recs) s.append_records.push_back(r.meta.id);
+      continue;
+    }
     std::unique_lock lock(s.mu);
     const ModelInfo& m = s.model;
     const size_t tok = size_t(m.shape.h) * m.shape.d;
     bool failed = false;
     size_t folded = 0;
+    uint64_t unapplied_tokens = 0;  // acknowledged appends not applied (a damaged record)
+    std::string failure;
     for (const AppendRecord& r : recs) {
       if (r.base_version != s.durable_record_version) {
         drop.push_back(r.meta.id);  // folded into the session record already
@@ -189,7 +205,9 @@ absl::Status EngineImpl::ReplayAppendLog() {
         continue;
       }
       if (failed) {
-        drop.push_back(r.meta.id);
+        // Kept, not applied: the session is damaged from the failed append on.
+        s.append_records.push_back(r.meta.id);
+        unapplied_tokens += r.tokens.size();
         continue;
       }
       const size_t n = r.tokens.size();
@@ -220,10 +238,13 @@ absl::Status EngineImpl::ReplayAppendLog() {
       if (st.ok()) st = ApplyAppend(s, r.tokens, ks, vs);
       if (!st.ok()) {
         spdlog::error("restart: session {} (tenant '{}'): logged append {} could not be applied "
-                      "({}); the session is restored up to the append before it",
+                      "({}); the session is restored up to the append before it, and damaged",
                       s.id, s.tenant, r.seq, std::string(st.message()));
         failed = true;
-        drop.push_back(r.meta.id);
+        failure = absl::StrCat("its logged append ", r.seq, " could not be applied (", st.message(),
+                               ")");
+        s.append_records.push_back(r.meta.id);
+        unapplied_tokens += r.tokens.size();
         continue;
       }
       ++applied;
@@ -231,6 +252,11 @@ absl::Status EngineImpl::ReplayAppendLog() {
       s.append_seq = r.seq + 1;
     }
     lock.unlock();
+    if (failed) {
+      MarkDamaged(s, "record", absl::StrCat(failure, "; it and the appends after it are not applied"),
+                  unapplied_tokens, /*persist=*/false);
+      ++damaged_at_start_;
+    }
     if (folded > 0) {
       spdlog::info("restart: session {}: {} logged appends of an earlier session record (version "
                    "!= {}) dropped as folded in", s.id, folded, s.durable_record_version);

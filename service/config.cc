@@ -391,6 +391,8 @@ const ConfigSchema& TheSchema() {
         {"spill_budget", {Bytes(&C::spill_budget_bytes), {}}},
         {"spill_path", {Scalar(&C::spill_path), {}}},
         {"append_fsync", {Scalar(&C::append_fsync), {}}},
+        {"spill_on_damage", {Scalar(&C::spill_on_damage), {}}},
+        {"spill_repair", {Scalar(&C::spill_repair), {}}},
         {"prefix_secret", {Scalar(&C::prefix_secret), {}}},
         {"metrics_port", {Scalar(&Loading::pending_metrics_port), {}}},
         {"metrics_listen", {Scalar(&C::metrics_listen), {}}},
@@ -648,6 +650,10 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (c.append_fsync != "no" && c.append_fsync != "everysec" && c.append_fsync != "always") {
     return bad("append_fsync must be no, everysec or always, got '", c.append_fsync, "'");
   }
+  if (c.spill_on_damage != "serve_rest" && c.spill_on_damage != "refuse") {
+    return bad("spill_on_damage must be serve_rest or refuse, got '", c.spill_on_damage, "'");
+  }
+  if (c.spill_repair && c.spill_path.empty()) return bad("spill_repair is set but spill_path is empty");
   // TLS
   const TlsConfig& t = c.tls;
   if (t.cert_file.empty() != t.key_file.empty()) {

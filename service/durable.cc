@@ -286,6 +286,12 @@ absl::Status EngineImpl::DeleteDurableRecord(const Session& s) {
     if (!st.ok()) st = spill_->DeleteSegment(s.record_id);  // not (or no longer) in the store
     KVSHADE_RETURN_IF_ERROR(st);
   }
+  std::optional<storage::Id128> marker;
+  {
+    std::lock_guard<std::mutex> lock(s.damage_mu);
+    marker = s.damage_record;
+  }
+  if (marker) spill_->DeleteSegment(*marker).IgnoreError();  // a leftover goes at a start
   if (!s.append_records.empty()) {
     if (absl::Status st = spill_->DeleteSegments(s.append_records); !st.ok()) {
       // Harmless: appends of no session record, deleted at the next start.
@@ -432,6 +438,13 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
     }
     return st;
   };
+  // What the spill tier's open found unreadable (table ranges, damaged metadata records):
+  // the sessions with records there are restored damaged, and while a metadata range is
+  // unreadable nothing is deleted as an orphan (its session record may be the unreadable
+  // one).
+  const storage::SpillDamage damage = spill_ ? spill_->Damage() : storage::SpillDamage();
+  // Why a segment record was not built (sessions that need it are damaged).
+  absl::flat_hash_map<storage::Id128, std::string> seg_problem;
   std::vector<SegRecord> segs;
   std::vector<const storage::SegmentMeta*> sessions;
   for (const auto& m : metas) {
@@ -536,15 +549,22 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
       }
     }
     if (mit == model_of.end()) {
-      DeleteSegmentRecord(r.meta.id);  // an orphan of a crash between writes
+      // An orphan of a crash between writes, unless its session record may be unreadable.
+      if (!damage.AnyMetaUnreadable()) DeleteSegmentRecord(r.meta.id);
       continue;
     }
     const ModelInfo& m = *mit->second;
     const int h = m.shape.h, d = m.shape.d, D = m.shape.D();
-    if (r.L != m.layers) continue;
+    if (r.L != m.layers) {
+      seg_problem[r.meta.id] = absl::StrCat("its segment ", r.meta.id.ToHex(), " has ", r.L,
+                                            " layers, the model ", m.layers);
+      continue;
+    }
     if (const char* problem = SegmentRecordProblem(r, m)) {
       spdlog::error("restore: segment record {} skipped: {}", r.meta.id.ToHex(), problem);
-      continue;  // the sessions using it are skipped below
+      seg_problem[r.meta.id] = absl::StrCat("its segment ", r.meta.id.ToHex(),
+                                            "'s record is inconsistent (", problem, ")");
+      continue;  // the sessions using it are damaged below
     }
     auto seg = std::make_shared<Segment>();
     seg->id = r.meta.id;
@@ -561,7 +581,12 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
     if (r.has_key) seg->prefix_key = r.key;
     if (r.has_base) {
       auto b = built.find(r.base);
-      if (b == built.end()) continue;
+      if (b == built.end()) {
+        seg_problem[r.meta.id] = absl::StrCat("the base segment ", r.base.ToHex(), " of its segment ",
+                                              r.meta.id.ToHex(), " could not be restored");
+        seg->values_in_store = false;
+        continue;
+      }
       seg->base = b->second;
       seg->values_in_store = false;
     }
@@ -640,10 +665,12 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
       }
     }
     if (!st.ok()) {
-      // An I/O error refuses the restore below: the half-built segment must not erase its
-      // stored values as it goes.
-      if (!read_error.ok()) seg->values_in_store = false;
-      continue;  // the sessions using it are skipped below
+      // The half-built segment must not erase its stored values as it goes: an I/O error
+      // refuses the restore below, a damaged record is kept for inspection.
+      seg->values_in_store = false;
+      seg_problem[r.meta.id] = absl::StrCat("its segment ", r.meta.id.ToHex(),
+                                            " could not be read (", st.message(), ")");
+      continue;  // the sessions using it are damaged below
     }
     built[seg->id] = seg;
     built_for[seg->id] = &m;
@@ -657,27 +684,54 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
   if (!read_error.ok()) return refuse();
 
   // Sessions: chains, tails, prefix registrations.
+  // A session whose records cannot all be read or checked: restored as an empty shell,
+  // damaged (damage.cc), its readable segments kept with it (and so on disk) until it is
+  // closed; never served, never dropped silently.
+  auto quarantine = [&](SesRecord& rec, const std::string& why) {
+    Session& s = *rec.s;
+    s.quarantined.clear();
+    for (const auto& id : rec.chain) {
+      if (auto it = built.find(id); it != built.end()) s.quarantined.push_back(it->second);
+    }
+    s.chain.clear();
+    s.tail.clear();
+    s.cache.clear();
+    if (!sessions_.AddSession(rec.s).ok()) return;
+    MarkDamaged(s, "record", why, 0, /*persist=*/false);
+    ++damaged_at_start_;
+  };
   for (auto& [sid, rec] : recs) {
     Session& s = *rec.s;
-    bool complete = true;
+    std::string problem;
     for (const auto& id : rec.chain) {
       auto it = built.find(id);
       if (it == built.end()) {
-        complete = false;
+        auto p = seg_problem.find(id);
+        problem = p != seg_problem.end() ? p->second
+                  : damage.MetaUnreadable(id)
+                      ? absl::StrCat("the record of its segment ", id.ToHex(),
+                                     " lies in a damaged table block of the spill tier")
+                      : absl::StrCat("its segment ", id.ToHex(), " is missing from the spill tier");
+        break;
+      }
+      if (damage.PiecesUnreadable(id)) {
+        problem = absl::StrCat("records of its segment ", id.ToHex(),
+                               " lie in a damaged table block of the spill tier");
         break;
       }
       // Records sharing a segment must agree on its shape: a chain built for another
       // model's layers or heads is not this session's (the records are inconsistent).
       const ModelInfo& bm = *built_for.at(id);
       if (bm.layers != s.model.layers || bm.shape.h != s.model.shape.h || bm.shape.d != s.model.shape.d) {
-        spdlog::error("restore: session {} skipped: segment {} was written for another model shape", sid,
-                      id.ToHex());
-        complete = false;
+        problem = absl::StrCat("its segment ", id.ToHex(), " was written for another model shape");
         break;
       }
       s.chain.push_back(it->second);
     }
-    if (!complete) continue;
+    if (!problem.empty()) {
+      quarantine(rec, problem);
+      continue;
+    }
     const int L = s.model.layers;
     const size_t tok = size_t(s.model.shape.h) * s.model.shape.d;
     s.tail.resize(L);
@@ -692,9 +746,14 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
     bool ok = true;
     for (int l = 0; l < L && rec.tail > 0 && meta != nullptr; ++l) {
       const storage::SegmentMeta::Factor* f = meta->FindFactor(l, FactorKind::kOther);
-      if (f == nullptr) { ok = false; break; }
+      if (f == nullptr) {
+        problem = absl::StrCat("its session record has no exact tail for layer ", l);
+        ok = false;
+        break;
+      }
       std::vector<std::byte> buf(f->bytes);
-      if (!read_factor(meta->id, l, FactorKind::kOther, absl::MakeSpan(buf)).ok()) {
+      if (absl::Status st = read_factor(meta->id, l, FactorKind::kOther, absl::MakeSpan(buf)); !st.ok()) {
+        problem = absl::StrCat("its exact tail (layer ", l, ") could not be read (", st.message(), ")");
         ok = false;
         break;
       }
@@ -704,6 +763,7 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
         // The tail's rows and the record's tail length disagree: an inconsistent record.
         spdlog::error("restore: session {} skipped: layer {} tail holds {} bytes, not the {} or {} "
                       "its {} tokens need", sid, l, buf.size(), Bf16Bytes(2 * n), Bf16Bytes(3 * n), rec.tail);
+        problem = absl::StrCat("its exact tail (layer ", l, ") does not match its length");
         ok = false;
         break;
       }
@@ -717,7 +777,10 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
       tl.v.assign(p + n, p + 2 * n);
     }
     if (!read_error.ok()) return refuse();
-    if (!ok) continue;
+    if (!ok) {
+      quarantine(rec, problem);
+      continue;
+    }
     if (s.profile.kind == v1::PROFILE_KIND_SHADOW) {
       // As at the commit: a record written then holds the prompt's whole remainder, which
       // may exceed local_window + C (a short suffix); its oldest chunks leave the tail

@@ -299,6 +299,7 @@ absl::Status EngineImpl::Init() {
     const auto restore_start = std::chrono::steady_clock::now();
     KVSHADE_RETURN_IF_ERROR(RestoreDurable());
     KVSHADE_RETURN_IF_ERROR(ReplayAppendLog());
+    KVSHADE_RETURN_IF_ERROR(ApplyStartDamage());
     size_t restored_segments = 0;
     {
       base::MutexLock lock(&seg_mu_);
@@ -712,6 +713,7 @@ absl::StatusOr<v1::ForkSessionResponse> EngineImpl::ForkSession(const Tenant& t,
   KVSHADE_RETURN_IF_ERROR(CheckNotDraining("ForkSession"));
   KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> parent,
                            sessions_.FindSession(t.name, r.parent_session_id()));
+  KVSHADE_RETURN_IF_ERROR(CheckNotDamaged(*parent, "ForkSession"));
   auto child = std::make_shared<Session>();
   {
     std::unique_lock lock(parent->mu);
@@ -815,6 +817,13 @@ absl::StatusOr<v1::SessionInfo> EngineImpl::GetSession(const Tenant& t,
   info.set_durable(s->durable);
   info.set_append_fsync(s->append_fsync);
   info.set_state(std::string(SessionStateName(s->state)));
+  if (s->damaged.load()) {
+    std::lock_guard<std::mutex> damage_lock(s->damage_mu);
+    info.set_state("damaged");
+    info.set_damaged(true);
+    info.set_damage(s->damage);
+    info.set_tokens_lost(s->tokens_lost);
+  }
   // Its own segments: those past the prefix it reused from the cache (its own ingest's are
   // registered as prefixes too, and still its own).
   uint64_t gpu = 0, host = 0, pos = 0;
@@ -877,9 +886,11 @@ absl::StatusOr<v1::CloseSessionResponse> EngineImpl::CloseSession(
   std::vector<std::shared_ptr<const Segment>> chain;
   std::shared_ptr<Segment> open;
   std::vector<storage::SegmentRef> refs;
+  std::vector<std::shared_ptr<const Segment>> quarantined;
   {
     std::unique_lock lock(s->mu);
     s->state = SessionState::kClosed;
+    quarantined.swap(s->quarantined);
     chain.swap(s->chain);
     open.swap(s->open);
     refs.swap(s->prefix_refs);
@@ -889,6 +900,7 @@ absl::StatusOr<v1::CloseSessionResponse> EngineImpl::CloseSession(
   }
   refs.clear();
   chain.clear();
+  quarantined.clear();
   open.reset();
   UpdateGauges();
   log::Event(spdlog::level::info, "session_closed").Str("session", s->id).Str("tenant", t.name);
@@ -963,6 +975,7 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
             : "cuda_ipc is only for delivery DELIVERY_MODE_CUDA_IPC");
   }
   KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, sessions_.FindSession(t.name, r.session_id()));
+  KVSHADE_RETURN_IF_ERROR(CheckNotDamaged(*s, "Attach"));
   const SlotLayout layout = SlotLayout::Of(s->model, s->profile);
   const uint32_t slots = layout.slots_per_head;
   const uint64_t slot_bytes = layout.BufferBytes();
@@ -1007,6 +1020,7 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
     store_->Prefetch(std::move(ids), [paged](absl::Status st) { *paged = std::move(st); });
     if (!paged->ok()) {
       (void)sessions_.Detach(t.name, a->id);
+      NoteReadFailure(*s, *paged).IgnoreError();
       log::Event(spdlog::level::warn, "attach_page_in_failed")
           .Str("session", s->id)
           .Str("tenant", t.name)
@@ -1040,6 +1054,7 @@ absl::StatusOr<v1::DetachResponse> EngineImpl::Detach(const Tenant& t, const v1:
 absl::StatusOr<storage::SegmentPin> EngineImpl::PinValues(const Session& s, const Segment& owner) {
   absl::StatusOr<storage::SegmentPin> pin = store_->Pin(owner.id);
   if (!pin.ok()) {
+    NoteReadFailure(const_cast<Session&>(s), pin.status()).IgnoreError();
     return absl::Status(pin.status().code(),
                         absl::StrCat("values of a segment of session '", s.id,
                                      "' are unavailable: ", pin.status().message()));
@@ -1338,7 +1353,8 @@ absl::Status EngineImpl::Drain() {
   for (const auto& s : sessions_.AllSessions()) {
     if (!s->durable) continue;
     std::unique_lock lock(s->mu);
-    if (s->state != SessionState::kReady) continue;
+    // A damaged session's record stays as it was (its damage marker says what it lost).
+    if (s->state != SessionState::kReady || s->damaged.load()) continue;
     absl::Status st = SealOpen(*s);
     if (st.ok()) st = PersistSession(*s);
     if (!st.ok() && first.ok()) first = st;

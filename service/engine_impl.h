@@ -145,6 +145,24 @@ class EngineImpl {
   void DropAppendRecords(const Session& s, std::vector<storage::Id128>* records);
   // At start, after RestoreDurable: applies each restored session's logged appends.
   absl::Status ReplayAppendLog();
+
+  // --- damage.cc: damaged sessions (service/README.md "Damage") ---
+  // DATA_LOSS for `call` on a damaged session, naming it and what it lost; OK otherwise.
+  static absl::Status CheckNotDamaged(const Session& s, std::string_view call);
+  // Marks `s` damaged (a later call adds to the description and the tokens): counted in
+  // kvshade_sessions_damaged_total{cause} (unless cause is empty: a damage reported by an
+  // earlier start), logged at error level with its id, and, with `persist`, written as a
+  // durable damage marker for a durable session so that every later start reports it too.
+  void MarkDamaged(Session& s, std::string_view cause, const std::string& what,
+                   uint64_t tokens_lost, bool persist);
+  // A read of a segment of `s` failed: DATA_LOSS (bytes that fail their checksum) marks
+  // the session damaged. Returns `st` unchanged.
+  absl::Status NoteReadFailure(Session& s, const absl::Status& st);
+  // At start, after ReplayAppendLog: the markers of earlier starts, and what the spill
+  // tier's open found (a damaged WAL: the sessions whose appends it dropped). Under
+  // spill_on_damage refuse, fails the start when any session was found damaged.
+  absl::Status ApplyStartDamage();
+  uint64_t damaged_at_start_ = 0;  // sessions marked damaged by this start's restore
   void WalSyncLoop();
   void StopWalSync();
 

@@ -136,6 +136,7 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
   const int h = m.shape.h, d = m.shape.d, C = s.profile.chunk_size;
   {
     std::shared_lock lock(s.mu);
+    KVSHADE_RETURN_IF_ERROR(CheckNotDamaged(s, "ExportSession"));
     if (s.state != SessionState::kReady) {
       return absl::FailedPreconditionError(absl::StrCat(
           "session '", s.id, "' is ", SessionStateName(s.state), "; commit its ingest first"));

@@ -23,7 +23,8 @@ using kvshade::service::ServerConfig;
 struct Flags {
   std::string config_file;
   std::string listen, backend, device_budget, device_growth, host_budget, spill_budget, spill_path;
-  std::string append_fsync;
+  std::string append_fsync, spill_on_damage;
+  bool spill_repair = false;
   int metrics_port = -1;
   std::string metrics_listen;
   std::string tls_cert, tls_key, tls_client_ca;
@@ -75,6 +76,13 @@ int main(int argc, char** argv) {
                  "everysec (written at once, synced once a second), always (synced before the "
                  "acknowledgement)")
       ->check(CLI::IsMember({"no", "everysec", "always"}));
+  app.add_option("--spill-on-damage", f.spill_on_damage,
+                 "Damaged spill data at start: serve_rest (start without it; the sessions that "
+                 "lost data are reported damaged) or refuse (fail the start)")
+      ->check(CLI::IsMember({"serve_rest", "refuse"}));
+  app.add_flag("--spill-repair", f.spill_repair,
+               "Run RocksDB's RepairDB on the spill path before opening it (a damaged MANIFEST or "
+               "CURRENT): what cannot be read is dropped");
   app.add_option("--metrics-port", f.metrics_port, "Prometheus /metrics port (0 = off)")
       ->check(CLI::Range(0, 65535));
   app.add_option("--metrics-listen", f.metrics_listen, "Address /metrics binds to");
@@ -163,6 +171,8 @@ int main(int argc, char** argv) {
   }
   if (!f.spill_path.empty()) config.spill_path = f.spill_path;
   if (!f.append_fsync.empty()) config.append_fsync = f.append_fsync;
+  if (!f.spill_on_damage.empty()) config.spill_on_damage = f.spill_on_damage;
+  if (f.spill_repair) config.spill_repair = true;
   if (f.metrics_port >= 0) config.metrics_port = static_cast<uint16_t>(f.metrics_port);
   if (!f.metrics_listen.empty()) config.metrics_listen = f.metrics_listen;
   if (!f.tls_cert.empty()) config.tls.cert_file = f.tls_cert;

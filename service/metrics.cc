@@ -244,6 +244,14 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                                  "limits.session_idle_ttl_s (durable ones included)")
                            .Register(r)
                            .Add({});
+  sessions_damaged_ = &BuildCounter()
+                          .Name("kvshade_sessions_damaged_total")
+                          .Help("Sessions marked damaged (service/README.md \"Damage\"), by cause: "
+                                "wal (acknowledged appends dropped with a damaged write-ahead "
+                                "log), record (a record failed its checksum or could not be read "
+                                "at start), read (values failed their checksum where they were "
+                                "read)")
+                          .Register(r);
   factorize_fallbacks_ = &BuildCounter()
                              .Name("kvshade_factorize_fallbacks_total")
                              .Help("Shadow layers whose factorization fell back from subspace "
@@ -359,6 +367,9 @@ void Metrics::PageIn(uint64_t bytes) {
 void Metrics::Eviction() { evictions_->Increment(); }
 void Metrics::IngestedTokens(uint64_t n) { ingested_tokens_->Increment(static_cast<double>(n)); }
 void Metrics::SessionsExpired(uint64_t n) { sessions_expired_->Increment(static_cast<double>(n)); }
+void Metrics::SessionDamaged(std::string_view cause) {
+  sessions_damaged_->Add({{"cause", std::string(cause)}}).Increment();
+}
 void Metrics::FactorizeFallback() { factorize_fallbacks_->Increment(); }
 void Metrics::UcxReceivePoolMisses(uint64_t n) { ucx_pool_misses_->Increment(static_cast<double>(n)); }
 void Metrics::Error(int grpc_code) {

@@ -138,6 +138,7 @@ class BatchLocks {
       if (s->state == SessionState::kClosed) {
         return absl::NotFoundError(absl::StrCat("session '", s->id, "' not found (closed)"));
       }
+      KVSHADE_RETURN_IF_ERROR(EngineImpl::CheckNotDamaged(*s, "select/attend"));
       if (s->state != SessionState::kReady) {
         return absl::FailedPreconditionError(absl::StrCat(
             "session '", s->id, "' is ", SessionStateName(s->state), "; commit its ingest first"));
@@ -689,6 +690,7 @@ absl::StatusOr<v1::GetStaticSetResponse> EngineImpl::GetStaticSet(const Tenant& 
   }
   const int layer = static_cast<int>(r.layer());
   std::shared_lock lock(s.mu);
+  KVSHADE_RETURN_IF_ERROR(CheckNotDamaged(s, "GetStaticSet"));
   if (s.state != SessionState::kReady) {
     return absl::FailedPreconditionError(absl::StrCat(
         "session '", s.id, "' is ", SessionStateName(s.state), "; commit its ingest first"));

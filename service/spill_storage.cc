@@ -46,6 +46,9 @@ absl::StatusOr<std::unique_ptr<SpillStorage>> SpillStorage::Open(const ServerCon
   }
   storage::RocksSpillOptions o;
   o.path = config.spill_path;
+  o.on_damage = config.spill_on_damage == "refuse" ? storage::DamagePolicy::kRefuse
+                                                   : storage::DamagePolicy::kServeRest;
+  o.repair = config.spill_repair;
   KVSHADE_ASSIGN_OR_RETURN(s->rocks_, storage::RocksSpillTier::Open(o));
   if (faults != nullptr && *faults != '\0') {
     // Off until ArmFaults: the restore reads what is stored.

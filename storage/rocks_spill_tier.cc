@@ -45,6 +45,7 @@
 #include "kvshade/storage/fault_injection.h"
 #include "kvshade/storage/spill_tier.h"
 #include "record_format.h"
+#include "wal_scan.h"
 #include "kvshade/base/sync.h"
 #include "rocksdb/cache.h"
 #include "rocksdb/convenience.h"
@@ -54,6 +55,7 @@
 #include "rocksdb/listener.h"
 #include "rocksdb/options.h"
 #include "rocksdb/slice.h"
+#include "rocksdb/sst_file_reader.h"
 #include "rocksdb/table.h"
 #include "rocksdb/write_batch.h"
 
@@ -372,6 +374,12 @@ class Reporter {
         }
         open_wal_bytes_dropped_ += bytes;
         open_reports_.push_back(line);
+        // "<dir>/000012.log: dropping ...": the file the recovery stopped in.
+        if (at >= 4 && line.compare(at - 4, 4, ".log") == 0) {
+          size_t b = at - 4;
+          while (b > 0 && line[b - 1] >= '0' && line[b - 1] <= '9') --b;
+          if (b < at - 4) open_damaged_wals_.push_back(std::stoull(line.substr(b, at - 4 - b)));
+        }
         return;
       }
       if (line.find("Point in time recovered to") != std::string::npos) {
@@ -414,6 +422,12 @@ class Reporter {
                       "as unflushed_durable_writes) are lost"));
   }
 
+  // WAL files (numbers) the open's recovery reported damaged, in report order.
+  std::vector<uint64_t> DamagedWals() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return open_damaged_wals_;
+  }
+
   std::atomic<bool> opening{true};
   std::atomic<bool> bg_error_active{false};
   std::atomic<bool> resume_unsafe{false};  // never DB::Resume() (Impl::MaybeResume)
@@ -454,6 +468,7 @@ class Reporter {
   bool rocks_stopped_ = false, low_space_ = false;
   uint64_t open_wal_damage_ = 0, open_wal_bytes_dropped_ = 0;
   std::vector<std::string> open_reports_;
+  std::vector<uint64_t> open_damaged_wals_;
 };
 
 // RocksDB's info log, into the Reporter (never a file on the spill disk).
@@ -546,6 +561,47 @@ const SegmentMeta::Factor* SegmentMeta::FindFactor(int layer, FactorKind kind) c
   return nullptr;
 }
 
+namespace {
+
+// Whether some key with `prefix` (all its continuations included when `longer`) lies in
+// the open interval (r.after, r.until).
+bool InRange(const SpillDamage::Range& r, const std::string& key, const std::string& upper) {
+  if (r.inclusive) return upper > r.after && key <= r.until;
+  return (r.after.empty() || upper > r.after) && (r.until.empty() || key < r.until);
+}
+
+}  // namespace
+
+bool SpillDamage::MetaUnreadable(const SegmentId& id) const {
+  if (std::find(damaged_meta.begin(), damaged_meta.end(), id) != damaged_meta.end()) return true;
+  const std::string key = internal::MetaKey(id);
+  for (const Range& r : unreadable) {
+    if (r.column_family != "metadata") continue;
+    if (r.inclusive ? key >= r.after && key <= r.until
+                    : (r.after.empty() || key > r.after) && (r.until.empty() || key < r.until)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+bool SpillDamage::PiecesUnreadable(const SegmentId& id) const {
+  const std::string prefix = internal::SegmentPrefix(id), upper = internal::SegmentUpperBound(id);
+  for (const Range& r : unreadable) {
+    if (r.column_family == "metadata" || r.column_family == "default") continue;
+    if (InRange(r, prefix, upper)) return true;
+  }
+  return false;
+}
+
+bool SpillDamage::AnyMetaUnreadable() const {
+  if (!damaged_meta.empty()) return true;
+  for (const Range& r : unreadable) {
+    if (r.column_family == "metadata") return true;
+  }
+  return false;
+}
+
 struct RocksSpillTier::Impl {
   RocksSpillOptions options;
   std::shared_ptr<Reporter> reporter;
@@ -563,6 +619,9 @@ struct RocksSpillTier::Impl {
   std::atomic<uint64_t> segments_written{0}, bytes_written{0}, bytes_read{0},
       segments_deleted{0}, checksum_failures{0};
   uint64_t dropped_on_open = 0;
+  // What the open found damaged, and unreadable ranges met by later listings.
+  mutable std::mutex damage_mu;
+  SpillDamage damage;
 
   ~Impl() {
     default_cf.reset();
@@ -574,6 +633,16 @@ struct RocksSpillTier::Impl {
 
   absl::Status CheckFormat();
   absl::Status DropCacheSegments();
+  // Iterates `cf` from its first key: `step` handles the iterator's current entry and
+  // moves it (Next or Seek). A range that cannot be read (a damaged table block: RocksDB's
+  // Corruption) does not end the scan: it is found by seeking (the first 16-byte key from
+  // which a seek reads again, by bisection), recorded once in `damage` and reported, and
+  // the scan resumes after it. Other read errors (I/O) are returned.
+  absl::Status ScanTolerant(rocksdb::ColumnFamilyHandle* cf, std::string_view cf_name,
+                            const std::function<absl::Status(rocksdb::Iterator*)>& step);
+  void AddUnreadable(SpillDamage::Range r, const rocksdb::Status& why);
+  // DamagePolicy::kRefuse: DataLoss describing the damage found so far, OK when none.
+  absl::Status RefuseIfDamaged() const;
   absl::StatusOr<SegmentMeta> ReadMetaLocked(const SegmentId& id);
   absl::Status AddBlobPieces(rocksdb::WriteBatch* batch, rocksdb::ColumnFamilyHandle* cf,
                              RecordType type, absl::Span<const std::byte> blob,
@@ -643,55 +712,165 @@ absl::Status RocksSpillTier::Impl::CheckFormat() {
   return absl::OkStatus();
 }
 
-absl::Status RocksSpillTier::Impl::DropCacheSegments() {
-  // Durable segments survive; everything else (cache segments, pieces of a staged write
-  // that never committed) goes.
-  absl::flat_hash_set<SegmentId> keep;
-  rocksdb::WriteBatch batch;
+void RocksSpillTier::Impl::AddUnreadable(SpillDamage::Range r, const rocksdb::Status& why) {
   {
-    std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions(), meta_cf.get()));
-    for (it->SeekToFirst(); it->Valid(); it->Next()) {
-      const std::string_view key(it->key().data(), it->key().size());
-      absl::StatusOr<std::string_view> payload =
-          internal::DecodeRecord(RecordType::kSegmentMeta, key, std::string_view(it->value().data(), it->value().size()));
-      absl::StatusOr<SegmentMeta> meta =
-          payload.ok() ? internal::DecodeMetaPayload(*payload) : payload.status();
-      SegmentId id;
-      if (!internal::SegmentIdOfKey(key, &id)) continue;
-      if (!meta.ok()) {
-        // Keep a damaged record (and its pieces) for inspection; it is never listed.
-        checksum_failures.fetch_add(1);
-        keep.insert(id);
-        continue;
-      }
-      if (meta->durability == Durability::kDurable) {
-        keep.insert(id);
-      } else {
-        KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(batch.Delete(meta_cf.get(), it->key()), "delete"));
-        ++dropped_on_open;
+    std::lock_guard<std::mutex> lock(damage_mu);
+    for (const SpillDamage::Range& o : damage.unreadable) {
+      if (o.column_family == r.column_family && o.after == r.after && o.until == r.until &&
+          o.inclusive == r.inclusive) {
+        return;
       }
     }
-    KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(it->status(), "scan metadata"));
+    damage.unreadable.push_back(r);
   }
-  for (rocksdb::ColumnFamilyHandle* cf : {factors_cf.get(), values_cf.get()}) {
-    std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions(), cf));
-    it->SeekToFirst();
+  checksum_failures.fetch_add(1);
+  auto hex = [](const std::string& k) {
+    SegmentId id;
+    return k.empty() ? std::string("(none)") : internal::SegmentIdOfKey(k, &id) ? id.ToHex() : k;
+  };
+  reporter->Emit(SpillEvent::Kind::kCorruptRecord, true, absl::StatusCode::kDataLoss,
+                 absl::StrCat("spill tier at ", options.path, ": a damaged table range of column "
+                              "family '", r.column_family, "' cannot be read (keys ",
+                              r.inclusive ? "from " : "after ", hex(r.after),
+                              r.inclusive ? " to " : " and before ", hex(r.until), ": ", why.ToString(),
+                              "); the segments with records there are not served, everything "
+                              "else is"));
+}
+
+absl::Status RocksSpillTier::Impl::RefuseIfDamaged() const {
+  std::lock_guard<std::mutex> lock(damage_mu);
+  if (damage.unreadable.empty() && damage.damaged_meta.empty()) return absl::OkStatus();
+  std::vector<std::string> what;
+  for (const SpillDamage::Range& r : damage.unreadable) {
+    SegmentId a, b;
+    what.push_back(absl::StrCat(
+        r.column_family, " keys after ",
+        r.after.empty() ? std::string("the start")
+                        : internal::SegmentIdOfKey(r.after, &a) ? a.ToHex() : std::string("?"),
+        " and before ",
+        r.until.empty() ? std::string("the end")
+                        : internal::SegmentIdOfKey(r.until, &b) ? b.ToHex() : std::string("?")));
+  }
+  for (const SegmentId& id : damage.damaged_meta) {
+    what.push_back(absl::StrCat("the metadata record of segment ", id.ToHex()));
+  }
+  return absl::DataLossError(absl::StrCat(
+      "spill tier at ", options.path, ": damaged table data cannot be read (", absl::StrJoin(what, "; "),
+      "); the start is refused (on_damage: refuse). Either restore the spill directory from a "
+      "backup, or start with on_damage serve_rest: the sessions with records there are then "
+      "reported damaged and every other session is served"));
+}
+
+absl::Status RocksSpillTier::Impl::ScanTolerant(
+    rocksdb::ColumnFamilyHandle* cf, std::string_view cf_name,
+    const std::function<absl::Status(rocksdb::Iterator*)>& step) {
+  using u128 = unsigned __int128;
+  auto key16 = [](u128 v) {
+    std::string k(16, '\0');
+    for (int i = 15; i >= 0; --i) {
+      k[size_t(i)] = char(uint8_t(v & 0xff));
+      v >>= 8;
+    }
+    return k;
+  };
+  auto value16 = [](std::string_view k) {
+    u128 v = 0;
+    for (size_t i = 0; i < 16; ++i) v = (v << 8) | (i < k.size() ? uint8_t(k[i]) : 0);
+    return v;
+  };
+  auto readable = [&](const std::string& target) {
+    std::unique_ptr<rocksdb::Iterator> probe(db->NewIterator(rocksdb::ReadOptions(), cf));
+    probe->Seek(target);
+    return probe->status();
+  };
+  std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(rocksdb::ReadOptions(), cf));
+  std::string last;  // the last key handled; "" before the first
+  it->SeekToFirst();
+  for (;;) {
     while (it->Valid()) {
+      last.assign(it->key().data(), it->key().size());
+      KVSHADE_RETURN_IF_ERROR(step(it.get()));
+    }
+    const rocksdb::Status s = it->status();
+    if (s.ok()) return absl::OkStatus();
+    if (!s.IsCorruption()) return KVSHADE_ROCKS(s, absl::StrCat("scan ", std::string(cf_name)));
+    // Unreadable from just after `last`: find the first 16-byte key a seek reads from.
+    const u128 max = ~u128(0);
+    u128 bad = last.empty() ? 0 : value16(last);
+    rocksdb::Status at_max = readable(key16(max));
+    if (!at_max.ok()) {
+      if (!at_max.IsCorruption()) return KVSHADE_ROCKS(at_max, absl::StrCat("scan ", std::string(cf_name)));
+      AddUnreadable({std::string(cf_name), last, ""}, s);
+      return absl::OkStatus();
+    }
+    u128 good = max;
+    while (good - bad > 1) {
+      const u128 mid = bad + (good - bad) / 2;
+      rocksdb::Status m = readable(key16(mid));
+      if (!m.ok() && !m.IsCorruption()) return KVSHADE_ROCKS(m, absl::StrCat("scan ", std::string(cf_name)));
+      (m.ok() ? good : bad) = mid;
+    }
+    const std::string until = key16(good);
+    AddUnreadable({std::string(cf_name), last, until}, s);
+    it.reset(db->NewIterator(rocksdb::ReadOptions(), cf));
+    it->Seek(until);
+  }
+}
+
+absl::Status RocksSpillTier::Impl::DropCacheSegments() {
+  // Durable segments survive; everything else (cache segments, pieces of a staged write
+  // that never committed) goes. A range that cannot be read is skipped (ScanTolerant) and
+  // nothing in it or named by it is deleted: a segment whose metadata may lie in an
+  // unreadable range keeps its pieces, for inspection.
+  absl::flat_hash_set<SegmentId> keep;
+  rocksdb::WriteBatch batch;
+  KVSHADE_RETURN_IF_ERROR(ScanTolerant(meta_cf.get(), "metadata", [&](rocksdb::Iterator* it) {
+    const std::string_view key(it->key().data(), it->key().size());
+    absl::StatusOr<std::string_view> payload = internal::DecodeRecord(
+        RecordType::kSegmentMeta, key, std::string_view(it->value().data(), it->value().size()));
+    absl::StatusOr<SegmentMeta> meta =
+        payload.ok() ? internal::DecodeMetaPayload(*payload) : payload.status();
+    SegmentId id;
+    const bool named = internal::SegmentIdOfKey(key, &id);
+    if (!named) {
+      it->Next();
+      return absl::OkStatus();
+    }
+    if (!meta.ok()) {
+      // Keep a damaged record (and its pieces) for inspection; it is never listed.
+      checksum_failures.fetch_add(1);
+      keep.insert(id);
+    } else if (meta->durability == Durability::kDurable) {
+      keep.insert(id);
+    } else {
+      KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(batch.Delete(meta_cf.get(), it->key()), "delete"));
+      ++dropped_on_open;
+    }
+    it->Next();
+    return absl::OkStatus();
+  }));
+  SpillDamage seen;
+  {
+    std::lock_guard<std::mutex> lock(damage_mu);
+    seen = damage;
+  }
+  for (auto [cf, name] : {std::pair{factors_cf.get(), "factors"}, std::pair{values_cf.get(), "values"}}) {
+    KVSHADE_RETURN_IF_ERROR(ScanTolerant(cf, name, [&](rocksdb::Iterator* it) {
       SegmentId id;
       const std::string_view key(it->key().data(), it->key().size());
       if (!internal::SegmentIdOfKey(key, &id)) {
         KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(batch.Delete(cf, it->key()), "delete"));
         it->Next();
-        continue;
+        return absl::OkStatus();
       }
       const std::string upper = internal::SegmentUpperBound(id);
-      if (!keep.contains(id)) {
+      if (!keep.contains(id) && !seen.MetaUnreadable(id)) {
         KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(
             batch.DeleteRange(cf, internal::SegmentPrefix(id), upper), "delete range"));
       }
       it->Seek(upper);  // jump to the next segment
-    }
-    KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(it->status(), "scan pieces"));
+      return absl::OkStatus();
+    }));
   }
   if (batch.Count() == 0) return absl::OkStatus();
   rocksdb::WriteOptions wo;
@@ -927,6 +1106,39 @@ absl::StatusOr<std::unique_ptr<RocksSpillTier>> RocksSpillTier::Open(
     std::error_code ec;
     std::filesystem::create_directories(options.path, ec);
   }
+  // The WAL, read before RocksDB's recovery replays it up to a damage and deletes it
+  // (wal_scan.h): what a damage drops can only be known now.
+  std::vector<internal::WalFileScan> wal_scan;
+  {
+    absl::StatusOr<std::vector<internal::WalFileScan>> scanned = internal::ScanWalFiles(options.path);
+    if (!scanned.ok()) {
+      return absl::Status(scanned.status().code(),
+                          absl::StrCat("spill tier at ", options.path, ": ", scanned.status().message()));
+    }
+    wal_scan = *std::move(scanned);
+  }
+  for (const internal::WalFileScan& f : wal_scan) {
+    if (!f.damaged) continue;
+    if (options.on_damage == DamagePolicy::kRefuse) {
+      return absl::DataLossError(absl::StrCat(
+          "spill tier at ", options.path, ": the write-ahead log ", f.path, " is damaged at byte ",
+          f.damage_offset, " of ", f.bytes, " (", f.damage_reason,
+          "); the start is refused (on_damage: refuse) and nothing was changed. Either restore "
+          "the spill directory from a backup, or start with on_damage serve_rest: the log is "
+          "then replayed up to the damage, every write after it is dropped, and the sessions "
+          "that lose acknowledged data are reported damaged (GetSession)"));
+    }
+    // Kept for inspection: RocksDB deletes the WAL once it has recovered from it.
+    std::error_code ec;
+    const std::filesystem::path dir = std::filesystem::path(options.path) / "quarantine";
+    std::filesystem::create_directories(dir, ec);
+    const std::filesystem::path copy =
+        dir / absl::StrCat(std::filesystem::path(f.path).filename().string(), ".damaged-",
+                           std::chrono::duration_cast<std::chrono::seconds>(
+                               std::chrono::system_clock::now().time_since_epoch()).count());
+    if (!ec) std::filesystem::copy_file(f.path, copy, ec);
+    if (!ec) impl->damage.kept_files.push_back(copy.string());
+  }
   rocksdb::DBOptions dbo;
   dbo.create_if_missing = true;
   dbo.create_missing_column_families = true;
@@ -990,6 +1202,11 @@ absl::StatusOr<std::unique_ptr<RocksSpillTier>> RocksSpillTier::Open(
     value_opts.blob_compression_type = value_opts.compression;
     value_opts.enable_blob_garbage_collection = true;
   }
+  // No compaction until the open's scans are done: one that meets a damaged block first
+  // stops RocksDB's writes and races the scans that find and record the damage.
+  for (rocksdb::ColumnFamilyOptions* c : {&default_opts, &meta_opts, &factor_opts, &value_opts}) {
+    c->disable_auto_compactions = true;
+  }
   std::vector<rocksdb::ColumnFamilyDescriptor> cfs = {
       {rocksdb::kDefaultColumnFamilyName, default_opts},
       {"metadata", meta_opts},
@@ -998,9 +1215,57 @@ absl::StatusOr<std::unique_ptr<RocksSpillTier>> RocksSpillTier::Open(
   };
   std::vector<rocksdb::ColumnFamilyHandle*> handles;
   rocksdb::DB* raw = nullptr;
+  if (options.repair) {
+    // RocksDB's RepairDB (an explicit request): rebuilds the MANIFEST from the table files
+    // it can read, drops what it cannot. Reported; the open below then reads the result.
+    impl->reporter->Emit(SpillEvent::Kind::kCorruptRecord, true, absl::StatusCode::kDataLoss,
+                         absl::StrCat("spill tier at ", options.path, ": repairing the database "
+                                      "(RocksDB RepairDB, asked for by the repair option); what "
+                                      "cannot be read is dropped"));
+    rocksdb::Status rs = rocksdb::RepairDB(options.path, dbo, cfs);
+    if (!rs.ok()) {
+      impl->reporter->OpenDone();
+      return absl::DataLossError(absl::StrCat("spill tier at ", options.path,
+                                              ": RocksDB's repair failed: ", rs.ToString()));
+    }
+  }
   rocksdb::Status s = rocksdb::DB::Open(dbo, options.path, cfs, &handles, &raw);
-  if (!s.ok()) impl->reporter->OpenDone();  // reports a damaged WAL that failed the open too
-  KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(s, absl::StrCat("open ", options.path)));
+  if (s.IsCorruption() && options.on_damage == DamagePolicy::kServeRest &&
+      s.ToString().find("MANIFEST") == std::string::npos &&
+      s.ToString().find("CURRENT") == std::string::npos) {
+    // A table file RocksDB cannot open (its footer, index or properties block damaged):
+    // with paranoid checks the whole open fails. Opened without them, the file's keys fail
+    // where they are read, and the scans below take only the segments there.
+    impl->damage.table_report = absl::StrCat(
+        "a table file could not be opened (", s.ToString(), "); the tier runs without RocksDB's "
+        "paranoid checks until the next start, and the segments with records in that file are "
+        "not served");
+    impl->reporter->Emit(SpillEvent::Kind::kCorruptRecord, true, absl::StatusCode::kDataLoss,
+                         absl::StrCat("spill tier at ", options.path, ": ", impl->damage.table_report));
+    dbo.paranoid_checks = false;
+    handles.clear();
+    s = rocksdb::DB::Open(dbo, options.path, cfs, &handles, &raw);
+  }
+  if (!s.ok()) {
+    impl->reporter->OpenDone();  // reports a damaged WAL that failed the open too
+    std::string what = "its files";
+    const std::string msg = s.ToString();
+    for (const char* name : {"MANIFEST", "CURRENT", "OPTIONS", ".sst", ".log"}) {
+      if (msg.find(name) != std::string::npos) {
+        what = absl::StrCat("a file named in the error (", name, ")");
+        break;
+      }
+    }
+    if (s.IsCorruption()) {
+      return absl::DataLossError(absl::StrCat(
+          "spill tier at ", options.path, ": RocksDB cannot open the database: ", msg, ". ",
+          what, " is damaged. Recovery: restore the spill directory from a backup; or start once "
+          "with the repair option (--spill-repair), which runs RocksDB's RepairDB: it rebuilds the "
+          "MANIFEST from the table files it can read and drops what it cannot (sessions whose "
+          "records are dropped are gone, the others are served)"));
+    }
+    return KVSHADE_ROCKS(s, absl::StrCat("open ", options.path));
+  }
   impl->db.reset(raw);
   CfDeleter del{raw};
   impl->default_cf = CfHandle(handles[0], del);
@@ -1011,7 +1276,71 @@ absl::StatusOr<std::unique_ptr<RocksSpillTier>> RocksSpillTier::Open(
   impl->reporter->OpenDone();
   logger->SetThreshold(rocksdb::InfoLogLevel::WARN_LEVEL);
 
+  // What the recovery dropped: RocksDB names the WAL file it stopped in; the scan knows
+  // what that file held after its damage, and what every later file held (point-in-time
+  // recovery replays none of it). A file RocksDB stopped in that the scan found intact
+  // ended in a torn write (a crash), which was never acknowledged.
+  if (impl->reporter->wal_damage_at_open.load() > 0) {
+    const std::vector<uint64_t> named = impl->reporter->DamagedWals();
+    uint64_t from = named.empty() ? 0 : named.front();
+    if (named.empty()) {
+      for (const internal::WalFileScan& f : wal_scan) {
+        if (f.damaged) {
+          from = f.number;
+          break;
+        }
+      }
+    }
+    SpillDamage& d = impl->damage;
+    std::vector<std::string> parts;
+    for (const internal::WalFileScan& f : wal_scan) {
+      if (f.number < from) continue;
+      if (f.number == from) {
+        if (!f.damaged) continue;
+        d.wal_damaged = true;
+        d.wal_dropped.insert(d.wal_dropped.end(), f.after_damage.begin(), f.after_damage.end());
+        d.wal_unidentified += f.unidentified_batches;
+        parts.push_back(absl::StrCat(f.path, " damaged at byte ", f.damage_offset, " of ", f.bytes,
+                                     " (", f.damage_reason, ")"));
+      } else if (!f.all.empty() || f.unreadable_batches > 0) {
+        d.wal_damaged = true;
+        d.wal_dropped.insert(d.wal_dropped.end(), f.all.begin(), f.all.end());
+        d.wal_unidentified += f.unreadable_batches;
+        parts.push_back(absl::StrCat(f.path, " (after the damage) dropped whole"));
+      }
+    }
+    if (d.wal_damaged) {
+      d.wal_report = absl::StrCat(absl::StrJoin(parts, "; "), ": ", d.wal_dropped.size(),
+                                  " readable record(s) and ", d.wal_unidentified,
+                                  " unreadable write(s) dropped");
+      if (!d.kept_files.empty()) {
+        absl::StrAppend(&d.wal_report, "; copies kept: ", absl::StrJoin(d.kept_files, ", "));
+      }
+    }
+  }
+
   KVSHADE_RETURN_IF_ERROR(impl->CheckFormat());
+  // The metadata column family's table files are small and hold what names every segment
+  // and session: each is verified whole (block checksums). A merged iterator does not
+  // always read a damaged block of a small level-0 file, and a record lost there unseen
+  // would be a session missing without a report. A damaged file's whole key range is
+  // unreadable.
+  {
+    std::vector<rocksdb::LiveFileMetaData> files;
+    impl->db->GetLiveFilesMetaData(&files);
+    for (const rocksdb::LiveFileMetaData& f : files) {
+      if (f.column_family_name != "metadata") continue;
+      rocksdb::Options so;
+      so.env = dbo.env;
+      rocksdb::SstFileReader reader(so);
+      const std::string file = f.db_path + f.name;
+      rocksdb::Status vs = reader.Open(file);
+      if (vs.ok()) vs = reader.VerifyChecksum();
+      if (vs.ok()) continue;
+      if (!vs.IsCorruption()) return KVSHADE_ROCKS(vs, absl::StrCat("verify ", file));
+      impl->AddUnreadable({"metadata", f.smallestkey, f.largestkey, /*inclusive=*/true}, vs);
+    }
+  }
   if (options.drop_cache_segments_on_open) {
     if (absl::Status st = impl->DropCacheSegments(); !st.ok()) {
       // I/O (e.g. a full disk): the leftovers are never listed as durable and go at a later
@@ -1022,6 +1351,13 @@ absl::StatusOr<std::unique_ptr<RocksSpillTier>> RocksSpillTier::Open(
                                         ": could not drop the previous process's cache segments "
                                         "(they go at a later open): ", st.message()));
     }
+  }
+  if (options.on_damage == DamagePolicy::kRefuse) {
+    // Table damage is found by reading (the scans above, ListSegments): refused as well.
+    KVSHADE_RETURN_IF_ERROR(impl->RefuseIfDamaged());
+  }
+  for (rocksdb::ColumnFamilyHandle* cf : impl->AllCfs()) {
+    impl->db->SetOptions(cf, {{"disable_auto_compactions", "false"}}).PermitUncheckedError();
   }
   return std::unique_ptr<RocksSpillTier>(new RocksSpillTier(std::move(impl)));
 }
@@ -1295,8 +1631,8 @@ absl::Status RocksSpillTier::SyncWal() {
 absl::StatusOr<std::vector<SegmentMeta>> RocksSpillTier::ListSegments() {
   Impl& im = *impl_;
   std::vector<SegmentMeta> out;
-  std::unique_ptr<rocksdb::Iterator> it(im.db->NewIterator(rocksdb::ReadOptions(), im.meta_cf.get()));
-  for (it->SeekToFirst(); it->Valid(); it->Next()) {
+  // A range that cannot be read is skipped and recorded (Damage()), not an error.
+  KVSHADE_RETURN_IF_ERROR(im.ScanTolerant(im.meta_cf.get(), "metadata", [&](rocksdb::Iterator* it) {
     const std::string_view key(it->key().data(), it->key().size());
     absl::StatusOr<std::string_view> payload = internal::DecodeRecord(
         RecordType::kSegmentMeta, key, std::string_view(it->value().data(), it->value().size()));
@@ -1311,12 +1647,24 @@ absl::StatusOr<std::vector<SegmentMeta>> RocksSpillTier::ListSegments() {
                                      named ? id.ToHex() : std::string("(unreadable key)"),
                                      " is damaged; the segment is not listed (and so not "
                                      "restored): ", meta.status().message()));
-      continue;
+      if (named) {
+        std::lock_guard<std::mutex> lock(im.damage_mu);
+        auto& d = im.damage.damaged_meta;
+        if (std::find(d.begin(), d.end(), id) == d.end()) d.push_back(id);
+      }
+      it->Next();
+      return absl::OkStatus();
     }
     out.push_back(std::move(meta).value());
-  }
-  KVSHADE_RETURN_IF_ERROR(KVSHADE_ROCKS(it->status(), "list segments"));
+    it->Next();
+    return absl::OkStatus();
+  }));
   return out;
+}
+
+SpillDamage RocksSpillTier::Damage() const {
+  std::lock_guard<std::mutex> lock(impl_->damage_mu);
+  return impl_->damage;
 }
 
 SpillStats RocksSpillTier::Stats() const {

@@ -181,12 +181,19 @@ typedef struct kvshade_session_created {
 typedef struct kvshade_session_info {
   char session_id[KVSHADE_ID_CAP];
   char model_id[KVSHADE_ID_CAP];
-  char state[32];            /* "ingesting", "ready", "closed" */
+  char state[32];            /* "ingesting", "ready", "damaged", "closed" */
   char label[260];
   int32_t profile;
   int32_t durable;
   uint32_t attachments, layers_ingested;
   uint64_t tokens, reused_tokens, gpu_bytes, host_bytes;
+  /* Damage (service/README.md "Damage"): 1 when the session lost acknowledged data or holds
+   * records that fail their checksums; it is then never served (its reads fail with
+   * DATA_LOSS) until it is closed. damage: what was lost (cut to 511 bytes); tokens_lost:
+   * acknowledged tokens lost, where known (0: none or unknown). */
+  int32_t damaged;
+  char damage[512];
+  uint64_t tokens_lost;
 } kvshade_session_info;
 
 KVSHADE_API int kvshade_create_session(kvshade_client* client, const kvshade_model* model,

@@ -57,7 +57,8 @@ class SessionInfo(ctypes.Structure):
                 ("state", ctypes.c_char * 32), ("label", ctypes.c_char * 260),
                 ("profile", _i32), ("durable", _i32), ("attachments", _u32),
                 ("layers_ingested", _u32), ("tokens", _u64), ("reused_tokens", _u64),
-                ("gpu_bytes", _u64), ("host_bytes", _u64)]
+                ("gpu_bytes", _u64), ("host_bytes", _u64), ("damaged", _i32),
+                ("damage", ctypes.c_char * 512), ("tokens_lost", _u64)]
 
 
 class LayerSelection(ctypes.Structure):

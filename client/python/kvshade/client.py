@@ -621,7 +621,9 @@ class Client(_NativeHandle):
                 "state": i.state.decode(), "label": i.label.decode(),
                 "profile": PROFILE_NAMES.get(i.profile, str(i.profile)), "durable": bool(i.durable),
                 "attachments": i.attachments, "layers_ingested": i.layers_ingested, "tokens": i.tokens,
-                "reused_tokens": i.reused_tokens, "gpu_bytes": i.gpu_bytes, "host_bytes": i.host_bytes}
+                "reused_tokens": i.reused_tokens, "gpu_bytes": i.gpu_bytes, "host_bytes": i.host_bytes,
+                "damaged": bool(i.damaged), "damage": i.damage.decode(errors="replace"),
+                "tokens_lost": i.tokens_lost}
 
     def session_selection(self, session_id: str) -> List[Dict[str, Any]]:
         """The recall guard's figures of a session, per layer with sampled decode steps

@@ -134,6 +134,13 @@ struct ServerConfig {
   // "no" (at the next commit or drain), "everysec" (written before the acknowledgement,
   // synced once a second), "always" (synced before the acknowledgement).
   std::string append_fsync = "no";
+  // Damage found at start (service/README.md "Damage"): "serve_rest" starts without the
+  // damaged data and reports the sessions that lost data as damaged; "refuse" fails the
+  // start instead, before anything on disk is changed where it can (a damaged WAL).
+  std::string spill_on_damage = "serve_rest";
+  // Runs RocksDB's RepairDB on spill_path before opening it (a MANIFEST or CURRENT file
+  // RocksDB cannot open); an explicit, one-off operator request.
+  bool spill_repair = false;
   TlsConfig tls;
   std::map<std::string, std::string> tenant_tokens;  // token -> tenant name
   std::string prefix_secret;  // mixed into tenant salts; keep stable across restarts

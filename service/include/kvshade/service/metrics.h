@@ -85,6 +85,7 @@ class Metrics {
   void Eviction();
   void IngestedTokens(uint64_t n);
   void SessionsExpired(uint64_t n);  // closed by idle expiry (limits.session_idle_ttl_s)
+  void SessionDamaged(std::string_view cause);  // "wal", "record" or "read"
   // UCX rendezvous payloads (ingest parts, large appends) received outside the receive
   // pool (none free, or larger than a buffer).
   void UcxReceivePoolMisses(uint64_t n);
@@ -130,6 +131,7 @@ class Metrics {
   prometheus::Counter* evictions_;
   prometheus::Counter* ingested_tokens_;
   prometheus::Counter* sessions_expired_;
+  prometheus::Family<prometheus::Counter>* sessions_damaged_;
   prometheus::Counter* ucx_pool_misses_;
   prometheus::Counter* factorize_fallbacks_;
   prometheus::Family<prometheus::Counter>* errors_;

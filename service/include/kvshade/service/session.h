@@ -233,6 +233,19 @@ struct Session {
   std::mutex cache_mu;
   std::vector<StaticCache> cache;  // [L]
 
+  // Damage (service/README.md "Damage"): set once the session is known to have lost
+  // acknowledged data, or to hold records that fail their checksums or cannot be read;
+  // from then on every read of it fails DATA_LOSS and GetSession reports it. Under
+  // damage_mu (not `mu`: a read that meets the damage holds `mu` shared).
+  std::atomic<bool> damaged{false};
+  mutable std::mutex damage_mu;
+  std::string damage;        // what was lost and where
+  uint64_t tokens_lost = 0;  // acknowledged tokens lost, where known (else 0)
+  std::optional<storage::Id128> damage_record;  // its durable damage marker
+  // A restored session that could not be built whole: the segments that could, kept (and
+  // with them their records on disk, for inspection) until the session is closed.
+  std::vector<std::shared_ptr<const Segment>> quarantined;
+
   // Attachments: guarded by the SessionManager's registry lock.
   int attachments = 0;
   std::string writer_attachment;  // id of the live writer attachment, or empty

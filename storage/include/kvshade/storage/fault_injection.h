@@ -94,6 +94,7 @@ class FaultInjectingSpillTier final : public SpillTier {
   absl::Status SyncWal() override;
   absl::StatusOr<std::vector<SegmentMeta>> ListSegments() override;
   SpillStats Stats() const override { return base_.Stats(); }
+  SpillDamage Damage() const override { return base_.Damage(); }
 
  private:
   bool Roll(bool write);

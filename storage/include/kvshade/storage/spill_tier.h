@@ -135,6 +135,54 @@ std::string_view SpillEventKindName(SpillEvent::Kind kind);  // "write_failed", 
 // state) prints them to stderr. Process-wide; thread-safe.
 void SetDefaultSpillEventSink(SpillEventSink sink);
 
+// What the open of a spill tier found damaged (README.md "Damage at open"), for the service to
+// name the sessions that lost data. Empty when nothing was.
+struct SpillDamage {
+  // A key range of one column family that could not be read (a table block that fails its
+  // checksum, a table file that cannot be opened): every key k with after < k < until
+  // ("" = no bound) is unknown. A block holds many keys, so a damaged block takes every
+  // segment whose records lay in it.
+  struct Range {
+    std::string column_family;
+    std::string after, until;
+    // [after, until] with both ends included instead (a whole table file's key range).
+    bool inclusive = false;
+  };
+  // The write-ahead log: RocksDB's point-in-time recovery dropped every write from the
+  // first damaged record on. `wal_dropped` are the metadata records of the dropped writes
+  // that could still be read (the scan before the open, wal_scan.h); `wal_unidentified`
+  // counts dropped writes whose records could not be read (what they named is unknown).
+  bool wal_damaged = false;
+  std::string wal_report;
+  std::vector<SegmentMeta> wal_dropped;
+  uint64_t wal_unidentified = 0;
+  // Copies of the damaged WAL files, kept for inspection (under <path>/quarantine/).
+  std::vector<std::string> kept_files;
+  // Table files.
+  std::vector<Range> unreadable;
+  // Metadata records that were read but fail their own checksum (never listed).
+  std::vector<SegmentId> damaged_meta;
+  // Set when a table file could not be opened at all and the tier opened without
+  // RocksDB's paranoid checks (README.md "Damage at open"): what happened, naming the file.
+  std::string table_report;
+
+  bool any() const {
+    return wal_damaged || !unreadable.empty() || !damaged_meta.empty() || !table_report.empty();
+  }
+  // True when a metadata record of `id` may lie in an unreadable range (it may exist and
+  // not be listed).
+  bool MetaUnreadable(const SegmentId& id) const;
+  // True when some value or factor piece of `id` may lie in an unreadable range.
+  bool PiecesUnreadable(const SegmentId& id) const;
+  // True when any metadata key range is unreadable (records there cannot be named).
+  bool AnyMetaUnreadable() const;
+};
+
+// How the open treats damage (README.md "Damage at open"): kServeRest opens with what can be read
+// and reports the rest (SpillDamage); kRefuse fails the open (DataLoss) before anything
+// is changed on disk when the WAL is damaged, and when a table range cannot be read.
+enum class DamagePolicy : uint8_t { kServeRest = 0, kRefuse = 1 };
+
 class SpillTier {
  public:
   virtual ~SpillTier() = default;
@@ -167,6 +215,8 @@ class SpillTier {
   // Metadata of every stored segment, ordered by id.
   virtual absl::StatusOr<std::vector<SegmentMeta>> ListSegments() = 0;
   virtual SpillStats Stats() const = 0;
+  // What the open found damaged (and what listing found since); empty when nothing.
+  virtual SpillDamage Damage() const { return SpillDamage(); }
 };
 
 // Reads back every value block and factor blob of a stored segment, verifying every
@@ -223,6 +273,12 @@ struct RocksSpillOptions {
   // Tests: simulated disk faults (full disk, EIO) under RocksDB's own file I/O
   // (fault_injection.h). Null in production.
   std::shared_ptr<DiskFaults> disk_faults;
+  // Damage found at open: served around and reported, or the open refused (DamagePolicy).
+  DamagePolicy on_damage = DamagePolicy::kServeRest;
+  // Runs RocksDB's RepairDB before the open (an explicit operator request, for a MANIFEST
+  // or CURRENT file that RocksDB cannot open): it rebuilds the MANIFEST from the table
+  // files it can read and drops what it cannot. Reported as an error-level event.
+  bool repair = false;
 };
 
 // Result of a full scan of the database (an fsck).
@@ -254,6 +310,7 @@ class RocksSpillTier final : public SpillTier {
   absl::Status SyncWal() override;
   absl::StatusOr<std::vector<SegmentMeta>> ListSegments() override;
   SpillStats Stats() const override;
+  SpillDamage Damage() const override;
 
   // Flushes every column family's memtable to table/blob files (cache segments are only in
   // memory until a flush; e.g. before measuring or at an orderly shutdown). Refused
