@@ -188,7 +188,7 @@ class DeviceIngestWindowTest(unittest.TestCase):
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         for rep in range(3):
-            created = self.client.create_session(spec, kvshade.Profile("shadow"), list(range(rep, rep + n)))
+            created = self.client.create_session(spec, kvshade.Profile("shadow", rank=32), list(range(rep, rep + n)))
             with self.client.ingest(created.session_id, "bf16") as ing:
                 for layer in range(L):
                     k = torch.randn(n, h, d, device="cuda").to(torch.bfloat16)
