@@ -225,9 +225,15 @@ class BatchCache(Cache):
         if full:
             raise FailedPrecondition("sequences %s decoded local_capacity (%d) tokens in this batch"
                                      % (full, self.local_capacity))
-        with torch.no_grad():
-            out = model(input_ids=tokens.to(self.device)[:, None], position_ids=self.position_ids(),
-                        past_key_values=self, use_cache=True, **kwargs)
+        try:
+            with torch.no_grad():
+                out = model(input_ids=tokens.to(self.device)[:, None], position_ids=self.position_ids(),
+                            past_key_values=self, use_cache=True, **kwargs)
+        except BaseException:
+            # A step that failed part-way is not advanced: the next one writes its tokens
+            # at the same places.
+            self._awaiting = None
+            raise
         return out.logits[:, -1]
 
     def close(self, close_sessions: bool = False) -> None:
@@ -398,6 +404,12 @@ class Generator:
                 # codec than the batch's: value_codec "auto" picks by prompt length); the
                 # others go on.
                 req.finish_reason, req.error = "error", e
+            except BaseException as e:
+                # Anything else (e.g. the GPU out of memory in the prefill) stops the step;
+                # the request says why.
+                req.finish_reason, req.error = "error", e
+                self._finish(req, None)
+                raise
             if req.done:
                 self._finish(req, None)
                 finished.append(req)
