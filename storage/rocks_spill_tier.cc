@@ -854,8 +854,10 @@ absl::Status RocksSpillTier::Impl::DropCacheSegments() {
     std::lock_guard<std::mutex> lock(damage_mu);
     seen = damage;
   }
-  for (auto [cf, name] : {std::pair{factors_cf.get(), "factors"}, std::pair{values_cf.get(), "values"}}) {
-    KVSHADE_RETURN_IF_ERROR(ScanTolerant(cf, name, [&](rocksdb::Iterator* it) {
+  for (const auto& family : {std::pair{factors_cf.get(), "factors"}, std::pair{values_cf.get(), "values"}}) {
+    // A plain variable, not a structured binding: lambdas may not capture those (C++17).
+    rocksdb::ColumnFamilyHandle* const cf = family.first;
+    KVSHADE_RETURN_IF_ERROR(ScanTolerant(cf, family.second, [&](rocksdb::Iterator* it) {
       SegmentId id;
       const std::string_view key(it->key().data(), it->key().size());
       if (!internal::SegmentIdOfKey(key, &id)) {
