@@ -24,18 +24,20 @@ import unittest
 from kvshade_testutil import Server, seed
 
 import kvshade
-from test_hf_adapter import DEV, HAVE_TRANSFORMERS, REQUIRE_GPU, WHY, Bf16DynamicCache, tiny_llama
+from test_hf_adapter import HAVE_TRANSFORMERS, REQUIRE_GPU, WHY
 
-if HAVE_TRANSFORMERS:
+if HAVE_TRANSFORMERS:  # test_hf_adapter defines these only where transformers imports
     import torch
 
     from kvshade import hf_cache, serving
+    from test_hf_adapter import DEV, Bf16DynamicCache, tiny_llama
 
 BACKEND = os.environ.get("KVSHADE_TEST_BACKEND", "cpu")
 
 
-@unittest.skipUnless(HAVE_TRANSFORMERS or REQUIRE_GPU, WHY)
-class ServingTest(unittest.TestCase):
+class _WithServer(unittest.TestCase):
+    """A kvshade-server and a client for the class's tests (transformers required)."""
+
     @classmethod
     def setUpClass(cls):
         if not HAVE_TRANSFORMERS:
@@ -51,6 +53,9 @@ class ServingTest(unittest.TestCase):
         cls.client.close()
         assert cls.server.stop() == 0
 
+
+@unittest.skipUnless(HAVE_TRANSFORMERS or REQUIRE_GPU, WHY)
+class ServingTest(_WithServer):
     def prompt(self, n):
         return torch.randint(3, 97, (n,), generator=self.gen).tolist()
 
@@ -164,21 +169,7 @@ class ServingTest(unittest.TestCase):
 
 @unittest.skipUnless((HAVE_TRANSFORMERS or REQUIRE_GPU) and BACKEND == "cuda",
                      WHY or "the device ingest path needs a daemon on the cuda backend (KVSHADE_TEST_BACKEND=cuda)")
-class DeviceIngestWindowTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        if not HAVE_TRANSFORMERS:
-            raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
-        cls.seed = seed()
-        cls.server = Server()
-        cls.client = kvshade.Client(cls.server.target, timeout=60)
-        cls.client.wait_ready(20)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        assert cls.server.stop() == 0
-
+class DeviceIngestWindowTest(_WithServer):
     def test_layers_sent_from_the_gpu_are_freed_after_the_commit(self):
         # The daemon opens each layer by CUDA IPC; once the stream is committed and the
         # tensors dropped, their memory is this process's again (no block stays held for a
