@@ -6,7 +6,6 @@ frames [topic, 8-byte big-endian sequence, payload], payload [ts, [event, ...]],
 ["BlockRemoved", hashes, medium], ["AllBlocksCleared"]. The workload: a start (cleared), two
 prompts sharing their first block (stored, the shared block's hash equal), both closed, then a
 third prompt whose registration evicts them (removed: exactly the stored hashes)."""
-import os
 import time
 import unittest
 

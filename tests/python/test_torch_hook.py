@@ -254,7 +254,6 @@ class TorchHookTest(unittest.TestCase):
         self.assertEqual(created.effective_profile, "shadow")
         dense = DenseCache(ks_rot, vs)
         for step in range(2):
-            p = n + step
             for l in range(LAYERS):
                 qd = np.repeat(u[l], g, axis=0) + 0.05 * rng.standard_normal((HQ, D))
                 q = bf16r(torch.from_numpy(beta * qd / np.linalg.norm(qd, axis=-1, keepdims=True)).float())

@@ -15,6 +15,13 @@ from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceed
                      Internal, InvalidArgument, KvShadeError, NotFound, OutOfRange, PermissionDenied,
                      ResourceExhausted, Unauthenticated, Unavailable, Unimplemented, Unknown)
 
+__all__ = [
+    "AttachmentInfo", "AttendFuture", "Client", "CreatedSession", "Ingest", "ModelSpec", "Profile", "SelectFuture",
+    "SlotDelta", "StaticSet", "bf16_bits_to_f32", "f32_to_bf16_bits", "to_wire", "Decoder", "Placement",
+    "Aborted", "AlreadyExists", "Cancelled", "DataLoss", "DeadlineExceeded", "FailedPrecondition", "Internal",
+    "InvalidArgument", "KvShadeError", "NotFound", "OutOfRange", "PermissionDenied", "ResourceExhausted",
+    "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "library_path",
+]
 __version__ = "0.1.0"
 
 

@@ -6,7 +6,7 @@ fp16 or fp32) and come out as float32 numpy arrays. Errors raise the classes of
 kvshade.errors, chosen by status code.
 """
 import ctypes
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
