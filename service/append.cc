@@ -557,16 +557,216 @@ absl::StatusOr<uint64_t> EngineImpl::CommitAppend(const Tenant& t, Session& s,
   return s.tokens;
 }
 
+// --- Compaction ------------------------------------------------------------------------
+//
+// Every seal adds a segment to the chain (a fork at the end, a durable session's drain or
+// write-through), and a select searches at most kernels::kMaxSegments segments with
+// selectable chunks. So the seal merges the open segment with the chain's trailing
+// *appended* segments (sealed open segments, or earlier merges of them): whole chunks of
+// the session's tail on its one basis, no static rows, no exact remainder, no exclusions,
+// no prefix key, each starting where the chunks before it end. Merging them is a
+// concatenation of their chunk arrays (A rows, landmarks, value chunks per head): chunk ids
+// and positions do not change, so selection, attention and slot tables are as before. The
+// merged segment is a new sealed segment (the old ones stay alive while a fork, an export
+// generation or, for a durable session until its next record, `Session::retired` holds
+// them).
+//
+// Which ones merge (PlanCompaction): binary-counter tiering (the segment before the merged
+// one joins it while it holds no more chunks than the merged one), so that a chunk is
+// copied O(log n) times and the appended segments stay few; and whatever more it takes to
+// leave room under the cap for the session's next open segment. The segments that cannot
+// merge (cached prefixes and the session's own ingested segment: at most
+// kMaxReusedSegments + 1) always leave that room.
+
+namespace {
+
+// Whether a sealed segment of a shadow chain holds only appended chunks (see above).
+bool Appended(const Segment& seg, int layers) {
+  if (seg.kind != v1::PROFILE_KIND_SHADOW || seg.prefix_key || !seg.tokens.empty()) return false;
+  if (!seg.values_owner().values_in_store) return false;
+  const int n0 = seg.data(0).n_chunks;
+  if (n0 == 0) return false;
+  for (int l = 0; l < layers; ++l) {
+    const LayerData& d = seg.data(l);
+    const LayerData& own = seg.layers[l];
+    if (d.n_chunks != n0 || d.n_tail != 0 || d.s_cap != 0 || d.excluded || !d.int2.empty() ||
+        !own.a || !own.basis) {
+      return false;
+    }
+  }
+  return true;
+}
+
+int64_t ChunksEnd(const Segment& seg) {
+  return seg.first_position + int64_t(seg.data(0).n_chunks) * seg.chunk_size;
+}
+
+}  // namespace
+
+CompactionPlan PlanCompaction(const Session& s) {
+  CompactionPlan plan;
+  const int L = s.model.layers;
+  const int open_chunks = s.open ? s.open->layers[0].n_chunks : 0;
+  plan.first = s.chain.size();
+  if (s.profile.kind == v1::PROFILE_KIND_SHADOW && open_chunks > 0) {
+    int64_t next = s.open->first_position;
+    while (plan.first > 0) {
+      const Segment& seg = *s.chain[plan.first - 1];
+      if (!Appended(seg, L) || ChunksEnd(seg) != next) break;
+      next = seg.first_position;
+      --plan.first;
+    }
+  }
+  for (size_t i = 0; i < plan.first; ++i) plan.fixed += s.chain[i]->data(0).n_chunks > 0;
+  if (open_chunks == 0) {
+    plan.fits = plan.fixed + int(s.chain.size() - plan.first) + 1 <= kernels::kMaxSegments;
+    plan.first = s.chain.size();
+    return plan;
+  }
+  const size_t run = s.chain.size() - plan.first;
+  int merged = open_chunks;  // the open segment and the run's segments folded into it
+  size_t folded = 0;
+  while (folded < run) {
+    const int before = s.chain[s.chain.size() - 1 - folded]->data(0).n_chunks;
+    // Sealed after this step: fixed, the unfolded run, the merged one; then a next open.
+    const bool over = plan.fixed + int(run - folded) + 1 + 1 > kernels::kMaxSegments;
+    if (!over && before > merged) break;
+    merged += before;
+    ++folded;
+  }
+  plan.first = s.chain.size() - folded;
+  plan.fits = plan.fixed + int(run - folded) + 1 + 1 <= kernels::kMaxSegments;
+  return plan;
+}
+
+namespace {
+
+// One new sealed segment holding the chunks of chain[from..] and then the open segment's,
+// in order (values in the store, written through when the session is durable). Changes
+// nothing of the session.
+absl::StatusOr<std::shared_ptr<Segment>> MergeSegments(EngineImpl& e, Session& s, size_t from) {
+  const ModelInfo& m = s.model;
+  const ProfileInfo& p = s.profile;
+  const int L = m.layers, h = m.shape.h, d = m.shape.d, D = m.shape.D(), C = p.chunk_size;
+  std::vector<const Segment*> src;
+  for (size_t i = from; i < s.chain.size(); ++i) src.push_back(s.chain[i].get());
+  src.push_back(s.open.get());
+  int n_chunks = 0;
+  auto seg = std::make_shared<Segment>();
+  seg->id = *storage::Id128::FromHex(SessionManager::NewId());
+  seg->kind = p.kind;
+  seg->first_position = src[0]->first_position;
+  seg->chunk_size = C;
+  seg->layers.resize(L);
+  seg->store = e.store_link();
+  for (const Segment* x : src) {
+    n_chunks += x->data(0).n_chunks;
+    seg->n_tokens += x->n_tokens;
+  }
+  KVSHADE_ASSIGN_OR_RETURN(storage::SegmentValueLayout layout,
+                           storage::SegmentValueLayout::Make(L, h, n_chunks, C, d, p.codec));
+  // Pins of the sealed sources' values (paged in when spilled), every layer.
+  std::vector<std::optional<storage::SegmentPin>> pins(src.size());
+  for (size_t i = 0; i + 1 < src.size(); ++i) {
+    KVSHADE_ASSIGN_OR_RETURN(storage::SegmentPin pin, e.PinValues(s, src[i]->values_owner()));
+    pins[i] = std::move(pin);
+  }
+  KVSHADE_RETURN_IF_ERROR(e.store_->Create(seg->id, layout));
+  auto fill = [&]() -> absl::Status {
+    for (int l = 0; l < L; ++l) {
+      const std::shared_ptr<const Basis>& basis = src[0]->layers[l].basis;
+      const int r = basis->r;
+      std::vector<bf16> a(size_t(n_chunks) * C * r), lm(size_t(n_chunks) * D);
+      std::vector<std::byte> values(layout.dense_layer_bytes());
+      int at = 0;
+      for (size_t i = 0; i < src.size(); ++i) {
+        const Segment& x = *src[i];
+        const LayerData& ld = x.data(l);
+        const LayerData& own = x.layers[l];
+        const int n = ld.n_chunks;
+        if (n != x.data(0).n_chunks) {
+          return absl::InternalError(absl::StrCat(
+              "session '", s.id, "': an appended segment has ", n, " chunks at layer ", l,
+              " and ", x.data(0).n_chunks, " at layer 0"));
+        }
+        if (!own.basis || own.basis->r != r) {
+          return absl::InternalError(absl::StrCat(
+              "session '", s.id, "': appended segments disagree on the rank at layer ", l));
+        }
+        KVSHADE_RETURN_IF_ERROR(e.Download(a.data() + size_t(at) * C * r, own.a->data(),
+                                           Bf16Bytes(size_t(n) * C * r)));
+        KVSHADE_RETURN_IF_ERROR(e.Download(lm.data() + size_t(at) * D, ld.landmarks.data(),
+                                           Bf16Bytes(size_t(n) * D)));
+        const std::byte* base;
+        int64_t head_stride, chunk_stride;
+        if (pins[i]) {
+          const storage::LayerValues lv = pins[i]->layer(l);
+          base = lv.base;
+          head_stride = lv.head_stride;
+          chunk_stride = lv.chunk_stride;
+        } else {
+          base = static_cast<const std::byte*>(ld.open_values.buffer.data());
+          head_stride = ld.open_values.head_stride();
+          chunk_stride = ld.open_values.chunk_stride;
+        }
+        for (int hh = 0; hh < h; ++hh) {
+          for (int j = 0; j < n; ++j) {
+            std::memcpy(values.data() + (size_t(hh) * n_chunks + at + j) * layout.chunk_bytes,
+                        base + hh * head_stride + j * chunk_stride, layout.chunk_bytes);
+          }
+        }
+        at += n;
+      }
+      LayerData& out = seg->layers[l];
+      out.basis = basis;
+      out.n_chunks = out.cap_chunks = n_chunks;
+      out.a = std::make_shared<DeviceBlock>();
+      KVSHADE_ASSIGN_OR_RETURN(*out.a, e.Upload(a.data(), Bf16Bytes(a.size()), ArenaKind::kA));
+      KVSHADE_ASSIGN_OR_RETURN(out.landmarks,
+                               e.Upload(lm.data(), Bf16Bytes(lm.size()), ArenaKind::kLandmarks));
+      KVSHADE_RETURN_IF_ERROR(e.store_->WriteLayer(seg->id, l, values));
+    }
+    seg->values_in_store = true;
+    seg->value_layout = layout;
+    return e.SealSegmentValues(*seg, s.durable, m);
+  };
+  if (absl::Status st = fill(); !st.ok()) {
+    seg->values_in_store = false;
+    e.store_->Erase(seg->id).IgnoreError();
+    return st;
+  }
+  return seg;
+}
+
+}  // namespace
+
 absl::Status EngineImpl::SealOpen(Session& s) {
   if (!s.open) return absl::OkStatus();
+  bool empty = true;
+  for (const LayerData& ld : s.open->layers) empty = empty && ld.n_chunks == 0 && ld.n_tail == 0;
+  if (empty) {
+    s.open.reset();
+    return absl::OkStatus();
+  }
+  const CompactionPlan plan = PlanCompaction(s);
+  if (plan.first < s.chain.size()) {
+    // The open segment and chain[plan.first..] become one sealed segment.
+    StageTimer timer(metrics_, "compact");
+    KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Segment> merged, MergeSegments(*this, s, plan.first));
+    if (s.durable && spill_) {
+      s.retired.insert(s.retired.end(), s.chain.begin() + plan.first, s.chain.end());
+    }
+    s.chain.erase(s.chain.begin() + plan.first, s.chain.end());
+    s.chain.push_back(std::move(merged));
+    s.open.reset();
+    ++s.static_version;
+    return absl::OkStatus();
+  }
   std::shared_ptr<Segment> seg = std::move(s.open);
   s.open.reset();
   const ModelInfo& m = s.model;
   const ProfileInfo& p = s.profile;
   const int L = m.layers, h = m.shape.h;
-  bool empty = true;
-  for (const LayerData& ld : seg->layers) empty = empty && ld.n_chunks == 0 && ld.n_tail == 0;
-  if (empty) return absl::OkStatus();
   const int n_chunks = seg->layers[0].n_chunks;
   KVSHADE_ASSIGN_OR_RETURN(storage::SegmentValueLayout layout,
                            storage::SegmentValueLayout::Make(L, h, n_chunks, p.chunk_size, m.shape.d, p.codec));

@@ -271,8 +271,10 @@ absl::Status EngineImpl::PersistSession(Session& s) {
   }
   s.durable_record_version = version;
   s.record_id = rec.id;
-  // The logged appends are in the record now.
+  // The logged appends are in the record now, and segments a compaction replaced are no
+  // longer named by it.
   DropAppendRecords(s, &s.append_records);
+  s.retired.clear();
   return absl::OkStatus();
 }
 

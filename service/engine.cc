@@ -33,9 +33,10 @@ using storage::ArenaKind;
 size_t Bf16Bytes(size_t elements) { return elements * sizeof(kernels::bf16); }
 
 absl::Status TooManySegmentsError(const std::string& session_id) {
-  // A fork shares the parent's segments and so compacts nothing; a new session over the
-  // same tokens reuses the cached prefix (at most kMaxReusedSegments segments) and holds
-  // what it ingests as one segment.
+  // Seals merge appended segments (append.cc "Compaction"), so only a durable session
+  // restored from records of a version that did not merge them can get here, until its
+  // next seal; a new session over the same tokens reuses the cached prefix (at most
+  // kMaxReusedSegments segments) and holds what it ingests as one segment.
   return absl::FailedPreconditionError(absl::StrCat(
       "session '", session_id, "' has more than ", kernels::kMaxSegments,
       " segments with selectable chunks, more than a select searches; create a new session "
@@ -740,18 +741,23 @@ absl::StatusOr<v1::ForkSessionResponse> EngineImpl::ForkSession(const Tenant& t,
       }
       keep = size_t(it - bounds.begin()) + 1;
     } else {
-      // Everything the parent has: its open segment is sealed so that both share it. The
-      // chain must leave room for a later open segment in the kernels' view.
-      int chain_chunks = 0;
-      for (const auto& seg : parent->chain) chain_chunks += seg->data(0).n_chunks > 0;
-      const bool open_chunks = parent->open && parent->open->layers[0].n_chunks > 0;
-      if (open_chunks && chain_chunks + 2 > kernels::kMaxSegments) {
+      // Everything the parent has: its open segment is sealed so that both share it, merged
+      // with the parent's sealed appended segments as far as it takes to leave room for a
+      // later open segment in the kernels' view (append.cc "Compaction"). Only a chain of
+      // more segments that cannot merge than a session gets today (a durable session of a
+      // version that reused 6 cached segments) has no such room.
+      if (parent->open && parent->open->layers[0].n_chunks > 0 && !PlanCompaction(*parent).fits) {
         return absl::FailedPreconditionError(absl::StrCat(
             "forking session '", parent->id, "' at its end would give it more than ",
-            kernels::kMaxSegments, " segments; fork at a segment boundary or create a new "
-            "session over the whole token list (its cached prefix is reused)"));
+            kernels::kMaxSegments, " segments: it holds ", PlanCompaction(*parent).fixed,
+            " segments that cannot merge (cached prefixes and its own ingested segment); fork "
+            "at a segment boundary or create a new session over the whole token list (its "
+            "cached prefix is reused)"));
       }
       KVSHADE_RETURN_IF_ERROR(SealOpen(*parent));
+      // A durable parent whose seal merged segments names them in its record: the record is
+      // written again (naming the merged one) before they may go.
+      if (!parent->retired.empty()) KVSHADE_RETURN_IF_ERROR(PersistSession(*parent));
       keep = parent->chain.size();
       child->tail = parent->tail;
       child->appended_tokens = parent->appended_tokens;

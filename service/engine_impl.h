@@ -338,9 +338,19 @@ absl::Status QuantizeKivi(EngineImpl& e, int d, int G, const std::vector<kernels
 
 // Segment caps (service/README.md "Sessions", "Segment caps"). A select searches at most
 // kernels::kMaxSegments segments with selectable chunks per session; CreateSession reuses
-// at most kMaxReusedSegments cached segments, leaving room for the session's own segment
-// and its open one (appended chunks).
-inline constexpr int kMaxReusedSegments = kernels::kMaxSegments - 2;
+// at most kMaxReusedSegments cached segments, leaving room for the session's own segment,
+// one segment of its sealed appended chunks (forks at the end and durable write-throughs
+// seal them; a seal merges them into one: append.cc "Compaction") and its open one.
+inline constexpr int kMaxReusedSegments = kernels::kMaxSegments - 3;
+// What a seal of `s`'s open segment merges (append.cc "Compaction"): chain[first..] and
+// the open segment become one segment (first == chain.size(): nothing merges, the open
+// segment is sealed as it is).
+struct CompactionPlan {
+  size_t first = 0;
+  int fixed = 0;      // segments with selectable chunks that cannot merge (before the run)
+  bool fits = true;   // after the seal, a next open segment stays under the cap
+};
+CompactionPlan PlanCompaction(const Session& s);
 // The refusal of a select (or an export) over a session with more segments than that.
 absl::Status TooManySegmentsError(const std::string& session_id);
 

@@ -369,14 +369,14 @@ TEST(Metrics, PrefixLookupsByResultAndReason) {
   EXPECT_EQ(probed.reusable_tokens(), 1024u);
   m = ExpectDeltas(m, PrefixSamples(server), {{"kvshade_prefix_probes_total{result=\"hit\"}", 1}}, "probe");
 
-  // The cap on reused segments per session: a chain of 7 one-block segments (each session
+  // The cap on reused segments per session: a chain of 6 one-block segments (each session
   // reuses the ones before and ingests one more block), then a prompt over 8 blocks reuses
-  // the first kMaxReusedSegments = 6 of them only.
+  // the first kMaxReusedSegments = 5 of them only.
   const synthetic::Document q(SmallDoc(2048, 23));
-  for (int k = 1; k <= 7; ++k) {
+  for (int k = 1; k <= 6; ++k) {
     const size_t n = size_t(k) * 256;
     KV_ASSERT_OK_AND_ASSIGN(created, c->CreateSession(CreateOver(q, Concat(q.tokens(), n, q.tokens(), 0))));
-    EXPECT_EQ(created.reused_tokens(), uint64_t(std::min(k - 1, 6)) * 256) << k;
+    EXPECT_EQ(created.reused_tokens(), uint64_t(k - 1) * 256) << k;
     KV_ASSERT_OK(synthetic::IngestRange(*c, q, created.session_id(), -1, int64_t(created.reused_tokens()),
                                         int64_t(n)).status());
     m = ExpectDeltas(m, PrefixSamples(server),
@@ -387,9 +387,9 @@ TEST(Metrics, PrefixLookupsByResultAndReason) {
                      "chain " + std::to_string(k));
   }
   KV_ASSERT_OK_AND_ASSIGN(capped, c->CreateSession(CreateOver(q, q.tokens())));
-  EXPECT_EQ(capped.reused_tokens(), 6u * 256);
+  EXPECT_EQ(capped.reused_tokens(), 5u * 256);
   m = ExpectDeltas(m, PrefixSamples(server),
-                   {{Lookup("hit", "quota"), 1}, {kRequested, 2048}, {kReused, 6 * 256}, {kResident, 6}},
+                   {{Lookup("hit", "quota"), 1}, {kRequested, 2048}, {kReused, 5 * 256}, {kResident, 5}},
                    "capped");
   EXPECT_EQ(server.Stop(), 0) << server.log();
 }

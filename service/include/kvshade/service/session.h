@@ -218,6 +218,11 @@ struct Session {
   v1::AppendFsync append_fsync = v1::APPEND_FSYNC_NO;
   std::vector<storage::Id128> append_records;
   uint64_t append_seq = 0;
+  // Durable sessions: segments that a compaction (append.cc "Compaction") replaced in the
+  // chain, kept (and with them their records on the spill tier) until the session record
+  // that names their replacement is written (PersistSession), so that the record on disk
+  // always names segments that exist.
+  std::vector<std::shared_ptr<const Segment>> retired;
   // References that keep this session's registered (prefix) segments from eviction.
   std::vector<storage::SegmentRef> prefix_refs;
   // Refactorization input: exact pre-RoPE keys of the last suffix ingest per layer
