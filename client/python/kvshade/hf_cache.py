@@ -733,7 +733,7 @@ class KvShadeCache(Cache):
                GPU memory is the forward's own plus this window, not the prompt's K/V.
     decode   : also None: prefill only; once the prompt is committed nothing is attached and
                no decoder opened (session_ids name the ready sessions, for a decoder
-               elsewhere, e.g. kvshade.serving.BatchDecoder)
+               elsewhere, e.g. kvshade.serving.BatchCache)
     """
 
     def __init__(self, client, model, profile, prompt_ids=None, model_id=None, worker_id="hf-cache",
