@@ -431,8 +431,12 @@ class KvShadeCacheLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         return self._owner._update(self, key_states, value_states, cache_kwargs)
 
-    def get_seq_length(self, *args, **kwargs):
+    def _tokens(self):
+        """The tokens positions and masks are computed from."""
         return self.length
+
+    def get_seq_length(self, *args, **kwargs):
+        return self._tokens()
 
     def get_mask_sizes(self, query, *args, **kwargs):
         # 5.x passes the query length, 4.x the cache_position tensor.
@@ -440,7 +444,7 @@ class KvShadeCacheLayer(DynamicLayer):
             q = int(query) if query.dim() == 0 else int(query.shape[0])
         else:
             q = int(query)
-        return self.length + q, 0
+        return self._tokens() + q, 0
 
     def get_max_length(self, *args, **kwargs):
         return -1

@@ -50,72 +50,34 @@ except ImportError as e:  # hf_cache raised the clear error already; keep the na
     raise ImportError("kvshade.serving needs transformers (see kvshade.hf_cache): %s" % e) from e
 
 
-class _BatchLayer(DynamicLayer):
+class _BatchLayer(hf_cache.KvShadeCacheLayer):
     """One model layer of a BatchCache: no tensors; its length is the batch's longest
     sequence (what transformers sizes masks and cache positions from; the kvshade attention
-    ignores the mask, every sequence attends its own session)."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = False
+    ignores the mask, every sequence attends its own session). The rest is
+    KvShadeCacheLayer's."""
 
     def __init__(self, owner, layer_idx):
-        super().__init__()
+        DynamicLayer.__init__(self)
         self._owner = owner
         self.layer_idx = layer_idx
-
-    def lazy_initialization(self, key_states, value_states=None):
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states.new_zeros(key_states.shape[0], key_states.shape[1], 0, key_states.shape[3])
-        self.values = self.keys
-        self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         return self._owner._update(self.layer_idx, key_states, value_states)
 
-    def get_seq_length(self, *args, **kwargs):
+    def _tokens(self):
         return self._owner.max_length
-
-    def get_mask_sizes(self, query, *args, **kwargs):
-        if isinstance(query, torch.Tensor):
-            q = int(query) if query.dim() == 0 else int(query.shape[0])
-        else:
-            q = int(query)
-        return self._owner.max_length + q, 0
-
-    def get_max_length(self, *args, **kwargs):
-        return -1
-
-    def get_max_cache_shape(self, *args, **kwargs):
-        return -1
 
     def _refuse(self, what):
         raise NotImplementedError("BatchCache does not support %s: sequences join() and leave() between "
                                   "decode steps" % what)
 
-    def crop(self, *args, **kwargs):
-        self._refuse("crop")
-
-    def reorder_cache(self, *args, **kwargs):
-        self._refuse("reorder_cache")
-
     def reset(self, *args, **kwargs):
         self._refuse("reset")
 
-    def batch_repeat_interleave(self, repeats):
-        if repeats != 1:
-            self._refuse("batch_repeat_interleave")
-
     def batch_select_indices(self, indices):
         self._refuse("batch_select_indices (use leave())")
-
-    def offload(self):
-        pass
-
-    def prefetch(self):
-        pass
 
 
 @dataclass
