@@ -258,6 +258,7 @@ def kvshade_rows(c, model, n, steps, max_batch, time_limit_s, budget):
                 break
         B = len(sessions)
         st = c.stats()
+        ms = p90 = None  # no session fitted at all
         while B >= 1:
             try:
                 ms, p90 = decode_at(B)
@@ -318,7 +319,7 @@ def main():
                 row = {"config": "kvshade", "tokens": n, "batch1_ms": r.get("batch1", {}).get("ms_median"),
                        "largest_batch": big.get("batch"), "largest_ms": big.get("ms_median"),
                        "largest_p90_ms": big.get("ms_p90"),
-                       "tokens_per_s": big.get("batch") and big["batch"] * 1e3 / big["ms_median"],
+                       "tokens_per_s": big["batch"] * 1e3 / big["ms_median"] if big.get("ms_median") else None,
                        "gpu_used_gib": big.get("gpu_used_gib"), "detail": big}
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
