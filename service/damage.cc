@@ -104,7 +104,7 @@ absl::Status EngineImpl::CheckNotDamaged(const Session& s, std::string_view call
       "; GetSession reports it, CloseSession removes it"));
 }
 
-void EngineImpl::MarkDamaged(Session& s, std::string_view cause, const std::string& what,
+void EngineImpl::MarkDamaged(const Session& s, std::string_view cause, const std::string& what,
                              uint64_t tokens_lost, bool persist) {
   std::string text;
   uint64_t lost = 0;
@@ -149,7 +149,7 @@ void EngineImpl::MarkDamaged(Session& s, std::string_view cause, const std::stri
   if (old_record) spill_->DeleteSegment(*old_record).IgnoreError();
 }
 
-absl::Status EngineImpl::NoteReadFailure(Session& s, const absl::Status& st) {
+absl::Status EngineImpl::NoteReadFailure(const Session& s, const absl::Status& st) {
   if (absl::IsDataLoss(st)) {
     MarkDamaged(s, "read", absl::StrCat("stored values failed their checksum where they were read (",
                                         st.message(), ")"),

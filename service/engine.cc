@@ -1060,7 +1060,7 @@ absl::StatusOr<v1::DetachResponse> EngineImpl::Detach(const Tenant& t, const v1:
 absl::StatusOr<storage::SegmentPin> EngineImpl::PinValues(const Session& s, const Segment& owner) {
   absl::StatusOr<storage::SegmentPin> pin = store_->Pin(owner.id);
   if (!pin.ok()) {
-    NoteReadFailure(const_cast<Session&>(s), pin.status()).IgnoreError();
+    NoteReadFailure(s, pin.status()).IgnoreError();
     return absl::Status(pin.status().code(),
                         absl::StrCat("values of a segment of session '", s.id,
                                      "' are unavailable: ", pin.status().message()));

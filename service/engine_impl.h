@@ -153,11 +153,11 @@ class EngineImpl {
   // kvshade_sessions_damaged_total{cause} (unless cause is empty: a damage reported by an
   // earlier start), logged at error level with its id, and, with `persist`, written as a
   // durable damage marker for a durable session so that every later start reports it too.
-  void MarkDamaged(Session& s, std::string_view cause, const std::string& what,
+  void MarkDamaged(const Session& s, std::string_view cause, const std::string& what,
                    uint64_t tokens_lost, bool persist);
   // A read of a segment of `s` failed: DATA_LOSS (bytes that fail their checksum) marks
   // the session damaged. Returns `st` unchanged.
-  absl::Status NoteReadFailure(Session& s, const absl::Status& st);
+  absl::Status NoteReadFailure(const Session& s, const absl::Status& st);
   // At start, after ReplayAppendLog: the markers of earlier starts, and what the spill
   // tier's open found (a damaged WAL: the sessions whose appends it dropped). Under
   // spill_on_damage refuse, fails the start when any session was found damaged.

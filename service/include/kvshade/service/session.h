@@ -241,12 +241,13 @@ struct Session {
   // Damage (service/README.md "Damage"): set once the session is known to have lost
   // acknowledged data, or to hold records that fail their checksums or cannot be read;
   // from then on every read of it fails DATA_LOSS and GetSession reports it. Under
-  // damage_mu (not `mu`: a read that meets the damage holds `mu` shared).
-  std::atomic<bool> damaged{false};
+  // damage_mu (not `mu`: a read that meets the damage holds `mu` shared). Mutable: a read
+  // through a const session that finds damage records it.
+  mutable std::atomic<bool> damaged{false};
   mutable std::mutex damage_mu;
-  std::string damage;        // what was lost and where
-  uint64_t tokens_lost = 0;  // acknowledged tokens lost, where known (else 0)
-  std::optional<storage::Id128> damage_record;  // its durable damage marker
+  mutable std::string damage;        // what was lost and where
+  mutable uint64_t tokens_lost = 0;  // acknowledged tokens lost, where known (else 0)
+  mutable std::optional<storage::Id128> damage_record;  // its durable damage marker
   // A restored session that could not be built whole: the segments that could, kept (and
   // with them their records on disk, for inspection) until the session is closed.
   std::vector<std::shared_ptr<const Segment>> quarantined;
