@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstring>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -138,6 +139,47 @@ void KiviQuantizeGroupReference(const float* x, int G, int bits, uint32_t* words
     }
     words[w] = word;
   }
+}
+
+void SignatureEncodeReference(const bf16* key, const bf16* landmark, int d, int bits,
+                              std::byte* record) {
+  const int levels = (1 << bits) - 1;
+  const float half = float(levels) / 2.0f;
+  float amax = 0.0f;
+  for (int i = 0; i < d; ++i) {
+    amax = std::fmax(amax, std::fabs(Bf16ToFloat(key[i]) - Bf16ToFloat(landmark[i])));
+  }
+  float scale = amax / half;
+  if (!(scale > 0.0f) || !std::isfinite(scale)) scale = 0.0f;
+  const int per_word = 32 / bits;
+  auto* words = reinterpret_cast<uint32_t*>(record);
+  for (int w = 0; w < d / per_word; ++w) {
+    uint32_t word = 0;
+    for (int j = 0; j < per_word && scale != 0.0f; ++j) {
+      const int i = w * per_word + j;
+      float v = (Bf16ToFloat(key[i]) - Bf16ToFloat(landmark[i])) / scale + half;
+      v = v > 0.0f ? v : 0.0f;  // also maps NaN to 0
+      v = v < float(levels) ? v : float(levels);
+      word |= static_cast<uint32_t>(std::nearbyint(v)) << (bits * j);
+    }
+    words[w] = word;
+  }
+  std::memcpy(record + size_t(d) * bits / 8, &scale, sizeof(float));
+}
+
+float SignatureDotReference(const bf16* q, const std::byte* record, int d, int bits,
+                            float* scale) {
+  const int levels = (1 << bits) - 1;
+  const float half = float(levels) / 2.0f;
+  const int per_word = 32 / bits;
+  const auto* words = reinterpret_cast<const uint32_t*>(record);
+  float dot = 0.0f;
+  for (int i = 0; i < d; ++i) {
+    const uint32_t code = (words[i / per_word] >> (bits * (i % per_word))) & uint32_t(levels);
+    dot += Bf16ToFloat(q[i]) * (float(code) - half);
+  }
+  std::memcpy(scale, record + size_t(d) * bits / 8, sizeof(float));
+  return dot;
 }
 
 }  // namespace kvshade::kernels

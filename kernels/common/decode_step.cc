@@ -23,12 +23,14 @@ const char* RecallActionName(RecallAction a) {
   return "none";
 }
 
-SelectOptions SelectionPolicy::OptionsAt(int k, int C, const kernels::RopeSpec& rope) const {
+SelectOptions SelectionPolicy::OptionsAt(int k, int C, const kernels::RopeSpec& rope,
+                                         bool signatures) const {
   SelectOptions o;
   if (rerank_factor > 1) {
     o.candidates = rerank_factor * k;
     o.C = C;
     o.rope = rope;
+    o.signatures = signatures;
   }
   if (mass_top_p > 0) {
     o.top_p = mass_top_p;
@@ -45,10 +47,19 @@ std::string SelectionPolicy::Label(bool native) const {
   return s;
 }
 
+bool HasSignatures(const kernels::SessionLayerView& view) {
+  if (!kernels::ValidSignatureBits(view.sig_bits)) return false;
+  for (int i = 0; i < view.n_segments; ++i) {
+    if (view.segments[i].n_chunks > 0 && view.segments[i].sig == nullptr) return false;
+  }
+  return true;
+}
+
 std::string SelectionGroup::Key() const {
   return absl::StrCat(shape.h, "x", shape.g, "x", shape.d, "|", C, "|",
                       static_cast<int>(codec.codec), "/", codec.group, "|", k, "|",
-                      native ? -1 : options.candidates, "|", options.top_p, "|", options.min_k);
+                      native ? -1 : options.candidates, "|", options.top_p, "|", options.min_k,
+                      "|", options.signatures ? 1 : 0);
 }
 
 void BindOutputs(int32_t* block, int h, int k, SelectItem* item) {

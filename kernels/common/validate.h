@@ -22,6 +22,8 @@ absl::Status ProjectKeys(size_t k, int n, const LayerShape& shape, size_t b, int
                          const Workspace& ws, size_t ws_needed);
 absl::Status BuildLandmarks(size_t kr, int n, int h, int d, int C, int n_chunks,
                             size_t landmarks, size_t min_cos);
+absl::Status EncodeSignatures(size_t kr, size_t landmarks, int h, int d, int C, int n_chunks,
+                              int bits, size_t sig_bytes);
 absl::Status TopK(size_t scores, size_t mask, int rows, int cols, int k, size_t out,
                   const Workspace& ws, size_t ws_needed);
 absl::Status ObservationMass(size_t qobs, size_t q_positions, int w, size_t kr,

@@ -157,6 +157,32 @@ absl::Status BuildLandmarks(size_t kr, int n, int h, int d, int C, int n_chunks,
                   absl::StrCat("[h=", h, ", n_chunks=", n_chunks, "]"));
 }
 
+absl::Status EncodeSignatures(size_t kr, size_t landmarks, int h, int d, int C, int n_chunks,
+                              int bits, size_t sig_bytes) {
+  constexpr const char* op = "EncodeSignatures";
+  KVSHADE_RETURN_IF_ERROR(AtLeast(op, "h", h, 1));
+  KVSHADE_RETURN_IF_ERROR(AtLeast(op, "d", d, 1));
+  KVSHADE_RETURN_IF_ERROR(AtLeast(op, "C", C, 1));
+  KVSHADE_RETURN_IF_ERROR(AtLeast(op, "n_chunks", n_chunks, 0));
+  if (!ValidSignatureBits(bits)) {
+    return Invalid(op, absl::StrCat("bits must be 2 or 4, got ", bits));
+  }
+  if ((int64_t{d} * bits) % 32 != 0) {
+    return Invalid(op, absl::StrCat("d*bits = ", int64_t{d} * bits, " must be a multiple of 32"));
+  }
+  const u64 tokens = u64(n_chunks) * C;
+  if (kr < tokens * h * d) {
+    return Invalid(op, absl::StrCat("kr has ", kr, " elements, needs at least [n_chunks*C=",
+                                    tokens, ", h=", h, ", d=", d, "]"));
+  }
+  KVSHADE_RETURN_IF_ERROR(
+      SpanSize(op, "landmarks", landmarks, u64(n_chunks) * h * d,
+               absl::StrCat("[n_chunks=", n_chunks, ", h=", h, ", d=", d, "]")));
+  return SpanSize(op, "sig", sig_bytes, tokens * h * SignatureRecordBytes(bits, d),
+                  absl::StrCat("[n_chunks*C=", tokens, ", h=", h, ", record=",
+                               SignatureRecordBytes(bits, d), " bytes]"));
+}
+
 absl::Status TopK(size_t scores, size_t mask, int rows, int cols, int k, size_t out,
                   const Workspace& ws, size_t ws_needed) {
   constexpr const char* op = "TopK";

@@ -63,6 +63,9 @@ class CpuBackend final : public Backend {
   absl::Status BuildLandmarks(absl::Span<const bf16> kr, int n, int h, int d, int C, int n_chunks,
                               absl::Span<bf16> landmarks, absl::Span<float> min_cos,
                               Stream) override;
+  absl::Status EncodeSignatures(absl::Span<const bf16> kr, absl::Span<const bf16> landmarks, int h,
+                                int d, int C, int n_chunks, int bits, absl::Span<std::byte> sig,
+                                Stream) override;
   size_t TopKWorkspaceBytes(int rows, int cols, int k) const override;
   absl::Status TopK(absl::Span<const float> scores, absl::Span<const uint8_t> mask, int rows,
                     int cols, int k, bool largest, absl::Span<int32_t> out, Workspace ws,

@@ -13,6 +13,7 @@
 #include "common/validate.h"
 #include "cpu/cpu_backend.h"
 #include "kvshade/base/status_macros.h"
+#include "kvshade/kernels/codec.h"
 
 namespace kvshade::kernels {
 namespace {
@@ -85,6 +86,27 @@ absl::Status CpuBackend::BuildLandmarks(absl::Span<const bf16> kr, int n, int h,
       }
     }
     min_cos[int64_t{hh} * n_chunks + j] = worst;
+  }
+  return absl::OkStatus();
+}
+
+// Key signatures (backend.h): one SignatureEncodeReference per (token, head), OpenMP over
+// tokens.
+absl::Status CpuBackend::EncodeSignatures(absl::Span<const bf16> kr,
+                                          absl::Span<const bf16> landmarks, int h, int d, int C,
+                                          int n_chunks, int bits, absl::Span<std::byte> sig,
+                                          Stream) {
+  KVSHADE_RETURN_IF_ERROR(validate::EncodeSignatures(kr.size(), landmarks.size(), h, d, C,
+                                                     n_chunks, bits, sig.size()));
+  const int64_t tokens = int64_t{n_chunks} * C;
+  const size_t rec = SignatureRecordBytes(bits, d);
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int hh = 0; hh < h; ++hh) {
+      SignatureEncodeReference(kr.data() + (t * h + hh) * d,
+                               landmarks.data() + ((t / C) * h + hh) * d, d, bits,
+                               sig.data() + size_t(t * h + hh) * rec);
+    }
   }
   return absl::OkStatus();
 }

@@ -18,7 +18,8 @@
 // SelectEx (SelectOptions in backend.h) runs the same scoring, keeps the best
 // max(candidates, k) chunks in two-stage mode and re-ranks them by the per-query-head
 // softmax over every candidate token (ChunkStats, StageTwoScores; keys reconstructed exactly
-// as cpu_reconstruct.cc does, rounded to bf16, fp32 dots in channel order), then cuts at the
+// as cpu_reconstruct.cc does, rounded to bf16, fp32 dots in channel order; or, with
+// `signatures`, logits from the key signatures: ChunkStatsSig), then cuts at the
 // mass budget; workspace per (item, head): s, cand, m [total], aux [4k], acc [d], and in
 // two stages stats [min(total, candidates), g] (M, S) and lse [g]. AssignSlots filters the
 // caller's ids (range, static, repeats) and runs the same slot diff.
@@ -30,6 +31,7 @@
 #include "common/validate.h"
 #include "cpu/cpu_backend.h"
 #include "kvshade/base/status_macros.h"
+#include "kvshade/kernels/codec.h"
 
 namespace kvshade::kernels {
 namespace {
@@ -186,6 +188,48 @@ void SelectHead(const LayerShape& shape, int k, const SelectItem& item, int hh, 
 // and rescaled when the max grows (the CUDA kernel runs the same sequence). Non-finite logits
 // (NaN, or +-inf from overflow) carry no weight; a head without a finite logit has M = -inf,
 // S = 0. stats [g] (M, S) pairs; acc [d].
+// One stage-2 logit into a chunk's running (M, S) of query head n; non-finite logits carry
+// no weight.
+inline void FoldLogit(float logit, float* stats_n) {
+  if (!std::isfinite(logit)) return;
+  float& mx = stats_n[0];
+  float& sum = stats_n[1];
+  if (logit > mx) {
+    sum = sum * std::exp(mx - logit) + 1.0f;
+    mx = logit;
+  } else {
+    sum += std::exp(logit - mx);
+  }
+}
+
+// ChunkStats from the key signatures (SelectOptions::signatures): per query head n,
+// lm = dot(q_n, L[c]) once, then per token l = (lm + scale_t * dot(q_n, code_t - half)) /
+// sqrt(d), folded in token order as above.
+void ChunkStatsSig(const LayerShape& shape, const SelectOptions& o, const SelectItem& item,
+                   int hh, int c, float* stats) {
+  const int h = shape.h, g = shape.g, d = shape.d, C = o.C;
+  const SessionLayerView& view = item.view;
+  int local = c, si = 0;
+  while (local >= view.segments[si].n_chunks) local -= view.segments[si++].n_chunks;
+  const SegmentView& seg = view.segments[si];
+  const float scale = 1.0f / std::sqrt(float(d));
+  const size_t rec = SignatureRecordBytes(view.sig_bits, d);
+  const bf16* lm = seg.landmarks + (int64_t(local) * h + hh) * d;
+  for (int n = 0; n < g; ++n) {
+    stats[2 * n] = -std::numeric_limits<float>::infinity();
+    stats[2 * n + 1] = 0.0f;
+    const bf16* qv = item.q + int64_t(hh * g + n) * d;
+    float base = 0.0f;
+    for (int ch = 0; ch < d; ++ch) base += Bf16ToFloat(qv[ch]) * Bf16ToFloat(lm[ch]);
+    for (int t = 0; t < C; ++t) {
+      const std::byte* r = seg.sig + ((int64_t(local) * C + t) * h + hh) * int64_t(rec);
+      float sc = 0.0f;
+      const float dot = SignatureDotReference(qv, r, d, view.sig_bits, &sc);
+      FoldLogit((base + sc * dot) * scale, stats + 2 * n);
+    }
+  }
+}
+
 void ChunkStats(const LayerShape& shape, const SelectOptions& o, const RopeTable& table,
                 const SelectItem& item, int hh, int c, float* acc, float* stats) {
   const int g = shape.g, d = shape.d, C = o.C;
@@ -214,16 +258,7 @@ void ChunkStats(const LayerShape& shape, const SelectOptions& o, const RopeTable
       const bf16* qv = item.q + int64_t(hh * g + n) * d;
       float dot = 0.0f;
       for (int ch = 0; ch < d; ++ch) dot += Bf16ToFloat(qv[ch]) * acc[ch];
-      const float logit = dot * scale;
-      if (!std::isfinite(logit)) continue;
-      float& mx = stats[2 * n];
-      float& sum = stats[2 * n + 1];
-      if (logit > mx) {
-        sum = sum * std::exp(mx - logit) + 1.0f;
-        mx = logit;
-      } else {
-        sum += std::exp(logit - mx);
-      }
+      FoldLogit(dot * scale, stats + 2 * n);
     }
   }
 }
@@ -300,7 +335,11 @@ void SelectExHead(const LayerShape& shape, int k, const SelectOptions& o, const 
     float* stats = acc + d;
     float* lse = stats + int64_t(2) * std::min(total, stage1) * g;
     for (int i = 0; i < n_cand; ++i) {
-      ChunkStats(shape, o, *table, item, hh, cand[i], acc, stats + int64_t(2) * g * i);
+      if (o.signatures) {
+        ChunkStatsSig(shape, o, item, hh, cand[i], stats + int64_t(2) * g * i);
+      } else {
+        ChunkStats(shape, o, *table, item, hh, cand[i], acc, stats + int64_t(2) * g * i);
+      }
     }
     // m and w (into s: the landmark scores are no longer needed), indexed by chunk id.
     StageTwoScores(g, cand, n_cand, stats, lse, m, s);
@@ -388,6 +427,21 @@ absl::Status CheckOptions(const LayerShape& shape, int k, const SelectOptions& o
   if (o.C < 1) return absl::InvalidArgumentError(absl::StrCat("SelectEx: C must be >= 1, got ", o.C));
   for (size_t i = 0; i < items.size(); ++i) {
     const SessionLayerView& v = items[i].view;
+    if (o.signatures) {
+      if (!ValidSignatureBits(v.sig_bits) || (int64_t{shape.d} * v.sig_bits) % 32 != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "SelectEx: items[", i, "].view.sig_bits = ", v.sig_bits,
+            " (stage 2 from key signatures needs 2 or 4, with d*bits a multiple of 32)"));
+      }
+      for (int s = 0; s < v.n_segments; ++s) {
+        if (v.segments[s].n_chunks > 0 && v.segments[s].sig == nullptr) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("SelectEx: items[", i, "].view.segments[", s,
+                           "].sig is null (stage 2 scores key signatures)"));
+        }
+      }
+      continue;
+    }
     if (v.b == nullptr || v.r < 1) {
       return absl::InvalidArgumentError(absl::StrCat(
           "SelectEx: items[", i, "].view needs the basis b and r >= 1 for two-stage selection"));
@@ -423,7 +477,7 @@ absl::Status CpuBackend::SelectEx(const LayerShape& shape, int k, const SelectOp
                                            SelectExWorkspaceBytes(shape, k, options, items)));
   KVSHADE_RETURN_IF_ERROR(CheckOptions(shape, k, options, items));
   RopeTable table;
-  if (options.two_stage()) {
+  if (options.two_stage() && !options.signatures) {
     KVSHADE_ASSIGN_OR_RETURN(table, MakeRopeTable(options.rope, shape.d));
   }
   const int h = shape.h;

@@ -44,6 +44,7 @@ struct DevSegment {
   long long value_head_stride;     // bytes
   long long value_chunk_stride;    // bytes
   long long first_position;
+  const uint8_t* sig;              // [n_chunks*C, h, rec] key signatures, device, or null
   int n_chunks;
   int begin;
 };
@@ -54,7 +55,7 @@ struct DevView {
   int n_segments;
   int total;  // chunks over all segments
   int r;
-  int pad;
+  int sig_bits;  // 0: no key signatures
 };
 
 // Flattens a validated view.
@@ -72,6 +73,7 @@ inline DevView MakeDevView(const SessionLayerView& v) {
     o.value_head_stride = in.value_head_stride;
     o.value_chunk_stride = in.value_chunk_stride;
     o.first_position = in.first_position;
+    o.sig = reinterpret_cast<const uint8_t*>(in.sig);
     o.n_chunks = in.n_chunks;
     o.begin = begin;
     begin += in.n_chunks;
@@ -80,6 +82,7 @@ inline DevView MakeDevView(const SessionLayerView& v) {
   out.n_segments = v.n_segments;
   out.total = begin;
   out.r = v.r;
+  out.sig_bits = v.sig_bits;
   return out;
 }
 

@@ -76,6 +76,49 @@ __global__ void LandmarksKernel(const __nv_bfloat16* __restrict__ kr, int h, int
   if (lane == 0) min_cos[static_cast<long long>(hh) * n_chunks + j] = worst;
 }
 
+// Key signatures (backend.h; the CPU reference is codec.cc SignatureEncodeReference): one
+// warp per (token, head), 8 per block. The residual's max |r| is a warp max (order does
+// not change a max), the divisions and the rounding are IEEE round-to-nearest like the
+// CPU's, so the records agree byte for byte. Lane w < d*bits/32 packs word w.
+//   kr [tokens.., h, d], landmarks [n_chunks, h, d] bf16; sig [tokens, h, rec] bytes out.
+__global__ void SignatureKernel(const __nv_bfloat16* __restrict__ kr,
+                                const __nv_bfloat16* __restrict__ landmarks, int h, int d, int C,
+                                long long jobs, int bits, int rec, uint8_t* __restrict__ sig) {
+  const long long job = static_cast<long long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (job >= jobs) return;
+  const long long t = job / h;
+  const int hh = static_cast<int>(job % h);
+  const __nv_bfloat16* key = kr + job * d;
+  const __nv_bfloat16* lm = landmarks + ((t / C) * h + hh) * d;
+  float amax = 0.0f;
+  for (int i = lane; i < d; i += 32) {
+    amax = fmaxf(amax, fabsf(__fsub_rn(__bfloat162float(key[i]), __bfloat162float(lm[i]))));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const int levels = (1 << bits) - 1;
+  const float half = static_cast<float>(levels) / 2.0f;
+  float scale = __fdiv_rn(amax, half);
+  if (!(scale > 0.0f) || !isfinite(scale)) scale = 0.0f;
+  const int per_word = 32 / bits;
+  const int n_words = d / per_word;
+  uint8_t* out = sig + job * rec;
+  for (int w = lane; w < n_words; w += 32) {
+    uint32_t word = 0;
+    for (int j = 0; j < per_word && scale != 0.0f; ++j) {
+      const int i = w * per_word + j;
+      float v = __fadd_rn(
+          __fdiv_rn(__fsub_rn(__bfloat162float(key[i]), __bfloat162float(lm[i])), scale), half);
+      v = v > 0.0f ? v : 0.0f;
+      v = v < static_cast<float>(levels) ? v : static_cast<float>(levels);
+      word |= static_cast<uint32_t>(rintf(v)) << (bits * j);
+    }
+    reinterpret_cast<uint32_t*>(out)[w] = word;
+  }
+  if (lane == 0) *reinterpret_cast<float*>(out + n_words * 4) = scale;
+}
+
 }  // namespace
 
 absl::Status CudaBackend::BuildLandmarks(absl::Span<const bf16> kr, int n, int h, int d, int C,
@@ -112,6 +155,27 @@ absl::Status CudaBackend::BuildLandmarks(absl::Span<const bf16> kr, int n, int h
   LandmarksKernel<<<static_cast<unsigned>(blocks), 32 * warps, smem,
                     cuda::ToCudaStream(stream)>>>(cuda::AsNv(kr.data()), h, d, C, n_chunks,
                                                   cuda::AsNv(landmarks.data()), min_cos.data());
+  KVSHADE_CUDA_LAUNCH_CHECK();
+  return absl::OkStatus();
+}
+
+absl::Status CudaBackend::EncodeSignatures(absl::Span<const bf16> kr,
+                                           absl::Span<const bf16> landmarks, int h, int d, int C,
+                                           int n_chunks, int bits, absl::Span<std::byte> sig,
+                                           Stream stream) {
+  KVSHADE_RETURN_IF_ERROR(validate::EncodeSignatures(kr.size(), landmarks.size(), h, d, C,
+                                                     n_chunks, bits, sig.size()));
+  if (n_chunks == 0) return absl::OkStatus();
+  KVSHADE_RETURN_IF_ERROR(cuda::UseDevice(device_));
+  const long long jobs = static_cast<long long>(n_chunks) * C * h;
+  const long long blocks = cuda::CeilDiv<long long>(jobs, 8);
+  if (blocks > 0x7fffffffLL) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("EncodeSignatures: n_chunks*C*h = ", jobs, " exceeds the CUDA grid limit"));
+  }
+  SignatureKernel<<<static_cast<unsigned>(blocks), 256, 0, cuda::ToCudaStream(stream)>>>(
+      cuda::AsNv(kr.data()), cuda::AsNv(landmarks.data()), h, d, C, jobs, bits,
+      static_cast<int>(SignatureRecordBytes(bits, d)), reinterpret_cast<uint8_t*>(sig.data()));
   KVSHADE_CUDA_LAUNCH_CHECK();
   return absl::OkStatus();
 }

@@ -863,6 +863,8 @@ absl::Status CudaBackend::Select(const LayerShape& shape, int k, absl::Span<cons
 //     max M and S = sum_t exp(l - M) of the logits l = q_n . k / sqrt(d) over its tokens
 //     (lane n, in token order, rescaled when the max grows, as cpu_select.cc ChunkStats):
 //     stats [h, width, g] (M, S).
+//   Stage2SigKernel (two stages, `signatures`): the same stats, each token's logit from
+//     its chunk's landmark and its key signature instead of a reconstructed key.
 //   FinalKernel (block per item and head): in one stage the score is Select's landmark
 //     probability s (from the stage-1 logits and softmax partials); in two, per query head
 //     LSE_n = log sum over the candidates of S exp(M) (warp n: the max of M + log S, then
@@ -1035,6 +1037,69 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
       }
     }
     __syncwarp();
+  }
+  if (lane < g) stats[lane] = make_float2(run_m, run_s);
+}
+
+// Stage 2 from key signatures (SelectOptions::signatures; cpu_select.cc ChunkStatsSig):
+// same grid and outputs as Stage2Kernel. Per query head n the warp reduces
+// base = dot(q_n, L[c]) once, then per token t the signature dot(q_n, code_t - half) (lane
+// l reads channels l, l+32, ..); lane n folds l = (base + scale_t * dot) * scale in token
+// order. No shared memory.
+__global__ void __launch_bounds__(32 * kStage2Warps)
+    Stage2SigKernel(const ExDesc* __restrict__ descs, int g, int d, int C, float scale) {
+  const ExDesc& e = descs[blockIdx.z];
+  const int hh = blockIdx.y, h = gridDim.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int i = blockIdx.x * kStage2Warps + warp;
+  if (i >= e.width) return;
+  const long long at = static_cast<long long>(hh) * e.width + i;
+  float2* stats = e.stats + at * g;
+  const int c = e.cand[at];
+  if (c < 0) {
+    if (lane < g) stats[lane] = make_float2(-INFINITY, 0.0f);
+    return;
+  }
+  const DevView& v = e.view;
+  const DevSegment& sg = v.seg[cuda::SegmentOf(v, c)];
+  const int local = c - sg.begin;
+  const int bits = v.sig_bits, levels = (1 << bits) - 1, per_word = 32 / bits;
+  const float half = static_cast<float>(levels) / 2.0f;
+  const long long rec = static_cast<long long>(d) * bits / 8 + 4;
+  const __nv_bfloat16* lm = sg.landmarks + (static_cast<long long>(local) * h + hh) * d;
+  float run_m = -INFINITY, run_s = 0.0f;  // this lane's query head (lane < g)
+  for (int n = 0; n < g; ++n) {
+    const __nv_bfloat16* qv = e.q + static_cast<long long>(hh * g + n) * d;
+    float base = 0.0f;
+    for (int ch = lane; ch < d; ch += 32) {
+      base = __fadd_rn(base, __fmul_rn(__bfloat162float(qv[ch]), __bfloat162float(lm[ch])));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) base += __shfl_xor_sync(0xffffffffu, base, o);
+    for (int t = 0; t < C; ++t) {
+      const uint8_t* r =
+          sg.sig + ((static_cast<long long>(local) * C + t) * h + hh) * rec;
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(r);
+      float part = 0.0f;
+      for (int ch = lane; ch < d; ch += 32) {
+        const uint32_t code = (words[ch / per_word] >> (bits * (ch % per_word))) &
+                              static_cast<uint32_t>(levels);
+        part = __fadd_rn(part, __fmul_rn(__bfloat162float(qv[ch]),
+                                         __fsub_rn(static_cast<float>(code), half)));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+      const float sc = *reinterpret_cast<const float*>(r + static_cast<long long>(d) * bits / 8);
+      const float logit = __fmul_rn(__fadd_rn(base, __fmul_rn(sc, part)), scale);
+      if (lane == n && isfinite(logit)) {
+        if (logit > run_m) {
+          run_s = __fadd_rn(__fmul_rn(run_s, expf(run_m - logit)), 1.0f);
+          run_m = logit;
+        } else {
+          run_s = __fadd_rn(run_s, expf(logit - run_m));
+        }
+      }
+    }
   }
   if (lane < g) stats[lane] = make_float2(run_m, run_s);
 }
@@ -1356,7 +1421,7 @@ absl::Status CudaBackend::SelectEx(const LayerShape& shape, int k, const SelectO
   const int k1 = ExK1(k, options);
   KVSHADE_RETURN_IF_ERROR(CheckSelectLimits(shape, std::min(k1, kMaxK), items));
   cuda::DeviceRope rope{};
-  if (options.two_stage()) {
+  if (options.two_stage() && !options.signatures) {
     KVSHADE_ASSIGN_OR_RETURN(rope, cuda::MakeDeviceRope(options.rope, d));
   }
   std::vector<ExDesc> descs(items.size());
@@ -1375,7 +1440,21 @@ absl::Status CudaBackend::SelectEx(const LayerShape& shape, int k, const SelectO
       return absl::InvalidArgumentError(absl::StrCat(
           "SelectEx: the CUDA backend keeps at most ", kMaxK, " stage-1 candidates, got ", k1));
     }
-    if (options.two_stage() && (items[i].view.b == nullptr || items[i].view.r < 1)) {
+    if (options.two_stage() && options.signatures) {
+      const SessionLayerView& v = items[i].view;
+      if (!ValidSignatureBits(v.sig_bits) || (int64_t{d} * v.sig_bits) % 32 != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "SelectEx: items[", i, "].view.sig_bits = ", v.sig_bits,
+            " (stage 2 from key signatures needs 2 or 4, with d*bits a multiple of 32)"));
+      }
+      for (int sgi = 0; sgi < v.n_segments; ++sgi) {
+        if (v.segments[sgi].n_chunks > 0 && v.segments[sgi].sig == nullptr) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("SelectEx: items[", i, "].view.segments[", sgi,
+                           "].sig is null (stage 2 scores key signatures)"));
+        }
+      }
+    } else if (options.two_stage() && (items[i].view.b == nullptr || items[i].view.r < 1)) {
       return absl::InvalidArgumentError(
           absl::StrCat("SelectEx: items[", i, "].view needs b and r >= 1 for two stages"));
     }
@@ -1417,7 +1496,12 @@ absl::Status CudaBackend::SelectEx(const LayerShape& shape, int k, const SelectO
     FillAllKernel<<<n_items, 256, 0, st>>>(plan.dev_descs, h);
     KVSHADE_CUDA_LAUNCH_CHECK();
   }
-  if (options.two_stage()) {
+  if (options.two_stage() && options.signatures) {
+    const dim3 grid(cuda::CeilDiv(max_width, kStage2Warps), h, n_items);
+    Stage2SigKernel<<<grid, 32 * kStage2Warps, 0, st>>>(
+        plan.dev_descs, g, d, options.C, 1.0f / std::sqrt(static_cast<float>(d)));
+    KVSHADE_CUDA_LAUNCH_CHECK();
+  } else if (options.two_stage()) {
     const dim3 grid(cuda::CeilDiv(max_width, kStage2Warps), h, n_items);
     const size_t smem = size_t(kStage2Warps) * d * sizeof(float);
     Stage2Kernel<<<grid, 32 * kStage2Warps, smem, st>>>(

@@ -1,6 +1,7 @@
 // CUDA parity of SelectEx (two stages, mass budgets, both, every chunk scored; stage 2's
 // per-query-head normalisation on a planted group) and AssignSlots against the CPU reference
-// (select_ex_test.cc holds the CPU's own tests).
+// (select_ex_test.cc holds the CPU's own tests); the key signature encoder byte for byte and
+// stage 2 from signatures.
 // Scores are summed in another order on the GPU, so chunks whose scores tie to within fp32
 // rounding may swap: a difference is accepted only where the double-precision stage-2
 // scores (log m over the CPU's stage-1 candidates) of the two chunks agree to 1e-3.
@@ -26,7 +27,8 @@ using testing::RunEx;
 // Same selected sets per head, up to swaps of near-tied chunks (by the reference stage-2
 // score over the candidates `cands` in two stages; null: one stage, no swaps).
 void ExpectSameSelection(const LowRankCase& c, int k, const ExOut& a, const ExOut& b,
-                         const std::vector<std::vector<int32_t>>* cands) {
+                         const std::vector<std::vector<int32_t>>* cands,
+                         bool signatures = false) {
   for (int hh = 0; hh < c.shape.h; ++hh) {
     std::set<int32_t> sa, sb;
     int na = 0, nb = 0;
@@ -48,7 +50,7 @@ void ExpectSameSelection(const LowRankCase& c, int k, const ExOut& a, const ExOu
         for (int32_t x : {only_a[i], only_b[i]}) {
           if (std::find(set.begin(), set.end(), x) == set.end()) set.push_back(x);
         }
-        const testing::OracleScores ref = testing::ScoreCandidates(c, hh, set);
+        const testing::OracleScores ref = testing::ScoreCandidates(c, hh, set, signatures);
         EXPECT_NEAR(ref.LogM(only_a[i]), ref.LogM(only_b[i]), 1e-3)
             << "head " << hh << ": " << only_a[i] << " vs " << only_b[i];
       } else {
@@ -222,6 +224,48 @@ TEST(SelectExGpu, AssignSlotsParity) {
     EXPECT_EQ(a.miss_chunk, b.miss_chunk);
     EXPECT_EQ(a.miss_count, b.miss_count);
     slots = a.slots;
+  }
+}
+
+// Key signatures: the GPU's records equal the CPU's byte for byte, and stage 2 from them
+// selects as the CPU does (two stages over stage-1 candidates, and over every chunk).
+TEST(SelectExGpu, SignaturesParity) {
+  KVSHADE_CUDA_OR_SKIP(gpu);
+  auto cpu = Cpu();
+  for (int bits : {2, 4}) {
+    auto rng = MakeRng(900 + bits);
+    LowRankCase c = RandomLowRank(rng, {4, 4, 64}, 8, 32, 300, /*static_every=*/9);
+    testing::BuildSignatures(c, bits);
+    // The backend encoder from the same keys and landmarks.
+    const int h = c.shape.h, d = c.shape.d, tokens = c.n_chunks * c.C;
+    std::vector<bf16> kr(size_t(tokens) * h * d);
+    for (int t = 0; t < tokens; ++t)
+      for (int hh = 0; hh < h; ++hh) {
+        const std::vector<float> k = testing::KeyOf(c, hh, t);
+        for (int ch = 0; ch < d; ++ch) kr[(size_t(t) * h + hh) * d + ch] = FloatToBf16(k[ch]);
+      }
+    Buffer kb = testing::Upload(*gpu, kr), lb = testing::Upload(*gpu, c.landmarks);
+    Buffer sb = testing::Scratch<std::byte>(*gpu, c.sig.size());
+    ASSERT_TRUE(gpu->EncodeSignatures(
+                       absl::MakeConstSpan(static_cast<const bf16*>(kb.data()), kr.size()),
+                       absl::MakeConstSpan(static_cast<const bf16*>(lb.data()),
+                                           c.landmarks.size()),
+                       h, d, c.C, c.n_chunks, bits,
+                       absl::MakeSpan(static_cast<std::byte*>(sb.data()), c.sig.size()))
+                    .ok());
+    ASSERT_TRUE(gpu->Synchronize().ok());
+    EXPECT_EQ(testing::Download<std::byte>(*gpu, sb.data(), c.sig.size()), c.sig) << bits;
+    const int k = 16;
+    for (int cands : {4 * k, 100000}) {
+      SelectOptions o;
+      o.candidates = cands;
+      o.C = c.C;
+      o.signatures = true;
+      ExOut a = RunEx(*cpu, c, k, &o, std::vector<int32_t>(size_t(h) * k, -1));
+      ExOut b = RunEx(*gpu, c, k, &o, std::vector<int32_t>(size_t(h) * k, -1));
+      const auto s1 = testing::StageOneCandidates(*cpu, c, k, o);
+      ExpectSameSelection(c, k, a, b, &s1, /*signatures=*/true);
+    }
   }
 }
 

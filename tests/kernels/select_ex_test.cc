@@ -3,15 +3,19 @@
 // double-precision oracle; stage 2 normalises each query head before the group's maximum;
 // on planted needles two stages never recall less than stage 1 alone; the mass budget
 // against a reference cut (landmark scores in one stage, stage-2 shares in two), its floor
-// and cap; caller-chosen ids served exactly (slot diff and the reconstructed rows).
+// and cap; caller-chosen ids served exactly (slot diff and the reconstructed rows); stage 2
+// from key signatures against the same oracle over the keys they stand for, and their
+// encoder against the reference.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <set>
 #include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
 #include "kvshade/kernels/backend.h"
+#include "kvshade/kernels/codec.h"
 #include "select_ex_util.h"
 #include "test_util.h"
 
@@ -507,6 +511,142 @@ TEST(SelectEx, RejectsBadOptions) {
   o.candidates = 8;  // two stages need C
   RunEx(*be, c, 4, &o, std::vector<int32_t>(4, -1), nullptr, &st);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+}
+
+// --- Stage 2 from key signatures (SelectOptions::signatures) ------------------------------
+
+TEST(SelectEx, SignaturesOverEveryChunkRankAsTheirKeys) {
+  auto be = Cpu();
+  for (int bits : {2, 4}) {
+    for (int seed = 0; seed < 3; ++seed) {
+      auto rng = MakeRng(700 + 10 * bits + seed);
+      LowRankCase c = RandomLowRank(rng, {2, 2, 16}, 4, 16, 30, /*static_every=*/5);
+      testing::BuildSignatures(c, bits);
+      const int k = 5;
+      SelectOptions o;
+      o.candidates = 1000;
+      o.C = c.C;
+      o.signatures = true;
+      ExOut x = RunEx(*be, c, k, &o, std::vector<int32_t>(2 * k, -1));
+      for (int hh = 0; hh < 2; ++hh) {
+        const std::vector<int32_t> want = OracleTopK(c, hh, k, /*signatures=*/true);
+        std::vector<int32_t> got(x.selected.begin() + hh * k, x.selected.begin() + (hh + 1) * k);
+        EXPECT_EQ(got, want) << "bits " << bits << " seed " << seed << " head " << hh;
+      }
+    }
+  }
+}
+
+TEST(SelectEx, SignaturesFindPlantedNeedlesThatLandmarksMiss) {
+  auto be = Cpu();
+  auto rng = MakeRng(7);
+  const std::vector<int> needles = {3, 17, 29, 41, 50, 58, 62, 70};
+  const std::vector<int> decoys = {1, 9, 22, 33, 44, 55, 66, 75};
+  LowRankCase c = Planted(rng, 80, needles, decoys);
+  const int k = 8;
+  const std::vector<int32_t> oracle = OracleTopK(c, 0, k);
+  for (int bits : {2, 4}) {
+    testing::BuildSignatures(c, bits);
+    SelectOptions o;
+    o.candidates = 4 * k;
+    o.C = c.C;
+    o.signatures = true;
+    ExOut two = RunEx(*be, c, k, &o, std::vector<int32_t>(k, -1));
+    EXPECT_EQ(Recall(Row(two.selected, 0, k), oracle), 1.0) << bits;
+    o.candidates = 1000;  // every chunk scored from its signatures
+    ExOut all = RunEx(*be, c, k, &o, std::vector<int32_t>(k, -1));
+    EXPECT_EQ(Recall(Row(all.selected, 0, k), oracle), 1.0) << bits;
+  }
+}
+
+TEST(SelectEx, SignaturesNeedNoBasisOrCoordinates) {
+  auto be = Cpu();
+  auto rng = MakeRng(710);
+  LowRankCase c = RandomLowRank(rng, {2, 2, 16}, 4, 16, 30);
+  testing::BuildSignatures(c, 4);
+  const int k = 5;
+  SelectOptions o;
+  o.candidates = 3 * k;
+  o.C = c.C;
+  o.signatures = true;
+  ExOut want = RunEx(*be, c, k, &o, std::vector<int32_t>(2 * k, -1));
+  LowRankCase bare = c;
+  for (bf16& x : bare.a) x = FloatToBf16(std::nanf(""));  // never read
+  for (bf16& x : bare.b) x = FloatToBf16(std::nanf(""));
+  ExOut got = RunEx(*be, bare, k, &o, std::vector<int32_t>(2 * k, -1));
+  EXPECT_EQ(got.selected, want.selected);
+  EXPECT_EQ(got.slots, want.slots);
+}
+
+TEST(SelectEx, RejectsSignaturesItCannotRead) {
+  auto be = Cpu();
+  auto rng = MakeRng(720);
+  LowRankCase c = RandomLowRank(rng, {1, 1, 16}, 4, 8, 20);
+  absl::Status st;
+  SelectOptions o;
+  o.candidates = 8;
+  o.C = c.C;
+  o.signatures = true;
+  RunEx(*be, c, 4, &o, std::vector<int32_t>(4, -1), nullptr, &st);  // no signatures
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("sig"), std::string::npos) << st;
+  testing::BuildSignatures(c, 4);
+  c.sig_bits = 3;
+  RunEx(*be, c, 4, &o, std::vector<int32_t>(4, -1), nullptr, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The encoder: the backend's records equal the reference's; each channel reads back within
+// half a step of its key; a key equal to its landmark has scale 0; bad arguments refused.
+TEST(Signatures, BackendEncodesTheReference) {
+  auto be = Cpu();
+  auto rng = MakeRng(730);
+  const int h = 3, d = 64, C = 4, n_chunks = 20, n = n_chunks * C + 3;
+  std::vector<bf16> kr = testing::RandomBf16(size_t(n) * h * d, rng, 2.0f);
+  for (int t = 0; t < C; ++t)  // chunk 1, head 0: every token the same key
+    for (int ch = 0; ch < d; ++ch) kr[(size_t(C + t) * h) * d + ch] = kr[size_t(C * h) * d + ch];
+  std::vector<bf16> lm(size_t(n_chunks) * h * d);
+  std::vector<float> min_cos(size_t(h) * n_chunks);
+  ASSERT_TRUE(be->BuildLandmarks(kr, n, h, d, C, n_chunks, absl::MakeSpan(lm),
+                                 absl::MakeSpan(min_cos)).ok());
+  for (int bits : {2, 4}) {
+    const size_t rec = SignatureRecordBytes(bits, d);
+    std::vector<std::byte> sig(size_t(n_chunks) * C * h * rec);
+    ASSERT_TRUE(be->EncodeSignatures(kr, lm, h, d, C, n_chunks, bits, absl::MakeSpan(sig)).ok());
+    std::vector<std::byte> one(rec);
+    const float half = float((1 << bits) - 1) / 2.0f;
+    for (int t = 0; t < n_chunks * C; ++t) {
+      for (int hh = 0; hh < h; ++hh) {
+        const bf16* key = kr.data() + (size_t(t) * h + hh) * d;
+        const bf16* l = lm.data() + (size_t(t / C) * h + hh) * d;
+        SignatureEncodeReference(key, l, d, bits, one.data());
+        const std::byte* got = sig.data() + (size_t(t) * h + hh) * rec;
+        ASSERT_TRUE(std::equal(one.begin(), one.end(), got)) << t << " " << hh;
+        float scale = 0.0f;
+        std::memcpy(&scale, got + size_t(d) * bits / 8, 4);
+        if (t / C == 1 && hh == 0) {
+          // Residual 0 up to the landmark's rounding; identical keys give identical records.
+          EXPECT_LE(scale, 0.05f);
+        }
+        for (int ch = 0; ch < d; ++ch) {
+          uint32_t word = 0;
+          std::memcpy(&word, got + size_t(ch / (32 / bits)) * 4, 4);
+          const float code = float((word >> (bits * (ch % (32 / bits)))) & ((1u << bits) - 1));
+          const float r = Bf16ToFloat(key[ch]) - Bf16ToFloat(l[ch]);
+          EXPECT_LE(std::fabs((code - half) * scale - r), 0.5f * scale * 1.0001f + 1e-7f);
+        }
+      }
+    }
+  }
+  std::vector<std::byte> sig(size_t(n_chunks) * C * h * SignatureRecordBytes(2, d));
+  EXPECT_EQ(be->EncodeSignatures(kr, lm, h, d, C, n_chunks, 3, absl::MakeSpan(sig)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(be->EncodeSignatures(kr, lm, h, d, C, n_chunks, 2,
+                                 absl::MakeSpan(sig).subspan(1)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(be->EncodeSignatures(absl::MakeConstSpan(kr).subspan(0, 10), lm, h, d, C, n_chunks, 2,
+                                 absl::MakeSpan(sig)).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(AssignSlots, ServesTheGivenChunksExactly) {

@@ -6,11 +6,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <utility>
 #include <vector>
 
 #include "kvshade/kernels/backend.h"
+#include "kvshade/kernels/codec.h"
 #include "test_util.h"
 
 namespace kvshade::kernels::testing {
@@ -25,6 +27,8 @@ struct LowRankCase {
   std::vector<bf16> landmarks;  // [n_chunks, h, d]
   std::vector<uint8_t> excluded;  // [h, n_chunks]
   std::vector<bf16> q;          // [h*g, d]
+  int sig_bits = 0;             // key signatures (BuildSignatures), uploaded by RunEx
+  std::vector<std::byte> sig;   // [n_chunks*C, h, SignatureRecordBytes]
 };
 
 // Post-RoPE key of token t (chunk-local index over the segment) of head hh, fp32, as
@@ -57,6 +61,42 @@ inline void BuildLandmarks(LowRankCase& c) {
       }
     }
   }
+}
+
+// Key signatures of every token from its bf16-rounded post-RoPE key and its chunk's
+// landmark (the reference encoder).
+inline void BuildSignatures(LowRankCase& c, int bits) {
+  const int h = c.shape.h, d = c.shape.d;
+  const size_t rec = SignatureRecordBytes(bits, d);
+  c.sig_bits = bits;
+  c.sig.assign(size_t(c.n_chunks) * c.C * h * rec, std::byte{});
+  std::vector<bf16> key(d);
+  for (int t = 0; t < c.n_chunks * c.C; ++t) {
+    for (int hh = 0; hh < h; ++hh) {
+      const std::vector<float> k = KeyOf(c, hh, t);
+      for (int ch = 0; ch < d; ++ch) key[ch] = FloatToBf16(k[ch]);
+      SignatureEncodeReference(key.data(), c.landmarks.data() + (size_t(t / c.C) * h + hh) * d,
+                               d, bits, c.sig.data() + (size_t(t) * h + hh) * rec);
+    }
+  }
+}
+
+// The key a signature stands for (landmark + (code - half) * scale), in double.
+inline std::vector<double> SignatureKeyOf(const LowRankCase& c, int hh, int t) {
+  const int h = c.shape.h, d = c.shape.d, bits = c.sig_bits, levels = (1 << bits) - 1;
+  const size_t rec = SignatureRecordBytes(bits, d);
+  const std::byte* r = c.sig.data() + (size_t(t) * h + hh) * rec;
+  float scale = 0.0f;
+  std::memcpy(&scale, r + size_t(d) * bits / 8, sizeof(float));
+  std::vector<double> k(d);
+  for (int ch = 0; ch < d; ++ch) {
+    uint32_t word = 0;
+    std::memcpy(&word, r + size_t(ch / (32 / bits)) * 4, 4);
+    const uint32_t code = (word >> (bits * (ch % (32 / bits)))) & uint32_t(levels);
+    k[ch] = double(Bf16ToFloat(c.landmarks[(size_t(t / c.C) * h + hh) * d + ch])) +
+            (double(code) - levels / 2.0) * double(scale);
+  }
+  return k;
 }
 
 // A random case: Gaussian factors and query, no static chunks unless `static_every` > 0
@@ -156,6 +196,11 @@ inline ExOut RunEx(Backend& be, const LowRankCase& c, int k, const SelectOptions
   v.excluded = static_cast<const uint8_t*>(keep.back().data());
   keep.push_back(Upload(be, c.a));
   v.a = static_cast<const bf16*>(keep.back().data());
+  if (!c.sig.empty()) {
+    keep.push_back(Upload(be, c.sig));
+    v.sig = static_cast<const std::byte*>(keep.back().data());
+    it.view.sig_bits = c.sig_bits;
+  }
   keep.push_back(Upload(be, c.q));
   it.q = static_cast<const bf16*>(keep.back().data());
   keep.push_back(Upload(be, slots));
@@ -207,8 +252,9 @@ struct OracleScores {
   }
 };
 
+// With `signatures` the keys are the ones the signatures stand for (SignatureKeyOf).
 inline OracleScores ScoreCandidates(const LowRankCase& c, int hh,
-                                    const std::vector<int32_t>& cands) {
+                                    const std::vector<int32_t>& cands, bool signatures = false) {
   const int g = c.shape.g, d = c.shape.d;
   const size_t n_cand = cands.size();
   // l[i][t][n]: logits of candidate i's tokens.
@@ -217,12 +263,17 @@ inline OracleScores ScoreCandidates(const LowRankCase& c, int hh,
   for (size_t i = 0; i < n_cand; ++i) {
     l[i].assign(c.C, std::vector<double>(g));
     for (int t = 0; t < c.C; ++t) {
-      const std::vector<float> k = KeyOf(c, hh, cands[i] * c.C + t);
+      std::vector<double> k(d);
+      if (signatures) {
+        k = SignatureKeyOf(c, hh, cands[i] * c.C + t);
+      } else {
+        const std::vector<float> kf = KeyOf(c, hh, cands[i] * c.C + t);
+        for (int ch = 0; ch < d; ++ch) k[ch] = Bf16ToFloat(FloatToBf16(kf[ch]));
+      }
       for (int n = 0; n < g; ++n) {
         double dot = 0;
         for (int ch = 0; ch < d; ++ch) {
-          dot += double(Bf16ToFloat(c.q[size_t(hh * g + n) * d + ch])) *
-                 double(Bf16ToFloat(FloatToBf16(k[ch])));
+          dot += double(Bf16ToFloat(c.q[size_t(hh * g + n) * d + ch])) * k[ch];
         }
         l[i][t][n] = dot / std::sqrt(double(d));
         mx[n] = std::max(mx[n], l[i][t][n]);
@@ -282,8 +333,9 @@ inline std::vector<std::vector<int32_t>> StageOneCandidates(Backend& be, const L
 
 // The candidates' ids ranked by stage 2 (log m desc, id asc), with their log w.
 inline std::vector<std::pair<int32_t, double>> RankCandidates(const LowRankCase& c, int hh,
-                                                              const std::vector<int32_t>& cands) {
-  const OracleScores o = ScoreCandidates(c, hh, cands);
+                                                              const std::vector<int32_t>& cands,
+                                                              bool signatures = false) {
+  const OracleScores o = ScoreCandidates(c, hh, cands, signatures);
   std::vector<size_t> order(cands.size());
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
@@ -297,9 +349,11 @@ inline std::vector<std::pair<int32_t, double>> RankCandidates(const LowRankCase&
 
 // The oracle's top-k selectable chunks of head hh: two stages with every selectable chunk a
 // candidate (score desc, id asc).
-inline std::vector<int32_t> OracleTopK(const LowRankCase& c, int hh, int k) {
+// `signatures`: of the keys the signatures stand for.
+inline std::vector<int32_t> OracleTopK(const LowRankCase& c, int hh, int k,
+                                       bool signatures = false) {
   std::vector<int32_t> out;
-  for (const auto& [id, log_w] : RankCandidates(c, hh, SelectableChunks(c, hh))) {
+  for (const auto& [id, log_w] : RankCandidates(c, hh, SelectableChunks(c, hh), signatures)) {
     if (int(out.size()) == k) break;
     out.push_back(id);
   }

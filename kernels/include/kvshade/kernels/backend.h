@@ -145,6 +145,10 @@ struct SegmentView {
                                        // values + hh*value_head_stride + j*value_chunk_stride
   int64_t value_head_stride = 0;       // bytes
   int64_t value_chunk_stride = 0;      // bytes (>= ValueChunkBytes)
+  // Key signatures of the chunked tokens (SessionLayerView::sig_bits > 0):
+  // [n_chunks*C, h, SignatureRecordBytes(sig_bits, d)] bytes, token-major (see
+  // EncodeSignatures); null when the segment has none.
+  const std::byte* sig = nullptr;
 };
 
 struct SessionLayerView {
@@ -152,6 +156,7 @@ struct SessionLayerView {
   int n_segments = 0;
   const bf16* b = nullptr;  // [h, r, d] bf16 basis shared by all segments
   int r = 0;
+  int sig_bits = 0;  // bits of the segments' key signatures (2 or 4); 0: none
   int total_chunks() const {
     int t = 0;
     for (int i = 0; i < n_segments; ++i) t += segments[i].n_chunks;
@@ -216,6 +221,14 @@ struct SelectItem {
 //                maximum; exp(M + log S - LSE_n)) in two; summed in rank order in fp32.
 //                Group maxima can sum past 1 when g > 1, so top_p = 1 may cut before k.
 //   min_k      : the floor of the mass budget, in [0, k].
+//   signatures : stage 2 scores the candidates' tokens from their key signatures
+//                (SegmentView::sig) instead of reconstructing their keys: the logit of token
+//                t of chunk c for query head n is
+//                  l_n(t) = (dot(q[n], L[c]) + scale_t * dot(q[n], code_t - half)) / sqrt(d)
+//                (L[c] the chunk's landmark, code_t and scale_t the token's signature record,
+//                half = (2^bits - 1) / 2; fp32, each dot in channel order, then the same
+//                normalisation and ranking as above). Needs view.sig_bits > 0 and every
+//                segment's sig; no basis, RoPE or token coordinates are read.
 // A head that keeps fewer than k chunks has -1 in its trailing `selected` entries; the slots
 // it does not need keep the chunks they held (SelectItem::slots).
 struct SelectOptions {
@@ -224,8 +237,22 @@ struct SelectOptions {
   RopeSpec rope;
   float top_p = 0.0f;
   int min_k = 0;
+  bool signatures = false;
   bool two_stage() const { return candidates > 0; }
 };
+
+// Key signatures (docs/ALGORITHM.md, "Key signatures"): per chunked token and KV head, the
+// residual of its post-RoPE key from its chunk's landmark, r = float(k) - float(L[c]),
+// quantized symmetric with one scale per record:
+//   L = 2^bits - 1, half = L / 2, amax = max_i |r_i|, scale = amax / half (fp32),
+//   code_i = clamp(rint(r_i / scale + half), 0, L) (round half to even); scale 0 (or not
+//   finite) stores scale 0 and codes 0; the key is read back as L[c] + (code - half) * scale.
+// Record of one (token, head): d*bits/32 uint32 words (channel i in bits
+// [bits*(i % (32/bits)), ...) of word i / (32/bits), least significant first), then the
+// float scale. Both backends produce the same bytes.
+inline bool ValidSignatureBits(int bits) { return bits == 2 || bits == 4; }
+inline size_t SignatureRecordBytes(int bits, int d) { return size_t(d) * bits / 8 + 4; }
+
 
 // Output of reconstruction for one session: keys and values of the missed chunks.
 //   miss_chunk : [h, k] int32, entries [0, miss_count[hh]) of row hh are chunk ids
@@ -411,6 +438,14 @@ class Backend {
   virtual absl::Status BuildLandmarks(absl::Span<const bf16> kr, int n, int h, int d, int C,
                                       int n_chunks, absl::Span<bf16> landmarks,
                                       absl::Span<float> min_cos, Stream stream = {}) = 0;
+
+  // Key signatures of the chunked tokens (SignatureRecordBytes above):
+  //   kr [n_chunks*C or more, h, d] bf16 post-RoPE keys, landmarks [n_chunks, h, d] bf16 (as
+  //   BuildLandmarks wrote them) -> sig [n_chunks*C, h, SignatureRecordBytes(bits, d)].
+  // InvalidArgument unless bits is 2 or 4 and d*bits is a multiple of 32.
+  virtual absl::Status EncodeSignatures(absl::Span<const bf16> kr, absl::Span<const bf16> landmarks,
+                                        int h, int d, int C, int n_chunks, int bits,
+                                        absl::Span<std::byte> sig, Stream stream = {}) = 0;
 
   // Per row, the k best columns of scores [rows, cols] f32: largest (or smallest) first,
   // ties by lower column; columns with mask[row, col] != 0 are never chosen.

@@ -70,4 +70,14 @@ absl::Status ValidateKiviLayout(const KiviLayout& l);
 void KiviQuantizeGroupReference(const float* x, int G, int bits, uint32_t* words, fp16* scale,
                                 fp16* mn);
 
+// Reference key signature of one (token, head) (backend.h, SignatureRecordBytes): the
+// residual key - landmark (d channels each) quantized to `bits` into `record`
+// (SignatureRecordBytes(bits, d) bytes). Both backends reproduce these bytes exactly.
+void SignatureEncodeReference(const bf16* key, const bf16* landmark, int d, int bits,
+                              std::byte* record);
+// The record's scale and dot(q, code - half) in fp32, channels in order (the signature
+// part of a stage-2 logit, SelectOptions::signatures).
+float SignatureDotReference(const bf16* q, const std::byte* record, int d, int bits,
+                            float* scale);
+
 }  // namespace kvshade::kernels

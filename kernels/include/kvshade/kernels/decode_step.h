@@ -51,14 +51,20 @@ struct SelectionPolicy {
   RecallAction recall_action = RecallAction::kWiden;
 
   // The SelectEx options at budget k (C, rope: the session's chunk size and RoPE); every
-  // option off gives the default SelectOptions (plain Select).
-  kernels::SelectOptions OptionsAt(int k, int C, const kernels::RopeSpec& rope) const;
+  // option off gives the default SelectOptions (plain Select). `signatures`: the view
+  // keeps key signatures (HasSignatures), so that stage 2 scores them instead of
+  // reconstructing keys.
+  kernels::SelectOptions OptionsAt(int k, int C, const kernels::RopeSpec& rope,
+                                   bool signatures = false) const;
   // The label of the selection in metrics: "shadow", then "+rerankN", "+top_pX";
   // "shadow+native" for model-native steps.
   std::string Label(bool native) const;
   bool guard() const { return recall_sample_rate > 0; }
   bool operator==(const SelectionPolicy&) const = default;
 };
+
+// Whether every segment of the view with chunks keeps key signatures (SegmentView::sig).
+bool HasSignatures(const kernels::SessionLayerView& view);
 
 // Sequences of one step whose selection runs in one launch: same geometry, slot width and
 // options.
