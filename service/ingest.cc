@@ -92,6 +92,7 @@ class ArenaAllocator final : public kernels::Allocator {
       case kernels::BufferKind::kFactorA: return ArenaKind::kA;
       case kernels::BufferKind::kFactorB: return ArenaKind::kB;
       case kernels::BufferKind::kLandmarks: return ArenaKind::kLandmarks;
+      case kernels::BufferKind::kSignatures: return ArenaKind::kLandmarks;
       case kernels::BufferKind::kStatic: return ArenaKind::kStatic;
       case kernels::BufferKind::kScratch: return ArenaKind::kOther;
     }

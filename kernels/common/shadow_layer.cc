@@ -154,6 +154,7 @@ SegmentView ShadowLayer::Segment() const {
   s.values = static_cast<const std::byte*>(values.data());
   s.value_head_stride = int64_t(n_chunks) * int64_t(value_chunk_bytes);
   s.value_chunk_stride = int64_t(value_chunk_bytes);
+  s.sig = signature_bits > 0 ? static_cast<const std::byte*>(sig.data()) : nullptr;
   return s;
 }
 
@@ -163,6 +164,7 @@ SessionLayerView ShadowLayer::View() const {
   v.n_segments = 1;
   v.b = static_cast<const bf16*>(b.data());
   v.r = r;
+  v.sig_bits = signature_bits;
   return v;
 }
 
@@ -206,7 +208,7 @@ AttendItem ShadowLayer::MakeAttendItem(const bf16* q, const KvBlock& slots, floa
 
 size_t ShadowLayer::ResidentBytes() const {
   size_t total = 0;
-  for (const Buffer* buf : {&a, &b, &landmarks, &excluded, &static_k, &static_v, &static_len,
+  for (const Buffer* buf : {&a, &b, &landmarks, &excluded, &sig, &static_k, &static_v, &static_len,
                             &heavy_k_codes, &heavy_k_scale, &heavy_k_min, &heavy_v_codes,
                             &heavy_v_scale, &heavy_v_min, &tail_k, &tail_v}) {
     total += buf->bytes();
@@ -229,6 +231,11 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
   if (p.C < 1) return Bad(absl::StrCat("params.C must be >= 1, got ", p.C));
   if (p.local_min < 0) return Bad(absl::StrCat("params.local_min must be >= 0, got ", p.local_min));
   if (p.outliers < 0) return Bad(absl::StrCat("params.outliers must be >= 0, got ", p.outliers));
+  if (p.signature_bits != 0 &&
+      (!ValidSignatureBits(p.signature_bits) || (int64_t{d} * p.signature_bits) % 32 != 0)) {
+    return Bad(absl::StrCat("params.signature_bits must be 0, 2 or 4 (with d*bits a multiple "
+                            "of 32), got ", p.signature_bits));
+  }
   if (p.heavy_chunks < 0) {
     return Bad(absl::StrCat("params.heavy_chunks must be >= 0, got ", p.heavy_chunks));
   }
@@ -313,6 +320,14 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
   KVSHADE_RETURN_IF_ERROR(be.BuildLandmarks(
       kr_span, n, h, d, C, n_chunks, SpanOf<bf16>(L.landmarks, size_t(n_chunks) * h * d),
       SpanOf<float>(min_cos, size_t(h) * n_chunks), stream));
+  if (p.signature_bits > 0) {
+    L.signature_bits = p.signature_bits;
+    const size_t sig_bytes = size_t(n_chunks) * C * h * SignatureRecordBytes(p.signature_bits, d);
+    KVSHADE_ASSIGN_OR_RETURN(L.sig, mem.Alloc(std::max<size_t>(sig_bytes, 1), BufferKind::kSignatures));
+    KVSHADE_RETURN_IF_ERROR(be.EncodeSignatures(
+        kr_span, SpanOf<const bf16>(L.landmarks, size_t(n_chunks) * h * d), h, d, C, n_chunks,
+        p.signature_bits, SpanOf<std::byte>(L.sig, sig_bytes), stream));
+  }
 
   // --- 5. outliers (and the sink) ---
   const int sink = p.keep_sink ? 1 : 0;

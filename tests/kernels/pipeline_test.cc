@@ -644,6 +644,50 @@ TEST(ShadowLayer, HeavyChunksAreInt2StaticAndNeverSelected) {
   EXPECT_EQ(layer->heavy_k_codes.bytes(), layer->heavy_k_layout.code_words() * 4);
 }
 
+// Key signatures at ingest: the layer's records are EncodeSignatures of its post-RoPE keys
+// against its landmarks, and its view carries them.
+TEST(ShadowLayer, KeySignaturesOfEveryChunkedToken) {
+  auto be = Cpu();
+  auto rng = MakeRng(57);
+  const LayerShape shape{2, 2, 64};
+  const int n = 300;
+  const int64_t first = 11;
+  RopeSpec rope;
+  const auto k_pre = LowRankKeys(shape, n, 16, rng);
+  const auto v = RandomBf16(size_t(n) * shape.D(), rng);
+  ShadowParams p;
+  p.rank = 32;
+  p.outliers = 2;
+  p.signature_bits = 2;
+  auto layer = CompressShadowLayer(*be, shape, rope, p, k_pre, v, n, first);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  std::vector<bf16> kr = k_pre;
+  std::vector<int64_t> pos(n);
+  std::iota(pos.begin(), pos.end(), first);
+  ASSERT_TRUE(be->ApplyRope(rope, pos, shape.h, shape.d, absl::MakeSpan(kr), {}).ok());
+  const int nc = layer->n_chunks, C = 8;
+  const size_t bytes = size_t(nc) * C * shape.h * SignatureRecordBytes(2, shape.d);
+  std::vector<std::byte> want(bytes);
+  ASSERT_TRUE(be->EncodeSignatures(
+                    kr, absl::MakeConstSpan(static_cast<const bf16*>(layer->landmarks.data()),
+                                            size_t(nc) * shape.D()),
+                    shape.h, shape.d, C, nc, 2, absl::MakeSpan(want))
+                  .ok());
+  ASSERT_GE(layer->sig.bytes(), bytes);
+  EXPECT_EQ(std::memcmp(layer->sig.data(), want.data(), bytes), 0);
+  const SessionLayerView view = layer->View();
+  EXPECT_EQ(view.sig_bits, 2);
+  EXPECT_EQ(view.segments[0].sig, static_cast<const std::byte*>(layer->sig.data()));
+  p.signature_bits = 3;
+  EXPECT_EQ(CompressShadowLayer(*be, shape, rope, p, k_pre, v, n, first).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  p.signature_bits = 0;
+  auto plain = CompressShadowLayer(*be, shape, rope, p, k_pre, v, n, first);
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->View().sig_bits, 0);
+  EXPECT_EQ(plain->View().segments[0].sig, nullptr);
+}
+
 TEST(ShadowLayer, BadArgumentsRejected) {
   auto be = Cpu();
   auto rng = MakeRng(56);

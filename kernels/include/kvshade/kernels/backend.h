@@ -349,7 +349,7 @@ struct ImportedMemory {
 };
 
 // What a buffer allocated on the ingest path holds, for budget accounting.
-enum class BufferKind { kFactorA, kFactorB, kLandmarks, kStatic, kScratch };
+enum class BufferKind { kFactorA, kFactorB, kLandmarks, kStatic, kScratch, kSignatures };
 
 // A source of backend memory for composites that must allocate (the ingest path, e.g.
 // CompressShadowLayer). The service passes one over its device arena, so that every byte

@@ -10,6 +10,8 @@
 //   b          [h, r, d] bf16    the layer's basis
 //   landmarks  [n_chunks, h, d] bf16 post-RoPE chunk means
 //   excluded   [h, n_chunks] u8  1 = static for that head (sink, outlier or heavy chunk)
+//   sig        [n_chunks*C, h, SignatureRecordBytes(signature_bits, d)] key signatures of
+//                                the chunked tokens (when params.signature_bits > 0)
 //   values     [h, n_chunks, value_chunk_bytes], host-visible: every chunk encoded with
 //                                `codec` (static chunks too, though decode never reads them)
 //   static set, per head hh, as [h, static_capacity*C, d] bf16 (static_k, static_v):
@@ -51,6 +53,8 @@ struct ShadowParams {
   int heavy_chunks = 0;        // H_l: heavy chunks per head (needs observation queries)
   int heavy_group = kDefaultKiviGroup;  // KIVI group of the INT2 heavy chunks
   ValueCodecSpec codec;        // host value store codec
+  int signature_bits = 0;      // 2 or 4: key signatures of every chunked token (backend.h,
+                               // EncodeSignatures); 0: none
 };
 
 // Observation queries for heavy-chunk detection (step 6), optional.
@@ -77,6 +81,8 @@ struct ShadowLayer {
   size_t value_chunk_bytes = 0;
 
   Buffer a, b, landmarks, excluded;
+  int signature_bits = 0;
+  Buffer sig;     // key signatures (signature_bits > 0)
   Buffer values;  // host-visible
 
   // Static set. static_capacity = max over heads of the static chunk count.
