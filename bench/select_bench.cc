@@ -15,6 +15,10 @@
 // selection call beside Select + Reconstruct of k chunks (the decode step's selection work
 // without the options).
 //
+// The `sig` options run stage 2 from key signatures (docs/ALGORITHM.md "Key signatures"),
+// encoded by the backend from the keys and landmarks as ingest does: over 4k or 16k
+// stage-1 candidates, or over every chunk (no stage 1).
+//
 // With --batch B every call carries B sessions (the same layer, each with its own slot
 // table and outputs), as a decode step of batch B does; times are per call.
 //
@@ -87,6 +91,7 @@ std::vector<T> Down(Backend& be, const void* p, size_t n) {
 
 struct Layer {
   std::vector<bf16> a, b, landmarks, q;
+  std::vector<bf16> kr;  // [n, h, d] post-RoPE keys (bf16), for the key signatures
   std::vector<std::set<int>> needle_chunks;  // per head
 };
 
@@ -143,6 +148,7 @@ Layer Make(const Args& x, std::mt19937_64& rng) {
   for (size_t i = 0; i < a.size(); ++i) L.a[i] = FloatToBf16(a[i]);
   // Landmarks: chunk means of the post-RoPE reconstructed keys.
   L.landmarks.assign(size_t(x.chunks) * h * d, bf16{});
+  L.kr.assign(size_t(n) * h * d, bf16{});
 #pragma omp parallel for schedule(dynamic, 16)
   for (int c = 0; c < x.chunks; ++c) {
     std::vector<float> key(d), mean(d);
@@ -156,6 +162,7 @@ Layer Make(const Args& x, std::mt19937_64& rng) {
         }
         ApplyRopeReference(table, rope.pairing, t, key.data(), d);
         for (int e = 0; e < d; ++e) mean[e] += key[e];
+        for (int e = 0; e < d; ++e) L.kr[(size_t(t) * h + hh) * d + e] = FloatToBf16(key[e]);
       }
       for (int e = 0; e < d; ++e)
         L.landmarks[(size_t(c) * h + hh) * d + e] = FloatToBf16(mean[e] / float(x.C));
@@ -169,8 +176,9 @@ struct Out {
   double ms = 0;
 };
 
+// `sig`: the layer's key signatures of `sig_bits` bits in backend memory (or null).
 Out RunSelectEx(Backend& be, const Args& x, const Layer& L, int k, const SelectOptions* o,
-                int reps) {
+                int reps, const Buffer* sig = nullptr, int sig_bits = 0) {
   const int h = x.h;
   const size_t hk = size_t(h) * k;
   Buffer a = Up(be, L.a), b = Up(be, L.b), lm = Up(be, L.landmarks), q = Up(be, L.q);
@@ -187,6 +195,10 @@ Out RunSelectEx(Backend& be, const Args& x, const Layer& L, int k, const SelectO
   it.view.segments[0].landmarks = static_cast<const bf16*>(lm.data());
   it.view.segments[0].excluded = static_cast<const uint8_t*>(exb.data());
   it.view.segments[0].a = static_cast<const bf16*>(a.data());
+  if (sig != nullptr) {
+    it.view.segments[0].sig = static_cast<const std::byte*>(sig->data());
+    it.view.sig_bits = sig_bits;
+  }
   it.q = static_cast<const bf16*>(q.data());
   int32_t* base = static_cast<int32_t*>(outs.data());
   it.slots = base;
@@ -289,13 +301,23 @@ int main(int argc, char** argv) {
               100.0 * x.k / x.chunks, x.needles, x.trials, x.batch);
   struct Opt {
     const char* name;
-    int factor;
+    int factor;  // candidates = factor * k; 0: every chunk
     float top_p;
     int min_k;
+    int sig_bits = 0;  // stage 2 from key signatures of this many bits
   };
-  const Opt opts[] = {{"one stage (landmarks)", 1, 0, 0}, {"two-stage x2", 2, 0, 0},
-                      {"two-stage x4", 4, 0, 0},          {"two-stage x8", 8, 0, 0},
-                      {"top_p 0.9, floor k/4", 1, 0.9f, -4}, {"x4 + top_p 0.9, floor k/4", 4, 0.9f, -4}};
+  const Opt opts[] = {{"one stage (landmarks)", 1, 0, 0},
+                      {"two-stage x2", 2, 0, 0},
+                      {"two-stage x4", 4, 0, 0},
+                      {"two-stage x8", 8, 0, 0},
+                      {"top_p 0.9, floor k/4", 1, 0.9f, -4},
+                      {"x4 + top_p 0.9, floor k/4", 4, 0.9f, -4},
+                      {"sig2 x4", 4, 0, 0, 2},
+                      {"sig2 x16", 16, 0, 0, 2},
+                      {"sig2 every chunk", 0, 0, 0, 2},
+                      {"sig4 x4", 4, 0, 0, 4},
+                      {"sig4 x16", 16, 0, 0, 4},
+                      {"sig4 every chunk", 0, 0, 0, 4}};
   const int n_opts = int(sizeof(opts) / sizeof(opts[0]));
   std::vector<double> recall(n_opts, 0), needle(n_opts, 0), kept(n_opts, 0), ms(n_opts, 0);
   double rec_ms = 0;
@@ -306,15 +328,34 @@ int main(int argc, char** argv) {
     oracle.candidates = x.chunks;
     oracle.C = x.C;
     const Out orc = RunSelectEx(be, x, L, x.k, &oracle, 1);
+    // Key signatures of 2 and 4 bits, encoded by the backend as ingest does.
+    Buffer sigs[5];
+    for (int bits : {2, 4}) {
+      Buffer kr = Up(be, L.kr), lm = Up(be, L.landmarks);
+      const size_t bytes = size_t(x.chunks) * x.C * x.h * SignatureRecordBytes(bits, x.d);
+      sigs[bits] = be.Allocate(bytes).value();
+      const absl::Status st = be.EncodeSignatures(
+          absl::MakeConstSpan(static_cast<const bf16*>(kr.data()), L.kr.size()),
+          absl::MakeConstSpan(static_cast<const bf16*>(lm.data()), L.landmarks.size()), x.h,
+          x.d, x.C, x.chunks, bits, absl::MakeSpan(static_cast<std::byte*>(sigs[bits].data()), bytes));
+      (void)be.Synchronize();
+      if (!st.ok()) {
+        std::fprintf(stderr, "EncodeSignatures: %s\n", std::string(st.message()).c_str());
+        return 1;
+      }
+    }
     for (int i = 0; i < n_opts; ++i) {
       SelectOptions o;
-      if (opts[i].factor > 1) {
-        o.candidates = opts[i].factor * x.k;
+      if (opts[i].factor != 1) {
+        o.candidates = opts[i].factor > 0 ? opts[i].factor * x.k : x.chunks;
         o.C = x.C;
       }
       o.top_p = opts[i].top_p;
       o.min_k = opts[i].min_k < 0 ? x.k / -opts[i].min_k : opts[i].min_k;
-      const Out out = RunSelectEx(be, x, L, x.k, &o, 3);
+      o.signatures = opts[i].sig_bits > 0;
+      const Out out = RunSelectEx(be, x, L, x.k, &o, 3,
+                                  o.signatures ? &sigs[opts[i].sig_bits] : nullptr,
+                                  opts[i].sig_bits);
       ms[i] += out.ms / x.trials;
       for (int hh = 0; hh < x.h; ++hh) {
         std::set<int> s, os;
@@ -340,5 +381,9 @@ int main(int argc, char** argv) {
                 kept[i], ms[i], (ms[i] + rec_ms) / base);
   }
   std::printf("reconstruct of k chunks per head: %.3f ms\n", rec_ms);
+  std::printf("device bytes per token and layer: low-rank keys %d (rank %d, bf16), key signatures "
+              "%zu (2 bits) / %zu (4 bits)\n",
+              2 * x.r, x.r, size_t(x.h) * SignatureRecordBytes(2, x.d),
+              size_t(x.h) * SignatureRecordBytes(4, x.d));
   return 0;
 }
