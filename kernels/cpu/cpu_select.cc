@@ -25,6 +25,7 @@
 // caller's ids (range, static, repeats) and runs the same slot diff.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "absl/strings/str_cat.h"
@@ -182,12 +183,6 @@ void SelectHead(const LayerShape& shape, int k, const SelectItem& item, int hh, 
   SlotDiff(k, cand, kk, item, hh, aux);
 }
 
-// Stage-2 statistics of chunk c of head hh, per query head n of the group, over the logits
-// l = q_n . k_hat / sqrt(d) of its C tokens (k_hat the bf16-rounded reconstructed post-RoPE
-// key, fp32 dot): M = the max logit and S = sum_t exp(l - M), accumulated in token order
-// and rescaled when the max grows (the CUDA kernel runs the same sequence). Non-finite logits
-// (NaN, or +-inf from overflow) carry no weight; a head without a finite logit has M = -inf,
-// S = 0. stats [g] (M, S) pairs; acc [d].
 // One stage-2 logit into a chunk's running (M, S) of query head n; non-finite logits carry
 // no weight.
 inline void FoldLogit(float logit, float* stats_n) {
@@ -203,33 +198,60 @@ inline void FoldLogit(float logit, float* stats_n) {
 }
 
 // ChunkStats from the key signatures (SelectOptions::signatures): per query head n,
-// lm = dot(q_n, L[c]) once, then per token l = (lm + scale_t * dot(q_n, code_t - half)) /
-// sqrt(d), folded in token order as above.
+// base_n = dot(q_n, L[c]) once, then per token l = (base_n + scale_t * dot(q_n, code_t -
+// half)) / sqrt(d) (SignatureDotReference's arithmetic: the codes unpacked once per token
+// into acc [d], fp32 dots in channel order), folded in token order as above.
 void ChunkStatsSig(const LayerShape& shape, const SelectOptions& o, const SelectItem& item,
-                   int hh, int c, float* stats) {
+                   int hh, int c, float* acc, float* stats) {
   const int h = shape.h, g = shape.g, d = shape.d, C = o.C;
   const SessionLayerView& view = item.view;
   int local = c, si = 0;
   while (local >= view.segments[si].n_chunks) local -= view.segments[si++].n_chunks;
   const SegmentView& seg = view.segments[si];
   const float scale = 1.0f / std::sqrt(float(d));
-  const size_t rec = SignatureRecordBytes(view.sig_bits, d);
+  const int bits = view.sig_bits, levels = (1 << bits) - 1, per_word = 32 / bits;
+  const float half = float(levels) / 2.0f;
+  const size_t rec = SignatureRecordBytes(bits, d);
   const bf16* lm = seg.landmarks + (int64_t(local) * h + hh) * d;
+  constexpr int kMaxG = 64;
+  float base[kMaxG];
   for (int n = 0; n < g; ++n) {
     stats[2 * n] = -std::numeric_limits<float>::infinity();
     stats[2 * n + 1] = 0.0f;
     const bf16* qv = item.q + int64_t(hh * g + n) * d;
-    float base = 0.0f;
-    for (int ch = 0; ch < d; ++ch) base += Bf16ToFloat(qv[ch]) * Bf16ToFloat(lm[ch]);
-    for (int t = 0; t < C; ++t) {
-      const std::byte* r = seg.sig + ((int64_t(local) * C + t) * h + hh) * int64_t(rec);
-      float sc = 0.0f;
-      const float dot = SignatureDotReference(qv, r, d, view.sig_bits, &sc);
-      FoldLogit((base + sc * dot) * scale, stats + 2 * n);
+    float b = 0.0f;
+    for (int ch = 0; ch < d; ++ch) b += Bf16ToFloat(qv[ch]) * Bf16ToFloat(lm[ch]);
+    if (n < kMaxG) base[n] = b;
+  }
+  for (int t = 0; t < C; ++t) {
+    const std::byte* r = seg.sig + ((int64_t(local) * C + t) * h + hh) * int64_t(rec);
+    uint32_t word = 0;
+    for (int ch = 0; ch < d; ++ch) {
+      if (ch % per_word == 0) std::memcpy(&word, r + size_t(ch / per_word) * 4, 4);
+      acc[ch] = float((word >> (bits * (ch % per_word))) & uint32_t(levels)) - half;
+    }
+    float sc = 0.0f;
+    std::memcpy(&sc, r + size_t(d) * bits / 8, sizeof(float));
+    for (int n = 0; n < g; ++n) {
+      const bf16* qv = item.q + int64_t(hh * g + n) * d;
+      float b = base[std::min(n, kMaxG - 1)];
+      if (n >= kMaxG) {
+        b = 0.0f;
+        for (int ch = 0; ch < d; ++ch) b += Bf16ToFloat(qv[ch]) * Bf16ToFloat(lm[ch]);
+      }
+      float dot = 0.0f;
+      for (int ch = 0; ch < d; ++ch) dot += Bf16ToFloat(qv[ch]) * acc[ch];
+      FoldLogit((b + sc * dot) * scale, stats + 2 * n);
     }
   }
 }
 
+// Stage-2 statistics of chunk c of head hh, per query head n of the group, over the logits
+// l = q_n . k_hat / sqrt(d) of its C tokens (k_hat the bf16-rounded reconstructed post-RoPE
+// key, fp32 dot): M = the max logit and S = sum_t exp(l - M), accumulated in token order
+// and rescaled when the max grows (the CUDA kernel runs the same sequence). Non-finite logits
+// (NaN, or +-inf from overflow) carry no weight; a head without a finite logit has M = -inf,
+// S = 0. stats [g] (M, S) pairs; acc [d].
 void ChunkStats(const LayerShape& shape, const SelectOptions& o, const RopeTable& table,
                 const SelectItem& item, int hh, int c, float* acc, float* stats) {
   const int g = shape.g, d = shape.d, C = o.C;
@@ -336,7 +358,7 @@ void SelectExHead(const LayerShape& shape, int k, const SelectOptions& o, const 
     float* lse = stats + int64_t(2) * std::min(total, stage1) * g;
     for (int i = 0; i < n_cand; ++i) {
       if (o.signatures) {
-        ChunkStatsSig(shape, o, item, hh, cand[i], stats + int64_t(2) * g * i);
+        ChunkStatsSig(shape, o, item, hh, cand[i], acc, stats + int64_t(2) * g * i);
       } else {
         ChunkStats(shape, o, *table, item, hh, cand[i], acc, stats + int64_t(2) * g * i);
       }
