@@ -6,7 +6,8 @@ without new tokens, the daemon's own Attend; a batch equals each session alone; 
 sessions in the batch are served from their tail; a layer the recall guard puts under a
 fallback is attended through the daemon's Attend merged with the tokens decoded here
 (equal to kvshade.testing's reference over the daemon's own rows); the decoder follows
-kvshade.decoder.Decoder; bad calls are refused."""
+kvshade.decoder.Decoder; sequences join and leave between steps (each equal to a decoder
+over its session alone); bad calls are refused."""
 import contextlib
 import os
 import re
@@ -390,6 +391,79 @@ class RemoteDecoderTest(unittest.TestCase):
                     ref.close()
                     c.detach(service.attachment_id)
 
+    def check_join_and_leave(self, c, delivery):
+        """Sequences join and leave between steps (slot rows grown past max_batch, reused after
+        a leave, an exact session among them); each step's output for each sequence equals a
+        decoder over that session alone fed the same inputs since it joined."""
+        dev = device()
+        tol = 2e-5 if dev == "cpu" else 2e-2
+        on = lambda t: t.to(dev)  # noqa: E731
+        sids = [self.session(c), self.session(c, n=300), self.session(c, kvshade.Profile("exact"), n=200),
+                self.session(c, n=400)]
+        alone = {}
+        plan = [("start", [0]), ("join", 1), ("join", 2), ("leave", 0), ("join", 3), ("leave", sids[2])]
+        with RemoteDecoder(c, [sids[0]], self.model, device=dev, delivery=delivery, local_capacity=2) as dec:
+            members = [0]
+            alone[0] = RemoteDecoder(c, [sids[0]], self.model, device=dev, delivery=delivery, worker_id="alone")
+            for what, arg in plan:
+                if what == "join":
+                    self.assertEqual(dec.join(sids[arg]), len(members))
+                    members.append(arg)
+                    alone[arg] = RemoteDecoder(c, [sids[arg]], self.model, device=dev, delivery=delivery,
+                                               worker_id="alone")
+                elif what == "leave":
+                    i = arg if isinstance(arg, int) else members.index(sids.index(arg))
+                    dec.leave(arg)
+                    gone = members.pop(i)
+                    alone.pop(gone).close()
+                self.assertEqual(dec.batch, len(members))
+                self.assertEqual(dec.session_ids, [sids[m] for m in members])
+                for step in self.steps(2, len(members)):
+                    for layer, (q, k, v) in enumerate(step):
+                        got = dec.attend(layer, on(q), on(k), on(v)).cpu()
+                        for i, m in enumerate(members):
+                            want = alone[m].attend(layer, on(q[i:i + 1]), on(k[i:i + 1]), on(v[i:i + 1])).cpu()
+                            torch.testing.assert_close(got[i], want[0], rtol=tol, atol=tol,
+                                                       msg=lambda e: "after %s %s: %s" % (what, arg, e))
+                    dec.advance()
+            self.assertEqual(dec.delivery, delivery)
+            with self.assertRaises(IndexError):
+                dec.leave(7)
+            with self.assertRaises(ValueError):
+                dec.leave("no-such-session")
+        for a in alone.values():
+            a.close()
+        for sid in sids:
+            self.assertEqual(c.get_session(sid)["attachments"], 0)  # every attachment ended
+
+    def test_sequences_join_and_leave_inline(self):
+        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+            c.wait_ready(20)
+            self.check_join_and_leave(c, "inline")
+
+    def test_sequences_join_and_leave_ucx_rma(self):
+        with daemon(ucx=True) as server, \
+                kvshade.Client(server.target, timeout=30, use_ucx=True, ucx_transports="tcp,self") as c:
+            c.wait_ready(20)
+            self.check_join_and_leave(c, "ucx_rma")
+
+    def test_an_empty_decoder_fills_by_joins(self):
+        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+            c.wait_ready(20)
+            sid = self.session(c)
+            with RemoteDecoder(c, [], self.model, device="cpu") as dec, \
+                    RemoteDecoder(c, [sid], self.model, device="cpu", worker_id="alone") as one:
+                self.assertEqual((dec.batch, dec.delivery), (0, "none"))
+                self.assertEqual(dec.join(sid), 0)
+                self.assertEqual(dec.delivery, "inline")
+                for step in self.steps(2, 1):
+                    for layer, (q, k, v) in enumerate(step):
+                        torch.testing.assert_close(dec.attend(layer, q, k, v), one.attend(layer, q, k, v),
+                                                   rtol=2e-5, atol=2e-5)
+                    dec.advance()
+                dec.leave(0)
+                self.assertEqual(dec.batch, 0)
+
     def test_follows_the_decoder_protocol(self):
         with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
             c.wait_ready(20)
@@ -416,9 +490,16 @@ class RemoteDecoderTest(unittest.TestCase):
             c.wait_ready(20)
             sid = self.session(c)
             with self.assertRaises(kvshade.InvalidArgument):
-                RemoteDecoder(c, [], self.model)
-            with self.assertRaises(kvshade.InvalidArgument):
                 RemoteDecoder(c, [sid], self.model, delivery="carrier-pigeon")
+            # A join of another slot geometry is refused and changes nothing.
+            other = self.session(c, kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=16, outliers=4,
+                                                    local_window=32))
+            with RemoteDecoder(c, [sid], self.model, device="cpu") as dec:
+                with self.assertRaises(kvshade.InvalidArgument):
+                    dec.join(other)
+                self.assertEqual((dec.batch, dec.session_ids), (1, [sid]))
+                self.assertEqual(c.get_session(other)["attachments"], 0)
+                dec.attend(0, torch.zeros(1, HQ, D))
             with self.assertRaises(kvshade.NotFound):
                 RemoteDecoder(c, [sid, "no-such-session"], self.model, device="cpu")
             self.assertEqual(c.get_session(sid)["attachments"], 0)  # nothing left attached

@@ -47,12 +47,20 @@ the daemon does not hold); the session's layer is selected no more (the guard ke
 fallback for the session's life). The other layers and sessions keep the slot path.
 stats() counts those sequence-layers (`fallbacks`); selection() gives the guard's figures.
 
+Continuous batching: sequences join() and leave() the batch between steps (a decoder may
+start empty, RemoteDecoder(client, [], model)); each keeps its own tokens decoded here, so
+sequences of different lengths decode together. A sequence keeps one row of the slot
+buffers while it stays (the daemon delivers into it); a leave frees the row for the next
+join, and a join past the rows held (max_batch, default the first batch) doubles them and
+attaches the batch's shadow sessions again (their slots fill again at the next step).
+
 q and the new token's key are post-RoPE (what the model computes); outputs are fp32
 [B, hq, d] on `device`. Tokens decoded here are not appended to the sessions. The decoder
 follows kvshade.decoder.Decoder.
 """
+import contextlib
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -75,22 +83,25 @@ DELIVERY_ORDER = ("cuda_ipc", "ucx_rma", "inline")
 class RemoteDecoder:
     def __init__(self, client: Client, session_ids: Sequence[str], model: ModelSpec, device: Any = None,
                  delivery: str = "auto", worker_id: str = "remote-decoder", local_capacity: int = 256,
-                 speculate: bool = False, correct_below: float = 0.9) -> None:
+                 speculate: bool = False, correct_below: float = 0.9, max_batch: Optional[int] = None) -> None:
         torch = _torch()
-        if not session_ids:
-            raise InvalidArgument("session_ids must name at least one session")
         if delivery != "auto" and delivery not in DELIVERY_ORDER:
             raise InvalidArgument("delivery must be 'auto' or one of %s, got %r" % (DELIVERY_ORDER, delivery))
         self.device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         self.client, self.model = client, model
-        self.batch = B = len(session_ids)
         self.layers, self.kv_heads = L, h = model.num_layers, model.num_kv_heads
         self.query_heads, self.head_dim = model.num_query_heads, model.head_dim
         if self.query_heads % h:
             raise InvalidArgument("num_query_heads (%d) must be a multiple of num_kv_heads (%d)" % (self.query_heads, h))
-        self.session_ids = list(session_ids)
         self.worker_id = worker_id
-        self.attachments = [None] * B
+        self._delivery_arg = delivery
+        # Per sequence (batch index b): its session, attachment, profile and slot-buffer row.
+        self.batch = 0
+        self.session_ids: List[str] = []
+        self.attachments: List[Any] = []
+        self.profiles: List[str] = []
+        self._rows: List[int] = []
+        self._sel_index: List[int] = []
         self.hits = self.selected = 0
         # Speculate-and-correct: layer l of step t attends over the chunks selected with
         # step t-1's query (its select ran while the model computed other layers); a KV
@@ -103,67 +114,187 @@ class RemoteDecoder:
         self.steps = 0      # advance() calls
         self.fallbacks = 0  # sequence-layers attended through the daemon's Attend
         # [layer, b]: the recall guard put the layer of session b under a fallback.
-        self._fallback = np.zeros((L, B), dtype=bool)
-        self._pending = [None] * model.num_layers  # (future, query it was issued with, batch indices)
+        self._fallback = np.zeros((L, 0), dtype=bool)
+        self._pending: List[Any] = [None] * L  # (future, query it was issued with, batch indices)
+        # Slot buffers [rows, L, h, S, C, d]: one row per sequence, kept while it stays (a
+        # daemon delivering by cuda_ipc or ucx_rma writes into its row); rows of sequences
+        # that left are reused by later joins.
+        self.delivery, self.chunk_size, self.slots_per_head = "none", 0, 0
         self._slot_k = self._slot_v = self._host_k = self._host_v = None
+        self._slot_used = None  # [L, B, h, S] bool
+        self._free_rows: List[int] = []
+        self._rows_hint = max(int(max_batch or 0), len(session_ids), 1)
         self._slots_read = None  # CUDA event: this layer's slot buffers were copied out
+        # Working buffers per layer (_rebuild): [B, h, N, d] bf16 rows static set + tail |
+        # slots | local tokens, and the mask [B, h, 1, N].
+        self._local_capacity = max(1, int(local_capacity))
+        self._work_k: List[Any] = [None] * L
+        self._work_v: List[Any] = [None] * L
+        self._work_mask: List[Any] = [None] * L
+        self._slot_off = [0] * L            # first slot row (= the widest static set + tail)
+        self._sc = 0                        # slot rows per head (S * C once slots exist)
+        self._nb: List[List[int]] = [[] for _ in range(L)]      # per sequence: its base rows
+        self._local_n = [0] * L             # local rows written (the same row for every sequence)
+        self._start: List[List[int]] = [[] for _ in range(L)]   # per sequence: its first local row
+        self._base_full = [True] * L
+        self._local_full = [True] * L
+        self._unmasked = [False] * L
+        self._slot_dirty = [True] * L
+        self._sdpa = getattr(torch.nn.functional, "scaled_dot_product_attention", None)
         try:
-            self._attach_all(delivery)
-            self._load_static()
-            self._build_work(max(1, int(local_capacity)))
+            self._add(list(session_ids))
         except BaseException:
             self.close()
             raise
-        self._local_n = [0] * L
 
-    # --- Setup ---
-    def _attach_all(self, delivery):
-        """Attaches every session; the shadow ones share one slot geometry (C, slots per head)
-        and get slot buffers by the first delivery the daemon grants."""
+    # --- Membership ---
+    def join(self, session_id: str) -> int:
+        """Continuous batching: adds a session at the end of the batch between steps and
+        returns its batch index. It decodes from its own length (its local tokens start
+        empty); the others keep theirs. Sessions of the exact or mini profile join as in the
+        constructor; a shadow session must have the decoder's slot geometry. Growing past
+        the slot rows held (max_batch, or the widest batch so far) re-attaches the batch's
+        shadow sessions once (their slots fill again at the next step)."""
+        self._settle()
+        self._add([session_id])
+        return self.batch - 1
+
+    def leave(self, sequence: Union[int, str]) -> None:
+        """Removes a sequence (batch index or session id) between steps: its attachment ends,
+        its tokens decoded here are dropped (append them to its session first to keep them)
+        and its rows are freed; the later sequences move down one index."""
+        b = self.session_ids.index(sequence) if isinstance(sequence, str) else int(sequence)
+        if not 0 <= b < self.batch:
+            raise IndexError("sequence %s is not in the batch of %d" % (sequence, self.batch))
+        self._settle()
+        a = self.attachments[b]
+        if a is not None:
+            self.client.detach(a.attachment_id)
+            self.attachments[b] = None
+        if self._rows:
+            self._free_rows.append(self._rows[b])
+            self._free_rows.sort()
+        keep = [i for i in range(self.batch) if i != b]
+        for name in ("session_ids", "attachments", "profiles"):
+            setattr(self, name, [getattr(self, name)[i] for i in keep])
+        if self._rows:
+            self._rows = [self._rows[i] for i in keep]
+        self._fallback = self._fallback[:, keep]
+        if self._slot_used is not None:
+            self._slot_used = self._slot_used[:, keep]
+        self._rebuild(keep, [])
+
+    def _settle(self):
+        """Between steps, before the batch changes: speculative selects in flight land (their
+        misses applied) so that no batch index outlives its meaning."""
+        for layer, pending in enumerate(self._pending):
+            if pending is not None:
+                self._pending[layer] = None
+                future, _, prev = pending
+                self._apply(layer, prev, future.result())
+
+    def _add(self, sids):
+        """Attaches `sids` (at the end of the batch), loads their static sets and tails and
+        rebuilds the working buffers."""
+        c, B0 = self.client, self.batch
+        profiles = [c.get_session(s)["profile"] for s in sids]
+        shadow = [i for i, p in enumerate(profiles) if p == "shadow"]
+        new_attachments: List[Any] = []
+        rows: List[int] = []
+        try:
+            if shadow and self._slot_k is None:
+                self._start_slots(sids[shadow[0]], B0 + len(sids))
+            elif self._slot_k is not None:
+                self._reserve_rows(len(sids))
+            rows = [self._free_rows.pop(0) for _ in sids] if self._slot_k is not None else []
+            for i, sid in enumerate(sids):
+                a = self._attach_one(sid, profiles[i] == "shadow", rows[i] if rows else None)
+                new_attachments.append(a)
+        except BaseException:
+            for a in new_attachments:
+                with contextlib.suppress(Exception):
+                    c.detach(a.attachment_id)
+            self._free_rows = sorted(set(self._free_rows) | set(rows))  # rows taken for this call
+            raise
+        fresh = [self._load_base(a) for a in new_attachments]
+        self.session_ids += list(sids)
+        self.attachments += new_attachments
+        self.profiles += profiles
+        if self._slot_k is not None:
+            self._rows += rows
+        L, h, S = self.layers, self.kv_heads, self.slots_per_head
+        self._fallback = np.concatenate([self._fallback, np.zeros((L, len(sids)), bool)], axis=1)
+        if self._slot_k is not None:
+            used = self._slot_used if self._slot_used is not None else np.zeros((L, B0, h, S), bool)
+            self._slot_used = np.concatenate([used, np.zeros((L, len(sids), h, S), bool)], axis=1)
+        self._rebuild(list(range(B0)), fresh)
+
+    def _start_slots(self, probe_sid, batch):
+        """The first shadow session: the slot geometry (from a plain attach of it), slot
+        buffers of max(max_batch, batch) rows, and the delivery (for "auto" the first of
+        cuda_ipc, ucx_rma, inline the daemon grants)."""
+        c = self.client
+        probe = c.attach(probe_sid, self.worker_id)
+        c.detach(probe.attachment_id)
+        self.chunk_size, self.slots_per_head = probe.chunk_size, probe.slots_per_head
+        if self._delivery_arg == "auto":
+            self._order = [x for x in DELIVERY_ORDER
+                           if (x != "cuda_ipc" or self.device.type == "cuda") and (x != "ucx_rma" or probe.data_plane)]
+        else:
+            self._order = [self._delivery_arg]
+        self._alloc_slots(max(self._rows_hint, batch))
+        self._rows = list(range(self.batch))
+        self._free_rows = list(range(self.batch, self._slot_k.shape[0]))
+        self._sc = self.slots_per_head * self.chunk_size
+
+    def _alloc_slots(self, rows):
         torch = _torch()
-        c, B, L, h, d = self.client, self.batch, self.layers, self.kv_heads, self.head_dim
-        self.profiles = [c.get_session(s)["profile"] for s in self.session_ids]
-        self._sel_index = [b for b in range(B) if self.profiles[b] == "shadow"]
-        self.delivery, self.chunk_size, self.slots_per_head = "none", 0, 0
-        if self._sel_index:
-            # The slot geometry comes with an attachment: a plain attach of the first shadow
-            # session says it (a CUDA IPC attach must name its buffers up front).
-            b0 = self._sel_index[0]
-            probe = c.attach(self.session_ids[b0], self.worker_id)
-            c.detach(probe.attachment_id)
-            self.chunk_size, self.slots_per_head = C, S = probe.chunk_size, probe.slots_per_head
-            if delivery == "auto":
-                order = [x for x in DELIVERY_ORDER
-                         if (x != "cuda_ipc" or self.device.type == "cuda") and (x != "ucx_rma" or probe.data_plane)]
-            else:
-                order = [delivery]
-            self._slot_k = torch.zeros((B, L, h, S, C, d), dtype=torch.bfloat16, device=self.device)
-            self._slot_v = torch.zeros_like(self._slot_k)
-            self._slot_used = np.zeros((L, B, h, S), dtype=bool)
-            errors = []
-            for mode in order:
-                try:
-                    self._attach_shadow(mode)
-                    self.delivery = mode
-                    break
-                except Exception as e:  # noqa: BLE001 - "auto": the next delivery; else raised below
-                    errors.append("%s: %s" % (mode, e))
-                    self.close()
-            else:
-                raise FailedPrecondition("no slot delivery was granted: " + "; ".join(errors))
-        for b in range(B):
-            if self.attachments[b] is None:
-                self.attachments[b] = c.attach(self.session_ids[b], self.worker_id)
-            a = self.attachments[b]
-            if b in self._sel_index and (a.chunk_size, a.slots_per_head) != (self.chunk_size, self.slots_per_head):
-                raise InvalidArgument("session %s has chunk size %d and %d slots per head, session %s %d and %d: "
-                                      "one RemoteDecoder serves sessions of one slot geometry"
-                                      % (self.session_ids[b], a.chunk_size, a.slots_per_head,
-                                         self.session_ids[self._sel_index[0]], self.chunk_size,
-                                         self.slots_per_head))
+        L, h, d = self.layers, self.kv_heads, self.head_dim
+        shape = (rows, L, h, self.slots_per_head, self.chunk_size, d)
+        self._slot_k = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
+        self._slot_v = torch.zeros_like(self._slot_k)
+        self._host_k = self._host_v = None
 
-    def _attach_shadow(self, mode):
-        """Attaches every shadow session with slot delivery `mode`."""
+    def _reserve_rows(self, n):
+        """At least n free slot rows: beyond the rows held, new buffers of twice as many rows,
+        and the batch's shadow sessions attached again onto them."""
+        if len(self._free_rows) >= n:
+            return
+        old = self._slot_k.shape[0]
+        rows = max(2 * old, old + n - len(self._free_rows))
+        for b in self._sel_index:
+            with contextlib.suppress(Exception):
+                self.client.detach(self.attachments[b].attachment_id)
+            self.attachments[b] = None
+        self._alloc_slots(rows)
+        self._free_rows = sorted(set(self._free_rows) | set(range(old, rows)))
+        for b in self._sel_index:
+            self.attachments[b] = self._attach_one(self.session_ids[b], True, self._rows[b])
+        # New attachments start with empty slot tables: every slot fills again.
+        self._slot_used[:] = False
+        self._slot_dirty = [True] * self.layers
+
+    def _attach_one(self, sid, shadow, row):
+        """Attaches one session; a shadow one with slot delivery into slot row `row` (the
+        first delivery of the decoder's order the daemon grants, which then stays)."""
+        c = self.client
+        if not shadow:
+            return c.attach(sid, self.worker_id)
+        errors = []
+        for mode in (self._order if self.delivery == "none" else [self.delivery]):
+            try:
+                a = self._attach_shadow(sid, row, mode)
+            except InvalidArgument:
+                raise  # the session, not the delivery
+            except Exception as e:  # noqa: BLE001 - "auto": the next delivery; else raised below
+                errors.append("%s: %s" % (mode, e))
+                continue
+            self.delivery = mode
+            return a
+        raise FailedPrecondition("no slot delivery was granted: " + "; ".join(errors))
+
+    def _attach_shadow(self, sid, row, mode):
+        """Attaches one shadow session with slot delivery `mode` into slot row `row`."""
         torch = _torch()
         c = self.client
         nbytes = self._slot_k[0].numel() * 2
@@ -175,78 +306,113 @@ class RemoteDecoder:
             self._host_v = torch.zeros(shape, dtype=torch.bfloat16, pin_memory=pin)
             if not pin:  # the CPU: attention reads the buffers the daemon writes
                 self._slot_k, self._slot_v = self._host_k, self._host_v
-        for b in self._sel_index:
-            if mode == "cuda_ipc":
-                instead = "use delivery 'ucx_rma' or 'inline'"
-                kh, ko = cuda_ipc_ref(self._slot_k[b], "the slot buffer", instead)
-                vh, vo = cuda_ipc_ref(self._slot_v[b], "the slot buffer", instead)
-                # The daemon writes into these buffers from its own stream: they must hold
-                # their zeros before it does.
-                torch.cuda.current_stream(self.device).synchronize()
-                a = c.attach(self.session_ids[b], self.worker_id, delivery="cuda_ipc",
-                             cuda_ipc=dict(k_handle=kh, k_offset=ko, v_handle=vh, v_offset=vo, bytes=nbytes))
-            else:
-                a = c.attach(self.session_ids[b], self.worker_id, delivery=mode)
-            self.attachments[b] = a
+        if mode == "cuda_ipc":
+            instead = "use delivery 'ucx_rma' or 'inline'"
+            kh, ko = cuda_ipc_ref(self._slot_k[row], "the slot buffer", instead)
+            vh, vo = cuda_ipc_ref(self._slot_v[row], "the slot buffer", instead)
+            # The daemon writes into these buffers from its own stream: they must hold
+            # their zeros before it does.
+            torch.cuda.current_stream(self.device).synchronize()
+            a = c.attach(sid, self.worker_id, delivery="cuda_ipc",
+                         cuda_ipc=dict(k_handle=kh, k_offset=ko, v_handle=vh, v_offset=vo, bytes=nbytes))
+        else:
+            a = c.attach(sid, self.worker_id, delivery=mode)
+        try:
+            if (a.chunk_size, a.slots_per_head) != (self.chunk_size, self.slots_per_head):
+                raise InvalidArgument("session %s has chunk size %d and %d slots per head, the decoder %d and %d: "
+                                      "one RemoteDecoder serves sessions of one slot geometry"
+                                      % (sid, a.chunk_size, a.slots_per_head, self.chunk_size,
+                                         self.slots_per_head))
             if a.delivery != mode:
                 raise FailedPrecondition("asked for delivery %r, the daemon granted %r" % (mode, a.delivery))
             if a.slot_buffer_bytes > nbytes:
                 raise FailedPrecondition("the slot buffers need %d bytes, %d were sized"
                                          % (a.slot_buffer_bytes, nbytes))
             if mode == "ucx_rma":
-                as_bytes = lambda t: t[b].view(-1).view(torch.int16).numpy()  # noqa: E731
+                as_bytes = lambda t: t[row].view(-1).view(torch.int16).numpy()  # noqa: E731
                 c.register_slot_buffers(a.attachment_id, as_bytes(self._host_k), as_bytes(self._host_v))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                c.detach(a.attachment_id)
+            raise
+        return a
 
-    def _load_static(self):
-        """Per layer: static set and exact tail of every session, padded to one length and
-        masked (on the host until _build_work places them)."""
-        B, h, d = self.batch, self.kv_heads, self.head_dim
-        self._base = []
+    def _load_base(self, a):
+        """Per layer the static set and exact tail of one attachment: (k, v [h, n, d] float32,
+        mask [h, n] bool) on the host."""
+        h, d = self.kv_heads, self.head_dim
+        out = []
         for layer in range(self.layers):
-            sets = [self.client.static_set(a.attachment_id, layer) for a in self.attachments]
-            n = max(s.k.shape[1] + s.tail_k.shape[0] for s in sets)
-            k = np.zeros((B, h, n, d), np.float32)
-            v = np.zeros((B, h, n, d), np.float32)
-            mask = np.zeros((B, h, n), bool)
-            for b, s in enumerate(sets):
-                m, t = s.k.shape[1], s.tail_k.shape[0]
-                if m:
-                    k[b, :, :m] = s.k
-                    v[b, :, :m] = s.v
-                    mask[b, :, :m] = np.arange(m)[None, :] < s.lengths[:, None]
-                k[b, :, m:m + t] = s.tail_k.transpose(1, 0, 2)
-                v[b, :, m:m + t] = s.tail_v.transpose(1, 0, 2)
-                mask[b, :, m:m + t] = True
-            self._base.append((k, v, mask))
+            s = self.client.static_set(a.attachment_id, layer)
+            m, t = s.k.shape[1], s.tail_k.shape[0]
+            k = np.zeros((h, m + t, d), np.float32)
+            v = np.zeros((h, m + t, d), np.float32)
+            mask = np.zeros((h, m + t), bool)
+            if m:
+                k[:, :m] = s.k
+                v[:, :m] = s.v
+                mask[:, :m] = np.arange(m)[None, :] < s.lengths[:, None]
+            k[:, m:] = s.tail_k.transpose(1, 0, 2)
+            v[:, m:] = s.tail_v.transpose(1, 0, 2)
+            mask[:, m:] = True
+            out.append((k, v, mask))
+        return out
 
-    def _build_work(self, capacity):
-        """Per layer one working buffer [B, h, N, d] (bf16) and its mask [B, h, 1, N]: static
-        set + tail | slots (S x C rows per head) | `capacity` local tokens."""
+    def _rebuild(self, keep, fresh):
+        """New working buffers for the batch of the old sequences `keep` (old batch indices,
+        in order) followed by the sequences whose bases `fresh` holds (_load_base). Per
+        layer: static set + tail padded to the widest, the slot rows, then the local tokens
+        aligned at their end (every sequence writes the next token at the same row; a
+        sequence's rows before its first token are masked)."""
         torch = _torch()
-        B, h, d = self.batch, self.kv_heads, self.head_dim
+        h, d, dev = self.kv_heads, self.head_dim, self.device
+        B = len(keep) + len(fresh)
         sc = self.slots_per_head * self.chunk_size if self._slot_k is not None else 0
-        self._slot_dirty = [True] * self.layers
-        self._work_k, self._work_v, self._work_mask, self._slot_off = [], [], [], []
-        # Per layer: whether every row of the static set + tail is real (no padding), and
-        # (below) whether every slot holds a chunk: then attention needs no mask.
-        self._base_full = [bool(mask.all()) for _, _, mask in self._base]
-        self._unmasked = [False] * self.layers
-        for k, v, mask in self._base:
-            nb = k.shape[2]
-            n = nb + sc + capacity
-            wk = torch.zeros((B, h, n, d), dtype=torch.bfloat16, device=self.device)
+        for layer in range(self.layers):
+            ok, ov, om = self._work_k[layer], self._work_v[layer], self._work_mask[layer]
+            old_local = self._slot_off[layer] + self._sc
+            n_old = self._local_n[layer]
+            nbs = [self._nb[layer][o] for o in keep] + [f[layer][0].shape[1] for f in fresh]
+            counts = [n_old - self._start[layer][o] for o in keep] + [0] * len(fresh)
+            nb, n = max(nbs, default=0), max(counts, default=0)
+            at = nb + sc
+            width = at + max(self._local_capacity, n)
+            wk = torch.zeros((B, h, width, d), dtype=torch.bfloat16, device=dev)
             wv = torch.zeros_like(wk)
-            wm = torch.zeros((B, h, 1, n), dtype=torch.bool, device=self.device)
-            wk[:, :, :nb] = torch.from_numpy(k).to(self.device, torch.bfloat16)
-            wv[:, :, :nb] = torch.from_numpy(v).to(self.device, torch.bfloat16)
-            wm[:, :, 0, :nb] = torch.from_numpy(mask).to(self.device)
-            wm[:, :, 0, nb + sc:] = True  # local tokens: as many as have been written
-            self._work_k.append(wk)
-            self._work_v.append(wv)
-            self._work_mask.append(wm)
-            self._slot_off.append(nb)
-        self._base = None
-        self._sdpa = getattr(torch.nn.functional, "scaled_dot_product_attention", None)
+            wm = torch.zeros((B, h, 1, width), dtype=torch.bool, device=dev)
+            wm[:, :, 0, at:] = True  # local tokens: as many as have been written
+            for j, o in enumerate(keep):
+                m, cnt = nbs[j], counts[j]
+                wk[j, :, :m] = ok[o, :, :m]
+                wv[j, :, :m] = ov[o, :, :m]
+                wm[j, :, 0, :m] = om[o, :, 0, :m]
+                src = old_local + self._start[layer][o]
+                wk[j, :, at + n - cnt:at + n] = ok[o, :, src:src + cnt]
+                wv[j, :, at + n - cnt:at + n] = ov[o, :, src:src + cnt]
+                wm[j, :, 0, at:at + n - cnt] = False
+            for i, f in enumerate(fresh):
+                j = len(keep) + i
+                k, v, mask = f[layer]
+                m = k.shape[1]
+                wk[j, :, :m] = torch.from_numpy(k).to(dev, torch.bfloat16)
+                wv[j, :, :m] = torch.from_numpy(v).to(dev, torch.bfloat16)
+                wm[j, :, 0, :m] = torch.from_numpy(mask).to(dev)
+                wm[j, :, 0, at:at + n] = False
+            self._work_k[layer], self._work_v[layer], self._work_mask[layer] = wk, wv, wm
+            self._nb[layer] = nbs
+            self._start[layer] = [n - cnt for cnt in counts]
+            self._slot_off[layer] = nb
+            self._local_n[layer] = n
+            self._base_full[layer] = bool(wm[:, :, 0, :nb].all()) if B else True
+            self._local_full[layer] = all(x == 0 for x in self._start[layer])
+        self._sc = sc
+        self.batch = B
+        self._sel_index = [b for b in range(B) if self.profiles[b] == "shadow"]
+        self._slot_dirty = [True] * self.layers
+        self._unmasked = [False] * self.layers
+        if self._rows:
+            self._rows_t = torch.tensor(self._rows, dtype=torch.int64, device=dev)
+            self._rows_identity = self._rows == list(range(B))
 
     # --- Decode ---
     def _check(self, name, t, shape):
@@ -283,16 +449,17 @@ class RemoteDecoder:
                     # slots go to the device in one copy each (reads of this layer's buffers
                     # are done: the next select comes after the next step's query reached
                     # the host).
-                    self._slot_k[b, layer].copy_(self._host_k[b, layer], non_blocking=True)
-                    self._slot_v[b, layer].copy_(self._host_v[b, layer], non_blocking=True)
+                    r = self._rows[b]
+                    self._slot_k[r, layer].copy_(self._host_k[r, layer], non_blocking=True)
+                    self._slot_v[r, layer].copy_(self._host_v[r, layer], non_blocking=True)
                 continue
             dev = self.device
             hs = torch.from_numpy(dl.head.astype(np.int64)).to(dev)
             ss = torch.from_numpy(dl.slot.astype(np.int64)).to(dev)
             kk = torch.from_numpy(dl.keys).to(dev, torch.bfloat16)
             vv = torch.from_numpy(dl.values).to(dev, torch.bfloat16)
-            self._slot_k[b, layer, hs, ss] = kk
-            self._slot_v[b, layer, hs, ss] = vv
+            self._slot_k[self._rows[b], layer, hs, ss] = kk
+            self._slot_v[self._rows[b], layer, hs, ss] = vv
 
     def _ids(self, sessions):
         return [self.attachments[b].attachment_id for b in sessions]
@@ -402,7 +569,7 @@ class RemoteDecoder:
 
     def _local_at(self, layer):
         """The row of the layer's working buffer where its local tokens start."""
-        return self._slot_off[layer] + (self.slots_per_head * self.chunk_size if self._slot_k is not None else 0)
+        return self._slot_off[layer] + self._sc
 
     def _attend_fallback(self, layer, q, sessions, out):
         """Writes into out [B, hq, d] the attention of the sessions at batch indices
@@ -419,7 +586,8 @@ class RemoteDecoder:
         if n:
             at = self._local_at(layer)
             o_local, lse_local = attention(qb, self._work_k[layer][idx, :, at:at + n],
-                                           self._work_v[layer][idx, :, at:at + n], return_lse=True)
+                                           self._work_v[layer][idx, :, at:at + n],
+                                           self._work_mask[layer][idx, :, 0, at:at + n], return_lse=True)
             o, _ = merge_attention(o, lse, o_local, lse_local)
         out[idx] = o
         self.fallbacks += len(sessions)
@@ -460,9 +628,14 @@ class RemoteDecoder:
                 used = torch.from_numpy(self._slot_used[layer]).to(self.device)
                 wm[:, :, 0, off:off + S * C] = used.repeat_interleave(C, dim=2)
                 self._slot_dirty[layer] = False
-                self._unmasked[layer] = self._base_full[layer] and bool(self._slot_used[layer].all())
-            wk[:, :, off:off + S * C].copy_(self._slot_k[:, layer].reshape(B, h, S * C, d))
-            wv[:, :, off:off + S * C].copy_(self._slot_v[:, layer].reshape(B, h, S * C, d))
+                self._unmasked[layer] = (self._base_full[layer] and self._local_full[layer]
+                                         and bool(self._slot_used[layer].all()))
+            if self._rows_identity:
+                sk, sv = self._slot_k[:B, layer], self._slot_v[:B, layer]
+            else:  # rows freed by sequences that left are reused: gather the batch's rows
+                sk, sv = self._slot_k[self._rows_t, layer], self._slot_v[self._rows_t, layer]
+            wk[:, :, off:off + S * C].copy_(sk.reshape(B, h, S * C, d))
+            wv[:, :, off:off + S * C].copy_(sv.reshape(B, h, S * C, d))
             if self.device.type == "cuda":
                 if self._slots_read is None:
                     self._slots_read = torch.cuda.Event()
@@ -471,9 +644,9 @@ class RemoteDecoder:
         if self._sdpa is not None and self.device.type == "cuda" and q.dtype in (torch.bfloat16, torch.float16):
             # bf16 rows as stored; a KV head's query heads as its queries.
             qb = q.detach().to(torch.bfloat16).reshape(B, h, hq // h, d)
-            out = self._sdpa(qb, wk[:, :, :end], wv[:, :, :end],
-                             attn_mask=None if self._unmasked[layer] or self._slot_k is None and self._base_full[layer]
-                             else mask)
+            plain = self._unmasked[layer] or (self._slot_k is None and self._base_full[layer]
+                                              and self._local_full[layer])
+            out = self._sdpa(qb, wk[:, :, :end], wv[:, :, :end], attn_mask=None if plain else mask)
             return out.reshape(B, hq, d).float()
         # Exact softmax in fp32 over the same rows: the reference (kvshade.testing).
         return attention(q.detach(), wk[:, :, :end], wv[:, :, :end], mask[:, :, 0])
@@ -517,7 +690,7 @@ class RemoteDecoder:
                 except Exception:  # noqa: BLE001 - the attachment goes anyway
                     pass
                 self._pending[layer] = None
-        for b, a in enumerate(self.attachments):
+        for b, a in enumerate(getattr(self, "attachments", [])):
             if a is not None:
                 try:
                     self.client.detach(a.attachment_id)
