@@ -863,8 +863,10 @@ absl::Status CudaBackend::Select(const LayerShape& shape, int k, absl::Span<cons
 //     max M and S = sum_t exp(l - M) of the logits l = q_n . k / sqrt(d) over its tokens
 //     (lane n, in token order, rescaled when the max grows, as cpu_select.cc ChunkStats):
 //     stats [h, width, g] (M, S).
-//   Stage2SigKernel (two stages, `signatures`): the same stats, each token's logit from
-//     its chunk's landmark and its key signature instead of a reconstructed key.
+//   Stage2SigTokenKernel (two stages, `signatures`; Stage2SigKernel, a warp per candidate,
+//     when C is not a power of two <= 32 or g > 16): the same stats, each token's logit
+//     from its chunk's landmark and its key signature instead of a reconstructed key, a
+//     lane per token.
 //   FinalKernel (block per item and head): in one stage the score is Select's landmark
 //     probability s (from the stage-1 logits and softmax partials); in two, per query head
 //     LSE_n = log sum over the candidates of S exp(M) (warp n: the max of M + log S, then
@@ -1102,6 +1104,86 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
     }
   }
   if (lane < g) stats[lane] = make_float2(run_m, run_s);
+}
+
+// Stage 2 from key signatures, token-parallel (C a power of two <= 32, g <= kMaxG; the
+// launcher falls back to Stage2SigKernel otherwise): each lane scores one token, a warp
+// 32 / C candidates. Block (candidate group, hh, item) of kSigWarps warps; the group's query
+// rows [g, d] sit in shared memory as floats. Per lane and query head n it forms the same
+// logit as the reference, l = (base_n + scale_t * dot(q_n, code_t - half)) / sqrt(d), where
+// the C lanes of a candidate share base_n = dot(q_n, L[c]) (each sums d / C channels, then a
+// reduction over the group); (M, S) over the candidate's tokens by group max and sum. Sums
+// run in another order than the CPU's (fp32 rounding differs).
+constexpr int kSigWarps = 8;
+
+template <int kC>
+__global__ void __launch_bounds__(32 * kSigWarps)
+    Stage2SigTokenKernel(const ExDesc* __restrict__ descs, int g, int d, float scale) {
+  extern __shared__ __align__(16) float qs[];  // [g, d]
+  const ExDesc& e = descs[blockIdx.z];
+  const int hh = blockIdx.y, h = gridDim.y;
+  for (int i = threadIdx.x; i < g * d; i += blockDim.x) {
+    qs[i] = __bfloat162float(e.q[static_cast<long long>(hh * g) * d + i]);
+  }
+  __syncthreads();
+  constexpr int kPerWarp = 32 / kC;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int i = (blockIdx.x * kSigWarps + warp) * kPerWarp + lane / kC;  // candidate
+  const int t = lane % kC;                                                // its token
+  const bool active = i < e.width;
+  const long long at = static_cast<long long>(hh) * e.width + (active ? i : 0);
+  const int c = active ? e.cand[at] : -1;
+  const DevView& v = e.view;
+  const int bits = v.sig_bits, levels = (1 << bits) - 1, per_word = 32 / bits;
+  const float half = static_cast<float>(levels) / 2.0f;
+  const long long rec = static_cast<long long>(d) * bits / 8 + 4;
+  float base[kMaxG], dot[kMaxG];
+#pragma unroll
+  for (int n = 0; n < kMaxG; ++n) base[n] = dot[n] = 0.0f;
+  float sc = 0.0f;
+  if (c >= 0) {
+    const DevSegment& sg = v.seg[cuda::SegmentOf(v, c)];
+    const int local = c - sg.begin;
+    const __nv_bfloat16* lm = sg.landmarks + (static_cast<long long>(local) * h + hh) * d;
+    for (int ch = t; ch < d; ch += kC) {
+      const float x = __bfloat162float(lm[ch]);
+#pragma unroll
+      for (int n = 0; n < kMaxG; ++n) {
+        if (n < g) base[n] = __fadd_rn(base[n], __fmul_rn(qs[n * d + ch], x));
+      }
+    }
+    const uint8_t* r = sg.sig + ((static_cast<long long>(local) * kC + t) * h + hh) * rec;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(r);
+    for (int w = 0; w < d / per_word; ++w) {
+      const uint32_t word = words[w];
+      for (int j = 0; j < per_word; ++j) {
+        const int ch = w * per_word + j;
+        const float cf = __fsub_rn(static_cast<float>((word >> (bits * j)) & static_cast<uint32_t>(levels)), half);
+#pragma unroll
+        for (int n = 0; n < kMaxG; ++n) {
+          if (n < g) dot[n] = __fadd_rn(dot[n], __fmul_rn(qs[n * d + ch], cf));
+        }
+      }
+    }
+    sc = *reinterpret_cast<const float*>(r + static_cast<long long>(d) * bits / 8);
+  }
+  // The candidate's lanes are an aligned group of kC: xor offsets below kC stay inside it.
+#pragma unroll
+  for (int n = 0; n < kMaxG; ++n) {
+    if (n >= g) break;
+    float b = base[n];
+#pragma unroll
+    for (int o = kC / 2; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
+    float l = __fmul_rn(__fadd_rn(b, __fmul_rn(sc, dot[n])), scale);
+    if (c < 0 || !isfinite(l)) l = -INFINITY;
+    float m = l;
+#pragma unroll
+    for (int o = kC / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float x = m == -INFINITY ? 0.0f : expf(l - m);
+#pragma unroll
+    for (int o = kC / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    if (active && t == 0) e.stats[at * g + n] = make_float2(m, m == -INFINITY ? 0.0f : x);
+  }
 }
 
 // Stage-2 score m and mass w of one candidate from its stats [g] and the heads' LSE
@@ -1497,10 +1579,37 @@ absl::Status CudaBackend::SelectEx(const LayerShape& shape, int k, const SelectO
     KVSHADE_CUDA_LAUNCH_CHECK();
   }
   if (options.two_stage() && options.signatures) {
-    const dim3 grid(cuda::CeilDiv(max_width, kStage2Warps), h, n_items);
-    Stage2SigKernel<<<grid, 32 * kStage2Warps, 0, st>>>(
-        plan.dev_descs, g, d, options.C, 1.0f / std::sqrt(static_cast<float>(d)));
-    KVSHADE_CUDA_LAUNCH_CHECK();
+    const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+    const int C = options.C;
+    auto token_kernel = [&](auto kernel, int c) -> absl::Status {
+      const int per_block = kSigWarps * (32 / c);
+      const dim3 grid(cuda::CeilDiv(max_width, per_block), h, n_items);
+      const size_t smem = size_t(g) * d * sizeof(float);
+      if (smem > (48 << 10)) {
+        KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      }
+      kernel<<<grid, 32 * kSigWarps, smem, st>>>(plan.dev_descs, g, d, scale);
+      KVSHADE_CUDA_LAUNCH_CHECK();
+      return absl::OkStatus();
+    };
+    if (g > kMaxG || C > 32 || (C & (C - 1)) != 0) {
+      const dim3 grid(cuda::CeilDiv(max_width, kStage2Warps), h, n_items);
+      Stage2SigKernel<<<grid, 32 * kStage2Warps, 0, st>>>(plan.dev_descs, g, d, C, scale);
+      KVSHADE_CUDA_LAUNCH_CHECK();
+    } else if (C == 32) {
+      KVSHADE_RETURN_IF_ERROR(token_kernel(Stage2SigTokenKernel<32>, 32));
+    } else if (C == 16) {
+      KVSHADE_RETURN_IF_ERROR(token_kernel(Stage2SigTokenKernel<16>, 16));
+    } else if (C == 8) {
+      KVSHADE_RETURN_IF_ERROR(token_kernel(Stage2SigTokenKernel<8>, 8));
+    } else if (C == 4) {
+      KVSHADE_RETURN_IF_ERROR(token_kernel(Stage2SigTokenKernel<4>, 4));
+    } else if (C == 2) {
+      KVSHADE_RETURN_IF_ERROR(token_kernel(Stage2SigTokenKernel<2>, 2));
+    } else {
+      KVSHADE_RETURN_IF_ERROR(token_kernel(Stage2SigTokenKernel<1>, 1));
+    }
   } else if (options.two_stage()) {
     const dim3 grid(cuda::CeilDiv(max_width, kStage2Warps), h, n_items);
     const size_t smem = size_t(kStage2Warps) * d * sizeof(float);
