@@ -1,7 +1,8 @@
 """The selection-fidelity evaluation (bench/eval): the task generator's answers (the hard
-tasks' too: distinct words, no chunk locality), the oracle chunk choice and recall@k on
-planted cases, and the evaluation model's decode path against its own training forward. No
-server; a few seconds on the CPU."""
+tasks' too: distinct words, no chunk locality), the oracle chunk choice, recall@k and its
+per-layer aggregation on planted cases, the shadow options' parsing, and the evaluation
+model's decode path against its own training forward. No server; a few seconds on the CPU."""
+import dataclasses
 import os
 import sys
 import unittest
@@ -11,8 +12,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "eval"))
 import tasks as T  # noqa: E402
-from evaluate import (LocalAttend, attend_tokens, chunk_max_logits, match_static_chunks,  # noqa: E402
-                      oracle_topk, recall_at_k)
+from evaluate import (LocalAttend, attend_tokens, by_config, chunk_max_logits, layers_worst_first,  # noqa: E402
+                      markdown, match_static_chunks, mean_by_layer, option_value, oracle_topk,
+                      parse_shadow_option, profile_fields, recall_at_k, summarize)
 from model import EvalLM, ModelConfig, OwnBackbone  # noqa: E402
 
 
@@ -293,6 +295,48 @@ class Oracle(unittest.TestCase):
         self.assertEqual(recall_at_k([{3, 7}, {1, 4}], [{3, 5}, {6, 2}], 2), 0.25)
         self.assertEqual(recall_at_k([{1}, {2}], [{3}, {4}], 1), 0.0)
 
+    def test_recall_by_layer_worst_first(self):
+        # Per sample per layer -> per layer mean (layers a sample lacks are skipped) -> worst first.
+        per = mean_by_layer([[0.9, 0.5, 1.0, None], [0.7, 0.3, 1.0, 0.8], [0.8, None, 1.0, 0.6]])
+        for got, want in zip(per, [0.8, 0.4, 1.0, 0.7]):
+            self.assertAlmostEqual(got, want)
+        self.assertEqual([i for i, _ in layers_worst_first(per)], [1, 3, 0, 2])
+        self.assertEqual(layers_worst_first([0.5, None, 0.5, float("nan"), 0.2]), [(4, 0.2), (0, 0.5), (2, 0.5)])
+        self.assertEqual(mean_by_layer([]), [])
+
+    def test_summary_reports_the_worst_layer(self):
+        # Planted rows: layer 2 misses its chunks in both cells while the mean looks fine.
+        rows = []
+        for task in ("kv", "kvm"):
+            for si in range(2):
+                base = dict(sample=si, task=task, locality=False, k=None, answer=[1], generated=[1], steps=2,
+                            select_s=None, recall=None, recall_by_layer=None)
+                rows.append(dict(base, config="full", budget_pct=None, option="-", correct=1, agrees_full=None,
+                                 attend_s=0.002))
+                rows.append(dict(base, config="oracle", budget_pct=1.5, option="-", correct=1, agrees_full=1,
+                                 attend_s=0.004))
+                rows.append(dict(base, config="shadow", budget_pct=1.5, option="bf16", correct=si, agrees_full=si,
+                                 recall=0.85, recall_by_layer=[1.0, 0.95, 0.5 - 0.1 * si, 0.95],
+                                 attend_s=0.010, select_s=0.006))
+        summary = summarize(rows)
+        cell = [c for c in summary if c["config"] == "shadow" and c["task"] == "kv"][0]
+        self.assertAlmostEqual(cell["recall_worst_layer"], 0.45)
+        self.assertEqual(cell["recall_layers_worst_first"][0][0], 2)
+        self.assertAlmostEqual(cell["select_s_per_step"], 0.003)   # 2 samples x 0.006 s over 4 steps
+        order = [("kv", False), ("kvm", False)]
+        g = by_config(summary, order)[("shadow", 1.5, "bf16")]
+        self.assertEqual([i for i, _ in g["recall_layers_worst_first"]], [2, 1, 3, 0])
+        self.assertAlmostEqual(g["recall"], 0.85)
+        self.assertAlmostEqual(g["pct_of_oracle"], 50.0)
+        self.assertAlmostEqual(g["attend_s_per_step"], 0.005)
+        self.assertIsNone(by_config(summary, order)[("full", None, "-")]["select_s_per_step"])
+        md = markdown(summary, order)
+        self.assertIn("worst-layer recall@k", md)
+        line = [ln for ln in md.splitlines() if ln.startswith("| shadow ")][0]
+        self.assertIn("0.450 (L2)", line)
+        self.assertIn("L2 0.45, L1 0.95, L3 0.95, L0 1.00", line)
+        self.assertIn("| 3.00 | 5.00 |", line)    # select and attend ms per decode step
+
     def test_static_chunks_found_by_key(self):
         _, k = self.planted()
         k = k + 0.01 * torch.randn(k.shape, generator=torch.Generator().manual_seed(0))
@@ -324,6 +368,39 @@ class Oracle(unittest.TestCase):
             vals.append(torch.cat([v[idx, j], vn[None, j]]))
         torch.testing.assert_close(got, attend_tokens(q, keys, vals), rtol=1e-5, atol=1e-6)
         self.assertFalse(torch.allclose(got, full, atol=1e-3), "a partial budget must differ from full attention")
+
+
+class ShadowOptions(unittest.TestCase):
+    def test_any_profile_field_is_an_option(self):
+        # A field kvshade.Profile gains later (here a stand-in class) is an option as it is.
+        @dataclasses.dataclass
+        class FutureProfile:
+            kind: str = "auto"
+            sparse_budget: int = 0
+            rerank_factor: int = 0
+            key_signature_bits: int = 0
+            recall_action: str = "default"
+            keep_sink: bool = True
+
+        fields = profile_fields(FutureProfile)
+        self.assertIn("key_signature_bits", fields)
+        self.assertEqual(parse_shadow_option("sig2:key_signature_bits=2,rerank_factor=4", fields),
+                         ("sig2", dict(key_signature_bits=2, rerank_factor=4)))
+        self.assertEqual(parse_shadow_option("g:recall_action=widen,keep_sink=false", fields),
+                         ("g", dict(recall_action="widen", keep_sink=False)))
+        for bad in ("nocolon", "x:no_such_field=1", "x:sparse_budget=4", "x:kind=exact", "x:rerank_factor"):
+            with self.assertRaises(SystemExit):
+                parse_shadow_option(bad, fields)
+        self.assertEqual([option_value(v) for v in ("4", "0.9", "True", "none", "int4")], [4, 0.9, True, None, "int4"])
+
+    def test_fields_of_the_package_profile(self):
+        try:
+            import kvshade
+        except ImportError as e:   # the package imports without its library; skip if not
+            self.skipTest("kvshade not importable: %s" % e)
+        want = {f.name for f in dataclasses.fields(kvshade.Profile)}
+        self.assertEqual(profile_fields(), want)
+        self.assertIn("rerank_factor", want)
 
 
 class EvalModel(unittest.TestCase):
