@@ -19,7 +19,7 @@
 # Environment: KVSHADE_SERVER, KVSHADE_LIB (default: the bundle's, else build/), PYTHON
 # (default python3), KVSHADE_BUNDLE (default .gpu), OUT, TRAIN_BUDGET_S (default 330: training
 # seconds), EVAL_TIME_LIMIT_S (default 150: no new samples after this long); with --hard also
-# HARD_WORDS (default 16384: the vocabulary, an 8K context of distinct words) and HARD_CURRICULUM
+# HARD_WORDS (default 8448: the vocabulary, an 8K context of distinct words) and HARD_CURRICULUM
 # (default 64:0.25,256:0.2,1024:0.15,2048:0.1,8192:0.3).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -73,7 +73,7 @@ if [ "$HARD" = 1 ]; then
     TRAIN_ARGS+=(--tasks rep,kv,kvm --words 1024)
     EVAL_ARGS+=(--tasks kv,kvm)
   else
-    TRAIN_ARGS+=(--tasks rep,kv,kvm --words "${HARD_WORDS:-16384}"
+    TRAIN_ARGS+=(--tasks rep,kv,kvm --words "${HARD_WORDS:-8448}"
                  --curriculum "${HARD_CURRICULUM:-64:0.25,256:0.2,1024:0.15,2048:0.1,8192:0.3}")
     EVAL_ARGS=(--tasks kv,kvm --per-cell 16 --time-limit-s "${EVAL_TIME_LIMIT_S:-150}")
   fi

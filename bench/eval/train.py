@@ -12,12 +12,12 @@ then cosine decay, bf16 autocast on CUDA; batches are made by worker processes, 
 
   python3 bench/eval/train.py --out bench/eval/weights/evallm.pt              # H200, <= 6 min
   python3 bench/eval/train.py --out /tmp/smoke.pt --smoke                     # CPU, about a minute
-  python3 bench/eval/train.py --out W.pt --tasks kv,kvm --words 16384         # the hard model
+  python3 bench/eval/train.py --out W.pt --tasks rep,kv,kvm --words 8448      # the hard model
 
 --tasks picks the tasks of the batches (uniformly; repeat a name to weight it, e.g.
 kv,kv,kvm). The hard tasks (tasks.KV_TASKS: span retrieval and majority span over distinct
-random words) want a vocabulary at least as large as the longest context (--words 16384:
-an 8K context of distinct words); the model's vocabulary follows --words, and the harness
+random words) want a vocabulary at least as large as the longest context (--words 8448:
+an 8K context of distinct words); rep (training only) teaches their lookup densely; the model's vocabulary follows --words, and the harness
 takes it back from the weights.
 
 --steps auto (the default on CUDA) times a few forward/backward passes at each length first
