@@ -286,7 +286,9 @@ def task_localities(task):
 def _distinct_filler(rng, cfg, n, reserved):
     """n words, none in reserved, drawn without replacement; past the vocabulary, cycling
     through permutations of it (each word then at most ceil(n / available) times)."""
-    pool = np.setdiff1d(np.arange(NUM_SPECIAL, NUM_SPECIAL + cfg.words), np.asarray(sorted(reserved), np.int64))
+    keep = np.ones(cfg.words, bool)
+    keep[np.asarray(sorted(reserved), np.int64) - NUM_SPECIAL] = False
+    pool = NUM_SPECIAL + np.flatnonzero(keep)
     if len(pool) == 0:
         raise ValueError("no words left for the filler")
     out = []
