@@ -23,7 +23,10 @@ are decoded greedily one token at a time, each layer's attention coming from:
 A budget of p % is k = max(1, round(p/100 * chunks)) chunks per KV head (sparse_budget for
 shadow, mini_heavy_ratio = p/100 for mini). recall@k (shadow): at every decode step, layer
 and KV head, |chunks kvshade selected ∩ the oracle's top-k| / k, the oracle ranking the
-chunks kvshade could select (not the sink, the session's outlier chunks or the tail).
+chunks kvshade could select (not the sink, the session's outlier chunks or the tail);
+reported as the mean and per layer, worst layer first (a single layer that misses its
+chunks loses the answer however well the others do). Selection cost: seconds per decode
+step (all layers) spent in Client.select and in the whole attention call of each config.
 
   python3 bench/eval/evaluate.py --weights bench/eval/weights/evallm.pt --spawn build/service/kvshade-server
   python3 bench/eval/evaluate.py --hf /path/to/hf-model --target 127.0.0.1:50551
@@ -88,6 +91,23 @@ def recall_at_k(selected, oracle, k):
     return float(np.mean([len(s & o) / float(min(k, max(len(o), 1))) for s, o in zip(selected, oracle)]))
 
 
+def mean_by_layer(per_sample):
+    """Per-sample lists of per-layer recall (None where a layer has none) -> per layer the
+    mean over the samples that have it (None where none has)."""
+    n = max((len(r) for r in per_sample), default=0)
+    out = []
+    for layer in range(n):
+        vals = [r[layer] for r in per_sample if layer < len(r) and r[layer] is not None and r[layer] == r[layer]]
+        out.append(float(np.mean(vals)) if vals else None)
+    return out
+
+
+def layers_worst_first(per_layer):
+    """Per-layer recall (list, None for none) -> [(layer, recall)], worst first (ties: lower layer)."""
+    return sorted(((i, float(r)) for i, r in enumerate(per_layer) if r is not None and r == r),
+                  key=lambda lr: (lr[1], lr[0]))
+
+
 def match_static_chunks(static_k, lengths, k_post, chunk=CHUNK):
     """Static set rows (post-RoPE keys [h, s_max, d], lengths [h]) -> per head the set of
     chunk ids whose tokens they are (nearest key among the prompt's tokens)."""
@@ -128,8 +148,18 @@ class LocalAttend:
         self.n_chunks = max(0, (n - local_window) // chunk)
         self.new_k = [[] for _ in pf.k_post]
         self.new_v = [[] for _ in pf.k_post]
+        self.attend_s = 0.0
 
     def attend(self, layer, q, k, v):
+        t0 = time.perf_counter()
+        try:
+            out = self._attend(layer, q, k, v)
+            sync(out.device)
+            return out
+        finally:
+            self.attend_s += time.perf_counter() - t0
+
+    def _attend(self, layer, q, k, v):
         self.new_k[layer].append(k)
         self.new_v[layer].append(v)
         kp, vp = self.pf.k_post[layer], self.pf.v[layer]
@@ -153,6 +183,31 @@ class LocalAttend:
 
     def close(self):
         pass
+
+
+class TimedClient:
+    """A kvshade.Client as it is, but for the seconds its synchronous select() calls take
+    (the RPC: the server's selection and reconstruction of the missed chunks, the deltas'
+    transfer), summed in `select_s`."""
+
+    def __init__(self, client):
+        self._client = client
+        self.select_s = 0.0
+
+    def select(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._client.select(*args, **kwargs)
+        finally:
+            self.select_s += time.perf_counter() - t0
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def sync(device):
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def kvshade_attend_class():
@@ -180,14 +235,26 @@ class KvShadeAttend:
     shadow sessions, recall@k of each selection against the oracle."""
 
     def __init__(self, client, spec, profile, pf, prompt_ids, budget, worker_id="eval"):
-        self.cache = kvshade_attend_class()(client, spec, profile, worker_id=worker_id)
+        self.client = TimedClient(client)
+        self.cache = kvshade_attend_class()(self.client, spec, profile, worker_id=worker_id)
         self.pf, self.k = pf, budget
         self.cache.prefill(np.asarray(prompt_ids, np.int64), [t.cpu() for t in pf.k_pre],
                            [t.cpu() for t in pf.v], [t.cpu() for t in pf.q_obs])
         self.kind = self.cache.effective_profile
         self.recalls = []
+        self.recalls_by_layer = defaultdict(list)
         self._static_chunks = {}
         self._nc = {}
+        self.attend_s = 0.0
+
+    @property
+    def select_s(self):
+        return self.client.select_s
+
+    def recall_by_layer(self):
+        """Per layer the mean recall@k over the decode steps (None for a layer without)."""
+        n = self.cache.model.num_layers
+        return [float(np.mean(self.recalls_by_layer[i])) if self.recalls_by_layer.get(i) else None for i in range(n)]
 
     def _k_cpu(self, layer):
         if not hasattr(self.pf, "k_post_cpu"):
@@ -203,14 +270,18 @@ class KvShadeAttend:
         return self._static_chunks[layer], self._nc[layer]
 
     def attend(self, layer, q, k, v):
+        t0 = time.perf_counter()
         out = self.cache.attend(layer, q, k, v)
+        self.attend_s += time.perf_counter() - t0   # the recall bookkeeping below is not timed
         if self.kind == "shadow" and self.k:
             static, nc = self._static(layer)
             C = self.cache.attachment.chunk_size
             scores = chunk_max_logits(q.cpu(), self._k_cpu(layer), nc, C)
             top = oracle_topk(scores, self.k, [s | {0} for s in static])
             sel = [set(int(c) for c in row if c >= 0) for row in self.cache.slot_chunk[layer]]
-            self.recalls.append(recall_at_k(sel, top, self.k))
+            r = recall_at_k(sel, top, self.k)
+            self.recalls.append(r)
+            self.recalls_by_layer[layer].append(r)
         return out
 
     def close(self):
@@ -224,6 +295,8 @@ class RemoteAttend:
     def __init__(self, client, spec, profile, pf, prompt_ids, device, speculate, correct_below, worker_id="eval"):
         from kvshade.remote import RemoteDecoder
         from kvshade.torch_hook import KvShadeKVCache
+        client = self.client = TimedClient(client)
+        self.device, self.attend_s = device, 0.0
         self.cache = KvShadeKVCache(client, spec, profile, worker_id=worker_id)
         self.cache.prefill(np.asarray(prompt_ids, np.int64), [t.cpu() for t in pf.k_pre],
                            [t.cpu() for t in pf.v], [t.cpu() for t in pf.q_obs], attach=False)
@@ -234,8 +307,16 @@ class RemoteAttend:
             self.cache.close(close_session=True)
             raise
 
+    @property
+    def select_s(self):
+        return self.client.select_s
+
     def attend(self, layer, q, k, v):
-        return self.dec.attend(layer, q[None], k[None], v[None])[0]
+        t0 = time.perf_counter()
+        out = self.dec.attend(layer, q[None], k[None], v[None])[0]
+        sync(self.device)
+        self.attend_s += time.perf_counter() - t0
+        return out
 
     def stats(self):
         st = self.dec.stats()
@@ -254,9 +335,52 @@ REMOTE_OPTIONS = {"rpc": False, "rpc-spec": True}   # option name -> RemoteDecod
 
 # --- Configurations ---------------------------------------------------------------------------
 
-def profile_fields():
-    import kvshade
-    return {f.name for f in dataclasses.fields(kvshade.Profile)}
+def profile_fields(profile_cls=None):
+    """The field names of kvshade.Profile (or profile_cls), read from the dataclass: a field
+    the package gains later is an option here without a change."""
+    if profile_cls is None:
+        import kvshade
+        profile_cls = kvshade.Profile
+    return {f.name for f in dataclasses.fields(profile_cls)}
+
+
+HARNESS_FIELDS = ("kind", "sparse_budget")   # set by the harness for every shadow config
+
+
+def option_value(text):
+    """'4' -> 4, '0.9' -> 0.9, 'true'/'false' -> bool, 'none' -> None, else the string."""
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    for conv in (int, float):
+        try:
+            return conv(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_shadow_option(spec, fields):
+    """'NAME:field=value,...' -> (NAME, {field: value}); fields: kvshade.Profile's names
+    (profile_fields()). kind and sparse_budget are the harness's (the budget is swept)."""
+    name, sep, kv = spec.partition(":")
+    if not name or not sep:
+        raise SystemExit("--shadow-option %r: expected NAME:field=value,..." % spec)
+    extra = {}
+    for item in filter(None, kv.split(",")):
+        key, eq, val = item.partition("=")
+        key = key.strip()
+        if not eq:
+            raise SystemExit("--shadow-option %s: %r is not field=value" % (spec, item))
+        if key in HARNESS_FIELDS:
+            raise SystemExit("--shadow-option %s: %s is set by the harness (--budgets)" % (spec, key))
+        if key not in fields:
+            raise SystemExit("--shadow-option %s: kvshade.Profile has no field %r (fields: %s)" %
+                             (spec, key, ", ".join(sorted(fields))))
+        extra[key] = option_value(val)
+    return name, extra
 
 
 def build_configs(a, n_chunks, n_tokens):
@@ -283,28 +407,16 @@ def build_configs(a, n_chunks, n_tokens):
         if "mass_top_p" in fields:
             shadow_options.append("top_p0.9:mass_top_p=0.9" + (",mass_min_chunks=4" if "mass_min_chunks" in fields else ""))
     for spec in shadow_options:
-        name, _, kv = spec.partition(":")
-        extra = {}
-        for item in filter(None, kv.split(",")):
-            key, _, val = item.partition("=")
-            if key not in fields:
-                raise SystemExit("--shadow-option %s: kvshade.Profile has no field %r (fields: %s)" %
-                                 (spec, key, ", ".join(sorted(fields))))
-            try:
-                extra[key] = int(val)
-            except ValueError:
-                try:
-                    extra[key] = float(val)
-                except ValueError:
-                    extra[key] = val
-        options.append((name, dict(value_codec="bf16", **extra)))
+        name, extra = parse_shadow_option(spec, fields)
+        options.append((name, dict(dict(value_codec="bf16"), **extra)))
     for dec in filter(None, a.decoders.split(",")):
         if dec not in REMOTE_OPTIONS:
             raise SystemExit("--decoders: unknown decoder %r (known: %s)" % (dec, ", ".join(REMOTE_OPTIONS)))
         options.append((dec, dict(value_codec="bf16")))
     if "shadow" in want:
         for opt, kw in options:
-            out += [("shadow", "shadow", b, kb[b], opt, dict(kind="shadow", sparse_budget=kb[b], **base, **kw))
+            # The option's fields override the harness's defaults (rank, outliers, ...).
+            out += [("shadow", "shadow", b, kb[b], opt, dict(dict(base, kind="shadow", sparse_budget=kb[b]), **kw))
                     for b in budgets]
     if "mini" in want:
         recent = max(a.local_window / float(n_tokens), 1e-4)
@@ -356,59 +468,107 @@ def decode(backbone, prompt, n_new, attend):
     return out
 
 
+def _mean(vals):
+    vals = [v for v in vals if v is not None]
+    return float(np.mean(vals)) if vals else None
+
+
 def summarize(rows):
-    cells = defaultdict(lambda: [0, 0, 0.0, 0, 0, 0])   # correct, n, recall sum, recall n, agree, agree n
+    """Rows (one per sample and config) -> one dict per (config, budget, option, task,
+    locality): accuracy, agreement with full, recall@k (mean, per layer, worst layer) and
+    seconds per decode step in select and in attention."""
+    cells = defaultdict(list)
     for r in rows:
-        key = (r["config"], r["budget_pct"], r["option"], r["task"], r["locality"])
-        c = cells[key]
-        c[0] += r["correct"]
-        c[1] += 1
-        if r["recall"] is not None:
-            c[2] += r["recall"]
-            c[3] += 1
-        if r.get("agrees_full") is not None:
-            c[4] += r["agrees_full"]
-            c[5] += 1
+        cells[(r["config"], r["budget_pct"], r["option"], r["task"], r["locality"])].append(r)
     out = []
-    for (cfg, b, opt, task, loc), (ok, n, rs, rn, ag, an) in sorted(cells.items(), key=lambda kv: str(kv[0])):
+    for (cfg, b, opt, task, loc), rs in sorted(cells.items(), key=lambda kv: str(kv[0])):
+        n = len(rs)
+        agree = [r["agrees_full"] for r in rs if r.get("agrees_full") is not None]
+        by_layer = mean_by_layer([r["recall_by_layer"] for r in rs if r.get("recall_by_layer")])
+        worst = layers_worst_first(by_layer)
+        steps = sum(r.get("steps", 0) for r in rs)
         out.append(dict(config=cfg, budget_pct=b, option=opt, task=task, locality=loc, n=n,
-                        accuracy=100.0 * ok / n, recall=(rs / rn if rn else None),
-                        agrees_full=(100.0 * ag / an if an else None)))
+                        accuracy=100.0 * sum(r["correct"] for r in rs) / n,
+                        recall=_mean([r["recall"] for r in rs]),
+                        recall_by_layer=by_layer or None,
+                        recall_worst_layer=(worst[0][1] if worst else None),
+                        recall_layers_worst_first=[[i, v] for i, v in worst] or None,
+                        agrees_full=(100.0 * sum(agree) / len(agree) if agree else None),
+                        steps=steps,
+                        attend_s_per_step=(sum(r.get("attend_s", 0.0) for r in rs) / steps if steps else None),
+                        select_s_per_step=(sum(r["select_s"] for r in rs if r.get("select_s") is not None) / steps
+                                           if steps and any(r.get("select_s") is not None for r in rs) else None)))
     return out
+
+
+def by_config(summary, cell_order):
+    """Summary cells -> per (config, budget, option): mean accuracy over the cells, % of the
+    oracle at the same budget, agreement with full, recall@k (mean over the cells, per layer
+    worst first), seconds per decode step (over all its decode steps)."""
+    groups = defaultdict(dict)
+    for c in summary:
+        groups[(c["config"], c["budget_pct"], c["option"])][(c["task"], c["locality"])] = c
+    out = {}
+    for key, cells in groups.items():
+        present = [cells[c] for c in cell_order if c in cells]
+        acc = _mean([c["accuracy"] for c in present])
+        by_layer = mean_by_layer([c["recall_by_layer"] for c in present if c.get("recall_by_layer")])
+        worst = layers_worst_first(by_layer)
+        steps = sum(c["steps"] for c in present)
+
+        def per_step(field):
+            have = [c for c in present if c.get(field) is not None]
+            n = sum(c["steps"] for c in have)
+            return sum(c[field] * c["steps"] for c in have) / n if n else None
+        out[key] = dict(config=key[0], budget_pct=key[1], option=key[2], accuracy=acc,
+                        agrees_full=_mean([c["agrees_full"] for c in present]),
+                        recall=_mean([c["recall"] for c in present]),
+                        recall_by_layer=by_layer or None,
+                        recall_worst_layer=(worst[0][1] if worst else None),
+                        recall_layers_worst_first=[[i, v] for i, v in worst] or None,
+                        steps=steps, attend_s_per_step=per_step("attend_s_per_step"),
+                        select_s_per_step=per_step("select_s_per_step"))
+    for key, g in out.items():
+        orc = out.get(("oracle", key[1], "-"))
+        g["pct_of_oracle"] = (100.0 * g["accuracy"] / orc["accuracy"]
+                              if orc and orc["accuracy"] and key[0] != "oracle" and key[1] is not None else None)
+    return out
+
+
+CONFIG_ORDER = {"full": 0, "exact": 1, "oracle": 2, "shadow": 3, "mini": 4}
 
 
 def markdown(summary, cell_order, title=""):
     by = defaultdict(dict)
-    rec = defaultdict(list)
-    agree = defaultdict(list)
     for s in summary:
-        if s.get("agrees_full") is not None:
-            agree[(s["config"], s["budget_pct"], s["option"])].append(s["agrees_full"])
-        key = (s["config"], s["budget_pct"], s["option"])
-        by[key][(s["task"], s["locality"])] = s
-        if s["recall"] is not None:
-            rec[key].append(s["recall"])
+        by[(s["config"], s["budget_pct"], s["option"])][(s["task"], s["locality"])] = s
+    conf = by_config(summary, cell_order)
     cols = ["%s/%s" % (t, "loc" if l else "noloc") for t, l in cell_order]
     lines = []
     if title:
         lines.append(title)
         lines.append("")
-    lines.append("| config | budget | option | " + " | ".join(cols) + " | mean | % of oracle | = full | recall@k |")
-    lines.append("|" + "---|" * (len(cols) + 7))
-    order = {"full": 0, "exact": 1, "oracle": 2, "shadow": 3, "mini": 4}
-    means = {}
-    for key in by:
-        vals = [by[key][c]["accuracy"] for c in cell_order if c in by[key]]
-        means[key] = sum(vals) / len(vals) if vals else float("nan")
-    for key in sorted(by, key=lambda k: (order.get(k[0], 9), -1 if k[1] is None else k[1], k[2])):
+    extra = ["mean", "% of oracle", "= full", "recall@k", "worst-layer recall@k", "recall@k by layer, worst first",
+             "select ms/step", "attend ms/step"]
+    lines.append("| config | budget | option | " + " | ".join(cols + extra) + " |")
+    lines.append("|" + "---|" * (len(cols) + len(extra) + 3))
+
+    def ms(v):
+        return "-" if v is None else "%.2f" % (1e3 * v)
+    for key in sorted(by, key=lambda k: (CONFIG_ORDER.get(k[0], 9), -1 if k[1] is None else k[1], k[2])):
         cfg, b, opt = key
+        g = conf[key]
         vals = [("%.1f" % by[key][c]["accuracy"]) if c in by[key] else "-" for c in cell_order]
-        orc = means.get(("oracle", b, "-"))
-        vs = "%.0f%%" % (100.0 * means[key] / orc) if (orc and cfg not in ("oracle",) and b is not None) else "-"
-        r = "%.3f" % (sum(rec[key]) / len(rec[key])) if rec[key] else "-"
-        ag = "%.1f" % (sum(agree[key]) / len(agree[key])) if agree[key] and cfg != "full" else "-"
-        lines.append("| %s | %s | %s | %s | %.1f | %s | %s | %s |" % (
-            cfg, "-" if b is None else "%g%%" % b, opt, " | ".join(vals), means[key], vs, ag, r))
+        vs = "%.0f%%" % g["pct_of_oracle"] if g["pct_of_oracle"] is not None else "-"
+        r = "%.3f" % g["recall"] if g["recall"] is not None else "-"
+        ag = "%.1f" % g["agrees_full"] if g["agrees_full"] is not None and cfg != "full" else "-"
+        worst = g["recall_layers_worst_first"]
+        wl = "%.3f (L%d)" % (worst[0][1], worst[0][0]) if worst else "-"
+        layers = ", ".join("L%d %.2f" % (i, v) for i, v in worst) if worst else "-"
+        lines.append("| %s | %s | %s | %s | %s |" % (
+            cfg, "-" if b is None else "%g%%" % b, opt, " | ".join(vals),
+            " | ".join(["%.1f" % g["accuracy"] if g["accuracy"] is not None else "-", vs, ag, r, wl, layers,
+                        ms(g["select_s_per_step"]), ms(g["attend_s_per_step"])])))
     return "\n".join(lines) + "\n"
 
 
@@ -454,12 +614,18 @@ def main(argv=None):
     ap.add_argument("--length", type=int, default=8192, help="prompt tokens (synthetic tokens; HF: before tokenization)")
     ap.add_argument("--per-cell", type=int, default=8, help="samples per (task, locality)")
     ap.add_argument("--seed", type=int, default=20261201)
-    ap.add_argument("--tasks", default="mk,vt,fw")
+    ap.add_argument("--tasks", default="mk,vt,fw",
+                    help="of %s; kv,kvm: the hard tasks (distinct random words, no chunk locality)"
+                         % ",".join(T.ALL_TASKS))
+    ap.add_argument("--words", type=int, default=None,
+                    help="synthetic vocabulary of the tasks (default: the model's, --weights; else 1024)")
     ap.add_argument("--budgets", default="1.5,3,6", help="percent of the prompt's chunks")
     ap.add_argument("--configs", default="full,oracle,exact,shadow,mini")
     ap.add_argument("--codecs", default="bf16,int4", help="shadow value codecs")
     ap.add_argument("--shadow-option", action="append", default=[],
-                    help="NAME:field=value,... another shadow variant (fields of kvshade.Profile), at every budget")
+                    help="NAME:field=value,... another shadow variant (any field of kvshade.Profile but kind and "
+                         "sparse_budget; values int, float, true/false, none or a string), at every budget, e.g. "
+                         "rerank8:rerank_factor=8, guard:recall_sample_rate=0.25,recall_floor=0.8,recall_action=widen")
     ap.add_argument("--no-auto-options", dest="auto_options", action="store_false",
                     help="do not add the shadow variants kvshade.Profile offers (rerank_factor 4: two-stage "
                          "selection; mass_top_p 0.9 with mass_min_chunks 4: budgets by attention mass)")
@@ -474,6 +640,9 @@ def main(argv=None):
     ap.add_argument("--out-md", default="selection_fidelity.md")
     ap.add_argument("--time-limit-s", type=float, default=0, help="stop taking new samples after this long (0: none)")
     a = ap.parse_args(argv)
+    unknown = [t for t in a.tasks.split(",") if t not in T.ALL_TASKS]
+    if unknown:
+        ap.error("--tasks: unknown task(s) %s (known: %s)" % (", ".join(unknown), ", ".join(T.ALL_TASKS)))
 
     if a.spawn and not os.environ.get("KVSHADE_LIB"):
         # The C library of the same build as the server (build/service/.. -> build/client/).
@@ -500,7 +669,10 @@ def main(argv=None):
         target = server.target
     else:
         target = a.target
-    cells = T.eval_set(a.seed, T.TaskConfig(), a.length, a.per_cell, tasks=tuple(a.tasks.split(",")))
+    words = a.words or (backbone.c.vocab - T.NUM_SPECIAL if a.weights else T.TaskConfig().words)
+    if a.weights and T.NUM_SPECIAL + words > backbone.c.vocab:
+        raise SystemExit("--words %d: the model knows %d words" % (words, backbone.c.vocab - T.NUM_SPECIAL))
+    cells = T.eval_set(a.seed, T.TaskConfig(words=words), a.length, a.per_cell, tasks=tuple(a.tasks.split(",")))
     n_cells = len(cells) // a.per_cell
     # Round robin over the cells, so that a time limit leaves them balanced.
     samples = [cells[c * a.per_cell + i] for i in range(a.per_cell) for c in range(n_cells)]
@@ -548,11 +720,13 @@ def main(argv=None):
                         full_gen = list(gen)
                     rec = getattr(att, "recalls", None)
                     extra = att.stats() if hasattr(att, "stats") else {}
-                    rows.append(dict(**extra,sample=si, task=s.task, locality=s.locality, config=name, budget_pct=b,
+                    rows.append(dict(**extra, sample=si, task=s.task, locality=s.locality, config=name, budget_pct=b,
                                      k=k, option=opt, correct=int(ok), generated=[int(t) for t in gen],
                                      agrees_full=(None if full_gen is None else int(gen == full_gen)),
                                      answer=[int(t) for t in s.answer],
-                                     recall=(float(np.mean(rec)) if rec else None)))
+                                     recall=(float(np.mean(rec)) if rec else None),
+                                     recall_by_layer=(att.recall_by_layer() if rec else None),
+                                     steps=len(gen), attend_s=att.attend_s, select_s=getattr(att, "select_s", None)))
                     timing[(name, opt)] += time.time() - t1
                 if si % 6 == 5:
                     print("%d/%d samples, %.0f s" % (si + 1, len(samples), time.time() - t0), flush=True)
@@ -560,10 +734,11 @@ def main(argv=None):
         if server:
             server.stop()
     summary = summarize(rows)
-    cell_order = [(t, l) for t in a.tasks.split(",") for l in (True, False)]
+    cell_order = [(t, l) for t in a.tasks.split(",") for l in T.task_localities(t)]
     title = ("Selection fidelity: %s, %d-token prompts, %d samples per cell, rank %d, %d outliers, local %d, "
              "C %d; accuracy %% (exact match of the answer); = full: %% of samples decoded exactly as with full "
-             "attention" % (
+             "attention; recall@k by layer: L<layer> <recall>, worst first; ms/step: milliseconds per decode step "
+             "(all layers) in Client.select and in the config's whole attention call" % (
                  os.path.basename(src_name), a.length, a.per_cell, a.rank, a.outliers, a.local_window, CHUNK))
     md = markdown(summary, cell_order, title) + speculation_note(rows)
     print(md)
@@ -573,6 +748,7 @@ def main(argv=None):
     with open(a.out_json, "w") as f:
         json.dump(dict(args=vars(a), model_meta=meta, model_id=model_id, seconds=round(elapsed, 1),
                        seconds_by_config={"%s/%s" % k: round(v, 2) for k, v in timing.items()},
+                       task_config=dict(words=words), by_config=list(by_config(summary, cell_order).values()),
                        summary=summary, rows=rows), f, indent=1)
     print("evaluated %d samples in %.0f s -> %s, %s" % (len({r['sample'] for r in rows}), elapsed, a.out_md, a.out_json))
     return 0

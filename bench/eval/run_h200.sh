@@ -11,22 +11,34 @@
 #   bench/eval/run_h200.sh --skip-train W.pt     # evaluate existing weights
 #   bench/eval/run_h200.sh --smoke               # CPU, tiny model, 512-token prompts, a few minutes:
 #                                                # the whole pipeline against build/service/kvshade-server
+#   bench/eval/run_h200.sh --hard                # the hard tasks (kv, kvm: distinct random words, no
+#                                                # chunk locality): train the hard model and evaluate it,
+#                                                # results under $OUT (default bench/eval/out-hard)
+#   bench/eval/run_h200.sh --hard --smoke        # the same pipeline on the CPU
 # Arguments after these go to evaluate.py (e.g. --per-cell 16, --shadow-option NAME:field=value).
 # Environment: KVSHADE_SERVER, KVSHADE_LIB (default: the bundle's, else build/), PYTHON
 # (default python3), KVSHADE_BUNDLE (default .gpu), OUT, TRAIN_BUDGET_S (default 330: training
-# seconds), EVAL_TIME_LIMIT_S (default 150: no new samples after this long).
+# seconds), EVAL_TIME_LIMIT_S (default 150: no new samples after this long); with --hard also
+# HARD_WORDS (default 8448: the vocabulary, an 8K context of distinct words) and HARD_CURRICULUM
+# (default 64:0.25,256:0.2,1024:0.15,2048:0.1,8192:0.3).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 SMOKE=0
+HARD=0
 WEIGHTS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1; shift ;;
+    --hard) HARD=1; shift ;;
     --skip-train) WEIGHTS="$2"; shift 2 ;;
     *) break ;;
   esac
 done
-OUTDIR=${OUT:-bench/eval/out}
+if [ "$HARD" = 1 ]; then
+  OUTDIR=${OUT:-bench/eval/out-hard}
+else
+  OUTDIR=${OUT:-bench/eval/out}
+fi
 mkdir -p "$OUTDIR"
 BUNDLE=${KVSHADE_BUNDLE:-.gpu}
 if [ -d "$BUNDLE/lib" ] && [ "$SMOKE" = 0 ]; then
@@ -52,6 +64,19 @@ else
   TRAIN_ARGS=(--budget-s "${TRAIN_BUDGET_S:-330}")
   EVAL_ARGS=(--per-cell 8 --time-limit-s "${EVAL_TIME_LIMIT_S:-150}")
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$OUTDIR/gpu.txt" 2>&1 || true
+fi
+if [ "$HARD" = 1 ]; then
+  # The hard model: span retrieval (kv) and majority span (kvm), with rep (copying a
+  # context from a word on: the same lookup, densely) to leave the plateau early; the
+  # vocabulary follows --words (the harness reads it back from the weights).
+  if [ "$SMOKE" = 1 ]; then
+    TRAIN_ARGS+=(--tasks rep,kv,kvm --words 1024)
+    EVAL_ARGS+=(--tasks kv,kvm)
+  else
+    TRAIN_ARGS+=(--tasks rep,kv,kvm --words "${HARD_WORDS:-8448}"
+                 --curriculum "${HARD_CURRICULUM:-64:0.25,256:0.2,1024:0.15,2048:0.1,8192:0.3}")
+    EVAL_ARGS=(--tasks kv,kvm --per-cell 16 --time-limit-s "${EVAL_TIME_LIMIT_S:-150}")
+  fi
 fi
 t0=$(date +%s)
 if [ -z "$WEIGHTS" ]; then

@@ -12,6 +12,13 @@ then cosine decay, bf16 autocast on CUDA; batches are made by worker processes, 
 
   python3 bench/eval/train.py --out bench/eval/weights/evallm.pt              # H200, <= 6 min
   python3 bench/eval/train.py --out /tmp/smoke.pt --smoke                     # CPU, about a minute
+  python3 bench/eval/train.py --out W.pt --tasks rep,kv,kvm --words 8448      # the hard model
+
+--tasks picks the tasks of the batches (uniformly; repeat a name to weight it, e.g.
+kv,kv,kvm). The hard tasks (tasks.KV_TASKS: span retrieval and majority span over distinct
+random words) want a vocabulary at least as large as the longest context (--words 8448:
+an 8K context of distinct words); rep (training only) teaches their lookup densely; the model's vocabulary follows --words, and the harness
+takes it back from the weights.
 
 --steps auto (the default on CUDA) times a few forward/backward passes at each length first
 and picks the number of steps that fits --budget-s; the number chosen is logged and saved
@@ -111,14 +118,21 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=None, help="data processes (default: CPUs - 2, at most 14)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--d-model", type=int, default=None)
-    ap.add_argument("--tasks", default=",".join(T.TASKS))
+    ap.add_argument("--tasks", default=",".join(T.TASKS),
+                    help="comma-separated, of %s (default %s)" % (", ".join(T.ALL_TASKS), ",".join(T.TASKS)))
+    ap.add_argument("--words", type=int, default=1024, help="synthetic vocabulary (words after the markers)")
     ap.add_argument("--train-needles", type=int, default=8, help="mk records per training sequence (eval: 4)")
+    ap.add_argument("--train-kv-records", type=int, default=16, help="kv records per training sequence (eval: 8)")
     ap.add_argument("--log", default=None, help="JSON lines of the training curve")
     a = ap.parse_args(argv)
 
     torch.manual_seed(a.seed)
-    tcfg = T.TaskConfig(n_needles=a.train_needles, vary=True)
+    tcfg = T.TaskConfig(words=a.words, n_needles=a.train_needles, kv_records=a.train_kv_records, vary=True)
     train_tasks = tuple(a.tasks.split(","))
+    unknown = [t for t in train_tasks if t not in T.ALL_TASKS + T.TRAIN_ONLY]
+    if unknown:
+        ap.error("--tasks: unknown task(s) %s (known: %s)" % (", ".join(unknown),
+                                                              ", ".join(T.ALL_TASKS + T.TRAIN_ONLY)))
     if a.smoke:
         mcfg = ModelConfig(vocab=tcfg.vocab, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=32,
                            ffn=384)
@@ -153,7 +167,7 @@ def main(argv=None):
         for length, _ in curriculum:
             bsz = max(1, batch_tokens // length)
             td = time.time()
-            toks, masks = batch(trng, tcfg, length, bsz, dev)
+            toks, masks = batch(trng, tcfg, length, bsz, dev, train_tasks)
             t_data = (time.time() - td) * 1.25 / n_workers   # the workers make batches in parallel
             ts = []
             for i in range(3):
@@ -220,7 +234,9 @@ def main(argv=None):
     meta = dict(seed=a.seed, steps=planned, steps_run=steps, curriculum=curriculum, batch_tokens=batch_tokens, lr=a.lr,
                 warmup=warmup, smoke=a.smoke, train_seconds=round(train_s, 1),
                 total_seconds=round(time.time() - t_start, 1), final_answer_token_acc=ema,
-                task_config=dict(words=tcfg.words, n_needles=tcfg.n_needles, hops=tcfg.hops),
+                tasks=list(train_tasks),
+                task_config=dict(words=tcfg.words, n_needles=tcfg.n_needles, hops=tcfg.hops,
+                                 kv_records=tcfg.kv_records, kvm_share=tcfg.kvm_share, kvm_gap=tcfg.kvm_gap),
                 device=str(torch.cuda.get_device_name(0)) if amp else "cpu", torch=torch.__version__)
     save(model, a.out, meta)
     with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
