@@ -16,21 +16,10 @@
 namespace kvshade::integration {
 namespace {
 
-struct JsonRun {
-  int exit_code = -1;
-  std::string out;  // stdout only
-};
+using JsonRun = CommandRun;
 
 JsonRun Cli(const std::string& args) {
-  JsonRun r;
-  FILE* p = popen((std::string(KVSHADE_CLI_PATH) + " " + args + " 2>/dev/null").c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return RunCommand(std::string(KVSHADE_CLI_PATH) + " " + args + " 2>/dev/null");
 }
 
 // A quoted run of digits as a member's value, `"key": "123"`, of any member but the label
@@ -61,13 +50,13 @@ TEST(CliJson, StatusAndSessionsListPrintIntegersAsNumbers) {
   const std::string target = "--target " + server.target();
 
   const JsonRun status = Cli(target + " status --json");
-  ASSERT_EQ(status.exit_code, 0) << status.out;
-  EXPECT_FALSE(std::regex_search(status.out, QuotedInteger())) << status.out;
-  EXPECT_NE(status.out.find("\"sessions\": 1"), std::string::npos) << status.out;
-  EXPECT_NE(status.out.find("\"device_bytes_budget\": " + std::to_string(8ull << 30)), std::string::npos)
-      << status.out;
-  EXPECT_NE(status.out.find("\"backend\": \"cpu\""), std::string::npos) << status.out;
-  const auto stats = Parse<v1::StatsResponse>(status.out);
+  ASSERT_EQ(status.exit_code, 0) << status.output;
+  EXPECT_FALSE(std::regex_search(status.output, QuotedInteger())) << status.output;
+  EXPECT_NE(status.output.find("\"sessions\": 1"), std::string::npos) << status.output;
+  EXPECT_NE(status.output.find("\"device_bytes_budget\": " + std::to_string(8ull << 30)), std::string::npos)
+      << status.output;
+  EXPECT_NE(status.output.find("\"backend\": \"cpu\""), std::string::npos) << status.output;
+  const auto stats = Parse<v1::StatsResponse>(status.output);
   KV_ASSERT_OK_AND_ASSIGN(direct, c->Stats());
   EXPECT_EQ(stats.sessions(), direct.sessions());
   EXPECT_EQ(stats.device_bytes_budget(), direct.device_bytes_budget());
@@ -76,30 +65,30 @@ TEST(CliJson, StatusAndSessionsListPrintIntegersAsNumbers) {
 
   for (const std::string args : {" sessions list --json", " sessions --json list"}) {
     const JsonRun list = Cli(target + args);
-    ASSERT_EQ(list.exit_code, 0) << args << ": " << list.out;
-    EXPECT_FALSE(std::regex_search(list.out, QuotedInteger())) << list.out;
-    EXPECT_NE(list.out.find("\"tokens\": 1024"), std::string::npos) << list.out;
-    EXPECT_NE(list.out.find("\"label\": \"4096\""), std::string::npos) << list.out;
-    EXPECT_NE(list.out.find("\"profile\": \"PROFILE_KIND_SHADOW\""), std::string::npos) << list.out;
-    const auto sessions = Parse<v1::ListSessionsResponse>(list.out);
-    ASSERT_EQ(sessions.sessions_size(), 1) << list.out;
+    ASSERT_EQ(list.exit_code, 0) << args << ": " << list.output;
+    EXPECT_FALSE(std::regex_search(list.output, QuotedInteger())) << list.output;
+    EXPECT_NE(list.output.find("\"tokens\": 1024"), std::string::npos) << list.output;
+    EXPECT_NE(list.output.find("\"label\": \"4096\""), std::string::npos) << list.output;
+    EXPECT_NE(list.output.find("\"profile\": \"PROFILE_KIND_SHADOW\""), std::string::npos) << list.output;
+    const auto sessions = Parse<v1::ListSessionsResponse>(list.output);
+    ASSERT_EQ(sessions.sessions_size(), 1) << list.output;
     KV_ASSERT_OK_AND_ASSIGN(direct_list, c->ListSessions());
     ASSERT_EQ(direct_list.sessions_size(), 1);
     EXPECT_EQ(sessions.sessions(0).SerializeAsString(), direct_list.sessions(0).SerializeAsString())
-        << list.out;
+        << list.output;
   }
 
   // `sessions info` prints the same object.
   const JsonRun info = Cli(target + " sessions info " + created.session_id());
-  ASSERT_EQ(info.exit_code, 0) << info.out;
-  EXPECT_FALSE(std::regex_search(info.out, QuotedInteger())) << info.out;
-  EXPECT_NE(info.out.find("\"tokens\": 1024"), std::string::npos) << info.out;
+  ASSERT_EQ(info.exit_code, 0) << info.output;
+  EXPECT_FALSE(std::regex_search(info.output, QuotedInteger())) << info.output;
+  EXPECT_NE(info.output.find("\"tokens\": 1024"), std::string::npos) << info.output;
 
   // No session: an empty list, still valid JSON.
   KV_ASSERT_OK(c->CloseSession(created.session_id()));
   const JsonRun empty = Cli(target + " sessions list --json");
-  ASSERT_EQ(empty.exit_code, 0) << empty.out;
-  EXPECT_EQ(Parse<v1::ListSessionsResponse>(empty.out).sessions_size(), 0) << empty.out;
+  ASSERT_EQ(empty.exit_code, 0) << empty.output;
+  EXPECT_EQ(Parse<v1::ListSessionsResponse>(empty.output).sessions_size(), 0) << empty.output;
 }
 
 }  // namespace

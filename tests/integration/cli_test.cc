@@ -22,22 +22,10 @@ extern char** environ;
 namespace kvshade::integration {
 namespace {
 
-struct CliRun {
-  int exit_code = -1;
-  std::string output;  // stdout + stderr
-};
+using CliRun = CommandRun;
 
 CliRun Cli(const std::string& args) {
-  const std::string cmd = std::string(KVSHADE_CLI_PATH) + " " + args + " 2>&1";
-  CliRun r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return RunCommand(std::string(KVSHADE_CLI_PATH) + " " + args + " 2>&1");
 }
 
 bool Has(const CliRun& r, const std::string& s) { return r.output.find(s) != std::string::npos; }

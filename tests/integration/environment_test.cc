@@ -16,22 +16,10 @@
 namespace kvshade::integration {
 namespace {
 
-struct CommandRun {
-  int exit_code = -1;
-  std::string output;  // stdout + stderr
-};
 
 // Runs `command` through the shell with `env` (NAME=VALUE words) before it.
 CommandRun RunWithEnv(const std::string& env, const std::string& command) {
-  CommandRun r;
-  FILE* p = popen(("env " + env + " timeout 30 " + command + " 2>&1").c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return RunCommand("env " + env + " timeout 30 " + command + " 2>&1");
 }
 
 bool Has(const CommandRun& r, const std::string& s) { return r.output.find(s) != std::string::npos; }

@@ -64,6 +64,18 @@ std::string ServerBinary() {
   return KVSHADE_SERVER_PATH;  // compile definition: $<TARGET_FILE:kvshade-server>
 }
 
+CommandRun RunCommand(const std::string& command) {
+  CommandRun r;
+  FILE* p = popen(command.c_str(), "r");
+  if (p == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), p)) > 0) r.output.append(buf, n);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
 ServerProcess::~ServerProcess() {
   if (pid_ > 0) Kill9();
 }

@@ -82,6 +82,16 @@ class ServerProcess {
 // Path of the kvshade-server binary under test.
 std::string ServerBinary();
 
+// A command line run to completion through the shell: its exit status (-1 when it did not
+// exit normally or could not start) and what it wrote to stdout (add "2>&1" to the command
+// for stderr too).
+struct CommandRun {
+  int exit_code = -1;
+  std::string output;
+  bool Has(const std::string& s) const { return output.find(s) != std::string::npos; }
+};
+CommandRun RunCommand(const std::string& command);
+
 // GET http://127.0.0.1:<port><path>; returns the body.
 absl::StatusOr<std::string> HttpGet(int port, const std::string& path);
 

@@ -62,13 +62,7 @@ double Value(const std::map<std::string, double>& samples, const std::string& se
 
 // "<version> (<commit>)" of kvshade-server --version, split.
 std::pair<std::string, std::string> ServerVersion() {
-  std::string out;
-  FILE* p = popen((ServerBinary() + " --version").c_str(), "r");
-  if (p == nullptr) return {};
-  std::array<char, 512> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) out.append(buf.data(), n);
-  pclose(p);
+  const std::string out = RunCommand(ServerBinary() + " --version").output;
   std::smatch m;
   if (!std::regex_match(out, m, std::regex(R"(kvshade-server (\S+)(?: \((\S+)\))?\n)"))) return {};
   return {m[1], m[2]};

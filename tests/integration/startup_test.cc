@@ -22,23 +22,11 @@ extern char** environ;
 namespace kvshade::integration {
 namespace {
 
-struct ServerRun {
-  int exit_code = -1;
-  std::string output;  // stdout + stderr
-};
+using ServerRun = CommandRun;
 
 // Runs kvshade-server with `args` to completion (for --check-config and --version).
 ServerRun RunServer(const std::string& args) {
-  ServerRun r;
-  // Bounded, so that a server that starts after all cannot hang the test.
-  FILE* p = popen(("timeout 30 " + ServerBinary() + " " + args + " 2>&1").c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return RunCommand("timeout 30 " + ServerBinary() + " " + args + " 2>&1");
 }
 
 bool Has(const ServerRun& r, const std::string& s) { return r.output.find(s) != std::string::npos; }

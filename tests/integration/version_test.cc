@@ -17,21 +17,10 @@
 namespace kvshade::integration {
 namespace {
 
-struct VersionRun {
-  int exit_code = -1;
-  std::string out;  // stdout only
-};
+using VersionRun = CommandRun;
 
 VersionRun RunVersion(const std::string& path) {
-  VersionRun r;
-  FILE* p = popen((path + " --version 2>/dev/null").c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.out.append(buf.data(), n);
-  const int status = pclose(p);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return RunCommand(path + " --version 2>/dev/null");
 }
 
 TEST(Version, EveryBinaryPrintsItsNameTheVersionAndTheCommit) {
@@ -60,11 +49,11 @@ TEST(Version, EveryBinaryPrintsItsNameTheVersionAndTheCommit) {
   for (const auto& [name, path] : binaries) {
     SCOPED_TRACE(name);
     const VersionRun r = RunVersion(path);
-    EXPECT_EQ(r.exit_code, 0) << r.out;
+    EXPECT_EQ(r.exit_code, 0) << r.output;
     std::smatch m;
     const std::regex line("^" + std::regex_replace(name, std::regex("[-_]"), "[$&]") +
                           R"( ([0-9]+\.[0-9]+\.[0-9]+)(?: \(([0-9a-f]{7,40})\))?\n$)");
-    ASSERT_TRUE(std::regex_match(r.out, m, line)) << "got: '" << r.out << "'";
+    ASSERT_TRUE(std::regex_match(r.output, m, line)) << "got: '" << r.output << "'";
     if (version.empty()) {
       version = m[1];
       commit = m[2];
