@@ -184,6 +184,7 @@ v1::Profile ToProfile(const kvshade_profile& p) {
   if (!std::isnan(p.recall_sample_rate)) s.set_recall_sample_rate(p.recall_sample_rate);
   if (!std::isnan(p.recall_floor)) s.set_recall_floor(p.recall_floor);
   s.set_recall_action(static_cast<v1::RecallAction>(p.recall_action));
+  if (p.key_signature_bits != KVSHADE_UNSET_U32) s.set_key_signature_bits(p.key_signature_bits);
   return s;
 }
 
@@ -347,7 +348,8 @@ void kvshade_profile_init(kvshade_profile* p) {
   if (p == nullptr) return;
   std::memset(p, 0, sizeof(*p));
   p->keep_sink = -1;
-  p->outliers = p->heavy_chunks = p->min_tokens = p->mass_min_chunks = KVSHADE_UNSET_U32;
+  p->outliers = p->heavy_chunks = p->min_tokens = p->mass_min_chunks = p->key_signature_bits =
+      KVSHADE_UNSET_U32;
   p->refactor_threshold = p->energy_target = p->mini_recent_ratio = p->mini_heavy_ratio = p->recall_sample_rate =
       p->recall_floor = std::numeric_limits<float>::quiet_NaN();
 }

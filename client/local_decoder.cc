@@ -415,6 +415,9 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
     sl.k = static_cast<int>(el.slots_per_head());
     if (sl.k > 0) {
       sl.view.r = static_cast<int>(el.rank());
+      // Key signatures (the profile's width; segments exported without them leave sig null).
+      const int sig_bits = static_cast<int>(exp.profile().key_signature_bits());
+      sl.view.sig_bits = kernels::ValidSignatureBits(sig_bits) ? sig_bits : 0;
       const void* p;
       KVSHADE_ASSIGN_OR_RETURN(p, ptr(el.b(), size_t(h) * sl.view.r * d * 2));
       sl.view.b = static_cast<const bf16*>(p);
@@ -433,6 +436,11 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
         if (es.has_excluded()) {
           KVSHADE_ASSIGN_OR_RETURN(p, ptr(es.excluded(), n * h));
           sv.excluded = static_cast<const uint8_t*>(p);
+        }
+        if (es.has_sig() && sl.view.sig_bits > 0) {
+          KVSHADE_ASSIGN_OR_RETURN(
+              p, ptr(es.sig(), n * C * h * kernels::SignatureRecordBytes(sl.view.sig_bits, d)));
+          sv.sig = static_cast<const std::byte*>(p);
         }
         const size_t vbytes = size_t(es.value_head_stride()) * (h - 1) +
                               size_t(es.value_chunk_stride()) * (n > 0 ? n - 1 : 0) + chunk_bytes;
@@ -504,7 +512,7 @@ decode::SelectionGroup LocalDecoder::Impl::GroupOf(const SeqLayer& sl, bool nati
   g.rope = rope;
   g.codec = codec;
   g.native = native;
-  if (!native) g.options = policy.OptionsAt(sl.k, C, rope);
+  if (!native) g.options = policy.OptionsAt(sl.k, C, rope, decode::HasSignatures(sl.view));
   return g;
 }
 

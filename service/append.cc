@@ -202,6 +202,7 @@ int64_t OpenTokens(const Session& s) {
 struct MovedChunks {
   std::vector<bf16> a;             // [m*C, r] coordinates
   std::vector<bf16> landmarks;     // [m, h, d]
+  std::vector<std::byte> sig;      // [m*C, h, SignatureRecordBytes(bits, d)] (bits > 0)
   std::vector<std::byte> values;   // [h, m, chunk_bytes]
   size_t chunk_bytes = 0;
   double residual = -1;            // projection residual of the appended rows (-1: none)
@@ -270,6 +271,18 @@ absl::StatusOr<MovedChunks> PrepareChunks(EngineImpl& e, const Session& s, int l
   KVSHADE_RETURN_IF_ERROR(e.backend_->EncodeValueChunks(
       absl::Span<const bf16>(Ptr<const bf16>(vd), v.size()), rows, h, d, C, m, s.profile.codec,
       absl::Span<std::byte>(Ptr<std::byte>(ed), size_t(h) * m * cb)));
+  // Key signatures from the exact post-RoPE keys and the new landmarks.
+  if (s.profile.key_signature_bits > 0) {
+    const int bits = s.profile.key_signature_bits;
+    const size_t sig_bytes = size_t(rows) * h * kernels::SignatureRecordBytes(bits, d);
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock sgd, e.Alloc(sig_bytes, ArenaKind::kOther));
+    KVSHADE_RETURN_IF_ERROR(e.backend_->EncodeSignatures(
+        absl::Span<const bf16>(Ptr<const bf16>(krd), k.size()),
+        absl::Span<const bf16>(Ptr<const bf16>(lmd), size_t(m) * D), h, d, C, m, bits,
+        absl::Span<std::byte>(Ptr<std::byte>(sgd), sig_bytes)));
+    out.sig.resize(sig_bytes);
+    KVSHADE_RETURN_IF_ERROR(e.Download(out.sig.data(), sgd.data(), sig_bytes));
+  }
   out.landmarks.resize(size_t(m) * D);
   out.values.resize(size_t(h) * m * cb);
   KVSHADE_RETURN_IF_ERROR(e.Download(out.landmarks.data(), lmd.data(), Bf16Bytes(out.landmarks.size())));
@@ -295,6 +308,15 @@ absl::Status ReserveChunks(EngineImpl& e, const Session& s, LayerData& ld, size_
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock landmarks,
                            Grown(e, ld.landmarks, Bf16Bytes(size_t(n0) * D),
                                  Bf16Bytes(size_t(cap) * D), ArenaKind::kLandmarks));
+  // Signatures grow with the landmarks (rows of C tokens per chunk); a layer keeps them
+  // only from its first chunk on (an open segment is created empty).
+  const int bits = s.profile.key_signature_bits;
+  DeviceBlock sig;
+  if (bits > 0 && (n0 == 0 || ld.sig_bits == bits)) {
+    const size_t rec = size_t(h) * kernels::SignatureRecordBytes(bits, s.model.shape.d) * C;
+    KVSHADE_ASSIGN_OR_RETURN(sig, Grown(e, ld.sig, size_t(n0) * rec, size_t(cap) * rec,
+                                        ArenaKind::kSignatures));
+  }
   KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer vb, e.backend_->AllocateHostVisible(size_t(h) * cap * stride));
   std::memset(vb.data(), 0, vb.bytes());
   for (int hh = 0; hh < h && n0 > 0; ++hh) {
@@ -305,6 +327,8 @@ absl::Status ReserveChunks(EngineImpl& e, const Session& s, LayerData& ld, size_
   }
   ld.a = std::move(a);
   ld.landmarks = std::move(landmarks);
+  ld.sig_bits = sig ? bits : 0;
+  ld.sig = std::move(sig);
   ld.open_values.buffer = std::move(vb);
   ld.open_values.cap_chunks = cap;
   ld.open_values.chunk_stride = stride;
@@ -321,6 +345,11 @@ absl::Status WriteChunks(EngineImpl& e, const Session& s, LayerData& ld, const M
                                                    mc.a.data(), Bf16Bytes(mc.a.size())));
   KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(Ptr<bf16>(ld.landmarks) + size_t(n0) * D,
                                                    mc.landmarks.data(), Bf16Bytes(mc.landmarks.size())));
+  if (ld.sig && !mc.sig.empty()) {
+    const size_t row = size_t(h) * kernels::SignatureRecordBytes(ld.sig_bits, s.model.shape.d);
+    KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(Ptr<std::byte>(ld.sig) + size_t(n0) * C * row,
+                                                     mc.sig.data(), mc.sig.size()));
+  }
   const int64_t stride = ld.open_values.chunk_stride;
   for (int hh = 0; hh < h; ++hh) {
     for (int j = 0; j < m; ++j) {
@@ -678,6 +707,13 @@ absl::StatusOr<std::shared_ptr<Segment>> MergeSegments(EngineImpl& e, Session& s
       const int r = basis->r;
       std::vector<bf16> a(size_t(n_chunks) * C * r), lm(size_t(n_chunks) * D);
       std::vector<std::byte> values(layout.dense_layer_bytes());
+      // Key signatures: concatenated rows when every source keeps them at the profile's
+      // width (a source restored from a record without them leaves the merge without).
+      const int bits = p.key_signature_bits;
+      bool with_sig = bits > 0;
+      for (const Segment* x : src) with_sig = with_sig && x->data(l).sig && x->data(l).sig_bits == bits;
+      const size_t sig_row = with_sig ? size_t(h) * kernels::SignatureRecordBytes(bits, d) : 0;
+      std::vector<std::byte> sig(size_t(n_chunks) * C * sig_row);
       int at = 0;
       for (size_t i = 0; i < src.size(); ++i) {
         const Segment& x = *src[i];
@@ -697,6 +733,10 @@ absl::StatusOr<std::shared_ptr<Segment>> MergeSegments(EngineImpl& e, Session& s
                                            Bf16Bytes(size_t(n) * C * r)));
         KVSHADE_RETURN_IF_ERROR(e.Download(lm.data() + size_t(at) * D, ld.landmarks.data(),
                                            Bf16Bytes(size_t(n) * D)));
+        if (with_sig) {
+          KVSHADE_RETURN_IF_ERROR(e.Download(sig.data() + size_t(at) * C * sig_row, ld.sig.data(),
+                                             size_t(n) * C * sig_row));
+        }
         const std::byte* base;
         int64_t head_stride, chunk_stride;
         if (pins[i]) {
@@ -724,6 +764,10 @@ absl::StatusOr<std::shared_ptr<Segment>> MergeSegments(EngineImpl& e, Session& s
       KVSHADE_ASSIGN_OR_RETURN(*out.a, e.Upload(a.data(), Bf16Bytes(a.size()), ArenaKind::kA));
       KVSHADE_ASSIGN_OR_RETURN(out.landmarks,
                                e.Upload(lm.data(), Bf16Bytes(lm.size()), ArenaKind::kLandmarks));
+      if (with_sig) {
+        KVSHADE_ASSIGN_OR_RETURN(out.sig, e.Upload(sig.data(), sig.size(), ArenaKind::kSignatures));
+        out.sig_bits = bits;
+      }
       KVSHADE_RETURN_IF_ERROR(e.store_->WriteLayer(seg->id, l, values));
     }
     seg->values_in_store = true;

@@ -452,6 +452,7 @@ const ConfigSchema& TheSchema() {
            {"value_codec", Scalar(&C::profile, &P::value_codec)},
            {"int4_from_tokens", Scalar(&C::profile, &P::int4_from_tokens)},
            {"rerank_factor", Scalar(&C::profile, &P::rerank_factor)},
+           {"key_signature_bits", Scalar(&C::profile, &P::key_signature_bits)},
            {"mass_top_p", Scalar(&C::profile, &P::mass_top_p)},
            {"mass_min_chunks", Scalar(&C::profile, &P::mass_min_chunks)},
            {"recall_sample_rate", Scalar(&C::profile, &P::recall_sample_rate)},
@@ -721,6 +722,9 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (p.sparse_budget == 0) return bad("profile.sparse_budget must be > 0");
   if (p.rerank_factor == 0 || p.rerank_factor > 64) {
     return bad("profile.rerank_factor must be in [1, 64] (1 = one stage), got ", p.rerank_factor);
+  }
+  if (p.key_signature_bits != 0 && p.key_signature_bits != 2 && p.key_signature_bits != 4) {
+    return bad("profile.key_signature_bits must be 0 (none), 2 or 4, got ", p.key_signature_bits);
   }
   if (!(p.mass_top_p >= 0 && p.mass_top_p <= 1)) {
     return bad("profile.mass_top_p must be in [0, 1] (0 = fixed budget), got ", p.mass_top_p);

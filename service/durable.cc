@@ -13,8 +13,11 @@
 //            n_tail, int2 blocks (rows, valid), energies; then per layer the static rows'
 //            positions s_pos[h*s_cap] (absent in records written before them: restored
 //            as unknown, -1).
-//            Factors per layer: kA, kB, kLandmarks, kExcluded, kStatic (sk, sv, tk, tv,
-//            then each INT2 block's k codes, scale, min, v codes, scale, min).
+//            Factors per layer: kA, kB, kLandmarks, kExcluded, kSignatures (the chunked
+//            tokens' key signatures; their width follows from the blob's size, absent in
+//            records written without them: restored without, selection reconstructs
+//            keys), kStatic (sk, sv, tk, tv, then each INT2 block's k codes, scale, min, v
+//            codes, scale, min).
 //   session "KVSHSES1": id, tenant, version, ModelSpec, Profile, label, prompt, reused,
 //            tokens, created, chain ids, appended tokens, tail length, append_fsync (one
 //            byte; absent in records written before it: the config's); factors kOther per
@@ -150,6 +153,15 @@ absl::Status EngineImpl::SealSegmentValues(Segment& seg, bool durable, const Mod
           KVSHADE_RETURN_IF_ERROR(Fetch(*this, ld.excluded, size_t(h) * ld.n_chunks, &ex));
           blobs.push_back(std::move(ex));
           o.factors.push_back({l, FactorKind::kExcluded, {}});
+        }
+        if (ld.sig && ld.sig_bits > 0) {
+          std::vector<std::byte> sg;
+          KVSHADE_RETURN_IF_ERROR(Fetch(*this, ld.sig,
+                                        size_t(ld.n_chunks) * seg.chunk_size * h *
+                                            kernels::SignatureRecordBytes(ld.sig_bits, d),
+                                        &sg));
+          blobs.push_back(std::move(sg));
+          o.factors.push_back({l, FactorKind::kSignatures, {}});
         }
       }
       std::vector<std::byte> st;
@@ -640,6 +652,26 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
         auto ex = Put(*this, buf.data(), buf.size(), ArenaKind::kLandmarks);
         if (!ex.ok()) { st = ex.status(); break; }
         ld.excluded = std::move(ex).value();
+        st = read(l, FactorKind::kSignatures, &buf);
+        if (!st.ok()) break;
+        if (!buf.empty()) {
+          // The width from the size: rows * h * (d*bits/8 + 4) bytes.
+          const size_t rows = size_t(lr.n_chunks) * r.C * h;
+          int bits = 0;
+          for (int b : {2, 4}) {
+            if (buf.size() == rows * kernels::SignatureRecordBytes(b, d)) bits = b;
+          }
+          if (bits == 0) {
+            st = absl::DataLossError(absl::StrCat("key signatures of layer ", l, " hold ", buf.size(),
+                                                  " bytes, not a record of 2 or 4 bits per channel for ",
+                                                  lr.n_chunks, " chunks"));
+            break;
+          }
+          auto sg = Put(*this, buf.data(), buf.size(), ArenaKind::kSignatures);
+          if (!sg.ok()) { st = sg.status(); break; }
+          ld.sig = std::move(sg).value();
+          ld.sig_bits = bits;
+        }
       }
       st = read(l, FactorKind::kStatic, &buf);
       if (!st.ok()) break;

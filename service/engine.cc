@@ -79,7 +79,7 @@ size_t Segment::DeviceBytes() const {
     const LayerData& own = layers[l];
     if (own.a) b += own.a->bytes();
     if (base) continue;  // the rest belongs to the base segment
-    b += own.landmarks.bytes() + own.excluded.bytes() + own.sk.bytes() + own.sv.bytes() +
+    b += own.landmarks.bytes() + own.sig.bytes() + own.excluded.bytes() + own.sk.bytes() + own.sv.bytes() +
          own.tk.bytes() + own.tv.bytes();
     for (const KiviBlock& k : own.int2) {
       b += k.k_codes.bytes() + k.k_scale.bytes() + k.k_min.bytes() + k.v_codes.bytes() +
@@ -1089,6 +1089,11 @@ absl::StatusOr<LayerViewHold> EngineImpl::BuildView(const Session& s, int layer)
     sv.n_chunks = d.n_chunks;
     sv.first_position = seg.first_position;
     sv.landmarks = static_cast<const kernels::bf16*>(d.landmarks.data());
+    // Key signatures of the profile's width; a segment without them (written before they
+    // existed) leaves sig null, and selection then reconstructs keys (decode::HasSignatures).
+    sv.sig = d.sig && d.sig_bits == s.profile.key_signature_bits
+                 ? static_cast<const std::byte*>(d.sig.data())
+                 : nullptr;
     sv.excluded = d.excluded ? static_cast<const uint8_t*>(d.excluded.data()) : nullptr;
     sv.a = static_cast<const kernels::bf16*>(own.a->data());
     const Segment& vo = seg.values_owner();
@@ -1104,6 +1109,7 @@ absl::StatusOr<LayerViewHold> EngineImpl::BuildView(const Session& s, int layer)
     hold.total_chunks += d.n_chunks;
     return absl::OkStatus();
   };
+  v.sig_bits = s.profile.key_signature_bits;
   for (const auto& seg : s.chain) KVSHADE_RETURN_IF_ERROR(add(*seg));
   if (s.open) KVSHADE_RETURN_IF_ERROR(add(*s.open));
   return hold;

@@ -172,6 +172,17 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
         }
         KVSHADE_RETURN_IF_ERROR(regions.Ref(a_ptr, es->mutable_a()));
         KVSHADE_RETURN_IF_ERROR(regions.Ref(lm_ptr, es->mutable_landmarks()));
+        // Key signatures at the profile's width (a segment restored without them has none:
+        // the worker's selection then reconstructs keys, as the daemon's does).
+        if (ld.sig && ld.sig_bits == s.profile.key_signature_bits) {
+          const size_t sig_bytes =
+              size_t(ld.n_chunks) * C * h * kernels::SignatureRecordBytes(ld.sig_bits, d);
+          const void* sig_ptr = ld.sig.data();
+          if (open) {
+            KVSHADE_ASSIGN_OR_RETURN(sig_ptr, CopyInto(*this, *gen, sig_ptr, sig_bytes));
+          }
+          KVSHADE_RETURN_IF_ERROR(regions.Ref(sig_ptr, es->mutable_sig()));
+        }
         std::vector<uint8_t> excl;
         if (ld.excluded) {
           excl.resize(size_t(h) * ld.n_chunks);

@@ -92,7 +92,7 @@ class ArenaAllocator final : public kernels::Allocator {
       case kernels::BufferKind::kFactorA: return ArenaKind::kA;
       case kernels::BufferKind::kFactorB: return ArenaKind::kB;
       case kernels::BufferKind::kLandmarks: return ArenaKind::kLandmarks;
-      case kernels::BufferKind::kSignatures: return ArenaKind::kLandmarks;
+      case kernels::BufferKind::kSignatures: return ArenaKind::kSignatures;
       case kernels::BufferKind::kStatic: return ArenaKind::kStatic;
       case kernels::BufferKind::kScratch: return ArenaKind::kOther;
     }
@@ -650,6 +650,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
     sp.heavy_chunks = use_obs ? heavy_[l] : 0;
     sp.heavy_group = p.kivi_group;
     sp.codec = p.codec;
+    sp.signature_bits = p.key_signature_bits;
     // The values are encoded straight into the segment's block in the host value store
     // when its layout is packed (chunk_stride == chunk_bytes), else copied in afterwards.
     KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment((n_ - sp.local_min) / C));
@@ -692,6 +693,10 @@ class IngestStreamImpl final : public Engine::IngestStream {
       captured_[l] = sl.factorize.captured_energy;
     }
     out.landmarks = DeviceBlock(std::move(sl.landmarks));
+    if (sl.signature_bits > 0) {
+      out.sig_bits = sl.signature_bits;
+      out.sig = DeviceBlock(std::move(sl.sig));
+    }
     out.excluded = DeviceBlock(std::move(sl.excluded));
     out.s_cap = sl.static_capacity * C;
     out.s_len.resize(m.shape.h);

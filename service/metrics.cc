@@ -287,7 +287,7 @@ void Metrics::ObserveStage(std::string_view stage, double seconds) {
 void Metrics::SetTierBytes(std::string_view tier, std::string_view kind, double bytes) {
   // a = token coordinates A, b = per-head basis B (docs/ALGORITHM.md), as storage names them.
   static const std::set<std::string, std::less<>> kKinds = {
-      "a", "b", "landmarks", "static", "heavy", "tail", "slots", "values", "other"};
+      "a", "b", "landmarks", "signatures", "static", "heavy", "tail", "slots", "values", "other"};
   if (kind == "total") return;  // kept below
   const std::string t = Bounded(tier, KnownTiers());
   const std::string k = Bounded(kind, kKinds);

@@ -49,7 +49,11 @@ std::string ProfileInfo::Fingerprint() const {
                       ";O=", outliers, ";sink=", keep_sink ? 1 : 0, ";w=", local_window,
                       ";H=", heavy_chunks, ";codec=", static_cast<int>(codec.codec), "/",
                       codec.group, ";e=", energy_target, ";rw=", mini_recent_ratio,
-                      ";hh=", mini_heavy_ratio, ";G=", kivi_group);
+                      ";hh=", mini_heavy_ratio, ";G=", kivi_group,
+                      // Only when on: fingerprints (prefix keys) of profiles without
+                      // signatures are those written before signatures existed.
+                      key_signature_bits > 0 ? absl::StrCat(";sig=", key_signature_bits)
+                                             : std::string());
 }
 
 decode::SelectionPolicy ProfileInfo::Policy() const {
@@ -81,6 +85,7 @@ v1::Profile ProfileInfo::ToProto() const {
   p.set_mini_recent_ratio(mini_recent_ratio);
   p.set_mini_heavy_ratio(mini_heavy_ratio);
   p.set_kivi_group(kivi_group);
+  p.set_key_signature_bits(key_signature_bits);
   p.set_rerank_factor(rerank_factor);
   p.set_mass_top_p(mass_top_p);
   p.set_mass_min_chunks(mass_min_chunks);
@@ -277,6 +282,24 @@ absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& p, const ProfileDe
     KVSHADE_ASSIGN_OR_RETURN(o.codec.codec, CodecFromProto(p.value_codec(), def.value_codec));
   }
   o.codec.group = o.kivi_group;
+  // Key signatures: shadow only. A request naming another kind (mini, exact) may not ask
+  // for them; one left to AUTO gets them only when it resolves to shadow. The server's
+  // default applies to shadow sessions only.
+  if (p.has_key_signature_bits()) {
+    const uint32_t bits = p.key_signature_bits();
+    if (bits != 0 && !kernels::ValidSignatureBits(static_cast<int>(bits))) {
+      return Bad("profile.key_signature_bits",
+                 absl::StrCat("must be 0 (none), 2 or 4, got ", bits));
+    }
+    if (bits != 0 && o.requested != v1::PROFILE_KIND_AUTO && o.requested != v1::PROFILE_KIND_SHADOW) {
+      return Bad("profile.key_signature_bits",
+                 absl::StrCat("applies to the shadow profile only, got ", bits, " with profile ",
+                              v1::ProfileKind_Name(o.requested)));
+    }
+    o.key_signature_bits = o.kind == v1::PROFILE_KIND_SHADOW ? static_cast<int>(bits) : 0;
+  } else {
+    o.key_signature_bits = o.kind == v1::PROFILE_KIND_SHADOW ? static_cast<int>(def.key_signature_bits) : 0;
+  }
 
   const int D = model.shape.D();
   const int d = model.shape.d;
@@ -304,6 +327,11 @@ absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& p, const ProfileDe
                    absl::StrCat("must divide head_dim = ", d, " and be a multiple of 16 (8 for "
                                 "int4 values without heavy chunks), got ", o.kivi_group));
       }
+    }
+    if (o.key_signature_bits > 0 && (int64_t{d} * o.key_signature_bits) % 32 != 0) {
+      return Bad("profile.key_signature_bits",
+                 absl::StrCat("needs head_dim * bits to be a multiple of 32, got head_dim = ", d,
+                              " and ", o.key_signature_bits, " bits"));
     }
     if (auto b = kernels::ValueChunkBytes(o.codec, o.chunk_size, d); !b.ok()) {
       return Bad("profile.value_codec", std::string(b.status().message()));

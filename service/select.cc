@@ -162,8 +162,9 @@ struct SelectGroup : decode::SelectionGroup {
   std::vector<size_t> items;  // indices into the batch
 };
 
-// The decode core's group of session `s` at slot width k.
-SelectGroup GroupOf(const Session& s, int k, bool native) {
+// The decode core's group of session `s` at slot width k over `view` (the session's layer
+// view: two-stage selection scores key signatures when every segment of it keeps them).
+SelectGroup GroupOf(const Session& s, int k, bool native, const kernels::SessionLayerView& view) {
   SelectGroup g;
   g.shape = s.model.shape;
   g.k = k;
@@ -171,7 +172,7 @@ SelectGroup GroupOf(const Session& s, int k, bool native) {
   g.rope = s.model.rope;
   g.codec = s.profile.codec;
   g.native = native;
-  if (!native) g.options = s.profile.Policy().OptionsAt(k, g.C, g.rope);
+  if (!native) g.options = s.profile.Policy().OptionsAt(k, g.C, g.rope, decode::HasSignatures(view));
   return g;
 }
 
@@ -437,7 +438,7 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
       continue;
     }
     KVSHADE_RETURN_IF_ERROR(EnsureSlots(*this, st, *qs[i].attachment, layer, s.model.shape.h, ks[i]));
-    SelectGroup g = GroupOf(s, ks[i], is_native);
+    SelectGroup g = GroupOf(s, ks[i], is_native, holds[i].view);
     SelectGroup& group = groups.try_emplace(GroupKey(s, g), std::move(g)).first->second;
     group.items.push_back(i);
   }
@@ -600,7 +601,7 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
           // The recall guard may have widened this layer's budget (or opened every chunk).
           const int k = s.selection.Budget(layer, std::min(s.profile.sparse_budget, hold.total_chunks),
                                            hold.total_chunks);
-          const SelectGroup g = GroupOf(s, k, /*native=*/false);
+          const SelectGroup g = GroupOf(s, k, /*native=*/false, hold.view);
           // A fresh, empty slot table: every selected chunk is a miss and lands in rows
           // [0, miss_count) of its head in ascending chunk order.
           std::vector<int32_t> empty(size_t(h) * g.k, -1);

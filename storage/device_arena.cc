@@ -21,6 +21,7 @@ std::string_view ArenaKindName(ArenaKind k) {
     case ArenaKind::kStatic: return "static";
     case ArenaKind::kSlots: return "slots";
     case ArenaKind::kOther: return "other";
+    case ArenaKind::kSignatures: return "signatures";
   }
   return "unknown";
 }

@@ -74,11 +74,12 @@ std::string_view FactorKindName(FactorKind k) {
     case FactorKind::kLandmarks: return "landmarks";
     case FactorKind::kStatic: return "static";
     case FactorKind::kExcluded: return "excluded";
+    case FactorKind::kSignatures: return "signatures";
     case FactorKind::kOther: return "other";
   }
   return "unknown";
 }
 
-bool IsValidFactorKind(uint8_t k) { return (k >= 1 && k <= 5) || k == 15; }
+bool IsValidFactorKind(uint8_t k) { return (k >= 1 && k <= 6) || k == 15; }
 
 }  // namespace kvshade::storage

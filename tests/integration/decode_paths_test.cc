@@ -89,11 +89,12 @@ struct Options {
   int rerank = 1;
   float top_p = 0;
   int min_chunks = 0;
+  int signature_bits = 0;  // key signatures: stage 2 scores them on both paths
 };
 
 class DecodePaths : public ::testing::TestWithParam<Options> {};
 
-// Every selection option selects the same chunks through the daemon and through same-node
+// Every selection option (key signatures included) selects the same chunks through the daemon and through same-node
 // decode, step after step (the decoder's slot tables carry over, the daemon's selection is
 // read from a fresh attachment); where every slot is the selection (no mass budget) the
 // attention outputs agree too.
@@ -107,6 +108,7 @@ TEST_P(DecodePaths, SameSelectionEveryOption) {
   profile.set_rerank_factor(o.rerank);
   profile.set_mass_top_p(o.top_p);
   profile.set_mass_min_chunks(o.min_chunks);
+  profile.set_key_signature_bits(o.signature_bits);
   KV_ASSERT_OK_AND_ASSIGN(one, OpenDecoded(*c, doc, profile));
   auto& [cs, att, dec] = one;
   const auto& spec = doc.spec();
@@ -143,7 +145,9 @@ TEST_P(DecodePaths, SameSelectionEveryOption) {
 INSTANTIATE_TEST_SUITE_P(Options, DecodePaths,
                          ::testing::Values(Options{"one_stage"}, Options{"rerank4", 4},
                                            Options{"top_p", 1, 0.5f, 1},
-                                           Options{"rerank4_top_p", 4, 0.6f, 2}),
+                                           Options{"rerank4_top_p", 4, 0.6f, 2},
+                                           Options{"rerank4_sig2", 4, 0, 0, 2},
+                                           Options{"rerank4_sig4_top_p", 4, 0.6f, 2, 4}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // The recall guard acts alike on both paths: same samples, same recall, same widened

@@ -17,6 +17,24 @@ TEST(AlgorithmVectors, T6Memory) {
   EXPECT_NEAR(*ratio, 7.1, 0.05);
 }
 
+TEST(Footprint, KeySignatures) {
+  // Llama-3-8B: h = 8, d = 128: 8 * (128*bits/8 + 4) bytes per token and layer.
+  const LayerShape shape{8, 4, 128};
+  auto two = ShadowGpuBytesPerToken(shape, 160, 8, 2);
+  auto four = ShadowGpuBytesPerToken(shape, 160, 8, 4);
+  ASSERT_TRUE(two.ok() && four.ok());
+  EXPECT_EQ(*two, 576.0 + 288.0);
+  EXPECT_EQ(*four, 576.0 + 544.0);
+  auto ratio = ShadowCompressionRatio(shape, 160, 8, 2);
+  ASSERT_TRUE(ratio.ok());
+  EXPECT_NEAR(*ratio, 4096.0 / 864.0, 1e-12);
+  for (int bad : {1, 3, 8, -2}) {
+    EXPECT_EQ(ShadowGpuBytesPerToken(shape, 160, 8, bad).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+}
+
 TEST(Footprint, FractionalLandmarkShareAndBadArguments) {
   auto s = ShadowGpuBytesPerToken(LayerShape{1, 1, 12}, 8, 8);  // 16 + 24/8
   ASSERT_TRUE(s.ok());

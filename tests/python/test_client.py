@@ -229,6 +229,35 @@ class ClientTest(unittest.TestCase):
         with self.assertRaisesRegex(kvshade.InvalidArgument, "recall_action"):
             kvshade.Profile("shadow", recall_action="sometimes")._c()
 
+    def test_key_signatures_reach_the_daemon(self):
+        # Profile(key_signature_bits=2): the daemon keeps 2-bit key signatures of every
+        # chunked token, H * (D*2/8 + 4) device bytes per token and layer beside the same
+        # profile without them; two-stage selection (rerank_factor 4) selects with them.
+        n = 512
+        base = dict(rank=16, chunk_size=8, sparse_budget=4, outliers=2, local_window=16, rerank_factor=4)
+        q = bf16(self.rng.standard_normal((1, HQ, D)).astype(np.float32))
+        gpu = {}
+        for bits in (0, 2):
+            created, _, _, _ = self.make_session(kvshade.Profile("shadow", key_signature_bits=bits, **base), n,
+                                                 name="py-sig-%d" % bits)
+            gpu[bits] = self.c.get_session(created.session_id)["gpu_bytes"]
+            att = self.c.attach(created.session_id, "w")
+            (delta,) = self.c.select(0, [att.attachment_id], q)
+            self.assertEqual(delta.selected, 4 * H)
+            self.c.detach(att.attachment_id)
+            self.c.close_session(created.session_id)
+        chunked_rows = (n - 16) // 8 * 8
+        self.assertEqual(gpu[2] - gpu[0], L * chunked_rows * H * (D * 2 // 8 + 4))
+        # 1, 3 and 8 bits are refused, and so is a mini profile asking for signatures.
+        for bad in (dict(key_signature_bits=1, **base), dict(key_signature_bits=3, **base),
+                    dict(key_signature_bits=8, **base)):
+            with self.assertRaisesRegex(kvshade.InvalidArgument, "key_signature_bits"):
+                self.c.create_session(model("bf16", "py-sig-bad"), kvshade.Profile("shadow", **bad),
+                                      self.rng.integers(0, 30000, 64))
+        with self.assertRaisesRegex(kvshade.InvalidArgument, "key_signature_bits"):
+            self.c.create_session(model("bf16", "py-sig-mini"), kvshade.Profile("mini", key_signature_bits=2),
+                                  self.rng.integers(0, 30000, 64))
+
     def test_shadow_prefix_fork_select(self):
         n = 256
         prof = kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=4, outliers=2, local_window=32)

@@ -34,11 +34,12 @@ extern "C" {
 #define KVSHADE_API
 #endif
 
-#define KVSHADE_ABI_VERSION 4 /* 2: UCX options and status, attachment data-plane fields;
+#define KVSHADE_ABI_VERSION 5 /* 2: UCX options and status, attachment data-plane fields;
                                  3: profile selection options, ucx_busy_poll_us, slot delta
                                  fallback and tokens, the _ex decode calls;
                                  4: slot delta positions, static set positions, held
-                                 staging (kvshade_new_tokens.hold, kvshade_commit_staged) */
+                                 staging (kvshade_new_tokens.hold, kvshade_commit_staged);
+                                 5: kvshade_profile.key_signature_bits */
 #define KVSHADE_ID_CAP 128
 
 typedef enum kvshade_code {
@@ -137,7 +138,7 @@ typedef struct kvshade_model {
 
 /* rank, chunk_size, sparse_budget, local_window, kivi_group, rerank_factor, mass_top_p,
  * recall_action: 0 = the server's default (0 is not valid for them). outliers,
- * heavy_chunks, min_tokens, mass_min_chunks: KVSHADE_UNSET_U32 = the server's default, 0 is
+ * heavy_chunks, min_tokens, mass_min_chunks, key_signature_bits: KVSHADE_UNSET_U32 = the server's default, 0 is
  * a value (outliers = 0: no outlier chunks). The other floats: NaN = the server's default, 0
  * is a value. kvshade_profile_init sets every field to its default.
  * Selection options (docs/ALGORITHM.md "Selection options"): rerank_factor (two-stage
@@ -162,10 +163,13 @@ typedef struct kvshade_profile {
   uint32_t mass_min_chunks;
   float recall_sample_rate, recall_floor;
   int32_t recall_action;      /* KVSHADE_RECALL_*; 0 = server default */
+  uint32_t key_signature_bits; /* shadow: 2 or 4-bit key signatures of the chunked tokens
+                                * (docs/ALGORITHM.md "Key signatures"), which two-stage
+                                * selection scores; 0 = none; KVSHADE_UNSET_U32 = server default */
 } kvshade_profile;
 
 /* Model: zero-filled, dtype = BF16. Profile: every field the server's default (zeros,
- * keep_sink = -1, outliers / heavy_chunks / min_tokens / mass_min_chunks =
+ * keep_sink = -1, outliers / heavy_chunks / min_tokens / mass_min_chunks / key_signature_bits =
  * KVSHADE_UNSET_U32, the floats that take 0 as a value NaN). */
 KVSHADE_API void kvshade_model_init(kvshade_model* model);
 KVSHADE_API void kvshade_profile_init(kvshade_profile* profile);

@@ -11,7 +11,7 @@ import ctypes
 import glob
 import os
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 ID_CAP = 128
 
 _c_char_p = ctypes.c_char_p
@@ -44,7 +44,8 @@ class Profile(ctypes.Structure):
                 ("refactor_threshold", _f32), ("energy_target", _f32),
                 ("mini_recent_ratio", _f32), ("mini_heavy_ratio", _f32), ("kivi_group", _u32),
                 ("rerank_factor", _u32), ("mass_top_p", _f32), ("mass_min_chunks", _u32),
-                ("recall_sample_rate", _f32), ("recall_floor", _f32), ("recall_action", _i32)]
+                ("recall_sample_rate", _f32), ("recall_floor", _f32), ("recall_action", _i32),
+                ("key_signature_bits", _u32)]
 
 
 class SessionCreated(ctypes.Structure):

@@ -192,7 +192,12 @@ class Profile:
     1 = one stage), mass_top_p / mass_min_chunks (per head the fewest chunks whose
     estimated attention mass reaches mass_top_p, at least mass_min_chunks, at most
     sparse_budget), recall_sample_rate / recall_floor / recall_action ("report", "widen" or
-    "exact"; the recall guard)."""
+    "exact"; the recall guard).
+
+    key_signature_bits (shadow only; docs/ALGORITHM.md "Key signatures"): 2 or 4-bit key
+    signatures of every chunked token, h * (head_dim*bits/8 + 4) device bytes per token and
+    layer, which two-stage selection (rerank_factor > 1) scores instead of reconstructing
+    keys; 0 = none, None = the server's default."""
     kind: str = "auto"
     rank: int = 0
     chunk_size: int = 0
@@ -214,6 +219,7 @@ class Profile:
     recall_sample_rate: Optional[float] = None
     recall_floor: Optional[float] = None
     recall_action: str = "default"
+    key_signature_bits: Optional[int] = None
 
     def _c(self):
         p = _native.Profile()
@@ -224,7 +230,7 @@ class Profile:
         for name in ("rank", "chunk_size", "sparse_budget", "outliers", "local_window", "heavy_chunks",
                      "min_tokens", "refactor_threshold", "energy_target", "mini_recent_ratio",
                      "mini_heavy_ratio", "kivi_group", "rerank_factor", "mass_top_p", "mass_min_chunks",
-                     "recall_sample_rate", "recall_floor"):
+                     "recall_sample_rate", "recall_floor", "key_signature_bits"):
             if getattr(self, name) is not None:  # None: the init's "server default"
                 setattr(p, name, getattr(self, name))
         p.keep_sink = -1 if self.keep_sink is None else int(bool(self.keep_sink))

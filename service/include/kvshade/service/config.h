@@ -70,6 +70,9 @@ struct ProfileDefaults {
   // steps checked against the oracle, 0 = off; recall_floor; recall_action report | widen |
   // exact).
   uint32_t rerank_factor = 1, mass_min_chunks = 32;
+  // Key signatures of shadow sessions (docs/ALGORITHM.md "Key signatures"): 0 = none, 2 or 4
+  // bits per channel.
+  uint32_t key_signature_bits = 0;
   float mass_top_p = 0.0f, recall_sample_rate = 0.0f, recall_floor = 0.5f;
   std::string recall_action = "widen";
   std::string value_codec = "auto";  // auto | bf16 | fp8 | int4 | int2

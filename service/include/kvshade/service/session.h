@@ -85,12 +85,18 @@ struct OpenValues {
 struct LayerData {
   // --- selectable chunks (shadow) ---
   int n_chunks = 0;    // chunks covering tokens [0, n_chunks*C) of the segment
-  int cap_chunks = 0;  // capacity of a, landmarks (== n_chunks once sealed)
+  int cap_chunks = 0;  // capacity of a, landmarks, sig (== n_chunks once sealed)
   std::shared_ptr<const Basis> basis;
   // [cap_chunks*C, r] bf16 token coordinates; shared so that a refactorized copy of a
   // segment can keep the layers it did not change.
   std::shared_ptr<DeviceBlock> a;
   DeviceBlock landmarks;  // [cap_chunks, h, d] bf16 post-RoPE chunk means
+  // Key signatures of the chunked tokens (docs/ALGORITHM.md "Key signatures"):
+  // [cap_chunks*C, h, SignatureRecordBytes(sig_bits, d)] bytes, token-major like the
+  // landmarks; empty (sig_bits 0) when the profile keeps none or the segment was written
+  // before signatures existed.
+  int sig_bits = 0;
+  DeviceBlock sig;
   DeviceBlock excluded;   // [h, n_chunks] u8 (1 = static for that head), or empty
   OpenValues open_values; // open segments only; sealed ones use the HostValueStore
   // --- always-attended pieces ---

@@ -35,8 +35,9 @@
 
 namespace kvshade::storage {
 
-enum class ArenaKind : int { kA = 0, kB, kLandmarks, kStatic, kSlots, kOther };
-inline constexpr int kArenaKinds = 6;
+// kSignatures: key signatures of chunked tokens (docs/ALGORITHM.md "Key signatures").
+enum class ArenaKind : int { kA = 0, kB, kLandmarks, kStatic, kSlots, kOther, kSignatures };
+inline constexpr int kArenaKinds = 7;
 std::string_view ArenaKindName(ArenaKind k);
 
 struct ArenaStats {

@@ -86,6 +86,7 @@ enum class FactorKind : uint8_t {
   kLandmarks = 3,  // [n_chunks, h, d] bf16
   kStatic = 4,     // static set (sink, outliers, heavy chunks, tail), service-defined layout
   kExcluded = 5,   // [h, n_chunks] u8 mask
+  kSignatures = 6, // [n_chunks*C, h, record] key signatures (kernels::SignatureRecordBytes)
   kOther = 15,
 };
 std::string_view FactorKindName(FactorKind k);
