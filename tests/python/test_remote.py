@@ -448,19 +448,34 @@ class RemoteDecoderTest(unittest.TestCase):
             self.check_join_and_leave(c, "ucx_rma")
 
     def test_an_empty_decoder_fills_by_joins(self):
+        """An empty decoder; an exact session joins and decodes (no slots yet), then a shadow
+        one: the slot buffers and the delivery come with it, the exact session keeps its
+        tokens decoded so far."""
         with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
             c.wait_ready(20)
-            sid = self.session(c)
+            exact, shadow = self.session(c, kvshade.Profile("exact"), n=200), self.session(c)
             with RemoteDecoder(c, [], self.model, device="cpu") as dec, \
-                    RemoteDecoder(c, [sid], self.model, device="cpu", worker_id="alone") as one:
+                    RemoteDecoder(c, [exact], self.model, device="cpu", worker_id="alone") as one, \
+                    RemoteDecoder(c, [shadow], self.model, device="cpu", worker_id="alone") as two:
                 self.assertEqual((dec.batch, dec.delivery), (0, "none"))
-                self.assertEqual(dec.join(sid), 0)
-                self.assertEqual(dec.delivery, "inline")
+                self.assertEqual(dec.join(exact), 0)
+                self.assertEqual(dec.delivery, "none")
                 for step in self.steps(2, 1):
                     for layer, (q, k, v) in enumerate(step):
                         torch.testing.assert_close(dec.attend(layer, q, k, v), one.attend(layer, q, k, v),
                                                    rtol=2e-5, atol=2e-5)
                     dec.advance()
+                self.assertEqual(dec.join(shadow), 1)
+                self.assertEqual(dec.delivery, "inline")
+                for step in self.steps(3, 2):
+                    for layer, (q, k, v) in enumerate(step):
+                        got = dec.attend(layer, q, k, v)
+                        torch.testing.assert_close(got[0:1], one.attend(layer, q[0:1], k[0:1], v[0:1]),
+                                                   rtol=2e-5, atol=2e-5)
+                        torch.testing.assert_close(got[1:2], two.attend(layer, q[1:2], k[1:2], v[1:2]),
+                                                   rtol=2e-5, atol=2e-5)
+                    dec.advance()
+                dec.leave(exact)
                 dec.leave(0)
                 self.assertEqual(dec.batch, 0)
 

@@ -168,9 +168,6 @@ class RemoteDecoder:
             raise IndexError("sequence %s is not in the batch of %d" % (sequence, self.batch))
         self._settle()
         a = self.attachments[b]
-        if a is not None:
-            self.client.detach(a.attachment_id)
-            self.attachments[b] = None
         if self._rows:
             self._free_rows.append(self._rows[b])
             self._free_rows.sort()
@@ -183,6 +180,8 @@ class RemoteDecoder:
         if self._slot_used is not None:
             self._slot_used = self._slot_used[:, keep]
         self._rebuild(keep, [])
+        if a is not None:  # last: a failure leaves the decoder consistent without the sequence
+            self.client.detach(a.attachment_id)
 
     def _settle(self):
         """Between steps, before the batch changes: speculative selects in flight land (their
@@ -245,7 +244,6 @@ class RemoteDecoder:
         self._alloc_slots(max(self._rows_hint, batch))
         self._rows = list(range(self.batch))
         self._free_rows = list(range(self.batch, self._slot_k.shape[0]))
-        self._sc = self.slots_per_head * self.chunk_size
 
     def _alloc_slots(self, rows):
         torch = _torch()
