@@ -24,17 +24,10 @@ namespace {
 
 // A tier in front of the RocksDB tier whose value reads of the `poisoned` segments fail
 // their checksum (DATA_LOSS), as a flipped byte in a table file does.
-class PoisonedValues final : public storage::SpillTier {
+class PoisonedValues final : public ForwardingSpillTier {
  public:
   PoisonedValues(storage::SpillTier& base, std::shared_ptr<std::set<storage::SegmentId>> poisoned)
-      : base_(base), poisoned_(std::move(poisoned)) {}
-  absl::Status WriteSegment(const storage::SegmentWrite& s) override { return base_.WriteSegment(s); }
-  absl::Status AddFactors(const storage::SegmentId& id, absl::Span<const storage::FactorBlob> f) override {
-    return base_.AddFactors(id, f);
-  }
-  absl::StatusOr<storage::SegmentMeta> ReadMeta(const storage::SegmentId& id) override {
-    return base_.ReadMeta(id);
-  }
+      : ForwardingSpillTier(base), poisoned_(std::move(poisoned)) {}
   absl::Status ReadValues(const storage::SegmentId& id, int layer, absl::Span<std::byte> dst) override {
     if (poisoned_->count(id) > 0) {
       return absl::DataLossError(absl::StrCat("spill tier: record of segment ", id.ToHex(),
@@ -42,21 +35,8 @@ class PoisonedValues final : public storage::SpillTier {
     }
     return base_.ReadValues(id, layer, dst);
   }
-  absl::Status ReadFactor(const storage::SegmentId& id, int layer, storage::FactorKind kind,
-                          absl::Span<std::byte> dst) override {
-    return base_.ReadFactor(id, layer, kind, dst);
-  }
-  absl::Status DeleteSegment(const storage::SegmentId& id) override { return base_.DeleteSegment(id); }
-  absl::Status DeleteSegments(absl::Span<const storage::SegmentId> ids) override {
-    return base_.DeleteSegments(ids);
-  }
-  absl::Status SyncWal() override { return base_.SyncWal(); }
-  absl::StatusOr<std::vector<storage::SegmentMeta>> ListSegments() override { return base_.ListSegments(); }
-  storage::SpillStats Stats() const override { return base_.Stats(); }
-  storage::SpillDamage Damage() const override { return base_.Damage(); }
 
  private:
-  storage::SpillTier& base_;
   std::shared_ptr<std::set<storage::SegmentId>> poisoned_;
 };
 

@@ -285,9 +285,9 @@ TEST(KeySignatures, ADurableRestartRestoresThem) {
 
 // A tier in front of the RocksDB tier that writes segments as a version before key
 // signatures did: without their factor.
-class WithoutSignatures final : public storage::SpillTier {
+class WithoutSignatures final : public ForwardingSpillTier {
  public:
-  explicit WithoutSignatures(storage::SpillTier& base) : base_(base) {}
+  explicit WithoutSignatures(storage::SpillTier& base) : ForwardingSpillTier(base) {}
   absl::Status WriteSegment(const storage::SegmentWrite& s) override {
     storage::SegmentWrite w = s;
     w.factors.clear();
@@ -303,27 +303,6 @@ class WithoutSignatures final : public storage::SpillTier {
     }
     return base_.AddFactors(id, kept);
   }
-  absl::StatusOr<storage::SegmentMeta> ReadMeta(const storage::SegmentId& id) override {
-    return base_.ReadMeta(id);
-  }
-  absl::Status ReadValues(const storage::SegmentId& id, int layer, absl::Span<std::byte> dst) override {
-    return base_.ReadValues(id, layer, dst);
-  }
-  absl::Status ReadFactor(const storage::SegmentId& id, int layer, storage::FactorKind kind,
-                          absl::Span<std::byte> dst) override {
-    return base_.ReadFactor(id, layer, kind, dst);
-  }
-  absl::Status DeleteSegment(const storage::SegmentId& id) override { return base_.DeleteSegment(id); }
-  absl::Status DeleteSegments(absl::Span<const storage::SegmentId> ids) override {
-    return base_.DeleteSegments(ids);
-  }
-  absl::Status SyncWal() override { return base_.SyncWal(); }
-  absl::StatusOr<std::vector<storage::SegmentMeta>> ListSegments() override { return base_.ListSegments(); }
-  storage::SpillStats Stats() const override { return base_.Stats(); }
-  storage::SpillDamage Damage() const override { return base_.Damage(); }
-
- private:
-  storage::SpillTier& base_;
 };
 
 // A record written before signatures existed restores without them: the session serves,

@@ -438,4 +438,37 @@ inline v1::Profile SmallShadowProfile() {
   return p;
 }
 
+// A spill tier that passes every call through to `base`: tests derive from it and
+// override the calls they fault or filter.
+class ForwardingSpillTier : public storage::SpillTier {
+ public:
+  explicit ForwardingSpillTier(storage::SpillTier& base) : base_(base) {}
+  absl::Status WriteSegment(const storage::SegmentWrite& s) override { return base_.WriteSegment(s); }
+  absl::Status AddFactors(const storage::SegmentId& id,
+                          absl::Span<const storage::FactorBlob> f) override {
+    return base_.AddFactors(id, f);
+  }
+  absl::StatusOr<storage::SegmentMeta> ReadMeta(const storage::SegmentId& id) override {
+    return base_.ReadMeta(id);
+  }
+  absl::Status ReadValues(const storage::SegmentId& id, int layer, absl::Span<std::byte> dst) override {
+    return base_.ReadValues(id, layer, dst);
+  }
+  absl::Status ReadFactor(const storage::SegmentId& id, int layer, storage::FactorKind kind,
+                          absl::Span<std::byte> dst) override {
+    return base_.ReadFactor(id, layer, kind, dst);
+  }
+  absl::Status DeleteSegment(const storage::SegmentId& id) override { return base_.DeleteSegment(id); }
+  absl::Status DeleteSegments(absl::Span<const storage::SegmentId> ids) override {
+    return base_.DeleteSegments(ids);
+  }
+  absl::Status SyncWal() override { return base_.SyncWal(); }
+  absl::StatusOr<std::vector<storage::SegmentMeta>> ListSegments() override { return base_.ListSegments(); }
+  storage::SpillStats Stats() const override { return base_.Stats(); }
+  storage::SpillDamage Damage() const override { return base_.Damage(); }
+
+ protected:
+  storage::SpillTier& base_;
+};
+
 }  // namespace kvshade::service::testing

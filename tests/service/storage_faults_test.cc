@@ -276,9 +276,9 @@ TEST(EngineStorageFaults, RefusedDeleteFailsTheCloseAndTheSessionStaysOpen) {
 // the writes of session records, and while `fail_factor_reads` is on the factor reads (of
 // every record, or of those `fail_reads_of` names) fail with UNAVAILABLE: storage faults
 // that meet exactly those.
-class GateTier final : public storage::SpillTier {
+class GateTier final : public ForwardingSpillTier {
  public:
-  explicit GateTier(storage::SpillTier& base) : base_(base) {}
+  explicit GateTier(storage::SpillTier& base) : ForwardingSpillTier(base) {}
   std::atomic<bool> refuse_records{false};
   std::atomic<bool> fail_factor_reads{false};
   std::string fail_reads_of;  // with fail_factor_reads: only records whose metadata starts so
@@ -291,16 +291,6 @@ class GateTier final : public storage::SpillTier {
     }
     return base_.WriteSegment(w);
   }
-  absl::Status AddFactors(const storage::SegmentId& id,
-                          absl::Span<const storage::FactorBlob> f) override {
-    return base_.AddFactors(id, f);
-  }
-  absl::StatusOr<storage::SegmentMeta> ReadMeta(const storage::SegmentId& id) override {
-    return base_.ReadMeta(id);
-  }
-  absl::Status ReadValues(const storage::SegmentId& id, int layer, absl::Span<std::byte> dst) override {
-    return base_.ReadValues(id, layer, dst);
-  }
   absl::Status ReadFactor(const storage::SegmentId& id, int layer, storage::FactorKind kind,
                           absl::Span<std::byte> dst) override {
     if (fail_factor_reads.load()) {
@@ -311,15 +301,6 @@ class GateTier final : public storage::SpillTier {
     }
     return base_.ReadFactor(id, layer, kind, dst);
   }
-  absl::Status DeleteSegment(const storage::SegmentId& id) override { return base_.DeleteSegment(id); }
-  absl::Status SyncWal() override { return base_.SyncWal(); }
-  absl::StatusOr<std::vector<storage::SegmentMeta>> ListSegments() override {
-    return base_.ListSegments();
-  }
-  storage::SpillStats Stats() const override { return base_.Stats(); }
-
- private:
-  storage::SpillTier& base_;
 };
 
 // Appends fsynced always, and a GateTier in front of the RocksDB tier (made anew at each
