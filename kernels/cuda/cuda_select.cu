@@ -974,6 +974,18 @@ __global__ void FillAllKernel(const ExDesc* __restrict__ descs, int h) {
   }
 }
 
+// One stage-2 logit into a candidate's running (M, S) of one query head, in token order
+// (cpu_select.cc FoldLogit): non-finite logits carry no weight.
+__device__ __forceinline__ void FoldLogit(float logit, float* m, float* sum) {
+  if (!isfinite(logit)) return;
+  if (logit > *m) {
+    *sum = __fadd_rn(__fmul_rn(*sum, expf(*m - logit)), 1.0f);
+    *m = logit;
+  } else {
+    *sum = __fadd_rn(*sum, expf(logit - *m));
+  }
+}
+
 // Grid (candidate groups, h, items); warp w scores candidate blockIdx.x*kStage2Warps + w.
 // Dynamic shared memory: kStage2Warps rows of d floats. Lane n (< g <= 32) keeps query head
 // n's (M, S); non-finite logits carry no weight (M = -inf, S = 0 for a head without one).
@@ -1029,14 +1041,7 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
       const float logit = __fmul_rn(part, scale);
-      if (lane == n && isfinite(logit)) {
-        if (logit > run_m) {
-          run_s = __fadd_rn(__fmul_rn(run_s, expf(run_m - logit)), 1.0f);
-          run_m = logit;
-        } else {
-          run_s = __fadd_rn(run_s, expf(logit - run_m));
-        }
-      }
+      if (lane == n) FoldLogit(logit, &run_m, &run_s);
     }
     __syncwarp();
   }
@@ -1093,14 +1098,7 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
       for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
       const float sc = *reinterpret_cast<const float*>(r + static_cast<long long>(d) * bits / 8);
       const float logit = __fmul_rn(__fadd_rn(base, __fmul_rn(sc, part)), scale);
-      if (lane == n && isfinite(logit)) {
-        if (logit > run_m) {
-          run_s = __fadd_rn(__fmul_rn(run_s, expf(run_m - logit)), 1.0f);
-          run_m = logit;
-        } else {
-          run_s = __fadd_rn(run_s, expf(logit - run_m));
-        }
-      }
+      if (lane == n) FoldLogit(logit, &run_m, &run_s);
     }
   }
   if (lane < g) stats[lane] = make_float2(run_m, run_s);
