@@ -69,7 +69,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   (void)kvshade::service::DescribeConfig(c);
   (void)kvshade::service::InsecureListenWarning(c);
   (void)kvshade::service::IsLoopbackListen(c.listen);
-  (void)kvshade::service::GrpcThreadCap(c);
+  (void)kvshade::service::CallThreadCap(c);
   (void)kvshade::service::EffectiveMaxStreamsPerTenant(c);
   return 0;
 }

@@ -80,7 +80,7 @@ absl::StatusOr<Tenant> Authenticator::AuthenticateHeader(std::string_view author
   return *found;
 }
 
-absl::StatusOr<Tenant> Authenticator::Authenticate(const grpc::ServerContext& ctx) const {
+absl::StatusOr<Tenant> Authenticator::Authenticate(const grpc::ServerContextBase& ctx) const {
   if (tenants_.empty()) return default_tenant_;
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");

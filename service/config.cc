@@ -433,6 +433,8 @@ const ConfigSchema& TheSchema() {
            {"max_head_dim", Scalar(&C::limits, &L::max_head_dim)},
            {"session_idle_ttl_s", Scalar(&C::limits, &L::session_idle_ttl_s)},
            {"stream_idle_timeout_ms", Scalar(&C::limits, &L::stream_idle_timeout_ms)},
+           {"stream_min_bytes_per_s", Bytes(&C::limits, &L::stream_min_bytes_per_s)},
+           {"stream_progress_window_ms", Scalar(&C::limits, &L::stream_progress_window_ms)},
            {"max_streams_per_tenant", Scalar(&C::limits, &L::max_streams_per_tenant)},
            {"max_calls_per_tenant", Scalar(&C::limits, &L::max_calls_per_tenant)}}}},
         {"profile",
@@ -699,21 +701,26 @@ absl::Status ValidateConfig(const ServerConfig& c) {
     return bad("limits.stream_idle_timeout_ms must be 0 (never) or in [100, 86400000], got ",
                l.stream_idle_timeout_ms);
   }
+  if (l.stream_min_bytes_per_s > (uint64_t{1} << 30)) {
+    return bad("limits.stream_min_bytes_per_s must be at most 1GiB (per second), got ",
+               l.stream_min_bytes_per_s);
+  }
+  if (l.stream_progress_window_ms < 100 || l.stream_progress_window_ms > 86400000) {
+    return bad("limits.stream_progress_window_ms must be in [100, 86400000], got ",
+               l.stream_progress_window_ms);
+  }
   if (l.max_streams_per_tenant > 65536) {
     return bad("limits.max_streams_per_tenant must be <= 65536, got ", l.max_streams_per_tenant);
-  }
-  if (const uint32_t cap = GrpcThreadCap(c); cap != 0 && EffectiveMaxStreamsPerTenant(c) >= cap) {
-    return bad("limits.max_streams_per_tenant (", EffectiveMaxStreamsPerTenant(c),
-               ") must be below the gRPC thread cap (worker_threads, at least 4: ", cap,
-               "), or one tenant's idle streams can hold every thread");
   }
   if (l.max_calls_per_tenant > 65536) {
     return bad("limits.max_calls_per_tenant must be <= 65536, got ", l.max_calls_per_tenant);
   }
-  if (const uint32_t cap = GrpcThreadCap(c); cap != 0 && l.max_calls_per_tenant >= cap) {
-    return bad("limits.max_calls_per_tenant (", EffectiveMaxCallsPerTenant(c),
-               ") must be below the gRPC thread cap (worker_threads, at least 4: ", cap,
-               "), or one tenant's calls can hold every thread");
+  // The guarantee of the call cap: one tenant's calls, however slow or stuck, leave a
+  // thread to the others. A cap at or above the thread cap would not.
+  if (const uint32_t cap = CallThreadCap(c); cap != 0 && l.max_calls_per_tenant >= cap) {
+    return bad("limits.max_calls_per_tenant (", l.max_calls_per_tenant,
+               ") must be below the call thread cap (worker_threads, at least 4: ", cap,
+               "), or one tenant's calls can hold every thread; the automatic value (0) is ", cap - 1);
   }
   // Profile defaults
   const ProfileDefaults& p = c.profile;
@@ -831,19 +838,21 @@ std::string InsecureListenWarning(const ServerConfig& c) {
       "(tls.cert_file and tls.key_file; --tls-cert and --tls-key), or listen on 127.0.0.1");
 }
 
-uint32_t GrpcThreadCap(const ServerConfig& c) {
+uint32_t CallThreadCap(const ServerConfig& c) {
   return c.worker_threads == 0 ? 0 : std::max<uint32_t>(c.worker_threads, 4);
 }
 
 uint32_t EffectiveMaxStreamsPerTenant(const ServerConfig& c) {
   if (c.limits.max_streams_per_tenant != 0) return c.limits.max_streams_per_tenant;
-  const uint32_t cap = GrpcThreadCap(c);
-  return cap == 0 ? 64 : std::max<uint32_t>(cap / 2, 1);
+  const uint32_t cap = CallThreadCap(c);
+  const uint32_t automatic = cap == 0 ? 64 : std::max<uint32_t>(cap / 2, 1);
+  const uint32_t calls = EffectiveMaxCallsPerTenant(c);
+  return calls == 0 ? automatic : std::min(automatic, calls);
 }
 
 uint32_t EffectiveMaxCallsPerTenant(const ServerConfig& c) {
   if (c.limits.max_calls_per_tenant != 0) return c.limits.max_calls_per_tenant;
-  const uint32_t cap = GrpcThreadCap(c);
+  const uint32_t cap = CallThreadCap(c);
   return cap == 0 || c.tenant_tokens.empty() ? 0 : cap - 1;
 }
 
@@ -853,7 +862,7 @@ std::string DescribeConfig(const ServerConfig& c) {
   return absl::StrFormat(
       "listen=%s backend=%s device_budget=%d device_growth=%d host_budget=%d spill=%s append_fsync=%s tls=%s mtls=%s tenants=[%s] "
       "metrics=%s ucx=%s session_idle_ttl=%s streams_per_tenant=%d calls_per_tenant=%s "
-      "stream_idle_timeout=%s",
+      "stream_idle_timeout=%s stream_min_progress=%s",
       c.listen, c.backend, c.device_budget_bytes, c.device_growth_bytes, c.host_budget_bytes,
       c.spill_path.empty() ? "off" : c.spill_path, c.append_fsync, c.tls.cert_file.empty() ? "off" : "on",
       c.tls.require_client_cert ? "required" : (c.tls.client_ca_file.empty() ? "off" : "optional"),
@@ -865,7 +874,11 @@ std::string DescribeConfig(const ServerConfig& c) {
       EffectiveMaxStreamsPerTenant(c),
       EffectiveMaxCallsPerTenant(c) ? absl::StrCat(EffectiveMaxCallsPerTenant(c)) : std::string("off"),
       c.limits.stream_idle_timeout_ms ? absl::StrCat(c.limits.stream_idle_timeout_ms, "ms")
-                                      : std::string("off"));
+                                      : std::string("off"),
+      c.limits.stream_min_bytes_per_s
+          ? absl::StrCat(c.limits.stream_min_bytes_per_s, "B/s over ",
+                         c.limits.stream_progress_window_ms, "ms")
+          : std::string("off"));
 }
 
 }  // namespace kvshade::service

@@ -1,173 +1,100 @@
-// KvShadeService: authenticate, run the engine operation, record metrics, convert the
-// status. Nothing else happens here (see grpc_service.h).
+// KvShadeService: authenticate, admit, run the engine operation on a call thread, record
+// metrics, convert the status. Nothing else happens here (see grpc_service.h).
 #include "kvshade/service/grpc_service.h"
 
 #include <grpc/grpc.h>
 
-#include <chrono>
 #include <condition_variable>
 #include <map>
-#include <mutex>
 #include <optional>
 #include <thread>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "admission.h"
+#include "call_executor.h"
+#include "device_fault.h"
 #include "kvshade/service/engine.h"
 #include "kvshade/service/log.h"
 #include "kvshade/service/ucx_server.h"
-#include "device_fault.h"
 #include "status_util.h"
+#include "stream_pace.h"
 
 namespace kvshade::service {
-namespace {
 
-// A tenant's share of a counted resource of one service (`owner`): its calls in flight
-// (limits.max_calls_per_tenant) or its open Ingest streams (limits.max_streams_per_tenant).
-// Held from construction while under `cap`; released by the destructor.
-class TenantSlot {
+using SteadyClock = std::chrono::steady_clock;
+
+// Ends Ingest streams that wait too long or too slowly for their client (StreamPace):
+// while a stream waits for its next message it is armed here, and one thread looks at each
+// armed stream at its pace's deadline. When the pace says the stream is over, the call is
+// cancelled with that status and message: a server-side cancel that carries a status goes
+// to the client as the call's status (like a server-side deadline), and the pending read
+// completes at once. Disarm happens-after anything the watchdog did with the pace.
+class StreamWatchdog {
  public:
-  TenantSlot(const void* owner, std::string tenant, uint32_t cap)
-      : key_(owner, std::move(tenant)) {
-    std::lock_guard<std::mutex> lock(Mu());
-    uint32_t& open = Open()[key_];
-    held_ = open < cap;
-    if (held_) ++open;
-    if (open == 0) Open().erase(key_);
-  }
-  ~TenantSlot() {
-    if (!held_) return;
-    std::lock_guard<std::mutex> lock(Mu());
-    auto it = Open().find(key_);
-    if (it != Open().end() && --it->second == 0) Open().erase(it);
-  }
-  TenantSlot(const TenantSlot&) = delete;
-  TenantSlot& operator=(const TenantSlot&) = delete;
-  bool held() const { return held_; }
-
- private:
-  using Key = std::pair<const void*, std::string>;
-  static std::mutex& Mu() {
-    static std::mutex* mu = new std::mutex();
-    return *mu;
-  }
-  static std::map<Key, uint32_t>& Open() {
-    static auto* open = new std::map<Key, uint32_t>();
-    return *open;
-  }
-  Key key_;
-  bool held_ = false;
-};
-
-// Runs one RPC: authenticate, take one of the tenant's call slots, call `op` (Tenant ->
-// StatusOr<Resp>), fill `out`, observe latency and errors.
-template <typename Resp, typename Op>
-grpc::Status Run(const ServiceDeps& deps, std::string_view method, grpc::ServerContext* ctx,
-                 Resp* out, Op&& op) {
-  const auto start = std::chrono::steady_clock::now();
-  absl::Status st;
-  absl::StatusOr<Tenant> tenant = deps.auth->Authenticate(*ctx);
-  // Calls in flight per tenant (service/README.md "Limits on streams and calls"): each
-  // holds a sync-server thread, so one tenant must not be able to take them all.
-  const uint32_t call_cap = EffectiveMaxCallsPerTenant(*deps.config);
-  std::optional<TenantSlot> call;
-  if (tenant.ok() && call_cap != 0) call.emplace(&deps, tenant->name, call_cap);
-  if (!tenant.ok()) {
-    st = tenant.status();
-  } else if (call && !call->held()) {
-    st = absl::ResourceExhaustedError(absl::StrCat(
-        std::string(method), ": tenant '", tenant->name, "' already has ", call_cap,
-        " calls in flight (limits.max_calls_per_tenant); retry when one has ended"));
-  } else if (absl::Status fault = DeviceFault(*deps.backend); !fault.ok()) {
-    // The device is gone for this process: nothing can be served; the server is exiting.
-    st = absl::UnavailableError(absl::StrCat(
-        std::string(method), ": this daemon's device failed (", fault.message(),
-        "); it is restarting, and its durable sessions come back with it: retry after the "
-        "restart or on another replica"));
-  } else {
-    absl::StatusOr<Resp> r = op(*tenant);
-    if (r.ok()) {
-      *out = std::move(r).value();
-    } else {
-      st = r.status();
+  StreamWatchdog() : thread_([this] { Loop(); }) {}
+  ~StreamWatchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+      cv_.notify_one();
     }
-  }
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const int code = static_cast<int>(st.code());
-  deps.metrics->ObserveRpc(method, code, secs);
-  if (!st.ok()) deps.metrics->Error(code);
-  log::Rpc(method, st, secs, tenant.ok() ? std::string_view(tenant->name) : std::string_view());
-  return ToGrpcStatus(st);
-}
-
-// Limits on Ingest streams (service/README.md "Limits on streams and calls"). A gRPC Ingest
-// stream holds a sync-server thread for as long as it is open, so a client that opens streams and
-// sends nothing could take the whole pool (worker_threads) from everyone.
-
-// Ends idle streams: while a handler waits for the next message its call is armed with a
-// deadline, and one thread cancels the calls whose deadline passes with DEADLINE_EXCEEDED
-// and a message. A server-side cancel that carries a status goes to the client as the
-// call's status (like a server-side deadline); the blocked Read returns at once and the
-// thread goes back to the pool. Process-wide: one thread serves every service.
-class IdleStreamWatchdog {
- public:
-  using Clock = std::chrono::steady_clock;
-
-  static IdleStreamWatchdog& Get() {
-    static IdleStreamWatchdog* w = new IdleStreamWatchdog();  // never destroyed: detached thread
-    return *w;
+    thread_.join();
   }
 
-  // Cancels `ctx`'s call at `deadline` with `message` unless disarmed first. `ctx` must stay
-  // valid until Disarm.
-  uint64_t Arm(grpc::ServerContext* ctx, Clock::time_point deadline, std::string message) {
+  // Watches `call`'s wait paced by `pace` (waiting) until Disarm; both must stay valid
+  // until then.
+  uint64_t Arm(grpc_call* call, StreamPace* pace) {
     std::lock_guard<std::mutex> lock(mu_);
     const uint64_t id = next_id_++;
-    armed_.emplace(id, Entry{ctx, deadline, std::move(message), false});
+    armed_.emplace(id, Entry{call, pace, pace->Deadline(), std::nullopt});
     cv_.notify_one();
     return id;
   }
 
-  // True when the deadline had passed and the call was cancelled.
-  bool Disarm(uint64_t id) {
+  // Stops watching; the status the call was cancelled with, if it was.
+  std::optional<absl::Status> Disarm(uint64_t id) {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = armed_.find(id);
-    if (it == armed_.end()) return false;
-    const bool fired = it->second.fired;
+    if (it == armed_.end()) return std::nullopt;
+    std::optional<absl::Status> cut = std::move(it->second.cut);
     armed_.erase(it);
-    return fired;
+    return cut;
   }
 
  private:
   struct Entry {
-    grpc::ServerContext* ctx;
-    Clock::time_point deadline;
-    std::string message;
-    bool fired;
+    grpc_call* call;
+    StreamPace* pace;
+    SteadyClock::time_point deadline;
+    std::optional<absl::Status> cut;
   };
-
-  IdleStreamWatchdog() { std::thread([this] { Loop(); }).detach(); }
 
   void Loop() {
     std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      auto earliest = Clock::time_point::max();
+    while (!stop_) {
+      auto earliest = SteadyClock::time_point::max();
       for (const auto& [id, e] : armed_) {
-        if (!e.fired) earliest = std::min(earliest, e.deadline);
+        if (!e.cut) earliest = std::min(earliest, e.deadline);
       }
-      if (earliest == Clock::time_point::max()) {
+      if (earliest == SteadyClock::time_point::max()) {
         cv_.wait(lock);
       } else {
         cv_.wait_until(lock, earliest);
       }
-      const auto now = Clock::now();
+      const auto now = SteadyClock::now();
       for (auto& [id, e] : armed_) {
-        if (e.fired || e.deadline > now) continue;
-        e.fired = true;
-        // Under mu_: Disarm (and so the handler's return) waits for this call.
-        grpc_call_cancel_with_status(e.ctx->c_call(), GRPC_STATUS_DEADLINE_EXCEEDED,
-                                     e.message.c_str(), nullptr);
+        if (e.cut || e.deadline > now) continue;
+        absl::Status st = e.pace->Expire(now);
+        if (st.ok()) {
+          e.deadline = e.pace->Deadline();  // a progress window closed with enough bytes
+          continue;
+        }
+        // Under mu_: Disarm (and so the end of the call) waits for this.
+        const grpc::Status g = ToGrpcStatus(st);
+        grpc_call_cancel_with_status(e.call, static_cast<grpc_status_code>(g.error_code()),
+                                     g.error_message().c_str(), nullptr);
+        e.cut = std::move(st);
       }
     }
   }
@@ -176,7 +103,31 @@ class IdleStreamWatchdog {
   std::condition_variable cv_;
   std::map<uint64_t, Entry> armed_;
   uint64_t next_id_ = 1;
+  bool stop_ = false;
+  std::thread thread_;  // last: starts once the rest is built
 };
+
+namespace {
+
+absl::Status DeviceFailed(std::string_view method, const absl::Status& fault) {
+  // The device is gone for this process: nothing can be served; the server is exiting.
+  return absl::UnavailableError(absl::StrCat(
+      std::string(method), ": this daemon's device failed (", fault.message(),
+      "); it is restarting, and its durable sessions come back with it: retry after the "
+      "restart or on another replica"));
+}
+
+StreamPaceLimits PaceLimits(const LimitsConfig& limits) {
+  StreamPaceLimits l;
+  l.idle_ms = limits.stream_idle_timeout_ms;
+  l.min_bytes_per_s = limits.stream_min_bytes_per_s;
+  l.window_ms = limits.stream_progress_window_ms;
+  return l;
+}
+
+constexpr char kDrainingIngest[] =
+    "Ingest: the server is draining (shutting down); the stream is ended and nothing was "
+    "committed; retry on another replica";
 
 }  // namespace
 
@@ -194,20 +145,237 @@ absl::StatusOr<std::unique_ptr<KvShadeService>> KvShadeService::Create(const Ser
 }
 
 KvShadeService::KvShadeService(const ServiceDeps& deps, std::unique_ptr<Engine> engine)
-    : deps_(deps), engine_(std::move(engine)) {}
+    : deps_(deps),
+      engine_(std::move(engine)),
+      admission_(std::make_unique<TenantAdmission>(EffectiveMaxCallsPerTenant(*deps.config),
+                                                   EffectiveMaxStreamsPerTenant(*deps.config))),
+      watchdog_(std::make_unique<StreamWatchdog>()) {
+  CallExecutor::Options options;
+  options.max_threads = CallThreadCap(*deps.config);
+  // Capped: the threads, once started, stay. Uncapped: as many as cores stay; the rest of
+  // a burst's threads end after 30 s idle.
+  options.keep_threads = options.max_threads != 0
+                             ? options.max_threads
+                             : std::max<uint32_t>(4, std::thread::hardware_concurrency());
+  executor_ = std::make_unique<CallExecutor>(options);
+}
 
 KvShadeService::~KvShadeService() = default;
 
-constexpr char kDrainingIngest[] =
-    "Ingest: the server is draining (shutting down); the stream is ended and nothing was "
-    "committed; retry on another replica";
+void KvShadeService::Record(std::string_view method, SteadyClock::time_point start,
+                            const absl::Status& st, std::string_view tenant) const {
+  const double secs = std::chrono::duration<double>(SteadyClock::now() - start).count();
+  const int code = static_cast<int>(st.code());
+  deps_.metrics->ObserveRpc(method, code, secs);
+  if (!st.ok()) deps_.metrics->Error(code);
+  log::Rpc(method, st, secs, tenant);
+}
+
+bool KvShadeService::draining() const {
+  std::lock_guard<std::mutex> lock(streams_mu_);
+  return draining_;
+}
+
+template <typename Resp, typename Op>
+grpc::ServerUnaryReactor* KvShadeService::Unary(std::string_view method,
+                                                grpc::CallbackServerContext* ctx, Resp* resp,
+                                                Op op) {
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  const auto start = SteadyClock::now();
+  absl::StatusOr<Tenant> tenant = deps_.auth->Authenticate(*ctx);
+  if (!tenant.ok()) {
+    Record(method, start, tenant.status(), {});
+    reactor->Finish(ToGrpcStatus(tenant.status()));
+    return reactor;
+  }
+  // Calls in flight per tenant (service/README.md "Limits on streams and calls"): refused
+  // here, before the call is queued for a thread.
+  absl::StatusOr<TenantAdmission::Ticket> ticket = admission_->Admit(method, tenant->name, false);
+  if (!ticket.ok()) {
+    Record(method, start, ticket.status(), tenant->name);
+    reactor->Finish(ToGrpcStatus(ticket.status()));
+    return reactor;
+  }
+  const std::string name = tenant->name;
+  executor_->Submit(name, [this, method, ctx, resp, reactor, start, tenant = *std::move(tenant),
+                           ticket = *std::move(ticket), op = std::move(op)]() mutable {
+    absl::Status st;
+    if (ctx->IsCancelled()) {
+      st = absl::CancelledError(absl::StrCat(
+          std::string(method),
+          ": the call was cancelled (by the client, or its deadline passed) before it ran"));
+    } else if (absl::Status fault = DeviceFault(*deps_.backend); !fault.ok()) {
+      st = DeviceFailed(method, fault);
+    } else {
+      absl::StatusOr<Resp> r = op(tenant);
+      if (r.ok()) {
+        *resp = *std::move(r);
+      } else {
+        st = r.status();
+      }
+    }
+    // The slot is free before the client hears the answer: its next call is admitted.
+    ticket.Reset();
+    Record(method, start, st, tenant.name);
+    reactor->Finish(ToGrpcStatus(st));
+  });
+  return reactor;
+}
+
+// One Ingest stream. Start authenticates and admits it (a call and a stream slot of its
+// tenant) and starts the first read; every message read is processed on a call thread
+// (the header begins the engine's IngestStream, the rest are added to it), and only then is
+// the next one read. The client's half-close commits (IngestStream::Finish) on a call
+// thread; every other end (an error, the idle timeout or minimum progress, a cancel, the
+// drain) commits nothing. While a read is pending the stream is armed in the watchdog.
+//
+// Threads: Start runs in the handler, OnReadDone on gRPC's threads, the jobs on the
+// executor's; at most one of them acts at a time (a read is started only when the job
+// before it is done; a job is submitted only from OnReadDone). End is the last thing any
+// of them does: once Finish is called, OnDone may delete the call.
+class KvShadeService::IngestCall final : public grpc::ServerReadReactor<v1::IngestRequest> {
+ public:
+  IngestCall(KvShadeService* service, grpc::CallbackServerContext* ctx, v1::IngestResponse* resp)
+      : service_(service),
+        ctx_(ctx),
+        resp_(resp),
+        start_(SteadyClock::now()),
+        pace_(PaceLimits(service->deps_.config->limits)) {}
+
+  void Start() {
+    absl::StatusOr<Tenant> tenant = service_->deps_.auth->Authenticate(*ctx_);
+    if (!tenant.ok()) return End(tenant.status());
+    tenant_ = *std::move(tenant);
+    // Limits on streams (service/README.md "Limits on streams and calls"): a call slot and
+    // a stream slot of the tenant's, taken before anything is read.
+    absl::StatusOr<TenantAdmission::Ticket> ticket =
+        service_->admission_->Admit("Ingest", tenant_->name, /*stream=*/true);
+    if (!ticket.ok()) return End(ticket.status());
+    ticket_ = *std::move(ticket);
+    if (absl::Status fault = DeviceFault(*service_->deps_.backend); !fault.ok()) {
+      return End(DeviceFailed("Ingest", fault));
+    }
+    {
+      // Drain ends open streams (they would hold the shutdown).
+      std::lock_guard<std::mutex> lock(service_->streams_mu_);
+      if (!service_->draining_) {
+        service_->ingest_calls_.insert(ctx_);
+        registered_ = true;
+      }
+    }
+    if (!registered_) return End(absl::UnavailableError(kDrainingIngest));
+    Wait();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (armed_ != 0) {
+      if (std::optional<absl::Status> cut = service_->watchdog_->Disarm(std::exchange(armed_, 0))) {
+        return End(*std::move(cut));
+      }
+    }
+    if (!ok) {
+      if (service_->draining()) return End(absl::UnavailableError(kDrainingIngest));
+      if (Cancelled()) return End(CancelledByClient());
+      if (!stream_) {
+        return End(absl::InvalidArgumentError(
+            "Ingest: the stream is empty; the first message must be the header"));
+      }
+      // The client half-closed: the stream ended cleanly, and its commit takes effect now.
+      return service_->executor_->Submit(tenant_->name, [this] { Commit(); });
+    }
+    if (absl::Status st = pace_.Received(SteadyClock::now(), msg_.ByteSizeLong()); !st.ok()) {
+      return End(std::move(st));
+    }
+    service_->executor_->Submit(tenant_->name, [this] { Process(); });
+  }
+
+  void OnCancel() override { cancelled_.store(true, std::memory_order_relaxed); }
+
+  void OnDone() override { delete this; }
+
+ private:
+  // On a call thread: the message just read.
+  void Process() {
+    absl::Status st;
+    if (!stream_) {
+      auto begun = service_->engine_->BeginIngest(*tenant_, msg_);
+      if (begun.ok()) {
+        stream_ = *std::move(begun);
+      } else {
+        st = begun.status();
+      }
+    } else {
+      // Every message up to the client's half-close: one after the commit fails the stream
+      // (and so the commit) like any other bad message.
+      st = stream_->Add(msg_);
+    }
+    v1::IngestRequest().Swap(&msg_);  // what it held is not kept while the stream waits
+    if (!st.ok()) return End(std::move(st));
+    Wait();
+  }
+
+  // On a call thread, after the client's half-close. A cancelled or drained stream
+  // commits nothing (the client is told CANCELLED or UNAVAILABLE).
+  void Commit() {
+    if (service_->draining()) return End(absl::UnavailableError(kDrainingIngest));
+    if (Cancelled()) return End(CancelledByClient());
+    absl::StatusOr<v1::IngestResponse> r = stream_->Finish();
+    if (!r.ok()) return End(r.status());
+    *resp_ = *std::move(r);
+    End(absl::OkStatus());
+  }
+
+  // Waits for the next message (no thread is held meanwhile), watched by the watchdog.
+  void Wait() {
+    pace_.StartWait(SteadyClock::now());
+    if (pace_.Deadline() != SteadyClock::time_point::max()) {
+      armed_ = service_->watchdog_->Arm(ctx_->c_call(), &pace_);
+    }
+    StartRead(&msg_);
+  }
+
+  bool Cancelled() const {
+    return cancelled_.load(std::memory_order_relaxed) || ctx_->IsCancelled();
+  }
+  static absl::Status CancelledByClient() {
+    return absl::CancelledError("Ingest: the client cancelled the stream; nothing was committed");
+  }
+
+  // Gives everything back (a stream not finished commits nothing), records the call and
+  // finishes it: the last thing done with this call.
+  void End(absl::Status st) {
+    stream_.reset();
+    ticket_.Reset();
+    if (registered_) {
+      std::lock_guard<std::mutex> lock(service_->streams_mu_);
+      service_->ingest_calls_.erase(ctx_);
+      registered_ = false;
+    }
+    service_->Record("Ingest", start_, st,
+                     tenant_ ? std::string_view(tenant_->name) : std::string_view());
+    Finish(ToGrpcStatus(st));
+  }
+
+  KvShadeService* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  v1::IngestResponse* const resp_;
+  const SteadyClock::time_point start_;
+  std::optional<Tenant> tenant_;
+  TenantAdmission::Ticket ticket_;
+  bool registered_ = false;
+  StreamPace pace_;
+  uint64_t armed_ = 0;  // the watchdog's id while a read is pending
+  v1::IngestRequest msg_;
+  std::unique_ptr<Engine::IngestStream> stream_;
+  std::atomic<bool> cancelled_{false};
+};
 
 absl::Status KvShadeService::Drain() {
   {
-    // Under streams_mu_: a handler unregisters (and so returns) only after this.
+    // Under streams_mu_: a stream unregisters (and so finishes) only after this.
     std::lock_guard<std::mutex> lock(streams_mu_);
     draining_ = true;
-    for (grpc::ServerContext* ctx : ingest_calls_) {
+    for (grpc::CallbackServerContext* ctx : ingest_calls_) {
       grpc_call_cancel_with_status(ctx->c_call(), GRPC_STATUS_UNAVAILABLE, kDrainingIngest,
                                    nullptr);
     }
@@ -215,197 +383,133 @@ absl::Status KvShadeService::Drain() {
   return engine_->Drain();
 }
 
-grpc::Status KvShadeService::CreateSession(grpc::ServerContext* ctx,
-                                           const v1::CreateSessionRequest* req,
-                                           v1::CreateSessionResponse* resp) {
-  return Run(deps_, "CreateSession", ctx, resp,
-             [&](const Tenant& t) { return engine_->CreateSession(t, *req); });
+grpc::ServerReadReactor<v1::IngestRequest>* KvShadeService::Ingest(grpc::CallbackServerContext* ctx,
+                                                                   v1::IngestResponse* resp) {
+  auto* call = new IngestCall(this, ctx, resp);
+  // What Start asks of the reactor (a read, or Finish) waits until this handler has
+  // returned it: the call cannot end (and delete itself) before.
+  call->Start();
+  return call;
 }
 
-grpc::Status KvShadeService::ForkSession(grpc::ServerContext* ctx,
-                                         const v1::ForkSessionRequest* req,
-                                         v1::ForkSessionResponse* resp) {
-  return Run(deps_, "ForkSession", ctx, resp,
-             [&](const Tenant& t) { return engine_->ForkSession(t, *req); });
+grpc::ServerUnaryReactor* KvShadeService::CreateSession(grpc::CallbackServerContext* ctx,
+                                                        const v1::CreateSessionRequest* req,
+                                                        v1::CreateSessionResponse* resp) {
+  return Unary("CreateSession", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->CreateSession(t, *req); });
 }
 
-grpc::Status KvShadeService::LookupPrefix(grpc::ServerContext* ctx,
-                                          const v1::LookupPrefixRequest* req,
-                                          v1::LookupPrefixResponse* resp) {
-  return Run(deps_, "LookupPrefix", ctx, resp,
-             [&](const Tenant& t) { return engine_->LookupPrefix(t, *req); });
+grpc::ServerUnaryReactor* KvShadeService::ForkSession(grpc::CallbackServerContext* ctx,
+                                                      const v1::ForkSessionRequest* req,
+                                                      v1::ForkSessionResponse* resp) {
+  return Unary("ForkSession", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->ForkSession(t, *req); });
 }
 
-grpc::Status KvShadeService::GetSession(grpc::ServerContext* ctx,
-                                        const v1::GetSessionRequest* req,
-                                        v1::SessionInfo* resp) {
-  return Run(deps_, "GetSession", ctx, resp,
-             [&](const Tenant& t) { return engine_->GetSession(t, *req); });
+grpc::ServerUnaryReactor* KvShadeService::LookupPrefix(grpc::CallbackServerContext* ctx,
+                                                       const v1::LookupPrefixRequest* req,
+                                                       v1::LookupPrefixResponse* resp) {
+  return Unary("LookupPrefix", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->LookupPrefix(t, *req); });
 }
 
-grpc::Status KvShadeService::ListSessions(grpc::ServerContext* ctx,
-                                          const v1::ListSessionsRequest* req,
-                                          v1::ListSessionsResponse* resp) {
-  return Run(deps_, "ListSessions", ctx, resp,
-             [&](const Tenant& t) { return engine_->ListSessions(t, *req); });
+grpc::ServerUnaryReactor* KvShadeService::GetSession(grpc::CallbackServerContext* ctx,
+                                                     const v1::GetSessionRequest* req,
+                                                     v1::SessionInfo* resp) {
+  return Unary("GetSession", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->GetSession(t, *req); });
 }
 
-grpc::Status KvShadeService::CloseSession(grpc::ServerContext* ctx,
-                                          const v1::CloseSessionRequest* req,
-                                          v1::CloseSessionResponse* resp) {
-  return Run(deps_, "CloseSession", ctx, resp,
-             [&](const Tenant& t) { return engine_->CloseSession(t, *req); });
+grpc::ServerUnaryReactor* KvShadeService::ListSessions(grpc::CallbackServerContext* ctx,
+                                                       const v1::ListSessionsRequest* req,
+                                                       v1::ListSessionsResponse* resp) {
+  return Unary("ListSessions", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->ListSessions(t, *req); });
 }
 
-grpc::Status KvShadeService::Ingest(grpc::ServerContext* ctx,
-                                    grpc::ServerReader<v1::IngestRequest>* reader,
-                                    v1::IngestResponse* resp) {
-  return Run(deps_, "Ingest", ctx, resp,
-             [&](const Tenant& t) -> absl::StatusOr<v1::IngestResponse> {
-               // Limits on streams (above): a slot of the tenant's, and an idle timeout on
-               // every wait for the next message.
-               const uint32_t cap = EffectiveMaxStreamsPerTenant(*deps_.config);
-               TenantSlot slot(this, t.name, cap);
-               if (!slot.held()) {
-                 return absl::ResourceExhaustedError(absl::StrCat(
-                     "Ingest: tenant '", t.name, "' already has ", cap,
-                     " open Ingest streams (limits.max_streams_per_tenant); finish or cancel "
-                     "one, or retry later"));
-               }
-               // Drain ends open streams (they would hold the shutdown).
-               struct Registration {
-                 KvShadeService* self;
-                 grpc::ServerContext* ctx;
-                 bool added = false;
-                 ~Registration() {
-                   if (!added) return;
-                   std::lock_guard<std::mutex> lock(self->streams_mu_);
-                   self->ingest_calls_.erase(ctx);
+grpc::ServerUnaryReactor* KvShadeService::CloseSession(grpc::CallbackServerContext* ctx,
+                                                       const v1::CloseSessionRequest* req,
+                                                       v1::CloseSessionResponse* resp) {
+  return Unary("CloseSession", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->CloseSession(t, *req); });
+}
+
+grpc::ServerUnaryReactor* KvShadeService::AppendTokens(grpc::CallbackServerContext* ctx,
+                                                       const v1::AppendTokensRequest* req,
+                                                       v1::AppendTokensResponse* resp) {
+  return Unary("AppendTokens", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->AppendTokens(t, *req); });
+}
+
+grpc::ServerUnaryReactor* KvShadeService::Attach(grpc::CallbackServerContext* ctx,
+                                                 const v1::AttachRequest* req,
+                                                 v1::AttachResponse* resp) {
+  return Unary("Attach", ctx, resp,
+               [this, req](const Tenant& t) -> absl::StatusOr<v1::AttachResponse> {
+                 auto r = engine_->Attach(t, *req);
+                 if (r.ok() && deps_.ucx != nullptr) {
+                   // The token is bound to this caller's tenant and admits one UCX client.
+                   r->set_data_plane_address(deps_.ucx->address());
+                   r->set_data_plane_token(deps_.ucx->IssueToken(t));
                  }
-               } registration{this, ctx};
-               {
-                 std::lock_guard<std::mutex> lock(streams_mu_);
-                 if (draining_) return absl::UnavailableError(kDrainingIngest);
-                 ingest_calls_.insert(ctx);
-                 registration.added = true;
-               }
-               auto drained = [&] {
-                 std::lock_guard<std::mutex> lock(streams_mu_);
-                 return draining_;
-               };
-               const uint32_t idle_ms = deps_.config->limits.stream_idle_timeout_ms;
-               const std::string idle_message = absl::StrCat(
-                   "Ingest: no message for ", idle_ms,
-                   " ms (limits.stream_idle_timeout_ms); the stream is ended and nothing "
-                   "was committed");
-               bool idle = false;
-               auto read = [&](v1::IngestRequest* msg) {
-                 if (idle_ms == 0) return reader->Read(msg);
-                 auto& watchdog = IdleStreamWatchdog::Get();
-                 const uint64_t armed = watchdog.Arm(
-                     ctx, IdleStreamWatchdog::Clock::now() + std::chrono::milliseconds(idle_ms),
-                     idle_message);
-                 const bool got = reader->Read(msg);
-                 idle = watchdog.Disarm(armed);
-                 return got && !idle;
-               };
-               v1::IngestRequest msg;
-               if (!read(&msg)) {
-                 if (idle) return absl::DeadlineExceededError(idle_message);
-                 if (drained()) return absl::UnavailableError(kDrainingIngest);
-                 return absl::InvalidArgumentError(
-                     "Ingest: the stream is empty; the first message must be the header");
-               }
-               auto stream = engine_->BeginIngest(t, msg);
-               if (!stream.ok()) return stream.status();
-               // Every message up to the client's half-close: one after the commit fails
-               // the stream (and so the commit) like any other bad message.
-               while (read(&msg)) {
-                 if (absl::Status st = (*stream)->Add(msg); !st.ok()) return st;
-               }
-               if (idle) return absl::DeadlineExceededError(idle_message);
-               if (ctx->IsCancelled() && drained()) return absl::UnavailableError(kDrainingIngest);
-               if (ctx->IsCancelled()) {
-                 return absl::CancelledError(
-                     "Ingest: the client cancelled the stream; nothing was committed");
-               }
-               // The stream ended cleanly: its commit takes effect now (not once the drain
-               // has ended the call: the client is told UNAVAILABLE).
-               if (drained()) return absl::UnavailableError(kDrainingIngest);
-               return (*stream)->Finish();
-             });
+                 return r;
+               });
 }
 
-grpc::Status KvShadeService::AppendTokens(grpc::ServerContext* ctx,
-                                          const v1::AppendTokensRequest* req,
-                                          v1::AppendTokensResponse* resp) {
-  return Run(deps_, "AppendTokens", ctx, resp,
-             [&](const Tenant& t) { return engine_->AppendTokens(t, *req); });
+grpc::ServerUnaryReactor* KvShadeService::Detach(grpc::CallbackServerContext* ctx,
+                                                 const v1::DetachRequest* req,
+                                                 v1::DetachResponse* resp) {
+  return Unary("Detach", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->Detach(t, *req); });
 }
 
-grpc::Status KvShadeService::Attach(grpc::ServerContext* ctx, const v1::AttachRequest* req,
-                                    v1::AttachResponse* resp) {
-  return Run(deps_, "Attach", ctx, resp,
-             [&](const Tenant& t) -> absl::StatusOr<v1::AttachResponse> {
-               auto r = engine_->Attach(t, *req);
-               if (r.ok() && deps_.ucx != nullptr) {
-                 // The token is bound to this caller's tenant and admits one UCX client.
-                 r->set_data_plane_address(deps_.ucx->address());
-                 r->set_data_plane_token(deps_.ucx->IssueToken(t));
-               }
-               return r;
-             });
+grpc::ServerUnaryReactor* KvShadeService::GetStaticSet(grpc::CallbackServerContext* ctx,
+                                                       const v1::GetStaticSetRequest* req,
+                                                       v1::GetStaticSetResponse* resp) {
+  return Unary("GetStaticSet", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->GetStaticSet(t, *req); });
 }
 
-grpc::Status KvShadeService::Detach(grpc::ServerContext* ctx, const v1::DetachRequest* req,
-                                    v1::DetachResponse* resp) {
-  return Run(deps_, "Detach", ctx, resp,
-             [&](const Tenant& t) { return engine_->Detach(t, *req); });
+grpc::ServerUnaryReactor* KvShadeService::CommitStaged(grpc::CallbackServerContext* ctx,
+                                                       const v1::CommitStagedRequest* req,
+                                                       v1::CommitStagedResponse* resp) {
+  return Unary("CommitStaged", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->CommitStaged(t, *req); });
 }
 
-grpc::Status KvShadeService::GetStaticSet(grpc::ServerContext* ctx,
-                                          const v1::GetStaticSetRequest* req,
-                                          v1::GetStaticSetResponse* resp) {
-  return Run(deps_, "GetStaticSet", ctx, resp,
-             [&](const Tenant& t) { return engine_->GetStaticSet(t, *req); });
+grpc::ServerUnaryReactor* KvShadeService::SlotTable(grpc::CallbackServerContext* ctx,
+                                                    const v1::SlotTableRequest* req,
+                                                    v1::SlotTableResponse* resp) {
+  return Unary("SlotTable", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->SlotTable(t, *req); });
 }
 
-grpc::Status KvShadeService::CommitStaged(grpc::ServerContext* ctx, const v1::CommitStagedRequest* req,
-                                          v1::CommitStagedResponse* resp) {
-  return Run(deps_, "CommitStaged", ctx, resp,
-             [&](const Tenant& t) { return engine_->CommitStaged(t, *req); });
+grpc::ServerUnaryReactor* KvShadeService::SelectAndReconstruct(
+    grpc::CallbackServerContext* ctx, const v1::SelectAndReconstructRequest* req,
+    v1::SelectAndReconstructResponse* resp) {
+  return Unary("SelectAndReconstruct", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->SelectAndReconstruct(t, *req); });
 }
 
-grpc::Status KvShadeService::SlotTable(grpc::ServerContext* ctx, const v1::SlotTableRequest* req,
-                                       v1::SlotTableResponse* resp) {
-  return Run(deps_, "SlotTable", ctx, resp,
-             [&](const Tenant& t) { return engine_->SlotTable(t, *req); });
+grpc::ServerUnaryReactor* KvShadeService::Attend(grpc::CallbackServerContext* ctx,
+                                                 const v1::AttendRequest* req,
+                                                 v1::AttendResponse* resp) {
+  return Unary("Attend", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->Attend(t, *req); });
 }
 
-grpc::Status KvShadeService::SelectAndReconstruct(grpc::ServerContext* ctx,
-                                                  const v1::SelectAndReconstructRequest* req,
-                                                  v1::SelectAndReconstructResponse* resp) {
-  return Run(deps_, "SelectAndReconstruct", ctx, resp,
-             [&](const Tenant& t) { return engine_->SelectAndReconstruct(t, *req); });
+grpc::ServerUnaryReactor* KvShadeService::ExportSession(grpc::CallbackServerContext* ctx,
+                                                        const v1::ExportSessionRequest* req,
+                                                        v1::SessionExport* resp) {
+  return Unary("ExportSession", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->ExportSession(t, *req); });
 }
 
-grpc::Status KvShadeService::Attend(grpc::ServerContext* ctx, const v1::AttendRequest* req,
-                                    v1::AttendResponse* resp) {
-  return Run(deps_, "Attend", ctx, resp,
-             [&](const Tenant& t) { return engine_->Attend(t, *req); });
-}
-
-grpc::Status KvShadeService::ExportSession(grpc::ServerContext* ctx,
-                                           const v1::ExportSessionRequest* req,
-                                           v1::SessionExport* resp) {
-  return Run(deps_, "ExportSession", ctx, resp,
-             [&](const Tenant& t) { return engine_->ExportSession(t, *req); });
-}
-
-grpc::Status KvShadeService::Stats(grpc::ServerContext* ctx, const v1::StatsRequest* req,
-                                   v1::StatsResponse* resp) {
-  return Run(deps_, "Stats", ctx, resp,
-             [&](const Tenant& t) { return engine_->Stats(t, *req); });
+grpc::ServerUnaryReactor* KvShadeService::Stats(grpc::CallbackServerContext* ctx,
+                                                const v1::StatsRequest* req,
+                                                v1::StatsResponse* resp) {
+  return Unary("Stats", ctx, resp,
+               [this, req](const Tenant& t) { return engine_->Stats(t, *req); });
 }
 
 }  // namespace kvshade::service

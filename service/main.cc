@@ -102,7 +102,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-batch", f.max_batch, "Queries per SelectAndReconstruct/Attend call");
   app.add_option("--default-lease-ms", f.default_lease_ms, "Attachment lease when the request says 0");
   app.add_option("--max-lease-ms", f.max_lease_ms, "Longest lease a worker may ask for");
-  app.add_option("--worker-threads", f.worker_threads, "gRPC worker threads (0 = gRPC default)");
+  app.add_option("--worker-threads", f.worker_threads,
+                 "Threads that run the work of gRPC calls (0 = no cap; else at least 4)");
   app.add_option("--session-idle-ttl-s", f.session_idle_ttl_s,
                  "Close sessions no call has touched for this many seconds and with no live "
                  "attachment (0 = never)")

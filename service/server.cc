@@ -198,10 +198,13 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   const int max_msg = static_cast<int>(config.limits.max_message_bytes);
   builder.SetMaxReceiveMessageSize(max_msg);
   builder.SetMaxSendMessageSize(max_msg);
-  if (GrpcThreadCap(config) > 0) {
+  if (CallThreadCap(config) > 0) {
+    // The kvshade service and health checks are callback services: their calls run on
+    // gRPC's event threads and the service's own call threads (worker_threads, capped in
+    // KvShadeService), never on gRPC's synchronous-server pool. That pool serves only the
+    // reflection service now; the same cap bounds it.
     grpc::ResourceQuota quota("kvshade");
-    // Sync-server threads; a floor of 4 keeps health checks answerable under load.
-    quota.SetMaxThreads(static_cast<int>(GrpcThreadCap(config)));
+    quota.SetMaxThreads(static_cast<int>(CallThreadCap(config)));
     builder.SetResourceQuota(quota);
   }
   builder.AddListeningPort(config.listen, *creds, &s->port_);

@@ -167,34 +167,9 @@ TEST(Concurrency, HundredSessionsAtOnce) {
   EXPECT_EQ(server.Stop(), 0) << server.log();
 }
 
-// One Ingest stream held open and idle by a client: opened, optionally with its header
-// sent, then nothing.
-struct IdleStream {
-  grpc::ClientContext ctx;
-  v1::IngestResponse resp;
-  std::unique_ptr<grpc::ClientWriter<v1::IngestRequest>> writer;
-};
-
-std::unique_ptr<IdleStream> OpenIdleStream(v1::KvShade::Stub& stub, const std::string& session_id,
-                                           const std::string& token = "") {
-  auto s = std::make_unique<IdleStream>();
-  if (!token.empty()) s->ctx.AddMetadata("authorization", "Bearer " + token);
-  s->writer = stub.Ingest(&s->ctx, &s->resp);
-  if (!session_id.empty()) {
-    v1::IngestRequest header;
-    header.mutable_header()->set_session_id(session_id);
-    s->writer->Write(header);
-  }
-  return s;
-}
-
 // kvshade_rpc_total for Ingest with `code` (0 when absent).
 double IngestCount(const ServerProcess& server, const std::string& code) {
-  auto body = HttpGet(server.metrics_port(), "/metrics");
-  if (!body.ok()) return 0;
-  const std::string key = "kvshade_rpc_total{code=\"" + code + "\",method=\"Ingest\"} ";
-  const size_t at = body->find(key);
-  return at == std::string::npos ? 0 : std::atof(body->c_str() + at + key.size());
+  return RpcCount(server, "Ingest", code);
 }
 
 // The reported defect: with --worker-threads 8, one client holding 7 idle Ingest streams

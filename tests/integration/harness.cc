@@ -353,4 +353,40 @@ v1::SelectAndReconstructRequest MakeSelect(const synthetic::Document& doc, uint3
   return r;
 }
 
+std::unique_ptr<IdleStream> OpenIdleStream(v1::KvShade::Stub& stub, const std::string& session_id,
+                                           const std::string& token) {
+  auto s = std::make_unique<IdleStream>();
+  if (!token.empty()) s->ctx.AddMetadata("authorization", "Bearer " + token);
+  s->writer = stub.Ingest(&s->ctx, &s->resp);
+  if (!session_id.empty()) {
+    v1::IngestRequest header;
+    header.mutable_header()->set_session_id(session_id);
+    s->writer->Write(header);
+  }
+  return s;
+}
+
+v1::IngestRequest LayerPart(const synthetic::Document& doc, uint32_t layer, int64_t t0, int64_t t1,
+                            bool last) {
+  const auto& s = doc.spec();
+  std::vector<uint16_t> k, v;
+  doc.KeysValues(static_cast<int>(layer), -1, t0, t1, &k, &v);
+  v1::IngestRequest msg;
+  auto* part = msg.mutable_layer();
+  part->set_layer(layer);
+  part->set_token_offset(static_cast<uint64_t>(t0));
+  *part->mutable_k() = client::MakeBf16Tensor({t1 - t0, s.kv_heads, s.head_dim}, absl::MakeConstSpan(k));
+  *part->mutable_v() = client::MakeBf16Tensor({t1 - t0, s.kv_heads, s.head_dim}, absl::MakeConstSpan(v));
+  part->set_last_part(last);
+  return msg;
+}
+
+double RpcCount(const ServerProcess& server, const std::string& method, const std::string& code) {
+  auto body = HttpGet(server.metrics_port(), "/metrics");
+  if (!body.ok()) return 0;
+  const std::string key = "kvshade_rpc_total{code=\"" + code + "\",method=\"" + method + "\"} ";
+  const size_t at = body->find(key);
+  return at == std::string::npos ? 0 : std::atof(body->c_str() + at + key.size());
+}
+
 }  // namespace kvshade::integration

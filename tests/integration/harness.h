@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "kvshade/client/client.h"
 #include "kvshade/kernels/types.h"
+#include "kvshade/v1/kvshade.grpc.pb.h"
 #include "synthetic.h"
 
 namespace kvshade::integration {
@@ -58,6 +59,7 @@ class ServerProcess {
   // SIGKILL and reap.
   void Kill9();
   bool running() const { return pid_ > 0; }
+  pid_t pid() const { return pid_; }
 
   int port() const { return port_; }
   int metrics_port() const { return metrics_port_; }
@@ -130,6 +132,26 @@ double MaxRelDiff(const std::vector<float>& a, const float* b, size_t n);
 v1::SelectAndReconstructRequest MakeSelect(const synthetic::Document& doc, uint32_t layer,
                                            const std::vector<std::string>& attachments,
                                            int question, int step, int64_t position);
+
+
+// One gRPC Ingest stream opened over `stub` (with `token` as its bearer token when not
+// empty) and its header sent when `session_id` is not empty; then the test drives it:
+// nothing more (an idle stream), parts (LayerPart), a cancel (ctx.TryCancel) or Finish.
+struct IdleStream {
+  grpc::ClientContext ctx;
+  v1::IngestResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::IngestRequest>> writer;
+};
+std::unique_ptr<IdleStream> OpenIdleStream(v1::KvShade::Stub& stub, const std::string& session_id,
+                                           const std::string& token = "");
+
+// An Ingest message carrying tokens [t0, t1) of `layer` of `doc` (the document alone, its
+// timeline from token 0) as one part, the layer's last when `last`.
+v1::IngestRequest LayerPart(const synthetic::Document& doc, uint32_t layer, int64_t t0, int64_t t1,
+                            bool last);
+
+// kvshade_rpc_total{method=`method`, code=`code`} on the server's /metrics (0 when absent).
+double RpcCount(const ServerProcess& server, const std::string& method, const std::string& code);
 
 }  // namespace kvshade::integration
 

@@ -101,6 +101,8 @@ limits:
   max_layers: 80
   max_head_dim: 128
   session_idle_ttl_s: 3600
+  stream_min_bytes_per_s: 4KiB
+  stream_progress_window_ms: 10000
 profile:
   rank: 96
   chunk_size: 16
@@ -141,6 +143,8 @@ profile:
   EXPECT_EQ(c->limits.max_layers, 80u);
   EXPECT_EQ(c->limits.max_head_dim, 128u);
   EXPECT_EQ(c->limits.session_idle_ttl_s, 3600u);
+  EXPECT_EQ(c->limits.stream_min_bytes_per_s, 4096u);
+  EXPECT_EQ(c->limits.stream_progress_window_ms, 10000u);
   EXPECT_EQ(c->profile.rank, 96u);
   EXPECT_EQ(c->profile.chunk_size, 16u);
   EXPECT_EQ(c->profile.sparse_budget, 128u);
@@ -264,6 +268,56 @@ TEST(Config, CallsPerTenantDefaultLeavesAThreadToOtherTenants) {
   c.limits.max_calls_per_tenant = 2;
   EXPECT_EQ(EffectiveMaxCallsPerTenant(c), 2u);
   EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
+}
+
+// The limits on streams and calls (service/README.md "Limits on streams and calls"): the
+// call cap must stay below the call thread cap (the guarantee that one tenant leaves a
+// thread to the others); open streams hold no thread while they wait, so the stream cap
+// is not tied to the threads, and its automatic value never exceeds the call cap.
+TEST(Config, StreamAndCallLimits) {
+  ServerConfig c;
+  EXPECT_EQ(c.limits.stream_min_bytes_per_s, 1024u);  // on by default
+  EXPECT_EQ(c.limits.stream_progress_window_ms, 30000u);
+  EXPECT_EQ(EffectiveMaxStreamsPerTenant(c), 64u);
+  c.worker_threads = 8;
+  ASSERT_TRUE(AddTenantToken("alpha:alpha-token-1", &c).ok());
+  EXPECT_EQ(EffectiveMaxStreamsPerTenant(c), 4u);
+  // The reported configuration: 7 streams with 8 threads (the call cap automatic: 7).
+  c.limits.max_streams_per_tenant = 7;
+  EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
+  c.limits.max_streams_per_tenant = 100;  // accepted; the call cap (7) is met first
+  EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
+  c.limits.max_streams_per_tenant = 0;
+  c.limits.max_calls_per_tenant = 1;
+  EXPECT_EQ(EffectiveMaxStreamsPerTenant(c), 1u);  // automatic: within the call cap
+  c.limits.max_calls_per_tenant = 8;
+  const absl::Status st = ValidateConfig(c);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("limits.max_calls_per_tenant (8) must be below the call thread cap"),
+            std::string::npos)
+      << st;
+  c.limits.max_calls_per_tenant = 0;
+  EXPECT_EQ(CallThreadCap(c), 8u);
+  c.worker_threads = 2;  // a floor of 4
+  EXPECT_EQ(CallThreadCap(c), 4u);
+  c.worker_threads = 0;
+  EXPECT_EQ(CallThreadCap(c), 0u);
+
+  auto invalid = [](auto change) {
+    ServerConfig d;
+    change(d);
+    return ValidateConfig(d).code();
+  };
+  using C = absl::StatusCode;
+  EXPECT_EQ(invalid([](ServerConfig& d) { d.limits.stream_min_bytes_per_s = 0; }), C::kOk);
+  EXPECT_EQ(invalid([](ServerConfig& d) { d.limits.stream_min_bytes_per_s = (uint64_t{1} << 30) + 1; }),
+            C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& d) { d.limits.stream_progress_window_ms = 99; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& d) { d.limits.stream_progress_window_ms = 86400001; }),
+            C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& d) { d.limits.stream_progress_window_ms = 100; }), C::kOk);
+  EXPECT_NE(DescribeConfig(ServerConfig()).find("stream_min_progress=1024B/s over 30000ms"), std::string::npos)
+      << DescribeConfig(ServerConfig());
 }
 
 TEST(Config, RejectsAnUnusableSpillPath) {

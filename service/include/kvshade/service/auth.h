@@ -25,7 +25,7 @@ class Authenticator {
 
   // Reads "authorization: Bearer <token>" metadata. No tenants configured -> tenant
   // "default" (a token, if sent, is ignored). Unauthenticated on failure.
-  absl::StatusOr<Tenant> Authenticate(const grpc::ServerContext& ctx) const;
+  absl::StatusOr<Tenant> Authenticate(const grpc::ServerContextBase& ctx) const;
 
   // Same check from a raw metadata value (tests, and transports other than gRPC).
   absl::StatusOr<Tenant> AuthenticateHeader(std::string_view authorization) const;

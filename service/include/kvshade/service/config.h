@@ -37,18 +37,25 @@ struct LimitsConfig {
   // Sessions no call has touched for this long and with no live attachment are closed by
   // the engine's maintenance (durable ones with their record); 0 = never.
   uint32_t session_idle_ttl_s = 0;
-  // gRPC Ingest streams hold a server thread while open (service/README.md "Limits on
-  // streams"). A stream that sends no message for this long is ended with
-  // DEADLINE_EXCEEDED; 0 = never.
+  // Limits on gRPC Ingest streams (service/README.md "Limits on streams and calls"). An open
+  // stream holds no thread while it waits for the client; it holds its tenant's stream and
+  // call slots and what it has received. A stream that sends no message for this long is
+  // ended with DEADLINE_EXCEEDED; 0 = never.
   uint32_t stream_idle_timeout_ms = 30000;
+  // Minimum progress: a stream that, over a window of stream_progress_window_ms spent
+  // waiting for its messages, received fewer than stream_min_bytes_per_s times that window
+  // is ended with DEADLINE_EXCEEDED (a stream that trickles, never idle for long). The
+  // clock runs only while the server waits for the client. 0 = no minimum.
+  uint64_t stream_min_bytes_per_s = 1024;
+  uint32_t stream_progress_window_ms = 30000;
   // Open gRPC Ingest streams per tenant; one more gets RESOURCE_EXHAUSTED. 0 = automatic:
-  // half of the gRPC thread cap when worker_threads is set, else 64
-  // (EffectiveMaxStreamsPerTenant).
+  // half of the call thread cap when worker_threads is set, else 64, and never above the
+  // call cap (EffectiveMaxStreamsPerTenant).
   uint32_t max_streams_per_tenant = 0;
   // gRPC calls a tenant may have in flight at once, Ingest streams included; one more gets
-  // RESOURCE_EXHAUSTED. 0 = automatic: with worker_threads set and tenants configured, the
-  // gRPC thread cap minus one (one thread always left to the other tenants); otherwise no
-  // cap (EffectiveMaxCallsPerTenant).
+  // RESOURCE_EXHAUSTED before it takes a thread. 0 = automatic: with worker_threads set and
+  // tenants configured, the call thread cap minus one (one thread always left to the other
+  // tenants); otherwise no cap (EffectiveMaxCallsPerTenant).
   uint32_t max_calls_per_tenant = 0;
 };
 
@@ -151,7 +158,8 @@ struct ServerConfig {
   ProfileDefaults profile;
   uint16_t metrics_port = 0;  // 0 = no /metrics endpoint
   std::string metrics_listen = "127.0.0.1";
-  uint32_t worker_threads = 0;  // 0 = hardware concurrency
+  // Threads that run the work of gRPC calls (CallThreadCap); 0 = no cap (started on demand).
+  uint32_t worker_threads = 0;
   UcxConfig ucx;
   SameNodeConfig same_node;
   LogConfig log;
@@ -182,12 +190,13 @@ std::vector<std::pair<std::string, std::string>> ProcessEnvironment();
 // directory this process can create files in, or can create, ...).
 absl::Status ValidateConfig(const ServerConfig&);
 
-// The gRPC sync-server thread cap: worker_threads with a floor of 4; 0 when uncapped.
-uint32_t GrpcThreadCap(const ServerConfig& config);
-// limits.max_streams_per_tenant, or its automatic value when 0: half of GrpcThreadCap (at
-// least 1), or 64 without a cap.
+// The cap on the threads that run the work of gRPC calls (service/README.md "Limits on
+// streams and calls"): worker_threads with a floor of 4; 0 when uncapped.
+uint32_t CallThreadCap(const ServerConfig& config);
+// limits.max_streams_per_tenant, or its automatic value when 0: half of CallThreadCap (at
+// least 1), or 64 without a cap; an automatic value never exceeds the call cap.
 uint32_t EffectiveMaxStreamsPerTenant(const ServerConfig& config);
-// limits.max_calls_per_tenant, or its automatic value when 0: GrpcThreadCap - 1 when the
+// limits.max_calls_per_tenant, or its automatic value when 0: CallThreadCap - 1 when the
 // threads are capped and tenants are configured, else 0 (no cap).
 uint32_t EffectiveMaxCallsPerTenant(const ServerConfig& config);
 
