@@ -35,6 +35,28 @@ client::ClientOptions WithToken(const char* token) {
   return o;
 }
 
+// A daemon of tenants alpha and beta under `limits` with 8 worker threads, a client of
+// each, and a ready session of beta's.
+struct TwoTenantDaemon {
+  TempDir dir;
+  ServerProcess server;
+  std::unique_ptr<client::Client> alpha, beta;
+  v1::CreateSessionResponse ready;
+
+  void Start(const std::string& limits) {
+    const std::string config = dir.path() + "/tenants.yaml";
+    std::ofstream(config) << TwoTenants(limits);
+    KV_ASSERT_OK(server.Start({"--config", config, "--worker-threads", "8"}, WithToken(kAlpha)));
+    alpha = server.Connect(WithToken(kAlpha));
+    beta = server.Connect(WithToken(kBeta));
+    ASSERT_NE(alpha, nullptr);
+    ASSERT_NE(beta, nullptr);
+    const synthetic::Document beta_doc(SmallDoc(256, 3));
+    KV_ASSERT_OK_AND_ASSIGN(created, CreateAndIngest(*beta, beta_doc, ShadowProfile(), -1));
+    ready = created;
+  }
+};
+
 // Threads of process `pid` now (/proc/<pid>/status), -1 when unreadable.
 int ThreadsOf(pid_t pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/status");
@@ -62,16 +84,12 @@ absl::Status FirstRefusal(Call&& call) {
 // calls all failed with "Server Threadpool Exhausted", and so did alpha's 8th call. Now
 // alpha's 8th call and 8th stream are refused by name, and beta is served every time.
 TEST(Admission, IdleStreamsOfOneTenantLeaveTheOthersServed) {
-  TempDir dir;
-  const std::string config = dir.path() + "/tenants.yaml";
-  std::ofstream(config) << TwoTenants(
-      "  max_streams_per_tenant: 7\n  stream_idle_timeout_ms: 60000\n");
-  ServerProcess server;
-  KV_ASSERT_OK(server.Start({"--config", config, "--worker-threads", "8"}, WithToken(kAlpha)));
-  auto alpha = server.Connect(WithToken(kAlpha));
-  auto beta = server.Connect(WithToken(kBeta));
-  const synthetic::Document beta_doc(SmallDoc(256, 3));
-  KV_ASSERT_OK_AND_ASSIGN(ready, CreateAndIngest(*beta, beta_doc, ShadowProfile(), -1));
+  TwoTenantDaemon t;
+  ASSERT_NO_FATAL_FAILURE(t.Start("  max_streams_per_tenant: 7\n  stream_idle_timeout_ms: 60000\n"));
+  ServerProcess& server = t.server;
+  client::Client* alpha = t.alpha.get();
+  client::Client* beta = t.beta.get();
+  const v1::CreateSessionResponse& ready = t.ready;
 
   const synthetic::Document doc(SmallDoc(256, 5));
   auto stub = v1::KvShade::NewStub(alpha->channel());
@@ -119,16 +137,12 @@ TEST(Admission, IdleStreamsOfOneTenantLeaveTheOthersServed) {
 // streams that send a one-token part every 50 ms, and threads that call as fast as they
 // can. Each of alpha's calls is served or refused by name; every one of beta's is served.
 TEST(Admission, AnyMixOfOneTenantsLoadLeavesTheOthersServed) {
-  TempDir dir;
-  const std::string config = dir.path() + "/tenants.yaml";
-  std::ofstream(config) << TwoTenants(
-      "  max_streams_per_tenant: 6\n  max_calls_per_tenant: 6\n  stream_idle_timeout_ms: 60000\n");
-  ServerProcess server;
-  KV_ASSERT_OK(server.Start({"--config", config, "--worker-threads", "8"}, WithToken(kAlpha)));
-  auto alpha = server.Connect(WithToken(kAlpha));
-  auto beta = server.Connect(WithToken(kBeta));
-  const synthetic::Document beta_doc(SmallDoc(256, 3));
-  KV_ASSERT_OK_AND_ASSIGN(ready, CreateAndIngest(*beta, beta_doc, ShadowProfile(), -1));
+  TwoTenantDaemon t;
+  ASSERT_NO_FATAL_FAILURE(t.Start("  max_streams_per_tenant: 6\n  max_calls_per_tenant: 6\n  stream_idle_timeout_ms: 60000\n"));
+  ServerProcess& server = t.server;
+  client::Client* alpha = t.alpha.get();
+  client::Client* beta = t.beta.get();
+  const v1::CreateSessionResponse& ready = t.ready;
 
   const synthetic::Document doc(SmallDoc(256, 5));
   auto stub = v1::KvShade::NewStub(alpha->channel());
