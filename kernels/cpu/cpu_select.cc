@@ -200,9 +200,10 @@ inline void FoldLogit(float logit, float* stats_n) {
 // ChunkStats from the key signatures (SelectOptions::signatures): per query head n,
 // base_n = dot(q_n, L[c]) once, then per token l = (base_n + scale_t * dot(q_n, code_t -
 // half)) / sqrt(d) (SignatureDotReference's arithmetic: the codes unpacked once per token
-// into acc [d], fp32 dots in channel order), folded in token order as above.
+// into acc [d], fp32 dots in channel order), folded in token order as above. base [g]
+// scratch (the row's lse, which StageTwoScores fills only after every candidate).
 void ChunkStatsSig(const LayerShape& shape, const SelectOptions& o, const SelectItem& item,
-                   int hh, int c, float* acc, float* stats) {
+                   int hh, int c, float* acc, float* base, float* stats) {
   const int h = shape.h, g = shape.g, d = shape.d, C = o.C;
   const SessionLayerView& view = item.view;
   int local = c, si = 0;
@@ -213,15 +214,13 @@ void ChunkStatsSig(const LayerShape& shape, const SelectOptions& o, const Select
   const float half = float(levels) / 2.0f;
   const size_t rec = SignatureRecordBytes(bits, d);
   const bf16* lm = seg.landmarks + (int64_t(local) * h + hh) * d;
-  constexpr int kMaxG = 64;
-  float base[kMaxG];
   for (int n = 0; n < g; ++n) {
     stats[2 * n] = -std::numeric_limits<float>::infinity();
     stats[2 * n + 1] = 0.0f;
     const bf16* qv = item.q + int64_t(hh * g + n) * d;
     float b = 0.0f;
     for (int ch = 0; ch < d; ++ch) b += Bf16ToFloat(qv[ch]) * Bf16ToFloat(lm[ch]);
-    if (n < kMaxG) base[n] = b;
+    base[n] = b;
   }
   for (int t = 0; t < C; ++t) {
     const std::byte* r = seg.sig + ((int64_t(local) * C + t) * h + hh) * int64_t(rec);
@@ -234,14 +233,9 @@ void ChunkStatsSig(const LayerShape& shape, const SelectOptions& o, const Select
     std::memcpy(&sc, r + size_t(d) * bits / 8, sizeof(float));
     for (int n = 0; n < g; ++n) {
       const bf16* qv = item.q + int64_t(hh * g + n) * d;
-      float b = base[std::min(n, kMaxG - 1)];
-      if (n >= kMaxG) {
-        b = 0.0f;
-        for (int ch = 0; ch < d; ++ch) b += Bf16ToFloat(qv[ch]) * Bf16ToFloat(lm[ch]);
-      }
       float dot = 0.0f;
       for (int ch = 0; ch < d; ++ch) dot += Bf16ToFloat(qv[ch]) * acc[ch];
-      FoldLogit((b + sc * dot) * scale, stats + 2 * n);
+      FoldLogit((base[n] + sc * dot) * scale, stats + 2 * n);
     }
   }
 }
@@ -358,7 +352,7 @@ void SelectExHead(const LayerShape& shape, int k, const SelectOptions& o, const 
     float* lse = stats + int64_t(2) * std::min(total, stage1) * g;
     for (int i = 0; i < n_cand; ++i) {
       if (o.signatures) {
-        ChunkStatsSig(shape, o, item, hh, cand[i], acc, stats + int64_t(2) * g * i);
+        ChunkStatsSig(shape, o, item, hh, cand[i], acc, lse, stats + int64_t(2) * g * i);
       } else {
         ChunkStats(shape, o, *table, item, hh, cand[i], acc, stats + int64_t(2) * g * i);
       }
