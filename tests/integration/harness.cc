@@ -85,8 +85,11 @@ absl::Status ServerProcess::Start(std::vector<std::string> args, const client::C
   absl::Status last;
   for (int attempt = 0; attempt < 3; ++attempt) {
     last = StartOnce(args, health, ready);
-    // Only a lost port race is retried; anything else is the answer.
-    if (last.ok() || !absl::StrContains(log(), "cannot listen")) return last;
+    // Only a lost port race (the gRPC or the metrics port, both picked free just before the
+    // spawn, taken by another process in between) is retried; anything else is the answer.
+    const bool lost_port = absl::StrContains(log(), "cannot listen") ||
+                           absl::StrContains(log(), "cannot serve /metrics");
+    if (last.ok() || !lost_port) return last;
   }
   return last;
 }
