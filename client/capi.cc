@@ -565,9 +565,9 @@ int kvshade_ingest_begin(kvshade_client* c, const char* session_id, kvshade_inge
   });
 }
 
-int kvshade_ingest_layer_cuda_ipc(kvshade_ingest* ing, uint32_t layer, int64_t n, int32_t h, int32_t d,
-                                  const void* k_handle, uint64_t k_offset, const void* v_handle,
-                                  uint64_t v_offset) {
+int kvshade_ingest_layer_part_cuda_ipc(kvshade_ingest* ing, uint32_t layer, uint64_t token_offset,
+                                       int32_t last_part, int64_t n, int32_t h, int32_t d, const void* k_handle,
+                                       uint64_t k_offset, const void* v_handle, uint64_t v_offset) {
   return Guard([&] {
     if (ing == nullptr) return Bad("ingest must not be NULL");
     if (ing->committed) return Report(absl::FailedPreconditionError("ingest stream already committed"));
@@ -575,8 +575,8 @@ int kvshade_ingest_layer_cuda_ipc(kvshade_ingest* ing, uint32_t layer, int64_t n
     if (k_handle == nullptr || v_handle == nullptr) return Bad("k_handle and v_handle must not be NULL");
     v1::IngestLayer part;
     part.set_layer(layer);
-    part.set_token_offset(0);
-    part.set_last_part(true);
+    part.set_token_offset(token_offset);
+    part.set_last_part(last_part != 0);
     for (auto [t, handle, offset] : {std::tuple{part.mutable_k(), k_handle, k_offset},
                                      std::tuple{part.mutable_v(), v_handle, v_offset}}) {
       t->add_shape(n);
@@ -590,8 +590,15 @@ int kvshade_ingest_layer_cuda_ipc(kvshade_ingest* ing, uint32_t layer, int64_t n
   });
 }
 
-int kvshade_ingest_layer(kvshade_ingest* ing, uint32_t layer, int32_t dtype, int64_t n, int32_t h, int32_t d,
-                         const void* k, const void* v, const void* obs, int64_t w, int32_t hq) {
+int kvshade_ingest_layer_cuda_ipc(kvshade_ingest* ing, uint32_t layer, int64_t n, int32_t h, int32_t d,
+                                  const void* k_handle, uint64_t k_offset, const void* v_handle,
+                                  uint64_t v_offset) {
+  return kvshade_ingest_layer_part_cuda_ipc(ing, layer, 0, 1, n, h, d, k_handle, k_offset, v_handle, v_offset);
+}
+
+int kvshade_ingest_layer_part(kvshade_ingest* ing, uint32_t layer, uint64_t token_offset, int32_t last_part,
+                              int32_t dtype, int64_t n, int32_t h, int32_t d, const void* k, const void* v,
+                              const void* obs, int64_t w, int32_t hq) {
   return Guard([&] {
     if (ing == nullptr) return Bad("ingest must not be NULL");
     if (ing->committed) return Report(absl::FailedPreconditionError("ingest stream already committed"));
@@ -602,15 +609,18 @@ int kvshade_ingest_layer(kvshade_ingest* ing, uint32_t layer, int32_t dtype, int
     if (obs != nullptr && (w <= 0 || hq <= 0)) {
       return Bad(absl::StrCat("obs given: w and hq must be > 0, got ", w, " and ", hq));
     }
-    // Parts of at most ~8 MiB of K and V together, split by token range.
+    if (obs != nullptr && last_part == 0) return Bad("obs may only come with the layer's last part");
+    // Parts of at most ~8 MiB of K and V together on the wire, split by token range; only
+    // the wire part that ends this call's range carries last_part (and the observation
+    // queries).
     const int64_t row_bytes = static_cast<int64_t>(h) * d * eb;
     const int64_t per_part = std::max<int64_t>(1, (int64_t{8} << 20) / (2 * row_bytes));
     for (int64_t t0 = 0; t0 < n; t0 += per_part) {
       const int64_t m = std::min(per_part, n - t0);
-      const bool last = t0 + m == n;
+      const bool last = t0 + m == n && last_part != 0;
       v1::IngestLayer part;
       part.set_layer(layer);
-      part.set_token_offset(static_cast<uint64_t>(t0));
+      part.set_token_offset(token_offset + static_cast<uint64_t>(t0));
       *part.mutable_k() = MakeTensor({m, h, d}, dtype, static_cast<const char*>(k) + t0 * row_bytes);
       *part.mutable_v() = MakeTensor({m, h, d}, dtype, static_cast<const char*>(v) + t0 * row_bytes);
       if (last && obs != nullptr) *part.mutable_observation_queries() = MakeTensor({w, hq, d}, dtype, obs);
@@ -619,6 +629,11 @@ int kvshade_ingest_layer(kvshade_ingest* ing, uint32_t layer, int32_t dtype, int
     }
     return Report(absl::OkStatus());
   });
+}
+
+int kvshade_ingest_layer(kvshade_ingest* ing, uint32_t layer, int32_t dtype, int64_t n, int32_t h, int32_t d,
+                         const void* k, const void* v, const void* obs, int64_t w, int32_t hq) {
+  return kvshade_ingest_layer_part(ing, layer, 0, 1, dtype, n, h, d, k, v, obs, w, hq);
 }
 
 int kvshade_ingest_commit(kvshade_ingest* ing, uint64_t* tokens) {

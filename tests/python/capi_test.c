@@ -123,6 +123,45 @@ int main(void) {
   REQUIRE_OK(kvshade_get_session(c, created.session_id, &info));
   CHECK(strcmp(info.state, "ready") == 0);
   CHECK(info.tokens == N);
+
+  /* The same K/V in parts, each chunk's part of every layer in turn (a chunked prefill),
+   * into a session of another model id (no prefix reuse): committed whole. A last_part on
+   * a part that does not complete its layer, and obs without last_part, are refused. */
+  {
+    kvshade_model pm = m;
+    pm.model_id = "capi-test-parts";
+    kvshade_session_created pc;
+    REQUIRE_OK(kvshade_create_session(c, &pm, &p, tokens, N, 0, "capi-parts", &pc));
+    kvshade_ingest* pi = NULL;
+    REQUIRE_OK(kvshade_ingest_begin(c, pc.session_id, &pi));
+    const int64_t cut = N / 3;
+    CHECK(kvshade_ingest_layer_part(pi, 0, 0, 0, KVSHADE_DTYPE_BF16, cut, H, D, k[0], v[0], v[0], 1, HQ) ==
+          KVSHADE_INVALID_ARGUMENT);
+    for (int l = 0; l < L; ++l) {
+      REQUIRE_OK(kvshade_ingest_layer_part(pi, (uint32_t)l, 0, 0, KVSHADE_DTYPE_BF16, cut, H, D, k[l], v[l], NULL,
+                                           0, 0));
+    }
+    for (int l = 0; l < L; ++l) {
+      REQUIRE_OK(kvshade_ingest_layer_part(pi, (uint32_t)l, (uint64_t)cut, 1, KVSHADE_DTYPE_BF16, N - cut, H, D,
+                                           k[l] + cut * H * D, v[l] + cut * H * D, NULL, 0, 0));
+    }
+    uint64_t got = 0;
+    REQUIRE_OK(kvshade_ingest_commit(pi, &got));
+    CHECK(got == N);
+    kvshade_ingest_free(pi);
+    kvshade_session_info pinfo;
+    REQUIRE_OK(kvshade_get_session(c, pc.session_id, &pinfo));
+    CHECK(strcmp(pinfo.state, "ready") == 0 && pinfo.tokens == N);
+    REQUIRE_OK(kvshade_close_session(c, pc.session_id));
+
+    REQUIRE_OK(kvshade_create_session(c, &pm, &p, tokens, N, 0, "capi-parts", &pc));
+    REQUIRE_OK(kvshade_ingest_begin(c, pc.session_id, &pi));
+    /* The daemon's refusal may come with the part or, over a stream, at the commit. */
+    const int early = kvshade_ingest_layer_part(pi, 0, 0, 1, KVSHADE_DTYPE_BF16, cut, H, D, k[0], v[0], NULL, 0, 0);
+    CHECK(early != KVSHADE_OK || kvshade_ingest_commit(pi, NULL) == KVSHADE_INVALID_ARGUMENT);
+    kvshade_ingest_free(pi);
+    REQUIRE_OK(kvshade_close_session(c, pc.session_id));
+  }
   CHECK(strcmp(info.model_id, "capi-test") == 0);
   CHECK(strcmp(info.label, "capi") == 0);
 

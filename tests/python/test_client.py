@@ -258,6 +258,52 @@ class ClientTest(unittest.TestCase):
             self.c.create_session(model("bf16", "py-sig-mini"), kvshade.Profile("mini", key_signature_bits=2),
                                   self.rng.integers(0, 30000, 64))
 
+    def test_layer_parts_may_interleave_across_layers(self):
+        # A chunked prefill's ingest: each chunk's part of every layer in turn (uneven
+        # chunks), against the same K/V sent one whole layer at a time. The sessions are the
+        # same: the same device bytes, and a select delivers the same chunks, keys and values.
+        n, cuts = 512, (0, 100, 256, 512)
+        prof = kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=4, outliers=2, local_window=32)
+        tokens = self.rng.integers(0, 30000, n)
+        k, v = self.kv(n)
+        ids = []
+        for way in ("whole", "parts"):
+            created = self.c.create_session(model(name="py-parts-" + way), prof, tokens, label="unit")
+            with self.c.ingest(created.session_id) as ing:
+                if way == "whole":
+                    for l in range(L):
+                        ing.layer(l, k[l], v[l])
+                else:
+                    for a, b in zip(cuts, cuts[1:]):
+                        for l in range(L):
+                            ing.layer(l, k[l, a:b], v[l, a:b], token_offset=a, last_part=b == n)
+                self.assertEqual(ing.commit(), n)
+            ids.append(created.session_id)
+        info = [self.c.get_session(i) for i in ids]
+        self.assertEqual(info[0]["gpu_bytes"], info[1]["gpu_bytes"])
+        q = bf16(self.rng.standard_normal((1, HQ, D)).astype(np.float32))
+        deltas = []
+        for sid in ids:
+            att = self.c.attach(sid, "w")
+            (d,) = self.c.select(0, [att.attachment_id], q)
+            deltas.append(d)
+            self.c.detach(att.attachment_id)
+        for f in ("chunk", "head", "slot", "position", "keys", "values"):
+            np.testing.assert_array_equal(getattr(deltas[0], f), getattr(deltas[1], f), err_msg=f)
+        for sid in ids:
+            self.c.close_session(sid)
+        # A part out of order, or a last_part that does not complete its layer, fails the
+        # stream naming the layer; nothing is committed.
+        created = self.c.create_session(model(name="py-parts-bad"), prof, tokens, label="unit")
+        for bad in ((dict(token_offset=8), "token_offset must be 0"),
+                    (dict(token_offset=0, last_part=True), "last_part is set but the layer has 100 of 512")):
+            with self.assertRaisesRegex(kvshade.InvalidArgument, bad[1]):
+                with self.c.ingest(created.session_id) as ing:
+                    ing.layer(0, k[0, :100], v[0, :100], **bad[0])
+                    ing.commit()
+            self.assertEqual(self.c.get_session(created.session_id)["state"], "ingesting")
+        self.c.close_session(created.session_id)
+
     def test_shadow_prefix_fork_select(self):
         n = 256
         prof = kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=4, outliers=2, local_window=32)

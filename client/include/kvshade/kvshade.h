@@ -261,6 +261,23 @@ KVSHADE_API int kvshade_ingest_layer_cuda_ipc(kvshade_ingest* ingest, uint32_t l
                                               int32_t h, int32_t d, const void* k_handle,
                                               uint64_t k_offset, const void* v_handle,
                                               uint64_t v_offset);
+/* One part of a layer: its tokens [token_offset, token_offset + n) of the ingested range
+ * (the prompt after the reused prefix); last_part != 0 on the part that completes the layer
+ * (only then may obs come). A layer's parts arrive in order; parts of different layers may
+ * interleave: a chunked prefill sends each chunk's part of every layer in turn, and the
+ * daemon keeps incomplete layers in host memory, at most one of them in device memory. */
+KVSHADE_API int kvshade_ingest_layer_part(kvshade_ingest* ingest, uint32_t layer, uint64_t token_offset,
+                                          int32_t last_part, int32_t dtype, int64_t n, int32_t h, int32_t d,
+                                          const void* k, const void* v, const void* obs, int64_t w,
+                                          int32_t hq);
+/* The same from this process's GPU memory (as kvshade_ingest_layer_cuda_ipc); the memory
+ * must stay allocated and unchanged until the layer is taken (every part sent, then the
+ * session's layers_ingested covers the layer) or the commit returns. */
+KVSHADE_API int kvshade_ingest_layer_part_cuda_ipc(kvshade_ingest* ingest, uint32_t layer,
+                                                   uint64_t token_offset, int32_t last_part, int64_t n,
+                                                   int32_t h, int32_t d, const void* k_handle,
+                                                   uint64_t k_offset, const void* v_handle,
+                                                   uint64_t v_offset);
 /* Commits; *tokens (may be NULL) = committed tokens of the session. The handle must still
  * be freed. */
 KVSHADE_API int kvshade_ingest_commit(kvshade_ingest* ingest, uint64_t* tokens);

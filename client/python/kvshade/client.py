@@ -357,12 +357,14 @@ class Ingest(_NativeHandle):
         self._released = 0
         _check(_native.lib().kvshade_ingest_begin(client._handle(), _b(session_id), ctypes.byref(self._h)))
 
-    def layer_cuda(self, layer, k, v):
-        """Same node, daemon on a GPU backend: one whole layer from this process's GPU memory.
+    def layer_cuda(self, layer, k, v, token_offset=0, last_part=True):
+        """Same node, daemon on a GPU backend: one layer (or, with token_offset / last_part as
+        for layer(), one part of it) from this process's GPU memory.
         k, v: torch CUDA tensors [n, h, d] bf16, contiguous (pre-RoPE keys). The daemon reads
         them from there (CUDA IPC); nothing is copied to the host here. They are kept alive
         by this stream until it is closed; the current stream is synchronized first so that
-        they hold their data."""
+        they hold their data. (release_taken counts whole layers: it suits whole layers
+        sent in layer order.)"""
         import torch
         for name, t in (("k", k), ("v", v)):
             if not (isinstance(t, torch.Tensor) and t.is_cuda and t.dtype == torch.bfloat16
@@ -374,8 +376,9 @@ class Ingest(_NativeHandle):
                 cuda_ipc_ref(v, "v", "ingest it from host memory instead")]
         torch.cuda.current_stream(k.device).synchronize()
         n, h, d = k.shape
-        _check(_native.lib().kvshade_ingest_layer_cuda_ipc(self._h, layer, n, h, d, refs[0][0], refs[0][1],
-                                                           refs[1][0], refs[1][1]))
+        _check(_native.lib().kvshade_ingest_layer_part_cuda_ipc(self._h, layer, int(token_offset), int(bool(last_part)),
+                                                                n, h, d, refs[0][0], refs[0][1], refs[1][0],
+                                                                refs[1][1]))
         self._keep.append((k, v))
 
     @property
@@ -418,8 +421,13 @@ class Ingest(_NativeHandle):
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
 
-    def layer(self, layer, k, v, observation_queries=None):
-        """k, v: [n, h, d] pre-RoPE; observation_queries: [w, hq, d] post-RoPE or None."""
+    def layer(self, layer, k, v, observation_queries=None, token_offset=0, last_part=True):
+        """k, v: [n, h, d] pre-RoPE; observation_queries: [w, hq, d] post-RoPE or None (with
+        the layer's last part only). By default one whole layer; a layer may also come in parts:
+        tokens [token_offset, token_offset + n) of the ingested range (the prompt after the
+        reused prefix), last_part=False on every part but the one that completes it. A layer's
+        parts come in order; parts of different layers may interleave (a chunked prefill sends
+        each chunk's part of every layer in turn). The bytes are copied before this returns."""
         kw, vw = to_wire(k, self._dtype), to_wire(v, self._dtype)
         if kw.ndim != 3 or kw.shape != vw.shape:
             raise InvalidArgument("k and v must both be [n, h, d], got %s and %s" % (kw.shape, vw.shape))
@@ -430,8 +438,9 @@ class Ingest(_NativeHandle):
             if obs.ndim != 3 or obs.shape[2] != d:
                 raise InvalidArgument("observation_queries must be [w, hq, %d], got %s" % (d, obs.shape))
             w, hq = obs.shape[0], obs.shape[1]
-        _check(_native.lib().kvshade_ingest_layer(self._h, layer, self._dtype, n, h, d, _ptr(kw), _ptr(vw),
-                                                  None if obs is None else _ptr(obs), w, hq))
+        _check(_native.lib().kvshade_ingest_layer_part(self._h, layer, int(token_offset), int(bool(last_part)),
+                                                       self._dtype, n, h, d, _ptr(kw), _ptr(vw),
+                                                       None if obs is None else _ptr(obs), w, hq))
 
     def commit(self):
         tokens = ctypes.c_uint64()
