@@ -22,7 +22,8 @@ an arrival-for-arrival comparison.
 
 Usage (GPU machine):
   python3 bench/serving_bench.py --server .gpu/bin/kvshade-server [--doc-tokens 32768]
-      [--docs 2] [--requests 16] [--rate 0.5] [--max-new-tokens 32] [--max-batch 16] [--json f]
+      [--docs 2] [--requests 16] [--rate 0.5] [--max-new-tokens 32] [--max-batch 16]
+      [--prefill-chunk 4096] [--json f]
 """
 import argparse
 import json
@@ -60,7 +61,8 @@ def workload(args):
 def run_kvshade(c, model, prompts, arrivals, args):
     from kvshade import serving
     gen = serving.Generator(c, model, kvshade.Profile("shadow"), max_batch=args.max_batch,
-                            model_id="bench/serving-%d" % args.seed, local_capacity=max(64, args.max_new_tokens))
+                            model_id="bench/serving-%d" % args.seed, local_capacity=max(64, args.max_new_tokens),
+                            prefill_chunk_tokens=args.prefill_chunk or None)
     # Warm-up: one request of the workload's length (kernel selection, allocator, the
     # decoder's first mapping; a shorter prompt could resolve another value codec).
     warm = gen.submit(prompts[0], 2)
@@ -139,6 +141,8 @@ def main():
     ap.add_argument("--rate", type=float, default=0.5, help="arrivals per second")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--prefill-chunk", type=int, default=0,
+                    help="kvshade: prefill prompts in chunks of this many tokens between decode steps (0: whole)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--configs", default="kvshade,transformers")
     ap.add_argument("--json", default="")

@@ -424,6 +424,62 @@ class HfAdapterTest(unittest.TestCase):
                     alone.close(close_session=True)
                 batch.close(close_session=True)
 
+    # --- chunked prefill ---
+    def test_chunked_prefill_equals_one_forward(self):
+        # The prompt (all but its last token) prefilled in uneven chunks against the same
+        # prompt in one forward: each chunk attends to the earlier ones exactly, so the last
+        # prompt token's logits agree within float summation order (the K/V are the same bf16
+        # values); the sessions are the same (exact: every key and value; both: greedy decode
+        # with the same logits, the prompt's last token its first step). Meanwhile the
+        # earlier chunks' K/V are in host memory, and they are let go once the prompt is in.
+        n, steps, chunk = 200, 6, 72
+        model = tiny_llama(self.seed)
+        ids = self.prompt(n)
+        for name, prof in (("exact", kvshade.Profile("exact")), ("shadow", self.small_shadow())):
+            with self.subTest(profile=name):
+                caches, last, where = [], [], []
+                for c in (None, chunk):
+                    cache = self.kvshade_cache(model, ids[:, :-1], prof, "chunked-%s-%s" % (name, c))
+                    spy = model.model.layers[-1].self_attn.k_proj.register_forward_hook(
+                        lambda mod, inp, out, cache=cache: where.append(
+                            [hk.device.type for hk, _ in (cache._history or [[]])[0]]))
+                    try:
+                        logits = cache.prefill(model, chunk_tokens=c)
+                    finally:
+                        spy.remove()
+                    cache.wait_ready()
+                    self.assertIsNone(cache._history)
+                    self.assertEqual(cache._prefetched, {})
+                    self.assertEqual(cache.get_seq_length(), n - 1)
+                    caches.append(cache)
+                    last.append(logits[0])
+                # One forward, then chunks of 72, 72 and 55 tokens: at the last layer of each
+                # chunk, layer 0's K/V of the chunks so far but the last are in host memory.
+                self.assertEqual(where, [[], ["cpu"], ["cpu", "cpu"], ["cpu", "cpu"]])
+                err = rel_err(last[1], last[0])
+                self.assertLess(err, 1e-5)
+                seqs = [self.generate(model, ids, c_, steps) for c_ in caches]
+                self.assertEqual(seqs[1][0].tolist(), seqs[0][0].tolist())
+                decode_err = max(rel_err(a, b) for a, b in zip(seqs[1][1], seqs[0][1]))
+                self.assertLess(decode_err, 1e-4)
+                if name == "exact":
+                    for layer in range(LAYERS):
+                        a, b = caches[0].hook._static[layer], caches[1].hook._static[layer]
+                        np.testing.assert_array_equal(b.tail_k, a.tail_k)
+                        np.testing.assert_array_equal(b.tail_v, a.tail_v)
+                print("chunked prefill (%s): last prompt logits within %.3g of one forward, decode within %.3g"
+                      % (name, err, decode_err))
+                for c_ in caches:
+                    c_.close(close_session=True)
+        # A chunk past the prompt, and a second multi-token forward of a cache without
+        # prompt_ids naming the whole prompt, are refused.
+        cache = self.kvshade_cache(model, ids[:, :100], kvshade.Profile("exact"), "chunked-refusals")
+        with torch.no_grad():
+            model(input_ids=ids[:, :60], past_key_values=cache, use_cache=True)
+            with self.assertRaisesRegex(ValueError, "runs past the prompt's 100 tokens"):
+                model(input_ids=ids[:, 60:120], past_key_values=cache, use_cache=True)
+        cache.close(close_session=True)
+
     # --- the host path's streaming ---
     def test_host_ingest_streams_during_the_prefill(self):
         # Each layer goes to its Ingest stream while the prefill goes on: the last layer's

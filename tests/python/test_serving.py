@@ -113,6 +113,32 @@ class ServingTest(_WithServer):
                 self.client.get_session(r.session_id)
         gen.close()
 
+    def test_chunked_prefill_keeps_the_batch_decoding(self):
+        # With prefill_chunk_tokens a long prompt is prefilled over several steps, one chunk
+        # per step, while the running request keeps getting a token every step; both
+        # requests' tokens equal each one decoded alone.
+        model = tiny_llama(self.seed)
+        short, long_ = self.prompt(96), self.prompt(330)
+        refs = [self.reference(model, short, 12, "chunk-short"), self.reference(model, long_, 4, "chunk-long")]
+        gen = serving.Generator(self.client, model, self.profile(), max_batch=2, prefill_chunk_tokens=64,
+                                model_id="serving-chunked-%d" % self.seed)
+        a = gen.submit(short, 12)
+        while not gen.running:  # a is prefilled (two chunks) and decodes
+            gen.step()
+        b = gen.submit(long_, 4)
+        steps_prefilling = 0
+        while gen.busy:
+            before = len(a.tokens)
+            prefilling = gen._prefilling is not None or b in gen.waiting
+            gen.step()
+            if prefilling and gen._prefilling is not None:
+                steps_prefilling += 1
+                self.assertEqual(len(a.tokens), before + 1)  # a decoded in a step that prefilled b
+        self.assertEqual(steps_prefilling, 330 // 64)  # chunks before the one that completes it
+        self.assertEqual(a.tokens, refs[0])
+        self.assertEqual(b.tokens, refs[1])
+        gen.close()
+
     def test_eos_ends_a_request_and_frees_its_sequence(self):
         model = tiny_llama(self.seed)
         prompt = self.prompt(128)

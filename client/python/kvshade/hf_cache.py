@@ -39,9 +39,13 @@ Contract and limits:
     (`decode="rpc"`, another node).
     Sequences of different lengths that join and leave one decode batch: kvshade.serving
     (BatchCache, Generator), over sessions prefilled here with decode=None.
-    Not supported, refused with an error: padded batches, chunked prefill or a
-    second multi-token forward (a new turn: make a new KvShadeCache over the whole
-    conversation, the cached prefix is reused), beam search, assisted/speculative decoding
+    Chunked prefill: with prompt_ids naming the whole prompt, the prompt may come in several
+    forwards of consecutive tokens (or KvShadeCache.prefill(model, chunk_tokens)); each
+    chunk attends to the earlier ones exactly, whose K/V wait in host memory, and each
+    chunk's part of every layer goes to the daemon from host memory as it is computed.
+    Not supported, refused with an error: padded batches, a second multi-token forward
+    after the prompt (a new turn: make a new KvShadeCache over the whole conversation, the
+    cached prefix is reused), beam search, assisted/speculative decoding
     (crop), torch.compile, sliding-window layers, attention softcapping.
   * RoPE with half-split pairing ("neox", HF Llama); scaling none, linear, llama3 or yarn
     as kvshade implements them. The ModelSpec is derived from the model config and then
@@ -584,9 +588,11 @@ class _LayerSender:
         self._copier.start()
         self._sender.start()
 
-    def put(self, layer, k, v):
-        """k, v: [B, n, h, d] bf16, pre-RoPE keys and values, on the GPU or in host memory.
-        The copier holds GPU tensors (the model's allocator cannot reuse them) until copied."""
+    def put(self, layer, k, v, token_offset=0, last_part=True):
+        """k, v: [B, n, h, d] bf16, pre-RoPE keys and values, on the GPU or in host memory: the
+        prompt's tokens [token_offset, token_offset + n) of this layer (a chunked prefill's
+        part; last_part on the one that completes the layer). The copier holds GPU tensors
+        (the model's allocator cannot reuse them) until copied."""
         ready, size = None, 0
         if k.is_cuda:
             ready = torch.cuda.Event()
@@ -596,7 +602,7 @@ class _LayerSender:
                 self._pending.wait_for(lambda: self._pending_bytes == 0 or
                                        self._pending_bytes + size <= self.MAX_PENDING_GPU_BYTES)
                 self._pending_bytes += size
-        self._to_copy.put((layer, k, v, ready, size))
+        self._to_copy.put((layer, k, v, ready, size, int(token_offset), bool(last_part)))
 
     def _to_host(self, k, v, ready):
         if self._copy_stream is None:
@@ -625,7 +631,7 @@ class _LayerSender:
             if item is None:
                 self._to_send.put(None)
                 return
-            layer, k, v, ready, size = item
+            layer, k, v, ready, size, offset, last = item
             item = None
             pooled = False
             if self._error is None and ready is not None:
@@ -638,7 +644,7 @@ class _LayerSender:
                 except BaseException as e:  # noqa: BLE001 - raised by finish()
                     self._error = e
             if self._error is None:
-                self._to_send.put((layer, k, v, pooled))
+                self._to_send.put((layer, k, v, pooled, offset, last))
             elif pooled:
                 _pinned().put((k, v))
             k = v = None  # the GPU tensors (or, after an error, anything) are released here
@@ -652,17 +658,23 @@ class _LayerSender:
             item = self._to_send.get()
             if item is None:
                 return
-            layer, k, v, pooled = item
+            layer, k, v, pooled, offset, last = item
             item = None
             if self._error is None:
                 try:
                     t0 = time.perf_counter()
                     for b, ing in enumerate(self._streams):
-                        if ing is not None:
-                            r = self._reused[b]
-                            # Returns once the bytes are copied out (the buffer is free).
-                            ing.layer(layer, k[b, r:], v[b, r:])
-                            self.times["bytes"] += 2 * k[b, r:].numel() * k.element_size()
+                        if ing is None:
+                            continue
+                        # The stream ingests the prompt after the reused prefix (r tokens):
+                        # this part's rows from there on, at their offset in that range.
+                        r = self._reused[b]
+                        lo = max(0, r - offset)
+                        if lo >= k.shape[1]:
+                            continue  # the part lies inside the reused prefix
+                        # Returns once the bytes are copied out (the buffer is free).
+                        ing.layer(layer, k[b, lo:], v[b, lo:], None, offset + lo - r, last)
+                        self.times["bytes"] += 2 * k[b, lo:].numel() * k.element_size()
                     self.times["send_s"] += time.perf_counter() - t0
                 except BaseException as e:  # noqa: BLE001 - raised by finish()
                     self._error = e
@@ -776,6 +788,14 @@ class KvShadeCache(Cache):
             raise ValueError("ingest_window_bytes must be > 0, got %r" % (ingest_window_bytes,))
         self._ingest_window = int(ingest_window_bytes)
         self._sent_layers = []  # device path: prompt layers in the order sent
+        # Chunked prefill (a prompt in several forwards): per layer, the earlier chunks' exact
+        # post-RoPE keys and values in host memory ([(k, v)] of [B, h, c, d] bf16, pinned on a
+        # GPU), for the later chunks' attention; a side stream for their copies; the next
+        # layer's K/V already on their way to the GPU ({layer: (k, v, event)}).
+        self._chunked = False
+        self._history = None
+        self._history_stream = None
+        self._prefetched = {}
         self._decode_mode = decode
         if ingest not in ("auto", "device", "host"):
             raise ValueError("ingest must be 'auto', 'device' or 'host', got %r" % (ingest,))
@@ -823,7 +843,7 @@ class KvShadeCache(Cache):
 
     def set_prompt(self, prompt_ids):
         self.wait_ready()
-        if self._decoding or any(x is not None for x in self._pre_k):
+        if self._decoding or self._chunked or any(x is not None for x in self._pre_k):
             raise ValueError("set_prompt must come before the prefill forward")
         self._prompt_ids = self._ids(prompt_ids)
 
@@ -865,6 +885,7 @@ class KvShadeCache(Cache):
             self._close(close_session)
 
     def _close(self, close_session):
+        self._drop_history()
         if self._sender is not None or self._streams:
             # A prefill that did not reach its last layer: its sessions were never committed
             # and nobody else knows their ids.
@@ -917,12 +938,14 @@ class KvShadeCache(Cache):
             self._awaiting = li
             _current.entry = (self, li, k, "decode")
             return k, v
-        if layer_obj.length != 0:
-            raise NotImplementedError("KvShadeCache: the prompt must come in one forward (no chunked prefill)")
+        start = layer_obj.length
+        total = self._prompt_length(n, start)
         with torch.no_grad():
-            pre = self._unrotate(key_states, cache_kwargs)
+            pre = self._unrotate(key_states, cache_kwargs, start)
             pk = pre.to(STORE_DTYPE)                       # [B, n, h, d] pre-RoPE
             pv = v.transpose(1, 2).to(STORE_DTYPE)          # [B, n, h, d]
+        if self._chunked:
+            return self._update_chunk(layer_obj, k, v, pk, pv, start, total)
         if self._streams is None and self._sender is None and self._device_ingest_wanted(key_states):
             self._begin_device_ingest(n, pk.shape[0])
         if self._streams is not None:
@@ -953,9 +976,10 @@ class KvShadeCache(Cache):
         _current.entry = (self, li, k, "prefill")
         return k, v
 
-    def _unrotate(self, key_states, cache_kwargs):
-        """Post-RoPE keys [B, h, n, d] -> pre-RoPE [B, n, h, d] float32, with the cos/sin the model
-        applied (cache_kwargs where given, else its rotary embedding at positions 0..n-1).
+    def _unrotate(self, key_states, cache_kwargs, start=0):
+        """Post-RoPE keys [B, h, n, d] of positions start..start+n-1 -> pre-RoPE [B, n, h, d]
+        float32, with the cos/sin the model applied (cache_kwargs where given, else its rotary
+        embedding at those positions).
         fp32 recovers the keys to ~1e-7 relative, far inside one bf16 step, so rounding to
         bf16 gives back bf16-exact keys bit for bit."""
         n = key_states.shape[2]
@@ -963,10 +987,11 @@ class KvShadeCache(Cache):
         if isinstance(cache_kwargs, dict):
             cos, sin = cache_kwargs.get("cos"), cache_kwargs.get("sin")
             cp = cache_kwargs.get("cache_position")
-            if cp is not None and (cp.numel() != n or int(cp.reshape(-1)[0]) != 0):
-                raise NotImplementedError("KvShadeCache: the prompt must start at position 0")
+            if cp is not None and (cp.numel() != n or int(cp.reshape(-1)[0]) != start):
+                raise NotImplementedError("KvShadeCache: this prompt forward must start at position %d (the "
+                                          "tokens prefilled so far), got %d" % (start, int(cp.reshape(-1)[0])))
         if cos is None or sin is None:
-            pos = torch.arange(n, device=key_states.device)[None]
+            pos = torch.arange(start, start + n, device=key_states.device)[None]
             cos, sin = self.rotary(key_states, pos)
         rd = cos.shape[-1]
         # cos/sin are [1 or B, n, rd]; prompts share positions (no padding).
@@ -980,6 +1005,148 @@ class KvShadeCache(Cache):
         rot = torch.cat([-kr[..., half:], kr[..., :half]], dim=-1)
         pre = (kr * c - rot * s) / (c * c + s * s)
         return torch.cat([pre, k[..., rd:]], dim=-1) if rd < k.shape[-1] else pre
+
+    # --- chunked prefill ---
+    def _prompt_length(self, n, start):
+        """The whole prompt's length for a prefill forward of n tokens at position `start`; a
+        first forward shorter than the prompt_ids given starts a chunked prefill."""
+        if start == 0 and not self._chunked:
+            total = len(self._prompt_ids[0]) if self._prompt_ids else n
+            if n < total:
+                if self._streams is not None or self._sender is not None:
+                    raise RuntimeError("KvShadeCache: a chunked prefill must start at layer 0")
+                self._chunked = True
+                self._history = [[] for _ in range(self.spec.num_layers)]
+            return total
+        if not self._chunked:
+            raise NotImplementedError("KvShadeCache: the prompt came in one forward; a further multi-token forward "
+                                      "needs prompt_ids naming the whole prompt from the start (chunked prefill)")
+        total = len(self._prompt_ids[0])
+        if start + n > total:
+            raise ValueError("KvShadeCache: a prefill chunk of %d tokens at position %d runs past the prompt's %d "
+                             "tokens (prompt_ids)" % (n, start, total))
+        return total
+
+    def _update_chunk(self, layer_obj, k, v, pk, pv, start, total):
+        """One layer of one chunk of a chunked prefill. The chunk's part goes to the daemon from
+        host memory (the host path: the parts of every layer interleave, and each must be
+        copied out before the chunk's GPU memory is reused); its exact K/V go to host memory
+        for the later chunks; the model attends over the earlier chunks' exact K/V, brought
+        back to the GPU one layer ahead, then this chunk's: never the whole prompt's K/V on
+        the GPU, only this layer's and the next one's."""
+        li = layer_obj.layer_idx
+        last = start + k.shape[2] == total
+        if start == 0 and li == 0:
+            self._begin_host_ingest(total, pk.shape[0])
+        if self._sender is None:
+            raise RuntimeError("KvShadeCache: the chunked prefill's ingest is not open (layer %d)" % li)
+        self._sender.put(li, pk, pv, start, last)
+        k_all, v_all = self._attend_kv(li, start, k, v)
+        if not last:
+            self._keep_history(li, k, v)
+        layer_obj.length = start + k.shape[2]
+        if last:
+            self._pre_k[li] = self._v[li] = _SENT
+            if all(x is not None for x in self._pre_k):
+                self._drop_history()
+                self._ingest(total)
+        _current.entry = (self, li, k_all, "prefill")
+        return k_all, v_all
+
+    def _keep_history(self, li, k, v):
+        """This chunk's exact post-RoPE keys and values [B, h, c, d] into host memory (bf16:
+        they are bf16 values already), copied on a stream of their own on a GPU."""
+        kb, vb = k.to(STORE_DTYPE), v.to(STORE_DTYPE)
+        if kb.is_cuda:
+            stream = self._side_stream(kb.device)
+            hk = torch.empty(kb.shape, dtype=STORE_DTYPE, pin_memory=True)
+            hv = torch.empty(vb.shape, dtype=STORE_DTYPE, pin_memory=True)
+            stream.wait_stream(torch.cuda.current_stream(kb.device))
+            with torch.cuda.stream(stream):
+                hk.copy_(kb, non_blocking=True)
+                hv.copy_(vb, non_blocking=True)
+            kb.record_stream(stream)
+            vb.record_stream(stream)
+        else:
+            hk, hv = kb.clone(), vb.clone()
+        self._history[li].append((hk, hv))
+
+    def _side_stream(self, device):
+        if self._history_stream is None:
+            self._history_stream = torch.cuda.Stream(device)
+        return self._history_stream
+
+    def _fetch_history(self, li, start, like):
+        """Layer li's earlier chunks' K/V into new [B, h, start + c, d] tensors of the model's
+        dtype on its device (positions start.. are left for the chunk itself); on a GPU the
+        copies run on the side stream, and the event says when they are done."""
+        B, h, c, d = like.shape
+        kf = torch.empty((B, h, start + c, d), dtype=like.dtype, device=like.device)
+        vf = torch.empty_like(kf)
+        event = None
+        if like.is_cuda:
+            stream = self._side_stream(like.device)
+            stream.wait_stream(torch.cuda.current_stream(like.device))  # kf, vf are allocated
+            with torch.cuda.stream(stream):
+                self._copy_history(li, kf, vf)
+                event = torch.cuda.Event()
+                event.record(stream)
+            kf.record_stream(stream)
+            vf.record_stream(stream)
+        else:
+            self._copy_history(li, kf, vf)
+        return kf, vf, event
+
+    def _copy_history(self, li, kf, vf):
+        o = 0
+        for hk, hv in self._history[li]:
+            c = hk.shape[2]
+            kf[:, :, o:o + c].copy_(hk, non_blocking=True)
+            vf[:, :, o:o + c].copy_(hv, non_blocking=True)
+            o += c
+
+    def _attend_kv(self, li, start, k, v):
+        """The K/V chunk attention needs at layer li: the earlier chunks' then this one's. The
+        next layer's earlier chunks start their way to the GPU now, behind this layer's
+        attention."""
+        if start == 0:
+            return k, v
+        got = self._prefetched.pop(li, None)
+        if got is None or got[0].shape[2] != start + k.shape[2]:
+            got = self._fetch_history(li, start, k)
+        kf, vf, event = got
+        if event is not None:
+            torch.cuda.current_stream(k.device).wait_event(event)
+        kf[:, :, start:].copy_(k)
+        vf[:, :, start:].copy_(v)
+        if li + 1 < self.spec.num_layers:
+            self._prefetched[li + 1] = self._fetch_history(li + 1, start, k)
+        return kf, vf
+
+    def _drop_history(self):
+        self._history = None
+        self._prefetched = {}
+
+    def prefill(self, model, chunk_tokens=None):
+        """Runs the prompt (prompt_ids) through `model` into this cache, in forwards of at most
+        chunk_tokens tokens (None: one forward), and returns the logits of its last token
+        [B, vocab]. Each chunk attends to the earlier ones exactly; the GPU holds the
+        forward's own memory plus two layers of the earlier chunks' K/V, never the whole
+        prompt's. The sessions are ready for decode once wait_ready() returns (the first
+        decode step waits for it anyway)."""
+        if self._prompt_ids is None:
+            raise ValueError("prefill needs prompt_ids (KvShadeCache(..., prompt_ids=ids) or set_prompt(ids))")
+        if chunk_tokens is not None and int(chunk_tokens) < 1:
+            raise ValueError("chunk_tokens must be >= 1 or None, got %r" % (chunk_tokens,))
+        device = next(iter(self._model_params_device))
+        ids = torch.tensor(self._prompt_ids, dtype=torch.long, device=device)
+        n = ids.shape[1]
+        step = n if chunk_tokens is None else int(chunk_tokens)
+        out = None
+        with torch.no_grad():
+            for a in range(0, n, step):
+                out = model(input_ids=ids[:, a:a + step], past_key_values=self, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
 
     def _release_taken_layers(self):
         """Device path: lets go of the prompt layers every stream's daemon side has taken, and
@@ -1125,6 +1292,7 @@ class KvShadeCache(Cache):
             if self._decode_mode not in ("rpc", None):
                 self.hooks[b].attach(self.created_all[b].session_id)
         self._streams = []
+        self._drop_history()
         self._pre_k = [None] * len(self._pre_k)
         self._v = [None] * len(self._v)
         self._sent_layers = []

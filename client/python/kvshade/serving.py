@@ -29,8 +29,13 @@ value_codec "auto" (int4 from int4_from_tokens prompt tokens, bf16 below) a requ
 prompt resolves another codec than the batch's ends with finish_reason "error" (its error
 says why) and the others go on; give the profile an explicit value_codec to mix lengths.
 
-Limits: a prompt is prefilled in one forward (no chunked prefill) and stalls the batch's
-decode steps meanwhile; generated tokens stay exact in the decoder's local tail (at most
+A prompt is prefilled in one forward, which stalls the batch's decode steps meanwhile, or
+with `prefill_chunk_tokens` in chunks of that many tokens, one chunk per prefill forward
+between decode steps (each chunk attends to the earlier ones exactly: see
+hf_cache.KvShadeCache.prefill), so that a long prompt delays the running sequences by one
+chunk's forward per step instead of its whole prefill.
+
+Limits: generated tokens stay exact in the decoder's local tail (at most
 `local_capacity` per sequence; they are not appended to the sessions); greedy decoding
 unless a `sampler` is given. Same-node decode only (the daemon on this node).
 """
@@ -269,7 +274,10 @@ class Generator:
 
     client, model, profile: as for hf_cache.KvShadeCache (one profile for every request)
     max_batch       : the most sequences decoding together
-    prefills_per_step: the most waiting requests prefilled between two decode steps
+    prefills_per_step: the most prefill forwards between two decode steps (a whole prompt each,
+                      or one chunk each with prefill_chunk_tokens)
+    prefill_chunk_tokens: prefill each prompt in chunks of at most this many tokens, one chunk
+                      per prefill forward (None: a whole prompt per forward)
     model_id        : the prefix-cache namespace (default: the model's name; a fresh id for a
                       model without one), shared by every request so that shared prompt
                       prefixes are reused
@@ -280,9 +288,14 @@ class Generator:
 
     def __init__(self, client, model, profile, max_batch=64, prefills_per_step=1, model_id=None,
                  worker_id="kvshade-serving", local_capacity=1024, sampler: Optional[Callable] = None,
-                 close_sessions=True, cache_kwargs=None):
+                 close_sessions=True, cache_kwargs=None, prefill_chunk_tokens=None):
         if max_batch < 1 or prefills_per_step < 1:
             raise ValueError("max_batch and prefills_per_step must be >= 1")
+        if prefill_chunk_tokens is not None and int(prefill_chunk_tokens) < 1:
+            raise ValueError("prefill_chunk_tokens must be >= 1 or None, got %r" % (prefill_chunk_tokens,))
+        self.prefill_chunk_tokens = None if prefill_chunk_tokens is None else int(prefill_chunk_tokens)
+        # The prompt being prefilled chunk by chunk: (request, its KvShadeCache, ids, next position).
+        self._prefilling = None
         hf_cache.enable(model)
         self.client, self.model, self.profile = client, model, profile
         if model_id is None:
@@ -303,7 +316,7 @@ class Generator:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._prefilling)
 
     def submit(self, prompt_ids, max_new_tokens: int, eos_token_id=None) -> Request:
         """Queues a request: prompt_ids [n] (list or tensor); returns its Request."""
@@ -329,16 +342,27 @@ class Generator:
         elif len(req.tokens) >= req.max_new_tokens:
             req.finish_reason = "length"
 
-    def _prefill(self, req):
-        """The prompt through kvshade (streamed to the daemon during the forward), its first
-        token picked; returns once the session is ready."""
+    def _prefill_begin(self, req):
+        """The request's prompt cache (its layers stream to the daemon during the prefill)."""
         ids = torch.tensor([req.prompt], dtype=torch.long, device=self.cache.device)
         kc = hf_cache.KvShadeCache(self.client, self.model, self.profile, prompt_ids=req.prompt,
                                    model_id=self.model_id, worker_id=self.worker_id, decode=None,
                                    **self.cache_kwargs)
+        return [req, kc, ids, 0]
+
+    def _prefill_advance(self, state):
+        """One prefill forward of the prompt in `state` (all of it, or its next chunk of
+        prefill_chunk_tokens); after the last one, its first token is picked and the session
+        is ready. Returns whether the prompt is done."""
+        req, kc, ids, at = state
+        n = ids.shape[1]
+        end = n if self.prefill_chunk_tokens is None else min(n, at + self.prefill_chunk_tokens)
         try:
             with torch.no_grad():
-                out = self.model(input_ids=ids, past_key_values=kc, use_cache=True, logits_to_keep=1)
+                out = self.model(input_ids=ids[:, at:end], past_key_values=kc, use_cache=True, logits_to_keep=1)
+            state[3] = end
+            if end < n:
+                return False
             token = self.sampler(out.logits[:, -1])[0]
             kc.wait_ready()
         except BaseException:
@@ -348,27 +372,37 @@ class Generator:
         req.reused_tokens = kc.created.reused_tokens
         kc.close()
         self._pick(req, token)
+        return True
 
     def step(self) -> List[Request]:
         """Admits waiting requests (prefill, first token, join), then one decode step of the
-        batch; returns the requests that finished in this step."""
+        batch; returns the requests that finished in this step. With prefill_chunk_tokens a
+        long prompt is prefilled over several steps, one chunk per prefill forward, so that
+        the running sequences keep decoding meanwhile."""
         finished = []
-        admitted = 0
-        while self.waiting and admitted < self.prefills_per_step and len(self.running) < self.max_batch:
-            req = self.waiting.pop(0)
-            admitted += 1
+        forwards = 0
+        while ((self._prefilling is not None or self.waiting) and forwards < self.prefills_per_step
+               and len(self.running) < self.max_batch):
+            if self._prefilling is None:
+                self._prefilling = self._prefill_begin(self.waiting.pop(0))
+            req = self._prefilling[0]
+            forwards += 1
             try:
-                self._prefill(req)
+                if not self._prefill_advance(self._prefilling):
+                    continue
+                self._prefilling = None
                 if not req.done:
                     self.cache.join(req.session_id)
             except KvShadeError as e:
                 # This request cannot be served (e.g. its session resolved another value
                 # codec than the batch's: value_codec "auto" picks by prompt length); the
                 # others go on.
+                self._prefilling = None
                 req.finish_reason, req.error = "error", e
             except BaseException as e:
                 # Anything else (e.g. the GPU out of memory in the prefill) stops the step;
                 # the request says why.
+                self._prefilling = None
                 req.finish_reason, req.error = "error", e
                 self._finish(req, None)
                 raise
@@ -403,6 +437,10 @@ class Generator:
         return out
 
     def close(self) -> None:
-        """Frees the batch (closing the running requests' sessions with close_sessions)."""
+        """Frees the batch (closing the running requests' sessions with close_sessions) and a
+        prompt still being prefilled (its session closed)."""
+        if self._prefilling is not None:
+            self._prefilling[1].close(close_session=True)
+            self._prefilling = None
         self.running.clear()
         self.cache.close(close_sessions=self.close_sessions)
