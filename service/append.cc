@@ -27,11 +27,6 @@ using storage::ArenaKind;
 
 constexpr int kMiniResidual = 128;  // MiniKV's R
 
-template <typename T>
-T* Ptr(const DeviceBlock& b) {
-  return static_cast<T*>(b.data());
-}
-
 // A new device block of `new_bytes` holding the first `used` bytes of `blk`.
 absl::StatusOr<DeviceBlock> Grown(EngineImpl& e, const DeviceBlock& blk, size_t used,
                                   size_t new_bytes, ArenaKind kind) {

@@ -354,8 +354,31 @@ CompactionPlan PlanCompaction(const Session& s);
 // The refusal of a select (or an export) over a session with more segments than that.
 absl::Status TooManySegmentsError(const std::string& session_id);
 
+// prefixes.cc: the longest reusable chain of registered segments for `tokens`
+// (CreateSession, LookupPrefix). With page_in, a matched segment whose values were spilled
+// is paged in before it is reused, so that one that cannot be read back ends the reuse.
+struct ReuseMatch {
+  std::vector<std::shared_ptr<const Segment>> chain;
+  std::vector<storage::SegmentRef> refs;
+  int64_t tokens = 0;
+  PrefixStop stop = PrefixStop::kAbsent;  // why the chain ends where it does
+  int64_t paged_in = 0;                   // segments of `chain` paged in by page_in
+};
+ReuseMatch FindReusable(EngineImpl& e, const storage::PrefixHasher& hasher, absl::Span<const int32_t> tokens,
+                        bool need_durable, bool page_in);
+// prefixes.cc: the host value store's reclaim hook: evicts the least recently used idle
+// cached prefix; false when there is none.
+bool EvictIdlePrefix(EngineImpl& e);
+// upkeep.cc: the Stats of one tenant.
+absl::StatusOr<v1::StatsResponse> TenantStats(EngineImpl& e, const Tenant& t);
+
 // Helpers shared by the .cc files.
 size_t Bf16Bytes(size_t elements);
+// A block's memory as T (device memory on a device backend: pass it to kernels, not to host code).
+template <typename T>
+T* Ptr(const DeviceBlock& b) {
+  return static_cast<T*>(b.data());
+}
 std::vector<int64_t> Positions(int64_t first, int64_t n);
 
 }  // namespace kvshade::service

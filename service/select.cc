@@ -151,11 +151,6 @@ class BatchLocks {
   std::vector<std::shared_lock<std::shared_mutex>> locks_;
 };
 
-template <typename T>
-T* Ptr(const DeviceBlock& b) {
-  return static_cast<T*>(b.data());
-}
-
 // One decode step's selection for a group of sessions that share the geometry, k and
 // options (the decode core's SelectionGroup), and the batch items it covers.
 struct SelectGroup : decode::SelectionGroup {

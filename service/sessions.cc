@@ -1,0 +1,354 @@
+// Session lifecycle: CreateSession (prefix reuse), LookupPrefix, ForkSession, GetSession,
+// ListSessions, CloseSession.
+#include "kvshade/service/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <numeric>
+#include <tuple>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "engine_impl.h"
+#include "status_util.h"
+#include "kvshade/service/log.h"
+#include "kvshade/kernels/pyramid.h"
+#include "kvshade/base/status_macros.h"
+
+namespace kvshade::service {
+
+// ---------------------------------------------------------------------------------------
+// Sessions
+
+absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
+    const Tenant& t, const v1::CreateSessionRequest& r) {
+  KVSHADE_RETURN_IF_ERROR(CheckNotDraining("CreateSession"));
+  if (!r.has_model()) return absl::InvalidArgumentError("model is required");
+  KVSHADE_ASSIGN_OR_RETURN(ModelInfo model, ResolveModel(r.model(), config_->limits));
+  if (r.token_ids().empty()) {
+    return absl::InvalidArgumentError("token_ids must not be empty (the prompt to cache)");
+  }
+  const absl::Span<const int32_t> tokens(r.token_ids().data(), r.token_ids().size());
+  KVSHADE_RETURN_IF_ERROR(ValidateTokens(tokens, 0, config_->limits, "token_ids"));
+  if (r.label().size() > 256) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("label must be <= 256 bytes, got ", r.label().size()));
+  }
+  KVSHADE_ASSIGN_OR_RETURN(ProfileInfo profile,
+                           ResolveProfile(r.profile(), config_->profile, model, tokens.size()));
+  if (!v1::AppendFsync_IsValid(r.append_fsync())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("append_fsync must be one of UNSPECIFIED, NO, EVERYSEC, ALWAYS, got ",
+                     static_cast<int>(r.append_fsync())));
+  }
+  if (r.durable() && !spill_) {
+    return absl::FailedPreconditionError(
+        "durable sessions need a spill tier, and this server has none (spill_path is empty)");
+  }
+
+  auto s = std::make_shared<Session>();
+  s->id = SessionManager::NewId();
+  s->tenant = t.name;
+  s->model = model;
+  s->profile = profile;
+  s->durable = r.durable();
+  s->append_fsync = ResolveAppendFsync(s->durable, r.append_fsync());
+  s->label = r.label();
+  s->prompt.assign(tokens.begin(), tokens.end());
+  s->created_unix_ms = sessions_.Now();
+  s->tail.resize(model.layers);
+  s->cache.resize(model.layers);
+  s->captured_energy.assign(model.layers, 0.0);
+  s->residual_energy.assign(model.layers, 0.0);
+  s->drift.assign(model.layers, 0.0);
+
+  // Prefix reuse: shadow and exact segments are content-addressed; mini keeps per-prompt
+  // budgets (fractions of the prompt length), so its segments are not reusable by others.
+  std::optional<PrefixStop> reuse_stop;  // no lookup for mini
+  if (profile.kind != v1::PROFILE_KIND_MINI) {
+    KVSHADE_ASSIGN_OR_RETURN(storage::PrefixHasher hasher, Hasher(t, model, profile));
+    ReuseMatch m = FindReusable(*this, hasher, tokens, s->durable, /*page_in=*/true);
+    ++prefix_lookups_;
+    if (m.tokens > 0) ++prefix_hits_;
+    sessions_.CountPrefixLookup(t.name, m.tokens > 0);
+    metrics_->PrefixLookup(m.stop, tokens.size(), m.tokens, m.chain.size() - m.paged_in,
+                           m.paged_in);
+    reuse_stop = m.stop;
+    s->chain = std::move(m.chain);
+    s->prefix_refs = std::move(m.refs);
+    s->reused_tokens = m.tokens;
+  }
+  if (profile.kind == v1::PROFILE_KIND_SHADOW && s->reused_tokens == 0 &&
+      tokens.size() < size_t(profile.local_window + profile.chunk_size)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "token_ids: a shadow session needs at least local_window + chunk_size = ",
+        profile.local_window + profile.chunk_size, " prompt tokens, got ", tokens.size(),
+        " (use the auto, mini or exact profile for short prompts)"));
+  }
+  if (profile.kind == v1::PROFILE_KIND_MINI) {
+    if (auto b = kernels::PyramidBudgets(model.layers, profile.mini_heavy_ratio); !b.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "profile.mini_heavy_ratio = ", profile.mini_heavy_ratio,
+          " gives an invalid pyramid over ", model.layers, " layers: ", b.status().message()));
+    }
+  }
+  s->tokens = s->reused_tokens;
+  if (s->reused_tokens == tokens.size()) s->state = SessionState::kReady;
+  KVSHADE_RETURN_IF_ERROR(sessions_.AddSession(s));
+  if (s->state == SessionState::kReady && s->durable) {
+    std::unique_lock lock(s->mu);
+    if (absl::Status st = PersistSession(*s); !st.ok()) {
+      lock.unlock();
+      sessions_.RemoveSession(t.name, s->id).IgnoreError();
+      return st;
+    }
+  }
+  UpdateGauges();
+
+  v1::CreateSessionResponse resp;
+  resp.set_session_id(s->id);
+  resp.set_reused_tokens(s->reused_tokens);
+  resp.set_effective_profile(profile.kind);
+  resp.set_tokens_to_ingest(tokens.size() - s->reused_tokens);
+  log::Event(spdlog::level::info, "session_created")
+      .Str("session", s->id)
+      .Str("tenant", t.name)
+      .Str("model", model.model_id)
+      .Str("profile", v1::ProfileKind_Name(profile.kind))
+      .Uint("tokens", tokens.size())
+      .Uint("reused_tokens", s->reused_tokens)
+      .Str("reuse_stop", reuse_stop ? PrefixStopName(*reuse_stop) : "none")
+      .Bool("durable", s->durable);
+  return resp;
+}
+
+absl::StatusOr<v1::LookupPrefixResponse> EngineImpl::LookupPrefix(
+    const Tenant& t, const v1::LookupPrefixRequest& r) {
+  if (!r.has_model()) return absl::InvalidArgumentError("model is required");
+  KVSHADE_ASSIGN_OR_RETURN(ModelInfo model, ResolveModel(r.model(), config_->limits));
+  const absl::Span<const int32_t> tokens(r.token_ids().data(), r.token_ids().size());
+  KVSHADE_RETURN_IF_ERROR(ValidateTokens(tokens, 0, config_->limits, "token_ids"));
+  KVSHADE_ASSIGN_OR_RETURN(ProfileInfo profile,
+                           ResolveProfile(r.profile(), config_->profile, model, tokens.size()));
+  v1::LookupPrefixResponse resp;
+  if (profile.kind == v1::PROFILE_KIND_MINI || tokens.empty()) return resp;
+  KVSHADE_ASSIGN_OR_RETURN(storage::PrefixHasher hasher, Hasher(t, model, profile));
+  ReuseMatch m = FindReusable(*this, hasher, tokens, /*need_durable=*/false, /*page_in=*/false);
+  ++prefix_lookups_;
+  if (m.tokens > 0) ++prefix_hits_;
+  sessions_.CountPrefixLookup(t.name, m.tokens > 0);
+  metrics_->PrefixProbe(m.tokens > 0);
+  resp.set_reusable_tokens(m.tokens);
+  resp.set_cached_segments(m.chain.size());
+  return resp;
+}
+
+absl::StatusOr<v1::ForkSessionResponse> EngineImpl::ForkSession(const Tenant& t,
+                                                                const v1::ForkSessionRequest& r) {
+  KVSHADE_RETURN_IF_ERROR(CheckNotDraining("ForkSession"));
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> parent,
+                           sessions_.FindSession(t.name, r.parent_session_id()));
+  KVSHADE_RETURN_IF_ERROR(CheckNotDamaged(*parent, "ForkSession"));
+  auto child = std::make_shared<Session>();
+  {
+    std::unique_lock lock(parent->mu);
+    if (parent->state != SessionState::kReady) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("session '", parent->id, "' is ", SessionStateName(parent->state),
+                       "; only a ready session can be forked"));
+    }
+    const uint64_t at = r.at_token();
+    std::vector<uint64_t> bounds;
+    uint64_t pos = 0;
+    for (const auto& seg : parent->chain) {
+      pos += seg->n_tokens;
+      bounds.push_back(pos);
+    }
+    size_t keep = parent->chain.size();
+    const bool at_end = at == parent->tokens;
+    if (!at_end) {
+      auto it = std::find(bounds.begin(), bounds.end(), at);
+      if (at == 0 || it == bounds.end()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "at_token must be a committed segment boundary (one of [", absl::StrJoin(bounds, ", "),
+            "]) or the end of the committed tokens (", parent->tokens, "), got ", at));
+      }
+      keep = size_t(it - bounds.begin()) + 1;
+    } else {
+      // Everything the parent has: its open segment is sealed so that both share it, merged
+      // with the parent's sealed appended segments as far as it takes to leave room for a
+      // later open segment in the kernels' view (append.cc "Compaction"). Only a chain of
+      // more segments that cannot merge than a session gets today (a durable session of a
+      // version that reused 6 cached segments) has no such room.
+      if (parent->open && parent->open->layers[0].n_chunks > 0 && !PlanCompaction(*parent).fits) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "forking session '", parent->id, "' at its end would give it more than ",
+            kernels::kMaxSegments, " segments: it holds ", PlanCompaction(*parent).fixed,
+            " segments that cannot merge (cached prefixes and its own ingested segment); fork "
+            "at a segment boundary or create a new session over the whole token list (its "
+            "cached prefix is reused)"));
+      }
+      KVSHADE_RETURN_IF_ERROR(SealOpen(*parent));
+      // A durable parent whose seal merged segments names them in its record: the record is
+      // written again (naming the merged one) before they may go.
+      if (!parent->retired.empty()) KVSHADE_RETURN_IF_ERROR(PersistSession(*parent));
+      keep = parent->chain.size();
+      child->tail = parent->tail;
+      child->appended_tokens = parent->appended_tokens;
+    }
+    child->id = SessionManager::NewId();
+    child->tenant = t.name;
+    child->model = parent->model;
+    child->profile = parent->profile;
+    child->durable = parent->durable;
+    child->append_fsync = parent->append_fsync;
+    child->label = parent->label;
+    child->prompt.assign(parent->prompt.begin(),
+                         parent->prompt.begin() + std::min<size_t>(at, parent->prompt.size()));
+    child->created_unix_ms = sessions_.Now();
+    child->chain.assign(parent->chain.begin(), parent->chain.begin() + keep);
+    child->tokens = at;
+    child->reused_tokens = at;
+    child->state = SessionState::kReady;
+    if (child->tail.empty()) child->tail.resize(child->model.layers);
+    child->cache.resize(child->model.layers);
+    child->captured_energy = parent->captured_energy;
+    child->residual_energy = parent->residual_energy;
+    child->drift.assign(child->model.layers, 0.0);
+  }
+  for (const auto& seg : child->chain) {
+    if (!seg->prefix_key) continue;
+    auto ref = prefix_.Acquire(seg->id);
+    if (ref.ok()) child->prefix_refs.push_back(std::move(ref).value());
+  }
+  KVSHADE_RETURN_IF_ERROR(sessions_.AddSession(child));
+  if (child->durable) {
+    std::unique_lock lock(child->mu);
+    if (absl::Status st = PersistSession(*child); !st.ok()) {
+      lock.unlock();
+      sessions_.RemoveSession(t.name, child->id).IgnoreError();
+      return st;
+    }
+  }
+  UpdateGauges();
+  v1::ForkSessionResponse resp;
+  resp.set_session_id(child->id);
+  resp.set_shared_tokens(child->tokens);
+  log::Event(spdlog::level::info, "session_forked")
+      .Str("session", child->id)
+      .Str("parent", r.parent_session_id())
+      .Str("tenant", t.name)
+      .Uint("shared_tokens", child->tokens);
+  return resp;
+}
+
+absl::StatusOr<v1::SessionInfo> EngineImpl::GetSession(const Tenant& t,
+                                                       const v1::GetSessionRequest& r) {
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, sessions_.FindSession(t.name, r.session_id()));
+  v1::SessionInfo info;
+  const int attachments = sessions_.AttachmentCount(*s);
+  std::shared_lock lock(s->mu);
+  info.set_session_id(s->id);
+  info.set_model_id(s->model.model_id);
+  info.set_profile(s->profile.kind);
+  info.set_tokens(s->tokens);
+  info.set_reused_tokens(s->reused_tokens);
+  info.set_attachments(static_cast<uint32_t>(attachments));
+  info.set_durable(s->durable);
+  info.set_append_fsync(s->append_fsync);
+  info.set_state(std::string(SessionStateName(s->state)));
+  if (s->damaged.load()) {
+    std::lock_guard<std::mutex> damage_lock(s->damage_mu);
+    info.set_state("damaged");
+    info.set_damaged(true);
+    info.set_damage(s->damage);
+    info.set_tokens_lost(s->tokens_lost);
+  }
+  // Its own segments: those past the prefix it reused from the cache (its own ingest's are
+  // registered as prefixes too, and still its own).
+  uint64_t gpu = 0, host = 0, pos = 0;
+  for (const auto& seg : s->chain) {
+    pos += seg->n_tokens;
+    if (seg->prefix_key && pos <= s->reused_tokens) continue;  // reused: another's
+    gpu += seg->DeviceBytes();
+    host += seg->HostBytes();
+  }
+  if (s->open) {
+    gpu += s->open->DeviceBytes();
+    host += s->open->HostBytes();
+  }
+  info.set_gpu_bytes(gpu);
+  info.set_host_bytes(host);
+  info.set_label(s->label);
+  info.set_layers_ingested(s->state == SessionState::kReady ? s->model.layers
+                                                            : s->layers_ingested.load());
+  info.set_value_codec(CodecToProto(s->profile.codec.codec));
+  if (r.include_selection()) FillSelectionHealth(s->selection, info.mutable_selection());
+  return info;
+}
+
+absl::StatusOr<v1::ListSessionsResponse> EngineImpl::ListSessions(const Tenant& t) {
+  SessionManager::UntouchedScope listing;  // listing keeps no session from idle expiry
+  v1::ListSessionsResponse resp;
+  for (const auto& s : sessions_.ListSessions(t.name)) {
+    v1::GetSessionRequest req;
+    req.set_session_id(s->id);
+    auto info = GetSession(t, req);
+    if (info.ok()) *resp.add_sessions() = std::move(info).value();
+  }
+  return resp;
+}
+
+absl::StatusOr<v1::CloseSessionResponse> EngineImpl::CloseSession(
+    const Tenant& t, const v1::CloseSessionRequest& r) {
+  // A durable session's record goes first, while the session is still registered: when the
+  // delete fails (a storage fault), the close answers its error and the session stays as
+  // it was, so that a restart never brings back a session whose close was acknowledged.
+  if (spill_) {
+    auto found = sessions_.FindSession(t.name, r.session_id());
+    if (found.ok() && (*found)->durable) {
+      Session& d = **found;
+      std::unique_lock lock(d.mu);
+      if (d.state != SessionState::kClosed) {
+        if (absl::Status st = DeleteDurableRecord(d); !st.ok()) {
+          return absl::Status(st.code(), absl::StrCat("CloseSession: session '", d.id,
+                                                      "' is durable and its record could not be "
+                                                      "deleted; it stays open (retry the close): ",
+                                                      st.message()));
+        }
+        // Nothing writes its record again (appends, commits and refactorizations check it).
+        d.state = SessionState::kClosed;
+      }
+    }
+  }
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
+                           sessions_.RemoveSession(t.name, r.session_id()));
+  std::vector<std::shared_ptr<const Segment>> chain;
+  std::shared_ptr<Segment> open;
+  std::vector<storage::SegmentRef> refs;
+  std::vector<std::shared_ptr<const Segment>> quarantined;
+  {
+    std::unique_lock lock(s->mu);
+    s->state = SessionState::kClosed;
+    quarantined.swap(s->quarantined);
+    chain.swap(s->chain);
+    open.swap(s->open);
+    refs.swap(s->prefix_refs);
+    s->tail.clear();
+    s->cache.clear();
+    s->refactor_keys.clear();
+  }
+  refs.clear();
+  chain.clear();
+  quarantined.clear();
+  open.reset();
+  UpdateGauges();
+  log::Event(spdlog::level::info, "session_closed").Str("session", s->id).Str("tenant", t.name);
+  return v1::CloseSessionResponse();
+}
+
+}  // namespace kvshade::service
