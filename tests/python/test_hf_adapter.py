@@ -428,9 +428,9 @@ class HfAdapterTest(unittest.TestCase):
     def test_chunked_prefill_equals_one_forward(self):
         # The prompt (all but its last token) prefilled in uneven chunks against the same
         # prompt in one forward: each chunk attends to the earlier ones exactly, so the last
-        # prompt token's logits agree within float summation order (the K/V are the same bf16
-        # values); the sessions are the same (exact: every key and value; both: greedy decode
-        # with the same logits, the prompt's last token its first step). Meanwhile the
+        # prompt token's logits agree within float summation order; the sessions hold the same
+        # K/V within bf16 rounding (exact: every key and value; both: greedy decode with the
+        # same tokens and logits, the prompt's last token its first step). Meanwhile the
         # earlier chunks' K/V are in host memory, and they are let go once the prompt is in.
         n, steps, chunk = 200, 6, 72
         model = tiny_llama(self.seed)
@@ -461,12 +461,20 @@ class HfAdapterTest(unittest.TestCase):
                 seqs = [self.generate(model, ids, c_, steps) for c_ in caches]
                 self.assertEqual(seqs[1][0].tolist(), seqs[0][0].tolist())
                 decode_err = max(rel_err(a, b) for a, b in zip(seqs[1][1], seqs[0][1]))
-                self.assertLess(decode_err, 1e-4)
+                self.assertLess(decode_err, 1e-3)
                 if name == "exact":
+                    # The chunks' forwards round in another order (GEMMs of other shapes, the
+                    # attention over other tiles), so an element may round to the neighbouring
+                    # bf16 value (on the H100: 4 of 25472 values of layer 1).
+                    flips = 0
                     for layer in range(LAYERS):
                         a, b = caches[0].hook._static[layer], caches[1].hook._static[layer]
-                        np.testing.assert_array_equal(b.tail_k, a.tail_k)
-                        np.testing.assert_array_equal(b.tail_v, a.tail_v)
+                        for got, want in ((b.tail_k, a.tail_k), (b.tail_v, a.tail_v)):
+                            diff = np.abs(got - want)
+                            self.assertTrue((diff <= np.abs(want) * 2.0 ** -7 + 2.0 ** -24).all(),
+                                            "layer %d: K/V differ by more than one bf16 step" % layer)
+                            flips += int((diff > 0).sum())
+                    self.assertLessEqual(flips, 2 * LAYERS * (n - 1) * H * D // 1000)
                 print("chunked prefill (%s): last prompt logits within %.3g of one forward, decode within %.3g"
                       % (name, err, decode_err))
                 for c_ in caches:
