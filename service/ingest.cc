@@ -31,17 +31,33 @@
 // the commit), naming the layer. On a device backend the parts go up on the stream's own
 // non-blocking device stream, so they do not queue behind the compression's kernels.
 //
+// Interleaved layers (chunked prefill: every layer's part for one chunk of tokens, then the
+// next chunk's): at most one incomplete layer holds device memory. A part of another layer
+// moves that layer's received rows to host memory (outside the device arena) and frees its
+// blocks; a layer on the host takes its later parts there, and goes up to freshly allocated
+// blocks only when its last part arrives (that part then lands on the device as in
+// sequential order). So such a stream still holds at most two layers of raw K/V in device
+// memory, the one compressing and the one arriving, with the other incomplete layers'
+// received rows in host memory, instead of the whole prompt's raw K/V on the device.
+// Layers sent one after another never take this path (no host copy, no extra copy).
+//
 // Copies: a part's tensors are decoded (checked) straight into the slice of the layer they
 // fill, never through a temporary; on a device backend a bf16 part is copied up unread
 // and its values are checked on the device. For the exact profile on a backend whose memory is host
 // memory (CPU), that slice is the segment's own block: keys are rotated part by part as
-// they arrive and the completed layer is handed over without another copy.
+// they arrive and the completed layer is handed over without another copy. A part of a
+// layer waiting in host memory is decoded (checked) into that host copy instead (or, from
+// the worker's GPU memory, copied down and its values checked there), and rotated there
+// in the exact profile on a host-memory backend, so the rows that go up at the end are in
+// the state the block's own rows would be.
 #include <algorithm>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
 #include <atomic>
+#include <memory>
 #include <mutex>
+#include <new>
 #include <numeric>
 #include <system_error>
 #include <optional>
@@ -55,6 +71,7 @@
 #include "kvshade/service/log.h"
 #include "kvshade/kernels/pyramid.h"
 #include "kvshade/kernels/shadow_layer.h"
+#include "kvshade/base/bf16.h"
 #include "kvshade/base/status_macros.h"
 
 namespace kvshade::service {
@@ -223,6 +240,10 @@ class IngestStreamImpl final : public Engine::IngestStream {
  private:
   struct LayerBuf {
     DeviceBlock kd, vd;       // [n, h, d] backend memory; kd is post-RoPE when direct_
+    // An incomplete layer that gave its blocks up to another layer's part (see "Overlap"):
+    // its rows [0, received) in plain host memory, [n, h, d] bf16 (k post-RoPE when
+    // direct_, like kd), until its last part arrives. Never set together with kd.
+    std::unique_ptr<std::byte[]> hk, hv;
     int received = 0;
     bool done = false;        // every part arrived (caller's thread)
     std::vector<bf16> qobs;   // [w, hq, d]
@@ -309,14 +330,40 @@ class IngestStreamImpl final : public Engine::IngestStream {
     // The part's slice of the layer (a failed part fails the stream, so a half-written slice
     // is never read).
     const size_t row = size_t(h) * d, off = size_t(b.received) * row, len = size_t(n_part) * row;
+    // At most one incomplete layer in device memory ("Overlap"): another one that holds
+    // blocks goes down to host memory first, which also makes room for this layer's.
+    if (device_partial_ >= 0 && device_partial_ != l) {
+      KVSHADE_RETURN_IF_ERROR(MoveToHost(device_partial_));
+    }
+    if (!b.kd && (!b.hk || completes)) {
+      KVSHADE_RETURN_IF_ERROR(AllocLayer(b, Bf16Bytes(size_t(n_) * row)));
+      // A layer that waited in host memory: its rows go up beside its last part.
+      if (b.hk) KVSHADE_RETURN_IF_ERROR(MoveToDevice(l));
+    }
+    // Only a layer that waits in host memory still has a host copy here (its part is not
+    // the last one).
+    const bool on_host = static_cast<bool>(b.hk);
+    device_partial_ = (on_host || completes) ? -1 : l;
+    bf16* const kbase = on_host ? reinterpret_cast<bf16*>(b.hk.get()) : static_cast<bf16*>(b.kd.data());
+    bf16* const vbase = on_host ? reinterpret_cast<bf16*>(b.hv.get()) : static_cast<bf16*>(b.vd.data());
+    const absl::Span<bf16> kdst(kbase + off, len);
+    const absl::Span<bf16> vdst(vbase + off, len);
+    std::optional<StageTimer> parts_timer(std::in_place, e_.metrics_, "ingest_parts");
     // Every part lands in the layer's backend-memory block: decoded in place on a host-space
     // backend, through a part-sized host staging copy on a device, and copied device to
-    // device when the worker shares its GPU memory (cuda_ipc).
-    if (!b.kd) KVSHADE_RETURN_IF_ERROR(AllocLayer(b, Bf16Bytes(size_t(n_) * row)));
-    const absl::Span<bf16> kdst(static_cast<bf16*>(b.kd.data()) + off, len);
-    const absl::Span<bf16> vdst(static_cast<bf16*>(b.vd.data()) + off, len);
-    std::optional<StageTimer> parts_timer(std::in_place, e_.metrics_, "ingest_parts");
-    if (peer != nullptr) {
+    // device when the worker shares its GPU memory (cuda_ipc). A part of a layer waiting in
+    // host memory lands in its host copy: decoded there, or copied down from the worker's
+    // GPU memory and checked on the host (nothing checks those rows on the device later).
+    if (on_host) {
+      if (peer != nullptr) {
+        KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->k(), shape, absl::StrCat(name, " k"), kdst, &peers_));
+        KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->v(), shape, absl::StrCat(name, " v"), vdst, &peers_));
+        KVSHADE_RETURN_IF_ERROR(CheckFiniteOnHost(name, kdst, vdst));
+      } else {
+        KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.k, shape, model.dtype, absl::StrCat(name, " k"), kdst));
+        KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v, shape, model.dtype, absl::StrCat(name, " v"), vdst));
+      }
+    } else if (peer != nullptr) {
       // Same node: the part is in the worker's GPU memory (service/README.md "Ingest").
       KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->k(), shape, absl::StrCat(name, " k"), kdst, &peers_));
       KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->v(), shape, absl::StrCat(name, " v"), vdst, &peers_));
@@ -338,7 +385,8 @@ class IngestStreamImpl final : public Engine::IngestStream {
     parts_timer.reset();  // placed; RoPE and the hand-over are timed on their own
     if (direct_) {
       // Rotated now, while the part is fresh in cache; RoPE is per token, so part by part
-      // equals the whole layer at once. The backend's memory is host memory here.
+      // equals the whole layer at once. The backend's memory is host memory here, so the
+      // same holds for a part in a layer's host copy (its rows go up rotated).
       StageTimer timer(e_.metrics_, "ingest_rope");
       const std::vector<int64_t> pos = Positions(first_ + b.received, n_part);
       KVSHADE_RETURN_IF_ERROR(e_.backend_->ApplyRope(model.rope, pos, h, d, kdst));
@@ -390,6 +438,67 @@ class IngestStreamImpl final : public Engine::IngestStream {
       // layer, not per part).
       StageTimer timer(e_.metrics_, "ingest_wait");
       KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
+    }
+    return absl::OkStatus();
+  }
+
+  // Moves incomplete layer l's received rows from its blocks to a host copy of the layer
+  // and frees the blocks (see "Overlap": another layer's part arrived). The part uploads
+  // on upload_ (and, direct_, the rotation) are done before the rows are read.
+  absl::Status MoveToHost(int l) {
+    LayerBuf& b = bufs_[l];
+    StageTimer timer(e_.metrics_, "ingest_parts");
+    const size_t row = size_t(s_->model.shape.h) * s_->model.shape.d;
+    const size_t layer_bytes = Bf16Bytes(size_t(n_) * row), bytes = Bf16Bytes(size_t(b.received) * row);
+    // Host memory for every row, so that the later parts land there and the layer goes up
+    // in one copy; uninitialized, since only received rows are ever read.
+    b.hk.reset(new (std::nothrow) std::byte[layer_bytes]);
+    if (b.hk) b.hv.reset(new (std::nothrow) std::byte[layer_bytes]);
+    if (!b.hv) {
+      b.hk.reset();
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "layer ", l, ": no host memory (", 2 * layer_bytes, " bytes) to hold its ", b.received,
+          " received tokens while another layer's parts arrive"));
+    }
+    KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize(upload_));
+    absl::Status st = e_.backend_->CopyToHost(b.hk.get(), b.kd.data(), bytes, upload_);
+    if (st.ok()) st = e_.backend_->CopyToHost(b.hv.get(), b.vd.data(), bytes, upload_);
+    // Nothing may still read the blocks once they are freed, an error included.
+    absl::Status sync = e_.backend_->Synchronize(upload_);
+    if (st.ok()) st = sync;
+    KVSHADE_RETURN_IF_ERROR(st);
+    b.kd = DeviceBlock();
+    b.vd = DeviceBlock();
+    device_partial_ = -1;
+    return absl::OkStatus();
+  }
+
+  // Copies the received rows of layer l's host copy into its new blocks (AllocLayer) and
+  // frees the host copy. Those rows were checked when they arrived (decoded on the host,
+  // or peer rows checked on the host), so they are not checked again.
+  absl::Status MoveToDevice(int l) {
+    LayerBuf& b = bufs_[l];
+    StageTimer timer(e_.metrics_, "ingest_parts");
+    const size_t bytes = Bf16Bytes(size_t(b.received) * s_->model.shape.h * s_->model.shape.d);
+    absl::Status st = e_.backend_->CopyFromHost(b.kd.data(), b.hk.get(), bytes, upload_);
+    if (st.ok()) st = e_.backend_->CopyFromHost(b.vd.data(), b.hv.get(), bytes, upload_);
+    // The host copy is freed only once the copies have read it, an error included.
+    absl::Status sync = e_.backend_->Synchronize(upload_);
+    if (st.ok()) st = sync;
+    KVSHADE_RETURN_IF_ERROR(st);
+    b.hk.reset();
+    b.hv.reset();
+    return absl::OkStatus();
+  }
+
+  // Peer rows that landed in a layer's host copy were not read on the way: every value must
+  // be finite, as CheckFiniteOnDevice requires of the rows that land on the device.
+  static absl::Status CheckFiniteOnHost(const std::string& name, absl::Span<const bf16> k,
+                                        absl::Span<const bf16> v) {
+    for (const auto& [x, what] : {std::pair{k, " k"}, std::pair{v, " v"}}) {
+      const size_t bad =
+          base::FirstNonFiniteBf16Bits(reinterpret_cast<const uint16_t*>(x.data()), x.size());
+      if (bad < x.size()) return NonFiniteError(absl::StrCat(name, what), bad);
     }
     return absl::OkStatus();
   }
@@ -989,6 +1098,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
   kernels::Stream upload_;       // device backends: this stream's parts go up on it
   bool upload_created_ = false;
   bool direct_ = false;  // exact profile on a host-memory backend: parts land in the segment
+  int device_partial_ = -1;  // the incomplete layer that holds blocks, if any (caller's thread)
   v1::IngestResponse resp_;
   // The compression thread and what it shares with the caller's thread (under cmu_).
   std::thread compressor_;

@@ -1,19 +1,63 @@
 // Ingest per profile: what a committed session holds and how closely Attend over it
 // matches exact attention over the same tokens.
+#include <malloc.h>
+
 #include <algorithm>
 #include <cstring>
 #include <iostream>
 #include <map>
 #include <numeric>
+#include <optional>
 #include <string>
 
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
 namespace {
 
 constexpr int kG = 2;  // query heads per KV head of TestModel()
+
+// The tokens [from, to) of `s` as an ingest stream in the order a chunked prefill sends
+// them: for each chunk of `chunk` tokens (the last one may be shorter) every layer's part
+// for that chunk, layer 0 to L-1, then the next chunk's. So every layer is incomplete until
+// the last chunk, whose parts are their layers' last (with the observation queries, if
+// any: [w, hq, d] per layer). Committed.
+std::vector<v1::IngestRequest> ChunkedIngestStreamOf(const std::string& session_id, const Stream& s,
+                                                     int from, int to, int chunk,
+                                                     const std::vector<std::vector<bf16>>* qobs = nullptr,
+                                                     int w = 0) {
+  std::vector<v1::IngestRequest> out;
+  v1::IngestRequest hdr;
+  hdr.mutable_header()->set_session_id(session_id);
+  out.push_back(hdr);
+  const size_t tok = size_t(s.h) * s.d;
+  const int n = to - from;
+  for (int a = 0; a < n; a += chunk) {
+    const int b = std::min(n, a + chunk);
+    for (int l = 0; l < s.L; ++l) {
+      v1::IngestRequest r;
+      v1::IngestLayer* il = r.mutable_layer();
+      il->set_layer(l);
+      il->set_token_offset(a);
+      std::vector<bf16> k(s.k[l].begin() + (from + a) * tok, s.k[l].begin() + (from + b) * tok);
+      std::vector<bf16> v(s.v[l].begin() + (from + a) * tok, s.v[l].begin() + (from + b) * tok);
+      *il->mutable_k() = ToTensor(k, {b - a, s.h, s.d});
+      *il->mutable_v() = ToTensor(v, {b - a, s.h, s.d});
+      il->set_last_part(b == n);
+      if (b == n && qobs != nullptr) {
+        *il->mutable_observation_queries() =
+            ToTensor((*qobs)[l], {w, int64_t((*qobs)[l].size() / (size_t(w) * s.d)), s.d});
+      }
+      out.push_back(r);
+    }
+  }
+  v1::IngestRequest c;
+  c.mutable_commit();
+  out.push_back(c);
+  return out;
+}
 
 TEST(IngestTest, ExactProfileAttendMatchesReference) {
   Harness hx;
@@ -532,6 +576,56 @@ TEST(IngestTest, LayerPartsAsViewsGiveTheSameSessionAsLayerMessages) {
   EXPECT_EQ((*sc)->Add(cm[1]).code(), absl::StatusCode::kFailedPrecondition);  // the stream failed
 }
 
+// A chunked prefill's order (every layer incomplete until the last chunk, so all but one
+// wait in host memory: "Overlap" in service/ingest.cc) gives the session that the same K/V
+// sent layer by layer gives, bit for bit: the same IngestResponse, and on every layer the
+// same static set, Attend output and Select delta. Per profile: shadow, exact (on this
+// host-memory backend its keys are rotated part by part, in a layer's host copy too) and
+// mini; observation queries come with the final parts. 400 tokens over 4 layers, in
+// chunks of 96 (the last one 16).
+TEST(IngestTest, AChunkedPrefillGivesTheSameSessionAsLayerByLayer) {
+  const int n = 400, chunk = 96;
+  for (const v1::ProfileKind kind :
+       {v1::PROFILE_KIND_SHADOW, v1::PROFILE_KIND_EXACT, v1::PROFILE_KIND_MINI}) {
+    SCOPED_TRACE(v1::ProfileKind_Name(kind));
+    Harness hx;
+    hx.model = TestModel(4);
+    Stream s = MakeStream(n, hx.model, 31);
+    std::vector<std::vector<bf16>> qobs;  // one observation query per layer (w = 1)
+    for (int l = 0; l < s.L; ++l) qobs.push_back(hx.Query(60 + l));
+    v1::CreateSessionRequest cr;
+    *cr.mutable_model() = hx.model;
+    *cr.mutable_profile() = kind == v1::PROFILE_KIND_SHADOW ? SmallShadowProfile() : ProfileOf(kind);
+    cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+    // Both created before either is committed: no prefix reuse between them.
+    auto a = hx.engine->CreateSession(hx.tenant, cr);
+    auto b = hx.engine->CreateSession(hx.tenant, cr);
+    ASSERT_TRUE(a.ok() && b.ok());
+    ASSERT_EQ(a->effective_profile(), kind);
+    auto ra = hx.engine->Ingest(hx.tenant, IngestStreamOf(a->session_id(), s, 0, n, &qobs, 1));
+    ASSERT_TRUE(ra.ok()) << ra.status();
+    auto rb = hx.engine->Ingest(hx.tenant, ChunkedIngestStreamOf(b->session_id(), s, 0, n, chunk, &qobs, 1));
+    ASSERT_TRUE(rb.ok()) << rb.status();
+    EXPECT_EQ(ra->SerializeAsString(), rb->SerializeAsString());
+
+    const std::string att_a = hx.AttachTo(a->session_id()), att_b = hx.AttachTo(b->session_id());
+    for (int l = 0; l < s.L; ++l) {
+      SCOPED_TRACE(absl::StrCat("layer ", l));
+      EXPECT_EQ(hx.StaticSet(att_a, l).SerializeAsString(), hx.StaticSet(att_b, l).SerializeAsString());
+      const std::vector<bf16> q = hx.Query(70 + l);
+      auto oa = hx.Attend(att_a, l, q), ob = hx.Attend(att_b, l, q);
+      ASSERT_TRUE(oa.ok() && ob.ok()) << oa.status() << " " << ob.status();
+      ASSERT_EQ(oa->size(), ob->size());
+      EXPECT_EQ(std::memcmp(oa->data(), ob->data(), oa->size() * sizeof(float)), 0);
+      auto da = hx.Select(att_a, l, q), db = hx.Select(att_b, l, q);
+      ASSERT_TRUE(da.ok() && db.ok()) << da.status() << " " << db.status();
+      da->clear_attachment_id();
+      db->clear_attachment_id();
+      EXPECT_EQ(da->SerializeAsString(), db->SerializeAsString());
+    }
+  }
+}
+
 // A layer message whose tensor has more dimensions than a view holds is refused with the
 // shape it sent.
 TEST(IngestTest, AFiveDimensionalLayerTensorIsRefusedNamingItsShape) {
@@ -664,39 +758,85 @@ double TierTotal(Harness& hx, const std::string& tier) {
   return -1;
 }
 
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define KVSHADE_TEST_SANITIZED 1
+#endif
+#endif
+
+// Bytes the process's allocator has handed out and not taken back (glibc: the main
+// arena's chunks in use plus mmapped ones; the calling thread allocates from the main arena
+// when it is the main thread), or nothing where that is not known: other C libraries, and
+// sanitizer builds, whose allocator replaces malloc's.
+std::optional<size_t> HeapBytesInUse() {
+#if defined(__GLIBC__) && !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__) && \
+    !defined(KVSHADE_TEST_SANITIZED)
+  const struct mallinfo2 mi = mallinfo2();
+  return mi.uordblks + mi.hblkhd;
+#else
+  return std::nullopt;
+#endif
+}
+
 TEST(IngestTest, AStreamDroppedAtAnyPartLeavesNoBytesBehind) {
   // Issue: an ingest cancelled at any layer leaves nothing behind. For every cut point
   // (after the header, after each layer part, after the commit of a stream that never
   // ends) the dropped stream leaves the session ingesting with 0 tokens and the device
-  // and host tiers exactly as before it; then the whole stream still commits.
+  // and host tiers exactly as before it; then the whole stream still commits. Both orders
+  // of the parts: layer by layer, and a chunked prefill's (every layer incomplete until the
+  // last chunk), whose incomplete layers wait in host memory outside the tiers: those host
+  // copies go with the stream too (measured where the allocator tells, see HeapBytesInUse).
   Harness hx;
   Stream s = MakeStream(512, hx.model, 12);
   auto c = CreateShadow(hx, s);
   ASSERT_TRUE(c.ok()) << c.status();
-  const auto msgs = IngestStreamOf(c->session_id(), s, 0, 512);
-  ASSERT_GE(msgs.size(), 4u);  // header, at least one part per layer, commit
+  const auto layer_by_layer = IngestStreamOf(c->session_id(), s, 0, 512);
+  const auto chunked = ChunkedIngestStreamOf(c->session_id(), s, 0, 512, 128);
+  ASSERT_GE(layer_by_layer.size(), 4u);  // header, at least one part per layer, commit
+  ASSERT_EQ(chunked.size(), 2u + 4 * 2);  // header, 4 chunks of 2 layers, commit
+  // One layer's K and V in host memory: 512 tokens x h x d bf16, twice.
+  const size_t host_copy = 2 * size_t(512) * hx.model.num_kv_heads() * hx.model.head_dim() * sizeof(bf16);
   const double device0 = TierTotal(hx, "device"), host0 = TierTotal(hx, "host");
   v1::GetSessionRequest gr;
   gr.set_session_id(c->session_id());
-  bool held_bytes_while_open = false;
-  for (size_t cut = 1; cut <= msgs.size(); ++cut) {
-    {
-      auto st = hx.engine->BeginIngest(hx.tenant, msgs[0]);
-      ASSERT_TRUE(st.ok()) << "cut " << cut << ": " << st.status();
-      for (size_t i = 1; i < cut; ++i) ASSERT_TRUE((*st)->Add(msgs[i]).ok()) << cut << " " << i;
-      // While open, the layers compressed so far hold memory (so the check below has
-      // something to find when a dropped stream leaks).
-      held_bytes_while_open |= TierTotal(hx, "device") > device0;
-    }  // dropped without an end
-    auto info = hx.engine->GetSession(hx.tenant, gr);
-    ASSERT_TRUE(info.ok()) << info.status();
-    EXPECT_EQ(info->state(), "ingesting") << "cut " << cut;
-    EXPECT_EQ(info->tokens(), 0u) << "cut " << cut;
-    EXPECT_EQ(TierTotal(hx, "device"), device0) << "cut " << cut;
-    EXPECT_EQ(TierTotal(hx, "host"), host0) << "cut " << cut;
+  // The heap is compared from the second whole stream of each order on: the first
+  // layer-by-layer one leaves allocations that the process keeps for good (about 270 KiB
+  // here) and that no later stream repeats.
+  for (const auto* msgs : {&layer_by_layer, &chunked}) {
+    auto st = hx.engine->BeginIngest(hx.tenant, (*msgs)[0]);
+    ASSERT_TRUE(st.ok()) << st.status();
+    for (size_t i = 1; i < msgs->size(); ++i) ASSERT_TRUE((*st)->Add((*msgs)[i]).ok()) << i;
   }
-  EXPECT_TRUE(held_bytes_while_open);
-  auto ing = hx.engine->Ingest(hx.tenant, msgs);
+  for (const auto* msgs : {&layer_by_layer, &chunked}) {
+    const bool is_chunked = msgs == &chunked;
+    SCOPED_TRACE(is_chunked ? "chunked" : "layer by layer");
+    bool held_bytes_while_open = false, held_host_copy_while_open = false;
+    for (size_t cut = 1; cut <= msgs->size(); ++cut) {
+      const std::optional<size_t> heap0 = HeapBytesInUse();
+      {
+        auto st = hx.engine->BeginIngest(hx.tenant, (*msgs)[0]);
+        ASSERT_TRUE(st.ok()) << "cut " << cut << ": " << st.status();
+        for (size_t i = 1; i < cut; ++i) ASSERT_TRUE((*st)->Add((*msgs)[i]).ok()) << cut << " " << i;
+        // While open, the layers compressed so far hold memory (so the check below has
+        // something to find when a dropped stream leaks), and so do the host copies of
+        // a chunked stream's incomplete layers.
+        held_bytes_while_open |= TierTotal(hx, "device") > device0;
+        if (heap0) held_host_copy_while_open |= *HeapBytesInUse() >= *heap0 + host_copy;
+      }  // dropped without an end
+      auto info = hx.engine->GetSession(hx.tenant, gr);
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->state(), "ingesting") << "cut " << cut;
+      EXPECT_EQ(info->tokens(), 0u) << "cut " << cut;
+      EXPECT_EQ(TierTotal(hx, "device"), device0) << "cut " << cut;
+      EXPECT_EQ(TierTotal(hx, "host"), host0) << "cut " << cut;
+      // (A quarter of one layer's host copy: anything the process keeps on the way is far
+      // smaller.)
+      if (heap0) EXPECT_LT(*HeapBytesInUse(), *heap0 + host_copy / 4) << "cut " << cut;
+    }
+    EXPECT_TRUE(held_bytes_while_open);
+    if (is_chunked && HeapBytesInUse()) EXPECT_TRUE(held_host_copy_while_open);
+  }
+  auto ing = hx.engine->Ingest(hx.tenant, chunked);
   ASSERT_TRUE(ing.ok()) << ing.status();
   EXPECT_EQ(ing->tokens(), 512u);
   EXPECT_GT(TierTotal(hx, "device"), device0);
@@ -790,6 +930,65 @@ TEST(IngestTest, ABudgetForOneLayerAtATimeStillIngests) {
       << kept << " bytes (raw K of a layer: " << u << ")";
   // (Overlapping without the wait needs two more raw tensors: the bound above is below that.)
   EXPECT_LT(kept + double(u / 8), 2.0 * u);
+}
+
+// A chunked prefill (every layer incomplete until the last chunk) holds at most one
+// incomplete layer's raw K/V in the device arena: the others' rows wait in host memory,
+// and go up one layer at a time as the last chunk completes them, as in layer-by-layer
+// order. So it ingests in a device budget of what its compressed layers keep plus a few
+// layers' raw K/V, far below the whole prompt's raw K/V (what the arena would hold if
+// every layer kept its blocks from its first part on). Measured between parts before the
+// last chunk, the arena holds at most one layer's raw K and V beyond what it held at the
+// start.
+TEST(IngestTest, AChunkedPrefillHoldsOneIncompleteLayerInDeviceMemory) {
+  const int n = 1024, L = 16, chunk = 256;
+  const v1::Profile p = SmallShadowProfile();
+  const size_t u = [&] { Harness h0; return RawTensorBytes(h0, n); }();
+  // What one compressed layer keeps on the device.
+  const double kept = [&] {
+    Harness h1;
+    h1.model = TestModel(1);
+    const double d0 = TierTotal(h1, "device");
+    h1.Open(MakeStream(n, h1.model, 41), p);
+    return TierTotal(h1, "device") - d0;
+  }();
+  ASSERT_GT(kept, 0.0);
+  Harness hx;
+  hx.model = TestModel(L);
+  // Every compressed layer plus four layers' raw K/V: the layer that completes, the one
+  // compressing and the compression's working memory. (This prompt ingests, in this order
+  // and layer by layer alike, with 2.5 to 3.5 layers' raw K/V above what the compressed
+  // layers keep, depending on the compression thread's timing, which shapes the arena's
+  // free ranges.)
+  const size_t budget = size_t(L * kept) + 8 * u;
+  ASSERT_LT(budget, 2 * u * L) << "the whole prompt's raw K/V fits; the test shows nothing";
+  hx.config.device_budget_bytes = budget;
+  hx.Restart();
+  Stream s = MakeStream(n, hx.model, 42);
+  v1::CreateSessionRequest cr;
+  *cr.mutable_model() = hx.model;
+  *cr.mutable_profile() = p;
+  cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+  auto c = hx.engine->CreateSession(hx.tenant, cr);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const auto msgs = ChunkedIngestStreamOf(c->session_id(), s, 0, n, chunk);
+  ASSERT_EQ(msgs.size(), size_t(2 + n / chunk * L));
+  const double device0 = TierTotal(hx, "device");
+  auto st = hx.engine->BeginIngest(hx.tenant, msgs[0]);
+  ASSERT_TRUE(st.ok()) << st.status();
+  double most = 0;  // beyond device0, after any part before the last chunk
+  for (size_t i = 1; i < msgs.size(); ++i) {
+    const absl::Status added = (*st)->Add(msgs[i]);
+    ASSERT_TRUE(added.ok()) << "message " << i << ": " << added;
+    if (i <= size_t(n / chunk - 1) * L) most = std::max(most, TierTotal(hx, "device") - device0);
+  }
+  auto r = (*st)->Finish();
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->tokens(), uint64_t(n));
+  EXPECT_EQ(most, 2.0 * u) << "raw K of a layer: " << u << " bytes";
+  std::cout << "chunked prefill of " << L << " layers x " << n << " tokens: budget " << budget
+            << " bytes (" << double(budget) / u << " raw tensors of a layer; the prompt's raw K/V: "
+            << 2 * L << "), one compressed layer keeps " << kept << "\n";
 }
 
 }  // namespace
