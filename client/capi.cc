@@ -487,6 +487,7 @@ int kvshade_get_session(kvshade_client* c, const char* session_id, kvshade_sessi
     out->damaged = r->damaged() ? 1 : 0;
     CopyId(r->damage(), out->damage, sizeof(out->damage));
     out->tokens_lost = r->tokens_lost();
+    out->ingest_parts_taken = r->ingest_parts_taken();
     return Report(absl::OkStatus());
   });
 }

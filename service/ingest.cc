@@ -183,6 +183,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
       }
     }
     s_->layers_ingested = 0;
+    s_->ingest_parts_taken = 0;
     s_->ingest_active = false;
   }
 
@@ -393,6 +394,9 @@ class IngestStreamImpl final : public Engine::IngestStream {
       KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
     }
     b.received += static_cast<int>(n_part);
+    // The part has been read from where it was (a peer's GPU memory included: its copies
+    // are synchronized above): GetSession's ingest_parts_taken lets the worker free it.
+    ++s_->ingest_parts_taken;
     if (!completes) return absl::OkStatus();
     b.done = true;
     return HandToCompressor(l);

@@ -286,6 +286,7 @@ absl::StatusOr<v1::SessionInfo> EngineImpl::GetSession(const Tenant& t,
   info.set_label(s->label);
   info.set_layers_ingested(s->state == SessionState::kReady ? s->model.layers
                                                             : s->layers_ingested.load());
+  info.set_ingest_parts_taken(s->ingest_parts_taken.load());
   info.set_value_codec(CodecToProto(s->profile.codec.codec));
   if (r.include_selection()) FillSelectionHealth(s->selection, info.mutable_selection());
   return info;

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 import numpy as np
@@ -277,7 +278,15 @@ class ClientTest(unittest.TestCase):
                     for a, b in zip(cuts, cuts[1:]):
                         for l in range(L):
                             ing.layer(l, k[l, a:b], v[l, a:b], token_offset=a, last_part=b == n)
+                    # GetSession counts the parts the open stream has placed (a worker frees
+                    # a part sent from its GPU once counted).
+                    deadline = time.monotonic() + 30
+                    while self.c.get_session(created.session_id)["ingest_parts_taken"] < 3 * L:
+                        self.assertLess(time.monotonic(), deadline)
+                        time.sleep(0.01)
+                    self.assertEqual(self.c.get_session(created.session_id)["ingest_parts_taken"], 3 * L)
                 self.assertEqual(ing.commit(), n)
+                self.assertEqual(self.c.get_session(created.session_id)["ingest_parts_taken"], 0)
             ids.append(created.session_id)
         info = [self.c.get_session(i) for i in ids]
         self.assertEqual(info[0]["gpu_bytes"], info[1]["gpu_bytes"])

@@ -34,12 +34,13 @@ extern "C" {
 #define KVSHADE_API
 #endif
 
-#define KVSHADE_ABI_VERSION 5 /* 2: UCX options and status, attachment data-plane fields;
+#define KVSHADE_ABI_VERSION 6 /* 2: UCX options and status, attachment data-plane fields;
                                  3: profile selection options, ucx_busy_poll_us, slot delta
                                  fallback and tokens, the _ex decode calls;
                                  4: slot delta positions, static set positions, held
                                  staging (kvshade_new_tokens.hold, kvshade_commit_staged);
-                                 5: kvshade_profile.key_signature_bits */
+                                 5: kvshade_profile.key_signature_bits;
+                                 6: kvshade_session_info.ingest_parts_taken */
 #define KVSHADE_ID_CAP 128
 
 typedef enum kvshade_code {
@@ -198,6 +199,9 @@ typedef struct kvshade_session_info {
   int32_t damaged;
   char damage[512];
   uint64_t tokens_lost;
+  /* Parts the open Ingest stream has placed (0 when none is open): a part sent from this
+   * process's GPU memory (kvshade_ingest_layer_part_cuda_ipc) may be freed once counted. */
+  uint64_t ingest_parts_taken;
 } kvshade_session_info;
 
 KVSHADE_API int kvshade_create_session(kvshade_client* client, const kvshade_model* model,

@@ -11,7 +11,7 @@ import ctypes
 import glob
 import os
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 ID_CAP = 128
 
 _c_char_p = ctypes.c_char_p
@@ -59,7 +59,7 @@ class SessionInfo(ctypes.Structure):
                 ("profile", _i32), ("durable", _i32), ("attachments", _u32),
                 ("layers_ingested", _u32), ("tokens", _u64), ("reused_tokens", _u64),
                 ("gpu_bytes", _u64), ("host_bytes", _u64), ("damaged", _i32),
-                ("damage", ctypes.c_char * 512), ("tokens_lost", _u64)]
+                ("damage", ctypes.c_char * 512), ("tokens_lost", _u64), ("ingest_parts_taken", _u64)]
 
 
 class LayerSelection(ctypes.Structure):

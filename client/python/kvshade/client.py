@@ -387,22 +387,24 @@ class Ingest(_NativeHandle):
         return sum(2 * k.numel() * k.element_size() for k, _ in self._keep[self._released:])
 
     def release_taken(self, max_held_bytes: Optional[int] = None, timeout: float = 600.0) -> int:
-        """Drops this stream's references to the layer_cuda tensors the daemon has finished
-        with (a layer counts once the daemon has compressed it: it read the whole layer long
-        before), so that their GPU memory can be reused before the commit. With
-        max_held_bytes, waits until at most that many bytes (at least the newest layer)
+        """Drops this stream's references to the layer_cuda tensors the daemon has read (each
+        layer_cuda call is one part; GetSession's ingest_parts_taken counts the parts the
+        daemon has placed, in the order sent; a daemon without that count: its compressed
+        layers, one part each), so that their GPU memory can be reused before the commit.
+        With max_held_bytes, waits until at most that many bytes (at least the newest part)
         are still held; an ingest that stops making progress for `timeout` seconds, or a
-        session that is no longer ingesting, raises. Returns the layers released so far."""
+        session that is no longer ingesting, raises. Returns the parts released so far."""
         import time
         deadline = time.monotonic() + timeout
         pause = 0.0005
         while True:
             info = self._client.get_session(self._session_id)
-            if info["state"] == "ingesting" and int(info["layers_ingested"]) < self._released:
+            taken = int(info.get("ingest_parts_taken", 0)) or int(info["layers_ingested"])
+            if info["state"] == "ingesting" and taken < self._released:
                 # The daemon resets the count when a stream ends without a commit.
-                raise FailedPrecondition("the daemon ended the ingest stream of session %s after %d layers "
+                raise FailedPrecondition("the daemon ended the ingest stream of session %s after %d parts "
                                          "(commit() reports why)" % (self._session_id, self._released))
-            done = min(int(info["layers_ingested"]), len(self._keep))
+            done = min(taken, len(self._keep))
             if done > self._released:
                 for i in range(self._released, done):
                     self._keep[i] = None
@@ -638,7 +640,7 @@ class Client(_NativeHandle):
                 "attachments": i.attachments, "layers_ingested": i.layers_ingested, "tokens": i.tokens,
                 "reused_tokens": i.reused_tokens, "gpu_bytes": i.gpu_bytes, "host_bytes": i.host_bytes,
                 "damaged": bool(i.damaged), "damage": i.damage.decode(errors="replace"),
-                "tokens_lost": i.tokens_lost}
+                "tokens_lost": i.tokens_lost, "ingest_parts_taken": i.ingest_parts_taken}
 
     def session_selection(self, session_id: str) -> List[Dict[str, Any]]:
         """The recall guard's figures of a session, per layer with sampled decode steps

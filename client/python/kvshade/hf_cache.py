@@ -42,7 +42,8 @@ Contract and limits:
     Chunked prefill: with prompt_ids naming the whole prompt, the prompt may come in several
     forwards of consecutive tokens (or KvShadeCache.prefill(model, chunk_tokens)); each
     chunk attends to the earlier ones exactly, whose K/V wait in host memory, and each
-    chunk's part of every layer goes to the daemon from host memory as it is computed.
+    chunk's part of every layer goes to the daemon as it is computed (from the GPU on the
+    same node, else from host memory).
     Not supported, refused with an error: padded batches, a second multi-token forward
     after the prompt (a new turn: make a new KvShadeCache over the whole conversation, the
     cached prefix is reused), beam search, assisted/speculative decoding
@@ -1028,30 +1029,66 @@ class KvShadeCache(Cache):
         return total
 
     def _update_chunk(self, layer_obj, k, v, pk, pv, start, total):
-        """One layer of one chunk of a chunked prefill. The chunk's part goes to the daemon from
-        host memory (the host path: the parts of every layer interleave, and each must be
-        copied out before the chunk's GPU memory is reused); its exact K/V go to host memory
-        for the later chunks; the model attends over the earlier chunks' exact K/V, brought
-        back to the GPU one layer ahead, then this chunk's: never the whole prompt's K/V on
-        the GPU, only this layer's and the next one's."""
+        """One layer of one chunk of a chunked prefill. The chunk's part of this layer goes to
+        the daemon as it is computed: from the GPU on the same node (CUDA IPC, let go of once
+        the daemon has read it: at most ingest_window_bytes held), else from host memory over
+        the client's data plane. Its exact K/V go to host memory for the later chunks; the
+        model attends over the earlier chunks' exact K/V, brought back to the GPU one layer
+        ahead, then this chunk's: never the whole prompt's K/V on the GPU, only this layer's
+        and the next one's."""
         li = layer_obj.layer_idx
         last = start + k.shape[2] == total
         if start == 0 and li == 0:
-            self._begin_host_ingest(total, pk.shape[0])
-        if self._sender is None:
+            if self._device_ingest_wanted(k):
+                self._begin_device_ingest(total, pk.shape[0])
+            else:
+                self._begin_host_ingest(total, pk.shape[0])
+        if self._streams is not None:
+            try:
+                self._send_chunk_part(li, pk, pv, start, last)
+            except Exception as e:  # noqa: BLE001 - "auto" falls back to the host path
+                if not (start == 0 and li == 0) or self._ingest_mode == "device":
+                    raise  # parts the daemon took are no longer here to send another way
+                self.ingest_error = e
+                for ing in self._streams:
+                    if ing is not None:
+                        ing.close()
+                self._close_created_sessions()
+                self._streams = None
+                self._ingest_mode = "host"
+                self._begin_host_ingest(total, pk.shape[0])
+        if self._sender is not None:
+            self._sender.put(li, pk, pv, start, last)
+        elif self._streams is None:
             raise RuntimeError("KvShadeCache: the chunked prefill's ingest is not open (layer %d)" % li)
-        self._sender.put(li, pk, pv, start, last)
         k_all, v_all = self._attend_kv(li, start, k, v)
         if not last:
             self._keep_history(li, k, v)
         layer_obj.length = start + k.shape[2]
         if last:
-            self._pre_k[li] = self._v[li] = _SENT
+            self._pre_k[li] = self._v[li] = _TAKEN if self._streams is not None else _SENT
             if all(x is not None for x in self._pre_k):
                 self._drop_history()
                 self._ingest(total)
         _current.entry = (self, li, k_all, "prefill")
         return k_all, v_all
+
+    def _send_chunk_part(self, li, pk, pv, start, last):
+        """Same node: this chunk's rows of layer li (after each sequence's reused prefix) to
+        every stream from the GPU; the streams hold them until the daemon has read them, and
+        the prefill waits while they hold more than ingest_window_bytes."""
+        streams = [ing for ing in self._streams if ing is not None]
+        per_stream = max(1, self._ingest_window // max(1, len(streams)))
+        for b, ing in enumerate(self._streams):
+            if ing is None:
+                continue
+            r = self.created_all[b].reused_tokens
+            lo = max(0, r - start)
+            if lo >= pk.shape[1]:
+                continue  # inside the reused prefix
+            ing.layer_cuda(li, pk[b, lo:].contiguous(), pv[b, lo:].contiguous(), start + lo - r, last)
+        for ing in streams:
+            ing.release_taken(per_stream)
 
     def _keep_history(self, li, k, v):
         """This chunk's exact post-RoPE keys and values [B, h, c, d] into host memory (bf16:

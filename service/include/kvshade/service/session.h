@@ -239,6 +239,7 @@ struct Session {
   // Ingest stream in progress (at most one at a time).
   std::atomic<bool> ingest_active{false};
   std::atomic<int> layers_ingested{0};
+  std::atomic<uint64_t> ingest_parts_taken{0};  // parts the open Ingest stream placed
 
   // The attention working set per layer, under its own lock (readers share `mu`).
   std::mutex cache_mu;
