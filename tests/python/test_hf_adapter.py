@@ -471,8 +471,11 @@ class HfAdapterTest(unittest.TestCase):
                         a, b = caches[0].hook._static[layer], caches[1].hook._static[layer]
                         for got, want in ((b.tail_k, a.tail_k), (b.tail_v, a.tail_v)):
                             diff = np.abs(got - want)
-                            self.assertTrue((diff <= np.abs(want) * 2.0 ** -7 + 2.0 ** -24).all(),
-                                            "layer %d: K/V differ by more than one bf16 step" % layer)
+                            # One bf16 step of the element, or (an element that cancels to
+                            # near zero) a small share of the layer's largest.
+                            bound = np.abs(want) * 2.0 ** -7 + np.abs(want).max() * 2.0 ** -12
+                            self.assertTrue((diff <= bound).all(), "layer %d: K/V differ by up to %g (largest %g)"
+                                            % (layer, float(diff.max()), float(np.abs(want).max())))
                             flips += int((diff > 0).sum())
                     self.assertLessEqual(flips, 2 * LAYERS * (n - 1) * H * D // 1000)
                 print("chunked prefill (%s): last prompt logits within %.3g of one forward, decode within %.3g"
