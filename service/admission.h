@@ -4,7 +4,8 @@
 // (limits.max_streams_per_tenant). A call over a limit is refused with RESOURCE_EXHAUSTED
 // naming the limit and the tenant; an admitted call holds a Ticket until it has ended.
 //
-// Transport-free and thread-safe; one per daemon (the Server's), lent to the transports.
+// Transport-free and thread-safe; one per daemon (the Server's), which the gRPC service
+// and the UCX data plane both admit into, so that a tenant's caps hold across both.
 #pragma once
 
 #include <cstdint>

@@ -174,7 +174,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   deps.admission = s->admission_.get();
   deps.spill_tier = s->spill_ ? s->spill_->tier() : nullptr;
   if (config.ucx.enable) {
-    auto ucx = UcxServer::Start(s->config_, s->metrics_.get(), s->backend_.get());
+    auto ucx = UcxServer::Start(s->config_, s->metrics_.get(), s->admission_.get(),
+                                s->backend_.get());
     if (!ucx.ok()) return ucx.status();
     s->ucx_ = *std::move(ucx);
     deps.ucx = s->ucx_.get();

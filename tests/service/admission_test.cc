@@ -2,7 +2,7 @@
 // service/README.md "Limits on streams and calls": TenantAdmission (call and stream slots,
 // refusals by name), StreamPace (idle timeout and minimum progress over waiting time only)
 // and CallExecutor (the call threads: the cap, turns between tenants, threads on demand).
-// The same rules over the wire: tests/integration/admission_test.cc.
+// The same rules over the wire, both transports: tests/integration/admission_test.cc.
 #include "admission.h"
 
 #include <atomic>
@@ -83,6 +83,29 @@ TEST(TenantAdmission, ZeroMeansNoCap) {
     held.push_back(*std::move(t));
   }
   EXPECT_EQ(a.streams("default"), 1000u);
+}
+
+// The daemon has one TenantAdmission for both transports (Server::Start): a tenant's gRPC
+// and UCX calls and streams fill one count, and a refusal starts with the name of the call
+// that asked, over either.
+TEST(TenantAdmission, OneCountWhicheverTransportAsks) {
+  TenantAdmission a(/*max_calls=*/3, /*max_streams=*/2);
+  auto grpc_stream = a.Admit("Ingest", "alpha", true);
+  auto ucx_stream = a.Admit("ucx Ingest", "alpha", true);
+  ASSERT_TRUE(grpc_stream.ok() && ucx_stream.ok());
+  for (const char* method : {"Ingest", "ucx Ingest"}) {
+    auto over = a.Admit(method, "alpha", true);
+    ASSERT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_TRUE(absl::StartsWith(over.status().message(),
+                                 std::string(method) + ": tenant 'alpha' already has 2 open"))
+        << over.status();
+  }
+  auto call = a.Admit("ucx SelectAndReconstruct", "alpha", false);
+  ASSERT_TRUE(call.ok());
+  auto over = a.Admit("ListSessions", "alpha", false);
+  EXPECT_TRUE(absl::StrContains(over.status().message(), "limits.max_calls_per_tenant"));
+  ucx_stream->Reset();
+  EXPECT_TRUE(a.Admit("Ingest", "alpha", true).ok());
 }
 
 // --- StreamPace -----------------------------------------------------------------------------

@@ -58,7 +58,8 @@ struct ServiceDeps {
   Metrics* metrics = nullptr;
   const Authenticator* auth = nullptr;
   // The daemon's one admission per tenant (limits.max_calls_per_tenant,
-  // max_streams_per_tenant), owned by the Server so that it is not the service's alone.
+  // max_streams_per_tenant): the UCX data plane admits its calls and streams into the same
+  // counts, so that a tenant's caps hold across both transports.
   TenantAdmission* admission = nullptr;
   // The spill tier the engine spills to and keeps durable sessions in (the Server opens it
   // on spill_path); null: none (no spill, no durable sessions).

@@ -69,8 +69,8 @@ class Server {
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Authenticator> auth_;
-  // One per daemon, lent to the transports; before service_ and ucx_ so that it outlives
-  // every ticket.
+  // One per daemon, shared by both transports (a tenant's caps count its gRPC and UCX calls
+  // and streams together); before service_ and ucx_ so that it outlives every ticket.
   std::unique_ptr<TenantAdmission> admission_;
   // Before service_ so that it outlives the engine that uses it.
   std::unique_ptr<SpillStorage> spill_;
