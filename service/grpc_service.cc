@@ -117,14 +117,6 @@ absl::Status DeviceFailed(std::string_view method, const absl::Status& fault) {
       "restart or on another replica"));
 }
 
-StreamPaceLimits PaceLimits(const LimitsConfig& limits) {
-  StreamPaceLimits l;
-  l.idle_ms = limits.stream_idle_timeout_ms;
-  l.min_bytes_per_s = limits.stream_min_bytes_per_s;
-  l.window_ms = limits.stream_progress_window_ms;
-  return l;
-}
-
 constexpr char kDrainingIngest[] =
     "Ingest: the server is draining (shutting down); the stream is ended and nothing was "
     "committed; retry on another replica";

@@ -17,6 +17,7 @@
 #include "kvshade/service/model.h"
 #include "kvshade/service/log.h"
 #include "delivery.h"
+#include "stream_pace.h"
 #include "kvshade/transport/frame.h"
 #include "kvshade/v1/kvshade.pb.h"
 
@@ -72,6 +73,16 @@ struct UcxServer::CallSlot {
   TenantAdmission::Ticket ticket;
 };
 
+struct UcxServer::IngestPace {
+  IngestPace(StreamPaceLimits limits, std::weak_ptr<Conn> conn, uint64_t sid)
+      : pace(limits), conn(std::move(conn)), sid(sid), start(SteadyClock::now()) {}
+  PipelinedPace pace;
+  const std::weak_ptr<Conn> conn;  // not owned: a dropped connection's streams are gone
+  const uint64_t sid;
+  const SteadyClock::time_point start;
+  bool over = false;  // ended (commit or cancel received), failed or cut: no longer paced
+};
+
 UcxServer::UcxServer(const ServerConfig& config, Metrics* metrics, TenantAdmission* admission)
     : config_(config), metrics_(metrics), admission_(admission) {}
 
@@ -97,7 +108,10 @@ absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Start(const ServerConfig& 
     self->OnDecodeFrame(std::move(m), frame::kAttend);
   };
   handlers[ucx::kUnregister] = [self](ucx::AmMessage&& m) { self->OnUnregister(std::move(m)); };
-  auto loop = ucx::UcxLoop::Start(config.ucx.transports, std::move(handlers));
+  // The tick looks at the paced ingest streams (at most 50 ms late on a deadline).
+  std::function<void()> tick;
+  if (PaceLimits(config.limits).any()) tick = [self] { self->PaceTick(); };
+  auto loop = ucx::UcxLoop::Start(config.ucx.transports, std::move(handlers), std::move(tick));
   if (!loop.ok()) {
     return absl::Status(loop.status().code(),
                         absl::StrCat("ucx data plane: ", loop.status().message()));
@@ -188,6 +202,7 @@ void UcxServer::Stop() {
       queued.swap(c->ingest_queue);
     }
   }
+  paced_.clear();  // the loop thread is gone
   std::lock_guard<std::mutex> lock(mu_);
   engine_ = nullptr;
 }
@@ -406,6 +421,9 @@ void UcxServer::DropConnection(const std::string& key) {
   // The tenant's slots are free now; the engine's streams go on an engine thread.
   for (auto& [sid, state] : *streams) state.slot.reset();
   if (!streams->empty()) Enqueue([streams] { streams->clear(); });
+  for (auto& [sid, order] : conn->reorder) {
+    if (order.pace != nullptr) order.pace->over = true;
+  }
   conn->reorder.clear();
   if (conn->closed) return;
   conn->closed = true;
@@ -514,6 +532,10 @@ void UcxServer::OnIngest(ucx::AmMessage&& m) {
       return;
     }
     it = conn->reorder.emplace(sid, Conn::Reorder{}).first;
+    if (const StreamPaceLimits limits = PaceLimits(config_.limits); limits.any()) {
+      it->second.pace = std::make_shared<IngestPace>(limits, conn, sid);
+      paced_.push_back(it->second.pace);
+    }
   }
   Conn::Reorder& order = it->second;
   if (seq < order.next || order.waiting.contains(seq) ||
@@ -530,23 +552,33 @@ void UcxServer::OnIngest(ucx::AmMessage&& m) {
   // order (its parts on their way fail with it). The stream's other messages take none.
   absl::StatusOr<std::shared_ptr<CallSlot>> admitted = std::shared_ptr<CallSlot>();
   if (opens) admitted = AdmitCall(*conn, "ucx Ingest", /*stream=*/true);
+  const uint64_t bytes = h.body().size() + std::max<uint64_t>(m.payload.size(), m.oversize);
   order.waiting[seq] = {[this, conn, engine, h = std::move(h), ep = m.reply_ep,
                          payload = std::move(m.payload), oversize = m.oversize, start,
-                         admitted = std::move(admitted)]() mutable {
+                         admitted = std::move(admitted), pace = order.pace]() mutable {
                           IngestJob(conn, engine, std::move(h), ep, std::move(payload), oversize,
-                                    start, std::move(admitted));
+                                    start, std::move(admitted), std::move(pace));
                         },
-                        ends};
+                        ends, bytes};
   // Hand over every message that is now next in line; a stream's end resets its count.
   while (!order.waiting.empty() && order.waiting.begin()->first == order.next) {
-    auto [job, last] = std::move(order.waiting.begin()->second);
+    Conn::Reorder::Message next = std::move(order.waiting.begin()->second);
     order.waiting.erase(order.waiting.begin());
     ++order.next;
-    RunInOrder(conn, std::move(job));
-    if (last) {
+    if (order.pace != nullptr && !order.pace->over) {
+      // The client's message is in: the wait for it ends (a progress window that closed
+      // short cuts the stream before this message runs).
+      if (absl::Status st = order.pace->pace.Received(start, next.bytes); !st.ok()) {
+        CutStream(conn, *order.pace, std::move(st));
+      }
+    }
+    RunInOrder(conn, std::move(next.job));
+    if (next.ends) {
+      // The client has sent the whole stream: it no longer waits for it.
+      if (order.pace != nullptr) order.pace->over = true;
       // Messages numbered after the end belong to no open stream: they run after it and
       // are answered as such (FAILED_PRECONDITION) rather than never.
-      for (auto& [later_seq, later] : order.waiting) RunInOrder(conn, std::move(later.first));
+      for (auto& [later_seq, later] : order.waiting) RunInOrder(conn, std::move(later.job));
       conn->reorder.erase(it);
       return;
     }
@@ -587,18 +619,27 @@ absl::Status UcxServer::AddLayerPart(Engine::IngestStream& stream, const v1::Dat
 void UcxServer::IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine,
                           v1::DataPlaneHeader h, ucp_ep_h ep, ucx::Payload payload,
                           size_t oversize, SteadyClock::time_point start,
-                          absl::StatusOr<std::shared_ptr<CallSlot>> admitted) {
+                          absl::StatusOr<std::shared_ptr<CallSlot>> admitted,
+                          std::shared_ptr<IngestPace> pace) {
   const uint64_t sid = h.stream_id();
   Outcome out;
   std::unique_ptr<Engine::IngestStream> stream, discard;  // destroyed outside conn->mu
   // A header's slots, until the stream it opens holds them (IngestState::slot); every
-  // other end of the stream (commit, failure, cancel, the connection's drop) gives
+  // other end of the stream (commit, failure, cancel, cut, the connection's drop) gives
   // them back where it removes or fails the stream.
   const absl::Status refused = admitted.status();
   std::shared_ptr<CallSlot> slot = admitted.ok() ? *std::move(admitted) : nullptr;
   const auto finish = [&] {
     slot.reset();  // a header that opened no stream gives its slots back before the reply
     discard.reset();
+    if (pace != nullptr) {
+      // Loop thread: with none of its messages left in hand, the stream waits for its
+      // client. A message that failed ended the stream (or belonged to none).
+      loop_->Post([pace, failed = !out.status.ok(), now = SteadyClock::now()] {
+        if (failed) pace->over = true;
+        pace->pace.Processed(now);
+      });
+    }
     Finish(conn, ep, h.request_id(), "ucx/Ingest", start, std::move(out));
   };
   if (h.cancel()) {
@@ -642,9 +683,13 @@ void UcxServer::IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine,
               "ucx Ingest: no open ingest stream ", sid, " on this connection (send the header first)"));
         }
       } else if (!it->second.failed.ok()) {
-        out.status = absl::AbortedError(absl::StrCat(
-            "ucx Ingest: an earlier message of stream ", sid,
-            " failed, so the stream was discarded: ", it->second.failed.message()));
+        // A stream cut by its pace tells the client why, as over gRPC (no message of it
+        // carried the error yet); any other failure was the answer to its own message.
+        out.status = it->second.cut ? it->second.failed
+                                    : absl::AbortedError(absl::StrCat(
+                                          "ucx Ingest: an earlier message of stream ", sid,
+                                          " failed, so the stream was discarded: ",
+                                          it->second.failed.message()));
       } else if (!out.status.ok()) {
         // A malformed message fails its stream like a rejected part does.
         discard = std::move(it->second.stream);
@@ -710,6 +755,59 @@ void UcxServer::IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine,
     }
   }
   finish();
+}
+
+void UcxServer::PaceTick() {
+  const auto now = SteadyClock::now();
+  for (size_t i = 0; i < paced_.size();) {
+    IngestPace& p = *paced_[i];
+    std::shared_ptr<Conn> conn = p.conn.lock();
+    absl::Status st;
+    if (!p.over && conn != nullptr && !conn->closed) {
+      if (now < p.pace.Deadline()) {
+        ++i;
+        continue;
+      }
+      st = p.pace.Expire(now);
+      if (st.ok()) {
+        ++i;  // a progress window closed with enough bytes
+        continue;
+      }
+      CutStream(conn, p, std::move(st));
+    }
+    paced_[i] = std::move(paced_.back());
+    paced_.pop_back();
+  }
+}
+
+void UcxServer::CutStream(const std::shared_ptr<Conn>& conn, IngestPace& pace, absl::Status why) {
+  pace.over = true;
+  // The stream was waiting: none of its messages is in hand, so no engine thread works on
+  // it, and those that arrive from now on see it failed. Its slots are free at once (the
+  // client's next stream is admitted on arrival); the engine's stream is discarded in the
+  // connection's ingest order (so before any later message of the connection runs: the
+  // session may be ingested again right away).
+  std::shared_ptr<Engine::IngestStream> discard;
+  std::shared_ptr<CallSlot> slot;
+  {
+    std::lock_guard<std::mutex> lock(conn->mu);
+    auto it = conn->streams.find(pace.sid);
+    if (it != conn->streams.end() && it->second.failed.ok()) {
+      discard = std::move(it->second.stream);
+      slot = std::move(it->second.slot);
+      it->second.failed = why;
+      it->second.cut = true;
+    }
+  }
+  slot.reset();
+  if (discard != nullptr) {
+    RunInOrder(conn, [discard = std::move(discard)]() mutable { discard.reset(); });
+  }
+  // Counted and logged like a gRPC stream the pace ends (the stream's own messages are
+  // counted as they are answered).
+  const double secs = std::chrono::duration<double>(SteadyClock::now() - pace.start).count();
+  metrics_->ObserveRpc("ucx/Ingest", static_cast<int>(why.code()), secs);
+  log::Rpc("ucx/Ingest", why, secs, conn->tenant.name);
 }
 
 // --- Select, Attend, Append ---------------------------------------------------------------

@@ -6,7 +6,7 @@
 // the minimum-progress rule (limits.stream_min_bytes_per_s over
 // limits.stream_progress_window_ms) and commits nothing. The caps count a tenant's calls
 // and streams over gRPC and over the UCX data plane together, a UCX refusal reads like the
-// gRPC one, and UCX streams give their slots back however they end.
+// gRPC one, UCX streams give their slots back however they end, and they are paced alike.
 #include <atomic>
 #include <chrono>
 #include <fstream>
@@ -685,6 +685,84 @@ TEST(Admission, UcxStreamsGiveTheirSlotsBackHoweverTheyEnd) {
   KV_ASSERT_OK(t.alpha->ListSessions().status());
   KV_ASSERT_OK_AND_ASSIGN(rc, t.alpha->Ingest(WholeStream(c, session)));
   EXPECT_EQ(rc.tokens(), 256u);
+  EXPECT_EQ(t.server.Stop(), 0) << t.server.log();
+}
+
+// The idle timeout over UCX: a stream that waits 1 s for its client is cut (counted like a
+// gRPC stream's cut) and gives its slots back at once; its next message is answered with
+// the gRPC stream's DEADLINE_EXCEEDED, and nothing of it was committed.
+TEST(Admission, AnIdleUcxStreamIsCutAndGivesItsSlotsBack) {
+  TwoTenantUcxDaemon t;
+  ASSERT_NO_FATAL_FAILURE(t.Start(
+      "  max_streams_per_tenant: 1\n  max_calls_per_tenant: 2\n  stream_idle_timeout_ms: 1000\n"));
+  KV_ASSERT_OK_AND_ASSIGN(dp, DataPlaneOf(*t.alpha, t.alpha_ready));
+  const synthetic::Document doc(SmallDoc(256, 13));
+  KV_ASSERT_OK_AND_ASSIGN(created, t.alpha->CreateSession(synthetic::MakeCreate(doc, ShadowProfile(), -1)));
+  const std::string session = created.session_id();
+  const double cuts = RpcCount(t.server, "ucx/Ingest", "DEADLINE_EXCEEDED");
+  const uint64_t idle = dp->NewIngestStream();
+  KV_ASSERT_OK(OpenUcxStream(*dp, idle, session));
+  KV_ASSERT_OK(dp->IngestMessage(LayerPart(doc, 0, 0, 64, false), idle).status());
+  const auto start = std::chrono::steady_clock::now();
+  while (RpcCount(t.server, "ucx/Ingest", "DEADLINE_EXCEEDED") < cuts + 1) {
+    ASSERT_LT(std::chrono::steady_clock::now(), start + std::chrono::seconds(20))
+        << "the idle stream was not cut";
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(900));
+  // Its slots are back: the next stream opens on the same session, and commits.
+  const uint64_t next = dp->NewIngestStream();
+  KV_ASSERT_OK(OpenUcxStream(*dp, next, session));
+  KV_ASSERT_OK(dp->CancelIngest(next));
+  const absl::Status cut = dp->IngestMessage(LayerPart(doc, 0, 64, 128, false), idle).status();
+  EXPECT_EQ(cut.code(), absl::StatusCode::kDeadlineExceeded) << cut;
+  EXPECT_EQ(cut.message(),
+            "Ingest: no message for 1000 ms (limits.stream_idle_timeout_ms); the stream is ended "
+            "and nothing was committed");
+  KV_ASSERT_OK(dp->CancelIngest(idle));
+  KV_ASSERT_OK_AND_ASSIGN(info, t.alpha->GetSession(session));
+  EXPECT_EQ(info.state(), "ingesting");
+  EXPECT_EQ(info.layers_ingested(), 0u);
+  KV_ASSERT_OK_AND_ASSIGN(r, dp->Ingest(WholeStream(doc, session)));
+  EXPECT_EQ(r.tokens(), 256u);
+  EXPECT_EQ(t.server.Stop(), 0) << t.server.log();
+}
+
+// The minimum-progress rule over UCX, as ATrickleStreamIsCutByTheMinimumProgressRule over
+// gRPC: one one-token part every 100 ms against 4096 bytes/s over 500 ms windows is cut
+// with DEADLINE_EXCEEDED naming the limit, nothing is committed, the slots come back.
+TEST(Admission, ATrickleUcxStreamIsCutByTheMinimumProgressRule) {
+  TwoTenantUcxDaemon t;
+  ASSERT_NO_FATAL_FAILURE(t.Start(
+      "  max_streams_per_tenant: 1\n  stream_idle_timeout_ms: 2000\n"
+      "  stream_min_bytes_per_s: 4096\n  stream_progress_window_ms: 500\n"));
+  KV_ASSERT_OK_AND_ASSIGN(dp, DataPlaneOf(*t.alpha, t.alpha_ready));
+  const synthetic::Document doc(SmallDoc(256, 5));
+  KV_ASSERT_OK_AND_ASSIGN(created, t.alpha->CreateSession(synthetic::MakeCreate(doc, ShadowProfile(), -1)));
+  const uint64_t id = dp->NewIngestStream();
+  KV_ASSERT_OK(OpenUcxStream(*dp, id, created.session_id()));
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status st;
+  int sent = 0;
+  for (int64_t tok = 0; tok < 100 && st.ok(); ++tok) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    st = dp->IngestMessage(LayerPart(doc, 0, tok, tok + 1, false), id).status();
+    if (st.ok()) ++sent;
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::cout << "UCX trickle stream ended after " << secs << " s, " << sent << " parts: " << st << "\n";
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "limits.stream_min_bytes_per_s")) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "nothing was committed")) << st;
+  EXPECT_GE(secs, 0.5);
+  EXPECT_LT(secs, 3.0);
+  KV_ASSERT_OK(dp->CancelIngest(id));
+  KV_ASSERT_OK_AND_ASSIGN(info, t.alpha->GetSession(created.session_id()));
+  EXPECT_EQ(info.state(), "ingesting");
+  EXPECT_EQ(info.layers_ingested(), 0u);
+  // The stream cap is 1: the slot is back, and the session ingests whole over UCX.
+  KV_ASSERT_OK_AND_ASSIGN(r, dp->Ingest(WholeStream(doc, created.session_id())));
+  EXPECT_EQ(r.tokens(), 256u);
   EXPECT_EQ(t.server.Stop(), 0) << t.server.log();
 }
 

@@ -37,10 +37,10 @@ struct LimitsConfig {
   // Sessions no call has touched for this long and with no live attachment are closed by
   // the engine's maintenance (durable ones with their record); 0 = never.
   uint32_t session_idle_ttl_s = 0;
-  // Limits on gRPC Ingest streams (service/README.md "Limits on streams and calls"). An open
-  // stream holds no thread while it waits for the client; it holds its tenant's stream and
-  // call slots and what it has received. A stream that sends no message for this long is
-  // ended with DEADLINE_EXCEEDED; 0 = never.
+  // Limits on Ingest streams, gRPC and UCX (service/README.md "Limits on streams and
+  // calls"). An open stream holds no thread while it waits for the client; it holds its
+  // tenant's stream and call slots and what it has received. A stream that sends no message
+  // for this long is ended with DEADLINE_EXCEEDED; 0 = never.
   uint32_t stream_idle_timeout_ms = 30000;
   // Minimum progress: a stream that, over a window of stream_progress_window_ms spent
   // waiting for its messages, received fewer than stream_min_bytes_per_s times that window
