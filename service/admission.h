@@ -1,10 +1,11 @@
-// TenantAdmission: the per-tenant limits a gRPC call meets before any of its work is queued
+// TenantAdmission: the per-tenant limits a call meets before any of its work is queued
 // (service/README.md "Limits on streams and calls"): calls in flight
 // (limits.max_calls_per_tenant, open Ingest streams included) and open Ingest streams
 // (limits.max_streams_per_tenant). A call over a limit is refused with RESOURCE_EXHAUSTED
 // naming the limit and the tenant; an admitted call holds a Ticket until it has ended.
 //
-// Transport-free and thread-safe; one per service.
+// Transport-free and thread-safe; one per daemon (the Server's), which the gRPC service
+// and the UCX data plane both admit into, so that a tenant's caps hold across both.
 #pragma once
 
 #include <cstdint>

@@ -117,14 +117,6 @@ absl::Status DeviceFailed(std::string_view method, const absl::Status& fault) {
       "restart or on another replica"));
 }
 
-StreamPaceLimits PaceLimits(const LimitsConfig& limits) {
-  StreamPaceLimits l;
-  l.idle_ms = limits.stream_idle_timeout_ms;
-  l.min_bytes_per_s = limits.stream_min_bytes_per_s;
-  l.window_ms = limits.stream_progress_window_ms;
-  return l;
-}
-
 constexpr char kDrainingIngest[] =
     "Ingest: the server is draining (shutting down); the stream is ended and nothing was "
     "committed; retry on another replica";
@@ -133,9 +125,9 @@ constexpr char kDrainingIngest[] =
 
 absl::StatusOr<std::unique_ptr<KvShadeService>> KvShadeService::Create(const ServiceDeps& deps) {
   if (deps.backend == nullptr || deps.config == nullptr || deps.metrics == nullptr ||
-      deps.auth == nullptr) {
+      deps.auth == nullptr || deps.admission == nullptr) {
     return absl::InvalidArgumentError(
-        "KvShadeService::Create: backend, config, metrics and auth must all be set");
+        "KvShadeService::Create: backend, config, metrics, auth and admission must all be set");
   }
   EngineOptions options;
   options.spill_tier = deps.spill_tier;
@@ -147,8 +139,6 @@ absl::StatusOr<std::unique_ptr<KvShadeService>> KvShadeService::Create(const Ser
 KvShadeService::KvShadeService(const ServiceDeps& deps, std::unique_ptr<Engine> engine)
     : deps_(deps),
       engine_(std::move(engine)),
-      admission_(std::make_unique<TenantAdmission>(EffectiveMaxCallsPerTenant(*deps.config),
-                                                   EffectiveMaxStreamsPerTenant(*deps.config))),
       watchdog_(std::make_unique<StreamWatchdog>()) {
   CallExecutor::Options options;
   options.max_threads = CallThreadCap(*deps.config);
@@ -190,7 +180,8 @@ grpc::ServerUnaryReactor* KvShadeService::Unary(std::string_view method,
   }
   // Calls in flight per tenant (service/README.md "Limits on streams and calls"): refused
   // here, before the call is queued for a thread.
-  absl::StatusOr<TenantAdmission::Ticket> ticket = admission_->Admit(method, tenant->name, false);
+  absl::StatusOr<TenantAdmission::Ticket> ticket =
+      deps_.admission->Admit(method, tenant->name, false);
   if (!ticket.ok()) {
     Record(method, start, ticket.status(), tenant->name);
     reactor->Finish(ToGrpcStatus(ticket.status()));
@@ -249,7 +240,7 @@ class KvShadeService::IngestCall final : public grpc::ServerReadReactor<v1::Inge
     // Limits on streams (service/README.md "Limits on streams and calls"): a call slot and
     // a stream slot of the tenant's, taken before anything is read.
     absl::StatusOr<TenantAdmission::Ticket> ticket =
-        service_->admission_->Admit("Ingest", tenant_->name, /*stream=*/true);
+        service_->deps_.admission->Admit("Ingest", tenant_->name, /*stream=*/true);
     if (!ticket.ok()) return End(ticket.status());
     ticket_ = *std::move(ticket);
     if (absl::Status fault = DeviceFault(*service_->deps_.backend); !fault.ok()) {

@@ -28,6 +28,7 @@
 #include "kvshade/service/ucx_server.h"
 #include "kvshade/storage/spill_tier.h"
 #include "kvshade/version.h"
+#include "admission.h"
 #include "device_fault.h"
 #include "spill_storage.h"
 
@@ -162,14 +163,19 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   if (!spill.ok()) return spill.status();
   s->spill_ = *std::move(spill);
 
+  s->admission_ = std::make_unique<TenantAdmission>(EffectiveMaxCallsPerTenant(s->config_),
+                                                    EffectiveMaxStreamsPerTenant(s->config_));
+
   ServiceDeps deps;
   deps.backend = s->backend_.get();
   deps.config = &s->config_;
   deps.metrics = s->metrics_.get();
   deps.auth = s->auth_.get();
+  deps.admission = s->admission_.get();
   deps.spill_tier = s->spill_ ? s->spill_->tier() : nullptr;
   if (config.ucx.enable) {
-    auto ucx = UcxServer::Start(s->config_, s->metrics_.get(), s->backend_.get());
+    auto ucx = UcxServer::Start(s->config_, s->metrics_.get(), s->admission_.get(),
+                                s->backend_.get());
     if (!ucx.ok()) return ucx.status();
     s->ucx_ = *std::move(ucx);
     deps.ucx = s->ucx_.get();

@@ -8,6 +8,14 @@
 
 namespace kvshade::service {
 
+StreamPaceLimits PaceLimits(const LimitsConfig& limits) {
+  StreamPaceLimits l;
+  l.idle_ms = limits.stream_idle_timeout_ms;
+  l.min_bytes_per_s = limits.stream_min_bytes_per_s;
+  l.window_ms = limits.stream_progress_window_ms;
+  return l;
+}
+
 void StreamPace::StartWait(Clock::time_point now) {
   waiting_ = true;
   wait_start_ = now;
@@ -73,6 +81,18 @@ absl::Status StreamPace::Received(Clock::time_point now, uint64_t bytes) {
   waiting_ = false;
   window_bytes_ += bytes;
   return CloseWindows();
+}
+
+absl::Status PipelinedPace::Received(Clock::time_point now, uint64_t bytes) {
+  ++in_hand_;
+  // Ends the wait when there was one; a message that arrives while others are in hand
+  // only adds its bytes to the current window.
+  return pace_.Received(now, bytes);
+}
+
+void PipelinedPace::Processed(Clock::time_point now) {
+  if (in_hand_ == 0) return;
+  if (--in_hand_ == 0) pace_.StartWait(now);
 }
 
 }  // namespace kvshade::service

@@ -11,11 +11,13 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "admission.h"
 #include "kvshade/base/status_macros.h"
 #include "kvshade/service/engine.h"
 #include "kvshade/service/model.h"
 #include "kvshade/service/log.h"
 #include "delivery.h"
+#include "stream_pace.h"
 #include "kvshade/transport/frame.h"
 #include "kvshade/v1/kvshade.pb.h"
 
@@ -67,10 +69,31 @@ absl::Status ValidateSlotBuffers(const v1::UcxSlotBuffers& b) {
 
 }  // namespace
 
+struct UcxServer::CallSlot {
+  TenantAdmission::Ticket ticket;
+};
+
+struct UcxServer::IngestPace {
+  IngestPace(StreamPaceLimits limits, std::weak_ptr<Conn> conn, uint64_t sid)
+      : pace(limits), conn(std::move(conn)), sid(sid), start(SteadyClock::now()) {}
+  PipelinedPace pace;
+  const std::weak_ptr<Conn> conn;  // not owned: a dropped connection's streams are gone
+  const uint64_t sid;
+  const SteadyClock::time_point start;
+  bool over = false;  // ended (commit or cancel received), failed or cut: no longer paced
+};
+
+UcxServer::UcxServer(const ServerConfig& config, Metrics* metrics, TenantAdmission* admission)
+    : config_(config), metrics_(metrics), admission_(admission) {}
+
 absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Start(const ServerConfig& config,
                                                             Metrics* metrics,
+                                                            TenantAdmission* admission,
                                                             kernels::Backend* backend) {
-  std::unique_ptr<UcxServer> s(new UcxServer(config, metrics));
+  if (metrics == nullptr || admission == nullptr) {
+    return absl::InvalidArgumentError("ucx data plane: metrics and admission must be set");
+  }
+  std::unique_ptr<UcxServer> s(new UcxServer(config, metrics, admission));
   UcxServer* self = s.get();
   std::map<unsigned, ucx::UcxLoop::Handler> handlers;
   handlers[ucx::kHello] = [self](ucx::AmMessage&& m) { self->OnHello(std::move(m)); };
@@ -85,7 +108,10 @@ absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Start(const ServerConfig& 
     self->OnDecodeFrame(std::move(m), frame::kAttend);
   };
   handlers[ucx::kUnregister] = [self](ucx::AmMessage&& m) { self->OnUnregister(std::move(m)); };
-  auto loop = ucx::UcxLoop::Start(config.ucx.transports, std::move(handlers));
+  // The tick looks at the paced ingest streams (at most 50 ms late on a deadline).
+  std::function<void()> tick;
+  if (PaceLimits(config.limits).any()) tick = [self] { self->PaceTick(); };
+  auto loop = ucx::UcxLoop::Start(config.ucx.transports, std::move(handlers), std::move(tick));
   if (!loop.ok()) {
     return absl::Status(loop.status().code(),
                         absl::StrCat("ucx data plane: ", loop.status().message()));
@@ -158,8 +184,26 @@ void UcxServer::Stop() {
       }
     });
   }
+  std::vector<std::shared_ptr<Conn>> all;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, c] : connections_) all.push_back(std::move(c));
+    connections_.clear();
+  }
+  // Open ingest streams (nothing of them is kept) and ingest messages that never ran go
+  // now, with the tenant slots they hold, while the engine is still there.
+  for (auto& c : all) {
+    absl::flat_hash_map<uint64_t, IngestState> streams;
+    std::deque<std::function<void()>> queued;
+    {
+      std::lock_guard<std::mutex> lock(c->mu);
+      c->dropped = true;
+      streams.swap(c->streams);
+      queued.swap(c->ingest_queue);
+    }
+  }
+  paced_.clear();  // the loop thread is gone
   std::lock_guard<std::mutex> lock(mu_);
-  connections_.clear();  // discards open ingest streams
   engine_ = nullptr;
 }
 
@@ -199,12 +243,25 @@ void UcxServer::Reply(ucp_ep_h ep, uint64_t request_id, int code, std::string pa
   if (!st.ok()) spdlog::warn("ucx data plane: reply failed: {}", std::string(st.message()));
 }
 
+absl::StatusOr<std::shared_ptr<UcxServer::CallSlot>> UcxServer::AdmitCall(const Conn& conn,
+                                                                           std::string_view what,
+                                                                           bool stream) {
+  KVSHADE_ASSIGN_OR_RETURN(TenantAdmission::Ticket ticket,
+                           admission_->Admit(what, conn.tenant.name, stream));
+  auto slot = std::make_shared<CallSlot>();
+  slot->ticket = std::move(ticket);
+  return slot;
+}
+
 void UcxServer::Finish(const std::shared_ptr<Conn>& conn, ucp_ep_h ep, uint64_t request_id,
-                       std::string_view method, SteadyClock::time_point start, Outcome out) {
+                       std::string_view method, SteadyClock::time_point start, Outcome out,
+                       const std::shared_ptr<CallSlot>& slot) {
+  // The slot is free before the client hears the answer: its next call is admitted.
+  if (slot != nullptr) slot->ticket.Reset();
   const int code = static_cast<int>(out.status.code());
   const double secs = std::chrono::duration<double>(SteadyClock::now() - start).count();
   metrics_->ObserveRpc(method, code, secs);
-  log::Rpc(method, out.status, secs, {});
+  log::Rpc(method, out.status, secs, conn->tenant.name);
   // (ObserveRpc counts the error too.)
   if (!out.status.ok()) out.payload = std::string(out.status.message());
   auto send = [this, conn, ep, request_id, code, frame = out.frame, count = out.count,
@@ -361,7 +418,12 @@ void UcxServer::DropConnection(const std::string& key) {
     streams->swap(conn->streams);
     conn->ingest_queue.clear();
   }
+  // The tenant's slots are free now; the engine's streams go on an engine thread.
+  for (auto& [sid, state] : *streams) state.slot.reset();
   if (!streams->empty()) Enqueue([streams] { streams->clear(); });
+  for (auto& [sid, order] : conn->reorder) {
+    if (order.pace != nullptr) order.pace->over = true;
+  }
   conn->reorder.clear();
   if (conn->closed) return;
   conn->closed = true;
@@ -453,9 +515,12 @@ void UcxServer::OnIngest(ucx::AmMessage&& m) {
   std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "Ingest");
   if (conn == nullptr) return;
   const uint64_t sid = h.stream_id(), seq = h.sequence();
-  // A commit or cancel ends the stream's numbering (the body has no tensor bytes: cheap).
+  // A commit or cancel ends the stream's numbering, a header opens a stream (the body has
+  // no tensor bytes: cheap).
   v1::IngestRequest body;
-  const bool ends = h.cancel() || (body.ParseFromString(h.body()) && body.has_commit());
+  const bool parsed = body.ParseFromString(h.body());
+  const bool ends = h.cancel() || (parsed && body.has_commit());
+  const bool opens = !h.cancel() && parsed && body.has_header();
   auto it = conn->reorder.find(sid);
   if (it == conn->reorder.end()) {
     if (conn->reorder.size() >= kMaxStreamsPerConnection) {
@@ -467,6 +532,10 @@ void UcxServer::OnIngest(ucx::AmMessage&& m) {
       return;
     }
     it = conn->reorder.emplace(sid, Conn::Reorder{}).first;
+    if (const StreamPaceLimits limits = PaceLimits(config_.limits); limits.any()) {
+      it->second.pace = std::make_shared<IngestPace>(limits, conn, sid);
+      paced_.push_back(it->second.pace);
+    }
   }
   Conn::Reorder& order = it->second;
   if (seq < order.next || order.waiting.contains(seq) ||
@@ -478,22 +547,38 @@ void UcxServer::OnIngest(ucx::AmMessage&& m) {
             ""});
     return;
   }
+  // Limits per tenant: a header takes a call and a stream slot of the tenant's, counted
+  // with its gRPC calls and streams, for the stream it opens; a refusal fails the stream in
+  // order (its parts on their way fail with it). The stream's other messages take none.
+  absl::StatusOr<std::shared_ptr<CallSlot>> admitted = std::shared_ptr<CallSlot>();
+  if (opens) admitted = AdmitCall(*conn, "ucx Ingest", /*stream=*/true);
+  const uint64_t bytes = h.body().size() + std::max<uint64_t>(m.payload.size(), m.oversize);
   order.waiting[seq] = {[this, conn, engine, h = std::move(h), ep = m.reply_ep,
-                         payload = std::move(m.payload), oversize = m.oversize, start]() mutable {
+                         payload = std::move(m.payload), oversize = m.oversize, start,
+                         admitted = std::move(admitted), pace = order.pace]() mutable {
                           IngestJob(conn, engine, std::move(h), ep, std::move(payload), oversize,
-                                    start);
+                                    start, std::move(admitted), std::move(pace));
                         },
-                        ends};
+                        ends, bytes};
   // Hand over every message that is now next in line; a stream's end resets its count.
   while (!order.waiting.empty() && order.waiting.begin()->first == order.next) {
-    auto [job, last] = std::move(order.waiting.begin()->second);
+    Conn::Reorder::Message next = std::move(order.waiting.begin()->second);
     order.waiting.erase(order.waiting.begin());
     ++order.next;
-    RunInOrder(conn, std::move(job));
-    if (last) {
+    if (order.pace != nullptr && !order.pace->over) {
+      // The client's message is in: the wait for it ends (a progress window that closed
+      // short cuts the stream before this message runs).
+      if (absl::Status st = order.pace->pace.Received(start, next.bytes); !st.ok()) {
+        CutStream(conn, *order.pace, std::move(st));
+      }
+    }
+    RunInOrder(conn, std::move(next.job));
+    if (next.ends) {
+      // The client has sent the whole stream: it no longer waits for it.
+      if (order.pace != nullptr) order.pace->over = true;
       // Messages numbered after the end belong to no open stream: they run after it and
       // are answered as such (FAILED_PRECONDITION) rather than never.
-      for (auto& [later_seq, later] : order.waiting) RunInOrder(conn, std::move(later.first));
+      for (auto& [later_seq, later] : order.waiting) RunInOrder(conn, std::move(later.job));
       conn->reorder.erase(it);
       return;
     }
@@ -533,12 +618,28 @@ absl::Status UcxServer::AddLayerPart(Engine::IngestStream& stream, const v1::Dat
 
 void UcxServer::IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine,
                           v1::DataPlaneHeader h, ucp_ep_h ep, ucx::Payload payload,
-                          size_t oversize, SteadyClock::time_point start) {
+                          size_t oversize, SteadyClock::time_point start,
+                          absl::StatusOr<std::shared_ptr<CallSlot>> admitted,
+                          std::shared_ptr<IngestPace> pace) {
   const uint64_t sid = h.stream_id();
   Outcome out;
   std::unique_ptr<Engine::IngestStream> stream, discard;  // destroyed outside conn->mu
+  // A header's slots, until the stream it opens holds them (IngestState::slot); every
+  // other end of the stream (commit, failure, cancel, cut, the connection's drop) gives
+  // them back where it removes or fails the stream.
+  const absl::Status refused = admitted.status();
+  std::shared_ptr<CallSlot> slot = admitted.ok() ? *std::move(admitted) : nullptr;
   const auto finish = [&] {
+    slot.reset();  // a header that opened no stream gives its slots back before the reply
     discard.reset();
+    if (pace != nullptr) {
+      // Loop thread: with none of its messages left in hand, the stream waits for its
+      // client. A message that failed ended the stream (or belonged to none).
+      loop_->Post([pace, failed = !out.status.ok(), now = SteadyClock::now()] {
+        if (failed) pace->over = true;
+        pace->pace.Processed(now);
+      });
+    }
     Finish(conn, ep, h.request_id(), "ucx/Ingest", start, std::move(out));
   };
   if (h.cancel()) {
@@ -582,25 +683,34 @@ void UcxServer::IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine,
               "ucx Ingest: no open ingest stream ", sid, " on this connection (send the header first)"));
         }
       } else if (!it->second.failed.ok()) {
-        out.status = absl::AbortedError(absl::StrCat(
-            "ucx Ingest: an earlier message of stream ", sid,
-            " failed, so the stream was discarded: ", it->second.failed.message()));
+        // A stream cut by its pace tells the client why, as over gRPC (no message of it
+        // carried the error yet); any other failure was the answer to its own message.
+        out.status = it->second.cut ? it->second.failed
+                                    : absl::AbortedError(absl::StrCat(
+                                          "ucx Ingest: an earlier message of stream ", sid,
+                                          " failed, so the stream was discarded: ",
+                                          it->second.failed.message()));
       } else if (!out.status.ok()) {
         // A malformed message fails its stream like a rejected part does.
         discard = std::move(it->second.stream);
         it->second.failed = out.status;
+        it->second.slot.reset();
       } else if (it->second.stream == nullptr) {
         out.status = absl::InternalError(absl::StrCat("ucx Ingest: stream ", sid, " has no state"));
+        it->second.failed = out.status;
+        it->second.slot.reset();
       } else {
         stream = std::move(it->second.stream);
       }
     }
     if (out.status.ok() && req.has_header()) {
-      auto begun = engine->BeginIngest(conn->tenant, req);
+      using Begun = absl::StatusOr<std::unique_ptr<Engine::IngestStream>>;
+      Begun begun = refused.ok() ? engine->BeginIngest(conn->tenant, req) : Begun(refused);
       std::lock_guard<std::mutex> lock(conn->mu);
       IngestState& state = conn->streams[sid];
       if (begun.ok()) {
         state.stream = *std::move(begun);
+        state.slot = std::move(slot);
       } else {
         out.status = begun.status();
         state.failed = out.status;  // the parts already on their way fail with it
@@ -634,16 +744,70 @@ void UcxServer::IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine,
         discard = std::move(stream);
       } else if (committed) {
         discard = std::move(stream);
-        conn->streams.erase(it);
+        conn->streams.erase(it);  // with its slots
       } else if (!out.status.ok()) {
         discard = std::move(stream);  // like a failed gRPC stream: nothing is kept
         it->second.failed = out.status;
+        it->second.slot.reset();
       } else {
         it->second.stream = std::move(stream);
       }
     }
   }
   finish();
+}
+
+void UcxServer::PaceTick() {
+  const auto now = SteadyClock::now();
+  for (size_t i = 0; i < paced_.size();) {
+    IngestPace& p = *paced_[i];
+    std::shared_ptr<Conn> conn = p.conn.lock();
+    absl::Status st;
+    if (!p.over && conn != nullptr && !conn->closed) {
+      if (now < p.pace.Deadline()) {
+        ++i;
+        continue;
+      }
+      st = p.pace.Expire(now);
+      if (st.ok()) {
+        ++i;  // a progress window closed with enough bytes
+        continue;
+      }
+      CutStream(conn, p, std::move(st));
+    }
+    paced_[i] = std::move(paced_.back());
+    paced_.pop_back();
+  }
+}
+
+void UcxServer::CutStream(const std::shared_ptr<Conn>& conn, IngestPace& pace, absl::Status why) {
+  pace.over = true;
+  // The stream was waiting: none of its messages is in hand, so no engine thread works on
+  // it, and those that arrive from now on see it failed. Its slots are free at once (the
+  // client's next stream is admitted on arrival); the engine's stream is discarded in the
+  // connection's ingest order (so before any later message of the connection runs: the
+  // session may be ingested again right away).
+  std::shared_ptr<Engine::IngestStream> discard;
+  std::shared_ptr<CallSlot> slot;
+  {
+    std::lock_guard<std::mutex> lock(conn->mu);
+    auto it = conn->streams.find(pace.sid);
+    if (it != conn->streams.end() && it->second.failed.ok()) {
+      discard = std::move(it->second.stream);
+      slot = std::move(it->second.slot);
+      it->second.failed = why;
+      it->second.cut = true;
+    }
+  }
+  slot.reset();
+  if (discard != nullptr) {
+    RunInOrder(conn, [discard = std::move(discard)]() mutable { discard.reset(); });
+  }
+  // Counted and logged like a gRPC stream the pace ends (the stream's own messages are
+  // counted as they are answered).
+  const double secs = std::chrono::duration<double>(SteadyClock::now() - pace.start).count();
+  metrics_->ObserveRpc("ucx/Ingest", static_cast<int>(why.code()), secs);
+  log::Rpc("ucx/Ingest", why, secs, conn->tenant.name);
 }
 
 // --- Select, Attend, Append ---------------------------------------------------------------
@@ -741,6 +905,14 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
     ReplyFrame(m.reply_ep, h->request_id, static_cast<int>(st.code()), 0, std::string(st.message()));
     return;
   }
+  // Calls in flight per tenant, counted with the tenant's gRPC calls: refused here, before
+  // the frame is parsed or queued.
+  absl::StatusOr<std::shared_ptr<CallSlot>> admitted = AdmitCall(
+      *conn, kind == frame::kSelect ? "ucx SelectAndReconstruct" : "ucx Attend", false);
+  if (!admitted.ok()) {
+    Finish(conn, m.reply_ep, h->request_id, method, start, {admitted.status(), "", true, 0});
+    return;
+  }
   // Small batches run on the progress thread (no hand-off to an engine thread and back),
   // unless a query stages a token: the call that completes one appends it (a durable
   // session may sync its log), which must not hold up every connection's progress.
@@ -750,10 +922,11 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
     run_here = !qs.ok() || std::none_of(qs->begin(), qs->end(), [](const frame::QueryRef& q) { return q.stage; });
   }
   auto job = [this, engine, conn, kind, method, layer = h->layer, count = h->count,
-              id = h->request_id, ep = m.reply_ep, payload = std::move(m.payload), start]() {
+              id = h->request_id, ep = m.reply_ep, payload = std::move(m.payload), start,
+              slot = *std::move(admitted)]() {
     absl::StatusOr<std::vector<frame::QueryRef>> qs = frame::ParseQueries(payload.view(), count, kind);
     if (!qs.ok()) {
-      Finish(conn, ep, id, method, start, {qs.status(), "", true, 0});
+      Finish(conn, ep, id, method, start, {qs.status(), "", true, 0}, slot);
       return;
     }
     if (kind == frame::kAttend) {
@@ -766,7 +939,8 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
       AttendResult res;
       absl::Status st = engine->Attend(conn->tenant, AttendRequestView{layer, views}, &res);
       Finish(conn, ep, id, method, start,
-             {st, st.ok() ? EncodeOutputs(res) : "", true, static_cast<uint32_t>(views.size())});
+             {st, st.ok() ? EncodeOutputs(res) : "", true, static_cast<uint32_t>(views.size())},
+             slot);
       return;
     }
     std::vector<SelectQueryView> views(qs->size());
@@ -778,14 +952,15 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
     auto res = std::make_shared<SelectResult>();
     absl::Status st = engine->Select(conn->tenant, SelectRequestView{layer, views}, res.get());
     if (!st.ok()) {
-      Finish(conn, ep, id, method, start, {st, "", true, 0});
+      Finish(conn, ep, id, method, start, {st, "", true, 0}, slot);
       return;
     }
     if (conn->num_regs.load() > 0) {
       std::vector<std::string> ids;
       for (const SelectQueryView& v : views) ids.emplace_back(v.attachment_id);
-      auto deliver = [this, conn, ep, id, layer, res, ids = std::move(ids), start]() mutable {
-        DeliverSelect(conn, ep, id, layer, std::move(ids), res, start);
+      auto deliver = [this, conn, ep, id, layer, res, ids = std::move(ids), start,
+                      slot]() mutable {
+        DeliverSelect(conn, ep, id, layer, std::move(ids), res, start, std::move(slot));
       };
       if (loop_->on_loop_thread()) {
         deliver();
@@ -795,7 +970,8 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
       return;
     }
     Finish(conn, ep, id, method, start,
-           {absl::OkStatus(), EncodeDeltas(*res), true, static_cast<uint32_t>(res->deltas.size())});
+           {absl::OkStatus(), EncodeDeltas(*res), true, static_cast<uint32_t>(res->deltas.size())},
+           slot);
   };
   if (run_here) {
     job();
@@ -806,8 +982,9 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
 
 void UcxServer::DeliverSelect(std::shared_ptr<Conn> conn, ucp_ep_h ep, uint64_t request_id,
                               uint32_t layer, std::vector<std::string> ids,
-                              std::shared_ptr<SelectResult> res, SteadyClock::time_point start) {
-  if (conn->closed) return;
+                              std::shared_ptr<SelectResult> res, SteadyClock::time_point start,
+                              std::shared_ptr<CallSlot> slot) {
+  if (conn->closed) return;  // (the slot goes with the last of its holders)
   std::vector<size_t> registered;  // deltas whose misses go by RMA
   absl::Status st;
   bool any_put = false;
@@ -850,7 +1027,7 @@ void UcxServer::DeliverSelect(std::shared_ptr<Conn> conn, ucp_ep_h ep, uint64_t 
     }
     if (st.ok()) registered.push_back(i);
   }
-  auto reply = [this, conn, ep, request_id, res, registered, start](absl::Status st) {
+  auto reply = [this, conn, ep, request_id, res, registered, start, slot](absl::Status st) {
     if (st.ok()) {
       for (size_t i : registered) {
         SlotDeltaResult& d = res->deltas[i];
@@ -859,9 +1036,10 @@ void UcxServer::DeliverSelect(std::shared_ptr<Conn> conn, ucp_ep_h ep, uint64_t 
         d.delivered = true;
       }
       Finish(conn, ep, request_id, kSelectMethod, start,
-             {absl::OkStatus(), EncodeDeltas(*res), true, static_cast<uint32_t>(res->deltas.size())});
+             {absl::OkStatus(), EncodeDeltas(*res), true, static_cast<uint32_t>(res->deltas.size())},
+             slot);
     } else {
-      Finish(conn, ep, request_id, kSelectMethod, start, {st, "", true, 0});
+      Finish(conn, ep, request_id, kSelectMethod, start, {st, "", true, 0}, slot);
     }
   };
   if (!any_put) {
@@ -888,8 +1066,13 @@ void UcxServer::OnAppend(ucx::AmMessage&& m) {
   Engine* engine = nullptr;
   std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "AppendTokens");
   if (conn == nullptr) return;
+  absl::StatusOr<std::shared_ptr<CallSlot>> admitted = AdmitCall(*conn, "ucx AppendTokens", false);
+  if (!admitted.ok()) {
+    Finish(conn, m.reply_ep, h.request_id(), "ucx/AppendTokens", start, {admitted.status(), ""});
+    return;
+  }
   Enqueue([this, engine, conn, h = std::move(h), ep = m.reply_ep, payload = std::move(m.payload),
-           start]() mutable {
+           start, slot = *std::move(admitted)]() mutable {
     v1::AppendTokensRequest req;
     Outcome out;
     if (!req.ParseFromString(h.body())) {
@@ -906,7 +1089,7 @@ void UcxServer::OnAppend(ucx::AmMessage&& m) {
         }
       }
     }
-    Finish(conn, ep, h.request_id(), "ucx/AppendTokens", start, std::move(out));
+    Finish(conn, ep, h.request_id(), "ucx/AppendTokens", start, std::move(out), slot);
   });
 }
 
@@ -918,17 +1101,23 @@ void UcxServer::OnRegister(ucx::AmMessage&& m) {
   Engine* engine = nullptr;
   std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "REGISTER");
   if (conn == nullptr) return;
+  absl::StatusOr<std::shared_ptr<CallSlot>> admitted = AdmitCall(*conn, "ucx REGISTER", false);
+  if (!admitted.ok()) {
+    Finish(conn, m.reply_ep, h.request_id(), "ucx/Register", start, {admitted.status(), ""});
+    return;
+  }
+  std::shared_ptr<CallSlot> slot = *std::move(admitted);
   auto bufs = std::make_shared<v1::UcxSlotBuffers>();
   absl::Status st = bufs->ParseFromArray(m.payload.data(), static_cast<int>(m.payload.size()))
                         ? ValidateSlotBuffers(*bufs)
                         : absl::InvalidArgumentError("ucx REGISTER: the payload is not a UcxSlotBuffers");
   if (!st.ok()) {
-    Finish(conn, m.reply_ep, h.request_id(), "ucx/Register", start, {st, ""});
+    Finish(conn, m.reply_ep, h.request_id(), "ucx/Register", start, {st, ""}, slot);
     return;
   }
   // The attachment's owner, mode and geometry come from the engine (an engine thread);
   // the rkeys are unpacked on the loop thread, which alone uses them.
-  Enqueue([this, engine, conn, bufs, id = h.request_id(), ep = m.reply_ep, start] {
+  Enqueue([this, engine, conn, bufs, id = h.request_id(), ep = m.reply_ep, start, slot] {
     auto g = engine->AttachmentSlots(conn->tenant, bufs->attachment_id());
     absl::Status st = g.status();
     if (st.ok() && g->delivery != v1::DELIVERY_MODE_UCX_RMA) {
@@ -946,10 +1135,10 @@ void UcxServer::OnRegister(ucx::AmMessage&& m) {
           bufs->bytes()));
     }
     if (!st.ok()) {
-      Finish(conn, ep, id, "ucx/Register", start, {st, ""});
+      Finish(conn, ep, id, "ucx/Register", start, {st, ""}, slot);
       return;
     }
-    loop_->Post([this, conn, bufs, geometry = *g, id, ep, start] {
+    loop_->Post([this, conn, bufs, geometry = *g, id, ep, start, slot] {
       if (conn->closed) return;
       absl::Status st;
       const bool replaces = conn->regs.contains(bufs->attachment_id());
@@ -987,13 +1176,14 @@ void UcxServer::OnRegister(ucx::AmMessage&& m) {
         if (!old.empty()) {
           // Answered once no put into the replaced buffers is in flight (the client may
           // free them then).
-          RetireRegistrations(conn, std::move(old), [this, conn, ep, id, start](absl::Status s) {
-            Finish(conn, ep, id, "ucx/Register", start, {s, ""});
-          });
+          RetireRegistrations(conn, std::move(old),
+                              [this, conn, ep, id, start, slot](absl::Status s) {
+                                Finish(conn, ep, id, "ucx/Register", start, {s, ""}, slot);
+                              });
           return;
         }
       }
-      Finish(conn, ep, id, "ucx/Register", start, {st, ""});
+      Finish(conn, ep, id, "ucx/Register", start, {st, ""}, slot);
     });
   });
 }

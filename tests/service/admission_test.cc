@@ -1,8 +1,9 @@
 // Admission per tenant and the pace of Ingest streams, the transport-free parts of
 // service/README.md "Limits on streams and calls": TenantAdmission (call and stream slots,
-// refusals by name), StreamPace (idle timeout and minimum progress over waiting time only)
-// and CallExecutor (the call threads: the cap, turns between tenants, threads on demand).
-// The same rules over the wire: tests/integration/admission_test.cc.
+// refusals by name), StreamPace (idle timeout and minimum progress over waiting time only),
+// PipelinedPace (the same for UCX streams, whose messages are received ahead) and
+// CallExecutor (the call threads: the cap, turns between tenants, threads on demand).
+// The same rules over the wire, both transports: tests/integration/admission_test.cc.
 #include "admission.h"
 
 #include <atomic>
@@ -85,6 +86,29 @@ TEST(TenantAdmission, ZeroMeansNoCap) {
   EXPECT_EQ(a.streams("default"), 1000u);
 }
 
+// The daemon has one TenantAdmission for both transports (Server::Start): a tenant's gRPC
+// and UCX calls and streams fill one count, and a refusal starts with the name of the call
+// that asked, over either.
+TEST(TenantAdmission, OneCountWhicheverTransportAsks) {
+  TenantAdmission a(/*max_calls=*/3, /*max_streams=*/2);
+  auto grpc_stream = a.Admit("Ingest", "alpha", true);
+  auto ucx_stream = a.Admit("ucx Ingest", "alpha", true);
+  ASSERT_TRUE(grpc_stream.ok() && ucx_stream.ok());
+  for (const char* method : {"Ingest", "ucx Ingest"}) {
+    auto over = a.Admit(method, "alpha", true);
+    ASSERT_EQ(over.status().code(), absl::StatusCode::kResourceExhausted);
+    EXPECT_TRUE(absl::StartsWith(over.status().message(),
+                                 std::string(method) + ": tenant 'alpha' already has 2 open"))
+        << over.status();
+  }
+  auto call = a.Admit("ucx SelectAndReconstruct", "alpha", false);
+  ASSERT_TRUE(call.ok());
+  auto over = a.Admit("ListSessions", "alpha", false);
+  EXPECT_TRUE(absl::StrContains(over.status().message(), "limits.max_calls_per_tenant"));
+  ucx_stream->Reset();
+  EXPECT_TRUE(a.Admit("Ingest", "alpha", true).ok());
+}
+
 // --- StreamPace -----------------------------------------------------------------------------
 
 TEST(StreamPace, IdleTimeoutCountsOneWaitAndNamesTheLimit) {
@@ -162,6 +186,66 @@ TEST(StreamPace, AStreamShorterThanAWindowIsNeverJudged) {
     now += milliseconds(1000);
     ASSERT_TRUE(p.Received(now, 1).ok()) << i;
   }
+}
+
+// --- PipelinedPace (UCX ingest streams) -------------------------------------------------
+
+// Messages received ahead of processing stop the clock: a server that takes 10 s over two
+// queued messages never cuts their stream; the wait starts when the last one is processed.
+TEST(PipelinedPace, MessagesInHandStopTheClock) {
+  PipelinedPace p({/*idle_ms=*/1000, /*min_bytes_per_s=*/0, /*window_ms=*/30000});
+  const Clock::time_point t0{};
+  EXPECT_EQ(p.Deadline(), Clock::time_point::max());  // nothing processed yet
+  ASSERT_TRUE(p.Received(t0, 100).ok());                // the header
+  ASSERT_TRUE(p.Received(t0 + milliseconds(1), 100).ok());  // a part sent ahead
+  EXPECT_EQ(p.in_hand(), 2u);
+  p.Processed(t0 + milliseconds(5000));  // the header; the part is still in hand
+  EXPECT_FALSE(p.waiting());
+  EXPECT_EQ(p.Deadline(), Clock::time_point::max());
+  EXPECT_TRUE(p.Expire(t0 + milliseconds(9000)).ok());
+  p.Processed(t0 + milliseconds(10000));  // none left: the client is waited for
+  EXPECT_TRUE(p.waiting());
+  EXPECT_EQ(p.Deadline(), t0 + milliseconds(11000));
+  ASSERT_TRUE(p.Received(t0 + milliseconds(10999), 100).ok());  // in time
+  EXPECT_FALSE(p.waiting());
+  p.Processed(t0 + milliseconds(12000));
+  p.Processed(t0 + milliseconds(12500));  // none in hand: changes nothing
+  EXPECT_EQ(p.in_hand(), 0u);
+  EXPECT_EQ(p.Deadline(), t0 + milliseconds(13000));
+  const absl::Status st = p.Expire(t0 + milliseconds(13000));
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(st.message(), "limits.stream_idle_timeout_ms")) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "nothing was committed")) << st;
+}
+
+// The gRPC trickle (StreamPace.ATrickleIsCutWhenAWindowClosesShort) sent one message at a
+// time; pipelined, a client may send two at once each time: 2 x 300 bytes every 900 ms
+// of waiting against 2000 bytes per 2 s window is still short, and cut by the same rule,
+// however long the server takes over them.
+TEST(PipelinedPace, APipelinedTrickleIsCutLikeAnyOther) {
+  PipelinedPace p({/*idle_ms=*/1000, /*min_bytes_per_s=*/1000, /*window_ms=*/2000});
+  Clock::time_point now{};
+  ASSERT_TRUE(p.Received(now, 50).ok());  // the header
+  now += milliseconds(3000);              // processing: not counted
+  p.Processed(now);
+  absl::Status st;
+  int rounds = 0;
+  for (; rounds < 10 && st.ok(); ++rounds) {
+    ASSERT_TRUE(p.waiting());
+    ASSERT_LE(p.Deadline(), now + milliseconds(1000));
+    now += milliseconds(900);
+    st = p.Received(now, 300);
+    if (st.ok()) st = p.Received(now, 300);
+    now += milliseconds(4000);  // both processed: not counted
+    p.Processed(now);
+    p.Processed(now);
+  }
+  // The header and 1200 bytes in the first two waits; the window's 2000 ms close during
+  // the third, with the part that ends it counted in it.
+  EXPECT_EQ(rounds, 3);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_TRUE(absl::StrContains(st.message(), "limits.stream_min_bytes_per_s")) << st;
+  EXPECT_TRUE(absl::StrContains(st.message(), "1550 bytes in 2000 ms")) << st;
 }
 
 // --- CallExecutor ---------------------------------------------------------------------------

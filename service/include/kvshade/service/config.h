@@ -37,10 +37,10 @@ struct LimitsConfig {
   // Sessions no call has touched for this long and with no live attachment are closed by
   // the engine's maintenance (durable ones with their record); 0 = never.
   uint32_t session_idle_ttl_s = 0;
-  // Limits on gRPC Ingest streams (service/README.md "Limits on streams and calls"). An open
-  // stream holds no thread while it waits for the client; it holds its tenant's stream and
-  // call slots and what it has received. A stream that sends no message for this long is
-  // ended with DEADLINE_EXCEEDED; 0 = never.
+  // Limits on Ingest streams, gRPC and UCX (service/README.md "Limits on streams and
+  // calls"). An open stream holds no thread while it waits for the client; it holds its
+  // tenant's stream and call slots and what it has received. A stream that sends no message
+  // for this long is ended with DEADLINE_EXCEEDED; 0 = never.
   uint32_t stream_idle_timeout_ms = 30000;
   // Minimum progress: a stream that, over a window of stream_progress_window_ms spent
   // waiting for its messages, received fewer than stream_min_bytes_per_s times that window
@@ -48,14 +48,14 @@ struct LimitsConfig {
   // clock runs only while the server waits for the client. 0 = no minimum.
   uint64_t stream_min_bytes_per_s = 1024;
   uint32_t stream_progress_window_ms = 30000;
-  // Open gRPC Ingest streams per tenant; one more gets RESOURCE_EXHAUSTED. 0 = automatic:
-  // half of the call thread cap when worker_threads is set, else 64, and never above the
-  // call cap (EffectiveMaxStreamsPerTenant).
+  // Open Ingest streams per tenant, over gRPC and UCX together; one more gets
+  // RESOURCE_EXHAUSTED. 0 = automatic: half of the call thread cap when worker_threads is
+  // set, else 64, and never above the call cap (EffectiveMaxStreamsPerTenant).
   uint32_t max_streams_per_tenant = 0;
-  // gRPC calls a tenant may have in flight at once, Ingest streams included; one more gets
-  // RESOURCE_EXHAUSTED before it takes a thread. 0 = automatic: with worker_threads set and
-  // tenants configured, the call thread cap minus one (one thread always left to the other
-  // tenants); otherwise no cap (EffectiveMaxCallsPerTenant).
+  // Calls a tenant may have in flight at once, over gRPC and UCX together, Ingest streams
+  // included; one more gets RESOURCE_EXHAUSTED before it takes a thread. 0 = automatic:
+  // with worker_threads set and tenants configured, the call thread cap minus one (one
+  // thread always left to the other tenants); otherwise no cap (EffectiveMaxCallsPerTenant).
   uint32_t max_calls_per_tenant = 0;
 };
 

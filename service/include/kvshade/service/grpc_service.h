@@ -57,6 +57,10 @@ struct ServiceDeps {
   const ServerConfig* config = nullptr;
   Metrics* metrics = nullptr;
   const Authenticator* auth = nullptr;
+  // The daemon's one admission per tenant (limits.max_calls_per_tenant,
+  // max_streams_per_tenant): the UCX data plane admits its calls and streams into the same
+  // counts, so that a tenant's caps hold across both transports.
+  TenantAdmission* admission = nullptr;
   // The spill tier the engine spills to and keeps durable sessions in (the Server opens it
   // on spill_path); null: none (no spill, no durable sessions).
   storage::SpillTier* spill_tier = nullptr;
@@ -142,7 +146,6 @@ class KvShadeService final : public kvshade::v1::KvShade::CallbackService {
 
   ServiceDeps deps_;
   std::unique_ptr<Engine> engine_;
-  std::unique_ptr<TenantAdmission> admission_;
   std::unique_ptr<StreamWatchdog> watchdog_;
   // Open Ingest calls, so that Drain can end them.
   mutable std::mutex streams_mu_;

@@ -29,6 +29,7 @@ namespace kvshade::service {
 
 class KvShadeService;
 class SpillStorage;
+class TenantAdmission;
 class UcxServer;
 
 class Server {
@@ -68,6 +69,9 @@ class Server {
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Authenticator> auth_;
+  // One per daemon, shared by both transports (a tenant's caps count its gRPC and UCX calls
+  // and streams together); before service_ and ucx_ so that it outlives every ticket.
+  std::unique_ptr<TenantAdmission> admission_;
   // Before service_ so that it outlives the engine that uses it.
   std::unique_ptr<SpillStorage> spill_;
   std::unique_ptr<KvShadeService> service_;

@@ -31,6 +31,17 @@
 //
 // Other requests run on a small pool of engine threads; every reply (and any RMA) is sent
 // from the progress thread.
+//
+// Limits per tenant (service/README.md "Limits on streams and calls"): the daemon's one
+// TenantAdmission, shared with the gRPC service. A SELECT, ATTEND, APPEND or REGISTER holds
+// a call slot of its connection's tenant from when it is accepted until its reply is
+// sent (given back just before); an ingest stream holds a call and a stream slot from its
+// header until it commits, fails, is cancelled or cut, or its connection goes. A request
+// over a cap gets RESOURCE_EXHAUSTED naming the limit and the tenant, as over gRPC. HELLO,
+// BYE, UNREGISTER and an ingest cancel take none: they only give things back. An open
+// ingest stream is paced like a gRPC one (stream_pace.h PipelinedPace, looked at by the
+// progress thread's tick): one that stalls or trickles is cut with the same
+// DEADLINE_EXCEEDED, commits nothing and gives its slots back.
 #pragma once
 
 #include <condition_variable>
@@ -59,13 +70,17 @@ namespace kvshade::service {
 namespace ucx = ::kvshade::transport::ucx;
 namespace frame = ::kvshade::transport::frame;
 
+class TenantAdmission;
+
 class UcxServer {
  public:
-  // Starts the worker and its progress thread (config.ucx.transports). `metrics` must
-  // outlive the server; `backend` (may be null: plain memory) gives the receive pool its
-  // staging memory (page-locked on CUDA). Requests are refused until SetEngine.
+  // Starts the worker and its progress thread (config.ucx.transports). `metrics` and
+  // `admission` (the daemon's, shared with the gRPC service) must outlive the server;
+  // `backend` (may be null: plain memory) gives the receive pool its staging memory
+  // (page-locked on CUDA). Requests are refused until SetEngine.
   static absl::StatusOr<std::unique_ptr<UcxServer>> Start(const ServerConfig& config,
                                                           Metrics* metrics,
+                                                          TenantAdmission* admission,
                                                           kernels::Backend* backend = nullptr);
   ~UcxServer();  // Stop()
   void Stop();
@@ -91,11 +106,19 @@ class UcxServer {
     uint64_t bytes = 0;
     std::unique_ptr<ucx::UcxRemoteKey> k_rkey, v_rkey;  // destroyed before the endpoint
   };
+  // A call's (or an open ingest stream's) slots of its tenant (a TenantAdmission::Ticket),
+  // shared by the callbacks the call passes through; given back by Finish, or when the
+  // last of them is gone.
+  struct CallSlot;
+  // The pace of one ingest stream (loop thread only); defined in ucx_server.cc.
+  struct IngestPace;
   // One ingest stream of a connection. `stream` is null while an engine thread works on
   // it (the connection's ingest messages run one at a time), or after a failure.
   struct IngestState {
     std::unique_ptr<Engine::IngestStream> stream;
+    std::shared_ptr<CallSlot> slot;  // while open: held until the commit or the failure
     absl::Status failed;  // the stream's first error; later messages fail with it
+    bool cut = false;     // `failed` is the pace's cut: later messages get it as it is
   };
   // One admitted client.
   struct Conn {
@@ -112,9 +135,14 @@ class UcxServer {
     // Per ingest stream: the next sequence number to run and the messages that arrived
     // ahead of it (a later message's payload can land first).
     struct Reorder {
+      struct Message {
+        std::function<void()> job;
+        bool ends = false;   // commit or cancel
+        uint64_t bytes = 0;  // what it brought (its pace counts it when it is next in line)
+      };
       uint64_t next = 0;
-      // sequence -> (job, whether the message ends the stream: commit or cancel)
-      std::map<uint64_t, std::pair<std::function<void()>, bool>> waiting;
+      std::map<uint64_t, Message> waiting;  // by sequence
+      std::shared_ptr<IngestPace> pace;     // null: no pace limits configured
     };
     std::map<uint64_t, Reorder> reorder;  // by stream id
     bool closed = false;  // ep closed (or being closed): nothing more is sent to the client
@@ -128,7 +156,7 @@ class UcxServer {
     uint32_t count = 0;
   };
 
-  UcxServer(const ServerConfig& config, Metrics* metrics) : config_(config), metrics_(metrics) {}
+  UcxServer(const ServerConfig& config, Metrics* metrics, TenantAdmission* admission);
   void OnHello(ucx::AmMessage&& m);
   void OnBye(ucx::AmMessage&& m);
   // SELECT_FRAME and ATTEND_FRAME (transport/decode_frame.h): parsed into decode.h views
@@ -152,18 +180,24 @@ class UcxServer {
              std::string connection_key = "");
   // Loop thread: sends a frame reply (code 0: `count` entries in `payload`).
   void ReplyFrame(ucp_ep_h ep, uint64_t request_id, int code, uint32_t count, std::string payload);
-  // Any thread: records the call's metrics and has the loop thread reply to an admitted
-  // connection (dropped when the connection has gone meanwhile).
+  // A call slot of `conn`'s tenant for `what` (the name its refusal starts with), and a
+  // stream slot too when `stream`; RESOURCE_EXHAUSTED naming the limit when over a cap.
+  absl::StatusOr<std::shared_ptr<CallSlot>> AdmitCall(const Conn& conn, std::string_view what,
+                                                      bool stream);
+  // Any thread: gives `slot` back (before the client can hear the answer, so that its next
+  // call is admitted), records the call's metrics and has the loop thread reply to an
+  // admitted connection (dropped when the connection has gone meanwhile).
   void Finish(const std::shared_ptr<Conn>& conn, ucp_ep_h ep, uint64_t request_id,
               std::string_view method, std::chrono::steady_clock::time_point start,
-              Outcome out);
+              Outcome out, const std::shared_ptr<CallSlot>& slot = nullptr);
   // Loop thread: puts the misses of the registered deltas of `res` (attachments `ids`, in
   // order; for `layer`) into the client's slot buffers (delivery.h ForEachRowRun),
   // flushes, then replies with those deltas' rows dropped and `delivered` set.
   void DeliverSelect(std::shared_ptr<Conn> conn, ucp_ep_h ep, uint64_t request_id,
                      uint32_t layer, std::vector<std::string> ids,
                      std::shared_ptr<SelectResult> res,
-                     std::chrono::steady_clock::time_point start);
+                     std::chrono::steady_clock::time_point start,
+                     std::shared_ptr<CallSlot> slot);
   void DropConnection(const std::string& key);
   // Loop thread: flushes the connection's endpoint, then destroys `regs` (rkeys that
   // puts in flight may still use) and runs `then` (may be null).
@@ -171,9 +205,20 @@ class UcxServer {
                            std::function<void(absl::Status)> then);
   // Runs `job` on an engine thread after every earlier ingest job of `conn`.
   void RunInOrder(const std::shared_ptr<Conn>& conn, std::function<void()> job);
+  // `admitted`: for a header, its slots (or why it was refused); `pace`: the stream's
+  // (null without pace limits), told when the message has been processed.
   void IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine, v1::DataPlaneHeader h,
                  ucp_ep_h ep, ucx::Payload payload, size_t oversize,
-                 std::chrono::steady_clock::time_point start);
+                 std::chrono::steady_clock::time_point start,
+                 absl::StatusOr<std::shared_ptr<CallSlot>> admitted,
+                 std::shared_ptr<IngestPace> pace);
+  // Loop thread (the tick): ends the paced streams whose client waited too long or sent
+  // too little (PipelinedPace).
+  void PaceTick();
+  // Loop thread: ends ingest stream `pace` with `why` (the pace's DEADLINE_EXCEEDED): its
+  // slots are given back at once, the engine's stream is discarded (nothing committed) in
+  // the connection's ingest order, and its later messages are answered `why`.
+  void CutStream(const std::shared_ptr<Conn>& conn, IngestPace& pace, absl::Status why);
   // Hands a layer part's bytes (in `payload`, as the header's part_bytes split them) to
   // the stream as views.
   static absl::Status AddLayerPart(Engine::IngestStream& stream, const v1::DataPlaneHeader& h,
@@ -185,6 +230,7 @@ class UcxServer {
 
   ServerConfig config_;
   Metrics* metrics_;
+  TenantAdmission* const admission_;
   std::unique_ptr<ucx::UcxLoop> loop_;
   std::string address_;
   Engine* engine_ = nullptr;
@@ -195,6 +241,8 @@ class UcxServer {
   uint64_t refused_ = 0;
   std::shared_ptr<ucx::ReceivePool> pool_;  // null: ucx.receive_buffers is 0
   uint64_t pool_misses_reported_ = 0;       // loop thread
+  // Ingest streams under a pace limit (loop thread; PaceTick drops those that ended).
+  std::vector<std::shared_ptr<IngestPace>> paced_;
 
   std::mutex work_mu_;
   std::condition_variable work_cv_;
