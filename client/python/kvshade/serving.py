@@ -383,11 +383,11 @@ class Generator:
         forwards = 0
         while ((self._prefilling is not None or self.waiting) and forwards < self.prefills_per_step
                and len(self.running) < self.max_batch):
-            if self._prefilling is None:
-                self._prefilling = self._prefill_begin(self.waiting.pop(0))
-            req = self._prefilling[0]
+            req = self._prefilling[0] if self._prefilling is not None else self.waiting.pop(0)
             forwards += 1
             try:
+                if self._prefilling is None:
+                    self._prefilling = self._prefill_begin(req)
                 if not self._prefill_advance(self._prefilling):
                     continue
                 self._prefilling = None
