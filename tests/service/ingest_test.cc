@@ -20,43 +20,12 @@ namespace {
 constexpr int kG = 2;  // query heads per KV head of TestModel()
 
 // The tokens [from, to) of `s` as an ingest stream in the order a chunked prefill sends
-// them: for each chunk of `chunk` tokens (the last one may be shorter) every layer's part
-// for that chunk, layer 0 to L-1, then the next chunk's. So every layer is incomplete until
-// the last chunk, whose parts are their layers' last (with the observation queries, if
-// any: [w, hq, d] per layer). Committed.
+// them (IngestStreamOf with `chunk`), committed.
 std::vector<v1::IngestRequest> ChunkedIngestStreamOf(const std::string& session_id, const Stream& s,
                                                      int from, int to, int chunk,
                                                      const std::vector<std::vector<bf16>>* qobs = nullptr,
                                                      int w = 0) {
-  std::vector<v1::IngestRequest> out;
-  v1::IngestRequest hdr;
-  hdr.mutable_header()->set_session_id(session_id);
-  out.push_back(hdr);
-  const size_t tok = size_t(s.h) * s.d;
-  const int n = to - from;
-  for (int a = 0; a < n; a += chunk) {
-    const int b = std::min(n, a + chunk);
-    for (int l = 0; l < s.L; ++l) {
-      v1::IngestRequest r;
-      v1::IngestLayer* il = r.mutable_layer();
-      il->set_layer(l);
-      il->set_token_offset(a);
-      std::vector<bf16> k(s.k[l].begin() + (from + a) * tok, s.k[l].begin() + (from + b) * tok);
-      std::vector<bf16> v(s.v[l].begin() + (from + a) * tok, s.v[l].begin() + (from + b) * tok);
-      *il->mutable_k() = ToTensor(k, {b - a, s.h, s.d});
-      *il->mutable_v() = ToTensor(v, {b - a, s.h, s.d});
-      il->set_last_part(b == n);
-      if (b == n && qobs != nullptr) {
-        *il->mutable_observation_queries() =
-            ToTensor((*qobs)[l], {w, int64_t((*qobs)[l].size() / (size_t(w) * s.d)), s.d});
-      }
-      out.push_back(r);
-    }
-  }
-  v1::IngestRequest c;
-  c.mutable_commit();
-  out.push_back(c);
-  return out;
+  return IngestStreamOf(session_id, s, from, to, qobs, w, chunk);
 }
 
 TEST(IngestTest, ExactProfileAttendMatchesReference) {

@@ -116,35 +116,52 @@ inline v1::AppendTokensRequest AppendOf(const std::string& session, const Stream
   return r;
 }
 
+// Layer l's tokens [from + a, from + b) of `s` as one IngestLayer part at token_offset a of
+// an ingest of n tokens: its layer's last part when b == n, then with the observation
+// queries when given ([w, hq, d] per layer).
+inline v1::IngestRequest IngestPartOf(const Stream& s, int l, int from, int a, int b, int n,
+                                      const std::vector<std::vector<bf16>>* qobs = nullptr, int w = 0) {
+  const size_t tok = size_t(s.h) * s.d;
+  v1::IngestRequest r;
+  v1::IngestLayer* il = r.mutable_layer();
+  il->set_layer(l);
+  il->set_token_offset(a);
+  std::vector<bf16> k(s.k[l].begin() + (from + a) * tok, s.k[l].begin() + (from + b) * tok);
+  std::vector<bf16> v(s.v[l].begin() + (from + a) * tok, s.v[l].begin() + (from + b) * tok);
+  *il->mutable_k() = ToTensor(k, {b - a, s.h, s.d});
+  *il->mutable_v() = ToTensor(v, {b - a, s.h, s.d});
+  il->set_last_part(b == n);
+  if (b == n && qobs != nullptr) {
+    *il->mutable_observation_queries() = ToTensor((*qobs)[l], {w, int64_t((*qobs)[l].size() / (size_t(w) * s.d)), s.d});
+  }
+  return r;
+}
+
 // The tokens [from, to) of `s` as an ingest stream for `session_id` (each layer in two
-// parts when it has at least two tokens), committed.
+// parts when it has at least two tokens), committed. With chunk > 0, in the order a chunked
+// prefill sends them instead: for each chunk of `chunk` tokens (the last may be shorter)
+// every layer's part for that chunk, layer 0 to L-1, then the next chunk's; so every layer
+// is incomplete until the last chunk, whose parts are their layers' last.
 inline std::vector<v1::IngestRequest> IngestStreamOf(const std::string& session_id, const Stream& s,
                                                     int from, int to,
                                                     const std::vector<std::vector<bf16>>* qobs = nullptr,
-                                                    int w = 0) {
+                                                    int w = 0, int chunk = 0) {
   std::vector<v1::IngestRequest> out;
   v1::IngestRequest hdr;
   hdr.mutable_header()->set_session_id(session_id);
   out.push_back(hdr);
-  const size_t tok = size_t(s.h) * s.d;
   const int n = to - from;
-  for (int l = 0; l < s.L; ++l) {
-    const int split = n >= 2 ? n / 2 : n;
-    for (auto [a, b] : {std::pair{0, split}, std::pair{split, n}}) {
-      if (b <= a) continue;
-      v1::IngestRequest r;
-      v1::IngestLayer* il = r.mutable_layer();
-      il->set_layer(l);
-      il->set_token_offset(a);
-      std::vector<bf16> k(s.k[l].begin() + (from + a) * tok, s.k[l].begin() + (from + b) * tok);
-      std::vector<bf16> v(s.v[l].begin() + (from + a) * tok, s.v[l].begin() + (from + b) * tok);
-      *il->mutable_k() = ToTensor(k, {b - a, s.h, s.d});
-      *il->mutable_v() = ToTensor(v, {b - a, s.h, s.d});
-      il->set_last_part(b == n);
-      if (b == n && qobs != nullptr) {
-        *il->mutable_observation_queries() = ToTensor((*qobs)[l], {w, int64_t((*qobs)[l].size() / (size_t(w) * s.d)), s.d});
+  if (chunk > 0) {
+    for (int a = 0; a < n; a += chunk) {
+      const int b = std::min(n, a + chunk);
+      for (int l = 0; l < s.L; ++l) out.push_back(IngestPartOf(s, l, from, a, b, n, qobs, w));
+    }
+  } else {
+    for (int l = 0; l < s.L; ++l) {
+      const int split = n >= 2 ? n / 2 : n;
+      for (auto [a, b] : {std::pair{0, split}, std::pair{split, n}}) {
+        if (b > a) out.push_back(IngestPartOf(s, l, from, a, b, n, qobs, w));
       }
-      out.push_back(r);
     }
   }
   v1::IngestRequest c;
