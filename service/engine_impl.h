@@ -369,6 +369,10 @@ ReuseMatch FindReusable(EngineImpl& e, const storage::PrefixHasher& hasher, absl
 // prefixes.cc: the host value store's reclaim hook: evicts the least recently used idle
 // cached prefix; false when there is none.
 bool EvictIdlePrefix(EngineImpl& e);
+// sessions.cc: marks a session removed from the session manager closed and lets go of what it
+// holds (segments, prefix references, quarantined segments, tail, caches), freed outside its
+// lock. CloseSession and idle expiry.
+void ReleaseClosedSession(Session& s);
 // upkeep.cc: the Stats of one tenant.
 absl::StatusOr<v1::StatsResponse> TenantStats(EngineImpl& e, const Tenant& t);
 

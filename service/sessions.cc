@@ -24,6 +24,29 @@ namespace kvshade::service {
 // ---------------------------------------------------------------------------------------
 // Sessions
 
+void ReleaseClosedSession(Session& s) {
+  std::vector<std::shared_ptr<const Segment>> chain;
+  std::shared_ptr<Segment> open;
+  std::vector<storage::SegmentRef> refs;
+  std::vector<std::shared_ptr<const Segment>> quarantined;
+  {
+    std::unique_lock lock(s.mu);
+    s.state = SessionState::kClosed;
+    quarantined.swap(s.quarantined);
+    chain.swap(s.chain);
+    open.swap(s.open);
+    refs.swap(s.prefix_refs);
+    s.tail.clear();
+    s.cache.clear();
+    s.refactor_keys.clear();
+  }
+  // Freed here, outside the session's lock (prefix references first, as before).
+  refs.clear();
+  chain.clear();
+  quarantined.clear();
+  open.reset();
+}
+
 absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
     const Tenant& t, const v1::CreateSessionRequest& r) {
   KVSHADE_RETURN_IF_ERROR(CheckNotDraining("CreateSession"));
@@ -328,25 +351,7 @@ absl::StatusOr<v1::CloseSessionResponse> EngineImpl::CloseSession(
   }
   KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> s,
                            sessions_.RemoveSession(t.name, r.session_id()));
-  std::vector<std::shared_ptr<const Segment>> chain;
-  std::shared_ptr<Segment> open;
-  std::vector<storage::SegmentRef> refs;
-  std::vector<std::shared_ptr<const Segment>> quarantined;
-  {
-    std::unique_lock lock(s->mu);
-    s->state = SessionState::kClosed;
-    quarantined.swap(s->quarantined);
-    chain.swap(s->chain);
-    open.swap(s->open);
-    refs.swap(s->prefix_refs);
-    s->tail.clear();
-    s->cache.clear();
-    s->refactor_keys.clear();
-  }
-  refs.clear();
-  chain.clear();
-  quarantined.clear();
-  open.reset();
+  ReleaseClosedSession(*s);
   UpdateGauges();
   log::Event(spdlog::level::info, "session_closed").Str("session", s->id).Str("tenant", t.name);
   return v1::CloseSessionResponse();

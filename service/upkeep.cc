@@ -184,19 +184,7 @@ static void ExpireIdleSessions(EngineImpl& e) {
   if (ttl_s == 0 || e.draining_.load()) return;
   const std::vector<std::shared_ptr<Session>> idle = e.sessions_.RemoveIdle(int64_t{ttl_s} * 1000);
   for (const std::shared_ptr<Session>& s : idle) {
-    std::vector<std::shared_ptr<const Segment>> chain;
-    std::shared_ptr<Segment> open;
-    std::vector<storage::SegmentRef> refs;
-    {
-      std::unique_lock lock(s->mu);
-      s->state = SessionState::kClosed;
-      chain.swap(s->chain);
-      open.swap(s->open);
-      refs.swap(s->prefix_refs);
-      s->tail.clear();
-      s->cache.clear();
-      s->refactor_keys.clear();
-    }
+    ReleaseClosedSession(*s);
     if (s->durable && e.spill_) {
       if (absl::Status st = e.DeleteDurableRecord(*s); !st.ok()) {
         spdlog::error("idle session {} expired, but its durable record could not be deleted "
