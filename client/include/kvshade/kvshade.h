@@ -275,8 +275,8 @@ KVSHADE_API int kvshade_ingest_layer_part(kvshade_ingest* ingest, uint32_t layer
                                           const void* k, const void* v, const void* obs, int64_t w,
                                           int32_t hq);
 /* The same from this process's GPU memory (as kvshade_ingest_layer_cuda_ipc); the memory
- * must stay allocated and unchanged until the layer is taken (every part sent, then the
- * session's layers_ingested covers the layer) or the commit returns. */
+ * must stay allocated and unchanged until the daemon has read the part (the session's
+ * ingest_parts_taken counts it: parts are counted in the order sent) or the commit returns. */
 KVSHADE_API int kvshade_ingest_layer_part_cuda_ipc(kvshade_ingest* ingest, uint32_t layer,
                                                    uint64_t token_offset, int32_t last_part, int64_t n,
                                                    int32_t h, int32_t d, const void* k_handle,

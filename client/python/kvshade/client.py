@@ -363,8 +363,7 @@ class Ingest(_NativeHandle):
         k, v: torch CUDA tensors [n, h, d] bf16, contiguous (pre-RoPE keys). The daemon reads
         them from there (CUDA IPC); nothing is copied to the host here. They are kept alive
         by this stream until it is closed; the current stream is synchronized first so that
-        they hold their data. (release_taken counts whole layers: it suits whole layers
-        sent in layer order.)"""
+        they hold their data; release_taken lets them go once the daemon has read them."""
         import torch
         for name, t in (("k", k), ("v", v)):
             if not (isinstance(t, torch.Tensor) and t.is_cuda and t.dtype == torch.bfloat16
@@ -414,11 +413,11 @@ class Ingest(_NativeHandle):
             if max_held_bytes is None or held <= 1 or self.held_cuda_bytes <= max_held_bytes:
                 return self._released
             if info["state"] != "ingesting":
-                raise FailedPrecondition("session %s is %s, not ingesting: the daemon stopped taking its layers "
+                raise FailedPrecondition("session %s is %s, not ingesting: the daemon stopped taking its parts "
                                          "(%d of %d sent taken)" % (self._session_id, info["state"], done,
                                                                     len(self._keep)))
             if time.monotonic() > deadline:
-                raise DeadlineExceeded("the daemon took no layer of session %s for %.0f s (%d of %d sent taken)"
+                raise DeadlineExceeded("the daemon took no part of session %s for %.0f s (%d of %d sent taken)"
                                   % (self._session_id, timeout, done, len(self._keep)))
             time.sleep(pause)
             pause = min(pause * 2, 0.02)

@@ -1014,8 +1014,6 @@ class KvShadeCache(Cache):
         if start == 0 and not self._chunked:
             total = len(self._prompt_ids[0]) if self._prompt_ids else n
             if n < total:
-                if self._streams is not None or self._sender is not None:
-                    raise RuntimeError("KvShadeCache: a chunked prefill must start at layer 0")
                 self._chunked = True
                 self._history = [[] for _ in range(self.spec.num_layers)]
             return total
@@ -1047,16 +1045,9 @@ class KvShadeCache(Cache):
             try:
                 self._send_chunk_part(li, pk, pv, start, last)
             except Exception as e:  # noqa: BLE001 - "auto" falls back to the host path
-                if not (start == 0 and li == 0) or self._ingest_mode == "device":
+                if not (start == 0 and li == 0):
                     raise  # parts the daemon took are no longer here to send another way
-                self.ingest_error = e
-                for ing in self._streams:
-                    if ing is not None:
-                        ing.close()
-                self._close_created_sessions()
-                self._streams = None
-                self._ingest_mode = "host"
-                self._begin_host_ingest(total, pk.shape[0])
+                self._abandon_device_ingest(e, total, pk.shape[0])
         if self._sender is not None:
             self._sender.put(li, pk, pv, start, last)
         elif self._streams is None:
@@ -1236,10 +1227,12 @@ class KvShadeCache(Cache):
             except Exception:  # noqa: BLE001 - best effort
                 pass
 
-    def _abandon_device_ingest(self, error):
+    def _abandon_device_ingest(self, error, n=None, B=None):
         """Same-node ingest failed (e.g. the daemon is on another node): with ingest="auto"
         the prompt goes the host path instead (the layers are still on the GPU); the
-        sessions the device path created are closed. With ingest="device" the error stands."""
+        sessions the device path created are closed. With ingest="device" the error stands.
+        n, B: the prompt's length and batch when no layer is held yet (a chunked prefill's
+        first part)."""
         if self._ingest_mode == "device":
             raise error
         if any(x is _TAKEN for x in self._pre_k):
@@ -1253,7 +1246,8 @@ class KvShadeCache(Cache):
         self._streams = None
         self._ingest_mode = "host"
         held = [(li, k, v) for li, (k, v) in enumerate(zip(self._pre_k, self._v)) if k is not None]
-        B, n = held[0][1].shape[:2]
+        if held:
+            B, n = held[0][1].shape[:2]
         self._begin_host_ingest(n, B)
         for li, k, v in held:
             self._sender.put(li, k, v)
