@@ -1,8 +1,10 @@
-"""kvshade._native against the C ABI it declares by hand (client/include/kvshade/kvshade.h):
-every function the header exports is declared in _native._SIGNATURES with the header's
-number of parameters, nothing is declared that the header lacks, and every ctypes
-structure mirrors its C struct field for field (names and order). A function or field
-added on one side only fails here, not as a crash in a caller. No library, no server."""
+"""kvshade._native against the C ABI it declares (client/include/kvshade/kvshade.h), read
+here by a parser of this test's own, independent of scripts/gen_native.py that generates
+the declarations: every function the header exports is declared in _native._SIGNATURES
+with the header's number of parameters, nothing is declared that the header lacks, and
+every ctypes structure mirrors its C struct field for field (names and order). A function
+or field added on one side only fails here, not as a crash in a caller. No library, no
+server. (test_native_gen.py checks that the generated module is current.)"""
 import os
 import re
 import unittest
