@@ -86,6 +86,14 @@ class NativeAbiTest(unittest.TestCase):
                 fields = [f[0] for f in getattr(_native, py)._fields_]
                 self.assertEqual(fields, structs[c])
 
+    def test_error_classes_carry_the_headers_codes(self):
+        from kvshade import _native_abi, errors
+        for code, cls in errors.BY_CODE.items():
+            with self.subTest(cls=cls.__name__):
+                name = "KVSHADE_" + re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).upper()
+                self.assertEqual(getattr(_native_abi, name, None), code, "%s.code != %s" % (cls.__name__, name))
+        self.assertEqual(len(errors.BY_CODE), 16)
+
 
 if __name__ == "__main__":
     unittest.main()
