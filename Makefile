@@ -3,11 +3,13 @@
 #               machine can run (GPU tests skip themselves without a device and are
 #               reported as skipped)
 #   make demo   the main job (see README)
+#   make native regenerate client/python/kvshade/_native_abi.py (the Python package's ctypes
+#               declarations) from client/include/kvshade/kvshade.h
 BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: deps configure build fuzz-build sanitize-build test demo clean
+.PHONY: deps configure build fuzz-build sanitize-build test demo native clean
 
 deps:
 	./scripts/install-deps.sh
@@ -38,6 +40,9 @@ test: build fuzz-build sanitize-build
 
 demo: build
 	./scripts/demo.sh $(BUILD)
+
+native:
+	/usr/bin/python3 scripts/gen_native.py
 
 clean:
 	rm -rf $(BUILD)

@@ -1,8 +1,10 @@
-"""kvshade._native against the C ABI it declares by hand (client/include/kvshade/kvshade.h):
-every function the header exports is declared in _native._SIGNATURES with the header's
-number of parameters, nothing is declared that the header lacks, and every ctypes
-structure mirrors its C struct field for field (names and order). A function or field
-added on one side only fails here, not as a crash in a caller. No library, no server."""
+"""kvshade._native against the C ABI it declares (client/include/kvshade/kvshade.h), read
+here by a parser of this test's own, independent of scripts/gen_native.py that generates
+the declarations: every function the header exports is declared in _native._SIGNATURES
+with the header's number of parameters, nothing is declared that the header lacks, and
+every ctypes structure mirrors its C struct field for field (names and order). A function
+or field added on one side only fails here, not as a crash in a caller. No library, no
+server. (test_native_gen.py checks that the generated module is current.)"""
 import os
 import re
 import unittest
@@ -83,6 +85,14 @@ class NativeAbiTest(unittest.TestCase):
                 self.assertIn(c, structs, "kvshade.h has no typedef struct %s" % c)
                 fields = [f[0] for f in getattr(_native, py)._fields_]
                 self.assertEqual(fields, structs[c])
+
+    def test_error_classes_carry_the_headers_codes(self):
+        from kvshade import _native_abi, errors
+        for code, cls in errors.BY_CODE.items():
+            with self.subTest(cls=cls.__name__):
+                name = "KVSHADE_" + re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__).upper()
+                self.assertEqual(getattr(_native_abi, name, None), code, "%s.code != %s" % (cls.__name__, name))
+        self.assertEqual(len(errors.BY_CODE), 16)
 
 
 if __name__ == "__main__":

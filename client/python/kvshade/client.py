@@ -12,17 +12,25 @@ from typing import Any, Dict, List, Optional, Sequence
 import numpy as np
 
 from . import _native
+from . import _native_abi as _abi
 from .errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, from_code
 
-DTYPES = {"bf16": 1, "bfloat16": 1, "fp16": 2, "float16": 2, "fp32": 3, "float32": 3}
-PROFILES = {"auto": 1, "shadow": 2, "mini": 3, "exact": 4}
+# The values kvshade.h names (KVSHADE_*) come from it (_native_abi.py, generated).
+DTYPES = {"bf16": _abi.KVSHADE_DTYPE_BF16, "bfloat16": _abi.KVSHADE_DTYPE_BF16,
+          "fp16": _abi.KVSHADE_DTYPE_FP16, "float16": _abi.KVSHADE_DTYPE_FP16,
+          "fp32": _abi.KVSHADE_DTYPE_FP32, "float32": _abi.KVSHADE_DTYPE_FP32}
+PROFILES = {"auto": _abi.KVSHADE_PROFILE_AUTO, "shadow": _abi.KVSHADE_PROFILE_SHADOW,
+            "mini": _abi.KVSHADE_PROFILE_MINI, "exact": _abi.KVSHADE_PROFILE_EXACT}
 PROFILE_NAMES = {v: k for k, v in PROFILES.items()}
 CODECS = {"default": 0, "bf16": 1, "fp8": 2, "int4": 3, "int2": 4}
-RECALL_ACTIONS = {"default": 0, "report": 1, "widen": 2, "exact": 3}
-FALLBACK_NAMES = {2: "widen", 3: "exact"}  # kvshade_layer_selection.fallback
+RECALL_ACTIONS = {"default": 0, "report": _abi.KVSHADE_RECALL_REPORT, "widen": _abi.KVSHADE_RECALL_WIDEN,
+                  "exact": _abi.KVSHADE_RECALL_EXACT}
+# kvshade_layer_selection.fallback
+FALLBACK_NAMES = {_abi.KVSHADE_RECALL_WIDEN: "widen", _abi.KVSHADE_RECALL_EXACT: "exact"}
 SCALINGS = {"none": 0, "linear": 1, "llama3": 2, "yarn": 3}
 PAIRINGS = {"half": 0, "neox": 0, "interleaved": 1, "gptj": 1}
-DELIVERIES = {0: "inline", 1: "ucx_rma", 2: "cuda_ipc"}
+DELIVERIES = {_abi.KVSHADE_DELIVERY_INLINE: "inline", _abi.KVSHADE_DELIVERY_UCX_RMA: "ucx_rma",
+              _abi.KVSHADE_DELIVERY_CUDA_IPC: "cuda_ipc"}
 
 
 def _check(rc):
@@ -125,7 +133,8 @@ def cuda_ipc_ref(t, name, instead):
     return handle.raw, t.data_ptr() - base.value
 
 
-SELECT_PURPOSES = {"synchronous": 0, "speculative": 1, "correction": 2}
+SELECT_PURPOSES = {"synchronous": _abi.KVSHADE_SELECT_SYNCHRONOUS, "speculative": _abi.KVSHADE_SELECT_SPECULATIVE,
+                   "correction": _abi.KVSHADE_SELECT_CORRECTION}
 
 
 def _purpose_code(purpose):

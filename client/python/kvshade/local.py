@@ -35,6 +35,11 @@ def _torch():
     return torch
 
 
+def _typed_ptr(t, ctype):
+    """A tensor's address (host or device memory) as the typed pointer kvshade.h declares."""
+    return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctype))
+
+
 class LocalDecoder(_NativeHandle):
     def __init__(self, client: Client, attachment_ids: Sequence[str], backend: str = "auto",
                  local_capacity: int = 1024, count_hits: bool = False) -> None:
@@ -129,16 +134,16 @@ class LocalDecoder(_NativeHandle):
                     or not chunks.is_contiguous() or chunks.device != q.device:
                 raise ValueError(f"chunks must be a contiguous int32 [{B}, {h}, m] tensor on {q.device}")
             _check(_native.lib().kvshade_local_decoder_attend_chunks(
-                self._h, int(layer), ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(chunks.data_ptr()),
+                self._h, int(layer), ctypes.c_void_p(q.data_ptr()), _typed_ptr(chunks, ctypes.c_int32),
                 int(chunks.shape[2]), None if k_new is None else ctypes.c_void_p(k_new.data_ptr()),
-                None if v_new is None else ctypes.c_void_p(v_new.data_ptr()), ctypes.c_void_p(out.data_ptr()),
-                None if lse is None else ctypes.c_void_p(lse.data_ptr()), stream))
+                None if v_new is None else ctypes.c_void_p(v_new.data_ptr()), _typed_ptr(out, ctypes.c_float),
+                None if lse is None else _typed_ptr(lse, ctypes.c_float), stream))
             return (out, lse) if return_lse else out
         _check(_native.lib().kvshade_local_decoder_attend_lse(
             self._h, int(layer), ctypes.c_void_p(q.data_ptr()),
             None if k_new is None else ctypes.c_void_p(k_new.data_ptr()),
             None if v_new is None else ctypes.c_void_p(v_new.data_ptr()),
-            ctypes.c_void_p(out.data_ptr()), None if lse is None else ctypes.c_void_p(lse.data_ptr()), stream))
+            _typed_ptr(out, ctypes.c_float), None if lse is None else _typed_ptr(lse, ctypes.c_float), stream))
         return (out, lse) if return_lse else out
 
     def advance(self) -> None:

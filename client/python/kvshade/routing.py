@@ -18,10 +18,11 @@ from typing import List, Sequence
 import numpy as np
 
 from . import _native
+from . import _native_abi as _abi
 from .errors import InvalidArgument, from_code
 
-ROUTE_SEED = 0x6B7673726F757465  # "kvsroute"
-DEFAULT_ROUTE_PREFIX_TOKENS = 256
+ROUTE_SEED = _abi.KVSHADE_ROUTE_SEED  # "kvsroute"
+DEFAULT_ROUTE_PREFIX_TOKENS = _abi.KVSHADE_DEFAULT_ROUTE_PREFIX_TOKENS
 
 
 def _check(rc):
