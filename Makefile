@@ -2,6 +2,8 @@
 #   make test   install Debian build deps, configure, build, run every test that this
 #               machine can run (GPU tests skip themselves without a device and are
 #               reported as skipped)
+#   make check  the same run without the two extra trees (clang fuzz, ThreadSanitizer) and
+#               without the tests that need them: one tree compiled instead of three
 #   make demo   the main job (see README)
 #   make native regenerate client/python/kvshade/_native_abi.py (the Python package's ctypes
 #               declarations) from client/include/kvshade/kvshade.h
@@ -9,7 +11,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: deps configure build fuzz-build sanitize-build test demo native clean
+.PHONY: deps configure build fuzz-build sanitize-build test check demo native clean
 
 deps:
 	./scripts/install-deps.sh
@@ -37,6 +39,12 @@ test: build fuzz-build sanitize-build
 	rc=0; ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) \
 	  --output-log $(BUILD)/Testing/make-test.log || rc=$$?; \
 	./tests/ctest-summary.sh $(BUILD)/Testing/make-test.log; exit $$rc
+
+# `make test` less the fuzz and sanitizer entries (labels fuzz, sanitize) and their trees.
+check: build
+	rc=0; ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) -LE 'fuzz|sanitize' \
+	  --output-log $(BUILD)/Testing/make-check.log || rc=$$?; \
+	./tests/ctest-summary.sh $(BUILD)/Testing/make-check.log; exit $$rc
 
 demo: build
 	./scripts/demo.sh $(BUILD)
