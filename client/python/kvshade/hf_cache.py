@@ -38,7 +38,9 @@ Contract and limits:
     slot buffers that one batched select per layer fills through the daemon's data path
     (`decode="rpc"`, another node).
     Sequences of different lengths that join and leave one decode batch: kvshade.serving
-    (BatchCache, Generator), over sessions prefilled here with decode=None.
+    (BatchCache, Generator), over sessions prefilled here with decode=None; transformers'
+    own continuous batching (generate_batch, `transformers serve`): kvshade.hf_batching,
+    over the same two pieces.
     Chunked prefill: with prompt_ids naming the whole prompt, the prompt may come in several
     forwards of consecutive tokens (or KvShadeCache.prefill(model, chunk_tokens)); each
     chunk attends to the earlier ones exactly, whose K/V wait in host memory, and each
