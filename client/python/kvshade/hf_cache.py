@@ -38,7 +38,9 @@ Contract and limits:
     slot buffers that one batched select per layer fills through the daemon's data path
     (`decode="rpc"`, another node).
     Sequences of different lengths that join and leave one decode batch: kvshade.serving
-    (BatchCache, Generator), over sessions prefilled here with decode=None.
+    (BatchCache, Generator), over sessions prefilled here with decode=None; transformers'
+    own continuous batching (generate_batch, `transformers serve`): kvshade.hf_batching,
+    over the same two pieces.
     Chunked prefill: with prompt_ids naming the whole prompt, the prompt may come in several
     forwards of consecutive tokens (or KvShadeCache.prefill(model, chunk_tokens)); each
     chunk attends to the earlier ones exactly, whose K/V wait in host memory, and each
@@ -93,6 +95,10 @@ if not callable(getattr(AttentionInterface, "register", None)):
                       % getattr(transformers, "__version__", "?"))
 
 ATTENTION_NAME = "kvshade"
+# transformers' continuous batching runs "paged|<name>" (kvshade.hf_batching registers it); a
+# model switched to it decodes through kvshade under both names.
+PAGED_ATTENTION_NAME = "paged|" + ATTENTION_NAME
+ATTENTION_NAMES = (ATTENTION_NAME, PAGED_ATTENTION_NAME)
 # Where kvshade keeps K and V (service/model.cc converts every wire dtype to bf16).
 STORE_DTYPE = torch.bfloat16
 
@@ -357,11 +363,26 @@ def register_sdpa_mask(name):
     AttentionMaskInterface.register(name, sdpa)
 
 
+def require_attention(model):
+    """The model's text config, once its attention implementation is kvshade's ("kvshade",
+    or "paged|kvshade" for transformers' continuous batching); else a ValueError that says
+    how to switch it."""
+    config = _text_config(model.config)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ATTENTION_NAMES:
+        raise ValueError("the model's attention implementation is %r, not %r: call kvshade.hf_cache.enable(model) "
+                         "(or load it with attn_implementation=%r)" % (impl, ATTENTION_NAME, ATTENTION_NAME))
+    return config
+
+
 def enable(model):
     """Registers the attention function and switches `model` to it (set_attn_implementation
     where the installed transformers has it). The model still runs normally with any other
-    cache: those calls go to sdpa."""
+    cache: those calls go to sdpa. A model already on "paged|kvshade" (kvshade.hf_batching)
+    stays on it: that function serves these caches as well."""
     register()
+    if getattr(_text_config(model.config), "_attn_implementation", None) in ATTENTION_NAMES:
+        return model
     setter = getattr(model, "set_attn_implementation", None)
     if callable(setter):
         setter(ATTENTION_NAME)
@@ -756,12 +777,7 @@ class KvShadeCache(Cache):
     def __init__(self, client, model, profile, prompt_ids=None, model_id=None, worker_id="hf-cache",
                  prefill_attention="sdpa", decode="auto", count_hits=False, ingest="auto", delivery="auto",
                  speculate=False, correct_below=0.9, ingest_window_bytes=2 << 30):
-        config = _text_config(model.config)
-        impl = getattr(config, "_attn_implementation", None)
-        if impl != ATTENTION_NAME:
-            raise ValueError("the model's attention implementation is %r, not %r: call "
-                             "kvshade.hf_cache.enable(model) (or load it with attn_implementation=%r)"
-                             % (impl, ATTENTION_NAME, ATTENTION_NAME))
+        config = require_attention(model)
         if model_id is None:
             model_id = getattr(model, "name_or_path", "") or getattr(config, "_name_or_path", "")
             # A model without a name (random weights) gets an id of its own: sharing a

@@ -106,11 +106,7 @@ class BatchCache(Cache):
 
     def __init__(self, client, model, model_id=None, worker_id="kvshade-serving", local_capacity=1024,
                  count_hits=False):
-        config = hf_cache._text_config(model.config)
-        impl = getattr(config, "_attn_implementation", None)
-        if impl != hf_cache.ATTENTION_NAME:
-            raise ValueError("the model's attention implementation is %r, not %r: call kvshade.hf_cache.enable(model)"
-                             % (impl, hf_cache.ATTENTION_NAME))
+        config = hf_cache.require_attention(model)
         self.client = client
         self.model_id = model_id
         self.worker_id = worker_id
@@ -203,6 +199,22 @@ class BatchCache(Cache):
             raise
         return out.logits[:, -1]
 
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               scaling: Optional[float] = None) -> torch.Tensor:
+        """One layer of one decode step of the whole batch, for a forward this cache does not
+        run itself (kvshade.hf_batching): query [B, hq, 1, d], key/value [B, h, 1, d] post-RoPE
+        in batch order -> [B, 1, hq, d]. The model's last layer ends the step (every sequence
+        one token longer)."""
+        if query.shape[0] != self.batch or key.shape[0] != self.batch:
+            raise ValueError("layer %d: %d queries for a batch of %d" % (layer, query.shape[0], self.batch))
+        if layer == 0:
+            full = [s.session_id for s in self.sequences if s.decoded >= self.local_capacity]
+            if full:
+                raise FailedPrecondition("sequences %s decoded local_capacity (%d) tokens in this batch"
+                                         % (full, self.local_capacity))
+        k, v = hf_cache._round_to_store(key), hf_cache._round_to_store(value)
+        return self._decode_attention(layer, query, k, v, scaling)
+
     def close(self, close_sessions: bool = False) -> None:
         """Leaves every sequence (closing their sessions with close_sessions) and frees the decoder."""
         while self.sequences:
@@ -237,6 +249,21 @@ class BatchCache(Cache):
                 s.decoded += 1
             self._positions = None
         return out.to(query.dtype).reshape(b, 1, hq, d)
+
+
+def ready_session(kc):
+    """The session of a prefill-only hf_cache.KvShadeCache (decode=None, one sequence) once
+    its prompt is committed: waits for the commit, lets go of the cache (the session stays
+    open) and returns (session_id, reused_tokens). If the commit failed, the session is
+    closed and the error raised."""
+    try:
+        kc.wait_ready()
+        session_id, reused = kc.session_ids[0], kc.created.reused_tokens
+    except BaseException:
+        kc.close(close_session=True)
+        raise
+    kc.close()
+    return session_id, reused
 
 
 @dataclass
@@ -364,13 +391,10 @@ class Generator:
             if end < n:
                 return False
             token = self.sampler(out.logits[:, -1])[0]
-            kc.wait_ready()
         except BaseException:
             kc.close(close_session=True)
             raise
-        req.session_id = kc.session_ids[0]
-        req.reused_tokens = kc.created.reused_tokens
-        kc.close()
+        req.session_id, req.reused_tokens = ready_session(kc)
         self._pick(req, token)
         return True
 
