@@ -2,10 +2,12 @@
 keys, weights and ranks that route_vectors (a C++ program over client::Router) prints for 64
 fixed prompts and endpoint lists must be what Python computes; plus the properties callers
 rely on (only the first route_prefix_tokens tokens count, removing an endpoint moves only its
-keys) and the refusals."""
+keys) and the refusals. Then the per-GPU daemon lookup (gpu_daemon_target, node_gpu_index)
+over a made-up sysfs tree."""
 import json
 import os
 import subprocess
+import tempfile
 import unittest
 
 import numpy as np
@@ -84,6 +86,58 @@ class RoutingTest(unittest.TestCase):
         with self.assertRaises(kvshade.InvalidArgument):
             routing.prefix_key("m", [1, 2], 0)
         self.assertEqual(routing.rendezvous_rank([], 5), [])
+
+
+def fake_sysfs(root, devices):
+    """/sys/bus/pci/devices under root: (address, vendor, class, driver or None) each."""
+    os.makedirs(os.path.join(root, "drivers"))
+    for address, vendor, klass, driver in devices:
+        d = os.path.join(root, "devices", address)
+        os.makedirs(d)
+        open(os.path.join(d, "vendor"), "w").write(vendor + "\n")
+        open(os.path.join(d, "class"), "w").write(klass + "\n")
+        if driver:
+            os.makedirs(os.path.join(root, "drivers", driver), exist_ok=True)
+            os.symlink(os.path.join("..", "..", "drivers", driver), os.path.join(d, "driver"))
+    return os.path.join(root, "devices")
+
+
+class PerGpuDaemonTest(unittest.TestCase):
+    def test_target_is_the_base_port_plus_the_gpu(self):
+        self.assertEqual(routing.gpu_daemon_target("kvshade.kvshade.svc:50551", 0), "kvshade.kvshade.svc:50551")
+        self.assertEqual(routing.gpu_daemon_target("kvshade.kvshade.svc:50551", 7), "kvshade.kvshade.svc:50558")
+        self.assertEqual(routing.gpu_daemon_target("[::1]:50551", 3), "[::1]:50554")
+        self.assertEqual(routing.gpu_daemon_target("dns:///kv:50551", 1), "dns:///kv:50552")
+        for bad in ("kvshade", "unix:/run/kvshade.sock", ":50551", "kv:port"):
+            with self.assertRaises(kvshade.InvalidArgument, msg=bad):
+                routing.gpu_daemon_target(bad, 1)
+        with self.assertRaises(kvshade.InvalidArgument):
+            routing.gpu_daemon_target("kv:65535", 1)
+        with self.assertRaises(kvshade.InvalidArgument):
+            routing.gpu_daemon_target("kv:50551", -1)
+
+    def test_node_gpus_in_pci_bus_order(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            sysfs = fake_sysfs(tmp, [
+                ("0000:b7:00.0", "0x10de", "0x030200", "nvidia"),     # GPU 3
+                ("0000:18:00.0", "0x10de", "0x030200", "nvidia"),     # GPU 0
+                ("0000:2a:00.0", "0x10de", "0x030000", "nvidia"),     # GPU 1 (VGA class)
+                ("0000:9a:00.0", "0x10de", "0x030200", "nvidia"),     # GPU 2
+                ("0000:05:00.0", "0x10de", "0x068000", "nvidia"),     # an NVSwitch: not a GPU
+                ("0000:3b:00.0", "0x10de", "0x030200", "vfio-pci"),   # passed to a VM
+                ("0000:3c:00.0", "0x10de", "0x030200", None),         # no driver
+                ("0000:00:02.0", "0x8086", "0x030000", "i915"),       # another vendor
+            ])
+            self.assertEqual(routing.node_gpus(sysfs),
+                             ["0000:18:00.0", "0000:2a:00.0", "0000:9a:00.0", "0000:b7:00.0"])
+            # CUDA and NVML spell the address in upper case, NVML with an 8-digit domain.
+            self.assertEqual(routing.node_gpu_index("0000:18:00.0", sysfs), 0)
+            self.assertEqual(routing.node_gpu_index("0000:9A:00.0", sysfs), 2)
+            self.assertEqual(routing.node_gpu_index("00000000:B7:00.0", sysfs), 3)
+            with self.assertRaises(kvshade.InvalidArgument):
+                routing.node_gpu_index("0000:3b:00.0", sysfs)
+            with self.assertRaises(kvshade.InvalidArgument):
+                routing.node_gpu_index("GPU-1234", sysfs)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,17 @@ prefix key  = XXH3-64 (seed ROUTE_SEED) of the model id's bytes, one 0x00 byte, 
               min(n, route_prefix_tokens) token ids as int32 little-endian;
 weight(e,k) = XXH3-64 (seed XXH3-64(endpoint name, seed ROUTE_SEED)) of k as 8 bytes
               little-endian; the owner has the highest weight (ties: the lower name).
+
+One daemon per GPU (the Helm chart's gpusPerNode; deploy/README.md "One daemon per GPU"):
+the daemon of the node's GPU i listens on the base port + i, where i counts the node's GPUs
+in PCI bus order. A worker finds the daemon of its own GPU, whatever GPUs its container sees:
+
+    from kvshade.routing import gpu_daemon_target, local_gpu_index
+    target = gpu_daemon_target("kvshade.kvshade.svc:50551", local_gpu_index(torch.cuda.current_device()))
 """
 import ctypes
-from typing import List, Sequence
+import os
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
@@ -83,3 +91,74 @@ class Placement:
 
     def owner(self, model_id: str, token_ids) -> str:
         return self.rank(model_id, token_ids)[0]
+
+
+def gpu_daemon_target(base_target: str, gpu: int) -> str:
+    """The address of the daemon of the node's GPU `gpu` where a node runs one daemon per GPU:
+    base_target (HOST:PORT, the daemon of GPU 0) with its port plus gpu."""
+    host, sep, port = base_target.rpartition(":")
+    if not sep or not host or not port.isdigit() or base_target.startswith("unix:"):
+        raise InvalidArgument("gpu_daemon_target: base_target must be HOST:PORT, got %r" % (base_target,))
+    if gpu < 0 or int(port) + gpu > 65535:
+        raise InvalidArgument("gpu_daemon_target: no port for GPU %d from %r" % (gpu, base_target))
+    return "%s:%d" % (host, int(port) + gpu)
+
+
+def _pci_address(text: str) -> Tuple[int, int, int, int]:
+    """(domain, bus, device, function) of "DOMAIN:BUS:DEVICE.FUNCTION" (hexadecimal, any case and
+    width: CUDA writes 0000:3B:00.0, NVML 00000000:3B:00.0, sysfs 0000:3b:00.0)."""
+    try:
+        domain, bus, rest = text.strip().split(":")
+        device, function = rest.split(".")
+        return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
+    except ValueError:
+        raise InvalidArgument("not a PCI address (DOMAIN:BUS:DEVICE.FUNCTION): %r" % (text,)) from None
+
+
+def node_gpus(sysfs: str = "/sys/bus/pci/devices") -> List[str]:
+    """The PCI addresses of the node's NVIDIA GPUs (vendor 0x10de, display or 3D controller,
+    bound to the nvidia driver), in PCI bus order: the order, and so the numbering, of the
+    CUDA devices of a process that sees every GPU with CUDA_DEVICE_ORDER=PCI_BUS_ID, as the
+    per-GPU daemons do. sysfs shows every device of the node, also in a container that sees
+    one GPU."""
+    found = []
+    for name in os.listdir(sysfs):
+        d = os.path.join(sysfs, name)
+        try:
+            with open(os.path.join(d, "vendor")) as f:
+                vendor = f.read().strip()
+            with open(os.path.join(d, "class")) as f:
+                klass = f.read().strip()
+            driver = os.path.basename(os.readlink(os.path.join(d, "driver")))
+        except OSError:
+            continue
+        if vendor == "0x10de" and klass.startswith("0x03") and driver == "nvidia":
+            found.append(name)
+    return sorted(found, key=_pci_address)
+
+
+def node_gpu_index(pci_bus_id: str, sysfs: str = "/sys/bus/pci/devices") -> int:
+    """The node's index of the GPU at PCI address pci_bus_id (cudaDeviceGetPCIBusId,
+    nvidia-smi's pci.bus_id): its place in node_gpus(), which is the cuda:i of its daemon."""
+    want = _pci_address(pci_bus_id)
+    gpus = node_gpus(sysfs)
+    for i, address in enumerate(gpus):
+        if _pci_address(address) == want:
+            return i
+    raise InvalidArgument("GPU %s is not among the node's NVIDIA GPUs in %s (%s)"
+                          % (pci_bus_id, sysfs, ", ".join(gpus) or "none"))
+
+
+def local_gpu_index(device: int = 0, sysfs: str = "/sys/bus/pci/devices") -> int:
+    """The node's index of this process's CUDA device `device` (an ordinal under this process's
+    own CUDA_VISIBLE_DEVICES and device order), found by its PCI address through the CUDA
+    driver (cuInit, cuDeviceGetPCIBusId)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    handle = ctypes.c_int()
+    bus_id = ctypes.create_string_buffer(64)
+    for call, args in (("cuInit", (0,)), ("cuDeviceGet", (ctypes.byref(handle), device)),
+                       ("cuDeviceGetPCIBusId", (bus_id, 64, handle))):
+        rc = getattr(lib, call)(*args)
+        if rc != 0:
+            raise InvalidArgument("%s failed (CUDA error %d) for device %d" % (call, rc, device))
+    return node_gpu_index(bus_id.value.decode(), sysfs)
