@@ -3,8 +3,11 @@
 # + Debian's sprig + Helm's functions, tests/deploy/helmrender), checked by helm_check.py
 # (selectors, probes, mounts, ServiceMonitor job, the ConfigMap through kvshade-server
 # --check-config), then validated against the Kubernetes and prometheus-operator schemas of
-# the npm packages kubernetes-models (tests/deploy/k8s-validate). Values: the defaults and
-# helm-values-tls-tenants.yaml; TLS without its Secret must fail to render.
+# the npm packages kubernetes-models (tests/deploy/k8s-validate). Values: the defaults,
+# helm-values-tls-tenants.yaml and helm-values-per-gpu.yaml (one daemon per GPU on a 4-GPU
+# node: 4 containers, cuda:0..3, each with its own ports, config and spill directory); TLS
+# without its Secret, and per-GPU values that would make the daemons collide, must fail to
+# render; NOTES.txt must render and name every daemon's port.
 # Exits 77 (skipped) without Go and sprig; the schema step is skipped (said so) when npm
 # cannot install its packages. Usage: helm_test.sh SOURCE_DIR BUILD_DIR KVSHADE_SERVER
 set -euo pipefail
@@ -28,11 +31,39 @@ trap 'rm -rf "$tmp"' EXIT
 "$tools/helmrender" -name edge -f "$here/helm-values-tls-tenants.yaml" "$chart" > "$tmp/tls.yaml"
 "$py" "$here/helm_check.py" "$tmp/default.yaml" "$server" "$tmp/default.json"
 "$py" "$here/helm_check.py" "$tmp/tls.yaml" "$server" "$tmp/tls.json"
-printf 'tls:\n  enabled: true\n' > "$tmp/tls-no-secret.yaml"
-if "$tools/helmrender" -f "$tmp/tls-no-secret.yaml" "$chart" > /dev/null 2> "$tmp/err.txt"; then
-  echo "FAIL: tls.enabled without tls.existingSecret rendered"; exit 1
-fi
-grep -q "tls.existingSecret" "$tmp/err.txt" || { cat "$tmp/err.txt"; echo "FAIL: wrong error"; exit 1; }
+"$tools/helmrender" -name kvshade -f "$here/helm-values-per-gpu.yaml" "$chart" > "$tmp/per-gpu.yaml"
+"$py" "$here/helm_check.py" "$tmp/per-gpu.yaml" "$server" "$tmp/per-gpu.json" 4
+
+# Values that must not render: each file, then a word its error must hold.
+refused() {  # NAME WORD VALUES-YAML
+  printf '%b' "$3" > "$tmp/$1.yaml"
+  if "$tools/helmrender" -f "$tmp/$1.yaml" "$chart" > /dev/null 2> "$tmp/err.txt"; then
+    echo "FAIL: $1 rendered"; exit 1
+  fi
+  grep -q -- "$2" "$tmp/err.txt" || { cat "$tmp/err.txt"; echo "FAIL: $1: the error does not name $2"; exit 1; }
+}
+refused tls-no-secret tls.existingSecret 'tls:\n  enabled: true\n'
+refused per-gpu-zero gpusPerNode 'gpusPerNode: 0\n'
+refused per-gpu-cpu "backend must be auto or cuda" 'gpusPerNode: 2\nbackend: cpu\n'
+refused per-gpu-cuda-n "backend must be auto or cuda" 'gpusPerNode: 2\nbackend: "cuda:1"\n'
+refused per-gpu-visible visibleDevices 'gpusPerNode: 2\ngpu:\n  visibleDevices: "0,1"\n'
+refused per-gpu-listen env.KVSHADE_LISTEN 'gpusPerNode: 2\nenv:\n  KVSHADE_LISTEN: "0.0.0.0:50551"\n'
+refused per-gpu-spill config.spill_path 'gpusPerNode: 2\nconfig:\n  spill_path: /var/lib/kvshade/x\n'
+refused per-gpu-ports overlap 'gpusPerNode: 8\nservice:\n  grpcPort: 9460\n'
+refused per-gpu-kv-events "kv_events.endpoint" 'gpusPerNode: 2\nconfig:\n  kv_events:\n    endpoint: "tcp://*:5557"\n'
+refused per-gpu-broker descriptor_broker 'gpusPerNode: 2\nenv:\n  KVSHADE_SAME_NODE_DESCRIPTOR_BROKER: "@kvshade"\n'
+
+# NOTES.txt (which Helm prints and helmrender skips): rendered from a copy of the chart where
+# it is a template, for the defaults and for the per-GPU values.
+cp -r "$chart" "$tmp/chart" && mv "$tmp/chart/templates/NOTES.txt" "$tmp/chart/templates/notes.yaml"
+"$tools/helmrender" -name kvshade "$tmp/chart" | sed -n '/templates\/notes.yaml/,$p' > "$tmp/notes.txt"
+grep -q "kvshade.default.svc:50551" "$tmp/notes.txt" || { cat "$tmp/notes.txt"; echo "FAIL: NOTES"; exit 1; }
+"$tools/helmrender" -name kvshade -f "$here/helm-values-per-gpu.yaml" "$tmp/chart" \
+  | sed -n '/templates\/notes.yaml/,$p' > "$tmp/notes.txt"
+for i in 0 1 2 3; do
+  grep -q "GPU $i: kvshade.default.svc:5055$((1 + i))  (metrics $((9464 + i)))" "$tmp/notes.txt" \
+    || { cat "$tmp/notes.txt"; echo "FAIL: NOTES does not name GPU $i's daemon"; exit 1; }
+done
 
 # Schemas: the npm packages, installed once into the build directory from the lock file.
 val=$tools/k8s-validate
@@ -44,6 +75,7 @@ if [ -d "$val/node_modules/kubernetes-models" ] && command -v node > /dev/null; 
   cp "$here/k8s-validate/validate.mjs" "$val/"
   node "$val/validate.mjs" "$tmp/default.json"
   node "$val/validate.mjs" "$tmp/tls.json"
+  node "$val/validate.mjs" "$tmp/per-gpu.json"
   echo "helm_test: OK (rendered, checked, schema-validated)"
 else
   echo "helm_test: schema validation SKIPPED (npm could not install kubernetes-models: $(tail -1 "$tmp/npm.log" 2>/dev/null))"
