@@ -30,6 +30,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
+#include "kvshade/kernels/backend.h"
 
 namespace kvshade::service {
 namespace {
@@ -638,8 +639,7 @@ absl::Status ValidateConfig(const ServerConfig& c) {
       return bad("listen must be HOST:PORT (port 0-65535) or unix:PATH, got '", c.listen, "'");
     }
   }
-  if (!(c.backend == "cpu" || c.backend == "cuda" || c.backend == "auto" ||
-        absl::StartsWith(c.backend, "cuda:"))) {
+  if (!kernels::ParseBackendName(c.backend).ok()) {
     return bad("backend must be cpu, cuda, cuda:N or auto, got '", c.backend, "'");
   }
   if (c.device_budget_bytes == 0) return bad("device_budget must be > 0");

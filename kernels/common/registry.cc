@@ -1,5 +1,6 @@
 // The backend registry: the one place that knows which backends this build contains.
 // Service code asks here instead of testing build macros.
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -7,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "cpu/cpu_backend.h"
+#include "kvshade/base/status_macros.h"
 #include "kvshade/kernels/backend.h"
 #if KVSHADE_HAVE_CUDA
 #include "cuda/cuda_backend.h"
@@ -22,32 +24,39 @@ std::vector<std::string> AvailableBackends() {
   return out;
 }
 
+absl::StatusOr<BackendName> ParseBackendName(std::string_view name) {
+  if (name == "cpu" || name == "auto" || name == "cuda") return BackendName{std::string(name), 0};
+  int device = -1;
+  if (name.substr(0, 5) == "cuda:") {
+    const std::string n(name.substr(5));
+    if (!n.empty() && std::all_of(n.begin(), n.end(), [](char ch) { return ch >= '0' && ch <= '9'; }) &&
+        absl::SimpleAtoi(n, &device)) {
+      return BackendName{"cuda", device};
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat("bad backend name '", std::string(name),
+                                                 "' (expected cpu, cuda, cuda:N or auto)"));
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view name) {
-  if (name == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>());
-  if (name == "auto") {
+  KVSHADE_ASSIGN_OR_RETURN(const BackendName b, ParseBackendName(name));
+  if (b.kind == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>());
+  if (b.kind == "auto") {
 #if KVSHADE_HAVE_CUDA
     if (CudaDeviceCount() > 0) return CreateCudaBackend(0);
 #endif
     return std::unique_ptr<Backend>(std::make_unique<CpuBackend>());
   }
-  if (name == "cuda" || name.substr(0, 5) == "cuda:") {
-    int device = 0;
-    if (name.size() > 5 && !absl::SimpleAtoi(std::string(name.substr(5)), &device)) {
-      return absl::InvalidArgumentError(absl::StrCat("bad backend name '", std::string(name), "'"));
-    }
 #if KVSHADE_HAVE_CUDA
-    if (CudaDeviceCount() <= device) {
-      return absl::UnavailableError(absl::StrCat("backend '", std::string(name), "': CUDA device ", device,
-                                                 " not present (", CudaDeviceCount(),
-                                                 " visible)"));
-    }
-    return CreateCudaBackend(device);
-#else
-    return absl::UnavailableError("backend 'cuda': this build has no CUDA backend");
-#endif
+  if (CudaDeviceCount() <= b.device) {
+    return absl::UnavailableError(absl::StrCat("backend '", std::string(name), "': CUDA device ",
+                                               b.device, " not present (", CudaDeviceCount(),
+                                               " visible)"));
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown backend '", std::string(name), "' (expected cpu, cuda, cuda:N or auto)"));
+  return CreateCudaBackend(b.device);
+#else
+  return absl::UnavailableError("backend 'cuda': this build has no CUDA backend");
+#endif
 }
 
 }  // namespace kvshade::kernels

@@ -198,6 +198,10 @@ TEST(Config, RejectsTyposBadValuesAndBadFiles) {
   EXPECT_EQ(invalid([](ServerConfig& c) { c.listen = "nohostport"; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.listen = "h:99999"; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.backend = "tpu"; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.backend = "cuda:x"; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.backend = "cuda:"; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.backend = "cuda:-1"; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.backend = "cuda:1"; }), C::kOk);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.host_budget_bytes = 0; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.spill_budget_bytes = 1; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.tls.cert_file = "/etc/hostname"; }), C::kInvalidArgument);

@@ -572,6 +572,14 @@ class Backend {
 // Backends compiled into this build, by name ("cpu" always; "cuda" when built and a device
 // is visible).
 std::vector<std::string> AvailableBackends();
+// A backend name's kind and device: "cpu", "auto", "cuda" (device 0) or "cuda:N" (N a
+// non-negative decimal); InvalidArgument for anything else. Whether it can be created here
+// is CreateBackend's question.
+struct BackendName {
+  std::string kind;  // "cpu", "cuda" or "auto"
+  int device = 0;
+};
+absl::StatusOr<BackendName> ParseBackendName(std::string_view name);
 // Creates a backend: "cpu", "cuda" (device 0), "cuda:N", or "auto" (cuda when available,
 // else cpu). Unavailable when the backend is not built or no device is present.
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view name);
