@@ -94,6 +94,10 @@ struct AttachmentExports {
   std::vector<std::unique_ptr<ExportGeneration>> live;
 };
 
+// RestoreRecords' parsed records and rebuilt segments (durable.cc).
+struct ParsedRecords;
+struct RebuiltSegments;
+
 // A reusable chain of registered segments for a prompt (EngineImpl::FindReusable).
 struct ReuseMatch {
   std::vector<std::shared_ptr<const Segment>> chain;
@@ -230,6 +234,11 @@ class EngineImpl {
                                         std::optional<uint64_t> at_tokens = std::nullopt);
 
   // --- durable.cc ---
+  // Reads the bytes of one factor blob of a stored segment into dst (dst.size() is the
+  // blob's size in the segment's metadata record).
+  using FactorReader = std::function<absl::Status(const storage::SegmentId& id, int layer,
+                                                  storage::FactorKind kind,
+                                                  absl::Span<std::byte> dst)>;
   // Writes a sealed segment's values (already in the store) and factors through as
   // durable; sets seg.durable.
   absl::Status SealSegmentValues(Segment& seg, bool durable, const ModelInfo& m);
@@ -330,11 +339,6 @@ class EngineImpl {
   std::string SegmentMetadata(const Segment& seg, const ModelInfo& m) const;
   absl::Status DeleteDurableRecord(const Session& s);
   void DeleteSegmentRecord(const storage::Id128& id);
-  // Reads the bytes of one factor blob of a stored segment into dst (dst.size() is the
-  // blob's size in the segment's metadata record).
-  using FactorReader = std::function<absl::Status(const storage::SegmentId& id, int layer,
-                                                  storage::FactorKind kind,
-                                                  absl::Span<std::byte> dst)>;
   // At start: the durable records of the spill tier, through RestoreRecords.
   absl::Status RestoreDurable();
   // What RestoreDurable does with the durable records it found: rebuilds the sessions of
@@ -343,6 +347,19 @@ class EngineImpl {
   // a damaged one is skipped, never a crash.
   absl::Status RestoreRecords(const std::vector<storage::SegmentMeta>& metas,
                               const FactorReader& read_factor);
+  // Its steps: parse the records (stale session records listed for deletion); rebuild the
+  // segments the sessions' chains use (orphans deleted); rebuild the sessions over them
+  // (their tails read, their prefixes registered), restoring one whose records are not
+  // whole as damaged. read_error is the first I/O error of read_factor: it refuses the
+  // restore.
+  ParsedRecords ParseRecords(const std::vector<storage::SegmentMeta>& metas) const;
+  RebuiltSegments RebuildSegments(const ParsedRecords& records, const storage::SpillDamage& damage,
+                                  const FactorReader& read_factor);
+  absl::Status RebuildSessions(ParsedRecords& records, const RebuiltSegments& segments,
+                               const storage::SpillDamage& damage, const FactorReader& read_factor,
+                               const absl::Status& read_error);
+  // Registers a restored session's chain in the prefix index, parents first.
+  void RegisterRestoredPrefixes(Session& s);
 
   // --- peer_memory.cc ---
   absl::StatusOr<kernels::PeerBuffer> AcquirePeer(const std::string& handle);
