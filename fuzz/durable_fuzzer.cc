@@ -30,7 +30,7 @@
 #include <tuple>
 #include <vector>
 
-#include "engine_impl.h"
+#include "engine_internals.h"
 #include <spdlog/spdlog.h>
 
 #include "kvshade/kernels/backend.h"
@@ -152,7 +152,7 @@ Input Parse(const uint8_t* data, size_t size) {
 
 void Exercise(Engine& engine) {
   std::mt19937_64 rng(7);
-  for (const auto& s : engine.impl().sessions_.AllSessions()) {
+  for (const auto& s : EngineInternals(engine).AllSessions()) {
     const Tenant t{s->tenant, TenantSalt(s->tenant, "")};
     v1::GetSessionRequest g;
     g.set_session_id(s->id);
@@ -323,9 +323,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (!dst.empty()) std::memcpy(dst.data(), it->second.data(), dst.size());
     return absl::OkStatus();
   };
-  absl::Status st = engine->impl().RestoreRecords(in.metas, read);
+  absl::Status st = EngineInternals(*engine).RestoreRecords(in.metas, read);
   if (!st.ok() && st.message().empty()) std::abort();
   Exercise(*engine);
-  if (!engine->impl().sessions_.AllSessions().empty()) std::abort();  // all closed
+  if (!EngineInternals(*engine).AllSessions().empty()) std::abort();  // all closed
   return 0;
 }

@@ -34,7 +34,7 @@ absl::StatusOr<DeviceBlock> Grown(EngineImpl& e, const DeviceBlock& blk, size_t 
   if (used > 0) {
     std::vector<std::byte> tmp(used);
     KVSHADE_RETURN_IF_ERROR(e.Download(tmp.data(), blk.data(), used));
-    KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(nb.data(), tmp.data(), used));
+    KVSHADE_RETURN_IF_ERROR(e.backend().CopyFromHost(nb.data(), tmp.data(), used));
   }
   return nb;
 }
@@ -57,9 +57,9 @@ absl::Status AppendExactTokens(EngineImpl& e, LayerData& ld, const bf16* k, cons
                                        Bf16Bytes(size_t(cap) * tok), ArenaKind::kStatic));
     ld.cap_tail = cap;
   }
-  KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(Ptr<bf16>(ld.tk) + size_t(ld.n_tail) * tok, k,
+  KVSHADE_RETURN_IF_ERROR(e.backend().CopyFromHost(Ptr<bf16>(ld.tk) + size_t(ld.n_tail) * tok, k,
                                                    Bf16Bytes(size_t(n) * tok)));
-  KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(Ptr<bf16>(ld.tv) + size_t(ld.n_tail) * tok, v,
+  KVSHADE_RETURN_IF_ERROR(e.backend().CopyFromHost(Ptr<bf16>(ld.tv) + size_t(ld.n_tail) * tok, v,
                                                    Bf16Bytes(size_t(n) * tok)));
   ld.n_tail += n;
   return absl::OkStatus();
@@ -239,11 +239,11 @@ absl::StatusOr<MovedChunks> PrepareChunks(EngineImpl& e, const Session& s, int l
     std::copy_n(tl.v.begin(), n, v.begin() + size_t(at) * D);
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kd, e.Upload(tl.k_pre.data(), Bf16Bytes(n), ArenaKind::kOther));
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ad, e.Alloc(Bf16Bytes(size_t(appended) * r), ArenaKind::kOther));
-    const size_t wsb = e.backend_->ProjectWorkspaceBytes(appended, shape, r);
+    const size_t wsb = e.backend().ProjectWorkspaceBytes(appended, shape, r);
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
     KVSHADE_ASSIGN_OR_RETURN(
         kernels::ProjectionResult pr,
-        e.backend_->ProjectKeys(absl::Span<const bf16>(Ptr<const bf16>(kd), n), appended, shape,
+        e.backend().ProjectKeys(absl::Span<const bf16>(Ptr<const bf16>(kd), n), appended, shape,
                                 absl::Span<const bf16>(Ptr<const bf16>(basis->b), size_t(h) * r * d), r,
                                 absl::Span<bf16>(Ptr<bf16>(ad), size_t(appended) * r),
                                 kernels::Workspace{ws.data(), wsb}));
@@ -255,7 +255,7 @@ absl::StatusOr<MovedChunks> PrepareChunks(EngineImpl& e, const Session& s, int l
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock krd, e.Upload(k.data(), Bf16Bytes(k.size()), ArenaKind::kOther));
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock lmd, e.Alloc(Bf16Bytes(size_t(m) * D), ArenaKind::kOther));
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock mcd, e.Alloc(size_t(h) * m * 4, ArenaKind::kOther));
-  KVSHADE_RETURN_IF_ERROR(e.backend_->BuildLandmarks(
+  KVSHADE_RETURN_IF_ERROR(e.backend().BuildLandmarks(
       absl::Span<const bf16>(Ptr<const bf16>(krd), k.size()), rows, h, d, C, m,
       absl::Span<bf16>(Ptr<bf16>(lmd), size_t(m) * D), absl::Span<float>(Ptr<float>(mcd), size_t(h) * m)));
   // Values: [h, m, chunk_bytes].
@@ -263,7 +263,7 @@ absl::StatusOr<MovedChunks> PrepareChunks(EngineImpl& e, const Session& s, int l
   const size_t cb = out.chunk_bytes;
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock vd, e.Upload(v.data(), Bf16Bytes(v.size()), ArenaKind::kOther));
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ed, e.Alloc(size_t(h) * m * cb, ArenaKind::kOther));
-  KVSHADE_RETURN_IF_ERROR(e.backend_->EncodeValueChunks(
+  KVSHADE_RETURN_IF_ERROR(e.backend().EncodeValueChunks(
       absl::Span<const bf16>(Ptr<const bf16>(vd), v.size()), rows, h, d, C, m, s.profile.codec,
       absl::Span<std::byte>(Ptr<std::byte>(ed), size_t(h) * m * cb)));
   // Key signatures from the exact post-RoPE keys and the new landmarks.
@@ -271,7 +271,7 @@ absl::StatusOr<MovedChunks> PrepareChunks(EngineImpl& e, const Session& s, int l
     const int bits = s.profile.key_signature_bits;
     const size_t sig_bytes = size_t(rows) * h * kernels::SignatureRecordBytes(bits, d);
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock sgd, e.Alloc(sig_bytes, ArenaKind::kOther));
-    KVSHADE_RETURN_IF_ERROR(e.backend_->EncodeSignatures(
+    KVSHADE_RETURN_IF_ERROR(e.backend().EncodeSignatures(
         absl::Span<const bf16>(Ptr<const bf16>(krd), k.size()),
         absl::Span<const bf16>(Ptr<const bf16>(lmd), size_t(m) * D), h, d, C, m, bits,
         absl::Span<std::byte>(Ptr<std::byte>(sgd), sig_bytes)));
@@ -312,7 +312,7 @@ absl::Status ReserveChunks(EngineImpl& e, const Session& s, LayerData& ld, size_
     KVSHADE_ASSIGN_OR_RETURN(sig, Grown(e, ld.sig, size_t(n0) * rec, size_t(cap) * rec,
                                         ArenaKind::kSignatures));
   }
-  KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer vb, e.backend_->AllocateHostVisible(size_t(h) * cap * stride));
+  KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer vb, e.backend().AllocateHostVisible(size_t(h) * cap * stride));
   std::memset(vb.data(), 0, vb.bytes());
   for (int hh = 0; hh < h && n0 > 0; ++hh) {
     std::memcpy(static_cast<std::byte*>(vb.data()) + size_t(hh) * cap * stride,
@@ -336,13 +336,13 @@ absl::Status WriteChunks(EngineImpl& e, const Session& s, LayerData& ld, const M
                          int m) {
   const int h = s.model.shape.h, C = s.profile.chunk_size, D = s.model.shape.D();
   const int n0 = ld.n_chunks, r = ld.basis->r;
-  KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(Ptr<bf16>(*ld.a) + size_t(n0) * C * r,
+  KVSHADE_RETURN_IF_ERROR(e.backend().CopyFromHost(Ptr<bf16>(*ld.a) + size_t(n0) * C * r,
                                                    mc.a.data(), Bf16Bytes(mc.a.size())));
-  KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(Ptr<bf16>(ld.landmarks) + size_t(n0) * D,
+  KVSHADE_RETURN_IF_ERROR(e.backend().CopyFromHost(Ptr<bf16>(ld.landmarks) + size_t(n0) * D,
                                                    mc.landmarks.data(), Bf16Bytes(mc.landmarks.size())));
   if (ld.sig && !mc.sig.empty()) {
     const size_t row = size_t(h) * kernels::SignatureRecordBytes(ld.sig_bits, s.model.shape.d);
-    KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(Ptr<std::byte>(ld.sig) + size_t(n0) * C * row,
+    KVSHADE_RETURN_IF_ERROR(e.backend().CopyFromHost(Ptr<std::byte>(ld.sig) + size_t(n0) * C * row,
                                                      mc.sig.data(), mc.sig.size()));
   }
   const int64_t stride = ld.open_values.chunk_stride;
@@ -369,7 +369,7 @@ absl::Status TrimShadowTail(EngineImpl& e, Session& s) {
   const int held = plan.chain_rows + plan.appended_rows;
   if (held <= p.local_window + C) return absl::OkStatus();
   const int m = (held - p.local_window) / C;
-  StageTimer timer(e.metrics_, "append");
+  StageTimer timer(e.metrics(), "append");
   if (!s.open) {
     s.open = NewOpen(e, s, plan.first);
   } else if (s.open->first_position + int64_t(s.open->layers[0].n_chunks) * C != plan.first) {
@@ -398,7 +398,7 @@ absl::Status TrimShadowTail(EngineImpl& e, Session& s) {
     tl.k.erase(tl.k.begin(), tl.k.begin() + gone);
     tl.v.erase(tl.v.begin(), tl.v.begin() + gone);
     if (moved[l].residual >= 0) {
-      e.metrics_->ProjectionResidual(moved[l].residual);
+      e.metrics()->ProjectionResidual(moved[l].residual);
       s.drift[l] = std::max(s.drift[l], moved[l].residual);
     }
   }
@@ -695,7 +695,7 @@ absl::StatusOr<std::shared_ptr<Segment>> MergeSegments(EngineImpl& e, Session& s
     KVSHADE_ASSIGN_OR_RETURN(storage::SegmentPin pin, e.PinValues(s, src[i]->values_owner()));
     pins[i] = std::move(pin);
   }
-  KVSHADE_RETURN_IF_ERROR(e.store_->Create(seg->id, layout));
+  KVSHADE_RETURN_IF_ERROR(e.store().Create(seg->id, layout));
   auto fill = [&]() -> absl::Status {
     for (int l = 0; l < L; ++l) {
       const std::shared_ptr<const Basis>& basis = src[0]->layers[l].basis;
@@ -763,7 +763,7 @@ absl::StatusOr<std::shared_ptr<Segment>> MergeSegments(EngineImpl& e, Session& s
         KVSHADE_ASSIGN_OR_RETURN(out.sig, e.Upload(sig.data(), sig.size(), ArenaKind::kSignatures));
         out.sig_bits = bits;
       }
-      KVSHADE_RETURN_IF_ERROR(e.store_->WriteLayer(seg->id, l, values));
+      KVSHADE_RETURN_IF_ERROR(e.store().WriteLayer(seg->id, l, values));
     }
     seg->values_in_store = true;
     seg->value_layout = layout;
@@ -771,7 +771,7 @@ absl::StatusOr<std::shared_ptr<Segment>> MergeSegments(EngineImpl& e, Session& s
   };
   if (absl::Status st = fill(); !st.ok()) {
     seg->values_in_store = false;
-    e.store_->Erase(seg->id).IgnoreError();
+    e.store().Erase(seg->id).IgnoreError();
     return st;
   }
   return seg;

@@ -1,5 +1,6 @@
 // Attachments: Attach (values paged in, slot tables, the data-plane admission token),
-// Detach, and the slot buffers a peer registers for delivery.
+// Detach, the slot buffers a peer registers for delivery, and an attachment's slot
+// geometry for the data planes.
 #include "kvshade/service/engine.h"
 
 #include <algorithm>
@@ -160,6 +161,16 @@ absl::StatusOr<v1::DetachResponse> EngineImpl::Detach(const Tenant& t, const v1:
   UpdateGauges();
   log::Event(spdlog::level::info, "detached").Str("attachment", r.attachment_id()).Str("tenant", t.name);
   return v1::DetachResponse();
+}
+
+absl::StatusOr<Engine::SlotGeometry> EngineImpl::AttachmentSlots(const Tenant& t,
+                                                                 const std::string& attachment_id) {
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> a, sessions_.Use(t.name, attachment_id));
+  const Session& s = *a->session;
+  Engine::SlotGeometry g;
+  static_cast<SlotLayout&>(g) = SlotLayout::Of(s.model, s.profile);
+  g.delivery = a->delivery;
+  return g;
 }
 
 }  // namespace kvshade::service

@@ -27,9 +27,9 @@ void Delivery::ToPeer(const PeerSlots& peer, const std::vector<int64_t>& src_row
 
 absl::Status Delivery::Run(const bf16* keys, const bf16* values, size_t row_bytes) {
   const size_t np = peer_src_.size(), nr = reply_src_.size();
-  StageTimer timer(e_.metrics_, "deliver");
+  StageTimer timer(e_.metrics(), "deliver");
   if (np + nr > 0) {
-    kernels::Backend& b = *e_.backend_;
+    kernels::Backend& b = e_.backend();
     const size_t row_elems = row_bytes / sizeof(bf16);
     if (row_bytes % 16 != 0) {
       // Rows CopyRows cannot move (C*d*2 not a multiple of 16: only the CPU backend takes

@@ -413,6 +413,186 @@ const char* SegmentRecordProblem(const SegRecord& r, const ModelInfo& m) {
   return nullptr;
 }
 
+// A session record, parsed: the session it describes (ready and durable, not registered
+// yet), the ids of its chain's segments, and its exact tail's length.
+struct SesRecord {
+  std::shared_ptr<Session> s;
+  std::vector<storage::Id128> chain;
+  uint64_t version = 0;
+  storage::Id128 record;
+  uint32_t tail = 0;
+};
+
+}  // namespace
+
+// RestoreRecords' first step: the records, parsed.
+struct ParsedRecords {
+  std::vector<SegRecord> segments;                         // base segments first
+  std::vector<const storage::SegmentMeta*> session_metas;  // every session record
+  absl::flat_hash_map<std::string, SesRecord> sessions;    // the newest record of each
+  std::vector<storage::Id128> stale;  // session records to delete: older or unparsable
+};
+
+// Its second: the segments of the sessions' chains, rebuilt.
+struct RebuiltSegments {
+  absl::flat_hash_map<storage::Id128, std::shared_ptr<const Segment>> built;
+  // The model each built segment's layers were sized and checked for.
+  absl::flat_hash_map<storage::Id128, const ModelInfo*> built_for;
+  // Why a segment record was not built (sessions that need it are damaged).
+  absl::flat_hash_map<storage::Id128, std::string> problem;
+};
+
+namespace {
+
+// Reads a segment record's factors into `seg`'s layers (for model `m`, against which the
+// record was checked): A and B; and, for a segment that owns its state (not a refactorized
+// one, which shares its base's), landmarks, excluded chunks, key signatures, static rows
+// and INT2 blocks.
+absl::Status ReadSegmentLayers(EngineImpl& e, const SegRecord& r, const ModelInfo& m, Segment& seg,
+                               const EngineImpl::FactorReader& read_factor) {
+  const int h = m.shape.h, d = m.shape.d, D = m.shape.D();
+  auto read = [&](int l, FactorKind kind, std::vector<std::byte>* out) -> absl::Status {
+    const storage::SegmentMeta::Factor* f = r.meta.FindFactor(l, kind);
+    out->clear();
+    if (f == nullptr) return absl::OkStatus();
+    out->resize(f->bytes);
+    return read_factor(r.meta.id, l, kind, absl::MakeSpan(*out));
+  };
+  for (int l = 0; l < r.L; ++l) {
+    const SegRecord::Layer& lr = r.layers[l];
+    LayerData& ld = seg.layers[l];
+    std::vector<std::byte> buf;
+    if (lr.r > 0) {
+      KVSHADE_RETURN_IF_ERROR(read(l, FactorKind::kA, &buf));
+      auto a = std::make_shared<DeviceBlock>();
+      KVSHADE_ASSIGN_OR_RETURN(*a, Put(e, buf.data(), buf.size(), ArenaKind::kA));
+      ld.a = std::move(a);
+      KVSHADE_RETURN_IF_ERROR(read(l, FactorKind::kB, &buf));
+      auto basis = std::make_shared<Basis>();
+      basis->r = lr.r;
+      KVSHADE_ASSIGN_OR_RETURN(basis->b, Put(e, buf.data(), buf.size(), ArenaKind::kB));
+      ld.basis = std::move(basis);
+    }
+    if (r.has_base) continue;
+    ld.n_chunks = ld.cap_chunks = lr.n_chunks;
+    ld.s_cap = lr.s_cap;
+    ld.s_len = lr.s_len;
+    ld.s_pos = lr.s_pos.empty() ? std::vector<int64_t>(size_t(m.shape.h) * lr.s_cap, -1) : lr.s_pos;
+    ld.n_tail = ld.cap_tail = lr.n_tail;
+    ld.captured_energy = lr.captured;
+    ld.residual_energy = lr.residual;
+    if (lr.n_chunks > 0) {
+      KVSHADE_RETURN_IF_ERROR(read(l, FactorKind::kLandmarks, &buf));
+      KVSHADE_ASSIGN_OR_RETURN(ld.landmarks, Put(e, buf.data(), buf.size(), ArenaKind::kLandmarks));
+      KVSHADE_RETURN_IF_ERROR(read(l, FactorKind::kExcluded, &buf));
+      KVSHADE_ASSIGN_OR_RETURN(ld.excluded, Put(e, buf.data(), buf.size(), ArenaKind::kLandmarks));
+      KVSHADE_RETURN_IF_ERROR(read(l, FactorKind::kSignatures, &buf));
+      if (!buf.empty()) {
+        // The width from the size: rows * h * (d*bits/8 + 4) bytes.
+        const size_t rows = size_t(lr.n_chunks) * r.C * h;
+        int bits = 0;
+        for (int b : {2, 4}) {
+          if (buf.size() == rows * kernels::SignatureRecordBytes(b, d)) bits = b;
+        }
+        if (bits == 0) {
+          return absl::DataLossError(absl::StrCat("key signatures of layer ", l, " hold ", buf.size(),
+                                                  " bytes, not a record of 2 or 4 bits per channel for ",
+                                                  lr.n_chunks, " chunks"));
+        }
+        KVSHADE_ASSIGN_OR_RETURN(ld.sig, Put(e, buf.data(), buf.size(), ArenaKind::kSignatures));
+        ld.sig_bits = bits;
+      }
+    }
+    KVSHADE_RETURN_IF_ERROR(read(l, FactorKind::kStatic, &buf));
+    size_t off = 0;
+    auto take = [&](size_t bytes, ArenaKind kind, DeviceBlock* out) -> absl::Status {
+      if (off + bytes > buf.size()) return absl::DataLossError("static blob too short");
+      KVSHADE_ASSIGN_OR_RETURN(*out, Put(e, buf.data() + off, bytes, kind));
+      off += bytes;
+      return absl::OkStatus();
+    };
+    const size_t srows = Bf16Bytes(size_t(h) * lr.s_cap * d);
+    const size_t trows = Bf16Bytes(size_t(lr.n_tail) * D);
+    KVSHADE_RETURN_IF_ERROR(take(srows, ArenaKind::kStatic, &ld.sk));
+    KVSHADE_RETURN_IF_ERROR(take(srows, ArenaKind::kStatic, &ld.sv));
+    KVSHADE_RETURN_IF_ERROR(take(trows, ArenaKind::kStatic, &ld.tk));
+    KVSHADE_RETURN_IF_ERROR(take(trows, ArenaKind::kStatic, &ld.tv));
+    for (const auto& ib : lr.int2) {
+      KiviBlock kb;
+      kb.rows = ib.rows;
+      kb.valid = ib.valid;
+      DeviceBlock* parts[6] = {&kb.k_codes, &kb.k_scale, &kb.k_min, &kb.v_codes, &kb.v_scale, &kb.v_min};
+      for (int x = 0; x < 6; ++x) KVSHADE_RETURN_IF_ERROR(take(ib.bytes[x], ArenaKind::kStatic, parts[x]));
+      ld.int2.push_back(std::move(kb));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Puts the rebuilt segments of `rec`'s chain into its session's chain, in order. Returns
+// what keeps the session from being restored whole (a segment missing, unreadable or
+// written for another model shape), or an empty string.
+std::string RestoreChain(SesRecord& rec, const RebuiltSegments& segs,
+                         const storage::SpillDamage& damage) {
+  Session& s = *rec.s;
+  for (const auto& id : rec.chain) {
+    auto it = segs.built.find(id);
+    if (it == segs.built.end()) {
+      auto p = segs.problem.find(id);
+      return p != segs.problem.end() ? p->second
+             : damage.MetaUnreadable(id)
+                 ? absl::StrCat("the record of its segment ", id.ToHex(),
+                                " lies in a damaged table block of the spill tier")
+                 : absl::StrCat("its segment ", id.ToHex(), " is missing from the spill tier");
+    }
+    if (damage.PiecesUnreadable(id)) {
+      return absl::StrCat("records of its segment ", id.ToHex(),
+                          " lie in a damaged table block of the spill tier");
+    }
+    // Records sharing a segment must agree on its shape: a chain built for another
+    // model's layers or heads is not this session's (the records are inconsistent).
+    const ModelInfo& bm = *segs.built_for.at(id);
+    if (bm.layers != s.model.layers || bm.shape.h != s.model.shape.h || bm.shape.d != s.model.shape.d) {
+      return absl::StrCat("its segment ", id.ToHex(), " was written for another model shape");
+    }
+    s.chain.push_back(it->second);
+  }
+  return "";
+}
+
+// Reads a session's exact tail (`tail` tokens per layer: k pre-RoPE when the record has it,
+// k, v) from its session record `meta` into s.tail (sized). Returns what keeps it from
+// being read (the factor missing, unreadable or of another length), or an empty string.
+std::string ReadExactTail(const storage::SegmentMeta* meta, uint32_t tail, Session& s,
+                          const EngineImpl::FactorReader& read_factor) {
+  const size_t tok = size_t(s.model.shape.h) * s.model.shape.d;
+  for (int l = 0; l < s.model.layers && tail > 0 && meta != nullptr; ++l) {
+    const storage::SegmentMeta::Factor* f = meta->FindFactor(l, FactorKind::kOther);
+    if (f == nullptr) return absl::StrCat("its session record has no exact tail for layer ", l);
+    std::vector<std::byte> buf(f->bytes);
+    if (absl::Status st = read_factor(meta->id, l, FactorKind::kOther, absl::MakeSpan(buf)); !st.ok()) {
+      return absl::StrCat("its exact tail (layer ", l, ") could not be read (", st.message(), ")");
+    }
+    const size_t n = size_t(tail) * tok;
+    const bool has_pre = buf.size() == Bf16Bytes(3 * n);
+    if (!has_pre && buf.size() != Bf16Bytes(2 * n)) {
+      // The tail's rows and the record's tail length disagree: an inconsistent record.
+      spdlog::error("restore: session {} skipped: layer {} tail holds {} bytes, not the {} or {} "
+                    "its {} tokens need", s.id, l, buf.size(), Bf16Bytes(2 * n), Bf16Bytes(3 * n), tail);
+      return absl::StrCat("its exact tail (layer ", l, ") does not match its length");
+    }
+    TailLayer& tl = s.tail[l];
+    const bf16* p = reinterpret_cast<const bf16*>(buf.data());
+    if (has_pre) {
+      tl.k_pre.assign(p, p + n);
+      p += n;
+    }
+    tl.k.assign(p, p + n);
+    tl.v.assign(p + n, p + 2 * n);
+  }
+  return "";
+}
+
 }  // namespace
 
 absl::Status EngineImpl::RestoreDurable() {
@@ -430,8 +610,8 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
   // the start: skipping would leave acknowledged sessions out of this process (and their
   // logged appends dropped) for a fault that the next start may not meet.
   absl::Status read_error = absl::OkStatus();
-  auto read_factor = [&](const storage::SegmentId& id, int layer, FactorKind kind,
-                         absl::Span<std::byte> dst) -> absl::Status {
+  const FactorReader read_factor = [&](const storage::SegmentId& id, int layer, FactorKind kind,
+                                       absl::Span<std::byte> dst) -> absl::Status {
     absl::Status st = read_stored_factor(id, layer, kind, dst);
     if (!st.ok() && !absl::IsDataLoss(st) && read_error.ok()) {
       read_error = absl::Status(st.code(), absl::StrCat("restore: reading durable record ",
@@ -446,30 +626,38 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
   // unreadable nothing is deleted as an orphan (its session record may be the unreadable
   // one).
   const storage::SpillDamage damage = spill_ ? spill_->Damage() : storage::SpillDamage();
-  // Why a segment record was not built (sessions that need it are damaged).
-  absl::flat_hash_map<storage::Id128, std::string> seg_problem;
-  std::vector<SegRecord> segs;
-  std::vector<const storage::SegmentMeta*> sessions;
+  ParsedRecords records = ParseRecords(metas);
+  for (const auto& id : records.stale) DeleteSegmentRecord(id);
+  const RebuiltSegments segments = RebuildSegments(records, damage, read_factor);
+  absl::Status st = read_error;
+  if (st.ok()) st = RebuildSessions(records, segments, damage, read_factor, read_error);
+  if (!st.ok()) {
+    // Refusing: the segments built so far must not take their stored values with them when
+    // they go (Segment::~Segment erases unless the store link is kept).
+    store_link_->keep = true;
+    return st;
+  }
+  UpdateGauges();
+  return absl::OkStatus();
+}
+
+ParsedRecords EngineImpl::ParseRecords(const std::vector<storage::SegmentMeta>& metas) const {
+  ParsedRecords out;
   for (const auto& m : metas) {
     SegRecord r;
     if (ParseSegment(m, &r)) {
-      segs.push_back(std::move(r));
+      out.segments.push_back(std::move(r));
     } else if (m.user_metadata.rfind(kSesMagic, 0) == 0) {
-      sessions.push_back(&m);
+      out.session_metas.push_back(&m);
     }
   }
-  // Session records first (they carry the model geometry the segments need); the newest
-  // record of each session wins.
-  struct SesRecord {
-    std::shared_ptr<Session> s;
-    std::vector<storage::Id128> chain;
-    uint64_t version = 0;
-    storage::Id128 record;
-    uint32_t tail = 0;
-  };
-  absl::flat_hash_map<std::string, SesRecord> recs;
-  std::vector<storage::Id128> stale;
-  for (const storage::SegmentMeta* m : sessions) {
+  // Base segments before the refactorized ones that reference them.
+  std::sort(out.segments.begin(), out.segments.end(), [](const SegRecord& a, const SegRecord& b) {
+    return a.has_base < b.has_base;
+  });
+  // Session records (they carry the model geometry the segments need); the newest record
+  // of each session wins.
+  for (const storage::SegmentMeta* m : out.session_metas) {
     Reader rd(m->user_metadata);
     rd.Magic(kSesMagic);
     auto s = std::make_shared<Session>();
@@ -499,7 +687,7 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
     v1::ModelSpec ms;
     v1::Profile pp;
     if (!rd.ok() || !ms.ParseFromString(spec) || !pp.ParseFromString(prof)) {
-      stale.push_back(m->id);
+      out.stale.push_back(m->id);
       continue;
     }
     auto model = ResolveModel(ms, config_->limits);
@@ -517,34 +705,33 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
     s->record_id = m->id;
     rec.record = m->id;
     rec.s = s;
-    auto it = recs.find(s->id);
-    if (it != recs.end()) {
+    auto it = out.sessions.find(s->id);
+    if (it != out.sessions.end()) {
       if (it->second.version >= rec.version) {
-        stale.push_back(m->id);
+        out.stale.push_back(m->id);
         continue;
       }
-      stale.push_back(it->second.record);
+      out.stale.push_back(it->second.record);
     }
-    recs[s->id] = std::move(rec);
+    out.sessions[s->id] = std::move(rec);
   }
-  for (const auto& id : stale) DeleteSegmentRecord(id);
+  return out;
+}
 
-  // Segments: base segments before the refactorized ones that reference them.
-  std::sort(segs.begin(), segs.end(), [](const SegRecord& a, const SegRecord& b) {
-    return a.has_base < b.has_base;
-  });
-  absl::flat_hash_map<storage::Id128, std::shared_ptr<const Segment>> built;
+RebuiltSegments EngineImpl::RebuildSegments(const ParsedRecords& records,
+                                            const storage::SpillDamage& damage,
+                                            const FactorReader& read_factor) {
+  RebuiltSegments out;
+  // The model of each segment, from the sessions whose chains use it.
   absl::flat_hash_map<storage::Id128, const ModelInfo*> model_of;
-  // The model each built segment's layers were sized and checked for.
-  absl::flat_hash_map<storage::Id128, const ModelInfo*> built_for;
-  for (const auto& [sid, rec] : recs) {
+  for (const auto& [sid, rec] : records.sessions) {
     for (const auto& id : rec.chain) model_of[id] = &rec.s->model;
   }
-  for (const SegRecord& r : segs) {
+  for (const SegRecord& r : records.segments) {
     auto mit = model_of.find(r.meta.id);
     if (mit == model_of.end() && !r.has_base) {
       // Might be the base of a refactorized segment: find its user's model.
-      for (const SegRecord& o : segs) {
+      for (const SegRecord& o : records.segments) {
         if (o.has_base && o.base == r.meta.id) {
           auto m2 = model_of.find(o.meta.id);
           if (m2 != model_of.end()) mit = m2;
@@ -557,17 +744,16 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
       continue;
     }
     const ModelInfo& m = *mit->second;
-    const int h = m.shape.h, d = m.shape.d, D = m.shape.D();
     if (r.L != m.layers) {
-      seg_problem[r.meta.id] = absl::StrCat("its segment ", r.meta.id.ToHex(), " has ", r.L,
+      out.problem[r.meta.id] = absl::StrCat("its segment ", r.meta.id.ToHex(), " has ", r.L,
                                             " layers, the model ", m.layers);
       continue;
     }
     if (const char* problem = SegmentRecordProblem(r, m)) {
       spdlog::error("restore: segment record {} skipped: {}", r.meta.id.ToHex(), problem);
-      seg_problem[r.meta.id] = absl::StrCat("its segment ", r.meta.id.ToHex(),
+      out.problem[r.meta.id] = absl::StrCat("its segment ", r.meta.id.ToHex(),
                                             "'s record is inconsistent (", problem, ")");
-      continue;  // the sessions using it are damaged below
+      continue;  // the sessions using it are damaged
     }
     auto seg = std::make_shared<Segment>();
     seg->id = r.meta.id;
@@ -583,9 +769,9 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
     seg->durable = true;
     if (r.has_key) seg->prefix_key = r.key;
     if (r.has_base) {
-      auto b = built.find(r.base);
-      if (b == built.end()) {
-        seg_problem[r.meta.id] = absl::StrCat("the base segment ", r.base.ToHex(), " of its segment ",
+      auto b = out.built.find(r.base);
+      if (b == out.built.end()) {
+        out.problem[r.meta.id] = absl::StrCat("the base segment ", r.base.ToHex(), " of its segment ",
                                               r.meta.id.ToHex(), " could not be restored");
         seg->values_in_store = false;
         continue;
@@ -593,120 +779,24 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
       seg->base = b->second;
       seg->values_in_store = false;
     }
-    absl::Status st = absl::OkStatus();
-    auto read = [&](int l, FactorKind kind, std::vector<std::byte>* out) -> absl::Status {
-      const storage::SegmentMeta::Factor* f = r.meta.FindFactor(l, kind);
-      out->clear();
-      if (f == nullptr) return absl::OkStatus();
-      out->resize(f->bytes);
-      return read_factor(r.meta.id, l, kind, absl::MakeSpan(*out));
-    };
-    for (int l = 0; l < r.L && st.ok(); ++l) {
-      const SegRecord::Layer& lr = r.layers[l];
-      LayerData& ld = seg->layers[l];
-      std::vector<std::byte> buf;
-      if (lr.r > 0) {
-        st = read(l, FactorKind::kA, &buf);
-        if (!st.ok()) break;
-        auto a = std::make_shared<DeviceBlock>();
-        auto blk = Put(*this, buf.data(), buf.size(), ArenaKind::kA);
-        if (!blk.ok()) { st = blk.status(); break; }
-        *a = std::move(blk).value();
-        ld.a = std::move(a);
-        st = read(l, FactorKind::kB, &buf);
-        if (!st.ok()) break;
-        auto basis = std::make_shared<Basis>();
-        basis->r = lr.r;
-        auto bb = Put(*this, buf.data(), buf.size(), ArenaKind::kB);
-        if (!bb.ok()) { st = bb.status(); break; }
-        basis->b = std::move(bb).value();
-        ld.basis = std::move(basis);
-      }
-      if (r.has_base) continue;
-      ld.n_chunks = ld.cap_chunks = lr.n_chunks;
-      ld.s_cap = lr.s_cap;
-      ld.s_len = lr.s_len;
-      ld.s_pos = lr.s_pos.empty() ? std::vector<int64_t>(size_t(m.shape.h) * lr.s_cap, -1) : lr.s_pos;
-      ld.n_tail = ld.cap_tail = lr.n_tail;
-      ld.captured_energy = lr.captured;
-      ld.residual_energy = lr.residual;
-      if (lr.n_chunks > 0) {
-        st = read(l, FactorKind::kLandmarks, &buf);
-        if (!st.ok()) break;
-        auto lm = Put(*this, buf.data(), buf.size(), ArenaKind::kLandmarks);
-        if (!lm.ok()) { st = lm.status(); break; }
-        ld.landmarks = std::move(lm).value();
-        st = read(l, FactorKind::kExcluded, &buf);
-        if (!st.ok()) break;
-        auto ex = Put(*this, buf.data(), buf.size(), ArenaKind::kLandmarks);
-        if (!ex.ok()) { st = ex.status(); break; }
-        ld.excluded = std::move(ex).value();
-        st = read(l, FactorKind::kSignatures, &buf);
-        if (!st.ok()) break;
-        if (!buf.empty()) {
-          // The width from the size: rows * h * (d*bits/8 + 4) bytes.
-          const size_t rows = size_t(lr.n_chunks) * r.C * h;
-          int bits = 0;
-          for (int b : {2, 4}) {
-            if (buf.size() == rows * kernels::SignatureRecordBytes(b, d)) bits = b;
-          }
-          if (bits == 0) {
-            st = absl::DataLossError(absl::StrCat("key signatures of layer ", l, " hold ", buf.size(),
-                                                  " bytes, not a record of 2 or 4 bits per channel for ",
-                                                  lr.n_chunks, " chunks"));
-            break;
-          }
-          auto sg = Put(*this, buf.data(), buf.size(), ArenaKind::kSignatures);
-          if (!sg.ok()) { st = sg.status(); break; }
-          ld.sig = std::move(sg).value();
-          ld.sig_bits = bits;
-        }
-      }
-      st = read(l, FactorKind::kStatic, &buf);
-      if (!st.ok()) break;
-      size_t off = 0;
-      auto take = [&](size_t bytes, ArenaKind kind, DeviceBlock* out) -> absl::Status {
-        if (off + bytes > buf.size()) return absl::DataLossError("static blob too short");
-        KVSHADE_ASSIGN_OR_RETURN(*out, Put(*this, buf.data() + off, bytes, kind));
-        off += bytes;
-        return absl::OkStatus();
-      };
-      const size_t srows = Bf16Bytes(size_t(h) * lr.s_cap * d);
-      const size_t trows = Bf16Bytes(size_t(lr.n_tail) * D);
-      st = take(srows, ArenaKind::kStatic, &ld.sk);
-      if (st.ok()) st = take(srows, ArenaKind::kStatic, &ld.sv);
-      if (st.ok()) st = take(trows, ArenaKind::kStatic, &ld.tk);
-      if (st.ok()) st = take(trows, ArenaKind::kStatic, &ld.tv);
-      for (const auto& ib : lr.int2) {
-        if (!st.ok()) break;
-        KiviBlock kb;
-        kb.rows = ib.rows;
-        kb.valid = ib.valid;
-        DeviceBlock* parts[6] = {&kb.k_codes, &kb.k_scale, &kb.k_min, &kb.v_codes, &kb.v_scale, &kb.v_min};
-        for (int x = 0; x < 6 && st.ok(); ++x) st = take(ib.bytes[x], ArenaKind::kStatic, parts[x]);
-        ld.int2.push_back(std::move(kb));
-      }
-    }
-    if (!st.ok()) {
+    if (absl::Status st = ReadSegmentLayers(*this, r, m, *seg, read_factor); !st.ok()) {
       // The half-built segment must not erase its stored values as it goes: an I/O error
-      // refuses the restore below, a damaged record is kept for inspection.
+      // refuses the restore, a damaged record is kept for inspection.
       seg->values_in_store = false;
-      seg_problem[r.meta.id] = absl::StrCat("its segment ", r.meta.id.ToHex(),
+      out.problem[r.meta.id] = absl::StrCat("its segment ", r.meta.id.ToHex(),
                                             " could not be read (", st.message(), ")");
-      continue;  // the sessions using it are damaged below
+      continue;  // the sessions using it are damaged
     }
-    built[seg->id] = seg;
-    built_for[seg->id] = &m;
+    out.built[seg->id] = seg;
+    out.built_for[seg->id] = &m;
   }
-  // Refusing: the segments built so far must not take their stored values with them when
-  // they go (Segment::~Segment erases unless the store link is kept).
-  auto refuse = [&]() {
-    store_link_->keep = true;
-    return read_error;
-  };
-  if (!read_error.ok()) return refuse();
+  return out;
+}
 
-  // Sessions: chains, tails, prefix registrations.
+absl::Status EngineImpl::RebuildSessions(ParsedRecords& records, const RebuiltSegments& segments,
+                                         const storage::SpillDamage& damage,
+                                         const FactorReader& read_factor,
+                                         const absl::Status& read_error) {
   // A session whose records cannot all be read or checked: restored as an empty shell,
   // damaged (damage.cc), its readable segments kept with it (and so on disk) until it is
   // closed; never served, never dropped silently.
@@ -714,7 +804,7 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
     Session& s = *rec.s;
     s.quarantined.clear();
     for (const auto& id : rec.chain) {
-      if (auto it = built.find(id); it != built.end()) s.quarantined.push_back(it->second);
+      if (auto it = segments.built.find(id); it != segments.built.end()) s.quarantined.push_back(it->second);
     }
     s.chain.clear();
     s.tail.clear();
@@ -723,84 +813,26 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
     MarkDamaged(s, "record", why, 0, /*persist=*/false);
     ++damaged_at_start_;
   };
-  for (auto& [sid, rec] : recs) {
+  for (auto& [sid, rec] : records.sessions) {
     Session& s = *rec.s;
-    std::string problem;
-    for (const auto& id : rec.chain) {
-      auto it = built.find(id);
-      if (it == built.end()) {
-        auto p = seg_problem.find(id);
-        problem = p != seg_problem.end() ? p->second
-                  : damage.MetaUnreadable(id)
-                      ? absl::StrCat("the record of its segment ", id.ToHex(),
-                                     " lies in a damaged table block of the spill tier")
-                      : absl::StrCat("its segment ", id.ToHex(), " is missing from the spill tier");
-        break;
-      }
-      if (damage.PiecesUnreadable(id)) {
-        problem = absl::StrCat("records of its segment ", id.ToHex(),
-                               " lie in a damaged table block of the spill tier");
-        break;
-      }
-      // Records sharing a segment must agree on its shape: a chain built for another
-      // model's layers or heads is not this session's (the records are inconsistent).
-      const ModelInfo& bm = *built_for.at(id);
-      if (bm.layers != s.model.layers || bm.shape.h != s.model.shape.h || bm.shape.d != s.model.shape.d) {
-        problem = absl::StrCat("its segment ", id.ToHex(), " was written for another model shape");
-        break;
-      }
-      s.chain.push_back(it->second);
-    }
+    std::string problem = RestoreChain(rec, segments, damage);
     if (!problem.empty()) {
       quarantine(rec, problem);
       continue;
     }
     const int L = s.model.layers;
-    const size_t tok = size_t(s.model.shape.h) * s.model.shape.d;
     s.tail.resize(L);
     s.cache.resize(L);
     s.captured_energy.assign(L, 0.0);
     s.residual_energy.assign(L, 0.0);
     s.drift.assign(L, 0.0);
     const storage::SegmentMeta* meta = nullptr;
-    for (const auto* m : sessions) {
+    for (const auto* m : records.session_metas) {
       if (m->id == rec.record) meta = m;
     }
-    bool ok = true;
-    for (int l = 0; l < L && rec.tail > 0 && meta != nullptr; ++l) {
-      const storage::SegmentMeta::Factor* f = meta->FindFactor(l, FactorKind::kOther);
-      if (f == nullptr) {
-        problem = absl::StrCat("its session record has no exact tail for layer ", l);
-        ok = false;
-        break;
-      }
-      std::vector<std::byte> buf(f->bytes);
-      if (absl::Status st = read_factor(meta->id, l, FactorKind::kOther, absl::MakeSpan(buf)); !st.ok()) {
-        problem = absl::StrCat("its exact tail (layer ", l, ") could not be read (", st.message(), ")");
-        ok = false;
-        break;
-      }
-      const size_t n = size_t(rec.tail) * tok;
-      const bool has_pre = buf.size() == Bf16Bytes(3 * n);
-      if (!has_pre && buf.size() != Bf16Bytes(2 * n)) {
-        // The tail's rows and the record's tail length disagree: an inconsistent record.
-        spdlog::error("restore: session {} skipped: layer {} tail holds {} bytes, not the {} or {} "
-                      "its {} tokens need", sid, l, buf.size(), Bf16Bytes(2 * n), Bf16Bytes(3 * n), rec.tail);
-        problem = absl::StrCat("its exact tail (layer ", l, ") does not match its length");
-        ok = false;
-        break;
-      }
-      TailLayer& tl = s.tail[l];
-      const bf16* p = reinterpret_cast<const bf16*>(buf.data());
-      if (has_pre) {
-        tl.k_pre.assign(p, p + n);
-        p += n;
-      }
-      tl.k.assign(p, p + n);
-      tl.v.assign(p + n, p + 2 * n);
-    }
-    if (!read_error.ok()) return refuse();
-    if (!ok) {
+    problem = ReadExactTail(meta, rec.tail, s, read_factor);
+    if (!read_error.ok()) return read_error;
+    if (!problem.empty()) {
       quarantine(rec, problem);
       continue;
     }
@@ -815,31 +847,34 @@ absl::Status EngineImpl::RestoreRecords(const std::vector<storage::SegmentMeta>&
       }
     }
     if (!sessions_.AddSession(rec.s).ok()) continue;
-    // Prefix registrations of the chain (in order, so that parents come first).
-    const Tenant tenant{s.tenant, TenantSalt(s.tenant, config_->prefix_secret)};
-    auto hasher = Hasher(tenant, s.model, s.profile);
-    std::optional<storage::SegmentId> parent;
-    for (const auto& seg : s.chain) {
-      if (seg->prefix_key && hasher.ok()) {
-        bool known = false;
-        {
-          base::MutexLock lock(&seg_mu_);
-          known = registered_.contains(seg->id);
-        }
-        storage::SegmentRef ref;
-        if (known) {
-          auto acquired = prefix_.Acquire(seg->id);
-          if (acquired.ok()) ref = std::move(acquired).value();
-        } else {
-          ref = RegisterPrefix(seg, hasher->Chain(s.prompt), hasher->block_tokens(), parent);
-        }
-        if (ref) s.prefix_refs.push_back(std::move(ref));
-      }
-      parent = seg->id;
-    }
+    RegisterRestoredPrefixes(s);
   }
-  UpdateGauges();
   return absl::OkStatus();
+}
+
+void EngineImpl::RegisterRestoredPrefixes(Session& s) {
+  // In chain order, so that parents come first.
+  const Tenant tenant{s.tenant, TenantSalt(s.tenant, config_->prefix_secret)};
+  auto hasher = Hasher(tenant, s.model, s.profile);
+  std::optional<storage::SegmentId> parent;
+  for (const auto& seg : s.chain) {
+    if (seg->prefix_key && hasher.ok()) {
+      bool known = false;
+      {
+        base::MutexLock lock(&seg_mu_);
+        known = registered_.contains(seg->id);
+      }
+      storage::SegmentRef ref;
+      if (known) {
+        auto acquired = prefix_.Acquire(seg->id);
+        if (acquired.ok()) ref = std::move(acquired).value();
+      } else {
+        ref = RegisterPrefix(seg, hasher->Chain(s.prompt), hasher->block_tokens(), parent);
+      }
+      if (ref) s.prefix_refs.push_back(std::move(ref));
+    }
+    parent = seg->id;
+  }
 }
 
 void EngineImpl::DeleteSegmentRecord(const storage::Id128& id) {

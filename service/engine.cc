@@ -1,12 +1,6 @@
 // Engine: the public shell over EngineImpl, the engine's set-up, its device memory and the
-// helpers the engine's files share. The engine's jobs live one per file:
-//   sessions.cc    CreateSession, LookupPrefix, ForkSession, GetSession, ListSessions, CloseSession
-//   prefixes.cc    the prefix index: registration, reuse matching, eviction
-//   attachments.cc Attach, Detach and the peers' slot buffers
-//   views.cc       the working set of a select: pinned values, layer views, static caches
-//   upkeep.cc      stats, gauges, drain, idle expiry and the background loop
-//   ingest.cc, append.cc, select.cc: the data paths; durable.cc: durability; export.cc:
-//   same-node export.
+// helpers the engine's files share. The engine's other jobs live one per file
+// (engine_impl.h lists them).
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -192,21 +186,19 @@ absl::StatusOr<v1::SessionExport> Engine::ExportSession(const Tenant& t,
                                                         const v1::ExportSessionRequest& r) {
   return impl_->ExportSession(t, r);
 }
+absl::StatusOr<v1::SlotTableResponse> Engine::SlotTable(const Tenant& t,
+                                                        const v1::SlotTableRequest& r) {
+  return impl_->SlotTable(t, r);
+}
 absl::StatusOr<Engine::SlotGeometry> Engine::AttachmentSlots(const Tenant& t,
                                                              const std::string& attachment_id) {
-  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> a,
-                           impl_->sessions_.Use(t.name, attachment_id));
-  const Session& s = *a->session;
-  SlotGeometry g;
-  static_cast<SlotLayout&>(g) = SlotLayout::Of(s.model, s.profile);
-  g.delivery = a->delivery;
-  return g;
+  return impl_->AttachmentSlots(t, attachment_id);
 }
 absl::StatusOr<v1::StatsResponse> Engine::Stats(const Tenant& t, const v1::StatsRequest&) {
-  return TenantStats(*impl_, t);
+  return impl_->Stats(t);
 }
 absl::Status Engine::Drain() { return impl_->Drain(); }
-bool Engine::draining() const { return impl_->draining_.load(); }
+bool Engine::draining() const { return impl_->draining(); }
 uint64_t Engine::LiveAttachments() {
   auto stats = impl_->Stats();
   return stats.ok() ? stats->attachments() : 0;
@@ -290,7 +282,7 @@ absl::Status EngineImpl::Init() {
   ho.prefetch_thread = false;  // Attach's page-in runs inline (before it answers)
   // Host memory short and nothing spillable: cached segments no session holds go, least
   // recently used first (closed sessions' segments stay cached for reuse until then).
-  ho.reclaim = [this](size_t) { return EvictIdlePrefix(*this); };
+  ho.reclaim = [this](size_t) { return EvictIdlePrefix(); };
   KVSHADE_ASSIGN_OR_RETURN(store_, storage::HostValueStore::Create(*backend_, ho, spill_));
   store_link_ = std::make_shared<StoreLink>();
   store_link_->store = store_.get();
@@ -349,6 +341,10 @@ absl::StatusOr<DeviceBlock> EngineImpl::Alloc(size_t bytes, ArenaKind kind) {
         "): ", b.status().message()));
   }
   return b;
+}
+
+absl::StatusOr<DeviceBlock> EngineImpl::AllocNoEvict(size_t bytes, ArenaKind kind) {
+  return arena_->Allocate(bytes, kind);
 }
 
 size_t EngineImpl::DeviceFreeBytes() const {

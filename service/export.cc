@@ -82,7 +82,7 @@ void WireRope(const kernels::RopeSpec& k, v1::RopeSpec* r) {
 static absl::StatusOr<const void*> CopyInto(EngineImpl& e, ExportGeneration& g, const void* src,
                                             size_t bytes) {
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock b, e.Alloc(std::max<size_t>(bytes, 16), ArenaKind::kStatic));
-  if (bytes > 0) KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(b.data(), src, bytes));
+  if (bytes > 0) KVSHADE_RETURN_IF_ERROR(e.backend().CopyFromHost(b.data(), src, bytes));
   const void* p = b.data();
   g.copies.push_back(std::move(b));
   return p;

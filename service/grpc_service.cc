@@ -124,21 +124,18 @@ constexpr char kDrainingIngest[] =
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvShadeService>> KvShadeService::Create(const ServiceDeps& deps) {
-  if (deps.backend == nullptr || deps.config == nullptr || deps.metrics == nullptr ||
-      deps.auth == nullptr || deps.admission == nullptr) {
+  if (deps.engine == nullptr || deps.backend == nullptr || deps.config == nullptr ||
+      deps.metrics == nullptr || deps.auth == nullptr || deps.admission == nullptr) {
     return absl::InvalidArgumentError(
-        "KvShadeService::Create: backend, config, metrics, auth and admission must all be set");
+        "KvShadeService::Create: engine, backend, config, metrics, auth and admission must all "
+        "be set");
   }
-  EngineOptions options;
-  options.spill_tier = deps.spill_tier;
-  auto engine = Engine::Create(deps.backend, deps.config, deps.metrics, std::move(options));
-  if (!engine.ok()) return engine.status();
-  return std::unique_ptr<KvShadeService>(new KvShadeService(deps, std::move(engine).value()));
+  return std::unique_ptr<KvShadeService>(new KvShadeService(deps));
 }
 
-KvShadeService::KvShadeService(const ServiceDeps& deps, std::unique_ptr<Engine> engine)
+KvShadeService::KvShadeService(const ServiceDeps& deps)
     : deps_(deps),
-      engine_(std::move(engine)),
+      engine_(deps.engine),
       watchdog_(std::make_unique<StreamWatchdog>()) {
   CallExecutor::Options options;
   options.max_threads = CallThreadCap(*deps.config);

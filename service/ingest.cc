@@ -160,19 +160,19 @@ class IngestStreamImpl final : public Engine::IngestStream {
     }
     seg_id_ = *storage::Id128::FromHex(SessionManager::NewId());
     direct_ = p.kind == v1::PROFILE_KIND_EXACT &&
-              e_.backend_->space() == kernels::MemorySpace::kHost;
-    host_space_ = e_.backend_->space() == kernels::MemorySpace::kHost;
+              e_.backend().space() == kernels::MemorySpace::kHost;
+    host_space_ = e_.backend().space() == kernels::MemorySpace::kHost;
   }
 
   ~IngestStreamImpl() override {
     StopCompressor();
     if (upload_created_) {
       // Nothing of this stream may still be in flight when its memory is freed.
-      e_.backend_->Synchronize(upload_).IgnoreError();
-      e_.backend_->DestroyStream(upload_).IgnoreError();
+      e_.backend().Synchronize(upload_).IgnoreError();
+      e_.backend().DestroyStream(upload_).IgnoreError();
     }
     for (const std::string& h : peers_) e_.ReleasePeer(h);
-    if (!committed_ && store_created_) e_.store_->Erase(seg_id_).IgnoreError();
+    if (!committed_ && store_created_) e_.store().Erase(seg_id_).IgnoreError();
     if (!committed_) {
       log::Event e(spdlog::level::warn, "ingest_failed");
       e.Str("session", s_->id).Int("layers_received", s_->layers_ingested.load());
@@ -349,7 +349,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
     bf16* const vbase = on_host ? reinterpret_cast<bf16*>(b.hv.get()) : static_cast<bf16*>(b.vd.data());
     const absl::Span<bf16> kdst(kbase + off, len);
     const absl::Span<bf16> vdst(vbase + off, len);
-    std::optional<StageTimer> parts_timer(std::in_place, e_.metrics_, "ingest_parts");
+    std::optional<StageTimer> parts_timer(std::in_place, e_.metrics(), "ingest_parts");
     // Every part lands in the layer's backend-memory block: decoded in place on a host-space
     // backend, through a part-sized host staging copy on a device, and copied device to
     // device when the worker shares its GPU memory (cuda_ipc). A part of a layer waiting in
@@ -380,7 +380,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
       absl::Status st = UploadPart(m.k, shape, absl::StrCat(name, " k"), kdst, &staging_);
       if (st.ok()) st = UploadPart(m.v, shape, absl::StrCat(name, " v"), vdst, &staging_v_);
       if (st.ok()) st = CheckFiniteOnDevice(name, kdst, vdst, upload_);
-      if (!st.ok()) e_.backend_->Synchronize(upload_).IgnoreError();
+      if (!st.ok()) e_.backend().Synchronize(upload_).IgnoreError();
       KVSHADE_RETURN_IF_ERROR(st);
     }
     parts_timer.reset();  // placed; RoPE and the hand-over are timed on their own
@@ -388,10 +388,10 @@ class IngestStreamImpl final : public Engine::IngestStream {
       // Rotated now, while the part is fresh in cache; RoPE is per token, so part by part
       // equals the whole layer at once. The backend's memory is host memory here, so the
       // same holds for a part in a layer's host copy (its rows go up rotated).
-      StageTimer timer(e_.metrics_, "ingest_rope");
+      StageTimer timer(e_.metrics(), "ingest_rope");
       const std::vector<int64_t> pos = Positions(first_ + b.received, n_part);
-      KVSHADE_RETURN_IF_ERROR(e_.backend_->ApplyRope(model.rope, pos, h, d, kdst));
-      KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
+      KVSHADE_RETURN_IF_ERROR(e_.backend().ApplyRope(model.rope, pos, h, d, kdst));
+      KVSHADE_RETURN_IF_ERROR(e_.backend().Synchronize());
     }
     b.received += static_cast<int>(n_part);
     // The part has been read from where it was (a peer's GPU memory included: its copies
@@ -434,14 +434,14 @@ class IngestStreamImpl final : public Engine::IngestStream {
         KVSHADE_ASSIGN_OR_RETURN(finite_, e_.Alloc(2 * sizeof(int64_t), ArenaKind::kOther));
       }
       if (!upload_created_) {
-        KVSHADE_ASSIGN_OR_RETURN(upload_, e_.backend_->CreateStream());
+        KVSHADE_ASSIGN_OR_RETURN(upload_, e_.backend().CreateStream());
         upload_created_ = true;
       }
       // Whoever used this memory before may still have work queued on the default stream;
       // the upload stream does not wait for it, so the layer starts after it (once per
       // layer, not per part).
-      StageTimer timer(e_.metrics_, "ingest_wait");
-      KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
+      StageTimer timer(e_.metrics(), "ingest_wait");
+      KVSHADE_RETURN_IF_ERROR(e_.backend().Synchronize());
     }
     return absl::OkStatus();
   }
@@ -451,7 +451,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
   // on upload_ (and, direct_, the rotation) are done before the rows are read.
   absl::Status MoveToHost(int l) {
     LayerBuf& b = bufs_[l];
-    StageTimer timer(e_.metrics_, "ingest_parts");
+    StageTimer timer(e_.metrics(), "ingest_parts");
     const size_t row = size_t(s_->model.shape.h) * s_->model.shape.d;
     const size_t layer_bytes = Bf16Bytes(size_t(n_) * row), bytes = Bf16Bytes(size_t(b.received) * row);
     // Host memory for every row, so that the later parts land there and the layer goes up
@@ -464,11 +464,11 @@ class IngestStreamImpl final : public Engine::IngestStream {
           "layer ", l, ": no host memory (", 2 * layer_bytes, " bytes) to hold its ", b.received,
           " received tokens while another layer's parts arrive"));
     }
-    KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize(upload_));
-    absl::Status st = e_.backend_->CopyToHost(b.hk.get(), b.kd.data(), bytes, upload_);
-    if (st.ok()) st = e_.backend_->CopyToHost(b.hv.get(), b.vd.data(), bytes, upload_);
+    KVSHADE_RETURN_IF_ERROR(e_.backend().Synchronize(upload_));
+    absl::Status st = e_.backend().CopyToHost(b.hk.get(), b.kd.data(), bytes, upload_);
+    if (st.ok()) st = e_.backend().CopyToHost(b.hv.get(), b.vd.data(), bytes, upload_);
     // Nothing may still read the blocks once they are freed, an error included.
-    absl::Status sync = e_.backend_->Synchronize(upload_);
+    absl::Status sync = e_.backend().Synchronize(upload_);
     if (st.ok()) st = sync;
     KVSHADE_RETURN_IF_ERROR(st);
     b.kd = DeviceBlock();
@@ -482,12 +482,12 @@ class IngestStreamImpl final : public Engine::IngestStream {
   // or peer rows checked on the host), so they are not checked again.
   absl::Status MoveToDevice(int l) {
     LayerBuf& b = bufs_[l];
-    StageTimer timer(e_.metrics_, "ingest_parts");
+    StageTimer timer(e_.metrics(), "ingest_parts");
     const size_t bytes = Bf16Bytes(size_t(b.received) * s_->model.shape.h * s_->model.shape.d);
-    absl::Status st = e_.backend_->CopyFromHost(b.kd.data(), b.hk.get(), bytes, upload_);
-    if (st.ok()) st = e_.backend_->CopyFromHost(b.vd.data(), b.hv.get(), bytes, upload_);
+    absl::Status st = e_.backend().CopyFromHost(b.kd.data(), b.hk.get(), bytes, upload_);
+    if (st.ok()) st = e_.backend().CopyFromHost(b.vd.data(), b.hv.get(), bytes, upload_);
     // The host copy is freed only once the copies have read it, an error included.
-    absl::Status sync = e_.backend_->Synchronize(upload_);
+    absl::Status sync = e_.backend().Synchronize(upload_);
     if (st.ok()) st = sync;
     KVSHADE_RETURN_IF_ERROR(st);
     b.hk.reset();
@@ -511,7 +511,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
   // Waits until no layer is being compressed; returns the compressor's first error.
   absl::Status WaitCompressorIdle() {
-    StageTimer timer(e_.metrics_, "ingest_wait");
+    StageTimer timer(e_.metrics(), "ingest_wait");
     std::unique_lock lock(cmu_);
     ccv_.wait(lock, [&] { return pending_ < 0 && !compressing_; });
     return compressor_status_;
@@ -609,11 +609,11 @@ class IngestStreamImpl final : public Engine::IngestStream {
     const ModelInfo& model = s_->model;
     if (model.dtype == v1::DTYPE_BF16) {
       KVSHADE_RETURN_IF_ERROR(CheckTensorLayout(t, shape, model.dtype, what));
-      return e_.backend_->CopyFromHost(dst.data(), t.data.data(), Bf16Bytes(dst.size()), upload_);
+      return e_.backend().CopyFromHost(dst.data(), t.data.data(), Bf16Bytes(dst.size()), upload_);
     }
     staging->resize(dst.size());
     KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(t, shape, model.dtype, what, absl::MakeSpan(*staging)));
-    return e_.backend_->CopyFromHost(dst.data(), staging->data(), Bf16Bytes(dst.size()), upload_);
+    return e_.backend().CopyFromHost(dst.data(), staging->data(), Bf16Bytes(dst.size()), upload_);
   }
 
   // Waits for the part's uploads (or peer copies) on `stream` and checks that every value
@@ -622,8 +622,8 @@ class IngestStreamImpl final : public Engine::IngestStream {
   absl::Status CheckFiniteOnDevice(const std::string& name, absl::Span<const bf16> k,
                                    absl::Span<const bf16> v, kernels::Stream stream) {
     const absl::Span<int64_t> first(static_cast<int64_t*>(finite_.data()), 2);
-    KVSHADE_RETURN_IF_ERROR(e_.backend_->FirstNonFinite(k, first.subspan(0, 1), stream));
-    KVSHADE_RETURN_IF_ERROR(e_.backend_->FirstNonFinite(v, first.subspan(1, 1), stream));
+    KVSHADE_RETURN_IF_ERROR(e_.backend().FirstNonFinite(k, first.subspan(0, 1), stream));
+    KVSHADE_RETURN_IF_ERROR(e_.backend().FirstNonFinite(v, first.subspan(1, 1), stream));
     int64_t host[2];
     KVSHADE_RETURN_IF_ERROR(e_.DownloadOn(stream, host, finite_.data(), sizeof(host)));
     if (size_t(host[0]) < k.size()) return NonFiniteError(absl::StrCat(name, " k"), size_t(host[0]));
@@ -639,7 +639,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
     const ProfileInfo& p = s_->profile;
     KVSHADE_ASSIGN_OR_RETURN(layout_, storage::SegmentValueLayout::Make(
                                           L_, m.shape.h, n_chunks, p.chunk_size, m.shape.d, p.codec));
-    KVSHADE_RETURN_IF_ERROR(e_.store_->Create(seg_id_, layout_));
+    KVSHADE_RETURN_IF_ERROR(e_.store().Create(seg_id_, layout_));
     store_created_ = true;
     return absl::OkStatus();
   }
@@ -652,13 +652,13 @@ class IngestStreamImpl final : public Engine::IngestStream {
   // Rotates the layer's keys in place (they are not needed pre-RoPE afterwards).
   absl::Status RopeInPlace(LayerBuf& b) {
     const ModelInfo& m = s_->model;
-    StageTimer timer(e_.metrics_, "ingest_rope");
+    StageTimer timer(e_.metrics(), "ingest_rope");
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock posd, e_.DevicePositions(first_, n_));
-    KVSHADE_RETURN_IF_ERROR(e_.backend_->ApplyRope(
+    KVSHADE_RETURN_IF_ERROR(e_.backend().ApplyRope(
         m.rope, absl::Span<const int64_t>(static_cast<const int64_t*>(posd.data()), size_t(n_)),
         m.shape.h, m.shape.d,
         absl::Span<bf16>(static_cast<bf16*>(b.kd.data()), b.kd.bytes() / sizeof(bf16))));
-    return e_.backend_->Synchronize();
+    return e_.backend().Synchronize();
   }
 
   // Keeps pre-RoPE keys for a background refactorization (host copy; rare: only when the
@@ -694,19 +694,19 @@ class IngestStreamImpl final : public Engine::IngestStream {
                                  DeviceBlock* a_out) {
     const ModelInfo& m = s_->model;
     const int n = static_cast<int>(k.size() / m.shape.D());
-    StageTimer timer(e_.metrics_, "ingest_project");
+    StageTimer timer(e_.metrics(), "ingest_project");
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock a, e_.Alloc(Bf16Bytes(size_t(n) * basis.r), ArenaKind::kA));
-    const size_t wsb = e_.backend_->ProjectWorkspaceBytes(n, m.shape, basis.r);
+    const size_t wsb = e_.backend().ProjectWorkspaceBytes(n, m.shape, basis.r);
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e_.Alloc(wsb, ArenaKind::kOther));
     KVSHADE_ASSIGN_OR_RETURN(
         kernels::ProjectionResult pr,
-        e_.backend_->ProjectKeys(
+        e_.backend().ProjectKeys(
             k, n, m.shape,
             absl::Span<const bf16>(static_cast<const bf16*>(basis.b.data()),
                                    size_t(m.shape.h) * basis.r * m.shape.d),
             basis.r, absl::Span<bf16>(static_cast<bf16*>(a.data()), size_t(n) * basis.r),
             kernels::Workspace{ws.data(), wsb}));
-    KVSHADE_RETURN_IF_ERROR(e_.backend_->Synchronize());
+    KVSHADE_RETURN_IF_ERROR(e_.backend().Synchronize());
     if (a_out != nullptr) *a_out = std::move(a);
     return pr.residual_energy;
   }
@@ -756,7 +756,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
     sp.C = C;
     sp.rank = std::min({p.rank, m.shape.D(), n_ / 8 * 8});
     sp.energy_target = pb ? 0.0 : p.energy_target;
-    sp.subspace_iterations = static_cast<int>(e_.config_->profile.factorize_iterations);
+    sp.subspace_iterations = static_cast<int>(e_.config().profile.factorize_iterations);
     sp.outliers = p.outliers;
     sp.keep_sink = p.keep_sink && first_ == 0;  // the sink is the session's first chunk
     sp.local_min = p.local_window;
@@ -769,25 +769,25 @@ class IngestStreamImpl final : public Engine::IngestStream {
     KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment((n_ - sp.local_min) / C));
     absl::Span<std::byte> values_out;
     if (layout_.chunk_stride == layout_.chunk_bytes) {
-      KVSHADE_ASSIGN_OR_RETURN(values_out, e_.store_->MutableLayer(seg_id_, l));
+      KVSHADE_ASSIGN_OR_RETURN(values_out, e_.store().MutableLayer(seg_id_, l));
     }
     kernels::ShadowLayer sl;
     ArenaAllocator allocator(e_);
     {
-      StageTimer timer(e_.metrics_, "ingest_factorize");
+      StageTimer timer(e_.metrics(), "ingest_factorize");
       absl::StatusOr<kernels::ShadowLayer> r = kernels::CompressShadowLayer(
-          *e_.backend_, m.shape, m.rope, sp, Keys(b),
+          e_.backend(), m.shape, m.rope, sp, Keys(b),
           absl::Span<const bf16>(static_cast<const bf16*>(b.vd.data()), b.vd.bytes() / sizeof(bf16)),
           n_, first_, use_obs ? &obs : nullptr, kernels::Stream{}, &allocator, values_out);
       NoteCompressionPeak(allocator.peak_bytes());
       if (!r.ok()) return r.status();
       sl = *std::move(r);
-      if (sl.factorize.subspace_fallback) e_.metrics_->FactorizeFallback();
+      if (sl.factorize.subspace_fallback) e_.metrics()->FactorizeFallback();
     }
     if (values_out.data() == nullptr) {
-      StageTimer timer(e_.metrics_, "ingest_values");
+      StageTimer timer(e_.metrics(), "ingest_values");
       const size_t bytes = size_t(m.shape.h) * sl.n_chunks * sl.value_chunk_bytes;
-      KVSHADE_RETURN_IF_ERROR(e_.store_->WriteLayer(
+      KVSHADE_RETURN_IF_ERROR(e_.store().WriteLayer(
           seg_id_, l, absl::Span<const std::byte>(static_cast<const std::byte*>(sl.values.data()), bytes)));
     }
     out.n_chunks = out.cap_chunks = sl.n_chunks;
@@ -869,9 +869,9 @@ class IngestStreamImpl final : public Engine::IngestStream {
       const absl::Span<const int64_t> qpos(static_cast<const int64_t*>(qposd.data()), size_t(b.w));
       const absl::Span<const int64_t> kpos(static_cast<const int64_t*>(kposd.data()), size_t(n));
       KVSHADE_ASSIGN_OR_RETURN(DeviceBlock md, e_.Alloc(size_t(h) * n * 4, ArenaKind::kOther));
-      const size_t wsb = e_.backend_->ObservationWorkspaceBytes(b.w, n, m.shape);
+      const size_t wsb = e_.backend().ObservationWorkspaceBytes(b.w, n, m.shape);
       KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e_.Alloc(wsb, ArenaKind::kOther));
-      KVSHADE_RETURN_IF_ERROR(e_.backend_->ObservationMass(
+      KVSHADE_RETURN_IF_ERROR(e_.backend().ObservationMass(
           absl::Span<const bf16>(static_cast<const bf16*>(qd.data()), b.qobs.size()), qpos, b.w,
           kr, kpos, n, m.shape,
           absl::Span<float>(static_cast<float*>(md.data()), size_t(h) * n),
@@ -1058,11 +1058,11 @@ class IngestStreamImpl final : public Engine::IngestStream {
     }
     committed_ = true;
     if (scheduled) e_.ScheduleRefactor(s_);
-    e_.metrics_->IngestedTokens(n_);
+    e_.metrics()->IngestedTokens(n_);
     for (int l = 0; l < L_; ++l) {
       if (p.kind != v1::PROFILE_KIND_SHADOW) continue;
-      if (prefix_basis_.empty()) e_.metrics_->ReconstructionEnergy(captured_[l]);
-      else e_.metrics_->ProjectionResidual(residual_[l]);
+      if (prefix_basis_.empty()) e_.metrics()->ReconstructionEnergy(captured_[l]);
+      else e_.metrics()->ProjectionResidual(residual_[l]);
     }
     e_.UpdateGauges();
     resp_.set_tokens(s_->tokens);
@@ -1138,17 +1138,17 @@ absl::Status QuantizeKivi(EngineImpl& e, int d, int G, const std::vector<bf16>& 
   auto f16 = [](const DeviceBlock& b, size_t c) {
     return absl::Span<kernels::fp16>(static_cast<kernels::fp16*>(b.data()), c);
   };
-  KVSHADE_RETURN_IF_ERROR(e.backend_->KiviQuantize(
+  KVSHADE_RETURN_IF_ERROR(e.backend().KiviQuantize(
       absl::Span<const bf16>(static_cast<const bf16*>(kd.data()), n), kl,
       u32(kb->k_codes, kl.code_words()), f16(kb->k_scale, kl.n_groups()), f16(kb->k_min, kl.n_groups())));
-  KVSHADE_RETURN_IF_ERROR(e.backend_->KiviQuantize(
+  KVSHADE_RETURN_IF_ERROR(e.backend().KiviQuantize(
       absl::Span<const bf16>(static_cast<const bf16*>(vd.data()), n), vl,
       u32(kb->v_codes, vl.code_words()), f16(kb->v_scale, vl.n_groups()), f16(kb->v_min, vl.n_groups())));
   // Dequantize in place of the inputs (they are scratch).
-  KVSHADE_RETURN_IF_ERROR(e.backend_->KiviDequantize(
+  KVSHADE_RETURN_IF_ERROR(e.backend().KiviDequantize(
       u32(kb->k_codes, kl.code_words()), f16(kb->k_scale, kl.n_groups()), f16(kb->k_min, kl.n_groups()),
       kl, absl::Span<bf16>(static_cast<bf16*>(kd.data()), n)));
-  KVSHADE_RETURN_IF_ERROR(e.backend_->KiviDequantize(
+  KVSHADE_RETURN_IF_ERROR(e.backend().KiviDequantize(
       u32(kb->v_codes, vl.code_words()), f16(kb->v_scale, vl.n_groups()), f16(kb->v_min, vl.n_groups()),
       vl, absl::Span<bf16>(static_cast<bf16*>(vd.data()), n)));
   dk->resize(n);

@@ -74,36 +74,36 @@ storage::SegmentRef EngineImpl::RegisterPrefix(const std::shared_ptr<const Segme
 
 // Forgets segments the prefix index evicted; they are freed (values included) when the
 // last call using them lets go.
-static void DropEvicted(EngineImpl& e, const std::vector<storage::PrefixSegmentInfo>& gone) {
+void EngineImpl::DropEvicted(const std::vector<storage::PrefixSegmentInfo>& gone) {
   if (gone.empty()) return;
   std::vector<std::shared_ptr<const Segment>> drop;  // destroyed outside the lock
   {
-    base::MutexLock lock(&e.seg_mu_);
+    base::MutexLock lock(&seg_mu_);
     for (const auto& info : gone) {
-      auto it = e.registered_.find(info.segment);
-      if (it != e.registered_.end()) {
+      auto it = registered_.find(info.segment);
+      if (it != registered_.end()) {
         drop.push_back(std::move(it->second));
-        e.registered_.erase(it);
+        registered_.erase(it);
       }
-      if (e.kv_events_) e.kv_events_->Removed(info.segment.ToHex());
-      e.metrics_->Eviction();
+      if (kv_events_) kv_events_->Removed(info.segment.ToHex());
+      metrics_->Eviction();
     }
   }
 }
 
-void EngineImpl::EvictPrefixes(size_t max_bytes) { DropEvicted(*this, prefix_.Evict(max_bytes)); }
+void EngineImpl::EvictPrefixes(size_t max_bytes) { DropEvicted(prefix_.Evict(max_bytes)); }
 
 // The host value store is full and can spill nothing: evicts the least recently used
 // cached segment that no session holds and whose values take host memory (resident and
 // unpinned). Called by the store without its lock.
-bool EvictIdlePrefix(EngineImpl& e) {
+bool EngineImpl::EvictIdlePrefix() {
   std::optional<storage::PrefixSegmentInfo> gone =
-      e.prefix_.EvictOne([&e](const storage::PrefixSegmentInfo& info) {
-        absl::StatusOr<storage::SegmentUsage> u = e.store_->Usage(info.segment);
+      prefix_.EvictOne([this](const storage::PrefixSegmentInfo& info) {
+        absl::StatusOr<storage::SegmentUsage> u = store_->Usage(info.segment);
         return u.ok() && u->resident_bytes > 0 && u->pins == 0;
       });
   if (!gone) return false;
-  DropEvicted(e, {*gone});
+  DropEvicted({*gone});
   return true;
 }
 
@@ -113,31 +113,32 @@ bool EvictIdlePrefix(EngineImpl& e) {
 static absl::StatusOr<bool> PageInForReuse(EngineImpl& e, const Segment& seg) {
   const Segment& owner = seg.values_owner();
   if (!owner.values_in_store) return false;
-  KVSHADE_ASSIGN_OR_RETURN(storage::SegmentUsage u, e.store_->Usage(owner.id));
+  KVSHADE_ASSIGN_OR_RETURN(storage::SegmentUsage u, e.store().Usage(owner.id));
   if (u.state == storage::SegmentState::kResident || u.state == storage::SegmentState::kBuilding) {
     return false;
   }
-  KVSHADE_ASSIGN_OR_RETURN(storage::SegmentPin pin, e.store_->Pin(owner.id));
+  KVSHADE_ASSIGN_OR_RETURN(storage::SegmentPin pin, e.store().Pin(owner.id));
   return true;  // resident now, most recently used; the pin goes, Attach pins it again
 }
 
 // page_in (CreateSession): a matched segment whose values were spilled is paged in before
 // it is reused, so that one that cannot be read back ends the reuse (the session ingests
 // those tokens itself) instead of failing the session's decode steps later.
-ReuseMatch FindReusable(EngineImpl& e, const storage::PrefixHasher& hasher,
-                               absl::Span<const int32_t> tokens, bool need_durable, bool page_in) {
+ReuseMatch EngineImpl::FindReusable(const storage::PrefixHasher& hasher,
+                                     absl::Span<const int32_t> tokens, bool need_durable,
+                                     bool page_in) {
   ReuseMatch out;
   std::vector<storage::PrefixKey> keys = hasher.Chain(tokens);
   if (keys.empty()) return out;  // shorter than a block: nothing of it is ever cached
-  storage::PrefixMatch m = e.prefix_.Lookup(keys);
+  storage::PrefixMatch m = prefix_.Lookup(keys);
   int64_t pos = 0;
   std::optional<PrefixStop> stop;
   for (storage::SegmentRef& ref : m.chain) {
     std::shared_ptr<const Segment> seg;
     {
-      base::MutexLock lock(&e.seg_mu_);
-      auto it = e.registered_.find(ref.segment());
-      if (it != e.registered_.end()) seg = it->second;
+      base::MutexLock lock(&seg_mu_);
+      auto it = registered_.find(ref.segment());
+      if (it != registered_.end()) seg = it->second;
     }
     // Not registered yet (its registration is under way) or not where the chain goes.
     if (!seg || seg->first_position != pos) break;
@@ -159,7 +160,7 @@ ReuseMatch FindReusable(EngineImpl& e, const storage::PrefixHasher& hasher,
       break;
     }
     if (page_in) {
-      absl::StatusOr<bool> paged = PageInForReuse(e, *seg);
+      absl::StatusOr<bool> paged = PageInForReuse(*this, *seg);
       if (!paged.ok()) {
         log::Event(spdlog::level::warn, "prefix_read_failure")
             .Str("segment", seg->id.ToHex())
@@ -182,7 +183,7 @@ ReuseMatch FindReusable(EngineImpl& e, const storage::PrefixHasher& hasher,
     // The chain ends before the prompt does: was the next block cached once?
     const int64_t b = hasher.block_tokens();
     const bool next_keyed = pos % b == 0 && pos / b < int64_t(keys.size());
-    out.stop = next_keyed && e.prefix_.WasRemoved(keys[pos / b]) ? PrefixStop::kEvicted
+    out.stop = next_keyed && prefix_.WasRemoved(keys[pos / b]) ? PrefixStop::kEvicted
                                                                   : PrefixStop::kAbsent;
   }
   return out;

@@ -286,16 +286,16 @@ static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, kernels::Stream st, co
   }
   std::vector<int32_t> all(size_t(n) * words);
   {
-    StageTimer timer(e.metrics_, "select");
+    StageTimer timer(e.metrics(), "select");
     if (given != nullptr) {
       // Model-native: the callers' ids [h, k] go into `selected`, then the slot diff.
       for (int i = 0; i < n; ++i) {
-        KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(sel[i].selected, (*given)[i]->data(), hk * 4, st));
+        KVSHADE_RETURN_IF_ERROR(e.backend().CopyFromHost(sel[i].selected, (*given)[i]->data(), hk * 4, st));
       }
     }
-    const size_t wsb = decode::SelectionWorkspaceBytes(*e.backend_, g, sel);
+    const size_t wsb = decode::SelectionWorkspaceBytes(e.backend(), g, sel);
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
-    KVSHADE_RETURN_IF_ERROR(decode::RunSelection(*e.backend_, g, sel, kernels::Workspace{ws.data(), wsb}, st));
+    KVSHADE_RETURN_IF_ERROR(decode::RunSelection(e.backend(), g, sel, kernels::Workspace{ws.data(), wsb}, st));
     // The one wait of the selection: its outputs come to the host.
     KVSHADE_RETURN_IF_ERROR(e.DownloadOn(st, all.data(), base, all.size() * 4));
   }
@@ -314,7 +314,7 @@ static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, kernels::Stream st, co
   for (int32_t m : run.miss_count) misses += m;
   if (misses == 0) return run;
 
-  StageTimer timer(e.metrics_, "reconstruct");
+  StageTimer timer(e.metrics(), "reconstruct");
   const size_t per_item = hk * g.C * g.shape.d;
   KVSHADE_ASSIGN_OR_RETURN(run.keys, e.Alloc(Bf16Bytes(n * per_item), ArenaKind::kSlots));
   KVSHADE_ASSIGN_OR_RETURN(run.values, e.Alloc(Bf16Bytes(n * per_item), ArenaKind::kSlots));
@@ -323,12 +323,12 @@ static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, kernels::Stream st, co
     rec[i] = decode::ReconstructOf(sel[i], Ptr<bf16>(run.keys) + i * per_item,
                                    Ptr<bf16>(run.values) + i * per_item, /*into_slots=*/false);
   }
-  const size_t wsb = decode::ReconstructWorkspaceBytes(*e.backend_, g, rec);
+  const size_t wsb = decode::ReconstructWorkspaceBytes(e.backend(), g, rec);
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
-  KVSHADE_RETURN_IF_ERROR(decode::RunReconstruct(*e.backend_, g, rec, kernels::Workspace{ws.data(), wsb}, st));
+  KVSHADE_RETURN_IF_ERROR(decode::RunReconstruct(e.backend(), g, rec, kernels::Workspace{ws.data(), wsb}, st));
   // The workspace is released when this returns: wait for the kernel that uses it. (The
   // stage timer measures the kernel, as before; delivery then costs no further wait.)
-  KVSHADE_RETURN_IF_ERROR(e.backend_->Synchronize(st));
+  KVSHADE_RETURN_IF_ERROR(e.backend().Synchronize(st));
   return run;
 }
 
@@ -347,10 +347,10 @@ static absl::Status EnsureSlots(EngineImpl& e, kernels::Stream st, Attachment& a
       std::copy_n(old.begin() + size_t(hh) * t.k, keep, table.begin() + size_t(hh) * k);
     }
   }
-  KVSHADE_ASSIGN_OR_RETURN(storage::ArenaBlock b,
-                           e.arena_->Allocate(std::max<size_t>(table.size() * 4, 1), ArenaKind::kSlots));
-  KVSHADE_RETURN_IF_ERROR(e.backend_->CopyFromHost(b.data(), table.data(), table.size() * 4, st));
-  t.slots = DeviceBlock(std::move(b));
+  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock b,
+                           e.AllocNoEvict(std::max<size_t>(table.size() * 4, 1), ArenaKind::kSlots));
+  KVSHADE_RETURN_IF_ERROR(e.backend().CopyFromHost(b.data(), table.data(), table.size() * 4, st));
+  t.slots = std::move(b);
   t.k = k;
   return absl::OkStatus();
 }
@@ -366,14 +366,14 @@ static absl::Status GuardStep(EngineImpl& e, kernels::Stream st, Session& s, con
   if (!decode::GuardSamples(s.selection, policy, layer)) return absl::OkStatus();
   const int k0 = decode::OracleBudget(policy, view.total_chunks());
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qd, e.UploadOn(st, q.data(), Bf16Bytes(q.size()), ArenaKind::kOther));
-  const size_t wsb = decode::OracleWorkspaceBytes(*e.backend_, g, view, k0);
+  const size_t wsb = decode::OracleWorkspaceBytes(e.backend(), g, view, k0);
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
   KVSHADE_ASSIGN_OR_RETURN(decode::GuardOutcome o,
-                           decode::GuardStep(*e.backend_, s.selection, policy, g, layer, view,
+                           decode::GuardStep(e.backend(), s.selection, policy, g, layer, view,
                                              Ptr<const bf16>(qd), selected, k_sel,
                                              kernels::Workspace{ws.data(), wsb}, st));
   if (!o.sampled) return absl::OkStatus();
-  SelectionMetrics* m = SelectionMetrics::For(e.metrics_->registry());
+  SelectionMetrics* m = SelectionMetrics::For(e.metrics()->registry());
   const std::string label = policy.Label(g.native);
   m->Sampled(label, o.recall);
   if (o.action != decode::RecallAction::kNone) m->Acted(label, o.action);

@@ -166,16 +166,27 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   s->admission_ = std::make_unique<TenantAdmission>(EffectiveMaxCallsPerTenant(s->config_),
                                                     EffectiveMaxStreamsPerTenant(s->config_));
 
+  // The engine (its memory tiers from the config, on the spill tier), which restores the
+  // durable sessions; both transports borrow it.
+  EngineOptions engine_options;
+  engine_options.spill_tier = s->spill_ ? s->spill_->tier() : nullptr;
+  auto engine = Engine::Create(s->backend_.get(), &s->config_, s->metrics_.get(),
+                               std::move(engine_options));
+  if (!engine.ok()) return engine.status();
+  s->engine_ = *std::move(engine);
+  // Test fault injection (KVSHADE_FAILPOINT_SPILL_FAULTS) starts after the restore.
+  if (s->spill_) s->spill_->ArmFaults();
+
   ServiceDeps deps;
+  deps.engine = s->engine_.get();
   deps.backend = s->backend_.get();
   deps.config = &s->config_;
   deps.metrics = s->metrics_.get();
   deps.auth = s->auth_.get();
   deps.admission = s->admission_.get();
-  deps.spill_tier = s->spill_ ? s->spill_->tier() : nullptr;
   if (config.ucx.enable) {
-    auto ucx = UcxServer::Start(s->config_, s->metrics_.get(), s->admission_.get(),
-                                s->backend_.get());
+    auto ucx = UcxServer::Start(s->config_, s->engine_.get(), s->metrics_.get(),
+                                s->admission_.get(), s->backend_.get());
     if (!ucx.ok()) return ucx.status();
     s->ucx_ = *std::move(ucx);
     deps.ucx = s->ucx_.get();
@@ -183,9 +194,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   auto service = KvShadeService::Create(deps);
   if (!service.ok()) return service.status();
   s->service_ = *std::move(service);
-  // Test fault injection (KVSHADE_FAILPOINT_SPILL_FAULTS) starts after the restore.
-  if (s->spill_) s->spill_->ArmFaults();
-  if (s->ucx_) s->ucx_->SetEngine(&s->service_->engine());
 
   auto creds = MakeCredentials(config.tls);
   if (!creds.ok()) return creds.status();
@@ -293,7 +301,7 @@ absl::Status Server::Shutdown(absl::Duration grace) {
   // or earlier once no attachment is live (no worker is decoding any more).
   int64_t attachments = -1;
   while (absl::Now() < end) {
-    attachments = service_ ? static_cast<int64_t>(service_->engine().LiveAttachments()) : 0;
+    attachments = engine_ ? static_cast<int64_t>(engine_->LiveAttachments()) : 0;
     if (attachments == 0) break;
     absl::SleepFor(std::min(absl::Milliseconds(50), end - absl::Now()));
   }

@@ -94,7 +94,7 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
   std::optional<PrefixStop> reuse_stop;  // no lookup for mini
   if (profile.kind != v1::PROFILE_KIND_MINI) {
     KVSHADE_ASSIGN_OR_RETURN(storage::PrefixHasher hasher, Hasher(t, model, profile));
-    ReuseMatch m = FindReusable(*this, hasher, tokens, s->durable, /*page_in=*/true);
+    ReuseMatch m = FindReusable(hasher, tokens, s->durable, /*page_in=*/true);
     ++prefix_lookups_;
     if (m.tokens > 0) ++prefix_hits_;
     sessions_.CountPrefixLookup(t.name, m.tokens > 0);
@@ -160,7 +160,7 @@ absl::StatusOr<v1::LookupPrefixResponse> EngineImpl::LookupPrefix(
   v1::LookupPrefixResponse resp;
   if (profile.kind == v1::PROFILE_KIND_MINI || tokens.empty()) return resp;
   KVSHADE_ASSIGN_OR_RETURN(storage::PrefixHasher hasher, Hasher(t, model, profile));
-  ReuseMatch m = FindReusable(*this, hasher, tokens, /*need_durable=*/false, /*page_in=*/false);
+  ReuseMatch m = FindReusable(hasher, tokens, /*need_durable=*/false, /*page_in=*/false);
   ++prefix_lookups_;
   if (m.tokens > 0) ++prefix_hits_;
   sessions_.CountPrefixLookup(t.name, m.tokens > 0);

@@ -1,4 +1,4 @@
-// Engine::SlotTable: an attachment's slot tables read back, and optionally reset, so that
+// EngineImpl::SlotTable: an attachment's slot tables read back, and optionally reset, so that
 // a worker that lost a SelectAndReconstruct response can resynchronise (service/README.md
 // "Slot tables").
 #include <mutex>
@@ -10,11 +10,10 @@
 
 namespace kvshade::service {
 
-absl::StatusOr<v1::SlotTableResponse> Engine::SlotTable(const Tenant& t,
-                                                        const v1::SlotTableRequest& r) {
+absl::StatusOr<v1::SlotTableResponse> EngineImpl::SlotTable(const Tenant& t,
+                                                            const v1::SlotTableRequest& r) {
   KVSHADE_RETURN_IF_ERROR(CheckIdLength(r.attachment_id(), "attachment id"));
-  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> a,
-                           impl_->sessions_.Use(t.name, r.attachment_id()));
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> a, sessions_.Use(t.name, r.attachment_id()));
   const size_t h = static_cast<size_t>(a->session->model.shape.h);
   v1::SlotTableResponse resp;
   // The attachment's lock serialises this with its selects: a select either ran before
@@ -29,7 +28,7 @@ absl::StatusOr<v1::SlotTableResponse> Engine::SlotTable(const Tenant& t,
     std::vector<int32_t> chunks(h * static_cast<size_t>(table.k));
     if (!chunks.empty()) {
       KVSHADE_RETURN_IF_ERROR(
-          impl_->Download(chunks.data(), table.slots.data(), chunks.size() * sizeof(int32_t)));
+          Download(chunks.data(), table.slots.data(), chunks.size() * sizeof(int32_t)));
     }
     out->mutable_chunk()->Add(chunks.begin(), chunks.end());
   }

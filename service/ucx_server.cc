@@ -83,17 +83,18 @@ struct UcxServer::IngestPace {
   bool over = false;  // ended (commit or cancel received), failed or cut: no longer paced
 };
 
-UcxServer::UcxServer(const ServerConfig& config, Metrics* metrics, TenantAdmission* admission)
-    : config_(config), metrics_(metrics), admission_(admission) {}
+UcxServer::UcxServer(const ServerConfig& config, Engine* engine, Metrics* metrics,
+                     TenantAdmission* admission)
+    : config_(config), metrics_(metrics), admission_(admission), engine_(engine) {}
 
 absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Start(const ServerConfig& config,
-                                                            Metrics* metrics,
+                                                            Engine* engine, Metrics* metrics,
                                                             TenantAdmission* admission,
                                                             kernels::Backend* backend) {
-  if (metrics == nullptr || admission == nullptr) {
-    return absl::InvalidArgumentError("ucx data plane: metrics and admission must be set");
+  if (engine == nullptr || metrics == nullptr || admission == nullptr) {
+    return absl::InvalidArgumentError("ucx data plane: engine, metrics and admission must be set");
   }
-  std::unique_ptr<UcxServer> s(new UcxServer(config, metrics, admission));
+  std::unique_ptr<UcxServer> s(new UcxServer(config, engine, metrics, admission));
   UcxServer* self = s.get();
   std::map<unsigned, ucx::UcxLoop::Handler> handlers;
   handlers[ucx::kHello] = [self](ucx::AmMessage&& m) { self->OnHello(std::move(m)); };
@@ -205,11 +206,6 @@ void UcxServer::Stop() {
   paced_.clear();  // the loop thread is gone
   std::lock_guard<std::mutex> lock(mu_);
   engine_ = nullptr;
-}
-
-void UcxServer::SetEngine(Engine* engine) {
-  std::lock_guard<std::mutex> lock(mu_);
-  engine_ = engine;
 }
 
 std::string UcxServer::IssueToken(const Tenant& tenant) {

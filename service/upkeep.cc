@@ -73,7 +73,7 @@ void EngineImpl::UpdateGauges() {
 }
 
 // Server-wide figures (every tenant's): for the operator, like /metrics. The Stats RPC
-// answers per tenant (TenantStats).
+// answers per tenant (Stats(t)).
 absl::StatusOr<v1::StatsResponse> EngineImpl::Stats() {
   UpdateGauges();
   v1::StatsResponse r;
@@ -107,9 +107,9 @@ absl::StatusOr<v1::StatsResponse> EngineImpl::Stats() {
 // shared by several counts once) and what they take on each tier, its prefix lookups and
 // chunk selections; plus the server's backend, budgets and version. Nothing of another
 // tenant (service/README.md "Stats").
-absl::StatusOr<v1::StatsResponse> TenantStats(EngineImpl& e, const Tenant& t) {
-  e.UpdateGauges();
-  const TenantUsage u = e.sessions_.Usage(t.name);
+absl::StatusOr<v1::StatsResponse> EngineImpl::Stats(const Tenant& t) {
+  UpdateGauges();
+  const TenantUsage u = sessions_.Usage(t.name);
   uint64_t segments = 0, device = 0, host = 0, spilled = 0;
   absl::flat_hash_set<const Segment*> seen;
   absl::flat_hash_set<storage::SegmentId> values_seen;
@@ -122,26 +122,26 @@ absl::StatusOr<v1::StatsResponse> TenantStats(EngineImpl& e, const Tenant& t) {
     }
     const Segment& owner = seg.values_owner();
     if (!owner.values_in_store || !values_seen.insert(owner.id).second) return;
-    absl::StatusOr<storage::SegmentUsage> su = e.store_->Usage(owner.id);
+    absl::StatusOr<storage::SegmentUsage> su = store_->Usage(owner.id);
     if (!su.ok()) return;
     host += su->resident_bytes;
     if (su->on_spill_tier) spilled += su->value_bytes;
   };
-  for (const auto& s : e.sessions_.ListSessions(t.name)) {
+  for (const auto& s : sessions_.ListSessions(t.name)) {
     std::shared_lock lock(s->mu);
     for (const auto& seg : s->chain) add(*seg);
     if (s->open) add(*s->open);
   }
   v1::StatsResponse r;
-  r.set_backend(std::string(e.backend_->name()));
+  r.set_backend(std::string(backend_->name()));
   r.set_sessions(u.sessions);
   r.set_attachments(u.attachments);
   r.set_segments(segments);
   r.set_device_bytes_used(device);
-  r.set_device_bytes_budget(e.arena_->budget());
-  r.set_device_bytes_held(e.arena_->capacity());  // server-wide, as the budget
+  r.set_device_bytes_budget(arena_->budget());
+  r.set_device_bytes_held(arena_->capacity());  // server-wide, as the budget
   r.set_host_bytes_used(host);
-  r.set_host_bytes_budget(e.store_->Stats().budget_bytes);
+  r.set_host_bytes_budget(store_->Stats().budget_bytes);
   r.set_spilled_bytes(spilled);
   r.set_prefix_lookups(u.prefix_lookups);
   r.set_prefix_hits(u.prefix_hits);
@@ -179,14 +179,14 @@ absl::Status EngineImpl::Drain() {
 // Idle expiry (limits.session_idle_ttl_s): closes the sessions the session manager finds
 // idle as CloseSession does (a durable one loses its record), and counts them. Not while
 // draining: Drain writes durable sessions through.
-static void ExpireIdleSessions(EngineImpl& e) {
-  const uint32_t ttl_s = e.config_->limits.session_idle_ttl_s;
-  if (ttl_s == 0 || e.draining_.load()) return;
-  const std::vector<std::shared_ptr<Session>> idle = e.sessions_.RemoveIdle(int64_t{ttl_s} * 1000);
+void EngineImpl::ExpireIdleSessions() {
+  const uint32_t ttl_s = config_->limits.session_idle_ttl_s;
+  if (ttl_s == 0 || draining_.load()) return;
+  const std::vector<std::shared_ptr<Session>> idle = sessions_.RemoveIdle(int64_t{ttl_s} * 1000);
   for (const std::shared_ptr<Session>& s : idle) {
     ReleaseClosedSession(*s);
-    if (s->durable && e.spill_) {
-      if (absl::Status st = e.DeleteDurableRecord(*s); !st.ok()) {
+    if (s->durable && spill_) {
+      if (absl::Status st = DeleteDurableRecord(*s); !st.ok()) {
         spdlog::error("idle session {} expired, but its durable record could not be deleted "
                       "({}): it comes back at the next restart",
                       s->id, std::string(st.message()));
@@ -198,12 +198,12 @@ static void ExpireIdleSessions(EngineImpl& e) {
         .Uint("idle_ttl_s", ttl_s)
         .Msg("closed: no call for session_idle_ttl_s");
   }
-  if (!idle.empty()) e.metrics_->SessionsExpired(idle.size());
+  if (!idle.empty()) metrics_->SessionsExpired(idle.size());
 }
 
 int EngineImpl::RunMaintenance() {
   sessions_.ReapExpired();
-  ExpireIdleSessions(*this);
+  ExpireIdleSessions();
   PruneExports();
   // Device memory on demand: steps no data uses go back to the device (one step is kept
   // as headroom, so that a burst does not allocate again at once).

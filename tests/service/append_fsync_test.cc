@@ -6,7 +6,6 @@
 #include <cstdlib>
 #include <filesystem>
 
-#include "engine_impl.h"
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
@@ -16,7 +15,7 @@ namespace {
 
 // Append records in the spill tier.
 int AppendRecords(Harness& hx) {
-  auto metas = hx.engine->impl().spill_->ListSegments();
+  auto metas = hx.spill->ListSegments();
   EXPECT_TRUE(metas.ok());
   int n = 0;
   for (const auto& m : *metas) n += m.user_metadata.rfind("KVSHAPP1", 0) == 0;

@@ -11,7 +11,7 @@
 #include <set>
 
 #include "absl/strings/match.h"
-#include "engine_impl.h"
+#include "engine_internals.h"
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
@@ -106,7 +106,7 @@ TEST(Damage, AValueChecksumFailureDamagesItsSessionOnlyAndIsReportedAcrossRestar
   ASSIGN_OK(ref_b, hx.Attend(ob.attachment, 1, q));
   hx.Restart();  // values are paged in from the spill tier from now on
   {
-    auto s = hx.engine->impl().sessions_.FindSession(hx.tenant.name, oa.session);
+    auto s = EngineInternals(*hx.engine).FindSession(hx.tenant.name, oa.session);
     ASSERT_TRUE(s.ok());
     for (const auto& seg : (*s)->chain) poisoned->insert(seg->values_owner().id);
   }

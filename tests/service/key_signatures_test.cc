@@ -6,7 +6,7 @@
 #include <set>
 
 #include "absl/strings/match.h"
-#include "engine_impl.h"
+#include "engine_internals.h"
 #include "kvshade/kernels/decode_step.h"
 #include "service_test_util.h"
 
@@ -27,7 +27,7 @@ v1::Profile SigProfile(int bits) {
 }
 
 std::shared_ptr<Session> SessionOf(Harness& hs, const std::string& id) {
-  auto s = hs.engine->impl().sessions_.FindSession(hs.tenant.name, id);
+  auto s = EngineInternals(*hs.engine).FindSession(hs.tenant.name, id);
   EXPECT_TRUE(s.ok()) << s.status();
   return s.ok() ? *s : nullptr;
 }
@@ -42,7 +42,7 @@ Picks Reference(Harness& hs, const std::string& id, int layer, const std::vector
   std::shared_ptr<Session> s = SessionOf(hs, id);
   if (!s) return {};
   std::shared_lock<std::shared_mutex> lock(s->mu);
-  auto hold = hs.engine->impl().BuildView(*s, layer);
+  auto hold = EngineInternals(*hs.engine).BuildView(*s, layer);
   EXPECT_TRUE(hold.ok()) << hold.status();
   if (!hold.ok()) return {};
   const int h = s->model.shape.h;

@@ -9,7 +9,7 @@
 #include <shared_mutex>
 
 #include "absl/strings/match.h"
-#include "engine_impl.h"
+#include "engine_internals.h"
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
@@ -64,13 +64,13 @@ bool SameBytes(const std::vector<float>& a, const std::vector<float>& b) {
 
 // Whether none of the session's values are in host memory (all spilled).
 bool Spilled(Harness& hx, const std::string& id) {
-  auto s = hx.engine->impl().sessions_.FindSession(hx.tenant.name, id);
+  auto s = EngineInternals(*hx.engine).FindSession(hx.tenant.name, id);
   if (!s.ok()) return false;
   std::shared_lock lock((*s)->mu);
   for (const auto& seg : (*s)->chain) {
     const Segment& owner = seg->values_owner();
     if (!owner.values_in_store) continue;
-    auto u = hx.engine->impl().store_->Usage(owner.id);
+    auto u = EngineInternals(*hx.engine).store().Usage(owner.id);
     if (!u.ok() || u->resident_bytes != 0) return false;
   }
   return true;
@@ -186,7 +186,7 @@ TEST(EngineStorageFaults, SpillWriteAndPageInReadFaultsAreErrorsNeverWrongBytes)
   v1::DetachRequest detach;
   detach.set_attachment_id(oa.attachment);
   ASSERT_TRUE(hx.engine->Detach(hx.tenant, detach).ok());
-  const uint64_t spills_before = hx.engine->impl().store_->Stats().spills;
+  const uint64_t spills_before = EngineInternals(*hx.engine).store().Stats().spills;
 
   // The spill a third session needs fails: that session's ingest answers the error.
   hx.faults->SetOptions(Writes(1.0));
@@ -194,7 +194,7 @@ TEST(EngineStorageFaults, SpillWriteAndPageInReadFaultsAreErrorsNeverWrongBytes)
   absl::Status st = CreateAndIngest(hx, c, n, /*durable=*/false, &sc);
   EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable) << st;
   EXPECT_GE(hx.faults->injected_write_failures(), 1u);
-  EXPECT_EQ(hx.engine->impl().store_->Stats().spills, spills_before);
+  EXPECT_EQ(EngineInternals(*hx.engine).store().Stats().spills, spills_before);
   ASSIGN_OK(got_b, hx.Attend(ob.attachment, 1, q));
   EXPECT_TRUE(SameBytes(got_b, ref_b));
   hx.faults->SetOptions({});
@@ -211,18 +211,18 @@ TEST(EngineStorageFaults, SpillWriteAndPageInReadFaultsAreErrorsNeverWrongBytes)
   // (it holds the bytes): either way the page-in is an error, and nothing of it is served.
   uint64_t seed = 20;
   for (bool after : {false, true}) {
-    const uint64_t page_ins = hx.engine->impl().store_->Stats().page_ins;
+    const uint64_t page_ins = EngineInternals(*hx.engine).store().Stats().page_ins;
     hx.faults->SetOptions(Reads(1.0, after));
     v1::AttachRequest ar;
     ar.set_session_id(oa.session);
     ar.set_worker_id("w");
-    const uint64_t attachments = hx.engine->impl().sessions_.Counts().attachments;
+    const uint64_t attachments = EngineInternals(*hx.engine).Counts().attachments;
     auto att = hx.engine->Attach(hx.tenant, ar);
     // Attach pages the values in and fails with the read's error, leaving no attachment.
     EXPECT_EQ(att.status().code(), absl::StatusCode::kUnavailable) << "fail_after_read " << after << ": "
                                                                    << att.status();
-    EXPECT_EQ(hx.engine->impl().sessions_.Counts().attachments, attachments);
-    EXPECT_EQ(hx.engine->impl().store_->Stats().page_ins, page_ins);
+    EXPECT_EQ(EngineInternals(*hx.engine).Counts().attachments, attachments);
+    EXPECT_EQ(EngineInternals(*hx.engine).store().Stats().page_ins, page_ins);
     hx.faults->SetOptions({});
     const std::string attachment = att.ok() ? att->attachment_id() : hx.AttachTo(oa.session);
     ASSIGN_OK(got, hx.Attend(attachment, 1, q));

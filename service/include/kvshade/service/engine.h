@@ -54,6 +54,7 @@ struct EngineOptions {
 };
 
 class EngineImpl;
+class EngineInternals;
 
 class Engine {
  public:
@@ -144,9 +145,8 @@ class Engine {
   // thread does). Returns the number of refactorizations completed.
   int RunMaintenance();
 
-  EngineImpl& impl() { return *impl_; }
-
  private:
+  friend class EngineInternals;  // the engine's tests and fuzzer (service/engine_internals.h)
   explicit Engine(std::unique_ptr<EngineImpl> impl);
   std::unique_ptr<EngineImpl> impl_;
 };

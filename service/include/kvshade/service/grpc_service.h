@@ -14,9 +14,9 @@
 // processed: waiting for the client it holds none, and its waits are bounded by the idle
 // timeout and the minimum-progress rule (StreamPace).
 //
-// Life cycle: Create() builds the engine on the spill tier it is given (and its memory
-// tiers from the config) and restores durable sessions; the Server registers the service;
-// Drain() stops new sessions and flushes durable state before the server stops. The
+// Life cycle: the Server builds the engine (which restores durable sessions) and lends it
+// to Create(); the Server registers the service; Drain() stops new sessions and flushes
+// durable state before the server stops. The
 // service must outlive the grpc::Server it is registered with (its threads finish the
 // calls the server waits for when it shuts down).
 #pragma once
@@ -50,10 +50,11 @@ class TenantAdmission;
 class UcxServer;
 
 // What the service borrows from its owner (the Server). All must outlive the service;
-// none but spill_tier and ucx may be null. The memory tiers (device arena, host value
-// store) and the prefix index are created by the engine itself from `config`.
+// none but ucx may be null.
 struct ServiceDeps {
-  kernels::Backend* backend = nullptr;
+  // The engine the calls run on (the UCX data plane borrows the same one).
+  Engine* engine = nullptr;
+  kernels::Backend* backend = nullptr;  // device faults refuse calls
   const ServerConfig* config = nullptr;
   Metrics* metrics = nullptr;
   const Authenticator* auth = nullptr;
@@ -61,9 +62,6 @@ struct ServiceDeps {
   // max_streams_per_tenant): the UCX data plane admits its calls and streams into the same
   // counts, so that a tenant's caps hold across both transports.
   TenantAdmission* admission = nullptr;
-  // The spill tier the engine spills to and keeps durable sessions in (the Server opens it
-  // on spill_path); null: none (no spill, no durable sessions).
-  storage::SpillTier* spill_tier = nullptr;
   // Optional: the UCX data plane. When set, Attach hands out its worker address and a
   // one-time admission token; when null (ucx.enable off), Attach leaves them empty.
   UcxServer* ucx = nullptr;
@@ -79,8 +77,6 @@ class KvShadeService final : public kvshade::v1::KvShade::CallbackService {
   // stream must not hold the shutdown), waits for background refactorizations, and
   // flushes durable sessions to the spill tier. Reads keep being served. Idempotent.
   absl::Status Drain();
-
-  Engine& engine() { return *engine_; }
 
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* ctx,
                                           const v1::CreateSessionRequest* req,
@@ -132,7 +128,7 @@ class KvShadeService final : public kvshade::v1::KvShade::CallbackService {
  private:
   class IngestCall;
 
-  KvShadeService(const ServiceDeps& deps, std::unique_ptr<Engine> engine);
+  explicit KvShadeService(const ServiceDeps& deps);
 
   // A unary call: authenticate and admit it here (on gRPC's thread), run `op` (Tenant ->
   // StatusOr<Resp>) on a call thread, fill `resp` and finish.
@@ -145,7 +141,7 @@ class KvShadeService final : public kvshade::v1::KvShade::CallbackService {
   bool draining() const;
 
   ServiceDeps deps_;
-  std::unique_ptr<Engine> engine_;
+  Engine* const engine_;  // deps_.engine
   std::unique_ptr<StreamWatchdog> watchdog_;
   // Open Ingest calls, so that Drain can end them.
   mutable std::mutex streams_mu_;

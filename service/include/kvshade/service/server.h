@@ -6,8 +6,9 @@
 // Life cycle: Start() -> SERVING. Shutdown() (or a SIGTERM/SIGINT or a device fault seen
 // by RunUntilSignal()) sets health NOT_SERVING, drains the service (no new sessions; durable
 // state flushed), then stops the gRPC server with a deadline for in-flight calls.
-// The Server opens the spill tier (spill_path) and hands it to the service's engine, which
-// restores durable sessions from it at start.
+// The Server opens the spill tier (spill_path), builds the engine on it (which restores
+// durable sessions from it at start) and owns it; the gRPC service and the UCX data plane
+// borrow it.
 #pragma once
 
 #include <atomic>
@@ -27,6 +28,7 @@
 
 namespace kvshade::service {
 
+class Engine;
 class KvShadeService;
 class SpillStorage;
 class TenantAdmission;
@@ -34,8 +36,8 @@ class UcxServer;
 
 class Server {
  public:
-  // Validates `config`, creates the backend, the service (which restores durable sessions)
-  // and starts listening. Fails with the cause (bad config, port in use, unreadable TLS
+  // Validates `config`, creates the backend, the engine (which restores durable sessions)
+  // and the transports over it, and starts listening. Fails with the cause (bad config, port in use, unreadable TLS
   // files, backend unavailable).
   static absl::StatusOr<std::unique_ptr<Server>> Start(const ServerConfig& config);
   ~Server();
@@ -72,10 +74,11 @@ class Server {
   // One per daemon, shared by both transports (a tenant's caps count its gRPC and UCX calls
   // and streams together); before service_ and ucx_ so that it outlives every ticket.
   std::unique_ptr<TenantAdmission> admission_;
-  // Before service_ so that it outlives the engine that uses it.
+  // Before engine_ so that it outlives the engine that uses it.
   std::unique_ptr<SpillStorage> spill_;
+  // Before service_ and ucx_, which borrow it, so that it outlives them.
+  std::unique_ptr<Engine> engine_;
   std::unique_ptr<KvShadeService> service_;
-  // After service_ so that it is destroyed first (its engine threads use the engine).
   std::unique_ptr<UcxServer> ucx_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsEndpoint> exposer_;  // /metrics

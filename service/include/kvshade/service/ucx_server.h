@@ -74,19 +74,16 @@ class TenantAdmission;
 
 class UcxServer {
  public:
-  // Starts the worker and its progress thread (config.ucx.transports). `metrics` and
-  // `admission` (the daemon's, shared with the gRPC service) must outlive the server;
-  // `backend` (may be null: plain memory) gives the receive pool its staging memory
-  // (page-locked on CUDA). Requests are refused until SetEngine.
+  // Starts the worker and its progress thread (config.ucx.transports). `engine` (the one
+  // the gRPC service borrows too), `metrics` and `admission` (the daemon's, shared with the
+  // gRPC service) must outlive the server, or Stop() first; `backend` (may be null: plain
+  // memory) gives the receive pool its staging memory (page-locked on CUDA).
   static absl::StatusOr<std::unique_ptr<UcxServer>> Start(const ServerConfig& config,
-                                                          Metrics* metrics,
+                                                          Engine* engine, Metrics* metrics,
                                                           TenantAdmission* admission,
                                                           kernels::Backend* backend = nullptr);
   ~UcxServer();  // Stop()
   void Stop();
-
-  // The engine that serves requests; must outlive the server (or Stop() first).
-  void SetEngine(Engine* engine);
 
   // The worker address for AttachResponse.data_plane_address ("ucx-worker:<base64>").
   const std::string& address() const { return address_; }
@@ -156,7 +153,7 @@ class UcxServer {
     uint32_t count = 0;
   };
 
-  UcxServer(const ServerConfig& config, Metrics* metrics, TenantAdmission* admission);
+  UcxServer(const ServerConfig& config, Engine* engine, Metrics* metrics, TenantAdmission* admission);
   void OnHello(ucx::AmMessage&& m);
   void OnBye(ucx::AmMessage&& m);
   // SELECT_FRAME and ATTEND_FRAME (transport/decode_frame.h): parsed into decode.h views
@@ -233,7 +230,7 @@ class UcxServer {
   TenantAdmission* const admission_;
   std::unique_ptr<ucx::UcxLoop> loop_;
   std::string address_;
-  Engine* engine_ = nullptr;
+  Engine* engine_ = nullptr;  // borrowed (guarded by mu_); null once stopped
 
   mutable std::mutex mu_;
   absl::flat_hash_map<std::string, Tenant> tokens_;  // one-time admission tokens
