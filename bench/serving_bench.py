@@ -41,7 +41,7 @@ import torch  # noqa: E402
 
 import kvshade  # noqa: E402
 from capacity_bench import GIB, build_model, gpu_used_gib  # noqa: E402
-from decode_bench import start_server  # noqa: E402
+from decode_bench import stage_seconds, start_server  # noqa: E402
 
 
 def pct(xs, p):
@@ -69,7 +69,8 @@ def run_kvshade(c, model, prompts, arrivals, args):
     gen.run()
     if warm.error is not None:
         raise warm.error
-    reqs, memory = [], []
+    reqs, memory, steps = [], [], []
+    stages0 = stage_seconds()
     t0 = time.perf_counter()
     nxt = 0
     host_peak = 0.0
@@ -83,11 +84,18 @@ def run_kvshade(c, model, prompts, arrivals, args):
         if not gen.busy:
             time.sleep(max(0.0, arrivals[nxt] - (time.perf_counter() - t0)))
             continue
+        t_step = time.perf_counter()
         gen.step()
+        steps.append(time.perf_counter() - t_step)
         st = c.stats()
         host_peak = max(host_peak, st["host_bytes_used"] / GIB)
         memory.append((round(time.perf_counter() - t0, 3), round(gpu_used_gib(), 2), gen.cache.batch))
     makespan = time.perf_counter() - t0
+    # The daemon's time per pipeline stage over the workload (seconds, calls): where an
+    # ingest or a decode step spends it.
+    stages1 = stage_seconds()
+    daemon_stages = {k: [round(v[0] - stages0.get(k, (0, 0))[0], 3), int(v[1] - stages0.get(k, (0, 0))[1])]
+                     for k, v in stages1.items() if v[1] > stages0.get(k, (0, 0))[1]}
     gen.close()
     failed = [r for r in reqs if r.finish_reason == "error"]
     if failed:
@@ -101,6 +109,8 @@ def run_kvshade(c, model, prompts, arrivals, args):
             "gpu_used_peak_gib": max(m[1] for m in memory), "daemon_host_peak_gib": host_peak,
             "max_batch_seen": max(m[2] for m in memory),
             "reused_tokens_mean": statistics.mean(r.reused_tokens for r in reqs),
+            "step_ms_p50": pct(steps, 50) * 1e3, "step_ms_p99": pct(steps, 99) * 1e3,
+            "step_ms_max": max(steps) * 1e3, "steps": len(steps), "daemon_stage_seconds": daemon_stages,
             "memory_over_time": memory}
 
 
