@@ -69,6 +69,7 @@ def run_kvshade(c, model, prompts, arrivals, args):
     gen.run()
     if warm.error is not None:
         raise warm.error
+    gen.chunk_times.clear()  # the workload's alone
     reqs, memory, steps = [], [], []
     stages0 = stage_seconds()
     t0 = time.perf_counter()
@@ -111,6 +112,7 @@ def run_kvshade(c, model, prompts, arrivals, args):
             "reused_tokens_mean": statistics.mean(r.reused_tokens for r in reqs),
             "step_ms_p50": pct(steps, 50) * 1e3, "step_ms_p99": pct(steps, 99) * 1e3,
             "step_ms_max": max(steps) * 1e3, "steps": len(steps), "daemon_stage_seconds": daemon_stages,
+            "worker_chunk_seconds": {k: round(v, 3) for k, v in gen.chunk_times.items()},
             "memory_over_time": memory}
 
 

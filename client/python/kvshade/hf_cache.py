@@ -825,6 +825,13 @@ class KvShadeCache(Cache):
         # Host path: {"copy_s", "send_s", "bytes"}, the sender's seconds copying the prompt's
         # layers off the GPU and sending them, and the bytes sent (None on the device path).
         self.host_ingest_times = None
+        # Seconds of the chunked prefill's own work on this thread, by phase (a profile of
+        # where a chunk's time goes beside the model's): "send" (each part to the daemon:
+        # the stream synchronization that makes a GPU part readable, the call, and waiting
+        # while the daemon holds more than ingest_window_bytes), "history" (the chunk's K/V
+        # queued to host memory) and "attend_kv" (the earlier chunks' K/V back, waiting for
+        # the copy queued one layer ahead).
+        self.chunk_times = {"send": 0.0, "history": 0.0, "attend_kv": 0.0}
         self._count_hits = count_hits
         self._model_params_device = {next(model.parameters()).device}
         self.local = None  # kvshade.local.LocalDecoder once the prompt is ingested (local mode)
@@ -1057,6 +1064,7 @@ class KvShadeCache(Cache):
                 self._begin_device_ingest(total, pk.shape[0])
             else:
                 self._begin_host_ingest(total, pk.shape[0])
+        t0 = time.perf_counter()
         if self._streams is not None:
             try:
                 self._send_chunk_part(li, pk, pv, start, last)
@@ -1068,9 +1076,16 @@ class KvShadeCache(Cache):
             self._sender.put(li, pk, pv, start, last)
         elif self._streams is None:
             raise RuntimeError("KvShadeCache: the chunked prefill's ingest is not open (layer %d)" % li)
+        t1 = time.perf_counter()
         k_all, v_all = self._attend_kv(li, start, k, v)
+        t2 = time.perf_counter()
         if not last:
             self._keep_history(li, k, v)
+        t3 = time.perf_counter()
+        times = self.chunk_times
+        times["send"] += t1 - t0
+        times["attend_kv"] += t2 - t1
+        times["history"] += t3 - t2
         layer_obj.length = start + k.shape[2]
         if last:
             self._pre_k[li] = self._v[li] = _TAKEN if self._streams is not None else _SENT

@@ -339,6 +339,9 @@ class Generator:
                                 local_capacity=local_capacity)
         self.waiting: List[Request] = []
         self.running: List[Request] = []  # in batch order
+        # The chunked prefills' own work by phase, summed over every prompt prefilled so far
+        # (hf_cache.KvShadeCache.chunk_times).
+        self.chunk_times = {}
         self._next_id = 0
 
     @property
@@ -394,6 +397,8 @@ class Generator:
         except BaseException:
             kc.close(close_session=True)
             raise
+        for phase, seconds in kc.chunk_times.items():
+            self.chunk_times[phase] = self.chunk_times.get(phase, 0.0) + seconds
         req.session_id, req.reused_tokens = ready_session(kc)
         self._pick(req, token)
         return True
