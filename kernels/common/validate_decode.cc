@@ -168,7 +168,7 @@ absl::Status Select(const LayerShape& shape, int k, absl::Span<const SelectItem>
 absl::Status SelectUnit(const SelectOptions& options) {
   constexpr std::string_view kOp = "SelectEx";
   const int unit = options.unit;
-  if (unit == 0) return absl::OkStatus();
+  if (unit == 0 || unit == options.C) return absl::OkStatus();  // whole chunks
   if (unit < 0) return Bad(kOp, absl::StrCat("unit must be >= 0 (0 = whole chunks), got ", unit));
   if (!options.two_stage() || options.C < 1) {
     return Bad(kOp, absl::StrCat("unit = ", unit,
