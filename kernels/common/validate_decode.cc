@@ -1,7 +1,8 @@
 // Argument checks of the codec and decode ops (EncodeValueChunks, DecodeValueChunks, KIVI,
-// Select, SelectEx's selection units, Reconstruct, Attend), shared by the CPU and CUDA launchers so that both reject
-// the same inputs with the same messages. Only host-readable facts are checked here
-// (sizes, counts, pointers, strides, options); contents of backend memory are not read.
+// Select, SelectEx's selection units, Reconstruct, Attend), shared by the CPU and CUDA
+// launchers so that both reject the same inputs with the same messages. Only host-readable
+// facts are checked here (sizes, counts, pointers, strides, options); contents of backend
+// memory are not read.
 #include <cmath>
 #include <string>
 

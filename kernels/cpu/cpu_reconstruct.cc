@@ -59,8 +59,9 @@ absl::Status CpuBackend::Reconstruct(const LayerShape& shape, int C, int k, cons
         const int32_t c = it.miss_chunk[int64_t(hh) * k + j];
         if (c < 0 || c >= total) {
           return absl::InvalidArgumentError(
-              absl::StrCat("Reconstruct: items[", i, "].miss_chunk[", hh, ", ", j, "] must be in [0, ",
-                           units ? "total_units = " : "total_chunks = ", total, "), got ", c));
+              absl::StrCat("Reconstruct: items[", i, "].miss_chunk[", hh, ", ", j,
+                           "] must be in [0, ", units ? "total_units = " : "total_chunks = ",
+                           total, "), got ", c));
         }
       }
       if (it.miss_slot == nullptr) continue;

@@ -65,8 +65,9 @@ TEST(SelectUnits, UnitEqualToTheChunkSizeIsWholeChunkSelection) {
         unit_c.unit = c.C;
         const ExOut x = RunEx(*be, c, k, &chunks, a);
         const ExOut y = RunEx(*be, c, k, &unit_c, b);
-        ExpectSameOutputs(x, y, "sig " + std::to_string(sig) + " top_p " +
-                                    std::to_string(top_p) + " step " + std::to_string(step));
+        ExpectSameOutputs(x, y,
+                          "sig " + std::to_string(sig) + " top_p " + std::to_string(top_p) +
+                              " step " + std::to_string(step));
         a = x.slots;
         b = y.slots;
         for (bf16& q : c.q) q = FloatToBf16(Bf16ToFloat(q) * -1.25f);  // the next query
@@ -103,7 +104,8 @@ std::vector<UnitScore> RankUnits(const LowRankCase& c, int hh, const std::vector
       }
       for (int n = 0; n < g; ++n) {
         double dot = 0;
-        for (int ch = 0; ch < d; ++ch) dot += double(Bf16ToFloat(c.q[size_t(hh * g + n) * d + ch])) * key[ch];
+        for (int ch = 0; ch < d; ++ch)
+          dot += double(Bf16ToFloat(c.q[size_t(hh * g + n) * d + ch])) * key[ch];
         l[i * C + t][n] = dot / std::sqrt(double(d));
       }
     }
@@ -145,7 +147,8 @@ std::vector<int32_t> StageOne(Backend& be, const LowRankCase& c, int hh, int wid
   const ExOut s1 = RunEx(be, c, width, nullptr, std::vector<int32_t>(size_t(h) * width, -1));
   std::vector<int32_t> out;
   for (int i = 0; i < width; ++i) {
-    if (s1.selected[size_t(hh) * width + i] >= 0) out.push_back(s1.selected[size_t(hh) * width + i]);
+    if (s1.selected[size_t(hh) * width + i] >= 0)
+      out.push_back(s1.selected[size_t(hh) * width + i]);
   }
   return out;
 }
@@ -195,11 +198,12 @@ TEST(SelectUnits, RankAsTheBruteForceReference) {
             ranked[hh] = RankUnits(c, hh, cands, u, sig);
             for (int i = 0; i < k; ++i) {
               EXPECT_EQ(full.selected[size_t(hh) * k + i], ranked[hh][i].id)
-                  << "sig " << sig << " seed " << seed << " u " << u << " candidates "
-                  << candidates << " head " << hh << " rank " << i;
+                  << "sig " << sig << " seed " << seed << " u " << u << " candidates " << candidates
+                  << " head " << hh << " rank " << i;
             }
             // From an empty table every selected unit misses, in ascending unit id.
-            std::vector<int32_t> want(full.selected.begin() + hh * k, full.selected.begin() + (hh + 1) * k);
+            std::vector<int32_t> want(full.selected.begin() + hh * k,
+                                      full.selected.begin() + (hh + 1) * k);
             std::sort(want.begin(), want.end());
             EXPECT_EQ(std::vector<int32_t>(full.miss_chunk.begin() + hh * k,
                                            full.miss_chunk.begin() + (hh + 1) * k),
@@ -356,7 +360,8 @@ TEST(SelectUnits, SlotDiffOverUnitIds) {
     for (int i = 0; i < k; ++i) {
       if (want[i] != sel && !selectable(want[i])) want[i] = -1;
     }
-    EXPECT_EQ(std::vector<int32_t>(s4.slots.begin() + hh * k, s4.slots.begin() + (hh + 1) * k), want)
+    EXPECT_EQ(std::vector<int32_t>(s4.slots.begin() + hh * k, s4.slots.begin() + (hh + 1) * k),
+              want)
         << "head " << hh;
     EXPECT_EQ(s4.miss_count[hh], missed ? 1 : 0);
   }
@@ -390,7 +395,8 @@ TEST(SelectUnits, MissesAloneKeepAWorkersMirrorOfTheTable) {
       std::set<int32_t> held;
       for (int i = 0; i < k; ++i) {
         const int32_t m = mirror[size_t(hh) * k + i];
-        if (m >= 0) EXPECT_TRUE(held.insert(m).second) << "step " << step << ": unit " << m << " twice";
+        if (m >= 0)
+          EXPECT_TRUE(held.insert(m).second) << "step " << step << ": unit " << m << " twice";
       }
       for (int i = 0; i < k; ++i) {
         const int32_t sel = x.selected[size_t(hh) * k + i];
@@ -480,7 +486,8 @@ struct UnitFixture {
     it.keys = keys->data();
     it.values = values->data();
     std::vector<ReconstructItem> items = {it};
-    auto ws = be.Allocate(std::max<size_t>(be.ReconstructWorkspaceBytes(shape, k, items), 1)).value();
+    auto ws =
+        be.Allocate(std::max<size_t>(be.ReconstructWorkspaceBytes(shape, k, items), 1)).value();
     return be.Reconstruct(shape, C, k, rope, codec, items, ws.workspace());
   }
 
@@ -503,7 +510,8 @@ TEST_P(ReconstructUnits, RowsEqualWholeChunkReconstruct) {
   const int h = f.shape.h, d = f.shape.d, C = f.C, total = f.total();
   // Every chunk of every head, whole.
   std::vector<int32_t> all(size_t(h) * total), all_count(h, total);
-  for (int hh = 0; hh < h; ++hh) std::iota(all.begin() + hh * total, all.begin() + (hh + 1) * total, 0);
+  for (int hh = 0; hh < h; ++hh)
+    std::iota(all.begin() + hh * total, all.begin() + (hh + 1) * total, 0);
   std::vector<bf16> whole_k, whole_v;
   ASSERT_TRUE(f.Run(*be, total, 0, all, all_count, nullptr, &whole_k, &whole_v).ok());
   // unit = C is whole chunks.
@@ -558,14 +566,11 @@ TEST_P(ReconstructUnits, RowsEqualWholeChunkReconstruct) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(All, ReconstructUnits,
-                         ::testing::Values(ValueCodecSpec{ValueCodec::kBF16, 16},
-                                           ValueCodecSpec{ValueCodec::kFP8, 16},
-                                           ValueCodecSpec{ValueCodec::kINT4, 16},
-                                           ValueCodecSpec{ValueCodec::kINT2, 32}),
-                         [](const auto& info) {
-                           return std::string(ValueCodecName(info.param.codec));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    All, ReconstructUnits,
+    ::testing::Values(ValueCodecSpec{ValueCodec::kBF16, 16}, ValueCodecSpec{ValueCodec::kFP8, 16},
+                      ValueCodecSpec{ValueCodec::kINT4, 16}, ValueCodecSpec{ValueCodec::kINT2, 32}),
+    [](const auto& info) { return std::string(ValueCodecName(info.param.codec)); });
 
 // Selection units end to end: SelectEx's unit misses reconstruct to the units' keys.
 TEST(SelectUnits, SelectedUnitsReconstructToTheirTokensKeys) {
@@ -603,7 +608,8 @@ TEST(SelectUnits, SelectedUnitsReconstructToTheirTokensKeys) {
       for (int i = 0; i < u; ++i) {
         const std::vector<float> want = testing::KeyOf(c, hh, id * u + i);
         for (int ch = 0; ch < d; ++ch) {
-          EXPECT_EQ(keys[((size_t(hh) * k + slot) * u + i) * d + ch].bits, FloatToBf16(want[ch]).bits)
+          EXPECT_EQ(keys[((size_t(hh) * k + slot) * u + i) * d + ch].bits,
+                    FloatToBf16(want[ch]).bits)
               << "head " << hh << " slot " << slot << " unit " << id << " token " << i;
         }
       }
@@ -623,10 +629,10 @@ TEST(SelectUnits, RejectsBadUnitsAndBudgets) {
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << needle << ": " << st;
     EXPECT_NE(st.message().find(needle), std::string::npos) << st;
   };
-  expect_bad(TwoStage(c, 4, 3), 4, "unit");       // not a divisor of C = 8
-  expect_bad(TwoStage(c, 4, 16), 4, "unit");      // above C
+  expect_bad(TwoStage(c, 4, 3), 4, "unit");   // not a divisor of C = 8
+  expect_bad(TwoStage(c, 4, 16), 4, "unit");  // above C
   expect_bad(TwoStage(c, 4, -2), 4, "unit");
-  SelectOptions one = TwoStage(c, 0, 2);          // units need two stages
+  SelectOptions one = TwoStage(c, 0, 2);  // units need two stages
   expect_bad(one, 4, "two-stage");
   // k counts units: up to 10 chunks * 4 units of 2 tokens.
   expect_bad(TwoStage(c, 4, 2), 41, "total_units = 40");
