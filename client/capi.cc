@@ -185,6 +185,7 @@ v1::Profile ToProfile(const kvshade_profile& p) {
   if (!std::isnan(p.recall_floor)) s.set_recall_floor(p.recall_floor);
   s.set_recall_action(static_cast<v1::RecallAction>(p.recall_action));
   if (p.key_signature_bits != KVSHADE_UNSET_U32) s.set_key_signature_bits(p.key_signature_bits);
+  if (p.selection_unit != KVSHADE_UNSET_U32) s.set_selection_unit(p.selection_unit);
   return s;
 }
 
@@ -349,7 +350,7 @@ void kvshade_profile_init(kvshade_profile* p) {
   std::memset(p, 0, sizeof(*p));
   p->keep_sink = -1;
   p->outliers = p->heavy_chunks = p->min_tokens = p->mass_min_chunks = p->key_signature_bits =
-      KVSHADE_UNSET_U32;
+      p->selection_unit = KVSHADE_UNSET_U32;
   p->refactor_threshold = p->energy_target = p->mini_recent_ratio = p->mini_heavy_ratio = p->recall_sample_rate =
       p->recall_floor = std::numeric_limits<float>::quiet_NaN();
 }
@@ -488,6 +489,7 @@ int kvshade_get_session(kvshade_client* c, const char* session_id, kvshade_sessi
     CopyId(r->damage(), out->damage, sizeof(out->damage));
     out->tokens_lost = r->tokens_lost();
     out->ingest_parts_taken = r->ingest_parts_taken();
+    out->selection_unit = r->selection_unit();
     return Report(absl::OkStatus());
   });
 }
@@ -724,6 +726,7 @@ int kvshade_attach_ex(kvshade_client* c, const kvshade_attach_options* o, kvshad
     out->data_plane = r->data_plane_address().empty() ? 0 : 1;
     out->delivery = static_cast<int32_t>(r->delivery());
     out->slot_buffer_bytes = r->slot_buffer_bytes();
+    out->slot_tokens = r->slot_tokens() != 0 ? r->slot_tokens() : r->chunk_size();
     return Report(absl::OkStatus());
   });
 }

@@ -168,6 +168,7 @@ decode::SelectionPolicy PolicyFromWire(const v1::Profile& p) {
   o.recall_sample_rate = p.recall_sample_rate();
   o.recall_floor = p.recall_floor();
   o.recall_action = static_cast<decode::RecallAction>(static_cast<int>(p.recall_action()));
+  o.selection_unit = static_cast<int>(p.selection_unit());
   return o;
 }
 
@@ -177,11 +178,13 @@ decode::SelectionPolicy PolicyFromWire(const v1::Profile& p) {
 struct SeqLayer {
   kernels::SessionLayerView view;
   int k = 0;                           // slots per head (0: nothing to select): the
-                                       // profile's budget, or the recall guard's wider one
-  int base_k = 0;                      // the profile's budget (the export's slots_per_head)
+                                       // budget's chunks, or its units (k = budget*C/u)
+  int budget = 0;                      // chunks per head: the profile's budget, or the
+                                       // recall guard's wider one
+  int base_budget = 0;                 // the profile's budget (chunks)
   std::vector<int32_t> selectable;     // [h] chunks each head may select
   bool primed = false;                 // every slot holds a chunk (PrimeSlots)
-  std::vector<int32_t> slot_len_host;  // [h] m_hh * C
+  std::vector<int32_t> slot_len_host;  // [h] m_hh * U (U: tokens per slot)
   const bf16* static_k = nullptr;      // [h, s, d]
   const bf16* static_v = nullptr;
   const int32_t* static_len = nullptr; // [h]
@@ -192,7 +195,7 @@ struct SeqLayer {
   // Worker-owned (backend memory), allocated per generation.
   kernels::Buffer slots;       // [h, k] int32 slot table
   kernels::Buffer slot_len;    // [h] int32
-  kernels::Buffer slot_k, slot_v;  // [h, k, C, d] bf16
+  kernels::Buffer slot_k, slot_v;  // [h, k, U, d] bf16
   kernels::Buffer outs;        // selected, miss_slot, miss_chunk [h, k] each; miss_count [h]
 };
 
@@ -218,6 +221,8 @@ struct LocalDecoder::Impl {
   bool geometry = false;  // set by the first sequence's export
   bool probed = false;    // the first step's kernels ran (Probe)
   int L = 0, h = 0, hq = 0, g = 0, d = 0, C = 0;
+  int U = 0;    // tokens per slot: C, or the profile's selection unit
+  int upc = 1;  // slots per chunk: C / U
   kernels::RopeSpec rope;
   kernels::ValueCodecSpec codec;
   kernels::LayerShape shape;
@@ -248,8 +253,9 @@ struct LocalDecoder::Impl {
   std::thread renewer;
 
   absl::Status MapGeneration(Seq& seq, v1::SessionExport exp);
-  // (Re)allocates a sequence layer's slot table (empty) and slot buffers at k per head.
-  absl::Status AllocSlots(SeqLayer& sl, int k);
+  // (Re)allocates a sequence layer's slot table (empty) and slot buffers at a budget of
+  // `budget` chunks per head (budget*C/u slots with selection units).
+  absl::Status AllocSlots(SeqLayer& sl, int budget);
   // Fills every slot of the layer with a selectable chunk (a selection of a zero query):
   // a step that selects fewer than k chunks (a mass budget, model-native ids) then still
   // attends only chunks, never an empty slot. In `stream`'s order, in the decoder's
@@ -412,7 +418,7 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
   for (int l = 0; l < L; ++l) {
     const v1::ExportedLayer& el = exp.layers(l);
     SeqLayer& sl = seq.layers[l];
-    sl.k = static_cast<int>(el.slots_per_head());
+    sl.k = static_cast<int>(el.slots_per_head());  // units with selection units
     if (sl.k > 0) {
       sl.view.r = static_cast<int>(el.rank());
       // Key signatures (the profile's width; segments exported without them leave sig null).
@@ -451,14 +457,14 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
       }
       sl.selectable.assign(el.selectable_per_head().begin(), el.selectable_per_head().end());
       sl.selectable.resize(h, 0);
-      sl.base_k = sl.k;
+      sl.base_budget = sl.k / upc;  // chunks
       // The recall guard's budget: the daemon's (a layer it widened), or this decoder's.
-      if (el.guard_budget() > static_cast<uint32_t>(sl.k)) {
+      if (el.guard_budget() > static_cast<uint32_t>(sl.base_budget)) {
         seq.guard.Adopt(l, static_cast<int>(el.guard_budget()),
                         static_cast<decode::RecallAction>(static_cast<int>(el.guard_fallback())));
       }
-      sl.k = seq.guard.Budget(l, sl.base_k, sl.view.total_chunks());
-      KVSHADE_RETURN_IF_ERROR(AllocSlots(sl, sl.k));
+      KVSHADE_RETURN_IF_ERROR(
+          AllocSlots(sl, seq.guard.Budget(l, sl.base_budget, sl.view.total_chunks())));
     }
     sl.s = static_cast<int>(el.static_rows());
     if (sl.s > 0) {
@@ -488,18 +494,20 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
   return absl::OkStatus();
 }
 
-absl::Status LocalDecoder::Impl::AllocSlots(SeqLayer& sl, int k) {
+absl::Status LocalDecoder::Impl::AllocSlots(SeqLayer& sl, int budget) {
+  sl.budget = budget;
+  const int k = policy.Slots(budget, C);
   sl.k = k;
   sl.primed = false;
   sl.slot_len_host.resize(h);
-  for (int hh = 0; hh < h; ++hh) sl.slot_len_host[hh] = std::min<int>(k, sl.selectable[hh]) * C;
+  for (int hh = 0; hh < h; ++hh) sl.slot_len_host[hh] = std::min<int>(k, sl.selectable[hh] * upc) * U;
   const size_t hk = size_t(h) * k;
   KVSHADE_ASSIGN_OR_RETURN(sl.slots, be->Allocate(hk * 4));
   KVSHADE_RETURN_IF_ERROR(be->Fill(sl.slots.data(), 0xff, hk * 4));  // -1: empty
   KVSHADE_ASSIGN_OR_RETURN(sl.slot_len, be->Allocate(size_t(h) * 4));
   KVSHADE_RETURN_IF_ERROR(be->CopyFromHost(sl.slot_len.data(), sl.slot_len_host.data(), size_t(h) * 4));
-  KVSHADE_ASSIGN_OR_RETURN(sl.slot_k, be->Allocate(hk * C * d * 2));
-  KVSHADE_ASSIGN_OR_RETURN(sl.slot_v, be->Allocate(hk * C * d * 2));
+  KVSHADE_ASSIGN_OR_RETURN(sl.slot_k, be->Allocate(hk * U * d * 2));
+  KVSHADE_ASSIGN_OR_RETURN(sl.slot_v, be->Allocate(hk * U * d * 2));
   KVSHADE_ASSIGN_OR_RETURN(sl.outs, be->Allocate(decode::SelectOutputWords(h, k) * 4));
   return absl::OkStatus();
 }
@@ -512,13 +520,19 @@ decode::SelectionGroup LocalDecoder::Impl::GroupOf(const SeqLayer& sl, bool nati
   g.rope = rope;
   g.codec = codec;
   g.native = native;
-  if (!native) g.options = policy.OptionsAt(sl.k, C, rope, decode::HasSignatures(sl.view));
+  if (!native) g.options = policy.OptionsAt(sl.budget, C, rope, decode::HasSignatures(sl.view));
   return g;
 }
 
 decode::SelectionGroup LocalDecoder::Impl::PrimeGroupOf(const SeqLayer& sl) const {
   decode::SelectionGroup g = GroupOf(sl, false);
-  g.options = kernels::SelectOptions{};  // plain: a zero query ranks chunks by id
+  if (g.options.units()) {
+    // Units take two stages: a zero query ranks the chunks, then their units, by id.
+    g.options.top_p = 0;
+    g.options.min_k = 0;
+  } else {
+    g.options = kernels::SelectOptions{};  // plain: a zero query ranks chunks by id
+  }
   return g;
 }
 
@@ -531,7 +545,7 @@ absl::Status LocalDecoder::Impl::PrimeSlots(SeqLayer& sl, kernels::Stream stream
   si.slots = static_cast<int32_t*>(sl.slots.data());
   decode::BindOutputs(static_cast<int32_t*>(sl.outs.data()), h, sl.k, &si);
   const kernels::ReconstructItem ri = decode::ReconstructOf(
-      si, static_cast<bf16*>(sl.slot_k.data()), static_cast<bf16*>(sl.slot_v.data()), true);
+      g, si, static_cast<bf16*>(sl.slot_k.data()), static_cast<bf16*>(sl.slot_v.data()), true);
   // The decoder's workspace (SizeWorkspace counts this selection too), in stream order
   // before the step's own selection.
   const kernels::Workspace ws{workspace.data(), workspace_bytes};
@@ -560,8 +574,8 @@ absl::Status LocalDecoder::Impl::GuardAfterStep(int layer, const bf16* q, kernel
     KVSHADE_ASSIGN_OR_RETURN(decode::GuardOutcome o,
                              decode::GuardStep(*be, seq.guard, policy, g, layer, sl.view, q + b * qstride,
                                                selected.data(), sl.k, guard_ws.workspace(), stream));
-    const int k = seq.guard.Budget(layer, sl.base_k, sl.view.total_chunks());
-    if (o.action != decode::RecallAction::kNone && k > sl.k) {
+    const int k = seq.guard.Budget(layer, sl.base_budget, sl.view.total_chunks());
+    if (o.action != decode::RecallAction::kNone && k > sl.budget) {
       // Wider from the next step on: new slots (this step's attention has been queued on
       // `stream` over the old ones; wait for it before they are freed).
       KVSHADE_RETURN_IF_ERROR(be->Synchronize(stream));
@@ -592,12 +606,13 @@ absl::Status LocalDecoder::Impl::SizeWorkspace() {
         any[sl.k] = &sl;
         kernels::ReconstructItem ri;
         ri.view = sl.view;
+        ri.unit = GroupOf(sl, false).options.unit;
         rec[sl.k].push_back(ri);
       }
       kernels::AttendItem& ai = att[b];
       ai.n_blocks = 0;
       if (sl.s > 0) ai.blocks[ai.n_blocks++] = kernels::KvBlock{nullptr, nullptr, sl.s, nullptr, 0, 0};
-      if (sl.k > 0) ai.blocks[ai.n_blocks++] = kernels::KvBlock{nullptr, nullptr, int64_t(sl.k) * C, nullptr, 0, 0};
+      if (sl.k > 0) ai.blocks[ai.n_blocks++] = kernels::KvBlock{nullptr, nullptr, int64_t(sl.k) * U, nullptr, 0, 0};
       if (sl.t > 0) ai.blocks[ai.n_blocks++] = kernels::KvBlock{nullptr, nullptr, sl.t, nullptr, 0, 0};
       ai.blocks[ai.n_blocks++] = kernels::KvBlock{nullptr, nullptr, options.local_capacity, nullptr, 0, 0};
     }
@@ -697,6 +712,15 @@ absl::Status LocalDecoder::Impl::SetGeometry(const v1::SessionExport& e0) {
   KVSHADE_ASSIGN_OR_RETURN(codec.codec, FromWire(e0.value_codec()));
   codec.group = static_cast<int>(e0.value_group());
   policy = PolicyFromWire(e0.profile());
+  U = policy.units(C) ? policy.selection_unit : C;
+  upc = C / U;
+  // Selection units need this backend's kernels for them (the CUDA backend's refusal,
+  // until it has them, comes here rather than at the first step).
+  if (absl::Status st = decode::CheckUnitsSupported(*be, shape, policy, C, rope); !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("LocalDecoder: the session selects units of ",
+                                                policy.selection_unit, " tokens (profile.selection_unit), which the ",
+                                                std::string(be->name()), " backend does not run: ", st.message()));
+  }
   // What later sequences must match (CheckCompatible): the geometry fields, not the state.
   first_export = e0;
   first_export.clear_regions();
@@ -725,7 +749,7 @@ absl::Status LocalDecoder::Impl::CheckCompatible(const v1::SessionExport& e, con
   if (!(PolicyFromWire(e.profile()) == policy)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "attachment '", id, "' differs from the batch's first session in its profile's selection options "
-        "(sparse_budget, rerank_factor, mass_top_p, mass_min_chunks, recall guard); one decoder batches "
+        "(sparse_budget, rerank_factor, mass_top_p, mass_min_chunks, selection_unit, recall guard); one decoder batches "
         "sessions of one profile"));
   }
   return absl::OkStatus();
@@ -947,7 +971,12 @@ absl::Status LocalDecoder::Impl::Step(int layer, const bf16* q, const int32_t* c
       }
     }
   }
-  // Model-native ids: at most the slot width of every sequence's layer.
+  // Model-native ids: at most the slot width of every sequence's layer; whole chunks only.
+  if (chunks != nullptr && m.U != m.C) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "AttendChunks: model-native chunk ids select whole chunks, but the sessions select units of ",
+        m.U, " tokens (profile.selection_unit); use Attend, or a profile without selection units"));
+  }
   if (chunks != nullptr) {
     for (int b = 0; b < B; ++b) {
       const int k = m.seqs[b]->layers[layer].k;
@@ -960,7 +989,7 @@ absl::Status LocalDecoder::Impl::Step(int layer, const bf16* q, const int32_t* c
   }
   KVSHADE_RETURN_IF_ERROR(m.CheckLeases());
   m.last_stream = stream;
-  const int h = m.h, d = m.d, C = m.C;
+  const int h = m.h, d = m.d, U = m.U;
   const size_t tok = size_t(h) * d;  // elements of one token of one sequence
 
   // The new tokens join the local tails of this layer: row b of k_new/v_new to row
@@ -1009,7 +1038,7 @@ absl::Status LocalDecoder::Impl::Step(int layer, const bf16* q, const int32_t* c
         }
       }
       sel.push_back(si);
-      rec.push_back(decode::ReconstructOf(si, static_cast<bf16*>(sl.slot_k.data()),
+      rec.push_back(decode::ReconstructOf(g, si, static_cast<bf16*>(sl.slot_k.data()),
                                           static_cast<bf16*>(sl.slot_v.data()), /*into_slots=*/true));
     }
     KVSHADE_RETURN_IF_ERROR(decode::RunSelection(*m.be, g, sel, ws, stream));
@@ -1024,7 +1053,7 @@ absl::Status LocalDecoder::Impl::Step(int layer, const bf16* q, const int32_t* c
     KVSHADE_RETURN_IF_ERROR(rows.AddStatic(sl.static_k, sl.static_v, sl.s, sl.static_len, d));
     if (sl.k > 0) {
       KVSHADE_RETURN_IF_ERROR(rows.AddSelected(static_cast<const bf16*>(sl.slot_k.data()),
-                                               static_cast<const bf16*>(sl.slot_v.data()), int64_t(sl.k) * C,
+                                               static_cast<const bf16*>(sl.slot_v.data()), int64_t(sl.k) * U,
                                                static_cast<const int32_t*>(sl.slot_len.data()), d));
     }
     KVSHADE_RETURN_IF_ERROR(rows.AddTokens(sl.tail_k, sl.tail_v, sl.t, nullptr, int64_t(tok), d));
@@ -1062,7 +1091,7 @@ absl::Status LocalDecoder::Advance() {
   for (const auto& s : m.seqs) {
     for (int l = 0; l < m.L; ++l) {
       const SeqLayer& sl = s->layers[l];
-      for (int32_t len : sl.slot_len_host) m.stats.selected += uint64_t(len / m.C);
+      for (int32_t len : sl.slot_len_host) m.stats.selected += uint64_t(len / m.U);
     }
   }
   if (!m.options.count_hits) return absl::OkStatus();
@@ -1075,7 +1104,7 @@ absl::Status LocalDecoder::Advance() {
       KVSHADE_RETURN_IF_ERROR(m.be->CopyToHost(
           mc.data(), static_cast<const int32_t*>(sl.outs.data()) + 3 * size_t(m.h) * sl.k, mc.size() * 4));
       int64_t selected = 0;
-      for (int32_t len : sl.slot_len_host) selected += len / m.C;
+      for (int32_t len : sl.slot_len_host) selected += len / m.U;
       int64_t misses = 0;
       for (int32_t x : mc) misses += x;
       m.stats.hits += uint64_t(std::max<int64_t>(0, selected - misses));

@@ -393,6 +393,7 @@ absl::StatusOr<v1::SelectAndReconstructResponse> SelectReply(
     const int64_t m = static_cast<int64_t>(d.head.size());
     SetTensor(out->mutable_keys(), v1::DTYPE_BF16, {m, d.chunk_size, d.head_dim}, d.keys);
     SetTensor(out->mutable_values(), v1::DTYPE_BF16, {m, d.chunk_size, d.head_dim}, d.values);
+    out->set_slot_tokens(d.chunk_size);
     out->set_delivered(d.delivered);
     out->set_fallback(d.fallback);
     out->set_tokens(d.tokens);

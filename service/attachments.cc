@@ -117,6 +117,7 @@ absl::StatusOr<v1::AttachResponse> EngineImpl::Attach(const Tenant& t, const v1:
   a->peer_slots = std::move(peer);
   resp.set_delivery(r.delivery());
   resp.set_slot_buffer_bytes(slot_bytes);
+  resp.set_slot_tokens(layout.slot_tokens);
   // Page the session's spilled values in ahead of its first decode step. Synchronous: the
   // store has no prefetch thread (Init), so Prefetch runs inline and Attach answers once
   // they are resident. A read that fails fails the Attach with its error (UNAVAILABLE for

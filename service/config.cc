@@ -456,6 +456,7 @@ const ConfigSchema& TheSchema() {
            {"int4_from_tokens", Scalar(&C::profile, &P::int4_from_tokens)},
            {"rerank_factor", Scalar(&C::profile, &P::rerank_factor)},
            {"key_signature_bits", Scalar(&C::profile, &P::key_signature_bits)},
+           {"selection_unit", Scalar(&C::profile, &P::selection_unit)},
            {"mass_top_p", Scalar(&C::profile, &P::mass_top_p)},
            {"mass_min_chunks", Scalar(&C::profile, &P::mass_min_chunks)},
            {"recall_sample_rate", Scalar(&C::profile, &P::recall_sample_rate)},
@@ -732,6 +733,15 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   }
   if (p.key_signature_bits != 0 && p.key_signature_bits != 2 && p.key_signature_bits != 4) {
     return bad("profile.key_signature_bits must be 0 (none), 2 or 4, got ", p.key_signature_bits);
+  }
+  if (p.selection_unit > 0 && p.selection_unit < p.chunk_size &&
+      (p.chunk_size % p.selection_unit != 0 || p.rerank_factor < 2)) {
+    return bad("profile.selection_unit must divide chunk_size (", p.chunk_size,
+               ") and needs rerank_factor > 1 (", p.rerank_factor, "), got ", p.selection_unit);
+  }
+  if (p.selection_unit > p.chunk_size) {
+    return bad("profile.selection_unit must be at most chunk_size (", p.chunk_size, "), got ",
+               p.selection_unit);
   }
   if (!(p.mass_top_p >= 0 && p.mass_top_p <= 1)) {
     return bad("profile.mass_top_p must be in [0, 1] (0 = fixed budget), got ", p.mass_top_p);

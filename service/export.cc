@@ -230,7 +230,8 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
         KVSHADE_RETURN_IF_ERROR(add_segment(*s.open, true));
       }
       const int k = s.profile.kind == v1::PROFILE_KIND_SHADOW ? std::min(s.profile.sparse_budget, total) : 0;
-      L->set_slots_per_head(static_cast<uint32_t>(k));
+      // Slots: k chunks, or their k*C/u units with selection units.
+      L->set_slots_per_head(static_cast<uint32_t>(s.profile.slots(k)));
       if (k > 0) {
         const int budget = s.selection.Budget(layer, k, total);
         if (budget > k) {

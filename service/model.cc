@@ -65,6 +65,7 @@ decode::SelectionPolicy ProfileInfo::Policy() const {
   p.recall_sample_rate = recall_sample_rate;
   p.recall_floor = recall_floor;
   p.recall_action = static_cast<decode::RecallAction>(static_cast<int>(recall_action));
+  p.selection_unit = selection_unit;
   return p;
 }
 
@@ -92,6 +93,7 @@ v1::Profile ProfileInfo::ToProto() const {
   p.set_recall_sample_rate(recall_sample_rate);
   p.set_recall_floor(recall_floor);
   p.set_recall_action(recall_action);
+  p.set_selection_unit(selection_unit);
   return p;
 }
 
@@ -335,6 +337,31 @@ absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& p, const ProfileDe
     }
     if (auto b = kernels::ValueChunkBytes(o.codec, o.chunk_size, d); !b.ok()) {
       return Bad("profile.value_codec", std::string(b.status().message()));
+    }
+  }
+  // Selection units: shadow only (a request naming mini or exact may not ask for them; one
+  // left to AUTO gets them only when it resolves to shadow, as does the server's default).
+  {
+    const bool asked = p.has_selection_unit();
+    const uint32_t u = asked ? p.selection_unit() : def.selection_unit;
+    if (asked && u != 0 && o.requested != v1::PROFILE_KIND_AUTO &&
+        o.requested != v1::PROFILE_KIND_SHADOW) {
+      return Bad("profile.selection_unit",
+                 absl::StrCat("applies to the shadow profile only, got ", u, " with profile ",
+                              v1::ProfileKind_Name(o.requested)));
+    }
+    if (o.kind == v1::PROFILE_KIND_SHADOW && u != 0 && u != static_cast<uint32_t>(o.chunk_size)) {
+      if (u > static_cast<uint32_t>(o.chunk_size) || o.chunk_size % u != 0) {
+        return Bad("profile.selection_unit",
+                   absl::StrCat("must divide chunk_size = ", o.chunk_size,
+                                " (0 or chunk_size: whole chunks), got ", u));
+      }
+      if (o.rerank_factor < 2) {
+        return Bad("profile.selection_unit",
+                   absl::StrCat("needs two-stage selection (rerank_factor > 1), got selection_unit = ",
+                                u, " with rerank_factor = ", o.rerank_factor));
+      }
+      o.selection_unit = static_cast<int>(u);
     }
   }
   if (o.kind == v1::PROFILE_KIND_MINI) {

@@ -157,13 +157,14 @@ struct SelectGroup : decode::SelectionGroup {
   std::vector<size_t> items;  // indices into the batch
 };
 
-// The decode core's group of session `s` at slot width k over `view` (the session's layer
-// view: two-stage selection scores key signatures when every segment of it keeps them).
+// The decode core's group of session `s` at a budget of k chunks over `view` (the
+// session's layer view: two-stage selection scores key signatures when every segment of it
+// keeps them). Its slot width g.k is k, or k*C/u units with selection units.
 SelectGroup GroupOf(const Session& s, int k, bool native, const kernels::SessionLayerView& view) {
   SelectGroup g;
   g.shape = s.model.shape;
-  g.k = k;
   g.C = s.profile.chunk_size;
+  g.k = native ? k : s.profile.slots(k);
   g.rope = s.model.rope;
   g.codec = s.profile.codec;
   g.native = native;
@@ -257,7 +258,7 @@ absl::StatusOr<std::vector<std::pair<const Session*, uint64_t>>> AppendStaged(
 // need. Rows are [item][h][k].
 struct SelectRun {
   std::vector<int32_t> selected, miss_slot, miss_chunk, miss_count;
-  DeviceBlock keys, values;  // [items, h, k, C, d] bf16
+  DeviceBlock keys, values;  // [items, h, k, U, d] bf16 (U = the group's unit_tokens())
 };
 
 // Runs the decode core's selection over `items` (views, queries, slot tables in backend
@@ -315,12 +316,12 @@ static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, kernels::Stream st, co
   if (misses == 0) return run;
 
   StageTimer timer(e.metrics(), "reconstruct");
-  const size_t per_item = hk * g.C * g.shape.d;
+  const size_t per_item = hk * g.unit_tokens() * g.shape.d;
   KVSHADE_ASSIGN_OR_RETURN(run.keys, e.Alloc(Bf16Bytes(n * per_item), ArenaKind::kSlots));
   KVSHADE_ASSIGN_OR_RETURN(run.values, e.Alloc(Bf16Bytes(n * per_item), ArenaKind::kSlots));
   std::vector<kernels::ReconstructItem> rec(n);
   for (int i = 0; i < n; ++i) {
-    rec[i] = decode::ReconstructOf(sel[i], Ptr<bf16>(run.keys) + i * per_item,
+    rec[i] = decode::ReconstructOf(g, sel[i], Ptr<bf16>(run.keys) + i * per_item,
                                    Ptr<bf16>(run.values) + i * per_item, /*into_slots=*/false);
   }
   const size_t wsb = decode::ReconstructWorkspaceBytes(e.backend(), g, rec);
@@ -332,8 +333,9 @@ static absl::StatusOr<SelectRun> RunSelect(EngineImpl& e, kernels::Stream st, co
   return run;
 }
 
-// Makes sure an attachment's slot table for `layer` has k slots per head, keeping the
-// slots it had (the session only ever gains chunks, so k only grows).
+// Makes sure an attachment's slot table for `layer` has k slots per head (chunks, or units
+// with selection units), keeping the slots it had (the session only ever gains chunks, so
+// k only grows).
 static absl::Status EnsureSlots(EngineImpl& e, kernels::Stream st, Attachment& a, int layer,
                                 int h, int k) {
   SlotTable& t = a.slots[layer];
@@ -413,7 +415,7 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
                                                      static_cast<int>(r.queries[i].purpose)));
     }
     SlotDeltaResult& delta = out->deltas[i];
-    delta.chunk_size = static_cast<uint32_t>(s.profile.chunk_size);
+    delta.chunk_size = static_cast<uint32_t>(s.profile.slot_tokens());  // rows per miss
     delta.head_dim = static_cast<uint32_t>(s.model.shape.d);
     if (s.profile.kind != v1::PROFILE_KIND_SHADOW) continue;  // no per-query selection
     KVSHADE_ASSIGN_OR_RETURN(holds[i], BuildView(s, layer));
@@ -422,6 +424,12 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
     const SelectQueryView& sq = r.queries[i];
     const bool is_native = !sq.chunks.empty();
     if (is_native) {
+      if (s.profile.selection_unit > 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "queries[", i, "].chunks: model-native chunk ids select whole chunks, but session '",
+            s.id, "' selects units of ", s.profile.selection_unit,
+            " tokens (profile.selection_unit); send q instead, or use a profile without selection units"));
+      }
       KVSHADE_ASSIGN_OR_RETURN(native[i], NativeChunks(sq.chunks, s.model.shape.h, ks[i],
                                                        holds[i].total_chunks,
                                                        absl::StrCat("queries[", i, "].chunks")));
@@ -432,7 +440,8 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
       delta.fallback = true;
       continue;
     }
-    KVSHADE_RETURN_IF_ERROR(EnsureSlots(*this, st, *qs[i].attachment, layer, s.model.shape.h, ks[i]));
+    KVSHADE_RETURN_IF_ERROR(EnsureSlots(*this, st, *qs[i].attachment, layer, s.model.shape.h,
+                                        s.profile.slots(ks[i])));
     SelectGroup g = GroupOf(s, ks[i], is_native, holds[i].view);
     SelectGroup& group = groups.try_emplace(GroupKey(s, g), std::move(g)).first->second;
     group.items.push_back(i);
@@ -440,8 +449,9 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
   prepare.reset();
   uint64_t total_selected = 0, total_hits = 0;
   for (auto& [key, g] : groups) {
-    const int h = g.shape.h, d = g.shape.d, C = g.C, k = g.k;
-    const size_t per_item_bytes = Bf16Bytes(size_t(h) * k * C * d) * 2;
+    // U: tokens per slot (C, or the selection unit); k: slots per head.
+    const int h = g.shape.h, d = g.shape.d, U = g.unit_tokens(), k = g.k;
+    const size_t per_item_bytes = Bf16Bytes(size_t(h) * k * U * d) * 2;
     const size_t step = std::max<size_t>(1, kReconstructScratchBytes / std::max<size_t>(per_item_bytes, 1));
     for (size_t b0 = 0; b0 < g.items.size(); b0 += step) {
       const size_t b1 = std::min(g.items.size(), b0 + step);
@@ -476,8 +486,8 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
             delta.head.push_back(static_cast<uint32_t>(hh));
             delta.slot.push_back(static_cast<uint32_t>(slot));
             delta.chunk.push_back(run.miss_chunk[jj * hk + hh * k + x]);
-            delta.position.push_back(holds[i].view.chunk_position(delta.chunk.back(), C));
-            // A head's misses are rows [0, mc) of its [k, C, d] block.
+            delta.position.push_back(g.position(holds[i].view, delta.chunk.back()));
+            // A head's misses are rows [0, mc) of its [k, U, d] block.
             src_rows.push_back(int64_t(jj * hk) + hh * k + x);
             if (peer != nullptr) {
               dst_rows.push_back(static_cast<int64_t>(layout.Row(layer, hh, slot)));
@@ -494,7 +504,7 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
       }
       // (Without misses there are no rows: Run copies nothing and marks peers delivered.)
       KVSHADE_RETURN_IF_ERROR(delivery.Run(Ptr<const bf16>(run.keys), Ptr<const bf16>(run.values),
-                                           Bf16Bytes(size_t(C) * d)));
+                                           Bf16Bytes(size_t(U) * d)));
       for (size_t j = b0; j < b1; ++j) {
         const size_t i = g.items[j], jj = j - b0;
         SlotDeltaResult& delta = out->deltas[i];
@@ -548,7 +558,7 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
   for (size_t i = 0; i < qs.size(); ++i) {
     Session& s = *qs[i].session;
     const kernels::LayerShape& shape = s.model.shape;
-    const int h = shape.h, d = shape.d, C = s.profile.chunk_size;
+    const int h = shape.h, d = shape.d;
     // The rows attended, in the decode core's order (as same-node decode attends them):
     // static set, selected chunks, exact tail, the step's new token.
     decode::AttendRows rows;
@@ -597,8 +607,8 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
           const int k = s.selection.Budget(layer, std::min(s.profile.sparse_budget, hold.total_chunks),
                                            hold.total_chunks);
           const SelectGroup g = GroupOf(s, k, /*native=*/false, hold.view);
-          // A fresh, empty slot table: every selected chunk is a miss and lands in rows
-          // [0, miss_count) of its head in ascending chunk order.
+          // A fresh, empty slot table: every selected chunk (unit) is a miss and lands in
+          // rows [0, miss_count) of its head in ascending id order.
           std::vector<int32_t> empty(size_t(h) * g.k, -1);
           KVSHADE_ASSIGN_OR_RETURN(DeviceBlock slots, UploadOn(st, empty.data(), empty.size() * 4, ArenaKind::kOther));
           std::vector<kernels::SelectItem> sel(1);
@@ -608,16 +618,17 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
           KVSHADE_ASSIGN_OR_RETURN(run, RunSelect(*this, st, g, sel, queries));
           // Sampled at the budget this step attends (a widened layer doubles from there).
           KVSHADE_RETURN_IF_ERROR(GuardStep(*this, st, s, g, layer, hold.view, qs[i].q, run.selected.data(), g.k));
+          const int U = g.unit_tokens();  // rows per selected chunk (unit)
           std::vector<int32_t> lens(h);
           int64_t any = 0;
           for (int hh = 0; hh < h; ++hh) {
-            lens[hh] = run.miss_count[hh] * C;
+            lens[hh] = run.miss_count[hh] * U;
             any += lens[hh];
           }
           if (any > 0) {
             KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ld, UploadOn(st, lens.data(), lens.size() * 4, ArenaKind::kOther));
             KVSHADE_RETURN_IF_ERROR(rows.AddSelected(Ptr<const bf16>(run.keys), Ptr<const bf16>(run.values),
-                                                     int64_t(g.k) * C, Ptr<const int32_t>(ld), d));
+                                                     int64_t(g.k) * U, Ptr<const int32_t>(ld), d));
             keep.push_back(std::move(ld));
           }
           keep.push_back(std::move(slots));

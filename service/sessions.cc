@@ -63,6 +63,15 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
   }
   KVSHADE_ASSIGN_OR_RETURN(ProfileInfo profile,
                            ResolveProfile(r.profile(), config_->profile, model, tokens.size()));
+  // Selection units need the backend's kernels for them (the CUDA backend refuses them
+  // until it has them): refused here rather than at the first select.
+  if (absl::Status st = decode::CheckUnitsSupported(*backend_, model.shape, profile.Policy(),
+                                                     profile.chunk_size, model.rope);
+      !st.ok()) {
+    return absl::Status(st.code(), absl::StrCat("profile.selection_unit = ", profile.selection_unit,
+                                                " is not available on the ", std::string(backend_->name()),
+                                                " backend: ", st.message()));
+  }
   if (!v1::AppendFsync_IsValid(r.append_fsync())) {
     return absl::InvalidArgumentError(
         absl::StrCat("append_fsync must be one of UNSPECIFIED, NO, EVERYSEC, ALWAYS, got ",
@@ -311,6 +320,7 @@ absl::StatusOr<v1::SessionInfo> EngineImpl::GetSession(const Tenant& t,
                                                             : s->layers_ingested.load());
   info.set_ingest_parts_taken(s->ingest_parts_taken.load());
   info.set_value_codec(CodecToProto(s->profile.codec.codec));
+  info.set_selection_unit(static_cast<uint32_t>(s->profile.selection_unit));
   if (r.include_selection()) FillSelectionHealth(s->selection, info.mutable_selection());
   return info;
 }

@@ -995,12 +995,12 @@ void UcxServer::DeliverSelect(std::shared_ptr<Conn> conn, ucp_ep_h ep, uint64_t 
     const uint64_t m = d.misses();
     // The engine's delta must match the geometry the buffers were registered with; a
     // mismatch is our bug, never a reason to write outside the buffers.
-    if (d.chunk_size != g.chunk_size || d.head_dim != g.head_dim ||
+    if (d.chunk_size != g.slot_tokens || d.head_dim != g.head_dim ||
         Bytes(d.keys).size() != m * row_bytes || Bytes(d.values).size() != m * row_bytes) {
       st = absl::InternalError(absl::StrCat(
           "ucx SelectAndReconstruct: the delta of attachment ", ids[i],
-          " does not match its registered slot-buffer geometry (", m, " misses; C ",
-          g.chunk_size, ", d ", g.head_dim, ")"));
+          " does not match its registered slot-buffer geometry (", m, " misses; ",
+          g.slot_tokens, " tokens per slot, d ", g.head_dim, ")"));
       break;
     }
     const char* kdata = Bytes(d.keys).data();
@@ -1127,7 +1127,7 @@ void UcxServer::OnRegister(ucx::AmMessage&& m) {
     } else if (st.ok() && bufs->bytes() < g->BufferBytes()) {
       st = absl::InvalidArgumentError(absl::StrCat(
           "ucx REGISTER: bytes must be >= slot_buffer_bytes ", g->BufferBytes(),
-          " (L*h*slots_per_head*C*d bf16) for attachment ", bufs->attachment_id(), ", got ",
+          " (L*h*slots_per_head*slot_tokens*d bf16) for attachment ", bufs->attachment_id(), ", got ",
           bufs->bytes()));
     }
     if (!st.ok()) {

@@ -46,6 +46,7 @@ absl::StatusOr<v1::SelectAndReconstructResponse> Engine::SelectAndReconstruct(
     out->set_selected(d.selected);
     out->set_hits(d.hits);
     out->set_tokens(d.tokens);
+    out->set_slot_tokens(d.chunk_size);
   }
   return resp;
 }

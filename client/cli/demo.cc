@@ -379,7 +379,8 @@ int RunDemo(client::Client& client, const DemoOptions& o) {
       q.setup_seconds = Since(ts);
       q.position = total;
       const int k = static_cast<int>(att->slots_per_head() > 0 ? att->slots_per_head() : o.sparse_budget);
-      selected_tokens = static_cast<uint64_t>(k) * (att->chunk_size() > 0 ? att->chunk_size() : o.chunk_size);
+      const uint32_t per_slot = att->slot_tokens() > 0 ? att->slot_tokens() : att->chunk_size();
+      selected_tokens = static_cast<uint64_t>(k) * (per_slot > 0 ? per_slot : o.chunk_size);
       q.slots.assign(L, std::vector<std::vector<int32_t>>(h, std::vector<int32_t>(k, -1)));
       // The static set, loaded once per attachment; also tells whether the target needle
       // sits in it (an outlier chunk is always attended, never selected).

@@ -31,10 +31,11 @@ SelectOptions SelectionPolicy::OptionsAt(int k, int C, const kernels::RopeSpec& 
     o.C = C;
     o.rope = rope;
     o.signatures = signatures;
+    if (units(C)) o.unit = selection_unit;
   }
   if (mass_top_p > 0) {
     o.top_p = mass_top_p;
-    o.min_k = std::min(mass_min_chunks, k);
+    o.min_k = std::min(mass_min_chunks, Slots(k, C));
   }
   return o;
 }
@@ -44,6 +45,7 @@ std::string SelectionPolicy::Label(bool native) const {
   std::string s = "shadow";
   if (rerank_factor > 1) absl::StrAppend(&s, "+rerank", rerank_factor);
   if (mass_top_p > 0) absl::StrAppend(&s, "+top_p", mass_top_p);
+  if (selection_unit > 0) absl::StrAppend(&s, "+unit", selection_unit);
   return s;
 }
 
@@ -55,11 +57,25 @@ bool HasSignatures(const kernels::SessionLayerView& view) {
   return true;
 }
 
+absl::Status CheckUnitsSupported(Backend& be, const kernels::LayerShape& shape,
+                                 const SelectionPolicy& policy, int C,
+                                 const kernels::RopeSpec& rope) {
+  if (!policy.units(C)) return absl::OkStatus();
+  const SelectOptions o = policy.OptionsAt(1, C, rope);
+  if (!o.units()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "selection units (selection_unit = ", policy.selection_unit,
+        ") need two-stage selection (rerank_factor > 1), got rerank_factor = ",
+        policy.rerank_factor));
+  }
+  return be.SelectEx(shape, o.unit_tokens(), o, {}, kernels::Workspace{}, kernels::Stream{});
+}
+
 std::string SelectionGroup::Key() const {
   return absl::StrCat(shape.h, "x", shape.g, "x", shape.d, "|", C, "|",
                       static_cast<int>(codec.codec), "/", codec.group, "|", k, "|",
                       native ? -1 : options.candidates, "|", options.top_p, "|", options.min_k,
-                      "|", options.signatures ? 1 : 0);
+                      "|", options.signatures ? 1 : 0, "|", native ? 0 : options.unit);
 }
 
 void BindOutputs(int32_t* block, int h, int k, SelectItem* item) {
@@ -97,8 +113,10 @@ absl::Status RunReconstruct(Backend& be, const SelectionGroup& g,
   return be.Reconstruct(g.shape, g.C, g.k, g.rope, g.codec, items, ws, stream);
 }
 
-ReconstructItem ReconstructOf(const SelectItem& s, bf16* keys, bf16* values, bool into_slots) {
+ReconstructItem ReconstructOf(const SelectionGroup& g, const SelectItem& s, bf16* keys,
+                              bf16* values, bool into_slots) {
   ReconstructItem r;
+  r.unit = g.native ? 0 : g.options.unit;
   r.view = s.view;
   r.miss_chunk = s.miss_chunk;
   r.miss_count = s.miss_count;
@@ -213,6 +231,7 @@ SelectOptions OracleOptions(const SelectionGroup& g, const kernels::SessionLayer
   o.candidates = std::max(view.total_chunks(), 1);
   o.C = g.C;
   o.rope = g.rope;
+  o.unit = g.native ? 0 : g.options.unit;  // the oracle ranks the group's units
   return o;
 }
 
@@ -237,7 +256,7 @@ OracleLayout LayoutOf(const Backend& be, const SelectionGroup& g,
 size_t OracleWorkspaceBytes(const Backend& be, const SelectionGroup& g,
                             const kernels::SessionLayerView& view, int k_oracle) {
   if (k_oracle <= 0) return 0;
-  return LayoutOf(be, g, view, k_oracle).total;
+  return LayoutOf(be, g, view, k_oracle * g.units_per_chunk()).total;
 }
 
 absl::StatusOr<std::optional<double>> OracleRecall(Backend& be, const SelectionGroup& g,
@@ -246,6 +265,7 @@ absl::StatusOr<std::optional<double>> OracleRecall(Backend& be, const SelectionG
                                                    int k_sel, int k_oracle, kernels::Workspace ws,
                                                    kernels::Stream stream) {
   if (k_oracle <= 0) return std::optional<double>();
+  k_oracle *= g.units_per_chunk();  // in slots: units with selection units
   const int h = g.shape.h;
   const OracleLayout l = LayoutOf(be, g, view, k_oracle);
   if (ws.bytes < l.total) {
@@ -304,8 +324,9 @@ absl::StatusOr<GuardOutcome> GuardStep(Backend& be, SelectionGuard& guard,
   if (!recall) return out;
   out.sampled = true;
   out.recall = *recall;
-  out.action = guard.Record(layer, *recall, policy.recall_floor, policy.recall_action, k_sel, total,
-                            kMaxGuardBudget);
+  // The guard's budgets count chunks: k_sel slots of units are k_sel / (C/u) chunks.
+  out.action = guard.Record(layer, *recall, policy.recall_floor, policy.recall_action,
+                            k_sel / g.units_per_chunk(), total, kMaxGuardBudget);
   return out;
 }
 

@@ -40,9 +40,18 @@ absl::Status Kivi(size_t x, const KiviLayout& layout, size_t codes, size_t scale
 // Checks every item's pointers, segment count, k <= total chunks, r.
 absl::Status Select(const LayerShape& shape, int k, absl::Span<const SelectItem> items,
                     const Workspace& ws, size_t ws_needed);
+// SelectOptions::unit: 0, C, or a divisor of C below it with two stages (candidates > 0,
+// C >= 1). The other options are each backend's to check.
+absl::Status SelectUnit(const SelectOptions& options);
+// SelectUnit, then Select's checks, with k <= total_chunks * C/unit per item when
+// options.units().
+absl::Status SelectEx(const LayerShape& shape, int k, const SelectOptions& options,
+                      absl::Span<const SelectItem> items, const Workspace& ws,
+                      size_t ws_needed);
 // Select's checks minus the query (AssignSlots does not read q).
 absl::Status AssignSlots(const LayerShape& shape, int k, absl::Span<const SelectItem> items,
                          const Workspace& ws, size_t ws_needed);
+// Also each item's unit (0, C, or a divisor of C below it) and k <= total units with one.
 absl::Status Reconstruct(const LayerShape& shape, int C, int k, const RopeSpec& rope,
                          const ValueCodecSpec& codec, absl::Span<const ReconstructItem> items,
                          const Workspace& ws, size_t ws_needed);

@@ -1,7 +1,8 @@
 // Argument checks of the codec and decode ops (EncodeValueChunks, DecodeValueChunks, KIVI,
-// Select, Reconstruct, Attend), shared by the CPU and CUDA launchers so that both reject
-// the same inputs with the same messages. Only host-readable facts are checked here
-// (sizes, counts, pointers, strides, options); contents of backend memory are not read.
+// Select, SelectEx's selection units, Reconstruct, Attend), shared by the CPU and CUDA
+// launchers so that both reject the same inputs with the same messages. Only host-readable
+// facts are checked here (sizes, counts, pointers, strides, options); contents of backend
+// memory are not read.
 #include <cmath>
 #include <string>
 
@@ -42,9 +43,10 @@ absl::Status CheckChunkBytes(std::string_view op, const ValueCodecSpec& spec, in
 }
 
 // Segment count, basis, k range and the per-segment facts shared by Select and
-// Reconstruct. `item` names the item in messages.
+// Reconstruct. `item` names the item in messages. With selection units (units_per_chunk
+// = C/unit > 1) k counts units: k <= total_chunks * units_per_chunk.
 absl::Status CheckView(std::string_view op, const std::string& item,
-                       const SessionLayerView& view, int k) {
+                       const SessionLayerView& view, int k, int units_per_chunk = 1) {
   if (view.n_segments < 1 || view.n_segments > kMaxSegments) {
     return Bad(op, absl::StrCat(item, ".view.n_segments must be in [1, ", kMaxSegments,
                                 "], got ", view.n_segments));
@@ -65,11 +67,59 @@ absl::Status CheckView(std::string_view op, const std::string& item,
     total += seg.n_chunks;
   }
   if (total > INT32_MAX) return Bad(op, absl::StrCat(item, ": total chunks overflow int32"));
+  if (units_per_chunk > 1) {
+    const int64_t units = total * units_per_chunk;
+    if (units > INT32_MAX) return Bad(op, absl::StrCat(item, ": total units overflow int32"));
+    if (k < 1 || k > units) {
+      return Bad(op, absl::StrCat("k must be in [1, total_units = ", units, "] (",
+                                  units_per_chunk, " units per chunk) for ", item, ", got ", k));
+    }
+    return absl::OkStatus();
+  }
   if (k < 1 || k > total) {
     return Bad(op, absl::StrCat("k must be in [1, total_chunks = ", total, "] for ", item,
                                 ", got ", k));
   }
   return absl::OkStatus();
+}
+
+// A selection unit of `unit` tokens against chunks of C (> 0) tokens: 0 or C means whole
+// chunks; otherwise 0 < unit < C and unit divides C. `what` names the field in messages.
+absl::Status CheckUnit(std::string_view op, const std::string& what, int unit, int C) {
+  if (unit == 0 || unit == C) return absl::OkStatus();
+  if (unit < 0 || unit > C || C % unit != 0) {
+    return Bad(op, absl::StrCat(what, " must be 0 or C = ", C,
+                                " (whole chunks), or a divisor of C below it (units of that "
+                                "many tokens), got ",
+                                unit));
+  }
+  return absl::OkStatus();
+}
+
+// Select's checks (pointers, view, k, landmarks, workspace); k counts units when
+// units_per_chunk > 1.
+absl::Status CheckSelect(std::string_view op, const LayerShape& shape, int k,
+                         int units_per_chunk, absl::Span<const SelectItem> items,
+                         const Workspace& ws, size_t ws_needed) {
+  KVSHADE_RETURN_IF_ERROR(Shape(shape));
+  if (k < 1) return Bad(op, absl::StrCat("k must be >= 1, got ", k));
+  for (size_t i = 0; i < items.size(); ++i) {
+    const SelectItem& it = items[i];
+    const std::string name = absl::StrCat("items[", i, "]");
+    if (it.q == nullptr) return Bad(op, absl::StrCat(name, ".q is null"));
+    if (it.slots == nullptr) return Bad(op, absl::StrCat(name, ".slots is null"));
+    if (it.selected == nullptr) return Bad(op, absl::StrCat(name, ".selected is null"));
+    if (it.miss_slot == nullptr) return Bad(op, absl::StrCat(name, ".miss_slot is null"));
+    if (it.miss_chunk == nullptr) return Bad(op, absl::StrCat(name, ".miss_chunk is null"));
+    if (it.miss_count == nullptr) return Bad(op, absl::StrCat(name, ".miss_count is null"));
+    KVSHADE_RETURN_IF_ERROR(CheckView(op, name, it.view, k, units_per_chunk));
+    for (int s = 0; s < it.view.n_segments; ++s) {
+      if (it.view.segments[s].n_chunks > 0 && it.view.segments[s].landmarks == nullptr) {
+        return Bad(op, absl::StrCat(name, ".view.segments[", s, "].landmarks is null"));
+      }
+    }
+  }
+  return CheckWorkspace(op, ws, ws_needed);
 }
 
 }  // namespace
@@ -113,26 +163,30 @@ absl::Status Kivi(size_t x, const KiviLayout& layout, size_t codes, size_t scale
 
 absl::Status Select(const LayerShape& shape, int k, absl::Span<const SelectItem> items,
                     const Workspace& ws, size_t ws_needed) {
-  constexpr std::string_view kOp = "Select";
-  KVSHADE_RETURN_IF_ERROR(Shape(shape));
-  if (k < 1) return Bad(kOp, absl::StrCat("k must be >= 1, got ", k));
-  for (size_t i = 0; i < items.size(); ++i) {
-    const SelectItem& it = items[i];
-    const std::string name = absl::StrCat("items[", i, "]");
-    if (it.q == nullptr) return Bad(kOp, absl::StrCat(name, ".q is null"));
-    if (it.slots == nullptr) return Bad(kOp, absl::StrCat(name, ".slots is null"));
-    if (it.selected == nullptr) return Bad(kOp, absl::StrCat(name, ".selected is null"));
-    if (it.miss_slot == nullptr) return Bad(kOp, absl::StrCat(name, ".miss_slot is null"));
-    if (it.miss_chunk == nullptr) return Bad(kOp, absl::StrCat(name, ".miss_chunk is null"));
-    if (it.miss_count == nullptr) return Bad(kOp, absl::StrCat(name, ".miss_count is null"));
-    KVSHADE_RETURN_IF_ERROR(CheckView(kOp, name, it.view, k));
-    for (int s = 0; s < it.view.n_segments; ++s) {
-      if (it.view.segments[s].n_chunks > 0 && it.view.segments[s].landmarks == nullptr) {
-        return Bad(kOp, absl::StrCat(name, ".view.segments[", s, "].landmarks is null"));
-      }
-    }
+  return CheckSelect("Select", shape, k, 1, items, ws, ws_needed);
+}
+
+absl::Status SelectUnit(const SelectOptions& options) {
+  constexpr std::string_view kOp = "SelectEx";
+  const int unit = options.unit;
+  if (unit == 0 || unit == options.C) return absl::OkStatus();  // whole chunks
+  if (unit < 0) return Bad(kOp, absl::StrCat("unit must be >= 0 (0 = whole chunks), got ", unit));
+  if (!options.two_stage() || options.C < 1) {
+    return Bad(kOp, absl::StrCat("unit = ", unit,
+                                 " needs two-stage selection (candidates > 0 and the chunk "
+                                 "size C >= 1), got candidates = ",
+                                 options.candidates, ", C = ", options.C));
   }
-  return CheckWorkspace(kOp, ws, ws_needed);
+  return CheckUnit(kOp, "unit", unit, options.C);
+}
+
+absl::Status SelectEx(const LayerShape& shape, int k, const SelectOptions& options,
+                      absl::Span<const SelectItem> items, const Workspace& ws,
+                      size_t ws_needed) {
+  KVSHADE_RETURN_IF_ERROR(SelectUnit(options));
+  // Whole chunks: exactly Select's checks and messages.
+  if (!options.units()) return Select(shape, k, items, ws, ws_needed);
+  return CheckSelect("SelectEx", shape, k, options.units_per_chunk(), items, ws, ws_needed);
 }
 
 absl::Status AssignSlots(const LayerShape& shape, int k, absl::Span<const SelectItem> items,
@@ -172,7 +226,9 @@ absl::Status Reconstruct(const LayerShape& shape, int C, int k, const RopeSpec& 
     if (it.miss_count == nullptr) return Bad(kOp, absl::StrCat(name, ".miss_count is null"));
     if (it.keys == nullptr) return Bad(kOp, absl::StrCat(name, ".keys is null"));
     if (it.values == nullptr) return Bad(kOp, absl::StrCat(name, ".values is null"));
-    KVSHADE_RETURN_IF_ERROR(CheckView(kOp, name, it.view, k));
+    KVSHADE_RETURN_IF_ERROR(CheckUnit(kOp, absl::StrCat(name, ".unit"), it.unit, C));
+    const int per_chunk = it.unit > 0 && it.unit < C ? C / it.unit : 1;
+    KVSHADE_RETURN_IF_ERROR(CheckView(kOp, name, it.view, k, per_chunk));
     for (int s = 0; s < it.view.n_segments; ++s) {
       const SegmentView& seg = it.view.segments[s];
       if (seg.n_chunks == 0) continue;

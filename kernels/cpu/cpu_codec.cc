@@ -94,15 +94,23 @@ void EncodeValueChunk(const bf16* v, int64_t token_stride, int C, int d,
 
 void DecodeValueChunk(const std::byte* encoded, int C, int d, const ValueCodecSpec& spec,
                       bf16* out) {
+  DecodeValueRows(encoded, C, d, spec, 0, C, out);
+}
+
+void DecodeValueRows(const std::byte* encoded, int C, int d, const ValueCodecSpec& spec, int t0,
+                     int n, bf16* out) {
   switch (spec.codec) {
     case ValueCodec::kBF16:
-      std::memcpy(out, encoded, size_t(C) * d * sizeof(bf16));
+      std::memcpy(out, encoded + size_t(t0) * d * sizeof(bf16), size_t(n) * d * sizeof(bf16));
       return;
     case ValueCodec::kFP8: {
       float scale;
       std::memcpy(&scale, encoded, sizeof(float));
-      const uint8_t* codes = reinterpret_cast<const uint8_t*>(encoded + sizeof(float));
-      for (int i = 0; i < C * d; ++i) out[i] = FloatToBf16(Fp8E4M3ToFloat(codes[i]) * scale);
+      const uint8_t* codes =
+          reinterpret_cast<const uint8_t*>(encoded + sizeof(float)) + size_t(t0) * d;
+      for (int64_t i = 0; i < int64_t(n) * d; ++i) {
+        out[i] = FloatToBf16(Fp8E4M3ToFloat(codes[i]) * scale);
+      }
       return;
     }
     case ValueCodec::kINT4:
@@ -115,14 +123,14 @@ void DecodeValueChunk(const std::byte* encoded, int C, int d, const ValueCodecSp
       const uint32_t mask = (1u << bits) - 1;
       const std::byte* scale_base = encoded + size_t(C) * groups * wpg * sizeof(uint32_t);
       const std::byte* mn_base = scale_base + size_t(C) * groups * sizeof(fp16);
-      for (int t = 0; t < C; ++t) {
+      for (int t = t0; t < t0 + n; ++t) {
         for (int gi = 0; gi < groups; ++gi) {
           const size_t gidx = size_t(t) * groups + gi;
           fp16 s, m;
           std::memcpy(&s, scale_base + gidx * sizeof(fp16), sizeof(fp16));
           std::memcpy(&m, mn_base + gidx * sizeof(fp16), sizeof(fp16));
           const float sf = Fp16ToFloat(s), mf = Fp16ToFloat(m);
-          bf16* o = out + size_t(t) * d + gi * G;
+          bf16* o = out + size_t(t - t0) * d + gi * G;
           for (int wi = 0; wi < wpg; ++wi) {
             uint32_t word;
             std::memcpy(&word, encoded + (gidx * wpg + wi) * sizeof(uint32_t), sizeof(word));

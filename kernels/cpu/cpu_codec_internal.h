@@ -18,4 +18,10 @@ void EncodeValueChunk(const bf16* v, int64_t token_stride, int C, int d,
 void DecodeValueChunk(const std::byte* encoded, int C, int d, const ValueCodecSpec& spec,
                       bf16* out);
 
+// Decodes tokens [t0, t0 + n) of one encoded chunk of C tokens into out [n, d] bf16: the
+// same values as rows t0.. of DecodeValueChunk (every codec is token-separable: fp8 shares
+// the chunk's one scale, KIVI groups lie within a token). 0 <= t0, t0 + n <= C.
+void DecodeValueRows(const std::byte* encoded, int C, int d, const ValueCodecSpec& spec, int t0,
+                     int n, bf16* out);
+
 }  // namespace kvshade::kernels::cpu_internal

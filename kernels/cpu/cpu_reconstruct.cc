@@ -8,6 +8,10 @@
 // to output row (hh, j), or to row (hh, miss_slot[hh*k + j]) when miss_slot is set. Every
 // id and slot is checked before anything is written (InvalidArgument on a chunk id outside
 // [0, total_chunks), a slot outside [0, k) or a slot named twice in one head).
+// Selection units (ReconstructItem::unit = u, 0 < u < C): a miss id j is unit j, tokens
+// t0 + [0, u) of chunk c = (j*u) / C with t0 = (j*u) % C; the loops above run over those u
+// tokens only (keys at first_position + c*C + t0 + i, values DecodeValueRows of the same
+// encoded chunk) into rows of u tokens; ids are checked against total_chunks * C/u.
 // Workspace: d f32 per (item, head), the accumulator row.
 #include <algorithm>
 #include <cstring>
@@ -42,7 +46,8 @@ absl::Status CpuBackend::Reconstruct(const LayerShape& shape, int C, int k, cons
   // or slot fails the call without partial writes.
   for (size_t i = 0; i < items.size(); ++i) {
     const ReconstructItem& it = items[i];
-    const int total = it.view.total_chunks();
+    const bool units = it.unit > 0 && it.unit < C;
+    const int64_t total = int64_t(it.view.total_chunks()) * (units ? C / it.unit : 1);
     for (int hh = 0; hh < h; ++hh) {
       const int count = it.miss_count[hh];
       if (count < 0 || count > k) {
@@ -55,7 +60,8 @@ absl::Status CpuBackend::Reconstruct(const LayerShape& shape, int C, int k, cons
         if (c < 0 || c >= total) {
           return absl::InvalidArgumentError(
               absl::StrCat("Reconstruct: items[", i, "].miss_chunk[", hh, ", ", j,
-                           "] must be in [0, total_chunks = ", total, "), got ", c));
+                           "] must be in [0, ", units ? "total_units = " : "total_chunks = ",
+                           total, "), got ", c));
         }
       }
       if (it.miss_slot == nullptr) continue;
@@ -89,15 +95,20 @@ absl::Status CpuBackend::Reconstruct(const LayerShape& shape, int C, int k, cons
     const int r = view.r;
     const bf16* b = view.b + int64_t(hh) * r * d;  // [r, d] of this head
     float* acc = ws_base + p * d;
+    // Tokens per miss: u tokens starting at t0 of the chunk (the whole chunk: u = C, t0 = 0).
+    const int u = it.unit > 0 && it.unit < C ? it.unit : C;
     for (int j = 0; j < it.miss_count[hh]; ++j) {
-      int local = it.miss_chunk[int64_t(hh) * k + j];
+      const int64_t id = it.miss_chunk[int64_t(hh) * k + j];
+      int local = int(id * u / C);
+      const int t0 = int(id * u % C);
       int si = 0;
       while (local >= view.segments[si].n_chunks) local -= view.segments[si++].n_chunks;
       const SegmentView& seg = view.segments[si];
       const int64_t row =
           int64_t(hh) * k + (it.miss_slot != nullptr ? it.miss_slot[int64_t(hh) * k + j] : j);
-      bf16* keys = it.keys + row * C * d;
-      for (int t = 0; t < C; ++t) {
+      bf16* keys = it.keys + row * u * d;
+      for (int i = 0; i < u; ++i) {
+        const int t = t0 + i;
         const bf16* a = seg.a + (int64_t(local) * C + t) * r;
         std::fill(acc, acc + d, 0.0f);
         for (int x = 0; x < r; ++x) {
@@ -107,11 +118,11 @@ absl::Status CpuBackend::Reconstruct(const LayerShape& shape, int C, int k, cons
         }
         ApplyRopeReference(table, rope.pairing, seg.first_position + int64_t(local) * C + t, acc,
                            d);
-        for (int c = 0; c < d; ++c) keys[int64_t(t) * d + c] = FloatToBf16(acc[c]);
+        for (int c = 0; c < d; ++c) keys[int64_t(i) * d + c] = FloatToBf16(acc[c]);
       }
       const std::byte* src =
           seg.values + hh * seg.value_head_stride + int64_t(local) * seg.value_chunk_stride;
-      cpu_internal::DecodeValueChunk(src, C, d, codec, it.values + row * C * d);
+      cpu_internal::DecodeValueRows(src, C, d, codec, t0, u, it.values + row * u * d);
     }
   }
   return absl::OkStatus();

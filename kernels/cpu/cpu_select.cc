@@ -16,12 +16,15 @@
 // then reused as the int32 candidate list), aux [4k] int32 (slot-diff scratch).
 //
 // SelectEx (SelectOptions in backend.h) runs the same scoring, keeps the best
-// max(candidates, k) chunks in two-stage mode and re-ranks them by the per-query-head
-// softmax over every candidate token (ChunkStats, StageTwoScores; keys reconstructed exactly
-// as cpu_reconstruct.cc does, rounded to bf16, fp32 dots in channel order; or, with
-// `signatures`, logits from the key signatures: ChunkStatsSig), then cuts at the
-// mass budget; workspace per (item, head): s, cand, m [total], aux [4k], acc [d], and in
-// two stages stats [min(total, candidates), g] (M, S) and lse [g]. AssignSlots filters the
+// max(candidates, ceil(k/P)) chunks in two-stage mode (P = C/unit units per chunk, 1 for
+// whole chunks) and re-ranks their units by the per-query-head softmax over every candidate
+// token (ChunkStats, StageTwoScores; keys reconstructed exactly as cpu_reconstruct.cc does,
+// rounded to bf16, fp32 dots in channel order; or, with `signatures`, logits from the key
+// signatures: ChunkStatsSig; (M, S) folded per unit, a whole chunk being one unit), then
+// cuts at the mass budget; workspace per (item, head): s, cand, tmp [total], aux [4k],
+// acc [d], and in two stages, over the U = min(total, stage-1 width) * P candidate units,
+// stats [U, g] (M, S), lse [g], uid, m, w, order [U]. Whole chunks (unit 0 or C) run the
+// same arithmetic in the same order as before units existed. AssignSlots filters the
 // caller's ids (range, static, repeats) and runs the same slot diff.
 #include <algorithm>
 #include <cmath>
@@ -118,18 +121,20 @@ int RankByScore(const float* s, int total, int m, int32_t* cand) {
   return n_cand;
 }
 
-// Whether chunk c (global id) is a chunk of the view that head hh may select: in range
-// and not excluded (static) for that head.
-bool SelectableChunk(const SessionLayerView& v, int hh, int32_t c) {
-  if (c < 0 || c >= v.total_chunks()) return false;
-  int local = c, si = 0;
+// Whether id (global; a chunk id, or with `per` > 1 units per chunk a unit id) is of a chunk
+// of the view that head hh may select: in range and not excluded (static) for that head.
+bool SelectableChunk(const SessionLayerView& v, int hh, int32_t id, int per = 1) {
+  if (id < 0 || int64_t(id) >= int64_t(v.total_chunks()) * per) return false;
+  int local = id / per, si = 0;
   while (local >= v.segments[si].n_chunks) local -= v.segments[si++].n_chunks;
   const SegmentView& seg = v.segments[si];
   return seg.excluded == nullptr || seg.excluded[int64_t(hh) * seg.n_chunks + local] == 0;
 }
 
 // Slot diff of one head for the chosen chunks ids[0, kk) (distinct, any order); aux [3k].
-void SlotDiff(int k, const int32_t* ids, int kk, const SelectItem& item, int hh, int32_t* aux) {
+// With selection units the ids are unit ids, `per` of them per chunk.
+void SlotDiff(int k, const int32_t* ids, int kk, const SelectItem& item, int hh, int32_t* aux,
+              int per = 1) {
   int32_t* sorted_sel = aux;         // [kk] ascending chunk ids
   int32_t* claimed = aux + k;        // [kk] 1 = hit
   int32_t* free_slots = aux + 2 * k; // ascending
@@ -166,7 +171,7 @@ void SlotDiff(int k, const int32_t* ids, int kk, const SelectItem& item, int hh,
   for (int i = n_miss; i < n_free; ++i) {
     int32_t& c = slots[free_slots[i]];
     const bool selected = std::binary_search(sorted_sel, sorted_sel + kk, c);
-    if (selected || !SelectableChunk(item.view, hh, c)) c = -1;
+    if (selected || !SelectableChunk(item.view, hh, c, per)) c = -1;
   }
   for (int i = n_miss; i < k; ++i) miss_slot[i] = miss_chunk[i] = -1;
   item.miss_count[hh] = n_miss;
@@ -197,14 +202,23 @@ inline void FoldLogit(float logit, float* stats_n) {
   }
 }
 
+// Resets the (M, S) pairs of n_stats query-head slots: M = -inf, S = 0.
+inline void ResetStats(float* stats, int64_t n_stats) {
+  for (int64_t i = 0; i < n_stats; ++i) {
+    stats[2 * i] = -std::numeric_limits<float>::infinity();
+    stats[2 * i + 1] = 0.0f;
+  }
+}
+
 // ChunkStats from the key signatures (SelectOptions::signatures): per query head n,
 // base_n = dot(q_n, L[c]) once, then per token l = (base_n + scale_t * dot(q_n, code_t -
 // half)) / sqrt(d) (SignatureDotReference's arithmetic: the codes unpacked once per token
-// into acc [d], fp32 dots in channel order), folded in token order as above. base [g]
-// scratch (the row's lse, which StageTwoScores fills only after every candidate).
+// into acc [d], fp32 dots in channel order), folded in token order as below, token t into
+// the stats of its unit t / u. base [g] scratch (the row's lse, which StageTwoScores fills
+// only after every candidate).
 void ChunkStatsSig(const LayerShape& shape, const SelectOptions& o, const SelectItem& item,
                    int hh, int c, float* acc, float* base, float* stats) {
-  const int h = shape.h, g = shape.g, d = shape.d, C = o.C;
+  const int h = shape.h, g = shape.g, d = shape.d, C = o.C, u = o.unit_tokens();
   const SessionLayerView& view = item.view;
   int local = c, si = 0;
   while (local >= view.segments[si].n_chunks) local -= view.segments[si++].n_chunks;
@@ -214,9 +228,8 @@ void ChunkStatsSig(const LayerShape& shape, const SelectOptions& o, const Select
   const float half = float(levels) / 2.0f;
   const size_t rec = SignatureRecordBytes(bits, d);
   const bf16* lm = seg.landmarks + (int64_t(local) * h + hh) * d;
+  ResetStats(stats, int64_t(C / u) * g);
   for (int n = 0; n < g; ++n) {
-    stats[2 * n] = -std::numeric_limits<float>::infinity();
-    stats[2 * n + 1] = 0.0f;
     const bf16* qv = item.q + int64_t(hh * g + n) * d;
     float b = 0.0f;
     for (int ch = 0; ch < d; ++ch) b += Bf16ToFloat(qv[ch]) * Bf16ToFloat(lm[ch]);
@@ -231,24 +244,26 @@ void ChunkStatsSig(const LayerShape& shape, const SelectOptions& o, const Select
     }
     float sc = 0.0f;
     std::memcpy(&sc, r + size_t(d) * bits / 8, sizeof(float));
+    float* unit_stats = stats + int64_t(2) * g * (t / u);
     for (int n = 0; n < g; ++n) {
       const bf16* qv = item.q + int64_t(hh * g + n) * d;
       float dot = 0.0f;
       for (int ch = 0; ch < d; ++ch) dot += Bf16ToFloat(qv[ch]) * acc[ch];
-      FoldLogit((base[n] + sc * dot) * scale, stats + 2 * n);
+      FoldLogit((base[n] + sc * dot) * scale, unit_stats + 2 * n);
     }
   }
 }
 
-// Stage-2 statistics of chunk c of head hh, per query head n of the group, over the logits
-// l = q_n . k_hat / sqrt(d) of its C tokens (k_hat the bf16-rounded reconstructed post-RoPE
-// key, fp32 dot): M = the max logit and S = sum_t exp(l - M), accumulated in token order
-// and rescaled when the max grows (the CUDA kernel runs the same sequence). Non-finite logits
-// (NaN, or +-inf from overflow) carry no weight; a head without a finite logit has M = -inf,
-// S = 0. stats [g] (M, S) pairs; acc [d].
+// Stage-2 statistics of chunk c of head hh, per unit of u = o.unit_tokens() tokens (the
+// whole chunk when u = C) and query head n of the group, over the logits
+// l = q_n . k_hat / sqrt(d) of the unit's tokens (k_hat the bf16-rounded reconstructed
+// post-RoPE key, fp32 dot): M = the max logit and S = sum_t exp(l - M), accumulated in token
+// order and rescaled when the max grows (the CUDA kernel runs the same sequence for whole
+// chunks). Non-finite logits (NaN, or +-inf from overflow) carry no weight; a head without a
+// finite logit has M = -inf, S = 0. stats [C/u, g] (M, S) pairs; acc [d].
 void ChunkStats(const LayerShape& shape, const SelectOptions& o, const RopeTable& table,
                 const SelectItem& item, int hh, int c, float* acc, float* stats) {
-  const int g = shape.g, d = shape.d, C = o.C;
+  const int g = shape.g, d = shape.d, C = o.C, u = o.unit_tokens();
   const SessionLayerView& view = item.view;
   const int r = view.r;
   int local = c, si = 0;
@@ -256,10 +271,7 @@ void ChunkStats(const LayerShape& shape, const SelectOptions& o, const RopeTable
   const SegmentView& seg = view.segments[si];
   const bf16* b = view.b + int64_t(hh) * r * d;
   const float scale = 1.0f / std::sqrt(float(d));
-  for (int n = 0; n < g; ++n) {
-    stats[2 * n] = -std::numeric_limits<float>::infinity();
-    stats[2 * n + 1] = 0.0f;
-  }
+  ResetStats(stats, int64_t(C / u) * g);
   for (int t = 0; t < C; ++t) {
     const bf16* a = seg.a + (int64_t(local) * C + t) * r;
     std::fill(acc, acc + d, 0.0f);
@@ -270,29 +282,29 @@ void ChunkStats(const LayerShape& shape, const SelectOptions& o, const RopeTable
     }
     ApplyRopeReference(table, o.rope.pairing, seg.first_position + int64_t(local) * C + t, acc, d);
     for (int ch = 0; ch < d; ++ch) acc[ch] = Bf16ToFloat(FloatToBf16(acc[ch]));
+    float* unit_stats = stats + int64_t(2) * g * (t / u);
     for (int n = 0; n < g; ++n) {
       const bf16* qv = item.q + int64_t(hh * g + n) * d;
       float dot = 0.0f;
       for (int ch = 0; ch < d; ++ch) dot += Bf16ToFloat(qv[ch]) * acc[ch];
-      FoldLogit(dot * scale, stats + 2 * n);
+      FoldLogit(dot * scale, unit_stats + 2 * n);
     }
   }
 }
 
-// Stage-2 scores of the candidates cand[0, n_cand) from their stats [n_cand, g] (M, S),
-// normalised per query head over every candidate token: per head n,
+// Stage-2 scores of the candidate units [0, n) from their stats [n, g] (M, S), normalised
+// per query head over every candidate token: per head n,
 //   LSE_n = log sum_i S_in exp(M_in)   (the max of M + log S first, then the sum in
 //                                       candidate order)
-//   m[c] = max_n exp(M_cn - LSE_n)            (the chunk's best token probability)
-//   w[c] = max_n exp(M_cn + log S_cn - LSE_n) (the chunk's share of the head's attention)
-// over the heads with a finite M_cn; 0 for a candidate without any. m and w are indexed by
-// chunk id; lse [g] scratch.
-void StageTwoScores(int g, const int32_t* cand, int n_cand, const float* stats, float* lse,
-                    float* m, float* w) {
+//   m[i] = max_n exp(M_in - LSE_n)             (the unit's best token probability)
+//   w[i] = max_n exp(M_in + log S_in - LSE_n)  (the unit's share of the head's attention)
+// over the heads with a finite M_in; 0 for a unit without any. m and w [n] are indexed by
+// candidate position; lse [g] scratch.
+void StageTwoScores(int g, int n_units, const float* stats, float* lse, float* m, float* w) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   for (int n = 0; n < g; ++n) {
     float mx = kNegInf;
-    for (int i = 0; i < n_cand; ++i) {
+    for (int i = 0; i < n_units; ++i) {
       const float M = stats[(int64_t(i) * g + n) * 2];
       if (M != kNegInf) mx = std::max(mx, M + std::log(stats[(int64_t(i) * g + n) * 2 + 1]));
     }
@@ -301,13 +313,13 @@ void StageTwoScores(int g, const int32_t* cand, int n_cand, const float* stats, 
       continue;
     }
     float z = 0.0f;
-    for (int i = 0; i < n_cand; ++i) {
+    for (int i = 0; i < n_units; ++i) {
       const float M = stats[(int64_t(i) * g + n) * 2];
       if (M != kNegInf) z += std::exp(M + std::log(stats[(int64_t(i) * g + n) * 2 + 1]) - mx);
     }
     lse[n] = mx + std::log(z);
   }
-  for (int i = 0; i < n_cand; ++i) {
+  for (int i = 0; i < n_units; ++i) {
     float best = 0.0f, mass = 0.0f;
     for (int n = 0; n < g; ++n) {
       const float M = stats[(int64_t(i) * g + n) * 2];
@@ -315,21 +327,33 @@ void StageTwoScores(int g, const int32_t* cand, int n_cand, const float* stats, 
       best = std::max(best, std::exp(M - lse[n]));
       mass = std::max(mass, std::exp(M + std::log(stats[(int64_t(i) * g + n) * 2 + 1]) - lse[n]));
     }
-    m[cand[i]] = best;
-    w[cand[i]] = mass;
+    m[i] = best;
+    w[i] = mass;
   }
 }
 
+// Stage-1 width in chunks: max(candidates, ceil(k / units per chunk)) in two stages (so that
+// the candidates hold k units), k in one.
 int StageOneWidth(const SelectOptions& o, int k) {
-  return o.two_stage() ? std::max(o.candidates, k) : k;
+  if (!o.two_stage()) return k;
+  const int per = o.units_per_chunk();
+  return std::max(o.candidates, k / per + (k % per != 0));
 }
 
-// Words of SelectEx's workspace row per (item, head): s [total], cand [total], m [total],
-// aux [4k], acc [d], then in two stages stats [min(total, candidates), g] (M, S) and
-// lse [g].
+// Candidate units of the two-stage rows: min(total, stage-1 width) chunks of P units.
+int64_t StageTwoUnits(int64_t total, int k, const SelectOptions& o) {
+  return std::min<int64_t>(total, StageOneWidth(o, k)) * o.units_per_chunk();
+}
+
+// Words of SelectEx's workspace row per (item, head): s [total], cand [total], tmp [total],
+// aux [4k], acc [d], then in two stages, over U = StageTwoUnits candidate units, stats
+// [U, g] (M, S), lse [g], uid [U], m [U], w [U] and order [U].
 int64_t RowWordsEx(int64_t total, int k, int d, int g, const SelectOptions& o) {
   int64_t words = 3 * total + 4 * int64_t(k) + d;
-  if (o.two_stage()) words += 2 * std::min<int64_t>(total, StageOneWidth(o, k)) * g + g;
+  if (o.two_stage()) {
+    const int64_t units = StageTwoUnits(total, k, o);
+    words += 2 * units * g + g + 4 * units;
+  }
   return words;
 }
 
@@ -339,39 +363,62 @@ void SelectExHead(const LayerShape& shape, int k, const SelectOptions& o, const 
   const int g = shape.g, d = shape.d;
   float* s = row;
   int32_t* cand = reinterpret_cast<int32_t*>(row + total);
-  float* m = row + 2 * total;
+  float* tmp = row + 2 * total;
   int32_t* aux = reinterpret_cast<int32_t*>(row + 3 * total);
   float* acc = row + 3 * total + 4 * k;
-  ScoreHead(shape, item, hh, s, m);  // m as scratch
+  ScoreHead(shape, item, hh, s, tmp);
   const int stage1 = StageOneWidth(o, k);
   const int n_sel = RankByScore(s, total, stage1, cand);
   const int n_cand = std::min(stage1, n_sel);
-  // The mass estimate of chunk c is s[c]: the landmark score in one stage, w in two.
+  // One stage: the ranking is cand (chunk ids), the mass of chunk c its landmark score s[c].
+  // Two stages: the ranking is order (unit ids once ranked), the mass of the unit at
+  // candidate position i is w[i].
+  int32_t* ranked = cand;
+  int n_ranked = n_cand;
+  const float* mass = nullptr;
+  int per = 1;
   if (o.two_stage()) {
+    per = o.units_per_chunk();
+    const int64_t units = StageTwoUnits(total, k, o);
     float* stats = acc + d;
-    float* lse = stats + int64_t(2) * std::min(total, stage1) * g;
+    float* lse = stats + 2 * units * g;
+    int32_t* uid = reinterpret_cast<int32_t*>(lse + g);
+    float* m = lse + g + units;
+    float* w = m + units;
+    int32_t* order = reinterpret_cast<int32_t*>(w + units);
     for (int i = 0; i < n_cand; ++i) {
+      float* chunk_stats = stats + int64_t(2) * g * per * i;
       if (o.signatures) {
-        ChunkStatsSig(shape, o, item, hh, cand[i], acc, lse, stats + int64_t(2) * g * i);
+        ChunkStatsSig(shape, o, item, hh, cand[i], acc, lse, chunk_stats);
       } else {
-        ChunkStats(shape, o, *table, item, hh, cand[i], acc, stats + int64_t(2) * g * i);
+        ChunkStats(shape, o, *table, item, hh, cand[i], acc, chunk_stats);
       }
     }
-    // m and w (into s: the landmark scores are no longer needed), indexed by chunk id.
-    StageTwoScores(g, cand, n_cand, stats, lse, m, s);
-    std::sort(cand, cand + n_cand, [m](int32_t a, int32_t b) {
+    n_ranked = n_cand * per;
+    StageTwoScores(g, n_ranked, stats, lse, m, w);
+    for (int i = 0; i < n_ranked; ++i) {
+      uid[i] = cand[i / per] * per + i % per;
+      order[i] = i;
+    }
+    std::sort(order, order + n_ranked, [m, uid](int32_t a, int32_t b) {
       const bool na = std::isnan(m[a]), nb = std::isnan(m[b]);
       if (na != nb) return nb;
       if (!na && m[a] != m[b]) return m[a] > m[b];
-      return a < b;
+      return uid[a] < uid[b];
     });
+    // The units' masses in rank order (into m: the scores are no longer needed), then
+    // order's positions become unit ids in place.
+    for (int i = 0; i < n_ranked; ++i) m[i] = w[order[i]];
+    for (int i = 0; i < n_ranked; ++i) order[i] = uid[order[i]];
+    ranked = order;
+    mass = m;
   }
-  int kk = std::min(k, n_cand);
+  int kk = std::min(k, n_ranked);
   if (o.top_p > 0.0f && kk > 0) {
     float cum = 0.0f;
     int n = kk;
     for (int i = 0; i < kk; ++i) {
-      const float x = s[cand[i]];
+      const float x = mass != nullptr ? mass[i] : s[ranked[i]];
       cum += std::isfinite(x) && x > 0.0f ? x : 0.0f;
       if (cum >= o.top_p) {
         n = i + 1;
@@ -381,8 +428,8 @@ void SelectExHead(const LayerShape& shape, int k, const SelectOptions& o, const 
     kk = std::min(kk, std::max(n, o.min_k));
   }
   int32_t* selected = item.selected + int64_t(hh) * k;
-  for (int i = 0; i < k; ++i) selected[i] = i < kk ? cand[i] : -1;
-  SlotDiff(k, cand, kk, item, hh, aux);
+  for (int i = 0; i < k; ++i) selected[i] = i < kk ? ranked[i] : -1;
+  SlotDiff(k, ranked, kk, item, hh, aux, per);
 }
 
 }  // namespace
@@ -489,8 +536,8 @@ size_t CpuBackend::SelectExWorkspaceBytes(const LayerShape& shape, int k,
 
 absl::Status CpuBackend::SelectEx(const LayerShape& shape, int k, const SelectOptions& options,
                                   absl::Span<const SelectItem> items, Workspace ws, Stream) {
-  KVSHADE_RETURN_IF_ERROR(validate::Select(shape, k, items, ws,
-                                           SelectExWorkspaceBytes(shape, k, options, items)));
+  KVSHADE_RETURN_IF_ERROR(validate::SelectEx(shape, k, options, items, ws,
+                                             SelectExWorkspaceBytes(shape, k, options, items)));
   KVSHADE_RETURN_IF_ERROR(CheckOptions(shape, k, options, items));
   RopeTable table;
   if (options.two_stage() && !options.signatures) {

@@ -334,6 +334,15 @@ absl::Status CudaBackend::Reconstruct(const LayerShape& shape, int C, int k, con
                                       Stream stream) {
   KVSHADE_RETURN_IF_ERROR(validate::Reconstruct(shape, C, k, rope, codec, items, ws,
                                                 ReconstructWorkspaceBytes(shape, k, items)));
+  for (size_t i = 0; i < items.size(); ++i) {
+    if (items[i].unit > 0 && items[i].unit < C) {
+      return absl::UnimplementedError(absl::StrCat(
+          "Reconstruct: the CUDA backend does not support ReconstructItem::unit (selection "
+          "units below the chunk size) yet, got items[",
+          i, "].unit = ", items[i].unit, " with C = ", C,
+          "; use unit 0 (whole chunks) or the CPU backend"));
+    }
+  }
   if (items.empty()) return absl::OkStatus();
   const int h = shape.h, d = shape.d;
   if (d != 64 && d != 80 && d != 96 && d != 128 && d != 256) {

@@ -1487,6 +1487,13 @@ size_t CudaBackend::SelectExWorkspaceBytes(const LayerShape& shape, int k,
 absl::Status CudaBackend::SelectEx(const LayerShape& shape, int k, const SelectOptions& options,
                                    absl::Span<const SelectItem> items, Workspace ws,
                                    Stream stream) {
+  KVSHADE_RETURN_IF_ERROR(validate::SelectUnit(options));
+  if (options.units()) {
+    return absl::UnimplementedError(absl::StrCat(
+        "SelectEx: the CUDA backend does not support SelectOptions::unit (selection units "
+        "below the chunk size) yet, got unit = ",
+        options.unit, " with C = ", options.C, "; use unit 0 (whole chunks) or the CPU backend"));
+  }
   KVSHADE_RETURN_IF_ERROR(validate::Select(shape, k, items, ws,
                                            SelectExWorkspaceBytes(shape, k, options, items)));
   if (options.candidates < 0 || !(options.top_p >= 0.0f && options.top_p <= 1.0f) ||

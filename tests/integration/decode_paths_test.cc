@@ -1,11 +1,12 @@
 // One decode core, every path (docs/ALGORITHM.md "Where this runs"): the daemon's
 // SelectAndReconstruct and Attend, and same-node decode (client::LocalDecoder), run the
-// same selection for every selection option, the same recall guard, and attend the same
-// rows. CPU backend, a real server.
+// same selection for every selection option (selection units included), the same recall
+// guard, and attend the same rows. CPU backend, a real server.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <random>
 #include <set>
 
 #include "harness.h"
@@ -90,6 +91,7 @@ struct Options {
   float top_p = 0;
   int min_chunks = 0;
   int signature_bits = 0;  // key signatures: stage 2 scores them on both paths
+  int unit = 0;            // selection units of this many tokens (0: whole chunks)
 };
 
 class DecodePaths : public ::testing::TestWithParam<Options> {};
@@ -109,8 +111,13 @@ TEST_P(DecodePaths, SameSelectionEveryOption) {
   profile.set_mass_top_p(o.top_p);
   profile.set_mass_min_chunks(o.min_chunks);
   profile.set_key_signature_bits(o.signature_bits);
+  if (o.unit > 0) profile.set_selection_unit(o.unit);
   KV_ASSERT_OK_AND_ASSIGN(one, OpenDecoded(*c, doc, profile));
   auto& [cs, att, dec] = one;
+  // Slots of units: the same token budget (8 chunks of C = 8 tokens) in units of u.
+  const int upc = o.unit > 0 ? 8 / o.unit : 1;
+  EXPECT_EQ(att.slots_per_head(), uint32_t(8 * upc));
+  EXPECT_EQ(att.slot_tokens(), uint32_t(8 / upc));
   const auto& spec = doc.spec();
   const int L = spec.layers, h = spec.kv_heads, hq = spec.q_heads, d = spec.head_dim;
   const int64_t pos = spec.doc_tokens;
@@ -147,17 +154,28 @@ INSTANTIATE_TEST_SUITE_P(Options, DecodePaths,
                                            Options{"top_p", 1, 0.5f, 1},
                                            Options{"rerank4_top_p", 4, 0.6f, 2},
                                            Options{"rerank4_sig2", 4, 0, 0, 2},
-                                           Options{"rerank4_sig4_top_p", 4, 0.6f, 2, 4}),
+                                           Options{"rerank4_sig4_top_p", 4, 0.6f, 2, 4},
+                                           Options{"rerank4_unit2", 4, 0, 0, 0, 2},
+                                           Options{"rerank2_unit1", 2, 0, 0, 0, 1},
+                                           Options{"rerank4_unit4_top_p", 4, 0.6f, 4, 0, 4},
+                                           Options{"rerank4_sig2_unit2", 4, 0, 0, 2, 2}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // The recall guard acts alike on both paths: same samples, same recall, same widened
-// budgets, and the decoder attends a widened layer as the daemon's Attend does.
-TEST(DecodePathsGuard, WidensAlikeAndAttendsTheWiderSelection) {
+// budgets, and the decoder attends a widened layer as the daemon's Attend does. With
+// selection units (`unit` > 0, two stages) recall is counted in units and the budgets in
+// chunks: a widened layer has budget * C/u slots.
+void GuardWidensAlike(int unit) {
   ServerProcess server;
   KV_ASSERT_OK(server.Start({"--backend", "cpu"}));
   auto c = server.Connect();
   const synthetic::Document doc(SmallDoc(2048, 9));
   v1::Profile profile = ShadowProfile(16, 2, 4);
+  const int upc = unit > 0 ? 8 / unit : 1;
+  if (unit > 0) {
+    profile.set_rerank_factor(2);
+    profile.set_selection_unit(unit);
+  }
   profile.set_recall_sample_rate(1.0f);
   profile.set_recall_floor(1.0f);  // any sample below full recall counts against the layer
   profile.set_recall_action(v1::RECALL_ACTION_WIDEN);
@@ -167,9 +185,19 @@ TEST(DecodePathsGuard, WidensAlikeAndAttendsTheWiderSelection) {
   const int L = spec.layers, hq = spec.q_heads, d = spec.head_dim;
   const int64_t pos = spec.doc_tokens;
   std::vector<float> out(size_t(hq) * d);
+  // Two stages recall the document's queries fully here; with units (two stages) random
+  // queries, whose attention the landmarks predict poorly, give the guard low recall.
+  std::mt19937_64 rng(77);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  auto query = [&](int l, int step) {
+    if (unit == 0) return QueryBf16(doc, l, 0, step, pos);
+    std::vector<bf16> q(size_t(hq) * d);
+    for (bf16& x : q) x = kernels::FloatToBf16(2.0f * nd(rng));
+    return q;
+  };
   for (int step = 0; step < 12; ++step) {
     for (int l = 0; l < L; ++l) {
-      const std::vector<bf16> q = QueryBf16(doc, l, 0, step, pos);
+      const std::vector<bf16> q = query(l, step);
       KV_ASSERT_OK(dec->Attend(l, q.data(), nullptr, nullptr, out.data()));
       const std::vector<float> ref = AttendRpc(*c, att.attachment_id(), l, q, hq, d);
       EXPECT_LT(MaxRelDiff(ref, out), 1e-5) << "step " << step << " layer " << l;
@@ -186,7 +214,7 @@ TEST(DecodePathsGuard, WidensAlikeAndAttendsTheWiderSelection) {
     EXPECT_NEAR(local[i].recall, dl.recall(), 1e-12);
     EXPECT_EQ(uint32_t(local[i].budget), dl.budget());
     EXPECT_EQ(static_cast<int>(local[i].fallback), static_cast<int>(dl.fallback()));
-    EXPECT_EQ(dec->slots_per_head(0, local[i].layer), std::max<int>(2, local[i].budget));
+    EXPECT_EQ(dec->slots_per_head(0, local[i].layer), std::max<int>(2, local[i].budget) * upc);
     widened += local[i].budget > 2;
   }
   EXPECT_GT(widened, 0) << "the guard never widened a layer: the test proves nothing";
@@ -209,12 +237,16 @@ TEST(DecodePathsGuard, WidensAlikeAndAttendsTheWiderSelection) {
   dec.reset();
   KV_ASSERT_OK_AND_ASSIGN(dec2, client::LocalDecoder::Open(c.get(), {att.attachment_id()}, CpuDecoder()));
   for (const auto& l : local) {
-    EXPECT_EQ(dec2->slots_per_head(0, l.layer), std::max<int>(2, l.budget)) << "layer " << l.layer;
+    EXPECT_EQ(dec2->slots_per_head(0, l.layer), std::max<int>(2, l.budget) * upc) << "layer " << l.layer;
   }
   dec2.reset();
   KV_ASSERT_OK(c->Detach(att.attachment_id()));
   EXPECT_EQ(server.Stop(), 0) << server.log();
 }
+
+TEST(DecodePathsGuard, WidensAlikeAndAttendsTheWiderSelection) { GuardWidensAlike(0); }
+
+TEST(DecodePathsGuard, WidensAlikeWithSelectionUnits) { GuardWidensAlike(2); }
 
 // Model-native ids on the same-node path: attending the chunks a step of the profile's
 // selection chose gives that step's output; a later step with other ids serves them
@@ -255,6 +287,44 @@ TEST(DecodePathsNative, CallerIdsAttendAsTheirSelection) {
   native.reset();
   KV_ASSERT_OK(c->Detach(a1.attachment_id()));
   KV_ASSERT_OK(c->Detach(a2.attachment_id()));
+  EXPECT_EQ(server.Stop(), 0) << server.log();
+}
+
+// Model-native ids name whole chunks: a session that selects units refuses them on both
+// paths (the daemon's SelectAndReconstruct, the same-node decoder's AttendChunks).
+TEST(DecodePathsNative, RefusedWithSelectionUnits) {
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({"--backend", "cpu"}));
+  auto c = server.Connect();
+  const synthetic::Document doc(SmallDoc(2048, 3));
+  v1::Profile profile = ShadowProfile(16, 8, 4);
+  profile.set_rerank_factor(4);
+  profile.set_selection_unit(2);
+  KV_ASSERT_OK_AND_ASSIGN(one, OpenDecoded(*c, doc, profile));
+  auto& [cs, att, dec] = one;
+  const auto& spec = doc.spec();
+  const int h = spec.kv_heads, hq = spec.q_heads, d = spec.head_dim;
+  const std::vector<int32_t> ids(size_t(h) * 2, 5);
+  std::vector<float> out(size_t(hq) * d);
+  const std::vector<bf16> q = QueryBf16(doc, 0, 0, 0, spec.doc_tokens);
+  const absl::Status local = dec->AttendChunks(0, q.data(), ids.data(), 2, nullptr, nullptr, out.data());
+  EXPECT_TRUE(absl::IsInvalidArgument(local)) << local;
+  EXPECT_NE(local.message().find("selection_unit"), std::string::npos) << local;
+  v1::SelectAndReconstructRequest req;
+  req.set_layer(0);
+  auto* sq = req.add_queries();
+  sq->set_attachment_id(att.attachment_id());
+  std::vector<int32_t> one_each = {5, 6};
+  v1::Tensor* t = sq->mutable_chunks();
+  t->add_shape(h);
+  t->add_shape(int64_t(one_each.size()) / h);
+  t->set_dtype(v1::DTYPE_INT32);
+  t->set_data(reinterpret_cast<const char*>(one_each.data()), one_each.size() * 4);
+  auto r = c->SelectAndReconstruct(req);
+  EXPECT_TRUE(absl::IsInvalidArgument(r.status())) << r.status();
+  EXPECT_NE(r.status().message().find("selection_unit"), std::string::npos) << r.status();
+  dec.reset();
+  KV_ASSERT_OK(c->Detach(att.attachment_id()));
   EXPECT_EQ(server.Stop(), 0) << server.log();
 }
 

@@ -1,7 +1,7 @@
 // CUDA parity of SelectEx (two stages, mass budgets, both, every chunk scored; stage 2's
 // per-query-head normalisation on a planted group) and AssignSlots against the CPU reference
 // (select_ex_test.cc holds the CPU's own tests); the key signature encoder byte for byte and
-// stage 2 from signatures.
+// stage 2 from signatures; selection units refused (Unimplemented) until CUDA has them.
 // Scores are summed in another order on the GPU, so chunks whose scores tie to within fp32
 // rounding may swap: a difference is accepted only where the double-precision stage-2
 // scores (log m over the CPU's stage-1 candidates) of the two chunks agree to 1e-3.
@@ -267,6 +267,64 @@ TEST(SelectExGpu, SignaturesParity) {
       ExpectSameSelection(c, k, a, b, &s1, /*signatures=*/true);
     }
   }
+}
+
+// Selection units below the chunk size (SelectOptions::unit, ReconstructItem::unit) are the
+// CPU backend's alone for now: CUDA answers Unimplemented naming the field, after the shared
+// checks (a unit that does not divide C is InvalidArgument on both), and unit = C is whole
+// chunks.
+TEST(SelectExGpu, RefusesSelectionUnits) {
+  KVSHADE_CUDA_OR_SKIP(gpu);
+  auto rng = MakeRng(900);
+  LowRankCase c = RandomLowRank(rng, {2, 2, 64}, 8, 32, 40);
+  const int k = 8;
+  SelectOptions o;
+  o.candidates = 16;
+  o.C = c.C;
+  o.rope = c.rope;
+  absl::Status st;
+  o.unit = 2;
+  RunEx(*gpu, c, k, &o, std::vector<int32_t>(size_t(c.shape.h) * k, -1), nullptr, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+  EXPECT_NE(st.message().find("SelectOptions::unit"), std::string::npos) << st;
+  o.unit = 3;
+  RunEx(*gpu, c, k, &o, std::vector<int32_t>(size_t(c.shape.h) * k, -1), nullptr, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  o.unit = c.C;
+  RunEx(*gpu, c, k, &o, std::vector<int32_t>(size_t(c.shape.h) * k, -1), nullptr, &st);
+  EXPECT_TRUE(st.ok()) << st;
+
+  const int h = c.shape.h, d = c.shape.d;
+  std::vector<Buffer> keep;
+  ReconstructItem ri;
+  ri.view.n_segments = 1;
+  keep.push_back(testing::Upload(*gpu, c.b));
+  ri.view.b = static_cast<const bf16*>(keep.back().data());
+  ri.view.r = c.r;
+  ri.view.segments[0].n_chunks = c.n_chunks;
+  ri.view.segments[0].first_position = c.first_position;
+  keep.push_back(testing::Upload(*gpu, c.a));
+  ri.view.segments[0].a = static_cast<const bf16*>(keep.back().data());
+  auto values = gpu->AllocateHostVisible(size_t(h) * c.n_chunks * c.C * d * 2);
+  ASSERT_TRUE(values.ok()) << values.status();
+  ri.view.segments[0].values = static_cast<const std::byte*>(values->data());
+  ri.view.segments[0].value_head_stride = int64_t(c.n_chunks) * c.C * d * 2;
+  ri.view.segments[0].value_chunk_stride = int64_t(c.C) * d * 2;
+  keep.push_back(testing::Upload(*gpu, std::vector<int32_t>(size_t(h) * k, 0)));
+  ri.miss_chunk = static_cast<const int32_t*>(keep.back().data());
+  keep.push_back(testing::Upload(*gpu, std::vector<int32_t>(h, 1)));
+  ri.miss_count = static_cast<const int32_t*>(keep.back().data());
+  keep.push_back(testing::Scratch<bf16>(*gpu, size_t(h) * k * c.C * d));
+  ri.keys = static_cast<bf16*>(keep.back().data());
+  keep.push_back(testing::Scratch<bf16>(*gpu, size_t(h) * k * c.C * d));
+  ri.values = static_cast<bf16*>(keep.back().data());
+  ri.unit = 2;
+  std::vector<ReconstructItem> items = {ri};
+  auto ws = gpu->Allocate(std::max<size_t>(gpu->ReconstructWorkspaceBytes(c.shape, k, items), 1));
+  ASSERT_TRUE(ws.ok());
+  st = gpu->Reconstruct(c.shape, c.C, k, c.rope, {}, items, ws->workspace());
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
+  EXPECT_NE(st.message().find("ReconstructItem::unit"), std::string::npos) << st;
 }
 
 }  // namespace

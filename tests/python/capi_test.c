@@ -371,6 +371,50 @@ int main(void) {
     kvshade_session_selection_free(gs);
     REQUIRE_OK(kvshade_detach(c, ga.attachment_id));
     REQUIRE_OK(kvshade_close_session(c, gc.session_id));
+
+    /* Selection units (CPU daemons: the CUDA backend has no kernels for them yet): the
+     * profile field, its echo, slots of units in the attachment, deltas of u rows per
+     * miss; a unit that does not divide the chunk size is refused. */
+    kvshade_profile up;
+    kvshade_profile_init(&up);
+    CHECK(up.selection_unit == KVSHADE_UNSET_U32);
+    kvshade_stats ust;
+    REQUIRE_OK(kvshade_get_stats(c, &ust));
+    if (strcmp(ust.backend, "cpu") == 0) {
+      up = gp;
+      up.recall_sample_rate = 0;
+      up.sparse_budget = 2;
+      up.rerank_factor = 2;
+      up.selection_unit = 3;
+      kvshade_session_created uc;
+      CHECK(kvshade_create_session(c, &gm, &up, tokens, N, 0, "capi-units", &uc) == KVSHADE_INVALID_ARGUMENT);
+      up.selection_unit = 2;
+      REQUIRE_OK(kvshade_create_session(c, &gm, &up, tokens, N, 0, "capi-units", &uc));
+      REQUIRE_OK(kvshade_ingest_begin(c, uc.session_id, &ing));
+      for (int l = 0; l < L; ++l) REQUIRE_OK(kvshade_ingest_layer(ing, (uint32_t)l, KVSHADE_DTYPE_BF16, N, H, D, k[l], v[l], NULL, 0, 0));
+      REQUIRE_OK(kvshade_ingest_commit(ing, NULL));
+      kvshade_ingest_free(ing);
+      kvshade_session_info ui;
+      REQUIRE_OK(kvshade_get_session(c, uc.session_id, &ui));
+      CHECK(ui.selection_unit == 2);
+      kvshade_attachment ua;
+      REQUIRE_OK(kvshade_attach(c, uc.session_id, "capi-units", 0, 0, &ua));
+      CHECK(ua.chunk_size == 8 && ua.slot_tokens == 2 && ua.slots_per_head == 8);
+      const char* uids[1] = {ua.attachment_id};
+      uint16_t uq[HQ * D];
+      for (int i = 0; i < HQ * D; ++i) uq[i] = rand_bf16();
+      kvshade_select_result* ur = NULL;
+      REQUIRE_OK(kvshade_select(c, 0, 1, uids, KVSHADE_DTYPE_BF16, HQ, D, uq, &ur));
+      kvshade_slot_delta ud;
+      REQUIRE_OK(kvshade_select_delta(ur, 0, &ud));
+      CHECK(ud.m == (uint64_t)H * 8 && ud.chunk_size == 2 && ud.head_dim == D);
+      for (uint64_t i = 0; i < ud.m; ++i) CHECK(ud.position[i] == (int64_t)ud.chunk[i] * 2);
+      fprintf(stderr, "selection units: %llu misses of %lld rows\n", (unsigned long long)ud.m,
+              (long long)ud.chunk_size);
+      kvshade_select_free(ur);
+      REQUIRE_OK(kvshade_detach(c, ua.attachment_id));
+      REQUIRE_OK(kvshade_close_session(c, uc.session_id));
+    }
   }
 
   /* append two tokens for every layer ([L, t, h, d]). */

@@ -305,6 +305,50 @@ class LocalDecoderTest(unittest.TestCase):
             with self.assertRaises(ValueError):
                 dec.attend(0, q, chunks=chunks.to(torch.int64))
 
+    def test_selection_units_as_the_daemon(self):
+        # A profile that selects units of 2 tokens (two stages, the same token budget: 8
+        # chunks of 8 tokens are 32 units per head): the decoder attends as the daemon's
+        # Attend, its slots count units, its selection holds unit ids, and model-native ids
+        # (whole chunks) are refused. Its sessions' echo and attachments tell the unit.
+        if DEVICE == "cuda":
+            self.skipTest("the CUDA backend has no selection-unit kernels yet")
+        rng = np.random.default_rng(12)
+        profile = kvshade.Profile("shadow", rank=16, sparse_budget=8, outliers=4, chunk_size=8,
+                                  rerank_factor=4, selection_unit=2)
+        ids = rng.integers(0, 1000, N).tolist()
+        created = self.client.create_session(kvshade.ModelSpec("test/local-units", L, HQ, H, D), profile, ids)
+        self.addCleanup(self.client.close_session, created.session_id)
+        with self.client.ingest(created.session_id, "bf16") as ing:
+            for layer in range(L):
+                lat = rng.standard_normal((N, 8)).astype(np.float32)
+                k = (lat @ rng.standard_normal((8, H * D)).astype(np.float32)).reshape(N, H, D)
+                ing.layer(layer, k, rng.standard_normal((N, H, D)))
+            ing.commit()
+        self.assertEqual(self.client.get_session(created.session_id)["selection_unit"], 2)
+        info = self.client.attach(created.session_id, "test-local")
+        a = info.attachment_id
+        self.addCleanup(self.client.detach, a)
+        self.assertEqual((info.chunk_size, info.slots_per_head, info.slot_tokens), (8, 32, 2))
+        g = torch.Generator().manual_seed(13)
+        with LocalDecoder(self.client, [a], backend=BACKEND) as dec:
+            for step in range(3):
+                for layer in range(L):
+                    q = torch.randn(1, HQ, D, generator=g).to(torch.bfloat16)
+                    out = dec.attend(layer, q.to(DEVICE)).cpu().numpy()
+                    ref = self.client.attend(layer, [a], q.float().numpy())
+                    self.assertLess(self.rel(ref, out), TOL, f"step {step} layer {layer}")
+                    sel = dec.selected(0, layer)
+                    self.assertEqual(sel.shape, (H, 32))
+                    self.assertTrue(((sel >= 0) & (sel < N // 2)).all(), sel)
+            chunks = torch.zeros((1, H, 1), dtype=torch.int32, device=DEVICE) + 5
+            with self.assertRaises(kvshade.InvalidArgument):
+                dec.attend(0, torch.zeros(1, HQ, D, dtype=torch.bfloat16, device=DEVICE), chunks=chunks)
+        # Units that do not divide the chunk size, or without two stages, are refused.
+        for bad in (kvshade.Profile("shadow", rank=16, chunk_size=8, rerank_factor=4, selection_unit=3),
+                    kvshade.Profile("shadow", rank=16, chunk_size=8, rerank_factor=1, selection_unit=2)):
+            with self.assertRaises(kvshade.InvalidArgument):
+                self.client.create_session(self.model, bad, ids)
+
     def test_bad_input_is_an_error(self):
         (a,) = [self.attach(1)]
         with LocalDecoder(self.client, [a], backend=BACKEND) as dec:

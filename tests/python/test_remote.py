@@ -53,6 +53,11 @@ class RemoteDecoderTest(unittest.TestCase):
         self.model = kvshade.ModelSpec("py-remote", L, HQ, H, D)
         self.shadow = kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=8, outliers=4, local_window=32)
 
+    def units(self):
+        """Selection units of 2 tokens (two stages): 8 chunks' worth of tokens, 32 units per head."""
+        return kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=8, outliers=4, local_window=32,
+                               rerank_factor=4, selection_unit=2)
+
     def session(self, c, profile=None, n=N):
         ids = self.rng.integers(0, 30000, n)
         s = c.create_session(self.model, profile or self.shadow, ids)
@@ -75,17 +80,22 @@ class RemoteDecoderTest(unittest.TestCase):
             out.append(per_layer)
         return out
 
-    def check_against_reference(self, client, delivery, local_capacity=256):
-        sids = [self.session(client), self.session(client)]
+    def check_against_reference(self, client, delivery, local_capacity=256, profile=None):
+        profile = profile or self.shadow
+        sids = [self.session(client, profile), self.session(client, profile)]
         dev = device()
         refs = []
         for sid in sids:
-            r = KvShadeKVCache(client, self.model, self.shadow, worker_id="reference")
+            r = KvShadeKVCache(client, self.model, profile, worker_id="reference")
             r.attach(sid)
             refs.append(r)
         with RemoteDecoder(client, sids, self.model, device=dev, delivery=delivery,
                            local_capacity=local_capacity) as dec:
             self.assertEqual(dec.delivery, delivery)
+            if profile.selection_unit:
+                # Slots of units: slots_per_head units of slot_tokens rows each.
+                self.assertEqual((dec.slot_tokens, dec.slots_per_head), (2, 32))
+                self.assertEqual(tuple(dec._slot_k.shape[-3:]), (32, 2, D))
             for step in self.steps(6, 2):
                 for layer, (q, k, v) in enumerate(step):
                     out = dec.attend(layer, q.to(dev), k.to(dev), v.to(dev)).cpu()
@@ -116,6 +126,22 @@ class RemoteDecoderTest(unittest.TestCase):
                 kvshade.Client(server.target, timeout=30, use_ucx=True, ucx_transports="tcp,self") as c:
             c.wait_ready(20)
             self.check_against_reference(c, "ucx_rma")
+            self.assertEqual(c.ucx_fallbacks, 0)
+
+    def test_selection_units_inline_equals_the_reference(self):
+        if device() == "cuda":
+            self.skipTest("the CUDA backend has no selection-unit kernels yet")
+        with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
+            c.wait_ready(20)
+            self.check_against_reference(c, "inline", profile=self.units())
+
+    def test_selection_units_ucx_rma_equals_the_reference(self):
+        if device() == "cuda":
+            self.skipTest("the CUDA backend has no selection-unit kernels yet")
+        with daemon(ucx=True) as server, \
+                kvshade.Client(server.target, timeout=30, use_ucx=True, ucx_transports="tcp,self") as c:
+            c.wait_ready(20)
+            self.check_against_reference(c, "ucx_rma", profile=self.units())
             self.assertEqual(c.ucx_fallbacks, 0)
 
     @unittest.skipUnless(device() == "cuda", "cuda_ipc needs a CUDA daemon and a GPU (KVSHADE_TEST_BACKEND=cuda)")

@@ -123,6 +123,15 @@ TEST(SlotLayoutTest, RowsAreRowMajorAndFillTheBuffer) {
     }
   }
   EXPECT_EQ(l.BufferBytes(), expect * l.RowBytes());
+  // Selection units of 2 tokens: 5*8/2 slots of 2 rows, the same bytes.
+  profile.selection_unit = 2;
+  const SlotLayout u = SlotLayout::Of(model, profile);
+  EXPECT_EQ(u.slots_per_head, 20u);
+  EXPECT_EQ(u.slot_tokens, 2u);
+  EXPECT_EQ(u.RowBytes(), 2u * 64 * 2);
+  EXPECT_EQ(u.Row(1, 1, 3), (1u * 2 + 1) * 20 + 3);
+  EXPECT_EQ(u.BufferBytes(), l.BufferBytes());
+  profile.selection_unit = 0;
   profile.kind = v1::PROFILE_KIND_EXACT;  // selects nothing: no slots, no buffer
   EXPECT_EQ(SlotLayout::Of(model, profile).slots_per_head, 0u);
   EXPECT_EQ(SlotLayout::Of(model, profile).BufferBytes(), 0u);

@@ -34,13 +34,16 @@ extern "C" {
 #define KVSHADE_API
 #endif
 
-#define KVSHADE_ABI_VERSION 6 /* 2: UCX options and status, attachment data-plane fields;
+#define KVSHADE_ABI_VERSION 7 /* 2: UCX options and status, attachment data-plane fields;
                                  3: profile selection options, ucx_busy_poll_us, slot delta
                                  fallback and tokens, the _ex decode calls;
                                  4: slot delta positions, static set positions, held
                                  staging (kvshade_new_tokens.hold, kvshade_commit_staged);
                                  5: kvshade_profile.key_signature_bits;
-                                 6: kvshade_session_info.ingest_parts_taken */
+                                 6: kvshade_session_info.ingest_parts_taken;
+                                 7: selection units: kvshade_profile.selection_unit,
+                                 kvshade_attachment.slot_tokens,
+                                 kvshade_session_info.selection_unit */
 #define KVSHADE_ID_CAP 128
 
 typedef enum kvshade_code {
@@ -139,8 +142,9 @@ typedef struct kvshade_model {
 
 /* rank, chunk_size, sparse_budget, local_window, kivi_group, rerank_factor, mass_top_p,
  * recall_action: 0 = the server's default (0 is not valid for them). outliers,
- * heavy_chunks, min_tokens, mass_min_chunks, key_signature_bits: KVSHADE_UNSET_U32 = the server's default, 0 is
- * a value (outliers = 0: no outlier chunks). The other floats: NaN = the server's default, 0
+ * heavy_chunks, min_tokens, mass_min_chunks, key_signature_bits, selection_unit:
+ * KVSHADE_UNSET_U32 = the server's default, 0 is a value (outliers = 0: no outlier chunks;
+ * selection_unit = 0: whole chunks). The other floats: NaN = the server's default, 0
  * is a value. kvshade_profile_init sets every field to its default.
  * Selection options (docs/ALGORITHM.md "Selection options"): rerank_factor (two-stage
  * selection: stage 1 keeps rerank_factor x k candidates per head, stage 2 re-ranks them;
@@ -167,11 +171,17 @@ typedef struct kvshade_profile {
   uint32_t key_signature_bits; /* shadow: 2 or 4-bit key signatures of the chunked tokens
                                 * (docs/ALGORITHM.md "Key signatures"), which two-stage
                                 * selection scores; 0 = none; KVSHADE_UNSET_U32 = server default */
+  uint32_t selection_unit;     /* shadow: select units of this many tokens instead of whole
+                                * chunks (docs/ALGORITHM.md "Selection units"): a divisor of
+                                * chunk_size below it, with rerank_factor > 1; the same token
+                                * budget (sparse_budget * chunk_size / selection_unit units per
+                                * head); 0 or chunk_size = whole chunks; KVSHADE_UNSET_U32 =
+                                * server default */
 } kvshade_profile;
 
 /* Model: zero-filled, dtype = BF16. Profile: every field the server's default (zeros,
- * keep_sink = -1, outliers / heavy_chunks / min_tokens / mass_min_chunks / key_signature_bits =
- * KVSHADE_UNSET_U32, the floats that take 0 as a value NaN). */
+ * keep_sink = -1, outliers / heavy_chunks / min_tokens / mass_min_chunks / key_signature_bits /
+ * selection_unit = KVSHADE_UNSET_U32, the floats that take 0 as a value NaN). */
 KVSHADE_API void kvshade_model_init(kvshade_model* model);
 KVSHADE_API void kvshade_profile_init(kvshade_profile* profile);
 
@@ -202,6 +212,9 @@ typedef struct kvshade_session_info {
   /* Parts the open Ingest stream has placed (0 when none is open): a part sent from this
    * process's GPU memory (kvshade_ingest_layer_part_cuda_ipc) may be freed once counted. */
   uint64_t ingest_parts_taken;
+  /* Tokens per selection unit of the session's resolved profile (docs/ALGORITHM.md
+   * "Selection units"); 0 = whole chunks. */
+  uint32_t selection_unit;
 } kvshade_session_info;
 
 KVSHADE_API int kvshade_create_session(kvshade_client* client, const kvshade_model* model,
@@ -303,6 +316,8 @@ typedef struct kvshade_attachment {
   int32_t data_plane;          /* 1 when the daemon offered a UCX data-plane address */
   int32_t delivery;            /* KVSHADE_DELIVERY_* granted */
   uint64_t slot_buffer_bytes;  /* bytes each of the K and V slot buffers needs (0 = not given) */
+  uint32_t slot_tokens;        /* tokens (rows) per slot: chunk_size, or the profile's
+                                * selection_unit; slots_per_head then counts units */
 } kvshade_attachment;
 
 /* Values of kvshade.v1.DeliveryMode. */
@@ -443,7 +458,9 @@ KVSHADE_API int kvshade_select_chunks(kvshade_client* client, uint32_t layer, si
 /* The slot-table delta of query i: m misses, each (head, slot, chunk) with its
  * reconstructed keys and values [m, C, d] fp32. Pointers owned by the result. When
  * `delivered` is 1 the misses' K and V were written into the attachment's registered slot
- * buffers instead: keys and values are NULL (C and d still given). */
+ * buffers instead: keys and values are NULL (C and d still given). With selection units
+ * (profile selection_unit = u) each miss is a unit: `chunk` holds unit ids, chunk_size is u
+ * (rows per miss) and `position` the first of its u tokens. */
 typedef struct kvshade_slot_delta {
   const char* attachment_id;
   uint64_t m;
@@ -452,7 +469,7 @@ typedef struct kvshade_slot_delta {
   const int32_t* chunk;
   const float* keys;
   const float* values;
-  int64_t chunk_size, head_dim; /* C, d (0 when m == 0) */
+  int64_t chunk_size, head_dim; /* rows per miss (C, or the unit u), d (0 when m == 0) */
   uint32_t hits, selected;
   int32_t delivered;
   /* The recall guard put this layer under a fallback that does not fit the slots (then

@@ -5,7 +5,7 @@ argtypes of each function (SIGNATURES). kvshade._native loads the library with t
 """
 import ctypes
 
-KVSHADE_ABI_VERSION = 6
+KVSHADE_ABI_VERSION = 7
 KVSHADE_ID_CAP = 128
 KVSHADE_OK = 0
 KVSHADE_CANCELLED = 1
@@ -111,6 +111,7 @@ class Profile(ctypes.Structure):
         ("recall_floor", ctypes.c_float),  # float recall_floor
         ("recall_action", ctypes.c_int32),  # int32_t recall_action
         ("key_signature_bits", ctypes.c_uint32),  # uint32_t key_signature_bits
+        ("selection_unit", ctypes.c_uint32),  # uint32_t selection_unit
     ]
 
 
@@ -143,6 +144,7 @@ class SessionInfo(ctypes.Structure):
         ("damage", ctypes.c_char * 512),  # char damage[512]
         ("tokens_lost", ctypes.c_uint64),  # uint64_t tokens_lost
         ("ingest_parts_taken", ctypes.c_uint64),  # uint64_t ingest_parts_taken
+        ("selection_unit", ctypes.c_uint32),  # uint32_t selection_unit
     ]
 
 
@@ -171,6 +173,7 @@ class Attachment(ctypes.Structure):
         ("data_plane", ctypes.c_int32),  # int32_t data_plane
         ("delivery", ctypes.c_int32),  # int32_t delivery
         ("slot_buffer_bytes", ctypes.c_uint64),  # uint64_t slot_buffer_bytes
+        ("slot_tokens", ctypes.c_uint32),  # uint32_t slot_tokens
     ]
 
 

@@ -206,7 +206,13 @@ class Profile:
     key_signature_bits (shadow only; docs/ALGORITHM.md "Key signatures"): 2 or 4-bit key
     signatures of every chunked token, h * (head_dim*bits/8 + 4) device bytes per token and
     layer, which two-stage selection (rerank_factor > 1) scores instead of reconstructing
-    keys; 0 = none, None = the server's default."""
+    keys; 0 = none, None = the server's default.
+
+    selection_unit (shadow only; docs/ALGORITHM.md "Selection units"): select units of this
+    many tokens instead of whole chunks, a divisor of chunk_size below it, with
+    rerank_factor > 1; the same token budget (sparse_budget * chunk_size / selection_unit
+    units per KV head; mass_min_chunks then counts units). 0 or chunk_size = whole chunks,
+    None = the server's default."""
     kind: str = "auto"
     rank: int = 0
     chunk_size: int = 0
@@ -229,6 +235,7 @@ class Profile:
     recall_floor: Optional[float] = None
     recall_action: str = "default"
     key_signature_bits: Optional[int] = None
+    selection_unit: Optional[int] = None
 
     def _c(self):
         p = _native.Profile()
@@ -239,7 +246,7 @@ class Profile:
         for name in ("rank", "chunk_size", "sparse_budget", "outliers", "local_window", "heavy_chunks",
                      "min_tokens", "refactor_threshold", "energy_target", "mini_recent_ratio",
                      "mini_heavy_ratio", "kivi_group", "rerank_factor", "mass_top_p", "mass_min_chunks",
-                     "recall_sample_rate", "recall_floor", "key_signature_bits"):
+                     "recall_sample_rate", "recall_floor", "key_signature_bits", "selection_unit"):
             if getattr(self, name) is not None:  # None: the init's "server default"
                 setattr(p, name, getattr(self, name))
         p.keep_sink = -1 if self.keep_sink is None else int(bool(self.keep_sink))
@@ -270,6 +277,9 @@ class AttachmentInfo:
     data_plane: bool = False     # the daemon offered a UCX data-plane address
     delivery: str = "inline"     # "inline", "ucx_rma" or "cuda_ipc" (as granted)
     slot_buffer_bytes: int = 0   # bytes each of the K and V slot buffers needs (0 = not given)
+    # Tokens (rows) per slot: chunk_size, or the profile's selection_unit (slots_per_head
+    # then counts units of that many tokens).
+    slot_tokens: int = 0
 
 
 @dataclass
@@ -296,7 +306,7 @@ class SlotDelta:
     head: np.ndarray    # [m] uint32
     slot: np.ndarray    # [m] uint32
     chunk: np.ndarray   # [m] int32
-    keys: Optional[np.ndarray]    # [m, C, d] float32, post-RoPE
+    keys: Optional[np.ndarray]    # [m, C, d] float32, post-RoPE ([m, u, d]: selection units)
     values: Optional[np.ndarray]  # [m, C, d] float32
     hits: int = 0
     selected: int = 0
@@ -305,7 +315,7 @@ class SlotDelta:
     # it with attend() (the service's attention) instead.
     fallback: bool = False
     tokens: int = 0  # the session's length after the call (one more once a staged token landed)
-    # [m] int64: absolute position of the first of each miss's C tokens
+    # [m] int64: absolute position of the first of each miss's C (u) tokens
     position: Optional[np.ndarray] = None
 
 
@@ -648,7 +658,8 @@ class Client(_NativeHandle):
                 "attachments": i.attachments, "layers_ingested": i.layers_ingested, "tokens": i.tokens,
                 "reused_tokens": i.reused_tokens, "gpu_bytes": i.gpu_bytes, "host_bytes": i.host_bytes,
                 "damaged": bool(i.damaged), "damage": i.damage.decode(errors="replace"),
-                "tokens_lost": i.tokens_lost, "ingest_parts_taken": i.ingest_parts_taken}
+                "tokens_lost": i.tokens_lost, "ingest_parts_taken": i.ingest_parts_taken,
+                "selection_unit": i.selection_unit}
 
     def session_selection(self, session_id: str) -> List[Dict[str, Any]]:
         """The recall guard's figures of a session, per layer with sampled decode steps
@@ -722,7 +733,8 @@ class Client(_NativeHandle):
         _check(lib.kvshade_attach_ex(self._handle(), ctypes.byref(o), ctypes.byref(out)))
         return AttachmentInfo(out.attachment_id.decode(), out.lease_expires_unix_ms, out.chunk_size,
                               out.slots_per_head, out.local_window, bool(out.writer), bool(out.data_plane),
-                              DELIVERIES.get(out.delivery, str(out.delivery)), out.slot_buffer_bytes)
+                              DELIVERIES.get(out.delivery, str(out.delivery)), out.slot_buffer_bytes,
+                              out.slot_tokens)
 
     def register_slot_buffers(self, attachment_id, k, v):
         """Host slot buffers of a "ucx_rma" attachment: k and v, writable C-contiguous arrays

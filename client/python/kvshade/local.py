@@ -108,7 +108,8 @@ class LocalDecoder(_NativeHandle):
         scaled scores, to merge with attention over tokens the decoder does not hold.
         chunks: model-native selection, an int32 tensor [B, h, m] on q's device (-1 = none,
         m <= the layer's slots per head): the chunks to attend instead of the profile's
-        selection (docs/ALGORITHM.md "Selection options")."""
+        selection (docs/ALGORITHM.md "Selection options"); refused (InvalidArgument) for
+        sessions that select units (Profile.selection_unit)."""
         torch = _torch()
         B, hq, h, d = self.batch, self.query_heads, self.kv_heads, self.head_dim
         self._check_tensor("q", q, (B, hq, d))
@@ -155,7 +156,8 @@ class LocalDecoder(_NativeHandle):
         _check(_native.lib().kvshade_local_decoder_refresh(self._h))
 
     def stats(self) -> Dict[str, Any]:
-        """selected / hits (chunks; hits counted with count_hits=True), steps (advance() calls)."""
+        """selected / hits (chunks, or units with selection units; hits counted with
+        count_hits=True), steps (advance() calls)."""
         sel, hits, steps = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
         _check(_native.lib().kvshade_local_decoder_info(self._h, None, None, None, None, None, ctypes.byref(sel),
                                                         ctypes.byref(hits), ctypes.byref(steps)))
@@ -163,7 +165,9 @@ class LocalDecoder(_NativeHandle):
 
     def selected(self, b: int, layer: int) -> "np.ndarray":
         """The chunk ids sequence b's last step of `layer` selected: int32 numpy [h, k]
-        (-1 = none), k the layer's slots per head."""
+        (-1 = none), k the layer's slots per head. With selection units (Profile.selection_unit
+        = u) they are unit ids (unit j: tokens [(j*u) % C, +u) of chunk (j*u) // C) and k
+        counts units."""
         import numpy as np
         k = ctypes.c_int32()
         _check(_native.lib().kvshade_local_decoder_selected(self._h, int(b), int(layer), None, 0, ctypes.byref(k)))

@@ -116,10 +116,12 @@ class RemoteDecoder:
         # [layer, b]: the recall guard put the layer of session b under a fallback.
         self._fallback = np.zeros((L, 0), dtype=bool)
         self._pending: List[Any] = [None] * L  # (future, query it was issued with, batch indices)
-        # Slot buffers [rows, L, h, S, C, d]: one row per sequence, kept while it stays (a
+        # Slot buffers [rows, L, h, S, U, d]: one row per sequence, kept while it stays (a
         # daemon delivering by cuda_ipc or ucx_rma writes into its row); rows of sequences
-        # that left are reused by later joins.
+        # that left are reused by later joins. U = slot_tokens: tokens per slot, the chunk
+        # size C, or the profile's selection unit (S then counts units).
         self.delivery, self.chunk_size, self.slots_per_head = "none", 0, 0
+        self.slot_tokens = 0
         self._slot_k = self._slot_v = self._host_k = self._host_v = None
         self._slot_used = None  # [L, B, h, S] bool
         self._free_rows: List[int] = []
@@ -132,7 +134,7 @@ class RemoteDecoder:
         self._work_v: List[Any] = [None] * L
         self._work_mask: List[Any] = [None] * L
         self._slot_off = [0] * L            # first slot row (= the widest static set + tail)
-        self._sc = 0                        # slot rows per head (S * C once slots exist)
+        self._sc = 0                        # slot rows per head (S * U once slots exist)
         self._nb: List[List[int]] = [[] for _ in range(L)]      # per sequence: its base rows
         self._local_n = [0] * L             # local rows written (the same row for every sequence)
         self._start: List[List[int]] = [[] for _ in range(L)]   # per sequence: its first local row
@@ -236,6 +238,7 @@ class RemoteDecoder:
         probe = c.attach(probe_sid, self.worker_id)
         c.detach(probe.attachment_id)
         self.chunk_size, self.slots_per_head = probe.chunk_size, probe.slots_per_head
+        self.slot_tokens = probe.slot_tokens or probe.chunk_size
         if self._delivery_arg == "auto":
             self._order = [x for x in DELIVERY_ORDER
                            if (x != "cuda_ipc" or self.device.type == "cuda") and (x != "ucx_rma" or probe.data_plane)]
@@ -248,7 +251,7 @@ class RemoteDecoder:
     def _alloc_slots(self, rows):
         torch = _torch()
         L, h, d = self.layers, self.kv_heads, self.head_dim
-        shape = (rows, L, h, self.slots_per_head, self.chunk_size, d)
+        shape = (rows, L, h, self.slots_per_head, self.slot_tokens, d)
         self._slot_k = torch.zeros(shape, dtype=torch.bfloat16, device=self.device)
         self._slot_v = torch.zeros_like(self._slot_k)
         self._host_k = self._host_v = None
@@ -316,11 +319,12 @@ class RemoteDecoder:
         else:
             a = c.attach(sid, self.worker_id, delivery=mode)
         try:
-            if (a.chunk_size, a.slots_per_head) != (self.chunk_size, self.slots_per_head):
-                raise InvalidArgument("session %s has chunk size %d and %d slots per head, the decoder %d and %d: "
-                                      "one RemoteDecoder serves sessions of one slot geometry"
-                                      % (sid, a.chunk_size, a.slots_per_head, self.chunk_size,
-                                         self.slots_per_head))
+            geometry = (a.chunk_size, a.slots_per_head, a.slot_tokens or a.chunk_size)
+            if geometry != (self.chunk_size, self.slots_per_head, self.slot_tokens):
+                raise InvalidArgument("session %s has chunk size %d and %d slots per head of %d tokens, the decoder "
+                                      "%d and %d of %d: one RemoteDecoder serves sessions of one slot geometry"
+                                      % ((sid,) + geometry + (self.chunk_size, self.slots_per_head,
+                                                              self.slot_tokens)))
             if a.delivery != mode:
                 raise FailedPrecondition("asked for delivery %r, the daemon granted %r" % (mode, a.delivery))
             if a.slot_buffer_bytes > nbytes:
@@ -365,7 +369,7 @@ class RemoteDecoder:
         torch = _torch()
         h, d, dev = self.kv_heads, self.head_dim, self.device
         B = len(keep) + len(fresh)
-        sc = self.slots_per_head * self.chunk_size if self._slot_k is not None else 0
+        sc = self.slots_per_head * self.slot_tokens if self._slot_k is not None else 0
         for layer in range(self.layers):
             ok, ov, om = self._work_k[layer], self._work_v[layer], self._work_mask[layer]
             old_local = self._slot_off[layer] + self._sc
@@ -620,7 +624,7 @@ class RemoteDecoder:
         off = self._slot_off[layer]
         end = off + self._local_n[layer]
         if self._slot_k is not None:
-            S, C = self.slots_per_head, self.chunk_size
+            S, C = self.slots_per_head, self.slot_tokens  # C: tokens per slot (chunk or unit)
             end += S * C
             if self._slot_dirty[layer]:
                 used = torch.from_numpy(self._slot_used[layer]).to(self.device)

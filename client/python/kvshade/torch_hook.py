@@ -65,7 +65,8 @@ class KvShadeKVCache:
     def reload_static(self):
         m, a = self.model, self.attachment
         self._static = [self.client.static_set(a.attachment_id, l) for l in range(m.num_layers)]
-        h, d, C, S = m.num_kv_heads, m.head_dim, a.chunk_size, a.slots_per_head
+        # Rows per slot: the chunk size, or the profile's selection unit.
+        h, d, C, S = m.num_kv_heads, m.head_dim, a.slot_tokens or a.chunk_size, a.slots_per_head
         self._slot_k = [np.zeros((h, S, C, d), np.float32) for _ in range(m.num_layers)]
         self._slot_v = [np.zeros((h, S, C, d), np.float32) for _ in range(m.num_layers)]
         self._slot_used = [np.zeros((h, S), bool) for _ in range(m.num_layers)]
@@ -104,7 +105,7 @@ class KvShadeKVCache:
         # Per KV head: static set (its valid rows) | the slots holding a chunk | exact tail |
         # local tokens, attended by the head's g query heads (kvshade.testing.attention).
         st = self._static[layer]
-        S, C = self.attachment.slots_per_head, self.attachment.chunk_size
+        S, C = self.attachment.slots_per_head, self.attachment.slot_tokens or self.attachment.chunk_size
         lk = torch.stack(self._local_k[layer]).transpose(0, 1)  # [h, t_local, d]
         lv = torch.stack(self._local_v[layer]).transpose(0, 1)
         n_static = st.k.shape[1] if len(st.lengths) else 0

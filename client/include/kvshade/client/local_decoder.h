@@ -124,6 +124,7 @@ class LocalDecoder {
   // daemon serves kvshade_select_chunks (hits stay, misses reconstructed); ids out of range,
   // static for the head or repeated are ignored (the daemon's RPC refuses them; the decoder
   // does not read the ids on the host). The recall guard does not sample these steps.
+  // Sessions that select units (profile selection_unit) refuse them (InvalidArgument).
   absl::Status AttendChunks(int layer, const kernels::bf16* q, const int32_t* chunks, int m,
                             const kernels::bf16* k_new, const kernels::bf16* v_new, float* out,
                             kernels::Stream stream = {}, float* lse = nullptr);
@@ -136,9 +137,11 @@ class LocalDecoder {
   // Selection counters (hits are counted only with options.count_hits).
   absl::StatusOr<LocalDecoderStats> Stats();
   // The chunk ids sequence b's last step of `layer` selected, [h, slots_per_head] (-1 =
-  // none), after the step's work (synchronizes). For tests and inspection.
+  // none), after the step's work (synchronizes); unit ids with selection units. For tests
+  // and inspection.
   absl::StatusOr<std::vector<int32_t>> Selected(int b, int layer);
-  // Slots per KV head of sequence b's layer: the profile's budget, or the recall guard's.
+  // Slots per KV head of sequence b's layer: the profile's budget, or the recall guard's
+  // (in units of the profile's selection_unit, budget * C/u, with selection units).
   int slots_per_head(int b, int layer) const;
   // The recall guard's figures for sequence b (docs/ALGORITHM.md "Recall guard"), the
   // lowest mean recall first: layers this decoder sampled, and layers under a fallback

@@ -229,8 +229,30 @@ struct SelectItem {
 //                half = (2^bits - 1) / 2; fp32, each dot in channel order, then the same
 //                normalisation and ranking as above). Needs view.sig_bits > 0 and every
 //                segment's sig; no basis, RoPE or token coordinates are read.
-// A head that keeps fewer than k chunks has -1 in its trailing `selected` entries; the slots
-// it does not need keep the chunks they held (SelectItem::slots).
+//   unit       : selection units of u = unit tokens (u = 1: token-granular selection);
+//                0 or C selects whole chunks as above, bit for bit. With 0 < u < C (u must
+//                divide C, and two stages are needed) the view's tokens are cut into units:
+//                unit j is tokens [(j*u) % C, +u) of chunk (j*u) / C, ids global in chunk
+//                order, total_units = total_chunks * C/u of them. Stage 1 is unchanged: the
+//                best min(max(candidates, ceil(k*u/C)), selectable) chunks by landmark
+//                score (the candidates always hold k units). Stage 2 computes the same
+//                logits l_n(t) (reconstructed keys, or signatures) and normalises each query
+//                head over every token of every candidate chunk as above (LSE_n over all
+//                candidate units), but folds (M, S) per unit (its u tokens, in token order)
+//                instead of per chunk, and ranks the candidates' units by
+//                  m[j] = max_n exp(M - LSE_n)   (the unit's best token probability)
+//                by (m desc, unit id asc), NaN last; the mass budget sums
+//                  w[j] = max_n exp(M + log S - LSE_n) (the unit's share of the attention)
+//                in rank order. k, min_k and every [h, k] array of SelectItem then count
+//                units: selected, the slot table, miss_slot and miss_chunk hold unit ids,
+//                k <= total_units (a caller keeping the token budget of kc chunks passes
+//                k = kc * C/u), and the slot diff runs unchanged on unit ids (a slot no
+//                miss needs keeps its unit when that unit belongs to a chunk the head may
+//                select). ReconstructItem::unit = u reconstructs such misses. CPU backend
+//                only: the CUDA backend answers Unimplemented; AssignSlots (model-native
+//                ids) stays on whole chunks.
+// A head that keeps fewer than k chunks (units) has -1 in its trailing `selected` entries;
+// the slots it does not need keep the chunks (units) they held (SelectItem::slots).
 struct SelectOptions {
   int candidates = 0;
   int C = 0;
@@ -238,7 +260,14 @@ struct SelectOptions {
   float top_p = 0.0f;
   int min_k = 0;
   bool signatures = false;
+  int unit = 0;
   bool two_stage() const { return candidates > 0; }
+  // Selection by units smaller than a chunk (0 < unit < C; validity is checked by SelectEx).
+  bool units() const { return unit > 0 && unit < C; }
+  // Tokens per selection unit: unit, or C for whole chunks.
+  int unit_tokens() const { return units() ? unit : C; }
+  // Units per chunk: C / unit, or 1 for whole chunks.
+  int units_per_chunk() const { return units() ? C / unit : 1; }
 };
 
 // Key signatures (docs/ALGORITHM.md, "Key signatures"): per chunked token and KV head, the
@@ -254,8 +283,11 @@ inline bool ValidSignatureBits(int bits) { return bits == 2 || bits == 4; }
 inline size_t SignatureRecordBytes(int bits, int d) { return size_t(d) * bits / 8 + 4; }
 
 
-// Output of reconstruction for one session: keys and values of the missed chunks.
-//   miss_chunk : [h, k] int32, entries [0, miss_count[hh]) of row hh are chunk ids
+// Output of reconstruction for one session: keys and values of the missed chunks (or, with
+// `unit` = u, 0 < u < C, of the missed units of u tokens: SelectOptions::unit).
+//   miss_chunk : [h, k] int32, entries [0, miss_count[hh]) of row hh are chunk ids (unit
+//                ids with `unit`: unit j is tokens [(j*u) % C, +u) of chunk (j*u) / C,
+//                j < total_chunks * C/u, and k <= total_chunks * C/u)
 //   miss_count : [h] int32
 //   miss_slot  : [h, k] int32 or null (SelectItem::miss_slot of the same step): output
 //                row of each miss; entries [0, miss_count[hh]) of row hh must be distinct
@@ -263,6 +295,12 @@ inline size_t SignatureRecordBytes(int bits, int d) { return size_t(d) * bits / 
 //   keys       : [h, k, C, d] bf16 out (post-RoPE K); miss j of head hh is written to row
 //                (hh, j), or to row (hh, miss_slot[hh*k + j]) when miss_slot is set
 //   values     : [h, k, C, d] bf16 out; same rows, decoded V
+//   unit       : 0 or C: whole chunks. 0 < u < C (u divides C): keys and values are
+//                [h, k, u, d], row (hh, j) holding unit miss_chunk[hh*k + j]'s u tokens:
+//                token i of unit j is token (j*u) % C + i of chunk (j*u) / C, its key from
+//                that token's A row, RoPE'd at its absolute position, its value decoded from
+//                that chunk's encoding (the same bits as the chunk's row in a whole-chunk
+//                Reconstruct). CPU backend only (CUDA answers Unimplemented).
 // Rows not named by a miss are left untouched. With miss_slot set, keys and values can be
 // a persistent slot buffer (the slot table's layout): each step's misses land in their
 // slots and the hits already there stay.
@@ -275,6 +313,7 @@ struct ReconstructItem {
   const int32_t* miss_slot = nullptr;  // [h, k] or null: when set, miss j of head hh is
                                        // written to row (hh, miss_slot[hh*k + j]) instead
                                        // of row (hh, j)
+  int unit = 0;                        // tokens per miss: 0 or C = chunks, else units
 };
 
 // One block of keys/values an attention reads. Element (head hh, token t, channel c) is
@@ -504,8 +543,9 @@ class Backend {
   virtual absl::Status Select(const LayerShape& shape, int k,
                               absl::Span<const SelectItem> items, Workspace ws,
                               Stream stream = {}) = 0;
-  // Select with options (SelectOptions above): two-stage re-ranking and mass budgets, with
-  // the same outputs and slot diff as Select.
+  // Select with options (SelectOptions above): two-stage re-ranking, mass budgets and
+  // selection units, with the same outputs and slot diff as Select (over unit ids with
+  // units, where k <= total_chunks * C/unit is checked instead).
   virtual size_t SelectExWorkspaceBytes(const LayerShape& shape, int k,
                                         const SelectOptions& options,
                                         absl::Span<const SelectItem> items) const = 0;
@@ -523,8 +563,9 @@ class Backend {
   virtual absl::Status AssignSlots(const LayerShape& shape, int k,
                                    absl::Span<const SelectItem> items, Workspace ws,
                                    Stream stream = {}) = 0;
-  // Reconstructs the missed chunks: keys k_hat = A[token] . B_h, RoPE'd at each token's
-  // absolute position; values decoded from the host-visible store (fused gather+decode).
+  // Reconstructs the missed chunks (units with ReconstructItem::unit): keys k_hat =
+  // A[token] . B_h, RoPE'd at each token's absolute position; values decoded from the
+  // host-visible store (fused gather+decode).
   virtual absl::Status Reconstruct(const LayerShape& shape, int C, int k, const RopeSpec& rope,
                                    const ValueCodecSpec& codec,
                                    absl::Span<const ReconstructItem> items, Workspace ws,

@@ -42,22 +42,36 @@ inline constexpr int kMaxGuardBudget = 4096;
 
 // A profile's selection settings (docs/ALGORITHM.md "Selection options", "Recall guard").
 struct SelectionPolicy {
-  int sparse_budget = 256;   // k: chunks per KV head per step, the slot-table width
+  // k: chunks' worth of tokens per KV head per step (k*C tokens). Whole-chunk selection
+  // selects k chunks (the slot-table width); selection units select k*C/u units of u
+  // tokens, the same token budget.
+  int sparse_budget = 256;
   int rerank_factor = 1;     // > 1: two stages, stage 1 keeps rerank_factor * k candidates
   float mass_top_p = 0;      // > 0: budget by estimated attention mass
-  int mass_min_chunks = 32;  // floor of the mass budget
+  int mass_min_chunks = 32;  // floor of the mass budget (in units with selection units)
+  // Selection units (docs/ALGORITHM.md "Selection units"): tokens per unit u, a divisor
+  // of C below it (needs rerank_factor > 1); 0 (or C) selects whole chunks.
+  int selection_unit = 0;
   float recall_sample_rate = 0;  // > 0: the recall guard samples this fraction of steps
   float recall_floor = 0.5f;
   RecallAction recall_action = RecallAction::kWiden;
 
-  // The SelectEx options at budget k (C, rope: the session's chunk size and RoPE); every
-  // option off gives the default SelectOptions (plain Select). `signatures`: the view
-  // keeps key signatures (HasSignatures), so that stage 2 scores them instead of
-  // reconstructing keys.
+  // The SelectEx options at a budget of k chunks (C, rope: the session's chunk size and
+  // RoPE); every option off gives the default SelectOptions (plain Select). `signatures`:
+  // the view keeps key signatures (HasSignatures), so that stage 2 scores them instead of
+  // reconstructing keys. Stage 1 keeps rerank_factor * k candidate chunks; with selection
+  // units, SelectEx's k is Slots(k, C) units and the mass budget's floor
+  // min(mass_min_chunks, Slots(k, C)) units.
   kernels::SelectOptions OptionsAt(int k, int C, const kernels::RopeSpec& rope,
                                    bool signatures = false) const;
-  // The label of the selection in metrics: "shadow", then "+rerankN", "+top_pX";
-  // "shadow+native" for model-native steps.
+  // Whether selection runs on units below the chunk size C.
+  bool units(int C) const { return selection_unit > 0 && selection_unit < C; }
+  // Units per chunk: C/u with units, else 1.
+  int UnitsPerChunk(int C) const { return units(C) ? C / selection_unit : 1; }
+  // Slots per KV head (SelectEx's k) for a budget of k chunks: k*C/u units, or k chunks.
+  int Slots(int k, int C) const { return k * UnitsPerChunk(C); }
+  // The label of the selection in metrics: "shadow", then "+rerankN", "+top_pX",
+  // "+unitU"; "shadow+native" for model-native steps.
   std::string Label(bool native) const;
   bool guard() const { return recall_sample_rate > 0; }
   bool operator==(const SelectionPolicy&) const = default;
@@ -65,6 +79,13 @@ struct SelectionPolicy {
 
 // Whether every segment of the view with chunks keeps key signatures (SegmentView::sig).
 bool HasSignatures(const kernels::SessionLayerView& view);
+
+// Whether `be` runs selection units at chunk size C: OK, or the backend's refusal (the
+// CUDA backend answers UNIMPLEMENTED until its kernels have them). Probes SelectEx with
+// no items; OK when the policy selects whole chunks.
+absl::Status CheckUnitsSupported(kernels::Backend& be, const kernels::LayerShape& shape,
+                                 const SelectionPolicy& policy, int C,
+                                 const kernels::RopeSpec& rope);
 
 // Sequences of one step whose selection runs in one launch: same geometry, slot width and
 // options.
@@ -80,6 +101,15 @@ struct SelectionGroup {
   bool native = false;
 
   bool plain() const { return !native && options.candidates == 0 && options.top_p == 0; }
+  // Tokens per slot: the selection unit, or C for whole chunks (and model-native ids).
+  int unit_tokens() const { return options.units() ? options.unit : C; }
+  // Slots per chunk: C / unit_tokens().
+  int units_per_chunk() const { return options.units() ? C / options.unit : 1; }
+  // Absolute position of the first token of slot id `id` (a chunk id, or a unit id).
+  int64_t position(const kernels::SessionLayerView& view, int id) const {
+    const int u = unit_tokens();
+    return view.chunk_position(int(int64_t(id) * u / C), C) + int64_t(id) * u % C;
+  }
   // Equal keys may share a launch (with equal shapes, checked by the caller's grouping).
   std::string Key() const;
 };
@@ -103,11 +133,11 @@ size_t ReconstructWorkspaceBytes(const kernels::Backend& be, const SelectionGrou
 absl::Status RunReconstruct(kernels::Backend& be, const SelectionGroup& g,
                             absl::Span<const kernels::ReconstructItem> items,
                             kernels::Workspace ws, kernels::Stream stream);
-// The reconstruct item of a select item, into `keys`/`values` ([h, k, C, d] bf16): at
-// each miss's slot when `into_slots` (a persistent slot buffer: hits stay), else at rows
-// [0, miss_count) of each head.
-kernels::ReconstructItem ReconstructOf(const kernels::SelectItem& s, bf16* keys, bf16* values,
-                                       bool into_slots);
+// The reconstruct item of a select item of group `g`, into `keys`/`values` ([h, k, U, d]
+// bf16, U = g.unit_tokens()): at each miss's slot when `into_slots` (a persistent slot
+// buffer: hits stay), else at rows [0, miss_count) of each head.
+kernels::ReconstructItem ReconstructOf(const SelectionGroup& g, const kernels::SelectItem& s,
+                                       bf16* keys, bf16* values, bool into_slots);
 
 // The recall guard of one sequence (docs/ALGORITHM.md "Recall guard"): which decode steps
 // are sampled, the recall@k each sampled step measured against the oracle, and what the
@@ -161,11 +191,16 @@ class SelectionGuard {
 };
 
 // Recall@k of one sequence's selection against the oracle: the top-`k_oracle` chunks of
-// SelectEx scoring every selectable chunk (stage 2's scores of reconstructed keys).
+// SelectEx scoring every selectable chunk (stage 2's scores of reconstructed keys). With
+// selection units (g.options.units()), the oracle ranks units of the same size over every
+// selectable chunk and keeps the top k_oracle * C/u units (the same token budget): recall
+// is counted in units, and `selected` holds unit ids.
 //   q        : [hq, d] bf16 (backend memory), the step's query
 //   selected : [h, k_sel] int32 (host), the selection to measure (-1 = none)
-// Averaged over the heads with an oracle chunk; nullopt when the backend cannot score every
-// chunk in one call (CUDA past 16384 chunks) or no head has one: the step is not sampled.
+//   k_oracle : the oracle's budget in chunks (OracleBudget)
+// Averaged over the heads with an oracle chunk (unit); nullopt when the backend cannot
+// score every chunk in one call (CUDA past 16384 chunks) or no head has one: the step is
+// not sampled.
 size_t OracleWorkspaceBytes(const kernels::Backend& be, const SelectionGroup& g,
                             const kernels::SessionLayerView& view, int k_oracle);
 absl::StatusOr<std::optional<double>> OracleRecall(kernels::Backend& be, const SelectionGroup& g,
@@ -176,7 +211,8 @@ absl::StatusOr<std::optional<double>> OracleRecall(kernels::Backend& be, const S
 
 // The guard's part of one step of one sequence's layer, after its selection: on a sampled
 // step, recall@k of `selected` (host [h, k_sel], the selection the step attends, at the
-// budget it used) against the oracle at the profile's budget, recorded and acted on.
+// budget it used: k_sel slots, g.k) against the oracle at the profile's budget, recorded
+// and acted on. The guard's budgets count chunks (k_sel / g.units_per_chunk()).
 struct GuardOutcome {
   bool sampled = false;
   double recall = 0;
@@ -201,7 +237,8 @@ class AttendRows {
  public:
   // The static set: [h, s, d] per head, `lengths` [h] valid rows (backend memory).
   absl::Status AddStatic(const bf16* k, const bf16* v, int s, const int32_t* lengths, int d);
-  // Selected chunks: [h, k*C, d]; `lengths` [h] rows attended per head (backend memory).
+  // Selected chunks (units): [h, k*U, d], U tokens per slot (C, or the selection unit);
+  // `lengths` [h] rows attended per head (backend memory).
   absl::Status AddSelected(const bf16* k, const bf16* v, int64_t rows, const int32_t* lengths,
                            int d);
   // Exact tokens in [t, h, d] layout (a tail, the tokens of a step); `lengths` may be null.

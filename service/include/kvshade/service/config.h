@@ -80,6 +80,9 @@ struct ProfileDefaults {
   // Key signatures of shadow sessions (docs/ALGORITHM.md "Key signatures"): 0 = none, 2 or 4
   // bits per channel.
   uint32_t key_signature_bits = 0;
+  // Selection units of shadow sessions (docs/ALGORITHM.md "Selection units"): tokens per
+  // unit, 0 = whole chunks; must divide chunk_size (and needs rerank_factor > 1) per session.
+  uint32_t selection_unit = 0;
   float mass_top_p = 0.0f, recall_sample_rate = 0.0f, recall_floor = 0.5f;
   std::string recall_action = "widen";
   std::string value_codec = "auto";  // auto | bf16 | fp8 | int4 | int2

@@ -73,9 +73,11 @@ struct SlotDeltaResult {
   std::vector<uint32_t> head, slot;
   std::vector<int32_t> chunk;
   std::vector<int64_t> position;  // of the first of each miss's chunk_size tokens
-  // The misses' rows [misses, C, d] bf16, in delta order, when they travel in the reply
-  // (inline delivery, and UCX RMA, whose adapter puts them); empty when `delivered`.
+  // The misses' rows [misses, chunk_size, d] bf16, in delta order, when they travel in the
+  // reply (inline delivery, and UCX RMA, whose adapter puts them); empty when `delivered`.
   std::vector<kernels::bf16> keys, values;
+  // Rows (tokens) per miss: the chunk size C, or the selection unit u with selection
+  // units (v1.SlotDelta.slot_tokens).
   uint32_t chunk_size = 0, head_dim = 0;
   uint32_t selected = 0, hits = 0;
   bool delivered = false;  // written into the worker's slot buffers (CUDA IPC)

@@ -61,6 +61,14 @@ struct ProfileInfo {
   float recall_sample_rate = 0;   // 0 = guard off
   float recall_floor = 0.5f;
   v1::RecallAction recall_action = v1::RECALL_ACTION_WIDEN;
+  // Selection units (shadow): tokens per unit, a divisor of chunk_size below it; 0 = whole
+  // chunks (a request's chunk_size resolves to 0). docs/ALGORITHM.md "Selection units".
+  int selection_unit = 0;
+
+  // Tokens per slot: selection_unit, or chunk_size for whole chunks.
+  int slot_tokens() const { return selection_unit > 0 ? selection_unit : chunk_size; }
+  // Slots per KV head of a budget of k chunks (k * chunk_size / slot_tokens()).
+  int slots(int k) const { return k * (chunk_size / slot_tokens()); }
 
   // The selection options and the recall guard's settings, as the decode core takes them.
   decode::SelectionPolicy Policy() const;

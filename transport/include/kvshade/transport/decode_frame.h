@@ -75,7 +75,7 @@ absl::StatusOr<std::vector<QueryRef>> ParseQueries(std::string_view body, uint32
 
 // SELECT replies: one delta per query, in request order.
 struct DeltaRef {
-  uint32_t chunk_size = 0, head_dim = 0;
+  uint32_t chunk_size = 0, head_dim = 0;  // chunk_size: rows per miss (C, or the selection unit)
   uint32_t selected = 0, hits = 0;
   bool delivered = false, fallback = false;
   uint64_t tokens = 0;  // the session's length after the call
@@ -84,7 +84,7 @@ struct DeltaRef {
   const uint32_t* slot = nullptr;  // (unaligned on the reader's side: read with memcpy,
   const int32_t* chunk = nullptr;  // or use the copies ParseDeltas makes)
   const int64_t* position = nullptr;
-  std::string_view keys, values;  // [misses, C, d] bf16, or empty when not carried
+  std::string_view keys, values;  // [misses, chunk_size, d] bf16, or empty when not carried
 };
 void AppendDelta(const DeltaRef& d, std::string* body);
 struct Delta {
