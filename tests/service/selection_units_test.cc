@@ -178,56 +178,6 @@ TEST(SelectionUnits, DeltasCarryUnitsOfURows) {
   }
 }
 
-// Attention in double of query q [h*g, d] over each head's static rows, the rows of the
-// delta's misses for that head, and the exact tail.
-std::vector<float> AttendRows(const v1::GetStaticSetResponse& st, const v1::SlotDelta& dl, int g, int d,
-                              const std::vector<bf16>& q) {
-  const std::vector<bf16> sk = TensorBf16(st.k()), sv = TensorBf16(st.v());
-  const std::vector<bf16> tk = TensorBf16(st.tail_k()), tv = TensorBf16(st.tail_v());
-  const std::vector<bf16> mk = TensorBf16(dl.keys()), mv = TensorBf16(dl.values());
-  const int h = st.lengths_size();
-  const int64_t smax = st.k().shape_size() == 3 ? st.k().shape(1) : 0;
-  const int64_t t = st.tail_k().shape_size() == 3 ? st.tail_k().shape(0) : 0;
-  const int64_t rows = dl.keys().shape_size() == 3 ? dl.keys().shape(1) : 0;
-  std::vector<float> out(size_t(h) * g * d);
-  for (int hq = 0; hq < h * g; ++hq) {
-    const int hh = hq / g;
-    std::vector<const bf16*> ks, vs;
-    for (uint32_t i = 0; i < st.lengths(hh); ++i) {
-      ks.push_back(&sk[(size_t(hh) * smax + i) * d]);
-      vs.push_back(&sv[(size_t(hh) * smax + i) * d]);
-    }
-    for (int m = 0; m < dl.head_size(); ++m) {
-      if (int(dl.head(m)) != hh) continue;
-      for (int64_t r = 0; r < rows; ++r) {
-        ks.push_back(&mk[(size_t(m) * rows + r) * d]);
-        vs.push_back(&mv[(size_t(m) * rows + r) * d]);
-      }
-    }
-    for (int64_t i = 0; i < t; ++i) {
-      ks.push_back(&tk[(size_t(i) * h + hh) * d]);
-      vs.push_back(&tv[(size_t(i) * h + hh) * d]);
-    }
-    std::vector<double> logit(ks.size());
-    double mx = -1e300;
-    for (size_t i = 0; i < ks.size(); ++i) {
-      double dot = 0;
-      for (int c = 0; c < d; ++c) dot += double(kernels::Bf16ToFloat(q[size_t(hq) * d + c])) * kernels::Bf16ToFloat(ks[i][c]);
-      logit[i] = dot / std::sqrt(double(d));
-      mx = std::max(mx, logit[i]);
-    }
-    double z = 0;
-    std::vector<double> acc(d, 0.0);
-    for (size_t i = 0; i < ks.size(); ++i) {
-      const double p = std::exp(logit[i] - mx);
-      z += p;
-      for (int c = 0; c < d; ++c) acc[c] += p * kernels::Bf16ToFloat(vs[i][c]);
-    }
-    for (int c = 0; c < d; ++c) out[size_t(hq) * d + c] = float(acc[c] / z);
-  }
-  return out;
-}
-
 // The daemon's Attend with units attends the static set, the selected units' rows (those a
 // select on a fresh attachment delivers) and the tail; with a budget that covers every
 // selectable token, units and whole chunks attend the same rows (the same output).
@@ -253,7 +203,7 @@ TEST(SelectionUnits, AttendOverUnits) {
       auto dl = hs.Select(o.attachment, l, q);  // the attachment's first select: every unit misses
       ASSERT_TRUE(dl.ok()) << dl.status();
       EXPECT_EQ(dl->head_size(), 2 * 4 * kC / u);
-      const std::vector<float> want = AttendRows(hs.StaticSet(o.attachment, l), *dl, g, d, q);
+      const std::vector<float> want = HeldAttend(hs.StaticSet(o.attachment, l), g, d, q, &*dl);
       EXPECT_LT(RelErr(*got, want), 1e-5) << "u " << u << " layer " << l;
     }
   }

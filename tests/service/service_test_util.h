@@ -210,11 +210,20 @@ inline double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
 
 // Attention of query q [h*g, d] over exactly the rows a GetStaticSet response holds (each
 // head's first lengths[h] static rows, then every tail row), in double: the reference for
-// what Attend computes over a layer with no selectable chunks (mini, exact).
+// what Attend computes over a layer with no selectable chunks (mini, exact). With `delta`,
+// also over the rows of its misses for each head (between the static rows and the tail).
 inline std::vector<float> HeldAttend(const v1::GetStaticSetResponse& st, int g, int d,
-                                     const std::vector<bf16>& q) {
+                                     const std::vector<bf16>& q,
+                                     const v1::SlotDelta* delta = nullptr) {
   const std::vector<bf16> sk = TensorBf16(st.k()), sv = TensorBf16(st.v());
   const std::vector<bf16> tk = TensorBf16(st.tail_k()), tv = TensorBf16(st.tail_v());
+  std::vector<bf16> mk, mv;
+  int64_t rows = 0;
+  if (delta != nullptr) {
+    mk = TensorBf16(delta->keys());
+    mv = TensorBf16(delta->values());
+    rows = delta->keys().shape_size() == 3 ? delta->keys().shape(1) : 0;
+  }
   const int h = st.lengths_size();
   const int64_t smax = st.k().shape_size() == 3 ? st.k().shape(1) : 0;
   const int64_t t = st.tail_k().shape_size() == 3 ? st.tail_k().shape(0) : 0;
@@ -225,6 +234,13 @@ inline std::vector<float> HeldAttend(const v1::GetStaticSetResponse& st, int g, 
     for (uint32_t i = 0; i < st.lengths(hh); ++i) {
       ks.push_back(&sk[(size_t(hh) * smax + i) * d]);
       vs.push_back(&sv[(size_t(hh) * smax + i) * d]);
+    }
+    for (int m = 0; delta != nullptr && m < delta->head_size(); ++m) {
+      if (int(delta->head(m)) != hh) continue;
+      for (int64_t r = 0; r < rows; ++r) {
+        ks.push_back(&mk[(size_t(m) * rows + r) * d]);
+        vs.push_back(&mv[(size_t(m) * rows + r) * d]);
+      }
     }
     for (int64_t i = 0; i < t; ++i) {
       ks.push_back(&tk[(size_t(i) * h + hh) * d]);
