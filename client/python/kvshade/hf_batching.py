@@ -233,9 +233,7 @@ class KvShadeBatching:
                  close_sessions=True, cache_kwargs=None, count_hits=False, release_paged_memory=True):
         self.client, self.model, self.profile = client, model, profile
         if model_id is None:
-            config = hf_cache._text_config(model.config)
-            model_id = getattr(model, "name_or_path", "") or getattr(config, "_name_or_path", "")
-            model_id = model_id or "hf-batching-%x" % id(model)
+            model_id = hf_cache.model_id_of(model, "hf-batching-%x" % id(model))
         self.model_id = model_id
         self.worker_id = worker_id
         self.close_sessions = close_sessions

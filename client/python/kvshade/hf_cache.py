@@ -363,6 +363,14 @@ def register_sdpa_mask(name):
     AttentionMaskInterface.register(name, sdpa)
 
 
+def model_id_of(model, unnamed):
+    """The prefix-cache namespace of `model` when the caller names none: its name
+    (name_or_path), else `unnamed`. A model without a name (random weights) needs an id of
+    its own: sharing a namespace with other weights would reuse wrong K/V."""
+    config = _text_config(model.config)
+    return getattr(model, "name_or_path", "") or getattr(config, "_name_or_path", "") or unnamed
+
+
 def require_attention(model):
     """The model's text config, once its attention implementation is kvshade's ("kvshade",
     or "paged|kvshade" for transformers' continuous batching); else a ValueError that says
@@ -779,10 +787,7 @@ class KvShadeCache(Cache):
                  speculate=False, correct_below=0.9, ingest_window_bytes=2 << 30):
         config = require_attention(model)
         if model_id is None:
-            model_id = getattr(model, "name_or_path", "") or getattr(config, "_name_or_path", "")
-            # A model without a name (random weights) gets an id of its own: sharing a
-            # prefix-cache namespace with other weights would reuse wrong K/V.
-            model_id = model_id or "hf-%s-%s" % (getattr(config, "model_type", "model"), uuid.uuid4().hex[:12])
+            model_id = model_id_of(model, "hf-%s-%s" % (getattr(config, "model_type", "model"), uuid.uuid4().hex[:12]))
         self.rotary = find_rotary_embedding(model)
         self.spec = model_spec_from_config(config, model_id, self.rotary)
         self.prefill_attention = (ALL_ATTENTION_FUNCTIONS[prefill_attention]

@@ -326,9 +326,7 @@ class Generator:
         hf_cache.enable(model)
         self.client, self.model, self.profile = client, model, profile
         if model_id is None:
-            config = hf_cache._text_config(model.config)
-            model_id = getattr(model, "name_or_path", "") or getattr(config, "_name_or_path", "")
-            model_id = model_id or "hf-serving-%x" % id(model)
+            model_id = hf_cache.model_id_of(model, "hf-serving-%x" % id(model))
         self.model_id = model_id
         self.max_batch, self.prefills_per_step = int(max_batch), int(prefills_per_step)
         self.worker_id = worker_id
