@@ -21,11 +21,12 @@ import inspect
 import time
 import unittest
 
-from kvshade_testutil import Server, seed
+import kvshade_testutil  # noqa: F401 - puts the package and its library on the path first
 
 import kvshade
 import test_hf_adapter
 from test_hf_adapter import REQUIRE_GPU
+from test_serving import _WithServer  # a server, a client, a seed and a generator per class
 
 HAVE_TRANSFORMERS, WHY = test_hf_adapter.HAVE_TRANSFORMERS, test_hf_adapter.WHY
 if HAVE_TRANSFORMERS:  # test_hf_adapter defines these only where transformers imports
@@ -48,22 +49,12 @@ def _finished(result):
 
 
 @unittest.skipUnless(HAVE_TRANSFORMERS or REQUIRE_GPU, WHY)
-class HfBatchingTest(unittest.TestCase):
+class HfBatchingTest(_WithServer):
     @classmethod
     def setUpClass(cls):
-        if not HAVE_TRANSFORMERS:
+        if not HAVE_TRANSFORMERS:  # also when transformers imports but hf_batching does not
             raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
-        cls.seed = seed()
-        cls.gen = torch.Generator().manual_seed(cls.seed)
-        cls.server = Server()
-        cls.client = kvshade.Client(cls.server.target, timeout=60)
-        cls.client.wait_ready(20)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        assert cls.server.stop() == 0
-
+        super().setUpClass()
     def prompt(self, n):
         return torch.randint(3, 97, (n,), generator=self.gen).tolist()
 
