@@ -19,6 +19,13 @@
 // miss_slot each token's destination row comes from its own miss index; without it the
 // tile is one contiguous run of rows and is stored as such.
 //
+// Selection units (ReconstructItem::unit = u < C; any item of a call): the same kernel
+// with kUnits, every item's misses being rows of T tokens (T = u, or C for an item of
+// whole chunks): key blocks take 64 tokens of units (token i of unit j is token
+// (j*T) % C + i of chunk (j*T) / C), value blocks read only the unit's byte ranges of its
+// encoded chunk (UnitValueBlock) and decode them as a chunk of T tokens, bit-identical to
+// the CPU's DecodeValueRows. Calls without units run the whole-chunk kernel as before.
+//
 // Accuracy vs the CPU reference (cpu_reconstruct.cc): the fp32 sums run in a different
 // order (tensor-core accumulation) and cos/sin come from a double-precision argument
 // reduction plus fp32 sincosf instead of double cos/sin, so keys agree to within about one
@@ -26,9 +33,9 @@
 //
 // Device-resident inputs cannot be checked from the host without a synchronization, so
 // this backend does not fail the call on them (the CPU backend does): miss_count is
-// clamped to [0, k], and a miss whose chunk id is outside [0, total_chunks) or whose slot
-// is outside [0, k) is skipped (no output row is written for it). Slots named twice in one
-// head race (the CPU backend rejects them).
+// clamped to [0, k], and a miss whose chunk id is outside [0, total_chunks) (unit id
+// outside [0, total_chunks * C/u)) or whose slot is outside [0, k) is skipped (no output
+// row is written for it). Slots named twice in one head race (the CPU backend rejects them).
 //
 // Limits of this backend: d in {64, 80, 96, 128, 256}, r % 8 == 0, A, B and the key
 // output 16-byte aligned (InvalidArgument otherwise).
@@ -61,8 +68,10 @@ struct ReconDesc {
   const int* miss_chunk;  // [h, k] int32
   const int* miss_count;  // [h] int32
   const int* miss_slot;   // [h, k] int32 output row of each miss, or null: row j
-  __nv_bfloat16* keys;    // [h, k, C, d] bf16 out
-  __nv_bfloat16* values;  // [h, k, C, d] bf16 out
+  __nv_bfloat16* keys;    // [h, k, C, d] bf16 out ([h, k, T, d] with units)
+  __nv_bfloat16* values;  // [h, k, C, d] bf16 out ([h, k, T, d] with units)
+  int tokens;             // units kernel only: T, tokens per miss (C for whole chunks)
+  int pad;
 };
 
 struct ReconParams {
@@ -70,7 +79,7 @@ struct ReconParams {
   int key_tiles;     // key blocks per (item, head): ceil(k*C / kKeyRows)
   int value_groups;  // value blocks per (item, head): ceil(k / values_per_block)
   int values_per_block;
-  int stage_stride;  // shared-memory bytes per staged value chunk
+  int stage_stride;  // shared-memory bytes per staged value chunk (or unit, with units)
   int pad;
   long long n_key_blocks;
   long long n_value_blocks;
@@ -103,7 +112,9 @@ __device__ __forceinline__ void FastRopeCosSin(const DeviceRope& rope, long long
   *s = sf * rope.magnitude;
 }
 
-template <int kD>
+// kUnits: misses are units of it.tokens tokens (ReconstructItem::unit; T = C is a whole
+// chunk): token i of unit id is token (id*T) % C + i of chunk (id*T) / C, rows of T tokens.
+template <int kD, bool kUnits>
 __device__ __forceinline__ void KeyBlock(const ReconDesc* __restrict__ descs, const ReconParams& p,
                                          const DeviceRope& rope, long long kb, uint8_t* smem) {
   __shared__ const __nv_bfloat16* row_a[kKeyRows];  // A row of each token, null = skip
@@ -116,7 +127,8 @@ __device__ __forceinline__ void KeyBlock(const ReconDesc* __restrict__ descs, co
   const ReconDesc& it = descs[rest / p.h];
   const int count = min(max(it.miss_count[hh], 0), p.k);
   const int u0 = tile * kKeyRows;
-  const int n_tok = count * p.C;
+  const int T = kUnits ? it.tokens : p.C;  // tokens per miss
+  const int n_tok = count * T;
   if (u0 >= n_tok) return;
   const int rows = min(kKeyRows, n_tok - u0);
   const int r = it.view.r;
@@ -126,7 +138,24 @@ __device__ __forceinline__ void KeyBlock(const ReconDesc* __restrict__ descs, co
     const int row = threadIdx.x;
     const __nv_bfloat16* a = nullptr;
     long long pos = 0, out_row = 0;
-    if (row < rows) {
+    if (kUnits && row < rows) {
+      const int u = u0 + row;
+      const int j = u / T, i = u - j * T;
+      const int id = it.miss_chunk[static_cast<long long>(hh) * p.k + j];
+      const int slot =
+          it.miss_slot != nullptr ? it.miss_slot[static_cast<long long>(hh) * p.k + j] : j;
+      const long long first = static_cast<long long>(id) * T;  // the unit's first token
+      if (id >= 0 && first < static_cast<long long>(it.view.total) * p.C && slot >= 0 &&
+          slot < p.k) {
+        const int chunk = static_cast<int>(first / p.C);
+        const int t = static_cast<int>(first % p.C) + i;
+        const DevSegment& sg = it.view.seg[cuda::SegmentOf(it.view, chunk)];
+        const long long local = chunk - sg.begin;
+        a = sg.a + (local * p.C + t) * r;
+        pos = sg.first_position + local * p.C + t;
+        out_row = (static_cast<long long>(hh) * p.k + slot) * T + i;
+      }
+    } else if (row < rows) {
       const int u = u0 + row;
       const int j = u / p.C, t = u - j * p.C;
       const int chunk = it.miss_chunk[static_cast<long long>(hh) * p.k + j];
@@ -229,7 +258,7 @@ __device__ __forceinline__ void KeyBlock(const ReconDesc* __restrict__ descs, co
   }
   __syncthreads();
   if (it.miss_slot == nullptr) {  // the tile is rows [u0, u0 + rows) of head hh
-    __nv_bfloat16* out = it.keys + (static_cast<long long>(hh) * p.k * p.C + u0) * kD;
+    __nv_bfloat16* out = it.keys + (static_cast<long long>(hh) * p.k * T + u0) * kD;
     for (int v = threadIdx.x; v < rows * (kD / 8); v += blockDim.x) {
       const int row = v / (kD / 8), col = v % (kD / 8);
       if (row_a[row] == nullptr) continue;
@@ -286,9 +315,178 @@ __device__ __forceinline__ void ValueBlock(const ReconDesc* __restrict__ descs,
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// Values of selection units (ReconstructItem::unit): tokens [t0, t0 + T) of an encoded chunk
+// are the encoding of a T-token chunk (every codec is token-separable: fp8 keeps the chunk's
+// one scale, KIVI groups lie within a token), laid out in up to three byte ranges of the
+// chunk: bf16 its rows; fp8 the scale and the rows' codes; int4/int2 the rows' codes, scales
+// and mins. A value block reads only those ranges (16-byte windows, as StageChunks), packs
+// them into the T-token layout in shared memory and decodes that with DecodeStagedChunk
+// (cpu_codec.cc DecodeValueRows: the same bits as the rows of a whole-chunk decode).
+constexpr int kMaxUnitPieces = 3;
+
+// The byte ranges of tokens [t0, t0 + T) of a chunk encoded with cd (C tokens): source
+// offset in the chunk, length and destination offset in the T-token layout. Returns their
+// count.
+__host__ __device__ inline int UnitPieces(const DevCodec& cd, int T, int t0, int* src, int* len,
+                                          int* dst) {
+  if (cd.codec == static_cast<int>(ValueCodec::kBF16)) {
+    src[0] = t0 * cd.d * 2;
+    len[0] = T * cd.d * 2;
+    dst[0] = 0;
+    return 1;
+  }
+  if (cd.codec == static_cast<int>(ValueCodec::kFP8)) {
+    src[0] = 0;
+    len[0] = 4;
+    dst[0] = 0;
+    src[1] = 4 + t0 * cd.d;
+    len[1] = T * cd.d;
+    dst[1] = 4;
+    return 2;
+  }
+  const int row_words = cd.groups * cd.wpg;  // code words of one token
+  src[0] = t0 * row_words * 4;
+  len[0] = T * row_words * 4;
+  dst[0] = 0;
+  src[1] = cd.code_bytes + t0 * cd.groups * 2;
+  len[1] = T * cd.groups * 2;
+  dst[1] = len[0];
+  src[2] = cd.code_bytes + cd.C * cd.groups * 2 + t0 * cd.groups * 2;
+  len[2] = T * cd.groups * 2;
+  dst[2] = len[0] + len[1];
+  return 3;
+}
+
+// The codec of a T-token chunk (the packed unit).
+__host__ __device__ inline DevCodec UnitCodec(const DevCodec& cd, int T) {
+  DevCodec u = cd;
+  u.C = T;
+  if (cd.codec == static_cast<int>(ValueCodec::kBF16)) {
+    u.chunk_bytes = T * cd.d * 2;
+  } else if (cd.codec == static_cast<int>(ValueCodec::kFP8)) {
+    u.chunk_bytes = 4 + T * cd.d;
+  } else {
+    u.code_bytes = T * cd.groups * cd.wpg * 4;
+    u.chunk_bytes = u.code_bytes + T * cd.groups * 4;
+  }
+  return u;
+}
+
+// Shared-memory bytes of one unit miss at T tokens: the packed unit, then one 16-byte
+// window (plus slack) per piece.
+__host__ __device__ inline int UnitStageBytes(const DevCodec& cd, int T) {
+  int src[kMaxUnitPieces], len[kMaxUnitPieces], dst[kMaxUnitPieces];
+  const int n = UnitPieces(cd, T, 0, src, len, dst);
+  int bytes = (UnitCodec(cd, T).chunk_bytes + 15) / 16 * 16;
+  for (int i = 0; i < n; ++i) bytes += (len[i] + 32 + 15) / 16 * 16;
+  return bytes;
+}
+
+__device__ __forceinline__ void UnitValueBlock(const ReconDesc* __restrict__ descs,
+                                               const ReconParams& p, long long vb,
+                                               uint8_t* smem) {
+  constexpr int kW = kMaxValuesPerBlock * kMaxUnitPieces;
+  const int grp = static_cast<int>(vb % p.value_groups);
+  const long long rest = vb / p.value_groups;
+  const int hh = static_cast<int>(rest % p.h);
+  const ReconDesc& it = descs[rest / p.h];
+  const int count = min(max(it.miss_count[hh], 0), p.k);
+  const int j0 = grp * p.values_per_block;
+  if (j0 >= count) return;
+  const int n = min(p.values_per_block, count - j0);
+  const int T = it.tokens;
+  const DevCodec ucd = UnitCodec(p.codec, T);
+  const int packed = (ucd.chunk_bytes + 15) / 16 * 16;
+  int dst_row[kMaxValuesPerBlock];
+  bool valid[kMaxValuesPerBlock];
+  int n_pieces = 0;
+  int psrc[kMaxUnitPieces], plen[kMaxUnitPieces], pdst[kMaxUnitPieces];
+  // Windows: miss i, piece q at w = i*kMaxUnitPieces + q.
+  const uint4* wbase[kW];
+  int nvec[kW], woff[kW];
+  uint8_t* wstage[kW];
+  int most = 0;
+#pragma unroll
+  for (int w = 0; w < kW; ++w) {
+    wbase[w] = nullptr;
+    nvec[w] = 0;
+    woff[w] = 0;
+    wstage[w] = nullptr;
+  }
+#pragma unroll
+  for (int i = 0; i < kMaxValuesPerBlock; ++i) {
+    valid[i] = false;
+    dst_row[i] = j0 + i;
+    if (i >= n) continue;
+    const long long m = static_cast<long long>(hh) * p.k + j0 + i;
+    const int id = it.miss_chunk[m];
+    if (it.miss_slot != nullptr) dst_row[i] = it.miss_slot[m];
+    const long long first = static_cast<long long>(id) * T;
+    if (id < 0 || first >= static_cast<long long>(it.view.total) * p.C || dst_row[i] < 0 ||
+        dst_row[i] >= p.k) {
+      continue;
+    }
+    valid[i] = true;
+    const int chunk = static_cast<int>(first / p.C), t0 = static_cast<int>(first % p.C);
+    const DevSegment& sg = it.view.seg[cuda::SegmentOf(it.view, chunk)];
+    const uint8_t* base = sg.values + hh * sg.value_head_stride +
+                          static_cast<long long>(chunk - sg.begin) * sg.value_chunk_stride;
+    n_pieces = UnitPieces(p.codec, T, t0, psrc, plen, pdst);
+    uint8_t* region = smem + i * p.stage_stride + packed;
+    for (int q = 0; q < n_pieces; ++q) {
+      const int w = i * kMaxUnitPieces + q;
+      const uintptr_t s = reinterpret_cast<uintptr_t>(base + psrc[q]);
+      const uintptr_t a0 = s & ~uintptr_t{15};
+      const uintptr_t a1 = (s + plen[q] + 15) & ~uintptr_t{15};
+      wbase[w] = reinterpret_cast<const uint4*>(a0);
+      nvec[w] = static_cast<int>((a1 - a0) / 16);
+      woff[w] = static_cast<int>(s - a0);
+      wstage[w] = region;
+      region += (plen[q] + 32 + 15) / 16 * 16;
+      most = max(most, nvec[w]);
+    }
+  }
+  // Every window's loads of a round are in flight before any store.
+  for (int v = threadIdx.x; v < most; v += blockDim.x) {
+    uint4 tmp[kW];
+#pragma unroll
+    for (int w = 0; w < kW; ++w) {
+      if (v < nvec[w]) tmp[w] = __ldcg(wbase[w] + v);
+    }
+#pragma unroll
+    for (int w = 0; w < kW; ++w) {
+      if (v < nvec[w]) reinterpret_cast<uint4*>(wstage[w])[v] = tmp[w];
+    }
+  }
+  __syncthreads();
+  // Pack the pieces into the T-token layout (the piece lengths are the same for every miss).
+#pragma unroll
+  for (int i = 0; i < kMaxValuesPerBlock; ++i) {
+    if (!valid[i]) continue;
+    uint8_t* unit = smem + i * p.stage_stride;
+    for (int q = 0; q < n_pieces; ++q) {
+      const int w = i * kMaxUnitPieces + q;
+      const uint8_t* from = wstage[w] + woff[w];
+      for (int b = threadIdx.x; b < plen[q]; b += blockDim.x) unit[pdst[q] + b] = from[b];
+    }
+  }
+  __syncthreads();
+  const long long unit_elems = static_cast<long long>(T) * p.codec.d;
+#pragma unroll
+  for (int i = 0; i < kMaxValuesPerBlock; ++i) {
+    if (valid[i]) {
+      cuda::DecodeStagedChunk(
+          ucd, smem + i * p.stage_stride,
+          it.values + (static_cast<long long>(hh) * p.k + dst_row[i]) * unit_elems);
+    }
+  }
+}
+
 // Block b is a key block when the even spread of n_key_blocks over the grid puts one
 // there (floor((b+1)*NK/T) > floor(b*NK/T)); key index floor(b*NK/T), value index the rest.
-template <int kD>
+// kUnits: every item's misses are units of its `tokens` tokens (UnitValueBlock).
+template <int kD, bool kUnits>
 __global__ void __launch_bounds__(kReconThreads)
     ReconstructKernel(const ReconDesc* __restrict__ descs, const ReconParams p,
                       const __grid_constant__ DeviceRope rope) {
@@ -298,20 +496,22 @@ __global__ void __launch_bounds__(kReconThreads)
   const long long keys_before = b * p.n_key_blocks / total;
   const long long keys_through = (b + 1) * p.n_key_blocks / total;
   if (keys_through > keys_before) {
-    KeyBlock<kD>(descs, p, rope, keys_before, smem);
+    KeyBlock<kD, kUnits>(descs, p, rope, keys_before, smem);
+  } else if constexpr (kUnits) {
+    UnitValueBlock(descs, p, b - keys_before, smem);
   } else {
     ValueBlock(descs, p, b - keys_before, smem);
   }
 }
 
-template <int kD>
+template <int kD, bool kUnits = false>
 absl::Status Launch(const ReconDesc* descs, const ReconParams& p, const DeviceRope& rope,
                     int value_smem, cudaStream_t stream) {
   const size_t smem = std::max<size_t>(KeySmemBytes<kD>(), size_t(value_smem));
   KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      ReconstructKernel<kD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      ReconstructKernel<kD, kUnits>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const long long blocks = p.n_key_blocks + p.n_value_blocks;
-  ReconstructKernel<kD>
+  ReconstructKernel<kD, kUnits>
       <<<static_cast<unsigned>(blocks), kReconThreads, smem, stream>>>(descs, p, rope);
   KVSHADE_CUDA_LAUNCH_CHECK();
   return absl::OkStatus();
@@ -334,15 +534,6 @@ absl::Status CudaBackend::Reconstruct(const LayerShape& shape, int C, int k, con
                                       Stream stream) {
   KVSHADE_RETURN_IF_ERROR(validate::Reconstruct(shape, C, k, rope, codec, items, ws,
                                                 ReconstructWorkspaceBytes(shape, k, items)));
-  for (size_t i = 0; i < items.size(); ++i) {
-    if (items[i].unit > 0 && items[i].unit < C) {
-      return absl::UnimplementedError(absl::StrCat(
-          "Reconstruct: the CUDA backend does not support ReconstructItem::unit (selection "
-          "units below the chunk size) yet, got items[",
-          i, "].unit = ", items[i].unit, " with C = ", C,
-          "; use unit 0 (whole chunks) or the CPU backend"));
-    }
-  }
   if (items.empty()) return absl::OkStatus();
   const int h = shape.h, d = shape.d;
   if (d != 64 && d != 80 && d != 96 && d != 128 && d != 256) {
@@ -372,12 +563,23 @@ absl::Status CudaBackend::Reconstruct(const LayerShape& shape, int C, int k, con
   KVSHADE_RETURN_IF_ERROR(cuda::UseDevice(device_));
   const cudaStream_t st = cuda::ToCudaStream(stream);
 
+  // Selection units (ReconstructItem::unit below C) in any item: the units kernel for the
+  // whole call (items of whole chunks in it are units of T = C tokens), sized for the
+  // largest T of the call.
+  bool units = false;
+  int max_tokens = 0;
+  for (const ReconstructItem& it : items) {
+    const bool u = it.unit > 0 && it.unit < C;
+    units = units || u;
+    max_tokens = std::max(max_tokens, u ? it.unit : C);
+  }
   ReconParams p{};
   p.h = h;
   p.k = k;
   p.C = C;
-  p.key_tiles = static_cast<int>(cuda::CeilDiv<int64_t>(int64_t(k) * C, kKeyRows));
-  p.stage_stride = cuda::StageStride(cd);
+  p.key_tiles = static_cast<int>(
+      cuda::CeilDiv<int64_t>(int64_t(k) * (units ? max_tokens : C), kKeyRows));
+  p.stage_stride = units ? UnitStageBytes(cd, max_tokens) : cuda::StageStride(cd);
   p.values_per_block = std::clamp(kValueStageTarget / p.stage_stride, 1, kMaxValuesPerBlock);
   p.value_groups = cuda::CeilDiv(k, p.values_per_block);
   const long long heads = static_cast<long long>(items.size()) * h;
@@ -409,9 +611,25 @@ absl::Status CudaBackend::Reconstruct(const LayerShape& shape, int C, int k, con
     o.miss_slot = in.miss_slot;
     o.keys = cuda::AsNv(in.keys);
     o.values = cuda::AsNv(in.values);
+    o.tokens = in.unit > 0 && in.unit < C ? in.unit : C;
+    o.pad = 0;
   }
   KVSHADE_RETURN_IF_ERROR(
       cuda::StageDescriptors(descs.data(), static_cast<int>(descs.size()), dev_descs, st));
+  if (units) {
+    switch (d) {
+      case 64:
+        return Launch<64, true>(dev_descs, p, table, value_smem, st);
+      case 80:
+        return Launch<80, true>(dev_descs, p, table, value_smem, st);
+      case 96:
+        return Launch<96, true>(dev_descs, p, table, value_smem, st);
+      case 128:
+        return Launch<128, true>(dev_descs, p, table, value_smem, st);
+      default:
+        return Launch<256, true>(dev_descs, p, table, value_smem, st);
+    }
+  }
   switch (d) {
     case 64:
       return Launch<64>(dev_descs, p, table, value_smem, st);

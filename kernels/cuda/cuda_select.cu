@@ -878,6 +878,8 @@ absl::Status CudaBackend::Select(const LayerShape& shape, int k, absl::Span<cons
 //   Sums run in a different order than the CPU's, so ids whose scores tie to within fp32
 //   rounding can swap (the parity tests allow it). Limits: Select's, plus k1 <= 4096 and,
 //   for "all" items, total <= 16384 chunks (the shared-memory sort).
+//   Selection units (SelectOptions::unit below C) take a path of their own (SelectExUnits,
+//   below the whole-chunk kernels).
 namespace {
 
 constexpr int kMaxAllChunks = 16384;
@@ -1476,11 +1478,543 @@ __global__ void __launch_bounds__(256)
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// Selection units (SelectOptions::unit = u, 0 < u < C; cpu_select.cc is the reference).
+// A path of its own beside the whole-chunk one above, which it leaves as it is:
+//   Stage 1 is the same: items whose total chunks <= k1 = max(candidates, ceil(k*u/C)) take
+//     every selectable chunk (FillAllKernel), the others Select's kernels at width k1.
+//   Stage2UnitKernel<kSig>: a warp per candidate chunk, its C tokens in order; the key of
+//     token t reconstructed as Stage2Kernel does (or, kSig, its signature unpacked as the
+//     CPU's ChunkStatsSig does), then lane n (< g) forms query head n's logit with the
+//     CPU's arithmetic (fp32 dot in channel order, each product and sum rounded, no FMA)
+//     and folds it into the running (M, S) of the token's unit, in token order with the
+//     CPU's rescaling sequence; the unit's pair is stored after its last token and the fold
+//     restarts: stats [h, width * C/u, g], unit p of candidate i at i * C/u + p.
+//   FinalUnitKernel (block per head and item): LSE_n over every candidate unit (warp n),
+//     m and w per unit as cpu_select.cc StageTwoScores, ranking by (m desc, unit id asc,
+//     NaN last) with a bitonic sort in shared memory, the mass budget on thread 0 in rank
+//     order, `selected`, and the CPU's slot diff on unit ids (SlotDiffUnits).
+// exp and log run in double and are rounded once to fp32 (ExpRef, LogRef): closer to the
+// CPU's std::exp/std::log on floats (glibc, correctly rounded in nearly all cases) than
+// the fp32 intrinsics. The LSE sums run in another order than the CPU's, so units whose
+// scores tie to within fp32 rounding could still swap.
+// Limits (InvalidArgument naming them): k <= kMaxK units; stage-1 width k1 <= kMaxK chunks;
+// candidate units per head (stage-1 width, or total chunks for items scored whole, times
+// C/u) <= kMaxCandidateUnits; g <= kMaxG; d % 16 == 0.
+constexpr int kMaxCandidateUnits = 16384;
+constexpr int kUnitFinalThreads = 512;
+
+__device__ __forceinline__ float ExpRef(float x) {
+  return static_cast<float>(exp(static_cast<double>(x)));
+}
+__device__ __forceinline__ float LogRef(float x) {
+  return static_cast<float>(log(static_cast<double>(x)));
+}
+
+// cpu_select.cc FoldLogit with ExpRef.
+__device__ __forceinline__ void FoldLogitRef(float logit, float* m, float* sum) {
+  if (!isfinite(logit)) return;
+  if (logit > *m) {
+    *sum = __fadd_rn(__fmul_rn(*sum, ExpRef(__fsub_rn(*m, logit))), 1.0f);
+    *m = logit;
+  } else {
+    *sum = __fadd_rn(*sum, ExpRef(__fsub_rn(logit, *m)));
+  }
+}
+
+// Stage-1 width in chunks with units: max(candidates, ceil(k / units per chunk)).
+int UnitK1(int k, const SelectOptions& o) {
+  const int per = o.units_per_chunk();
+  return std::max(o.candidates, k / per + (k % per != 0));
+}
+
+// Carves the workspace of SelectEx with units (as PlanSelectEx, stats per unit).
+size_t PlanSelectExUnits(const LayerShape& shape, int k, const SelectOptions& o,
+                         absl::Span<const SelectItem> items, void* base,
+                         std::vector<ExDesc>* descs, ExPlan* plan) {
+  const int64_t h = std::max(shape.h, 0), g = std::max(shape.g, 0);
+  const int64_t per = std::max(o.units_per_chunk(), 1);
+  const int k1 = UnitK1(std::max(k, 0), o);
+  cuda::WorkspaceCarver c(base);
+  ExDesc* dd = c.Take<ExDesc>(items.size());
+  std::vector<SelectItem> s1;
+  std::vector<size_t> s1_index;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const int64_t total = cuda::SafeTotalChunks(items[i].view);
+    const bool all = total <= k1;
+    const int64_t width = all ? total : k1;
+    int* cand = c.Take<int>(size_t(h * width));
+    float2* stats = c.Take<float2>(size_t(h * width * per * g));
+    if (descs != nullptr) {
+      ExDesc& e = (*descs)[i];
+      e.cand = cand;
+      e.stats = stats;
+      e.width = static_cast<int>(width);
+      e.all = all ? 1 : 0;
+    }
+    if (!all) {
+      SelectItem si = items[i];
+      si.selected = cand;
+      si.slots = c.Take<int>(size_t(h * width));
+      si.miss_slot = c.Take<int>(size_t(h * width));
+      si.miss_chunk = c.Take<int>(size_t(h * width));
+      si.miss_count = c.Take<int>(size_t(h));
+      s1.push_back(si);
+      s1_index.push_back(i);
+    }
+  }
+  void* s1_ws = c.Take<std::byte>(PlanSelect(shape, s1, nullptr, nullptr, nullptr));
+  if (plan != nullptr) {
+    plan->dev_descs = dd;
+    plan->stage1 = std::move(s1);
+    plan->stage1_index = std::move(s1_index);
+    plan->stage1_ws = s1_ws;
+  }
+  return c.bytes();
+}
+
+// Grid (candidate groups, h, items); warp w scores candidate chunk blockIdx.x*kStage2Warps
+// + w, unit by unit (u tokens each). Dynamic shared memory: the head's query rows [g, d+1]
+// f32 (padded: lanes read different rows), then kStage2Warps rows of d f32 (the current
+// token's key, or its signature codes minus half).
+template <bool kSig>
+__global__ void __launch_bounds__(32 * kStage2Warps)
+    Stage2UnitKernel(const ExDesc* __restrict__ descs, int g, int d, int C, int u, float scale,
+                     const __grid_constant__ cuda::DeviceRope rope) {
+  extern __shared__ __align__(16) float unit_smem[];
+  const ExDesc& e = descs[blockIdx.z];
+  const int hh = blockIdx.y, h = gridDim.y;
+  const int qd = d + 1;
+  float* qs = unit_smem;
+  float* rows = unit_smem + g * qd;
+  for (int x = threadIdx.x; x < g * d; x += blockDim.x) {
+    const int n = x / d, ch = x - n * d;
+    qs[n * qd + ch] = __bfloat162float(e.q[static_cast<long long>(hh * g) * d + x]);
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int i = blockIdx.x * kStage2Warps + warp;
+  if (i >= e.width) return;
+  const int per = C / u;
+  const long long at = static_cast<long long>(hh) * e.width + i;
+  float2* stats = e.stats + at * per * g;
+  const int c = e.cand[at];
+  if (c < 0) {
+    for (int x = lane; x < per * g; x += 32) stats[x] = make_float2(-INFINITY, 0.0f);
+    return;
+  }
+  const DevView& v = e.view;
+  const DevSegment& sg = v.seg[cuda::SegmentOf(v, c)];
+  const int local = c - sg.begin;
+  float* acc = rows + warp * d;
+  const float* qn = qs + (lane < g ? lane : 0) * qd;
+  // kSig: the signature layout and base = dot(q_n, L[c]) of this lane's query head.
+  int bits = 0, levels = 0, per_word = 1;
+  float half = 0.0f, base = 0.0f;
+  long long rec = 0;
+  if constexpr (kSig) {
+    bits = v.sig_bits;
+    levels = (1 << bits) - 1;
+    per_word = 32 / bits;
+    half = static_cast<float>(levels) / 2.0f;
+    rec = static_cast<long long>(d) * bits / 8 + 4;
+    const __nv_bfloat16* lm = sg.landmarks + (static_cast<long long>(local) * h + hh) * d;
+    if (lane < g) {
+      for (int ch = 0; ch < d; ++ch) {
+        base = __fadd_rn(base, __fmul_rn(qn[ch], __bfloat162float(lm[ch])));
+      }
+    }
+  }
+  float run_m = -INFINITY, run_s = 0.0f;  // this lane's query head (lane < g), current unit
+  for (int t = 0; t < C; ++t) {
+    float sc = 0.0f;
+    if constexpr (kSig) {
+      const uint8_t* r = sg.sig + ((static_cast<long long>(local) * C + t) * h + hh) * rec;
+      const uint32_t* words = reinterpret_cast<const uint32_t*>(r);
+      for (int ch = lane; ch < d; ch += 32) {
+        const uint32_t code = (words[ch / per_word] >> (bits * (ch % per_word))) &
+                              static_cast<uint32_t>(levels);
+        acc[ch] = __fsub_rn(static_cast<float>(code), half);
+      }
+      sc = *reinterpret_cast<const float*>(r + static_cast<long long>(d) * bits / 8);
+    } else {
+      const int r = v.r;
+      const __nv_bfloat16* b = v.b + static_cast<long long>(hh) * r * d;
+      const __nv_bfloat16* a = sg.a + (static_cast<long long>(local) * C + t) * r;
+      for (int ch = lane; ch < d; ch += 32) {
+        float x = 0.0f;
+        for (int j = 0; j < r; ++j) {
+          x = __fadd_rn(x, __fmul_rn(__bfloat162float(a[j]),
+                                      __bfloat162float(b[static_cast<long long>(j) * d + ch])));
+        }
+        acc[ch] = x;
+      }
+      __syncwarp();
+      const long long pos = sg.first_position + static_cast<long long>(local) * C + t;
+      for (int pr = lane; pr < rope.rotary_dim / 2; pr += 32) {
+        float cs, sn;
+        cuda::RopeCosSin(rope, pos, pr, &cs, &sn);
+        const int2 dims = cuda::RopePairDims(rope, pr);
+        cuda::RopeRotate(cs, sn, &acc[dims.x], &acc[dims.y]);
+      }
+      __syncwarp();
+      for (int ch = lane; ch < d; ch += 32) {
+        acc[ch] = __bfloat162float(__float2bfloat16_rn(acc[ch]));
+      }
+    }
+    __syncwarp();
+    if (lane < g) {
+      float dot = 0.0f;
+      for (int ch = 0; ch < d; ++ch) dot = __fadd_rn(dot, __fmul_rn(qn[ch], acc[ch]));
+      const float logit =
+          kSig ? __fmul_rn(__fadd_rn(base, __fmul_rn(sc, dot)), scale) : __fmul_rn(dot, scale);
+      FoldLogitRef(logit, &run_m, &run_s);
+      if ((t + 1) % u == 0) {
+        stats[(t / u) * g + lane] = make_float2(run_m, run_s);
+        run_m = -INFINITY;
+        run_s = 0.0f;
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// Whether unit id (per units per chunk) belongs to a chunk head hh may select
+// (cpu_select.cc SelectableChunk with per > 1).
+__device__ __forceinline__ bool SelectableUnit(const DevView& v, int hh, int id, int per) {
+  if (id < 0 || static_cast<long long>(id) >= static_cast<long long>(v.total) * per) return false;
+  return cuda::SelectableChunk(v, hh, id / per);
+}
+
+// SlotDiffSerial over unit ids: a free slot no miss takes keeps its unit when the unit is
+// not selected and its chunk is selectable by the head (cpu_select.cc SlotDiff, per > 1).
+__device__ void SlotDiffUnits(const int* ids, int kk, int k, const DevView& v, int hh, int per,
+                              int* slots, int* miss_slot, int* miss_chunk, int* miss_count,
+                              int* claimed, int* free_slots) {
+  for (int i = 0; i < kk; ++i) claimed[i] = 0;
+  int n_free = 0;
+  for (int slot = 0; slot < k; ++slot) {
+    const int c = slots[slot];
+    int lo = 0, hi = kk;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (ids[mid] < c)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    if (lo < kk && ids[lo] == c && !claimed[lo]) {
+      claimed[lo] = 1;
+    } else {
+      free_slots[n_free++] = slot;
+    }
+  }
+  int n_miss = 0;
+  for (int i = 0; i < kk; ++i) {
+    if (claimed[i]) continue;
+    const int slot = free_slots[n_miss];
+    slots[slot] = ids[i];
+    miss_slot[n_miss] = slot;
+    miss_chunk[n_miss] = ids[i];
+    ++n_miss;
+  }
+  for (int i = n_miss; i < n_free; ++i) {
+    int& c = slots[free_slots[i]];
+    if (SortedContains(ids, kk, c) || !SelectableUnit(v, hh, c, per)) c = -1;
+  }
+  for (int i = n_miss; i < k; ++i) miss_slot[i] = miss_chunk[i] = -1;
+  *miss_count = n_miss;
+}
+
+// m of one unit from its stats [g] and the heads' LSE, w into *w (cpu_select.cc
+// StageTwoScores: over the heads with a finite M; 0 for a unit without any).
+__device__ __forceinline__ float UnitScore(const float2* st, int g, const float* lse, float* w) {
+  float best = 0.0f, mass = 0.0f;
+  for (int n = 0; n < g; ++n) {
+    const float2 x = st[n];
+    if (x.x == -INFINITY) continue;
+    best = fmaxf(best, ExpRef(__fsub_rn(x.x, lse[n])));
+    mass = fmaxf(mass, ExpRef(__fsub_rn(__fadd_rn(x.x, LogRef(x.y)), lse[n])));
+  }
+  *w = mass;
+  return best;
+}
+
+// Unit id at candidate-unit position i of head row `row` (-1 for padding).
+__device__ __forceinline__ int UnitAt(const ExDesc& e, long long row, int per, int i) {
+  const int c = e.cand[row + i / per];
+  return c < 0 ? -1 : c * per + i % per;
+}
+
+// Block (hh, item). Dynamic shared memory: keys [max_pow2] u64, then ids [k], claimed [k],
+// free [k] int (claimed holds the masses w of the first k ranks before the slot diff).
+__global__ void __launch_bounds__(kUnitFinalThreads)
+    FinalUnitKernel(const ExDesc* __restrict__ descs, int g, int k, int per, float top_p,
+                    int min_k, int max_pow2) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ float s_lse[kMaxG];
+  __shared__ int s_valid, s_kk;
+  uint64_t* keys = reinterpret_cast<uint64_t*>(smem);
+  int* ids = reinterpret_cast<int*>(keys + max_pow2);
+  int* claimed = ids + k;
+  int* free_slots = claimed + k;
+  const ExDesc& e = descs[blockIdx.y];
+  const int hh = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const long long row = static_cast<long long>(hh) * e.width;  // of cand
+  const int n_units = e.width * per;
+  const float2* stats = e.stats + row * per * g;                // [n_units, g]
+  // LSE_n over every candidate unit: the max of M + log S, then the sum of
+  // exp(M + log S - max) (units with a finite M); warp n.
+  for (int n = warp; n < g; n += blockDim.x / 32) {
+    float mx = -INFINITY;
+    for (int i = lane; i < n_units; i += 32) {
+      const float2 x = stats[static_cast<long long>(i) * g + n];
+      if (x.x != -INFINITY) mx = fmaxf(mx, __fadd_rn(x.x, LogRef(x.y)));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float z = 0.0f;
+    if (mx != -INFINITY) {
+      for (int i = lane; i < n_units; i += 32) {
+        const float2 x = stats[static_cast<long long>(i) * g + n];
+        if (x.x != -INFINITY) z = __fadd_rn(z, ExpRef(__fsub_rn(__fadd_rn(x.x, LogRef(x.y)), mx)));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) z = __fadd_rn(z, __shfl_xor_sync(0xffffffffu, z, o));
+    }
+    if (lane == 0) s_lse[n] = mx == -INFINITY ? -INFINITY : __fadd_rn(mx, LogRef(z));
+  }
+  float* wrank = reinterpret_cast<float*>(claimed);
+  for (int i = tid; i < k; i += blockDim.x) wrank[i] = 0.0f;
+  __syncthreads();
+  const int kpow2 = e.kpow2;
+  for (int i = tid; i < kpow2; i += blockDim.x) {
+    uint64_t key = 0;
+    if (i < n_units) {
+      const int id = UnitAt(e, row, per, i);
+      if (id >= 0) {
+        float w;
+        key = CandidateKey(UnitScore(stats + static_cast<long long>(i) * g, g, s_lse, &w), id);
+      }
+    }
+    keys[i] = ~key;  // ascending sort of ~key: best first, padding (~0) last
+  }
+  BitonicSortAsc(keys, kpow2);
+  if (tid == 0) {
+    int lo = 0, hi = kpow2;  // the first padding entry
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (keys[mid] != ~0ull)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    s_valid = lo;
+  }
+  __syncthreads();
+  const int n_valid = s_valid;
+  const int k_cap = min(k, n_valid);
+  // With a budget: the masses w of ranks [0, k_cap) into wrank (each unit finds its rank by
+  // a binary search of its key among the sorted keys; ids are distinct).
+  if (top_p > 0.0f && k_cap > 0) {
+    for (int i = tid; i < n_units; i += blockDim.x) {
+      const int id = UnitAt(e, row, per, i);
+      if (id < 0) continue;
+      float w;
+      const float sc = UnitScore(stats + static_cast<long long>(i) * g, g, s_lse, &w);
+      const uint64_t key = ~CandidateKey(sc, id);
+      int lo = 0, hi = n_valid;
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (keys[mid] < key)
+          lo = mid + 1;
+        else
+          hi = mid;
+      }
+      if (lo < k_cap) wrank[lo] = w;
+    }
+    __syncthreads();
+  }
+  if (tid == 0) {
+    int kk = k_cap;
+    if (top_p > 0.0f && kk > 0) {
+      float cum = 0.0f;
+      int n = kk;
+      for (int i = 0; i < kk; ++i) {
+        const float w = wrank[i];
+        cum = __fadd_rn(cum, isfinite(w) && w > 0.0f ? w : 0.0f);
+        if (cum >= top_p) {
+          n = i + 1;
+          break;
+        }
+      }
+      kk = min(kk, max(n, min_k));
+    }
+    s_kk = kk;
+  }
+  __syncthreads();
+  const int kk = s_kk;
+  int* selected = e.selected + static_cast<long long>(hh) * k;
+  for (int i = tid; i < k; i += blockDim.x) {
+    selected[i] = i < kk ? static_cast<int>(0xffffffffu - static_cast<uint32_t>(~keys[i])) : -1;
+  }
+  __syncthreads();
+  // The chosen unit ids ascending, for the slot diff: reuse keys[0, pow2(kk)).
+  int p2 = 1;
+  while (p2 < kk) p2 <<= 1;
+  for (int i = tid; i < p2; i += blockDim.x) {
+    keys[i] = i < kk ? static_cast<uint64_t>(selected[i]) : ~0ull;
+  }
+  BitonicSortAsc(keys, p2);
+  for (int i = tid; i < kk; i += blockDim.x) ids[i] = static_cast<int>(keys[i]);
+  __syncthreads();
+  if (tid == 0) {
+    SlotDiffUnits(ids, kk, k, e.view, hh, per, e.slots + static_cast<long long>(hh) * k,
+                  e.miss_slot + static_cast<long long>(hh) * k,
+                  e.miss_chunk + static_cast<long long>(hh) * k, e.miss_count + hh, claimed,
+                  free_slots);
+  }
+}
+
+// SelectEx with selection units (options.units()): checks, stage 1, stage 2 per unit, the
+// final ranking and slot diff.
+absl::Status SelectExUnits(int device, const LayerShape& shape, int k, const SelectOptions& o,
+                           absl::Span<const SelectItem> items, Workspace ws, cudaStream_t st) {
+  KVSHADE_RETURN_IF_ERROR(validate::SelectEx(
+      shape, k, o, items, ws, PlanSelectExUnits(shape, k, o, items, nullptr, nullptr, nullptr)));
+  if (o.candidates < 0 || !(o.top_p >= 0.0f && o.top_p <= 1.0f) || o.min_k < 0 ||
+      o.min_k > k) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SelectEx: options need candidates >= 0, top_p in [0, 1], min_k in [0, k = ", k,
+        "] and C >= 1 with two stages; got candidates ", o.candidates, ", top_p ", o.top_p,
+        ", min_k ", o.min_k, ", C ", o.C));
+  }
+  if (items.empty()) return absl::OkStatus();
+  const int h = shape.h, g = shape.g, d = shape.d;
+  const int per = o.units_per_chunk();
+  const int k1 = UnitK1(k, o);
+  if (k > kMaxK) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SelectEx: the CUDA backend supports k <= ", kMaxK, " selection units, got k = ", k));
+  }
+  KVSHADE_RETURN_IF_ERROR(CheckSelectLimits(shape, std::min(k1, kMaxK), items));
+  cuda::DeviceRope rope{};
+  if (!o.signatures) {
+    KVSHADE_ASSIGN_OR_RETURN(rope, cuda::MakeDeviceRope(o.rope, d));
+  }
+  std::vector<ExDesc> descs(items.size());
+  ExPlan plan;
+  PlanSelectExUnits(shape, k, o, items, ws.data, &descs, &plan);
+  int max_pow2 = 1, max_width = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    ExDesc& e = descs[i];
+    if (!e.all && k1 > kMaxK) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "SelectEx: the CUDA backend keeps at most ", kMaxK,
+          " stage-1 candidate chunks, got max(candidates, ceil(k*unit/C)) = ", k1));
+    }
+    const int64_t units = int64_t(e.width) * per;
+    if (units > kMaxCandidateUnits) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "SelectEx: the CUDA backend ranks at most ", kMaxCandidateUnits,
+          " candidate units per head (kMaxCandidateUnits), items[", i, "] has ", e.width,
+          " candidate chunks x ", per, " units per chunk = ", units,
+          " (fewer candidates or a larger unit)"));
+    }
+    if (o.signatures) {
+      const SessionLayerView& v = items[i].view;
+      if (!ValidSignatureBits(v.sig_bits) || (int64_t{d} * v.sig_bits) % 32 != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "SelectEx: items[", i, "].view.sig_bits = ", v.sig_bits,
+            " (stage 2 from key signatures needs 2 or 4, with d*bits a multiple of 32)"));
+      }
+      for (int sgi = 0; sgi < v.n_segments; ++sgi) {
+        if (v.segments[sgi].n_chunks > 0 && v.segments[sgi].sig == nullptr) {
+          return absl::InvalidArgumentError(
+              absl::StrCat("SelectEx: items[", i, "].view.segments[", sgi,
+                           "].sig is null (stage 2 scores key signatures)"));
+        }
+      }
+    } else if (items[i].view.b == nullptr || items[i].view.r < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("SelectEx: items[", i, "].view needs b and r >= 1 for two stages"));
+    }
+    e.view = cuda::MakeDevView(items[i].view);
+    e.q = cuda::AsNv(items[i].q);
+    e.slots = items[i].slots;
+    e.selected = items[i].selected;
+    e.miss_slot = items[i].miss_slot;
+    e.miss_chunk = items[i].miss_chunk;
+    e.miss_count = items[i].miss_count;
+    e.logits = nullptr;
+    e.partials = nullptr;
+    e.n_blocks = 0;
+    e.kpow2 = NextPow2(static_cast<int>(std::max<int64_t>(units, 1)));
+    max_pow2 = std::max(max_pow2, e.kpow2);
+    max_width = std::max(max_width, e.width);
+  }
+  KVSHADE_RETURN_IF_ERROR(cuda::UseDevice(device));
+  int optin = 0;
+  KVSHADE_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const size_t final_smem = size_t(max_pow2) * 8 + size_t(3) * k * sizeof(int);
+  const size_t stage2_smem = (size_t(g) * (d + 1) + size_t(kStage2Warps) * d) * sizeof(float);
+  if (final_smem > size_t(optin) || stage2_smem > size_t(optin)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "SelectEx: selection units at k = ", k, " over ", max_pow2,
+        " candidate-unit sort slots (or g = ", g, ", d = ", d, ") need ",
+        std::max(final_smem, stage2_smem), " bytes of shared memory per block, above the "
+        "device limit ", optin));
+  }
+  if (!plan.stage1.empty()) {
+    for (const SelectItem& si : plan.stage1) {
+      KVSHADE_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(si.slots, 0xff, size_t(h) * k1 * sizeof(int), st));
+    }
+    KVSHADE_RETURN_IF_ERROR(
+        LaunchSelect(device, shape, k1, plan.stage1, plan.stage1_ws, st, nullptr));
+  }
+  KVSHADE_RETURN_IF_ERROR(
+      cuda::StageDescriptors(descs.data(), static_cast<int>(descs.size()), plan.dev_descs, st));
+  const unsigned n_items = static_cast<unsigned>(items.size());
+  if (plan.stage1.size() < items.size()) {
+    FillAllKernel<<<n_items, 256, 0, st>>>(plan.dev_descs, h);
+    KVSHADE_CUDA_LAUNCH_CHECK();
+  }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  const dim3 grid2(cuda::CeilDiv(max_width, kStage2Warps), h, n_items);
+  auto stage2 = [&](auto kernel) -> absl::Status {
+    if (stage2_smem > (48 << 10)) {
+      KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(stage2_smem)));
+    }
+    kernel<<<grid2, 32 * kStage2Warps, stage2_smem, st>>>(plan.dev_descs, g, d, o.C, o.unit,
+                                                          scale, rope);
+    KVSHADE_CUDA_LAUNCH_CHECK();
+    return absl::OkStatus();
+  };
+  if (o.signatures) {
+    KVSHADE_RETURN_IF_ERROR(stage2(Stage2UnitKernel<true>));
+  } else {
+    KVSHADE_RETURN_IF_ERROR(stage2(Stage2UnitKernel<false>));
+  }
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      FinalUnitKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(final_smem)));
+  FinalUnitKernel<<<dim3(h, n_items), kUnitFinalThreads, final_smem, st>>>(
+      plan.dev_descs, g, k, per, o.top_p, o.min_k, max_pow2);
+  KVSHADE_CUDA_LAUNCH_CHECK();
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 size_t CudaBackend::SelectExWorkspaceBytes(const LayerShape& shape, int k,
                                            const SelectOptions& options,
                                            absl::Span<const SelectItem> items) const {
+  if (options.units()) {
+    return PlanSelectExUnits(shape, k, options, items, nullptr, nullptr, nullptr);
+  }
   return PlanSelectEx(shape, k, options, items, nullptr, nullptr, nullptr);
 }
 
@@ -1489,10 +2023,7 @@ absl::Status CudaBackend::SelectEx(const LayerShape& shape, int k, const SelectO
                                    Stream stream) {
   KVSHADE_RETURN_IF_ERROR(validate::SelectUnit(options));
   if (options.units()) {
-    return absl::UnimplementedError(absl::StrCat(
-        "SelectEx: the CUDA backend does not support SelectOptions::unit (selection units "
-        "below the chunk size) yet, got unit = ",
-        options.unit, " with C = ", options.C, "; use unit 0 (whole chunks) or the CPU backend"));
+    return SelectExUnits(device_, shape, k, options, items, ws, cuda::ToCudaStream(stream));
   }
   KVSHADE_RETURN_IF_ERROR(validate::Select(shape, k, items, ws,
                                            SelectExWorkspaceBytes(shape, k, options, items)));

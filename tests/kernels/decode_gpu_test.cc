@@ -583,14 +583,17 @@ struct ReconOut {
   std::vector<bf16> keys, values;
 };
 
+// unit: ReconstructItem::unit of every item (rows of T = unit tokens when 0 < unit < C).
 std::vector<ReconOut> RunReconstruct(Backend& be, const LayerShape& shape, int C, int k, int r,
                                      const RopeSpec& rope, const ValueCodecSpec& codec,
-                                     const std::vector<ReconInput>& in) {
-  const size_t rows = size_t(shape.h) * k * C * shape.d;
+                                     const std::vector<ReconInput>& in, int unit = 0) {
+  const int tokens = unit > 0 && unit < C ? unit : C;
+  const size_t rows = size_t(shape.h) * k * tokens * shape.d;
   std::vector<Buffer> keep;
   std::vector<ReconstructItem> items(in.size());
   for (size_t i = 0; i < in.size(); ++i) {
     ReconstructItem& it = items[i];
+    it.unit = unit;
     it.view.n_segments = int(in[i].segments.size());
     it.view.r = r;
     keep.push_back(Upload(be, in[i].b));
@@ -893,6 +896,156 @@ TEST(DecodeGpuTest, ReconstructSlotParity) {
         "[decode parity] reconstruct slots %-18s keys: max %.2f bf16 ulp (tolerance 2), %zu "
         "over; values: %zu/%zu differ (tolerance: exact); rows no miss names touched: %zu; "
         "out-of-range slots: %zu elements wrong (tolerance 0)\n",
+        cs.name.c_str(), worst_ulps, key_fail, value_diff, checked, untouched_bad, skip_bad);
+  }
+}
+
+// Selection units (ReconstructItem::unit = u < C): rows of u tokens, unit j being tokens
+// [(j*u) % C, +u) of chunk (j*u) / C, against the CPU with the whole-chunk tolerances (keys
+// within 2 bf16 ulps, values bit-identical) for every codec, compact rows and slot rows,
+// units that straddle key tiles (C = 24, u = 3 and 8), rows no miss names untouched, and
+// misses with out-of-range ids or slots skipped on the GPU.
+TEST(DecodeGpuTest, ReconstructUnitParity) {
+  KVSHADE_CUDA_OR_SKIP(gpu);
+  auto cpu = Cpu();
+  auto rng = MakeRng(42);
+  const int r = 64;
+  const int seg_chunks[2] = {70, 45};
+  struct Case {
+    LayerShape shape;
+    int C, u;
+    ValueCodecSpec codec;
+    RopeSpec rope;
+    bool slots;
+    std::string name;
+  };
+  RopeSpec llama3;
+  llama3.theta = 500000.0f;
+  llama3.scaling = RopeScaling::kLlama3;
+  llama3.factor = 8.0f;
+  llama3.pairing = RopePairing::kInterleaved;
+  const Case cases[] = {
+      {LayerShape{4, 4, 128}, 8, 1, {ValueCodec::kBF16, 16}, RopeSpec{}, true, "bf16/C8/u1"},
+      {LayerShape{4, 4, 128}, 8, 2, {ValueCodec::kBF16, 16}, RopeSpec{}, false, "bf16/C8/u2"},
+      {LayerShape{4, 4, 128}, 8, 4, {ValueCodec::kFP8, 16}, RopeSpec{}, true, "fp8/C8/u4"},
+      {LayerShape{4, 4, 128}, 8, 1, {ValueCodec::kFP8, 16}, RopeSpec{}, false, "fp8/C8/u1"},
+      {LayerShape{4, 4, 128}, 8, 2, {ValueCodec::kINT4, 32}, RopeSpec{}, true, "int4/C8/u2"},
+      {LayerShape{4, 4, 64}, 8, 1, {ValueCodec::kINT4, 16}, RopeSpec{}, false, "int4/C8/u1/d64"},
+      {LayerShape{4, 4, 128}, 8, 4, {ValueCodec::kINT2, 32}, RopeSpec{}, true, "int2/C8/u4"},
+      {LayerShape{4, 4, 64}, 8, 1, {ValueCodec::kINT2, 16}, RopeSpec{}, true, "int2/C8/u1/d64"},
+      {LayerShape{4, 4, 128}, 24, 3, {ValueCodec::kBF16, 16}, llama3, true, "bf16/C24/u3+llama3"},
+      {LayerShape{4, 2, 96}, 24, 8, {ValueCodec::kINT4, 16}, llama3, false, "int4/C24/u8/d96"},
+  };
+  for (const Case& cs : cases) {
+    const int h = cs.shape.h, d = cs.shape.d, C = cs.C, u = cs.u, per = C / u;
+    const int k = 96;
+    const size_t row_elems = size_t(u) * d;
+    std::vector<ReconInput> in(2);
+    for (size_t i = 0; i < in.size(); ++i) {
+      ReconInput& it = in[i];
+      int64_t pos = 3;
+      for (int s = 0; s < 2; ++s) {
+        ReconSegment seg;
+        seg.n_chunks = seg_chunks[s];
+        seg.first_position = pos;
+        pos += int64_t(seg.n_chunks) * C + 40 + 1000 * int64_t(i);
+        seg.a = RandomBf16(size_t(seg.n_chunks) * C * r, rng, 1.0f);
+        FillValues(*cpu, cs.shape, C, cs.codec, s == 1 ? 4 : 0, s == 1 ? 12 : 0, rng, seg);
+        it.segments.push_back(std::move(seg));
+      }
+      it.b = RandomBf16(size_t(h) * r * d, rng, 1.0f / std::sqrt(float(r)));
+      it.miss_chunk.assign(size_t(h) * k, -1);
+      it.miss_count.assign(h, 0);
+      if (cs.slots) it.miss_slot.assign(size_t(h) * k, -1);
+      const int units = it.total() * per;
+      for (int hh = 0; hh < h; ++hh) {
+        // Random distinct units, the last unit of the view among them on head 0; one head
+        // with none and one with all k.
+        int count = 40 + int(rng() % 30);
+        if (hh == 1) count = 0;
+        if (hh == 2) count = k;
+        std::set<int> ids;
+        if (hh == 0) ids.insert(units - 1);
+        while (int(ids.size()) < count) ids.insert(int(rng() % units));
+        int j = 0;
+        for (int c : ids) it.miss_chunk[size_t(hh) * k + j++] = c;
+        it.miss_count[hh] = count;
+        if (cs.slots) {
+          std::vector<int32_t> perm(k);
+          std::iota(perm.begin(), perm.end(), 0);
+          std::shuffle(perm.begin(), perm.end(), rng);
+          std::copy(perm.begin(), perm.begin() + count, it.miss_slot.begin() + size_t(hh) * k);
+        }
+      }
+    }
+    // Both outputs start as 0xFFFF everywhere (Scratch), so untouched rows compare too.
+    std::vector<ReconOut> oc = RunReconstruct(*cpu, cs.shape, C, k, r, cs.rope, cs.codec, in, u);
+    std::vector<ReconOut> og = RunReconstruct(*gpu, cs.shape, C, k, r, cs.rope, cs.codec, in, u);
+    double worst_ulps = 0;
+    size_t key_fail = 0, value_diff = 0, untouched_bad = 0, checked = 0;
+    for (size_t i = 0; i < in.size(); ++i) {
+      double ss = 0;
+      for (const bf16 x : oc[i].keys) {
+        if (x.bits != 0xFFFF) ss += double(Bf16ToFloat(x)) * Bf16ToFloat(x);
+      }
+      const double floor_mag = 1e-3 * std::sqrt(ss / double(oc[i].keys.size()));
+      for (int hh = 0; hh < h; ++hh) {
+        std::vector<bool> named(k, false);
+        for (int j = 0; j < in[i].miss_count[hh]; ++j) {
+          named[cs.slots ? in[i].miss_slot[size_t(hh) * k + j] : j] = true;
+        }
+        for (int row = 0; row < k; ++row) {
+          const size_t at = (size_t(hh) * k + row) * row_elems;
+          for (size_t e = at; e < at + row_elems; ++e) {
+            const bf16 kg = og[i].keys[e], vg = og[i].values[e];
+            if (!named[row]) {
+              untouched_bad += kg.bits != 0xFFFF || vg.bits != 0xFFFF ||
+                               oc[i].keys[e].bits != 0xFFFF || oc[i].values[e].bits != 0xFFFF;
+              continue;
+            }
+            const double a = Bf16ToFloat(kg), b = Bf16ToFloat(oc[i].keys[e]);
+            const double ulps =
+                std::fabs(a - b) / Bf16Ulp(std::max({std::fabs(a), std::fabs(b), floor_mag}));
+            worst_ulps = std::max(worst_ulps, ulps);
+            key_fail += ulps > 2.0;
+            value_diff += vg.bits != oc[i].values[e].bits;
+            ++checked;
+          }
+        }
+      }
+    }
+    EXPECT_EQ(key_fail, 0u) << cs.name;
+    EXPECT_EQ(value_diff, 0u) << cs.name;
+    EXPECT_EQ(untouched_bad, 0u) << cs.name;
+    EXPECT_GT(checked, 0u) << cs.name;
+
+    // Device-resident ids the GPU cannot check from the host: a unit id past the view and a
+    // negative one are skipped (their rows stay untouched), the rest is as above.
+    std::vector<ReconInput> bad = in;
+    const int units0 = bad[0].total() * per;
+    bad[0].miss_chunk[0] = units0;
+    bad[0].miss_chunk[1] = -1;
+    std::vector<ReconOut> ob = RunReconstruct(*gpu, cs.shape, C, k, r, cs.rope, cs.codec, bad, u);
+    const size_t lost0 = cs.slots ? size_t(in[0].miss_slot[0]) : 0;
+    const size_t lost1 = cs.slots ? size_t(in[0].miss_slot[1]) : 1;
+    size_t skip_bad = 0;
+    for (size_t i = 0; i < bad.size(); ++i) {
+      for (size_t e = 0; e < og[i].keys.size(); ++e) {
+        const size_t row = e / row_elems;
+        const bool lost = i == 0 && (row == lost0 || row == lost1);
+        if (lost) {
+          skip_bad += ob[i].keys[e].bits != 0xFFFF || ob[i].values[e].bits != 0xFFFF;
+        } else {
+          skip_bad += ob[i].keys[e].bits != og[i].keys[e].bits ||
+                      ob[i].values[e].bits != og[i].values[e].bits;
+        }
+      }
+    }
+    EXPECT_EQ(skip_bad, 0u) << cs.name;
+    std::printf(
+        "[decode parity] reconstruct units %-20s keys: max %.2f bf16 ulp (tolerance 2), %zu "
+        "over; values: %zu/%zu differ (tolerance: exact); rows no miss names touched: %zu; "
+        "out-of-range ids: %zu elements wrong (tolerance 0)\n",
         cs.name.c_str(), worst_ulps, key_fail, value_diff, checked, untouched_bad, skip_bad);
   }
 }

@@ -1,12 +1,14 @@
 // CUDA parity of SelectEx (two stages, mass budgets, both, every chunk scored; stage 2's
 // per-query-head normalisation on a planted group) and AssignSlots against the CPU reference
 // (select_ex_test.cc holds the CPU's own tests); the key signature encoder byte for byte and
-// stage 2 from signatures; selection units refused (Unimplemented) until CUDA has them.
+// stage 2 from signatures; selection units (SelectOptions::unit) equal to the CPU exactly.
 // Scores are summed in another order on the GPU, so chunks whose scores tie to within fp32
 // rounding may swap: a difference is accepted only where the double-precision stage-2
 // scores (log m over the CPU's stage-1 candidates) of the two chunks agree to 1e-3.
 #include <algorithm>
+#include <random>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -269,62 +271,164 @@ TEST(SelectExGpu, SignaturesParity) {
   }
 }
 
-// Selection units below the chunk size (SelectOptions::unit, ReconstructItem::unit) are the
-// CPU backend's alone for now: CUDA answers Unimplemented naming the field, after the shared
-// checks (a unit that does not divide C is InvalidArgument on both), and unit = C is whole
-// chunks.
-TEST(SelectExGpu, RefusesSelectionUnits) {
+// Selection units (SelectOptions::unit = u < C): the GPU's outputs equal the CPU's exactly,
+// `selected`, the slot table and the miss lists, over several steps that carry the slot
+// table on (hits, misses, units kept in unused slots under a mass budget). Both backends
+// compute the stage-2 logits with the same arithmetic (keys reconstructed with fp32 sums in
+// rank order, double-precision RoPE, bf16 rounding; fp32 dots in channel order), so only
+// units whose scores tie to within fp32 rounding of the LSE sums could differ; on a
+// mismatch the message gives both rows.
+std::string Row(const std::vector<int32_t>& v, int hh, int k) {
+  std::string out;
+  for (int i = 0; i < k; ++i) out += std::to_string(v[size_t(hh) * k + i]) + " ";
+  return out;
+}
+
+void ExpectSameUnitOutputs(const ExOut& a, const ExOut& b, int h, int k, const std::string& what) {
+  for (int hh = 0; hh < h; ++hh) {
+    EXPECT_EQ(Row(a.selected, hh, k), Row(b.selected, hh, k)) << what << " selected, head " << hh;
+    EXPECT_EQ(Row(a.slots, hh, k), Row(b.slots, hh, k)) << what << " slots, head " << hh;
+    EXPECT_EQ(Row(a.miss_slot, hh, k), Row(b.miss_slot, hh, k))
+        << what << " miss_slot, head " << hh;
+    EXPECT_EQ(Row(a.miss_chunk, hh, k), Row(b.miss_chunk, hh, k))
+        << what << " miss_chunk, head " << hh;
+  }
+  EXPECT_EQ(a.miss_count, b.miss_count) << what;
+}
+
+// The next step's query: this one plus noise, so that most units stay selected (hits).
+std::vector<bf16> NextQuery(const std::vector<bf16>& q, std::mt19937_64& rng) {
+  const std::vector<bf16> noise = testing::RandomBf16(q.size(), rng, 0.3f);
+  std::vector<bf16> out(q.size());
+  for (size_t i = 0; i < q.size(); ++i) {
+    out[i] = FloatToBf16(Bf16ToFloat(q[i]) + Bf16ToFloat(noise[i]));
+  }
+  return out;
+}
+
+TEST(SelectExGpu, UnitsParityWithTheCpuReference) {
   KVSHADE_CUDA_OR_SKIP(gpu);
-  auto rng = MakeRng(900);
-  LowRankCase c = RandomLowRank(rng, {2, 2, 64}, 8, 32, 40);
-  const int k = 8;
+  auto cpu = Cpu();
+  struct Shape {
+    LayerShape shape;
+    int sig_bits;
+  };
+  const Shape shapes[] = {{{4, 4, 64}, 4}, {{2, 8, 128}, 2}};
+  for (int si = 0; si < 2; ++si) {
+    auto rng = MakeRng(1100 + si);
+    const LowRankCase base = [&] {
+      LowRankCase c = RandomLowRank(rng, shapes[si].shape, 8, 32, 160, /*static_every=*/9);
+      testing::BuildSignatures(c, shapes[si].sig_bits);
+      return c;
+    }();
+    const int h = base.shape.h;
+    for (int u : {1, 2, 4}) {
+      const int k = 12 * base.C / u;  // the token budget of 12 chunks
+      for (bool sig : {false, true}) {
+        // 16: stage 1 keeps 16 chunks (k1 = max(16, 12)); 100000: every chunk is scored.
+        for (int cands : {16, 100000}) {
+          for (float top_p : {0.0f, 0.7f}) {
+            SelectOptions o;
+            o.candidates = cands;
+            o.C = base.C;
+            o.rope = base.rope;
+            o.unit = u;
+            o.signatures = sig;
+            o.top_p = top_p;
+            o.min_k = top_p > 0 ? 3 : 0;
+            LowRankCase c = base;
+            std::vector<int32_t> slots(size_t(h) * k, -1);
+            for (int step = 0; step < 3; ++step) {
+              const std::string what = "shape " + std::to_string(si) + " u " +
+                                       std::to_string(u) + " sig " + std::to_string(sig) +
+                                       " candidates " + std::to_string(cands) + " top_p " +
+                                       std::to_string(top_p) + " step " + std::to_string(step);
+              absl::Status sa, sb;
+              const ExOut a = RunEx(*cpu, c, k, &o, slots, nullptr, &sa);
+              const ExOut b = RunEx(*gpu, c, k, &o, slots, nullptr, &sb);
+              ASSERT_TRUE(sa.ok()) << what << ": " << sa;
+              ASSERT_TRUE(sb.ok()) << what << ": " << sb;
+              ExpectSameUnitOutputs(a, b, h, k, what);
+              slots = a.slots;
+              c.q = NextQuery(c.q, rng);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// Items of one call on both paths (every chunk scored, stage 1), with units.
+TEST(SelectExGpu, UnitsMixedBatchParity) {
+  KVSHADE_CUDA_OR_SKIP(gpu);
+  auto cpu = Cpu();
+  auto rng = MakeRng(1200);
+  std::vector<LowRankCase> cs;
+  for (int chunks : {40, 300, 700}) cs.push_back(RandomLowRank(rng, {4, 2, 64}, 8, 32, chunks, 11));
+  for (int u : {1, 2}) {
+    const int k = 10 * 8 / u;
+    SelectOptions o;
+    o.candidates = 48;  // every chunk of the first item, stage 1 for the others
+    o.C = 8;
+    o.rope = cs[0].rope;
+    o.unit = u;
+    for (float top_p : {0.0f, 0.6f}) {
+      o.top_p = top_p;
+      o.min_k = top_p > 0 ? 2 : 0;
+      const std::vector<ExOut> a = RunBatch(*cpu, cs, k, o), b = RunBatch(*gpu, cs, k, o);
+      for (size_t i = 0; i < cs.size(); ++i) {
+        ExpectSameUnitOutputs(a[i], b[i], cs[i].shape.h, k,
+                              "u " + std::to_string(u) + " top_p " + std::to_string(top_p) +
+                                  " item " + std::to_string(i));
+      }
+    }
+  }
+}
+
+// The CUDA backend's limits for units, each an InvalidArgument naming it (the CPU backend
+// has none): at most 16384 candidate units per head and k <= 4096 units. A unit that does
+// not divide C is refused by both; unit = C is whole chunks.
+TEST(SelectExGpu, UnitsLimits) {
+  KVSHADE_CUDA_OR_SKIP(gpu);
+  auto cpu = Cpu();
+  auto rng = MakeRng(1300);
+  LowRankCase c = RandomLowRank(rng, {2, 1, 16}, 64, 8, 300);
+  const int h = c.shape.h;
   SelectOptions o;
-  o.candidates = 16;
   o.C = c.C;
   o.rope = c.rope;
+  o.unit = 1;
   absl::Status st;
-  o.unit = 2;
-  RunEx(*gpu, c, k, &o, std::vector<int32_t>(size_t(c.shape.h) * k, -1), nullptr, &st);
-  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
-  EXPECT_NE(st.message().find("SelectOptions::unit"), std::string::npos) << st;
+  // 260 candidate chunks of 64 units: 16640 candidate units.
+  o.candidates = 260;
+  int k = 64;
+  RunEx(*gpu, c, k, &o, std::vector<int32_t>(size_t(h) * k, -1), nullptr, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("16384 candidate units"), std::string::npos) << st;
+  RunEx(*cpu, c, k, &o, std::vector<int32_t>(size_t(h) * k, -1), nullptr, &st);
+  EXPECT_TRUE(st.ok()) << st;
+  // 256 candidate chunks: 16384 units, the limit itself.
+  o.candidates = 256;
+  const ExOut a = RunEx(*cpu, c, k, &o, std::vector<int32_t>(size_t(h) * k, -1), nullptr, &st);
+  ASSERT_TRUE(st.ok()) << st;
+  const ExOut b = RunEx(*gpu, c, k, &o, std::vector<int32_t>(size_t(h) * k, -1), nullptr, &st);
+  ASSERT_TRUE(st.ok()) << st;
+  ExpectSameUnitOutputs(a, b, h, k, "16384 candidate units");
+  // k above 4096 units.
+  o.candidates = 8;
+  o.unit = 4;  // 16 units per chunk: k = 4097 needs 257 chunks, 4112 units
+  k = 4097;
+  RunEx(*gpu, c, k, &o, std::vector<int32_t>(size_t(h) * k, -1), nullptr, &st);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("k <= 4096"), std::string::npos) << st;
   o.unit = 3;
-  RunEx(*gpu, c, k, &o, std::vector<int32_t>(size_t(c.shape.h) * k, -1), nullptr, &st);
+  k = 8;
+  RunEx(*gpu, c, k, &o, std::vector<int32_t>(size_t(h) * k, -1), nullptr, &st);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   o.unit = c.C;
-  RunEx(*gpu, c, k, &o, std::vector<int32_t>(size_t(c.shape.h) * k, -1), nullptr, &st);
+  RunEx(*gpu, c, k, &o, std::vector<int32_t>(size_t(h) * k, -1), nullptr, &st);
   EXPECT_TRUE(st.ok()) << st;
-
-  const int h = c.shape.h, d = c.shape.d;
-  std::vector<Buffer> keep;
-  ReconstructItem ri;
-  ri.view.n_segments = 1;
-  keep.push_back(testing::Upload(*gpu, c.b));
-  ri.view.b = static_cast<const bf16*>(keep.back().data());
-  ri.view.r = c.r;
-  ri.view.segments[0].n_chunks = c.n_chunks;
-  ri.view.segments[0].first_position = c.first_position;
-  keep.push_back(testing::Upload(*gpu, c.a));
-  ri.view.segments[0].a = static_cast<const bf16*>(keep.back().data());
-  auto values = gpu->AllocateHostVisible(size_t(h) * c.n_chunks * c.C * d * 2);
-  ASSERT_TRUE(values.ok()) << values.status();
-  ri.view.segments[0].values = static_cast<const std::byte*>(values->data());
-  ri.view.segments[0].value_head_stride = int64_t(c.n_chunks) * c.C * d * 2;
-  ri.view.segments[0].value_chunk_stride = int64_t(c.C) * d * 2;
-  keep.push_back(testing::Upload(*gpu, std::vector<int32_t>(size_t(h) * k, 0)));
-  ri.miss_chunk = static_cast<const int32_t*>(keep.back().data());
-  keep.push_back(testing::Upload(*gpu, std::vector<int32_t>(h, 1)));
-  ri.miss_count = static_cast<const int32_t*>(keep.back().data());
-  keep.push_back(testing::Scratch<bf16>(*gpu, size_t(h) * k * c.C * d));
-  ri.keys = static_cast<bf16*>(keep.back().data());
-  keep.push_back(testing::Scratch<bf16>(*gpu, size_t(h) * k * c.C * d));
-  ri.values = static_cast<bf16*>(keep.back().data());
-  ri.unit = 2;
-  std::vector<ReconstructItem> items = {ri};
-  auto ws = gpu->Allocate(std::max<size_t>(gpu->ReconstructWorkspaceBytes(c.shape, k, items), 1));
-  ASSERT_TRUE(ws.ok());
-  st = gpu->Reconstruct(c.shape, c.C, k, c.rope, {}, items, ws->workspace());
-  EXPECT_EQ(st.code(), absl::StatusCode::kUnimplemented) << st;
-  EXPECT_NE(st.message().find("ReconstructItem::unit"), std::string::npos) << st;
 }
 
 }  // namespace

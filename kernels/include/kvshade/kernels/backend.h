@@ -248,9 +248,11 @@ struct SelectItem {
 //                k <= total_units (a caller keeping the token budget of kc chunks passes
 //                k = kc * C/u), and the slot diff runs unchanged on unit ids (a slot no
 //                miss needs keeps its unit when that unit belongs to a chunk the head may
-//                select). ReconstructItem::unit = u reconstructs such misses. CPU backend
-//                only: the CUDA backend answers Unimplemented; AssignSlots (model-native
-//                ids) stays on whole chunks.
+//                select). ReconstructItem::unit = u reconstructs such misses. Both
+//                backends; the CUDA backend's limits (InvalidArgument naming them): k <=
+//                4096 units and at most 16384 candidate units per head (stage-1 width, or
+//                total chunks when every chunk is a candidate, times C/u). AssignSlots
+//                (model-native ids) stays on whole chunks.
 // A head that keeps fewer than k chunks (units) has -1 in its trailing `selected` entries;
 // the slots it does not need keep the chunks (units) they held (SelectItem::slots).
 struct SelectOptions {
@@ -300,7 +302,7 @@ inline size_t SignatureRecordBytes(int bits, int d) { return size_t(d) * bits / 
 //                token i of unit j is token (j*u) % C + i of chunk (j*u) / C, its key from
 //                that token's A row, RoPE'd at its absolute position, its value decoded from
 //                that chunk's encoding (the same bits as the chunk's row in a whole-chunk
-//                Reconstruct). CPU backend only (CUDA answers Unimplemented).
+//                Reconstruct). Both backends.
 // Rows not named by a miss are left untouched. With miss_slot set, keys and values can be
 // a persistent slot buffer (the slot table's layout): each step's misses land in their
 // slots and the hits already there stay.

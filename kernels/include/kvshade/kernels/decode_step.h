@@ -80,9 +80,8 @@ struct SelectionPolicy {
 // Whether every segment of the view with chunks keeps key signatures (SegmentView::sig).
 bool HasSignatures(const kernels::SessionLayerView& view);
 
-// Whether `be` runs selection units at chunk size C: OK, or the backend's refusal (the
-// CUDA backend answers UNIMPLEMENTED until its kernels have them). Probes SelectEx with
-// no items; OK when the policy selects whole chunks.
+// Whether `be` runs selection units at chunk size C: OK, or the backend's refusal. Probes
+// SelectEx with no items; OK when the policy selects whole chunks.
 absl::Status CheckUnitsSupported(kernels::Backend& be, const kernels::LayerShape& shape,
                                  const SelectionPolicy& policy, int C,
                                  const kernels::RopeSpec& rope);
