@@ -922,6 +922,7 @@ bool IsAll(const SelectOptions& o, int64_t total, int k) {
 size_t PlanSelectEx(const LayerShape& shape, int k, const SelectOptions& o,
                     absl::Span<const SelectItem> items, void* base, std::vector<ExDesc>* descs,
                     ExPlan* plan) {
+  if (items.empty()) return 0;  // nothing to select: no workspace (a caller's probe)
   const int64_t h = std::max(shape.h, 0), g = std::max(shape.g, 0);
   const int k1 = ExK1(std::max(k, 0), o);
   cuda::WorkspaceCarver c(base);
@@ -1532,6 +1533,7 @@ int UnitK1(int k, const SelectOptions& o) {
 size_t PlanSelectExUnits(const LayerShape& shape, int k, const SelectOptions& o,
                          absl::Span<const SelectItem> items, void* base,
                          std::vector<ExDesc>* descs, ExPlan* plan) {
+  if (items.empty()) return 0;  // nothing to select: no workspace (a caller's probe)
   const int64_t h = std::max(shape.h, 0), g = std::max(shape.g, 0);
   const int64_t per = std::max(o.units_per_chunk(), 1);
   const int k1 = UnitK1(std::max(k, 0), o);

@@ -431,5 +431,22 @@ TEST(SelectExGpu, UnitsLimits) {
   EXPECT_TRUE(st.ok()) << st;
 }
 
+// A call with no items selects nothing and needs no workspace, units or not: what the
+// decode core's probe of a backend (decode::CheckUnitsSupported) sends before a daemon
+// accepts a session that selects units, or a same-node decoder joins one.
+TEST(SelectExGpu, UnitsWithNoItemsNeedNoWorkspace) {
+  KVSHADE_CUDA_OR_SKIP(gpu);
+  SelectOptions o;
+  o.C = 8;
+  o.candidates = 32;
+  for (int unit : {0, 1, 2, 4}) {
+    o.unit = unit;
+    EXPECT_TRUE(gpu->SelectEx({2, 4, 64}, 8, o, {}, Workspace{}, Stream{}).ok()) << "unit " << unit;
+  }
+  o.unit = 3;  // not a divisor of C: still refused without items
+  EXPECT_EQ(gpu->SelectEx({2, 4, 64}, 8, o, {}, Workspace{}, Stream{}).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvshade::kernels
