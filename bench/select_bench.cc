@@ -11,9 +11,14 @@
 // For each option it reports, averaged over `trials` queries (each a fresh query direction
 // with its own needles): recall@k against the oracle (SelectEx's stage 2 over every chunk:
 // the group's maximum of each query head's softmax over all reconstructed keys), the
-// fraction of needle chunks selected, the chunks kept per head, and the median time of the
+// fraction of needle tokens selected (in a selected chunk, or unit), the chunks kept per
+// head (for units: units kept / (C/u)), and the median time of the
 // selection call beside Select + Reconstruct of k chunks (the decode step's selection work
 // without the options).
+//
+// The `units of u` options select units of u tokens (docs/ALGORITHM.md "Selection units")
+// with the same token budget (k*C/u units), and are costed beside the reconstruction of
+// those units; they have no recall@k against the chunk oracle.
 //
 // The `sig` options run stage 2 from key signatures (docs/ALGORITHM.md "Key signatures"),
 // encoded by the backend from the keys and landmarks as ingest does: over 4k or 16k
@@ -93,6 +98,7 @@ struct Layer {
   std::vector<bf16> a, b, landmarks, q;
   std::vector<bf16> kr;  // [n, h, d] post-RoPE keys (bf16), for the key signatures
   std::vector<std::set<int>> needle_chunks;  // per head
+  std::vector<std::set<int>> needle_tokens;  // per head
 };
 
 // One trial's layer: keys with low-rank structure; needles planted along each query head
@@ -115,6 +121,7 @@ Layer Make(const Args& x, std::mt19937_64& rng) {
   L.q.resize(size_t(h) * g * d);
   for (auto& v : L.q) v = FloatToBf16(nd(rng));
   L.needle_chunks.resize(h);
+  L.needle_tokens.resize(h);
   RopeSpec rope;
   const RopeTable table = MakeRopeTable(rope, d).value();
   std::vector<int> perm(x.chunks - 1);
@@ -142,6 +149,7 @@ Layer Make(const Args& x, std::mt19937_64& rng) {
         a[size_t(t) * r + j] = dot / norm * x.needle_gain * typical;
       }
       L.needle_chunks[hh].insert(c);
+      L.needle_tokens[hh].insert(t);
     }
   }
   L.a.resize(a.size());
@@ -237,17 +245,21 @@ Out RunSelectEx(Backend& be, const Args& x, const Layer& L, int k, const SelectO
   return out;
 }
 
-// Median ms of Reconstruct of k chunks per head (bf16 values in host-visible memory).
-double ReconstructMs(Backend& be, const Args& x, const Layer& L, int k, int reps) {
+// Median ms of Reconstruct of k chunks per head (bf16 values in host-visible memory), or
+// with `unit` = u (0 < u < C) of the same token budget in units of u tokens (k*C/u units).
+double ReconstructMs(Backend& be, const Args& x, const Layer& L, int k, int reps, int unit = 0) {
   const int h = x.h;
+  const int u = unit > 0 && unit < x.C ? unit : x.C;
+  const int total = x.chunks * (x.C / u);  // selectable ids: chunks, or units
+  k = k * (x.C / u);
   Buffer a = Up(be, L.a), b = Up(be, L.b);
   Buffer values = be.AllocateHostVisible(size_t(h) * x.chunks * x.C * x.d * 2).value();
   std::memset(values.data(), 0, values.bytes());
   std::vector<int32_t> mc(size_t(h) * k), cnt(h, k);
   for (int hh = 0; hh < h; ++hh)
-    for (int j = 0; j < k; ++j) mc[size_t(hh) * k + j] = 1 + j * (x.chunks - 1) / k;
+    for (int j = 0; j < k; ++j) mc[size_t(hh) * k + j] = 1 + int(int64_t(j) * (total - 1) / k);
   Buffer mcb = Up(be, mc), cntb = Up(be, cnt);
-  const size_t rows = size_t(h) * k * x.C * x.d;  // bf16 elements of one item's keys
+  const size_t rows = size_t(h) * k * u * x.d;  // bf16 elements of one item's keys
   Buffer keys = be.Allocate(rows * 2 * x.batch).value();
   Buffer vals = be.Allocate(rows * 2 * x.batch).value();
   ReconstructItem it;
@@ -263,6 +275,7 @@ double ReconstructMs(Backend& be, const Args& x, const Layer& L, int k, int reps
   it.miss_count = static_cast<const int32_t*>(cntb.data());
   it.keys = static_cast<bf16*>(keys.data());
   it.values = static_cast<bf16*>(vals.data());
+  it.unit = u < x.C ? u : 0;
   std::vector<ReconstructItem> items(x.batch, it);
   for (int i = 1; i < x.batch; ++i) {
     items[i].keys = static_cast<bf16*>(keys.data()) + i * rows;
@@ -305,6 +318,7 @@ int main(int argc, char** argv) {
     float top_p;
     int min_k;
     int sig_bits = 0;  // stage 2 from key signatures of this many bits
+    int unit = 0;      // selection units of this many tokens (0: whole chunks)
   };
   const Opt opts[] = {{"one stage (landmarks)", 1, 0, 0},
                       {"two-stage x2", 2, 0, 0},
@@ -317,10 +331,16 @@ int main(int argc, char** argv) {
                       {"sig2 every chunk", 0, 0, 0, 2},
                       {"sig4 x4", 4, 0, 0, 4},
                       {"sig4 x16", 16, 0, 0, 4},
-                      {"sig4 every chunk", 0, 0, 0, 4}};
+                      {"sig4 every chunk", 0, 0, 0, 4},
+                      {"two-stage x4, units of 1", 4, 0, 0, 0, 1},
+                      {"sig4 x4, units of 4", 4, 0, 0, 4, 4},
+                      {"sig4 x4, units of 2", 4, 0, 0, 4, 2},
+                      {"sig4 x4, units of 1", 4, 0, 0, 4, 1},
+                      {"sig4 x16, units of 2", 16, 0, 0, 4, 2}};
   const int n_opts = int(sizeof(opts) / sizeof(opts[0]));
   std::vector<double> recall(n_opts, 0), needle(n_opts, 0), kept(n_opts, 0), ms(n_opts, 0);
   double rec_ms = 0;
+  double rec_unit_ms[8] = {0};  // by unit size (1, 2, 4), same token budget
   std::mt19937_64 rng(20261201);
   for (int trial = 0; trial < x.trials; ++trial) {
     const Layer L = Make(x, rng);
@@ -353,34 +373,51 @@ int main(int argc, char** argv) {
       o.top_p = opts[i].top_p;
       o.min_k = opts[i].min_k < 0 ? x.k / -opts[i].min_k : opts[i].min_k;
       o.signatures = opts[i].sig_bits > 0;
-      const Out out = RunSelectEx(be, x, L, x.k, &o, 3,
+      o.unit = opts[i].unit;
+      const int per_chunk = o.unit > 0 ? x.C / o.unit : 1;
+      const int k = x.k * per_chunk;  // the same token budget in units
+      const Out out = RunSelectEx(be, x, L, k, &o, 3,
                                   o.signatures ? &sigs[opts[i].sig_bits] : nullptr,
                                   opts[i].sig_bits);
       ms[i] += out.ms / x.trials;
       for (int hh = 0; hh < x.h; ++hh) {
         std::set<int> s, os;
+        for (int j = 0; j < k; ++j) {
+          if (out.selected[size_t(hh) * k + j] >= 0) s.insert(out.selected[size_t(hh) * k + j]);
+        }
         for (int j = 0; j < x.k; ++j) {
-          if (out.selected[size_t(hh) * x.k + j] >= 0) s.insert(out.selected[size_t(hh) * x.k + j]);
           if (orc.selected[size_t(hh) * x.k + j] >= 0) os.insert(orc.selected[size_t(hh) * x.k + j]);
         }
         int hit = 0, nh = 0;
-        for (int c : os) hit += s.count(c);
-        for (int c : L.needle_chunks[hh]) nh += s.count(c);
+        if (o.unit > 0) {
+          // No recall against the chunk oracle (units are not chunks): needles only.
+          for (int t : L.needle_tokens[hh]) nh += s.count(t / o.unit);
+        } else {
+          for (int c : os) hit += s.count(c);
+          for (int c : L.needle_chunks[hh]) nh += s.count(c);
+        }
         recall[i] += double(hit) / std::max<size_t>(os.size(), 1) / (x.trials * x.h);
-        needle[i] += double(nh) / std::max<size_t>(L.needle_chunks[hh].size(), 1) / (x.trials * x.h);
-        kept[i] += double(s.size()) / (x.trials * x.h);
+        needle[i] += double(nh) / std::max<size_t>(L.needle_tokens[hh].size(), 1) / (x.trials * x.h);
+        kept[i] += double(s.size()) / per_chunk / (x.trials * x.h);
       }
     }
     rec_ms += ReconstructMs(be, x, L, x.k, 3) / x.trials;
+    for (int u : {1, 2, 4}) {
+      if (u < x.C && x.C % u == 0) rec_unit_ms[u] += ReconstructMs(be, x, L, x.k, 3, u) / x.trials;
+    }
   }
   std::printf("%-28s %10s %10s %10s %12s %14s\n", "option", "recall@k", "needles", "kept/head",
               "select ms", "vs sel+recon");
   const double base = ms[0] + rec_ms;
   for (int i = 0; i < n_opts; ++i) {
-    std::printf("%-28s %10.3f %10.3f %10.1f %12.3f %13.2fx\n", opts[i].name, recall[i], needle[i],
-                kept[i], ms[i], (ms[i] + rec_ms) / base);
+    const double rec = opts[i].unit > 0 ? rec_unit_ms[opts[i].unit] : rec_ms;
+    char rc[16] = "         -";
+    if (opts[i].unit == 0) std::snprintf(rc, sizeof(rc), "%10.3f", recall[i]);
+    std::printf("%-28s %s %10.3f %10.1f %12.3f %13.2fx\n", opts[i].name, rc, needle[i], kept[i],
+                ms[i], (ms[i] + rec) / base);
   }
-  std::printf("reconstruct of k chunks per head: %.3f ms\n", rec_ms);
+  std::printf("reconstruct of k chunks per head: %.3f ms; of the same tokens in units of 1 / 2 / 4: "
+              "%.3f / %.3f / %.3f ms\n", rec_ms, rec_unit_ms[1], rec_unit_ms[2], rec_unit_ms[4]);
   std::printf("device bytes per token and layer: low-rank keys %d (rank %d, bf16), key signatures "
               "%zu (2 bits) / %zu (4 bits)\n",
               2 * x.r, x.r, size_t(x.h) * SignatureRecordBytes(2, x.d),
