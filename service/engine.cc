@@ -286,6 +286,7 @@ absl::Status EngineImpl::Init() {
   KVSHADE_ASSIGN_OR_RETURN(store_, storage::HostValueStore::Create(*backend_, ho, spill_));
   store_link_ = std::make_shared<StoreLink>();
   store_link_->store = store_.get();
+  staging_ = std::make_unique<storage::StagingPool>(*backend_, config_->host_budget_bytes / 8);
   if (!config_->kv_events.endpoint.empty()) {
     KvEventsOptions ko;
     ko.endpoint = config_->kv_events.endpoint;

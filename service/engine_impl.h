@@ -40,6 +40,7 @@
 #include "kvshade/storage/host_value_store.h"
 #include "kvshade/storage/prefix_index.h"
 #include "kvshade/storage/spill_tier.h"
+#include "kvshade/storage/staging_pool.h"
 
 namespace kvshade::service {
 
@@ -179,6 +180,8 @@ class EngineImpl {
   storage::HostValueStore& store() const { return *store_; }
   // What a new segment object binds to, so that its values leave the store with it.
   std::shared_ptr<StoreLink> store_link() const { return store_link_; }
+  // Page-locked host buffers kept for reuse: an ingest's host copies of incomplete layers.
+  storage::StagingPool& staging() const { return *staging_; }
 
   // --- engine.cc: device memory ---
   // Backend memory from the arena; on exhaustion, unreferenced cached prefixes are
@@ -256,8 +259,15 @@ class EngineImpl {
 
   // --- peer_memory.cc: worker GPU memory named by CUDA IPC handles (same-node ingest) ---
   void ReleasePeer(const std::string& handle);
-  // Copies a cuda_ipc tensor of `shape` (bf16) into host memory `dst`; the handle's mapping
-  // is acquired once per caller and listed in *held (release each with ReleasePeer).
+  // A cuda_ipc tensor of `shape` (bf16), checked against its handle's allocation, as this
+  // process's view of the worker's GPU memory (device memory: kernels and copies read it);
+  // the handle's mapping is acquired once per caller and listed in *held (release each
+  // with ReleasePeer).
+  absl::StatusOr<absl::Span<const kernels::bf16>> PeerTensor(const v1::Tensor& t,
+                                                            absl::Span<const int64_t> shape,
+                                                            const std::string& what,
+                                                            std::vector<std::string>* held);
+  // Copies such a tensor into `dst` (host or device memory of the shape's size).
   absl::Status CopyFromPeerTensor(const v1::Tensor& t, absl::Span<const int64_t> shape,
                                   const std::string& what, absl::Span<kernels::bf16> dst,
                                   std::vector<std::string>* held);
@@ -389,6 +399,8 @@ class EngineImpl {
   storage::SpillTier* spill_ = nullptr;  // options_.spill_tier (not owned); null: none
   std::unique_ptr<storage::HostValueStore> store_;
   std::shared_ptr<StoreLink> store_link_;
+  // At most host_budget / 8 kept for reuse (service/README.md "Ingest").
+  std::unique_ptr<storage::StagingPool> staging_;
   // KV-events of the prefix index (kv_events.endpoint); null when off. Declared before the
   // index so that it outlives every eviction.
   std::unique_ptr<KvEventPublisher> kv_events_;

@@ -1,6 +1,6 @@
 // EngineInternals: what the engine's tests and the durable-record fuzzer
 // (fuzz/durable_fuzzer.cc) read of an Engine beyond its API: its sessions, its host value
-// store and a layer's decode view; and the restore step the fuzzer drives with records of
+// store, its staging pool and a layer's decode view; and the restore step the fuzzer drives with records of
 // its own. Not for the service: the adapters and the server speak Engine (engine.h).
 #pragma once
 
@@ -25,6 +25,7 @@ class EngineInternals {
   std::vector<std::shared_ptr<Session>> AllSessions() const { return e_.sessions_.AllSessions(); }
   SessionCounts Counts() const { return e_.sessions_.Counts(); }
   storage::HostValueStore& store() const { return e_.store(); }
+  storage::StagingPool& staging() const { return e_.staging(); }
   // The decode view of `layer` (caller holds the session lock, shared at least).
   absl::StatusOr<LayerViewHold> BuildView(const Session& s, int layer) const {
     return e_.BuildView(s, layer);

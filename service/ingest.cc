@@ -33,8 +33,8 @@
 //
 // Interleaved layers (chunked prefill: every layer's part for one chunk of tokens, then the
 // next chunk's): at most one incomplete layer holds device memory. A part of another layer
-// moves that layer's received rows to host memory (outside the device arena) and frees its
-// blocks; a layer on the host takes its later parts there, and goes up to freshly allocated
+// moves that layer's received rows to host memory (outside the device arena: page-locked
+// buffers of the engine's staging pool, kept for the next streams) and frees its blocks; a layer on the host takes its later parts there, and goes up to freshly allocated
 // blocks only when its last part arrives (that part then lands on the device as in
 // sequential order). So such a stream still holds at most two layers of raw K/V in device
 // memory, the one compressing and the one arriving, with the other incomplete layers'
@@ -47,7 +47,7 @@
 // memory (CPU), that slice is the segment's own block: keys are rotated part by part as
 // they arrive and the completed layer is handed over without another copy. A part of a
 // layer waiting in host memory is decoded (checked) into that host copy instead (or, from
-// the worker's GPU memory, copied down and its values checked there), and rotated there
+// the worker's GPU memory, its values checked there and then copied down), and rotated there
 // in the exact profile on a host-memory backend, so the rows that go up at the end are in
 // the state the block's own rows would be.
 #include <algorithm>
@@ -71,7 +71,6 @@
 #include "kvshade/service/log.h"
 #include "kvshade/kernels/pyramid.h"
 #include "kvshade/kernels/shadow_layer.h"
-#include "kvshade/base/bf16.h"
 #include "kvshade/base/status_macros.h"
 
 namespace kvshade::service {
@@ -242,9 +241,10 @@ class IngestStreamImpl final : public Engine::IngestStream {
   struct LayerBuf {
     DeviceBlock kd, vd;       // [n, h, d] backend memory; kd is post-RoPE when direct_
     // An incomplete layer that gave its blocks up to another layer's part (see "Overlap"):
-    // its rows [0, received) in plain host memory, [n, h, d] bf16 (k post-RoPE when
-    // direct_, like kd), until its last part arrives. Never set together with kd.
-    std::unique_ptr<std::byte[]> hk, hv;
+    // its rows [0, received) in page-locked host memory of the engine's staging pool,
+    // [n, h, d] bf16 (k post-RoPE when direct_, like kd), until its last part arrives.
+    // Never set together with kd.
+    storage::StagingPool::Lease hk, hv;
     int received = 0;
     bool done = false;        // every part arrived (caller's thread)
     std::vector<bf16> qobs;   // [w, hq, d]
@@ -353,13 +353,19 @@ class IngestStreamImpl final : public Engine::IngestStream {
     // Every part lands in the layer's backend-memory block: decoded in place on a host-space
     // backend, through a part-sized host staging copy on a device, and copied device to
     // device when the worker shares its GPU memory (cuda_ipc). A part of a layer waiting in
-    // host memory lands in its host copy: decoded there, or copied down from the worker's
-    // GPU memory and checked on the host (nothing checks those rows on the device later).
+    // host memory lands in its host copy: decoded there, or checked where it is (the
+    // worker's GPU memory, by a kernel: nothing checks those rows on the device later, and
+    // a scan on the host would cost a CPU pass over every part) and then copied down.
     if (on_host) {
       if (peer != nullptr) {
-        KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->k(), shape, absl::StrCat(name, " k"), kdst, &peers_));
-        KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->v(), shape, absl::StrCat(name, " v"), vdst, &peers_));
-        KVSHADE_RETURN_IF_ERROR(CheckFiniteOnHost(name, kdst, vdst));
+        KVSHADE_ASSIGN_OR_RETURN(absl::Span<const bf16> ks,
+                                 e_.PeerTensor(peer->k(), shape, absl::StrCat(name, " k"), &peers_));
+        KVSHADE_ASSIGN_OR_RETURN(absl::Span<const bf16> vs,
+                                 e_.PeerTensor(peer->v(), shape, absl::StrCat(name, " v"), &peers_));
+        KVSHADE_RETURN_IF_ERROR(CheckFiniteOnDevice(name, ks, vs, kernels::Stream{}));
+        KVSHADE_RETURN_IF_ERROR(e_.backend().Copy(kdst.data(), ks.data(), Bf16Bytes(len)));
+        KVSHADE_RETURN_IF_ERROR(e_.backend().Copy(vdst.data(), vs.data(), Bf16Bytes(len)));
+        KVSHADE_RETURN_IF_ERROR(e_.backend().Synchronize());
       } else {
         KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.k, shape, model.dtype, absl::StrCat(name, " k"), kdst));
         KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v, shape, model.dtype, absl::StrCat(name, " v"), vdst));
@@ -455,15 +461,19 @@ class IngestStreamImpl final : public Engine::IngestStream {
     const size_t row = size_t(s_->model.shape.h) * s_->model.shape.d;
     const size_t layer_bytes = Bf16Bytes(size_t(n_) * row), bytes = Bf16Bytes(size_t(b.received) * row);
     // Host memory for every row, so that the later parts land there and the layer goes up
-    // in one copy; uninitialized, since only received rows are ever read.
-    b.hk.reset(new (std::nothrow) std::byte[layer_bytes]);
-    if (b.hk) b.hv.reset(new (std::nothrow) std::byte[layer_bytes]);
-    if (!b.hv) {
-      b.hk.reset();
+    // in one copy; uninitialized, since only received rows are ever read. Page-locked and
+    // kept for reuse (the staging pool): copies to and from it run at full rate, and a
+    // chunked prefill after the first allocates nothing here.
+    absl::StatusOr<storage::StagingPool::Lease> hk = e_.staging().Take(layer_bytes);
+    absl::StatusOr<storage::StagingPool::Lease> hv =
+        hk.ok() ? e_.staging().Take(layer_bytes) : hk.status();
+    if (!hv.ok()) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "layer ", l, ": no host memory (", 2 * layer_bytes, " bytes) to hold its ", b.received,
-          " received tokens while another layer's parts arrive"));
+          " received tokens while another layer's parts arrive: ", hv.status().message()));
     }
+    b.hk = *std::move(hk);
+    b.hv = *std::move(hv);
     KVSHADE_RETURN_IF_ERROR(e_.backend().Synchronize(upload_));
     absl::Status st = e_.backend().CopyToHost(b.hk.get(), b.kd.data(), bytes, upload_);
     if (st.ok()) st = e_.backend().CopyToHost(b.hv.get(), b.vd.data(), bytes, upload_);
@@ -479,7 +489,8 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
   // Copies the received rows of layer l's host copy into its new blocks (AllocLayer) and
   // frees the host copy. Those rows were checked when they arrived (decoded on the host,
-  // or peer rows checked on the host), so they are not checked again.
+  // or peer rows checked on the device before their copy down), so they are not checked
+  // again.
   absl::Status MoveToDevice(int l) {
     LayerBuf& b = bufs_[l];
     StageTimer timer(e_.metrics(), "ingest_parts");
@@ -492,18 +503,6 @@ class IngestStreamImpl final : public Engine::IngestStream {
     KVSHADE_RETURN_IF_ERROR(st);
     b.hk.reset();
     b.hv.reset();
-    return absl::OkStatus();
-  }
-
-  // Peer rows that landed in a layer's host copy were not read on the way: every value must
-  // be finite, as CheckFiniteOnDevice requires of the rows that land on the device.
-  static absl::Status CheckFiniteOnHost(const std::string& name, absl::Span<const bf16> k,
-                                        absl::Span<const bf16> v) {
-    for (const auto& [x, what] : {std::pair{k, " k"}, std::pair{v, " v"}}) {
-      const size_t bad =
-          base::FirstNonFiniteBf16Bits(reinterpret_cast<const uint16_t*>(x.data()), x.size());
-      if (bad < x.size()) return NonFiniteError(absl::StrCat(name, what), bad);
-    }
     return absl::OkStatus();
   }
 

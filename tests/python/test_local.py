@@ -211,6 +211,61 @@ class LocalDecoderTest(unittest.TestCase):
                       str(cm.exception))
         self.assertEqual(self.client.get_session(created.session_id)["state"], "ingesting")
 
+    def test_chunked_ingest_from_gpu_memory(self):
+        # A chunked prefill's parts from this process's GPU memory: every layer's part of one
+        # chunk, then the next chunk's, so that a layer waits in the daemon's host memory
+        # between its parts. The session equals the inline one, bit for bit; a NaN in a part
+        # that lands in such a host copy fails the stream naming the layer, tensor and index.
+        if DEVICE != "cuda":
+            self.skipTest("needs a CUDA daemon and device (KVSHADE_TEST_BACKEND=cuda)")
+        rng = np.random.default_rng(11)
+        ids = rng.integers(0, 1000, N).tolist()
+        ks = [torch.from_numpy(rng.standard_normal((N, H, D)).astype(np.float32)).to(torch.bfloat16) for _ in range(L)]
+        vs = [torch.from_numpy(rng.standard_normal((N, H, D)).astype(np.float32)).to(torch.bfloat16) for _ in range(L)]
+        cuts = [0, N // 4, N // 2, N]
+        atts = []
+        for mode in ("inline", "chunks"):
+            model = kvshade.ModelSpec("test/chunked-ingest-" + mode, L, HQ, H, D)  # separate prefix caches
+            created = self.client.create_session(model, self.profile, ids)
+            self.addCleanup(self.client.close_session, created.session_id)
+            with self.client.ingest(created.session_id, "bf16") as ing:
+                for layer in range(L):
+                    if mode == "inline":
+                        ing.layer(layer, ks[layer], vs[layer])
+                for lo, hi in zip(cuts, cuts[1:]):
+                    for layer in range(L if mode == "chunks" else 0):
+                        ing.layer_cuda(layer, ks[layer][lo:hi].cuda().contiguous(),
+                                       vs[layer][lo:hi].cuda().contiguous(), lo, hi == N)
+                ing.commit()
+            atts.append(self.client.attach(created.session_id, "chunked-ingest-test").attachment_id)
+            self.addCleanup(self.client.detach, atts[-1])
+        for layer in range(L):
+            a, b = self.client.static_set(atts[0], layer), self.client.static_set(atts[1], layer)
+            np.testing.assert_array_equal(a.k, b.k)
+            np.testing.assert_array_equal(a.tail_v, b.tail_v)
+            q = torch.randn(1, HQ, D).to(torch.bfloat16).float().numpy()
+            np.testing.assert_array_equal(self.client.attend(layer, [atts[0]], q),
+                                          self.client.attend(layer, [atts[1]], q))
+        # A NaN in layer 0's second part: layer 1's first part came after layer 0's first,
+        # so layer 0 waits in host memory when it arrives.
+        t, h, d = cuts[1] + 5, H - 1, 7
+        bad_v = vs[0].clone()
+        bad_v[t, h, d] = float("nan")
+        created = self.client.create_session(kvshade.ModelSpec("test/chunked-ingest-nan", L, HQ, H, D),
+                                             self.profile, ids)
+        self.addCleanup(self.client.close_session, created.session_id)
+        with self.assertRaises(kvshade.InvalidArgument) as cm:
+            with self.client.ingest(created.session_id, "bf16") as ing:
+                for lo, hi in zip(cuts, cuts[1:]):
+                    for layer in range(L):
+                        v = bad_v if layer == 0 else vs[layer]
+                        ing.layer_cuda(layer, ks[layer][lo:hi].cuda().contiguous(),
+                                       v[lo:hi].cuda().contiguous(), lo, hi == N)
+                ing.commit()
+        self.assertIn("layer 0 v", str(cm.exception))
+        self.assertIn("non-finite value at flat index %d" % (((t - cuts[1]) * H + h) * D + d), str(cm.exception))
+        self.assertEqual(self.client.get_session(created.session_id)["state"], "ingesting")
+
     def test_follows_the_decoder_protocol(self):
         # A step of every layer through the protocol's calls; without the recall guard the
         # decoder has no figures to report.

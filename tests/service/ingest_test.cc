@@ -12,6 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "engine_internals.h"
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
@@ -754,7 +755,8 @@ TEST(IngestTest, AStreamDroppedAtAnyPartLeavesNoBytesBehind) {
   // and host tiers exactly as before it; then the whole stream still commits. Both orders
   // of the parts: layer by layer, and a chunked prefill's (every layer incomplete until the
   // last chunk), whose incomplete layers wait in host memory outside the tiers: those host
-  // copies go with the stream too (measured where the allocator tells, see HeapBytesInUse).
+  // copies go back to the engine's staging pool with the stream (its leased bytes), and
+  // nothing else stays on the heap (measured where the allocator tells, see HeapBytesInUse).
   Harness hx;
   Stream s = MakeStream(512, hx.model, 12);
   auto c = CreateShadow(hx, s);
@@ -790,7 +792,7 @@ TEST(IngestTest, AStreamDroppedAtAnyPartLeavesNoBytesBehind) {
         // something to find when a dropped stream leaks), and so do the host copies of
         // a chunked stream's incomplete layers.
         held_bytes_while_open |= TierTotal(hx, "device") > device0;
-        if (heap0) held_host_copy_while_open |= *HeapBytesInUse() >= *heap0 + host_copy;
+        held_host_copy_while_open |= EngineInternals(*hx.engine).staging().leased_bytes() >= host_copy;
       }  // dropped without an end
       auto info = hx.engine->GetSession(hx.tenant, gr);
       ASSERT_TRUE(info.ok()) << info.status();
@@ -801,9 +803,12 @@ TEST(IngestTest, AStreamDroppedAtAnyPartLeavesNoBytesBehind) {
       // (A quarter of one layer's host copy: anything the process keeps on the way is far
       // smaller.)
       if (heap0) EXPECT_LT(*HeapBytesInUse(), *heap0 + host_copy / 4) << "cut " << cut;
+      EXPECT_EQ(EngineInternals(*hx.engine).staging().leased_bytes(), 0u) << "cut " << cut;
+      EXPECT_LE(EngineInternals(*hx.engine).staging().kept_bytes(), hx.config.host_budget_bytes / 8)
+          << "cut " << cut;
     }
     EXPECT_TRUE(held_bytes_while_open);
-    if (is_chunked && HeapBytesInUse()) EXPECT_TRUE(held_host_copy_while_open);
+    EXPECT_EQ(held_host_copy_while_open, is_chunked);
   }
   auto ing = hx.engine->Ingest(hx.tenant, chunked);
   ASSERT_TRUE(ing.ok()) << ing.status();
