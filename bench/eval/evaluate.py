@@ -23,7 +23,8 @@ are decoded greedily one token at a time, each layer's attention coming from:
 A budget of p % is k = max(1, round(p/100 * chunks)) chunks per KV head (sparse_budget for
 shadow, mini_heavy_ratio = p/100 for mini). recall@k (shadow): at every decode step, layer
 and KV head, |chunks kvshade selected ∩ the oracle's top-k| / k, the oracle ranking the
-chunks kvshade could select (not the sink, the session's outlier chunks or the tail);
+chunks kvshade could select (not the sink, the session's outlier chunks or the tail; a
+session that selects units of u tokens: its units against the oracle's top k*C/u units);
 reported as the mean and per layer, worst layer first (a single layer that misses its
 chunks loses the answer however well the others do). Selection cost: seconds per decode
 step (all layers) spent in Client.select and in the whole attention call of each config.
@@ -276,10 +277,16 @@ class KvShadeAttend:
         if self.kind == "shadow" and self.k:
             static, nc = self._static(layer)
             C = self.cache.attachment.chunk_size
-            scores = chunk_max_logits(q.cpu(), self._k_cpu(layer), nc, C)
-            top = oracle_topk(scores, self.k, [s | {0} for s in static])
+            # A session that selects units of u tokens (slot_tokens = u < C) is scored
+            # against the oracle of the same unit (its top k*C/u units by the same score),
+            # its slots holding unit ids.
+            u = self.cache.attachment.slot_tokens or C
+            per = C // u if 0 < u < C else 1
+            excluded = [set(j for c in (s | {0}) for j in range(c * per, (c + 1) * per)) for s in static]
+            scores = chunk_max_logits(q.cpu(), self._k_cpu(layer), nc * per, C // per)
+            top = oracle_topk(scores, self.k * per, excluded)
             sel = [set(int(c) for c in row if c >= 0) for row in self.cache.slot_chunk[layer]]
-            r = recall_at_k(sel, top, self.k)
+            r = recall_at_k(sel, top, self.k * per)
             self.recalls.append(r)
             self.recalls_by_layer[layer].append(r)
         return out

@@ -365,8 +365,6 @@ class LocalDecoderTest(unittest.TestCase):
         # chunks of 8 tokens are 32 units per head): the decoder attends as the daemon's
         # Attend, its slots count units, its selection holds unit ids, and model-native ids
         # (whole chunks) are refused. Its sessions' echo and attachments tell the unit.
-        if DEVICE == "cuda":
-            self.skipTest("the CUDA backend has no selection-unit kernels yet")
         rng = np.random.default_rng(12)
         profile = kvshade.Profile("shadow", rank=16, sparse_budget=8, outliers=4, chunk_size=8,
                                   rerank_factor=4, selection_unit=2)

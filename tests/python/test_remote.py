@@ -129,15 +129,11 @@ class RemoteDecoderTest(unittest.TestCase):
             self.assertEqual(c.ucx_fallbacks, 0)
 
     def test_selection_units_inline_equals_the_reference(self):
-        if device() == "cuda":
-            self.skipTest("the CUDA backend has no selection-unit kernels yet")
         with daemon(ucx=False) as server, kvshade.Client(server.target, timeout=30) as c:
             c.wait_ready(20)
             self.check_against_reference(c, "inline", profile=self.units())
 
     def test_selection_units_ucx_rma_equals_the_reference(self):
-        if device() == "cuda":
-            self.skipTest("the CUDA backend has no selection-unit kernels yet")
         with daemon(ucx=True) as server, \
                 kvshade.Client(server.target, timeout=30, use_ucx=True, ucx_transports="tcp,self") as c:
             c.wait_ready(20)
