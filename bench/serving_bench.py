@@ -9,11 +9,16 @@ generates --max-new-tokens tokens greedily. Requests arrive as a Poisson process
 per second (seeded). Model: randomly initialised Llama-3-8B shape, bf16 (bench/capacity_bench.py).
 
 kvshade: each prompt is prefilled through hf_cache.KvShadeCache (its layers streamed to a
-daemon on the same GPU; the document's K/V are reused from the prefix cache from its second
-question on, so the daemon ingests only the question) and joins one decode batch between
-steps. Reported: throughput (generated tokens / makespan), time to first token from arrival
-(p50, p99), time per output token (p50, p99 over every gap between two tokens of a request),
-and the GPU memory in use (every process, sampled each step) and the daemon's host memory.
+daemon on the same GPU) and joins one decode batch between steps. Each request passes the
+document's length, rounded down to a multiple of 256 (the prefix block; the daemon's
+default chunk size divides it), as a segment end (--segment-ends, on by default), so the
+daemon caches the document as a segment of its own and every later question over it reuses
+the document and ingests only the question (service/README.md "Segment ends"). Reported:
+throughput (generated tokens / makespan), time to first token from arrival (p50, p99), time
+per output token (p50, p99 over every gap between two tokens of a request), the GPU memory in
+use (every process, sampled each step) and the daemon's host memory, and prefix reuse:
+reused tokens per request (mean, and per request in arrival order) and the daemon's prefix
+lookups and hits over the workload.
 
 transformers continuous batching: the same prompts through model.generate_batch, all
 submitted at once (it takes no arrival times): throughput and, where it records timestamps,
@@ -23,7 +28,7 @@ an arrival-for-arrival comparison.
 Usage (GPU machine):
   python3 bench/serving_bench.py --server .gpu/bin/kvshade-server [--doc-tokens 32768]
       [--docs 2] [--requests 16] [--rate 0.5] [--max-new-tokens 32] [--max-batch 16]
-      [--prefill-chunk 4096] [--json f]
+      [--prefill-chunk 4096] [--no-segment-ends] [--json f]
 """
 import argparse
 import json
@@ -48,6 +53,16 @@ def pct(xs, p):
     return float(np.percentile(xs, p)) if xs else None
 
 
+SEGMENT_END_ALIGN = 256  # the prefix block; a multiple of the daemon's default chunk size (8)
+
+
+def document_end(args):
+    """The segment end each request passes: the document's length, rounded down to the
+    alignment the daemon takes (none when that leaves nothing or the whole prompt)."""
+    end = args.doc_tokens // SEGMENT_END_ALIGN * SEGMENT_END_ALIGN
+    return (end,) if args.segment_ends and 0 < end < args.doc_tokens + args.question_tokens else ()
+
+
 def workload(args):
     rng = np.random.default_rng(args.seed)
     docs = [rng.integers(10, 120000, args.doc_tokens).tolist() for _ in range(args.docs)]
@@ -65,20 +80,22 @@ def run_kvshade(c, model, prompts, arrivals, args):
                             prefill_chunk_tokens=args.prefill_chunk or None)
     # Warm-up: one request of the workload's length (kernel selection, allocator, the
     # decoder's first mapping; a shorter prompt could resolve another value codec).
-    warm = gen.submit(prompts[0], 2)
+    ends = document_end(args)
+    warm = gen.submit(prompts[0], 2, segment_ends=ends)
     gen.run()
     if warm.error is not None:
         raise warm.error
     gen.chunk_times.clear()  # the workload's alone
     reqs, memory, steps = [], [], []
     stages0 = stage_seconds()
+    prefix0 = c.stats()
     t0 = time.perf_counter()
     nxt = 0
     host_peak = 0.0
     while nxt < len(prompts) or gen.busy:
         now = time.perf_counter() - t0
         while nxt < len(prompts) and arrivals[nxt] <= now:
-            r = gen.submit(prompts[nxt], args.max_new_tokens)
+            r = gen.submit(prompts[nxt], args.max_new_tokens, segment_ends=ends)
             r.submitted_at = t0 + arrivals[nxt]  # waiting to be submitted counts
             reqs.append(r)
             nxt += 1
@@ -92,6 +109,7 @@ def run_kvshade(c, model, prompts, arrivals, args):
         host_peak = max(host_peak, st["host_bytes_used"] / GIB)
         memory.append((round(time.perf_counter() - t0, 3), round(gpu_used_gib(), 2), gen.cache.batch))
     makespan = time.perf_counter() - t0
+    prefix1 = c.stats()
     # The daemon's time per pipeline stage over the workload (seconds, calls): where an
     # ingest or a decode step spends it.
     stages1 = stage_seconds()
@@ -109,7 +127,11 @@ def run_kvshade(c, model, prompts, arrivals, args):
             "tpot_p50_ms": pct(tpot, 50) * 1e3, "tpot_p99_ms": pct(tpot, 99) * 1e3,
             "gpu_used_peak_gib": max(m[1] for m in memory), "daemon_host_peak_gib": host_peak,
             "max_batch_seen": max(m[2] for m in memory),
+            "segment_ends": list(ends),
             "reused_tokens_mean": statistics.mean(r.reused_tokens for r in reqs),
+            "reused_tokens_per_request": [r.reused_tokens for r in reqs],
+            "daemon_prefix_lookups": prefix1["prefix_lookups"] - prefix0["prefix_lookups"],
+            "daemon_prefix_hits": prefix1["prefix_hits"] - prefix0["prefix_hits"],
             "step_ms_p50": pct(steps, 50) * 1e3, "step_ms_p99": pct(steps, 99) * 1e3,
             "step_ms_max": max(steps) * 1e3, "steps": len(steps), "daemon_stage_seconds": daemon_stages,
             "worker_chunk_seconds": {k: round(v, 3) for k, v in gen.chunk_times.items()},
@@ -155,6 +177,9 @@ def main():
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--prefill-chunk", type=int, default=0,
                     help="kvshade: prefill prompts in chunks of this many tokens between decode steps (0: whole)")
+    ap.add_argument("--no-segment-ends", dest="segment_ends", action="store_false",
+                    help="kvshade: pass no segment end (each question's prompt is then cached as one "
+                         "segment, and the document is reused only as the daemon splits it itself)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--configs", default="kvshade,transformers")
     ap.add_argument("--json", default="")

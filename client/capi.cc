@@ -416,15 +416,31 @@ int kvshade_ucx_status(kvshade_client* c, int32_t* connected, uint64_t* fallback
 int kvshade_create_session(kvshade_client* c, const kvshade_model* model, const kvshade_profile* profile,
                            const int32_t* token_ids, size_t n_tokens, int32_t durable, const char* label,
                            kvshade_session_created* out) {
+  return kvshade_create_session_ex(c, model, profile, token_ids, n_tokens, durable, label, nullptr, 0,
+                                   out);
+}
+
+int kvshade_create_session_ex(kvshade_client* c, const kvshade_model* model, const kvshade_profile* profile,
+                              const int32_t* token_ids, size_t n_tokens, int32_t durable, const char* label,
+                              const uint64_t* segment_ends, size_t n_segment_ends,
+                              kvshade_session_created* out) {
   return Guard([&] {
     if (c == nullptr || model == nullptr || out == nullptr) return Bad("client, model and out must not be NULL");
     if (n_tokens > 0 && token_ids == nullptr) return Bad("token_ids is NULL but n_tokens > 0");
+    if (n_segment_ends > 0 && segment_ends == nullptr) {
+      return Bad("segment_ends is NULL but n_segment_ends > 0");
+    }
+    if (n_segment_ends > KVSHADE_MAX_SEGMENT_ENDS) {
+      return Bad(absl::StrCat("segment_ends holds at most ", KVSHADE_MAX_SEGMENT_ENDS,
+                              " positions, got ", n_segment_ends));
+    }
     v1::CreateSessionRequest req;
     *req.mutable_model() = ToModel(*model);
     if (profile != nullptr) *req.mutable_profile() = ToProfile(*profile);
     req.mutable_token_ids()->Add(token_ids, token_ids + n_tokens);
     req.set_durable(durable != 0);
     if (label != nullptr) req.set_label(label);
+    if (n_segment_ends > 0) req.mutable_segment_ends()->Add(segment_ends, segment_ends + n_segment_ends);
     auto r = c->impl->CreateSession(req);
     if (!r.ok()) return Report(r.status());
     std::memset(out, 0, sizeof(*out));
@@ -432,6 +448,10 @@ int kvshade_create_session(kvshade_client* c, const kvshade_model* model, const 
     out->reused_tokens = r->reused_tokens();
     out->tokens_to_ingest = r->tokens_to_ingest();
     out->effective_profile = r->effective_profile();
+    const int n_ends = std::min<int>(r->segment_ends_size(), KVSHADE_MAX_SEGMENT_ENDS);
+    out->n_segment_ends = static_cast<uint32_t>(n_ends);
+    for (int i = 0; i < n_ends; ++i) out->segment_ends[i] = r->segment_ends(i);
+    out->automatic_segment_end = r->automatic_segment_end();
     return Report(absl::OkStatus());
   });
 }

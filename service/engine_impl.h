@@ -106,6 +106,9 @@ struct ReuseMatch {
   int64_t tokens = 0;
   PrefixStop stop = PrefixStop::kAbsent;  // why the chain ends where it does
   int64_t paged_in = 0;                   // segments of `chain` paged in by page_in
+  // stop == kPartialSegment: where the prompt's block keys stop matching (a multiple of
+  // the block size, past `tokens`, inside the segment that was not reused); else 0.
+  int64_t partial_tokens = 0;
 };
 
 // The engine's state and work. Its state is private, and so is what only the engine's own
@@ -463,6 +466,10 @@ absl::Status QuantizeKivi(EngineImpl& e, int d, int G, const std::vector<kernels
 // one segment of its sealed appended chunks (forks at the end and durable write-throughs
 // seal them; a seal merges them into one: append.cc "Compaction") and its open one.
 inline constexpr int kMaxReusedSegments = kernels::kMaxSegments - 3;
+// Segment ends (service/README.md "Segment ends"): an ingest may be cut into several
+// segments, which take the place of the one ingested segment above, so that the reused
+// ones and the ingested ones together are at most kMaxReusedSegments + 1.
+inline constexpr int kMaxSegmentEnds = kMaxReusedSegments;
 // What a seal of `s`'s open segment merges (append.cc "Compaction"): chain[first..] and
 // the open segment become one segment (first == chain.size(): nothing merges, the open
 // segment is sealed as it is).

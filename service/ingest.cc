@@ -17,6 +17,14 @@
 //          observation queries the heavy budget goes to the recent window.
 // exact  : post-RoPE K and V as given.
 //
+// Segment ends (service/README.md "Segment ends"): a session created with segment ends
+// commits one segment per range between them. Each range is built as if it had been
+// ingested alone after the ranges before it had been reused from the cache: the first as
+// any ingest (its own basis, or projected onto a reused prefix's), each later one projected
+// onto the basis of the one before it; observation queries serve the last range only. So a
+// later session that reuses the first ranges and ingests the rest gets the same segments,
+// bit for bit, as this one holds.
+//
 // Nothing is visible to other calls before the commit, and the commit takes effect only
 // when the stream has ended cleanly (Finish, after the commit message): a stream that
 // fails anywhere, a message after the commit included, or that is abandoned, frees what it
@@ -140,7 +148,18 @@ class IngestStreamImpl final : public Engine::IngestStream {
     n_ = static_cast<int>(s_ref.prompt.size() - s_ref.reused_tokens);
     L_ = s_ref.model.layers;
     bufs_.resize(L_);
-    out_.resize(L_);
+    int64_t start = first_;
+    std::vector<uint64_t> ends = s_ref.segment_ends;
+    ends.push_back(s_ref.prompt.size());
+    for (uint64_t end : ends) {
+      Range& rg = ranges_.emplace_back();
+      rg.first = start;
+      rg.offset = start - first_;
+      rg.n = static_cast<int>(int64_t(end) - start);
+      rg.id = *storage::Id128::FromHex(SessionManager::NewId());
+      rg.out.resize(L_);
+      start = int64_t(end);
+    }
     captured_.assign(L_, 0.0);
     residual_.assign(L_, 0.0);
     refactor_keys_.resize(L_);
@@ -157,7 +176,6 @@ class IngestStreamImpl final : public Engine::IngestStream {
       auto b = kernels::PyramidBudgets(L_, p.mini_heavy_ratio);
       mini_heavy_ = b.ok() ? *b : std::vector<double>(L_, p.mini_heavy_ratio);
     }
-    seg_id_ = *storage::Id128::FromHex(SessionManager::NewId());
     direct_ = p.kind == v1::PROFILE_KIND_EXACT &&
               e_.backend().space() == kernels::MemorySpace::kHost;
     host_space_ = e_.backend().space() == kernels::MemorySpace::kHost;
@@ -171,7 +189,9 @@ class IngestStreamImpl final : public Engine::IngestStream {
       e_.backend().DestroyStream(upload_).IgnoreError();
     }
     for (const std::string& h : peers_) e_.ReleasePeer(h);
-    if (!committed_ && store_created_) e_.store().Erase(seg_id_).IgnoreError();
+    for (const Range& rg : ranges_) {
+      if (!committed_ && rg.store_created) e_.store().Erase(rg.id).IgnoreError();
+    }
     if (!committed_) {
       log::Event e(spdlog::level::warn, "ingest_failed");
       e.Str("session", s_->id).Int("layers_received", s_->layers_ingested.load());
@@ -233,6 +253,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
         .Str("session", s_->id)
         .Uint("tokens", resp_.tokens())
         .Uint("ingested_tokens", n_)
+        .Uint("segments", ranges_.size())
         .Int("layers", L_);
     return resp_;
   }
@@ -249,6 +270,18 @@ class IngestStreamImpl final : public Engine::IngestStream {
     bool done = false;        // every part arrived (caller's thread)
     std::vector<bf16> qobs;   // [w, hq, d]
     int w = 0;
+  };
+
+  // One segment the commit adds: the range of the prompt between two of the session's
+  // segment ends (or its reused prefix's end, or the prompt's end).
+  struct Range {
+    int64_t first = 0;   // its first token's position
+    int64_t offset = 0;  // its first row in the stream's layers (first - first_)
+    int n = 0;
+    storage::SegmentId id;
+    storage::SegmentValueLayout layout;
+    bool store_created = false;
+    std::vector<LayerData> out;  // [L]
   };
 
   static absl::Status AfterCommit() {
@@ -632,14 +665,14 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
   // Reserves the segment's value block in the store (every profile: the store is also
   // where a durable segment is written through, factors included).
-  absl::Status EnsureStoreSegment(int n_chunks) {
-    if (store_created_) return absl::OkStatus();
+  absl::Status EnsureStoreSegment(Range& rg, int n_chunks) {
+    if (rg.store_created) return absl::OkStatus();
     const ModelInfo& m = s_->model;
     const ProfileInfo& p = s_->profile;
-    KVSHADE_ASSIGN_OR_RETURN(layout_, storage::SegmentValueLayout::Make(
-                                          L_, m.shape.h, n_chunks, p.chunk_size, m.shape.d, p.codec));
-    KVSHADE_RETURN_IF_ERROR(e_.store().Create(seg_id_, layout_));
-    store_created_ = true;
+    KVSHADE_ASSIGN_OR_RETURN(rg.layout, storage::SegmentValueLayout::Make(
+                                            L_, m.shape.h, n_chunks, p.chunk_size, m.shape.d, p.codec));
+    KVSHADE_RETURN_IF_ERROR(e_.store().Create(rg.id, rg.layout));
+    rg.store_created = true;
     return absl::OkStatus();
   }
 
@@ -648,24 +681,49 @@ class IngestStreamImpl final : public Engine::IngestStream {
     return absl::Span<const bf16>(static_cast<const bf16*>(b.kd.data()), b.kd.bytes() / sizeof(bf16));
   }
 
-  // Rotates the layer's keys in place (they are not needed pre-RoPE afterwards).
-  absl::Status RopeInPlace(LayerBuf& b) {
-    const ModelInfo& m = s_->model;
-    StageTimer timer(e_.metrics(), "ingest_rope");
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock posd, e_.DevicePositions(first_, n_));
-    KVSHADE_RETURN_IF_ERROR(e_.backend().ApplyRope(
-        m.rope, absl::Span<const int64_t>(static_cast<const int64_t*>(posd.data()), size_t(n_)),
-        m.shape.h, m.shape.d,
-        absl::Span<bf16>(static_cast<bf16*>(b.kd.data()), b.kd.bytes() / sizeof(bf16))));
+  // A range's rows [rg.n, h, d] of the layer's keys or values.
+  absl::Span<const bf16> Rows(const DeviceBlock& block, const Range& rg) const {
+    const size_t row = size_t(s_->model.shape.D());
+    return absl::Span<const bf16>(static_cast<const bf16*>(block.data()) + size_t(rg.offset) * row,
+                                  size_t(rg.n) * row);
+  }
+
+  // The range's K and V rows as blocks of their own: the layer's blocks themselves when the
+  // stream has one range, else copies.
+  absl::Status TakeRows(LayerBuf& b, const Range& rg, DeviceBlock* k, DeviceBlock* v) {
+    if (ranges_.size() == 1) {
+      *k = std::move(b.kd);
+      *v = std::move(b.vd);
+      return absl::OkStatus();
+    }
+    const size_t bytes = Bf16Bytes(size_t(rg.n) * s_->model.shape.D());
+    KVSHADE_ASSIGN_OR_RETURN(*k, e_.Alloc(bytes, ArenaKind::kOther));
+    KVSHADE_ASSIGN_OR_RETURN(*v, e_.Alloc(bytes, ArenaKind::kStatic));
+    KVSHADE_RETURN_IF_ERROR(e_.backend().Copy(k->data(), Rows(b.kd, rg).data(), bytes));
+    KVSHADE_RETURN_IF_ERROR(e_.backend().Copy(v->data(), Rows(b.vd, rg).data(), bytes));
     return e_.backend().Synchronize();
   }
 
+  // Rotates keys [n, h, d] at positions [first, first + n) in place (they are not needed
+  // pre-RoPE afterwards).
+  absl::Status RopeInPlace(DeviceBlock& k, int64_t first, int n) {
+    const ModelInfo& m = s_->model;
+    StageTimer timer(e_.metrics(), "ingest_rope");
+    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock posd, e_.DevicePositions(first, n));
+    KVSHADE_RETURN_IF_ERROR(e_.backend().ApplyRope(
+        m.rope, absl::Span<const int64_t>(static_cast<const int64_t*>(posd.data()), size_t(n)),
+        m.shape.h, m.shape.d,
+        absl::Span<bf16>(static_cast<bf16*>(k.data()), size_t(n) * m.shape.D())));
+    return e_.backend().Synchronize();
+  }
+  absl::Status RopeInPlace(LayerBuf& b) { return RopeInPlace(b.kd, first_, n_); }
+
   // Keeps pre-RoPE keys for a background refactorization (host copy; rare: only when the
   // projection residual is past refactor_threshold).
-  absl::Status KeepForRefactor(int l, const LayerBuf& b) {
+  absl::Status KeepForRefactor(int l, absl::Span<const bf16> k) {
     std::vector<bf16>& keys = refactor_keys_[l];
-    keys.resize(b.kd.bytes() / sizeof(bf16));
-    return e_.Download(keys.data(), b.kd.data(), b.kd.bytes());
+    keys.resize(k.size());
+    return e_.Download(keys.data(), k.data(), Bf16Bytes(k.size()));
   }
 
   absl::Status ProcessLayer(int l) {
@@ -678,13 +736,14 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
   absl::Status ProcessExact(int l) {
     LayerBuf& b = bufs_[l];
-    KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(0));
-    LayerData& out = out_[l];
     if (!direct_) KVSHADE_RETURN_IF_ERROR(RopeInPlace(b));  // direct_: rotated part by part
     NoteCompressionPeak(size_t(n_) * sizeof(int64_t));   // the positions
-    out.tk = std::move(b.kd);
-    out.tv = std::move(b.vd);
-    out.n_tail = out.cap_tail = n_;
+    for (Range& rg : ranges_) {
+      KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(rg, 0));
+      LayerData& out = rg.out[l];
+      KVSHADE_RETURN_IF_ERROR(TakeRows(b, rg, &out.tk, &out.tv));
+      out.n_tail = out.cap_tail = rg.n;
+    }
     return absl::OkStatus();
   }
 
@@ -711,18 +770,31 @@ class IngestStreamImpl final : public Engine::IngestStream {
   }
 
   absl::Status ProcessShadow(int l) {
+    for (size_t r = 0; r < ranges_.size(); ++r) KVSHADE_RETURN_IF_ERROR(ProcessShadowRange(l, r));
+    return absl::OkStatus();
+  }
+
+  // One range of a shadow layer: its own basis when nothing comes before it in the
+  // session, else projected onto the basis of the segment before it (a reused prefix's or
+  // the range before it).
+  absl::Status ProcessShadowRange(int l, size_t r) {
     LayerBuf& b = bufs_[l];
+    Range& rg = ranges_[r];
     const ModelInfo& m = s_->model;
     const ProfileInfo& p = s_->profile;
     const int C = p.chunk_size;
-    LayerData& out = out_[l];
+    const int n = rg.n;
+    const int64_t first = rg.first;
+    const bool last = r + 1 == ranges_.size();
+    LayerData& out = rg.out[l];
     const std::shared_ptr<const Basis> pb =
-        prefix_basis_.empty() ? nullptr : prefix_basis_[l];
+        r > 0 ? ranges_[r - 1].out[l].basis : prefix_basis_.empty() ? nullptr : prefix_basis_[l];
+    const absl::Span<const bf16> keys = Rows(b.kd, rg);
 
-    if (n_ < p.local_window + C) {
+    if (n < p.local_window + C) {
       // Too short to chunk: every token is exact tail (CreateSession guarantees a basis
-      // from the prefix in this case).
-      KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(0));
+      // from the prefix or an earlier range in this case).
+      KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(rg, 0));
       if (!pb) {
         return absl::FailedPreconditionError(
             "shadow segment without a basis: the prompt is shorter than local_window + "
@@ -730,34 +802,38 @@ class IngestStreamImpl final : public Engine::IngestStream {
       }
       out.basis = pb;
       auto a = std::make_shared<DeviceBlock>();  // for when these tokens leave the tail
-      KVSHADE_ASSIGN_OR_RETURN(residual_[l], Project(Keys(b), *pb, a.get()));
+      KVSHADE_ASSIGN_OR_RETURN(const double residual, Project(keys, *pb, a.get()));
+      NoteResidual(l, residual);
       out.a = std::move(a);
-      if (residual_[l] > p.refactor_threshold) KVSHADE_RETURN_IF_ERROR(KeepForRefactor(l, b));
-      KVSHADE_RETURN_IF_ERROR(RopeInPlace(b));
-      out.tk = std::move(b.kd);
-      out.tv = std::move(b.vd);
-      out.n_tail = out.cap_tail = n_;
+      if (last && residual_[l] > p.refactor_threshold) KVSHADE_RETURN_IF_ERROR(KeepForRefactor(l, keys));
+      KVSHADE_RETURN_IF_ERROR(TakeRows(b, rg, &out.tk, &out.tv));
+      KVSHADE_RETURN_IF_ERROR(RopeInPlace(out.tk, first, n));
+      out.n_tail = out.cap_tail = n;
       return absl::OkStatus();
     }
 
     DeviceBlock qd;
     std::vector<int64_t> qpos;
     kernels::ShadowObservation obs;
-    const bool use_obs = b.w > 0 && heavy_[l] > 0;
+    // The observation queries are the prompt's last ones: they serve the last range.
+    const int w = last ? std::min(b.w, n) : 0;
+    const bool use_obs = w > 0 && heavy_[l] > 0;
     if (use_obs) {
-      KVSHADE_ASSIGN_OR_RETURN(qd, e_.Upload(b.qobs.data(), Bf16Bytes(b.qobs.size()), ArenaKind::kOther));
-      qpos = Positions(first_ + n_ - b.w, b.w);
-      obs.qobs = absl::Span<const bf16>(static_cast<const bf16*>(qd.data()), b.qobs.size());
+      const size_t q_row = size_t(m.shape.query_heads()) * m.shape.d;
+      const bf16* q_first = b.qobs.data() + size_t(b.w - w) * q_row;
+      KVSHADE_ASSIGN_OR_RETURN(qd, e_.Upload(q_first, Bf16Bytes(size_t(w) * q_row), ArenaKind::kOther));
+      qpos = Positions(first + n - w, w);
+      obs.qobs = absl::Span<const bf16>(static_cast<const bf16*>(qd.data()), size_t(w) * q_row);
       obs.q_positions = qpos;
-      obs.w = b.w;
+      obs.w = w;
     }
     kernels::ShadowParams sp;
     sp.C = C;
-    sp.rank = std::min({p.rank, m.shape.D(), n_ / 8 * 8});
+    sp.rank = std::min({p.rank, m.shape.D(), n / 8 * 8});
     sp.energy_target = pb ? 0.0 : p.energy_target;
     sp.subspace_iterations = static_cast<int>(e_.config().profile.factorize_iterations);
     sp.outliers = p.outliers;
-    sp.keep_sink = p.keep_sink && first_ == 0;  // the sink is the session's first chunk
+    sp.keep_sink = p.keep_sink && first == 0;  // the sink is the session's first chunk
     sp.local_min = p.local_window;
     sp.heavy_chunks = use_obs ? heavy_[l] : 0;
     sp.heavy_group = p.kivi_group;
@@ -765,19 +841,18 @@ class IngestStreamImpl final : public Engine::IngestStream {
     sp.signature_bits = p.key_signature_bits;
     // The values are encoded straight into the segment's block in the host value store
     // when its layout is packed (chunk_stride == chunk_bytes), else copied in afterwards.
-    KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment((n_ - sp.local_min) / C));
+    KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(rg, (n - sp.local_min) / C));
     absl::Span<std::byte> values_out;
-    if (layout_.chunk_stride == layout_.chunk_bytes) {
-      KVSHADE_ASSIGN_OR_RETURN(values_out, e_.store().MutableLayer(seg_id_, l));
+    if (rg.layout.chunk_stride == rg.layout.chunk_bytes) {
+      KVSHADE_ASSIGN_OR_RETURN(values_out, e_.store().MutableLayer(rg.id, l));
     }
     kernels::ShadowLayer sl;
     ArenaAllocator allocator(e_);
     {
       StageTimer timer(e_.metrics(), "ingest_factorize");
       absl::StatusOr<kernels::ShadowLayer> r = kernels::CompressShadowLayer(
-          e_.backend(), m.shape, m.rope, sp, Keys(b),
-          absl::Span<const bf16>(static_cast<const bf16*>(b.vd.data()), b.vd.bytes() / sizeof(bf16)),
-          n_, first_, use_obs ? &obs : nullptr, kernels::Stream{}, &allocator, values_out);
+          e_.backend(), m.shape, m.rope, sp, keys, Rows(b.vd, rg), n, first,
+          use_obs ? &obs : nullptr, kernels::Stream{}, &allocator, values_out);
       NoteCompressionPeak(allocator.peak_bytes());
       if (!r.ok()) return r.status();
       sl = *std::move(r);
@@ -787,15 +862,16 @@ class IngestStreamImpl final : public Engine::IngestStream {
       StageTimer timer(e_.metrics(), "ingest_values");
       const size_t bytes = size_t(m.shape.h) * sl.n_chunks * sl.value_chunk_bytes;
       KVSHADE_RETURN_IF_ERROR(e_.store().WriteLayer(
-          seg_id_, l, absl::Span<const std::byte>(static_cast<const std::byte*>(sl.values.data()), bytes)));
+          rg.id, l, absl::Span<const std::byte>(static_cast<const std::byte*>(sl.values.data()), bytes)));
     }
     out.n_chunks = out.cap_chunks = sl.n_chunks;
     if (pb) {
       auto a = std::make_shared<DeviceBlock>();
-      KVSHADE_ASSIGN_OR_RETURN(residual_[l], Project(Keys(b), *pb, a.get()));
+      KVSHADE_ASSIGN_OR_RETURN(const double residual, Project(keys, *pb, a.get()));
+      NoteResidual(l, residual);
       out.a = std::move(a);
       out.basis = pb;
-      if (residual_[l] > p.refactor_threshold) KVSHADE_RETURN_IF_ERROR(KeepForRefactor(l, b));
+      if (last && residual_[l] > p.refactor_threshold) KVSHADE_RETURN_IF_ERROR(KeepForRefactor(l, keys));
     } else {
       auto basis = std::make_shared<Basis>();
       basis->r = sl.r;
@@ -822,7 +898,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
         const int32_t chunk = sl.static_chunks[size_t(hh) * sl.static_capacity + i];
         if (chunk < 0) continue;
         for (int j = 0; j < C; ++j) {
-          out.s_pos[(size_t(hh) * sl.static_capacity + i) * C + j] = first_ + int64_t(chunk) * C + j;
+          out.s_pos[(size_t(hh) * sl.static_capacity + i) * C + j] = first + int64_t(chunk) * C + j;
         }
       }
     }
@@ -844,12 +920,20 @@ class IngestStreamImpl final : public Engine::IngestStream {
     return absl::OkStatus();
   }
 
+  // A range projected onto a cached basis: the layer reports the largest residual of its
+  // projected ranges.
+  void NoteResidual(int l, double residual) {
+    residual_[l] = std::max(residual_[l], residual);
+    projected_ = true;
+  }
+
   absl::Status ProcessMini(int l) {
     LayerBuf& b = bufs_[l];
     const ModelInfo& m = s_->model;
     const ProfileInfo& p = s_->profile;
     const int h = m.shape.h, d = m.shape.d, G = p.kivi_group, n = n_;
-    KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(0));
+    Range& rg = ranges_[0];  // CreateSession sets no segment ends for mini
+    KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(rg, 0));
     KVSHADE_RETURN_IF_ERROR(RopeInPlace(b));
     const absl::Span<const bf16> kr = Keys(b);
     // Token selection and the gathers run on the host here (one download of K and V).
@@ -907,7 +991,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
         std::copy_n(vh.begin() + src, d, rv.begin() + dst);
       }
     }
-    LayerData& out = out_[l];
+    LayerData& out = rg.out[l];
     if (mq > 0) {
       // [h, mq, d] per head contiguous == [h*mq, d]: per-channel key groups of G rows never
       // cross heads because mq % G == 0.
@@ -967,47 +1051,60 @@ class IngestStreamImpl final : public Engine::IngestStream {
     return absl::OkStatus();
   }
 
-  // Seals the segment and makes it the session's: all of it, or (on an error) none of it.
+  // Seals the segments (one per range) and makes them the session's: all of them, or (on
+  // an error) none of them.
   absl::Status Commit() {
-    KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(0));
     const ModelInfo& m = s_->model;
     const ProfileInfo& p = s_->profile;
-    auto seg = std::make_shared<Segment>();
-    seg->id = seg_id_;
-    seg->kind = p.kind;
-    seg->first_position = first_;
-    seg->n_tokens = n_;
-    seg->chunk_size = p.chunk_size;
-    seg->tokens.assign(s_->prompt.begin() + first_, s_->prompt.end());
-    seg->layers = std::move(out_);
-    seg->values_in_store = true;
-    seg->value_layout = layout_;
-    seg->store = e_.store_link();
-    seg->durable = s_->durable;
     // Content-addressed registration (shadow, exact): later sessions with the same
-    // tokens reuse this segment. The key is known before sealing so that a durable
-    // segment's record carries it.
+    // tokens reuse these segments. The keys are known before sealing so that a durable
+    // segment's record carries its own.
     std::optional<storage::PrefixHasher> hasher;
     std::vector<storage::PrefixKey> keys;
     if (p.kind != v1::PROFILE_KIND_MINI) {
       if (auto h = e_.Hasher(tenant_, m, p); h.ok()) {
         hasher = *h;
         keys = hasher->Chain(s_->prompt);
-        const int64_t end_block = (first_ + n_) / hasher->block_tokens();
-        if (end_block > 0 && size_t(end_block) <= keys.size()) seg->prefix_key = keys[end_block - 1];
       }
     }
-    KVSHADE_RETURN_IF_ERROR(e_.SealSegmentValues(*seg, s_->durable, m));
-    store_created_ = false;  // the segment owns its values now
-    storage::SegmentRef ref;
-    if (hasher && seg->prefix_key) {
-      std::optional<storage::SegmentId> parent;
-      {
-        std::shared_lock lock(s_->mu);
-        if (!s_->chain.empty()) parent = s_->chain.back()->id;
+    std::vector<std::shared_ptr<Segment>> segs;
+    for (Range& rg : ranges_) {
+      KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(rg, 0));
+      auto seg = std::make_shared<Segment>();
+      seg->id = rg.id;
+      seg->kind = p.kind;
+      seg->first_position = rg.first;
+      seg->n_tokens = rg.n;
+      seg->chunk_size = p.chunk_size;
+      seg->tokens.assign(s_->prompt.begin() + rg.first, s_->prompt.begin() + rg.first + rg.n);
+      seg->layers = std::move(rg.out);
+      seg->values_in_store = true;
+      seg->value_layout = rg.layout;
+      seg->store = e_.store_link();
+      seg->durable = s_->durable;
+      if (hasher) {
+        const int64_t end_block = (rg.first + rg.n) / hasher->block_tokens();
+        if (end_block > 0 && size_t(end_block) <= keys.size()) seg->prefix_key = keys[end_block - 1];
       }
-      ref = e_.RegisterPrefix(seg, keys, hasher->block_tokens(), parent);
-      if (!ref) seg->prefix_key.reset();
+      KVSHADE_RETURN_IF_ERROR(e_.SealSegmentValues(*seg, s_->durable, m));
+      rg.store_created = false;  // the segment owns its values now
+      segs.push_back(std::move(seg));
+    }
+    // Each range is registered under the one before it (or the session's reused prefix).
+    std::vector<storage::SegmentRef> refs;
+    std::optional<storage::SegmentId> parent;
+    {
+      std::shared_lock lock(s_->mu);
+      if (!s_->chain.empty()) parent = s_->chain.back()->id;
+    }
+    for (const std::shared_ptr<Segment>& seg : segs) {
+      storage::SegmentRef ref;
+      if (hasher && seg->prefix_key) {
+        ref = e_.RegisterPrefix(seg, keys, hasher->block_tokens(), parent);
+        if (!ref) seg->prefix_key.reset();
+      }
+      if (ref) refs.push_back(std::move(ref));
+      parent = seg->id;
     }
 
     bool scheduled = false;
@@ -1016,9 +1113,9 @@ class IngestStreamImpl final : public Engine::IngestStream {
       if (s_->state != SessionState::kIngesting) {
         return absl::NotFoundError(absl::StrCat("session '", s_->id, "' was closed"));
       }
-      const bool has_ref = static_cast<bool>(ref);
-      s_->chain.push_back(seg);
-      if (has_ref) s_->prefix_refs.push_back(std::move(ref));
+      const size_t n_refs = refs.size();
+      s_->chain.insert(s_->chain.end(), segs.begin(), segs.end());
+      for (storage::SegmentRef& ref : refs) s_->prefix_refs.push_back(std::move(ref));
       s_->tokens += n_;
       s_->state = SessionState::kReady;
       ++s_->static_version;
@@ -1026,8 +1123,8 @@ class IngestStreamImpl final : public Engine::IngestStream {
       if (s_->durable) {
         if (absl::Status st = e_.PersistSession(*s_); !st.ok()) {
           // Not committed after all: the session is as it was before the commit.
-          s_->chain.pop_back();
-          if (has_ref) s_->prefix_refs.pop_back();
+          s_->chain.resize(s_->chain.size() - segs.size());
+          s_->prefix_refs.resize(s_->prefix_refs.size() - n_refs);
           s_->tokens -= n_;
           s_->state = SessionState::kIngesting;
           ++s_->static_version;
@@ -1050,7 +1147,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
       for (int l = 0; l < L_; ++l) any = any || !refactor_keys_[l].empty();
       if (any) {
         s_->refactor_keys = std::move(refactor_keys_);
-        s_->refactor_first_position = first_;
+        s_->refactor_first_position = ranges_.back().first;  // the keys are the last range's
         s_->refactor_pending = true;
         scheduled = true;
       }
@@ -1061,14 +1158,14 @@ class IngestStreamImpl final : public Engine::IngestStream {
     for (int l = 0; l < L_; ++l) {
       if (p.kind != v1::PROFILE_KIND_SHADOW) continue;
       if (prefix_basis_.empty()) e_.metrics()->ReconstructionEnergy(captured_[l]);
-      else e_.metrics()->ProjectionResidual(residual_[l]);
+      if (projected_) e_.metrics()->ProjectionResidual(residual_[l]);
     }
     e_.UpdateGauges();
     resp_.set_tokens(s_->tokens);
     if (p.kind == v1::PROFILE_KIND_SHADOW) {
       for (int l = 0; l < L_; ++l) {
         resp_.add_captured_energy(static_cast<float>(captured_[l]));
-        if (!prefix_basis_.empty()) resp_.add_residual_energy(static_cast<float>(residual_[l]));
+        if (projected_) resp_.add_residual_energy(static_cast<float>(residual_[l]));
       }
     }
     resp_.set_refactorization_scheduled(scheduled);
@@ -1082,16 +1179,14 @@ class IngestStreamImpl final : public Engine::IngestStream {
   int n_ = 0;
   int L_ = 0;
   std::vector<LayerBuf> bufs_;
-  std::vector<LayerData> out_;
+  std::vector<Range> ranges_;  // the segments the commit adds
+  bool projected_ = false;  // a range was projected onto a cached basis (residual_ is set)
   std::vector<double> captured_, residual_;
   std::vector<std::vector<bf16>> refactor_keys_;
   std::vector<std::string> peers_;  // CUDA IPC handles this stream mapped (same-node parts)
   std::vector<std::shared_ptr<const Basis>> prefix_basis_;
   std::vector<int> heavy_;
   std::vector<double> mini_heavy_;
-  storage::SegmentId seg_id_;
-  storage::SegmentValueLayout layout_;
-  bool store_created_ = false;
   bool commit_accepted_ = false;  // the commit message arrived (and every layer was complete)
   bool committed_ = false;        // Finish applied it
   absl::Status failed_;           // the stream's first error

@@ -1,6 +1,8 @@
 // KvEventPublisher (kv_events.h): a ZMQ PUB socket owned by one thread, fed by a queue.
 #include "kvshade/service/kv_events.h"
 
+#include <algorithm>
+
 #include <zmq.h>
 
 #include <chrono>
@@ -159,6 +161,14 @@ void KvEventPublisher::Removed(const std::string& segment) {
     stored_.erase(it);
   }
   Push(std::move(e));
+}
+
+void KvEventPublisher::HandedOver(const std::string& segment, const std::vector<uint64_t>& block_hashes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = stored_.find(segment);
+  if (it == stored_.end()) return;
+  std::vector<uint64_t>& kept = it->second;
+  for (uint64_t h : block_hashes) kept.erase(std::remove(kept.begin(), kept.end(), h), kept.end());
 }
 
 void KvEventPublisher::AllCleared() { Push(Event{}); }

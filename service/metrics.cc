@@ -188,6 +188,14 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                      .Register(r);
   prefix_probes_[0] = &probes.Add({{"result", "miss"}});
   prefix_probes_[1] = &probes.Add({{"result", "hit"}});
+  auto& splits = BuildCounter()
+                     .Name("kvshade_prefix_splits_total")
+                     .Help("Segment ends CreateSession cut an ingest at, by source: a client's "
+                           "segment_ends hint, or an automatic end where a prompt's prefix "
+                           "match ended inside a cached segment")
+                     .Register(r);
+  prefix_splits_[0] = &splits.Add({{"source", "hint"}});
+  prefix_splits_[1] = &splits.Add({{"source", "automatic"}});
   chunks_selected_ = &BuildCounter()
                           .Name("kvshade_chunks_selected_total")
                           .Help("Chunks selected by select-and-reconstruct (hit-ratio denominator)")
@@ -338,6 +346,11 @@ void Metrics::PrefixLookup(PrefixStop stop, uint64_t requested_tokens, uint64_t 
 }
 
 void Metrics::PrefixProbe(bool hit) { prefix_probes_[hit ? 1 : 0]->Increment(); }
+
+void Metrics::PrefixSplits(uint64_t hinted, bool automatic) {
+  if (hinted > 0) prefix_splits_[0]->Increment(double(hinted));
+  if (automatic) prefix_splits_[1]->Increment();
+}
 
 void Metrics::ChunkSelection(uint64_t selected, uint64_t hits) {
   chunks_selected_->Increment(static_cast<double>(selected));

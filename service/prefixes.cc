@@ -50,8 +50,24 @@ storage::SegmentRef EngineImpl::RegisterPrefix(const std::shared_ptr<const Segme
     if (!info || info->end_token != first) return {};
   }
   std::vector<storage::PrefixKey> mine(keys.begin() + first_block, keys.begin() + end_block);
+  // A segment that another cached one, starting where it starts, runs past (a segment end
+  // cut a prompt inside what that one holds: service/README.md "Segment ends") takes over
+  // the keys of the blocks they share, so that a prompt sharing only those blocks reuses
+  // it; the longer one keeps the keys of its later blocks.
+  std::optional<storage::SegmentId> take_over;
+  if (std::optional<storage::SegmentId> holder = prefix_.Holder(mine.back())) {
+    std::shared_ptr<const Segment> other;
+    {
+      base::MutexLock lock(&seg_mu_);
+      auto it = registered_.find(*holder);
+      if (it != registered_.end()) other = it->second;
+    }
+    if (other && other->first_position == first && other->first_position + other->n_tokens > end) {
+      take_over = *holder;
+    }
+  }
   auto ref = prefix_.Insert(seg->id, first_block > 0 ? parent : std::nullopt, block_tokens,
-                            first_block, mine, seg->DeviceBytes() + seg->HostBytes());
+                            first_block, mine, seg->DeviceBytes() + seg->HostBytes(), take_over);
   if (!ref.ok()) return {};  // e.g. the same prefix was cached concurrently: keep ours private
   {
     base::MutexLock lock(&seg_mu_);
@@ -61,6 +77,7 @@ storage::SegmentRef EngineImpl::RegisterPrefix(const std::shared_ptr<const Segme
     // The low 64 bits of each block's key (the last 8 bytes of its canonical form).
     std::vector<uint64_t> hashes;
     for (const storage::PrefixKey& k : mine) hashes.push_back(k.lo);
+    if (take_over) kv_events_->HandedOver(take_over->ToHex(), hashes);
     std::optional<uint64_t> parent_hash;
     if (first_block > 0) parent_hash = keys[first_block - 1].lo;
     const size_t n = std::min(seg->tokens.size(), size_t(end_block - first_block) * block_tokens);
@@ -148,6 +165,7 @@ ReuseMatch EngineImpl::FindReusable(const storage::PrefixHasher& hasher,
     if (end > int64_t(tokens.size()) ||
         !std::equal(seg->tokens.begin(), seg->tokens.end(), tokens.begin() + pos)) {
       stop = PrefixStop::kPartialSegment;
+      if (m.tokens > pos) out.partial_tokens = m.tokens;
       break;
     }
     if (need_durable && !seg->durable) {

@@ -47,6 +47,111 @@ void ReleaseClosedSession(Session& s) {
   open.reset();
 }
 
+// Segment ends (service/README.md "Segment ends"): a multiple of both the prefix index's
+// block (a segment registers only from a block boundary, and its key is its last whole
+// block's) and the chunk size.
+static int64_t SegmentEndAlignment(const ProfileInfo& p) {
+  return std::lcm<int64_t>(storage::kDefaultPrefixBlockTokens, std::max<int64_t>(p.chunk_size, 1));
+}
+
+// The fewest tokens of a segment that a segment end closes: a shadow segment before
+// another one has chunks of its own (its remainder stays exact between the two).
+static int64_t MinClosedSegment(const ProfileInfo& p) {
+  return p.kind == v1::PROFILE_KIND_SHADOW ? int64_t(p.local_window) + p.chunk_size : 1;
+}
+
+// The request's segment_ends against the prompt alone (before the prefix lookup): refused
+// with INVALID_ARGUMENT naming the rule.
+static absl::Status CheckSegmentEnds(const google::protobuf::RepeatedField<uint64_t>& ends,
+                                     size_t n_tokens, const ProfileInfo& p) {
+  if (ends.size() > kMaxSegmentEnds) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "segment_ends holds at most ", kMaxSegmentEnds, " positions (a session holds at most ",
+        kMaxSegmentEnds + 1, " segments of its prompt), got ", ends.size()));
+  }
+  const int64_t align = SegmentEndAlignment(p);
+  const int64_t min_len = MinClosedSegment(p);
+  uint64_t prev = 0;
+  for (int i = 0; i < ends.size(); ++i) {
+    const uint64_t e = ends[i];
+    if (e == 0 || e >= n_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "segment_ends[", i, "] = ", e, " must be inside (0, ", n_tokens,
+          "): a segment end cuts the prompt of ", n_tokens, " tokens"));
+    }
+    if (i > 0 && e <= prev) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "segment_ends must be strictly increasing: segment_ends[", i, "] = ", e,
+          " follows ", prev));
+    }
+    if (int64_t(e) % align != 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "segment_ends[", i, "] = ", e, " must be a multiple of ", align,
+          " (of the prefix index's block of ", storage::kDefaultPrefixBlockTokens,
+          " tokens and of chunk_size ", p.chunk_size, ")"));
+    }
+    if (int64_t(e - prev) < min_len) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "segment_ends[", i, "] = ", e, " closes a segment of ", e - prev,
+          " tokens; a shadow segment before a segment end needs at least local_window + "
+          "chunk_size = ", min_len));
+    }
+    prev = e;
+  }
+  return absl::OkStatus();
+}
+
+// The segment ends a session's ingest uses, past the reused prefix: the requested ones that
+// still cut the new tokens (those at or before reused_tokens are already segment ends; one
+// that would close a too-short first segment after the prefix is dropped), plus the
+// automatic end where the prefix match stopped inside a cached segment, within the cap of
+// kMaxSegmentEnds + 1 segments of the prompt (the first ends are kept).
+struct SegmentEndPlan {
+  std::vector<uint64_t> ends;
+  uint64_t automatic = 0;  // 0: none
+  uint64_t hinted = 0;     // requested ends kept
+};
+static SegmentEndPlan PlanSegmentEnds(const google::protobuf::RepeatedField<uint64_t>& requested,
+                                      const ProfileInfo& p, size_t n_tokens,
+                                      uint64_t reused_tokens, size_t reused_segments,
+                                      int64_t partial_tokens) {
+  SegmentEndPlan plan;
+  const int64_t min_len = MinClosedSegment(p);
+  std::vector<uint64_t> hinted;
+  uint64_t prev = reused_tokens;
+  for (uint64_t e : requested) {
+    if (e <= reused_tokens || int64_t(e - prev) < min_len) continue;
+    hinted.push_back(e);
+    prev = e;
+  }
+  std::vector<uint64_t> ends = hinted;
+  // The automatic end: at least a prefix block (and a shadow segment's minimum) past the
+  // reused prefix, short of the prompt's end, and no closer to a neighbouring end than a
+  // segment's minimum.
+  const int64_t align = SegmentEndAlignment(p);
+  const int64_t a = partial_tokens / align * align;
+  const int64_t auto_min = std::max<int64_t>(storage::kDefaultPrefixBlockTokens, min_len);
+  if (a - int64_t(reused_tokens) >= auto_min && a < int64_t(n_tokens) &&
+      std::find(ends.begin(), ends.end(), uint64_t(a)) == ends.end()) {
+    auto at = std::lower_bound(ends.begin(), ends.end(), uint64_t(a));
+    const uint64_t before = at == ends.begin() ? reused_tokens : *(at - 1);
+    const bool fits = a - int64_t(before) >= min_len && (at == ends.end() || int64_t(*at) - a >= min_len);
+    if (fits) {
+      ends.insert(at, uint64_t(a));
+      plan.automatic = uint64_t(a);
+    }
+  }
+  // Room under the cap: the reused segments and the ingested ones together.
+  const size_t room = size_t(kMaxSegmentEnds) + 1 - std::min<size_t>(reused_segments, kMaxSegmentEnds);
+  if (ends.size() + 1 > room) ends.resize(room - 1);
+  if (plan.automatic && std::find(ends.begin(), ends.end(), plan.automatic) == ends.end()) {
+    plan.automatic = 0;
+  }
+  for (uint64_t e : ends) plan.hinted += std::find(hinted.begin(), hinted.end(), e) != hinted.end();
+  plan.ends = std::move(ends);
+  return plan;
+}
+
 absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
     const Tenant& t, const v1::CreateSessionRequest& r) {
   KVSHADE_RETURN_IF_ERROR(CheckNotDraining("CreateSession"));
@@ -72,6 +177,7 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
                                                 " is not available on the ", std::string(backend_->name()),
                                                 " backend: ", st.message()));
   }
+  KVSHADE_RETURN_IF_ERROR(CheckSegmentEnds(r.segment_ends(), tokens.size(), profile));
   if (!v1::AppendFsync_IsValid(r.append_fsync())) {
     return absl::InvalidArgumentError(
         absl::StrCat("append_fsync must be one of UNSPECIFIED, NO, EVERYSEC, ALWAYS, got ",
@@ -101,6 +207,7 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
   // Prefix reuse: shadow and exact segments are content-addressed; mini keeps per-prompt
   // budgets (fractions of the prompt length), so its segments are not reusable by others.
   std::optional<PrefixStop> reuse_stop;  // no lookup for mini
+  SegmentEndPlan ends;                   // none for mini: its segments are not cached
   if (profile.kind != v1::PROFILE_KIND_MINI) {
     KVSHADE_ASSIGN_OR_RETURN(storage::PrefixHasher hasher, Hasher(t, model, profile));
     ReuseMatch m = FindReusable(hasher, tokens, s->durable, /*page_in=*/true);
@@ -110,6 +217,9 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
     metrics_->PrefixLookup(m.stop, tokens.size(), m.tokens, m.chain.size() - m.paged_in,
                            m.paged_in);
     reuse_stop = m.stop;
+    ends = PlanSegmentEnds(r.segment_ends(), profile, tokens.size(), m.tokens, m.chain.size(),
+                           m.partial_tokens);
+    s->segment_ends = ends.ends;
     s->chain = std::move(m.chain);
     s->prefix_refs = std::move(m.refs);
     s->reused_tokens = m.tokens;
@@ -131,6 +241,7 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
   s->tokens = s->reused_tokens;
   if (s->reused_tokens == tokens.size()) s->state = SessionState::kReady;
   KVSHADE_RETURN_IF_ERROR(sessions_.AddSession(s));
+  if (!ends.ends.empty()) metrics_->PrefixSplits(ends.hinted, ends.automatic != 0);
   if (s->state == SessionState::kReady && s->durable) {
     std::unique_lock lock(s->mu);
     if (absl::Status st = PersistSession(*s); !st.ok()) {
@@ -146,6 +257,8 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
   resp.set_reused_tokens(s->reused_tokens);
   resp.set_effective_profile(profile.kind);
   resp.set_tokens_to_ingest(tokens.size() - s->reused_tokens);
+  for (uint64_t e : s->segment_ends) resp.add_segment_ends(e);
+  resp.set_automatic_segment_end(ends.automatic);
   log::Event(spdlog::level::info, "session_created")
       .Str("session", s->id)
       .Str("tenant", t.name)
@@ -154,6 +267,7 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
       .Uint("tokens", tokens.size())
       .Uint("reused_tokens", s->reused_tokens)
       .Str("reuse_stop", reuse_stop ? PrefixStopName(*reuse_stop) : "none")
+      .Str("segment_ends", absl::StrJoin(s->segment_ends, ","))
       .Bool("durable", s->durable);
   return resp;
 }

@@ -162,7 +162,8 @@ PrefixIndex::~PrefixIndex() = default;
 absl::StatusOr<SegmentRef> PrefixIndex::Insert(const SegmentId& segment,
                                                std::optional<SegmentId> parent, int block_tokens,
                                                int64_t first_block,
-                                               absl::Span<const PrefixKey> block_keys, size_t bytes) {
+                                               absl::Span<const PrefixKey> block_keys, size_t bytes,
+                                               std::optional<SegmentId> take_over) {
   if (block_tokens < 1 || block_tokens > (1 << 20)) {
     return absl::InvalidArgumentError(
         absl::StrCat("PrefixIndex::Insert: block_tokens must be in [1, 1048576], got ", block_tokens));
@@ -196,7 +197,8 @@ absl::StatusOr<SegmentRef> PrefixIndex::Insert(const SegmentId& segment,
           ", the segment starts at ", first_token));
     }
   }
-  if (auto k = st.keys.find(block_keys.back()); k != st.keys.end()) {
+  if (auto k = st.keys.find(block_keys.back());
+      k != st.keys.end() && !(take_over && k->second.first->info.segment == *take_over)) {
     return absl::AlreadyExistsError(absl::StrCat("PrefixIndex: this prefix is cached as segment ",
                                                  k->second.first->info.segment.ToHex()));
   }
@@ -210,7 +212,14 @@ absl::StatusOr<SegmentRef> PrefixIndex::Insert(const SegmentId& segment,
   n->info.refs = 1;
   for (size_t i = 0; i < block_keys.size(); ++i) {
     const int64_t tokens = first_token + int64_t(i + 1) * block_tokens;
-    if (st.keys.emplace(block_keys[i], std::make_pair(n, tokens)).second) {
+    auto [k, added] = st.keys.emplace(block_keys[i], std::make_pair(n, tokens));
+    if (!added && take_over && k->second.first->info.segment == *take_over) {
+      std::vector<PrefixKey>& theirs = k->second.first->keys;
+      theirs.erase(std::remove(theirs.begin(), theirs.end(), block_keys[i]), theirs.end());
+      k->second = std::make_pair(n, tokens);
+      added = true;
+    }
+    if (added) {
       n->keys.push_back(block_keys[i]);
       st.removed.erase(block_keys[i]);  // cached again
     }
@@ -314,6 +323,14 @@ absl::Status PrefixIndex::Remove(const SegmentId& segment) {
   }
   st.RemoveLocked(it->second.get());
   return absl::OkStatus();
+}
+
+std::optional<SegmentId> PrefixIndex::Holder(const PrefixKey& key) const {
+  auto& st = *state_;
+  base::MutexLock lock(&st.mu);
+  auto k = st.keys.find(key);
+  if (k == st.keys.end()) return std::nullopt;
+  return k->second.first->info.segment;
 }
 
 bool PrefixIndex::WasRemoved(const PrefixKey& key) const {

@@ -301,6 +301,8 @@ TEST(Metrics, PrefixLookupSeriesExistFromTheStart) {
   for (const std::string& n : {kRequested, kReused, kResident, kPagedIn}) want[n] = 0;
   want["kvshade_prefix_probes_total{result=\"hit\"}"] = 0;
   want["kvshade_prefix_probes_total{result=\"miss\"}"] = 0;
+  want["kvshade_prefix_splits_total{source=\"hint\"}"] = 0;
+  want["kvshade_prefix_splits_total{source=\"automatic\"}"] = 0;
   EXPECT_EQ(s, want);
   EXPECT_EQ(server.Stop(), 0);
 }
@@ -336,10 +338,15 @@ TEST(Metrics, PrefixLookupsByResultAndReason) {
                    "longer");
 
   // Its first 512 tokens then others: two blocks match the cached segment, but segments are
-  // reused whole and this one goes on differently.
+  // reused whole and this one goes on differently; the matched blocks become an automatic
+  // segment end of the new session.
   KV_ASSERT_OK_AND_ASSIGN(fork, c->CreateSession(CreateOver(a, Concat(at, 512, other.tokens(), 512))));
   EXPECT_EQ(fork.reused_tokens(), 0u);
-  m = ExpectDeltas(m, PrefixSamples(server), {{Lookup("miss", "partial_segment"), 1}, {kRequested, 1024}},
+  EXPECT_EQ(fork.automatic_segment_end(), 512u);
+  m = ExpectDeltas(m, PrefixSamples(server),
+                   {{Lookup("miss", "partial_segment"), 1},
+                    {kRequested, 1024},
+                    {"kvshade_prefix_splits_total{source=\"automatic\"}", 1}},
                    "diverging");
 
   // Its first 512 tokens alone: the cached segment runs past the prompt.

@@ -2,7 +2,8 @@
  * real kvshade-server at $KVSHADE_TARGET (tests/python/run_with_server.py starts it).
  * Covers connect/health, create + ingest (exact) + get_session, attach, static set (values
  * come back bit-identical), attend against attention over the static set, select, append,
- * stats, the recall guard's figures (kvshade_get_session_selection), the error contract
+ * stats, the recall guard's figures (kvshade_get_session_selection), segment ends
+ * (kvshade_create_session_ex: a second prompt reuses the first's document), the error contract
  * (codes and messages, NULL arguments), and the UCX options and status: with
  * $KVSHADE_UCX_TRANSPORTS set the server offers a UCX data plane (started with
  * `run_with_server.py --ucx ...`) and a use_ucx client must connect with no fallback;
@@ -36,6 +37,7 @@ static int failures = 0;
 
 enum { L = 2, HQ = 4, H = 2, D = 16, N = 96 };
 
+
 static float bf16_to_f32(uint16_t b) {
   uint32_t u = (uint32_t)b << 16;
   float f;
@@ -53,6 +55,58 @@ static uint16_t rand_bf16(void) {
   uint32_t u;
   memcpy(&u, &f, 4);
   return (uint16_t)(u >> 16);
+}
+
+/* Segment ends: a prompt of DOC + 300 tokens cut at DOC (a prefix block); a second prompt with
+ * the same document and another question reuses the document. Bad ends create nothing. */
+enum { DOC = 256, QN = DOC + 300 };
+static int check_segment_ends(kvshade_client* c, const kvshade_model* base, const kvshade_profile* p) {
+  kvshade_model m = *base;
+  m.model_id = "capi-test-ends";
+  static int32_t tokens[QN];
+  static uint16_t k[L][QN * H * D], v[L][QN * H * D];
+  for (int i = 0; i < QN; ++i) tokens[i] = (int32_t)(rng_state % 1000) + i;
+  for (int l = 0; l < L; ++l) {
+    for (int i = 0; i < QN * H * D; ++i) {
+      k[l][i] = rand_bf16();
+      v[l][i] = rand_bf16();
+    }
+  }
+  const uint64_t doc_end[1] = {DOC};
+  kvshade_session_created sc;
+  /* Refused: not a multiple of 256, too many, NULL with a count. */
+  const uint64_t odd[1] = {200};
+  CHECK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", odd, 1, &sc) == KVSHADE_INVALID_ARGUMENT);
+  CHECK(strstr(kvshade_last_error(), "segment_ends") != NULL);
+  const uint64_t many[KVSHADE_MAX_SEGMENT_ENDS + 1] = {0};
+  CHECK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", many, KVSHADE_MAX_SEGMENT_ENDS + 1, &sc) ==
+        KVSHADE_INVALID_ARGUMENT);
+  CHECK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", NULL, 1, &sc) == KVSHADE_INVALID_ARGUMENT);
+  uint64_t reusable = 1, segments = 1;
+  REQUIRE_OK(kvshade_lookup_prefix(c, &m, p, tokens, QN, &reusable, &segments));
+  CHECK(reusable == 0 && segments == 0);
+
+  REQUIRE_OK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", doc_end, 1, &sc));
+  CHECK(sc.reused_tokens == 0 && sc.tokens_to_ingest == QN);
+  CHECK(sc.n_segment_ends == 1 && sc.segment_ends[0] == DOC && sc.automatic_segment_end == 0);
+  kvshade_ingest* ing = NULL;
+  REQUIRE_OK(kvshade_ingest_begin(c, sc.session_id, &ing));
+  for (int l = 0; l < L; ++l) {
+    REQUIRE_OK(kvshade_ingest_layer(ing, (uint32_t)l, KVSHADE_DTYPE_BF16, QN, H, D, k[l], v[l], NULL, 0, 0));
+  }
+  REQUIRE_OK(kvshade_ingest_commit(ing, NULL));
+  kvshade_ingest_free(ing);
+  REQUIRE_OK(kvshade_lookup_prefix(c, &m, p, tokens, QN, &reusable, &segments));
+  CHECK(reusable == QN && segments == 2);
+
+  for (int i = DOC; i < QN; ++i) tokens[i] += 5000;  /* another question */
+  kvshade_session_created sq;
+  REQUIRE_OK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", doc_end, 1, &sq));
+  CHECK(sq.reused_tokens == DOC && sq.tokens_to_ingest == QN - DOC);
+  CHECK(sq.n_segment_ends == 0);  /* the document's end is a boundary already */
+  REQUIRE_OK(kvshade_close_session(c, sq.session_id));
+  REQUIRE_OK(kvshade_close_session(c, sc.session_id));
+  return 0;
 }
 
 int main(void) {
@@ -164,6 +218,7 @@ int main(void) {
   }
   CHECK(strcmp(info.model_id, "capi-test") == 0);
   CHECK(strcmp(info.label, "capi") == 0);
+  if (check_segment_ends(c, &m, &p) != 0) return 1;
 
   kvshade_attachment att;
   REQUIRE_OK(kvshade_attach(c, created.session_id, "capi-worker", 0, 0, &att));

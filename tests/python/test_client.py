@@ -313,6 +313,30 @@ class ClientTest(unittest.TestCase):
             self.assertEqual(self.c.get_session(created.session_id)["state"], "ingesting")
         self.c.close_session(created.session_id)
 
+    def test_segment_ends_reuse_the_document(self):
+        doc, n = 256, 600  # the question holds a whole block: both segments are cached
+        prof = kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=4, outliers=2, local_window=32)
+        spec = model(name="py-ends")
+        tokens = self.rng.integers(0, 30000, n)
+        with self.assertRaisesRegex(kvshade.InvalidArgument, "multiple of 256"):
+            self.c.create_session(spec, prof, tokens, segment_ends=[200])
+        self.assertEqual(self.c.lookup_prefix(spec, prof, tokens), (0, 0))
+        created = self.c.create_session(spec, prof, tokens, segment_ends=[doc])
+        self.assertEqual((created.segment_ends, created.automatic_segment_end), ((doc,), 0))
+        k, v = self.kv(n)
+        with self.c.ingest(created.session_id) as ing:
+            for l in range(L):
+                ing.layer(l, k[l], v[l])
+            self.assertEqual(ing.commit(), n)
+        self.assertEqual(self.c.lookup_prefix(spec, prof, tokens), (n, 2))
+        other = np.array(tokens, copy=True)
+        other[doc:] += 1  # the same document, another question
+        second = self.c.create_session(spec, prof, other, segment_ends=[doc])
+        self.assertEqual((second.reused_tokens, second.tokens_to_ingest), (doc, n - doc))
+        self.assertEqual(second.segment_ends, ())
+        for sid in (second.session_id, created.session_id):
+            self.c.close_session(sid)
+
     def test_shadow_prefix_fork_select(self):
         n = 256
         prof = kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=4, outliers=2, local_window=32)

@@ -97,24 +97,31 @@ class KvEventsTest(unittest.TestCase):
         b = np.concatenate([a[:BLOCK], self.rng.integers(0, 32000, BLOCK + 17).astype(np.int32)])
         sa = self.ingest(a)
         ev = self.receive(lambda ev: len(stored(ev)) >= 1)
+        # b shares a's first block, then diverges inside a's segment: the daemon cuts b's
+        # ingest at the block's end (service/README.md "Segment ends"), so b stores two
+        # segments, the shared block and its own second block.
         sb = self.ingest(b)
-        ev = self.receive(lambda ev: len(stored(ev)) >= 2)
-        ea, eb = stored(ev)[:2]
-        for e in (ea, eb):
+        ev = self.receive(lambda ev: len(stored(ev)) >= 3)
+        ea, eb1, eb2 = stored(ev)[:3]
+        for e in (ea, eb1, eb2):
             # ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name]
             self.assertEqual(len(e), 8)
-            self.assertEqual(len(e[1]), 2)  # whole blocks only: the 40 / 17 extra tokens are not keyed
-            self.assertIsNone(e[2])         # a chain's first segment
             self.assertEqual(e[4], BLOCK)
             self.assertIsNone(e[5])
             self.assertEqual(e[6], "CPU")
             self.assertIsNone(e[7])
             self.assertTrue(all(isinstance(h, int) and 0 <= h < 2 ** 64 for h in e[1]))
+        self.assertEqual(len(ea[1]), 2)  # whole blocks only: the 40 / 17 extra tokens are not keyed
+        self.assertEqual((len(eb1[1]), len(eb2[1])), (1, 1))
+        self.assertIsNone(ea[2])  # a chain's first segment
+        self.assertIsNone(eb1[2])
+        self.assertEqual(eb2[2], eb1[1][0])  # the second segment's parent block
         self.assertEqual(ea[3], [int(t) for t in a[:2 * BLOCK]])
-        self.assertEqual(eb[3], [int(t) for t in b[:2 * BLOCK]])
+        self.assertEqual(eb1[3], [int(t) for t in b[:BLOCK]])
+        self.assertEqual(eb2[3], [int(t) for t in b[BLOCK:2 * BLOCK]])
         # Chained keys: the shared first block has one hash, the diverging second two.
-        self.assertEqual(ea[1][0], eb[1][0])
-        self.assertNotEqual(ea[1][1], eb[1][1])
+        self.assertEqual(ea[1][0], eb1[1][0])
+        self.assertNotEqual(ea[1][1], eb2[1][0])
         self.assertEqual(removed(ev), [])  # both sessions hold their prefixes
 
         self.c.close_session(sa)
@@ -122,14 +129,16 @@ class KvEventsTest(unittest.TestCase):
         self.assertEqual(removed(self.events()), [])  # closed, still cached
         # A third prompt's registration evicts the cached prefixes no session holds: with
         # its ~1.3 MB of segments the cached bytes exceed half the 3 MiB device budget until
-        # both are gone (least recently used first).
+        # they are gone (least recently used first). The shared block went over to b's first
+        # segment: it is removed once, with that segment, not with a's.
         self.ingest(self.rng.integers(0, 32000, 4 * BLOCK).astype(np.int32))
-        ev = self.receive(lambda ev: len(removed(ev)) >= 2)
+        ev = self.receive(lambda ev: len(removed(ev)) >= 3)
         gone = removed(ev)
         for e in gone:
             self.assertEqual(len(e), 3)
             self.assertEqual(e[2], "CPU")
-        self.assertEqual(sorted(tuple(e[1]) for e in gone[:2]), sorted([tuple(ea[1]), tuple(eb[1])]))
+        self.assertEqual(sorted(tuple(e[1]) for e in gone[:3]),
+                         sorted([(ea[1][1],), tuple(eb1[1]), tuple(eb2[1])]))
         # Sequence numbers: consecutive from where this subscriber joined.
         seqs = [int.from_bytes(f[1], "big") for f in self.messages]
         self.assertEqual(seqs, list(range(seqs[0], seqs[0] + len(seqs))))

@@ -250,6 +250,50 @@ TEST(PrefixIndex, LongestPrefixOnSharedAndDivergingStreams) {
   EXPECT_GE(st.hits, 5u);
 }
 
+// take_over: a segment split off the front of a longer one takes the keys of their shared
+// blocks from it (only from the segment named), the longer one keeps its later keys, and
+// eviction of either still removes exactly the keys it holds.
+TEST(PrefixIndex, ASegmentSplitOffTheFrontTakesOverTheSharedKeys) {
+  const int B = 16;
+  auto h = PrefixHasher::Create(Scope(), B);
+  ASSERT_TRUE(h.ok());
+  auto rng = testing::Rng(13);
+  const std::vector<int32_t> doc = RandomTokens(rng, 5 * B);
+  const auto keys = h->Chain(doc);
+  PrefixIndex index;
+  const SegmentId longer{1, 0}, front{2, 0}, other{3, 0};
+  {
+    auto ref = index.Insert(longer, std::nullopt, B, 0, keys, 500);
+    ASSERT_TRUE(ref.ok());
+  }
+  const auto first3 = absl::MakeConstSpan(keys).subspan(0, 3);
+  // Without take_over, or naming another segment: the prefix is cached already.
+  EXPECT_EQ(index.Insert(front, std::nullopt, B, 0, first3, 300).status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(index.Insert(front, std::nullopt, B, 0, first3, 300, other).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(index.Holder(keys[2]), longer);
+  {
+    auto ref = index.Insert(front, std::nullopt, B, 0, first3, 300, longer);
+    ASSERT_TRUE(ref.ok()) << ref.status();
+  }
+  EXPECT_EQ(index.Holder(keys[0]), front);
+  EXPECT_EQ(index.Holder(keys[2]), front);
+  EXPECT_EQ(index.Holder(keys[3]), longer);
+  EXPECT_FALSE(index.Holder(h->Chain(Iota(B, 7))[0]).has_value());
+  // Three blocks of the document lead to the front; all five to the longer one.
+  EXPECT_EQ(index.Lookup(h->Chain(std::vector<int32_t>(doc.begin(), doc.begin() + 3 * B))).chain.back().segment(),
+            front);
+  EXPECT_EQ(index.Lookup(keys).chain.back().segment(), longer);
+  EXPECT_EQ(index.Stats().keys, 5u);
+  // Removing the longer one leaves the front's keys.
+  ASSERT_TRUE(index.Remove(longer).ok());
+  EXPECT_EQ(index.Stats().keys, 3u);
+  EXPECT_EQ(index.Holder(keys[2]), front);
+  EXPECT_FALSE(index.Holder(keys[3]).has_value());
+  EXPECT_TRUE(index.WasRemoved(keys[3]));
+  EXPECT_FALSE(index.WasRemoved(keys[2]));
+}
+
 TEST(PrefixIndex, InsertValidatesParents) {
   PrefixIndex index;
   auto h = PrefixHasher::Create(Scope(), 4);

@@ -34,7 +34,7 @@ extern "C" {
 #define KVSHADE_API
 #endif
 
-#define KVSHADE_ABI_VERSION 7 /* 2: UCX options and status, attachment data-plane fields;
+#define KVSHADE_ABI_VERSION 8 /* 2: UCX options and status, attachment data-plane fields;
                                  3: profile selection options, ucx_busy_poll_us, slot delta
                                  fallback and tokens, the _ex decode calls;
                                  4: slot delta positions, static set positions, held
@@ -43,8 +43,12 @@ extern "C" {
                                  6: kvshade_session_info.ingest_parts_taken;
                                  7: selection units: kvshade_profile.selection_unit,
                                  kvshade_attachment.slot_tokens,
-                                 kvshade_session_info.selection_unit */
+                                 kvshade_session_info.selection_unit;
+                                 8: segment ends: kvshade_create_session_ex,
+                                 kvshade_session_created.segment_ends */
 #define KVSHADE_ID_CAP 128
+/* The most segment ends a CreateSession takes (service/README.md "Segment ends"). */
+#define KVSHADE_MAX_SEGMENT_ENDS 5
 
 typedef enum kvshade_code {
   KVSHADE_OK = 0,
@@ -191,6 +195,11 @@ typedef struct kvshade_session_created {
   uint64_t reused_tokens;    /* covered by a cached prefix: ingest starts here */
   uint64_t tokens_to_ingest;
   int32_t effective_profile; /* KVSHADE_PROFILE_* */
+  /* Where the ingest cuts the new tokens into segments (the requested ends it kept and the
+   * automatic one): segment_ends[0 .. n_segment_ends); automatic_segment_end 0 = none. */
+  uint32_t n_segment_ends;
+  uint64_t segment_ends[KVSHADE_MAX_SEGMENT_ENDS];
+  uint64_t automatic_segment_end;
 } kvshade_session_created;
 
 typedef struct kvshade_session_info {
@@ -221,6 +230,17 @@ KVSHADE_API int kvshade_create_session(kvshade_client* client, const kvshade_mod
                                        const kvshade_profile* profile, const int32_t* token_ids,
                                        size_t n_tokens, int32_t durable, const char* label,
                                        kvshade_session_created* out);
+/* kvshade_create_session with segment ends (service/README.md "Segment ends"): token
+ * positions where the ingested prompt is cut into separate cached segments, so that a later
+ * prompt sharing only its first part (a document before another question) reuses that
+ * part. At most KVSHADE_MAX_SEGMENT_ENDS, strictly increasing, inside (0, n_tokens),
+ * multiples of 256 and of the profile's chunk_size (KVSHADE_INVALID_ARGUMENT otherwise,
+ * nothing created). segment_ends may be NULL when n_segment_ends is 0. */
+KVSHADE_API int kvshade_create_session_ex(kvshade_client* client, const kvshade_model* model,
+                                          const kvshade_profile* profile, const int32_t* token_ids,
+                                          size_t n_tokens, int32_t durable, const char* label,
+                                          const uint64_t* segment_ends, size_t n_segment_ends,
+                                          kvshade_session_created* out);
 KVSHADE_API int kvshade_lookup_prefix(kvshade_client* client, const kvshade_model* model,
                                       const kvshade_profile* profile, const int32_t* token_ids,
                                       size_t n_tokens, uint64_t* reusable_tokens,

@@ -5,8 +5,9 @@ argtypes of each function (SIGNATURES). kvshade._native loads the library with t
 """
 import ctypes
 
-KVSHADE_ABI_VERSION = 7
+KVSHADE_ABI_VERSION = 8
 KVSHADE_ID_CAP = 128
+KVSHADE_MAX_SEGMENT_ENDS = 5
 KVSHADE_OK = 0
 KVSHADE_CANCELLED = 1
 KVSHADE_UNKNOWN = 2
@@ -122,6 +123,9 @@ class SessionCreated(ctypes.Structure):
         ("reused_tokens", ctypes.c_uint64),  # uint64_t reused_tokens
         ("tokens_to_ingest", ctypes.c_uint64),  # uint64_t tokens_to_ingest
         ("effective_profile", ctypes.c_int32),  # int32_t effective_profile
+        ("n_segment_ends", ctypes.c_uint32),  # uint32_t n_segment_ends
+        ("segment_ends", ctypes.c_uint64 * 5),  # uint64_t segment_ends[KVSHADE_MAX_SEGMENT_ENDS]
+        ("automatic_segment_end", ctypes.c_uint64),  # uint64_t automatic_segment_end
     ]
 
 
@@ -306,6 +310,18 @@ SIGNATURES = {
         ctypes.c_size_t,  # size_t n_tokens
         ctypes.c_int32,  # int32_t durable
         ctypes.c_char_p,  # const char* label
+        ctypes.POINTER(SessionCreated),  # kvshade_session_created* out
+    ]),
+    "kvshade_create_session_ex": (ctypes.c_int, [  # returns int
+        ctypes.c_void_p,  # kvshade_client* client
+        ctypes.POINTER(Model),  # const kvshade_model* model
+        ctypes.POINTER(Profile),  # const kvshade_profile* profile
+        ctypes.POINTER(ctypes.c_int32),  # const int32_t* token_ids
+        ctypes.c_size_t,  # size_t n_tokens
+        ctypes.c_int32,  # int32_t durable
+        ctypes.c_char_p,  # const char* label
+        ctypes.POINTER(ctypes.c_uint64),  # const uint64_t* segment_ends
+        ctypes.c_size_t,  # size_t n_segment_ends
         ctypes.POINTER(SessionCreated),  # kvshade_session_created* out
     ]),
     "kvshade_lookup_prefix": (ctypes.c_int, [  # returns int

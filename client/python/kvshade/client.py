@@ -264,6 +264,10 @@ class CreatedSession:
     reused_tokens: int
     tokens_to_ingest: int
     effective_profile: str
+    # Where the ingest cuts the new tokens into segments (the requested segment_ends it kept
+    # and the automatic one); automatic_segment_end 0 = none (service/README.md "Segment ends").
+    segment_ends: tuple = ()
+    automatic_segment_end: int = 0
 
 
 @dataclass
@@ -623,14 +627,23 @@ class Client(_NativeHandle):
         a = a.astype(np.int32)
         return a, a.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
 
-    def create_session(self, model: ModelSpec, profile: Profile, token_ids, durable=False, label=""):
+    def create_session(self, model: ModelSpec, profile: Profile, token_ids, durable=False, label="",
+                       segment_ends=()):
+        """segment_ends: token positions where the ingested prompt is cut into separately cached
+        segments (e.g. the end of a shared document before the question), so that a later prompt
+        sharing only that part reuses it; service/README.md "Segment ends" has the rules."""
         a, p = self._tokens(token_ids)
+        ends = [int(e) for e in segment_ends]
+        if any(e < 0 for e in ends):
+            raise InvalidArgument("segment_ends must not be negative, got %s" % (ends,))
+        ends_c = (ctypes.c_uint64 * max(len(ends), 1))(*ends)
         out = _native.SessionCreated()
-        _check(_native.lib().kvshade_create_session(self._handle(), ctypes.byref(model._c()),
-                                                    ctypes.byref(profile._c()), p, a.size, int(durable),
-                                                    _b(label), ctypes.byref(out)))
+        _check(_native.lib().kvshade_create_session_ex(self._handle(), ctypes.byref(model._c()),
+                                                       ctypes.byref(profile._c()), p, a.size, int(durable),
+                                                       _b(label), ends_c, len(ends), ctypes.byref(out)))
         return CreatedSession(out.session_id.decode(), out.reused_tokens, out.tokens_to_ingest,
-                              PROFILE_NAMES.get(out.effective_profile, str(out.effective_profile)))
+                              PROFILE_NAMES.get(out.effective_profile, str(out.effective_profile)),
+                              tuple(out.segment_ends[:out.n_segment_ends]), out.automatic_segment_end)
 
     def lookup_prefix(self, model: ModelSpec, profile: Profile, token_ids):
         """(reusable_tokens, cached_segments)."""

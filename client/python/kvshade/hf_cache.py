@@ -780,11 +780,14 @@ class KvShadeCache(Cache):
     decode   : also None: prefill only; once the prompt is committed nothing is attached and
                no decoder opened (session_ids name the ready sessions, for a decoder
                elsewhere, e.g. kvshade.serving.BatchCache)
+    segment_ends: token positions where the daemon cuts each prompt into separately cached
+               segments (Client.create_session), e.g. the end of a shared document before
+               the question, so that the next question over it reuses the document
     """
 
     def __init__(self, client, model, profile, prompt_ids=None, model_id=None, worker_id="hf-cache",
                  prefill_attention="sdpa", decode="auto", count_hits=False, ingest="auto", delivery="auto",
-                 speculate=False, correct_below=0.9, ingest_window_bytes=2 << 30):
+                 speculate=False, correct_below=0.9, ingest_window_bytes=2 << 30, segment_ends=()):
         config = require_attention(model)
         if model_id is None:
             model_id = model_id_of(model, "hf-%s-%s" % (getattr(config, "model_type", "model"), uuid.uuid4().hex[:12]))
@@ -797,6 +800,7 @@ class KvShadeCache(Cache):
         self.created = None      # CreateSessionResponse of sequence 0
         self.created_all = []    # of every sequence
         self._prompt_ids = None if prompt_ids is None else self._ids(prompt_ids)
+        self._segment_ends = tuple(int(e) for e in segment_ends)
         L = self.spec.num_layers
         # Per prompt layer until the commit: the pre-RoPE keys and values [B, n, h, d] bf16 on
         # the GPU (same-node streams read them from there), or _SENT once the host sender has them.
@@ -1244,7 +1248,8 @@ class KvShadeCache(Cache):
         client, spec, profile, worker_id = self._hook_args
         while len(self.hooks) < B:
             self.hooks.append(KvShadeKVCache(client, spec, profile, worker_id=worker_id))
-        self.created_all = [client.create_session(spec, profile, ids) for ids in self._prompt_ids]
+        self.created_all = [client.create_session(spec, profile, ids, segment_ends=self._segment_ends)
+                            for ids in self._prompt_ids]
         self.created = self.created_all[0]
         return [client.ingest(c.session_id, spec.dtype) if c.tokens_to_ingest > 0 else None
                 for c in self.created_all]

@@ -280,6 +280,7 @@ class Request:
     finish_reason: Optional[str] = None  # "length", "eos" or "error" once done
     error: Optional[BaseException] = None  # why it ended with "error"
     reused_tokens: int = 0
+    segment_ends: Sequence[int] = ()  # where the daemon cuts the prompt into cached segments
 
     @property
     def done(self) -> bool:
@@ -346,8 +347,10 @@ class Generator:
     def busy(self) -> bool:
         return bool(self.waiting or self.running or self._prefilling)
 
-    def submit(self, prompt_ids, max_new_tokens: int, eos_token_id=None) -> Request:
-        """Queues a request: prompt_ids [n] (list or tensor); returns its Request."""
+    def submit(self, prompt_ids, max_new_tokens: int, eos_token_id=None, segment_ends=()) -> Request:
+        """Queues a request: prompt_ids [n] (list or tensor); returns its Request. segment_ends:
+        where the daemon cuts the prompt into separately cached segments (e.g. the end of a
+        shared document), passed to Client.create_session."""
         prompt = [int(t) for t in (prompt_ids.reshape(-1).tolist() if isinstance(prompt_ids, torch.Tensor)
                                    else prompt_ids)]
         if not prompt:
@@ -357,7 +360,8 @@ class Generator:
                              % (self.cache.local_capacity + 1, max_new_tokens))
         eos = () if eos_token_id is None else (tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple))
                                                else (int(eos_token_id),))
-        req = Request(self._next_id, prompt, int(max_new_tokens), eos, submitted_at=time.perf_counter())
+        req = Request(self._next_id, prompt, int(max_new_tokens), eos, submitted_at=time.perf_counter(),
+                      segment_ends=tuple(int(e) for e in segment_ends))
         self._next_id += 1
         self.waiting.append(req)
         return req
@@ -373,9 +377,11 @@ class Generator:
     def _prefill_begin(self, req):
         """The request's prompt cache (its layers stream to the daemon during the prefill)."""
         ids = torch.tensor([req.prompt], dtype=torch.long, device=self.cache.device)
+        kwargs = dict(self.cache_kwargs)
+        if req.segment_ends:
+            kwargs["segment_ends"] = req.segment_ends
         kc = hf_cache.KvShadeCache(self.client, self.model, self.profile, prompt_ids=req.prompt,
-                                   model_id=self.model_id, worker_id=self.worker_id, decode=None,
-                                   **self.cache_kwargs)
+                                   model_id=self.model_id, worker_id=self.worker_id, decode=None, **kwargs)
         return [req, kc, ids, 0]
 
     def _prefill_advance(self, state):

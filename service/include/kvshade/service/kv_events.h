@@ -62,6 +62,9 @@ class KvEventPublisher {
   // The segment left the prefix index (evicted): BlockRemoved of the hashes Stored() gave.
   // Unknown segments are ignored.
   void Removed(const std::string& segment);
+  // Another segment took over these blocks of `segment` (a segment split off its front:
+  // service/README.md "Segment ends"): its Removed() leaves them out, since they stay cached.
+  void HandedOver(const std::string& segment, const std::vector<uint64_t>& block_hashes);
   void AllCleared();
 
   uint64_t messages_sent() const;

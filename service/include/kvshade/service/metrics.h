@@ -74,6 +74,10 @@ class Metrics {
                     uint64_t resident_segments, uint64_t paged_in_segments);
   // One LookupPrefix call: kvshade_prefix_probes_total{result="hit"|"miss"}.
   void PrefixProbe(bool hit);
+  // A CreateSession that cuts its ingest at segment ends ("Segment ends"):
+  // kvshade_prefix_splits_total{source="hint"} += hinted ends kept,
+  // {source="automatic"} += 1 for an automatic end.
+  void PrefixSplits(uint64_t hinted, bool automatic);
   void ChunkSelection(uint64_t selected, uint64_t hits);
   // One query of a select that succeeded, by the worker's purpose:
   // kvshade_decode_selects_total{purpose="synchronous|speculative|correction"}.
@@ -119,6 +123,7 @@ class Metrics {
   prometheus::Counter* prefix_resident_segments_;
   prometheus::Counter* prefix_paged_in_segments_;
   prometheus::Counter* prefix_probes_[2];  // [hit]
+  prometheus::Counter* prefix_splits_[2];  // [automatic]
   prometheus::Counter* decode_selects_[3];  // by v1::SelectPurpose
   prometheus::Counter* chunks_selected_;
   prometheus::Counter* chunk_hits_;

@@ -198,6 +198,9 @@ struct Session {
   std::string label;
   std::vector<int32_t> prompt;   // token ids given at create (for prefix registration)
   uint64_t reused_tokens = 0;
+  // Where the ingest cuts the prompt's new tokens into segments (absolute positions,
+  // strictly increasing, inside (reused_tokens, prompt.size()); set at create).
+  std::vector<uint64_t> segment_ends;
   int64_t created_unix_ms = 0;
   // The recall guard's samples and fallbacks (own mutex: decode runs under the shared lock).
   SelectionGuard selection;

@@ -145,9 +145,16 @@ class PrefixIndex {
   //   InvalidArgument: no keys, bad block numbers, parent missing or not ending where this
   //                  segment starts.
   // Intermediate keys already mapped to another segment keep their mapping.
+  // take_over: the keys of block_keys that map to that segment map to this one instead (a
+  // segment split off the front of a longer cached one: a prompt that shares only its
+  // blocks is to reuse it); then the last key mapping to it is no AlreadyExists. The other
+  // segment keeps its other keys.
   absl::StatusOr<SegmentRef> Insert(const SegmentId& segment, std::optional<SegmentId> parent,
                                     int block_tokens, int64_t first_block,
-                                    absl::Span<const PrefixKey> block_keys, size_t bytes);
+                                    absl::Span<const PrefixKey> block_keys, size_t bytes,
+                                    std::optional<SegmentId> take_over = std::nullopt);
+  // The segment a key maps to, if any.
+  std::optional<SegmentId> Holder(const PrefixKey& key) const;
   // Longest cached prefix of a chain (keys from PrefixHasher::Chain): the deepest key that
   // maps to a segment. tokens = (b+1)*block_tokens for the matched key b. Marks the chain
   // most recently used.
