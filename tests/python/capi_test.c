@@ -100,6 +100,17 @@ int main(void) {
   REQUIRE_OK(kvshade_create_session(c, &m, &p, tokens, N, 0, "capi", &created));
   CHECK(created.tokens_to_ingest == N);
   CHECK(created.effective_profile == KVSHADE_PROFILE_EXACT);
+  CHECK(strlen(created.device) > 0); /* the daemon's one device: "cpu" (or "cuda") */
+  {
+    /* A device the daemon does not serve is refused, and nothing is created. */
+    kvshade_session_created none;
+    CHECK(kvshade_create_session_on(c, &m, &p, tokens, N, 0, "capi", "cpu:7", &none) ==
+          KVSHADE_INVALID_ARGUMENT);
+    CHECK(strstr(kvshade_last_error(), "is not one of this daemon's devices") != NULL);
+    uint64_t reusable = 1;
+    CHECK(kvshade_lookup_prefix_on(c, &m, &p, tokens, N, "cpu:7", &reusable, NULL) ==
+          KVSHADE_INVALID_ARGUMENT);
+  }
 
   static uint16_t k[L][N * H * D], v[L][N * H * D];
   for (int l = 0; l < L; ++l) {
@@ -123,6 +134,19 @@ int main(void) {
   REQUIRE_OK(kvshade_get_session(c, created.session_id, &info));
   CHECK(strcmp(info.state, "ready") == 0);
   CHECK(info.tokens == N);
+  CHECK(strcmp(info.device, created.device) == 0);
+  {
+    /* Attach naming the session's own device is served; another device is refused. */
+    kvshade_attach_options dao;
+    kvshade_attach_options_init(&dao);
+    dao.session_id = created.session_id;
+    dao.device = "cpu:7";
+    kvshade_attachment datt;
+    CHECK(kvshade_attach_ex(c, &dao, &datt) == KVSHADE_INVALID_ARGUMENT);
+    dao.device = created.device;
+    REQUIRE_OK(kvshade_attach_ex(c, &dao, &datt));
+    REQUIRE_OK(kvshade_detach(c, datt.attachment_id));
+  }
 
   /* The same K/V in parts, each chunk's part of every layer in turn (a chunked prefill),
    * into a session of another model id (no prefix reuse): committed whole. A last_part on

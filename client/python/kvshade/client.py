@@ -264,6 +264,8 @@ class CreatedSession:
     reused_tokens: int
     tokens_to_ingest: int
     effective_profile: str
+    # The daemon device it was placed on ("cpu", "cuda:1"; service/README.md "Devices").
+    device: str = ""
 
 
 @dataclass
@@ -623,22 +625,28 @@ class Client(_NativeHandle):
         a = a.astype(np.int32)
         return a, a.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
 
-    def create_session(self, model: ModelSpec, profile: Profile, token_ids, durable=False, label=""):
+    def create_session(self, model: ModelSpec, profile: Profile, token_ids, durable=False, label="",
+                       device=None):
+        """device: on a daemon with several devices (service/README.md "Devices"), the one to
+        place the session on, the worker's GPU: the daemon's name of it ("cuda:1") or its PCI
+        bus id (kvshade.routing.local_gpu_pci_bus_id()); None = the daemon's first device."""
         a, p = self._tokens(token_ids)
         out = _native.SessionCreated()
-        _check(_native.lib().kvshade_create_session(self._handle(), ctypes.byref(model._c()),
-                                                    ctypes.byref(profile._c()), p, a.size, int(durable),
-                                                    _b(label), ctypes.byref(out)))
+        _check(_native.lib().kvshade_create_session_on(self._handle(), ctypes.byref(model._c()),
+                                                       ctypes.byref(profile._c()), p, a.size, int(durable),
+                                                       _b(label), _b(device), ctypes.byref(out)))
         return CreatedSession(out.session_id.decode(), out.reused_tokens, out.tokens_to_ingest,
-                              PROFILE_NAMES.get(out.effective_profile, str(out.effective_profile)))
+                              PROFILE_NAMES.get(out.effective_profile, str(out.effective_profile)),
+                              out.device.decode())
 
-    def lookup_prefix(self, model: ModelSpec, profile: Profile, token_ids):
-        """(reusable_tokens, cached_segments)."""
+    def lookup_prefix(self, model: ModelSpec, profile: Profile, token_ids, device=None):
+        """(reusable_tokens, cached_segments) on `device` (as create_session's: prefixes are
+        cached per device)."""
         a, p = self._tokens(token_ids)
         r, s = ctypes.c_uint64(), ctypes.c_uint64()
-        _check(_native.lib().kvshade_lookup_prefix(self._handle(), ctypes.byref(model._c()),
-                                                   ctypes.byref(profile._c()), p, a.size, ctypes.byref(r),
-                                                   ctypes.byref(s)))
+        _check(_native.lib().kvshade_lookup_prefix_on(self._handle(), ctypes.byref(model._c()),
+                                                      ctypes.byref(profile._c()), p, a.size, _b(device),
+                                                      ctypes.byref(r), ctypes.byref(s)))
         return r.value, s.value
 
     def fork_session(self, parent_session_id, at_token):
@@ -659,7 +667,7 @@ class Client(_NativeHandle):
                 "reused_tokens": i.reused_tokens, "gpu_bytes": i.gpu_bytes, "host_bytes": i.host_bytes,
                 "damaged": bool(i.damaged), "damage": i.damage.decode(errors="replace"),
                 "tokens_lost": i.tokens_lost, "ingest_parts_taken": i.ingest_parts_taken,
-                "selection_unit": i.selection_unit}
+                "selection_unit": i.selection_unit, "device": i.device.decode()}
 
     def session_selection(self, session_id: str) -> List[Dict[str, Any]]:
         """The recall guard's figures of a session, per layer with sampled decode steps
@@ -707,10 +715,13 @@ class Client(_NativeHandle):
         return tokens.value
 
     # --- Workers ---
-    def attach(self, session_id, worker_id="", lease_ms=0, writer=False, delivery="inline", cuda_ipc=None):
+    def attach(self, session_id, worker_id="", lease_ms=0, writer=False, delivery="inline", cuda_ipc=None,
+               device=None):
         """delivery: "inline" (K/V in each select answer), "ucx_rma" (then register_slot_buffers;
         needs use_ucx) or "cuda_ipc" (cuda_ipc = dict(k_handle=bytes(64), k_offset=0,
-        v_handle=bytes(64), v_offset=0, bytes=N): the worker's GPU slot buffers)."""
+        v_handle=bytes(64), v_offset=0, bytes=N): the worker's GPU slot buffers). device: the
+        worker's device (as create_session's); a session on another device of the daemon is
+        FailedPrecondition. None: not checked."""
         codes = {v: k for k, v in DELIVERIES.items()}
         if delivery not in codes:
             raise InvalidArgument("delivery must be one of %s, got %r" % (sorted(codes), delivery))
@@ -719,6 +730,7 @@ class Client(_NativeHandle):
         lib.kvshade_attach_options_init(ctypes.byref(o))
         o.session_id, o.worker_id = _b(session_id), _b(worker_id)
         o.lease_ms, o.writer, o.delivery = lease_ms, int(bool(writer)), codes[delivery]
+        o.device = _b(device)
         if cuda_ipc is not None:
             for name in ("k_handle", "v_handle"):
                 h = bytes(cuda_ipc[name])
