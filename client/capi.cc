@@ -417,12 +417,20 @@ int kvshade_create_session(kvshade_client* c, const kvshade_model* model, const 
                            const int32_t* token_ids, size_t n_tokens, int32_t durable, const char* label,
                            kvshade_session_created* out) {
   return kvshade_create_session_ex(c, model, profile, token_ids, n_tokens, durable, label, nullptr, 0,
-                                   out);
+                                   nullptr, out);
+}
+
+int kvshade_create_session_on(kvshade_client* c, const kvshade_model* model,
+                              const kvshade_profile* profile, const int32_t* token_ids,
+                              size_t n_tokens, int32_t durable, const char* label,
+                              const char* device, kvshade_session_created* out) {
+  return kvshade_create_session_ex(c, model, profile, token_ids, n_tokens, durable, label, nullptr, 0,
+                                   device, out);
 }
 
 int kvshade_create_session_ex(kvshade_client* c, const kvshade_model* model, const kvshade_profile* profile,
                               const int32_t* token_ids, size_t n_tokens, int32_t durable, const char* label,
-                              const uint64_t* segment_ends, size_t n_segment_ends,
+                              const uint64_t* segment_ends, size_t n_segment_ends, const char* device,
                               kvshade_session_created* out) {
   return Guard([&] {
     if (c == nullptr || model == nullptr || out == nullptr) return Bad("client, model and out must not be NULL");
@@ -441,6 +449,7 @@ int kvshade_create_session_ex(kvshade_client* c, const kvshade_model* model, con
     req.set_durable(durable != 0);
     if (label != nullptr) req.set_label(label);
     if (n_segment_ends > 0) req.mutable_segment_ends()->Add(segment_ends, segment_ends + n_segment_ends);
+    if (device != nullptr) req.set_device(device);
     auto r = c->impl->CreateSession(req);
     if (!r.ok()) return Report(r.status());
     std::memset(out, 0, sizeof(*out));
@@ -452,12 +461,20 @@ int kvshade_create_session_ex(kvshade_client* c, const kvshade_model* model, con
     out->n_segment_ends = static_cast<uint32_t>(n_ends);
     for (int i = 0; i < n_ends; ++i) out->segment_ends[i] = r->segment_ends(i);
     out->automatic_segment_end = r->automatic_segment_end();
+    CopyId(r->device(), out->device, sizeof(out->device));
     return Report(absl::OkStatus());
   });
 }
 
 int kvshade_lookup_prefix(kvshade_client* c, const kvshade_model* model, const kvshade_profile* profile,
                           const int32_t* token_ids, size_t n_tokens, uint64_t* reusable, uint64_t* segments) {
+  return kvshade_lookup_prefix_on(c, model, profile, token_ids, n_tokens, nullptr, reusable, segments);
+}
+
+int kvshade_lookup_prefix_on(kvshade_client* c, const kvshade_model* model,
+                             const kvshade_profile* profile, const int32_t* token_ids,
+                             size_t n_tokens, const char* device, uint64_t* reusable,
+                             uint64_t* segments) {
   return Guard([&] {
     if (c == nullptr || model == nullptr) return Bad("client and model must not be NULL");
     if (n_tokens > 0 && token_ids == nullptr) return Bad("token_ids is NULL but n_tokens > 0");
@@ -465,6 +482,7 @@ int kvshade_lookup_prefix(kvshade_client* c, const kvshade_model* model, const k
     *req.mutable_model() = ToModel(*model);
     if (profile != nullptr) *req.mutable_profile() = ToProfile(*profile);
     req.mutable_token_ids()->Add(token_ids, token_ids + n_tokens);
+    if (device != nullptr) req.set_device(device);
     auto r = c->impl->LookupPrefix(req);
     if (!r.ok()) return Report(r.status());
     if (reusable != nullptr) *reusable = r->reusable_tokens();
@@ -510,6 +528,7 @@ int kvshade_get_session(kvshade_client* c, const char* session_id, kvshade_sessi
     out->tokens_lost = r->tokens_lost();
     out->ingest_parts_taken = r->ingest_parts_taken();
     out->selection_unit = r->selection_unit();
+    CopyId(r->device(), out->device, sizeof(out->device));
     return Report(absl::OkStatus());
   });
 }
@@ -726,6 +745,7 @@ int kvshade_attach_ex(kvshade_client* c, const kvshade_attach_options* o, kvshad
     req.set_lease_ms(o->lease_ms);
     req.set_writer(o->writer != 0);
     req.set_delivery(static_cast<v1::DeliveryMode>(o->delivery));
+    if (o->device != nullptr) req.set_device(o->device);
     if (o->delivery == KVSHADE_DELIVERY_CUDA_IPC) {
       v1::CudaIpcSlotBuffers* ipc = req.mutable_cuda_ipc();
       ipc->set_k_handle(reinterpret_cast<const char*>(o->cuda_ipc_k_handle), sizeof(o->cuda_ipc_k_handle));

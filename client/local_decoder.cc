@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvshade/base/status_macros.h"
 #include "kvshade/kernels/decode_step.h"
+#include "kvshade/kernels/devices.h"
 
 namespace kvshade::client {
 namespace {
@@ -699,6 +700,17 @@ LocalDecoder::~LocalDecoder() {
 absl::Status LocalDecoder::Impl::SetGeometry(const v1::SessionExport& e0) {
   std::string backend = options.backend;
   if (backend == "auto") backend = e0.backend();
+  if (options.backend == "auto" && e0.backend() == "cuda" && !e0.device_pci_bus_id().empty()) {
+    // The daemon names the GPU that holds the session (service/README.md "Devices"): decode
+    // on this process's ordinal of it, whatever this process's device order.
+    const int ordinal = kernels::CudaOrdinalOfPciBusId(e0.device_pci_bus_id());
+    if (ordinal < 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "LocalDecoder: the session is on the daemon's GPU ", e0.device(), " (PCI ",
+          e0.device_pci_bus_id(), "), which this process does not see; decode on that GPU"));
+    }
+    backend = absl::StrCat("cuda:", ordinal);
+  }
   KVSHADE_ASSIGN_OR_RETURN(ctx, ContextFor(backend));
   be = ctx->backend.get();
   L = static_cast<int>(e0.num_layers());
@@ -741,10 +753,12 @@ absl::Status LocalDecoder::Impl::CheckCompatible(const v1::SessionExport& e, con
       e.num_query_heads() != e0.num_query_heads() || e.head_dim() != e0.head_dim() ||
       e.chunk_size() != e0.chunk_size() || e.value_codec() != e0.value_codec() ||
       e.value_group() != e0.value_group() || e.backend() != e0.backend() ||
+      e.device_pci_bus_id() != e0.device_pci_bus_id() ||
       e.rope().SerializeAsString() != e0.rope().SerializeAsString()) {
     return absl::InvalidArgumentError(absl::StrCat(
         "attachment '", id, "' differs from the batch's first session in model geometry, RoPE, chunk "
-        "size, value codec or backend; one decoder batches sessions of one model and profile"));
+        "size, value codec, backend or GPU; one decoder batches sessions of one model and profile, "
+        "on one GPU"));
   }
   if (!(PolicyFromWire(e.profile()) == policy)) {
     return absl::InvalidArgumentError(absl::StrCat(

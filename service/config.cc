@@ -31,6 +31,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "kvshade/kernels/backend.h"
+#include "kvshade/kernels/devices.h"
 
 namespace kvshade::service {
 namespace {
@@ -640,8 +641,27 @@ absl::Status ValidateConfig(const ServerConfig& c) {
       return bad("listen must be HOST:PORT (port 0-65535) or unix:PATH, got '", c.listen, "'");
     }
   }
-  if (!kernels::ParseBackendName(c.backend).ok()) {
-    return bad("backend must be cpu, cuda, cuda:N or auto, got '", c.backend, "'");
+  // One device, or several (service/README.md "Devices"); cuda:all is counted at start.
+  absl::StatusOr<std::vector<kernels::DeviceName>> devices =
+      kernels::ParseDeviceList(c.backend, /*count_devices=*/false);
+  if (!devices.ok()) {
+    return bad("backend must be cpu, cuda, cuda:N, auto, a list of cuda:N or of cpu:N "
+               "(cuda:0,cuda:1; cpu:0,cpu:1) or cuda:all; ", devices.status().message());
+  }
+  if (devices->size() > 1 || c.backend == "cuda:all") {
+    // Each device's engine would open these for itself, and only one can.
+    const std::string& kv = c.kv_events.endpoint;
+    if (kv.find('*') != std::string::npos || kv.find("::") != std::string::npos ||
+        absl::StartsWith(kv, "ipc://")) {
+      return bad("backend '", c.backend, "' has several devices, each publishing its own "
+                 "KV-events, and kv_events.endpoint '", kv, "' binds (only one could); connect "
+                 "to the indexer instead (tcp://HOST:PORT)");
+    }
+    if (c.same_node.descriptor_broker != "auto" && c.same_node.descriptor_broker != "off") {
+      return bad("backend '", c.backend, "' has several devices, each with its own descriptor "
+                 "broker, and same_node.descriptor_broker '", c.same_node.descriptor_broker,
+                 "' names one socket; leave it auto (a socket per device) or off");
+    }
   }
   if (c.device_budget_bytes == 0) return bad("device_budget must be > 0");
   if (c.host_budget_bytes == 0) return bad("host_budget must be > 0");

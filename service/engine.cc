@@ -212,7 +212,9 @@ int Engine::RunMaintenance() { return impl_->RunMaintenance(); }
 EngineImpl::EngineImpl(kernels::Backend* backend, const ServerConfig* config, Metrics* metrics,
                        EngineOptions options)
     : backend_(backend), config_(config), metrics_(metrics), options_(std::move(options)),
-      spill_(options_.spill_tier), sessions_(config->limits, options_.clock) {}
+      spill_(options_.spill_tier), sessions_(config->limits, options_.clock) {
+  sessions_.set_id_device(options_.device_index);
+}
 
 EngineImpl::~EngineImpl() {
   {

@@ -179,6 +179,10 @@ class EngineImpl {
   kernels::Backend& backend() const { return *backend_; }
   Metrics* metrics() const { return metrics_; }
   const ServerConfig& config() const { return *config_; }
+  // This engine's device (EngineOptions::device_name, else the backend's name).
+  std::string device_name() const {
+    return options_.device_name.empty() ? std::string(backend_->name()) : options_.device_name;
+  }
   // Sealed segments' values (host memory, spilled to the spill tier).
   storage::HostValueStore& store() const { return *store_; }
   // What a new segment object binds to, so that its values leave the store with it.

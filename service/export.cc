@@ -273,6 +273,8 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
   out.set_lease_ms(a->lease_ms);
   out.set_lease_expires_unix_ms(static_cast<uint64_t>(options_.clock ? options_.clock() : SystemNowMs()) + a->lease_ms);
   out.set_backend(std::string(backend_->name()));
+  out.set_device(device_name());
+  out.set_device_pci_bus_id(options_.device_pci_bus_id);
   out.set_profile_kind(s.profile.kind);
   out.set_num_layers(static_cast<uint32_t>(m.layers));
   out.set_num_kv_heads(static_cast<uint32_t>(h));
@@ -293,7 +295,7 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
   gen->generation = slot->next_generation++;
   out.set_generation(gen->generation);
   slot->live.push_back(std::move(gen));
-  metrics_->SetExportGenerations(double(CountExportGenerationsLocked()));
+  metrics_->SetExportGenerations(double(CountExportGenerationsLocked()), options_.metrics_gpu);
   return out;
 }
 
@@ -310,7 +312,7 @@ void EngineImpl::DropExports(const std::string& attachment_id) {
   if (it == exports_.end()) return;
   gone = std::move(it->second);
   exports_.erase(it);
-  metrics_->SetExportGenerations(double(CountExportGenerationsLocked()));
+  metrics_->SetExportGenerations(double(CountExportGenerationsLocked()), options_.metrics_gpu);
 }
 
 void EngineImpl::PruneExports() {
@@ -324,7 +326,7 @@ void EngineImpl::PruneExports() {
       ++it;
     }
   }
-  metrics_->SetExportGenerations(double(CountExportGenerationsLocked()));
+  metrics_->SetExportGenerations(double(CountExportGenerationsLocked()), options_.metrics_gpu);
 }
 
 }  // namespace kvshade::service

@@ -14,6 +14,7 @@
 #include "admission.h"
 #include "call_executor.h"
 #include "device_fault.h"
+#include "kvshade/service/device_router.h"
 #include "kvshade/service/engine.h"
 #include "kvshade/service/log.h"
 #include "kvshade/service/ucx_server.h"
@@ -124,10 +125,10 @@ constexpr char kDrainingIngest[] =
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvShadeService>> KvShadeService::Create(const ServiceDeps& deps) {
-  if (deps.engine == nullptr || deps.backend == nullptr || deps.config == nullptr ||
+  if (deps.engine == nullptr || deps.config == nullptr ||
       deps.metrics == nullptr || deps.auth == nullptr || deps.admission == nullptr) {
     return absl::InvalidArgumentError(
-        "KvShadeService::Create: engine, backend, config, metrics, auth and admission must all "
+        "KvShadeService::Create: engine, config, metrics, auth and admission must all "
         "be set");
   }
   return std::unique_ptr<KvShadeService>(new KvShadeService(deps));
@@ -192,7 +193,7 @@ grpc::ServerUnaryReactor* KvShadeService::Unary(std::string_view method,
       st = absl::CancelledError(absl::StrCat(
           std::string(method),
           ": the call was cancelled (by the client, or its deadline passed) before it ran"));
-    } else if (absl::Status fault = DeviceFault(*deps_.backend); !fault.ok()) {
+    } else if (absl::Status fault = deps_.engine->DeviceFault(); !fault.ok()) {
       st = DeviceFailed(method, fault);
     } else {
       absl::StatusOr<Resp> r = op(tenant);
@@ -240,7 +241,7 @@ class KvShadeService::IngestCall final : public grpc::ServerReadReactor<v1::Inge
         service_->deps_.admission->Admit("Ingest", tenant_->name, /*stream=*/true);
     if (!ticket.ok()) return End(ticket.status());
     ticket_ = *std::move(ticket);
-    if (absl::Status fault = DeviceFault(*service_->deps_.backend); !fault.ok()) {
+    if (absl::Status fault = service_->deps_.engine->DeviceFault(); !fault.ok()) {
       return End(DeviceFailed("Ingest", fault));
     }
     {

@@ -64,7 +64,9 @@ int main(int argc, char** argv) {
       ->envname("KVSHADE_CONFIG")
       ->check(CLI::ExistingFile);
   app.add_option("--listen", f.listen, "gRPC address HOST:PORT (port 0 picks a free one)");
-  app.add_option("--backend", f.backend, "Kernel backend: cpu, cuda, cuda:N or auto");
+  app.add_option("--backend", f.backend,
+                 "Kernel backend: cpu, cuda, cuda:N or auto; several devices: cuda:0,cuda:1, "
+                 "cuda:all or cpu:0,cpu:1");
   app.add_option("--device-budget", f.device_budget, "Device tier budget, e.g. 8GiB");
   app.add_option("--device-growth", f.device_growth,
                  "Device memory is held on demand in steps of this size (0: the whole budget at start)");

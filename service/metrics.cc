@@ -119,17 +119,17 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                       .Help("Configured budget per storage tier (device|host|spill); +Inf: unbounded, "
                             "0: no such tier")
                       .Register(r);
-  device_held_ = &BuildGauge()
-                      .Name("kvshade_device_held_bytes")
-                      .Help("Device memory the daemon holds now: with device_growth, the steps its "
-                            "data needs plus one of headroom; else the whole device_budget")
-                      .Register(r)
-                      .Add({});
-  device_pools_ = &BuildGauge()
-                       .Name("kvshade_device_allocations")
-                       .Help("Device allocations the daemon holds (steps of device_growth, or 1)")
-                       .Register(r)
-                       .Add({});
+  auto device_gauge = [&r](const char* name, const char* help) {
+    DeviceGauge g;
+    g.family = &BuildGauge().Name(name).Help(help).Register(r);
+    g.unlabelled = &g.family->Add({});
+    return g;
+  };
+  device_held_ = device_gauge("kvshade_device_held_bytes",
+                              "Device memory the daemon holds now: with device_growth, the steps its "
+                              "data needs plus one of headroom; else the whole device_budget");
+  device_pools_ = device_gauge("kvshade_device_allocations",
+                               "Device allocations the daemon holds (steps of device_growth, or 1)");
   build_info_ = &BuildGauge()
                      .Name("kvshade_build_info")
                      .Help("Always 1; the labels say which build is running and on which backend")
@@ -137,22 +137,12 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
   for (const std::string& tier : KnownTiers()) {
     tier_bytes_->Add({{"tier", tier}, {"kind", "total"}}).Set(0);
   }
-  sessions_ = &BuildGauge().Name("kvshade_sessions").Help("Open sessions").Register(r).Add({});
-  attachments_ = &BuildGauge()
-                      .Name("kvshade_attachments")
-                      .Help("Live worker attachments (leases not expired)")
-                      .Register(r)
-                      .Add({});
-  export_generations_ = &BuildGauge()
-                             .Name("kvshade_export_generations")
-                             .Help("Same-node export generations that workers hold mapped")
-                             .Register(r)
-                             .Add({});
-  segments_ = &BuildGauge()
-                   .Name("kvshade_segments")
-                   .Help("Immutable compressed segments held (shared prefixes counted once)")
-                   .Register(r)
-                   .Add({});
+  sessions_ = device_gauge("kvshade_sessions", "Open sessions");
+  attachments_ = device_gauge("kvshade_attachments", "Live worker attachments (leases not expired)");
+  export_generations_ = device_gauge("kvshade_export_generations",
+                                     "Same-node export generations that workers hold mapped");
+  segments_ = device_gauge("kvshade_segments",
+                           "Immutable compressed segments held (shared prefixes counted once)");
   // Every (result, reason) a lookup can end in exists from the start (0), so that rates
   // and ratios have their series before the first lookup. A miss never stops at the cap
   // on reused segments (it reused none), and a hit is the only way to reuse everything.
@@ -292,30 +282,66 @@ void Metrics::ObserveStage(std::string_view stage, double seconds) {
   stage_seconds_->Add({{"stage", Bounded(stage, KnownStages())}}, LatencyBuckets()).Observe(seconds);
 }
 
-void Metrics::SetTierBytes(std::string_view tier, std::string_view kind, double bytes) {
+void Metrics::DeviceGauge::Set(std::string_view gpu, double v) {
+  if (gpu.empty()) {
+    if (unlabelled != nullptr) unlabelled->Set(v);
+    return;
+  }
+  family->Add({{"gpu", std::string(gpu)}}).Set(v);
+}
+
+void Metrics::UseDeviceLabels(const std::vector<std::string>& gpus) {
+  std::lock_guard<std::mutex> lock(tier_mu_);
+  gpus_ = gpus;
+  for (DeviceGauge* g : {&device_held_, &device_pools_, &sessions_, &attachments_,
+                         &export_generations_, &segments_}) {
+    if (g->unlabelled != nullptr) g->family->Remove(g->unlabelled);
+    g->unlabelled = nullptr;
+    for (const std::string& gpu : gpus) g->Set(gpu, 0);
+  }
+  for (const std::string& tier : KnownTiers()) {
+    tier_bytes_->Remove(&tier_bytes_->Add({{"tier", tier}, {"kind", "total"}}));
+    for (const std::string& gpu : gpus) {
+      tier_bytes_->Add({{"tier", tier}, {"kind", "total"}, {"gpu", gpu}}).Set(0);
+    }
+  }
+  for (auto it = tier_kinds_.begin(); it != tier_kinds_.end();) {
+    it = std::get<0>(it->first).empty() ? tier_kinds_.erase(it) : std::next(it);
+  }
+}
+
+void Metrics::SetTierBytes(std::string_view tier, std::string_view kind, double bytes,
+                           std::string_view gpu) {
   // a = token coordinates A, b = per-head basis B (docs/ALGORITHM.md), as storage names them.
   static const std::set<std::string, std::less<>> kKinds = {
       "a", "b", "landmarks", "signatures", "static", "heavy", "tail", "slots", "values", "other"};
   if (kind == "total") return;  // kept below
   const std::string t = Bounded(tier, KnownTiers());
   const std::string k = Bounded(kind, kKinds);
+  const std::string g(gpu);
   std::lock_guard<std::mutex> lock(tier_mu_);
-  tier_kinds_[{t, k}] = bytes;
+  tier_kinds_[{g, t, k}] = bytes;
   double total = 0;
-  for (auto it = tier_kinds_.lower_bound({t, ""}); it != tier_kinds_.end() && it->first.first == t; ++it) {
+  for (auto it = tier_kinds_.lower_bound({g, t, ""});
+       it != tier_kinds_.end() && std::get<0>(it->first) == g && std::get<1>(it->first) == t; ++it) {
     total += it->second;
   }
-  tier_bytes_->Add({{"tier", t}, {"kind", k}}).Set(bytes);
-  tier_bytes_->Add({{"tier", t}, {"kind", "total"}}).Set(total);
+  prometheus::Labels labels = {{"tier", t}, {"kind", k}};
+  if (!g.empty()) labels["gpu"] = g;
+  tier_bytes_->Add(labels).Set(bytes);
+  labels["kind"] = "total";
+  tier_bytes_->Add(labels).Set(total);
 }
 
-void Metrics::SetDeviceHeld(double bytes, double pools) {
-  device_held_->Set(bytes);
-  device_pools_->Set(pools);
+void Metrics::SetDeviceHeld(double bytes, double pools, std::string_view gpu) {
+  device_held_.Set(gpu, bytes);
+  device_pools_.Set(gpu, pools);
 }
 
-void Metrics::SetTierBudget(std::string_view tier, double bytes) {
-  tier_budget_->Add({{"tier", Bounded(tier, KnownTiers())}}).Set(bytes);
+void Metrics::SetTierBudget(std::string_view tier, double bytes, std::string_view gpu) {
+  prometheus::Labels labels = {{"tier", Bounded(tier, KnownTiers())}};
+  if (!gpu.empty()) labels["gpu"] = std::string(gpu);
+  tier_budget_->Add(labels).Set(bytes);
 }
 
 void Metrics::SetBuildInfo(std::string_view version, std::string_view commit,
@@ -328,10 +354,12 @@ void Metrics::SetBuildInfo(std::string_view version, std::string_view commit,
   build_info_series_->Set(1);
 }
 
-void Metrics::SetSessions(double n) { sessions_->Set(n); }
-void Metrics::SetAttachments(double n) { attachments_->Set(n); }
-void Metrics::SetExportGenerations(double n) { export_generations_->Set(n); }
-void Metrics::SetSegments(double n) { segments_->Set(n); }
+void Metrics::SetSessions(double n, std::string_view gpu) { sessions_.Set(gpu, n); }
+void Metrics::SetAttachments(double n, std::string_view gpu) { attachments_.Set(gpu, n); }
+void Metrics::SetExportGenerations(double n, std::string_view gpu) {
+  export_generations_.Set(gpu, n);
+}
+void Metrics::SetSegments(double n, std::string_view gpu) { segments_.Set(gpu, n); }
 
 void Metrics::PrefixLookup(PrefixStop stop, uint64_t requested_tokens, uint64_t reused_tokens,
                            uint64_t resident_segments, uint64_t paged_in_segments) {

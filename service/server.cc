@@ -23,6 +23,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kvshade/base/file.h"
+#include "kvshade/service/device_router.h"
 #include "kvshade/service/engine.h"
 #include "kvshade/service/grpc_service.h"
 #include "kvshade/service/ucx_server.h"
@@ -131,7 +132,9 @@ Server::~Server() {
   // engine's last events while it is destroyed are still logged.)
 }
 
-std::string_view Server::backend_name() const { return backend_ ? backend_->name() : ""; }
+std::string_view Server::backend_name() const {
+  return router_ ? router_->device(0).backend->name() : "";
+}
 
 void Server::BlockSignals() {
   sigset_t set;
@@ -147,46 +150,34 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
   std::unique_ptr<Server> s(new Server());
   s->config_ = config;
 
-  auto backend = kernels::CreateBackend(config.backend);
-  if (!backend.ok()) {
-    return absl::Status(backend.status().code(),
-                        absl::StrCat("backend '", config.backend, "': ", backend.status().message()));
-  }
-  s->backend_ = *std::move(backend);
   s->metrics_ = std::make_unique<Metrics>();
   s->auth_ = std::make_unique<Authenticator>(s->config_);
   // Before the spill tier opens: what the open finds (a damaged WAL) is reported too. A
   // file-size limit (RLIMIT_FSIZE) must fail a write (EFBIG), not kill the daemon.
   storage::SetDefaultSpillEventSink(SpillEventsToLogAndMetrics(s->metrics_->registry()));
   signal(SIGXFSZ, SIG_IGN);
-  auto spill = SpillStorage::Open(s->config_);
-  if (!spill.ok()) return spill.status();
-  s->spill_ = *std::move(spill);
-
   s->admission_ = std::make_unique<TenantAdmission>(EffectiveMaxCallsPerTenant(s->config_),
                                                     EffectiveMaxStreamsPerTenant(s->config_));
 
-  // The engine (its memory tiers from the config, on the spill tier), which restores the
-  // durable sessions; both transports borrow it.
-  EngineOptions engine_options;
-  engine_options.spill_tier = s->spill_ ? s->spill_->tier() : nullptr;
-  auto engine = Engine::Create(s->backend_.get(), &s->config_, s->metrics_.get(),
-                               std::move(engine_options));
-  if (!engine.ok()) return engine.status();
-  s->engine_ = *std::move(engine);
+  // The devices: per device a backend, a spill tier and an engine on them (its memory
+  // tiers from the config), which restores the device's durable sessions; both transports
+  // borrow the router.
+  auto router = DeviceRouter::Open(s->config_, s->metrics_.get());
+  if (!router.ok()) return router.status();
+  s->router_ = *std::move(router);
   // Test fault injection (KVSHADE_FAILPOINT_SPILL_FAULTS) starts after the restore.
-  if (s->spill_) s->spill_->ArmFaults();
+  s->router_->ArmFaults();
+  kernels::Backend* const first_backend = s->router_->device(0).backend.get();
 
   ServiceDeps deps;
-  deps.engine = s->engine_.get();
-  deps.backend = s->backend_.get();
+  deps.engine = s->router_.get();
   deps.config = &s->config_;
   deps.metrics = s->metrics_.get();
   deps.auth = s->auth_.get();
   deps.admission = s->admission_.get();
   if (config.ucx.enable) {
-    auto ucx = UcxServer::Start(s->config_, s->engine_.get(), s->metrics_.get(),
-                                s->admission_.get(), s->backend_.get());
+    auto ucx = UcxServer::Start(s->config_, s->router_.get(), s->metrics_.get(),
+                                s->admission_.get(), first_backend);
     if (!ucx.ok()) return ucx.status();
     s->ucx_ = *std::move(ucx);
     deps.ucx = s->ucx_.get();
@@ -234,12 +225,19 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
 
   // What an operator reads first on /metrics: the build, and each tier's budget (the spill
   // tier: +Inf without spill_budget, 0 without spill_path).
-  s->metrics_->SetBuildInfo(KVSHADE_VERSION, KVSHADE_GIT_COMMIT, s->backend_->name());
-  s->metrics_->SetTierBudget("device", static_cast<double>(config.device_budget_bytes));
-  s->metrics_->SetTierBudget("host", static_cast<double>(config.host_budget_bytes));
-  s->metrics_->SetTierBudget("spill", config.spill_path.empty()          ? 0.0
-                                      : config.spill_budget_bytes == 0 ? HUGE_VAL
-                                                                       : static_cast<double>(config.spill_budget_bytes));
+  // With several devices, each device's (labelled gpu): the device budget as configured,
+  // its share of the host and spill budgets.
+  s->metrics_->SetBuildInfo(KVSHADE_VERSION, KVSHADE_GIT_COMMIT, first_backend->name());
+  for (size_t i = 0; i < s->router_->size(); ++i) {
+    const DeviceRouter::Device& d = s->router_->device(i);
+    const ServerConfig& dc = *d.config;
+    s->metrics_->SetTierBudget("device", static_cast<double>(dc.device_budget_bytes), d.gpu);
+    s->metrics_->SetTierBudget("host", static_cast<double>(dc.host_budget_bytes), d.gpu);
+    s->metrics_->SetTierBudget("spill", dc.spill_path.empty()          ? 0.0
+                                        : dc.spill_budget_bytes == 0 ? HUGE_VAL
+                                                                     : static_cast<double>(dc.spill_budget_bytes),
+                               d.gpu);
+  }
   if (config.metrics_port != 0) {
     auto endpoint = MetricsEndpoint::Start(config.metrics_listen, config.metrics_port,
                                            s->metrics_->registry());
@@ -251,8 +249,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(const ServerConfig& config
     s->metrics_port_ = s->exposer_->port();
   }
   if (const std::string w = InsecureListenWarning(config); !w.empty()) spdlog::warn("{}", w);
-  spdlog::info("kvshade-server {} serving on {} (port {}), backend {}, metrics {}", KVSHADE_VERSION,
-               config.listen, s->port_, std::string(s->backend_->name()),
+  spdlog::info("kvshade-server {} serving on {} (port {}), backend {}{}, metrics {}", KVSHADE_VERSION,
+               config.listen, s->port_, std::string(first_backend->name()),
+               s->router_->size() > 1 ? absl::StrCat(" (devices ", s->router_->DeviceNames(), ")")
+                                      : std::string(),
                s->metrics_port_ ? absl::StrCat(config.metrics_listen, ":", s->metrics_port_, "/metrics")
                                 : std::string("off"));
   return s;
@@ -273,7 +273,7 @@ absl::Status Server::RunUntilSignal(absl::Duration grace) {
       return Shutdown(grace);
     }
     if (sig < 0 && errno != EAGAIN && errno != EINTR) return absl::InternalError("sigtimedwait failed");
-    if (absl::Status fault = DeviceFault(*backend_); !fault.ok()) {
+    if (absl::Status fault = router_->DeviceFault(); !fault.ok()) {
       spdlog::error("device fault, draining and exiting (a new process restores the durable "
                     "sessions): {}", std::string(fault.message()));
       Shutdown(grace).IgnoreError();
@@ -301,7 +301,7 @@ absl::Status Server::Shutdown(absl::Duration grace) {
   // or earlier once no attachment is live (no worker is decoding any more).
   int64_t attachments = -1;
   while (absl::Now() < end) {
-    attachments = engine_ ? static_cast<int64_t>(engine_->LiveAttachments()) : 0;
+    attachments = router_ ? static_cast<int64_t>(router_->LiveAttachments()) : 0;
     if (attachments == 0) break;
     absl::SleepFor(std::min(absl::Milliseconds(50), end - absl::Now()));
   }

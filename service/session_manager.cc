@@ -53,6 +53,27 @@ std::string SessionManager::NewId() {
       absl::string_view(reinterpret_cast<const char*>(w), sizeof(w)));
 }
 
+std::string SessionManager::NewId(int device) {
+  std::string id = NewId();
+  if (device < 0) return id;
+  static constexpr char kHex[] = "0123456789abcdef";
+  id[0] = kHex[(device >> 4) & 0xf];
+  id[1] = kHex[device & 0xf];
+  return id;
+}
+
+int SessionManager::DeviceOfId(std::string_view id) {
+  if (id.size() != 32) return -1;
+  int device = 0;
+  for (size_t i = 0; i < id.size(); ++i) {
+    const char c = id[i];
+    int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (v < 0) return -1;
+    if (i < 2) device = device * 16 + v;
+  }
+  return device;
+}
+
 absl::Status SessionManager::AddSession(std::shared_ptr<Session> session) {
   base::MutexLock lock(&mu_);
   size_t& n = per_tenant_[session->tenant];
@@ -187,7 +208,7 @@ absl::StatusOr<std::shared_ptr<Attachment>> SessionManager::Attach(
         "; detach it or let its lease expire, or attach as a reader"));
   }
   auto a = std::make_shared<Attachment>();
-  a->id = NewId();
+  a->id = NewId(id_device_);
   a->tenant = tenant;
   a->worker_id = worker_id;
   a->writer = writer;

@@ -189,7 +189,7 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
   }
 
   auto s = std::make_shared<Session>();
-  s->id = SessionManager::NewId();
+  s->id = SessionManager::NewId(options_.device_index);
   s->tenant = t.name;
   s->model = model;
   s->profile = profile;
@@ -254,6 +254,7 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
 
   v1::CreateSessionResponse resp;
   resp.set_session_id(s->id);
+  resp.set_device(device_name());
   resp.set_reused_tokens(s->reused_tokens);
   resp.set_effective_profile(profile.kind);
   resp.set_tokens_to_ingest(tokens.size() - s->reused_tokens);
@@ -346,7 +347,7 @@ absl::StatusOr<v1::ForkSessionResponse> EngineImpl::ForkSession(const Tenant& t,
       child->tail = parent->tail;
       child->appended_tokens = parent->appended_tokens;
     }
-    child->id = SessionManager::NewId();
+    child->id = SessionManager::NewId(options_.device_index);
     child->tenant = t.name;
     child->model = parent->model;
     child->profile = parent->profile;
@@ -435,6 +436,7 @@ absl::StatusOr<v1::SessionInfo> EngineImpl::GetSession(const Tenant& t,
   info.set_ingest_parts_taken(s->ingest_parts_taken.load());
   info.set_value_codec(CodecToProto(s->profile.codec.codec));
   info.set_selection_unit(static_cast<uint32_t>(s->profile.selection_unit));
+  info.set_device(device_name());
   if (r.include_selection()) FillSelectionHealth(s->selection, info.mutable_selection());
   return info;
 }

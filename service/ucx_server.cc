@@ -83,12 +83,12 @@ struct UcxServer::IngestPace {
   bool over = false;  // ended (commit or cancel received), failed or cut: no longer paced
 };
 
-UcxServer::UcxServer(const ServerConfig& config, Engine* engine, Metrics* metrics,
+UcxServer::UcxServer(const ServerConfig& config, DeviceRouter* engine, Metrics* metrics,
                      TenantAdmission* admission)
     : config_(config), metrics_(metrics), admission_(admission), engine_(engine) {}
 
 absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Start(const ServerConfig& config,
-                                                            Engine* engine, Metrics* metrics,
+                                                            DeviceRouter* engine, Metrics* metrics,
                                                             TenantAdmission* admission,
                                                             kernels::Backend* backend) {
   if (engine == nullptr || metrics == nullptr || admission == nullptr) {
@@ -279,7 +279,7 @@ void UcxServer::Finish(const std::shared_ptr<Conn>& conn, ucp_ep_h ep, uint64_t 
 
 absl::Status UcxServer::Lookup(const std::string& key, size_t oversize, bool oversize_ok,
                                std::string_view what, std::shared_ptr<Conn>* conn,
-                               Engine** engine) {
+                               DeviceRouter** engine) {
   *engine = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -309,7 +309,7 @@ absl::Status UcxServer::Lookup(const std::string& key, size_t oversize, bool ove
 }
 
 std::shared_ptr<UcxServer::Conn> UcxServer::Admit(const ucx::AmMessage& m, v1::DataPlaneHeader* h,
-                                                  Engine** engine, std::string_view what) {
+                                                  DeviceRouter** engine, std::string_view what) {
   if (!h->ParseFromString(m.header)) {
     Reply(m.reply_ep, 0, static_cast<int>(absl::StatusCode::kInvalidArgument),
           "ucx request: the header is not a DataPlaneHeader");
@@ -507,7 +507,7 @@ void UcxServer::OnIngest(ucx::AmMessage&& m) {
   const auto start = SteadyClock::now();
   ReportPoolMisses();
   v1::DataPlaneHeader h;
-  Engine* engine = nullptr;
+  DeviceRouter* engine = nullptr;
   std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "Ingest");
   if (conn == nullptr) return;
   const uint64_t sid = h.stream_id(), seq = h.sequence();
@@ -612,7 +612,7 @@ absl::Status UcxServer::AddLayerPart(Engine::IngestStream& stream, const v1::Dat
   return stream.AddLayer(part);
 }
 
-void UcxServer::IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine,
+void UcxServer::IngestJob(const std::shared_ptr<Conn>& conn, DeviceRouter* engine,
                           v1::DataPlaneHeader h, ucp_ep_h ep, ucx::Payload payload,
                           size_t oversize, SteadyClock::time_point start,
                           absl::StatusOr<std::shared_ptr<CallSlot>> admitted,
@@ -894,7 +894,7 @@ void UcxServer::OnDecodeFrame(ucx::AmMessage&& m, frame::Kind kind) {
     return;
   }
   std::shared_ptr<Conn> conn;
-  Engine* engine = nullptr;
+  DeviceRouter* engine = nullptr;
   // (Batch and shape limits are the engine's; the parse refuses counts the payload cannot
   // hold.)
   if (absl::Status st = Lookup(h->key, m.oversize, false, method, &conn, &engine); !st.ok()) {
@@ -1059,7 +1059,7 @@ void UcxServer::OnAppend(ucx::AmMessage&& m) {
   const auto start = SteadyClock::now();
   ReportPoolMisses();
   v1::DataPlaneHeader h;
-  Engine* engine = nullptr;
+  DeviceRouter* engine = nullptr;
   std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "AppendTokens");
   if (conn == nullptr) return;
   absl::StatusOr<std::shared_ptr<CallSlot>> admitted = AdmitCall(*conn, "ucx AppendTokens", false);
@@ -1094,7 +1094,7 @@ void UcxServer::OnAppend(ucx::AmMessage&& m) {
 void UcxServer::OnRegister(ucx::AmMessage&& m) {
   const auto start = SteadyClock::now();
   v1::DataPlaneHeader h;
-  Engine* engine = nullptr;
+  DeviceRouter* engine = nullptr;
   std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "REGISTER");
   if (conn == nullptr) return;
   absl::StatusOr<std::shared_ptr<CallSlot>> admitted = AdmitCall(*conn, "ucx REGISTER", false);
@@ -1187,7 +1187,7 @@ void UcxServer::OnRegister(ucx::AmMessage&& m) {
 void UcxServer::OnUnregister(ucx::AmMessage&& m) {
   const auto start = SteadyClock::now();
   v1::DataPlaneHeader h;
-  Engine* engine = nullptr;
+  DeviceRouter* engine = nullptr;
   std::shared_ptr<Conn> conn = Admit(m, &h, &engine, "UNREGISTER");
   if (conn == nullptr) return;
   v1::UcxSlotBuffers bufs;

@@ -28,15 +28,15 @@ using storage::ArenaKind;
 
 void EngineImpl::UpdateGauges() {
   const SessionCounts c = sessions_.Counts();
-  metrics_->SetSessions(double(c.sessions));
-  metrics_->SetAttachments(double(c.attachments));
+  metrics_->SetSessions(double(c.sessions), options_.metrics_gpu);
+  metrics_->SetAttachments(double(c.attachments), options_.metrics_gpu);
   size_t segs = 0;
   {
     base::MutexLock lock(&seg_mu_);
     segs = registered_.size();
   }
   const storage::HostStoreStats hs = store_->Stats();
-  metrics_->SetSegments(double(std::max(segs, hs.segments)));
+  metrics_->SetSegments(double(std::max(segs, hs.segments)), options_.metrics_gpu);
   {
     std::lock_guard<std::mutex> lock(reported_mu_);
     const uint64_t spills = hs.spills - std::min(hs.spills, reported_.spills);
@@ -61,15 +61,17 @@ void EngineImpl::UpdateGauges() {
     reported_ = hs;
   }
   const storage::ArenaStats as = arena_->Stats();
-  metrics_->SetDeviceHeld(double(as.capacity), double(as.pools));
+  metrics_->SetDeviceHeld(double(as.capacity), double(as.pools), options_.metrics_gpu);
   for (int k = 0; k < storage::kArenaKinds; ++k) {
     metrics_->SetTierBytes("device", storage::ArenaKindName(ArenaKind(k)),
-                           double(as.used_by_kind[k]));
+                           double(as.used_by_kind[k]), options_.metrics_gpu);
   }
-  metrics_->SetTierBytes("host", "values", double(hs.resident_bytes));
+  metrics_->SetTierBytes("host", "values", double(hs.resident_bytes), options_.metrics_gpu);
   // What the spill tier holds now (durable write-through, restored and spilled segments'
   // values), not the running total of spill writes.
-  if (spill_) metrics_->SetTierBytes("spill", "values", double(hs.spill_tier_bytes));
+  if (spill_) {
+    metrics_->SetTierBytes("spill", "values", double(hs.spill_tier_bytes), options_.metrics_gpu);
+  }
 }
 
 // Server-wide figures (every tenant's): for the operator, like /metrics. The Stats RPC
@@ -150,6 +152,19 @@ absl::StatusOr<v1::StatsResponse> EngineImpl::Stats(const Tenant& t) {
 #ifdef KVSHADE_VERSION
   r.set_version(KVSHADE_VERSION);
 #endif
+  // This engine's device: the same figures (a router over several devices sums them).
+  v1::DeviceStats* d = r.add_devices();
+  d->set_device(device_name());
+  d->set_pci_bus_id(options_.device_pci_bus_id);
+  d->set_sessions(r.sessions());
+  d->set_attachments(r.attachments());
+  d->set_segments(r.segments());
+  d->set_device_bytes_used(r.device_bytes_used());
+  d->set_device_bytes_budget(r.device_bytes_budget());
+  d->set_device_bytes_held(r.device_bytes_held());
+  d->set_host_bytes_used(r.host_bytes_used());
+  d->set_host_bytes_budget(r.host_bytes_budget());
+  d->set_spilled_bytes(r.spilled_bytes());
   return r;
 }
 

@@ -5,7 +5,9 @@
 
 #include <cuda_runtime.h>
 
+#include <cctype>
 #include <memory>
+#include <string>
 #include <utility>
 
 #include "cuda/cuda_backend_impl.h"
@@ -19,6 +21,17 @@ int CudaDeviceCount() {
     return 0;
   }
   return n;
+}
+
+std::string CudaDevicePciBusId(int device) {
+  char id[32] = {};
+  if (cudaDeviceGetPCIBusId(id, static_cast<int>(sizeof(id)), device) != cudaSuccess) {
+    cudaGetLastError();  // an unknown ordinal is an answer, not a sticky fault
+    return {};
+  }
+  std::string out(id);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device) {

@@ -4,9 +4,11 @@
 # (selectors, probes, mounts, ServiceMonitor job, the ConfigMap through kvshade-server
 # --check-config), then validated against the Kubernetes and prometheus-operator schemas of
 # the npm packages kubernetes-models (tests/deploy/k8s-validate). Values: the defaults,
-# helm-values-tls-tenants.yaml and helm-values-per-gpu.yaml (one daemon per GPU on a 4-GPU
-# node: 4 containers, cuda:0..3, each with its own ports, config and spill directory); TLS
-# without its Secret, and per-GPU values that would make the daemons collide, must fail to
+# helm-values-tls-tenants.yaml, helm-values-per-gpu.yaml (one daemon per GPU on a 4-GPU
+# node: 4 containers, cuda:0..3, each with its own ports, config and spill directory) and
+# helm-values-all-gpus.yaml (one daemon for every GPU: backend cuda:all, GPUs in PCI bus
+# order); TLS without its Secret, per-GPU values that would make the daemons collide, and
+# an all-GPU daemon with several containers or a binding KV-events endpoint must fail to
 # render; NOTES.txt must render and name every daemon's port.
 # Exits 77 (skipped) without Go and sprig; the schema step is skipped (said so) when npm
 # cannot install its packages. Usage: helm_test.sh SOURCE_DIR BUILD_DIR KVSHADE_SERVER
@@ -33,6 +35,15 @@ trap 'rm -rf "$tmp"' EXIT
 "$py" "$here/helm_check.py" "$tmp/tls.yaml" "$server" "$tmp/tls.json"
 "$tools/helmrender" -name kvshade -f "$here/helm-values-per-gpu.yaml" "$chart" > "$tmp/per-gpu.yaml"
 "$py" "$here/helm_check.py" "$tmp/per-gpu.yaml" "$server" "$tmp/per-gpu.json" 4
+"$tools/helmrender" -name kvshade -f "$here/helm-values-all-gpus.yaml" "$chart" > "$tmp/all-gpus.yaml"
+"$py" "$here/helm_check.py" "$tmp/all-gpus.yaml" "$server" "$tmp/all-gpus.json"
+# One container, on backend cuda:all, numbering the GPUs in PCI bus order.
+grep -q '^    backend: "cuda:all"' "$tmp/all-gpus.yaml" || { echo "FAIL: all-gpus: backend is not cuda:all"; exit 1; }
+grep -A1 'name: CUDA_DEVICE_ORDER' "$tmp/all-gpus.yaml" | grep -q 'value: PCI_BUS_ID' \
+  || { echo "FAIL: all-gpus: no CUDA_DEVICE_ORDER=PCI_BUS_ID"; exit 1; }
+if grep -q 'name: CUDA_DEVICE_ORDER' "$tmp/default.yaml"; then
+  echo "FAIL: default: CUDA_DEVICE_ORDER set for a one-GPU daemon"; exit 1
+fi
 
 # Values that must not render: each file, then a word its error must hold.
 refused() {  # NAME WORD VALUES-YAML
@@ -52,6 +63,10 @@ refused per-gpu-spill config.spill_path 'gpusPerNode: 2\nconfig:\n  spill_path: 
 refused per-gpu-ports overlap 'gpusPerNode: 8\nservice:\n  grpcPort: 9460\n'
 refused per-gpu-kv-events "kv_events.endpoint" 'gpusPerNode: 2\nconfig:\n  kv_events:\n    endpoint: "tcp://*:5557"\n'
 refused per-gpu-broker descriptor_broker 'gpusPerNode: 2\nenv:\n  KVSHADE_SAME_NODE_DESCRIPTOR_BROKER: "@kvshade"\n'
+refused all-gpus-per-gpu "choose one" 'gpusPerNode: 2\nbackend: "cuda:all"\n'
+refused all-gpus-list-per-gpu "choose one" 'gpusPerNode: 2\nbackend: "cuda:0,cuda:1"\n'
+refused all-gpus-kv-events "kv_events.endpoint" 'backend: "cuda:all"\nconfig:\n  kv_events:\n    endpoint: "tcp://*:5557"\n'
+refused all-gpus-broker descriptor_broker 'backend: "cuda:all"\nenv:\n  KVSHADE_SAME_NODE_DESCRIPTOR_BROKER: "@kvshade"\n'
 
 # NOTES.txt (which Helm prints and helmrender skips): rendered from a copy of the chart where
 # it is a template, for the defaults and for the per-GPU values.
@@ -64,6 +79,10 @@ for i in 0 1 2 3; do
   grep -q "GPU $i: kvshade.default.svc:5055$((1 + i))  (metrics $((9464 + i)))" "$tmp/notes.txt" \
     || { cat "$tmp/notes.txt"; echo "FAIL: NOTES does not name GPU $i's daemon"; exit 1; }
 done
+"$tools/helmrender" -name kvshade -f "$here/helm-values-all-gpus.yaml" "$tmp/chart" \
+  | sed -n '/templates\/notes.yaml/,$p' > "$tmp/notes.txt"
+grep -q "serves every GPU of its node (backend cuda:all" "$tmp/notes.txt" \
+  || { cat "$tmp/notes.txt"; echo "FAIL: NOTES does not say the daemon serves every GPU"; exit 1; }
 
 # Schemas: the npm packages, installed once into the build directory from the lock file.
 val=$tools/k8s-validate
@@ -76,6 +95,7 @@ if [ -d "$val/node_modules/kubernetes-models" ] && command -v node > /dev/null; 
   node "$val/validate.mjs" "$tmp/default.json"
   node "$val/validate.mjs" "$tmp/tls.json"
   node "$val/validate.mjs" "$tmp/per-gpu.json"
+  node "$val/validate.mjs" "$tmp/all-gpus.json"
   echo "helm_test: OK (rendered, checked, schema-validated)"
 else
   echo "helm_test: schema validation SKIPPED (npm could not install kubernetes-models: $(tail -1 "$tmp/npm.log" 2>/dev/null))"

@@ -66,6 +66,27 @@ TEST(CheckConfig, RefusesAnUnusableSpillPath) {
   EXPECT_TRUE(Has(start, "exists and is not a directory")) << start.output;
 }
 
+// Several devices (service/README.md "Devices"): --check-config takes the lists (cuda:all is
+// counted only at start) and refuses bad ones naming the entry, and a KV-events endpoint that
+// every device would bind.
+TEST(CheckConfig, BackendListsOfDevices) {
+  for (const char* ok : {"cpu:0,cpu:1", "cuda:0,cuda:1", "cuda:all"}) {
+    const ServerRun r = RunServer(std::string("--check-config --backend ") + ok);
+    EXPECT_EQ(r.exit_code, 0) << ok << ": " << r.output;
+    EXPECT_TRUE(Has(r, "configuration OK")) << r.output;
+  }
+  const ServerRun twice = RunServer("--check-config --backend cpu:0,cpu:0");
+  EXPECT_EQ(twice.exit_code, 1) << twice.output;
+  EXPECT_TRUE(Has(twice, "'cpu:0' is listed twice")) << twice.output;
+  const ServerRun mixed = RunServer("--check-config --backend cpu:0,cuda:1");
+  EXPECT_EQ(mixed.exit_code, 1) << mixed.output;
+  EXPECT_TRUE(Has(mixed, "mixes cpu and cuda devices")) << mixed.output;
+  const ServerRun binds =
+      RunServer("--check-config --backend cpu:0,cpu:1 --kv-events-endpoint 'tcp://*:5557'");
+  EXPECT_EQ(binds.exit_code, 1) << binds.output;
+  EXPECT_TRUE(Has(binds, "binds")) << binds.output;
+}
+
 // Starts kvshade-server with `args` (its own --listen among them), waits for its start-up
 // line, stops it with SIGTERM and returns everything it logged.
 std::string StartupLog(const std::vector<std::string>& args) {

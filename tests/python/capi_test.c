@@ -76,17 +76,17 @@ static int check_segment_ends(kvshade_client* c, const kvshade_model* base, cons
   kvshade_session_created sc;
   /* Refused: not a multiple of 256, too many, NULL with a count. */
   const uint64_t odd[1] = {200};
-  CHECK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", odd, 1, &sc) == KVSHADE_INVALID_ARGUMENT);
+  CHECK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", odd, 1, NULL, &sc) == KVSHADE_INVALID_ARGUMENT);
   CHECK(strstr(kvshade_last_error(), "segment_ends") != NULL);
   const uint64_t many[KVSHADE_MAX_SEGMENT_ENDS + 1] = {0};
-  CHECK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", many, KVSHADE_MAX_SEGMENT_ENDS + 1, &sc) ==
+  CHECK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", many, KVSHADE_MAX_SEGMENT_ENDS + 1, NULL, &sc) ==
         KVSHADE_INVALID_ARGUMENT);
-  CHECK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", NULL, 1, &sc) == KVSHADE_INVALID_ARGUMENT);
+  CHECK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", NULL, 1, NULL, &sc) == KVSHADE_INVALID_ARGUMENT);
   uint64_t reusable = 1, segments = 1;
   REQUIRE_OK(kvshade_lookup_prefix(c, &m, p, tokens, QN, &reusable, &segments));
   CHECK(reusable == 0 && segments == 0);
 
-  REQUIRE_OK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", doc_end, 1, &sc));
+  REQUIRE_OK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", doc_end, 1, NULL, &sc));
   CHECK(sc.reused_tokens == 0 && sc.tokens_to_ingest == QN);
   CHECK(sc.n_segment_ends == 1 && sc.segment_ends[0] == DOC && sc.automatic_segment_end == 0);
   kvshade_ingest* ing = NULL;
@@ -101,7 +101,7 @@ static int check_segment_ends(kvshade_client* c, const kvshade_model* base, cons
 
   for (int i = DOC; i < QN; ++i) tokens[i] += 5000;  /* another question */
   kvshade_session_created sq;
-  REQUIRE_OK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", doc_end, 1, &sq));
+  REQUIRE_OK(kvshade_create_session_ex(c, &m, p, tokens, QN, 0, "ends", doc_end, 1, NULL, &sq));
   CHECK(sq.reused_tokens == DOC && sq.tokens_to_ingest == QN - DOC);
   CHECK(sq.n_segment_ends == 0);  /* the document's end is a boundary already */
   REQUIRE_OK(kvshade_close_session(c, sq.session_id));
@@ -154,6 +154,17 @@ int main(void) {
   REQUIRE_OK(kvshade_create_session(c, &m, &p, tokens, N, 0, "capi", &created));
   CHECK(created.tokens_to_ingest == N);
   CHECK(created.effective_profile == KVSHADE_PROFILE_EXACT);
+  CHECK(strlen(created.device) > 0); /* the daemon's one device: "cpu" (or "cuda") */
+  {
+    /* A device the daemon does not serve is refused, and nothing is created. */
+    kvshade_session_created none;
+    CHECK(kvshade_create_session_on(c, &m, &p, tokens, N, 0, "capi", "cpu:7", &none) ==
+          KVSHADE_INVALID_ARGUMENT);
+    CHECK(strstr(kvshade_last_error(), "is not one of this daemon's devices") != NULL);
+    uint64_t reusable = 1;
+    CHECK(kvshade_lookup_prefix_on(c, &m, &p, tokens, N, "cpu:7", &reusable, NULL) ==
+          KVSHADE_INVALID_ARGUMENT);
+  }
 
   static uint16_t k[L][N * H * D], v[L][N * H * D];
   for (int l = 0; l < L; ++l) {
@@ -177,6 +188,19 @@ int main(void) {
   REQUIRE_OK(kvshade_get_session(c, created.session_id, &info));
   CHECK(strcmp(info.state, "ready") == 0);
   CHECK(info.tokens == N);
+  CHECK(strcmp(info.device, created.device) == 0);
+  {
+    /* Attach naming the session's own device is served; another device is refused. */
+    kvshade_attach_options dao;
+    kvshade_attach_options_init(&dao);
+    dao.session_id = created.session_id;
+    dao.device = "cpu:7";
+    kvshade_attachment datt;
+    CHECK(kvshade_attach_ex(c, &dao, &datt) == KVSHADE_INVALID_ARGUMENT);
+    dao.device = created.device;
+    REQUIRE_OK(kvshade_attach_ex(c, &dao, &datt));
+    REQUIRE_OK(kvshade_detach(c, datt.attachment_id));
+  }
 
   /* The same K/V in parts, each chunk's part of every layer in turn (a chunked prefill),
    * into a session of another model id (no prefix reuse): committed whole. A last_part on

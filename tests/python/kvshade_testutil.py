@@ -31,7 +31,7 @@ def seed():
 class Server:
     """kvshade-server on 127.0.0.1:<free port> (--listen :0 + --port-file), stopped on exit."""
 
-    def __init__(self, *args, ready_s=30.0):
+    def __init__(self, *args, ready_s=30.0, backend=None):
         binary = os.environ.get("KVSHADE_SERVER")
         if not binary:
             raise RuntimeError("KVSHADE_SERVER must name the kvshade-server binary")
@@ -40,8 +40,9 @@ class Server:
         self.log_path = os.path.join(self.dir, "server.log")
         # Passive OpenMP waiting: tests share 2 cores; spinning barriers slow the CPU backend.
         env = dict(os.environ, OMP_WAIT_POLICY="passive")
-        # KVSHADE_TEST_BACKEND: the daemon's kernel backend (cpu here; cuda on a GPU machine).
-        backend = os.environ.get("KVSHADE_TEST_BACKEND", "cpu")
+        # KVSHADE_TEST_BACKEND: the daemon's kernel backend (cpu here; cuda on a GPU machine),
+        # unless the test names one (backend=).
+        backend = backend or os.environ.get("KVSHADE_TEST_BACKEND", "cpu")
         cmd = [binary, "--listen", "127.0.0.1:0", "--port-file", port_file, "--backend", backend] + list(args)
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)

@@ -34,7 +34,7 @@ extern "C" {
 #define KVSHADE_API
 #endif
 
-#define KVSHADE_ABI_VERSION 8 /* 2: UCX options and status, attachment data-plane fields;
+#define KVSHADE_ABI_VERSION 9 /* 2: UCX options and status, attachment data-plane fields;
                                  3: profile selection options, ucx_busy_poll_us, slot delta
                                  fallback and tokens, the _ex decode calls;
                                  4: slot delta positions, static set positions, held
@@ -45,10 +45,16 @@ extern "C" {
                                  kvshade_attachment.slot_tokens,
                                  kvshade_session_info.selection_unit;
                                  8: segment ends: kvshade_create_session_ex,
-                                 kvshade_session_created.segment_ends */
+                                 kvshade_session_created.segment_ends;
+                                 9: devices: kvshade_session_created.device,
+                                 kvshade_session_info.device,
+                                 kvshade_attach_options.device,
+                                 kvshade_create_session_on, kvshade_lookup_prefix_on */
 #define KVSHADE_ID_CAP 128
 /* The most segment ends a CreateSession takes (service/README.md "Segment ends"). */
 #define KVSHADE_MAX_SEGMENT_ENDS 5
+/* Bytes of a device name field ("cuda:1", "cpu:0"; service/README.md "Devices"). */
+#define KVSHADE_DEVICE_CAP 64
 
 typedef enum kvshade_code {
   KVSHADE_OK = 0,
@@ -200,6 +206,7 @@ typedef struct kvshade_session_created {
   uint32_t n_segment_ends;
   uint64_t segment_ends[KVSHADE_MAX_SEGMENT_ENDS];
   uint64_t automatic_segment_end;
+  char device[KVSHADE_DEVICE_CAP]; /* the daemon device it was placed on ("cuda:1") */
 } kvshade_session_created;
 
 typedef struct kvshade_session_info {
@@ -224,6 +231,8 @@ typedef struct kvshade_session_info {
   /* Tokens per selection unit of the session's resolved profile (docs/ALGORITHM.md
    * "Selection units"); 0 = whole chunks. */
   uint32_t selection_unit;
+  /* The daemon device the session lives on ("cpu", "cuda:0", "cpu:1"). */
+  char device[KVSHADE_DEVICE_CAP];
 } kvshade_session_info;
 
 KVSHADE_API int kvshade_create_session(kvshade_client* client, const kvshade_model* model,
@@ -235,16 +244,30 @@ KVSHADE_API int kvshade_create_session(kvshade_client* client, const kvshade_mod
  * prompt sharing only its first part (a document before another question) reuses that
  * part. At most KVSHADE_MAX_SEGMENT_ENDS, strictly increasing, inside (0, n_tokens),
  * multiples of 256 and of the profile's chunk_size (KVSHADE_INVALID_ARGUMENT otherwise,
- * nothing created). segment_ends may be NULL when n_segment_ends is 0. */
+ * nothing created). segment_ends may be NULL when n_segment_ends is 0. `device` as
+ * kvshade_create_session_on's (NULL or "": the daemon's first device). */
 KVSHADE_API int kvshade_create_session_ex(kvshade_client* client, const kvshade_model* model,
                                           const kvshade_profile* profile, const int32_t* token_ids,
                                           size_t n_tokens, int32_t durable, const char* label,
                                           const uint64_t* segment_ends, size_t n_segment_ends,
-                                          kvshade_session_created* out);
+                                          const char* device, kvshade_session_created* out);
 KVSHADE_API int kvshade_lookup_prefix(kvshade_client* client, const kvshade_model* model,
                                       const kvshade_profile* profile, const int32_t* token_ids,
                                       size_t n_tokens, uint64_t* reusable_tokens,
                                       uint64_t* cached_segments);
+/* The same, on a daemon with several devices (service/README.md "Devices"): `device` names
+ * the worker's GPU as the daemon names it ("cuda:1") or by PCI bus id ("0000:3b:00.0");
+ * NULL or "" = the daemon's first device. A device the daemon does not serve is
+ * KVSHADE_INVALID_ARGUMENT. Prefixes are cached per device. */
+KVSHADE_API int kvshade_create_session_on(kvshade_client* client, const kvshade_model* model,
+                                          const kvshade_profile* profile,
+                                          const int32_t* token_ids, size_t n_tokens,
+                                          int32_t durable, const char* label, const char* device,
+                                          kvshade_session_created* out);
+KVSHADE_API int kvshade_lookup_prefix_on(kvshade_client* client, const kvshade_model* model,
+                                         const kvshade_profile* profile, const int32_t* token_ids,
+                                         size_t n_tokens, const char* device,
+                                         uint64_t* reusable_tokens, uint64_t* cached_segments);
 /* out_session_id: KVSHADE_ID_CAP bytes. shared_tokens may be NULL. */
 KVSHADE_API int kvshade_fork_session(kvshade_client* client, const char* parent_session_id,
                                      uint64_t at_token, char* out_session_id,
@@ -364,6 +387,9 @@ typedef struct kvshade_attach_options {
   uint8_t cuda_ipc_v_handle[64]; /* the allocation holding V (may be K's) */
   uint64_t cuda_ipc_v_offset;
   uint64_t cuda_ipc_bytes;       /* usable bytes of each buffer from its offset */
+  /* The worker's device (as kvshade_create_session_on's): a session on another device of
+   * the daemon is KVSHADE_FAILED_PRECONDITION. NULL or "" = not checked. */
+  const char* device;
 } kvshade_attach_options;
 
 /* Zero-fills. */

@@ -5,9 +5,10 @@ argtypes of each function (SIGNATURES). kvshade._native loads the library with t
 """
 import ctypes
 
-KVSHADE_ABI_VERSION = 8
+KVSHADE_ABI_VERSION = 9
 KVSHADE_ID_CAP = 128
 KVSHADE_MAX_SEGMENT_ENDS = 5
+KVSHADE_DEVICE_CAP = 64
 KVSHADE_OK = 0
 KVSHADE_CANCELLED = 1
 KVSHADE_UNKNOWN = 2
@@ -126,6 +127,7 @@ class SessionCreated(ctypes.Structure):
         ("n_segment_ends", ctypes.c_uint32),  # uint32_t n_segment_ends
         ("segment_ends", ctypes.c_uint64 * 5),  # uint64_t segment_ends[KVSHADE_MAX_SEGMENT_ENDS]
         ("automatic_segment_end", ctypes.c_uint64),  # uint64_t automatic_segment_end
+        ("device", ctypes.c_char * 64),  # char device[KVSHADE_DEVICE_CAP]
     ]
 
 
@@ -149,6 +151,7 @@ class SessionInfo(ctypes.Structure):
         ("tokens_lost", ctypes.c_uint64),  # uint64_t tokens_lost
         ("ingest_parts_taken", ctypes.c_uint64),  # uint64_t ingest_parts_taken
         ("selection_unit", ctypes.c_uint32),  # uint32_t selection_unit
+        ("device", ctypes.c_char * 64),  # char device[KVSHADE_DEVICE_CAP]
     ]
 
 
@@ -194,6 +197,7 @@ class AttachOptions(ctypes.Structure):
         ("cuda_ipc_v_handle", ctypes.c_uint8 * 64),  # uint8_t cuda_ipc_v_handle[64]
         ("cuda_ipc_v_offset", ctypes.c_uint64),  # uint64_t cuda_ipc_v_offset
         ("cuda_ipc_bytes", ctypes.c_uint64),  # uint64_t cuda_ipc_bytes
+        ("device", ctypes.c_char_p),  # const char* device
     ]
 
 
@@ -322,6 +326,7 @@ SIGNATURES = {
         ctypes.c_char_p,  # const char* label
         ctypes.POINTER(ctypes.c_uint64),  # const uint64_t* segment_ends
         ctypes.c_size_t,  # size_t n_segment_ends
+        ctypes.c_char_p,  # const char* device
         ctypes.POINTER(SessionCreated),  # kvshade_session_created* out
     ]),
     "kvshade_lookup_prefix": (ctypes.c_int, [  # returns int
@@ -330,6 +335,27 @@ SIGNATURES = {
         ctypes.POINTER(Profile),  # const kvshade_profile* profile
         ctypes.POINTER(ctypes.c_int32),  # const int32_t* token_ids
         ctypes.c_size_t,  # size_t n_tokens
+        ctypes.POINTER(ctypes.c_uint64),  # uint64_t* reusable_tokens
+        ctypes.POINTER(ctypes.c_uint64),  # uint64_t* cached_segments
+    ]),
+    "kvshade_create_session_on": (ctypes.c_int, [  # returns int
+        ctypes.c_void_p,  # kvshade_client* client
+        ctypes.POINTER(Model),  # const kvshade_model* model
+        ctypes.POINTER(Profile),  # const kvshade_profile* profile
+        ctypes.POINTER(ctypes.c_int32),  # const int32_t* token_ids
+        ctypes.c_size_t,  # size_t n_tokens
+        ctypes.c_int32,  # int32_t durable
+        ctypes.c_char_p,  # const char* label
+        ctypes.c_char_p,  # const char* device
+        ctypes.POINTER(SessionCreated),  # kvshade_session_created* out
+    ]),
+    "kvshade_lookup_prefix_on": (ctypes.c_int, [  # returns int
+        ctypes.c_void_p,  # kvshade_client* client
+        ctypes.POINTER(Model),  # const kvshade_model* model
+        ctypes.POINTER(Profile),  # const kvshade_profile* profile
+        ctypes.POINTER(ctypes.c_int32),  # const int32_t* token_ids
+        ctypes.c_size_t,  # size_t n_tokens
+        ctypes.c_char_p,  # const char* device
         ctypes.POINTER(ctypes.c_uint64),  # uint64_t* reusable_tokens
         ctypes.POINTER(ctypes.c_uint64),  # uint64_t* cached_segments
     ]),

@@ -268,6 +268,8 @@ class CreatedSession:
     # and the automatic one); automatic_segment_end 0 = none (service/README.md "Segment ends").
     segment_ends: tuple = ()
     automatic_segment_end: int = 0
+    # The daemon device it was placed on ("cpu", "cuda:1"; service/README.md "Devices").
+    device: str = ""
 
 
 @dataclass
@@ -628,10 +630,13 @@ class Client(_NativeHandle):
         return a, a.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
 
     def create_session(self, model: ModelSpec, profile: Profile, token_ids, durable=False, label="",
-                       segment_ends=()):
+                       segment_ends=(), device=None):
         """segment_ends: token positions where the ingested prompt is cut into separately cached
         segments (e.g. the end of a shared document before the question), so that a later prompt
-        sharing only that part reuses it; service/README.md "Segment ends" has the rules."""
+        sharing only that part reuses it; service/README.md "Segment ends" has the rules.
+        device: on a daemon with several devices (service/README.md "Devices"), the one to
+        place the session on, the worker's GPU: the daemon's name of it ("cuda:1") or its PCI
+        bus id (kvshade.routing.local_gpu_pci_bus_id()); None = the daemon's first device."""
         a, p = self._tokens(token_ids)
         ends = [int(e) for e in segment_ends]
         if any(e < 0 for e in ends):
@@ -640,18 +645,20 @@ class Client(_NativeHandle):
         out = _native.SessionCreated()
         _check(_native.lib().kvshade_create_session_ex(self._handle(), ctypes.byref(model._c()),
                                                        ctypes.byref(profile._c()), p, a.size, int(durable),
-                                                       _b(label), ends_c, len(ends), ctypes.byref(out)))
+                                                       _b(label), ends_c, len(ends), _b(device), ctypes.byref(out)))
         return CreatedSession(out.session_id.decode(), out.reused_tokens, out.tokens_to_ingest,
                               PROFILE_NAMES.get(out.effective_profile, str(out.effective_profile)),
-                              tuple(out.segment_ends[:out.n_segment_ends]), out.automatic_segment_end)
+                              tuple(out.segment_ends[:out.n_segment_ends]), out.automatic_segment_end,
+                              out.device.decode())
 
-    def lookup_prefix(self, model: ModelSpec, profile: Profile, token_ids):
-        """(reusable_tokens, cached_segments)."""
+    def lookup_prefix(self, model: ModelSpec, profile: Profile, token_ids, device=None):
+        """(reusable_tokens, cached_segments) on `device` (as create_session's: prefixes are
+        cached per device)."""
         a, p = self._tokens(token_ids)
         r, s = ctypes.c_uint64(), ctypes.c_uint64()
-        _check(_native.lib().kvshade_lookup_prefix(self._handle(), ctypes.byref(model._c()),
-                                                   ctypes.byref(profile._c()), p, a.size, ctypes.byref(r),
-                                                   ctypes.byref(s)))
+        _check(_native.lib().kvshade_lookup_prefix_on(self._handle(), ctypes.byref(model._c()),
+                                                      ctypes.byref(profile._c()), p, a.size, _b(device),
+                                                      ctypes.byref(r), ctypes.byref(s)))
         return r.value, s.value
 
     def fork_session(self, parent_session_id, at_token):
@@ -672,7 +679,7 @@ class Client(_NativeHandle):
                 "reused_tokens": i.reused_tokens, "gpu_bytes": i.gpu_bytes, "host_bytes": i.host_bytes,
                 "damaged": bool(i.damaged), "damage": i.damage.decode(errors="replace"),
                 "tokens_lost": i.tokens_lost, "ingest_parts_taken": i.ingest_parts_taken,
-                "selection_unit": i.selection_unit}
+                "selection_unit": i.selection_unit, "device": i.device.decode()}
 
     def session_selection(self, session_id: str) -> List[Dict[str, Any]]:
         """The recall guard's figures of a session, per layer with sampled decode steps
@@ -720,10 +727,13 @@ class Client(_NativeHandle):
         return tokens.value
 
     # --- Workers ---
-    def attach(self, session_id, worker_id="", lease_ms=0, writer=False, delivery="inline", cuda_ipc=None):
+    def attach(self, session_id, worker_id="", lease_ms=0, writer=False, delivery="inline", cuda_ipc=None,
+               device=None):
         """delivery: "inline" (K/V in each select answer), "ucx_rma" (then register_slot_buffers;
         needs use_ucx) or "cuda_ipc" (cuda_ipc = dict(k_handle=bytes(64), k_offset=0,
-        v_handle=bytes(64), v_offset=0, bytes=N): the worker's GPU slot buffers)."""
+        v_handle=bytes(64), v_offset=0, bytes=N): the worker's GPU slot buffers). device: the
+        worker's device (as create_session's); a session on another device of the daemon is
+        FailedPrecondition. None: not checked."""
         codes = {v: k for k, v in DELIVERIES.items()}
         if delivery not in codes:
             raise InvalidArgument("delivery must be one of %s, got %r" % (sorted(codes), delivery))
@@ -732,6 +742,7 @@ class Client(_NativeHandle):
         lib.kvshade_attach_options_init(ctypes.byref(o))
         o.session_id, o.worker_id = _b(session_id), _b(worker_id)
         o.lease_ms, o.writer, o.delivery = lease_ms, int(bool(writer)), codes[delivery]
+        o.device = _b(device)
         if cuda_ipc is not None:
             for name in ("k_handle", "v_handle"):
                 h = bytes(cuda_ipc[name])

@@ -18,6 +18,15 @@ in PCI bus order. A worker finds the daemon of its own GPU, whatever GPUs its co
 
     from kvshade.routing import gpu_daemon_target, local_gpu_index
     target = gpu_daemon_target("kvshade.kvshade.svc:50551", local_gpu_index(torch.cuda.current_device()))
+
+One daemon for every GPU of the node (backend cuda:all; deploy/README.md "One daemon for
+every GPU"): every worker talks to the one daemon and says which GPU it runs on, by PCI bus
+id, when it creates or attaches a session:
+
+    from kvshade.routing import local_gpu_pci_bus_id
+    dev = local_gpu_pci_bus_id(torch.cuda.current_device())
+    s = client.create_session(model, profile, ids, device=dev)
+    a = client.attach(s.session_id, "worker-0", device=dev)
 """
 import ctypes
 import os
@@ -153,6 +162,14 @@ def local_gpu_index(device: int = 0, sysfs: str = "/sys/bus/pci/devices") -> int
     """The node's index of this process's CUDA device `device` (an ordinal under this process's
     own CUDA_VISIBLE_DEVICES and device order), found by its PCI address through the CUDA
     driver (cuInit, cuDeviceGetPCIBusId)."""
+    return node_gpu_index(local_gpu_pci_bus_id(device), sysfs)
+
+
+def local_gpu_pci_bus_id(device: int = 0) -> str:
+    """The PCI bus id ("0000:3B:00.0") of this process's CUDA device `device`, through the CUDA
+    driver: what a worker passes as `device` to Client.create_session and Client.attach on a
+    daemon that serves every GPU of the node (service/README.md "Devices"), whatever the two
+    processes' CUDA_VISIBLE_DEVICES and device orders."""
     lib = ctypes.CDLL("libcuda.so.1")
     handle = ctypes.c_int()
     bus_id = ctypes.create_string_buffer(64)
@@ -161,4 +178,4 @@ def local_gpu_index(device: int = 0, sysfs: str = "/sys/bus/pci/devices") -> int
         rc = getattr(lib, call)(*args)
         if rc != 0:
             raise InvalidArgument("%s failed (CUDA error %d) for device %d" % (call, rc, device))
-    return node_gpu_index(bus_id.value.decode(), sysfs)
+    return bus_id.value.decode()

@@ -47,6 +47,13 @@ exec:
 {{- end -}}
 
 
+{{/* One daemon serving every GPU of the node (deploy/README.md "One daemon for every GPU"):
+backend cuda:all or a list of devices ("cuda:0,cuda:1"). "true" or "". */}}
+{{- define "kvshade.allGpus" -}}
+{{- $b := toString .Values.backend -}}
+{{- if or (eq $b "cuda:all") (contains "," $b) -}}true{{- end -}}
+{{- end -}}
+
 {{/* Daemons per pod: gpusPerNode, checked. */}}
 {{- define "kvshade.daemonCount" -}}
 {{- $n := int .Values.gpusPerNode -}}
@@ -59,7 +66,8 @@ exec:
 {{/* What differs between the daemons of a pod, as YAML (read back with fromYaml): the
 container and port names, the ConfigMap key, backend, ports and spill directory of daemon i.
 gpusPerNode 1: the single daemon as before (container kvshade, ports grpc and metrics,
-kvshade.yaml, the backend value). gpusPerNode N > 1: daemon i serves GPU i (cuda:i, every GPU
+kvshade.yaml, the backend value; with backend cuda:all or a list, allGpus: it serves every
+GPU, numbered in PCI bus order). gpusPerNode N > 1: daemon i serves GPU i (cuda:i, every GPU
 of the node visible in PCI bus order) on grpcPort + i and metricsPort + i, with its spill
 tier in spill-gpu<i> of the state volume. Argument: (dict "root" $ "i" i). */}}
 {{- define "kvshade.daemon" -}}
@@ -74,6 +82,9 @@ metricsPortName: metrics
 grpcPort: {{ int $v.service.grpcPort }}
 metricsPort: {{ int $v.service.metricsPort }}
 spillPath: /var/lib/kvshade/spill
+{{- if include "kvshade.allGpus" .root }}
+allGpus: true
+{{- end }}
 {{- else -}}
 container: kvshade-gpu{{ $i }}
 configKey: kvshade-gpu{{ $i }}.yaml
@@ -92,6 +103,20 @@ path or device (they are set per daemon by the chart). */}}
 {{- define "kvshade.checkPerGpu" -}}
 {{- $v := .Values -}}
 {{- $n := int (include "kvshade.daemonCount" .) -}}
+{{- if and (gt $n 1) (include "kvshade.allGpus" .) -}}
+{{- fail (printf "gpusPerNode > 1 runs one daemon per GPU, and backend %v makes one daemon serve every GPU: choose one (gpusPerNode: 1 with backend cuda:all, or gpusPerNode: N with backend auto or cuda)" $v.backend) -}}
+{{- end -}}
+{{- if include "kvshade.allGpus" . -}}
+{{- $kv := get (get ($v.config | default dict) "kv_events" | default dict) "endpoint" | default "" -}}
+{{- $kv = get ($v.env | default dict) "KVSHADE_KV_EVENTS_ENDPOINT" | default $kv | toString -}}
+{{- if or (contains "*" $kv) (contains "::" $kv) (hasPrefix "ipc://" $kv) -}}
+{{- fail (printf "backend %v: kv_events.endpoint %s binds, and each GPU of the daemon publishes its own KV-events; connect to the indexer instead (tcp://HOST:PORT)" $v.backend $kv) -}}
+{{- end -}}
+{{- $broker := get ($v.env | default dict) "KVSHADE_SAME_NODE_DESCRIPTOR_BROKER" | default "auto" | toString -}}
+{{- if not (has $broker (list "auto" "off")) -}}
+{{- fail (printf "backend %v: same_node.descriptor_broker %s names one socket for every GPU of the daemon; leave it auto (a socket per GPU) or off" $v.backend $broker) -}}
+{{- end -}}
+{{- end -}}
 {{- if gt $n 1 -}}
 {{- if not (has (toString $v.backend) (list "auto" "cuda")) -}}
 {{- fail (printf "gpusPerNode > 1 runs daemon i on cuda:i; backend must be auto or cuda, got %v" $v.backend) -}}

@@ -136,7 +136,12 @@ struct KvEventsConfig {
 
 struct ServerConfig {
   std::string listen = "127.0.0.1:50551";  // gRPC host:port
-  std::string backend = "cpu";             // cpu | cuda | auto
+  // One device: cpu | cuda | cuda:N | auto. Several (service/README.md "Devices"), an engine
+  // each: a list of cuda:N (cuda:0,cuda:1), cuda:all (every visible GPU, counted at start),
+  // or a list of cpu:N (independent CPU devices, for tests and CPU-only hosts).
+  std::string backend = "cpu";
+  // device_budget is each device's; host_budget and spill_budget are the daemon's, divided
+  // evenly between its devices.
   uint64_t device_budget_bytes = 8ull << 30, host_budget_bytes = 32ull << 30,
            spill_budget_bytes = 0;         // 0 = unbounded spill tier
   // The device tier holds memory on demand, in steps of this many bytes (capped at the

@@ -51,6 +51,17 @@ struct EngineOptions {
   // (restored from it by Create). Not owned; must outlive the engine. Null: no spill tier,
   // and durable sessions are refused (FAILED_PRECONDITION).
   storage::SpillTier* spill_tier = nullptr;
+  // The device this engine serves (service/README.md "Devices"): its name as the daemon
+  // reports it (SessionInfo.device, StatsResponse.devices; default "cpu"/"cuda" from the
+  // backend) and its PCI bus id (CUDA; may be empty).
+  std::string device_name;
+  std::string device_pci_bus_id;
+  // Its index in a daemon with several devices (DeviceRouter): the session and attachment
+  // ids it creates carry it (SessionManager::NewId(device)), so that a call is routed to
+  // this engine from its id alone. -1: the daemon's only device; ids are untagged.
+  int device_index = -1;
+  // The gpu label of this engine's gauges (Metrics::UseDeviceLabels); "" unlabelled.
+  std::string metrics_gpu;
 };
 
 class EngineImpl;

@@ -44,7 +44,7 @@ class SpillTier;
 namespace kvshade::service {
 
 class CallExecutor;
-class Engine;
+class DeviceRouter;
 class StreamWatchdog;
 class TenantAdmission;
 class UcxServer;
@@ -52,9 +52,9 @@ class UcxServer;
 // What the service borrows from its owner (the Server). All must outlive the service;
 // none but ucx may be null.
 struct ServiceDeps {
-  // The engine the calls run on (the UCX data plane borrows the same one).
-  Engine* engine = nullptr;
-  kernels::Backend* backend = nullptr;  // device faults refuse calls
+  // The daemon's devices and their engines, which the calls are routed to (the UCX data
+  // plane borrows the same); a fault of any device refuses calls.
+  DeviceRouter* engine = nullptr;
   const ServerConfig* config = nullptr;
   Metrics* metrics = nullptr;
   const Authenticator* auth = nullptr;
@@ -141,7 +141,7 @@ class KvShadeService final : public kvshade::v1::KvShade::CallbackService {
   bool draining() const;
 
   ServiceDeps deps_;
-  Engine* const engine_;  // deps_.engine
+  DeviceRouter* const engine_;  // deps_.engine
   std::unique_ptr<StreamWatchdog> watchdog_;
   // Open Ingest calls, so that Drain can end them.
   mutable std::mutex streams_mu_;

@@ -1,6 +1,6 @@
 // Prometheus metrics of the daemon (prometheus-cpp). Every name, type and label is listed
 // in service/README.md; labels are low-cardinality only (method, code, stage, tier, kind,
-// result, reason, source). Thread-safe: every method may be called from any RPC thread.
+// result, reason, source, gpu). Thread-safe: every method may be called from any RPC thread.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +10,7 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <prometheus/collectable.h>
@@ -52,20 +53,30 @@ class Metrics {
   void ObserveRpc(std::string_view method, int grpc_code, double seconds);
   // stages: KnownStages() in metrics.cc (service/README.md "Metrics"); any other is "other"
   void ObserveStage(std::string_view stage, double seconds);
+  // A daemon with several devices (service/README.md "Devices"): the gauges of a device's
+  // state (kvshade_tier_bytes, kvshade_tier_budget_bytes, kvshade_device_held_bytes,
+  // kvshade_device_allocations, kvshade_sessions, kvshade_attachments,
+  // kvshade_export_generations, kvshade_segments) are kept per device, labelled
+  // gpu="<label>" (the device's ordinal: "1" for cuda:1 or cpu:1); their unlabelled series
+  // go, and each label's exist from now on (0). Their setters below then take the device's
+  // label as `gpu`; "" (the default) is the unlabelled series of a daemon with one device.
+  // Call once, before any engine runs.
+  void UseDeviceLabels(const std::vector<std::string>& gpus);
   // tier: device|host|spill. kind="total" of a tier is kept here, the sum of its other
   // kinds (a call with kind "total" is ignored); every tier has one from the start (0).
-  void SetTierBytes(std::string_view tier, std::string_view kind, double bytes);
+  void SetTierBytes(std::string_view tier, std::string_view kind, double bytes,
+                    std::string_view gpu = "");
   // The configured budget of a tier (+Inf: unbounded; 0: no such tier).
-  void SetTierBudget(std::string_view tier, double bytes);
+  void SetTierBudget(std::string_view tier, double bytes, std::string_view gpu = "");
   // The device memory the daemon holds (kvshade_device_held_bytes) in `pools` allocations.
-  void SetDeviceHeld(double bytes, double pools);
+  void SetDeviceHeld(double bytes, double pools, std::string_view gpu = "");
   // kvshade_build_info{version,commit,backend} 1 (set once at start-up; a later call
   // replaces the series).
   void SetBuildInfo(std::string_view version, std::string_view commit, std::string_view backend);
-  void SetSessions(double n);
-  void SetAttachments(double n);
-  void SetExportGenerations(double n);  // same-node export generations held
-  void SetSegments(double n);
+  void SetSessions(double n, std::string_view gpu = "");
+  void SetAttachments(double n, std::string_view gpu = "");
+  void SetExportGenerations(double n, std::string_view gpu = "");  // same-node generations held
+  void SetSegments(double n, std::string_view gpu = "");
   // One CreateSession prefix lookup: kvshade_prefix_lookups_total{result,reason} (result
   // "hit" when reused_tokens > 0), kvshade_prefix_tokens_total{kind="requested"} +=
   // requested_tokens (the prompt's length) and {kind="reused"} += reused_tokens, and
@@ -106,17 +117,21 @@ class Metrics {
   prometheus::Family<prometheus::Histogram>* stage_seconds_;
   prometheus::Family<prometheus::Gauge>* tier_bytes_;
   prometheus::Family<prometheus::Gauge>* tier_budget_;
-  prometheus::Gauge* device_held_;
-  prometheus::Gauge* device_pools_;
+  // A per-device gauge: the family, and its unlabelled series (null once device labels are
+  // in use).
+  struct DeviceGauge {
+    prometheus::Family<prometheus::Gauge>* family = nullptr;
+    prometheus::Gauge* unlabelled = nullptr;
+    void Set(std::string_view gpu, double v);
+  };
+  DeviceGauge device_held_, device_pools_, sessions_, attachments_, export_generations_, segments_;
   prometheus::Family<prometheus::Gauge>* build_info_;
   std::mutex tier_mu_;
-  std::map<std::pair<std::string, std::string>, double> tier_kinds_;  // (tier, kind) -> bytes
+  // (gpu, tier, kind) -> bytes; gpu "" without device labels.
+  std::map<std::tuple<std::string, std::string, std::string>, double> tier_kinds_;
+  std::vector<std::string> gpus_;  // UseDeviceLabels
   std::mutex build_info_mu_;
   prometheus::Gauge* build_info_series_ = nullptr;
-  prometheus::Gauge* sessions_;
-  prometheus::Gauge* attachments_;
-  prometheus::Gauge* export_generations_;
-  prometheus::Gauge* segments_;
   prometheus::Counter* prefix_lookups_[2][kPrefixStops] = {};  // [hit][stop]; null: impossible
   prometheus::Counter* prefix_requested_tokens_;
   prometheus::Counter* prefix_reused_tokens_;

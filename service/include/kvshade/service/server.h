@@ -6,9 +6,9 @@
 // Life cycle: Start() -> SERVING. Shutdown() (or a SIGTERM/SIGINT or a device fault seen
 // by RunUntilSignal()) sets health NOT_SERVING, drains the service (no new sessions; durable
 // state flushed), then stops the gRPC server with a deadline for in-flight calls.
-// The Server opens the spill tier (spill_path), builds the engine on it (which restores
-// durable sessions from it at start) and owns it; the gRPC service and the UCX data plane
-// borrow it.
+// The Server opens the daemon's devices (DeviceRouter: per device a backend, a spill tier
+// and an engine on it, which restores the device's durable sessions at start) and owns
+// them; the gRPC service and the UCX data plane borrow the router.
 #pragma once
 
 #include <atomic>
@@ -28,9 +28,8 @@
 
 namespace kvshade::service {
 
-class Engine;
+class DeviceRouter;
 class KvShadeService;
-class SpillStorage;
 class TenantAdmission;
 class UcxServer;
 
@@ -68,16 +67,13 @@ class Server {
   Server();
 
   ServerConfig config_;
-  std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<Authenticator> auth_;
   // One per daemon, shared by both transports (a tenant's caps count its gRPC and UCX calls
   // and streams together); before service_ and ucx_ so that it outlives every ticket.
   std::unique_ptr<TenantAdmission> admission_;
-  // Before engine_ so that it outlives the engine that uses it.
-  std::unique_ptr<SpillStorage> spill_;
   // Before service_ and ucx_, which borrow it, so that it outlives them.
-  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<DeviceRouter> router_;  // the devices: backends, spill tiers, engines
   std::unique_ptr<KvShadeService> service_;
   std::unique_ptr<UcxServer> ucx_;
   std::unique_ptr<grpc::Server> server_;

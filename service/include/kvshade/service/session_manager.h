@@ -34,6 +34,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -120,6 +121,17 @@ class SessionManager {
 
   // Random 128-bit ids, 32 hex digits.
   static std::string NewId();
+  // A session or attachment id of device `device` of a daemon with several (0..255): 32 hex
+  // digits whose first two are the device's index and the other 30 random (120 bits), so
+  // that a call finds the session's device from its id alone (DeviceOfId). device < 0: an
+  // untagged NewId() (a daemon with one device).
+  static std::string NewId(int device);
+  // The device index a tagged id carries: its first two hex digits; -1 when the id is not
+  // 32 lower-case hex digits. (Meaningful only for ids of a daemon with several devices.)
+  static int DeviceOfId(std::string_view id);
+  // The device index that the attachment ids this manager creates carry (NewId(device));
+  // -1 (the default): untagged. Set once, before any attachment exists.
+  void set_id_device(int device) { id_device_ = device; }
 
   // Registers a session (its id and tenant set). RESOURCE_EXHAUSTED over the tenant's
   // session limit.
@@ -189,6 +201,7 @@ class SessionManager {
 
   LimitsConfig limits_;
   Clock clock_;
+  int id_device_ = -1;
   mutable base::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, size_t> per_tenant_ ABSL_GUARDED_BY(mu_);

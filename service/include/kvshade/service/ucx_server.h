@@ -59,6 +59,7 @@
 #include "absl/status/statusor.h"
 #include "kvshade/service/auth.h"
 #include "kvshade/service/config.h"
+#include "kvshade/service/device_router.h"
 #include "kvshade/service/engine.h"
 #include "kvshade/service/metrics.h"
 #include "kvshade/transport/decode_frame.h"
@@ -74,12 +75,13 @@ class TenantAdmission;
 
 class UcxServer {
  public:
-  // Starts the worker and its progress thread (config.ucx.transports). `engine` (the one
-  // the gRPC service borrows too), `metrics` and `admission` (the daemon's, shared with the
+  // Starts the worker and its progress thread (config.ucx.transports). `engine` (the
+  // daemon's devices, which the gRPC service borrows too; calls are routed as there), `metrics` and `admission` (the daemon's, shared with the
   // gRPC service) must outlive the server, or Stop() first; `backend` (may be null: plain
-  // memory) gives the receive pool its staging memory (page-locked on CUDA).
+  // memory) gives the receive pool its staging memory (page-locked on CUDA; the first
+  // device's on a daemon with several).
   static absl::StatusOr<std::unique_ptr<UcxServer>> Start(const ServerConfig& config,
-                                                          Engine* engine, Metrics* metrics,
+                                                          DeviceRouter* engine, Metrics* metrics,
                                                           TenantAdmission* admission,
                                                           kernels::Backend* backend = nullptr);
   ~UcxServer();  // Stop()
@@ -153,7 +155,7 @@ class UcxServer {
     uint32_t count = 0;
   };
 
-  UcxServer(const ServerConfig& config, Engine* engine, Metrics* metrics, TenantAdmission* admission);
+  UcxServer(const ServerConfig& config, DeviceRouter* engine, Metrics* metrics, TenantAdmission* admission);
   void OnHello(ucx::AmMessage&& m);
   void OnBye(ucx::AmMessage&& m);
   // SELECT_FRAME and ATTEND_FRAME (transport/decode_frame.h): parsed into decode.h views
@@ -167,10 +169,10 @@ class UcxServer {
   // Finds the connection `key` names and the engine; otherwise (unknown key, stopping, an
   // oversize payload unless `oversize_ok`) counts the error and returns it, naming `what`.
   absl::Status Lookup(const std::string& key, size_t oversize, bool oversize_ok,
-                      std::string_view what, std::shared_ptr<Conn>* conn, Engine** engine);
+                      std::string_view what, std::shared_ptr<Conn>* conn, DeviceRouter** engine);
   // Loop thread: parses the header and finds the connection its key names; otherwise
   // replies (INVALID_ARGUMENT, PERMISSION_DENIED or UNAVAILABLE) and returns null.
-  std::shared_ptr<Conn> Admit(const ucx::AmMessage& m, v1::DataPlaneHeader* h, Engine** engine,
+  std::shared_ptr<Conn> Admit(const ucx::AmMessage& m, v1::DataPlaneHeader* h, DeviceRouter** engine,
                               std::string_view what);
   // Loop thread: sends a reply (code 0 = payload is the response).
   void Reply(ucp_ep_h ep, uint64_t request_id, int code, std::string payload,
@@ -204,7 +206,7 @@ class UcxServer {
   void RunInOrder(const std::shared_ptr<Conn>& conn, std::function<void()> job);
   // `admitted`: for a header, its slots (or why it was refused); `pace`: the stream's
   // (null without pace limits), told when the message has been processed.
-  void IngestJob(const std::shared_ptr<Conn>& conn, Engine* engine, v1::DataPlaneHeader h,
+  void IngestJob(const std::shared_ptr<Conn>& conn, DeviceRouter* engine, v1::DataPlaneHeader h,
                  ucp_ep_h ep, ucx::Payload payload, size_t oversize,
                  std::chrono::steady_clock::time_point start,
                  absl::StatusOr<std::shared_ptr<CallSlot>> admitted,
@@ -230,7 +232,7 @@ class UcxServer {
   TenantAdmission* const admission_;
   std::unique_ptr<ucx::UcxLoop> loop_;
   std::string address_;
-  Engine* engine_ = nullptr;  // borrowed (guarded by mu_); null once stopped
+  DeviceRouter* engine_ = nullptr;  // borrowed (guarded by mu_); null once stopped
 
   mutable std::mutex mu_;
   absl::flat_hash_map<std::string, Tenant> tokens_;  // one-time admission tokens
