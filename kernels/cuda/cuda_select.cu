@@ -1234,9 +1234,17 @@ __device__ void BitonicSortAsc(uint64_t* a, int n) {
   __syncthreads();
 }
 
+// Whether unit id (per units per chunk; per = 1: a chunk id) belongs to a chunk head hh
+// may select (cpu_select.cc SelectableChunk).
+__device__ __forceinline__ bool SelectableUnit(const DevView& v, int hh, int id, int per) {
+  if (id < 0 || static_cast<long long>(id) >= static_cast<long long>(v.total) * per) return false;
+  return cuda::SelectableChunk(v, hh, id / per);
+}
+
 // The CPU's slot diff (cpu_select.cc SlotDiff), run by one thread: ids[0, kk) ascending and
-// distinct; scratch claimed [kk], free_slots [k].
-__device__ void SlotDiffSerial(const int* ids, int kk, int k, const DevView& v, int hh,
+// distinct, chunk ids (per = 1) or unit ids (per = C/u units per chunk); scratch claimed
+// [kk], free_slots [k].
+__device__ void SlotDiffSerial(const int* ids, int kk, int k, const DevView& v, int hh, int per,
                                int* slots, int* miss_slot, int* miss_chunk, int* miss_count,
                                int* claimed, int* free_slots) {
   for (int i = 0; i < kk; ++i) claimed[i] = 0;
@@ -1266,10 +1274,11 @@ __device__ void SlotDiffSerial(const int* ids, int kk, int k, const DevView& v, 
     miss_chunk[n_miss] = ids[i];
     ++n_miss;
   }
-  // Unused free slots keep a session chunk this step did not select (cpu_select.cc SlotDiff).
+  // Unused free slots keep a chunk (unit) this step did not select, of a chunk the head may
+  // select (cpu_select.cc SlotDiff).
   for (int i = n_miss; i < n_free; ++i) {
     int& c = slots[free_slots[i]];
-    if (SortedContains(ids, kk, c) || !cuda::SelectableChunk(v, hh, c)) c = -1;
+    if (SortedContains(ids, kk, c) || !SelectableUnit(v, hh, c, per)) c = -1;
   }
   for (int i = n_miss; i < k; ++i) miss_slot[i] = miss_chunk[i] = -1;
   *miss_count = n_miss;
@@ -1435,7 +1444,7 @@ __global__ void __launch_bounds__(256)
   for (int i = tid; i < kk; i += blockDim.x) ids[i] = static_cast<int>(keys[i]);
   __syncthreads();
   if (tid == 0) {
-    SlotDiffSerial(ids, kk, k, e.view, hh, e.slots + static_cast<long long>(hh) * k,
+    SlotDiffSerial(ids, kk, k, e.view, hh, 1, e.slots + static_cast<long long>(hh) * k,
                    e.miss_slot + static_cast<long long>(hh) * k,
                    e.miss_chunk + static_cast<long long>(hh) * k, e.miss_count + hh, claimed,
                    free_slots);
@@ -1472,7 +1481,7 @@ __global__ void __launch_bounds__(256)
       ids[n++] = static_cast<int>(keys[i]);
     }
     s_n = n;
-    SlotDiffSerial(ids, n, k, v, hh, e.slots + static_cast<long long>(hh) * k,
+    SlotDiffSerial(ids, n, k, v, hh, 1, e.slots + static_cast<long long>(hh) * k,
                    e.miss_slot + static_cast<long long>(hh) * k,
                    e.miss_chunk + static_cast<long long>(hh) * k, e.miss_count + hh, claimed,
                    free_slots);
@@ -1494,7 +1503,7 @@ __global__ void __launch_bounds__(256)
 //   FinalUnitKernel (block per head and item): LSE_n over every candidate unit (warp n),
 //     m and w per unit as cpu_select.cc StageTwoScores, ranking by (m desc, unit id asc,
 //     NaN last) with a bitonic sort in shared memory, the mass budget on thread 0 in rank
-//     order, `selected`, and the CPU's slot diff on unit ids (SlotDiffUnits).
+//     order, `selected`, and the CPU's slot diff on unit ids (SlotDiffSerial).
 // exp and log run in double and are rounded once to fp32 (ExpRef, LogRef): closer to the
 // CPU's std::exp/std::log on floats (glibc, correctly rounded in nearly all cases) than
 // the fp32 intrinsics. The LSE sums run in another order than the CPU's, so units whose
@@ -1681,53 +1690,6 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
   }
 }
 
-// Whether unit id (per units per chunk) belongs to a chunk head hh may select
-// (cpu_select.cc SelectableChunk with per > 1).
-__device__ __forceinline__ bool SelectableUnit(const DevView& v, int hh, int id, int per) {
-  if (id < 0 || static_cast<long long>(id) >= static_cast<long long>(v.total) * per) return false;
-  return cuda::SelectableChunk(v, hh, id / per);
-}
-
-// SlotDiffSerial over unit ids: a free slot no miss takes keeps its unit when the unit is
-// not selected and its chunk is selectable by the head (cpu_select.cc SlotDiff, per > 1).
-__device__ void SlotDiffUnits(const int* ids, int kk, int k, const DevView& v, int hh, int per,
-                              int* slots, int* miss_slot, int* miss_chunk, int* miss_count,
-                              int* claimed, int* free_slots) {
-  for (int i = 0; i < kk; ++i) claimed[i] = 0;
-  int n_free = 0;
-  for (int slot = 0; slot < k; ++slot) {
-    const int c = slots[slot];
-    int lo = 0, hi = kk;
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if (ids[mid] < c)
-        lo = mid + 1;
-      else
-        hi = mid;
-    }
-    if (lo < kk && ids[lo] == c && !claimed[lo]) {
-      claimed[lo] = 1;
-    } else {
-      free_slots[n_free++] = slot;
-    }
-  }
-  int n_miss = 0;
-  for (int i = 0; i < kk; ++i) {
-    if (claimed[i]) continue;
-    const int slot = free_slots[n_miss];
-    slots[slot] = ids[i];
-    miss_slot[n_miss] = slot;
-    miss_chunk[n_miss] = ids[i];
-    ++n_miss;
-  }
-  for (int i = n_miss; i < n_free; ++i) {
-    int& c = slots[free_slots[i]];
-    if (SortedContains(ids, kk, c) || !SelectableUnit(v, hh, c, per)) c = -1;
-  }
-  for (int i = n_miss; i < k; ++i) miss_slot[i] = miss_chunk[i] = -1;
-  *miss_count = n_miss;
-}
-
 // m of one unit from its stats [g] and the heads' LSE, w into *w (cpu_select.cc
 // StageTwoScores: over the heads with a finite M; 0 for a unit without any).
 __device__ __forceinline__ float UnitScore(const float2* st, int g, const float* lse, float* w) {
@@ -1872,7 +1834,7 @@ __global__ void __launch_bounds__(kUnitFinalThreads)
   for (int i = tid; i < kk; i += blockDim.x) ids[i] = static_cast<int>(keys[i]);
   __syncthreads();
   if (tid == 0) {
-    SlotDiffUnits(ids, kk, k, e.view, hh, per, e.slots + static_cast<long long>(hh) * k,
+    SlotDiffSerial(ids, kk, k, e.view, hh, per, e.slots + static_cast<long long>(hh) * k,
                   e.miss_slot + static_cast<long long>(hh) * k,
                   e.miss_chunk + static_cast<long long>(hh) * k, e.miss_count + hh, claimed,
                   free_slots);
