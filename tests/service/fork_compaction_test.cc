@@ -12,13 +12,6 @@
 namespace kvshade::service::testing {
 namespace {
 
-void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b, const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t i = 0; i < a.size(); ++i) {
-    ASSERT_EQ(std::memcmp(&a[i], &b[i], 4), 0) << what << " [" << i << "]: " << a[i] << " vs " << b[i];
-  }
-}
-
 absl::StatusOr<std::string> ForkAtEnd(Harness& hx, const std::string& parent, uint64_t at) {
   v1::ForkSessionRequest fr;
   fr.set_parent_session_id(parent);

@@ -16,11 +16,6 @@ v1::Profile FullShadow() {
   return p;
 }
 
-void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  ASSERT_EQ(a.size(), b.size());
-  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0);
-}
-
 TEST(PrefixForkTest, SameDocumentIsReusedWithIdenticalOutputs) {
   Harness hx;
   Stream s = MakeStream(600, hx.model, 31);  // document = first 512 tokens (2 blocks)

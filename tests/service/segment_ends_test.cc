@@ -23,11 +23,6 @@ v1::Profile DocProfile(v1::ProfileKind kind = v1::PROFILE_KIND_SHADOW) {
   return p;
 }
 
-void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b) {
-  ASSERT_EQ(a.size(), b.size());
-  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0);
-}
-
 // The first `at` tokens of `doc` (ids and K/V) followed by the rest of `other`, whose token
 // ids differ from doc's: the same document with another question.
 Stream Splice(const Stream& doc, const Stream& other, int at) {

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -53,6 +54,15 @@ inline std::vector<float> TensorF32(const v1::Tensor& t) {
   std::vector<float> out(t.data().size() / 4);
   if (!out.empty()) std::memcpy(out.data(), t.data().data(), out.size() * 4);
   return out;
+}
+
+// Fails unless a and b hold the same floats bit for bit, naming the first that differs.
+inline void ExpectSameBits(const std::vector<float>& a, const std::vector<float>& b,
+                           const std::string& what = "") {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    ASSERT_EQ(std::memcmp(&a[i], &b[i], 4), 0) << what << " [" << i << "]: " << a[i] << " vs " << b[i];
+  }
 }
 
 inline std::vector<bf16> TensorBf16(const v1::Tensor& t) {
