@@ -42,9 +42,10 @@
 // Interleaved layers (chunked prefill: every layer's part for one chunk of tokens, then the
 // next chunk's): at most one incomplete layer holds device memory. A part of another layer
 // moves that layer's received rows to host memory (outside the device arena: page-locked
-// buffers of the engine's staging pool, kept for the next streams) and frees its blocks; a layer on the host takes its later parts there, and goes up to freshly allocated
-// blocks only when its last part arrives (that part then lands on the device as in
-// sequential order). So such a stream still holds at most two layers of raw K/V in device
+// buffers of the engine's staging pool, kept for the next streams) and frees its blocks; a
+// layer on the host takes its later parts there, and goes up to freshly allocated blocks
+// only when its last part arrives (that part then lands on the device as in sequential
+// order). So such a stream still holds at most two layers of raw K/V in device
 // memory, the one compressing and the one arriving, with the other incomplete layers'
 // received rows in host memory, instead of the whole prompt's raw K/V on the device.
 // Layers sent one after another never take this path (no host copy, no extra copy).
