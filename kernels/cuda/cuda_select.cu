@@ -914,27 +914,25 @@ struct ExPlan {
 
 int ExK1(int k, const SelectOptions& o) { return o.two_stage() ? std::max(o.candidates, k) : k; }
 
-bool IsAll(const SelectOptions& o, int64_t total, int k) {
-  return o.two_stage() && total <= ExK1(k, o);
-}
-
-// Carves SelectEx's workspace; with base set, fills descs (host) and plan.
-size_t PlanSelectEx(const LayerShape& shape, int k, const SelectOptions& o,
-                    absl::Span<const SelectItem> items, void* base, std::vector<ExDesc>* descs,
-                    ExPlan* plan) {
+// Carves SelectEx's workspace (whole chunks: per = 1; units: per = C/u units per chunk,
+// stage-2 statistics per unit) for stage-1 width k1; with base set, fills descs (host)
+// and plan. An item is "all" (no stage 1: every selectable chunk is a candidate) when two
+// stages would keep at least its chunk count.
+size_t PlanCandidates(const LayerShape& shape, int k1, int64_t per, bool two_stage,
+                      absl::Span<const SelectItem> items, void* base, std::vector<ExDesc>* descs,
+                      ExPlan* plan) {
   if (items.empty()) return 0;  // nothing to select: no workspace (a caller's probe)
   const int64_t h = std::max(shape.h, 0), g = std::max(shape.g, 0);
-  const int k1 = ExK1(std::max(k, 0), o);
   cuda::WorkspaceCarver c(base);
   ExDesc* dd = c.Take<ExDesc>(items.size());
   std::vector<SelectItem> s1;
   std::vector<size_t> s1_index;
   for (size_t i = 0; i < items.size(); ++i) {
     const int64_t total = cuda::SafeTotalChunks(items[i].view);
-    const bool all = IsAll(o, total, k);
+    const bool all = two_stage && total <= k1;
     const int64_t width = all ? total : k1;
     int* cand = c.Take<int>(size_t(h * width));
-    float2* stats = o.two_stage() ? c.Take<float2>(size_t(h * width * g)) : nullptr;
+    float2* stats = two_stage ? c.Take<float2>(size_t(h * width * per * g)) : nullptr;
     if (descs != nullptr) {
       ExDesc& e = (*descs)[i];
       e.cand = cand;
@@ -961,6 +959,13 @@ size_t PlanSelectEx(const LayerShape& shape, int k, const SelectOptions& o,
     plan->stage1_ws = s1_ws;
   }
   return c.bytes();
+}
+
+size_t PlanSelectEx(const LayerShape& shape, int k, const SelectOptions& o,
+                    absl::Span<const SelectItem> items, void* base, std::vector<ExDesc>* descs,
+                    ExPlan* plan) {
+  return PlanCandidates(shape, ExK1(std::max(k, 0), o), 1, o.two_stage(), items, base, descs,
+                        plan);
 }
 
 // Block (item), "all" items only: cand[hh, c] = c for selectable chunks, -1 for static ones.
@@ -1538,50 +1543,12 @@ int UnitK1(int k, const SelectOptions& o) {
   return std::max(o.candidates, k / per + (k % per != 0));
 }
 
-// Carves the workspace of SelectEx with units (as PlanSelectEx, stats per unit).
+// Carves the workspace of SelectEx with units (PlanCandidates, statistics per unit).
 size_t PlanSelectExUnits(const LayerShape& shape, int k, const SelectOptions& o,
                          absl::Span<const SelectItem> items, void* base,
                          std::vector<ExDesc>* descs, ExPlan* plan) {
-  if (items.empty()) return 0;  // nothing to select: no workspace (a caller's probe)
-  const int64_t h = std::max(shape.h, 0), g = std::max(shape.g, 0);
-  const int64_t per = std::max(o.units_per_chunk(), 1);
-  const int k1 = UnitK1(std::max(k, 0), o);
-  cuda::WorkspaceCarver c(base);
-  ExDesc* dd = c.Take<ExDesc>(items.size());
-  std::vector<SelectItem> s1;
-  std::vector<size_t> s1_index;
-  for (size_t i = 0; i < items.size(); ++i) {
-    const int64_t total = cuda::SafeTotalChunks(items[i].view);
-    const bool all = total <= k1;
-    const int64_t width = all ? total : k1;
-    int* cand = c.Take<int>(size_t(h * width));
-    float2* stats = c.Take<float2>(size_t(h * width * per * g));
-    if (descs != nullptr) {
-      ExDesc& e = (*descs)[i];
-      e.cand = cand;
-      e.stats = stats;
-      e.width = static_cast<int>(width);
-      e.all = all ? 1 : 0;
-    }
-    if (!all) {
-      SelectItem si = items[i];
-      si.selected = cand;
-      si.slots = c.Take<int>(size_t(h * width));
-      si.miss_slot = c.Take<int>(size_t(h * width));
-      si.miss_chunk = c.Take<int>(size_t(h * width));
-      si.miss_count = c.Take<int>(size_t(h));
-      s1.push_back(si);
-      s1_index.push_back(i);
-    }
-  }
-  void* s1_ws = c.Take<std::byte>(PlanSelect(shape, s1, nullptr, nullptr, nullptr));
-  if (plan != nullptr) {
-    plan->dev_descs = dd;
-    plan->stage1 = std::move(s1);
-    plan->stage1_index = std::move(s1_index);
-    plan->stage1_ws = s1_ws;
-  }
-  return c.bytes();
+  return PlanCandidates(shape, UnitK1(std::max(k, 0), o), std::max(o.units_per_chunk(), 1),
+                        o.two_stage(), items, base, descs, plan);
 }
 
 // Grid (candidate groups, h, items); warp w scores candidate chunk blockIdx.x*kStage2Warps
