@@ -154,6 +154,22 @@ class LocalDecoderTest(unittest.TestCase):
         eager.close()
         graphed.close()
 
+    @staticmethod
+    def _random_layers(rng):
+        """Per layer a random K and V [N, H, D] bf16 (host memory)."""
+        def one():
+            return torch.from_numpy(rng.standard_normal((N, H, D)).astype(np.float32)).to(torch.bfloat16)
+        return [one() for _ in range(L)], [one() for _ in range(L)]
+
+    def _assert_same_sessions(self, a, b):
+        """Attachments a and b hold the same static sets and attend alike, bit for bit."""
+        for layer in range(L):
+            sa, sb = self.client.static_set(a, layer), self.client.static_set(b, layer)
+            np.testing.assert_array_equal(sa.k, sb.k)
+            np.testing.assert_array_equal(sa.tail_v, sb.tail_v)
+            q = torch.randn(1, HQ, D).to(torch.bfloat16).float().numpy()
+            np.testing.assert_array_equal(self.client.attend(layer, [a], q), self.client.attend(layer, [b], q))
+
     def test_ingest_from_gpu_memory_equals_inline(self):
         # Same-node ingest: the daemon reads each layer from this process's GPU memory (CUDA
         # IPC) instead of bytes on the wire; the session it builds is the same, bit for bit.
@@ -161,8 +177,7 @@ class LocalDecoderTest(unittest.TestCase):
             self.skipTest("needs a CUDA daemon and device (KVSHADE_TEST_BACKEND=cuda)")
         rng = np.random.default_rng(9)
         ids = rng.integers(0, 1000, N).tolist()
-        ks = [torch.from_numpy(rng.standard_normal((N, H, D)).astype(np.float32)).to(torch.bfloat16) for _ in range(L)]
-        vs = [torch.from_numpy(rng.standard_normal((N, H, D)).astype(np.float32)).to(torch.bfloat16) for _ in range(L)]
+        ks, vs = self._random_layers(rng)
         atts = []
         for mode in ("inline", "cuda"):
             model = kvshade.ModelSpec("test/ingest-" + mode, L, HQ, H, D)  # separate prefix caches
@@ -180,13 +195,7 @@ class LocalDecoderTest(unittest.TestCase):
                 ing.commit()
             atts.append(self.client.attach(created.session_id, "ingest-test").attachment_id)
             self.addCleanup(self.client.detach, atts[-1])
-        for layer in range(L):
-            a, b = self.client.static_set(atts[0], layer), self.client.static_set(atts[1], layer)
-            np.testing.assert_array_equal(a.k, b.k)
-            np.testing.assert_array_equal(a.tail_v, b.tail_v)
-            q = torch.randn(1, HQ, D).to(torch.bfloat16).float().numpy()
-            np.testing.assert_array_equal(self.client.attend(layer, [atts[0]], q),
-                                          self.client.attend(layer, [atts[1]], q))
+        self._assert_same_sessions(*atts)
 
     def test_ingest_from_gpu_memory_refuses_non_finite_values(self):
         # A NaN in a layer read from this process's GPU memory fails the stream like one in
@@ -220,8 +229,7 @@ class LocalDecoderTest(unittest.TestCase):
             self.skipTest("needs a CUDA daemon and device (KVSHADE_TEST_BACKEND=cuda)")
         rng = np.random.default_rng(11)
         ids = rng.integers(0, 1000, N).tolist()
-        ks = [torch.from_numpy(rng.standard_normal((N, H, D)).astype(np.float32)).to(torch.bfloat16) for _ in range(L)]
-        vs = [torch.from_numpy(rng.standard_normal((N, H, D)).astype(np.float32)).to(torch.bfloat16) for _ in range(L)]
+        ks, vs = self._random_layers(rng)
         cuts = [0, N // 4, N // 2, N]
         atts = []
         for mode in ("inline", "chunks"):
@@ -239,13 +247,7 @@ class LocalDecoderTest(unittest.TestCase):
                 ing.commit()
             atts.append(self.client.attach(created.session_id, "chunked-ingest-test").attachment_id)
             self.addCleanup(self.client.detach, atts[-1])
-        for layer in range(L):
-            a, b = self.client.static_set(atts[0], layer), self.client.static_set(atts[1], layer)
-            np.testing.assert_array_equal(a.k, b.k)
-            np.testing.assert_array_equal(a.tail_v, b.tail_v)
-            q = torch.randn(1, HQ, D).to(torch.bfloat16).float().numpy()
-            np.testing.assert_array_equal(self.client.attend(layer, [atts[0]], q),
-                                          self.client.attend(layer, [atts[1]], q))
+        self._assert_same_sessions(*atts)
         # A NaN in layer 0's second part: layer 1's first part came after layer 0's first,
         # so layer 0 waits in host memory when it arrives.
         t, h, d = cuts[1] + 5, H - 1, 7
