@@ -133,7 +133,10 @@ class ServingTest(_WithServer):
             gen.step()
             if prefilling and gen._prefilling is not None:
                 steps_prefilling += 1
-                self.assertEqual(len(a.tokens), before + 1)  # a decoded in a step that prefilled b
+            if prefilling and before < 12:
+                # a decoded in every step that prefilled b, the one of b's last chunk too (b's
+                # commit does not hold the batch up)
+                self.assertEqual(len(a.tokens), before + 1)
         self.assertEqual(steps_prefilling, 330 // 64)  # chunks before the one that completes it
         self.assertEqual(a.tokens, refs[0])
         self.assertEqual(b.tokens, refs[1])

@@ -382,13 +382,15 @@ class Ingest(_NativeHandle):
         self._released = 0
         _check(_native.lib().kvshade_ingest_begin(client._handle(), _b(session_id), ctypes.byref(self._h)))
 
-    def layer_cuda(self, layer, k, v, token_offset=0, last_part=True):
+    def layer_cuda(self, layer, k, v, token_offset=0, last_part=True, ready=None):
         """Same node, daemon on a GPU backend: one layer (or, with token_offset / last_part as
         for layer(), one part of it) from this process's GPU memory.
         k, v: torch CUDA tensors [n, h, d] bf16, contiguous (pre-RoPE keys). The daemon reads
         them from there (CUDA IPC); nothing is copied to the host here. They are kept alive
-        by this stream until it is closed; the current stream is synchronized first so that
-        they hold their data; release_taken lets them go once the daemon has read them."""
+        by this stream until it is closed; release_taken lets them go once the daemon has
+        read them. Before the daemon is told, the call waits until they hold their data: for
+        `ready` (a torch.cuda.Event recorded after they were written, e.g. by the thread that
+        computed them), else for the calling thread's current stream to finish."""
         import torch
         for name, t in (("k", k), ("v", v)):
             if not (isinstance(t, torch.Tensor) and t.is_cuda and t.dtype == torch.bfloat16
@@ -398,7 +400,10 @@ class Ingest(_NativeHandle):
             raise InvalidArgument("k and v must have the same shape, got %s and %s" % (tuple(k.shape), tuple(v.shape)))
         refs = [cuda_ipc_ref(k, "k", "ingest it from host memory instead"),
                 cuda_ipc_ref(v, "v", "ingest it from host memory instead")]
-        torch.cuda.current_stream(k.device).synchronize()
+        if ready is not None:
+            ready.synchronize()
+        else:
+            torch.cuda.current_stream(k.device).synchronize()
         n, h, d = k.shape
         _check(_native.lib().kvshade_ingest_layer_part_cuda_ipc(self._h, layer, int(token_offset), int(bool(last_part)),
                                                                 n, h, d, refs[0][0], refs[0][1], refs[1][0],

@@ -741,6 +741,82 @@ class _LayerSender:
                     ing.close()
 
 
+class _DevicePartSender:
+    """Same-node ingest of a chunked prefill, off the forward's thread: put() records an
+    event on the model's stream behind a part's rows and queues them; a thread waits for
+    the event, hands the rows to the daemon (Ingest.layer_cuda, CUDA IPC) and lets go of
+    the parts the daemon has taken. So the forward never waits for its own kernels to
+    finish, nor for the daemon's calls, per layer; it waits only while the parts queued
+    here and those the daemon still reads hold more than `window` bytes of GPU memory (at
+    least one part always goes through). The first error stops the sending: the next put()
+    and finish() raise it."""
+
+    def __init__(self, streams, window):
+        self._streams = streams  # one Ingest (or None: nothing to ingest) per sequence
+        self._window = int(window)
+        self._queue = queue.Queue()
+        self._state = threading.Condition()
+        self._queued_bytes = 0  # put, not yet handed to the daemon
+        self._held_bytes = 0    # handed to the daemon, not yet taken (as of the last check)
+        self._error = None
+        self._thread = threading.Thread(target=self._loop, name="kvshade-ingest-device", daemon=True)
+        self._thread.start()
+
+    def put(self, layer, parts, last):
+        """parts: [(sequence, k, v, token_offset)], k and v [n, h, d] contiguous bf16 on the
+        GPU, written by the current stream; last: this part completes the layer."""
+        size = sum(2 * k.numel() * k.element_size() for _, k, _, _ in parts)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(parts[0][1].device))
+        with self._state:
+            self._state.wait_for(lambda: self._error is not None or self._queued_bytes == 0
+                                 or self._queued_bytes + self._held_bytes + size <= self._window)
+            if self._error is not None:
+                raise self._error
+            self._queued_bytes += size
+        self._queue.put((layer, parts, bool(last), ready, size))
+
+    def _loop(self):
+        streams = [ing for ing in self._streams if ing is not None]
+        per_stream = max(1, self._window // max(1, len(streams)))
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            layer, parts, last, ready, size = item
+            item = None
+            if self._error is None:
+                try:
+                    for b, k, v, offset in parts:
+                        self._streams[b].layer_cuda(layer, k, v, offset, last, ready=ready)
+                    parts = None
+                    # Lets go of what the daemon took; waits (here, not in the forward) while
+                    # a stream still holds more than its share of the window.
+                    for ing in streams:
+                        ing.release_taken(per_stream)
+                except BaseException as e:  # noqa: BLE001 - raised by put() and finish()
+                    self._error = e
+            parts = None
+            with self._state:
+                self._queued_bytes -= size
+                self._held_bytes = sum(ing.held_cuda_bytes for ing in streams)
+                self._state.notify_all()
+
+    def finish(self):
+        """Waits until every queued part is with the daemon; raises the first error."""
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def cancel(self):
+        """Stops sending (a prefill that did not finish); the streams are closed by the caller."""
+        if self._error is None:
+            self._error = RuntimeError("cancelled")
+        self._queue.put(None)
+        self._thread.join()
+
+
 class KvShadeCache(Cache):
     """A transformers Cache whose long-context K/V live in kvshade (see the module doc).
 
@@ -814,6 +890,7 @@ class KvShadeCache(Cache):
             raise ValueError("ingest_window_bytes must be > 0, got %r" % (ingest_window_bytes,))
         self._ingest_window = int(ingest_window_bytes)
         self._sent_layers = []  # device path: prompt layers in the order sent
+        self._part_sender = None  # device path of a chunked prefill: _DevicePartSender
         # Chunked prefill (a prompt in several forwards): per layer, the earlier chunks' exact
         # post-RoPE keys and values in host memory ([(k, v)] of [B, h, c, d] bf16, pinned on a
         # GPU), for the later chunks' attention; a side stream for their copies; the next
@@ -835,9 +912,10 @@ class KvShadeCache(Cache):
         # layers off the GPU and sending them, and the bytes sent (None on the device path).
         self.host_ingest_times = None
         # Seconds of the chunked prefill's own work on this thread, by phase (a profile of
-        # where a chunk's time goes beside the model's): "send" (each part to the daemon:
-        # the stream synchronization that makes a GPU part readable, the call, and waiting
-        # while the daemon holds more than ingest_window_bytes), "history" (the chunk's K/V
+        # where a chunk's time goes beside the model's): "send" (each part to the daemon: on
+        # the same node, queueing it for the sender thread and waiting while the parts queued
+        # and held exceed ingest_window_bytes; the prompt's first part is sent on this
+        # thread), "history" (the chunk's K/V
         # queued to host memory) and "attend_kv" (the earlier chunks' K/V back, waiting for
         # the copy queued one layer ahead).
         self.chunk_times = {"send": 0.0, "history": 0.0, "attend_kv": 0.0}
@@ -925,6 +1003,9 @@ class KvShadeCache(Cache):
             if self._sender is not None:
                 self._sender.cancel()
                 self._sender = None
+            if self._part_sender is not None:
+                self._part_sender.cancel()
+                self._part_sender = None
             for ing in self._streams or []:
                 if ing is not None:
                     ing.close()
@@ -1107,9 +1188,11 @@ class KvShadeCache(Cache):
     def _send_chunk_part(self, li, pk, pv, start, last):
         """Same node: this chunk's rows of layer li (after each sequence's reused prefix) to
         every stream from the GPU; the streams hold them until the daemon has read them, and
-        the prefill waits while they hold more than ingest_window_bytes."""
-        streams = [ing for ing in self._streams if ing is not None]
-        per_stream = max(1, self._ingest_window // max(1, len(streams)))
+        the prefill waits while they hold more than ingest_window_bytes. The prompt's first
+        part goes on this thread (a daemon that cannot read this GPU's memory fails it, and
+        "auto" then takes the host path); the later ones through a _DevicePartSender, so
+        that the forward does not wait for each layer's kernels and calls."""
+        parts = []
         for b, ing in enumerate(self._streams):
             if ing is None:
                 continue
@@ -1117,9 +1200,15 @@ class KvShadeCache(Cache):
             lo = max(0, r - start)
             if lo >= pk.shape[1]:
                 continue  # inside the reused prefix
-            ing.layer_cuda(li, pk[b, lo:].contiguous(), pv[b, lo:].contiguous(), start + lo - r, last)
-        for ing in streams:
-            ing.release_taken(per_stream)
+            parts.append((b, pk[b, lo:].contiguous(), pv[b, lo:].contiguous(), start + lo - r))
+        if not parts:
+            return
+        if self._part_sender is not None:
+            self._part_sender.put(li, parts, last)
+            return
+        for b, k, v, offset in parts:
+            self._streams[b].layer_cuda(li, k, v, offset, last)
+        self._part_sender = _DevicePartSender(self._streams, self._ingest_window)
 
     def _keep_history(self, li, k, v):
         """This chunk's exact post-RoPE keys and values [B, h, c, d] into host memory (bf16:
@@ -1325,6 +1414,13 @@ class KvShadeCache(Cache):
         except BaseException as e:  # noqa: BLE001 - re-raised by wait_ready on the caller's thread
             self._pending_error = e
 
+    @property
+    def ready(self) -> bool:
+        """Whether the prompt's last layer went through and its commit (and decoder open) has
+        finished, so that wait_ready() returns at once (raising what failed, if anything)."""
+        t = self._pending
+        return self._decoding and (t is None or not t.is_alive())
+
     def wait_ready(self):
         """Blocks until the prompt is committed and the decoder is open, and raises what failed.
         After a same-node prefill these finish on a thread while the model completes the
@@ -1341,6 +1437,17 @@ class KvShadeCache(Cache):
 
     def _finish_ingest(self, n, B):
         client, spec, profile, worker_id = self._hook_args
+        if self._part_sender is not None:
+            sender, self._part_sender = self._part_sender, None
+            try:
+                sender.finish()  # the parts still queued go to the daemon first
+            except BaseException:
+                for ing in self._streams or []:
+                    if ing is not None:
+                        ing.close()
+                self._streams = None
+                self._close_created_sessions()
+                raise
         if self._streams is not None:
             try:
                 for ing in self._streams:

@@ -20,8 +20,9 @@ Two pieces, each usable alone:
     it prefills up to `prefills_per_step` of them (each prompt through
     `hf_cache.KvShadeCache(decode=None)`: its layers stream to the daemon during the prefill
     and leave the GPU as soon as the daemon took them), picks the first token, and joins the
-    ready session to the batch; a request that reached max_new_tokens or an end token
-    leaves the batch in the same step. It records, per request, the time to the first token
+    session to the batch at the first step after its commit finished (the batch does not
+    wait for a commit: it runs on a thread of the prompt's cache); a request that reached
+    max_new_tokens or an end token leaves the batch in the same step. It records, per request, the time to the first token
     and each later token's time.
 
 One decoder batches sessions of one geometry, profile and value codec: with the server's
@@ -338,6 +339,9 @@ class Generator:
                                 local_capacity=local_capacity)
         self.waiting: List[Request] = []
         self.running: List[Request] = []  # in batch order
+        # Prefilled requests (first token picked) whose sessions are committing: (request,
+        # its KvShadeCache); each joins the batch at the first step after its commit ended.
+        self._committing: List[tuple] = []
         # The chunked prefills' own work by phase, summed over every prompt prefilled so far
         # (hf_cache.KvShadeCache.chunk_times).
         self.chunk_times = {}
@@ -345,7 +349,7 @@ class Generator:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running or self._prefilling)
+        return bool(self.waiting or self.running or self._prefilling or self._committing)
 
     def submit(self, prompt_ids, max_new_tokens: int, eos_token_id=None, segment_ends=()) -> Request:
         """Queues a request: prompt_ids [n] (list or tensor); returns its Request. segment_ends:
@@ -386,8 +390,9 @@ class Generator:
 
     def _prefill_advance(self, state):
         """One prefill forward of the prompt in `state` (all of it, or its next chunk of
-        prefill_chunk_tokens); after the last one, its first token is picked and the session
-        is ready. Returns whether the prompt is done."""
+        prefill_chunk_tokens); after the last one, its first token is picked and its session
+        commits in the background (_admit_committed joins it to the batch once ready).
+        Returns whether the prompt's forwards are done."""
         req, kc, ids, at = state
         n = ids.shape[1]
         end = n if self.prefill_chunk_tokens is None else min(n, at + self.prefill_chunk_tokens)
@@ -403,19 +408,47 @@ class Generator:
             raise
         for phase, seconds in kc.chunk_times.items():
             self.chunk_times[phase] = self.chunk_times.get(phase, 0.0) + seconds
-        req.session_id, req.reused_tokens = ready_session(kc)
         self._pick(req, token)
+        self._committing.append((req, kc))
         return True
 
+    def _admit_committed(self, finished, block=False):
+        """Joins to the batch the requests whose sessions finished committing (with block, waits
+        for the oldest first); a request already done (its first token was its last) is
+        finished instead. A failed commit ends its request with finish_reason "error"."""
+        keep = []
+        for i, (req, kc) in enumerate(self._committing):
+            if not (kc.ready or (block and i == 0)):
+                keep.append((req, kc))
+                continue
+            try:
+                req.session_id, req.reused_tokens = ready_session(kc)
+                if not req.done:
+                    self.cache.join(req.session_id)
+            except KvShadeError as e:
+                req.finish_reason, req.error = "error", e
+            except BaseException as e:
+                req.finish_reason, req.error = "error", e
+                self._committing = keep + self._committing[i + 1:]
+                self._finish(req, None)
+                raise
+            if req.done:
+                self._finish(req, None)
+                finished.append(req)
+            else:
+                self.running.append(req)
+        self._committing = keep
+
     def step(self) -> List[Request]:
-        """Admits waiting requests (prefill, first token, join), then one decode step of the
-        batch; returns the requests that finished in this step. With prefill_chunk_tokens a
+        """Joins the requests whose sessions have committed, prefills waiting ones (first token,
+        then the commit in the background), then one decode step of the batch; returns the requests that finished in this step. With prefill_chunk_tokens a
         long prompt is prefilled over several steps, one chunk per prefill forward, so that
         the running sequences keep decoding meanwhile."""
         finished = []
+        self._admit_committed(finished)
         forwards = 0
         while ((self._prefilling is not None or self.waiting) and forwards < self.prefills_per_step
-               and len(self.running) < self.max_batch):
+               and len(self.running) + len(self._committing) < self.max_batch):
             req = self._prefilling[0] if self._prefilling is not None else self.waiting.pop(0)
             forwards += 1
             try:
@@ -424,8 +457,7 @@ class Generator:
                 if not self._prefill_advance(self._prefilling):
                     continue
                 self._prefilling = None
-                if not req.done:
-                    self.cache.join(req.session_id)
+                continue  # committing: joins the batch once its session is ready
             except KvShadeError as e:
                 # This request cannot be served (e.g. its session resolved another value
                 # codec than the batch's: value_codec "auto" picks by prompt length); the
@@ -439,11 +471,10 @@ class Generator:
                 req.finish_reason, req.error = "error", e
                 self._finish(req, None)
                 raise
-            if req.done:
-                self._finish(req, None)
-                finished.append(req)
-                continue
-            self.running.append(req)
+            self._finish(req, None)
+            finished.append(req)
+        if not self.running and self._committing and not forwards:
+            self._admit_committed(finished, block=True)  # nothing else to do meanwhile
         if self.running:
             last = torch.tensor([r.tokens[-1] for r in self.running], dtype=torch.long)
             tokens = self.sampler(self.cache.decode(self.model, last)).tolist()
@@ -475,5 +506,8 @@ class Generator:
         if self._prefilling is not None:
             self._prefilling[1].close(close_session=True)
             self._prefilling = None
+        for _, kc in self._committing:
+            kc.close(close_session=True)
+        self._committing = []
         self.running.clear()
         self.cache.close(close_sessions=self.close_sessions)
