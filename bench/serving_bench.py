@@ -1,34 +1,43 @@
 #!/usr/bin/env python3
-"""Document QA under Poisson arrivals on one GPU: kvshade.serving.Generator (continuous
-batching over kvshade sessions) beside transformers' own continuous batching
-(`generate_batch`: paged attention, CUDA graphs) on the same requests, in one run.
+"""Document QA under Poisson arrivals on one GPU: kvshade beside the dense runtimes a user
+would pick instead, on the same requests and arrival times, in one run.
 
 Workload: --docs documents of --doc-tokens random tokens; request i asks a question of
 --question-tokens random tokens about document i % docs (prompt = document + question) and
 generates --max-new-tokens tokens greedily. Requests arrive as a Poisson process of --rate
 per second (seeded). Model: randomly initialised Llama-3-8B shape, bf16 (bench/capacity_bench.py).
 
-kvshade: each prompt is prefilled through hf_cache.KvShadeCache (its layers streamed to a
-daemon on the same GPU) and joins one decode batch between steps. Each request passes the
-document's length, rounded down to a multiple of 256 (the prefix block; the daemon's
-default chunk size divides it), as a segment end (--segment-ends, on by default), so the
-daemon caches the document as a segment of its own and every later question over it reuses
-the document and ingests only the question (service/README.md "Segment ends"). Reported:
-throughput (generated tokens / makespan), time to first token from arrival (p50, p99), time
-per output token (p50, p99 over every gap between two tokens of a request), the GPU memory in
-use (every process, sampled each step) and the daemon's host memory, and prefix reuse:
-reused tokens per request (mean, and per request in arrival order) and the daemon's prefix
-lookups and hits over the workload.
-
-transformers continuous batching: the same prompts through model.generate_batch, all
-submitted at once (it takes no arrival times): throughput and, where it records timestamps,
-time per output token. A reference for the decode rate of the strongest stock runtime, not
-an arrival-for-arrival comparison.
+Rows (--configs, run in this order):
+  kvshade          kvshade.serving.Generator: each prompt is prefilled through
+                   hf_cache.KvShadeCache (its layers streamed to a daemon on the same GPU,
+                   in chunks of --prefill-chunk between decode steps) and joins one decode
+                   batch between steps once its session has committed. Each request passes
+                   the document's length, rounded down to a multiple of 256 (the prefix
+                   block; the daemon's default chunk size divides it), as a segment end
+                   (--segment-ends, on by default), so the daemon caches the document as a
+                   segment of its own and every later question over it reuses the document
+                   and ingests only the question (service/README.md "Segment ends").
+  kvshade-cb       kvshade behind transformers' own ContinuousBatchingManager
+                   (kvshade.hf_batching), requests added at their arrival times.
+  transformers-cb  stock transformers continuous batching (ContinuousBatchingManager: paged
+                   attention, its own scheduler and chunked prefill), requests added at their
+                   arrival times: the strongest dense runtime.
+  dynamic          a server without continuous batching: one request at a time in arrival
+                   order, model.generate with DynamicCache (SDPA).
+  transformers     generate_batch with every request submitted at once (no arrival times):
+                   a reference for the stock runtime's decode rate, not arrival for arrival.
+Each kvshade row has a daemon of its own. Reported per row: throughput (generated tokens /
+makespan), time to first token from arrival (p50, p99), time per output token (p50, p99 over
+every gap between two tokens of a request); for the kvshade Generator row also the GPU
+memory in use (every process, sampled each step), the daemon's host memory, prefix reuse
+(reused tokens per request, the daemon's prefix lookups and hits), and the daemon's and the
+worker's time per stage.
 
 Usage (GPU machine):
   python3 bench/serving_bench.py --server .gpu/bin/kvshade-server [--doc-tokens 32768]
       [--docs 2] [--requests 16] [--rate 0.5] [--max-new-tokens 32] [--max-batch 16]
-      [--prefill-chunk 4096] [--no-segment-ends] [--json f]
+      [--prefill-chunk 4096] [--no-segment-ends]
+      [--configs kvshade,kvshade-cb,transformers-cb,dynamic] [--json f]
 """
 import argparse
 import json
@@ -138,6 +147,145 @@ def run_kvshade(c, model, prompts, arrivals, args):
             "memory_over_time": memory}
 
 
+def _clock_of(stamp):
+    """The clock a transformers timestamp was read from (perf_counter or time): the one whose
+    value now is nearest to it."""
+    now = {time.perf_counter: time.perf_counter(), time.time: time.time()}
+    return min(now, key=lambda f: abs(now[f] - stamp))
+
+
+def run_manager_arrivals(manager, prompts, arrivals, args, config):
+    """The arrival workload through a transformers ContinuousBatchingManager (started here):
+    each request is added at its arrival time (add_request), results are collected as they
+    finish (get_result). TTFT and TPOT come from the request's token timestamps."""
+    manager.start()
+    try:
+        warm = manager.add_request(prompts[0], request_id="warm", max_new_tokens=2)
+        if manager.get_result(warm, timeout=600) is None:
+            raise RuntimeError("the warm-up request did not finish")
+        submitted, done = {}, {}
+        t0 = time.perf_counter()
+        nxt = 0
+        while len(done) < len(prompts):
+            now = time.perf_counter() - t0
+            while nxt < len(prompts) and arrivals[nxt] <= now:
+                rid = manager.add_request(prompts[nxt], request_id="r%d" % nxt,
+                                          max_new_tokens=args.max_new_tokens, record_timestamps=True)
+                submitted[rid] = t0 + arrivals[nxt]
+                nxt += 1
+            wait = arrivals[nxt] - (time.perf_counter() - t0) if nxt < len(prompts) else 5.0
+            out = manager.get_result(timeout=max(0.001, wait))
+            if out is not None:
+                done[out.request_id] = out
+                if getattr(out, "error", None):
+                    raise RuntimeError("request %s failed: %s" % (out.request_id, out.error))
+            elif nxt >= len(prompts) and time.perf_counter() - t0 > 1200:
+                raise RuntimeError("the manager stopped finishing requests")
+        makespan = time.perf_counter() - t0
+    finally:
+        manager.stop(block=True)
+    ttft, tpot, toks = [], [], 0
+    for rid, out in done.items():
+        ts = list(getattr(out, "timestamps", None) or [])
+        toks += len(out.generated_tokens)
+        if ts:
+            clock = _clock_of(ts[-1])
+            # submitted is perf_counter-based: the same instant on the request's clock.
+            offset = clock() - time.perf_counter()
+            ttft.append(ts[0] - (submitted[rid] + offset))
+            tpot.extend(b - a for a, b in zip(ts, ts[1:]))
+    return {"config": config, "requests": len(done), "throughput_tokens_per_s": toks / makespan,
+            "makespan_s": makespan, "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "tpot_p50_ms": pct(tpot, 50) and pct(tpot, 50) * 1e3, "tpot_p99_ms": pct(tpot, 99) and pct(tpot, 99) * 1e3,
+            "gpu_used_after_gib": gpu_used_gib()}
+
+
+def run_transformers_cb_arrivals(model, prompts, arrivals, args):
+    """Stock transformers continuous batching (paged attention, its own scheduler and CUDA
+    graphs as it decides) under the same arrivals: the strongest dense runtime."""
+    from transformers import GenerationConfig
+    model.set_attn_implementation("sdpa")
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    manager = model.init_continuous_batching(generation_config=cfg)
+    try:
+        return run_manager_arrivals(manager, prompts, arrivals, args,
+                                    "transformers ContinuousBatchingManager (paged), arrivals")
+    except Exception as e:  # noqa: BLE001 - reported: this transformers may lack or refuse it
+        return {"config": "transformers ContinuousBatchingManager (paged), arrivals",
+                "error": "%s: %s" % (type(e).__name__, str(e)[:300])}
+    finally:
+        model._cached_continuous_batching_manager = None
+        torch.cuda.empty_cache()
+
+
+def run_kvshade_cb_arrivals(c, model, prompts, arrivals, args):
+    """kvshade behind transformers' continuous batching (kvshade.hf_batching) under the same
+    arrivals."""
+    from transformers import GenerationConfig
+    from kvshade import hf_batching
+    cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    manager = hf_batching.enable(model, c, kvshade.Profile("shadow"), generation_config=cfg,
+                                 model_id="bench/serving-cb-%d" % args.seed,
+                                 local_capacity=max(64, args.max_new_tokens))
+    try:
+        return run_manager_arrivals(manager, prompts, arrivals, args,
+                                    "kvshade.hf_batching (transformers' manager), arrivals")
+    finally:
+        hf_batching.disable(model)
+        model.set_attn_implementation("sdpa")
+        torch.cuda.empty_cache()
+
+
+def run_dynamic_fifo(model, prompts, arrivals, args):
+    """What a server without continuous batching does: one request at a time in arrival order,
+    model.generate with transformers' DynamicCache (SDPA)."""
+    from transformers import DynamicCache
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):
+        def __init__(self):
+            self.times, self.prompt_seen = [], False
+
+        def put(self, value):
+            if not self.prompt_seen:
+                self.prompt_seen = True  # generate() puts the prompt first
+                return
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    model.set_attn_implementation("sdpa")
+    ttft, tpot, toks = [], [], 0
+
+    def one(p, max_new):
+        ids = torch.tensor([p], device="cuda")
+        st = Stamps()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=DynamicCache(),
+                                 max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                                 pad_token_id=0, streamer=st)
+        return out.shape[1] - ids.shape[1], st.times
+
+    one(prompts[0], 2)  # warm-up
+    t0 = time.perf_counter()
+    for p, a in zip(prompts, arrivals):
+        now = time.perf_counter() - t0
+        if a > now:
+            time.sleep(a - now)
+        n, times = one(p, args.max_new_tokens)
+        toks += n
+        ttft.append(times[0] - (t0 + a))
+        tpot.extend(y - x for x, y in zip(times, times[1:]))
+    makespan = time.perf_counter() - t0
+    torch.cuda.empty_cache()
+    return {"config": "DynamicCache generate, one request at a time, arrivals", "requests": len(prompts),
+            "throughput_tokens_per_s": toks / makespan, "makespan_s": makespan,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "tpot_p50_ms": pct(tpot, 50) * 1e3, "tpot_p99_ms": pct(tpot, 99) * 1e3,
+            "gpu_used_after_gib": gpu_used_gib()}
+
+
 def run_transformers_cb(model, prompts, args):
     from transformers import GenerationConfig
     model.set_attn_implementation("sdpa")
@@ -181,24 +329,39 @@ def main():
                     help="kvshade: pass no segment end (each question's prompt is then cached as one "
                          "segment, and the document is reused only as the daemon splits it itself)")
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--configs", default="kvshade,transformers")
+    ap.add_argument("--configs", default="kvshade,kvshade-cb,transformers-cb,dynamic",
+                    help="rows, in this order: kvshade (serving.Generator), kvshade-cb (kvshade.hf_batching "
+                         "under transformers' manager), transformers-cb (stock ContinuousBatchingManager), "
+                         "dynamic (DynamicCache generate, one request at a time), transformers "
+                         "(generate_batch, every request submitted at once)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     prompts, arrivals = workload(args)
     model = build_model(args.doc_tokens + args.question_tokens + args.max_new_tokens + 1024)
     result = {"gpu": torch.cuda.get_device_name(), "args": vars(args), "rows": []}
     configs = args.configs.split(",")
-    if "kvshade" in configs:
+    unknown = set(configs) - {"kvshade", "kvshade-cb", "transformers-cb", "dynamic", "transformers"}
+    if unknown:
+        ap.error("unknown configs: %s" % ", ".join(sorted(unknown)))
+    for name, run in (("kvshade", run_kvshade), ("kvshade-cb", run_kvshade_cb_arrivals)):
+        if name not in configs:
+            continue
+        # A daemon of its own per row: neither inherits the other's cached prefixes.
         proc, c, _ = start_server(args.server, ["--device-budget", "100GiB", "--host-budget", "100GiB",
                                                 "--max-message-bytes", "512MiB"])
         try:
-            row = run_kvshade(c, model, prompts, arrivals, args)
+            row = run(c, model, prompts, arrivals, args)
         finally:
             proc.terminate()
             proc.wait(30)
         print(json.dumps({k: v for k, v in row.items() if k != "memory_over_time"}), flush=True)
         result["rows"].append(row)
         torch.cuda.empty_cache()
+    for name, run in (("transformers-cb", run_transformers_cb_arrivals), ("dynamic", run_dynamic_fifo)):
+        if name in configs:
+            row = run(model, prompts, arrivals, args)
+            print(json.dumps(row), flush=True)
+            result["rows"].append(row)
     if "transformers" in configs:
         row = run_transformers_cb(model, prompts, args)
         print(json.dumps(row), flush=True)
