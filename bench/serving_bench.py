@@ -43,6 +43,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -60,6 +61,20 @@ from decode_bench import stage_seconds, start_server  # noqa: E402
 
 def pct(xs, p):
     return float(np.percentile(xs, p)) if xs else None
+
+
+def profile_of(args):
+    """The kvshade rows' profile: shadow at the server's defaults, with --profile settings."""
+    settings = {}
+    for item in args.profile:
+        key, _, value = item.partition("=")
+        for parse in (int, float, str):
+            try:
+                settings[key] = parse(value)
+                break
+            except ValueError:
+                pass
+    return kvshade.Profile("shadow", **settings)
 
 
 SEGMENT_END_ALIGN = 256  # the prefix block; a multiple of the daemon's default chunk size (8)
@@ -84,7 +99,7 @@ def workload(args):
 
 def run_kvshade(c, model, prompts, arrivals, args):
     from kvshade import serving
-    gen = serving.Generator(c, model, kvshade.Profile("shadow"), max_batch=args.max_batch,
+    gen = serving.Generator(c, model, profile_of(args), max_batch=args.max_batch,
                             model_id="bench/serving-%d" % args.seed, local_capacity=max(64, args.max_new_tokens),
                             prefill_chunk_tokens=args.prefill_chunk or None)
     # Warm-up: one request of the workload's length (kernel selection, allocator, the
@@ -224,7 +239,7 @@ def run_kvshade_cb_arrivals(c, model, prompts, arrivals, args):
     from transformers import GenerationConfig
     from kvshade import hf_batching
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    manager = hf_batching.enable(model, c, kvshade.Profile("shadow"), generation_config=cfg,
+    manager = hf_batching.enable(model, c, profile_of(args), generation_config=cfg,
                                  model_id="bench/serving-cb-%d" % args.seed,
                                  local_capacity=max(64, args.max_new_tokens))
     try:
@@ -328,6 +343,9 @@ def main():
     ap.add_argument("--no-segment-ends", dest="segment_ends", action="store_false",
                     help="kvshade: pass no segment end (each question's prompt is then cached as one "
                          "segment, and the document is reused only as the daemon splits it itself)")
+    ap.add_argument("--profile", action="append", default=[], metavar="KEY=VALUE",
+                    help="kvshade rows: a shadow profile setting (kvshade.Profile field), e.g. "
+                         "refactor_threshold=1; repeatable")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--configs", default="kvshade,kvshade-cb,transformers-cb,dynamic",
                     help="rows, in this order: kvshade (serving.Generator), kvshade-cb (kvshade.hf_batching "
@@ -353,7 +371,12 @@ def main():
             row = run(c, model, prompts, arrivals, args)
         finally:
             proc.terminate()
-            proc.wait(30)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                print("the daemon did not stop within 60 s of SIGTERM: killed", flush=True)
+                proc.kill()
+                proc.wait(30)
         print(json.dumps({k: v for k, v in row.items() if k != "memory_over_time"}), flush=True)
         result["rows"].append(row)
         torch.cuda.empty_cache()

@@ -101,8 +101,30 @@ def _driver():
         lib.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
                                                 ctypes.c_uint64]
         lib.cuIpcGetMemHandle.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
         _cuda_driver = lib
     return _cuda_driver
+
+
+def _bind_primary_context(drv, index):
+    """Makes device `index`'s primary context (the one torch and the CUDA runtime use) current
+    on this thread when none is: a thread that has not run a CUDA runtime call needing one
+    (e.g. a sender thread that only waits for events) has no current context, and the
+    driver calls below would fail there."""
+    ctx = ctypes.c_void_p()
+    if drv.cuCtxGetCurrent(ctypes.byref(ctx)) == 0 and ctx.value:
+        return
+    dev = ctypes.c_int()
+    rc = drv.cuDeviceGet(ctypes.byref(dev), ctypes.c_int(index))
+    if rc == 0:
+        rc = drv.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+    if rc == 0:
+        rc = drv.cuCtxSetCurrent(ctx)
+    if rc != 0:
+        raise InvalidArgument("no CUDA context for device %d on this thread (driver error %d)" % (index, rc))
 
 
 def cuda_ipc_ref(t, name, instead):
@@ -118,7 +140,8 @@ def cuda_ipc_ref(t, name, instead):
     import torch
     drv = _driver()
     with torch.cuda.device(t.device):
-        torch.cuda.current_stream(t.device)  # the device's primary context is current here
+        torch.cuda.current_stream(t.device)
+        _bind_primary_context(drv, t.device.index or 0)
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
         rc = drv.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(t.data_ptr()))
         if rc != 0:

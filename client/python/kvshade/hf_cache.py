@@ -802,10 +802,16 @@ class _DevicePartSender:
                 self._held_bytes = sum(ing.held_cuda_bytes for ing in streams)
                 self._state.notify_all()
 
-    def finish(self):
-        """Waits until every queued part is with the daemon; raises the first error."""
+    def _stop(self):
         self._queue.put(None)
         self._thread.join()
+        # The thread refers to this object (its target); let go of the streams at once rather
+        # than when the cycle is collected.
+        self._thread = self._streams = None
+
+    def finish(self):
+        """Waits until every queued part is with the daemon; raises the first error."""
+        self._stop()
         if self._error is not None:
             raise self._error
 
@@ -813,8 +819,7 @@ class _DevicePartSender:
         """Stops sending (a prefill that did not finish); the streams are closed by the caller."""
         if self._error is None:
             self._error = RuntimeError("cancelled")
-        self._queue.put(None)
-        self._thread.join()
+        self._stop()
 
 
 class KvShadeCache(Cache):
