@@ -203,7 +203,11 @@ def ingest_random(c, spec, profile, n, seed):
             k += 0.1 * torch.randn(n, H, D, generator=g, device="cuda", dtype=torch.bfloat16)
             v = torch.randn(n, H, D, generator=g, device="cuda", dtype=torch.bfloat16)
             ing.layer_cuda(li, k, v)
-            ing.release_taken(max_held_bytes=2 * GIB)
+            try:
+                ing.release_taken(max_held_bytes=2 * GIB)
+            except kvshade.errors.FailedPrecondition:
+                ing.commit()  # the daemon ended the stream: its commit raises why (e.g. no memory)
+                raise
         ing.commit()
     return created.session_id
 
@@ -234,8 +238,8 @@ def kvshade_rows(c, model, n, steps, max_batch, time_limit_s, budget):
             t0 = time.perf_counter()
             try:
                 sid = ingest_random(c, spec, profile, n, 1000 + len(sessions))
-            except (kvshade.errors.ResourceExhausted, torch.OutOfMemoryError) as e:
-                why = "ingest: %s" % str(e).splitlines()[0][:160]
+            except (kvshade.errors.KvShadeError, torch.OutOfMemoryError) as e:
+                why = "ingest: %s: %s" % (type(e).__name__, str(e).splitlines()[0][:160])
                 break
             ingest_s.append(time.perf_counter() - t0)
             try:
