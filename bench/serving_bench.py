@@ -16,7 +16,9 @@ Rows (--configs, run in this order):
                    block; the daemon's default chunk size divides it), as a segment end
                    (--segment-ends, on by default), so the daemon caches the document as a
                    segment of its own and every later question over it reuses the document
-                   and ingests only the question (service/README.md "Segment ends").
+                   and ingests only the question (service/README.md "Segment ends"); the
+                   Generator keeps the document's exact K/V in host memory
+                   (--prefix-cache-gib), so a later question's prefill starts after it.
   kvshade-cb       kvshade behind transformers' own ContinuousBatchingManager
                    (kvshade.hf_batching), requests added at their arrival times.
   transformers-cb  stock transformers continuous batching (ContinuousBatchingManager: paged
@@ -101,7 +103,8 @@ def run_kvshade(c, model, prompts, arrivals, args):
     from kvshade import serving
     gen = serving.Generator(c, model, profile_of(args), max_batch=args.max_batch,
                             model_id="bench/serving-%d" % args.seed, local_capacity=max(64, args.max_new_tokens),
-                            prefill_chunk_tokens=args.prefill_chunk or None)
+                            prefill_chunk_tokens=args.prefill_chunk or None,
+                            prefix_cache_bytes=int(args.prefix_cache_gib * GIB))
     # Warm-up: one request of the workload's length (kernel selection, allocator, the
     # decoder's first mapping; a shorter prompt could resolve another value codec).
     ends = document_end(args)
@@ -154,6 +157,7 @@ def run_kvshade(c, model, prompts, arrivals, args):
             "segment_ends": list(ends),
             "reused_tokens_mean": statistics.mean(r.reused_tokens for r in reqs),
             "reused_tokens_per_request": [r.reused_tokens for r in reqs],
+            "prefill_skipped_per_request": [r.prefill_skipped for r in reqs],
             "daemon_prefix_lookups": prefix1["prefix_lookups"] - prefix0["prefix_lookups"],
             "daemon_prefix_hits": prefix1["prefix_hits"] - prefix0["prefix_hits"],
             "step_ms_p50": pct(steps, 50) * 1e3, "step_ms_p99": pct(steps, 99) * 1e3,
@@ -346,6 +350,8 @@ def main():
     ap.add_argument("--profile", action="append", default=[], metavar="KEY=VALUE",
                     help="kvshade rows: a shadow profile setting (kvshade.Profile field), e.g. "
                          "refactor_threshold=1; repeatable")
+    ap.add_argument("--prefix-cache-gib", type=float, default=8.0,
+                    help="kvshade: serving.Generator's prefix_cache_bytes, in GiB (0: off)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--configs", default="kvshade,kvshade-cb,transformers-cb,dynamic",
                     help="rows, in this order: kvshade (serving.Generator), kvshade-cb (kvshade.hf_batching "

@@ -63,13 +63,13 @@ class ServingTest(_WithServer):
     def profile():
         return kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=6, outliers=2, local_window=32)
 
-    def reference(self, model, prompt, steps, name):
+    def reference(self, model, prompt, steps, name, segment_ends=()):
         """Greedy tokens of the prompt decoded alone through kvshade: a KvShadeCache (same-node
         decode) and one model forward per token, as the Generator runs the model, under a
         model id of its own (ingested afresh)."""
         hf_cache.enable(model)
         kc = hf_cache.KvShadeCache(self.client, model, self.profile(), prompt_ids=prompt, decode="local",
-                                   model_id="serving-ref-%s-%d" % (name, self.seed))
+                                   model_id="serving-ref-%s-%d" % (name, self.seed), segment_ends=segment_ends)
         tokens = []
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([prompt], device=DEV), past_key_values=kc,
@@ -141,6 +141,30 @@ class ServingTest(_WithServer):
         self.assertEqual(a.tokens, refs[0])
         self.assertEqual(b.tokens, refs[1])
         gen.close()
+
+    def test_a_kept_prefix_is_not_prefilled_again(self):
+        # Two questions over one document (a segment end at the document's end): the first
+        # request keeps the document's exact K/V in host memory, the second starts its prefill
+        # after the document (the daemon reusing its segment) and decodes the tokens of its
+        # prompt decoded alone. Without a prefix cache both are prefilled whole.
+        model = tiny_llama(self.seed)
+        doc = self.prompt(256)
+        p1, p2 = doc + self.prompt(40), doc + self.prompt(72)
+        refs = [self.reference(model, p, 5, "kept%d" % i, segment_ends=(256,)) for i, p in enumerate((p1, p2))]
+        for budget in (1 << 30, 0):
+            gen = serving.Generator(self.client, model, self.profile(), prefill_chunk_tokens=96,
+                                    prefix_cache_bytes=budget, model_id="serving-kept-%d-%d" % (budget, self.seed))
+            a = gen.submit(p1, 5, segment_ends=(256,))
+            gen.run()
+            self.assertEqual(a.prefill_skipped, 0)
+            self.assertEqual(gen.prefix_bytes > 0, budget > 0)
+            b = gen.submit(p2, 5, segment_ends=(256,))
+            gen.run()
+            self.assertGreaterEqual(b.reused_tokens, 256)
+            self.assertEqual(b.prefill_skipped, 256 if budget else 0)
+            self.assertEqual(a.tokens, refs[0], "budget %d" % budget)
+            self.assertEqual(b.tokens, refs[1], "budget %d" % budget)
+            gen.close()
 
     def test_eos_ends_a_request_and_frees_its_sequence(self):
         model = tiny_llama(self.seed)

@@ -896,6 +896,10 @@ class KvShadeCache(Cache):
         self._ingest_window = int(ingest_window_bytes)
         self._sent_layers = []  # device path: prompt layers in the order sent
         self._part_sender = None  # device path of a chunked prefill: _DevicePartSender
+        self._keep_prefix_tokens = 0  # keep_prefix()
+        # keep_prefix: per layer, [(k, v)] of [1, h, c, d] bf16 in host memory covering the
+        # prompt's first keep_prefix tokens, once the prefill is done (None: nothing kept).
+        self.kept_prefix = None
         # Chunked prefill (a prompt in several forwards): per layer, the earlier chunks' exact
         # post-RoPE keys and values in host memory ([(k, v)] of [B, h, c, d] bf16, pinned on a
         # GPU), for the later chunks' attention; a side stream for their copies; the next
@@ -1185,10 +1189,81 @@ class KvShadeCache(Cache):
         if last:
             self._pre_k[li] = self._v[li] = _TAKEN if self._streams is not None else _SENT
             if all(x is not None for x in self._pre_k):
+                self._keep_prefix()
                 self._drop_history()
                 self._ingest(total)
         _current.entry = (self, li, k_all, "prefill")
         return k_all, v_all
+
+    # --- a prefix's exact K/V, kept and reused (kvshade.serving.Generator's prefix cache) ---
+    def keep_prefix(self, tokens: int) -> None:
+        """After this chunked prefill, keep the exact post-RoPE K/V of the prompt's first
+        `tokens` tokens (in host memory, as the later chunks read them) as `kept_prefix`
+        instead of dropping them; start_after_prefix() of another cache over a prompt with
+        the same first tokens then skips their forward. Chunks must not straddle `tokens`
+        (a chunk boundary there); a single sequence only."""
+        if int(tokens) < 1:
+            raise ValueError("keep_prefix: tokens must be >= 1, got %r" % (tokens,))
+        self._keep_prefix_tokens = int(tokens)
+
+    def _keep_prefix(self):
+        want = self._keep_prefix_tokens
+        if not want or not self._history:
+            return
+        if self._history_stream is not None:
+            self._history_stream.synchronize()  # the history's copies to the host are done
+        kept = []
+        for entries in self._history:
+            layer, have = [], 0
+            for hk, hv in entries:
+                if have >= want:
+                    break
+                c = min(hk.shape[2], want - have)
+                layer.append((hk[:, :, :c], hv[:, :, :c]))
+                have += c
+            if have < want:
+                return  # the prefix is not all in host memory (the prompt's last chunk): nothing kept
+            kept.append(layer)
+        self.kept_prefix = kept
+
+    def start_after_prefix(self, tokens: int, kv) -> bool:
+        """Starts this (not yet run) chunked prefill after its prompt's first `tokens` tokens,
+        whose exact K/V are `kv` (another cache's kept_prefix over the same tokens): the first
+        forward is then the prompt from position `tokens` on, attending to `kv` exactly. The
+        session is created here; the daemon must reuse at least those tokens from its prefix
+        cache (it holds them compressed, and they are not computed again here). Returns
+        False, with nothing changed, when it does not (then prefill from position 0)."""
+        if self._prompt_ids is None or len(self._prompt_ids) != 1:
+            raise ValueError("start_after_prefix needs the prompt_ids of one sequence")
+        total = len(self._prompt_ids[0])
+        tokens = int(tokens)
+        if not 0 < tokens < total or len(kv) != self.spec.num_layers:
+            raise ValueError("start_after_prefix: %d tokens of a %d-token prompt, K/V of %d layers (want %d)"
+                             % (tokens, total, len(kv), self.spec.num_layers))
+        if self._streams is not None or self._sender is not None or self.layers[0].length:
+            raise RuntimeError("start_after_prefix: the prefill has begun")
+        probe = torch.empty(0, device=next(iter(self._model_params_device)))
+        if self._device_ingest_wanted(probe):
+            self._begin_device_ingest(total, 1)
+        else:
+            self._begin_host_ingest(total, 1)
+        if self.created_all[0].reused_tokens < tokens:
+            # The daemon no longer has them (evicted, another device): back to position 0.
+            if self._sender is not None:
+                self._sender.cancel()
+                self._sender = None
+            for ing in self._streams or []:
+                if ing is not None:
+                    ing.close()
+            self._streams = None
+            self._close_created_sessions()
+            self.created_all, self.created = [], None
+            return False
+        self._chunked = True
+        self._history = [list(layer) for layer in kv]
+        for layer_obj in self.layers:
+            layer_obj.length = tokens
+        return True
 
     def _send_chunk_part(self, li, pk, pv, start, last):
         """Same node: this chunk's rows of layer li (after each sequence's reused prefix) to

@@ -41,6 +41,7 @@ Limits: generated tokens stay exact in the decoder's local tail (at most
 unless a `sampler` is given. Same-node decode only (the daemon on this node).
 """
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Union
 
@@ -280,7 +281,8 @@ class Request:
     session_id: Optional[str] = None
     finish_reason: Optional[str] = None  # "length", "eos" or "error" once done
     error: Optional[BaseException] = None  # why it ended with "error"
-    reused_tokens: int = 0
+    reused_tokens: int = 0  # prompt tokens the daemon reused from its prefix cache
+    prefill_skipped: int = 0  # prompt tokens not run through the model (a kept prefix's K/V)
     segment_ends: Sequence[int] = ()  # where the daemon cuts the prompt into cached segments
 
     @property
@@ -313,16 +315,29 @@ class Generator:
     sampler         : logits [B, vocab] -> tokens [B] (default greedy)
     close_sessions  : close each request's session when it finishes (default True)
     cache_kwargs    : more arguments for each prompt's hf_cache.KvShadeCache
+    prefix_cache_bytes: host memory for the exact K/V of shared prompt prefixes (the requests'
+                      segment_ends: a document before its questions), least recently used
+                      first out. A request whose prompt starts with a kept prefix that the
+                      daemon also still caches is prefilled from the prefix's end: the
+                      forward over the prefix is not run again (its K/V come back from host
+                      memory, one layer ahead, for the rest of the prompt's attention). 0: off
     """
 
     def __init__(self, client, model, profile, max_batch=64, prefills_per_step=1, model_id=None,
                  worker_id="kvshade-serving", local_capacity=1024, sampler: Optional[Callable] = None,
-                 close_sessions=True, cache_kwargs=None, prefill_chunk_tokens=None):
+                 close_sessions=True, cache_kwargs=None, prefill_chunk_tokens=None, prefix_cache_bytes=8 << 30):
         if max_batch < 1 or prefills_per_step < 1:
             raise ValueError("max_batch and prefills_per_step must be >= 1")
         if prefill_chunk_tokens is not None and int(prefill_chunk_tokens) < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1 or None, got %r" % (prefill_chunk_tokens,))
         self.prefill_chunk_tokens = None if prefill_chunk_tokens is None else int(prefill_chunk_tokens)
+        if int(prefix_cache_bytes) < 0:
+            raise ValueError("prefix_cache_bytes must be >= 0, got %r" % (prefix_cache_bytes,))
+        self.prefix_cache_bytes = int(prefix_cache_bytes)
+        # Exact K/V of shared prefixes: {prefix tokens (tuple): (per-layer K/V, bytes)}, oldest
+        # use first; and their bytes.
+        self._prefixes: "OrderedDict[tuple, tuple]" = OrderedDict()
+        self.prefix_bytes = 0
         # The prompt being prefilled chunk by chunk: (request, its KvShadeCache, ids, next position).
         self._prefilling = None
         hf_cache.enable(model)
@@ -379,14 +394,58 @@ class Generator:
             req.finish_reason = "length"
 
     def _prefill_begin(self, req):
-        """The request's prompt cache (its layers stream to the daemon during the prefill)."""
+        """The request's prompt cache (its layers stream to the daemon during the prefill),
+        started after the longest shared prefix whose exact K/V are kept here (and which the
+        daemon reuses), and asked to keep the longest one that is not."""
         ids = torch.tensor([req.prompt], dtype=torch.long, device=self.cache.device)
         kwargs = dict(self.cache_kwargs)
         if req.segment_ends:
             kwargs["segment_ends"] = req.segment_ends
         kc = hf_cache.KvShadeCache(self.client, self.model, self.profile, prompt_ids=req.prompt,
                                    model_id=self.model_id, worker_id=self.worker_id, decode=None, **kwargs)
-        return [req, kc, ids, 0]
+        at = 0
+        ends = [e for e in req.segment_ends if 0 < e < len(req.prompt)] if self.prefix_cache_bytes else []
+        for end in sorted(ends, reverse=True):
+            kept = self._prefixes.get(tuple(req.prompt[:end]))
+            if kept is None:
+                continue
+            try:
+                started = kc.start_after_prefix(end, kept[0])
+            except BaseException:
+                kc.close(close_session=True)
+                raise
+            if started:
+                self._prefixes.move_to_end(tuple(req.prompt[:end]))
+                at = req.prefill_skipped = end
+            break
+        new = [e for e in ends if e > at and tuple(req.prompt[:e]) not in self._prefixes]
+        if new:
+            kc.keep_prefix(max(new))
+        return [req, kc, ids, at]
+
+    def _next_chunk_end(self, req, at, n):
+        """Where the prefill forward from `at` ends: the prompt's end, or prefill_chunk_tokens
+        on, and never past a segment end (a kept prefix ends on a chunk boundary)."""
+        end = n if self.prefill_chunk_tokens is None else min(n, at + self.prefill_chunk_tokens)
+        if self.prefix_cache_bytes:
+            end = min([end] + [e for e in req.segment_ends if at < e < end])
+        return end
+
+    def _keep_prefix(self, req, kc):
+        """The exact K/V of the longest new shared prefix the prefill kept, into the prefix
+        cache (least recently used ones out while it holds more than prefix_cache_bytes)."""
+        kept, kc.kept_prefix = kc.kept_prefix, None
+        if kept is None:
+            return
+        size = sum(2 * k.numel() * k.element_size() for layer in kept for k, _ in layer)
+        if size > self.prefix_cache_bytes:
+            return
+        tokens = sum(k.shape[2] for k, _ in kept[0])
+        self._prefixes[tuple(req.prompt[:tokens])] = (kept, size)
+        self.prefix_bytes += size
+        while self.prefix_bytes > self.prefix_cache_bytes:
+            _, (_, old) = self._prefixes.popitem(last=False)
+            self.prefix_bytes -= old
 
     def _prefill_advance(self, state):
         """One prefill forward of the prompt in `state` (all of it, or its next chunk of
@@ -395,7 +454,7 @@ class Generator:
         Returns whether the prompt's forwards are done."""
         req, kc, ids, at = state
         n = ids.shape[1]
-        end = n if self.prefill_chunk_tokens is None else min(n, at + self.prefill_chunk_tokens)
+        end = self._next_chunk_end(req, at, n)
         try:
             with torch.no_grad():
                 out = self.model(input_ids=ids[:, at:end], past_key_values=kc, use_cache=True, logits_to_keep=1)
@@ -408,6 +467,7 @@ class Generator:
             raise
         for phase, seconds in kc.chunk_times.items():
             self.chunk_times[phase] = self.chunk_times.get(phase, 0.0) + seconds
+        self._keep_prefix(req, kc)
         self._pick(req, token)
         self._committing.append((req, kc))
         return True
