@@ -1501,6 +1501,13 @@ class KvShadeCache(Cache):
         t = self._pending
         return self._decoding and (t is None or not t.is_alive())
 
+    def wait_committed(self):
+        """Blocks until the commit (and decoder open) running after the prefill has finished,
+        without raising what failed: wait_ready() raises that."""
+        t = self._pending
+        if t is not None and t is not threading.current_thread():
+            t.join()
+
     def wait_ready(self):
         """Blocks until the prompt is committed and the decoder is open, and raises what failed.
         After a same-node prefill these finish on a thread while the model completes the

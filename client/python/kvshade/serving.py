@@ -409,6 +409,11 @@ class Generator:
             kept = self._prefixes.get(tuple(req.prompt[:end]))
             if kept is None:
                 continue
+            # The daemon registers a prefix's segment at its session's commit: wait for the
+            # commits still running of the requests that share it.
+            for other, okc in self._committing:
+                if other.prompt[:end] == req.prompt[:end]:
+                    okc.wait_committed()  # its error, if any, is raised when it is admitted
             try:
                 started = kc.start_after_prefix(end, kept[0])
             except BaseException:
