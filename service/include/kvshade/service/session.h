@@ -1,5 +1,5 @@
-// Sessions and segments: the in-memory state of kvshade's cache (ARCHITECTURE.md "Data
-// model").
+// Sessions and segments: the in-memory state of kvshade's cache (docs/DESIGN.md
+// "Sessions").
 //
 // A Segment is the compressed state of a token range for every layer. Once sealed it is
 // immutable and shared (std::shared_ptr<const Segment>) by every session whose chain holds
