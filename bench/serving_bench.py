@@ -16,7 +16,7 @@ Rows (--configs, run in this order):
                    block; the daemon's default chunk size divides it), as a segment end
                    (--segment-ends, on by default), so the daemon caches the document as a
                    segment of its own and every later question over it reuses the document
-                   and ingests only the question (service/README.md "Segment ends"); the
+                   and ingests only the question (docs/DESIGN.md "Segment ends"); the
                    Generator keeps the document's exact K/V in host memory
                    (--prefix-cache-gib), so a later question's prefill starts after it.
   kvshade-cb       kvshade behind transformers' own ContinuousBatchingManager

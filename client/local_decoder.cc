@@ -701,7 +701,7 @@ absl::Status LocalDecoder::Impl::SetGeometry(const v1::SessionExport& e0) {
   std::string backend = options.backend;
   if (backend == "auto") backend = e0.backend();
   if (options.backend == "auto" && e0.backend() == "cuda" && !e0.device_pci_bus_id().empty()) {
-    // The daemon names the GPU that holds the session (service/README.md "Devices"): decode
+    // The daemon names the GPU that holds the session (docs/OPERATIONS.md "Devices"): decode
     // on this process's ordinal of it, whatever this process's device order.
     const int ordinal = kernels::CudaOrdinalOfPciBusId(e0.device_pci_bus_id());
     if (ordinal < 0) {

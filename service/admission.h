@@ -1,5 +1,5 @@
 // TenantAdmission: the per-tenant limits a call meets before any of its work is queued
-// (service/README.md "Limits on streams and calls"): calls in flight
+// (docs/OPERATIONS.md "Limits on streams and calls"): calls in flight
 // (limits.max_calls_per_tenant, open Ingest streams included) and open Ingest streams
 // (limits.max_streams_per_tenant). A call over a limit is refused with RESOURCE_EXHAUSTED
 // naming the limit and the tenant; an admitted call holds a Ticket until it has ended.

@@ -1,4 +1,4 @@
-// CallExecutor: the daemon's threads for the work of gRPC calls (service/README.md "Limits
+// CallExecutor: the daemon's threads for the work of gRPC calls (docs/OPERATIONS.md "Limits
 // on streams and calls"). The gRPC service runs on gRPC's callback API, whose handlers run
 // on gRPC's own threads and must never block: every call hands its work (the engine
 // operation of a unary call, one message of an Ingest stream) to this executor, after it

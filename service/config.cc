@@ -1,8 +1,8 @@
 // kvshade-server configuration: YAML loading (yaml-cpp), byte-size parsing, tenant tokens
 // and validation. Every key the loader accepts is documented in deploy/kvshade.yaml and
-// service/README.md; an unknown key is an error so that a typo never silently falls back
-// to a default. yaml-cpp reports errors by exception; they are converted to Status here
-// and never leave this file.
+// docs/OPERATIONS.md ("Configuration"); an unknown key is an error so that a typo never
+// silently falls back to a default. yaml-cpp reports errors by exception; they are
+// converted to Status here and never leave this file.
 #include "kvshade/service/config.h"
 
 #include <arpa/inet.h>
@@ -641,7 +641,7 @@ absl::Status ValidateConfig(const ServerConfig& c) {
       return bad("listen must be HOST:PORT (port 0-65535) or unix:PATH, got '", c.listen, "'");
     }
   }
-  // One device, or several (service/README.md "Devices"); cuda:all is counted at start.
+  // One device, or several (docs/OPERATIONS.md "Devices"); cuda:all is counted at start.
   absl::StatusOr<std::vector<kernels::DeviceName>> devices =
       kernels::ParseDeviceList(c.backend, /*count_devices=*/false);
   if (!devices.ok()) {

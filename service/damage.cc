@@ -1,4 +1,4 @@
-// Damaged sessions (service/README.md "Damage").
+// Damaged sessions (docs/OPERATIONS.md "Damage").
 //
 // A session is damaged once it is known to have lost acknowledged data, or to hold
 // records that fail their checksums or cannot be read. It is never shown as healthy:

@@ -1,4 +1,4 @@
-// Whether this daemon's device still works (service/README.md "Device faults").
+// Whether this daemon's device still works (docs/OPERATIONS.md "Device faults").
 //
 // Backend::DeviceFault reports an error that left the device unusable for this process.
 // Once it does, every call is refused with UNAVAILABLE and the server drains and exits

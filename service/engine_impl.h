@@ -283,7 +283,7 @@ class EngineImpl {
   void ScheduleRefactor(const std::shared_ptr<Session>& s);
   void UpdateGauges();
 
-  // --- damage.cc: damaged sessions (service/README.md "Damage") ---
+  // --- damage.cc: damaged sessions (docs/OPERATIONS.md "Damage") ---
   // DATA_LOSS for `call` on a damaged session, naming it and what it lost; OK otherwise.
   static absl::Status CheckNotDamaged(const Session& s, std::string_view call);
 
@@ -406,7 +406,7 @@ class EngineImpl {
   storage::SpillTier* spill_ = nullptr;  // options_.spill_tier (not owned); null: none
   std::unique_ptr<storage::HostValueStore> store_;
   std::shared_ptr<StoreLink> store_link_;
-  // At most host_budget / 8 kept for reuse (service/README.md "Ingest").
+  // At most host_budget / 8 kept for reuse (docs/DESIGN.md "Ingest").
   std::unique_ptr<storage::StagingPool> staging_;
   // KV-events of the prefix index (kv_events.endpoint); null when off. Declared before the
   // index so that it outlives every eviction.
@@ -464,13 +464,13 @@ absl::Status QuantizeKivi(EngineImpl& e, int d, int G, const std::vector<kernels
                           const std::vector<kernels::bf16>& v, int rows, KiviBlock* kb,
                           std::vector<kernels::bf16>* dk, std::vector<kernels::bf16>* dv);
 
-// Segment caps (service/README.md "Sessions", "Segment caps"). A select searches at most
+// Segment caps (docs/DESIGN.md "Sessions", "Segment caps"). A select searches at most
 // kernels::kMaxSegments segments with selectable chunks per session; CreateSession reuses
 // at most kMaxReusedSegments cached segments, leaving room for the session's own segment,
 // one segment of its sealed appended chunks (forks at the end and durable write-throughs
 // seal them; a seal merges them into one: append.cc "Compaction") and its open one.
 inline constexpr int kMaxReusedSegments = kernels::kMaxSegments - 3;
-// Segment ends (service/README.md "Segment ends"): an ingest may be cut into several
+// Segment ends (docs/DESIGN.md "Segment ends"): an ingest may be cut into several
 // segments, which take the place of the one ingested segment above, so that the reused
 // ones and the ingested ones together are at most kMaxReusedSegments + 1.
 inline constexpr int kMaxSegmentEnds = kMaxReusedSegments;

@@ -1,4 +1,4 @@
-// Same-node export (service/README.md "Same-node decode"): ExportSession hands a worker on
+// Same-node export (docs/DESIGN.md "Same-node decode"): ExportSession hands a worker on
 // this node a generation of its attachment's session state, named by shared regions
 // (kernels/shared_memory.h), which the worker maps to run select, reconstruct and attend
 // itself.

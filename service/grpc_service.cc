@@ -176,7 +176,7 @@ grpc::ServerUnaryReactor* KvShadeService::Unary(std::string_view method,
     reactor->Finish(ToGrpcStatus(tenant.status()));
     return reactor;
   }
-  // Calls in flight per tenant (service/README.md "Limits on streams and calls"): refused
+  // Calls in flight per tenant (docs/OPERATIONS.md "Limits on streams and calls"): refused
   // here, before the call is queued for a thread.
   absl::StatusOr<TenantAdmission::Ticket> ticket =
       deps_.admission->Admit(method, tenant->name, false);
@@ -235,7 +235,7 @@ class KvShadeService::IngestCall final : public grpc::ServerReadReactor<v1::Inge
     absl::StatusOr<Tenant> tenant = service_->deps_.auth->Authenticate(*ctx_);
     if (!tenant.ok()) return End(tenant.status());
     tenant_ = *std::move(tenant);
-    // Limits on streams (service/README.md "Limits on streams and calls"): a call slot and
+    // Limits on streams (docs/OPERATIONS.md "Limits on streams and calls"): a call slot and
     // a stream slot of the tenant's, taken before anything is read.
     absl::StatusOr<TenantAdmission::Ticket> ticket =
         service_->deps_.admission->Admit("Ingest", tenant_->name, /*stream=*/true);

@@ -17,7 +17,7 @@
 //          observation queries the heavy budget goes to the recent window.
 // exact  : post-RoPE K and V as given.
 //
-// Segment ends (service/README.md "Segment ends"): a session created with segment ends
+// Segment ends (docs/DESIGN.md "Segment ends"): a session created with segment ends
 // commits one segment per range between them. Each range is built as if it had been
 // ingested alone after the ranges before it had been reused from the cache: the first as
 // any ingest (its own basis, or projected onto a reused prefix's), each later one projected
@@ -405,7 +405,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
         KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v, shape, model.dtype, absl::StrCat(name, " v"), vdst));
       }
     } else if (peer != nullptr) {
-      // Same node: the part is in the worker's GPU memory (service/README.md "Ingest").
+      // Same node: the part is in the worker's GPU memory (docs/DESIGN.md "Ingest").
       KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->k(), shape, absl::StrCat(name, " k"), kdst, &peers_));
       KVSHADE_RETURN_IF_ERROR(e_.CopyFromPeerTensor(peer->v(), shape, absl::StrCat(name, " v"), vdst, &peers_));
       KVSHADE_RETURN_IF_ERROR(CheckFiniteOnDevice(name, kdst, vdst, kernels::Stream{}));

@@ -1,5 +1,5 @@
 // Prometheus metrics of the daemon. Names, types and labels are documented in
-// service/README.md ("Metrics"); keep the two in step. Label values come from small fixed
+// docs/OPERATIONS.md ("Metrics"); keep the two in step. Label values come from small fixed
 // sets (stage, tier, kind, code, result, reason, source); method names are capped so that a
 // caller passing unexpected strings cannot blow up the series count.
 #include "kvshade/service/metrics.h"
@@ -56,7 +56,7 @@ std::string Bounded(std::string_view v, const std::set<std::string, std::less<>>
 }
 
 // The `method` label: the KvShade service's RPC names and the UCX data plane's calls
-// (service/README.md "Metrics"); anything else is "other".
+// (docs/OPERATIONS.md "Metrics"); anything else is "other".
 const std::set<std::string, std::less<>>& KnownMethods() {
   static const auto* s = new std::set<std::string, std::less<>>{
       "CreateSession", "Ingest", "ForkSession", "LookupPrefix", "AppendTokens", "GetSession",
@@ -244,7 +244,7 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                            .Add({});
   sessions_damaged_ = &BuildCounter()
                           .Name("kvshade_sessions_damaged_total")
-                          .Help("Sessions marked damaged (service/README.md \"Damage\"), by cause: "
+                          .Help("Sessions marked damaged (docs/OPERATIONS.md \"Damage\"), by cause: "
                                 "wal (acknowledged appends dropped with a damaged write-ahead "
                                 "log), record (a record failed its checksum or could not be read "
                                 "at start), read (values failed their checksum where they were "

@@ -1,4 +1,4 @@
-// The prefix index (service/README.md "Sessions"): registering committed segments under their
+// The prefix index (docs/DESIGN.md "Sessions"): registering committed segments under their
 // token-chain keys, matching the longest reusable chain for a new prompt (paging in spilled
 // values before reuse), and evicting cached prefixes when memory runs short.
 #include "kvshade/service/engine.h"
@@ -51,7 +51,7 @@ storage::SegmentRef EngineImpl::RegisterPrefix(const std::shared_ptr<const Segme
   }
   std::vector<storage::PrefixKey> mine(keys.begin() + first_block, keys.begin() + end_block);
   // A segment that another cached one, starting where it starts, runs past (a segment end
-  // cut a prompt inside what that one holds: service/README.md "Segment ends") takes over
+  // cut a prompt inside what that one holds: docs/DESIGN.md "Segment ends") takes over
   // the keys of the blocks they share, so that a prompt sharing only those blocks reuses
   // it; the longer one keeps the keys of its later blocks.
   std::optional<storage::SegmentId> take_over;

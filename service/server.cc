@@ -61,7 +61,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MakeCredentials(const T
 
 constexpr char kServiceName[] = "kvshade.v1.KvShade";
 
-// The spill tier's storage faults (storage/README.md "Storage faults"; service/README.md
+// The spill tier's storage faults (storage/README.md "Storage faults"; docs/OPERATIONS.md
 // "Storage faults"): every event is counted, and logged unless it repeats within 10 s.
 // The sink holds the registry, so its counters outlive a Server that is gone.
 storage::SpillEventSink SpillEventsToLogAndMetrics(std::shared_ptr<prometheus::Registry> registry) {

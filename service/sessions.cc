@@ -47,7 +47,7 @@ void ReleaseClosedSession(Session& s) {
   open.reset();
 }
 
-// Segment ends (service/README.md "Segment ends"): a multiple of both the prefix index's
+// Segment ends (docs/DESIGN.md "Segment ends"): a multiple of both the prefix index's
 // block (a segment registers only from a block boundary, and its key is its last whole
 // block's) and the chunk size.
 static int64_t SegmentEndAlignment(const ProfileInfo& p) {

@@ -1,5 +1,5 @@
 // EngineImpl::SlotTable: an attachment's slot tables read back, and optionally reset, so that
-// a worker that lost a SelectAndReconstruct response can resynchronise (service/README.md
+// a worker that lost a SelectAndReconstruct response can resynchronise (docs/API.md
 // "Slot tables").
 #include <mutex>
 #include <vector>

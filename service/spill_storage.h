@@ -2,7 +2,7 @@
 // (EngineOptions::spill_tier), which only ever speaks the SpillTier interface. Normally a
 // RocksSpillTier on spill_path; for tests, a FaultInjectingSpillTier in front of it.
 //
-// Fault injection for tests (service/README.md "Storage faults"): when
+// Fault injection for tests (docs/OPERATIONS.md "Storage faults"): when
 // KVSHADE_FAILPOINT_SPILL_FAULTS is set, e.g. "seed=7,write=0.05,read=0.02", every spill
 // tier write (segment, factors, delete, WAL sync) fails with probability `write` and every
 // read (metadata, values, factors, listing) with probability `read`, deterministically

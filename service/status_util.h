@@ -1,7 +1,7 @@
 // The one place where absl::Status becomes grpc::Status (and back, for tests): Abseil's
 // codes are gRPC's codes one to one, so the mapping is a cast; the message is kept, cut to
 // kMaxErrorMessageBytes. Also the bounds on what an error may echo of a request
-// (service/README.md "Errors").
+// (docs/API.md "Errors").
 #pragma once
 
 #include <cstddef>

@@ -1,5 +1,5 @@
 // StreamPace: the limits on how an Ingest stream's client paces its messages
-// (service/README.md "Limits on streams and calls"), as pure logic over a clock the caller
+// (docs/OPERATIONS.md "Limits on streams and calls"), as pure logic over a clock the caller
 // passes in, so that it is tested without a transport (tests/service/admission_test.cc):
 //
 //   - idle: a wait for the next message longer than limits.stream_idle_timeout_ms ends the

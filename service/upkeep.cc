@@ -108,7 +108,7 @@ absl::StatusOr<v1::StatsResponse> EngineImpl::Stats() {
 // Stats of one tenant: its sessions and attachments, the segments its sessions hold (one
 // shared by several counts once) and what they take on each tier, its prefix lookups and
 // chunk selections; plus the server's backend, budgets and version. Nothing of another
-// tenant (service/README.md "Stats").
+// tenant (docs/API.md "Stats").
 absl::StatusOr<v1::StatsResponse> EngineImpl::Stats(const Tenant& t) {
   UpdateGauges();
   const TenantUsage u = sessions_.Usage(t.name);

@@ -1,4 +1,4 @@
-// Integration: admission per tenant against the real server (service/README.md "Limits on
+// Integration: admission per tenant against the real server (docs/OPERATIONS.md "Limits on
 // streams and calls"). A tenant at one of its limits is refused by name (RESOURCE_EXHAUSTED
 // naming limits.max_calls_per_tenant or limits.max_streams_per_tenant) before its call
 // takes a thread, and every other tenant keeps being served, whatever one tenant holds:

@@ -12,8 +12,9 @@
 // state.
 //
 // CrashTest.RandomKillsAndStorageFaultsLoseNoAcknowledgedWrite runs the same traffic on a
-// spill tier that also injects storage faults (KVSHADE_FAILPOINT_SPILL_FAULTS, service/
-// README.md "Storage faults": random write and read errors once the daemon has restored).
+// spill tier that also injects storage faults (KVSHADE_FAILPOINT_SPILL_FAULTS,
+// docs/OPERATIONS.md "Storage faults": random write and read errors once the daemon has
+// restored).
 // A call refused by an injected fault is not acknowledged: its write is, after the next
 // restart, either absent or there whole (a refused create: gone, or ready with all its
 // tokens; a refused append: the tokens before it or after it; a refused close: either).

@@ -1,4 +1,4 @@
-// Device memory on demand (service/README.md, `device_growth`): the daemon holds device
+// Device memory on demand (docs/OPERATIONS.md, `device_growth`): the daemon holds device
 // memory in steps as sessions need it, reports what it holds, returns steps no data uses,
 // and still refuses past its budget; `device_growth: 0` holds the whole budget from the
 // start. CPU backend (its arena is the same class over host memory), a real server.

@@ -1,4 +1,4 @@
-// Integration: the daemon's log (service/README.md "Logs") on the real kvshade-server. With
+// Integration: the daemon's log (docs/OPERATIONS.md "Logs") on the real kvshade-server. With
 // --log-format json every line of a small workload parses as one JSON object and each
 // documented event appears with its fields; --log-level debug adds the per-RPC lines that
 // info leaves out; text format keeps the events; UCX's own messages arrive as "ucx" events.

@@ -1,4 +1,4 @@
-// Integration: the host tier's budget through the real daemon (service/README.md "Memory").
+// Integration: the host tier's budget through the real daemon (docs/DESIGN.md "Memory").
 // With a spill tier, the least recently used values spill when the budget is reached, and
 // Attach pages the session's spilled values in before it returns (the first decode step
 // finds them resident); the spill and page-in series of /metrics count it. Without one,

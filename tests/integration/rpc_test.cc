@@ -502,7 +502,7 @@ TEST(Rpc, MalformedRequestsGetTheirCodesAndHarmNoOtherSession) {
   for (const BadCase& bc : cases) {
     const absl::Status s = bc.call();
     EXPECT_EQ(s.code(), bc.expected) << bc.name << ": got " << s;
-    // Every refusal names what was wrong (service/README.md: the field, and the expected
+    // Every refusal names what was wrong (docs/API.md "Errors": the field, and the expected
     // vs the actual value; for an unknown id, the id; gRPC's own size check, the limit).
     for (const std::string& part : bc.names) {
       EXPECT_NE(s.message().find(part), std::string_view::npos)

@@ -1,4 +1,4 @@
-// Integration: damaged spill files (service/README.md "Damage"). Four durable sessions with
+// Integration: damaged spill files (docs/OPERATIONS.md "Damage"). Four durable sessions with
 // appends acknowledged under append_fsync always, kill -9, then one flipped byte at a
 // seeded random offset of one file of each kind of the spill directory (WAL *.log, table
 // *.sst, MANIFEST, OPTIONS), restart. Whatever the byte hit: the daemon never aborts (it

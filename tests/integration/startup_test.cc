@@ -66,7 +66,7 @@ TEST(CheckConfig, RefusesAnUnusableSpillPath) {
   EXPECT_TRUE(Has(start, "exists and is not a directory")) << start.output;
 }
 
-// Several devices (service/README.md "Devices"): --check-config takes the lists (cuda:all is
+// Several devices (docs/OPERATIONS.md "Devices"): --check-config takes the lists (cuda:all is
 // counted only at start) and refuses bad ones naming the entry, and a KV-events endpoint that
 // every device would bind.
 TEST(CheckConfig, BackendListsOfDevices) {

@@ -1,4 +1,4 @@
-// Integration: storage faults under the real daemon (service/README.md "Storage faults").
+// Integration: storage faults under the real daemon (docs/OPERATIONS.md "Storage faults").
 // A spill disk that fills up, or a spill file that may not grow (RLIMIT_FSIZE, EFBIG: an
 // I/O error other than a full disk), must never take the daemon down: the affected
 // durable commits fail with RESOURCE_EXHAUSTED / UNAVAILABLE, every other session keeps

@@ -1,5 +1,5 @@
 """kvshade.Client against a kvshade-server with two devices (backend cpu:0,cpu:1;
-service/README.md "Devices"): the device a session is created on, reported by
+docs/OPERATIONS.md "Devices"): the device a session is created on, reported by
 create_session and get_session; an unknown device refused; attach checking the worker's
 device; lookup_prefix per device. The C ABI's device fields and calls carry it through."""
 import unittest

@@ -1,6 +1,6 @@
 """KV-events on a real kvshade-server (--kv-events-endpoint): a ZMQ SUB socket, bound here
 as an llm-d indexer binds it, receives the daemon's messages; each is decoded with plain
-msgpack and checked against the vLLM KV-events layout (service/README.md "KV-events"):
+msgpack and checked against the vLLM KV-events layout (docs/API.md "KV-events"):
 frames [topic, 8-byte big-endian sequence, payload], payload [ts, [event, ...]], events
 ["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, lora_name],
 ["BlockRemoved", hashes, medium], ["AllBlocksCleared"]. The workload: a start (cleared), two
@@ -98,7 +98,7 @@ class KvEventsTest(unittest.TestCase):
         sa = self.ingest(a)
         ev = self.receive(lambda ev: len(stored(ev)) >= 1)
         # b shares a's first block, then diverges inside a's segment: the daemon cuts b's
-        # ingest at the block's end (service/README.md "Segment ends"), so b stores two
+        # ingest at the block's end (docs/DESIGN.md "Segment ends"), so b stores two
         # segments, the shared block and its own second block.
         sb = self.ingest(b)
         ev = self.receive(lambda ev: len(stored(ev)) >= 3)

@@ -1,5 +1,5 @@
 // Admission per tenant and the pace of Ingest streams, the transport-free parts of
-// service/README.md "Limits on streams and calls": TenantAdmission (call and stream slots,
+// docs/OPERATIONS.md "Limits on streams and calls": TenantAdmission (call and stream slots,
 // refusals by name), StreamPace (idle timeout and minimum progress over waiting time only),
 // PipelinedPace (the same for UCX streams, whose messages are received ahead) and
 // CallExecutor (the call threads: the cap, turns between tenants, threads on demand).

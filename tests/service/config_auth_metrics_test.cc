@@ -274,7 +274,7 @@ TEST(Config, CallsPerTenantDefaultLeavesAThreadToOtherTenants) {
   EXPECT_TRUE(ValidateConfig(c).ok()) << ValidateConfig(c);
 }
 
-// The limits on streams and calls (service/README.md "Limits on streams and calls"): the
+// The limits on streams and calls (docs/OPERATIONS.md "Limits on streams and calls"): the
 // call cap must stay below the call thread cap (the guarantee that one tenant leaves a
 // thread to the others); open streams hold no thread while they wait, so the stream cap
 // is not tied to the threads, and its automatic value never exceeds the call cap.
@@ -537,7 +537,7 @@ TEST(Metrics, FamiliesLabelsAndEndpoint) {
        }) {
     EXPECT_NE(body.find(want), std::string::npos) << "missing: " << want;
   }
-  // Method label values are exactly the names service/README.md lists ("Metrics": the 15
+  // Method label values are exactly the names docs/OPERATIONS.md lists ("Metrics": the 15
   // RPCs and the 6 UCX calls); the 200 junk names above all became "other".
   std::set<std::string> methods;
   for (size_t p = body.find("kvshade_rpc_total{"); p != std::string::npos; p = body.find("kvshade_rpc_total{", p + 1)) {

@@ -1,4 +1,4 @@
-// Damaged sessions (service/README.md "Damage"): a session that lost acknowledged data or
+// Damaged sessions (docs/OPERATIONS.md "Damage"): a session that lost acknowledged data or
 // holds records that fail their checksums is reported by GetSession / ListSessions (state
 // "damaged", what was lost, the tokens lost where known), every read of it fails DATA_LOSS
 // naming it, CloseSession removes it, a restart reports it again, and every other session

@@ -1,4 +1,4 @@
-// A daemon with several devices (service/README.md "Devices"), on independent CPU devices
+// A daemon with several devices (docs/OPERATIONS.md "Devices"), on independent CPU devices
 // ("cpu:0,cpu:1"): the backend list and its checks, placement by CreateSessionRequest.device,
 // every call routed to the session's device, forks on their parent's, per-device budgets,
 // stats and gauges, the device check of Attach, and durable sessions restored onto their

@@ -1,4 +1,4 @@
-// Forks at the end of a growing session (service/README.md "Segment caps", append.cc
+// Forks at the end of a growing session (docs/DESIGN.md "Segment caps", append.cc
 // "Compaction"): every fork seals the parent's open segment, and the seal merges the
 // session's sealed appended segments so that a session never holds more segments than a
 // select searches. Each fork, the parent and every earlier fork must select and attend

@@ -1,4 +1,4 @@
-// Leases are renewed by every use of the attachment (service/README.md "Workers"): here by
+// Leases are renewed by every use of the attachment (docs/API.md "Workers"): here by
 // GetStaticSet and by AppendTokens alone, on the fake clock, against a twin attachment that
 // is not used and expires.
 #include "service_test_util.h"

@@ -1,4 +1,4 @@
-// Segment caps (service/README.md "Segment caps"): CreateSession reuses at most 5 cached
+// Segment caps (docs/DESIGN.md "Segment caps"): CreateSession reuses at most 5 cached
 // segments (the 6th segment's tokens are ingested again), and a durable session that keeps
 // appending across graceful restarts (each drain seals its open segment) stays within the
 // 8 segments a select searches: each seal merges its appended segments.

@@ -1,4 +1,4 @@
-// Segment ends (service/README.md "Segment ends"): a prompt cut at segment ends commits one
+// Segment ends (docs/DESIGN.md "Segment ends"): a prompt cut at segment ends commits one
 // segment per range, each cached on its own, so that a second question over the same
 // document reuses the document; the reuse answers bit for bit as a fresh ingest with the
 // same ends; bad ends are refused and create nothing; the automatic end at the divergence

@@ -1,4 +1,4 @@
-// Storage faults under the engine (service/README.md "Storage faults"). The engine runs on
+// Storage faults under the engine (docs/OPERATIONS.md "Storage faults"). The engine runs on
 // the spill tier the test composes, as the server composes it: a FaultInjectingSpillTier
 // (injected I/O errors: UNAVAILABLE) in front of a RocksDB tier on a simulated disk
 // (DiskFaults under RocksDB's own files: a full disk, RESOURCE_EXHAUSTED). A write fault

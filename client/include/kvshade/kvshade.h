@@ -51,9 +51,9 @@ extern "C" {
                                  kvshade_attach_options.device,
                                  kvshade_create_session_on, kvshade_lookup_prefix_on */
 #define KVSHADE_ID_CAP 128
-/* The most segment ends a CreateSession takes (service/README.md "Segment ends"). */
+/* The most segment ends a CreateSession takes (docs/DESIGN.md "Segment ends"). */
 #define KVSHADE_MAX_SEGMENT_ENDS 5
-/* Bytes of a device name field ("cuda:1", "cpu:0"; service/README.md "Devices"). */
+/* Bytes of a device name field ("cuda:1", "cpu:0"; docs/OPERATIONS.md "Devices"). */
 #define KVSHADE_DEVICE_CAP 64
 
 typedef enum kvshade_code {
@@ -218,7 +218,7 @@ typedef struct kvshade_session_info {
   int32_t durable;
   uint32_t attachments, layers_ingested;
   uint64_t tokens, reused_tokens, gpu_bytes, host_bytes;
-  /* Damage (service/README.md "Damage"): 1 when the session lost acknowledged data or holds
+  /* Damage (docs/OPERATIONS.md "Damage"): 1 when the session lost acknowledged data or holds
    * records that fail their checksums; it is then never served (its reads fail with
    * DATA_LOSS) until it is closed. damage: what was lost (cut to 511 bytes); tokens_lost:
    * acknowledged tokens lost, where known (0: none or unknown). */
@@ -239,7 +239,7 @@ KVSHADE_API int kvshade_create_session(kvshade_client* client, const kvshade_mod
                                        const kvshade_profile* profile, const int32_t* token_ids,
                                        size_t n_tokens, int32_t durable, const char* label,
                                        kvshade_session_created* out);
-/* kvshade_create_session with segment ends (service/README.md "Segment ends"): token
+/* kvshade_create_session with segment ends (docs/DESIGN.md "Segment ends"): token
  * positions where the ingested prompt is cut into separate cached segments, so that a later
  * prompt sharing only its first part (a document before another question) reuses that
  * part. At most KVSHADE_MAX_SEGMENT_ENDS, strictly increasing, inside (0, n_tokens),
@@ -255,7 +255,7 @@ KVSHADE_API int kvshade_lookup_prefix(kvshade_client* client, const kvshade_mode
                                       const kvshade_profile* profile, const int32_t* token_ids,
                                       size_t n_tokens, uint64_t* reusable_tokens,
                                       uint64_t* cached_segments);
-/* The same, on a daemon with several devices (service/README.md "Devices"): `device` names
+/* The same, on a daemon with several devices (docs/OPERATIONS.md "Devices"): `device` names
  * the worker's GPU as the daemon names it ("cuda:1") or by PCI bus id ("0000:3b:00.0");
  * NULL or "" = the daemon's first device. A device the daemon does not serve is
  * KVSHADE_INVALID_ARGUMENT. Prefixes are cached per device. */
@@ -541,7 +541,7 @@ KVSHADE_API int kvshade_attend(kvshade_client* client, uint32_t layer, size_t n,
  * call's dtype (keys pre-RoPE). With stage_token_ids (NULL: none) the daemon stages query
  * i's token as token stage_token_ids[i] (< 0: that query stages nothing), and the call
  * that stages a session's last missing layer appends the token to it (the attachment must
- * be its writer); service/README.md "Attend" and "SelectAndReconstruct". */
+ * be its writer); docs/API.md "RPCs" (Attend, SelectAndReconstruct). */
 typedef struct kvshade_new_tokens {
   int32_t h;
   const void* k_new;

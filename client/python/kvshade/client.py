@@ -288,10 +288,10 @@ class CreatedSession:
     tokens_to_ingest: int
     effective_profile: str
     # Where the ingest cuts the new tokens into segments (the requested segment_ends it kept
-    # and the automatic one); automatic_segment_end 0 = none (service/README.md "Segment ends").
+    # and the automatic one); automatic_segment_end 0 = none (docs/DESIGN.md "Segment ends").
     segment_ends: tuple = ()
     automatic_segment_end: int = 0
-    # The daemon device it was placed on ("cpu", "cuda:1"; service/README.md "Devices").
+    # The daemon device it was placed on ("cpu", "cuda:1"; docs/OPERATIONS.md "Devices").
     device: str = ""
 
 
@@ -661,8 +661,8 @@ class Client(_NativeHandle):
                        segment_ends=(), device=None):
         """segment_ends: token positions where the ingested prompt is cut into separately cached
         segments (e.g. the end of a shared document before the question), so that a later prompt
-        sharing only that part reuses it; service/README.md "Segment ends" has the rules.
-        device: on a daemon with several devices (service/README.md "Devices"), the one to
+        sharing only that part reuses it; docs/DESIGN.md "Segment ends" has the rules.
+        device: on a daemon with several devices (docs/OPERATIONS.md "Devices"), the one to
         place the session on, the worker's GPU: the daemon's name of it ("cuda:1") or its PCI
         bus id (kvshade.routing.local_gpu_pci_bus_id()); None = the daemon's first device."""
         a, p = self._tokens(token_ids)

@@ -168,7 +168,7 @@ def local_gpu_index(device: int = 0, sysfs: str = "/sys/bus/pci/devices") -> int
 def local_gpu_pci_bus_id(device: int = 0) -> str:
     """The PCI bus id ("0000:3B:00.0") of this process's CUDA device `device`, through the CUDA
     driver: what a worker passes as `device` to Client.create_session and Client.attach on a
-    daemon that serves every GPU of the node (service/README.md "Devices"), whatever the two
+    daemon that serves every GPU of the node (docs/OPERATIONS.md "Devices"), whatever the two
     processes' CUDA_VISIBLE_DEVICES and device orders."""
     lib = ctypes.CDLL("libcuda.so.1")
     handle = ctypes.c_int()

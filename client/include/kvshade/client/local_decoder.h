@@ -1,4 +1,4 @@
-// LocalDecoder: same-node decode with no RPC per step (service/README.md "Same-node decode").
+// LocalDecoder: same-node decode with no RPC per step (docs/DESIGN.md "Same-node decode").
 //
 // A worker on the daemon's node maps the session state of its attachments (ExportSession:
 // factors, landmarks, static sets and exact tails by CUDA IPC or shared host memory,

@@ -1,4 +1,4 @@
-// UcxDataPlane: the client side of kvshade's UCX data plane (service/README.md "UCX data
+// UcxDataPlane: the client side of kvshade's UCX data plane (docs/API.md "UCX data
 // plane"). Connect() opens an endpoint to the daemon's worker address (from
 // AttachResponse.data_plane_address), presents the one-time admission token
 // (data_plane_token) in a HELLO active message, with this client's worker address so the

@@ -1,4 +1,4 @@
-// The devices a daemon can serve (service/README.md "Devices"): a backend list such as
+// The devices a daemon can serve (docs/OPERATIONS.md "Devices"): a backend list such as
 // "cuda:0,cuda:1", "cuda:all" or "cpu:0,cpu:1" names one backend per device. Kept apart
 // from backend.h so that the kernels need not know about lists.
 #pragma once

@@ -37,7 +37,7 @@ struct LimitsConfig {
   // Sessions no call has touched for this long and with no live attachment are closed by
   // the engine's maintenance (durable ones with their record); 0 = never.
   uint32_t session_idle_ttl_s = 0;
-  // Limits on Ingest streams, gRPC and UCX (service/README.md "Limits on streams and
+  // Limits on Ingest streams, gRPC and UCX (docs/OPERATIONS.md "Limits on streams and
   // calls"). An open stream holds no thread while it waits for the client; it holds its
   // tenant's stream and call slots and what it has received. A stream that sends no message
   // for this long is ended with DEADLINE_EXCEEDED; 0 = never.
@@ -88,7 +88,7 @@ struct ProfileDefaults {
   std::string value_codec = "auto";  // auto | bf16 | fp8 | int4 | int2
 };
 
-// The UCX data plane (service/README.md "UCX data plane"). Off by default: then Attach
+// The UCX data plane (docs/API.md "UCX data plane"). Off by default: then Attach
 // hands out no data-plane address and gRPC is the only transport.
 struct UcxConfig {
   bool enable = false;
@@ -107,7 +107,7 @@ struct UcxConfig {
   uint64_t receive_buffer_bytes = uint64_t{16} << 20;
 };
 
-// Same-node decode (service/README.md "Same-node decode"). Export hands a worker the
+// Same-node decode (docs/DESIGN.md "Same-node decode"). Export hands a worker the
 // daemon's arena and host value memory, which hold every tenant's sessions: turn it off on
 // a node whose workers are not trusted like the daemon's own user.
 struct SameNodeConfig {
@@ -121,13 +121,13 @@ struct SameNodeConfig {
   std::string descriptor_broker = "auto";
 };
 
-// The daemon's log (service/README.md "Logs"): spdlog on stderr.
+// The daemon's log (docs/OPERATIONS.md "Logs"): spdlog on stderr.
 struct LogConfig {
   std::string level = "info";   // trace | debug | info | warn | error | critical | off
   std::string format = "text";  // text | json (one JSON object per line)
 };
 
-// KV-events for cache-aware routers (service/README.md "KV-events"): the prefix index
+// KV-events for cache-aware routers (docs/API.md "KV-events"): the prefix index
 // published over ZMQ in vLLM's KV-events format. Off while endpoint is empty.
 struct KvEventsConfig {
   std::string endpoint;  // e.g. "tcp://*:5557" (bind) or "tcp://indexer:5557" (connect)
@@ -136,7 +136,7 @@ struct KvEventsConfig {
 
 struct ServerConfig {
   std::string listen = "127.0.0.1:50551";  // gRPC host:port
-  // One device: cpu | cuda | cuda:N | auto. Several (service/README.md "Devices"), an engine
+  // One device: cpu | cuda | cuda:N | auto. Several (docs/OPERATIONS.md "Devices"), an engine
   // each: a list of cuda:N (cuda:0,cuda:1), cuda:all (every visible GPU, counted at start),
   // or a list of cpu:N (independent CPU devices, for tests and CPU-only hosts).
   std::string backend = "cpu";
@@ -152,7 +152,7 @@ struct ServerConfig {
   // "no" (at the next commit or drain), "everysec" (written before the acknowledgement,
   // synced once a second), "always" (synced before the acknowledgement).
   std::string append_fsync = "no";
-  // Damage found at start (service/README.md "Damage"): "serve_rest" starts without the
+  // Damage found at start (docs/OPERATIONS.md "Damage"): "serve_rest" starts without the
   // damaged data and reports the sessions that lost data as damaged; "refuse" fails the
   // start instead, before anything on disk is changed where it can (a damaged WAL).
   std::string spill_on_damage = "serve_rest";
@@ -198,7 +198,7 @@ std::vector<std::pair<std::string, std::string>> ProcessEnvironment();
 // directory this process can create files in, or can create, ...).
 absl::Status ValidateConfig(const ServerConfig&);
 
-// The cap on the threads that run the work of gRPC calls (service/README.md "Limits on
+// The cap on the threads that run the work of gRPC calls (docs/OPERATIONS.md "Limits on
 // streams and calls"): worker_threads with a floor of 4; 0 when uncapped.
 uint32_t CallThreadCap(const ServerConfig& config);
 // limits.max_streams_per_tenant, or its automatic value when 0: half of CallThreadCap (at

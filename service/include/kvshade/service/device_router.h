@@ -1,4 +1,4 @@
-// DeviceRouter: the devices of one daemon (service/README.md "Devices"). `backend` names one
+// DeviceRouter: the devices of one daemon (docs/OPERATIONS.md "Devices"). `backend` names one
 // device ("cpu", "cuda:1") or several ("cuda:0,cuda:1", "cuda:all", "cpu:0,cpu:1"); each
 // device gets an Engine of its own (its device tier, host value store, prefix index, spill
 // tier and sessions), and the router is what the transports (the gRPC service, the UCX data

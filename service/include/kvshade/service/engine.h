@@ -1,9 +1,9 @@
 // Engine: everything the kvshade.v1.KvShade service does, without the transport. Each
 // operation takes the authenticated Tenant and returns an absl::Status whose code is the
-// gRPC code to answer with (validation in model.h; rules in service/README.md "Sessions
-// and workers"). The decode path (Select, Attend) speaks the domain types of decode.h,
-// views over the caller's bytes, so that the UCX data plane's binary frames reach it
-// without a message in between; the control calls take and return v1 messages.
+// gRPC code to answer with (validation in model.h; rules in docs/DESIGN.md "Sessions"
+// and docs/API.md "Workers"). The decode path (Select, Attend) speaks the domain types of
+// decode.h, views over the caller's bytes, so that the UCX data plane's binary frames
+// reach it without a message in between; the control calls take and return v1 messages.
 //
 // Storage it creates from the ServerConfig: the DeviceArena (device_budget_bytes; factors,
 // landmarks, static sets, slot tables, per-call scratch), the HostValueStore
@@ -51,7 +51,7 @@ struct EngineOptions {
   // (restored from it by Create). Not owned; must outlive the engine. Null: no spill tier,
   // and durable sessions are refused (FAILED_PRECONDITION).
   storage::SpillTier* spill_tier = nullptr;
-  // The device this engine serves (service/README.md "Devices"): its name as the daemon
+  // The device this engine serves (docs/OPERATIONS.md "Devices"): its name as the daemon
   // reports it (SessionInfo.device, StatsResponse.devices; default "cpu"/"cuda" from the
   // backend) and its PCI bus id (CUDA; may be empty).
   std::string device_name;
@@ -133,7 +133,7 @@ class Engine {
       const Tenant& t, const v1::SelectAndReconstructRequest& r);
   absl::StatusOr<v1::AttendResponse> Attend(const Tenant& t, const v1::AttendRequest& r);
   // Same-node decode: a generation of the attachment's session state, named by shared
-  // memory regions a worker on this node maps (service/README.md "Same-node decode").
+  // memory regions a worker on this node maps (docs/DESIGN.md "Same-node decode").
   absl::StatusOr<v1::SessionExport> ExportSession(const Tenant& t,
                                                   const v1::ExportSessionRequest& r);
 

@@ -5,7 +5,7 @@
 // (status_util.h). All behaviour (sessions, ingest, select, attend, validation) lives in
 // the Engine so that it can be tested without a transport.
 //
-// Threads (service/README.md "Limits on streams and calls"): the service is a gRPC
+// Threads (docs/OPERATIONS.md "Limits on streams and calls"): the service is a gRPC
 // callback service. Its handlers run on gRPC's threads and never block: they authenticate
 // and admit the call (TenantAdmission: a tenant at limits.max_calls_per_tenant or
 // limits.max_streams_per_tenant is refused by name before it takes any thread), then hand

@@ -1,6 +1,6 @@
 // KV-events for cache-aware routers: the daemon's prefix index published as vLLM's KV
 // events (ZMQ PUB, msgpack), the format the llm-d KV-cache indexer consumes, so that a
-// router can send a request to the node that holds its prefix. service/README.md
+// router can send a request to the node that holds its prefix. docs/API.md
 // ("KV-events") documents the wire format field by field.
 //
 // Each ZMQ message has three frames: the topic (kv_events.topic), the sequence number (8
@@ -63,7 +63,7 @@ class KvEventPublisher {
   // Unknown segments are ignored.
   void Removed(const std::string& segment);
   // Another segment took over these blocks of `segment` (a segment split off its front:
-  // service/README.md "Segment ends"): its Removed() leaves them out, since they stay cached.
+  // docs/DESIGN.md "Segment ends"): its Removed() leaves them out, since they stay cached.
   void HandedOver(const std::string& segment, const std::vector<uint64_t>& block_hashes);
   void AllCleared();
 

@@ -1,5 +1,5 @@
 // The daemon's log (spdlog's default logger, on stderr): text or JSON lines, and structured
-// events. service/README.md ("Logs") lists every event and its fields.
+// events. docs/OPERATIONS.md ("Logs") lists every event and its fields.
 //
 //   log::Event(spdlog::level::info, "session_created").Str("session", id).Uint("tokens", n);
 //

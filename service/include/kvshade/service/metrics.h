@@ -1,6 +1,7 @@
 // Prometheus metrics of the daemon (prometheus-cpp). Every name, type and label is listed
-// in service/README.md; labels are low-cardinality only (method, code, stage, tier, kind,
-// result, reason, source, gpu). Thread-safe: every method may be called from any RPC thread.
+// in docs/OPERATIONS.md ("Metrics"); labels are low-cardinality only (method, code, stage,
+// tier, kind, result, reason, source, gpu). Thread-safe: every method may be called from
+// any RPC thread.
 #pragma once
 
 #include <cstdint>
@@ -29,7 +30,7 @@ class Server;
 namespace kvshade::service {
 
 // Where CreateSession's prefix reuse stopped (the `reason` of
-// kvshade_prefix_lookups_total; service/README.md "Metrics" says when each is counted).
+// kvshade_prefix_lookups_total; docs/OPERATIONS.md "Metrics" says when each is counted).
 enum class PrefixStop {
   kFull,            // the whole prompt was reused
   kAbsent,          // nothing is cached for the rest of the prompt
@@ -51,9 +52,9 @@ class Metrics {
   // is also counted in kvshade_errors_total; call Error() only for failures that are not
   // reported through ObserveRpc.
   void ObserveRpc(std::string_view method, int grpc_code, double seconds);
-  // stages: KnownStages() in metrics.cc (service/README.md "Metrics"); any other is "other"
+  // stages: KnownStages() in metrics.cc (docs/OPERATIONS.md "Metrics"); any other is "other"
   void ObserveStage(std::string_view stage, double seconds);
-  // A daemon with several devices (service/README.md "Devices"): the gauges of a device's
+  // A daemon with several devices (docs/OPERATIONS.md "Devices"): the gauges of a device's
   // state (kvshade_tier_bytes, kvshade_tier_budget_bytes, kvshade_device_held_bytes,
   // kvshade_device_allocations, kvshade_sessions, kvshade_attachments,
   // kvshade_export_generations, kvshade_segments) are kept per device, labelled

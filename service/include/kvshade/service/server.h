@@ -50,7 +50,7 @@ class Server {
   std::string_view backend_name() const;
 
   // Waits for SIGTERM or SIGINT, then Shutdown(grace) and its status. A device fault
-  // (service/README.md "Device faults", checked once a second) also ends the wait: then
+  // (docs/OPERATIONS.md "Device faults", checked once a second) also ends the wait: then
   // Shutdown(grace) and UNAVAILABLE naming the fault, for main to exit with an error. The
   // signals must be blocked in every thread: call BlockSignals() first thing in main,
   // before any thread exists.

@@ -1,5 +1,5 @@
-// Sessions and segments: the in-memory state of kvshade's cache (ARCHITECTURE.md "Data
-// model").
+// Sessions and segments: the in-memory state of kvshade's cache (docs/DESIGN.md
+// "Sessions").
 //
 // A Segment is the compressed state of a token range for every layer. Once sealed it is
 // immutable and shared (std::shared_ptr<const Segment>) by every session whose chain holds
@@ -248,7 +248,7 @@ struct Session {
   std::mutex cache_mu;
   std::vector<StaticCache> cache;  // [L]
 
-  // Damage (service/README.md "Damage"): set once the session is known to have lost
+  // Damage (docs/OPERATIONS.md "Damage"): set once the session is known to have lost
   // acknowledged data, or to hold records that fail their checksums or cannot be read;
   // from then on every read of it fails DATA_LOSS and GetSession reports it. Under
   // damage_mu (not `mu`: a read that meets the damage holds `mu` shared). Mutable: a read

@@ -1,6 +1,6 @@
 // SessionManager: the registry of sessions and attachments, per tenant, with leases.
 //
-// Rules (service/README.md, "Sessions and workers"):
+// Rules (docs/DESIGN.md "Sessions", docs/API.md "Workers"):
 // - Sessions and attachments are scoped by tenant: an id of another tenant's session or
 //   attachment is NOT_FOUND, exactly like an unknown id (existence is not revealed).
 // - A tenant holds at most limits.max_sessions_per_tenant sessions (RESOURCE_EXHAUSTED).

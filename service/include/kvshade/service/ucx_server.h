@@ -1,4 +1,4 @@
-// UcxServer: the daemon's UCX data plane (service/README.md "UCX data plane"). One UCP
+// UcxServer: the daemon's UCX data plane (docs/API.md "UCX data plane"). One UCP
 // worker on a progress thread; its address is handed out by Attach together with a
 // one-time admission token bound to the caller's tenant. A client's first active message
 // (HELLO) must carry such a token; it is consumed and the client gets a connection key
@@ -32,7 +32,7 @@
 // Other requests run on a small pool of engine threads; every reply (and any RMA) is sent
 // from the progress thread.
 //
-// Limits per tenant (service/README.md "Limits on streams and calls"): the daemon's one
+// Limits per tenant (docs/OPERATIONS.md "Limits on streams and calls"): the daemon's one
 // TenantAdmission, shared with the gRPC service. A SELECT, ATTEND, APPEND or REGISTER holds
 // a call slot of its connection's tenant from when it is accepted until its reply is
 // sent (given back just before); an ingest stream holds a call and a stream slot from its

@@ -2,7 +2,7 @@
 // FRAME_REPLY): a fixed little-endian header as the active message's header and the
 // entries as its payload, no protobuf on either side. The one definition both the client
 // (writer of requests, reader of replies) and the daemon (reader of requests, writer of
-// replies) use; service/README.md "UCX data plane" documents the layout for other clients.
+// replies) use; docs/API.md "UCX data plane" documents the layout for other clients.
 //
 // Requests: FrameHeader{kind SELECT or ATTEND, request_id, connection key, layer, count}
 // then `count` query entries, each a 44-byte fixed part (id length, dtypes, flags, rows and
