@@ -1,4 +1,4 @@
-// Refactorization (docs/ALGORITHM.md "later turns"): when a suffix's projection residual
+// Refactorization (docs/ALGORITHM.md "Later tokens and turns"): when a suffix's projection residual
 // exceeds refactor_threshold, a background job refits the layer's basis on the whole
 // session's keys (the prefix's A B reconstruction and the suffix's exact keys), recomputes
 // A for every segment, and swaps new segment objects (sharing everything but A and B with

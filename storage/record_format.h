@@ -1,4 +1,4 @@
-// The spill tier's on-disk record format (storage/README.md, "On-disk format"): keys of
+// The spill tier's on-disk record format (storage/README.md, "Spill tier on-disk format (version 1)"): keys of
 // the column families, the 32-byte record header with its key-bound xxh3 checksum, and the
 // binary metadata payload. Parsers treat their input as untrusted: every length is checked
 // and a violation is DataLoss, never a crash.

@@ -1,5 +1,5 @@
 // Block subspace iteration for the top eigenpairs of the Gram matrix (Factorize with
-// FactorizeOptions::subspace_iterations > 0; docs/ALGORITHM.md "Factorization"). Shared by
+// FactorizeOptions::subspace_iterations > 0; docs/ALGORITHM.md "Prefill / ingest"). Shared by
 // the CPU and CUDA backends so that both start from the same block.
 //
 //   P  = min(D, rank + kSubspaceOversample) columns; Q0[i, j] = SubspaceStart(j*D + i)

@@ -1,4 +1,4 @@
-// The exact tail of shadow sessions (docs/ALGORITHM.md "Generated tokens and later turns"): one
+// The exact tail of shadow sessions (docs/ALGORITHM.md "Later tokens and turns"): one
 // tail, whatever mix of the prompt's remainder and appended tokens it holds, of at most
 // local_window + C tokens; whole chunks leave it oldest first, so chunk ids follow token
 // order and every chunk is reconstructed at its own positions. Checked after every append
