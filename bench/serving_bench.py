@@ -148,10 +148,17 @@ def run_kvshade(c, model, prompts, arrivals, args):
         raise RuntimeError("%d requests failed, the first: %s" % (len(failed), failed[0].error))
     ttft = [r.ttft for r in reqs]
     tpot = [g for r in reqs for g in r.tpot]
+    first = [r.tpot[0] for r in reqs if r.tpot]
+    later = [g for r in reqs for g in r.tpot[1:]]
     return {"config": "kvshade serving.Generator", "requests": len(reqs),
             "throughput_tokens_per_s": sum(len(r.tokens) for r in reqs) / makespan, "makespan_s": makespan,
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
             "tpot_p50_ms": pct(tpot, 50) * 1e3, "tpot_p99_ms": pct(tpot, 99) * 1e3,
+            # The gap after the first token (it spans the session's commit) apart from the rest.
+            "first_gap_ms_p50": pct(first, 50) and pct(first, 50) * 1e3,
+            "first_gap_ms_max": max(first) * 1e3 if first else None,
+            "tpot_after_first_gap_p50_ms": pct(later, 50) and pct(later, 50) * 1e3,
+            "tpot_after_first_gap_p99_ms": pct(later, 99) and pct(later, 99) * 1e3,
             "gpu_used_peak_gib": max(m[1] for m in memory), "daemon_host_peak_gib": host_peak,
             "max_batch_seen": max(m[2] for m in memory),
             "segment_ends": list(ends),
