@@ -30,6 +30,11 @@ value_codec "auto" (int4 from int4_from_tokens prompt tokens, bf16 below) a requ
 prompt resolves another codec than the batch's ends with finish_reason "error" (its error
 says why) and the others go on; give the profile an explicit value_codec to mix lengths.
 
+Shared prefixes (prefix_cache_bytes): a request's segment_ends mark the end of a shared part
+of its prompt (a document before its question); the Generator keeps that part's exact K/V
+in host memory after its prefill, and a later request over the same part (which the daemon
+reuses too) is prefilled from the part's end only (Request.prefill_skipped).
+
 A prompt is prefilled in one forward, which stalls the batch's decode steps meanwhile, or
 with `prefill_chunk_tokens` in chunks of that many tokens, one chunk per prefill forward
 between decode steps (each chunk attends to the earlier ones exactly: see
