@@ -1009,17 +1009,7 @@ class KvShadeCache(Cache):
         if self._sender is not None or self._streams:
             # A prefill that did not reach its last layer: its sessions were never committed
             # and nobody else knows their ids.
-            if self._sender is not None:
-                self._sender.cancel()
-                self._sender = None
-            if self._part_sender is not None:
-                self._part_sender.cancel()
-                self._part_sender = None
-            for ing in self._streams or []:
-                if ing is not None:
-                    ing.close()
-            self._streams = None
-            self._close_created_sessions()
+            self._cancel_ingest()
         if self.local is not None:
             self.local.close()
             self.local = None
@@ -1028,6 +1018,21 @@ class KvShadeCache(Cache):
             self.remote = None
         for h in self.hooks:
             h.close(close_session=close_session)
+
+    def _cancel_ingest(self):
+        """Stops the senders, closes the ingest streams (nothing committed) and the sessions
+        they were for."""
+        if self._sender is not None:
+            self._sender.cancel()
+            self._sender = None
+        if self._part_sender is not None:
+            self._part_sender.cancel()
+            self._part_sender = None
+        for ing in self._streams or []:
+            if ing is not None:
+                ing.close()
+        self._streams = None
+        self._close_created_sessions()
 
     def __enter__(self):
         return self
@@ -1249,14 +1254,7 @@ class KvShadeCache(Cache):
             self._begin_host_ingest(total, 1)
         if self.created_all[0].reused_tokens < tokens:
             # The daemon no longer has them (evicted, another device): back to position 0.
-            if self._sender is not None:
-                self._sender.cancel()
-                self._sender = None
-            for ing in self._streams or []:
-                if ing is not None:
-                    ing.close()
-            self._streams = None
-            self._close_created_sessions()
+            self._cancel_ingest()
             self.created_all, self.created = [], None
             return False
         self._chunked = True
