@@ -22,8 +22,8 @@ PACKAGES=(
   # llvm-14 for llvm-symbolizer (symbolized sanitizer reports).
   clang-14 libclang-rt-14-dev llvm-14
   # Python package tests (tests/python): numpy, torch for the attention-hook test, flake8
-  # for the lint (python_lint).
-  python3 python3-numpy python3-torch python3-flake8
+  # for the lint (python_lint) and the type check (python_typecheck).
+  python3 python3-numpy python3-torch python3-flake8 python3-mypy
 )
 # Deployment and packaging tests (tests/deploy, tests/install): Prometheus and promtool
 # (rules, dashboard), Python packaging with Debian's pip, setuptools and venv, and Go with
@@ -36,7 +36,7 @@ PACKAGES+=(
 
 # `install-deps.sh --build-only`: what building kvshade-server, the CLI and libkvshade
 # needs (deploy/docker/Dockerfile's build stage): the list above less what only tests use.
-TEST_ONLY=" libgtest-dev libgmock-dev ccache python3-numpy python3-torch python3-flake8 clang-14 libclang-rt-14-dev llvm-14
+TEST_ONLY=" libgtest-dev libgmock-dev ccache python3-numpy python3-torch python3-flake8 python3-mypy clang-14 libclang-rt-14-dev llvm-14
   prometheus python3-pip python3-setuptools python3-venv golang-go golang-github-masterminds-sprig-dev
   golang-gopkg-yaml.v3-dev "
 if [ "${1:-}" = "--build-only" ]; then

@@ -371,10 +371,11 @@ class _NativeHandle:
     """Owns one handle of libkvshade (self._h), freed by the C function named `_free`:
     close() is idempotent, and the object is a context manager."""
 
-    _free = None
+    _free: str = ""  # the name of the C function that frees the handle
+    _h: Any = None
 
     def close(self) -> None:
-        if getattr(self, "_h", None):
+        if self._h:
             getattr(_native.lib(), self._free)(self._h)
             self._h = ctypes.c_void_p()
 
@@ -819,14 +820,14 @@ class Client(_NativeHandle):
         h = ctypes.c_void_p()
         _check(lib.kvshade_get_static_set(self._handle(), _b(attachment_id), layer, ctypes.byref(h)))
         try:
-            H, S, D, T = (ctypes.c_int64() for _ in range(4))
-            lib.kvshade_static_set_shape(h, ctypes.byref(H), ctypes.byref(S), ctypes.byref(D), ctypes.byref(T))
+            dims = [ctypes.c_int64() for _ in range(4)]
+            lib.kvshade_static_set_shape(h, *(ctypes.byref(x) for x in dims))
             fp = ctypes.POINTER(ctypes.c_float)
             k, v, tk, tv = fp(), fp(), fp(), fp()
             lens = ctypes.POINTER(ctypes.c_uint32)()
             lib.kvshade_static_set_data(h, ctypes.byref(k), ctypes.byref(v), ctypes.byref(lens), ctypes.byref(tk),
                                         ctypes.byref(tv))
-            H, S, D, T = H.value, S.value, D.value, T.value
+            H, S, D, T = (int(x.value) for x in dims)
             lengths = (np.ctypeslib.as_array(lens, shape=(H,)).copy() if H else np.zeros(0, np.uint32))
             pos, tpos = ctypes.POINTER(ctypes.c_int64)(), ctypes.POINTER(ctypes.c_int64)()
             lib.kvshade_static_set_positions(h, ctypes.byref(pos), ctypes.byref(tpos))

@@ -48,7 +48,7 @@ unless a `sampler` is given. Same-node decode only (the daemon on this node).
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -344,7 +344,7 @@ class Generator:
         self._prefixes: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.prefix_bytes = 0
         # The prompt being prefilled chunk by chunk: (request, its KvShadeCache, ids, next position).
-        self._prefilling = None
+        self._prefilling: Optional[list] = None
         hf_cache.enable(model)
         self.client, self.model, self.profile = client, model, profile
         if model_id is None:
@@ -364,7 +364,7 @@ class Generator:
         self._committing: List[tuple] = []
         # The chunked prefills' own work by phase, summed over every prompt prefilled so far
         # (hf_cache.KvShadeCache.chunk_times).
-        self.chunk_times = {}
+        self.chunk_times: Dict[str, float] = {}
         self._next_id = 0
 
     @property
@@ -514,7 +514,7 @@ class Generator:
         then the commit in the background), then one decode step of the batch; returns the requests that finished in this step. With prefill_chunk_tokens a
         long prompt is prefilled over several steps, one chunk per prefill forward, so that
         the running sequences keep decoding meanwhile."""
-        finished = []
+        finished: List[Request] = []
         self._admit_committed(finished)
         forwards = 0
         while ((self._prefilling is not None or self.waiting) and forwards < self.prefills_per_step
