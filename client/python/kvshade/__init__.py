@@ -25,7 +25,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def library_path():
+def library_path() -> str:
     """Path of the loaded libkvshade.so."""
     from . import _native
     return _native.lib()._kvshade_path

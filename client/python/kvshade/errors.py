@@ -4,13 +4,14 @@ Every error is a KvShadeError with `.code` (int) and `.code_name` ("NOT_FOUND", 
 InvalidArgument is also a ValueError, NotFound a LookupError, DeadlineExceeded a
 TimeoutError, so generic handlers work too.
 """
+from typing import Dict, Optional, Type
 
 
 class KvShadeError(Exception):
     code = 2
     code_name = "UNKNOWN"
 
-    def __init__(self, message, code=None):
+    def __init__(self, message: str, code: Optional[int] = None) -> None:
         super().__init__(message)
         if code is not None:
             self.code = code
@@ -80,13 +81,14 @@ class Unauthenticated(KvShadeError):
     code, code_name = 16, "UNAUTHENTICATED"
 
 
-BY_CODE = {cls.code: cls for cls in (
+BY_CODE: Dict[int, Type[KvShadeError]] = {cls.code: cls for cls in (
     Cancelled, Unknown, InvalidArgument, DeadlineExceeded, NotFound, AlreadyExists,
     PermissionDenied, ResourceExhausted, FailedPrecondition, Aborted, OutOfRange,
     Unimplemented, Internal, Unavailable, DataLoss, Unauthenticated)}
 
 
-def from_code(code, message):
+def from_code(code: int, message: str) -> KvShadeError:
+    """The exception of a C ABI status code (KvShadeError itself for a code without a class)."""
     cls = BY_CODE.get(code)
     if cls is None:
         return KvShadeError(message, code=code)
