@@ -514,6 +514,33 @@ class KvShadeCacheLayer(DynamicLayer):
         pass
 
 
+_warmed = set()  # devices whose same-node decode context this process has started (_warm_local_decode)
+_warmed_lock = threading.Lock()
+
+
+def _warm_local_decode(client, device):
+    """Starts, on a thread, this process's same-node decode context for `device` (the kernel
+    backend a LocalDecoder runs on: its library handles, streams and kernels, made once per
+    process and device and kept), so that the first prompt's decoder does not pay for it
+    after its prefill. Once per device; a failure here only means the decoder pays later."""
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _warmed_lock:
+        if index in _warmed:
+            return
+        _warmed.add(index)
+
+    def warm():
+        try:
+            from .local import LocalDecoder
+            LocalDecoder(client, [], backend="cuda:%d" % index).close()
+        except Exception:  # noqa: BLE001 - the first decoder opens it then
+            pass
+
+    threading.Thread(target=warm, name="kvshade-warm-decode", daemon=True).start()
+
+
 _SENT = object()  # KvShadeCache._pre_k: the layer is with the host sender
 _TAKEN = object()  # KvShadeCache._pre_k: the daemon took the layer from the GPU (device path)
 
@@ -1423,6 +1450,8 @@ class KvShadeCache(Cache):
 
     def _begin_device_ingest(self, n, B):
         self._streams = self._open_ingest(n, B)
+        if self._decode_mode in ("auto", "local"):
+            _warm_local_decode(self._hook_args[0], next(iter(self._model_params_device)))
 
     def _begin_host_ingest(self, n, B):
         self._sender = _LayerSender(self._open_ingest(n, B), [c.reused_tokens for c in self.created_all])
