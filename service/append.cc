@@ -1,10 +1,11 @@
 // AppendTokens (generated or new-turn tokens, all layers at once) and the open segment.
-//
+// Where the new tokens go is the profile's (ProfileStrategy::AppendLayer, FinishAppend in
+// profile_*.cc):
 // shadow : new tokens join the exact tail (pre-RoPE K kept for projection, post-RoPE K, V),
 //          which also holds the prompt's remainder: one tail in token order. When it
-//          exceeds local_window + C, its oldest whole chunks leave it (TrimShadowTail):
-//          coordinates appended to the open segment's A (a remainder token's kept from
-//          the ingest, an appended token's projected onto the layer's basis), values
+//          exceeds local_window + C, its oldest whole chunks leave it (TrimShadowTail,
+//          here): coordinates appended to the open segment's A (a remainder token's kept
+//          from the ingest, an appended token's projected onto the layer's basis), values
 //          encoded into the open segment's value buffer, a landmark appended; the chunks
 //          become selectable, with ids in token order.
 // mini   : new tokens join a bf16 residual; every R = 128 tokens (rounded down to whole
@@ -17,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine_impl.h"
+#include "profile.h"
 #include "kvshade/base/status_macros.h"
 
 namespace kvshade::service {
@@ -24,8 +26,6 @@ namespace {
 
 using kernels::bf16;
 using storage::ArenaKind;
-
-constexpr int kMiniResidual = 128;  // MiniKV's R
 
 // A new device block of `new_bytes` holding the first `used` bytes of `blk`.
 absl::StatusOr<DeviceBlock> Grown(EngineImpl& e, const DeviceBlock& blk, size_t used,
@@ -45,6 +45,8 @@ absl::Status GrowDevice(EngineImpl& e, DeviceBlock& blk, size_t used, size_t new
   KVSHADE_ASSIGN_OR_RETURN(blk, Grown(e, blk, used, new_bytes, kind));
   return absl::OkStatus();
 }
+
+}  // namespace
 
 // Appends `n` post-RoPE/value tokens [n, h, d] to a layer's exact token buffer.
 absl::Status AppendExactTokens(EngineImpl& e, LayerData& ld, const bf16* k, const bf16* v, int n,
@@ -76,7 +78,6 @@ std::shared_ptr<Segment> NewOpen(EngineImpl& e, const Session& s, int64_t first_
   return seg;
 }
 
-}  // namespace
 
 // --- The shadow tail -------------------------------------------------------------------
 //
@@ -406,38 +407,6 @@ absl::Status TrimShadowTail(EngineImpl& e, Session& s) {
   return absl::OkStatus();
 }
 
-// Quantizes the oldest `rows` residual tokens of a mini tail into the open segment.
-static absl::Status QuantizeResidual(EngineImpl& e, Session& s, int layer, int rows) {
-  const int h = s.model.shape.h, d = s.model.shape.d;
-  const size_t tok = size_t(h) * d;
-  TailLayer& tl = s.tail[layer];
-  std::vector<bf16> k(size_t(rows) * tok), v(k.size());
-  for (int hh = 0; hh < h; ++hh) {  // [rows, h, d] -> [h, rows, d]
-    for (int t = 0; t < rows; ++t) {
-      std::copy_n(tl.k.begin() + t * tok + hh * d, d, k.begin() + (size_t(hh) * rows + t) * d);
-      std::copy_n(tl.v.begin() + t * tok + hh * d, d, v.begin() + (size_t(hh) * rows + t) * d);
-    }
-  }
-  KiviBlock kb;
-  std::vector<bf16> dk, dv;
-  KVSHADE_RETURN_IF_ERROR(QuantizeKivi(e, d, s.profile.kivi_group, k, v, h * rows, &kb, &dk, &dv));
-  kb.rows = kb.valid = rows;
-  // Dequantized rows back to token-major: every head holds the same tokens.
-  std::vector<bf16> tk(k.size()), tv(k.size());
-  for (int hh = 0; hh < h; ++hh) {
-    for (int t = 0; t < rows; ++t) {
-      std::copy_n(dk.begin() + (size_t(hh) * rows + t) * d, d, tk.begin() + t * tok + hh * d);
-      std::copy_n(dv.begin() + (size_t(hh) * rows + t) * d, d, tv.begin() + t * tok + hh * d);
-    }
-  }
-  LayerData& ld = s.open->layers[layer];
-  KVSHADE_RETURN_IF_ERROR(AppendExactTokens(e, ld, tk.data(), tv.data(), rows, tok));
-  ld.int2.push_back(std::move(kb));
-  tl.k.erase(tl.k.begin(), tl.k.begin() + size_t(rows) * tok);
-  tl.v.erase(tl.v.begin(), tl.v.begin() + size_t(rows) * tok);
-  return absl::OkStatus();
-}
-
 // The append itself (s.mu held exclusively; inputs validated): the new tokens' K/V join the
 // session as the file comment says. Replayed logged appends (append_log.cc) take the same
 // path, so that a restored session holds exactly what the acknowledged appends built.
@@ -448,7 +417,6 @@ absl::Status EngineImpl::ApplyAppend(Session& s, absl::Span<const int32_t> ids,
   const int h = m.shape.h, d = m.shape.d, L = m.layers;
   const int n = static_cast<int>(ids.size());
   StageTimer timer(metrics_, "append");
-  const size_t tok = size_t(h) * d;
   const int64_t first = static_cast<int64_t>(s.tokens);
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock posd, DevicePositions(first, n));
   const absl::Span<const int64_t> pos(Ptr<const int64_t>(posd), size_t(n));
@@ -462,43 +430,14 @@ absl::Status EngineImpl::ApplyAppend(Session& s, absl::Span<const int32_t> ids,
     kr[l].resize(ks[l].size());
     KVSHADE_RETURN_IF_ERROR(Download(kr[l].data(), kd.data(), Bf16Bytes(kr[l].size())));
   }
+  const ProfileStrategy& profile = ProfileOf(p.kind);
   for (int l = 0; l < L; ++l) {
-    if (p.kind == v1::PROFILE_KIND_EXACT) {
-      if (!s.open) s.open = NewOpen(*this, s, first);
-      KVSHADE_RETURN_IF_ERROR(AppendExactTokens(*this, s.open->layers[l], kr[l].data(), vs[l].data(), n, tok));
-      continue;
-    }
-    TailLayer& tl = s.tail[l];
-    if (p.kind == v1::PROFILE_KIND_SHADOW) {
-      tl.k_pre.insert(tl.k_pre.end(), ks[l].begin(), ks[l].end());
-    }
-    tl.k.insert(tl.k.end(), kr[l].begin(), kr[l].end());
-    tl.v.insert(tl.v.end(), vs[l].begin(), vs[l].end());
-    if (p.kind == v1::PROFILE_KIND_MINI) {
-      const int t_len = static_cast<int>(tl.k.size() / tok);
-      const int G = p.kivi_group;
-      const int R = std::max(G, kMiniResidual / G * G);
-      if (t_len >= R) {
-        if (!s.open) s.open = NewOpen(*this, s, first + n - t_len);
-        KVSHADE_RETURN_IF_ERROR(QuantizeResidual(*this, s, l, t_len / R * R));
-      }
-    }
+    KVSHADE_RETURN_IF_ERROR(profile.AppendLayer(*this, s, l, first, n, ks[l], kr[l], vs[l]));
   }
   s.tokens += n;
-  if (p.kind == v1::PROFILE_KIND_SHADOW) {
-    // One exact tail of at most local_window + C tokens, the prompt's remainder included.
-    if (absl::Status st = TrimShadowTail(*this, s); !st.ok()) {
-      const size_t added = size_t(n) * tok;  // the append does not happen
-      for (TailLayer& tl : s.tail) {
-        tl.k_pre.resize(tl.k_pre.size() - added);
-        tl.k.resize(tl.k.size() - added);
-        tl.v.resize(tl.v.size() - added);
-      }
-      s.tokens -= n;
-      return st;
-    }
-  } else if (s.open) {
-    s.open->n_tokens = s.open->layers[0].n_tail;
+  if (absl::Status st = profile.FinishAppend(*this, s, n); !st.ok()) {
+    s.tokens -= n;  // the append does not happen
+    return st;
   }
   s.appended_tokens.insert(s.appended_tokens.end(), ids.begin(), ids.end());
   ++s.tail_version;
@@ -604,9 +543,11 @@ absl::StatusOr<uint64_t> EngineImpl::CommitAppend(const Tenant& t, Session& s,
 
 namespace {
 
-// Whether a sealed segment of a shadow chain holds only appended chunks (see above).
+// Whether a sealed segment of a chain holds only appended chunks (see above; only a
+// profile that selects has chunks).
 bool Appended(const Segment& seg, int layers) {
-  if (seg.kind != v1::PROFILE_KIND_SHADOW || seg.prefix_key || !seg.tokens.empty()) return false;
+  const ProfileStrategy* profile = FindProfile(seg.kind);
+  if (!profile || !profile->selects() || seg.prefix_key || !seg.tokens.empty()) return false;
   if (!seg.values_owner().values_in_store) return false;
   const int n0 = seg.data(0).n_chunks;
   if (n0 == 0) return false;
@@ -632,7 +573,7 @@ CompactionPlan PlanCompaction(const Session& s) {
   const int L = s.model.layers;
   const int open_chunks = s.open ? s.open->layers[0].n_chunks : 0;
   plan.first = s.chain.size();
-  if (s.profile.kind == v1::PROFILE_KIND_SHADOW && open_chunks > 0) {
+  if (ProfileOf(s.profile.kind).selects() && open_chunks > 0) {
     int64_t next = s.open->first_position;
     while (plan.first > 0) {
       const Segment& seg = *s.chain[plan.first - 1];
