@@ -194,13 +194,19 @@ absl::Status RefuseSelectionUnit(const ProfileRequest& r);
 absl::Status BadProfileField(std::string_view field, std::string_view what);
 
 // Shared by the profiles' append and tail code (append.cc).
+// A new device block of `new_bytes` holding the first `used` bytes of `blk`.
+absl::StatusOr<DeviceBlock> Grown(EngineImpl& e, const DeviceBlock& blk, size_t used,
+                                  size_t new_bytes, storage::ArenaKind kind);
+// Grows a device block to `new_bytes`, keeping its first `used` bytes.
+absl::Status GrowDevice(EngineImpl& e, DeviceBlock& blk, size_t used, size_t new_bytes,
+                        storage::ArenaKind kind);
 // A new open segment of `s` starting at first_position.
 std::shared_ptr<Segment> NewOpen(EngineImpl& e, const Session& s, int64_t first_position);
 // Appends `n` post-RoPE/value tokens [n, h, d] to a layer's exact token buffer.
 absl::Status AppendExactTokens(EngineImpl& e, LayerData& ld, const kernels::bf16* k,
                                const kernels::bf16* v, int n, size_t tok);
 // Moves the oldest whole chunks out of a shadow session's exact tail while it holds more
-// than local_window + C tokens.
+// than local_window + C tokens (profile_shadow.cc).
 absl::Status TrimShadowTail(EngineImpl& e, Session& s);
 
 }  // namespace kvshade::service
