@@ -1,10 +1,11 @@
 // AppendTokens (generated or new-turn tokens, all layers at once) and the open segment.
-//
+// Where the new tokens go is the profile's (ProfileStrategy::AppendLayer, FinishAppend in
+// profile_*.cc):
 // shadow : new tokens join the exact tail (pre-RoPE K kept for projection, post-RoPE K, V),
 //          which also holds the prompt's remainder: one tail in token order. When it
-//          exceeds local_window + C, its oldest whole chunks leave it (TrimShadowTail):
-//          coordinates appended to the open segment's A (a remainder token's kept from
-//          the ingest, an appended token's projected onto the layer's basis), values
+//          exceeds local_window + C, its oldest whole chunks leave it (TrimShadowTail,
+//          profile_shadow.cc): coordinates appended to the open segment's A (a remainder token's kept
+//          from the ingest, an appended token's projected onto the layer's basis), values
 //          encoded into the open segment's value buffer, a landmark appended; the chunks
 //          become selectable, with ids in token order.
 // mini   : new tokens join a bf16 residual; every R = 128 tokens (rounded down to whole
@@ -17,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine_impl.h"
+#include "profile.h"
 #include "kvshade/base/status_macros.h"
 
 namespace kvshade::service {
@@ -25,7 +27,7 @@ namespace {
 using kernels::bf16;
 using storage::ArenaKind;
 
-constexpr int kMiniResidual = 128;  // MiniKV's R
+}  // namespace
 
 // A new device block of `new_bytes` holding the first `used` bytes of `blk`.
 absl::StatusOr<DeviceBlock> Grown(EngineImpl& e, const DeviceBlock& blk, size_t used,
@@ -76,367 +78,6 @@ std::shared_ptr<Segment> NewOpen(EngineImpl& e, const Session& s, int64_t first_
   return seg;
 }
 
-}  // namespace
-
-// --- The shadow tail -------------------------------------------------------------------
-//
-// The exact tail is the run of tokens at the end of the session that no chunk covers: first
-// the remainder rows (LayerData::n_tail, post-RoPE K and V) of the chain's last segments,
-// then the appended tokens in Session::tail. Whole chunks leave it from its front into the
-// open segment, whose chunks therefore start inside a remainder (first_position = the
-// first tail token) and follow the chain's chunks in token order. A remainder token leaves
-// with its coordinates A (K W of its pre-RoPE key, kept by the ingest for every token of a
-// segment, on the segment's basis, which is the session's); an appended token's pre-RoPE
-// key is projected onto the basis then. Sealed segments never change: which remainder
-// rows left is implied by the open (or a sealed open) segment's chunk range
-// (CoveredRemainderRows).
-
-namespace {
-
-// Remainder rows [from, from + rows) of one segment of the chain.
-struct TailPiece {
-  const Segment* seg = nullptr;
-  int from = 0;
-  int rows = 0;
-};
-
-struct TailPlan {
-  int64_t first = 0;              // absolute position of the tail's first token
-  std::vector<TailPiece> pieces;  // the chain's part of the tail, in token order
-  int chain_rows = 0;
-  int appended_rows = 0;          // Session::tail rows, after the chain's
-};
-
-// The basis chunks moved now are projected onto (the open segment's, else the newest of
-// the chain's).
-std::shared_ptr<const Basis> TailBasis(const Session& s, int layer) {
-  if (s.open && s.open->layers[layer].basis) return s.open->layers[layer].basis;
-  std::shared_ptr<const Basis> b;
-  for (const auto& seg : s.chain) {
-    if (seg->layers[layer].basis) b = seg->layers[layer].basis;
-  }
-  return b;
-}
-
-// Whether a segment's remainder can leave the tail as chunks: it has the coordinates of
-// its remainder rows in every layer. A segment restored from a record written before
-// short segments kept them has none: its remainder stays exact. (A session has one basis
-// per layer, which every segment's A rows use: BuildView reads them all with one B. A
-// restored session's segments hold equal copies of it.)
-bool RemainderMovable(const Session& s, const Segment& seg) {
-  const int C = seg.chunk_size;
-  const LayerData& d0 = seg.data(0);
-  for (int l = 0; l < s.model.layers; ++l) {
-    const LayerData& d = seg.data(l);
-    const LayerData& own = seg.layers[l];
-    if (d.n_chunks != d0.n_chunks || d.n_tail != d0.n_tail || !d.tk || !d.tv) return false;
-    const std::shared_ptr<const Basis> basis = TailBasis(s, l);
-    if (!own.a || !own.basis || !basis || own.basis->r != basis->r) return false;
-    const size_t need = Bf16Bytes((size_t(d.n_chunks) * C + d.n_tail) * own.basis->r);
-    if (own.a->bytes() < need) return false;
-  }
-  return true;
-}
-
-absl::StatusOr<TailPlan> PlanTail(const Session& s) {
-  const int C = s.profile.chunk_size;
-  const size_t tok = size_t(s.model.shape.h) * s.model.shape.d;
-  // Where the session's chunks end: chunks never cover a token after a tail token.
-  int64_t frontier = 0;
-  auto chunk_end = [&](const Segment& seg) {
-    const int n_chunks = seg.data(0).n_chunks;
-    if (n_chunks > 0) frontier = std::max(frontier, seg.first_position + int64_t(n_chunks) * C);
-  };
-  for (const auto& seg : s.chain) chunk_end(*seg);
-  if (s.open) chunk_end(*s.open);
-  TailPlan plan;
-  plan.first = frontier;
-  for (const auto& seg : s.chain) {
-    const LayerData& d = seg->data(0);
-    const int64_t start = seg->first_position + int64_t(d.n_chunks) * C;
-    const int64_t end = start + d.n_tail;
-    // A remainder before the frontier is covered, or (a cached prefix's, followed by the
-    // chunks of a suffix) exact for good.
-    if (d.n_tail == 0 || end <= frontier) continue;
-    const int from = static_cast<int>(std::max<int64_t>(0, frontier - start));
-    if (!RemainderMovable(s, *seg)) {  // the tail starts after it
-      plan.pieces.clear();
-      plan.chain_rows = 0;
-      plan.first = end;
-      continue;
-    }
-    if (start + from != plan.first + plan.chain_rows) {
-      return absl::InternalError(absl::StrCat(
-          "session '", s.id, "': the exact tail is not contiguous (a remainder at ",
-          start + from, ", expected ", plan.first + plan.chain_rows, ")"));
-    }
-    plan.pieces.push_back({seg.get(), from, static_cast<int>(d.n_tail - from)});
-    plan.chain_rows += static_cast<int>(d.n_tail - from);
-  }
-  plan.appended_rows = s.tail.empty() ? 0 : static_cast<int>(s.tail[0].k.size() / tok);
-  if (plan.first + plan.chain_rows + plan.appended_rows != static_cast<int64_t>(s.tokens)) {
-    return absl::InternalError(absl::StrCat(
-        "session '", s.id, "': the exact tail (", plan.chain_rows, " remainder and ",
-        plan.appended_rows, " appended tokens from position ", plan.first,
-        ") does not end at the session's ", s.tokens, " tokens"));
-  }
-  return plan;
-}
-
-// The tokens an open segment adds at the end of the chain (its chunks may start inside
-// the chain's last remainder).
-int64_t OpenTokens(const Session& s) {
-  int64_t chain_end = 0;
-  for (const auto& seg : s.chain) chain_end += seg->n_tokens;
-  const int64_t end = s.open->first_position +
-                      int64_t(s.open->layers[0].n_chunks) * s.profile.chunk_size;
-  return std::max<int64_t>(0, end - chain_end);
-}
-
-// The host form of `m` chunks leaving one layer's tail.
-struct MovedChunks {
-  std::vector<bf16> a;             // [m*C, r] coordinates
-  std::vector<bf16> landmarks;     // [m, h, d]
-  std::vector<std::byte> sig;      // [m*C, h, SignatureRecordBytes(bits, d)] (bits > 0)
-  std::vector<std::byte> values;   // [h, m, chunk_bytes]
-  size_t chunk_bytes = 0;
-  double residual = -1;            // projection residual of the appended rows (-1: none)
-};
-
-// Computes the first `m` chunks of `plan` for one layer; changes nothing.
-absl::StatusOr<MovedChunks> PrepareChunks(EngineImpl& e, const Session& s, int layer,
-                                          const TailPlan& plan, int m) {
-  const kernels::LayerShape& shape = s.model.shape;
-  const int h = shape.h, d = shape.d, C = s.profile.chunk_size, D = shape.D();
-  const int rows = m * C;
-  const std::shared_ptr<const Basis> basis = TailBasis(s, layer);
-  if (!basis) return absl::FailedPreconditionError("shadow session without a basis");
-  const int r = basis->r;
-  MovedChunks out;
-  out.a.resize(size_t(rows) * r);
-  std::vector<bf16> k(size_t(rows) * D), v(size_t(rows) * D);
-  // The chain's remainder rows: post-RoPE K, V and the coordinates kept at ingest.
-  int at = 0;
-  for (const TailPiece& piece : plan.pieces) {
-    if (at == rows) break;
-    const int take = std::min(piece.rows, rows - at);
-    const LayerData& ld = piece.seg->data(layer);
-    const LayerData& own = piece.seg->layers[layer];
-    const size_t row0 = size_t(ld.n_chunks) * C + piece.from;
-    const size_t src = size_t(piece.from) * D, dst = size_t(at) * D, n = size_t(take) * D;
-    KVSHADE_RETURN_IF_ERROR(e.Download(k.data() + dst, Ptr<const bf16>(ld.tk) + src, Bf16Bytes(n)));
-    KVSHADE_RETURN_IF_ERROR(e.Download(v.data() + dst, Ptr<const bf16>(ld.tv) + src, Bf16Bytes(n)));
-    KVSHADE_RETURN_IF_ERROR(e.Download(out.a.data() + size_t(at) * r, Ptr<const bf16>(*own.a) + row0 * r,
-                                       Bf16Bytes(size_t(take) * r)));
-    at += take;
-  }
-  // Appended rows: a = k_pre W (ProjectKeys), the residual tracked as drift.
-  const int appended = rows - at;
-  if (appended > 0) {
-    const TailLayer& tl = s.tail[layer];
-    const size_t n = size_t(appended) * D;
-    std::copy_n(tl.k.begin(), n, k.begin() + size_t(at) * D);
-    std::copy_n(tl.v.begin(), n, v.begin() + size_t(at) * D);
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kd, e.Upload(tl.k_pre.data(), Bf16Bytes(n), ArenaKind::kOther));
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ad, e.Alloc(Bf16Bytes(size_t(appended) * r), ArenaKind::kOther));
-    const size_t wsb = e.backend().ProjectWorkspaceBytes(appended, shape, r);
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e.Alloc(wsb, ArenaKind::kOther));
-    KVSHADE_ASSIGN_OR_RETURN(
-        kernels::ProjectionResult pr,
-        e.backend().ProjectKeys(absl::Span<const bf16>(Ptr<const bf16>(kd), n), appended, shape,
-                                absl::Span<const bf16>(Ptr<const bf16>(basis->b), size_t(h) * r * d), r,
-                                absl::Span<bf16>(Ptr<bf16>(ad), size_t(appended) * r),
-                                kernels::Workspace{ws.data(), wsb}));
-    KVSHADE_RETURN_IF_ERROR(
-        e.Download(out.a.data() + size_t(at) * r, ad.data(), Bf16Bytes(size_t(appended) * r)));
-    out.residual = pr.residual_energy;
-  }
-  // Landmarks from the post-RoPE keys.
-  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock krd, e.Upload(k.data(), Bf16Bytes(k.size()), ArenaKind::kOther));
-  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock lmd, e.Alloc(Bf16Bytes(size_t(m) * D), ArenaKind::kOther));
-  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock mcd, e.Alloc(size_t(h) * m * 4, ArenaKind::kOther));
-  KVSHADE_RETURN_IF_ERROR(e.backend().BuildLandmarks(
-      absl::Span<const bf16>(Ptr<const bf16>(krd), k.size()), rows, h, d, C, m,
-      absl::Span<bf16>(Ptr<bf16>(lmd), size_t(m) * D), absl::Span<float>(Ptr<float>(mcd), size_t(h) * m)));
-  // Values: [h, m, chunk_bytes].
-  KVSHADE_ASSIGN_OR_RETURN(out.chunk_bytes, kernels::ValueChunkBytes(s.profile.codec, C, d));
-  const size_t cb = out.chunk_bytes;
-  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock vd, e.Upload(v.data(), Bf16Bytes(v.size()), ArenaKind::kOther));
-  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ed, e.Alloc(size_t(h) * m * cb, ArenaKind::kOther));
-  KVSHADE_RETURN_IF_ERROR(e.backend().EncodeValueChunks(
-      absl::Span<const bf16>(Ptr<const bf16>(vd), v.size()), rows, h, d, C, m, s.profile.codec,
-      absl::Span<std::byte>(Ptr<std::byte>(ed), size_t(h) * m * cb)));
-  // Key signatures from the exact post-RoPE keys and the new landmarks.
-  if (s.profile.key_signature_bits > 0) {
-    const int bits = s.profile.key_signature_bits;
-    const size_t sig_bytes = size_t(rows) * h * kernels::SignatureRecordBytes(bits, d);
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock sgd, e.Alloc(sig_bytes, ArenaKind::kOther));
-    KVSHADE_RETURN_IF_ERROR(e.backend().EncodeSignatures(
-        absl::Span<const bf16>(Ptr<const bf16>(krd), k.size()),
-        absl::Span<const bf16>(Ptr<const bf16>(lmd), size_t(m) * D), h, d, C, m, bits,
-        absl::Span<std::byte>(Ptr<std::byte>(sgd), sig_bytes)));
-    out.sig.resize(sig_bytes);
-    KVSHADE_RETURN_IF_ERROR(e.Download(out.sig.data(), sgd.data(), sig_bytes));
-  }
-  out.landmarks.resize(size_t(m) * D);
-  out.values.resize(size_t(h) * m * cb);
-  KVSHADE_RETURN_IF_ERROR(e.Download(out.landmarks.data(), lmd.data(), Bf16Bytes(out.landmarks.size())));
-  KVSHADE_RETURN_IF_ERROR(e.Download(out.values.data(), ed.data(), out.values.size()));
-  return out;
-}
-
-// Room for `m` more chunks in one layer of the open segment (capacity only: the layer's
-// visible state does not change).
-absl::Status ReserveChunks(EngineImpl& e, const Session& s, LayerData& ld, size_t chunk_bytes,
-                           int m) {
-  const int h = s.model.shape.h, C = s.profile.chunk_size, D = s.model.shape.D();
-  const int n0 = ld.n_chunks;
-  if (n0 + m <= ld.cap_chunks) return absl::OkStatus();
-  const int r = ld.basis->r;
-  const int64_t stride = int64_t((chunk_bytes + storage::kValueChunkAlign - 1) /
-                                 storage::kValueChunkAlign * storage::kValueChunkAlign);
-  const int cap = std::max({ld.cap_chunks * 2, n0 + m, 16});
-  const DeviceBlock none;
-  auto a = std::make_shared<DeviceBlock>();
-  KVSHADE_ASSIGN_OR_RETURN(*a, Grown(e, ld.a ? *ld.a : none, Bf16Bytes(size_t(n0) * C * r),
-                                     Bf16Bytes(size_t(cap) * C * r), ArenaKind::kA));
-  KVSHADE_ASSIGN_OR_RETURN(DeviceBlock landmarks,
-                           Grown(e, ld.landmarks, Bf16Bytes(size_t(n0) * D),
-                                 Bf16Bytes(size_t(cap) * D), ArenaKind::kLandmarks));
-  // Signatures grow with the landmarks (rows of C tokens per chunk); a layer keeps them
-  // only from its first chunk on (an open segment is created empty).
-  const int bits = s.profile.key_signature_bits;
-  DeviceBlock sig;
-  if (bits > 0 && (n0 == 0 || ld.sig_bits == bits)) {
-    const size_t rec = size_t(h) * kernels::SignatureRecordBytes(bits, s.model.shape.d) * C;
-    KVSHADE_ASSIGN_OR_RETURN(sig, Grown(e, ld.sig, size_t(n0) * rec, size_t(cap) * rec,
-                                        ArenaKind::kSignatures));
-  }
-  KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer vb, e.backend().AllocateHostVisible(size_t(h) * cap * stride));
-  std::memset(vb.data(), 0, vb.bytes());
-  for (int hh = 0; hh < h && n0 > 0; ++hh) {
-    std::memcpy(static_cast<std::byte*>(vb.data()) + size_t(hh) * cap * stride,
-                static_cast<const std::byte*>(ld.open_values.buffer.data()) +
-                    size_t(hh) * ld.open_values.head_stride(),
-                size_t(n0) * stride);
-  }
-  ld.a = std::move(a);
-  ld.landmarks = std::move(landmarks);
-  ld.sig_bits = sig ? bits : 0;
-  ld.sig = std::move(sig);
-  ld.open_values.buffer = std::move(vb);
-  ld.open_values.cap_chunks = cap;
-  ld.open_values.chunk_stride = stride;
-  ld.cap_chunks = cap;
-  return absl::OkStatus();
-}
-
-// Writes prepared chunks after a layer's last chunk (not yet counted in n_chunks).
-absl::Status WriteChunks(EngineImpl& e, const Session& s, LayerData& ld, const MovedChunks& mc,
-                         int m) {
-  const int h = s.model.shape.h, C = s.profile.chunk_size, D = s.model.shape.D();
-  const int n0 = ld.n_chunks, r = ld.basis->r;
-  KVSHADE_RETURN_IF_ERROR(e.backend().CopyFromHost(Ptr<bf16>(*ld.a) + size_t(n0) * C * r,
-                                                   mc.a.data(), Bf16Bytes(mc.a.size())));
-  KVSHADE_RETURN_IF_ERROR(e.backend().CopyFromHost(Ptr<bf16>(ld.landmarks) + size_t(n0) * D,
-                                                   mc.landmarks.data(), Bf16Bytes(mc.landmarks.size())));
-  if (ld.sig && !mc.sig.empty()) {
-    const size_t row = size_t(h) * kernels::SignatureRecordBytes(ld.sig_bits, s.model.shape.d);
-    KVSHADE_RETURN_IF_ERROR(e.backend().CopyFromHost(Ptr<std::byte>(ld.sig) + size_t(n0) * C * row,
-                                                     mc.sig.data(), mc.sig.size()));
-  }
-  const int64_t stride = ld.open_values.chunk_stride;
-  for (int hh = 0; hh < h; ++hh) {
-    for (int j = 0; j < m; ++j) {
-      std::memcpy(static_cast<std::byte*>(ld.open_values.buffer.data()) +
-                      size_t(hh) * ld.open_values.head_stride() + size_t(n0 + j) * stride,
-                  mc.values.data() + (size_t(hh) * m + j) * mc.chunk_bytes, mc.chunk_bytes);
-    }
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
-// Moves the oldest whole chunks out of a shadow session's exact tail while it holds more
-// than local_window + C tokens (docs/ALGORITHM.md: it never holds more). All layers or none:
-// on an error the session is as it was (an open segment may have been created, empty).
-// The caller holds s.mu exclusively; Session::tokens counts the tail's tokens.
-absl::Status TrimShadowTail(EngineImpl& e, Session& s) {
-  const ProfileInfo& p = s.profile;
-  const int C = p.chunk_size, L = s.model.layers;
-  KVSHADE_ASSIGN_OR_RETURN(const TailPlan plan, PlanTail(s));
-  const int held = plan.chain_rows + plan.appended_rows;
-  if (held <= p.local_window + C) return absl::OkStatus();
-  const int m = (held - p.local_window) / C;
-  StageTimer timer(e.metrics(), "append");
-  if (!s.open) {
-    s.open = NewOpen(e, s, plan.first);
-  } else if (s.open->first_position + int64_t(s.open->layers[0].n_chunks) * C != plan.first) {
-    return absl::InternalError(absl::StrCat(
-        "session '", s.id, "': the open segment does not end where the exact tail starts"));
-  }
-  std::vector<MovedChunks> moved(L);
-  for (int l = 0; l < L; ++l) {
-    KVSHADE_ASSIGN_OR_RETURN(moved[l], PrepareChunks(e, s, l, plan, m));
-  }
-  for (int l = 0; l < L; ++l) {
-    LayerData& ld = s.open->layers[l];
-    if (!ld.basis) ld.basis = TailBasis(s, l);
-    KVSHADE_RETURN_IF_ERROR(ReserveChunks(e, s, ld, moved[l].chunk_bytes, m));
-  }
-  for (int l = 0; l < L; ++l) {
-    KVSHADE_RETURN_IF_ERROR(WriteChunks(e, s, s.open->layers[l], moved[l], m));
-  }
-  // The chunks become selectable and their tokens leave the tail (a remainder's by being
-  // covered, an appended token's by leaving Session::tail).
-  const size_t gone = size_t(m * C - std::min(m * C, plan.chain_rows)) * s.model.shape.D();
-  for (int l = 0; l < L; ++l) {
-    s.open->layers[l].n_chunks += m;
-    TailLayer& tl = s.tail[l];
-    tl.k_pre.erase(tl.k_pre.begin(), tl.k_pre.begin() + gone);
-    tl.k.erase(tl.k.begin(), tl.k.begin() + gone);
-    tl.v.erase(tl.v.begin(), tl.v.begin() + gone);
-    if (moved[l].residual >= 0) {
-      e.metrics()->ProjectionResidual(moved[l].residual);
-      s.drift[l] = std::max(s.drift[l], moved[l].residual);
-    }
-  }
-  s.open->n_tokens = OpenTokens(s);
-  return absl::OkStatus();
-}
-
-// Quantizes the oldest `rows` residual tokens of a mini tail into the open segment.
-static absl::Status QuantizeResidual(EngineImpl& e, Session& s, int layer, int rows) {
-  const int h = s.model.shape.h, d = s.model.shape.d;
-  const size_t tok = size_t(h) * d;
-  TailLayer& tl = s.tail[layer];
-  std::vector<bf16> k(size_t(rows) * tok), v(k.size());
-  for (int hh = 0; hh < h; ++hh) {  // [rows, h, d] -> [h, rows, d]
-    for (int t = 0; t < rows; ++t) {
-      std::copy_n(tl.k.begin() + t * tok + hh * d, d, k.begin() + (size_t(hh) * rows + t) * d);
-      std::copy_n(tl.v.begin() + t * tok + hh * d, d, v.begin() + (size_t(hh) * rows + t) * d);
-    }
-  }
-  KiviBlock kb;
-  std::vector<bf16> dk, dv;
-  KVSHADE_RETURN_IF_ERROR(QuantizeKivi(e, d, s.profile.kivi_group, k, v, h * rows, &kb, &dk, &dv));
-  kb.rows = kb.valid = rows;
-  // Dequantized rows back to token-major: every head holds the same tokens.
-  std::vector<bf16> tk(k.size()), tv(k.size());
-  for (int hh = 0; hh < h; ++hh) {
-    for (int t = 0; t < rows; ++t) {
-      std::copy_n(dk.begin() + (size_t(hh) * rows + t) * d, d, tk.begin() + t * tok + hh * d);
-      std::copy_n(dv.begin() + (size_t(hh) * rows + t) * d, d, tv.begin() + t * tok + hh * d);
-    }
-  }
-  LayerData& ld = s.open->layers[layer];
-  KVSHADE_RETURN_IF_ERROR(AppendExactTokens(e, ld, tk.data(), tv.data(), rows, tok));
-  ld.int2.push_back(std::move(kb));
-  tl.k.erase(tl.k.begin(), tl.k.begin() + size_t(rows) * tok);
-  tl.v.erase(tl.v.begin(), tl.v.begin() + size_t(rows) * tok);
-  return absl::OkStatus();
-}
 
 // The append itself (s.mu held exclusively; inputs validated): the new tokens' K/V join the
 // session as the file comment says. Replayed logged appends (append_log.cc) take the same
@@ -448,7 +89,6 @@ absl::Status EngineImpl::ApplyAppend(Session& s, absl::Span<const int32_t> ids,
   const int h = m.shape.h, d = m.shape.d, L = m.layers;
   const int n = static_cast<int>(ids.size());
   StageTimer timer(metrics_, "append");
-  const size_t tok = size_t(h) * d;
   const int64_t first = static_cast<int64_t>(s.tokens);
   KVSHADE_ASSIGN_OR_RETURN(DeviceBlock posd, DevicePositions(first, n));
   const absl::Span<const int64_t> pos(Ptr<const int64_t>(posd), size_t(n));
@@ -462,43 +102,14 @@ absl::Status EngineImpl::ApplyAppend(Session& s, absl::Span<const int32_t> ids,
     kr[l].resize(ks[l].size());
     KVSHADE_RETURN_IF_ERROR(Download(kr[l].data(), kd.data(), Bf16Bytes(kr[l].size())));
   }
+  const ProfileStrategy& profile = ProfileOf(p.kind);
   for (int l = 0; l < L; ++l) {
-    if (p.kind == v1::PROFILE_KIND_EXACT) {
-      if (!s.open) s.open = NewOpen(*this, s, first);
-      KVSHADE_RETURN_IF_ERROR(AppendExactTokens(*this, s.open->layers[l], kr[l].data(), vs[l].data(), n, tok));
-      continue;
-    }
-    TailLayer& tl = s.tail[l];
-    if (p.kind == v1::PROFILE_KIND_SHADOW) {
-      tl.k_pre.insert(tl.k_pre.end(), ks[l].begin(), ks[l].end());
-    }
-    tl.k.insert(tl.k.end(), kr[l].begin(), kr[l].end());
-    tl.v.insert(tl.v.end(), vs[l].begin(), vs[l].end());
-    if (p.kind == v1::PROFILE_KIND_MINI) {
-      const int t_len = static_cast<int>(tl.k.size() / tok);
-      const int G = p.kivi_group;
-      const int R = std::max(G, kMiniResidual / G * G);
-      if (t_len >= R) {
-        if (!s.open) s.open = NewOpen(*this, s, first + n - t_len);
-        KVSHADE_RETURN_IF_ERROR(QuantizeResidual(*this, s, l, t_len / R * R));
-      }
-    }
+    KVSHADE_RETURN_IF_ERROR(profile.AppendLayer(*this, s, l, first, n, ks[l], kr[l], vs[l]));
   }
   s.tokens += n;
-  if (p.kind == v1::PROFILE_KIND_SHADOW) {
-    // One exact tail of at most local_window + C tokens, the prompt's remainder included.
-    if (absl::Status st = TrimShadowTail(*this, s); !st.ok()) {
-      const size_t added = size_t(n) * tok;  // the append does not happen
-      for (TailLayer& tl : s.tail) {
-        tl.k_pre.resize(tl.k_pre.size() - added);
-        tl.k.resize(tl.k.size() - added);
-        tl.v.resize(tl.v.size() - added);
-      }
-      s.tokens -= n;
-      return st;
-    }
-  } else if (s.open) {
-    s.open->n_tokens = s.open->layers[0].n_tail;
+  if (absl::Status st = profile.FinishAppend(*this, s, n); !st.ok()) {
+    s.tokens -= n;  // the append does not happen
+    return st;
   }
   s.appended_tokens.insert(s.appended_tokens.end(), ids.begin(), ids.end());
   ++s.tail_version;
@@ -604,9 +215,11 @@ absl::StatusOr<uint64_t> EngineImpl::CommitAppend(const Tenant& t, Session& s,
 
 namespace {
 
-// Whether a sealed segment of a shadow chain holds only appended chunks (see above).
+// Whether a sealed segment of a chain holds only appended chunks (see above; only a
+// profile that selects has chunks).
 bool Appended(const Segment& seg, int layers) {
-  if (seg.kind != v1::PROFILE_KIND_SHADOW || seg.prefix_key || !seg.tokens.empty()) return false;
+  const ProfileStrategy* profile = FindProfile(seg.kind);
+  if (!profile || !profile->selects() || seg.prefix_key || !seg.tokens.empty()) return false;
   if (!seg.values_owner().values_in_store) return false;
   const int n0 = seg.data(0).n_chunks;
   if (n0 == 0) return false;
@@ -632,7 +245,7 @@ CompactionPlan PlanCompaction(const Session& s) {
   const int L = s.model.layers;
   const int open_chunks = s.open ? s.open->layers[0].n_chunks : 0;
   plan.first = s.chain.size();
-  if (s.profile.kind == v1::PROFILE_KIND_SHADOW && open_chunks > 0) {
+  if (ProfileOf(s.profile.kind).selects() && open_chunks > 0) {
     int64_t next = s.open->first_position;
     while (plan.first > 0) {
       const Segment& seg = *s.chain[plan.first - 1];

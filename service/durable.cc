@@ -36,13 +36,10 @@
 #include "absl/strings/str_cat.h"
 #include "durable_codec.h"
 #include "engine_impl.h"
+#include "profile.h"
 #include "kvshade/base/status_macros.h"
 
 namespace kvshade::service {
-
-// append.cc: moves the oldest whole chunks out of a shadow session's exact tail while it
-// holds more than local_window + C tokens (s.mu held exclusively).
-absl::Status TrimShadowTail(EngineImpl& e, Session& s);
 
 namespace {
 
@@ -836,12 +833,13 @@ absl::Status EngineImpl::RebuildSessions(ParsedRecords& records, const RebuiltSe
       quarantine(rec, problem);
       continue;
     }
-    if (s.profile.kind == v1::PROFILE_KIND_SHADOW) {
-      // As at the commit: a record written then holds the prompt's whole remainder, which
-      // may exceed local_window + C (a short suffix); its oldest chunks leave the tail
-      // again, as they did before the restart (the same rows and coordinates).
+    {
+      // As at the commit (shadow): a record written then holds the prompt's whole
+      // remainder, which may exceed local_window + C (a short suffix); its oldest chunks
+      // leave the tail again, as they did before the restart (the same rows and
+      // coordinates).
       std::unique_lock lock(s.mu);
-      if (absl::Status st = TrimShadowTail(*this, s); !st.ok()) {
+      if (absl::Status st = ProfileOf(s.profile.kind).SettleTail(*this, s); !st.ok()) {
         spdlog::warn("restored session '{}': the exact tail was not cut: {}", s.id,
                      std::string(st.message()));
       }

@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine_impl.h"
+#include "profile.h"
 #include "kvshade/base/status_macros.h"
 
 namespace kvshade::service {
@@ -97,7 +98,7 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
   }
   KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Attachment> a, sessions_.Use(t.name, r.attachment_id()));
   Session& s = *a->session;
-  if (s.profile.kind == v1::PROFILE_KIND_EXACT) {
+  if (ProfileOf(s.profile.kind).all_exact()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "session '", s.id, "' uses the exact profile: it has no compressed state to export; "
         "decode it with Attend, or keep it in the worker's own cache"));
@@ -229,7 +230,7 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
       if (s.open) {
         KVSHADE_RETURN_IF_ERROR(add_segment(*s.open, true));
       }
-      const int k = s.profile.kind == v1::PROFILE_KIND_SHADOW ? std::min(s.profile.sparse_budget, total) : 0;
+      const int k = ProfileOf(s.profile.kind).selects() ? std::min(s.profile.sparse_budget, total) : 0;
       // Slots: k chunks, or their k*C/u units with selection units.
       L->set_slots_per_head(static_cast<uint32_t>(s.profile.slots(k)));
       if (k > 0) {

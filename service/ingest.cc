@@ -1,21 +1,15 @@
 // The ingest pipeline (docs/ALGORITHM.md, per profile): one Ingest stream receives a session's
 // prompt K/V (after the reused prefix) layer by layer, compresses each layer as soon as it
-// is complete, and commits a new immutable segment at the end.
+// is complete, and commits a new immutable segment at the end. How a layer is compressed
+// is the profile's (ProfileStrategy::StartIngest, profile.h; the stream is its
+// IngestContext):
 //
-// shadow : kernels::CompressShadowLayer (factorize, RoPE, landmarks, outliers, heavy
-//          chunks, values, static set, tail). A suffix after a reused prefix is then
-//          projected onto the prefix's basis (ProjectKeys) and its residual energy
-//          reported; past refactor_threshold a background refactorization is scheduled.
-//          Segments shorter than local_window + C are all exact tail. Every token keeps
-//          its coordinates A (the exact remainder's too): at the commit, and at later
-//          appends, the session's one exact tail (this segment's remainder after the
-//          previous one's, then appended tokens) gives its oldest whole chunks to the open
-//          segment while it holds more than local_window + C tokens (append.cc).
-// mini   : recent window + heavy hitters by observation mass (token-granular, per head,
-//          pyramid budgets over layers), stored INT2 (KIVI) in whole groups of G tokens;
-//          the newest retained tokens that do not fill a group stay exact. Without
-//          observation queries the heavy budget goes to the recent window.
-// exact  : post-RoPE K and V as given.
+// shadow : profile_shadow.cc: kernels::CompressShadowLayer, a suffix after a reused prefix
+//          projected onto the prefix's basis (a background refactorization past
+//          refactor_threshold); at the commit the exact tail gives its oldest whole chunks
+//          to the open segment (SettleTail).
+// mini   : profile_mini.cc: recent window + heavy hitters by observation mass, INT2 (KIVI).
+// exact  : profile_exact.cc: post-RoPE K and V as given.
 //
 // Segment ends (docs/DESIGN.md "Segment ends"): a session created with segment ends
 // commits one segment per range between them. Each range is built as if it had been
@@ -77,6 +71,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine_impl.h"
+#include "profile.h"
 #include "kvshade/service/log.h"
 #include "kvshade/kernels/pyramid.h"
 #include "kvshade/kernels/shadow_layer.h"
@@ -84,63 +79,12 @@
 
 namespace kvshade::service {
 
-// append.cc: moves the oldest whole chunks out of a shadow session's exact tail while it
-// holds more than local_window + C tokens (s.mu held exclusively).
-absl::Status TrimShadowTail(EngineImpl& e, Session& s);
-
 namespace {
 
 using kernels::bf16;
 using storage::ArenaKind;
 
-// Where kernel composites (CompressShadowLayer) take their buffers: the engine's device
-// arena, with its evict-and-retry, so that a layer's factors, landmarks, static set and
-// scratch count against device_budget_bytes and no request calls the device allocator.
-// It also records the most bytes the composite held at once (peak_bytes()).
-class ArenaAllocator final : public kernels::Allocator {
- public:
-  explicit ArenaAllocator(EngineImpl& engine) : engine_(engine) {}
-  absl::StatusOr<kernels::Buffer> Allocate(size_t bytes, kernels::BufferKind kind) override {
-    KVSHADE_ASSIGN_OR_RETURN(DeviceBlock block, engine_.Alloc(bytes, ToArenaKind(kind)));
-    auto holder = std::make_shared<DeviceBlock>(std::move(block));
-    void* data = holder->data();
-    const size_t now = live_->fetch_add(bytes) + bytes;
-    peak_ = std::max(peak_, now);
-    // The Buffer keeps the arena block alive; releasing it returns the block to the pool.
-    return kernels::Buffer(data, bytes, [holder, live = live_, bytes](void*) { *live -= bytes; });
-  }
-  size_t peak_bytes() const { return peak_; }
-
- private:
-  static ArenaKind ToArenaKind(kernels::BufferKind kind) {
-    switch (kind) {
-      case kernels::BufferKind::kFactorA: return ArenaKind::kA;
-      case kernels::BufferKind::kFactorB: return ArenaKind::kB;
-      case kernels::BufferKind::kLandmarks: return ArenaKind::kLandmarks;
-      case kernels::BufferKind::kSignatures: return ArenaKind::kSignatures;
-      case kernels::BufferKind::kStatic: return ArenaKind::kStatic;
-      case kernels::BufferKind::kScratch: return ArenaKind::kOther;
-    }
-    return ArenaKind::kOther;
-  }
-  EngineImpl& engine_;
-  std::shared_ptr<std::atomic<size_t>> live_ = std::make_shared<std::atomic<size_t>>(0);
-  size_t peak_ = 0;  // Allocate runs on one thread (the composite's)
-};
-
-// Heavy-chunk counts per layer: the pyramid (docs/ALGORITHM.md) scaled to a mean of `mean`.
-std::vector<int> HeavyPerLayer(int layers, int mean) {
-  std::vector<int> out(layers, 0);
-  if (mean <= 0) return out;
-  constexpr double kX = 0.25;  // any x keeping every layer's fraction in [0, 1]
-  auto b = kernels::PyramidBudgets(layers, kX);
-  for (int l = 0; l < layers; ++l) {
-    out[l] = b.ok() ? static_cast<int>(std::lround(mean * (*b)[l] / kX)) : mean;
-  }
-  return out;
-}
-
-class IngestStreamImpl final : public Engine::IngestStream {
+class IngestStreamImpl final : public Engine::IngestStream, public IngestContext {
  public:
   IngestStreamImpl(EngineImpl& e, Tenant tenant, std::shared_ptr<Session> s)
       : e_(e), tenant_(std::move(tenant)), s_(std::move(s)) {
@@ -164,21 +108,9 @@ class IngestStreamImpl final : public Engine::IngestStream {
     captured_.assign(L_, 0.0);
     residual_.assign(L_, 0.0);
     refactor_keys_.resize(L_);
-    const ProfileInfo& p = s_ref.profile;
-    if (p.kind == v1::PROFILE_KIND_SHADOW) {
-      heavy_ = HeavyPerLayer(L_, p.heavy_chunks);
-      std::shared_lock lock(s_->mu);
-      if (!s_->chain.empty()) {
-        prefix_basis_.resize(L_);
-        for (int l = 0; l < L_; ++l) prefix_basis_[l] = s_->chain.back()->layers[l].basis;
-      }
-    }
-    if (p.kind == v1::PROFILE_KIND_MINI) {
-      auto b = kernels::PyramidBudgets(L_, p.mini_heavy_ratio);
-      mini_heavy_ = b.ok() ? *b : std::vector<double>(L_, p.mini_heavy_ratio);
-    }
-    direct_ = p.kind == v1::PROFILE_KIND_EXACT &&
-              e_.backend().space() == kernels::MemorySpace::kHost;
+    const ProfileStrategy& profile = ProfileOf(s_ref.profile.kind);
+    profile_ = profile.StartIngest(*this);
+    direct_ = profile.rotates_parts() && e_.backend().space() == kernels::MemorySpace::kHost;
     host_space_ = e_.backend().space() == kernels::MemorySpace::kHost;
   }
 
@@ -260,8 +192,9 @@ class IngestStreamImpl final : public Engine::IngestStream {
   }
 
  private:
-  struct LayerBuf {
-    DeviceBlock kd, vd;       // [n, h, d] backend memory; kd is post-RoPE when direct_
+  // A layer of the stream: kd, vd [n, h, d] backend memory (kd is post-RoPE when direct_),
+  // the observation queries (IngestLayer), and where its parts stand.
+  struct LayerBuf : IngestLayer {
     // An incomplete layer that gave its blocks up to another layer's part (see "Overlap"):
     // its rows [0, received) in page-locked host memory of the engine's staging pool,
     // [n, h, d] bf16 (k post-RoPE when direct_, like kd), until its last part arrives.
@@ -269,21 +202,11 @@ class IngestStreamImpl final : public Engine::IngestStream {
     storage::StagingPool::Lease hk, hv;
     int received = 0;
     bool done = false;        // every part arrived (caller's thread)
-    std::vector<bf16> qobs;   // [w, hq, d]
-    int w = 0;
   };
 
   // One segment the commit adds: the range of the prompt between two of the session's
   // segment ends (or its reused prefix's end, or the prompt's end).
-  struct Range {
-    int64_t first = 0;   // its first token's position
-    int64_t offset = 0;  // its first row in the stream's layers (first - first_)
-    int n = 0;
-    storage::SegmentId id;
-    storage::SegmentValueLayout layout;
-    bool store_created = false;
-    std::vector<LayerData> out;  // [L]
-  };
+  using Range = IngestRange;
 
   static absl::Status AfterCommit() {
     return absl::InvalidArgumentError(
@@ -550,7 +473,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
     return compressor_status_;
   }
 
-  void NoteCompressionPeak(size_t bytes) {
+  void NoteCompressionPeak(size_t bytes) override {
     std::lock_guard lock(cmu_);
     compression_peak_ = std::max(compression_peak_, bytes);
     peak_known_ = true;
@@ -605,7 +528,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
   // Compresses layer l and frees its raw K/V; an error names the layer.
   absl::Status Compress(int l) {
-    absl::Status st = ProcessLayer(l);
+    absl::Status st = profile_->CompressLayer(l);
     LayerBuf& b = bufs_[l];
     b.kd = DeviceBlock();
     b.vd = DeviceBlock();
@@ -666,7 +589,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
   // Reserves the segment's value block in the store (every profile: the store is also
   // where a durable segment is written through, factors included).
-  absl::Status EnsureStoreSegment(Range& rg, int n_chunks) {
+  absl::Status EnsureStoreSegment(Range& rg, int n_chunks) override {
     if (rg.store_created) return absl::OkStatus();
     const ModelInfo& m = s_->model;
     const ProfileInfo& p = s_->profile;
@@ -678,12 +601,12 @@ class IngestStreamImpl final : public Engine::IngestStream {
   }
 
   // The layer's keys [n, h, d] in backend memory, as a span.
-  absl::Span<const bf16> Keys(const LayerBuf& b) const {
+  absl::Span<const bf16> Keys(const IngestLayer& b) const override {
     return absl::Span<const bf16>(static_cast<const bf16*>(b.kd.data()), b.kd.bytes() / sizeof(bf16));
   }
 
   // A range's rows [rg.n, h, d] of the layer's keys or values.
-  absl::Span<const bf16> Rows(const DeviceBlock& block, const Range& rg) const {
+  absl::Span<const bf16> Rows(const DeviceBlock& block, const Range& rg) const override {
     const size_t row = size_t(s_->model.shape.D());
     return absl::Span<const bf16>(static_cast<const bf16*>(block.data()) + size_t(rg.offset) * row,
                                   size_t(rg.n) * row);
@@ -691,7 +614,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
   // The range's K and V rows as blocks of their own: the layer's blocks themselves when the
   // stream has one range, else copies.
-  absl::Status TakeRows(LayerBuf& b, const Range& rg, DeviceBlock* k, DeviceBlock* v) {
+  absl::Status TakeRows(IngestLayer& b, const Range& rg, DeviceBlock* k, DeviceBlock* v) override {
     if (ranges_.size() == 1) {
       *k = std::move(b.kd);
       *v = std::move(b.vd);
@@ -707,7 +630,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
 
   // Rotates keys [n, h, d] at positions [first, first + n) in place (they are not needed
   // pre-RoPE afterwards).
-  absl::Status RopeInPlace(DeviceBlock& k, int64_t first, int n) {
+  absl::Status RopeInPlace(DeviceBlock& k, int64_t first, int n) override {
     const ModelInfo& m = s_->model;
     StageTimer timer(e_.metrics(), "ingest_rope");
     KVSHADE_ASSIGN_OR_RETURN(DeviceBlock posd, e_.DevicePositions(first, n));
@@ -717,40 +640,18 @@ class IngestStreamImpl final : public Engine::IngestStream {
         absl::Span<bf16>(static_cast<bf16*>(k.data()), size_t(n) * m.shape.D())));
     return e_.backend().Synchronize();
   }
-  absl::Status RopeInPlace(LayerBuf& b) { return RopeInPlace(b.kd, first_, n_); }
 
   // Keeps pre-RoPE keys for a background refactorization (host copy; rare: only when the
   // projection residual is past refactor_threshold).
-  absl::Status KeepForRefactor(int l, absl::Span<const bf16> k) {
+  absl::Status KeepForRefactor(int l, absl::Span<const bf16> k) override {
     std::vector<bf16>& keys = refactor_keys_[l];
     keys.resize(k.size());
     return e_.Download(keys.data(), k.data(), Bf16Bytes(k.size()));
   }
 
-  absl::Status ProcessLayer(int l) {
-    switch (s_->profile.kind) {
-      case v1::PROFILE_KIND_SHADOW: return ProcessShadow(l);
-      case v1::PROFILE_KIND_MINI: return ProcessMini(l);
-      default: return ProcessExact(l);
-    }
-  }
-
-  absl::Status ProcessExact(int l) {
-    LayerBuf& b = bufs_[l];
-    if (!direct_) KVSHADE_RETURN_IF_ERROR(RopeInPlace(b));  // direct_: rotated part by part
-    NoteCompressionPeak(size_t(n_) * sizeof(int64_t));   // the positions
-    for (Range& rg : ranges_) {
-      KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(rg, 0));
-      LayerData& out = rg.out[l];
-      KVSHADE_RETURN_IF_ERROR(TakeRows(b, rg, &out.tk, &out.tv));
-      out.n_tail = out.cap_tail = rg.n;
-    }
-    return absl::OkStatus();
-  }
-
   // Residual of projecting k [n, h, d] onto `basis` (optionally keeping the coordinates).
   absl::StatusOr<double> Project(absl::Span<const bf16> k, const Basis& basis,
-                                 DeviceBlock* a_out) {
+                                 DeviceBlock* a_out) override {
     const ModelInfo& m = s_->model;
     const int n = static_cast<int>(k.size() / m.shape.D());
     StageTimer timer(e_.metrics(), "ingest_project");
@@ -770,264 +671,25 @@ class IngestStreamImpl final : public Engine::IngestStream {
     return pr.residual_energy;
   }
 
-  absl::Status ProcessShadow(int l) {
-    for (size_t r = 0; r < ranges_.size(); ++r) KVSHADE_RETURN_IF_ERROR(ProcessShadowRange(l, r));
-    return absl::OkStatus();
-  }
-
-  // One range of a shadow layer: its own basis when nothing comes before it in the
-  // session, else projected onto the basis of the segment before it (a reused prefix's or
-  // the range before it).
-  absl::Status ProcessShadowRange(int l, size_t r) {
-    LayerBuf& b = bufs_[l];
-    Range& rg = ranges_[r];
-    const ModelInfo& m = s_->model;
-    const ProfileInfo& p = s_->profile;
-    const int C = p.chunk_size;
-    const int n = rg.n;
-    const int64_t first = rg.first;
-    const bool last = r + 1 == ranges_.size();
-    LayerData& out = rg.out[l];
-    const std::shared_ptr<const Basis> pb =
-        r > 0 ? ranges_[r - 1].out[l].basis : prefix_basis_.empty() ? nullptr : prefix_basis_[l];
-    const absl::Span<const bf16> keys = Rows(b.kd, rg);
-
-    if (n < p.local_window + C) {
-      // Too short to chunk: every token is exact tail (CreateSession guarantees a basis
-      // from the prefix or an earlier range in this case).
-      KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(rg, 0));
-      if (!pb) {
-        return absl::FailedPreconditionError(
-            "shadow segment without a basis: the prompt is shorter than local_window + "
-            "chunk_size");
-      }
-      out.basis = pb;
-      auto a = std::make_shared<DeviceBlock>();  // for when these tokens leave the tail
-      KVSHADE_ASSIGN_OR_RETURN(const double residual, Project(keys, *pb, a.get()));
-      NoteResidual(l, residual);
-      out.a = std::move(a);
-      if (last && residual_[l] > p.refactor_threshold) KVSHADE_RETURN_IF_ERROR(KeepForRefactor(l, keys));
-      KVSHADE_RETURN_IF_ERROR(TakeRows(b, rg, &out.tk, &out.tv));
-      KVSHADE_RETURN_IF_ERROR(RopeInPlace(out.tk, first, n));
-      out.n_tail = out.cap_tail = n;
-      return absl::OkStatus();
-    }
-
-    DeviceBlock qd;
-    std::vector<int64_t> qpos;
-    kernels::ShadowObservation obs;
-    // The observation queries are the prompt's last ones: they serve the last range.
-    const int w = last ? std::min(b.w, n) : 0;
-    const bool use_obs = w > 0 && heavy_[l] > 0;
-    if (use_obs) {
-      const size_t q_row = size_t(m.shape.query_heads()) * m.shape.d;
-      const bf16* q_first = b.qobs.data() + size_t(b.w - w) * q_row;
-      KVSHADE_ASSIGN_OR_RETURN(qd, e_.Upload(q_first, Bf16Bytes(size_t(w) * q_row), ArenaKind::kOther));
-      qpos = Positions(first + n - w, w);
-      obs.qobs = absl::Span<const bf16>(static_cast<const bf16*>(qd.data()), size_t(w) * q_row);
-      obs.q_positions = qpos;
-      obs.w = w;
-    }
-    kernels::ShadowParams sp;
-    sp.C = C;
-    sp.rank = std::min({p.rank, m.shape.D(), n / 8 * 8});
-    sp.energy_target = pb ? 0.0 : p.energy_target;
-    sp.subspace_iterations = static_cast<int>(e_.config().profile.factorize_iterations);
-    sp.outliers = p.outliers;
-    sp.keep_sink = p.keep_sink && first == 0;  // the sink is the session's first chunk
-    sp.local_min = p.local_window;
-    sp.heavy_chunks = use_obs ? heavy_[l] : 0;
-    sp.heavy_group = p.kivi_group;
-    sp.codec = p.codec;
-    sp.signature_bits = p.key_signature_bits;
-    // The values are encoded straight into the segment's block in the host value store
-    // when its layout is packed (chunk_stride == chunk_bytes), else copied in afterwards.
-    KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(rg, (n - sp.local_min) / C));
-    absl::Span<std::byte> values_out;
-    if (rg.layout.chunk_stride == rg.layout.chunk_bytes) {
-      KVSHADE_ASSIGN_OR_RETURN(values_out, e_.store().MutableLayer(rg.id, l));
-    }
-    kernels::ShadowLayer sl;
-    ArenaAllocator allocator(e_);
-    {
-      StageTimer timer(e_.metrics(), "ingest_factorize");
-      absl::StatusOr<kernels::ShadowLayer> r = kernels::CompressShadowLayer(
-          e_.backend(), m.shape, m.rope, sp, keys, Rows(b.vd, rg), n, first,
-          use_obs ? &obs : nullptr, kernels::Stream{}, &allocator, values_out);
-      NoteCompressionPeak(allocator.peak_bytes());
-      if (!r.ok()) return r.status();
-      sl = *std::move(r);
-      if (sl.factorize.subspace_fallback) e_.metrics()->FactorizeFallback();
-    }
-    if (values_out.data() == nullptr) {
-      StageTimer timer(e_.metrics(), "ingest_values");
-      const size_t bytes = size_t(m.shape.h) * sl.n_chunks * sl.value_chunk_bytes;
-      KVSHADE_RETURN_IF_ERROR(e_.store().WriteLayer(
-          rg.id, l, absl::Span<const std::byte>(static_cast<const std::byte*>(sl.values.data()), bytes)));
-    }
-    out.n_chunks = out.cap_chunks = sl.n_chunks;
-    if (pb) {
-      auto a = std::make_shared<DeviceBlock>();
-      KVSHADE_ASSIGN_OR_RETURN(const double residual, Project(keys, *pb, a.get()));
-      NoteResidual(l, residual);
-      out.a = std::move(a);
-      out.basis = pb;
-      if (last && residual_[l] > p.refactor_threshold) KVSHADE_RETURN_IF_ERROR(KeepForRefactor(l, keys));
-    } else {
-      auto basis = std::make_shared<Basis>();
-      basis->r = sl.r;
-      basis->b = DeviceBlock(std::move(sl.b));
-      out.basis = std::move(basis);
-      out.a = std::make_shared<DeviceBlock>(std::move(sl.a));
-      captured_[l] = sl.factorize.captured_energy;
-    }
-    out.landmarks = DeviceBlock(std::move(sl.landmarks));
-    if (sl.signature_bits > 0) {
-      out.sig_bits = sl.signature_bits;
-      out.sig = DeviceBlock(std::move(sl.sig));
-    }
-    out.excluded = DeviceBlock(std::move(sl.excluded));
-    out.s_cap = sl.static_capacity * C;
-    out.s_len.resize(m.shape.h);
-    for (int hh = 0; hh < m.shape.h; ++hh) out.s_len[hh] = sl.static_count[hh] * C;
-    out.sk = DeviceBlock(std::move(sl.static_k));
-    out.sv = DeviceBlock(std::move(sl.static_v));
-    out.static_chunks_per_head = sl.static_capacity;
-    out.s_pos.assign(size_t(m.shape.h) * out.s_cap, -1);
-    for (int hh = 0; hh < m.shape.h; ++hh) {
-      for (int i = 0; i < sl.static_capacity; ++i) {
-        const int32_t chunk = sl.static_chunks[size_t(hh) * sl.static_capacity + i];
-        if (chunk < 0) continue;
-        for (int j = 0; j < C; ++j) {
-          out.s_pos[(size_t(hh) * sl.static_capacity + i) * C + j] = first + int64_t(chunk) * C + j;
-        }
-      }
-    }
-    if (sl.n_heavy > 0) {
-      KiviBlock kb;
-      kb.rows = sl.heavy_rows_per_head;
-      kb.valid = sl.n_heavy * C;
-      kb.k_codes = DeviceBlock(std::move(sl.heavy_k_codes));
-      kb.k_scale = DeviceBlock(std::move(sl.heavy_k_scale));
-      kb.k_min = DeviceBlock(std::move(sl.heavy_k_min));
-      kb.v_codes = DeviceBlock(std::move(sl.heavy_v_codes));
-      kb.v_scale = DeviceBlock(std::move(sl.heavy_v_scale));
-      kb.v_min = DeviceBlock(std::move(sl.heavy_v_min));
-      out.int2.push_back(std::move(kb));
-    }
-    out.n_tail = out.cap_tail = sl.n_tail;
-    out.tk = DeviceBlock(std::move(sl.tail_k));
-    out.tv = DeviceBlock(std::move(sl.tail_v));
-    return absl::OkStatus();
-  }
-
   // A range projected onto a cached basis: the layer reports the largest residual of its
   // projected ranges.
-  void NoteResidual(int l, double residual) {
+  void NoteResidual(int l, double residual) override {
     residual_[l] = std::max(residual_[l], residual);
     projected_ = true;
   }
+  double residual(int l) const override { return residual_[l]; }
+  void set_captured(int l, double energy) override { captured_[l] = energy; }
 
-  absl::Status ProcessMini(int l) {
-    LayerBuf& b = bufs_[l];
-    const ModelInfo& m = s_->model;
-    const ProfileInfo& p = s_->profile;
-    const int h = m.shape.h, d = m.shape.d, G = p.kivi_group, n = n_;
-    Range& rg = ranges_[0];  // CreateSession sets no segment ends for mini
-    KVSHADE_RETURN_IF_ERROR(EnsureStoreSegment(rg, 0));
-    KVSHADE_RETURN_IF_ERROR(RopeInPlace(b));
-    const absl::Span<const bf16> kr = Keys(b);
-    // Token selection and the gathers run on the host here (one download of K and V).
-    std::vector<bf16> krh(kr.size()), vh(kr.size());
-    KVSHADE_RETURN_IF_ERROR(e_.Download(krh.data(), b.kd.data(), b.kd.bytes()));
-    KVSHADE_RETURN_IF_ERROR(e_.Download(vh.data(), b.vd.data(), b.vd.bytes()));
+  // The rest of IngestContext (profile.h).
+  EngineImpl& engine() override { return e_; }
+  const Session& session() const override { return *s_; }
+  int64_t first() const override { return first_; }
+  int n() const override { return n_; }
+  size_t range_count() const override { return ranges_.size(); }
+  IngestRange& range(size_t r) override { return ranges_[r]; }
+  IngestLayer& layer(int l) override { return bufs_[l]; }
+  bool direct() const override { return direct_; }
 
-    int window = std::clamp(static_cast<int>(std::ceil(p.mini_recent_ratio * n)), 1, n);
-    int heavy = std::min(static_cast<int>(std::floor(mini_heavy_[l] * n)), n - window);
-    std::vector<float> mass;
-    if (b.w > 0 && heavy > 0) {
-      DeviceBlock qd;
-      KVSHADE_ASSIGN_OR_RETURN(qd, e_.Upload(b.qobs.data(), Bf16Bytes(b.qobs.size()), ArenaKind::kOther));
-      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock qposd, e_.DevicePositions(first_ + n - b.w, b.w));
-      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kposd, e_.DevicePositions(first_, n));
-      const absl::Span<const int64_t> qpos(static_cast<const int64_t*>(qposd.data()), size_t(b.w));
-      const absl::Span<const int64_t> kpos(static_cast<const int64_t*>(kposd.data()), size_t(n));
-      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock md, e_.Alloc(size_t(h) * n * 4, ArenaKind::kOther));
-      const size_t wsb = e_.backend().ObservationWorkspaceBytes(b.w, n, m.shape);
-      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock ws, e_.Alloc(wsb, ArenaKind::kOther));
-      KVSHADE_RETURN_IF_ERROR(e_.backend().ObservationMass(
-          absl::Span<const bf16>(static_cast<const bf16*>(qd.data()), b.qobs.size()), qpos, b.w,
-          kr, kpos, n, m.shape,
-          absl::Span<float>(static_cast<float*>(md.data()), size_t(h) * n),
-          kernels::Workspace{ws.data(), wsb}));
-      mass.resize(size_t(h) * n);
-      KVSHADE_RETURN_IF_ERROR(e_.Download(mass.data(), md.data(), mass.size() * 4));
-    } else {
-      window = std::min(n, window + heavy);  // no observation: the budget goes to recency
-      heavy = 0;
-    }
-    const int keep = window + heavy;
-    const int mq = keep / G * G;  // whole KIVI groups; the newest leftovers stay exact
-    std::vector<bf16> rk(size_t(h) * keep * d), rv(rk.size());
-    std::vector<int64_t> pos(size_t(h) * keep);
-    std::vector<int32_t> idx(n);
-    for (int hh = 0; hh < h; ++hh) {
-      std::vector<int32_t> kept;
-      if (heavy > 0) {
-        std::vector<int32_t> cand(n - window);
-        std::iota(cand.begin(), cand.end(), 0);
-        const float* mh = mass.data() + size_t(hh) * n;
-        std::partial_sort(cand.begin(), cand.begin() + heavy, cand.end(), [&](int32_t a, int32_t c) {
-          return mh[a] > mh[c] || (mh[a] == mh[c] && a < c);
-        });
-        kept.assign(cand.begin(), cand.begin() + heavy);
-        std::sort(kept.begin(), kept.end());
-      }
-      for (int t = n - window; t < n; ++t) kept.push_back(t);
-      for (int i = 0; i < keep; ++i) {
-        pos[size_t(hh) * keep + i] = first_ + kept[i];
-        const size_t src = (size_t(kept[i]) * h + hh) * d;
-        const size_t dst = (size_t(hh) * keep + i) * d;
-        std::copy_n(krh.begin() + src, d, rk.begin() + dst);
-        std::copy_n(vh.begin() + src, d, rv.begin() + dst);
-      }
-    }
-    LayerData& out = rg.out[l];
-    if (mq > 0) {
-      // [h, mq, d] per head contiguous == [h*mq, d]: per-channel key groups of G rows never
-      // cross heads because mq % G == 0.
-      std::vector<bf16> qk(size_t(h) * mq * d), qv(qk.size());
-      for (int hh = 0; hh < h; ++hh) {
-        std::copy_n(rk.begin() + size_t(hh) * keep * d, size_t(mq) * d, qk.begin() + size_t(hh) * mq * d);
-        std::copy_n(rv.begin() + size_t(hh) * keep * d, size_t(mq) * d, qv.begin() + size_t(hh) * mq * d);
-      }
-      KiviBlock kb;
-      std::vector<bf16> dk, dv;
-      KVSHADE_RETURN_IF_ERROR(Quantize(qk, qv, h * mq, &kb, &dk, &dv));
-      kb.rows = kb.valid = mq;
-      for (int hh = 0; hh < h; ++hh) {
-        std::copy_n(dk.begin() + size_t(hh) * mq * d, size_t(mq) * d, rk.begin() + size_t(hh) * keep * d);
-        std::copy_n(dv.begin() + size_t(hh) * mq * d, size_t(mq) * d, rv.begin() + size_t(hh) * keep * d);
-      }
-      out.int2.push_back(std::move(kb));
-    }
-    out.s_cap = keep;
-    out.s_len.assign(h, keep);
-    out.s_pos = std::move(pos);
-    KVSHADE_ASSIGN_OR_RETURN(out.sk, e_.Upload(rk.data(), Bf16Bytes(rk.size()), ArenaKind::kStatic));
-    KVSHADE_ASSIGN_OR_RETURN(out.sv, e_.Upload(rv.data(), Bf16Bytes(rv.size()), ArenaKind::kStatic));
-    return absl::OkStatus();
-  }
-
- public:
-  // INT2 KIVI of k, v [rows, d] (keys per-channel, values per-token), returning the codes
-  // and the dequantized rows.
-  absl::Status Quantize(const std::vector<bf16>& k, const std::vector<bf16>& v, int rows,
-                        KiviBlock* kb, std::vector<bf16>* dk, std::vector<bf16>* dv) {
-    return QuantizeKivi(e_, s_->model.shape.d, s_->profile.kivi_group, k, v, rows, kb, dk, dv);
-  }
-
- private:
   absl::Status Failed() const {
     return absl::FailedPreconditionError(absl::StrCat(
         "Ingest: an earlier message of this stream failed, so nothing is committed: ",
@@ -1057,12 +719,13 @@ class IngestStreamImpl final : public Engine::IngestStream {
   absl::Status Commit() {
     const ModelInfo& m = s_->model;
     const ProfileInfo& p = s_->profile;
-    // Content-addressed registration (shadow, exact): later sessions with the same
-    // tokens reuse these segments. The keys are known before sealing so that a durable
-    // segment's record carries its own.
+    const ProfileStrategy& profile = ProfileOf(p.kind);
+    // Content-addressed registration (reusable profiles: shadow, exact): later sessions
+    // with the same tokens reuse these segments. The keys are known before sealing so that
+    // a durable segment's record carries its own.
     std::optional<storage::PrefixHasher> hasher;
     std::vector<storage::PrefixKey> keys;
-    if (p.kind != v1::PROFILE_KIND_MINI) {
+    if (profile.reusable()) {
       if (auto h = e_.Hasher(tenant_, m, p); h.ok()) {
         hasher = *h;
         keys = hasher->Chain(s_->prompt);
@@ -1133,14 +796,12 @@ class IngestStreamImpl final : public Engine::IngestStream {
           return st;
         }
       }
-      if (p.kind == v1::PROFILE_KIND_SHADOW) {
-        // The prompt's remainder may join an earlier segment's (a short suffix): whole
-        // chunks leave the tail now. The commit stands either way (a failure only leaves
-        // the tail longer until the next append).
-        if (absl::Status st = TrimShadowTail(e_, *s_); !st.ok()) {
-          spdlog::warn("session '{}': the exact tail was not cut at the commit: {}", s_->id,
-                       std::string(st.message()));
-        }
+      // Shadow: the prompt's remainder may join an earlier segment's (a short suffix):
+      // whole chunks leave the tail now. The commit stands either way (a failure only
+      // leaves the tail longer until the next append).
+      if (absl::Status st = profile.SettleTail(e_, *s_); !st.ok()) {
+        spdlog::warn("session '{}': the exact tail was not cut at the commit: {}", s_->id,
+                     std::string(st.message()));
       }
       s_->captured_energy = captured_;
       s_->residual_energy = residual_;
@@ -1156,19 +817,9 @@ class IngestStreamImpl final : public Engine::IngestStream {
     committed_ = true;
     if (scheduled) e_.ScheduleRefactor(s_);
     e_.metrics()->IngestedTokens(n_);
-    for (int l = 0; l < L_; ++l) {
-      if (p.kind != v1::PROFILE_KIND_SHADOW) continue;
-      if (prefix_basis_.empty()) e_.metrics()->ReconstructionEnergy(captured_[l]);
-      if (projected_) e_.metrics()->ProjectionResidual(residual_[l]);
-    }
+    profile_->Report(e_.metrics(), &resp_, captured_, residual_, projected_);
     e_.UpdateGauges();
     resp_.set_tokens(s_->tokens);
-    if (p.kind == v1::PROFILE_KIND_SHADOW) {
-      for (int l = 0; l < L_; ++l) {
-        resp_.add_captured_energy(static_cast<float>(captured_[l]));
-        if (projected_) resp_.add_residual_energy(static_cast<float>(residual_[l]));
-      }
-    }
     resp_.set_refactorization_scheduled(scheduled);
     return absl::OkStatus();
   }
@@ -1185,9 +836,7 @@ class IngestStreamImpl final : public Engine::IngestStream {
   std::vector<double> captured_, residual_;
   std::vector<std::vector<bf16>> refactor_keys_;
   std::vector<std::string> peers_;  // CUDA IPC handles this stream mapped (same-node parts)
-  std::vector<std::shared_ptr<const Basis>> prefix_basis_;
-  std::vector<int> heavy_;
-  std::vector<double> mini_heavy_;
+  std::unique_ptr<ProfileIngest> profile_;  // the profile's part (compresses the layers)
   bool commit_accepted_ = false;  // the commit message arrived (and every layer was complete)
   bool committed_ = false;        // Finish applied it
   absl::Status failed_;           // the stream's first error

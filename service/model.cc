@@ -9,6 +9,7 @@
 #include "absl/strings/str_join.h"
 #include "kvshade/base/bf16.h"
 #include "kvshade/base/status_macros.h"
+#include "profile.h"
 
 namespace kvshade::service {
 namespace {
@@ -267,110 +268,10 @@ absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& p, const ProfileDe
                       : def.recall_action == "exact" ? v1::RECALL_ACTION_EXACT
                                                      : v1::RECALL_ACTION_WIDEN;
   }
-  switch (o.requested) {
-    case v1::PROFILE_KIND_AUTO:
-      o.kind = n_tokens < static_cast<uint64_t>(o.min_tokens) ? v1::PROFILE_KIND_MINI
-                                                               : v1::PROFILE_KIND_SHADOW;
-      break;
-    default: o.kind = o.requested;
-  }
-  if (p.value_codec() == v1::VALUE_CODEC_UNSPECIFIED && def.value_codec == "auto") {
-    // Long contexts keep int4 values in host RAM (a quarter of bf16, within half a point
-    // of bf16 accuracy: bench/RESULTS.md); shorter ones bf16.
-    o.codec.codec = o.kind == v1::PROFILE_KIND_SHADOW && n_tokens >= def.int4_from_tokens
-                        ? kernels::ValueCodec::kINT4
-                        : kernels::ValueCodec::kBF16;
-  } else {
-    KVSHADE_ASSIGN_OR_RETURN(o.codec.codec, CodecFromProto(p.value_codec(), def.value_codec));
-  }
-  o.codec.group = o.kivi_group;
-  // Key signatures: shadow only. A request naming another kind (mini, exact) may not ask
-  // for them; one left to AUTO gets them only when it resolves to shadow. The server's
-  // default applies to shadow sessions only.
-  if (p.has_key_signature_bits()) {
-    const uint32_t bits = p.key_signature_bits();
-    if (bits != 0 && !kernels::ValidSignatureBits(static_cast<int>(bits))) {
-      return Bad("profile.key_signature_bits",
-                 absl::StrCat("must be 0 (none), 2 or 4, got ", bits));
-    }
-    if (bits != 0 && o.requested != v1::PROFILE_KIND_AUTO && o.requested != v1::PROFILE_KIND_SHADOW) {
-      return Bad("profile.key_signature_bits",
-                 absl::StrCat("applies to the shadow profile only, got ", bits, " with profile ",
-                              v1::ProfileKind_Name(o.requested)));
-    }
-    o.key_signature_bits = o.kind == v1::PROFILE_KIND_SHADOW ? static_cast<int>(bits) : 0;
-  } else {
-    o.key_signature_bits = o.kind == v1::PROFILE_KIND_SHADOW ? static_cast<int>(def.key_signature_bits) : 0;
-  }
-
-  const int D = model.shape.D();
-  const int d = model.shape.d;
-  if (o.chunk_size < 1 || o.chunk_size > 256) {
-    return Bad("profile.chunk_size", absl::StrCat("must be in [1, 256], got ", o.chunk_size));
-  }
-  if (o.sparse_budget < 1 || o.sparse_budget > 65536) {
-    return Bad("profile.sparse_budget", absl::StrCat("must be in [1, 65536], got ", o.sparse_budget));
-  }
-  if (o.local_window < 1 || o.local_window > 65536) {
-    return Bad("profile.local_window", absl::StrCat("must be in [1, 65536], got ", o.local_window));
-  }
-  if (o.kind == v1::PROFILE_KIND_SHADOW) {
-    if (o.rank < 8 || o.rank % 8 != 0 || o.rank > D) {
-      return Bad("profile.rank", absl::StrCat("must be a multiple of 8 in [8, h*d = ", D,
-                                              "], got ", o.rank));
-    }
-    if (o.codec.codec == kernels::ValueCodec::kINT2 || o.codec.codec == kernels::ValueCodec::kINT4 ||
-        o.heavy_chunks > 0) {
-      // KIVI groups run along the head dim for values. Heavy chunks are INT2 whatever the
-      // value codec: 2-bit groups then, even with int4 values.
-      const bool int2_groups = o.codec.codec == kernels::ValueCodec::kINT2 || o.heavy_chunks > 0;
-      if (o.kivi_group < 1 || d % o.kivi_group != 0 || o.kivi_group % (int2_groups ? 16 : 8) != 0) {
-        return Bad("profile.kivi_group",
-                   absl::StrCat("must divide head_dim = ", d, " and be a multiple of 16 (8 for "
-                                "int4 values without heavy chunks), got ", o.kivi_group));
-      }
-    }
-    if (o.key_signature_bits > 0 && (int64_t{d} * o.key_signature_bits) % 32 != 0) {
-      return Bad("profile.key_signature_bits",
-                 absl::StrCat("needs head_dim * bits to be a multiple of 32, got head_dim = ", d,
-                              " and ", o.key_signature_bits, " bits"));
-    }
-    if (auto b = kernels::ValueChunkBytes(o.codec, o.chunk_size, d); !b.ok()) {
-      return Bad("profile.value_codec", std::string(b.status().message()));
-    }
-  }
-  // Selection units: shadow only (a request naming mini or exact may not ask for them; one
-  // left to AUTO gets them only when it resolves to shadow, as does the server's default).
-  {
-    const bool asked = p.has_selection_unit();
-    const uint32_t u = asked ? p.selection_unit() : def.selection_unit;
-    if (asked && u != 0 && o.requested != v1::PROFILE_KIND_AUTO &&
-        o.requested != v1::PROFILE_KIND_SHADOW) {
-      return Bad("profile.selection_unit",
-                 absl::StrCat("applies to the shadow profile only, got ", u, " with profile ",
-                              v1::ProfileKind_Name(o.requested)));
-    }
-    if (o.kind == v1::PROFILE_KIND_SHADOW && u != 0 && u != static_cast<uint32_t>(o.chunk_size)) {
-      if (u > static_cast<uint32_t>(o.chunk_size) || o.chunk_size % u != 0) {
-        return Bad("profile.selection_unit",
-                   absl::StrCat("must divide chunk_size = ", o.chunk_size,
-                                " (0 or chunk_size: whole chunks), got ", u));
-      }
-      if (o.rerank_factor < 2) {
-        return Bad("profile.selection_unit",
-                   absl::StrCat("needs two-stage selection (rerank_factor > 1), got selection_unit = ",
-                                u, " with rerank_factor = ", o.rerank_factor));
-      }
-      o.selection_unit = static_cast<int>(u);
-    }
-  }
-  if (o.kind == v1::PROFILE_KIND_MINI) {
-    if (o.kivi_group < 16 || o.kivi_group % 16 != 0 || d % o.kivi_group != 0) {
-      return Bad("profile.kivi_group",
-                 absl::StrCat("must be a multiple of 16 dividing head_dim = ", d, ", got ",
-                              o.kivi_group));
-    }
-  }
+  o.kind = o.requested == v1::PROFILE_KIND_AUTO ? AutoProfileKind(n_tokens, o) : o.requested;
+  // The rest depends on the profile: its strategy resolves and checks it (profile.h).
+  const ProfileRequest request{p, def, model, n_tokens, o.requested == v1::PROFILE_KIND_AUTO};
+  KVSHADE_RETURN_IF_ERROR(ProfileOf(o.kind).Resolve(request, o));
   return o;
 }
 

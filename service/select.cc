@@ -20,6 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "delivery.h"
 #include "engine_impl.h"
+#include "profile.h"
 #include "kvshade/base/status_macros.h"
 
 namespace kvshade::service {
@@ -417,7 +418,7 @@ absl::Status EngineImpl::Select(const Tenant& t, const SelectRequestView& r, Sel
     SlotDeltaResult& delta = out->deltas[i];
     delta.chunk_size = static_cast<uint32_t>(s.profile.slot_tokens());  // rows per miss
     delta.head_dim = static_cast<uint32_t>(s.model.shape.d);
-    if (s.profile.kind != v1::PROFILE_KIND_SHADOW) continue;  // no per-query selection
+    if (!ProfileOf(s.profile.kind).selects()) continue;  // no per-query selection
     KVSHADE_ASSIGN_OR_RETURN(holds[i], BuildView(s, layer));
     if (holds[i].total_chunks == 0) continue;
     ks[i] = std::min(s.profile.sparse_budget, holds[i].total_chunks);
@@ -564,7 +565,7 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
     decode::AttendRows rows;
     std::vector<DeviceBlock> keep;  // scratch alive until Attend ran
     SelectRun run;
-    if (s.profile.kind == v1::PROFILE_KIND_EXACT) {
+    if (ProfileOf(s.profile.kind).all_exact()) {
       // Every token: the segments' exact blocks (gathered into one when there are more
       // than the kernel takes).
       std::vector<const LayerData*> parts;
@@ -600,7 +601,7 @@ absl::Status EngineImpl::Attend(const Tenant& t, const AttendRequestView& r, Att
       KVSHADE_ASSIGN_OR_RETURN(const StaticCache* c, GetCache(s, layer));
       KVSHADE_RETURN_IF_ERROR(rows.AddStatic(Ptr<const bf16>(c->k), Ptr<const bf16>(c->v), c->s,
                                              Ptr<const int32_t>(c->lengths), d));
-      if (s.profile.kind == v1::PROFILE_KIND_SHADOW) {
+      if (ProfileOf(s.profile.kind).selects()) {
         KVSHADE_ASSIGN_OR_RETURN(LayerViewHold hold, BuildView(s, layer));
         if (hold.total_chunks > 0) {
           // The recall guard may have widened this layer's budget (or opened every chunk).
@@ -705,7 +706,7 @@ absl::StatusOr<v1::GetStaticSetResponse> EngineImpl::GetStaticSet(const Tenant& 
   const int h = s.model.shape.h, d = s.model.shape.d;
   const int64_t tok = int64_t(h) * d;
   v1::GetStaticSetResponse resp;
-  if (s.profile.kind == v1::PROFILE_KIND_EXACT) {
+  if (ProfileOf(s.profile.kind).all_exact()) {
     // No selection for exact sessions: every token is "tail".
     std::vector<bf16> hk, hv;
     size_t total = 0;

@@ -14,9 +14,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine_impl.h"
+#include "profile.h"
 #include "status_util.h"
 #include "kvshade/service/log.h"
-#include "kvshade/kernels/pyramid.h"
 #include "kvshade/base/status_macros.h"
 
 namespace kvshade::service {
@@ -54,10 +54,10 @@ static int64_t SegmentEndAlignment(const ProfileInfo& p) {
   return std::lcm<int64_t>(storage::kDefaultPrefixBlockTokens, std::max<int64_t>(p.chunk_size, 1));
 }
 
-// The fewest tokens of a segment that a segment end closes: a shadow segment before
-// another one has chunks of its own (its remainder stays exact between the two).
+// The fewest tokens of a segment that a segment end closes (the profile's: a shadow
+// segment before another one has chunks of its own).
 static int64_t MinClosedSegment(const ProfileInfo& p) {
-  return p.kind == v1::PROFILE_KIND_SHADOW ? int64_t(p.local_window) + p.chunk_size : 1;
+  return ProfileOf(p.kind).MinClosedSegment(p);
 }
 
 // The request's segment_ends against the prompt alone (before the prefix lookup): refused
@@ -206,9 +206,10 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
 
   // Prefix reuse: shadow and exact segments are content-addressed; mini keeps per-prompt
   // budgets (fractions of the prompt length), so its segments are not reusable by others.
+  const ProfileStrategy& strategy = ProfileOf(profile.kind);
   std::optional<PrefixStop> reuse_stop;  // no lookup for mini
   SegmentEndPlan ends;                   // none for mini: its segments are not cached
-  if (profile.kind != v1::PROFILE_KIND_MINI) {
+  if (strategy.reusable()) {
     KVSHADE_ASSIGN_OR_RETURN(storage::PrefixHasher hasher, Hasher(t, model, profile));
     ReuseMatch m = FindReusable(hasher, tokens, s->durable, /*page_in=*/true);
     ++prefix_lookups_;
@@ -224,20 +225,8 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
     s->prefix_refs = std::move(m.refs);
     s->reused_tokens = m.tokens;
   }
-  if (profile.kind == v1::PROFILE_KIND_SHADOW && s->reused_tokens == 0 &&
-      tokens.size() < size_t(profile.local_window + profile.chunk_size)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "token_ids: a shadow session needs at least local_window + chunk_size = ",
-        profile.local_window + profile.chunk_size, " prompt tokens, got ", tokens.size(),
-        " (use the auto, mini or exact profile for short prompts)"));
-  }
-  if (profile.kind == v1::PROFILE_KIND_MINI) {
-    if (auto b = kernels::PyramidBudgets(model.layers, profile.mini_heavy_ratio); !b.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "profile.mini_heavy_ratio = ", profile.mini_heavy_ratio,
-          " gives an invalid pyramid over ", model.layers, " layers: ", b.status().message()));
-    }
-  }
+  // The profile's own checks (shadow: a prompt long enough to chunk; mini: its pyramid).
+  KVSHADE_RETURN_IF_ERROR(strategy.CheckSession(model, profile, s->reused_tokens, tokens.size()));
   s->tokens = s->reused_tokens;
   if (s->reused_tokens == tokens.size()) s->state = SessionState::kReady;
   KVSHADE_RETURN_IF_ERROR(sessions_.AddSession(s));
@@ -282,7 +271,7 @@ absl::StatusOr<v1::LookupPrefixResponse> EngineImpl::LookupPrefix(
   KVSHADE_ASSIGN_OR_RETURN(ProfileInfo profile,
                            ResolveProfile(r.profile(), config_->profile, model, tokens.size()));
   v1::LookupPrefixResponse resp;
-  if (profile.kind == v1::PROFILE_KIND_MINI || tokens.empty()) return resp;
+  if (!ProfileOf(profile.kind).reusable() || tokens.empty()) return resp;
   KVSHADE_ASSIGN_OR_RETURN(storage::PrefixHasher hasher, Hasher(t, model, profile));
   ReuseMatch m = FindReusable(hasher, tokens, /*need_durable=*/false, /*page_in=*/false);
   ++prefix_lookups_;

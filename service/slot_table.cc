@@ -6,9 +6,21 @@
 
 #include "engine_impl.h"
 #include "kvshade/base/status_macros.h"
+#include "kvshade/service/slot_layout.h"
+#include "profile.h"
 #include "status_util.h"
 
 namespace kvshade::service {
+
+SlotLayout SlotLayout::Of(const ModelInfo& model, const ProfileInfo& profile) {
+  SlotLayout l;
+  l.layers = static_cast<uint32_t>(model.layers);
+  l.heads = static_cast<uint32_t>(model.shape.h);
+  l.slots_per_head = static_cast<uint32_t>(ProfileOf(profile.kind).SlotsPerHead(profile));
+  l.slot_tokens = static_cast<uint32_t>(profile.slot_tokens());
+  l.head_dim = static_cast<uint32_t>(model.shape.d);
+  return l;
+}
 
 absl::StatusOr<v1::SlotTableResponse> EngineImpl::SlotTable(const Tenant& t,
                                                             const v1::SlotTableRequest& r) {

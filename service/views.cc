@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "engine_impl.h"
+#include "profile.h"
 #include "status_util.h"
 #include "kvshade/service/log.h"
 #include "kvshade/kernels/pyramid.h"
@@ -163,7 +164,7 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer) {
       return Download(c.host_tv.data() + at, static_cast<const kernels::bf16*>(ld.tv.data()) + off,
                       Bf16Bytes(n));
     };
-    if (s.profile.kind != v1::PROFILE_KIND_EXACT) {
+    if (!ProfileOf(s.profile.kind).all_exact()) {
       for (const auto& seg : s.chain) KVSHADE_RETURN_IF_ERROR(add_tail(*seg));
       if (s.open) KVSHADE_RETURN_IF_ERROR(add_tail(*s.open));
     }

@@ -22,17 +22,8 @@ struct SlotLayout {
   // The slot buffers of a session of this model and profile: a shadow profile has
   // sparse_budget slots per head (sparse_budget * C/u with selection units of u tokens),
   // every other profile none.
-  static SlotLayout Of(const ModelInfo& model, const ProfileInfo& profile) {
-    SlotLayout l;
-    l.layers = static_cast<uint32_t>(model.layers);
-    l.heads = static_cast<uint32_t>(model.shape.h);
-    l.slots_per_head = profile.kind == v1::PROFILE_KIND_SHADOW
-                           ? static_cast<uint32_t>(profile.slots(profile.sparse_budget))
-                           : 0;
-    l.slot_tokens = static_cast<uint32_t>(profile.slot_tokens());
-    l.head_dim = static_cast<uint32_t>(model.shape.d);
-    return l;
-  }
+  // (service/slot_table.cc: the profile's strategy says how many slots it selects.)
+  static SlotLayout Of(const ModelInfo& model, const ProfileInfo& profile);
 
   // Bytes of one row (one slot: slot_tokens x head_dim bf16).
   uint64_t RowBytes() const { return uint64_t{slot_tokens} * head_dim * 2; }
