@@ -7,7 +7,7 @@ kvshade_get_device_stats). The C ABI's device fields and calls carry it through.
 Also the device a worker's sessions go to (kvshade.routing.choose_device / session_device,
 what the transformers adapters and torch_hook use): the rule over made-up device lists
 (GPU workers with a fake PCI bus id lookup), and against the daemon (its CPU devices are no
-GPU; names pass as they are)."""
+GPU; names pass as they are), and torch_hook placing its session where `device=` says."""
 import unittest
 
 import numpy as np
@@ -16,6 +16,12 @@ from kvshade_testutil import Server, seed
 
 import kvshade
 from kvshade.routing import choose_device, session_device
+
+try:
+    import torch
+    from kvshade.torch_hook import KvShadeKVCache
+except ImportError:  # torch is optional for the package
+    torch = None
 
 L, HQ, H, D = 2, 4, 2, 16
 
@@ -120,6 +126,31 @@ class DevicesTest(unittest.TestCase):
         self.assertEqual(session_device(self.c, "cpu:1", "cuda:0"), "cpu:1")
         self.assertEqual(session_device(self.c, "", "cuda:0"), "")
         self.assertEqual(session_device(None, None, "cpu"), "")
+
+    @unittest.skipIf(torch is None, "torch is not importable")
+    def test_torch_hook_places_its_session_where_device_says(self):
+        n = 256
+        keys = [torch.randn(n, H, D) for _ in range(L)]
+        tokens = self.rng.integers(0, 30000, n)
+        hook = KvShadeKVCache(self.c, self.model, kvshade.Profile("exact"), device="cpu:1")
+        created = hook.prefill(tokens, keys, keys)
+        self.assertEqual(created.device, "cpu:1")
+        self.assertEqual(self.c.get_session(hook.session_id)["device"], "cpu:1")
+        self.assertEqual(self.c.get_session(hook.session_id)["attachments"], 1)
+        hook.close(close_session=True)
+        # Its attach names the device: the daemon refuses another device's session to it.
+        other, _ = self.session("cpu:0")
+        with self.assertRaises(kvshade.FailedPrecondition) as e:
+            hook.attach(other.session_id)
+        self.assertIn("the worker is on device cpu:1", str(e.exception))
+        self.c.close_session(other.session_id)
+        # Default: the keys are on the CPU, so the daemon's first device.
+        dflt = KvShadeKVCache(self.c, self.model, kvshade.Profile("exact"))
+        self.assertEqual(dflt.prefill(tokens, keys, keys).device, "cpu:0")
+        self.assertEqual(dflt.device, "")
+        dflt.close(close_session=True)
+        with self.assertRaises(kvshade.InvalidArgument):
+            KvShadeKVCache(self.c, self.model, kvshade.Profile("exact"), device="cpu:9").prefill(tokens, keys, keys)
 
 
 GPUS = [{"device": "cuda:0", "pci_bus_id": "0000:3b:00.0"}, {"device": "cuda:1", "pci_bus_id": "0000:5E:00.0"}]
