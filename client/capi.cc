@@ -1260,6 +1260,38 @@ int kvshade_get_stats(kvshade_client* c, kvshade_stats* out) {
   });
 }
 
+int kvshade_get_device_stats(kvshade_client* c, kvshade_device_stats* out, size_t n, size_t* count) {
+  return Guard([&] {
+    if (c == nullptr || count == nullptr) return Bad("client and count must not be NULL");
+    if (out == nullptr && n > 0) return Bad(absl::StrCat("out is NULL with n = ", n));
+    auto r = c->impl->Stats();
+    if (!r.ok()) return Report(r.status());
+    const size_t have = static_cast<size_t>(r->devices_size());
+    for (size_t i = 0; i < std::min(n, have); ++i) {
+      const v1::DeviceStats& d = r->devices(static_cast<int>(i));
+      kvshade_device_stats& o = out[i];
+      std::memset(&o, 0, sizeof(o));
+      CopyId(d.device(), o.device, sizeof(o.device));
+      CopyId(d.pci_bus_id(), o.pci_bus_id, sizeof(o.pci_bus_id));
+      o.sessions = d.sessions();
+      o.attachments = d.attachments();
+      o.segments = d.segments();
+      o.device_bytes_used = d.device_bytes_used();
+      o.device_bytes_budget = d.device_bytes_budget();
+      o.device_bytes_held = d.device_bytes_held();
+      o.host_bytes_used = d.host_bytes_used();
+      o.host_bytes_budget = d.host_bytes_budget();
+      o.spilled_bytes = d.spilled_bytes();
+      o.prefix_lookups = d.prefix_lookups();
+      o.prefix_hits = d.prefix_hits();
+      o.chunks_selected = d.chunks_selected();
+      o.chunk_hits = d.chunk_hits();
+    }
+    *count = have;
+    return Report(absl::OkStatus());
+  });
+}
+
 // --- Placement ---------------------------------------------------------------------------
 
 static_assert(KVSHADE_ROUTE_SEED == kvshade::client::kRouteSeed, "kvshade.h and router.h disagree");

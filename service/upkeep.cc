@@ -165,6 +165,10 @@ absl::StatusOr<v1::StatsResponse> EngineImpl::Stats(const Tenant& t) {
   d->set_host_bytes_used(r.host_bytes_used());
   d->set_host_bytes_budget(r.host_bytes_budget());
   d->set_spilled_bytes(r.spilled_bytes());
+  d->set_prefix_lookups(r.prefix_lookups());
+  d->set_prefix_hits(r.prefix_hits());
+  d->set_chunks_selected(r.chunks_selected());
+  d->set_chunk_hits(r.chunk_hits());
   return r;
 }
 

@@ -3,7 +3,9 @@
  * Covers connect/health, create + ingest (exact) + get_session, attach, static set (values
  * come back bit-identical), attend against attention over the static set, select, append,
  * stats, the recall guard's figures (kvshade_get_session_selection), segment ends
- * (kvshade_create_session_ex: a second prompt reuses the first's document), the error contract
+ * (kvshade_create_session_ex: a second prompt reuses the first's document), per-device
+ * statistics (kvshade_get_device_stats; with $KVSHADE_TEST_DEVICES the daemon has that many
+ * CPU devices: `run_with_server.py --backend cpu:0,cpu:1`), the error contract
  * (codes and messages, NULL arguments), and the UCX options and status: with
  * $KVSHADE_UCX_TRANSPORTS set the server offers a UCX data plane (started with
  * `run_with_server.py --ucx ...`) and a use_ucx client must connect with no fallback;
@@ -105,6 +107,87 @@ static int check_segment_ends(kvshade_client* c, const kvshade_model* base, cons
   CHECK(sq.reused_tokens == DOC && sq.tokens_to_ingest == QN - DOC);
   CHECK(sq.n_segment_ends == 0);  /* the document's end is a boundary already */
   REQUIRE_OK(kvshade_close_session(c, sq.session_id));
+  REQUIRE_OK(kvshade_close_session(c, sc.session_id));
+  return 0;
+}
+
+/* Per-device statistics (kvshade_get_device_stats): NULL arguments refused, the count alone,
+ * a buffer with room for one (the count of all, nothing written past it), each device's
+ * figures against kvshade_get_stats' sums, and a session placed on the last device counted
+ * there and nowhere else. $KVSHADE_TEST_DEVICES: the devices of the daemon
+ * (run_with_server.py --backend); 1 when unset. */
+enum { MAX_TEST_DEVICES = 4 };
+static int test_device_stats(kvshade_client* c, const kvshade_model* m, const kvshade_profile* p,
+                             const int32_t* tokens) {
+  const char* env = getenv("KVSHADE_TEST_DEVICES");
+  const size_t want = env != NULL ? (size_t)atoi(env) : 1;
+  CHECK(want >= 1 && want <= MAX_TEST_DEVICES);
+  size_t count = 99;
+  CHECK(kvshade_get_device_stats(NULL, NULL, 0, &count) == KVSHADE_INVALID_ARGUMENT);
+  CHECK(kvshade_get_device_stats(c, NULL, 0, NULL) == KVSHADE_INVALID_ARGUMENT);
+  CHECK(kvshade_get_device_stats(c, NULL, 1, &count) == KVSHADE_INVALID_ARGUMENT);
+  REQUIRE_OK(kvshade_get_device_stats(c, NULL, 0, &count));
+  CHECK(count == want);
+  kvshade_device_stats before[MAX_TEST_DEVICES + 1];
+  memset(before, 0xAB, sizeof(before));
+  REQUIRE_OK(kvshade_get_device_stats(c, before, 1, &count));
+  CHECK(count == want);
+  CHECK(strlen(before[0].device) > 0);
+  CHECK(((const unsigned char*)&before[1])[0] == 0xAB); /* room for one: one written */
+  REQUIRE_OK(kvshade_get_device_stats(c, before, MAX_TEST_DEVICES + 1, &count));
+  CHECK(count == want);
+  if (count != want) return 1;
+  const char* last = before[count - 1].device;
+  if (want > 1) {
+    char name[16];
+    for (size_t i = 0; i < count; ++i) {
+      snprintf(name, sizeof(name), "cpu:%zu", i);
+      CHECK(strcmp(before[i].device, name) == 0); /* the backend list's order */
+    }
+  }
+
+  kvshade_model dm = *m;
+  dm.model_id = "capi-device-stats";
+  kvshade_session_created sc;
+  REQUIRE_OK(kvshade_create_session_on(c, &dm, p, tokens, N, 0, "capi-dev", last, &sc));
+  CHECK(strcmp(sc.device, last) == 0);
+  kvshade_device_stats after[MAX_TEST_DEVICES];
+  REQUIRE_OK(kvshade_get_device_stats(c, after, MAX_TEST_DEVICES, &count));
+  kvshade_stats st;
+  REQUIRE_OK(kvshade_get_stats(c, &st));
+  CHECK(count == want);
+  uint64_t sessions = 0, attachments = 0, segments = 0, dev_used = 0, host_used = 0, host_budget = 0,
+           spilled = 0, lookups = 0, hits = 0, selected = 0, chunk_hits = 0;
+  for (size_t i = 0; i < count && i < MAX_TEST_DEVICES; ++i) {
+    const kvshade_device_stats* a = &after[i];
+    const kvshade_device_stats* b = &before[i];
+    const uint64_t here = i + 1 == count ? 1 : 0;
+    CHECK(strcmp(a->device, b->device) == 0);
+    CHECK(a->sessions == b->sessions + here);      /* the new session is on `last` alone */
+    CHECK(a->prefix_lookups == b->prefix_lookups + here); /* its create looked up a prefix there */
+    CHECK(a->prefix_hits == b->prefix_hits);
+    CHECK(a->device_bytes_budget == st.device_bytes_budget); /* each device's */
+    CHECK(a->device_bytes_used <= a->device_bytes_budget);
+    if (strcmp(st.backend, "cpu") == 0) CHECK(a->pci_bus_id[0] == '\0');
+    sessions += a->sessions;
+    attachments += a->attachments;
+    segments += a->segments;
+    dev_used += a->device_bytes_used;
+    host_used += a->host_bytes_used;
+    host_budget += a->host_bytes_budget;
+    spilled += a->spilled_bytes;
+    lookups += a->prefix_lookups;
+    hits += a->prefix_hits;
+    selected += a->chunks_selected;
+    chunk_hits += a->chunk_hits;
+  }
+  /* kvshade_get_stats' figures are the devices' sums (its host budget the daemon's). */
+  CHECK(sessions == st.sessions && attachments == st.attachments && segments == st.segments);
+  CHECK(dev_used == st.device_bytes_used && host_used == st.host_bytes_used && spilled == st.spilled_bytes);
+  CHECK(lookups == st.prefix_lookups && hits == st.prefix_hits);
+  CHECK(selected == st.chunks_selected && chunk_hits == st.chunk_hits);
+  CHECK(host_budget <= st.host_bytes_budget && host_budget > st.host_bytes_budget / 2);
+  fprintf(stderr, "device stats: %zu device(s), a session placed on %s\n", count, last);
   REQUIRE_OK(kvshade_close_session(c, sc.session_id));
   return 0;
 }
@@ -519,6 +602,7 @@ int main(void) {
   REQUIRE_OK(kvshade_get_stats(c, &stats));
   CHECK(stats.sessions >= 1);
   CHECK(strlen(stats.backend) > 0);
+  if (test_device_stats(c, &m, &p, tokens) != 0) return 1;
 
   REQUIRE_OK(kvshade_detach(c, att.attachment_id));
   CHECK(kvshade_detach(c, att.attachment_id) == KVSHADE_NOT_FOUND);

@@ -64,6 +64,26 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(st["backend"], "cpu")
         self.assertTrue(st["version"])
 
+    def test_a_daemon_with_one_device(self):
+        # device_stats: the one device, with stats()'s figures. It answers to its name and
+        # (a lone cpu or cuda) to ":0" of it, and refuses a PCI bus id that is not its GPU's
+        # (a CPU device has none): why the adapters give a daemon with one device no device.
+        devs = self.c.device_stats()
+        self.assertEqual(len(devs), 1)
+        name, st = devs[0]["device"], self.c.stats()
+        for key in ("sessions", "attachments", "segments", "device_bytes_used", "device_bytes_budget",
+                    "host_bytes_used", "host_bytes_budget", "prefix_lookups", "prefix_hits"):
+            self.assertEqual(devs[0][key], st[key], key)
+        tokens = self.rng.integers(0, 30000, 64)
+        spec = model(name="py-one-device")
+        for dev in (name, name if ":" in name else name + ":0"):
+            created = self.c.create_session(spec, kvshade.Profile("exact"), tokens, device=dev)
+            self.assertEqual(created.device, name)
+            self.c.close_session(created.session_id)
+        with self.assertRaises(kvshade.InvalidArgument) as e:
+            self.c.create_session(spec, kvshade.Profile("exact"), tokens, device="0000:ff:1f.0")
+        self.assertIn("is not one of this daemon's devices (%s" % name, str(e.exception))
+
     def test_bf16_rounding_matches_torch(self):
         try:
             import torch

@@ -17,6 +17,11 @@ a budget covering every chunk, teacher-forced on those tokens: logits within 1 %
 logit scale. A plain fp32 DynamicCache is reported alongside (up to the first different
 token; bf16 rounding: ~1e-3).
 
+HfAdapterDevicesTest: on a daemon of two CPU devices, device= places the sessions (tokens
+unchanged, prefixes per device); on a GPU, the default finds the model's GPU among the
+daemon's devices by PCI bus id (the daemon's bus ids claimed by a stand-in client) and a GPU
+the daemon does not serve is refused before any session is made.
+
     cd tests/python && KVSHADE_SERVER=<build>/service/kvshade-server KVSHADE_LIB=<build>/client/libkvshade.so \
         python3 -m unittest -v test_hf_adapter       # KVSHADE_TEST_UCX=tcp,self: decode over UCX
 """
@@ -631,6 +636,117 @@ class HfAdapterTest(unittest.TestCase):
             with self.assertRaises(NotImplementedError):
                 model(input_ids=ids[:, :4], past_key_values=cache, use_cache=True)
             cache.close(close_session=True)
+
+
+class _ClaimedBuses:
+    """The test's client, except that device_stats() says the daemon's devices have these PCI
+    bus ids (a daemon of CPU devices standing in for one of several GPUs)."""
+
+    def __init__(self, client, buses):
+        self._client, self._buses = client, buses
+
+    def device_stats(self):
+        out = self._client.device_stats()
+        for d, bus in zip(out, self._buses):
+            d["pci_bus_id"] = bus
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+@unittest.skipUnless(HAVE_TRANSFORMERS or REQUIRE_GPU, WHY)
+class HfAdapterDevicesTest(unittest.TestCase):
+    """KvShadeCache on a daemon with two devices (cpu:0,cpu:1; service/README.md "Devices"):
+    device= places the sessions (and the decoder's attachments) there, prefixes per device;
+    on a GPU, the default finds the model's GPU among the daemon's devices by PCI bus id and
+    refuses a GPU the daemon does not serve before creating anything."""
+
+    @classmethod
+    def setUpClass(cls):
+        if not HAVE_TRANSFORMERS:
+            raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
+        cls.seed = seed()
+        cls.gen = torch.Generator().manual_seed(cls.seed)
+        cls.server = Server(backend="cpu:0,cpu:1")
+        cls.client = kvshade.Client(cls.server.target, timeout=60)
+        cls.client.wait_ready(20)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        assert cls.server.stop() == 0
+
+    def sessions(self):
+        return {d["device"]: d["sessions"] for d in self.client.device_stats()}
+
+    def test_device_places_the_sessions_and_decode_is_unchanged(self):
+        model = tiny_llama(self.seed)
+        hf_cache.enable(model)
+        ids = torch.randint(3, VOCAB, (1, 96), generator=self.gen).to(DEV)
+        tokens = {}
+        for dev in ("cpu:1", "cpu:0"):
+            with self.subTest(device=dev):
+                cache = hf_cache.KvShadeCache(self.client, model, kvshade.Profile("exact"), prompt_ids=ids[0],
+                                              model_id="hf-devices-%d" % self.seed, ingest="host", device=dev)
+                with torch.no_grad():
+                    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                                         max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+                tokens[dev] = out[0, ids.shape[1]:].tolist()
+                self.assertEqual(cache.created.device, dev)
+                self.assertEqual(cache.created.reused_tokens, 0)  # the same prompt: cached per device
+                info = self.client.get_session(cache.session_id)
+                self.assertEqual(info["device"], dev)
+                self.assertGreaterEqual(info["attachments"], 1)
+                self.assertEqual(self.sessions()[dev], 1)
+                cache.close(close_session=True)
+        self.assertEqual(tokens["cpu:0"], tokens["cpu:1"])
+        with self.assertRaises(kvshade.InvalidArgument):
+            cache = hf_cache.KvShadeCache(self.client, model, kvshade.Profile("exact"), prompt_ids=ids[0],
+                                          model_id="hf-devices-%d" % self.seed, ingest="host", decode=None,
+                                          device="cpu:7")
+            cache.prefill(model)
+        self.assertEqual(self.sessions(), {"cpu:0": 0, "cpu:1": 0})
+
+    @unittest.skipUnless(HAVE_TRANSFORMERS and DEV.type == "cuda", "the model is not on a GPU")
+    def test_the_default_is_the_models_gpu(self):
+        from kvshade.routing import local_gpu_pci_bus_id
+        mine = local_gpu_pci_bus_id(torch.cuda.current_device())
+        model = tiny_llama(self.seed)
+        hf_cache.enable(model)
+        ids = torch.randint(3, VOCAB, (1, 96), generator=self.gen).to(DEV)
+
+        def prefill(buses, **kw):
+            kc = hf_cache.KvShadeCache(_ClaimedBuses(self.client, buses), model, kvshade.Profile("exact"),
+                                       prompt_ids=ids[0], model_id="hf-default-%d" % self.seed, decode=None,
+                                       ingest="host", **kw)
+            kc.prefill(model)
+            kc.wait_ready()
+            return kc
+        # The daemon's second device is the model's GPU: its sessions go there.
+        kc = prefill(["0000:ff:1f.0", mine.lower()])
+        self.assertEqual(kc.created.device, "cpu:1")
+        kc.close(close_session=True)
+        # Neither is: refused, naming the GPU, before any session is made.
+        with self.assertRaises(kvshade.InvalidArgument) as e:
+            prefill(["0000:ff:1f.0", "0000:fe:1f.0"])
+        self.assertIn(mine, str(e.exception))
+        self.assertEqual(self.sessions(), {"cpu:0": 0, "cpu:1": 0})
+        # ... unless the worker says where (device=), or decodes from another node (rpc).
+        for kw, want in (({"device": "cpu:1"}, "cpu:1"), ({"device": ""}, "cpu:0"), ({"decode": "rpc"}, "cpu:0")):
+            with self.subTest(**kw):
+                if "decode" in kw:  # prefill() passes decode=None
+                    kc = hf_cache.KvShadeCache(_ClaimedBuses(self.client, ["0000:ff:1f.0", "0000:fe:1f.0"]), model,
+                                               kvshade.Profile("exact"), prompt_ids=ids[0], ingest="host",
+                                               model_id="hf-default-%d" % self.seed, decode="rpc")
+                    with torch.no_grad():
+                        model(input_ids=ids, past_key_values=kc, use_cache=True)
+                    self.assertEqual(kc.created.device, want)
+                    kc.close(close_session=True)
+                    continue
+                kc = prefill(["0000:ff:1f.0", "0000:fe:1f.0"], **kw)
+                self.assertEqual(kc.created.device, want)
+                kc.close(close_session=True)
 
 
 if __name__ == "__main__":

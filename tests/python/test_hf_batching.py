@@ -35,7 +35,7 @@ if HAVE_TRANSFORMERS:  # test_hf_adapter defines these only where transformers i
     try:
         from transformers import GenerationConfig
 
-        from kvshade import hf_batching, serving
+        from kvshade import hf_batching, hf_cache, serving
     except ImportError as e:  # a transformers without continuous batching
         HAVE_TRANSFORMERS, WHY = False, "kvshade.hf_batching does not import: %s" % e
     from test_hf_adapter import tiny_llama
@@ -73,7 +73,7 @@ class HfBatchingTest(_WithServer):
             self.assertEqual(r.finish_reason, "length", r.error)
         return [r.tokens for r in reqs]
 
-    def enable(self, model, name, steps, max_batch_tokens):
+    def enable(self, model, name, steps, max_batch_tokens, **kwargs):
         cb = hf_batching.configure(max_batch_tokens=max_batch_tokens)
         # The paged cache is only bookkeeping here: a fixed, small number of blocks (sizing
         # from a share of free memory can round past that share and refuse to start).
@@ -83,7 +83,8 @@ class HfBatchingTest(_WithServer):
             cb.max_memory_percent = 0.05
         gc = GenerationConfig(do_sample=False, max_new_tokens=steps)
         manager = hf_batching.enable(model, self.client, self.profile(), generation_config=gc,
-                                     continuous_batching_config=cb, model_id="cb-%s-%d" % (name, self.seed))
+                                     continuous_batching_config=cb, model_id="cb-%s-%d" % (name, self.seed),
+                                     **kwargs)
         self.addCleanup(hf_batching.disable, model)
         return manager
 
@@ -155,6 +156,43 @@ class HfBatchingTest(_WithServer):
         self.assertGreater(batching.stats["max_spread"], 0)
         self.assertEqual(batching.stats["finished"], len(ids))
         self.assertFalse(batching.errors, errors)
+        self.check_released(batching)
+
+    def test_device_reaches_every_requests_session(self):
+        # This daemon has one device: by default the decode batch and the requests' caches give
+        # it none (as before); device= (here its own name) reaches every request's session
+        # and the batch's attach; the requests' caches cannot be given another.
+        model = tiny_llama(self.seed)
+        hf_cache.enable(model)
+        plain = hf_batching.KvShadeBatching(self.client, model, self.profile())
+        self.assertEqual((plain.batch.session_device, plain.cache_kwargs["device"]), ("", ""))
+        plain.close()
+        name = self.client.device_stats()[0]["device"]  # "cpu" or "cuda"
+        with self.assertRaises(ValueError):
+            hf_batching.KvShadeBatching(self.client, model, self.profile(), cache_kwargs={"device": name})
+        asked, create, attach = [], kvshade.Client.create_session, kvshade.Client.attach
+
+        def spy_create(client, *a, **kw):
+            asked.append(("create", kw.get("device")))
+            return create(client, *a, **kw)
+
+        def spy_attach(client, *a, **kw):
+            asked.append(("attach", kw.get("device")))
+            return attach(client, *a, **kw)
+        kvshade.Client.create_session, kvshade.Client.attach = spy_create, spy_attach
+        try:
+            manager = self.enable(model, "device", 3, max_batch_tokens=128, device=name)
+            kwargs = {"max_new_tokens": 3}
+            if "progress_bar" in inspect.signature(model.generate_batch).parameters:
+                kwargs["progress_bar"] = False
+            out = model.generate_batch([self.prompt(96), self.prompt(140)], **kwargs)
+        finally:
+            kvshade.Client.create_session, kvshade.Client.attach = create, attach
+        batching = manager.kvshade
+        self.assertEqual(len(out), 2, "\n".join(batching.errors))
+        self.assertEqual(batching.batch.session_device, name)
+        self.assertEqual(sorted(set(asked)), [("attach", name), ("create", name)])
+        self.assertEqual(sum(1 for what, _ in asked if what == "create"), 2)
         self.check_released(batching)
 
     def test_refusals(self):

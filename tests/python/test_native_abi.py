@@ -27,6 +27,7 @@ STRUCTS = {
     "NewTokens": "kvshade_new_tokens",
     "AttachOptions": "kvshade_attach_options",
     "Stats": "kvshade_stats",
+    "DeviceStats": "kvshade_device_stats",
     "LayerSelection": "kvshade_layer_selection",
 }
 

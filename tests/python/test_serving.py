@@ -8,6 +8,9 @@
     every finished request's session is closed.
   * BatchCache: refusals (an empty batch, a session that is unknown, of another model or of
     the exact profile (nothing to decode same-node), a multi-token forward).
+  * Devices (a daemon of two CPU devices for a CPU model, of two GPUs on a machine with
+    two): a Generator's sessions go to the model's device, and its batch refuses a session
+    on the other device.
   * The device path (daemon on the cuda backend only: KVSHADE_TEST_BACKEND=cuda): with a
     window of one layer, the prompt's layers leave the GPU as the daemon takes them (never
     more than the window plus the newest layer held), and the tokens are unchanged; layers
@@ -281,6 +284,81 @@ class DeviceIngestWindowTest(_WithServer):
                                  max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
         self.assertEqual(out[0, n:].tolist(), ref[0, n:].tolist())
         kc.close(close_session=True)
+
+
+def two_devices():
+    """A daemon backend of two devices where this worker's model can decode from either: two
+    CPU devices for a model on the CPU, the first two GPUs for one on a GPU (None: one GPU)."""
+    if DEV.type == "cpu":
+        return "cpu:0,cpu:1"
+    return "cuda:0,cuda:1" if torch.cuda.device_count() >= 2 else None
+
+
+@unittest.skipUnless(HAVE_TRANSFORMERS or REQUIRE_GPU, WHY)
+class DevicesServingTest(unittest.TestCase):
+    """serving.Generator and BatchCache on a daemon with two devices (service/README.md
+    "Devices"): the requests' sessions go to the model's device (on a GPU: the daemon's device
+    with its PCI bus id; on the CPU: where device= says), and the batch refuses a session on
+    the other device."""
+
+    @classmethod
+    def setUpClass(cls):
+        if not HAVE_TRANSFORMERS:
+            raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
+        cls.backend = two_devices()
+        if cls.backend is None:
+            raise unittest.SkipTest("one GPU: a daemon of two GPUs needs two")
+        cls.seed = seed()
+        cls.gen = torch.Generator().manual_seed(cls.seed)
+        cls.server = Server(backend=cls.backend)
+        cls.client = kvshade.Client(cls.server.target, timeout=60)
+        cls.client.wait_ready(20)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        assert cls.server.stop() == 0
+
+    def test_sessions_go_to_the_models_device_and_the_batch_refuses_others(self):
+        model = tiny_llama(self.seed)
+        profile = ServingTest.profile()
+        names = [d["device"] for d in self.client.device_stats()]
+        if DEV.type == "cpu":
+            place, want = "cpu:1", "cpu:1"  # a CPU model has no device of its own: name one
+        else:  # default: the daemon's device that is the model's GPU
+            from kvshade.routing import local_gpu_pci_bus_id
+            bus = kvshade.routing._pci_address(local_gpu_pci_bus_id(torch.cuda.current_device()))
+            place = None
+            want = [d["device"] for d in self.client.device_stats()
+                    if d["pci_bus_id"] and kvshade.routing._pci_address(d["pci_bus_id"]) == bus][0]
+        other = [n for n in names if n != want][0]
+        gen = serving.Generator(self.client, model, profile, model_id="serving-devices-%d" % self.seed,
+                                device=place)
+        self.assertEqual(gen.cache.session_device, want)
+        prompt = torch.randint(3, 97, (120,), generator=self.gen).tolist()
+        req = gen.submit(prompt, 4)
+        gen.step()  # prefilled and joined: its session is open on the batch's device
+        self.assertEqual(self.client.get_session(req.session_id)["device"], want)
+        on = {d["device"]: d for d in self.client.device_stats()}
+        self.assertEqual(on[want]["sessions"], 1)
+        self.assertEqual(on[other]["sessions"], 0)
+        gen.run()
+        self.assertEqual(req.finish_reason, "length")
+        self.assertEqual(len(req.tokens), 4)
+        # A session on the other device: the batch's attach names its device and is refused.
+        kc = hf_cache.KvShadeCache(self.client, model, profile, prompt_ids=prompt, decode=None, ingest="host",
+                                   model_id="serving-devices-%d" % self.seed, device=other)
+        kc.prefill(model)
+        sid, _ = serving.ready_session(kc)
+        self.assertEqual(self.client.get_session(sid)["device"], other)
+        with self.assertRaises(kvshade.errors.FailedPrecondition) as e:
+            gen.cache.join(sid)
+        self.assertIn("the worker is on device %s" % want, str(e.exception))
+        self.assertEqual(gen.cache.batch, 0)
+        self.client.close_session(sid)
+        with self.assertRaises(ValueError):  # one device for the batch and its prompts
+            serving.Generator(self.client, model, profile, cache_kwargs={"device": other})
+        gen.close()
 
 
 if __name__ == "__main__":

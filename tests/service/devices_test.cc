@@ -253,6 +253,14 @@ TEST(Devices, SessionsArePlacedOnTheDeviceTheRequestNames) {
   EXPECT_EQ(st.devices(1).device_bytes_budget(), dx.config.device_budget_bytes);
   EXPECT_EQ(st.devices(1).host_bytes_budget(), dx.config.host_budget_bytes / 2);
   EXPECT_EQ(st.host_bytes_budget(), dx.config.host_budget_bytes);
+  // Prefix lookups per device: two creates on cpu:0 (no hit), two creates and the lookup on
+  // cpu:1 (the lookup's a hit); the totals are their sums.
+  EXPECT_EQ(st.devices(0).prefix_lookups(), 2u);
+  EXPECT_EQ(st.devices(0).prefix_hits(), 0u);
+  EXPECT_EQ(st.devices(1).prefix_lookups(), 3u);
+  EXPECT_EQ(st.devices(1).prefix_hits(), 1u);
+  EXPECT_EQ(st.prefix_lookups(), 5u);
+  EXPECT_EQ(st.prefix_hits(), 1u);
   auto list = dx.router->ListSessions(dx.tenant, v1::ListSessionsRequest());
   ASSERT_TRUE(list.ok());
   EXPECT_EQ(list->sessions_size(), 4);
@@ -318,6 +326,7 @@ TEST(Devices, EveryCallIsServedByTheSessionsDevice) {
   EXPECT_EQ(before[0], before[1]);
   // Select, static set, slot table, append, fork, on each device.
   for (int d = 0; d < 2; ++d) {
+    const v1::StatsResponse st0 = dx.Stats();
     v1::SelectAndReconstructRequest sr;
     sr.set_layer(0);
     auto* sq = sr.add_queries();
@@ -326,6 +335,14 @@ TEST(Devices, EveryCallIsServedByTheSessionsDevice) {
     auto sel = dx.router->SelectAndReconstruct(dx.tenant, sr);
     ASSERT_TRUE(sel.ok()) << sel.status();
     EXPECT_GT(sel->deltas(0).selected(), 0u);
+    // Counted on the device that selected, and there alone; the total is their sum.
+    const v1::StatsResponse st1 = dx.Stats();
+    ASSERT_EQ(st1.devices_size(), 2);
+    EXPECT_EQ(st1.devices(d).chunks_selected(), st0.devices(d).chunks_selected() + sel->deltas(0).selected());
+    EXPECT_EQ(st1.devices(1 - d).chunks_selected(), st0.devices(1 - d).chunks_selected());
+    EXPECT_EQ(st1.devices(d).chunk_hits(), st0.devices(d).chunk_hits() + sel->deltas(0).hits());
+    EXPECT_EQ(st1.chunks_selected(), st1.devices(0).chunks_selected() + st1.devices(1).chunks_selected());
+    EXPECT_EQ(st1.chunk_hits(), st1.devices(0).chunk_hits() + st1.devices(1).chunk_hits());
     v1::GetStaticSetRequest gs;
     gs.set_attachment_id(o[d].attachment);
     gs.set_layer(1);

@@ -34,7 +34,7 @@ extern "C" {
 #define KVSHADE_API
 #endif
 
-#define KVSHADE_ABI_VERSION 9 /* 2: UCX options and status, attachment data-plane fields;
+#define KVSHADE_ABI_VERSION 10 /* 2: UCX options and status, attachment data-plane fields;
                                  3: profile selection options, ucx_busy_poll_us, slot delta
                                  fallback and tokens, the _ex decode calls;
                                  4: slot delta positions, static set positions, held
@@ -49,7 +49,9 @@ extern "C" {
                                  9: devices: kvshade_session_created.device,
                                  kvshade_session_info.device,
                                  kvshade_attach_options.device,
-                                 kvshade_create_session_on, kvshade_lookup_prefix_on */
+                                 kvshade_create_session_on, kvshade_lookup_prefix_on;
+                                 10: per-device statistics: kvshade_device_stats,
+                                 kvshade_get_device_stats */
 #define KVSHADE_ID_CAP 128
 /* The most segment ends a CreateSession takes (docs/DESIGN.md "Segment ends"). */
 #define KVSHADE_MAX_SEGMENT_ENDS 5
@@ -619,7 +621,31 @@ typedef struct kvshade_stats {
   uint64_t spilled_bytes, prefix_lookups, prefix_hits, chunks_selected, chunk_hits;
 } kvshade_stats;
 
+/* The caller's (its tenant's) figures, summed over the daemon's devices; the budgets are
+ * each device's (device_bytes_budget) and the daemon's (host_bytes_budget). Per device:
+ * kvshade_get_device_stats. */
 KVSHADE_API int kvshade_get_stats(kvshade_client* client, kvshade_stats* out);
+
+/* One device of the daemon (service/README.md "Devices"): the figures of kvshade_stats that
+ * belong to a device. */
+typedef struct kvshade_device_stats {
+  char device[KVSHADE_DEVICE_CAP];     /* the daemon's name for it: "cpu", "cuda:1", "cpu:0" */
+  char pci_bus_id[KVSHADE_DEVICE_CAP]; /* a CUDA device's ("0000:3b:00.0"); "" on a CPU device */
+  uint64_t sessions, attachments, segments;          /* the caller's, on this device */
+  uint64_t device_bytes_used, device_bytes_budget;   /* the caller's / the device's budget */
+  uint64_t device_bytes_held;                        /* device memory the device's tier holds */
+  uint64_t host_bytes_used, host_bytes_budget;       /* the caller's / the device's share */
+  uint64_t spilled_bytes;
+  uint64_t prefix_lookups, prefix_hits, chunks_selected, chunk_hits; /* the caller's, here */
+} kvshade_device_stats;
+
+/* The daemon's devices in its order (the order of its backend list; one entry on a daemon
+ * with one device), from one Stats call: out[0..min(n, *count)) are filled and *count is
+ * the number of devices the daemon has, so a caller whose n was too small calls again
+ * with n = *count (out may be NULL when n is 0: the count alone). count must not be NULL.
+ * A daemon too old to report its devices gives *count = 0. */
+KVSHADE_API int kvshade_get_device_stats(kvshade_client* client, kvshade_device_stats* out, size_t n,
+                                         size_t* count);
 
 /* ---- Placement ------------------------------------------------------------------------
  * The C++ Router's placement (client/include/kvshade/client/router.h), so that a runtime

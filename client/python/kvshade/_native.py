@@ -17,7 +17,7 @@ import os
 
 from . import _native_abi as _abi
 # The structures callers fill and read, as kvshade.h declares them (generated: _native_abi.py).
-from ._native_abi import (Attachment, AttachOptions, ClientOptions, LayerSelection, Model,  # noqa: F401
+from ._native_abi import (Attachment, AttachOptions, ClientOptions, DeviceStats, LayerSelection, Model,  # noqa: F401
                           NewTokens, Profile, SessionCreated, SessionInfo, SlotDelta, Stats)
 
 ABI_VERSION = _abi.KVSHADE_ABI_VERSION

@@ -5,7 +5,7 @@ argtypes of each function (SIGNATURES). kvshade._native loads the library with t
 """
 import ctypes
 
-KVSHADE_ABI_VERSION = 9
+KVSHADE_ABI_VERSION = 10
 KVSHADE_ID_CAP = 128
 KVSHADE_MAX_SEGMENT_ENDS = 5
 KVSHADE_DEVICE_CAP = 64
@@ -253,6 +253,27 @@ class Stats(ctypes.Structure):
     ]
 
 
+class DeviceStats(ctypes.Structure):
+    """kvshade_device_stats"""
+    _fields_ = [
+        ("device", ctypes.c_char * 64),  # char device[KVSHADE_DEVICE_CAP]
+        ("pci_bus_id", ctypes.c_char * 64),  # char pci_bus_id[KVSHADE_DEVICE_CAP]
+        ("sessions", ctypes.c_uint64),  # uint64_t sessions
+        ("attachments", ctypes.c_uint64),  # uint64_t attachments
+        ("segments", ctypes.c_uint64),  # uint64_t segments
+        ("device_bytes_used", ctypes.c_uint64),  # uint64_t device_bytes_used
+        ("device_bytes_budget", ctypes.c_uint64),  # uint64_t device_bytes_budget
+        ("device_bytes_held", ctypes.c_uint64),  # uint64_t device_bytes_held
+        ("host_bytes_used", ctypes.c_uint64),  # uint64_t host_bytes_used
+        ("host_bytes_budget", ctypes.c_uint64),  # uint64_t host_bytes_budget
+        ("spilled_bytes", ctypes.c_uint64),  # uint64_t spilled_bytes
+        ("prefix_lookups", ctypes.c_uint64),  # uint64_t prefix_lookups
+        ("prefix_hits", ctypes.c_uint64),  # uint64_t prefix_hits
+        ("chunks_selected", ctypes.c_uint64),  # uint64_t chunks_selected
+        ("chunk_hits", ctypes.c_uint64),  # uint64_t chunk_hits
+    ]
+
+
 # C struct -> its ctypes.Structure.
 STRUCTS = {
     "kvshade_client_options": ClientOptions,
@@ -266,6 +287,7 @@ STRUCTS = {
     "kvshade_slot_delta": SlotDelta,
     "kvshade_new_tokens": NewTokens,
     "kvshade_stats": Stats,
+    "kvshade_device_stats": DeviceStats,
 }
 
 # Function -> (restype, argtypes), in the header's order.
@@ -754,6 +776,12 @@ SIGNATURES = {
     "kvshade_get_stats": (ctypes.c_int, [  # returns int
         ctypes.c_void_p,  # kvshade_client* client
         ctypes.POINTER(Stats),  # kvshade_stats* out
+    ]),
+    "kvshade_get_device_stats": (ctypes.c_int, [  # returns int
+        ctypes.c_void_p,  # kvshade_client* client
+        ctypes.POINTER(DeviceStats),  # kvshade_device_stats* out
+        ctypes.c_size_t,  # size_t n
+        ctypes.POINTER(ctypes.c_size_t),  # size_t* count
     ]),
     "kvshade_route_prefix_key": (ctypes.c_int, [  # returns int
         ctypes.c_char_p,  # const char* model_id

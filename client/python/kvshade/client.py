@@ -971,7 +971,32 @@ class Client(_NativeHandle):
         return tokens.value
 
     def stats(self):
+        """The caller's figures summed over the daemon's devices (kvshade_stats as a dict:
+        backend, version, sessions, attachments, segments, device/host bytes used and
+        budget, spilled_bytes, prefix lookups and hits, chunks selected and hits); per
+        device: device_stats()."""
         s = _native.Stats()
         _check(_native.lib().kvshade_get_stats(self._handle(), ctypes.byref(s)))
         return {name: (getattr(s, name).decode() if name in ("backend", "version") else getattr(s, name))
                 for name, _ in _native.Stats._fields_}
+
+    def device_stats(self) -> List[Dict[str, Any]]:
+        """The daemon's devices in its order (its backend list; one on a daemon with one
+        device; service/README.md "Devices"), from one Stats call: per device a dict of
+        kvshade_device_stats, "device" (the daemon's name for it: "cpu", "cuda:1"),
+        "pci_bus_id" (a CUDA device's, "" on a CPU device), the caller's "sessions",
+        "attachments", "segments", "device_bytes_used", "host_bytes_used", "spilled_bytes",
+        "prefix_lookups", "prefix_hits", "chunks_selected", "chunk_hits" on it, and the
+        device's "device_bytes_budget", "device_bytes_held" and "host_bytes_budget" (its
+        share of the daemon's). Empty from a daemon too old to report its devices."""
+        n = 8
+        while True:
+            arr = (_native.DeviceStats * n)()
+            count = ctypes.c_size_t()
+            _check(_native.lib().kvshade_get_device_stats(self._handle(), arr, n, ctypes.byref(count)))
+            if count.value <= n:
+                break
+            n = count.value  # more devices than room: once more with room for all
+        text = ("device", "pci_bus_id")
+        return [{name: (getattr(d, name).decode() if name in text else getattr(d, name))
+                 for name, _ in _native.DeviceStats._fields_} for d in arr[:count.value]]

@@ -227,10 +227,13 @@ class KvShadeBatching:
     close_sessions: close each request's session when it finishes (default True)
     cache_kwargs  : more arguments for each request's hf_cache.KvShadeCache
     release_paged_memory: give back the paged cache's tensors when attaching (default True)
+    device        : the daemon device of the requests' sessions, as hf_cache.KvShadeCache's
+                    (None: the model's GPU among the daemon's devices, found once; a str as
+                    is, "" = the daemon's first device); the decode batch attaches with it
     """
 
     def __init__(self, client, model, profile, model_id=None, worker_id="kvshade-hf-batching", local_capacity=1024,
-                 close_sessions=True, cache_kwargs=None, count_hits=False, release_paged_memory=True):
+                 close_sessions=True, cache_kwargs=None, count_hits=False, release_paged_memory=True, device=None):
         self.client, self.model, self.profile = client, model, profile
         if model_id is None:
             model_id = hf_cache.model_id_of(model, "hf-batching-%x" % id(model))
@@ -238,9 +241,14 @@ class KvShadeBatching:
         self.worker_id = worker_id
         self.close_sessions = close_sessions
         self.cache_kwargs = dict(cache_kwargs or {})
+        if "device" in self.cache_kwargs:
+            raise ValueError("cache_kwargs must not hold 'device': pass device= (the decode batch and every "
+                             "request's cache share it)")
         self.release_paged_memory = release_paged_memory
         self.batch = serving.BatchCache(client, model, model_id=model_id, worker_id=worker_id,
-                                        local_capacity=local_capacity, count_hits=count_hits)
+                                        local_capacity=local_capacity, count_hits=count_hits, device=device)
+        # Every request's cache places its session where the batch decodes: no lookup per request.
+        self.cache_kwargs["device"] = self.batch.session_device
         self.num_layers = self.batch.num_layers
         self._requests: Dict[str, _Request] = {}
         self._by_session: Dict[str, _Request] = {}
@@ -564,7 +572,7 @@ def enable(model, client, profile, generation_config=None, continuous_batching_c
         the default max_new_tokens / eos come from it (a later generate_batch's own
         generation_config is not used: the persistent manager keeps this one)
     continuous_batching_config: passed through `configure`
-    kwargs: KvShadeBatching's (model_id, local_capacity, close_sessions, cache_kwargs, ...)
+    kwargs: KvShadeBatching's (model_id, local_capacity, close_sessions, cache_kwargs, device, ...)
     """
     gen = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     if (getattr(gen, "num_return_sequences", None) or 1) != 1:

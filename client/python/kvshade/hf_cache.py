@@ -76,6 +76,7 @@ import numpy as np
 import torch
 
 from .client import ModelSpec
+from .routing import session_device
 from .torch_hook import KvShadeKVCache
 
 try:
@@ -891,11 +892,20 @@ class KvShadeCache(Cache):
     segment_ends: token positions where the daemon cuts each prompt into separately cached
                segments (Client.create_session), e.g. the end of a shared document before
                the question, so that the next question over it reuses the document
+    device   : where the daemon places the sessions (service/README.md "Devices"). None
+               (default): the model's GPU, found among the daemon's devices by PCI bus id
+               (kvshade.routing.session_device), so a daemon serving every GPU of the node
+               keeps each worker's sessions, and its same-node decode, on the worker's GPU;
+               a daemon with one device (or CPU devices only) is given no device, as before;
+               a daemon of several GPUs without the model's is InvalidArgument (unless
+               decode="rpc": its first device). A torch.device or int: that GPU of this
+               process instead. A str goes to the daemon as is: its name of a device
+               ("cuda:1", "cpu:0"), a PCI bus id ("0000:3b:00.0"), or "" for its first device
     """
 
     def __init__(self, client, model, profile, prompt_ids=None, model_id=None, worker_id="hf-cache",
                  prefill_attention="sdpa", decode="auto", count_hits=False, ingest="auto", delivery="auto",
-                 speculate=False, correct_below=0.9, ingest_window_bytes=2 << 30, segment_ends=()):
+                 speculate=False, correct_below=0.9, ingest_window_bytes=2 << 30, segment_ends=(), device=None):
         config = require_attention(model)
         if model_id is None:
             model_id = model_id_of(model, "hf-%s-%s" % (getattr(config, "model_type", "model"), uuid.uuid4().hex[:12]))
@@ -909,6 +919,7 @@ class KvShadeCache(Cache):
         self.created_all = []    # of every sequence
         self._prompt_ids = None if prompt_ids is None else self._ids(prompt_ids)
         self._segment_ends = tuple(int(e) for e in segment_ends)
+        self._device = device  # the `device=` given; the daemon's str once resolved (_open_ingest)
         L = self.spec.num_layers
         # Per prompt layer until the commit: the pre-RoPE keys and values [B, n, h, d] bf16 on
         # the GPU (same-node streams read them from there), or _SENT once the host sender has them.
@@ -1442,7 +1453,11 @@ class KvShadeCache(Cache):
         client, spec, profile, worker_id = self._hook_args
         while len(self.hooks) < B:
             self.hooks.append(KvShadeKVCache(client, spec, profile, worker_id=worker_id))
-        self.created_all = [client.create_session(spec, profile, ids, segment_ends=self._segment_ends)
+        if not isinstance(self._device, str):
+            self._device = session_device(client, self._device, next(iter(self._model_params_device)),
+                                          same_node=self._decode_mode != "rpc")
+        self.created_all = [client.create_session(spec, profile, ids, segment_ends=self._segment_ends,
+                                                  device=self._device)
                             for ids in self._prompt_ids]
         self.created = self.created_all[0]
         return [client.ingest(c.session_id, spec.dtype) if c.tokens_to_ingest > 0 else None
@@ -1583,7 +1598,7 @@ class KvShadeCache(Cache):
             self.hooks[b].session_id = self.created_all[b].session_id
             # The "rpc" path attaches through its RemoteDecoder; prefill only attaches nothing.
             if self._decode_mode not in ("rpc", None):
-                self.hooks[b].attach(self.created_all[b].session_id)
+                self.hooks[b].attach(self.created_all[b].session_id, device=self._device)
         self._streams = []
         self._drop_history()
         self._pre_k = [None] * len(self._pre_k)

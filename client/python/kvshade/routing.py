@@ -27,10 +27,14 @@ id, when it creates or attaches a session:
     dev = local_gpu_pci_bus_id(torch.cuda.current_device())
     s = client.create_session(model, profile, ids, device=dev)
     a = client.attach(s.session_id, "worker-0", device=dev)
+
+The transformers adapters (hf_cache, serving, hf_batching) and torch_hook do this for the
+model's GPU by default: session_device() finds it among the daemon's devices
+(Client.device_stats()) by PCI bus id, and choose_device() is the rule it applies.
 """
 import ctypes
 import os
-from typing import List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -179,3 +183,99 @@ def local_gpu_pci_bus_id(device: int = 0) -> str:
         if rc != 0:
             raise InvalidArgument("%s failed (CUDA error %d) for device %d" % (call, rc, device))
     return bus_id.value.decode()
+
+
+def _worker_gpu(worker_device) -> Optional[int]:
+    """This process's CUDA ordinal of `worker_device` (a torch.device, "cuda", "cuda:N", an int
+    N), or None when it names no GPU ("cpu", "meta", None)."""
+    if worker_device is None:
+        return None
+    if isinstance(worker_device, bool) or not isinstance(worker_device, (int, str)) \
+            and not hasattr(worker_device, "type"):
+        raise InvalidArgument("worker device must be a torch.device, 'cuda[:N]', 'cpu' or a CUDA ordinal, got %r"
+                              % (worker_device,))
+    if isinstance(worker_device, int):
+        if worker_device < 0:
+            raise InvalidArgument("CUDA ordinal must be >= 0, got %d" % worker_device)
+        return worker_device
+    if isinstance(worker_device, str):
+        kind, _, index = worker_device.partition(":")
+        if kind != "cuda":
+            return None
+        if index and not index.isdigit():
+            raise InvalidArgument("not a CUDA device: %r" % (worker_device,))
+        index = int(index) if index else None
+    else:  # a torch.device
+        if worker_device.type != "cuda":
+            return None
+        index = worker_device.index
+    if index is None:  # "cuda": the current device, as torch places a tensor there
+        import torch
+        index = torch.cuda.current_device()
+    return index
+
+
+def choose_device(daemon_devices: Sequence[Dict[str, Any]], worker_device=None, same_node: bool = True,
+                  pci_bus_id_of: Optional[Callable[[int], str]] = None) -> str:
+    """The `device` a worker passes to Client.create_session, lookup_prefix and attach so that
+    its sessions live on its own GPU (service/README.md "Devices"), or "" for the daemon's
+    first device (what a call without a device gets).
+
+    daemon_devices: Client.device_stats() (each a dict with "device" and "pci_bus_id")
+    worker_device : where the worker's model runs: a torch.device, "cuda:N" / "cuda" / an int
+                    N (this process's CUDA ordinal, under its own CUDA_VISIBLE_DEVICES), or
+                    "cpu" / None
+    same_node     : the worker runs on the daemon's node (it decodes same-node, or its
+                    decoder does); False for a worker elsewhere (the RPC decode path)
+    pci_bus_id_of : ordinal -> PCI bus id (default local_gpu_pci_bus_id, the CUDA driver's)
+
+    The daemon's name of the worker's GPU (e.g. "cuda:1"), found by PCI bus id, so that the
+    two processes' CUDA_VISIBLE_DEVICES and device orders do not matter, when the daemon has
+    several devices and one of them is that GPU. "" (nothing changes from a call without a
+    device) for a worker not on a GPU, a daemon with one device (it serves every worker, as
+    before: a daemon per GPU, a CPU daemon), a daemon whose devices are CPU devices (none is
+    a GPU), and a worker on another node (same_node=False) whose GPU the daemon does not
+    have. Raises InvalidArgument, naming the GPU and the daemon's devices, for a worker on
+    the daemon's node whose GPU a daemon of several GPUs does not serve: its sessions would
+    live in another GPU's memory and its same-node decode would read them there.
+    """
+    ordinal = _worker_gpu(worker_device)
+    if ordinal is None or len(daemon_devices) <= 1:
+        return ""
+    gpus = [d for d in daemon_devices if d.get("pci_bus_id")]
+    if not gpus:
+        return ""
+    bus_id = (pci_bus_id_of or local_gpu_pci_bus_id)(ordinal)
+    want = _pci_address(bus_id)
+    for d in gpus:
+        if _pci_address(d["pci_bus_id"]) == want:
+            return d["device"]
+    if not same_node:
+        return ""
+    served = ", ".join("%s (%s)" % (d["device"], d["pci_bus_id"]) if d.get("pci_bus_id") else d["device"]
+                       for d in daemon_devices)
+    raise InvalidArgument(
+        "this worker's GPU cuda:%d (PCI %s) is not one of the daemon's devices: %s. Its sessions would live in "
+        "another GPU's memory: run the worker on a GPU the daemon serves or start the daemon with this one "
+        "(backend cuda:all), or pass device= (a device of the daemon, or '' for its first; decode='rpc' for a "
+        "worker on another node)" % (ordinal, bus_id, served))
+
+
+def session_device(client, device=None, model_device=None, same_node: bool = True,
+                   pci_bus_id_of: Optional[Callable[[int], str]] = None) -> str:
+    """The `device` string the adapters pass to the daemon, from their `device=` keyword:
+
+    None (default): the GPU of the model (model_device), by choose_device over the daemon's
+          devices (one Client.device_stats() call);
+    a torch.device or an int: that GPU of this process instead, by the same rule;
+    a str: as is, the daemon's own name of a device ("cuda:1", "cpu:0", "cpu") or a CUDA
+          device's PCI bus id ("0000:3b:00.0", any case, a 4- or 8-digit domain), "" for
+          the daemon's first device; the daemon refuses one it does not serve
+          (InvalidArgument naming its devices). A str "cuda:N" is the daemon's numbering,
+          not this process's: pass torch.device("cuda:N") for this process's GPU N."""
+    if isinstance(device, str):
+        return device
+    worker = model_device if device is None else device
+    if _worker_gpu(worker) is None:
+        return ""  # no GPU, no question for the daemon
+    return choose_device(client.device_stats(), worker, same_node=same_node, pci_bus_id_of=pci_bus_id_of)

@@ -41,6 +41,11 @@ between decode steps (each chunk attends to the earlier ones exactly: see
 hf_cache.KvShadeCache.prefill), so that a long prompt delays the running sequences by one
 chunk's forward per step instead of its whole prefill.
 
+Devices: on a daemon that serves several GPUs (service/README.md "Devices") the sessions
+go to the model's GPU (`device=`: see hf_cache.KvShadeCache; found once, when the BatchCache
+is made), and `join` refuses a session on another of the daemon's devices
+(FailedPrecondition naming both): the decoder reads a session's state from its GPU.
+
 Limits: generated tokens stay exact in the decoder's local tail (at most
 `local_capacity` per sequence; they are not appended to the sessions); greedy decoding
 unless a `sampler` is given. Same-node decode only (the daemon on this node).
@@ -55,6 +60,7 @@ import torch
 from . import hf_cache
 from .errors import FailedPrecondition, KvShadeError
 from .local import LocalDecoder
+from .routing import session_device
 
 try:
     from transformers.cache_utils import Cache, DynamicLayer
@@ -109,16 +115,20 @@ class BatchCache(Cache):
     model_id : when given, join() refuses sessions of another model id (their K/V came from
                other weights)
     local_capacity: tokens each sequence may decode in this batch (the decoder's local tail)
+    device   : the daemon device of this worker's sessions, as hf_cache.KvShadeCache's (None:
+               the model's GPU among the daemon's devices; a str as is, "" = unchecked);
+               `session_device` is the str the daemon is given (join attaches with it)
     """
 
     def __init__(self, client, model, model_id=None, worker_id="kvshade-serving", local_capacity=1024,
-                 count_hits=False):
+                 count_hits=False, device=None):
         config = hf_cache.require_attention(model)
         self.client = client
         self.model_id = model_id
         self.worker_id = worker_id
         self.num_layers = config.num_hidden_layers
         self.device = next(model.parameters()).device
+        self.session_device = session_device(client, device, self.device, same_node=True)
         backend = "cuda:%d" % (self.device.index or 0) if self.device.type == "cuda" else "cpu"
         self.decoder = LocalDecoder(client, [], backend=backend, local_capacity=local_capacity,
                                     count_hits=count_hits)
@@ -149,7 +159,7 @@ class BatchCache(Cache):
         if self.model_id is not None and info["model_id"] != self.model_id:
             raise FailedPrecondition("session %s holds K/V of model %r, not %r" % (session_id, info["model_id"],
                                                                                    self.model_id))
-        att = self.client.attach(session_id, self.worker_id)
+        att = self.client.attach(session_id, self.worker_id, device=self.session_device or None)
         try:
             index = self.decoder.join(att.attachment_id)
         except BaseException:
@@ -326,11 +336,14 @@ class Generator:
                       daemon also still caches is prefilled from the prefix's end: the
                       forward over the prefix is not run again (its K/V come back from host
                       memory, one layer ahead, for the rest of the prompt's attention). 0: off
+    device          : the daemon device of the requests' sessions, as hf_cache.KvShadeCache's
+                      (None: the model's GPU among the daemon's devices), found once
     """
 
     def __init__(self, client, model, profile, max_batch=64, prefills_per_step=1, model_id=None,
                  worker_id="kvshade-serving", local_capacity=1024, sampler: Optional[Callable] = None,
-                 close_sessions=True, cache_kwargs=None, prefill_chunk_tokens=None, prefix_cache_bytes=8 << 30):
+                 close_sessions=True, cache_kwargs=None, prefill_chunk_tokens=None, prefix_cache_bytes=8 << 30,
+                 device=None):
         if max_batch < 1 or prefills_per_step < 1:
             raise ValueError("max_batch and prefills_per_step must be >= 1")
         if prefill_chunk_tokens is not None and int(prefill_chunk_tokens) < 1:
@@ -355,8 +368,13 @@ class Generator:
         self.sampler = sampler or (lambda logits: logits.argmax(dim=-1))
         self.close_sessions = close_sessions
         self.cache_kwargs = dict(cache_kwargs or {})
+        if "device" in self.cache_kwargs:
+            raise ValueError("cache_kwargs must not hold 'device': pass device= to the Generator (its decode batch "
+                             "and every prompt's cache share it)")
         self.cache = BatchCache(client, model, model_id=model_id, worker_id=worker_id,
-                                local_capacity=local_capacity)
+                                local_capacity=local_capacity, device=device)
+        # Every prompt's cache places its session where the batch decodes: no lookup per prompt.
+        self.cache_kwargs["device"] = self.cache.session_device
         self.waiting: List[Request] = []
         self.running: List[Request] = []  # in batch order
         # Prefilled requests (first token picked) whose sessions are committing: (request,

@@ -12,18 +12,29 @@ Shapes (torch, any device; results on q's device):
   attend q            : [hq, d] post-RoPE query of the newest token
   attend k, v         : [h, d] the newest token's post-RoPE key and its value
   attend result       : [hq, d] float32
+
+Devices: on a daemon with several GPUs (service/README.md "Devices") the session goes to
+the GPU of the prefill's keys (kvshade.routing.session_device: found among the daemon's
+devices by PCI bus id; the daemon's first device when it is not one of them, since this
+hook's decode is RPC and serves a worker on any node). `device=` overrides it: a str is the
+daemon's name of a device or a PCI bus id ("" = its first device), a torch.device or an int
+this process's GPU.
 """
 import numpy as np
 import torch
 
 from .client import Client, ModelSpec, Profile
+from .routing import session_device
 from .testing import attention
 
 
 class KvShadeKVCache:
-    def __init__(self, client: Client, model: ModelSpec, profile: Profile, worker_id="torch-hook"):
+    def __init__(self, client: Client, model: ModelSpec, profile: Profile, worker_id="torch-hook", device=None):
         self.client, self.model, self.profile = client, model, profile
         self.worker_id = worker_id
+        # The `device` of create_session and attach: the str the daemon is given once known
+        # (prefill resolves None / a torch.device from the keys' device).
+        self.device = device
         self.session_id = None
         self.attachment = None
         self.effective_profile = None
@@ -38,7 +49,9 @@ class KvShadeKVCache:
         m = self.model
         if len(keys) != m.num_layers or len(values) != m.num_layers:
             raise ValueError("keys and values need one [n, h, d] tensor per layer (%d)" % m.num_layers)
-        created = self.client.create_session(m, self.profile, token_ids)
+        if not isinstance(self.device, str):
+            self.device = session_device(self.client, self.device, getattr(keys[0], "device", None), same_node=False)
+        created = self.client.create_session(m, self.profile, token_ids, device=self.device)
         self.session_id = created.session_id
         self.effective_profile = created.effective_profile
         self.reused_tokens = r = created.reused_tokens
@@ -52,14 +65,18 @@ class KvShadeKVCache:
             self.attach(self.session_id)
         return created
 
-    def attach(self, session_id, effective_profile=None):
-        """Attaches to an existing (e.g. forked) session and loads its static sets."""
+    def attach(self, session_id, effective_profile=None, device=None):
+        """Attaches to an existing (e.g. forked) session and loads its static sets. device: the
+        worker's device for the daemon's check (a session on another of its devices is
+        FailedPrecondition); default the one prefill placed the session on, else unchecked."""
+        if device is None and isinstance(self.device, str):
+            device = self.device
         self.session_id = session_id
         if effective_profile is not None:
             self.effective_profile = effective_profile
         elif self.effective_profile is None:
             self.effective_profile = self.client.get_session(session_id)["profile"]
-        self.attachment = self.client.attach(session_id, self.worker_id)
+        self.attachment = self.client.attach(session_id, self.worker_id, device=device or None)
         self.reload_static()
 
     def reload_static(self):
