@@ -5,7 +5,7 @@ exits with the command's status. Used by the C ABI test (tests/capi).
 
 --ucx starts the server with its UCX data plane on (`ucx.transports: TRANSPORTS`) and sets
 KVSHADE_UCX_TRANSPORTS=TRANSPORTS for the command. --backend starts it on BACKEND (e.g.
-cpu:0,cpu:1; service/README.md "Devices") and sets KVSHADE_TEST_DEVICES to the number of
+cpu:0,cpu:1; docs/OPERATIONS.md "Devices") and sets KVSHADE_TEST_DEVICES to the number of
 its devices for the command."""
 import os
 import subprocess

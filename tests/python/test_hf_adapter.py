@@ -657,7 +657,7 @@ class _ClaimedBuses:
 
 @unittest.skipUnless(HAVE_TRANSFORMERS or REQUIRE_GPU, WHY)
 class HfAdapterDevicesTest(unittest.TestCase):
-    """KvShadeCache on a daemon with two devices (cpu:0,cpu:1; service/README.md "Devices"):
+    """KvShadeCache on a daemon with two devices (cpu:0,cpu:1; docs/OPERATIONS.md "Devices"):
     device= places the sessions (and the decoder's attachments) there, prefixes per device;
     on a GPU, the default finds the model's GPU among the daemon's devices by PCI bus id and
     refuses a GPU the daemon does not serve before creating anything."""

@@ -626,7 +626,7 @@ typedef struct kvshade_stats {
  * kvshade_get_device_stats. */
 KVSHADE_API int kvshade_get_stats(kvshade_client* client, kvshade_stats* out);
 
-/* One device of the daemon (service/README.md "Devices"): the figures of kvshade_stats that
+/* One device of the daemon (docs/OPERATIONS.md "Devices"): the figures of kvshade_stats that
  * belong to a device. */
 typedef struct kvshade_device_stats {
   char device[KVSHADE_DEVICE_CAP];     /* the daemon's name for it: "cpu", "cuda:1", "cpu:0" */

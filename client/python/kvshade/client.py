@@ -982,7 +982,7 @@ class Client(_NativeHandle):
 
     def device_stats(self) -> List[Dict[str, Any]]:
         """The daemon's devices in its order (its backend list; one on a daemon with one
-        device; service/README.md "Devices"), from one Stats call: per device a dict of
+        device; docs/OPERATIONS.md "Devices"), from one Stats call: per device a dict of
         kvshade_device_stats, "device" (the daemon's name for it: "cpu", "cuda:1"),
         "pci_bus_id" (a CUDA device's, "" on a CPU device), the caller's "sessions",
         "attachments", "segments", "device_bytes_used", "host_bytes_used", "spilled_bytes",

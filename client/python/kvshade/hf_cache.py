@@ -892,7 +892,7 @@ class KvShadeCache(Cache):
     segment_ends: token positions where the daemon cuts each prompt into separately cached
                segments (Client.create_session), e.g. the end of a shared document before
                the question, so that the next question over it reuses the document
-    device   : where the daemon places the sessions (service/README.md "Devices"). None
+    device   : where the daemon places the sessions (docs/OPERATIONS.md "Devices"). None
                (default): the model's GPU, found among the daemon's devices by PCI bus id
                (kvshade.routing.session_device), so a daemon serving every GPU of the node
                keeps each worker's sessions, and its same-node decode, on the worker's GPU;

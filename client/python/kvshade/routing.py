@@ -218,7 +218,7 @@ def _worker_gpu(worker_device) -> Optional[int]:
 def choose_device(daemon_devices: Sequence[Dict[str, Any]], worker_device=None, same_node: bool = True,
                   pci_bus_id_of: Optional[Callable[[int], str]] = None) -> str:
     """The `device` a worker passes to Client.create_session, lookup_prefix and attach so that
-    its sessions live on its own GPU (service/README.md "Devices"), or "" for the daemon's
+    its sessions live on its own GPU (docs/OPERATIONS.md "Devices"), or "" for the daemon's
     first device (what a call without a device gets).
 
     daemon_devices: Client.device_stats() (each a dict with "device" and "pci_bus_id")

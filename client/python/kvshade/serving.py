@@ -41,7 +41,7 @@ between decode steps (each chunk attends to the earlier ones exactly: see
 hf_cache.KvShadeCache.prefill), so that a long prompt delays the running sequences by one
 chunk's forward per step instead of its whole prefill.
 
-Devices: on a daemon that serves several GPUs (service/README.md "Devices") the sessions
+Devices: on a daemon that serves several GPUs (docs/OPERATIONS.md "Devices") the sessions
 go to the model's GPU (`device=`: see hf_cache.KvShadeCache; found once, when the BatchCache
 is made), and `join` refuses a session on another of the daemon's devices
 (FailedPrecondition naming both): the decoder reads a session's state from its GPU.

@@ -13,7 +13,7 @@ Shapes (torch, any device; results on q's device):
   attend k, v         : [h, d] the newest token's post-RoPE key and its value
   attend result       : [hq, d] float32
 
-Devices: on a daemon with several GPUs (service/README.md "Devices") the session goes to
+Devices: on a daemon with several GPUs (docs/OPERATIONS.md "Devices") the session goes to
 the GPU of the prefill's keys (kvshade.routing.session_device: found among the daemon's
 devices by PCI bus id; the daemon's first device when it is not one of them, since this
 hook's decode is RPC and serves a worker on any node). `device=` overrides it: a str is the
