@@ -204,15 +204,15 @@ def _worker_gpu(worker_device) -> Optional[int]:
             return None
         if index and not index.isdigit():
             raise InvalidArgument("not a CUDA device: %r" % (worker_device,))
-        index = int(index) if index else None
+        ordinal: Optional[int] = int(index) if index else None
     else:  # a torch.device
         if worker_device.type != "cuda":
             return None
-        index = worker_device.index
-    if index is None:  # "cuda": the current device, as torch places a tensor there
+        ordinal = worker_device.index
+    if ordinal is None:  # "cuda": the current device, as torch places a tensor there
         import torch
-        index = torch.cuda.current_device()
-    return index
+        ordinal = torch.cuda.current_device()
+    return ordinal
 
 
 def choose_device(daemon_devices: Sequence[Dict[str, Any]], worker_device=None, same_node: bool = True,
