@@ -7,7 +7,7 @@ kvshade.errors, chosen by status code.
 """
 import ctypes
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -52,7 +52,7 @@ def _dtype_code(dtype):
         raise InvalidArgument("dtype must be one of bf16, fp16, fp32, got %r" % (dtype,))
 
 
-def f32_to_bf16_bits(x):
+def f32_to_bf16_bits(x: Any) -> "np.ndarray":
     """float32 array -> uint16 bf16 bits, round to nearest even (as the service does)."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
     rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
@@ -63,11 +63,11 @@ def f32_to_bf16_bits(x):
     return out
 
 
-def bf16_bits_to_f32(bits):
+def bf16_bits_to_f32(bits: Any) -> "np.ndarray":
     return (np.ascontiguousarray(bits, dtype=np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-def to_wire(x, dtype):
+def to_wire(x: Any, dtype: str) -> "np.ndarray":
     """numpy array or torch tensor -> contiguous numpy array in the wire dtype.
 
     For bf16, a uint16 numpy array (or a torch.bfloat16 tensor) is taken as raw bf16 bits."""
@@ -127,7 +127,7 @@ def _bind_primary_context(drv, index):
         raise InvalidArgument("no CUDA context for device %d on this thread (driver error %d)" % (index, rc))
 
 
-def cuda_ipc_ref(t, name, instead):
+def cuda_ipc_ref(t: Any, name: str, instead: str) -> Tuple[bytes, int]:
     """(cudaIpcMemHandle_t bytes, byte offset of t's first element in that allocation) of a
     torch CUDA tensor, for the daemon to open by CUDA IPC. `instead` ends the error for a
     tensor that has no such handle.
@@ -395,7 +395,7 @@ class _NativeHandle:
 class Ingest(_NativeHandle):
     """One Ingest stream (a context manager: leaving it without commit() cancels)."""
 
-    def __init__(self, client, session_id, dtype):
+    def __init__(self, client: "Client", session_id: str, dtype: str) -> None:
         self._client = client
         self._session_id = session_id
         self._dtype = _dtype_code(dtype)
@@ -406,7 +406,8 @@ class Ingest(_NativeHandle):
         self._released = 0
         _check(_native.lib().kvshade_ingest_begin(client._handle(), _b(session_id), ctypes.byref(self._h)))
 
-    def layer_cuda(self, layer, k, v, token_offset=0, last_part=True, ready=None):
+    def layer_cuda(self, layer: int, k: Any, v: Any, token_offset: int = 0, last_part: bool = True,
+                   ready: Any = None) -> None:
         """Same node, daemon on a GPU backend: one layer (or, with token_offset / last_part as
         for layer(), one part of it) from this process's GPU memory.
         k, v: torch CUDA tensors [n, h, d] bf16, contiguous (pre-RoPE keys). The daemon reads
@@ -476,7 +477,8 @@ class Ingest(_NativeHandle):
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
 
-    def layer(self, layer, k, v, observation_queries=None, token_offset=0, last_part=True):
+    def layer(self, layer: int, k: Any, v: Any, observation_queries: Any = None, token_offset: int = 0,
+              last_part: bool = True) -> None:
         """k, v: [n, h, d] pre-RoPE; observation_queries: [w, hq, d] post-RoPE or None (with
         the layer's last part only). By default one whole layer; a layer may also come in parts:
         tokens [token_offset, token_offset + n) of the ingested range (the prompt after the
@@ -497,7 +499,7 @@ class Ingest(_NativeHandle):
                                                        self._dtype, n, h, d, _ptr(kw), _ptr(vw),
                                                        None if obs is None else _ptr(obs), w, hq))
 
-    def commit(self):
+    def commit(self) -> int:
         tokens = ctypes.c_uint64()
         try:
             _check(_native.lib().kvshade_ingest_commit(self._h, ctypes.byref(tokens)))
@@ -515,12 +517,12 @@ class SelectFuture(_NativeHandle):
 
     _free = "kvshade_select_future_free"
 
-    def __init__(self, client, handle):
+    def __init__(self, client: "Client", handle: Any) -> None:
         self._client = client  # the client must outlive the call
         self._h = handle
-        self._result = None
+        self._result: Optional[List[SlotDelta]] = None
 
-    def done(self):
+    def done(self) -> bool:
         if self._result is not None or not self._h:
             return True
         ready = ctypes.c_int32()
@@ -541,6 +543,7 @@ class SelectFuture(_NativeHandle):
                     lib.kvshade_select_free(r)
             finally:
                 self.close()
+        assert self._result is not None
         return self._result
 
 
@@ -549,20 +552,20 @@ class AttendFuture(_NativeHandle):
 
     _free = "kvshade_attend_future_free"
 
-    def __init__(self, client, handle, shape):
+    def __init__(self, client: "Client", handle: Any, shape: Tuple[int, ...]) -> None:
         self._client = client
         self._h = handle
         self._shape = shape
-        self._result = None
+        self._result: Optional[np.ndarray] = None
 
-    def done(self):
+    def done(self) -> bool:
         if self._result is not None or not self._h:
             return True
         ready = ctypes.c_int32()
         _check(_native.lib().kvshade_attend_future_ready(self._h, ctypes.byref(ready)))
         return bool(ready.value)
 
-    def result(self):
+    def result(self) -> "np.ndarray":
         if self._result is None:
             if not self._h:
                 raise InvalidArgument("future is closed")
@@ -573,6 +576,7 @@ class AttendFuture(_NativeHandle):
                 self._result = out
             finally:
                 self.close()
+        assert self._result is not None
         return self._result
 
 
@@ -589,9 +593,11 @@ class Client(_NativeHandle):
     connection dies, calls fall back to gRPC inline with a line on stderr; `ucx_fallbacks`
     counts them."""
 
-    def __init__(self, target="127.0.0.1:50551", token=None, tls=False, ca_file=None, cert_file=None,
-                 key_file=None, server_name=None, timeout=60.0, max_message_bytes=0, use_ucx=False,
-                 ucx_transports=None, ucx_ingest_window=0, ucx_busy_poll_us=0):
+    def __init__(self, target: str = "127.0.0.1:50551", token: Optional[str] = None, tls: bool = False,
+                 ca_file: Optional[str] = None, cert_file: Optional[str] = None, key_file: Optional[str] = None,
+                 server_name: Optional[str] = None, timeout: float = 60.0, max_message_bytes: int = 0,
+                 use_ucx: bool = False, ucx_transports: Optional[str] = None, ucx_ingest_window: int = 0,
+                 ucx_busy_poll_us: int = 0) -> None:
         lib = _native.lib()
         o = _native.ClientOptions()
         lib.kvshade_client_options_init(ctypes.byref(o))
@@ -604,7 +610,7 @@ class Client(_NativeHandle):
         o.ucx_transports = _b(ucx_transports)
         o.ucx_ingest_window = ucx_ingest_window  # 0 = the library's default (4)
         o.ucx_busy_poll_us = ucx_busy_poll_us  # 0 = the library's default (50 us), < 0 = none
-        self._slot_buffers = {}  # attachment id -> (k, v): kept alive while registered
+        self._slot_buffers: Dict[str, Any] = {}  # attachment id -> (k, v): kept alive while registered
         self._h = ctypes.c_void_p()
         _check(lib.kvshade_connect(ctypes.byref(o), ctypes.byref(self._h)))
         self.target = target
@@ -617,10 +623,10 @@ class Client(_NativeHandle):
     _free = "kvshade_client_free"
 
     # --- Health ---
-    def wait_ready(self, timeout=10.0):
+    def wait_ready(self, timeout: float = 10.0) -> None:
         _check(_native.lib().kvshade_wait_ready(self._handle(), int(timeout * 1000)))
 
-    def healthy(self):
+    def healthy(self) -> bool:
         """True when the server answers SERVING; False when it is not serving (draining),
         unreachable or does not answer in time."""
         from .errors import Unavailable
@@ -638,12 +644,12 @@ class Client(_NativeHandle):
         return bool(connected.value), fallbacks.value
 
     @property
-    def ucx_connected(self):
+    def ucx_connected(self) -> bool:
         """True while the decode calls go over the UCX data plane."""
         return self._ucx_status()[0]
 
     @property
-    def ucx_fallbacks(self):
+    def ucx_fallbacks(self) -> int:
         """Times a call (or the connection) fell back from UCX to gRPC inline."""
         return self._ucx_status()[1]
 
@@ -658,8 +664,9 @@ class Client(_NativeHandle):
         a = a.astype(np.int32)
         return a, a.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
 
-    def create_session(self, model: ModelSpec, profile: Profile, token_ids, durable=False, label="",
-                       segment_ends=(), device=None):
+    def create_session(self, model: ModelSpec, profile: Profile, token_ids: Any, durable: bool = False,
+                       label: str = "", segment_ends: Sequence[int] = (),
+                       device: Optional[str] = None) -> "CreatedSession":
         """segment_ends: token positions where the ingested prompt is cut into separately cached
         segments (e.g. the end of a shared document before the question), so that a later prompt
         sharing only that part reuses it; docs/DESIGN.md "Segment ends" has the rules.
@@ -680,7 +687,8 @@ class Client(_NativeHandle):
                               tuple(out.segment_ends[:out.n_segment_ends]), out.automatic_segment_end,
                               out.device.decode())
 
-    def lookup_prefix(self, model: ModelSpec, profile: Profile, token_ids, device=None):
+    def lookup_prefix(self, model: ModelSpec, profile: Profile, token_ids: Any,
+                      device: Optional[str] = None) -> Tuple[int, int]:
         """(reusable_tokens, cached_segments) on `device` (as create_session's: prefixes are
         cached per device)."""
         a, p = self._tokens(token_ids)
@@ -690,7 +698,7 @@ class Client(_NativeHandle):
                                                       ctypes.byref(r), ctypes.byref(s)))
         return r.value, s.value
 
-    def fork_session(self, parent_session_id, at_token):
+    def fork_session(self, parent_session_id: str, at_token: int) -> Tuple[str, int]:
         """(child session id, shared_tokens)."""
         buf = ctypes.create_string_buffer(_native.ID_CAP)
         shared = ctypes.c_uint64()
@@ -698,7 +706,7 @@ class Client(_NativeHandle):
                                                   ctypes.byref(shared)))
         return buf.value.decode(), shared.value
 
-    def get_session(self, session_id):
+    def get_session(self, session_id: str) -> Dict[str, Any]:
         i = _native.SessionInfo()
         _check(_native.lib().kvshade_get_session(self._handle(), _b(session_id), ctypes.byref(i)))
         return {"session_id": i.session_id.decode(), "model_id": i.model_id.decode(),
@@ -735,15 +743,16 @@ class Client(_NativeHandle):
         out.sort(key=lambda x: (x["recall"], x["recent_recall"], x["layer"]))
         return out
 
-    def close_session(self, session_id):
+    def close_session(self, session_id: str) -> None:
         _check(_native.lib().kvshade_close_session(self._handle(), _b(session_id)))
 
     # --- Data ---
-    def ingest(self, session_id, dtype="bf16"):
+    def ingest(self, session_id: str, dtype: str = "bf16") -> Ingest:
         """An Ingest stream: .layer(l, k, v[, obs]) for every layer, then .commit()."""
         return Ingest(self, session_id, dtype)
 
-    def append(self, session_id, token_ids, k, v, attachment_id=None, dtype="bf16"):
+    def append(self, session_id: str, token_ids: Any, k: Any, v: Any, attachment_id: Optional[str] = None,
+               dtype: str = "bf16") -> int:
         """k, v: [L, t, h, d] pre-RoPE keys and values of t new tokens for every layer."""
         a, p = self._tokens(token_ids)
         kw, vw = to_wire(k, dtype), to_wire(v, dtype)
@@ -756,8 +765,8 @@ class Client(_NativeHandle):
         return tokens.value
 
     # --- Workers ---
-    def attach(self, session_id, worker_id="", lease_ms=0, writer=False, delivery="inline", cuda_ipc=None,
-               device=None):
+    def attach(self, session_id: str, worker_id: str = "", lease_ms: int = 0, writer: bool = False,
+               delivery: str = "inline", cuda_ipc: Any = None, device: Optional[str] = None) -> "AttachmentInfo":
         """delivery: "inline" (K/V in each select answer), "ucx_rma" (then register_slot_buffers;
         needs use_ucx) or "cuda_ipc" (cuda_ipc = dict(k_handle=bytes(64), k_offset=0,
         v_handle=bytes(64), v_offset=0, bytes=N): the worker's GPU slot buffers). device: the
@@ -789,7 +798,7 @@ class Client(_NativeHandle):
                               DELIVERIES.get(out.delivery, str(out.delivery)), out.slot_buffer_bytes,
                               out.slot_tokens)
 
-    def register_slot_buffers(self, attachment_id, k, v):
+    def register_slot_buffers(self, attachment_id: str, k: Any, v: Any) -> None:
         """Host slot buffers of a "ucx_rma" attachment: k and v, writable C-contiguous arrays
         (numpy, or CPU torch tensors) of the same size >= slot_buffer_bytes, laid out
         [L, h, slots_per_head, C, d] bf16 (e.g. uint16 numpy arrays). Selects over UCX then
@@ -811,11 +820,11 @@ class Client(_NativeHandle):
                                                            _ptr(arrays[1]), arrays[0].nbytes))
         self._slot_buffers[attachment_id] = tuple(arrays)
 
-    def detach(self, attachment_id):
+    def detach(self, attachment_id: str) -> None:
         _check(_native.lib().kvshade_detach(self._handle(), _b(attachment_id)))
         self._slot_buffers.pop(attachment_id, None)
 
-    def static_set(self, attachment_id, layer) -> StaticSet:
+    def static_set(self, attachment_id: str, layer: int) -> StaticSet:
         lib = _native.lib()
         h = ctypes.c_void_p()
         _check(lib.kvshade_get_static_set(self._handle(), _b(attachment_id), layer, ctypes.byref(h)))
@@ -880,8 +889,9 @@ class Client(_NativeHandle):
             keep.append(ids)
         return t, keep
 
-    def select(self, layer, attachment_ids: Sequence[str], q, dtype="bf16", k_new=None, v_new=None,
-               stage_token_ids=None, purpose="synchronous", stage_hold=False) -> List[SlotDelta]:
+    def select(self, layer: int, attachment_ids: Sequence[str], q: Any, dtype: str = "bf16", k_new: Any = None,
+               v_new: Any = None, stage_token_ids: Any = None, purpose: str = "synchronous",
+               stage_hold: bool = False) -> List[SlotDelta]:
         """One decode step of one layer for a batch: q [n, hq, d] post-RoPE. With k_new,
         v_new [n, h, d] (pre-RoPE keys) and stage_token_ids [n] (< 0: none for that query)
         the step's new tokens are staged as Attend stages them; each delta's `tokens` is the
@@ -900,7 +910,7 @@ class Client(_NativeHandle):
         finally:
             lib.kvshade_select_free(r)
 
-    def select_chunks(self, layer, attachment_ids: Sequence[str], chunks) -> List[SlotDelta]:
+    def select_chunks(self, layer: int, attachment_ids: Sequence[str], chunks: Any) -> List[SlotDelta]:
         """Model-native selection: the chunks to attend, chosen by the caller (a model's own
         indexer), served through the attachments' slot tables like select()'s: chunks
         [n, h, m] (or [h, m] for one attachment) int, -1 = none, m <= slots_per_head."""
@@ -922,8 +932,8 @@ class Client(_NativeHandle):
         finally:
             lib.kvshade_select_free(r)
 
-    def select_async(self, layer, attachment_ids: Sequence[str], q, dtype="bf16",
-                     purpose="synchronous") -> SelectFuture:
+    def select_async(self, layer: int, attachment_ids: Sequence[str], q: Any, dtype: str = "bf16",
+                     purpose: str = "synchronous") -> SelectFuture:
         """select() without waiting: .result() of the returned future gives the deltas (e.g.
         issue layer l+1 while applying layer l, or the next step's select: purpose
         "speculative")."""
@@ -934,7 +944,7 @@ class Client(_NativeHandle):
                                                      _purpose_code(purpose), ctypes.byref(h)))
         return SelectFuture(self, h)
 
-    def attend_async(self, layer, attachment_ids: Sequence[str], q, dtype="bf16") -> AttendFuture:
+    def attend_async(self, layer: int, attachment_ids: Sequence[str], q: Any, dtype: str = "bf16") -> AttendFuture:
         """attend() without waiting: .result() gives float32 [n, hq, d]."""
         ids, qw = self._queries(attachment_ids, q, dtype)
         h = ctypes.c_void_p()
@@ -942,8 +952,8 @@ class Client(_NativeHandle):
                                                   qw.shape[1], qw.shape[2], _ptr(qw), ctypes.byref(h)))
         return AttendFuture(self, h, qw.shape)
 
-    def attend(self, layer, attachment_ids: Sequence[str], q, dtype="bf16", k_new=None, v_new=None,
-               stage_token_ids=None, with_lse=False, stage_hold=False):
+    def attend(self, layer: int, attachment_ids: Sequence[str], q: Any, dtype: str = "bf16", k_new: Any = None,
+               v_new: Any = None, stage_token_ids: Any = None, with_lse: bool = False, stage_hold: bool = False) -> Any:
         """Attention inside the service: returns float32 [n, hq, d]. k_new, v_new [n, h, d]
         (pre-RoPE keys): the step's new tokens, attended exactly beside each session, and
         staged where stage_token_ids [n] says so (>= 0; stage_hold=True: held for
@@ -962,7 +972,7 @@ class Client(_NativeHandle):
                                                lengths.ctypes.data_as(ctypes.POINTER(ctypes.c_uint64))))
         return (out, lse, lengths) if with_lse else out
 
-    def commit_staged(self, attachment_id, stage_token_id, discard=False) -> int:
+    def commit_staged(self, attachment_id: str, stage_token_id: int, discard: bool = False) -> int:
         """Appends the attachment's held staged token (staged with stage_hold=True) to its
         session, or with discard=True drops it; returns the session's length."""
         tokens = ctypes.c_uint64()
@@ -970,7 +980,7 @@ class Client(_NativeHandle):
                                                    1 if discard else 0, ctypes.byref(tokens)))
         return tokens.value
 
-    def stats(self):
+    def stats(self) -> Dict[str, Any]:
         """The caller's figures summed over the daemon's devices (kvshade_stats as a dict:
         backend, version, sessions, attachments, segments, device/host bytes used and
         budget, spilled_bytes, prefix lookups and hits, chunks selected and hits); per
