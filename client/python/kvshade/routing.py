@@ -215,7 +215,7 @@ def _worker_gpu(worker_device) -> Optional[int]:
     return ordinal
 
 
-def choose_device(daemon_devices: Sequence[Dict[str, Any]], worker_device=None, same_node: bool = True,
+def choose_device(daemon_devices: Sequence[Dict[str, Any]], worker_device: Any = None, same_node: bool = True,
                   pci_bus_id_of: Optional[Callable[[int], str]] = None) -> str:
     """The `device` a worker passes to Client.create_session, lookup_prefix and attach so that
     its sessions live on its own GPU (docs/OPERATIONS.md "Devices"), or "" for the daemon's
@@ -261,7 +261,7 @@ def choose_device(daemon_devices: Sequence[Dict[str, Any]], worker_device=None, 
         "worker on another node)" % (ordinal, bus_id, served))
 
 
-def session_device(client, device=None, model_device=None, same_node: bool = True,
+def session_device(client: Any, device: Any = None, model_device: Any = None, same_node: bool = True,
                    pci_bus_id_of: Optional[Callable[[int], str]] = None) -> str:
     """The `device` string the adapters pass to the daemon, from their `device=` keyword:
 

@@ -53,14 +53,19 @@ unless a `sampler` is given. Same-node decode only (the daemon on this node).
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import hf_cache
+from .client import Client, Profile
 from .errors import FailedPrecondition, KvShadeError
 from .local import LocalDecoder
 from .routing import session_device
+
+# A `device=` of the adapters: the daemon's name of a device (str), or a GPU of this process
+# (torch.device, int); kvshade.routing.session_device.
+DeviceArg = Union[str, int, torch.device]
 
 try:
     from transformers.cache_utils import Cache, DynamicLayer
@@ -120,8 +125,9 @@ class BatchCache(Cache):
                `session_device` is the str the daemon is given (join attaches with it)
     """
 
-    def __init__(self, client, model, model_id=None, worker_id="kvshade-serving", local_capacity=1024,
-                 count_hits=False, device=None):
+    def __init__(self, client: Client, model: torch.nn.Module, model_id: Optional[str] = None,
+                 worker_id: str = "kvshade-serving", local_capacity: int = 1024, count_hits: bool = False,
+                 device: Optional[DeviceArg] = None) -> None:
         config = hf_cache.require_attention(model)
         self.client = client
         self.model_id = model_id
@@ -135,7 +141,7 @@ class BatchCache(Cache):
         self.local_capacity = int(local_capacity)
         self.sequences: List[_Sequence] = []
         self._awaiting = None
-        self._positions = None  # [B, 1] int64 on the model's device, rebuilt after each change
+        self._positions: Optional[torch.Tensor] = None  # [B, 1] int64 on the model's device, rebuilt after each change
         super().__init__(layers=[_BatchLayer(self, i) for i in range(self.num_layers)])
 
     # --- The batch ---
@@ -268,7 +274,7 @@ class BatchCache(Cache):
         return out.to(query.dtype).reshape(b, 1, hq, d)
 
 
-def ready_session(kc):
+def ready_session(kc: "hf_cache.KvShadeCache") -> Tuple[str, int]:
     """The session of a prefill-only hf_cache.KvShadeCache (decode=None, one sequence) once
     its prompt is committed: waits for the commit, lets go of the cache (the session stays
     open) and returns (session_id, reused_tokens). If the commit failed, the session is
@@ -340,10 +346,11 @@ class Generator:
                       (None: the model's GPU among the daemon's devices), found once
     """
 
-    def __init__(self, client, model, profile, max_batch=64, prefills_per_step=1, model_id=None,
-                 worker_id="kvshade-serving", local_capacity=1024, sampler: Optional[Callable] = None,
-                 close_sessions=True, cache_kwargs=None, prefill_chunk_tokens=None, prefix_cache_bytes=8 << 30,
-                 device=None):
+    def __init__(self, client: Client, model: torch.nn.Module, profile: Profile, max_batch: int = 64,
+                 prefills_per_step: int = 1, model_id: Optional[str] = None, worker_id: str = "kvshade-serving",
+                 local_capacity: int = 1024, sampler: Optional[Callable] = None, close_sessions: bool = True,
+                 cache_kwargs: Optional[Dict[str, Any]] = None, prefill_chunk_tokens: Optional[int] = None,
+                 prefix_cache_bytes: int = 8 << 30, device: Optional[DeviceArg] = None) -> None:
         if max_batch < 1 or prefills_per_step < 1:
             raise ValueError("max_batch and prefills_per_step must be >= 1")
         if prefill_chunk_tokens is not None and int(prefill_chunk_tokens) < 1:

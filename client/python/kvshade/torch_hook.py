@@ -20,6 +20,8 @@ hook's decode is RPC and serves a worker on any node). `device=` overrides it: a
 daemon's name of a device or a PCI bus id ("" = its first device), a torch.device or an int
 this process's GPU.
 """
+from typing import Any, List, Optional
+
 import numpy as np
 import torch
 
@@ -29,21 +31,23 @@ from .testing import attention
 
 
 class KvShadeKVCache:
-    def __init__(self, client: Client, model: ModelSpec, profile: Profile, worker_id="torch-hook", device=None):
+    def __init__(self, client: Client, model: ModelSpec, profile: Profile, worker_id: str = "torch-hook",
+                 device: Any = None) -> None:
         self.client, self.model, self.profile = client, model, profile
         self.worker_id = worker_id
         # The `device` of create_session and attach: the str the daemon is given once known
         # (prefill resolves None / a torch.device from the keys' device).
         self.device = device
-        self.session_id = None
-        self.attachment = None
-        self.effective_profile = None
+        self.session_id: Optional[str] = None
+        self.attachment: Any = None  # AttachmentInfo once attached
+        self.effective_profile: Optional[str] = None
         self.reused_tokens = 0
         self.hits = 0
         self.selected = 0
 
     # --- Setup ---
-    def prefill(self, token_ids, keys, values, observation_queries=None, attach=True):
+    def prefill(self, token_ids: Any, keys: Any, values: Any, observation_queries: Any = None,
+                attach: bool = True) -> Any:
         """Registers the prompt and ingests what no cached prefix covers, then attaches
         (unless attach=False: another decoder attaches to self.session_id)."""
         m = self.model
@@ -65,7 +69,7 @@ class KvShadeKVCache:
             self.attach(self.session_id)
         return created
 
-    def attach(self, session_id, effective_profile=None, device=None):
+    def attach(self, session_id: str, effective_profile: Optional[str] = None, device: Any = None) -> None:
         """Attaches to an existing (e.g. forked) session and loads its static sets. device: the
         worker's device for the daemon's check (a session on another of its devices is
         FailedPrecondition); default the one prefill placed the session on, else unchecked."""
@@ -79,7 +83,7 @@ class KvShadeKVCache:
         self.attachment = self.client.attach(session_id, self.worker_id, device=device or None)
         self.reload_static()
 
-    def reload_static(self):
+    def reload_static(self) -> None:
         m, a = self.model, self.attachment
         self._static = [self.client.static_set(a.attachment_id, l) for l in range(m.num_layers)]
         # Rows per slot: the chunk size, or the profile's selection unit.
@@ -87,10 +91,10 @@ class KvShadeKVCache:
         self._slot_k = [np.zeros((h, S, C, d), np.float32) for _ in range(m.num_layers)]
         self._slot_v = [np.zeros((h, S, C, d), np.float32) for _ in range(m.num_layers)]
         self._slot_used = [np.zeros((h, S), bool) for _ in range(m.num_layers)]
-        self._local_k = [[] for _ in range(m.num_layers)]
-        self._local_v = [[] for _ in range(m.num_layers)]
+        self._local_k: List[List[torch.Tensor]] = [[] for _ in range(m.num_layers)]
+        self._local_v: List[List[torch.Tensor]] = [[] for _ in range(m.num_layers)]
 
-    def close(self, close_session=False):
+    def close(self, close_session: bool = False) -> None:
         if self.attachment is not None:
             self.client.detach(self.attachment.attachment_id)
             self.attachment = None
@@ -106,7 +110,7 @@ class KvShadeKVCache:
         self._slot_v[layer][hs, ss] = delta.values
         self._slot_used[layer][hs, ss] = True
 
-    def attend(self, layer, q, k, v):
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         m = self.model
         h, d = m.num_kv_heads, m.head_dim
         g = m.num_query_heads // h
@@ -137,4 +141,5 @@ class KvShadeKVCache:
                   torch.from_numpy(st.tail_v).transpose(0, 1), lv]
         out = attention(q.detach().float().cpu().reshape(h * g, d), keys, values,
                         [static_mask, used, None, None])
+        assert isinstance(out, torch.Tensor)  # without with_lse
         return out.to(dev)
