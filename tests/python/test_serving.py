@@ -39,7 +39,10 @@ BACKEND = os.environ.get("KVSHADE_TEST_BACKEND", "cpu")
 
 
 class _WithServer(unittest.TestCase):
-    """A kvshade-server and a client for the class's tests (transformers required)."""
+    """A kvshade-server and a client for the class's tests (transformers required); the
+    daemon's --backend is server_backend (None: its default)."""
+
+    server_backend = None
 
     @classmethod
     def setUpClass(cls):
@@ -47,7 +50,7 @@ class _WithServer(unittest.TestCase):
             raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
         cls.seed = seed()
         cls.gen = torch.Generator().manual_seed(cls.seed)
-        cls.server = Server()
+        cls.server = Server(backend=cls.server_backend)
         cls.client = kvshade.Client(cls.server.target, timeout=60)
         cls.client.wait_ready(20)
 
@@ -295,29 +298,19 @@ def two_devices():
 
 
 @unittest.skipUnless(HAVE_TRANSFORMERS or REQUIRE_GPU, WHY)
-class DevicesServingTest(unittest.TestCase):
-    """serving.Generator and BatchCache on a daemon with two devices (service/README.md
+class DevicesServingTest(_WithServer):
+    """serving.Generator and BatchCache on a daemon with two devices (docs/OPERATIONS.md
     "Devices"): the requests' sessions go to the model's device (on a GPU: the daemon's device
     with its PCI bus id; on the CPU: where device= says), and the batch refuses a session on
     the other device."""
 
     @classmethod
     def setUpClass(cls):
-        if not HAVE_TRANSFORMERS:
-            raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
-        cls.backend = two_devices()
-        if cls.backend is None:
-            raise unittest.SkipTest("one GPU: a daemon of two GPUs needs two")
-        cls.seed = seed()
-        cls.gen = torch.Generator().manual_seed(cls.seed)
-        cls.server = Server(backend=cls.backend)
-        cls.client = kvshade.Client(cls.server.target, timeout=60)
-        cls.client.wait_ready(20)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        assert cls.server.stop() == 0
+        if HAVE_TRANSFORMERS:  # else _WithServer says why
+            cls.server_backend = two_devices()
+            if cls.server_backend is None:
+                raise unittest.SkipTest("one GPU: a daemon of two GPUs needs two")
+        super().setUpClass()
 
     def test_sessions_go_to_the_models_device_and_the_batch_refuses_others(self):
         model = tiny_llama(self.seed)
