@@ -4,9 +4,15 @@
 #include <cstdlib>
 
 #include "absl/strings/str_cat.h"
+#include "engine_impl.h"
 #include "kvshade/base/status_macros.h"
 
 namespace kvshade::service {
+
+absl::Status ProfileStrategy::FinishAppend(EngineImpl&, Session& s, int) const {
+  if (s.open) s.open->n_tokens = s.open->layers[0].n_tail;
+  return absl::OkStatus();
+}
 
 // The registry: one line per profile.
 const ProfileStrategy* FindProfile(v1::ProfileKind kind) {

@@ -160,8 +160,9 @@ class ProfileStrategy {
                                    const std::vector<kernels::bf16>& kr,
                                    const std::vector<kernels::bf16>& v) const = 0;
   // After every layer took its tokens and s.tokens counts them: on an error the append
-  // does not happen (the strategy undoes its part, the caller s.tokens).
-  virtual absl::Status FinishAppend(EngineImpl& e, Session& s, int n) const = 0;
+  // does not happen (the strategy undoes its part, the caller s.tokens). By default the open
+  // segment's token count follows its exact rows (profile.cc).
+  virtual absl::Status FinishAppend(EngineImpl& e, Session& s, int n) const;
 };
 
 // The strategy of a resolved kind (ResolveProfile's; AUTO or UNSPECIFIED abort).

@@ -59,11 +59,6 @@ class Exact final : public ProfileStrategy {
     return AppendExactTokens(e, s.open->layers[l], kr.data(), v.data(), n,
                              size_t(s.model.shape.h) * s.model.shape.d);
   }
-
-  absl::Status FinishAppend(EngineImpl&, Session& s, int) const override {
-    if (s.open) s.open->n_tokens = s.open->layers[0].n_tail;
-    return absl::OkStatus();
-  }
 };
 
 }  // namespace

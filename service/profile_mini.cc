@@ -214,11 +214,6 @@ class Mini final : public ProfileStrategy {
     }
     return absl::OkStatus();
   }
-
-  absl::Status FinishAppend(EngineImpl&, Session& s, int) const override {
-    if (s.open) s.open->n_tokens = s.open->layers[0].n_tail;
-    return absl::OkStatus();
-  }
 };
 
 }  // namespace
