@@ -476,7 +476,10 @@ class Generator:
         if size > self.prefix_cache_bytes:
             return
         tokens = sum(k.shape[2] for k, _ in kept[0])
-        self._prefixes[tuple(req.prompt[:tokens])] = (kept, size)
+        key = tuple(req.prompt[:tokens])
+        if key in self._prefixes:
+            return
+        self._prefixes[key] = (kept, size)
         self.prefix_bytes += size
         while self.prefix_bytes > self.prefix_cache_bytes:
             _, (_, old) = self._prefixes.popitem(last=False)
