@@ -607,5 +607,7 @@ class Generator:
         for _, kc in self._committing:
             kc.close(close_session=True)
         self._committing = []
+        self._prefixes.clear()  # the kept prefixes' host memory
+        self.prefix_bytes = 0
         self.running.clear()
         self.cache.close(close_sessions=self.close_sessions)
