@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import unittest
 
 sys.path.insert(0, os.environ.get(
     "KVSHADE_PYTHONPATH",
@@ -26,6 +27,25 @@ def seed():
     s = int(os.environ.get("KVSHADE_TEST_SEED") or DEFAULT_SEED)
     print("KVSHADE_TEST_SEED=%d" % s, file=sys.stderr)
     return s
+
+
+class WithServer(unittest.TestCase):
+    """A kvshade-server (its --backend: server_backend, None = the tests' default) and a client
+    shared by the class's tests; a subclass sets up what it needs, then calls this one."""
+
+    server_backend = None
+
+    @classmethod
+    def setUpClass(cls):
+        import kvshade
+        cls.server = Server(backend=cls.server_backend)
+        cls.client = kvshade.Client(cls.server.target, timeout=60)
+        cls.client.wait_ready(20)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        assert cls.server.stop() == 0
 
 
 class Server:

@@ -34,7 +34,7 @@ import unittest
 
 import numpy as np
 
-from kvshade_testutil import Server, seed
+from kvshade_testutil import Server, WithServer, seed
 
 import kvshade
 
@@ -656,11 +656,13 @@ class _ClaimedBuses:
 
 
 @unittest.skipUnless(HAVE_TRANSFORMERS or REQUIRE_GPU, WHY)
-class HfAdapterDevicesTest(unittest.TestCase):
+class HfAdapterDevicesTest(WithServer):
     """KvShadeCache on a daemon with two devices (cpu:0,cpu:1; docs/OPERATIONS.md "Devices"):
     device= places the sessions (and the decoder's attachments) there, prefixes per device;
     on a GPU, the default finds the model's GPU among the daemon's devices by PCI bus id and
     refuses a GPU the daemon does not serve before creating anything."""
+
+    server_backend = "cpu:0,cpu:1"
 
     @classmethod
     def setUpClass(cls):
@@ -668,14 +670,7 @@ class HfAdapterDevicesTest(unittest.TestCase):
             raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
         cls.seed = seed()
         cls.gen = torch.Generator().manual_seed(cls.seed)
-        cls.server = Server(backend="cpu:0,cpu:1")
-        cls.client = kvshade.Client(cls.server.target, timeout=60)
-        cls.client.wait_ready(20)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        assert cls.server.stop() == 0
+        super().setUpClass()
 
     def sessions(self):
         return {d["device"]: d["sessions"] for d in self.client.device_stats()}

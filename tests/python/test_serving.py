@@ -24,7 +24,7 @@ Skipped without transformers (Debian has none); KVSHADE_REQUIRE_GPU=1 makes that
 import os
 import unittest
 
-from kvshade_testutil import Server, seed
+from kvshade_testutil import WithServer, seed
 
 import kvshade
 from test_hf_adapter import HAVE_TRANSFORMERS, REQUIRE_GPU, WHY
@@ -38,11 +38,9 @@ if HAVE_TRANSFORMERS:  # test_hf_adapter defines these only where transformers i
 BACKEND = os.environ.get("KVSHADE_TEST_BACKEND", "cpu")
 
 
-class _WithServer(unittest.TestCase):
+class _WithServer(WithServer):
     """A kvshade-server and a client for the class's tests (transformers required); the
     daemon's --backend is server_backend (None: its default)."""
-
-    server_backend = None
 
     @classmethod
     def setUpClass(cls):
@@ -50,14 +48,7 @@ class _WithServer(unittest.TestCase):
             raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
         cls.seed = seed()
         cls.gen = torch.Generator().manual_seed(cls.seed)
-        cls.server = Server(backend=cls.server_backend)
-        cls.client = kvshade.Client(cls.server.target, timeout=60)
-        cls.client.wait_ready(20)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        assert cls.server.stop() == 0
+        super().setUpClass()
 
 
 @unittest.skipUnless(HAVE_TRANSFORMERS or REQUIRE_GPU, WHY)

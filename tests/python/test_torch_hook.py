@@ -10,7 +10,7 @@ import unittest
 import numpy as np
 import torch
 
-from kvshade_testutil import Server, seed
+from kvshade_testutil import WithServer, seed
 
 import kvshade
 from kvshade.torch_hook import KvShadeKVCache
@@ -120,21 +120,14 @@ def spec(model_id):
                              rope_theta=THETA)
 
 
-class TorchHookTest(unittest.TestCase):
+class TorchHookTest(WithServer):
     @classmethod
     def setUpClass(cls):
         s = seed()
         torch.manual_seed(s)
         cls.rng = np.random.default_rng(s)
         cls.model = TinyLlama(s)
-        cls.server = Server()
-        cls.client = kvshade.Client(cls.server.target, timeout=60)
-        cls.client.wait_ready(20)
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.client.close()
-        assert cls.server.stop() == 0
+        super().setUpClass()
 
     def run_both(self, profile, n_prompt, steps, model_id):
         """Decodes `steps` tokens after the prompt with the dense cache and through kvshade
