@@ -130,6 +130,20 @@ def tiny_llama(seed_, rope_type="default", key_rank=None, key_scale=1.0):
     return model.to(DEV)
 
 
+class WithServerAndSeed(WithServer):
+    """WithServer for the transformers tests (their classes are skipped without transformers,
+    unless KVSHADE_REQUIRE_GPU=1 makes that a failure), with the class's seed and a torch
+    generator seeded with it."""
+
+    @classmethod
+    def setUpClass(cls):
+        if not HAVE_TRANSFORMERS:
+            raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
+        cls.seed = seed()
+        cls.gen = torch.Generator().manual_seed(cls.seed)
+        super().setUpClass()
+
+
 @unittest.skipUnless(HAVE_TRANSFORMERS or REQUIRE_GPU, WHY)
 class HfAdapterTest(unittest.TestCase):
     @classmethod
@@ -656,21 +670,13 @@ class _ClaimedBuses:
 
 
 @unittest.skipUnless(HAVE_TRANSFORMERS or REQUIRE_GPU, WHY)
-class HfAdapterDevicesTest(WithServer):
+class HfAdapterDevicesTest(WithServerAndSeed):
     """KvShadeCache on a daemon with two devices (cpu:0,cpu:1; docs/OPERATIONS.md "Devices"):
     device= places the sessions (and the decoder's attachments) there, prefixes per device;
     on a GPU, the default finds the model's GPU among the daemon's devices by PCI bus id and
     refuses a GPU the daemon does not serve before creating anything."""
 
     server_backend = "cpu:0,cpu:1"
-
-    @classmethod
-    def setUpClass(cls):
-        if not HAVE_TRANSFORMERS:
-            raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
-        cls.seed = seed()
-        cls.gen = torch.Generator().manual_seed(cls.seed)
-        super().setUpClass()
 
     def sessions(self):
         return {d["device"]: d["sessions"] for d in self.client.device_stats()}

@@ -24,10 +24,10 @@ Skipped without transformers (Debian has none); KVSHADE_REQUIRE_GPU=1 makes that
 import os
 import unittest
 
-from kvshade_testutil import WithServer, seed
+import kvshade_testutil  # noqa: F401  (puts client/python on sys.path)
 
 import kvshade
-from test_hf_adapter import HAVE_TRANSFORMERS, REQUIRE_GPU, WHY
+from test_hf_adapter import HAVE_TRANSFORMERS, REQUIRE_GPU, WHY, WithServerAndSeed
 
 if HAVE_TRANSFORMERS:  # test_hf_adapter defines these only where transformers imports
     import torch
@@ -38,17 +38,7 @@ if HAVE_TRANSFORMERS:  # test_hf_adapter defines these only where transformers i
 BACKEND = os.environ.get("KVSHADE_TEST_BACKEND", "cpu")
 
 
-class _WithServer(WithServer):
-    """A kvshade-server and a client for the class's tests (transformers required); the
-    daemon's --backend is server_backend (None: its default)."""
-
-    @classmethod
-    def setUpClass(cls):
-        if not HAVE_TRANSFORMERS:
-            raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
-        cls.seed = seed()
-        cls.gen = torch.Generator().manual_seed(cls.seed)
-        super().setUpClass()
+_WithServer = WithServerAndSeed  # a daemon, a client and a seed per class (transformers required)
 
 
 @unittest.skipUnless(HAVE_TRANSFORMERS or REQUIRE_GPU, WHY)
