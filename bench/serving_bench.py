@@ -33,7 +33,8 @@ makespan), time to first token from arrival (p50, p99), time per output token (p
 every gap between two tokens of a request); for the kvshade Generator row also the GPU
 memory in use (every process, sampled each step), the daemon's host memory, prefix reuse
 (reused tokens per request, the daemon's prefix lookups and hits), and the daemon's and the
-worker's time per stage.
+worker's time per stage. Every row also has the peak GPU memory in use over its run (every
+process's, sampled ten times a second: gpu_used_peak_sampled_gib).
 
 Usage (GPU machine):
   python3 bench/serving_bench.py --server .gpu/bin/kvshade-server [--doc-tokens 32768]
@@ -47,6 +48,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,6 +61,30 @@ import torch  # noqa: E402
 import kvshade  # noqa: E402
 from capacity_bench import GIB, build_model, gpu_used_gib  # noqa: E402
 from decode_bench import stage_seconds, start_server  # noqa: E402
+
+
+class GpuPeak:
+    """The largest GPU memory in use (every process's: cudaMemGetInfo) while the block runs,
+    sampled every `every` seconds on a thread: `with GpuPeak() as peak: ...; peak.gib`."""
+
+    def __init__(self, every=0.1):
+        self.every, self.gib = every, 0.0
+        self._stop = threading.Event()
+
+    def _loop(self):
+        while not self._stop.is_set():
+            self.gib = max(self.gib, gpu_used_gib())
+            self._stop.wait(self.every)
+
+    def __enter__(self):
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.gib = max(self.gib, gpu_used_gib())
 
 
 def pct(xs, p):
@@ -381,7 +407,9 @@ def main():
         proc, c, _ = start_server(args.server, ["--device-budget", "100GiB", "--host-budget", "100GiB",
                                                 "--max-message-bytes", "512MiB"])
         try:
-            row = run(c, model, prompts, arrivals, args)
+            with GpuPeak() as peak:
+                row = run(c, model, prompts, arrivals, args)
+            row["gpu_used_peak_sampled_gib"] = round(peak.gib, 2)
         finally:
             proc.terminate()
             try:
@@ -395,7 +423,9 @@ def main():
         torch.cuda.empty_cache()
     for name, run in (("transformers-cb", run_transformers_cb_arrivals), ("dynamic", run_dynamic_fifo)):
         if name in configs:
-            row = run(model, prompts, arrivals, args)
+            with GpuPeak() as peak:
+                row = run(model, prompts, arrivals, args)
+            row["gpu_used_peak_sampled_gib"] = round(peak.gib, 2)
             print(json.dumps(row), flush=True)
             result["rows"].append(row)
     if "transformers" in configs:
