@@ -130,6 +130,15 @@ def tiny_llama(seed_, rope_type="default", key_rank=None, key_scale=1.0):
     return model.to(DEV)
 
 
+def seed_class(cls):
+    """A transformers test class's start: fails without transformers (the classes are skipped
+    then, unless KVSHADE_REQUIRE_GPU=1), then its seed and a torch generator seeded with it."""
+    if not HAVE_TRANSFORMERS:
+        raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
+    cls.seed = seed()
+    cls.gen = torch.Generator().manual_seed(cls.seed)
+
+
 class WithServerAndSeed(WithServer):
     """WithServer for the transformers tests (their classes are skipped without transformers,
     unless KVSHADE_REQUIRE_GPU=1 makes that a failure), with the class's seed and a torch
@@ -137,10 +146,7 @@ class WithServerAndSeed(WithServer):
 
     @classmethod
     def setUpClass(cls):
-        if not HAVE_TRANSFORMERS:
-            raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
-        cls.seed = seed()
-        cls.gen = torch.Generator().manual_seed(cls.seed)
+        seed_class(cls)
         super().setUpClass()
 
 
@@ -148,10 +154,7 @@ class WithServerAndSeed(WithServer):
 class HfAdapterTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        if not HAVE_TRANSFORMERS:
-            raise AssertionError("KVSHADE_REQUIRE_GPU=1: " + WHY)
-        cls.seed = seed()
-        cls.gen = torch.Generator().manual_seed(cls.seed)
+        seed_class(cls)
         # KVSHADE_TEST_UCX=tcp,self: the decode calls go over the UCX data plane.
         cls.ucx = os.environ.get("KVSHADE_TEST_UCX", "")
         cls.tmp = tempfile.mkdtemp(prefix="kvshade-hf-test-")
