@@ -107,6 +107,7 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
     }
     captured_.assign(L_, 0.0);
     residual_.assign(L_, 0.0);
+    weighted_residual_.assign(L_, 0.0);
     refactor_keys_.resize(L_);
     const ProfileStrategy& profile = ProfileOf(s_ref.profile.kind);
     profile_ = profile.StartIngest(*this);
@@ -673,11 +674,16 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
 
   // A range projected onto a cached basis: the layer reports the largest residual of its
   // projected ranges.
-  void NoteResidual(int l, double residual) override {
+  void NoteResidual(int l, double residual, int tokens) override {
     residual_[l] = std::max(residual_[l], residual);
+    weighted_residual_[l] += residual * tokens;
     projected_ = true;
   }
   double residual(int l) const override { return residual_[l]; }
+  double session_residual(int l) const override {
+    const int64_t total = first_ + n_;  // the session's tokens after this ingest
+    return total > 0 ? weighted_residual_[l] / static_cast<double>(total) : 0.0;
+  }
   void set_captured(int l, double energy) override { captured_[l] = energy; }
 
   // The rest of IngestContext (profile.h).
@@ -834,6 +840,7 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
   std::vector<Range> ranges_;  // the segments the commit adds
   bool projected_ = false;  // a range was projected onto a cached basis (residual_ is set)
   std::vector<double> captured_, residual_;
+  std::vector<double> weighted_residual_;  // sum over projected ranges of residual * tokens
   std::vector<std::vector<bf16>> refactor_keys_;
   std::vector<std::string> peers_;  // CUDA IPC handles this stream mapped (same-node parts)
   std::unique_ptr<ProfileIngest> profile_;  // the profile's part (compresses the layers)

@@ -85,9 +85,17 @@ class IngestContext {
   // Residual of projecting k [n, h, d] onto `basis` (optionally keeping the coordinates).
   virtual absl::StatusOr<double> Project(absl::Span<const kernels::bf16> k, const Basis& basis,
                                          DeviceBlock* a_out) = 0;
-  // A range projected onto a cached basis: the layer reports its largest residual.
-  virtual void NoteResidual(int l, double residual) = 0;
+  // A range of `tokens` projected onto a cached basis: the layer reports its largest
+  // residual.
+  virtual void NoteResidual(int l, double residual, int tokens) = 0;
   virtual double residual(int l) const = 0;
+  // The projected ranges' residual energy as a share of the whole session's keys (each
+  // range's residual weighted by its tokens over the session's tokens, keys of like
+  // energy assumed): what a refactorization would win back. A short question after a long
+  // document leaves the session's approximation nearly whole however far its own keys
+  // lie from the document's basis, and refitting the whole session for it would cost
+  // O(session) per question.
+  virtual double session_residual(int l) const = 0;
   virtual void set_captured(int l, double energy) = 0;
   // Keeps pre-RoPE keys of layer l for a background refactorization.
   virtual absl::Status KeepForRefactor(int l, absl::Span<const kernels::bf16> k) = 0;

@@ -5,8 +5,9 @@
 //
 // Ingest: kernels::CompressShadowLayer (factorize, RoPE, landmarks, outliers, heavy
 // chunks, values, static set, tail). A suffix after a reused prefix is then projected onto
-// the prefix's basis (ProjectKeys) and its residual energy reported; past
-// refactor_threshold a background refactorization is scheduled. Segments shorter than
+// the prefix's basis (ProjectKeys) and its residual energy reported; when that residual,
+// weighted by the suffix's share of the session's tokens, passes refactor_threshold, a
+// background refactorization is scheduled. Segments shorter than
 // local_window + C are all exact tail. Every token keeps its coordinates A (the exact
 // remainder's too): at the commit, and at later appends, the session's one exact tail
 // gives its oldest whole chunks to the open segment while it holds more than
@@ -129,9 +130,9 @@ class ShadowIngest final : public ProfileIngest {
       out.basis = pb;
       auto a = std::make_shared<DeviceBlock>();  // for when these tokens leave the tail
       KVSHADE_ASSIGN_OR_RETURN(const double residual, cx.Project(keys, *pb, a.get()));
-      cx.NoteResidual(l, residual);
+      cx.NoteResidual(l, residual, n);
       out.a = std::move(a);
-      if (last && cx.residual(l) > p.refactor_threshold) KVSHADE_RETURN_IF_ERROR(cx.KeepForRefactor(l, keys));
+      if (last && cx.session_residual(l) > p.refactor_threshold) KVSHADE_RETURN_IF_ERROR(cx.KeepForRefactor(l, keys));
       KVSHADE_RETURN_IF_ERROR(cx.TakeRows(b, rg, &out.tk, &out.tv));
       KVSHADE_RETURN_IF_ERROR(cx.RopeInPlace(out.tk, first, n));
       out.n_tail = out.cap_tail = n;
@@ -194,10 +195,10 @@ class ShadowIngest final : public ProfileIngest {
     if (pb) {
       auto a = std::make_shared<DeviceBlock>();
       KVSHADE_ASSIGN_OR_RETURN(const double residual, cx.Project(keys, *pb, a.get()));
-      cx.NoteResidual(l, residual);
+      cx.NoteResidual(l, residual, n);
       out.a = std::move(a);
       out.basis = pb;
-      if (last && cx.residual(l) > p.refactor_threshold) KVSHADE_RETURN_IF_ERROR(cx.KeepForRefactor(l, keys));
+      if (last && cx.session_residual(l) > p.refactor_threshold) KVSHADE_RETURN_IF_ERROR(cx.KeepForRefactor(l, keys));
     } else {
       auto basis = std::make_shared<Basis>();
       basis->r = sl.r;

@@ -194,5 +194,28 @@ TEST(RefactorTest, DriftingSuffixIsRefactorizedInTheBackground) {
   EXPECT_EQ(hx.engine->RunMaintenance(), 0);
 }
 
+// A short question on another topic after a long document: its own keys lie far from the
+// document's basis, but it is 2.3% of the session, so the session's approximation loses
+// little and no refit of the whole session is scheduled; the same question's residual is
+// still reported. A long off-topic turn (above) is refitted.
+TEST(RefactorTest, ShortSuffixDoesNotRefitTheWholeSession) {
+  Harness hx;
+  Stream s = TwoTopics(hx.model, 512, 12);
+  auto doc = hx.Open(s, Shadow(32, 256), 512);
+  auto turn = hx.Open(s, Shadow(32, 256), 524);
+  EXPECT_EQ(turn.reused, 512u);
+  ASSERT_EQ(turn.ingest.residual_energy_size(), 2);
+  for (float r : turn.ingest.residual_energy()) EXPECT_GT(r, 0.5f);  // another subspace
+  EXPECT_FALSE(turn.ingest.refactorization_scheduled());
+  EXPECT_EQ(hx.engine->RunMaintenance(), 0);
+  // With a threshold under the question's share of the residual, it is refitted.
+  v1::Profile strict = Shadow(32, 256);
+  strict.set_refactor_threshold(0.005f);
+  auto doc2 = hx.Open(s, strict, 512);
+  auto turn2 = hx.Open(s, strict, 524);
+  EXPECT_EQ(turn2.reused, 512u);
+  EXPECT_TRUE(turn2.ingest.refactorization_scheduled());
+}
+
 }  // namespace
 }  // namespace kvshade::service::testing

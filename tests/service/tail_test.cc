@@ -358,8 +358,10 @@ TEST(TailTest, RefactorizationKeepsTheTailsChunks) {
   Harness hx;
   hx.model = TestModel(/*L=*/2, /*h=*/2, /*g=*/kG, /*d=*/16);
   Stream s = TwoTopics(hx.model, 512, 200);
-  auto doc = hx.Open(s, TailProfile(16), 512);
-  auto turn = hx.Open(s, TailProfile(16), 532);
+  v1::Profile p = TailProfile(16);
+  p.set_refactor_threshold(0.01f);  // the 20-token suffix is 3.8% of the session
+  auto doc = hx.Open(s, p, 512);
+  auto turn = hx.Open(s, p, 532);
   ASSERT_EQ(turn.reused, 512u);
   EXPECT_TRUE(turn.ingest.refactorization_scheduled());
   int tail = Trimmed(32 + 20);
