@@ -39,7 +39,7 @@ process's, sampled ten times a second: gpu_used_peak_sampled_gib).
 Usage (GPU machine):
   python3 bench/serving_bench.py --server .gpu/bin/kvshade-server [--doc-tokens 32768]
       [--docs 2] [--requests 16] [--rate 0.5] [--max-new-tokens 32] [--max-batch 16]
-      [--prefill-chunk 4096] [--no-segment-ends]
+      [--prefill-chunk 4096 [--decode-stall 1.5]] [--no-segment-ends]
       [--configs kvshade,kvshade-cb,transformers-cb,dynamic] [--json f]
 """
 import argparse
@@ -130,7 +130,8 @@ def run_kvshade(c, model, prompts, arrivals, args):
     gen = serving.Generator(c, model, profile_of(args), max_batch=args.max_batch,
                             model_id="bench/serving-%d" % args.seed, local_capacity=max(64, args.max_new_tokens),
                             prefill_chunk_tokens=args.prefill_chunk or None,
-                            prefix_cache_bytes=int(args.prefix_cache_gib * GIB))
+                            prefix_cache_bytes=int(args.prefix_cache_gib * GIB),
+                            decode_stall=args.decode_stall or None)
     # Warm-up: one request of the workload's length (kernel selection, allocator, the
     # decoder's first mapping; a shorter prompt could resolve another value codec).
     ends = document_end(args)
@@ -176,13 +177,15 @@ def run_kvshade(c, model, prompts, arrivals, args):
     tpot = [g for r in reqs for g in r.tpot]
     first = [r.tpot[0] for r in reqs if r.tpot]
     later = [g for r in reqs for g in r.tpot[1:]]
-    return {"config": "kvshade serving.Generator", "requests": len(reqs),
+    return {"config": "kvshade serving.Generator", "requests": len(reqs), "decode_stall": args.decode_stall or None,
+            "prefill_chunk": args.prefill_chunk or None,
             "throughput_tokens_per_s": sum(len(r.tokens) for r in reqs) / makespan, "makespan_s": makespan,
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
             "tpot_p50_ms": pct(tpot, 50) * 1e3, "tpot_p99_ms": pct(tpot, 99) * 1e3,
             # The gap after the first token (it spans the session's commit) apart from the rest.
             "first_gap_ms_p50": pct(first, 50) and pct(first, 50) * 1e3,
             "first_gap_ms_max": max(first) * 1e3 if first else None,
+            "first_gap_ms_per_request": [round(g * 1e3, 1) for g in first],
             "tpot_after_first_gap_p50_ms": pct(later, 50) and pct(later, 50) * 1e3,
             "tpot_after_first_gap_p99_ms": pct(later, 99) and pct(later, 99) * 1e3,
             "gpu_used_peak_gib": max(m[1] for m in memory), "daemon_host_peak_gib": host_peak,
@@ -377,6 +380,9 @@ def main():
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--prefill-chunk", type=int, default=0,
                     help="kvshade: prefill prompts in chunks of this many tokens between decode steps (0: whole)")
+    ap.add_argument("--decode-stall", type=float, default=0,
+                    help="kvshade: serving.Generator's decode_stall (with --prefill-chunk): size each prefill "
+                         "chunk so that a step carrying it takes about this many times a plain decode step (0: off)")
     ap.add_argument("--no-segment-ends", dest="segment_ends", action="store_false",
                     help="kvshade: pass no segment end (each question's prompt is then cached as one "
                          "segment, and the document is reused only as the daemon splits it itself)")

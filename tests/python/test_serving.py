@@ -129,6 +129,57 @@ class ServingTest(_WithServer):
         self.assertEqual(b.tokens, refs[1])
         gen.close()
 
+    def test_decode_stall_sizes_chunks_from_step_times(self):
+        # decode_stall: while a request decodes, each prefill chunk is sized from the step
+        # times (between MIN_STALL_CHUNK and prefill_chunk_tokens), one chunk per step, and
+        # the tokens are those of each request decoded alone.
+        with self.assertRaises(ValueError):
+            serving.Generator(self.client, tiny_llama(self.seed), self.profile(), decode_stall=1.5)
+        with self.assertRaises(ValueError):
+            serving.Generator(self.client, tiny_llama(self.seed), self.profile(), prefill_chunk_tokens=512,
+                              decode_stall=1.0)
+        model = tiny_llama(self.seed)
+        short, long_ = self.prompt(96), self.prompt(700)
+        refs = [self.reference(model, short, 16, "stall-short"), self.reference(model, long_, 3, "stall-long")]
+        gen = serving.Generator(self.client, model, self.profile(), max_batch=2, prefill_chunk_tokens=512,
+                                decode_stall=1.5, model_id="serving-stall-%d" % self.seed)
+        # The controller's arithmetic: a plain step of 10 ms; a step with a 256-token chunk
+        # that took 30 ms spent 20 ms prefilling against a 5 ms share: the next chunk halves
+        # (at most per step), and never below MIN_STALL_CHUNK; a cheap one doubles.
+        gen._note_step(0.010, None)
+        gen._stall_chunk = 256
+        gen._note_step(0.030, 256)
+        self.assertEqual(gen._stall_chunk, 128)
+        gen._note_step(0.030, 128)
+        self.assertEqual(gen._stall_chunk, serving.MIN_STALL_CHUNK)
+        gen._note_step(0.011, 128)
+        self.assertEqual(gen._stall_chunk, 256)
+        gen._decode_s = gen._stall_chunk = None
+        sizes = []
+        advance = gen._prefill_advance
+
+        def recording(state, chunk=None):
+            if state[0] is b:
+                sizes.append((min(state[2].shape[1], state[3] + chunk) - state[3], bool(gen.running)))
+            return advance(state, chunk)
+        gen._prefill_advance = recording
+        a = gen.submit(short, 16)
+        while not gen.running:
+            gen.step()
+        b = gen.submit(long_, 3)
+        while gen.busy:
+            forwards = len(sizes)
+            gen.step()
+            self.assertLessEqual(len(sizes) - forwards, 1)  # one prefill forward per step
+        self.assertEqual(sum(n for n, _ in sizes), 700)
+        for n, decoding in sizes[:-1]:  # the last is what remained of the prompt
+            self.assertLessEqual(n, 512)
+            if decoding:
+                self.assertGreaterEqual(n, serving.MIN_STALL_CHUNK)
+        self.assertEqual(a.tokens, refs[0])
+        self.assertEqual(b.tokens, refs[1])
+        gen.close()
+
     def test_a_kept_prefix_is_not_prefilled_again(self):
         # Two questions over one document (a segment end at the document's end): the first
         # request keeps the document's exact K/V in host memory, the second starts its prefill

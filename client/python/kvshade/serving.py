@@ -39,7 +39,12 @@ A prompt is prefilled in one forward, which stalls the batch's decode steps mean
 with `prefill_chunk_tokens` in chunks of that many tokens, one chunk per prefill forward
 between decode steps (each chunk attends to the earlier ones exactly: see
 hf_cache.KvShadeCache.prefill), so that a long prompt delays the running sequences by one
-chunk's forward per step instead of its whole prefill.
+chunk's forward per step instead of its whole prefill. With `decode_stall` (e.g. 1.5) the
+chunk is sized each step so that, while sequences decode, a step that also runs a prefill
+chunk takes about that many times a plain decode step (measured as it goes; at most
+prefill_chunk_tokens, at least MIN_STALL_CHUNK tokens): the running sequences' time per
+output token stays even, and a long prompt's prefill takes more, smaller forwards while
+others decode (the whole prefill_chunk_tokens when none does).
 
 Devices: on a daemon that serves several GPUs (docs/OPERATIONS.md "Devices") the sessions
 go to the model's GPU (`device=`: see hf_cache.KvShadeCache; found once, when the BatchCache
@@ -71,6 +76,11 @@ try:
     from transformers.cache_utils import Cache, DynamicLayer
 except ImportError as e:  # hf_cache raised the clear error already; keep the names defined
     raise ImportError("kvshade.serving needs transformers (see kvshade.hf_cache): %s" % e) from e
+
+# The smallest prefill chunk decode_stall sizes (a forward of fewer tokens pays the model's
+# weights for too little work), and the granularity of its chunk sizes.
+MIN_STALL_CHUNK = 128
+_STALL_ROUND = 64
 
 
 class _BatchLayer(hf_cache.KvShadeCacheLayer):
@@ -344,15 +354,31 @@ class Generator:
                       memory, one layer ahead, for the rest of the prompt's attention). 0: off
     device          : the daemon device of the requests' sessions, as hf_cache.KvShadeCache's
                       (None: the model's GPU among the daemon's devices), found once
+    decode_stall    : with prefill_chunk_tokens, while sequences decode, size each prefill
+                      chunk so that a step carrying it takes about this many times a plain
+                      decode step (> 1; one prefill forward per such step); the chunk
+                      follows the measured step times, between MIN_STALL_CHUNK and
+                      prefill_chunk_tokens. None: every chunk is prefill_chunk_tokens
     """
 
     def __init__(self, client: Client, model: torch.nn.Module, profile: Profile, max_batch: int = 64,
                  prefills_per_step: int = 1, model_id: Optional[str] = None, worker_id: str = "kvshade-serving",
                  local_capacity: int = 1024, sampler: Optional[Callable] = None, close_sessions: bool = True,
                  cache_kwargs: Optional[Dict[str, Any]] = None, prefill_chunk_tokens: Optional[int] = None,
-                 prefix_cache_bytes: int = 8 << 30, device: Optional[DeviceArg] = None) -> None:
+                 prefix_cache_bytes: int = 8 << 30, device: Optional[DeviceArg] = None,
+                 decode_stall: Optional[float] = None) -> None:
         if max_batch < 1 or prefills_per_step < 1:
             raise ValueError("max_batch and prefills_per_step must be >= 1")
+        if decode_stall is not None:
+            if not float(decode_stall) > 1.0:
+                raise ValueError("decode_stall must be > 1 or None, got %r" % (decode_stall,))
+            if prefill_chunk_tokens is None:
+                raise ValueError("decode_stall sizes prefill chunks: it needs prefill_chunk_tokens")
+        self.decode_stall = None if decode_stall is None else float(decode_stall)
+        # decode_stall's state: a plain decode step's seconds (moving average; None until one
+        # ran) and the chunk size it chose last.
+        self._decode_s: Optional[float] = None
+        self._stall_chunk: Optional[int] = None
         if prefill_chunk_tokens is not None and int(prefill_chunk_tokens) < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1 or None, got %r" % (prefill_chunk_tokens,))
         self.prefill_chunk_tokens = None if prefill_chunk_tokens is None else int(prefill_chunk_tokens)
@@ -458,10 +484,39 @@ class Generator:
             kc.keep_prefix(max(new))
         return [req, kc, ids, at]
 
-    def _next_chunk_end(self, req, at, n):
-        """Where the prefill forward from `at` ends: the prompt's end, or prefill_chunk_tokens
-        on, and never past a segment end (a kept prefix ends on a chunk boundary)."""
-        end = n if self.prefill_chunk_tokens is None else min(n, at + self.prefill_chunk_tokens)
+    def _chunk_tokens(self) -> Optional[int]:
+        """The next prefill forward's most tokens: prefill_chunk_tokens, or with decode_stall
+        and sequences decoding, the size the step times call for."""
+        if self.decode_stall is None or self.prefill_chunk_tokens is None or not self.running:
+            return self.prefill_chunk_tokens
+        if self._stall_chunk is None or self._decode_s is None:
+            # No plain decode step measured yet: start small.
+            self._stall_chunk = min(MIN_STALL_CHUNK, self.prefill_chunk_tokens)
+        return self._stall_chunk
+
+    def _note_step(self, seconds: float, chunk: Optional[int]) -> None:
+        """decode_stall's measurements: a plain decode step (chunk None) updates the decode
+        time; a step that ran a chunk of at most `chunk` tokens beside the decode scales the
+        next chunk by how far the step's prefill part was from its share."""
+        if self.decode_stall is None or self.prefill_chunk_tokens is None:
+            return
+        if chunk is None:
+            self._decode_s = seconds if self._decode_s is None else 0.8 * self._decode_s + 0.2 * seconds
+            return
+        if self._decode_s is None:
+            return
+        budget = (self.decode_stall - 1.0) * self._decode_s  # the prefill part's share
+        spent = seconds - self._decode_s
+        factor = 2.0 if spent <= 0 else min(2.0, max(0.5, budget / spent))
+        size = int(chunk * factor) // _STALL_ROUND * _STALL_ROUND
+        self._stall_chunk = max(min(MIN_STALL_CHUNK, self.prefill_chunk_tokens),
+                                min(self.prefill_chunk_tokens, size))
+
+    def _next_chunk_end(self, req, at, n, chunk=None):
+        """Where the prefill forward from `at` ends: the prompt's end, or `chunk` tokens on
+        (None: the prompt's end), and never past a segment end (a kept prefix ends on a
+        chunk boundary)."""
+        end = n if chunk is None else min(n, at + chunk)
         if self.prefix_cache_bytes:
             end = min([end] + [e for e in req.segment_ends if at < e < end])
         return end
@@ -485,14 +540,15 @@ class Generator:
             _, (_, old) = self._prefixes.popitem(last=False)
             self.prefix_bytes -= old
 
-    def _prefill_advance(self, state):
+    def _prefill_advance(self, state, chunk=None):
         """One prefill forward of the prompt in `state` (all of it, or its next chunk of
         prefill_chunk_tokens); after the last one, its first token is picked and its session
         commits in the background (_admit_committed joins it to the batch once ready).
-        Returns whether the prompt's forwards are done."""
+        chunk: the forward's most tokens (None: the rest of the prompt). Returns whether the
+        prompt's forwards are done."""
         req, kc, ids, at = state
         n = ids.shape[1]
-        end = self._next_chunk_end(req, at, n)
+        end = self._next_chunk_end(req, at, n, chunk)
         try:
             with torch.no_grad():
                 out = self.model(input_ids=ids[:, at:end], past_key_values=kc, use_cache=True, logits_to_keep=1)
@@ -543,16 +599,20 @@ class Generator:
         long prompt is prefilled over several steps, one chunk per prefill forward, so that
         the running sequences keep decoding meanwhile."""
         finished: List[Request] = []
+        started = time.perf_counter()
         self._admit_committed(finished)
         forwards = 0
-        while ((self._prefilling is not None or self.waiting) and forwards < self.prefills_per_step
+        chunk = self._chunk_tokens()
+        # With decode_stall, one prefill forward per step while sequences decode.
+        limit = 1 if self.decode_stall is not None and self.running else self.prefills_per_step
+        while ((self._prefilling is not None or self.waiting) and forwards < limit
                and len(self.running) + len(self._committing) < self.max_batch):
             req = self._prefilling[0] if self._prefilling is not None else self.waiting.pop(0)
             forwards += 1
             try:
                 if self._prefilling is None:
                     self._prefilling = self._prefill_begin(req)
-                if not self._prefill_advance(self._prefilling):
+                if not self._prefill_advance(self._prefilling, chunk):
                     continue
                 self._prefilling = None
                 continue  # committing: joins the batch once its session is ready
@@ -576,6 +636,7 @@ class Generator:
         if self.running:
             last = torch.tensor([r.tokens[-1] for r in self.running], dtype=torch.long)
             tokens = self.sampler(self.cache.decode(self.model, last)).tolist()
+            self._note_step(time.perf_counter() - started, chunk if forwards else None)
             for req, t in zip(self.running, tokens):
                 self._pick(req, t)
             for i in reversed(range(len(self.running))):
