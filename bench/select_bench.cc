@@ -29,6 +29,9 @@
 //
 //   kvshade_select_bench [--backend cpu|cuda] [--chunks 2048] [--k 32] [--h 8] [--g 4]
 //                        [--d 128] [--r 128] [--C 8] [--needles 8] [--trials 8] [--batch 1]
+//                        [--only "sig4 x16;sig4 x16, units of 2"]
+// --only runs the named options (';'-separated, as printed) beside the one-stage row, e.g.
+// to time their kernels apart under a profiler.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -51,6 +54,7 @@ struct Args {
   int batch = 1;
   int true_rank = 32;
   float needle_gain = 1.0f;
+  std::string only;  // ';'-separated option names (empty: every option)
 };
 
 Args Parse(int argc, char** argv) {
@@ -69,6 +73,7 @@ Args Parse(int argc, char** argv) {
     else if (f == "--needles") a.needles = std::stoi(v);
     else if (f == "--trials") a.trials = std::stoi(v);
     else if (f == "--batch") a.batch = std::max(1, std::stoi(v));
+    else if (f == "--only") a.only = v;
     else if (f == "--true-rank") a.true_rank = std::stoi(v);
     else if (f == "--needle-gain") a.needle_gain = std::stof(v);
     else {
@@ -338,6 +343,21 @@ int main(int argc, char** argv) {
                       {"sig4 x4, units of 1", 4, 0, 0, 4, 1},
                       {"sig4 x16, units of 2", 16, 0, 0, 4, 2}};
   const int n_opts = int(sizeof(opts) / sizeof(opts[0]));
+  std::vector<bool> run(n_opts, x.only.empty());
+  run[0] = true;  // the one-stage baseline of every row's ratio
+  for (size_t at = 0; !x.only.empty() && at <= x.only.size();) {
+    const size_t end = std::min(x.only.find(';', at), x.only.size());
+    const std::string name = x.only.substr(at, end - at);
+    bool found = false;
+    for (int i = 0; i < n_opts; ++i) {
+      if (name == opts[i].name) run[i] = found = true;
+    }
+    if (!found) {
+      std::fprintf(stderr, "--only: no option named '%s'\n", name.c_str());
+      return 1;
+    }
+    at = end + 1;
+  }
   std::vector<double> recall(n_opts, 0), needle(n_opts, 0), kept(n_opts, 0), ms(n_opts, 0);
   double rec_ms = 0;
   double rec_unit_ms[8] = {0};  // by unit size (1, 2, 4), same token budget
@@ -365,6 +385,7 @@ int main(int argc, char** argv) {
       }
     }
     for (int i = 0; i < n_opts; ++i) {
+      if (!run[i]) continue;
       SelectOptions o;
       if (opts[i].factor != 1) {
         o.candidates = opts[i].factor > 0 ? opts[i].factor * x.k : x.chunks;
@@ -410,6 +431,7 @@ int main(int argc, char** argv) {
               "select ms", "vs sel+recon");
   const double base = ms[0] + rec_ms;
   for (int i = 0; i < n_opts; ++i) {
+    if (!run[i]) continue;
     const double rec = opts[i].unit > 0 ? rec_unit_ms[opts[i].unit] : rec_ms;
     char rc[16] = "         -";
     if (opts[i].unit == 0) std::snprintf(rc, sizeof(rc), "%10.3f", recall[i]);
