@@ -71,6 +71,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -954,6 +955,8 @@ class KvShadeCache(Cache):
         self._sender = None  # _LayerSender of the host path (None: not started or same node)
         self._pending = None  # the thread finishing a same-node ingest (_ingest)
         self._pending_error = None
+        # time.perf_counter() when that thread's commit (and decoder open) ended; None before.
+        self.committed_at: Optional[float] = None
         self.ingest_error = None  # why ingest="auto" fell back to the host path
         # Host path: {"copy_s", "send_s", "bytes"}, the sender's seconds copying the prompt's
         # layers off the GPU and sending them, and the bytes sent (None on the device path).
@@ -1535,6 +1538,8 @@ class KvShadeCache(Cache):
             self._finish_ingest(n, B)
         except BaseException as e:  # noqa: BLE001 - re-raised by wait_ready on the caller's thread
             self._pending_error = e
+        finally:
+            self.committed_at = time.perf_counter()
 
     @property
     def ready(self) -> bool:

@@ -315,6 +315,8 @@ class Request:
     reused_tokens: int = 0  # prompt tokens the daemon reused from its prefix cache
     prefill_skipped: int = 0  # prompt tokens not run through the model (a kept prefix's K/V)
     segment_ends: Sequence[int] = ()  # where the daemon cuts the prompt into cached segments
+    commit_s: Optional[float] = None  # from the first token to the end of its session's commit
+    join_s: Optional[float] = None  # the batch's join of its session (attach, decoder mapping)
 
     @property
     def done(self) -> bool:
@@ -576,9 +578,13 @@ class Generator:
                 keep.append((req, kc))
                 continue
             try:
+                if kc.committed_at is not None and req.token_times:
+                    req.commit_s = kc.committed_at - req.token_times[0]
                 req.session_id, req.reused_tokens = ready_session(kc)
                 if not req.done:
+                    t0 = time.perf_counter()
                     self.cache.join(req.session_id)
+                    req.join_s = time.perf_counter() - t0
             except KvShadeError as e:
                 req.finish_reason, req.error = "error", e
             except BaseException as e:
