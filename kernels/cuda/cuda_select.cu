@@ -352,6 +352,26 @@ __device__ void BitonicSort2(uint64_t* a, uint64_t* b, int n) {
   }
 }
 
+// Descending bitonic sort of n (power of two) u64 in shared memory, block-cooperative
+// (BitonicSort2's first array alone).
+__device__ void BitonicSortDesc(uint64_t* a, int n) {
+  for (int size = 2; size <= n; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      for (int i = threadIdx.x; i < n / 2; i += blockDim.x) {
+        const int lo = 2 * i - (i & (stride - 1));
+        const int hi = lo + stride;
+        const bool up = (lo & size) != 0;
+        const uint64_t x = a[lo], y = a[hi];
+        if ((x > y) == up) {
+          a[lo] = y;
+          a[hi] = x;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
 // Whether sorted ids[0, n) contain v.
 __device__ __forceinline__ bool SortedContains(const int* ids, int n, int v) {
   int lo = 0, hi = n;
@@ -407,7 +427,8 @@ __host__ __device__ inline int TopKArraysBytes(int k, int kpow2) {
   return (kpow2 * 16 + k * 20 + 15) / 16 * 16;
 }
 
-// Block (hh, item): scores, top-k and slot diff of one KV head of one item.
+// Block (hh, item): scores, top-k and slot diff of one KV head of one item (diff = 0:
+// `selected` only, slots and miss lists untouched: SelectEx's stage 1).
 // Dynamic shared memory: buf [kpow2] u64, sp [kpow2] u64, sel_id [k], sel_key [k],
 // free_flag [k], free_list [k], miss_flag [k] (32-bit), then the order keys [total] u32
 // when `smem_keys` (else they live in the workspace). Warp w owns the contiguous chunk
@@ -415,7 +436,8 @@ __host__ __device__ inline int TopKArraysBytes(int k, int kpow2) {
 // passes over the keys need no block barrier and the warps' ranges are in chunk order.
 template <int kThreads>
 __global__ void __launch_bounds__(kThreads)
-    TopKKernel(const SelectDesc* __restrict__ descs, int g, int k, int kpow2, int smem_keys) {
+    TopKKernel(const SelectDesc* __restrict__ descs, int g, int k, int kpow2, int smem_keys,
+               int diff) {
   constexpr int kWarps = kThreads / 32;
   using BlockScan = cub::BlockScan<uint32_t, kThreads>;
   __shared__ typename BlockScan::TempStorage scan_tmp;
@@ -608,17 +630,23 @@ __global__ void __launch_bounds__(kThreads)
                     : 0ull;
   }
   int* slots = it.slots + static_cast<long long>(hh) * k;
-  for (int i = tid; i < kpow2; i += blockDim.x) {
-    sp[i] = i < k ? (static_cast<uint64_t>(static_cast<uint32_t>(slots[i]) ^ 0x80000000u) << 32) |
-                        static_cast<uint32_t>(i)
-                  : ~0ull;
+  if (diff) {
+    for (int i = tid; i < kpow2; i += blockDim.x) {
+      sp[i] = i < k ? (static_cast<uint64_t>(static_cast<uint32_t>(slots[i]) ^ 0x80000000u) << 32) |
+                          static_cast<uint32_t>(i)
+                    : ~0ull;
+    }
+    __syncthreads();
+    BitonicSort2(buf, sp, kpow2);
+  } else {
+    __syncthreads();
+    BitonicSortDesc(buf, kpow2);
   }
-  __syncthreads();
-  BitonicSort2(buf, sp, kpow2);
   int* selected = it.selected + static_cast<long long>(hh) * k;
   for (int i = tid; i < k; i += blockDim.x) {
     selected[i] = i < kk ? static_cast<int>(0xffffffffu - static_cast<uint32_t>(buf[i])) : -1;
   }
+  if (!diff) return;
 
   // 6. Slot diff. A slot hits when its chunk is selected and no lower slot holds it.
   for (int i = tid; i < k; i += blockDim.x) {
@@ -694,10 +722,11 @@ absl::Status LaunchScore(dim3 grid, int hb, size_t smem, cudaStream_t st, const 
 
 template <int kThreads>
 absl::Status LaunchTopK(dim3 grid, size_t smem, cudaStream_t st, const SelectDesc* descs, int g,
-                        int k, int kpow2, bool smem_keys) {
+                        int k, int kpow2, bool smem_keys, bool diff) {
   KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       TopKKernel<kThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  TopKKernel<kThreads><<<grid, kThreads, smem, st>>>(descs, g, k, kpow2, smem_keys ? 1 : 0);
+  TopKKernel<kThreads><<<grid, kThreads, smem, st>>>(descs, g, k, kpow2, smem_keys ? 1 : 0,
+                                                     diff ? 1 : 0);
   KVSHADE_CUDA_LAUNCH_CHECK();
   return absl::OkStatus();
 }
@@ -741,9 +770,11 @@ absl::Status CheckSelectLimits(const LayerShape& shape, int k, absl::Span<const 
 
 // Select's kernels over validated items (ws sized by PlanSelect); `out` receives the
 // item descriptors (workspace pointers) when given.
+// diff = false: `selected` only (SelectEx's stage 1: the items' slots and miss lists are
+// neither read nor written).
 absl::Status LaunchSelect(int device_, const LayerShape& shape, int k,
                           absl::Span<const SelectItem> items, void* ws_data, cudaStream_t st,
-                          std::vector<SelectDesc>* out) {
+                          std::vector<SelectDesc>* out, bool diff = true) {
   const int h = shape.h, g = shape.g, d = shape.d;
   int sms = 0, optin = 0;
   KVSHADE_CUDA_RETURN_IF_ERROR(
@@ -824,10 +855,10 @@ absl::Status LaunchSelect(int device_, const LayerShape& shape, int k,
   const dim3 topk_grid(h, static_cast<unsigned>(items.size()));
   if (int64_t(h) * int64_t(items.size()) < sms) {
     KVSHADE_RETURN_IF_ERROR(
-        LaunchTopK<1024>(topk_grid, topk_smem, st, dev_descs, g, k, kpow2, smem_keys));
+        LaunchTopK<1024>(topk_grid, topk_smem, st, dev_descs, g, k, kpow2, smem_keys, diff));
   } else {
     KVSHADE_RETURN_IF_ERROR(
-        LaunchTopK<512>(topk_grid, topk_smem, st, dev_descs, g, k, kpow2, smem_keys));
+        LaunchTopK<512>(topk_grid, topk_smem, st, dev_descs, g, k, kpow2, smem_keys, diff));
   }
   if (out != nullptr) *out = std::move(descs);
   return absl::OkStatus();
@@ -1289,6 +1320,78 @@ __device__ void SlotDiffSerial(const int* ids, int kk, int k, const DevView& v, 
   *miss_count = n_miss;
 }
 
+// SlotDiffSerial's result (cpu_select.cc SlotDiff), computed by the whole block of kThreads
+// threads as TopKKernel's step 6 does: the slot table sorted by (chunk, slot) in sp, a slot
+// hits when it is the lowest holding a chosen id, the misses (ids no slot holds) take the
+// free slots in slot order, and free slots left over keep an id this step did not choose
+// that the head may select (else -1). ids[0, kk) ascending and distinct, chunk ids (per = 1)
+// or unit ids; shared memory: sp [p2k] u64 (p2k a power of two >= k), flag [k], free_list
+// [k], miss_flag [k] int; scan: BlockScan storage. Every thread calls it.
+template <int kThreads>
+__device__ void SlotDiffBlock(const int* ids, int kk, int k, const DevView& v, int hh, int per,
+                              int* slots, int* miss_slot, int* miss_chunk, int* miss_count,
+                              uint64_t* sp, int p2k, int* flag, int* free_list, int* miss_flag,
+                              typename cub::BlockScan<uint32_t, kThreads>::TempStorage& scan) {
+  using BlockScan = cub::BlockScan<uint32_t, kThreads>;
+  const int tid = threadIdx.x;
+  for (int i = tid; i < p2k; i += kThreads) {
+    sp[i] = i < k ? (static_cast<uint64_t>(static_cast<uint32_t>(slots[i]) ^ 0x80000000u) << 32) |
+                        static_cast<uint32_t>(i)
+                  : ~0ull;
+  }
+  BitonicSortAsc(sp, p2k);
+  for (int i = tid; i < k; i += kThreads) {
+    const uint64_t p = sp[i];
+    const uint32_t hi = static_cast<uint32_t>(p >> 32);
+    const int id = static_cast<int>(hi ^ 0x80000000u);
+    const int slot = static_cast<int>(static_cast<uint32_t>(p));
+    const bool first = i == 0 || static_cast<uint32_t>(sp[i - 1] >> 32) != hi;
+    const bool chosen = id >= 0 && SortedContains(ids, kk, id);
+    // 0: hit; 1: free, emptied unless a miss takes it; 2: free, keeps its id unless a miss
+    // takes it.
+    flag[slot] = first && chosen ? 0 : (!chosen && SelectableUnit(v, hh, id, per) ? 2 : 1);
+  }
+  for (int i = tid; i < kk; i += kThreads) {
+    miss_flag[i] = PairsContain(sp, k, static_cast<uint32_t>(ids[i]) ^ 0x80000000u) ? 0 : 1;
+  }
+  __syncthreads();
+  uint32_t n_free = 0;
+  for (int b = 0; b < k; b += kThreads) {
+    const int i = b + tid;
+    const uint32_t f = i < k && flag[i] != 0 ? 1u : 0u;
+    uint32_t excl, agg;
+    BlockScan(scan).ExclusiveSum(f, excl, agg);
+    if (f) free_list[n_free + excl] = i;
+    n_free += agg;
+    __syncthreads();
+  }
+  uint32_t n_miss = 0;
+  for (int b = 0; b < kk; b += kThreads) {
+    const int i = b + tid;
+    const uint32_t f = i < kk ? static_cast<uint32_t>(miss_flag[i]) : 0u;
+    uint32_t excl, agg;
+    BlockScan(scan).ExclusiveSum(f, excl, agg);
+    const uint32_t j = n_miss + excl;
+    if (f && j < n_free) {  // j < n_free always holds for a well-formed table
+      const int slot = free_list[j];
+      slots[slot] = ids[i];
+      miss_slot[j] = slot;
+      miss_chunk[j] = ids[i];
+    }
+    n_miss += agg;
+    __syncthreads();
+  }
+  n_miss = min(n_miss, n_free);
+  for (uint32_t j = n_miss + tid; j < n_free; j += kThreads) {
+    if (flag[free_list[j]] == 1) slots[free_list[j]] = -1;
+  }
+  for (int j = static_cast<int>(n_miss) + tid; j < k; j += kThreads) {
+    miss_slot[j] = -1;
+    miss_chunk[j] = -1;
+  }
+  if (tid == 0) *miss_count = static_cast<int>(n_miss);
+}
+
 // Ranking key of candidate chunk c with score sc: valid candidates rank above padding, the
 // key being (order bits + 1) so that a NaN score (bits 0) still beats an empty entry (0).
 __device__ __forceinline__ uint64_t CandidateKey(float sc, int c) {
@@ -1296,19 +1399,33 @@ __device__ __forceinline__ uint64_t CandidateKey(float sc, int c) {
          (0xffffffffu - static_cast<uint32_t>(c));
 }
 
-// Block (hh, item). Dynamic shared memory: keys [kpow2] u64, then ids [k], claimed [k],
-// free [k] int (claimed holds the masses w of the first k ranks before the slot diff).
-__global__ void __launch_bounds__(256)
+// Shared memory of FinalKernel and FinalUnitKernel: keys [max_pow2] u64, the slot diff's
+// sp [pow2(k)] u64, then ids, claimed, free and miss [k] int each.
+size_t FinalSmemBytes(int max_pow2, int k) {
+  return size_t(max_pow2) * 8 + size_t(NextPow2(std::max(k, 1))) * 8 + size_t(4) * k * sizeof(int);
+}
+
+constexpr int kFinalThreads = 256;
+
+// Block (hh, item). Dynamic shared memory (FinalSmemBytes): keys [max_pow2] u64, sp
+// [pow2(k)] u64, then ids [k], claimed [k], free [k], miss [k] int (claimed holds the
+// masses w of the first k ranks before the slot diff).
+__global__ void __launch_bounds__(kFinalThreads)
     FinalKernel(const ExDesc* __restrict__ descs, int g, int k, int two_stage, float top_p,
                 int min_k, int max_pow2) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float s_m[kMaxG], s_z[kMaxG];  // one stage: each query head's (max, sum)
   __shared__ float s_lse[kMaxG];             // two stages: each query head's LSE_n
   __shared__ int s_valid, s_kk;
+  __shared__ typename cub::BlockScan<uint32_t, kFinalThreads>::TempStorage scan;
+  int p2k = 1;
+  while (p2k < k) p2k <<= 1;
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem);
-  int* ids = reinterpret_cast<int*>(keys + max_pow2);
+  uint64_t* sp = keys + max_pow2;
+  int* ids = reinterpret_cast<int*>(sp + p2k);
   int* claimed = ids + k;
   int* free_slots = claimed + k;
+  int* miss = free_slots + k;
   const ExDesc& e = descs[blockIdx.y];
   const int hh = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1448,12 +1565,10 @@ __global__ void __launch_bounds__(256)
   BitonicSortAsc(keys, p2);
   for (int i = tid; i < kk; i += blockDim.x) ids[i] = static_cast<int>(keys[i]);
   __syncthreads();
-  if (tid == 0) {
-    SlotDiffSerial(ids, kk, k, e.view, hh, 1, e.slots + static_cast<long long>(hh) * k,
-                   e.miss_slot + static_cast<long long>(hh) * k,
-                   e.miss_chunk + static_cast<long long>(hh) * k, e.miss_count + hh, claimed,
-                   free_slots);
-  }
+  SlotDiffBlock<kFinalThreads>(ids, kk, k, e.view, hh, 1, e.slots + static_cast<long long>(hh) * k,
+                               e.miss_slot + static_cast<long long>(hh) * k,
+                               e.miss_chunk + static_cast<long long>(hh) * k, e.miss_count + hh,
+                               sp, p2k, claimed, free_slots, miss, scan);
 }
 
 // Block (hh, item): AssignSlots. Dynamic shared memory: keys [kpow2] u64, ids [k],
@@ -1498,6 +1613,8 @@ __global__ void __launch_bounds__(256)
 // A path of its own beside the whole-chunk one above, which it leaves as it is:
 //   Stage 1 is the same: items whose total chunks <= k1 = max(candidates, ceil(k*u/C)) take
 //     every selectable chunk (FillAllKernel), the others Select's kernels at width k1.
+//   Stage2SigUnitTokenKernel<C> (signatures, C a power of two <= 32): the same logits and
+//     folds with a lane per token (the first lane of each unit folds the unit's logits).
 //   Stage2UnitKernel<kSig>: a warp per candidate chunk, its C tokens in order; the key of
 //     token t reconstructed as Stage2Kernel does (or, kSig, its signature unpacked as the
 //     CPU's ChunkStatsSig does), then lane n (< g) forms query head n's logit with the
@@ -1508,7 +1625,7 @@ __global__ void __launch_bounds__(256)
 //   FinalUnitKernel (block per head and item): LSE_n over every candidate unit (warp n),
 //     m and w per unit as cpu_select.cc StageTwoScores, ranking by (m desc, unit id asc,
 //     NaN last) with a bitonic sort in shared memory, the mass budget on thread 0 in rank
-//     order, `selected`, and the CPU's slot diff on unit ids (SlotDiffSerial).
+//     order, `selected`, and the CPU's slot diff on unit ids (SlotDiffBlock).
 // exp and log run in double and are rounded once to fp32 (ExpRef, LogRef): closer to the
 // CPU's std::exp/std::log on floats (glibc, correctly rounded in nearly all cases) than
 // the fp32 intrinsics. The LSE sums run in another order than the CPU's, so units whose
@@ -1657,6 +1774,83 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
   }
 }
 
+// Stage2UnitKernel<true>, token-parallel (C a power of two <= 32, g <= kMaxG; the launcher
+// falls back to Stage2UnitKernel<true> otherwise): each lane scores one token, a warp 32 / C
+// candidates, with the CPU's arithmetic as Stage2UnitKernel does it (so the same stats, bit
+// for bit): per query head n, base_n = dot(q_n, L[c]) and the token's dot(q_n, code_t -
+// half) as fp32 sums in channel order, each product and sum rounded, no FMA (every lane of
+// the candidate forms base_n itself, in the same order); then the first lane of each unit
+// folds its unit's u logits in token order (FoldLogitRef) and stores the unit's (M, S).
+// Block (candidate group, hh, item) of kSigWarps warps; the query rows [g, d] sit in shared
+// memory as floats (every lane reads the same channel at once: a broadcast).
+template <int kC>
+__global__ void __launch_bounds__(32 * kSigWarps)
+    Stage2SigUnitTokenKernel(const ExDesc* __restrict__ descs, int g, int d, int u, float scale) {
+  extern __shared__ __align__(16) float qs[];  // [g, d]
+  const ExDesc& e = descs[blockIdx.z];
+  const int hh = blockIdx.y, h = gridDim.y;
+  for (int i = threadIdx.x; i < g * d; i += blockDim.x) {
+    qs[i] = __bfloat162float(e.q[static_cast<long long>(hh * g) * d + i]);
+  }
+  __syncthreads();
+  constexpr int kPerWarp = 32 / kC;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int i = (blockIdx.x * kSigWarps + warp) * kPerWarp + lane / kC;  // candidate
+  const int t = lane % kC;                                                // its token
+  const bool active = i < e.width;
+  const long long at = static_cast<long long>(hh) * e.width + (active ? i : 0);
+  const int c = active ? e.cand[at] : -1;
+  const DevView& v = e.view;
+  const int bits = v.sig_bits, levels = (1 << bits) - 1, per_word = 32 / bits;
+  const float half = static_cast<float>(levels) / 2.0f;
+  const long long rec = static_cast<long long>(d) * bits / 8 + 4;
+  float base[kMaxG], dot[kMaxG];
+#pragma unroll
+  for (int n = 0; n < kMaxG; ++n) base[n] = dot[n] = 0.0f;
+  float sc = 0.0f;
+  if (c >= 0) {
+    const DevSegment& sg = v.seg[cuda::SegmentOf(v, c)];
+    const int local = c - sg.begin;
+    const __nv_bfloat16* lm = sg.landmarks + (static_cast<long long>(local) * h + hh) * d;
+    const uint8_t* r = sg.sig + ((static_cast<long long>(local) * kC + t) * h + hh) * rec;
+    const uint32_t* words = reinterpret_cast<const uint32_t*>(r);
+    for (int w = 0; w < d / per_word; ++w) {
+      const uint32_t word = words[w];
+      for (int j = 0; j < per_word; ++j) {
+        const int ch = w * per_word + j;
+        const float x = __bfloat162float(lm[ch]);
+        const float cf = __fsub_rn(
+            static_cast<float>((word >> (bits * j)) & static_cast<uint32_t>(levels)), half);
+#pragma unroll
+        for (int n = 0; n < kMaxG; ++n) {
+          if (n < g) {
+            const float qv = qs[n * d + ch];
+            base[n] = __fadd_rn(base[n], __fmul_rn(qv, x));
+            dot[n] = __fadd_rn(dot[n], __fmul_rn(qv, cf));
+          }
+        }
+      }
+    }
+    sc = *reinterpret_cast<const float*>(r + static_cast<long long>(d) * bits / 8);
+  }
+  const int per = kC / u;
+  const bool first = t % u == 0;  // this lane folds its unit
+  float2* stats = e.stats + (at * per + t / u) * g;
+#pragma unroll
+  for (int n = 0; n < kMaxG; ++n) {
+    if (n >= g) break;
+    const float l =
+        c >= 0 ? __fmul_rn(__fadd_rn(base[n], __fmul_rn(sc, dot[n])), scale) : -INFINITY;
+    float run_m = -INFINITY, run_s = 0.0f;
+    for (int j = 0; j < u; ++j) {
+      // Lanes of one unit are consecutive and inside the candidate's group of kC.
+      const float x = __shfl_down_sync(0xffffffffu, l, j);
+      if (first) FoldLogitRef(x, &run_m, &run_s);
+    }
+    if (active && first) stats[n] = make_float2(run_m, run_s);
+  }
+}
+
 // m of one unit from its stats [g] and the heads' LSE, w into *w (cpu_select.cc
 // StageTwoScores: over the heads with a finite M; 0 for a unit without any).
 __device__ __forceinline__ float UnitScore(const float2* st, int g, const float* lse, float* w) {
@@ -1677,18 +1871,24 @@ __device__ __forceinline__ int UnitAt(const ExDesc& e, long long row, int per, i
   return c < 0 ? -1 : c * per + i % per;
 }
 
-// Block (hh, item). Dynamic shared memory: keys [max_pow2] u64, then ids [k], claimed [k],
-// free [k] int (claimed holds the masses w of the first k ranks before the slot diff).
+// Block (hh, item). Dynamic shared memory (FinalSmemBytes): keys [max_pow2] u64, sp
+// [pow2(k)] u64, then ids [k], claimed [k], free [k], miss [k] int (claimed holds the
+// masses w of the first k ranks before the slot diff).
 __global__ void __launch_bounds__(kUnitFinalThreads)
     FinalUnitKernel(const ExDesc* __restrict__ descs, int g, int k, int per, float top_p,
                     int min_k, int max_pow2) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ float s_lse[kMaxG];
   __shared__ int s_valid, s_kk;
+  __shared__ typename cub::BlockScan<uint32_t, kUnitFinalThreads>::TempStorage scan;
+  int p2k = 1;
+  while (p2k < k) p2k <<= 1;
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem);
-  int* ids = reinterpret_cast<int*>(keys + max_pow2);
+  uint64_t* sp = keys + max_pow2;
+  int* ids = reinterpret_cast<int*>(sp + p2k);
   int* claimed = ids + k;
   int* free_slots = claimed + k;
+  int* miss = free_slots + k;
   const ExDesc& e = descs[blockIdx.y];
   const int hh = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1800,12 +2000,11 @@ __global__ void __launch_bounds__(kUnitFinalThreads)
   BitonicSortAsc(keys, p2);
   for (int i = tid; i < kk; i += blockDim.x) ids[i] = static_cast<int>(keys[i]);
   __syncthreads();
-  if (tid == 0) {
-    SlotDiffSerial(ids, kk, k, e.view, hh, per, e.slots + static_cast<long long>(hh) * k,
-                  e.miss_slot + static_cast<long long>(hh) * k,
-                  e.miss_chunk + static_cast<long long>(hh) * k, e.miss_count + hh, claimed,
-                  free_slots);
-  }
+  SlotDiffBlock<kUnitFinalThreads>(ids, kk, k, e.view, hh, per,
+                                   e.slots + static_cast<long long>(hh) * k,
+                                   e.miss_slot + static_cast<long long>(hh) * k,
+                                   e.miss_chunk + static_cast<long long>(hh) * k,
+                                   e.miss_count + hh, sp, p2k, claimed, free_slots, miss, scan);
 }
 
 // SelectEx with selection units (options.units()): checks, stage 1, stage 2 per unit, the
@@ -1889,7 +2088,7 @@ absl::Status SelectExUnits(int device, const LayerShape& shape, int k, const Sel
   int optin = 0;
   KVSHADE_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const size_t final_smem = size_t(max_pow2) * 8 + size_t(3) * k * sizeof(int);
+  const size_t final_smem = FinalSmemBytes(max_pow2, k);
   const size_t stage2_smem = (size_t(g) * (d + 1) + size_t(kStage2Warps) * d) * sizeof(float);
   if (final_smem > size_t(optin) || stage2_smem > size_t(optin)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -1899,12 +2098,9 @@ absl::Status SelectExUnits(int device, const LayerShape& shape, int k, const Sel
         "device limit ", optin));
   }
   if (!plan.stage1.empty()) {
-    for (const SelectItem& si : plan.stage1) {
-      KVSHADE_CUDA_RETURN_IF_ERROR(
-          cudaMemsetAsync(si.slots, 0xff, size_t(h) * k1 * sizeof(int), st));
-    }
-    KVSHADE_RETURN_IF_ERROR(
-        LaunchSelect(device, shape, k1, plan.stage1, plan.stage1_ws, st, nullptr));
+    // Stage 1 keeps its candidates (`selected`) only: no slot table of its own.
+    KVSHADE_RETURN_IF_ERROR(LaunchSelect(device, shape, k1, plan.stage1, plan.stage1_ws, st,
+                                         nullptr, /*diff=*/false));
   }
   KVSHADE_RETURN_IF_ERROR(
       cuda::StageDescriptors(descs.data(), static_cast<int>(descs.size()), plan.dev_descs, st));
@@ -1925,7 +2121,31 @@ absl::Status SelectExUnits(int device, const LayerShape& shape, int k, const Sel
     KVSHADE_CUDA_LAUNCH_CHECK();
     return absl::OkStatus();
   };
-  if (o.signatures) {
+  // Signatures with C a power of two <= 32: a lane per token (the same arithmetic).
+  auto sig_token = [&](auto kernel, int c) -> absl::Status {
+    const int per_block = kSigWarps * (32 / c);
+    const dim3 grid(cuda::CeilDiv(max_width, per_block), h, n_items);
+    const size_t smem = size_t(g) * d * sizeof(float);
+    if (smem > (48 << 10)) {
+      KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    }
+    kernel<<<grid, 32 * kSigWarps, smem, st>>>(plan.dev_descs, g, d, o.unit, scale);
+    KVSHADE_CUDA_LAUNCH_CHECK();
+    return absl::OkStatus();
+  };
+  const bool token_parallel = o.signatures && g <= kMaxG && o.C <= 32 && (o.C & (o.C - 1)) == 0;
+  if (token_parallel && o.C == 32) {
+    KVSHADE_RETURN_IF_ERROR(sig_token(Stage2SigUnitTokenKernel<32>, 32));
+  } else if (token_parallel && o.C == 16) {
+    KVSHADE_RETURN_IF_ERROR(sig_token(Stage2SigUnitTokenKernel<16>, 16));
+  } else if (token_parallel && o.C == 8) {
+    KVSHADE_RETURN_IF_ERROR(sig_token(Stage2SigUnitTokenKernel<8>, 8));
+  } else if (token_parallel && o.C == 4) {
+    KVSHADE_RETURN_IF_ERROR(sig_token(Stage2SigUnitTokenKernel<4>, 4));
+  } else if (token_parallel && o.C == 2) {
+    KVSHADE_RETURN_IF_ERROR(sig_token(Stage2SigUnitTokenKernel<2>, 2));
+  } else if (o.signatures) {
     KVSHADE_RETURN_IF_ERROR(stage2(Stage2UnitKernel<true>));
   } else {
     KVSHADE_RETURN_IF_ERROR(stage2(Stage2UnitKernel<false>));
@@ -2024,13 +2244,10 @@ absl::Status CudaBackend::SelectEx(const LayerShape& shape, int k, const SelectO
   KVSHADE_RETURN_IF_ERROR(cuda::UseDevice(device_));
   const cudaStream_t st = cuda::ToCudaStream(stream);
   if (!plan.stage1.empty()) {
-    for (const SelectItem& si : plan.stage1) {
-      KVSHADE_CUDA_RETURN_IF_ERROR(
-          cudaMemsetAsync(si.slots, 0xff, size_t(h) * k1 * sizeof(int), st));
-    }
+    // Stage 1 keeps its candidates (`selected`) only: no slot table of its own.
     std::vector<SelectDesc> s1;
-    KVSHADE_RETURN_IF_ERROR(
-        LaunchSelect(device_, shape, k1, plan.stage1, plan.stage1_ws, st, &s1));
+    KVSHADE_RETURN_IF_ERROR(LaunchSelect(device_, shape, k1, plan.stage1, plan.stage1_ws, st,
+                                         &s1, /*diff=*/false));
     for (size_t j = 0; j < plan.stage1_index.size(); ++j) {
       ExDesc& e = descs[plan.stage1_index[j]];
       e.logits = s1[j].logits;
@@ -2084,10 +2301,10 @@ absl::Status CudaBackend::SelectEx(const LayerShape& shape, int k, const SelectO
         plan.dev_descs, g, d, options.C, 1.0f / std::sqrt(static_cast<float>(d)), rope);
     KVSHADE_CUDA_LAUNCH_CHECK();
   }
-  const size_t smem = size_t(max_pow2) * 8 + size_t(3) * k * sizeof(int);
+  const size_t smem = FinalSmemBytes(max_pow2, k);
   KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       FinalKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  FinalKernel<<<dim3(h, n_items), 256, smem, st>>>(plan.dev_descs, g, k,
+  FinalKernel<<<dim3(h, n_items), kFinalThreads, smem, st>>>(plan.dev_descs, g, k,
                                                     options.two_stage() ? 1 : 0, options.top_p,
                                                     options.min_k, max_pow2);
   KVSHADE_CUDA_LAUNCH_CHECK();
