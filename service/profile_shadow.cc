@@ -166,6 +166,7 @@ class ShadowIngest final : public ProfileIngest {
     sp.heavy_group = p.kivi_group;
     sp.codec = p.codec;
     sp.signature_bits = p.key_signature_bits;
+    sp.factorize = !pb;  // with a basis, the keys are projected onto it below
     // The values are encoded straight into the segment's block in the host value store
     // when its layout is packed (chunk_stride == chunk_bytes), else copied in afterwards.
     KVSHADE_RETURN_IF_ERROR(cx.EnsureStoreSegment(rg, (n - sp.local_min) / C));
@@ -176,7 +177,8 @@ class ShadowIngest final : public ProfileIngest {
     kernels::ShadowLayer sl;
     ArenaAllocator allocator(e);
     {
-      StageTimer timer(e.metrics(), "ingest_factorize");
+      // A range projected onto a basis it was given compresses without factorizing.
+      StageTimer timer(e.metrics(), pb ? "ingest_compress" : "ingest_factorize");
       absl::StatusOr<kernels::ShadowLayer> r = kernels::CompressShadowLayer(
           e.backend(), m.shape, m.rope, sp, keys, cx.Rows(b.vd, rg), n, first,
           use_obs ? &obs : nullptr, kernels::Stream{}, &allocator, values_out);

@@ -289,8 +289,8 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
   KVSHADE_ASSIGN_OR_RETURN(Buffer pos, Upload(mem, pos_host.data(), pos_host.size(), BufferKind::kScratch, stream));
   const auto positions = SpanOf<const int64_t>(pos, n);
 
-  // --- 1. low-rank keys ---
-  {
+  // --- 1. low-rank keys (unless the caller brings its own basis) ---
+  if (p.factorize) {
     FactorizeOptions fo;
     fo.rank = p.rank;
     fo.energy_target = p.energy_target;

@@ -688,6 +688,41 @@ TEST(ShadowLayer, KeySignaturesOfEveryChunkedToken) {
   EXPECT_EQ(plain->View().segments[0].sig, nullptr);
 }
 
+// factorize = false (a range the caller projects onto a basis it has): no factors, and
+// everything else (landmarks, static set, tail, values) as with the factorization.
+TEST(ShadowLayer, WithoutFactorizationTheRestIsTheSame) {
+  auto be = Cpu();
+  auto rng = MakeRng(58);
+  const LayerShape shape{2, 2, 64};
+  const int n = 300;
+  const int64_t first = 40;
+  RopeSpec rope;
+  const auto k_pre = LowRankKeys(shape, n, 16, rng);
+  const auto v = RandomBf16(size_t(n) * shape.D(), rng);
+  ShadowParams p;
+  p.rank = 32;
+  p.outliers = 2;
+  auto full = CompressShadowLayer(*be, shape, rope, p, k_pre, v, n, first);
+  ASSERT_TRUE(full.ok()) << full.status();
+  EXPECT_EQ(full->r, 32);
+  p.factorize = false;
+  auto bare = CompressShadowLayer(*be, shape, rope, p, k_pre, v, n, first);
+  ASSERT_TRUE(bare.ok()) << bare.status();
+  EXPECT_EQ(bare->r, 0);
+  EXPECT_EQ(bare->a.data(), nullptr);
+  EXPECT_EQ(bare->b.data(), nullptr);
+  ASSERT_EQ(bare->n_chunks, full->n_chunks);
+  ASSERT_EQ(bare->n_tail, full->n_tail);
+  auto same = [](const Buffer& x, const Buffer& y) {
+    return x.bytes() == y.bytes() && std::memcmp(x.data(), y.data(), x.bytes()) == 0;
+  };
+  EXPECT_TRUE(same(bare->landmarks, full->landmarks));
+  EXPECT_TRUE(same(bare->values, full->values));
+  EXPECT_TRUE(same(bare->static_k, full->static_k));
+  EXPECT_TRUE(same(bare->static_v, full->static_v));
+  EXPECT_EQ(bare->static_chunks, full->static_chunks);
+}
+
 TEST(ShadowLayer, BadArgumentsRejected) {
   auto be = Cpu();
   auto rng = MakeRng(56);

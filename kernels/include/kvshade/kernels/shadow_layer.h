@@ -55,6 +55,12 @@ struct ShadowParams {
   ValueCodecSpec codec;        // host value store codec
   int signature_bits = 0;      // 2 or 4: key signatures of every chunked token (backend.h,
                                // EncodeSignatures); 0: none
+  bool factorize = true;       // false: no step 1 (a, b and eigenvalues stay empty, r = 0;
+                               // rank and energy_target are not used): the caller projects
+                               // the keys onto a basis it already has (a suffix after a
+                               // cached prefix), and the factorization, whose cost does not
+                               // shrink with n (an eigensolve of the D x D Gram matrix),
+                               // would be thrown away
 };
 
 // Observation queries for heavy-chunk detection (step 6), optional.
