@@ -157,6 +157,7 @@ class ServingTest(_WithServer):
         gen._decode_s = gen._stall_chunk = None
         sizes = []
         advance = gen._prefill_advance
+        b = None  # the long request, once submitted
 
         def recording(state, chunk=None):
             if state[0] is b:
