@@ -24,6 +24,9 @@
 // encoded by the backend from the keys and landmarks as ingest does: over 4k or 16k
 // stage-1 candidates, or over every chunk (no stage 1).
 //
+// The one-stage row runs Backend::Select (what a decode step without options runs); every
+// other row Backend::SelectEx.
+//
 // With --batch B every call carries B sessions (the same layer, each with its own slot
 // table and outputs), as a decode step of batch B does; times are per call.
 //
@@ -229,13 +232,18 @@ Out RunSelectEx(Backend& be, const Args& x, const Layer& L, int k, const SelectO
     items[i].miss_count = bi + 4 * hk;
   }
   SelectOptions opts = o ? *o : SelectOptions{};
-  Buffer ws = be.Allocate(std::max<size_t>(be.SelectExWorkspaceBytes({h, x.g, x.d}, k, opts, items), 1)).value();
+  // No option: Backend::Select, what a decode step without options runs (DecodeGeometry::plain).
+  const bool plain = opts.candidates == 0 && opts.top_p == 0 && !opts.units();
+  const size_t ws_bytes = plain ? be.SelectWorkspaceBytes({h, x.g, x.d}, k, items)
+                                : be.SelectExWorkspaceBytes({h, x.g, x.d}, k, opts, items);
+  Buffer ws = be.Allocate(std::max<size_t>(ws_bytes, 1)).value();
   std::vector<double> times;
   for (int rep = 0; rep < reps; ++rep) {
     for (const SelectItem& i : items) (void)be.Fill(i.slots, 0xff, hk * 4);
     (void)be.Synchronize();
     const auto t0 = std::chrono::steady_clock::now();
-    absl::Status st = be.SelectEx({h, x.g, x.d}, k, opts, items, ws.workspace());
+    absl::Status st = plain ? be.Select({h, x.g, x.d}, k, items, ws.workspace())
+                            : be.SelectEx({h, x.g, x.d}, k, opts, items, ws.workspace());
     (void)be.Synchronize();
     times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
     if (!st.ok()) {
