@@ -187,7 +187,7 @@ def run_kvshade(c, model, prompts, arrivals, args):
             "first_gap_ms_max": max(first) * 1e3 if first else None,
             "first_gap_ms_per_request": [round(g * 1e3, 1) for g in first],
             # What the first gap spans: the session's commit after the first token, and the
-            # batch's join of it.
+            # step's join of it (the decoder mapping it; its attach ran beside the steps).
             "commit_ms_per_request": [r.commit_s and round(r.commit_s * 1e3, 1) for r in reqs],
             "join_ms_per_request": [r.join_s and round(r.join_s * 1e3, 1) for r in reqs],
             "tpot_after_first_gap_p50_ms": pct(later, 50) and pct(later, 50) * 1e3,

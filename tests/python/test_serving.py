@@ -248,7 +248,15 @@ class ServingTest(_WithServer):
                                      model_id="serving-refusals-%d" % self.seed, decode=None)
         with torch.no_grad():
             model(input_ids=torch.tensor([prompt], device=DEV), past_key_values=mine, use_cache=True)
-        self.assertEqual(cache.join(mine.session_ids[0]), 0)
+        # A prepared join (the daemon's calls, off the steps' thread) that is released leaves
+        # the batch as it was; one that is joined takes the next index.
+        prepared = cache.prepare_join(mine.session_ids[0])
+        self.assertEqual(cache.batch, 0)
+        cache.release(prepared)
+        with self.assertRaises(kvshade.errors.KvShadeError):
+            cache.release(prepared)  # the attachment is gone
+        self.assertEqual(cache.join_prepared(cache.prepare_join(mine.session_ids[0])), 0)
+        self.assertEqual(cache.batch, 1)
         with self.assertRaises(ValueError):
             cache.decode(model, torch.tensor([1, 2]))  # two tokens for one sequence
         with self.assertRaises(NotImplementedError):

@@ -55,6 +55,7 @@ Limits: generated tokens stay exact in the decoder's local tail (at most
 `local_capacity` per sequence; they are not appended to the sessions); greedy decoding
 unless a `sampler` is given. Same-node decode only (the daemon on this node).
 """
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -169,6 +170,12 @@ class BatchCache(Cache):
 
     def join(self, session_id: str) -> int:
         """Adds a ready session at the end of the batch (between steps); returns its index."""
+        return self.join_prepared(self.prepare_join(session_id))
+
+    def prepare_join(self, session_id: str) -> "PreparedJoin":
+        """join()'s calls to the daemon (the session checked, an attachment made), which may run
+        on another thread than the steps' (the Generator runs them while the batch decodes);
+        join_prepared() then adds the session between steps, or release() lets it go."""
         info = self.client.get_session(session_id)
         if info["state"] != "ready":
             raise FailedPrecondition("session %s is %s, not ready" % (session_id, info["state"]))
@@ -176,14 +183,23 @@ class BatchCache(Cache):
             raise FailedPrecondition("session %s holds K/V of model %r, not %r" % (session_id, info["model_id"],
                                                                                    self.model_id))
         att = self.client.attach(session_id, self.worker_id, device=self.session_device or None)
+        return PreparedJoin(session_id, att.attachment_id, int(info["tokens"]))
+
+    def join_prepared(self, prepared: "PreparedJoin") -> int:
+        """Adds a session prepared by prepare_join() at the end of the batch (between steps):
+        the decoder maps its state; returns its index. On failure the attachment is released."""
         try:
-            index = self.decoder.join(att.attachment_id)
+            index = self.decoder.join(prepared.attachment_id)
         except BaseException:
-            self.client.detach(att.attachment_id)
+            self.release(prepared)
             raise
-        self.sequences.append(_Sequence(session_id, att.attachment_id, int(info["tokens"])))
+        self.sequences.append(_Sequence(prepared.session_id, prepared.attachment_id, prepared.tokens))
         self._positions = None
         return index
+
+    def release(self, prepared: "PreparedJoin") -> None:
+        """Lets go of a prepared join's attachment (the session stays open)."""
+        self.client.detach(prepared.attachment_id)
 
     def leave(self, sequence: Union[int, str], close_session: bool = False) -> None:
         """Drops a sequence (batch index or session id) between steps: its decoder memory is
@@ -300,6 +316,44 @@ def ready_session(kc: "hf_cache.KvShadeCache") -> Tuple[str, int]:
 
 
 @dataclass
+class PreparedJoin:
+    """A session checked and attached for a BatchCache (BatchCache.prepare_join), not yet in it."""
+    session_id: str
+    attachment_id: str
+    tokens: int
+
+
+class _Committing:
+    """A prefilled request whose session is committing: on a thread of its own, waits for the
+    commit, then makes the batch's calls to the daemon for it (BatchCache.prepare_join), so
+    that the step that joins it only maps the session. `ready` once that thread is done."""
+
+    def __init__(self, cache: "BatchCache", req: "Request", kc: "hf_cache.KvShadeCache") -> None:
+        self.req, self.kc = req, kc
+        self.session: Optional[Tuple[str, int]] = None  # (session_id, reused_tokens) once committed
+        self.prepared: Optional[PreparedJoin] = None
+        self.error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, args=(cache,), name="kvshade-serving-join",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, cache: "BatchCache") -> None:
+        try:
+            self.session = ready_session(self.kc)
+            if not self.req.done:  # decided at the first token, before this thread started
+                self.prepared = cache.prepare_join(self.session[0])
+        except BaseException as e:  # noqa: BLE001 - handed to the step that admits it
+            self.error = e
+
+    @property
+    def ready(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        self._thread.join()
+
+
+@dataclass
 class Request:
     """One generation request and what happened to it (times from time.perf_counter())."""
     id: int
@@ -316,7 +370,8 @@ class Request:
     prefill_skipped: int = 0  # prompt tokens not run through the model (a kept prefix's K/V)
     segment_ends: Sequence[int] = ()  # where the daemon cuts the prompt into cached segments
     commit_s: Optional[float] = None  # from the first token to the end of its session's commit
-    join_s: Optional[float] = None  # the batch's join of its session (attach, decoder mapping)
+    join_s: Optional[float] = None  # the step's join of its session (the decoder mapping it; the
+    # calls to the daemon ran on the request's own thread after the commit)
 
     @property
     def done(self) -> bool:
@@ -414,7 +469,7 @@ class Generator:
         self.running: List[Request] = []  # in batch order
         # Prefilled requests (first token picked) whose sessions are committing: (request,
         # its KvShadeCache); each joins the batch at the first step after its commit ended.
-        self._committing: List[tuple] = []
+        self._committing: List[_Committing] = []
         # The chunked prefills' own work by phase, summed over every prompt prefilled so far
         # (hf_cache.KvShadeCache.chunk_times).
         self.chunk_times: Dict[str, float] = {}
@@ -469,9 +524,9 @@ class Generator:
                 continue
             # The daemon registers a prefix's segment at its session's commit: wait for the
             # commits still running of the requests that share it.
-            for other, okc in self._committing:
-                if other.prompt[:end] == req.prompt[:end]:
-                    okc.wait_committed()  # its error, if any, is raised when it is admitted
+            for other in self._committing:
+                if other.req.prompt[:end] == req.prompt[:end]:
+                    other.kc.wait_committed()  # its error, if any, is raised when it is admitted
             try:
                 started = kc.start_after_prefix(end, kept[0])
             except BaseException:
@@ -565,25 +620,32 @@ class Generator:
             self.chunk_times[phase] = self.chunk_times.get(phase, 0.0) + seconds
         self._keep_prefix(req, kc)
         self._pick(req, token)
-        self._committing.append((req, kc))
+        self._committing.append(_Committing(self.cache, req, kc))
         return True
 
     def _admit_committed(self, finished, block=False):
         """Joins to the batch the requests whose sessions finished committing (with block, waits
         for the oldest first); a request already done (its first token was its last) is
-        finished instead. A failed commit ends its request with finish_reason "error"."""
+        finished instead. A failed commit ends its request with finish_reason "error". The
+        commit and the batch's calls to the daemon for the session ran on the request's own
+        thread (_Committing); the step maps the session into the decoder."""
         keep = []
-        for i, (req, kc) in enumerate(self._committing):
-            if not (kc.ready or (block and i == 0)):
-                keep.append((req, kc))
+        for i, c in enumerate(self._committing):
+            if not (c.ready or (block and i == 0)):
+                keep.append(c)
                 continue
+            c.wait()
+            req, kc = c.req, c.kc
             try:
                 if kc.committed_at is not None and req.token_times:
                     req.commit_s = kc.committed_at - req.token_times[0]
-                req.session_id, req.reused_tokens = ready_session(kc)
-                if not req.done:
+                if c.session is not None:
+                    req.session_id, req.reused_tokens = c.session
+                if c.error is not None:
+                    raise c.error
+                if c.prepared is not None:
                     t0 = time.perf_counter()
-                    self.cache.join(req.session_id)
+                    self.cache.join_prepared(c.prepared)
                     req.join_s = time.perf_counter() - t0
             except KvShadeError as e:
                 req.finish_reason, req.error = "error", e
@@ -671,8 +733,17 @@ class Generator:
         if self._prefilling is not None:
             self._prefilling[1].close(close_session=True)
             self._prefilling = None
-        for _, kc in self._committing:
-            kc.close(close_session=True)
+        for c in self._committing:
+            c.wait()
+            if c.prepared is not None:
+                try:
+                    self.cache.release(c.prepared)
+                except KvShadeError:
+                    pass  # the session is closed next, its attachments with it
+            if c.session is not None:
+                self.client.close_session(c.session[0])  # never joined: closed as before its commit
+            else:
+                c.kc.close(close_session=True)
         self._committing = []
         self._prefixes.clear()  # the kept prefixes' host memory
         self.prefix_bytes = 0
