@@ -7,6 +7,7 @@ Tolerance: the same kernels over the same bf16 inputs; only the order in which a
 blocks are merged differs (fp32 online softmax): 1e-5 of the output's largest magnitude on
 the CPU, 1e-4 on CUDA (its split-K merge order differs too)."""
 import os
+import time
 import unittest
 
 import numpy as np
@@ -60,6 +61,21 @@ class LocalDecoderTest(unittest.TestCase):
 
     def rel(self, ref, out):
         return float(np.abs(ref - out).max() / max(np.abs(ref).max(), 1e-30))
+
+    def test_closing_the_client_closes_its_decoders_first(self):
+        # A decoder renews its leases through its client on a thread of its own: a client
+        # closed while the decoder is still open closes the decoder first (its renewals
+        # would call a freed client), and the decoder then refuses calls.
+        client = kvshade.Client(self.server.target)
+        a = client.attach(self.sessions[0], "test-local-close", lease_ms=2000).attachment_id
+        dec = LocalDecoder(client, [a], backend=BACKEND)
+        self.assertEqual(dec.batch, 1)
+        client.close()
+        self.assertFalse(dec._h)
+        time.sleep(1.0)  # past a renewal period (lease / 3): nothing calls the freed client
+        with self.assertRaises(kvshade.errors.KvShadeError):
+            dec.join(a)
+        dec.close()  # again: nothing to do
 
     def test_matches_attend_rpc_batch_of_two(self):
         atts = [self.attach(0), self.attach(1)]

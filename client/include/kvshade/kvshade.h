@@ -427,7 +427,10 @@ KVSHADE_API void kvshade_static_set_free(kvshade_static_set* s);
  * profile; n may be 0, then sequences join later) from the daemon on this node and runs
  * select, reconstruct and attend itself.
  * backend: "auto" (the daemon's kind), "cpu" or "cuda"/"cuda:N". local_capacity: tokens
- * per sequence kept exact locally between refreshes (0 = 1024). */
+ * per sequence kept exact locally between refreshes (0 = 1024). The client must outlive
+ * the decoder: the decoder renews its attachments' leases through it from a thread of its
+ * own, so free the decoder before the client (the Python Client closes its decoders
+ * first). */
 typedef struct kvshade_local_decoder kvshade_local_decoder;
 KVSHADE_API int kvshade_local_decoder_open(kvshade_client* client, size_t n,
                                            const char* const* attachment_ids,

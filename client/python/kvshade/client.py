@@ -6,6 +6,7 @@ fp16 or fp32) and come out as float32 numpy arrays. Errors raise the classes of
 kvshade.errors, chosen by status code.
 """
 import ctypes
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -611,6 +612,9 @@ class Client(_NativeHandle):
         o.ucx_ingest_window = ucx_ingest_window  # 0 = the library's default (4)
         o.ucx_busy_poll_us = ucx_busy_poll_us  # 0 = the library's default (50 us), < 0 = none
         self._slot_buffers: Dict[str, Any] = {}  # attachment id -> (k, v): kept alive while registered
+        # Objects whose native side calls this client from threads of their own (a
+        # LocalDecoder renews its leases through it): close() closes them first.
+        self._dependents: "weakref.WeakSet[_NativeHandle]" = weakref.WeakSet()
         self._h = ctypes.c_void_p()
         _check(lib.kvshade_connect(ctypes.byref(o), ctypes.byref(self._h)))
         self.target = target
@@ -621,6 +625,19 @@ class Client(_NativeHandle):
         return self._h
 
     _free = "kvshade_client_free"
+
+    def _depend(self, obj: "_NativeHandle") -> None:
+        """obj (a handle that uses this client from a thread of its native side) is closed
+        when this client closes, before the client itself."""
+        self._dependents.add(obj)
+
+    def close(self) -> None:
+        """Closes the connection, and first what was opened over it and still calls it from
+        a thread of its own (a LocalDecoder's lease renewals): with the client gone they
+        would call a freed client."""
+        for obj in list(getattr(self, "_dependents", ())):
+            obj.close()
+        super().close()
 
     # --- Health ---
     def wait_ready(self, timeout: float = 10.0) -> None:

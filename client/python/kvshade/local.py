@@ -50,6 +50,7 @@ class LocalDecoder(_NativeHandle):
         _check(_native.lib().kvshade_local_decoder_open(client._handle(), len(ids), arr, _b(backend),
                                                         int(local_capacity), 1 if count_hits else 0,
                                                         ctypes.byref(self._h)))
+        client._depend(self)  # closed before the client: its lease renewals call the client
         self._backend_arg = backend
         self.attachment_ids: List[str] = list(attachment_ids)
         self._read_info()
