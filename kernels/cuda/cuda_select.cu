@@ -1153,27 +1153,50 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
 // run in another order than the CPU's (fp32 rounding differs).
 constexpr int kSigWarps = 8;
 
+// The start the token-per-lane stage-2 kernels share: the group's query rows [g, d] into
+// shared memory as floats (qs; a block barrier), then this lane's candidate (a warp holds
+// 32 / kC of them) and token, and the signature layout.
+template <int kC>
+struct SigLane {
+  int t;           // the lane's token in its candidate
+  bool active;     // the candidate is inside the item's width
+  long long at;    // the candidate's index in cand (0 for an inactive lane)
+  int c;           // the candidate chunk (-1: padding or inactive)
+  int bits, levels, per_word;
+  float half;      // the codes' midpoint
+  long long rec;   // bytes of one token's signature record
+
+  __device__ SigLane(const ExDesc& e, int hh, int g, int d, float* qs) {
+    for (int x = threadIdx.x; x < g * d; x += blockDim.x) {
+      qs[x] = __bfloat162float(e.q[static_cast<long long>(hh * g) * d + x]);
+    }
+    __syncthreads();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int i = (blockIdx.x * kSigWarps + warp) * (32 / kC) + lane / kC;
+    t = lane % kC;
+    active = i < e.width;
+    at = static_cast<long long>(hh) * e.width + (active ? i : 0);
+    c = active ? e.cand[at] : -1;
+    bits = e.view.sig_bits;
+    levels = (1 << bits) - 1;
+    per_word = 32 / bits;
+    half = static_cast<float>(levels) / 2.0f;
+    rec = static_cast<long long>(d) * bits / 8 + 4;
+  }
+};
+
 template <int kC>
 __global__ void __launch_bounds__(32 * kSigWarps)
     Stage2SigTokenKernel(const ExDesc* __restrict__ descs, int g, int d, float scale) {
   extern __shared__ __align__(16) float qs[];  // [g, d]
   const ExDesc& e = descs[blockIdx.z];
   const int hh = blockIdx.y, h = gridDim.y;
-  for (int i = threadIdx.x; i < g * d; i += blockDim.x) {
-    qs[i] = __bfloat162float(e.q[static_cast<long long>(hh * g) * d + i]);
-  }
-  __syncthreads();
-  constexpr int kPerWarp = 32 / kC;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int i = (blockIdx.x * kSigWarps + warp) * kPerWarp + lane / kC;  // candidate
-  const int t = lane % kC;                                                // its token
-  const bool active = i < e.width;
-  const long long at = static_cast<long long>(hh) * e.width + (active ? i : 0);
-  const int c = active ? e.cand[at] : -1;
+  const SigLane<kC> sl(e, hh, g, d, qs);
+  const int t = sl.t, c = sl.c, bits = sl.bits, levels = sl.levels, per_word = sl.per_word;
+  const bool active = sl.active;
+  const long long at = sl.at, rec = sl.rec;
+  const float half = sl.half;
   const DevView& v = e.view;
-  const int bits = v.sig_bits, levels = (1 << bits) - 1, per_word = 32 / bits;
-  const float half = static_cast<float>(levels) / 2.0f;
-  const long long rec = static_cast<long long>(d) * bits / 8 + 4;
   float base[kMaxG], dot[kMaxG];
 #pragma unroll
   for (int n = 0; n < kMaxG; ++n) base[n] = dot[n] = 0.0f;
@@ -1576,7 +1599,6 @@ __global__ void __launch_bounds__(kFinalThreads)
 __global__ void __launch_bounds__(256)
     AssignKernel(const ExDesc* __restrict__ descs, int k, int kpow2) {
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ int s_n;
   uint64_t* keys = reinterpret_cast<uint64_t*>(smem);
   int* ids = reinterpret_cast<int*>(keys + kpow2);
   int* claimed = ids + k;
@@ -1600,7 +1622,6 @@ __global__ void __launch_bounds__(256)
       if (n > 0 && ids[n - 1] == static_cast<int>(keys[i])) continue;
       ids[n++] = static_cast<int>(keys[i]);
     }
-    s_n = n;
     SlotDiffSerial(ids, n, k, v, hh, 1, e.slots + static_cast<long long>(hh) * k,
                    e.miss_slot + static_cast<long long>(hh) * k,
                    e.miss_chunk + static_cast<long long>(hh) * k, e.miss_count + hh, claimed,
@@ -1789,21 +1810,12 @@ __global__ void __launch_bounds__(32 * kSigWarps)
   extern __shared__ __align__(16) float qs[];  // [g, d]
   const ExDesc& e = descs[blockIdx.z];
   const int hh = blockIdx.y, h = gridDim.y;
-  for (int i = threadIdx.x; i < g * d; i += blockDim.x) {
-    qs[i] = __bfloat162float(e.q[static_cast<long long>(hh * g) * d + i]);
-  }
-  __syncthreads();
-  constexpr int kPerWarp = 32 / kC;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int i = (blockIdx.x * kSigWarps + warp) * kPerWarp + lane / kC;  // candidate
-  const int t = lane % kC;                                                // its token
-  const bool active = i < e.width;
-  const long long at = static_cast<long long>(hh) * e.width + (active ? i : 0);
-  const int c = active ? e.cand[at] : -1;
+  const SigLane<kC> sl(e, hh, g, d, qs);
+  const int t = sl.t, c = sl.c, bits = sl.bits, levels = sl.levels, per_word = sl.per_word;
+  const bool active = sl.active;
+  const long long at = sl.at, rec = sl.rec;
+  const float half = sl.half;
   const DevView& v = e.view;
-  const int bits = v.sig_bits, levels = (1 << bits) - 1, per_word = 32 / bits;
-  const float half = static_cast<float>(levels) / 2.0f;
-  const long long rec = static_cast<long long>(d) * bits / 8 + 4;
   float base[kMaxG], dot[kMaxG];
 #pragma unroll
   for (int n = 0; n < kMaxG; ++n) base[n] = dot[n] = 0.0f;

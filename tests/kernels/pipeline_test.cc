@@ -646,18 +646,38 @@ TEST(ShadowLayer, HeavyChunksAreInt2StaticAndNeverSelected) {
 
 // Key signatures at ingest: the layer's records are EncodeSignatures of its post-RoPE keys
 // against its landmarks, and its view carries them.
+// A 300-token layer of rank-16 keys (h 2, g 2, d 64) from `first` on, and rank 32 with 2
+// outliers per head.
+struct SmallLayer {
+  LayerShape shape{2, 2, 64};
+  int n = 300;
+  int64_t first = 0;
+  RopeSpec rope;
+  std::vector<bf16> k_pre, v;
+  ShadowParams p;
+};
+
+SmallLayer MakeSmallLayer(uint64_t seed, int64_t first) {
+  auto rng = MakeRng(seed);
+  SmallLayer c;
+  c.first = first;
+  c.k_pre = LowRankKeys(c.shape, c.n, 16, rng);
+  c.v = RandomBf16(size_t(c.n) * c.shape.D(), rng);
+  c.p.rank = 32;
+  c.p.outliers = 2;
+  return c;
+}
+
 TEST(ShadowLayer, KeySignaturesOfEveryChunkedToken) {
   auto be = Cpu();
-  auto rng = MakeRng(57);
-  const LayerShape shape{2, 2, 64};
-  const int n = 300;
-  const int64_t first = 11;
-  RopeSpec rope;
-  const auto k_pre = LowRankKeys(shape, n, 16, rng);
-  const auto v = RandomBf16(size_t(n) * shape.D(), rng);
-  ShadowParams p;
-  p.rank = 32;
-  p.outliers = 2;
+  SmallLayer c = MakeSmallLayer(57, 11);
+  const LayerShape shape = c.shape;
+  const int n = c.n;
+  const int64_t first = c.first;
+  const RopeSpec rope = c.rope;
+  const auto& k_pre = c.k_pre;
+  const auto& v = c.v;
+  ShadowParams p = c.p;
   p.signature_bits = 2;
   auto layer = CompressShadowLayer(*be, shape, rope, p, k_pre, v, n, first);
   ASSERT_TRUE(layer.ok()) << layer.status();
@@ -692,21 +712,13 @@ TEST(ShadowLayer, KeySignaturesOfEveryChunkedToken) {
 // everything else (landmarks, static set, tail, values) as with the factorization.
 TEST(ShadowLayer, WithoutFactorizationTheRestIsTheSame) {
   auto be = Cpu();
-  auto rng = MakeRng(58);
-  const LayerShape shape{2, 2, 64};
-  const int n = 300;
-  const int64_t first = 40;
-  RopeSpec rope;
-  const auto k_pre = LowRankKeys(shape, n, 16, rng);
-  const auto v = RandomBf16(size_t(n) * shape.D(), rng);
-  ShadowParams p;
-  p.rank = 32;
-  p.outliers = 2;
-  auto full = CompressShadowLayer(*be, shape, rope, p, k_pre, v, n, first);
+  const SmallLayer c = MakeSmallLayer(58, 40);
+  ShadowParams p = c.p;
+  auto full = CompressShadowLayer(*be, c.shape, c.rope, p, c.k_pre, c.v, c.n, c.first);
   ASSERT_TRUE(full.ok()) << full.status();
   EXPECT_EQ(full->r, 32);
   p.factorize = false;
-  auto bare = CompressShadowLayer(*be, shape, rope, p, k_pre, v, n, first);
+  auto bare = CompressShadowLayer(*be, c.shape, c.rope, p, c.k_pre, c.v, c.n, c.first);
   ASSERT_TRUE(bare.ok()) << bare.status();
   EXPECT_EQ(bare->r, 0);
   EXPECT_EQ(bare->a.data(), nullptr);
