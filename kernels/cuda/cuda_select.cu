@@ -422,6 +422,79 @@ __device__ __forceinline__ uint32_t OrderKey(const float* x, int g, const float*
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+// Whether unit id (per units per chunk; per = 1: a chunk id) belongs to a chunk head hh
+// may select (cpu_select.cc SelectableChunk).
+__device__ __forceinline__ bool SelectableUnit(const DevView& v, int hh, int id, int per) {
+  if (id < 0 || static_cast<long long>(id) >= static_cast<long long>(v.total) * per) return false;
+  return cuda::SelectableChunk(v, hh, id / per);
+}
+
+// The CPU's slot diff (cpu_select.cc SlotDiff) on the whole block of kThreads threads, given
+// the slot table sorted by (id, slot) in sp [k] ((slot id ^ 0x80000000) << 32 | slot): a slot
+// hits when it is the lowest holding a chosen id, the misses (ids no slot holds) take the
+// free slots in slot order, and free slots left over keep an id this step did not choose
+// that the head may select (else -1). ids[0, kk) ascending and distinct, chunk ids (per =
+// 1) or unit ids; shared memory: flag [k], free_list [k], miss_flag [k] int; scan:
+// BlockScan storage. Every thread calls it.
+template <int kThreads>
+__device__ void SlotDiffSorted(const int* ids, int kk, int k, const DevView& v, int hh, int per,
+                               int* slots, int* miss_slot, int* miss_chunk, int* miss_count,
+                               const uint64_t* sp, int* flag, int* free_list, int* miss_flag,
+                               typename cub::BlockScan<uint32_t, kThreads>::TempStorage& scan) {
+  using BlockScan = cub::BlockScan<uint32_t, kThreads>;
+  const int tid = threadIdx.x;
+  for (int i = tid; i < k; i += kThreads) {
+    const uint64_t p = sp[i];
+    const uint32_t hi = static_cast<uint32_t>(p >> 32);
+    const int id = static_cast<int>(hi ^ 0x80000000u);
+    const int slot = static_cast<int>(static_cast<uint32_t>(p));
+    const bool first = i == 0 || static_cast<uint32_t>(sp[i - 1] >> 32) != hi;
+    const bool chosen = id >= 0 && SortedContains(ids, kk, id);
+    // 0: hit; 1: free, emptied unless a miss takes it; 2: free, keeps its id unless a miss
+    // takes it.
+    flag[slot] = first && chosen ? 0 : (!chosen && SelectableUnit(v, hh, id, per) ? 2 : 1);
+  }
+  for (int i = tid; i < kk; i += kThreads) {
+    miss_flag[i] = PairsContain(sp, k, static_cast<uint32_t>(ids[i]) ^ 0x80000000u) ? 0 : 1;
+  }
+  __syncthreads();
+  uint32_t n_free = 0;
+  for (int b = 0; b < k; b += kThreads) {
+    const int i = b + tid;
+    const uint32_t f = i < k && flag[i] != 0 ? 1u : 0u;
+    uint32_t excl, agg;
+    BlockScan(scan).ExclusiveSum(f, excl, agg);
+    if (f) free_list[n_free + excl] = i;
+    n_free += agg;
+    __syncthreads();
+  }
+  uint32_t n_miss = 0;
+  for (int b = 0; b < kk; b += kThreads) {
+    const int i = b + tid;
+    const uint32_t f = i < kk ? static_cast<uint32_t>(miss_flag[i]) : 0u;
+    uint32_t excl, agg;
+    BlockScan(scan).ExclusiveSum(f, excl, agg);
+    const uint32_t j = n_miss + excl;
+    if (f && j < n_free) {  // j < n_free always holds for a well-formed table
+      const int slot = free_list[j];
+      slots[slot] = ids[i];
+      miss_slot[j] = slot;
+      miss_chunk[j] = ids[i];
+    }
+    n_miss += agg;
+    __syncthreads();
+  }
+  n_miss = min(n_miss, n_free);
+  for (uint32_t j = n_miss + tid; j < n_free; j += kThreads) {
+    if (flag[free_list[j]] == 1) slots[free_list[j]] = -1;
+  }
+  for (int j = static_cast<int>(n_miss) + tid; j < k; j += kThreads) {
+    miss_slot[j] = -1;
+    miss_chunk[j] = -1;
+  }
+  if (tid == 0) *miss_count = static_cast<int>(n_miss);
+}
+
 // Bytes of TopKKernel's fixed shared arrays (the keys follow, 16-byte aligned).
 __host__ __device__ inline int TopKArraysBytes(int k, int kpow2) {
   return (kpow2 * 16 + k * 20 + 15) / 16 * 16;
@@ -648,60 +721,11 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (!diff) return;
 
-  // 6. Slot diff. A slot hits when its chunk is selected and no lower slot holds it.
-  for (int i = tid; i < k; i += blockDim.x) {
-    const uint64_t p = sp[i];
-    const uint32_t hi = static_cast<uint32_t>(p >> 32);
-    const int chunk = static_cast<int>(hi ^ 0x80000000u);
-    const int slot = static_cast<int>(static_cast<uint32_t>(p));
-    const bool first = i == 0 || static_cast<uint32_t>(sp[i - 1] >> 32) != hi;
-    const bool chosen = chunk >= 0 && SortedContains(sel_id, kk, chunk);
-    const bool hit = first && chosen;
-    // 0: hit; 1: free, emptied unless a miss takes it; 2: free, keeps its chunk (a session
-    // chunk this step did not select) unless a miss takes it (cpu_select.cc SlotDiff).
-    free_flag[slot] = hit ? 0 : (!chosen && cuda::SelectableChunk(it.view, hh, chunk) ? 2 : 1);
-  }
-  for (int i = tid; i < kk; i += blockDim.x) {
-    miss_flag[i] = PairsContain(sp, k, static_cast<uint32_t>(sel_id[i]) ^ 0x80000000u) ? 0 : 1;
-  }
-  __syncthreads();
-  uint32_t n_free = 0;
-  for (int base = 0; base < k; base += blockDim.x) {
-    const int i = base + tid;
-    const uint32_t f = i < k && free_flag[i] != 0 ? 1u : 0u;
-    uint32_t excl, agg;
-    BlockScan(scan_tmp).ExclusiveSum(f, excl, agg);
-    if (f) free_list[n_free + excl] = i;
-    n_free += agg;
-    __syncthreads();
-  }
-  int* miss_slot = it.miss_slot + static_cast<long long>(hh) * k;
-  int* miss_chunk = it.miss_chunk + static_cast<long long>(hh) * k;
-  uint32_t n_miss = 0;
-  for (int base = 0; base < kk; base += blockDim.x) {
-    const int i = base + tid;
-    const uint32_t f = i < kk ? static_cast<uint32_t>(miss_flag[i]) : 0u;
-    uint32_t excl, agg;
-    BlockScan(scan_tmp).ExclusiveSum(f, excl, agg);
-    const uint32_t j = n_miss + excl;
-    if (f && j < n_free) {  // j < n_free always holds for a well-formed table
-      const int slot = free_list[j];
-      slots[slot] = sel_id[i];
-      miss_slot[j] = slot;
-      miss_chunk[j] = sel_id[i];
-    }
-    n_miss += agg;
-    __syncthreads();
-  }
-  n_miss = min(n_miss, n_free);
-  for (uint32_t j = n_miss + tid; j < n_free; j += blockDim.x) {
-    if (free_flag[free_list[j]] == 1) slots[free_list[j]] = -1;
-  }
-  for (int j = static_cast<int>(n_miss) + tid; j < k; j += blockDim.x) {
-    miss_slot[j] = -1;
-    miss_chunk[j] = -1;
-  }
-  if (tid == 0) it.miss_count[hh] = static_cast<int>(n_miss);
+  // 6. Slot diff (sp sorted above with the selection).
+  SlotDiffSorted<kThreads>(sel_id, kk, k, it.view, hh, 1, slots,
+                           it.miss_slot + static_cast<long long>(hh) * k,
+                           it.miss_chunk + static_cast<long long>(hh) * k, it.miss_count + hh, sp,
+                           free_flag, free_list, miss_flag, scan_tmp);
 }
 
 size_t ScoreSmemBytes(int hb, int g, int d, int chunks_per_block) {
@@ -1155,7 +1179,8 @@ constexpr int kSigWarps = 8;
 
 // The start the token-per-lane stage-2 kernels share: the group's query rows [g, d] into
 // shared memory as floats (qs; a block barrier), then this lane's candidate (a warp holds
-// 32 / kC of them) and token, and the signature layout.
+// 32 / kC of them) and token, the signature layout, and where the candidate's landmark and
+// the token's signature record are.
 template <int kC>
 struct SigLane {
   int t;           // the lane's token in its candidate
@@ -1165,8 +1190,12 @@ struct SigLane {
   int bits, levels, per_word;
   float half;      // the codes' midpoint
   long long rec;   // bytes of one token's signature record
+  // For a candidate (c >= 0): its landmark row of head hh, the token's record and scale.
+  const __nv_bfloat16* lm = nullptr;
+  const uint32_t* words = nullptr;
+  float sc = 0.0f;
 
-  __device__ SigLane(const ExDesc& e, int hh, int g, int d, float* qs) {
+  __device__ SigLane(const ExDesc& e, int hh, int h, int g, int d, float* qs) {
     for (int x = threadIdx.x; x < g * d; x += blockDim.x) {
       qs[x] = __bfloat162float(e.q[static_cast<long long>(hh * g) * d + x]);
     }
@@ -1182,6 +1211,20 @@ struct SigLane {
     per_word = 32 / bits;
     half = static_cast<float>(levels) / 2.0f;
     rec = static_cast<long long>(d) * bits / 8 + 4;
+    if (c >= 0) {
+      const DevSegment& sg = e.view.seg[cuda::SegmentOf(e.view, c)];
+      const int local = c - sg.begin;
+      lm = sg.landmarks + (static_cast<long long>(local) * h + hh) * d;
+      const uint8_t* r = sg.sig + ((static_cast<long long>(local) * kC + t) * h + hh) * rec;
+      words = reinterpret_cast<const uint32_t*>(r);
+      sc = *reinterpret_cast<const float*>(r + static_cast<long long>(d) * bits / 8);
+    }
+  }
+
+  // Channel j of a record word, centred: code - half.
+  __device__ float Code(uint32_t word, int j) const {
+    return __fsub_rn(static_cast<float>((word >> (bits * j)) & static_cast<uint32_t>(levels)),
+                     half);
   }
 };
 
@@ -1190,43 +1233,32 @@ __global__ void __launch_bounds__(32 * kSigWarps)
     Stage2SigTokenKernel(const ExDesc* __restrict__ descs, int g, int d, float scale) {
   extern __shared__ __align__(16) float qs[];  // [g, d]
   const ExDesc& e = descs[blockIdx.z];
-  const int hh = blockIdx.y, h = gridDim.y;
-  const SigLane<kC> sl(e, hh, g, d, qs);
-  const int t = sl.t, c = sl.c, bits = sl.bits, levels = sl.levels, per_word = sl.per_word;
-  const bool active = sl.active;
-  const long long at = sl.at, rec = sl.rec;
-  const float half = sl.half;
-  const DevView& v = e.view;
+  const SigLane<kC> sl(e, blockIdx.y, gridDim.y, g, d, qs);
   float base[kMaxG], dot[kMaxG];
 #pragma unroll
   for (int n = 0; n < kMaxG; ++n) base[n] = dot[n] = 0.0f;
-  float sc = 0.0f;
-  if (c >= 0) {
-    const DevSegment& sg = v.seg[cuda::SegmentOf(v, c)];
-    const int local = c - sg.begin;
-    const __nv_bfloat16* lm = sg.landmarks + (static_cast<long long>(local) * h + hh) * d;
-    for (int ch = t; ch < d; ch += kC) {
-      const float x = __bfloat162float(lm[ch]);
+  if (sl.c >= 0) {
+    for (int ch = sl.t; ch < d; ch += kC) {
+      const float x = __bfloat162float(sl.lm[ch]);
 #pragma unroll
       for (int n = 0; n < kMaxG; ++n) {
         if (n < g) base[n] = __fadd_rn(base[n], __fmul_rn(qs[n * d + ch], x));
       }
     }
-    const uint8_t* r = sg.sig + ((static_cast<long long>(local) * kC + t) * h + hh) * rec;
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(r);
-    for (int w = 0; w < d / per_word; ++w) {
-      const uint32_t word = words[w];
-      for (int j = 0; j < per_word; ++j) {
-        const int ch = w * per_word + j;
-        const float cf = __fsub_rn(static_cast<float>((word >> (bits * j)) & static_cast<uint32_t>(levels)), half);
+    for (int w = 0; w < d / sl.per_word; ++w) {
+      const uint32_t word = sl.words[w];
+      for (int j = 0; j < sl.per_word; ++j) {
+        const int ch = w * sl.per_word + j;
+        const float cf = sl.Code(word, j);
 #pragma unroll
         for (int n = 0; n < kMaxG; ++n) {
           if (n < g) dot[n] = __fadd_rn(dot[n], __fmul_rn(qs[n * d + ch], cf));
         }
       }
     }
-    sc = *reinterpret_cast<const float*>(r + static_cast<long long>(d) * bits / 8);
   }
+  const int c = sl.c, t = sl.t;
+  const float sc = sl.sc;
   // The candidate's lanes are an aligned group of kC: xor offsets below kC stay inside it.
 #pragma unroll
   for (int n = 0; n < kMaxG; ++n) {
@@ -1242,7 +1274,7 @@ __global__ void __launch_bounds__(32 * kSigWarps)
     float x = m == -INFINITY ? 0.0f : expf(l - m);
 #pragma unroll
     for (int o = kC / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    if (active && t == 0) e.stats[at * g + n] = make_float2(m, m == -INFINITY ? 0.0f : x);
+    if (sl.active && t == 0) e.stats[sl.at * g + n] = make_float2(m, m == -INFINITY ? 0.0f : x);
   }
 }
 
@@ -1293,12 +1325,6 @@ __device__ void BitonicSortAsc(uint64_t* a, int n) {
   __syncthreads();
 }
 
-// Whether unit id (per units per chunk; per = 1: a chunk id) belongs to a chunk head hh
-// may select (cpu_select.cc SelectableChunk).
-__device__ __forceinline__ bool SelectableUnit(const DevView& v, int hh, int id, int per) {
-  if (id < 0 || static_cast<long long>(id) >= static_cast<long long>(v.total) * per) return false;
-  return cuda::SelectableChunk(v, hh, id / per);
-}
 
 // The CPU's slot diff (cpu_select.cc SlotDiff), run by one thread: ids[0, kk) ascending and
 // distinct, chunk ids (per = 1) or unit ids (per = C/u units per chunk); scratch claimed
@@ -1343,76 +1369,21 @@ __device__ void SlotDiffSerial(const int* ids, int kk, int k, const DevView& v, 
   *miss_count = n_miss;
 }
 
-// SlotDiffSerial's result (cpu_select.cc SlotDiff), computed by the whole block of kThreads
-// threads as TopKKernel's step 6 does: the slot table sorted by (chunk, slot) in sp, a slot
-// hits when it is the lowest holding a chosen id, the misses (ids no slot holds) take the
-// free slots in slot order, and free slots left over keep an id this step did not choose
-// that the head may select (else -1). ids[0, kk) ascending and distinct, chunk ids (per = 1)
-// or unit ids; shared memory: sp [p2k] u64 (p2k a power of two >= k), flag [k], free_list
-// [k], miss_flag [k] int; scan: BlockScan storage. Every thread calls it.
+// SlotDiffSorted after sorting the slot table into sp [p2k] u64 (p2k a power of two >= k,
+// shared memory); the other arguments as SlotDiffSorted's.
 template <int kThreads>
 __device__ void SlotDiffBlock(const int* ids, int kk, int k, const DevView& v, int hh, int per,
                               int* slots, int* miss_slot, int* miss_chunk, int* miss_count,
                               uint64_t* sp, int p2k, int* flag, int* free_list, int* miss_flag,
                               typename cub::BlockScan<uint32_t, kThreads>::TempStorage& scan) {
-  using BlockScan = cub::BlockScan<uint32_t, kThreads>;
-  const int tid = threadIdx.x;
-  for (int i = tid; i < p2k; i += kThreads) {
+  for (int i = threadIdx.x; i < p2k; i += kThreads) {
     sp[i] = i < k ? (static_cast<uint64_t>(static_cast<uint32_t>(slots[i]) ^ 0x80000000u) << 32) |
                         static_cast<uint32_t>(i)
                   : ~0ull;
   }
   BitonicSortAsc(sp, p2k);
-  for (int i = tid; i < k; i += kThreads) {
-    const uint64_t p = sp[i];
-    const uint32_t hi = static_cast<uint32_t>(p >> 32);
-    const int id = static_cast<int>(hi ^ 0x80000000u);
-    const int slot = static_cast<int>(static_cast<uint32_t>(p));
-    const bool first = i == 0 || static_cast<uint32_t>(sp[i - 1] >> 32) != hi;
-    const bool chosen = id >= 0 && SortedContains(ids, kk, id);
-    // 0: hit; 1: free, emptied unless a miss takes it; 2: free, keeps its id unless a miss
-    // takes it.
-    flag[slot] = first && chosen ? 0 : (!chosen && SelectableUnit(v, hh, id, per) ? 2 : 1);
-  }
-  for (int i = tid; i < kk; i += kThreads) {
-    miss_flag[i] = PairsContain(sp, k, static_cast<uint32_t>(ids[i]) ^ 0x80000000u) ? 0 : 1;
-  }
-  __syncthreads();
-  uint32_t n_free = 0;
-  for (int b = 0; b < k; b += kThreads) {
-    const int i = b + tid;
-    const uint32_t f = i < k && flag[i] != 0 ? 1u : 0u;
-    uint32_t excl, agg;
-    BlockScan(scan).ExclusiveSum(f, excl, agg);
-    if (f) free_list[n_free + excl] = i;
-    n_free += agg;
-    __syncthreads();
-  }
-  uint32_t n_miss = 0;
-  for (int b = 0; b < kk; b += kThreads) {
-    const int i = b + tid;
-    const uint32_t f = i < kk ? static_cast<uint32_t>(miss_flag[i]) : 0u;
-    uint32_t excl, agg;
-    BlockScan(scan).ExclusiveSum(f, excl, agg);
-    const uint32_t j = n_miss + excl;
-    if (f && j < n_free) {  // j < n_free always holds for a well-formed table
-      const int slot = free_list[j];
-      slots[slot] = ids[i];
-      miss_slot[j] = slot;
-      miss_chunk[j] = ids[i];
-    }
-    n_miss += agg;
-    __syncthreads();
-  }
-  n_miss = min(n_miss, n_free);
-  for (uint32_t j = n_miss + tid; j < n_free; j += kThreads) {
-    if (flag[free_list[j]] == 1) slots[free_list[j]] = -1;
-  }
-  for (int j = static_cast<int>(n_miss) + tid; j < k; j += kThreads) {
-    miss_slot[j] = -1;
-    miss_chunk[j] = -1;
-  }
-  if (tid == 0) *miss_count = static_cast<int>(n_miss);
+  SlotDiffSorted<kThreads>(ids, kk, k, v, hh, per, slots, miss_slot, miss_chunk, miss_count, sp,
+                           flag, free_list, miss_flag, scan);
 }
 
 // Ranking key of candidate chunk c with score sc: valid candidates rank above padding, the
@@ -1809,30 +1780,17 @@ __global__ void __launch_bounds__(32 * kSigWarps)
     Stage2SigUnitTokenKernel(const ExDesc* __restrict__ descs, int g, int d, int u, float scale) {
   extern __shared__ __align__(16) float qs[];  // [g, d]
   const ExDesc& e = descs[blockIdx.z];
-  const int hh = blockIdx.y, h = gridDim.y;
-  const SigLane<kC> sl(e, hh, g, d, qs);
-  const int t = sl.t, c = sl.c, bits = sl.bits, levels = sl.levels, per_word = sl.per_word;
-  const bool active = sl.active;
-  const long long at = sl.at, rec = sl.rec;
-  const float half = sl.half;
-  const DevView& v = e.view;
+  const SigLane<kC> sl(e, blockIdx.y, gridDim.y, g, d, qs);
   float base[kMaxG], dot[kMaxG];
 #pragma unroll
   for (int n = 0; n < kMaxG; ++n) base[n] = dot[n] = 0.0f;
-  float sc = 0.0f;
-  if (c >= 0) {
-    const DevSegment& sg = v.seg[cuda::SegmentOf(v, c)];
-    const int local = c - sg.begin;
-    const __nv_bfloat16* lm = sg.landmarks + (static_cast<long long>(local) * h + hh) * d;
-    const uint8_t* r = sg.sig + ((static_cast<long long>(local) * kC + t) * h + hh) * rec;
-    const uint32_t* words = reinterpret_cast<const uint32_t*>(r);
-    for (int w = 0; w < d / per_word; ++w) {
-      const uint32_t word = words[w];
-      for (int j = 0; j < per_word; ++j) {
-        const int ch = w * per_word + j;
-        const float x = __bfloat162float(lm[ch]);
-        const float cf = __fsub_rn(
-            static_cast<float>((word >> (bits * j)) & static_cast<uint32_t>(levels)), half);
+  if (sl.c >= 0) {
+    for (int w = 0; w < d / sl.per_word; ++w) {
+      const uint32_t word = sl.words[w];
+      for (int j = 0; j < sl.per_word; ++j) {
+        const int ch = w * sl.per_word + j;
+        const float x = __bfloat162float(sl.lm[ch]);
+        const float cf = sl.Code(word, j);
 #pragma unroll
         for (int n = 0; n < kMaxG; ++n) {
           if (n < g) {
@@ -1843,8 +1801,11 @@ __global__ void __launch_bounds__(32 * kSigWarps)
         }
       }
     }
-    sc = *reinterpret_cast<const float*>(r + static_cast<long long>(d) * bits / 8);
   }
+  const int c = sl.c, t = sl.t;
+  const float sc = sl.sc;
+  const bool active = sl.active;
+  const long long at = sl.at;
   const int per = kC / u;
   const bool first = t % u == 0;  // this lane folds its unit
   float2* stats = e.stats + (at * per + t / u) * g;
