@@ -140,6 +140,7 @@ def run_kvshade(c, model, prompts, arrivals, args):
     if warm.error is not None:
         raise warm.error
     gen.chunk_times.clear()  # the workload's alone
+    gen.prefill_forwards.clear()
     reqs, memory, steps = [], [], []
     stages0 = stage_seconds()
     prefix0 = c.stats()
@@ -203,6 +204,8 @@ def run_kvshade(c, model, prompts, arrivals, args):
             "step_ms_p50": pct(steps, 50) * 1e3, "step_ms_p99": pct(steps, 99) * 1e3,
             "step_ms_max": max(steps) * 1e3, "steps": len(steps), "daemon_stage_seconds": daemon_stages,
             "worker_chunk_seconds": {k: round(v, 3) for k, v in gen.chunk_times.items()},
+            # Tokens of each prefill forward while sequences decoded (decode_stall sizes them).
+            "prefill_tokens_while_decoding": [n for n, decoding in gen.prefill_forwards if decoding],
             "memory_over_time": memory}
 
 

@@ -173,6 +173,8 @@ class ServingTest(_WithServer):
             gen.step()
             self.assertLessEqual(len(sizes) - forwards, 1)  # one prefill forward per step
         self.assertEqual(sum(n for n, _ in sizes), 700)
+        # The Generator's own record of its prefill forwards: a's, then b's.
+        self.assertEqual(sum(n for n, _ in gen.prefill_forwards), 96 + 700)
         for n, decoding in sizes[:-1]:  # the last is what remained of the prompt
             self.assertLessEqual(n, 512)
             if decoding:

@@ -57,9 +57,9 @@ unless a `sampler` is given. Same-node decode only (the daemon on this node).
 """
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -473,6 +473,9 @@ class Generator:
         # The chunked prefills' own work by phase, summed over every prompt prefilled so far
         # (hf_cache.KvShadeCache.chunk_times).
         self.chunk_times: Dict[str, float] = {}
+        # Tokens of each of the last 10,000 prefill forwards, and whether sequences were
+        # decoding meanwhile (what decode_stall sized, for a benchmark to report).
+        self.prefill_forwards: Deque[Tuple[int, bool]] = deque(maxlen=10000)
         self._next_id = 0
 
     @property
@@ -606,6 +609,7 @@ class Generator:
         req, kc, ids, at = state
         n = ids.shape[1]
         end = self._next_chunk_end(req, at, n, chunk)
+        self.prefill_forwards.append((end - at, bool(self.running)))
         try:
             with torch.no_grad():
                 out = self.model(input_ids=ids[:, at:end], past_key_values=kc, use_cache=True, logits_to_keep=1)
