@@ -702,7 +702,7 @@ __global__ void __launch_bounds__(kThreads)
                           (0xffffffffu - static_cast<uint32_t>(sel_id[i]))
                     : 0ull;
   }
-  int* slots = it.slots + static_cast<long long>(hh) * k;
+  int* slots = diff ? it.slots + static_cast<long long>(hh) * k : nullptr;  // null in stage 1
   if (diff) {
     for (int i = tid; i < kpow2; i += blockDim.x) {
       sp[i] = i < k ? (static_cast<uint64_t>(static_cast<uint32_t>(slots[i]) ^ 0x80000000u) << 32) |
@@ -998,10 +998,8 @@ size_t PlanCandidates(const LayerShape& shape, int k1, int64_t per, bool two_sta
     if (!all) {
       SelectItem si = items[i];
       si.selected = cand;
-      si.slots = c.Take<int>(size_t(h * width));
-      si.miss_slot = c.Take<int>(size_t(h * width));
-      si.miss_chunk = c.Take<int>(size_t(h * width));
-      si.miss_count = c.Take<int>(size_t(h));
+      // Stage 1 keeps its candidates only (LaunchSelect with diff = false): no slot table.
+      si.slots = si.miss_slot = si.miss_chunk = si.miss_count = nullptr;
       s1.push_back(si);
       s1_index.push_back(i);
     }
