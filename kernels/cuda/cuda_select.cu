@@ -1612,10 +1612,11 @@ __global__ void __launch_bounds__(256)
 //     and folds it into the running (M, S) of the token's unit, in token order with the
 //     CPU's rescaling sequence; the unit's pair is stored after its last token and the fold
 //     restarts: stats [h, width * C/u, g], unit p of candidate i at i * C/u + p.
-//   FinalUnitKernel (block per head and item): LSE_n over every candidate unit (warp n),
-//     m and w per unit as cpu_select.cc StageTwoScores, ranking by (m desc, unit id asc,
-//     NaN last) with a bitonic sort in shared memory, the mass budget on thread 0 in rank
-//     order, `selected`, and the CPU's slot diff on unit ids (SlotDiffBlock).
+//   FinalUnitKernel (block per head and item): LSE_n over every candidate unit (the whole
+//     block), m per unit as cpu_select.cc StageTwoScores, the k best by (m desc, unit id
+//     asc, NaN last) with a radix select in shared memory (RadixSelectTop) and a sort of
+//     those k only, w of the ranks kept for the mass budget (thread 0, in rank order),
+//     `selected`, and the CPU's slot diff on unit ids (SlotDiffBlock).
 // exp and log run in double and are rounded once to fp32 (ExpRef, LogRef): closer to the
 // CPU's std::exp/std::log on floats (glibc, correctly rounded in nearly all cases) than
 // the fp32 intrinsics. The LSE sums run in another order than the CPU's, so units whose
@@ -1822,18 +1823,29 @@ __global__ void __launch_bounds__(32 * kSigWarps)
   }
 }
 
-// m of one unit from its stats [g] and the heads' LSE, w into *w (cpu_select.cc
-// StageTwoScores: over the heads with a finite M; 0 for a unit without any).
-__device__ __forceinline__ float UnitScore(const float2* st, int g, const float* lse, float* w) {
-  float best = 0.0f, mass = 0.0f;
+// m of one unit from its stats [g] and the heads' LSE (cpu_select.cc StageTwoScores: the
+// max over the heads with a finite M of exp(M - LSE); 0 for a unit without any). exp is
+// monotone, so the max is taken before the one exp: the same value as the max of the exps.
+__device__ __forceinline__ float UnitScore(const float2* st, int g, const float* lse) {
+  float a = -INFINITY;
   for (int n = 0; n < g; ++n) {
     const float2 x = st[n];
     if (x.x == -INFINITY) continue;
-    best = fmaxf(best, ExpRef(__fsub_rn(x.x, lse[n])));
+    a = fmaxf(a, __fsub_rn(x.x, lse[n]));  // a NaN term is skipped, as std::max skips it
+  }
+  return ExpRef(a);  // exp(-inf) = 0: no finite head
+}
+
+// w of one unit (StageTwoScores): the max over the heads with a finite M of
+// exp(M + log S - LSE); 0 for a unit without any.
+__device__ __forceinline__ float UnitMass(const float2* st, int g, const float* lse) {
+  float mass = 0.0f;
+  for (int n = 0; n < g; ++n) {
+    const float2 x = st[n];
+    if (x.x == -INFINITY) continue;
     mass = fmaxf(mass, ExpRef(__fsub_rn(__fadd_rn(x.x, LogRef(x.y)), lse[n])));
   }
-  *w = mass;
-  return best;
+  return mass;
 }
 
 // Unit id at candidate-unit position i of head row `row` (-1 for padding).
@@ -1842,21 +1854,130 @@ __device__ __forceinline__ int UnitAt(const ExDesc& e, long long row, int per, i
   return c < 0 ? -1 : c * per + i % per;
 }
 
-// Block (hh, item). Dynamic shared memory (FinalSmemBytes): keys [max_pow2] u64, sp
-// [pow2(k)] u64, then ids [k], claimed [k], free [k], miss [k] int (claimed holds the
-// masses w of the first k ranks before the slot diff).
+// The kk largest of n distinct keys key(i) (0 = padding, never taken; kk <= the nonzero
+// keys), block-wide: an MSD radix select, 8 bits a pass (a 256-bin histogram of the keys
+// that still match the prefix, warp-aggregated), stopping once the boundary bin's keys are
+// all taken. Key i is among the kk largest iff (key(i) & *mask) >= *prefix. kk = 0 leaves
+// *mask = *prefix = 0 (the caller takes nothing).
+template <int kThreads, typename KeyFn>
+__device__ void RadixSelectTop(int n, int kk, const KeyFn& key, uint64_t* prefix_out,
+                               uint64_t* mask_out) {
+  __shared__ uint32_t hist[256];
+  __shared__ uint64_t s_prefix, s_mask;
+  __shared__ uint32_t s_need;
+  __shared__ int s_done;
+  const int tid = threadIdx.x, lane = tid & 31;
+  if (tid == 0) {
+    s_prefix = 0;
+    s_mask = 0;
+    s_need = static_cast<uint32_t>(max(kk, 0));
+    s_done = kk <= 0;
+  }
+  __syncthreads();
+  for (int shift = 56; shift >= 0 && !s_done; shift -= 8) {
+    for (int b = tid; b < 256; b += kThreads) hist[b] = 0;
+    __syncthreads();
+    const uint64_t prefix = s_prefix, mask = s_mask;
+    for (int base = 0; base < n; base += kThreads) {  // the warp's lanes iterate together
+      const int i = base + tid;
+      int digit = -1;
+      if (i < n) {
+        const uint64_t kv = key(i);
+        if (kv != 0 && (kv & mask) == prefix) digit = static_cast<int>((kv >> shift) & 0xff);
+      }
+      const unsigned peers = __match_any_sync(0xffffffffu, digit);
+      if (digit >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+    }
+    __syncthreads();
+    if (tid < 32) {
+      // Lane l holds bins 255 - 8l down to 248 - 8l; the bins above a lane's are the lower
+      // lanes' (an inclusive scan over lanes).
+      uint32_t c[8], sum = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        c[j] = hist[255 - 8 * lane - j];
+        sum += c[j];
+      }
+      uint32_t incl = sum;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const uint32_t y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+      }
+      const uint32_t need = s_need;
+      uint32_t above = incl - sum;
+      if (above < need && need <= incl) {  // one lane: the bin of the kk-th key
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (above + c[j] >= need) {
+            s_need = need - above;
+            s_prefix = prefix | (static_cast<uint64_t>(255 - 8 * lane - j) << shift);
+            s_mask = mask | (0xffull << shift);
+            s_done = c[j] == need - above;
+            break;
+          }
+          above += c[j];
+        }
+      }
+    }
+    __syncthreads();
+  }
+  *prefix_out = s_prefix;
+  *mask_out = s_mask;
+}
+
+// Ascending bitonic sort of n (power of two) u64 keys in shared memory with an int payload
+// each, block-cooperative.
+__device__ void BitonicSortAscPairs(uint64_t* a, int* v, int n) {
+  for (int size = 2; size <= n; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      __syncthreads();
+      for (int i = threadIdx.x; i < n / 2; i += blockDim.x) {
+        const int lo = 2 * i - (i & (stride - 1));
+        const int hi = lo + stride;
+        const bool up = (lo & size) == 0;
+        const uint64_t x = a[lo], y = a[hi];
+        if ((x > y) == up) {
+          a[lo] = y;
+          a[hi] = x;
+          const int t = v[lo];
+          v[lo] = v[hi];
+          v[hi] = t;
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Shared memory of FinalUnitKernel: the units' score bits hi [max_units] u32 (rounded up
+// to 8 bytes), the ranked keys rk [pow2(k)] u64 (then the slot diff's sp), their positions
+// ri [pow2(k)] int, then ids, claimed, free and miss [k] int each.
+size_t FinalUnitSmemBytes(int max_units, int k) {
+  const size_t p2k = size_t(NextPow2(std::max(k, 1)));
+  return (size_t(max_units) * 4 + 7) / 8 * 8 + p2k * 12 + size_t(4) * k * sizeof(int);
+}
+
+// Block (hh, item); dynamic shared memory as FinalUnitKernelSmemBytes says (claimed holds
+// the masses w of the first k ranks before the slot diff). LSE_n over every candidate unit
+// (all threads: per-thread sums in unit order, then warps, then the block), each unit's
+// score m into hi as CandidateKey's high word, the k best keys by RadixSelectTop, sorted
+// (bitonic, k entries), w of those ranks for the mass budget, `selected`, the slot diff.
 __global__ void __launch_bounds__(kUnitFinalThreads)
     FinalUnitKernel(const ExDesc* __restrict__ descs, int g, int k, int per, float top_p,
-                    int min_k, int max_pow2) {
+                    int min_k, int max_units) {
   extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int kWarps = kUnitFinalThreads / 32;
   __shared__ float s_lse[kMaxG];
-  __shared__ int s_valid, s_kk;
+  __shared__ float s_part[kWarps][kMaxG];
+  __shared__ int s_valid, s_kk, s_count;
   __shared__ typename cub::BlockScan<uint32_t, kUnitFinalThreads>::TempStorage scan;
   int p2k = 1;
   while (p2k < k) p2k <<= 1;
-  uint64_t* keys = reinterpret_cast<uint64_t*>(smem);
-  uint64_t* sp = keys + max_pow2;
-  int* ids = reinterpret_cast<int*>(sp + p2k);
+  uint32_t* hi = reinterpret_cast<uint32_t*>(smem);
+  uint64_t* rk = reinterpret_cast<uint64_t*>(smem + (size_t(max_units) * 4 + 7) / 8 * 8);
+  int* ri = reinterpret_cast<int*>(rk + p2k);
+  int* ids = ri + p2k;
   int* claimed = ids + k;
   int* free_slots = claimed + k;
   int* miss = free_slots + k;
@@ -1866,75 +1987,114 @@ __global__ void __launch_bounds__(kUnitFinalThreads)
   const long long row = static_cast<long long>(hh) * e.width;  // of cand
   const int n_units = e.width * per;
   const float2* stats = e.stats + row * per * g;                // [n_units, g]
-  // LSE_n over every candidate unit: the max of M + log S, then the sum of
-  // exp(M + log S - max) (units with a finite M); warp n.
-  for (int n = warp; n < g; n += blockDim.x / 32) {
-    float mx = -INFINITY;
-    for (int i = lane; i < n_units; i += 32) {
+  // LSE_n over every candidate unit with a finite M: the max of M + log S, then the sum of
+  // exp(M + log S - max).
+  float acc[kMaxG];
+#pragma unroll
+  for (int n = 0; n < kMaxG; ++n) acc[n] = -INFINITY;
+  for (int i = tid; i < n_units; i += kUnitFinalThreads) {
+#pragma unroll
+    for (int n = 0; n < kMaxG; ++n) {
+      if (n >= g) break;
       const float2 x = stats[static_cast<long long>(i) * g + n];
-      if (x.x != -INFINITY) mx = fmaxf(mx, __fadd_rn(x.x, LogRef(x.y)));
+      if (x.x != -INFINITY) acc[n] = fmaxf(acc[n], __fadd_rn(x.x, LogRef(x.y)));
     }
+  }
+#pragma unroll
+  for (int n = 0; n < kMaxG; ++n) {
+    if (n >= g) break;
+    float mx = acc[n];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    float z = 0.0f;
-    if (mx != -INFINITY) {
-      for (int i = lane; i < n_units; i += 32) {
-        const float2 x = stats[static_cast<long long>(i) * g + n];
-        if (x.x != -INFINITY) z = __fadd_rn(z, ExpRef(__fsub_rn(__fadd_rn(x.x, LogRef(x.y)), mx)));
-      }
+    if (lane == 0) s_part[warp][n] = mx;
+  }
+  if (tid == 0) s_valid = 0;
+  __syncthreads();
+  if (tid < g) {
+    float mx = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_part[w][tid]);
+    s_lse[tid] = mx;  // the max for now
+  }
+  __syncthreads();
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) z = __fadd_rn(z, __shfl_xor_sync(0xffffffffu, z, o));
+  for (int n = 0; n < kMaxG; ++n) acc[n] = 0.0f;
+  for (int i = tid; i < n_units; i += kUnitFinalThreads) {
+#pragma unroll
+    for (int n = 0; n < kMaxG; ++n) {
+      if (n >= g) break;
+      const float2 x = stats[static_cast<long long>(i) * g + n];
+      if (x.x != -INFINITY) {
+        acc[n] = __fadd_rn(acc[n], ExpRef(__fsub_rn(__fadd_rn(x.x, LogRef(x.y)), s_lse[n])));
+      }
     }
-    if (lane == 0) s_lse[n] = mx == -INFINITY ? -INFINITY : __fadd_rn(mx, LogRef(z));
   }
+#pragma unroll
+  for (int n = 0; n < kMaxG; ++n) {
+    if (n >= g) break;
+    float z = acc[n];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) z = __fadd_rn(z, __shfl_xor_sync(0xffffffffu, z, o));
+    if (lane == 0) s_part[warp][n] = z;
+  }
+  __syncthreads();
+  if (tid < g) {
+    const float mx = s_lse[tid];
+    float z = 0.0f;
+    for (int w = 0; w < kWarps; ++w) z = __fadd_rn(z, s_part[w][tid]);
+    s_lse[tid] = mx == -INFINITY ? -INFINITY : __fadd_rn(mx, LogRef(z));
+  }
+  __syncthreads();
+  // Each unit's CandidateKey high word (FloatOrder(m) + 1; 0 for padding), and the count of
+  // valid units.
+  int valid = 0;
+  for (int i = tid; i < n_units; i += kUnitFinalThreads) {
+    const int id = UnitAt(e, row, per, i);
+    uint32_t hv = 0;
+    if (id >= 0) {
+      hv = FloatOrder(UnitScore(stats + static_cast<long long>(i) * g, g, s_lse)) + 1u;
+      ++valid;
+    }
+    hi[i] = hv;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) valid += __shfl_xor_sync(0xffffffffu, valid, o);
+  if (lane == 0 && valid > 0) atomicAdd(&s_valid, valid);
+  __syncthreads();
+  const int k_cap = min(k, s_valid);
+  auto key = [&](int i) -> uint64_t {
+    const uint32_t hv = hi[i];
+    if (hv == 0) return 0ull;
+    return static_cast<uint64_t>(hv) << 32 |
+           (0xffffffffu - static_cast<uint32_t>(UnitAt(e, row, per, i)));
+  };
+  uint64_t prefix = 0, mask = 0;
+  RadixSelectTop<kUnitFinalThreads>(n_units, k_cap, key, &prefix, &mask);
+  // The k_cap best keys (as ~key, so that an ascending sort ranks them best first) with
+  // their candidate positions, then sorted.
+  int p2 = 1;
+  while (p2 < k_cap) p2 <<= 1;
+  if (tid == 0) s_count = 0;
+  for (int i = tid; i < p2; i += kUnitFinalThreads) {
+    rk[i] = ~0ull;
+    ri[i] = -1;
+  }
+  __syncthreads();
+  if (k_cap > 0) {
+    for (int i = tid; i < n_units; i += kUnitFinalThreads) {
+      const uint64_t kv = key(i);
+      if (kv != 0 && (kv & mask) >= prefix) {
+        const int at = atomicAdd(&s_count, 1);
+        rk[at] = ~kv;
+        ri[at] = i;
+      }
+    }
+  }
+  BitonicSortAscPairs(rk, ri, p2);
+  // With a budget: the masses w of ranks [0, k_cap) into wrank.
   float* wrank = reinterpret_cast<float*>(claimed);
-  for (int i = tid; i < k; i += blockDim.x) wrank[i] = 0.0f;
-  __syncthreads();
-  const int kpow2 = e.kpow2;
-  for (int i = tid; i < kpow2; i += blockDim.x) {
-    uint64_t key = 0;
-    if (i < n_units) {
-      const int id = UnitAt(e, row, per, i);
-      if (id >= 0) {
-        float w;
-        key = CandidateKey(UnitScore(stats + static_cast<long long>(i) * g, g, s_lse, &w), id);
-      }
-    }
-    keys[i] = ~key;  // ascending sort of ~key: best first, padding (~0) last
-  }
-  BitonicSortAsc(keys, kpow2);
-  if (tid == 0) {
-    int lo = 0, hi = kpow2;  // the first padding entry
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if (keys[mid] != ~0ull)
-        lo = mid + 1;
-      else
-        hi = mid;
-    }
-    s_valid = lo;
-  }
-  __syncthreads();
-  const int n_valid = s_valid;
-  const int k_cap = min(k, n_valid);
-  // With a budget: the masses w of ranks [0, k_cap) into wrank (each unit finds its rank by
-  // a binary search of its key among the sorted keys; ids are distinct).
-  if (top_p > 0.0f && k_cap > 0) {
-    for (int i = tid; i < n_units; i += blockDim.x) {
-      const int id = UnitAt(e, row, per, i);
-      if (id < 0) continue;
-      float w;
-      const float sc = UnitScore(stats + static_cast<long long>(i) * g, g, s_lse, &w);
-      const uint64_t key = ~CandidateKey(sc, id);
-      int lo = 0, hi = n_valid;
-      while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (keys[mid] < key)
-          lo = mid + 1;
-        else
-          hi = mid;
-      }
-      if (lo < k_cap) wrank[lo] = w;
+  if (top_p > 0.0f) {
+    for (int r = tid; r < k; r += kUnitFinalThreads) {
+      wrank[r] = r < k_cap ? UnitMass(stats + static_cast<long long>(ri[r]) * g, g, s_lse) : 0.0f;
     }
     __syncthreads();
   }
@@ -1958,24 +2118,26 @@ __global__ void __launch_bounds__(kUnitFinalThreads)
   __syncthreads();
   const int kk = s_kk;
   int* selected = e.selected + static_cast<long long>(hh) * k;
-  for (int i = tid; i < k; i += blockDim.x) {
-    selected[i] = i < kk ? static_cast<int>(0xffffffffu - static_cast<uint32_t>(~keys[i])) : -1;
+  for (int i = tid; i < k; i += kUnitFinalThreads) {
+    const int id = i < kk ? static_cast<int>(0xffffffffu - static_cast<uint32_t>(~rk[i])) : -1;
+    selected[i] = id;
+    if (i < kk) ids[i] = id;
   }
   __syncthreads();
-  // The chosen unit ids ascending, for the slot diff: reuse keys[0, pow2(kk)).
-  int p2 = 1;
-  while (p2 < kk) p2 <<= 1;
-  for (int i = tid; i < p2; i += blockDim.x) {
-    keys[i] = i < kk ? static_cast<uint64_t>(selected[i]) : ~0ull;
+  // The chosen unit ids ascending, for the slot diff (in rk, free from here).
+  int p2kk = 1;
+  while (p2kk < kk) p2kk <<= 1;
+  for (int i = tid; i < p2kk; i += kUnitFinalThreads) {
+    rk[i] = i < kk ? static_cast<uint64_t>(ids[i]) : ~0ull;
   }
-  BitonicSortAsc(keys, p2);
-  for (int i = tid; i < kk; i += blockDim.x) ids[i] = static_cast<int>(keys[i]);
+  BitonicSortAsc(rk, p2kk);
+  for (int i = tid; i < kk; i += kUnitFinalThreads) ids[i] = static_cast<int>(rk[i]);
   __syncthreads();
   SlotDiffBlock<kUnitFinalThreads>(ids, kk, k, e.view, hh, per,
                                    e.slots + static_cast<long long>(hh) * k,
                                    e.miss_slot + static_cast<long long>(hh) * k,
                                    e.miss_chunk + static_cast<long long>(hh) * k,
-                                   e.miss_count + hh, sp, p2k, claimed, free_slots, miss, scan);
+                                   e.miss_count + hh, rk, p2k, claimed, free_slots, miss, scan);
 }
 
 // SelectEx with selection units (options.units()): checks, stage 1, stage 2 per unit, the
@@ -2007,7 +2169,7 @@ absl::Status SelectExUnits(int device, const LayerShape& shape, int k, const Sel
   std::vector<ExDesc> descs(items.size());
   ExPlan plan;
   PlanSelectExUnits(shape, k, o, items, ws.data, &descs, &plan);
-  int max_pow2 = 1, max_width = 0;
+  int max_units = 1, max_width = 0;
   for (size_t i = 0; i < items.size(); ++i) {
     ExDesc& e = descs[i];
     if (!e.all && k1 > kMaxK) {
@@ -2052,19 +2214,19 @@ absl::Status SelectExUnits(int device, const LayerShape& shape, int k, const Sel
     e.partials = nullptr;
     e.n_blocks = 0;
     e.kpow2 = NextPow2(static_cast<int>(std::max<int64_t>(units, 1)));
-    max_pow2 = std::max(max_pow2, e.kpow2);
+    max_units = std::max(max_units, static_cast<int>(units));
     max_width = std::max(max_width, e.width);
   }
   KVSHADE_RETURN_IF_ERROR(cuda::UseDevice(device));
   int optin = 0;
   KVSHADE_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const size_t final_smem = FinalSmemBytes(max_pow2, k);
+  const size_t final_smem = FinalUnitSmemBytes(max_units, k);
   const size_t stage2_smem = (size_t(g) * (d + 1) + size_t(kStage2Warps) * d) * sizeof(float);
   if (final_smem > size_t(optin) || stage2_smem > size_t(optin)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "SelectEx: selection units at k = ", k, " over ", max_pow2,
-        " candidate-unit sort slots (or g = ", g, ", d = ", d, ") need ",
+        "SelectEx: selection units at k = ", k, " over ", max_units,
+        " candidate units per head (or g = ", g, ", d = ", d, ") need ",
         std::max(final_smem, stage2_smem), " bytes of shared memory per block, above the "
         "device limit ", optin));
   }
@@ -2124,7 +2286,7 @@ absl::Status SelectExUnits(int device, const LayerShape& shape, int k, const Sel
   KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       FinalUnitKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(final_smem)));
   FinalUnitKernel<<<dim3(h, n_items), kUnitFinalThreads, final_smem, st>>>(
-      plan.dev_descs, g, k, per, o.top_p, o.min_k, max_pow2);
+      plan.dev_descs, g, k, per, o.top_p, o.min_k, max_units);
   KVSHADE_CUDA_LAUNCH_CHECK();
   return absl::OkStatus();
 }
