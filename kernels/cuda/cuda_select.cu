@@ -1193,9 +1193,12 @@ struct SigLane {
   const uint32_t* words = nullptr;
   float sc = 0.0f;
 
-  __device__ SigLane(const ExDesc& e, int hh, int h, int g, int d, float* qs) {
+  // qd: the row stride of qs in floats (0: d).
+  __device__ SigLane(const ExDesc& e, int hh, int h, int g, int d, float* qs, int qd = 0) {
+    const int stride = qd > 0 ? qd : d;
     for (int x = threadIdx.x; x < g * d; x += blockDim.x) {
-      qs[x] = __bfloat162float(e.q[static_cast<long long>(hh * g) * d + x]);
+      const int n = x / d;
+      qs[n * stride + (x - n * d)] = __bfloat162float(e.q[static_cast<long long>(hh * g) * d + x]);
     }
     __syncthreads();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1225,6 +1228,113 @@ struct SigLane {
                      half);
   }
 };
+
+// The per-lane sums of the token-parallel stage-2 kernels over key signatures, with the
+// candidate group, the code width and the GQA width fixed at compile time: dot[n] =
+// dot(q_n, code_t - half) for every query head n, and own[o] = dot(q_n, L[c]) for the heads
+// n = t + o*kC that this lane forms for its candidate (each head's base is formed once per
+// candidate, by one lane; Base(n) hands it to the candidate's lanes). fp32 sums in channel
+// order, each product and sum rounded, no FMA: the arithmetic of the CPU's ChunkStatsSig.
+// qs holds the query rows [kG, qd] (qd a multiple of 4: float4 reads), the landmark row is
+// read 8 channels at a time (d a multiple of 8).
+template <int kC, int kBits, int kG>
+struct SigSums {
+  static constexpr int kPerWord = 32 / kBits;
+  static constexpr int kOwn = (kG + kC - 1) / kC;
+  static constexpr uint32_t kLevels = (1u << kBits) - 1u;
+  static constexpr float kHalf = static_cast<float>(kLevels) / 2.0f;
+  static_assert(kPerWord % 8 == 0, "a record word covers whole 8-channel landmark loads");
+  float dot[kG], own[kOwn];
+
+  __device__ void Run(const SigLane<kC>& sl, const float* qs, int qd, int d) {
+#pragma unroll
+    for (int n = 0; n < kG; ++n) dot[n] = 0.0f;
+#pragma unroll
+    for (int o = 0; o < kOwn; ++o) own[o] = 0.0f;
+    if (sl.c < 0) return;
+    for (int w = 0; w < d / kPerWord; ++w) {
+      const uint32_t word = sl.words[w];
+#pragma unroll
+      for (int v8 = 0; v8 < kPerWord / 8; ++v8) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(sl.lm + w * kPerWord + v8 * 8);
+        const __nv_bfloat162* xb = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+        for (int quad = 0; quad < 2; ++quad) {
+          const int j0 = v8 * 8 + quad * 4;  // the first of 4 channels, in the word
+          const int ch0 = w * kPerWord + j0;
+          float x[4], cf[4];
+          x[0] = __low2float(xb[quad * 2]);
+          x[1] = __high2float(xb[quad * 2]);
+          x[2] = __low2float(xb[quad * 2 + 1]);
+          x[3] = __high2float(xb[quad * 2 + 1]);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            cf[j] = __fsub_rn(static_cast<float>((word >> (kBits * (j0 + j))) & kLevels), kHalf);
+          }
+#pragma unroll
+          for (int n = 0; n < kG; ++n) {
+            const float4 q = *reinterpret_cast<const float4*>(qs + n * qd + ch0);
+            dot[n] = __fadd_rn(dot[n], __fmul_rn(q.x, cf[0]));
+            dot[n] = __fadd_rn(dot[n], __fmul_rn(q.y, cf[1]));
+            dot[n] = __fadd_rn(dot[n], __fmul_rn(q.z, cf[2]));
+            dot[n] = __fadd_rn(dot[n], __fmul_rn(q.w, cf[3]));
+          }
+#pragma unroll
+          for (int o = 0; o < kOwn; ++o) {
+            const int n = sl.t + o * kC;
+            if (n < kG) {
+              const float4 q = *reinterpret_cast<const float4*>(qs + n * qd + ch0);
+              own[o] = __fadd_rn(own[o], __fmul_rn(q.x, x[0]));
+              own[o] = __fadd_rn(own[o], __fmul_rn(q.y, x[1]));
+              own[o] = __fadd_rn(own[o], __fmul_rn(q.z, x[2]));
+              own[o] = __fadd_rn(own[o], __fmul_rn(q.w, x[3]));
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // dot(q_n, L[c]) of this lane's candidate; every lane of the warp calls it with the same n.
+  __device__ float Base(int n) const {
+    const int src = ((threadIdx.x & 31) & ~(kC - 1)) + n % kC;
+    return __shfl_sync(0xffffffffu, own[n / kC], src);
+  }
+};
+
+// The row stride of the query rows in shared memory for the specialised kernels: d + 4 (a
+// multiple of 4 for float4 reads; the lanes forming different heads' bases at one channel
+// fall in different banks).
+__host__ __device__ constexpr int SigQueryStride(int d) { return d + 4; }
+
+// Stage2SigTokenKernel specialised for (kC, kBits, kG) (SigSums): the same outputs, with
+// each head's base formed by one lane in channel order (the generic kernel splits it over
+// the candidate's lanes and reduces).
+template <int kC, int kBits, int kG>
+__global__ void __launch_bounds__(32 * kSigWarps)
+    Stage2SigTokenKernelT(const ExDesc* __restrict__ descs, int g, int d, float scale) {
+  extern __shared__ __align__(16) float qs[];  // [kG, d + 4]
+  const ExDesc& e = descs[blockIdx.z];
+  const int qd = SigQueryStride(d);
+  const SigLane<kC> sl(e, blockIdx.y, gridDim.y, kG, d, qs, qd);
+  SigSums<kC, kBits, kG> s;
+  s.Run(sl, qs, qd, d);
+#pragma unroll
+  for (int n = 0; n < kG; ++n) {
+    const float b = s.Base(n);
+    float l = __fmul_rn(__fadd_rn(b, __fmul_rn(sl.sc, s.dot[n])), scale);
+    if (sl.c < 0 || !isfinite(l)) l = -INFINITY;
+    float m = l;
+#pragma unroll
+    for (int o = kC / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float x = m == -INFINITY ? 0.0f : expf(l - m);
+#pragma unroll
+    for (int o = kC / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    if (sl.active && sl.t == 0) {
+      e.stats[sl.at * kG + n] = make_float2(m, m == -INFINITY ? 0.0f : x);
+    }
+  }
+}
 
 template <int kC>
 __global__ void __launch_bounds__(32 * kSigWarps)
@@ -1823,6 +1933,72 @@ __global__ void __launch_bounds__(32 * kSigWarps)
   }
 }
 
+// Stage2SigUnitTokenKernel specialised for (kC, kBits, kG) (SigSums): the same stats, bit
+// for bit.
+template <int kC, int kBits, int kG>
+__global__ void __launch_bounds__(32 * kSigWarps)
+    Stage2SigUnitTokenKernelT(const ExDesc* __restrict__ descs, int g, int d, int u,
+                              float scale) {
+  extern __shared__ __align__(16) float qs[];  // [kG, d + 4]
+  const ExDesc& e = descs[blockIdx.z];
+  const int qd = SigQueryStride(d);
+  const SigLane<kC> sl(e, blockIdx.y, gridDim.y, kG, d, qs, qd);
+  SigSums<kC, kBits, kG> s;
+  s.Run(sl, qs, qd, d);
+  const int t = sl.t;
+  const int per = kC / u;
+  const bool first = t % u == 0;  // this lane folds its unit
+  float2* stats = e.stats + (sl.at * per + t / u) * kG;
+#pragma unroll
+  for (int n = 0; n < kG; ++n) {
+    const float b = s.Base(n);
+    const float l =
+        sl.c >= 0 ? __fmul_rn(__fadd_rn(b, __fmul_rn(sl.sc, s.dot[n])), scale) : -INFINITY;
+    float run_m = -INFINITY, run_s = 0.0f;
+    for (int j = 0; j < u; ++j) {
+      const float x = __shfl_down_sync(0xffffffffu, l, j);
+      if (first) FoldLogitRef(x, &run_m, &run_s);
+    }
+    if (sl.active && first) stats[n] = make_float2(run_m, run_s);
+  }
+}
+
+// The specialised token-parallel kernels (C, bits, g): the common shapes (chunks of 8 or 16
+// tokens, 2- or 4-bit signatures, 4 or 8 query heads per KV head); nullptr for the others,
+// which the generic kernels serve.
+using SigTokenKernel = void (*)(const ExDesc*, int, int, float);
+using SigUnitTokenKernel = void (*)(const ExDesc*, int, int, int, float);
+template <int kC, int kBits>
+void PickSigKernels(int g, SigTokenKernel* chunk, SigUnitTokenKernel* unit) {
+  if (g == 4) {
+    *chunk = Stage2SigTokenKernelT<kC, kBits, 4>;
+    *unit = Stage2SigUnitTokenKernelT<kC, kBits, 4>;
+  } else if (g == 8) {
+    *chunk = Stage2SigTokenKernelT<kC, kBits, 8>;
+    *unit = Stage2SigUnitTokenKernelT<kC, kBits, 8>;
+  }
+}
+void SpecialisedSigKernels(int C, int bits, int g, int d, SigTokenKernel* chunk,
+                           SigUnitTokenKernel* unit) {
+  *chunk = nullptr;
+  *unit = nullptr;
+  if (d % 32 != 0) return;
+  if (C == 8 && bits == 4) PickSigKernels<8, 4>(g, chunk, unit);
+  if (C == 8 && bits == 2) PickSigKernels<8, 2>(g, chunk, unit);
+  if (C == 16 && bits == 4) PickSigKernels<16, 4>(g, chunk, unit);
+  if (C == 16 && bits == 2) PickSigKernels<16, 2>(g, chunk, unit);
+}
+
+// The items' signature bits when they all share them, else 0.
+int CommonSigBits(absl::Span<const SelectItem> items) {
+  int bits = -1;
+  for (const SelectItem& it : items) {
+    if (bits >= 0 && it.view.sig_bits != bits) return 0;
+    bits = it.view.sig_bits;
+  }
+  return bits < 0 ? 0 : bits;
+}
+
 // m of one unit from its stats [g] and the heads' LSE (cpu_select.cc StageTwoScores: the
 // max over the heads with a finite M of exp(M - LSE); 0 for a unit without any). exp is
 // monotone, so the max is taken before the one exp: the same value as the max of the exps.
@@ -2255,10 +2431,10 @@ absl::Status SelectExUnits(int device, const LayerShape& shape, int k, const Sel
     return absl::OkStatus();
   };
   // Signatures with C a power of two <= 32: a lane per token (the same arithmetic).
-  auto sig_token = [&](auto kernel, int c) -> absl::Status {
+  auto sig_token = [&](auto kernel, int c, int qd = 0) -> absl::Status {
     const int per_block = kSigWarps * (32 / c);
     const dim3 grid(cuda::CeilDiv(max_width, per_block), h, n_items);
-    const size_t smem = size_t(g) * d * sizeof(float);
+    const size_t smem = size_t(g) * (qd > 0 ? qd : d) * sizeof(float);
     if (smem > (48 << 10)) {
       KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -2268,7 +2444,12 @@ absl::Status SelectExUnits(int device, const LayerShape& shape, int k, const Sel
     return absl::OkStatus();
   };
   const bool token_parallel = o.signatures && g <= kMaxG && o.C <= 32 && (o.C & (o.C - 1)) == 0;
-  if (token_parallel && o.C == 32) {
+  SigTokenKernel unused = nullptr;
+  SigUnitTokenKernel fast = nullptr;
+  if (o.signatures) SpecialisedSigKernels(o.C, CommonSigBits(items), g, d, &unused, &fast);
+  if (fast != nullptr) {
+    KVSHADE_RETURN_IF_ERROR(sig_token(fast, o.C, SigQueryStride(d)));
+  } else if (token_parallel && o.C == 32) {
     KVSHADE_RETURN_IF_ERROR(sig_token(Stage2SigUnitTokenKernel<32>, 32));
   } else if (token_parallel && o.C == 16) {
     KVSHADE_RETURN_IF_ERROR(sig_token(Stage2SigUnitTokenKernel<16>, 16));
@@ -2398,10 +2579,10 @@ absl::Status CudaBackend::SelectEx(const LayerShape& shape, int k, const SelectO
   if (options.two_stage() && options.signatures) {
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     const int C = options.C;
-    auto token_kernel = [&](auto kernel, int c) -> absl::Status {
+    auto token_kernel = [&](auto kernel, int c, int qd = 0) -> absl::Status {
       const int per_block = kSigWarps * (32 / c);
       const dim3 grid(cuda::CeilDiv(max_width, per_block), h, n_items);
-      const size_t smem = size_t(g) * d * sizeof(float);
+      const size_t smem = size_t(g) * (qd > 0 ? qd : d) * sizeof(float);
       if (smem > (48 << 10)) {
         KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
             kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -2410,7 +2591,12 @@ absl::Status CudaBackend::SelectEx(const LayerShape& shape, int k, const SelectO
       KVSHADE_CUDA_LAUNCH_CHECK();
       return absl::OkStatus();
     };
-    if (g > kMaxG || C > 32 || (C & (C - 1)) != 0) {
+    SigTokenKernel fast = nullptr;
+    SigUnitTokenKernel unused = nullptr;
+    SpecialisedSigKernels(C, CommonSigBits(items), g, d, &fast, &unused);
+    if (fast != nullptr) {
+      KVSHADE_RETURN_IF_ERROR(token_kernel(fast, C, SigQueryStride(d)));
+    } else if (g > kMaxG || C > 32 || (C & (C - 1)) != 0) {
       const dim3 grid(cuda::CeilDiv(max_width, kStage2Warps), h, n_items);
       Stage2SigKernel<<<grid, 32 * kStage2Warps, 0, st>>>(plan.dev_descs, g, d, C, scale);
       KVSHADE_CUDA_LAUNCH_CHECK();

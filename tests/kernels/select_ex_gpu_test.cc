@@ -231,12 +231,15 @@ TEST(SelectExGpu, AssignSlotsParity) {
 
 // Key signatures: the GPU's records equal the CPU's byte for byte, and stage 2 from them
 // selects as the CPU does (two stages over stage-1 candidates, and over every chunk).
+// g = 4 runs the kernels specialised for (C, bits, g), g = 3 the generic ones.
 TEST(SelectExGpu, SignaturesParity) {
   KVSHADE_CUDA_OR_SKIP(gpu);
   auto cpu = Cpu();
-  for (int bits : {2, 4}) {
-    auto rng = MakeRng(900 + bits);
-    LowRankCase c = RandomLowRank(rng, {4, 4, 64}, 8, 32, 300, /*static_every=*/9);
+  const std::pair<int, int> bits_g[] = {{2, 4}, {2, 3}, {4, 4}, {4, 3}};
+  for (const auto& [bits, g] : bits_g) {
+    SCOPED_TRACE("bits " + std::to_string(bits) + " g " + std::to_string(g));
+    auto rng = MakeRng(900 + bits + 10 * g);
+    LowRankCase c = RandomLowRank(rng, {4, g, 64}, 8, 32, 300, /*static_every=*/9);
     testing::BuildSignatures(c, bits);
     // The backend encoder from the same keys and landmarks.
     const int h = c.shape.h, d = c.shape.d, tokens = c.n_chunks * c.C;
@@ -313,8 +316,10 @@ TEST(SelectExGpu, UnitsParityWithTheCpuReference) {
     LayerShape shape;
     int sig_bits;
   };
-  const Shape shapes[] = {{{4, 4, 64}, 4}, {{2, 8, 128}, 2}};
-  for (int si = 0; si < 2; ++si) {
+  // The first three run the stage-2 kernels specialised for (C, bits, g) (the last at the
+  // Llama-3-8B shape), the fourth the generic ones.
+  const Shape shapes[] = {{{4, 4, 64}, 4}, {{2, 8, 128}, 2}, {{2, 4, 128}, 4}, {{4, 2, 64}, 4}};
+  for (int si = 0; si < 4; ++si) {
     auto rng = MakeRng(1100 + si);
     const LowRankCase base = [&] {
       LowRankCase c = RandomLowRank(rng, shapes[si].shape, 8, 32, 160, /*static_every=*/9);
