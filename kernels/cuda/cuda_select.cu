@@ -1989,12 +1989,16 @@ void SpecialisedSigKernels(int C, int bits, int g, int d, SigTokenKernel* chunk,
   if (C == 16 && bits == 2) PickSigKernels<16, 2>(g, chunk, unit);
 }
 
-// The items' signature bits when they all share them, else 0.
+// The items' signature bits when they all share them and every segment's landmark rows
+// start on 16 bytes (the specialised kernels read them 8 channels at a time), else 0.
 int CommonSigBits(absl::Span<const SelectItem> items) {
   int bits = -1;
   for (const SelectItem& it : items) {
     if (bits >= 0 && it.view.sig_bits != bits) return 0;
     bits = it.view.sig_bits;
+    for (int sgi = 0; sgi < it.view.n_segments; ++sgi) {
+      if (reinterpret_cast<uintptr_t>(it.view.segments[sgi].landmarks) % 16 != 0) return 0;
+    }
   }
   return bits < 0 ? 0 : bits;
 }
