@@ -29,8 +29,10 @@ Rows (--configs, run in this order):
   transformers     generate_batch with every request submitted at once (no arrival times):
                    a reference for the stock runtime's decode rate, not arrival for arrival.
 Each kvshade row has a daemon of its own. Reported per row: throughput (generated tokens /
-makespan), time to first token from arrival (p50, p99), time per output token (p50, p99 over
-every gap between two tokens of a request); for the kvshade Generator row also the GPU
+makespan), time to first token from arrival (p50, p99), time per output token (TPOT: each
+request's (last token - first token) / (tokens - 1), p50 and p99 over the requests, as
+serving benchmarks define it) and the inter-token latency (ITL: p50, p99 over every gap
+between two tokens of a request); for the kvshade Generator row also the GPU
 memory in use (every process, sampled each step), the daemon's host memory, prefix reuse
 (reused tokens per request, the daemon's prefix lookups and hits), and the daemon's and the
 worker's time per stage. Every row also has the peak GPU memory in use over its run (every
@@ -89,6 +91,20 @@ class GpuPeak:
 
 def pct(xs, p):
     return float(np.percentile(xs, p)) if xs else None
+
+
+def latency_fields(times_per_request):
+    """TPOT and ITL in ms from each request's token times (seconds, in order): TPOT per
+    request, (last - first) / (tokens - 1) over the requests with two tokens or more; ITL over
+    every gap between two consecutive tokens."""
+    tpot = [(ts[-1] - ts[0]) / (len(ts) - 1) for ts in times_per_request if len(ts) > 1]
+    itl = [b - a for ts in times_per_request for a, b in zip(ts, ts[1:])]
+
+    def ms(xs, p):
+        v = pct(xs, p)
+        return None if v is None else v * 1e3
+    return {"tpot_p50_ms": ms(tpot, 50), "tpot_p99_ms": ms(tpot, 99),
+            "itl_p50_ms": ms(itl, 50), "itl_p99_ms": ms(itl, 99)}
 
 
 def profile_of(args):
@@ -175,14 +191,13 @@ def run_kvshade(c, model, prompts, arrivals, args):
     if failed:
         raise RuntimeError("%d requests failed, the first: %s" % (len(failed), failed[0].error))
     ttft = [r.ttft for r in reqs]
-    tpot = [g for r in reqs for g in r.tpot]
     first = [r.tpot[0] for r in reqs if r.tpot]
     later = [g for r in reqs for g in r.tpot[1:]]
     return {"config": "kvshade serving.Generator", "requests": len(reqs), "decode_stall": args.decode_stall or None,
             "prefill_chunk": args.prefill_chunk or None,
             "throughput_tokens_per_s": sum(len(r.tokens) for r in reqs) / makespan, "makespan_s": makespan,
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "tpot_p50_ms": pct(tpot, 50) * 1e3, "tpot_p99_ms": pct(tpot, 99) * 1e3,
+            **latency_fields([r.token_times for r in reqs]),
             # The gap after the first token (it spans the session's commit) apart from the rest.
             "first_gap_ms_p50": pct(first, 50) and pct(first, 50) * 1e3,
             "first_gap_ms_max": max(first) * 1e3 if first else None,
@@ -191,8 +206,8 @@ def run_kvshade(c, model, prompts, arrivals, args):
             # step's join of it (the decoder mapping it; its attach ran beside the steps).
             "commit_ms_per_request": [r.commit_s and round(r.commit_s * 1e3, 1) for r in reqs],
             "join_ms_per_request": [r.join_s and round(r.join_s * 1e3, 1) for r in reqs],
-            "tpot_after_first_gap_p50_ms": pct(later, 50) and pct(later, 50) * 1e3,
-            "tpot_after_first_gap_p99_ms": pct(later, 99) and pct(later, 99) * 1e3,
+            "itl_after_first_gap_p50_ms": pct(later, 50) and pct(later, 50) * 1e3,
+            "itl_after_first_gap_p99_ms": pct(later, 99) and pct(later, 99) * 1e3,
             "gpu_used_peak_gib": max(m[1] for m in memory), "daemon_host_peak_gib": host_peak,
             "max_batch_seen": max(m[2] for m in memory),
             "segment_ends": list(ends),
@@ -246,7 +261,7 @@ def run_manager_arrivals(manager, prompts, arrivals, args, config):
         makespan = time.perf_counter() - t0
     finally:
         manager.stop(block=True)
-    ttft, tpot, toks = [], [], 0
+    ttft, times, toks = [], [], 0
     for rid, out in done.items():
         ts = list(getattr(out, "timestamps", None) or [])
         toks += len(out.generated_tokens)
@@ -255,11 +270,10 @@ def run_manager_arrivals(manager, prompts, arrivals, args, config):
             # submitted is perf_counter-based: the same instant on the request's clock.
             offset = clock() - time.perf_counter()
             ttft.append(ts[0] - (submitted[rid] + offset))
-            tpot.extend(b - a for a, b in zip(ts, ts[1:]))
+            times.append(ts)
     return {"config": config, "requests": len(done), "throughput_tokens_per_s": toks / makespan,
             "makespan_s": makespan, "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "tpot_p50_ms": pct(tpot, 50) and pct(tpot, 50) * 1e3, "tpot_p99_ms": pct(tpot, 99) and pct(tpot, 99) * 1e3,
-            "gpu_used_after_gib": gpu_used_gib()}
+            **latency_fields(times), "gpu_used_after_gib": gpu_used_gib()}
 
 
 def run_transformers_cb_arrivals(model, prompts, arrivals, args):
@@ -318,7 +332,7 @@ def run_dynamic_fifo(model, prompts, arrivals, args):
             pass
 
     model.set_attn_implementation("sdpa")
-    ttft, tpot, toks = [], [], 0
+    ttft, times, toks = [], [], 0
 
     def one(p, max_new):
         ids = torch.tensor([p], device="cuda")
@@ -335,17 +349,16 @@ def run_dynamic_fifo(model, prompts, arrivals, args):
         now = time.perf_counter() - t0
         if a > now:
             time.sleep(a - now)
-        n, times = one(p, args.max_new_tokens)
+        n, stamps = one(p, args.max_new_tokens)
         toks += n
-        ttft.append(times[0] - (t0 + a))
-        tpot.extend(y - x for x, y in zip(times, times[1:]))
+        ttft.append(stamps[0] - (t0 + a))
+        times.append(stamps)
     makespan = time.perf_counter() - t0
     torch.cuda.empty_cache()
     return {"config": "DynamicCache generate, one request at a time, arrivals", "requests": len(prompts),
             "throughput_tokens_per_s": toks / makespan, "makespan_s": makespan,
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "tpot_p50_ms": pct(tpot, 50) * 1e3, "tpot_p99_ms": pct(tpot, 99) * 1e3,
-            "gpu_used_after_gib": gpu_used_gib()}
+            **latency_fields(times), "gpu_used_after_gib": gpu_used_gib()}
 
 
 def run_transformers_cb(model, prompts, args):
@@ -363,14 +376,9 @@ def run_transformers_cb(model, prompts, args):
     wall = time.perf_counter() - t0
     outs = list(out.values())
     toks = sum(len(getattr(o, "generated_tokens", []) or []) for o in outs)
-    tpot = []
-    for o in outs:
-        ts = getattr(o, "timestamps", None)
-        if ts:
-            tpot.extend(b - a for a, b in zip(ts, ts[1:]))
+    times = [list(o.timestamps) for o in outs if getattr(o, "timestamps", None)]
     return {"config": "transformers generate_batch (paged, all submitted at once)", "requests": len(outs),
-            "throughput_tokens_per_s": toks / wall, "makespan_s": wall,
-            "tpot_p50_ms": pct(tpot, 50) and pct(tpot, 50) * 1e3, "tpot_p99_ms": pct(tpot, 99) and pct(tpot, 99) * 1e3,
+            "throughput_tokens_per_s": toks / wall, "makespan_s": wall, **latency_fields(times),
             "gpu_used_after_gib": gpu_used_gib(),
             "output_fields": sorted(k for k in vars(outs[0]) if not k.startswith("_")) if outs else []}
 
