@@ -33,7 +33,10 @@ says why) and the others go on; give the profile an explicit value_codec to mix 
 Shared prefixes (prefix_cache_bytes): a request's segment_ends mark the end of a shared part
 of its prompt (a document before its question); the Generator keeps that part's exact K/V
 in host memory after its prefill, and a later request over the same part (which the daemon
-reuses too) is prefilled from the part's end only (Request.prefill_skipped).
+reuses too) is prefilled from the part's end only (Request.prefill_skipped). Such a
+request waits in the queue while the request that kept the part is still committing (the
+daemon registers the part at that commit); the batch decodes meanwhile instead of waiting
+in the step.
 
 A prompt is prefilled in one forward, which stalls the batch's decode steps meanwhile, or
 with `prefill_chunk_tokens` in chunks of that many tokens, one chunk per prefill forward
@@ -544,6 +547,19 @@ class Generator:
             kc.keep_prefix(max(new))
         return [req, kc, ids, at]
 
+    def _awaits_commit(self, req) -> bool:
+        """Whether the prefill of req would start by waiting for another request's commit:
+        the longest shared prefix of its prompt kept here is that of a request whose session
+        is still committing (the daemon registers the prefix at that commit; see
+        _prefill_begin). The step then decodes instead of blocking on it."""
+        if not self.prefix_cache_bytes:
+            return False
+        for end in sorted((e for e in req.segment_ends if 0 < e < len(req.prompt)), reverse=True):
+            if tuple(req.prompt[:end]) not in self._prefixes:
+                continue
+            return any(not c.kc.ready and c.req.prompt[:end] == req.prompt[:end] for c in self._committing)
+        return False
+
     def _chunk_tokens(self) -> Optional[int]:
         """The next prefill forward's most tokens: prefill_chunk_tokens, or with decode_stall
         and sequences decoding, the size the step times call for."""
@@ -679,6 +695,8 @@ class Generator:
         limit = 1 if self.decode_stall is not None and self.running else self.prefills_per_step
         while ((self._prefilling is not None or self.waiting) and forwards < limit
                and len(self.running) + len(self._committing) < self.max_batch):
+            if self._prefilling is None and self.running and self._awaits_commit(self.waiting[0]):
+                break  # its shared prefix is still committing: decode meanwhile, start it later
             req = self._prefilling[0] if self._prefilling is not None else self.waiting.pop(0)
             forwards += 1
             try:
