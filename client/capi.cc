@@ -898,6 +898,17 @@ int kvshade_local_decoder_leave(kvshade_local_decoder* dec, uint32_t index) {
   });
 }
 
+int kvshade_local_decoder_extend(kvshade_local_decoder* dec, uint32_t index, uint32_t n, const void* k,
+                                 const void* v, void* stream) {
+  return Guard([&] {
+    if (dec == nullptr) return Bad("decoder must not be NULL");
+    if (n > uint32_t(INT32_MAX) || index > uint32_t(INT32_MAX)) return Bad("index or n out of range");
+    return Report(dec->impl->Extend(static_cast<int>(index), static_cast<int>(n),
+                                    static_cast<const kvshade::kernels::bf16*>(k),
+                                    static_cast<const kvshade::kernels::bf16*>(v), kvshade::kernels::Stream{stream}));
+  });
+}
+
 int kvshade_local_decoder_attend_chunks(kvshade_local_decoder* dec, uint32_t layer, const void* q,
                                         const int32_t* chunks, int32_t m, const void* k_new,
                                         const void* v_new, float* out, float* lse, void* stream) {

@@ -1127,6 +1127,35 @@ absl::Status LocalDecoder::Advance() {
   return absl::OkStatus();
 }
 
+absl::Status LocalDecoder::Extend(int b, int n, const bf16* k, const bf16* v, kernels::Stream stream) {
+  Impl& m = *impl_;
+  if (b < 0 || b >= batch()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Extend: sequence ", b, " is not in the batch (batch ", batch(), ")"));
+  }
+  if (n < 1 || k == nullptr || v == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Extend: needs n >= 1 tokens and their k and v rows, got n = ", n,
+                     k == nullptr ? ", k null" : "", v == nullptr ? ", v null" : ""));
+  }
+  Seq& s = *m.seqs[b];
+  if (n > m.options.local_capacity - s.n_local) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "Extend: ", n, " tokens do not fit in the local tail of attachment '", s.attachment_id,
+        "' (", s.n_local, " of local_capacity = ", m.options.local_capacity, " in use)"));
+  }
+  const size_t row = size_t(m.h) * m.d;  // elements per token
+  for (int l = 0; l < m.L; ++l) {
+    const size_t src = size_t(l) * n * row;
+    const size_t dst = size_t(s.n_local) * row;
+    KVSHADE_RETURN_IF_ERROR(m.be->Copy(m.LocalRows(m.local_k, l, b) + dst, k + src, size_t(n) * row * 2, stream));
+    KVSHADE_RETURN_IF_ERROR(m.be->Copy(m.LocalRows(m.local_v, l, b) + dst, v + src, size_t(n) * row * 2, stream));
+  }
+  s.n_local += n;
+  m.last_stream = stream;
+  return m.UploadCounters(stream);
+}
+
 absl::Status LocalDecoder::Refresh() {
   Impl& m = *impl_;
   if (m.seqs.empty()) return absl::OkStatus();

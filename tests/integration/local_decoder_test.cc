@@ -366,6 +366,100 @@ TEST(LocalDecoder, SequencesJoinAndLeaveBetweenSteps) {
   EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
 }
 
+// Extend: tokens added to one sequence's local tail between steps are attended as if
+// earlier steps had given them (against a decoder stepped through the same tokens: the same
+// rows, merged in another order where its earlier selections left the slots in another
+// order, so within 1e-5 of the largest value), the other sequence of the batch is
+// untouched (bit for bit), and tokens() counts them; bad calls and an overfull tail are
+// refused without adding anything.
+TEST(LocalDecoder, ExtendEqualsSteppingTheSameTokens) {
+  Fixture f;
+  KV_ASSERT_OK(f.server.Start({"--backend", "cpu"}));
+  f.c = f.server.Connect();
+  const v1::Profile profile = ShadowProfile(16, 8, 4);
+  std::vector<synthetic::Document> docs;
+  for (int i = 0; i < 2; ++i) docs.emplace_back(SmallDoc(1024 + 512 * i, 40 + i));
+  std::vector<std::string> batch_att(2), solo_att(2);
+  for (int i = 0; i < 2; ++i) {
+    KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, docs[i], profile, -1));
+    v1::AttachRequest ar;
+    ar.set_session_id(cs.session_id());
+    KV_ASSERT_OK_AND_ASSIGN(a, f.c->Attach(ar));
+    KV_ASSERT_OK_AND_ASSIGN(b, f.c->Attach(ar));
+    batch_att[i] = a.attachment_id();
+    solo_att[i] = b.attachment_id();
+  }
+  client::LocalDecoderOptions opt;
+  opt.backend = "cpu";
+  opt.local_capacity = 16;
+  KV_ASSERT_OK_AND_ASSIGN(dec, client::LocalDecoder::Open(f.c.get(), batch_att, opt));
+  KV_ASSERT_OK_AND_ASSIGN(solo0, client::LocalDecoder::Open(f.c.get(), {solo_att[0]}, opt));
+  KV_ASSERT_OK_AND_ASSIGN(solo1, client::LocalDecoder::Open(f.c.get(), {solo_att[1]}, opt));
+  const auto& spec = docs[0].spec();
+  const int L = spec.layers, hq = spec.q_heads, d = spec.head_dim, hd = spec.kv_heads * d;
+  // n tokens: the solo decoder takes them one step each; the batch's sequence 0 in one
+  // Extend ([L, n, h, d], layer-major).
+  const int n = 5;
+  std::vector<bf16> ext_k(size_t(L) * n * hd), ext_v(size_t(L) * n * hd);
+  std::vector<float> scratch(size_t(hq) * d);
+  for (int t = 0; t < n; ++t) {
+    for (int l = 0; l < L; ++l) {
+      const std::vector<bf16> k = StepToken(hd, 0, t * L + l, 0.5f), v = StepToken(hd, 7, t * L + l, 1.0f);
+      std::copy(k.begin(), k.end(), ext_k.begin() + (size_t(l) * n + t) * hd);
+      std::copy(v.begin(), v.end(), ext_v.begin() + (size_t(l) * n + t) * hd);
+      const std::vector<bf16> q = QueryBf16(docs[0], l, 0, 100 + t, spec.doc_tokens);
+      KV_ASSERT_OK(solo0->Attend(l, q.data(), k.data(), v.data(), scratch.data()));
+    }
+    KV_ASSERT_OK(solo0->Advance());
+  }
+  // Refused: a sequence out of the batch, no tokens, null rows, more than the tail holds.
+  EXPECT_TRUE(absl::IsInvalidArgument(dec->Extend(2, n, ext_k.data(), ext_v.data())));
+  EXPECT_TRUE(absl::IsInvalidArgument(dec->Extend(0, 0, ext_k.data(), ext_v.data())));
+  EXPECT_TRUE(absl::IsInvalidArgument(dec->Extend(0, n, nullptr, ext_v.data())));
+  std::vector<bf16> too_many(size_t(L) * 17 * hd);
+  EXPECT_TRUE(absl::IsResourceExhausted(dec->Extend(0, 17, too_many.data(), too_many.data())));
+  EXPECT_EQ(dec->tokens()[0], uint64_t(spec.doc_tokens));
+  KV_ASSERT_OK(dec->Extend(0, n, ext_k.data(), ext_v.data()));
+  EXPECT_EQ(dec->tokens()[0], uint64_t(spec.doc_tokens + n));
+  EXPECT_EQ(dec->tokens()[1], uint64_t(docs[1].spec().doc_tokens));
+  // Two steps of the batch against the solo decoders: equal bit for bit.
+  for (int step = 0; step < 2; ++step) {
+    for (int l = 0; l < L; ++l) {
+      std::vector<bf16> qs, ks, vs;
+      std::vector<std::vector<float>> want(2, std::vector<float>(size_t(hq) * d));
+      for (int b = 0; b < 2; ++b) {
+        const std::vector<bf16> q = QueryBf16(docs[b], l, 0, step, docs[b].spec().doc_tokens);
+        const std::vector<bf16> k = StepToken(hd, b + 2, step * L + l, 0.5f);
+        const std::vector<bf16> v = StepToken(hd, b + 9, step * L + l, 1.0f);
+        KV_ASSERT_OK((b == 0 ? solo0 : solo1)->Attend(l, q.data(), k.data(), v.data(), want[b].data()));
+        qs.insert(qs.end(), q.begin(), q.end());
+        ks.insert(ks.end(), k.begin(), k.end());
+        vs.insert(vs.end(), v.begin(), v.end());
+      }
+      std::vector<float> out(size_t(2) * hq * d);
+      KV_ASSERT_OK(dec->Attend(l, qs.data(), ks.data(), vs.data(), out.data()));
+      EXPECT_LT(MaxRelDiff(want[0], out.data(), want[0].size()), 1e-5)
+          << "step " << step << " layer " << l;
+      for (size_t x = 0; x < want[1].size(); ++x) {
+        ASSERT_EQ(want[1][x], out[size_t(hq) * d + x])
+            << "step " << step << " layer " << l << " sequence 1 element " << x;
+      }
+    }
+    KV_ASSERT_OK(dec->Advance());
+    KV_ASSERT_OK(solo0->Advance());
+    KV_ASSERT_OK(solo1->Advance());
+  }
+  EXPECT_EQ(dec->tokens()[0], uint64_t(spec.doc_tokens + n + 2));
+  // The tail holds 16: 7 used, so 9 more fit and a 10th does not.
+  EXPECT_TRUE(absl::IsResourceExhausted(dec->Extend(0, 10, too_many.data(), too_many.data())));
+  KV_ASSERT_OK(dec->Extend(0, 9, too_many.data(), too_many.data()));
+  EXPECT_TRUE(absl::IsResourceExhausted(dec->Advance()));
+  dec.reset();
+  solo0.reset();
+  solo1.reset();
+  EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
+}
+
 // Sequences refresh independently: one whose session gained its decoded token drops it from
 // its local tail, another that appended nothing keeps its own; both go on attending as a
 // decoder of each alone does.

@@ -339,6 +339,40 @@ class LocalDecoderTest(unittest.TestCase):
             with self.assertRaises(IndexError):
                 dec.leave(3)
 
+    def test_extend_attends_the_tokens_as_steps_would(self):
+        # Tokens added by extend() are attended as a decoder stepped through them attends
+        # them; the other sequence is untouched; an overfull tail and bad shapes are refused.
+        a0, a1, s0 = self.attach(0), self.attach(1), self.attach(0)
+        g = torch.Generator().manual_seed(33)
+        n = 3
+        with LocalDecoder(self.client, [a0, a1], backend=BACKEND, local_capacity=8) as dec, \
+                LocalDecoder(self.client, [s0], backend=BACKEND, local_capacity=8) as solo:
+            ks = torch.randn(L, n, H, D, generator=g).to(torch.bfloat16).to(DEVICE)
+            vs = torch.randn(L, n, H, D, generator=g).to(torch.bfloat16).to(DEVICE)
+            for t in range(n):
+                for layer in range(L):
+                    q = torch.randn(1, HQ, D, generator=g).to(torch.bfloat16).to(DEVICE)
+                    solo.attend(layer, q, ks[layer, t:t + 1].contiguous(), vs[layer, t:t + 1].contiguous())
+                solo.advance()
+            before = dec.attend(0, torch.zeros(2, HQ, D, dtype=torch.bfloat16, device=DEVICE)).cpu().numpy()
+            with self.assertRaises(ValueError):
+                dec.extend(0, ks[:1], vs[:1])  # one layer of L
+            with self.assertRaises(kvshade.ResourceExhausted):
+                dec.extend(0, torch.zeros(L, 9, H, D, dtype=torch.bfloat16, device=DEVICE),
+                           torch.zeros(L, 9, H, D, dtype=torch.bfloat16, device=DEVICE))
+            dec.extend(0, ks, vs)
+            for layer in range(L):
+                q = torch.randn(2, HQ, D, generator=g).to(torch.bfloat16).to(DEVICE)
+                out = dec.attend(layer, q).cpu().numpy()
+                ref = solo.attend(layer, q[:1].contiguous()).cpu().numpy()
+                self.assertLess(self.rel(ref[0], out[0]), TOL, f"layer {layer}")
+                if layer == 0:
+                    # The query of the step before differs; sequence 1 attends only its own.
+                    self.assertGreater(self.rel(before[0], out[0]), 0.0)
+            zero = dec.attend(0, torch.zeros(2, HQ, D, dtype=torch.bfloat16, device=DEVICE)).cpu().numpy()
+            self.assertEqual(self.rel(before[1], zero[1]), 0.0)
+            self.assertGreater(self.rel(before[0], zero[0]), 1e-3)  # sequence 0 attends n more tokens
+
     def test_recall_guard_and_native_ids_as_the_daemon(self):
         # A session whose profile turns the recall guard on (every step sampled, floor 1,
         # budget 2): the decoder's guard acts as the daemon's on the same queries (same

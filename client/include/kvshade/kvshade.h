@@ -465,6 +465,15 @@ KVSHADE_API int kvshade_local_decoder_info(kvshade_local_decoder* dec, int32_t* 
 KVSHADE_API int kvshade_local_decoder_join(kvshade_local_decoder* dec, const char* attachment_id,
                                            int32_t* index);
 KVSHADE_API int kvshade_local_decoder_leave(kvshade_local_decoder* dec, uint32_t index);
+/* Between steps, adds n exact tokens at the end of sequence `index`'s local tail: tokens
+ * its session does not hold (a prompt's last part, e.g. a question after a shared document
+ * the session covers), attended by the next steps as the tokens of earlier steps are.
+ * k, v [layers, n, h, d] bf16 (post-RoPE keys, layer-major) in the decoder's memory space,
+ * copied in `stream`'s order (NULL: the default stream; ignored on cpu).
+ * KVSHADE_RESOURCE_EXHAUSTED when they do not fit in local_capacity (nothing is added). */
+KVSHADE_API int kvshade_local_decoder_extend(kvshade_local_decoder* dec, uint32_t index,
+                                             uint32_t n, const void* k, const void* v,
+                                             void* stream);
 /* Model-native selection on the same-node path (docs/ALGORITHM.md "Selection options"):
  * chunks [n, h, m] int32 in the decoder's memory space, the chunks each sequence attends
  * in this layer (-1 = none, m <= slots per head), instead of the profile's selection; ids

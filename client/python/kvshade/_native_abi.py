@@ -606,6 +606,14 @@ SIGNATURES = {
         ctypes.c_void_p,  # kvshade_local_decoder* dec
         ctypes.c_uint32,  # uint32_t index
     ]),
+    "kvshade_local_decoder_extend": (ctypes.c_int, [  # returns int
+        ctypes.c_void_p,  # kvshade_local_decoder* dec
+        ctypes.c_uint32,  # uint32_t index
+        ctypes.c_uint32,  # uint32_t n
+        ctypes.c_void_p,  # const void* k
+        ctypes.c_void_p,  # const void* v
+        ctypes.c_void_p,  # void* stream
+    ]),
     "kvshade_local_decoder_attend_chunks": (ctypes.c_int, [  # returns int
         ctypes.c_void_p,  # kvshade_local_decoder* dec
         ctypes.c_uint32,  # uint32_t layer

@@ -148,6 +148,29 @@ class LocalDecoder(_NativeHandle):
             _typed_ptr(out, ctypes.c_float), None if lse is None else _typed_ptr(lse, ctypes.c_float), stream))
         return (out, lse) if return_lse else out
 
+    def extend(self, sequence: int, k: "torch.Tensor", v: "torch.Tensor") -> None:
+        """Between steps, adds n exact tokens at the end of a sequence's local tail: tokens its
+        session does not hold (a prompt's last part, e.g. a question after a shared document
+        the session covers), which the next steps attend as they attend earlier steps' tokens.
+        k, v: bf16 [layers, n, h, d] (post-RoPE keys), contiguous, on the decoder's device;
+        copied in the current CUDA stream's order. ResourceExhausted (nothing added) when
+        they do not fit in local_capacity."""
+        torch = _torch()
+        if k.dim() != 4:
+            raise ValueError(f"k must be [layers, n, kv_heads, head_dim], got shape {tuple(k.shape)}")
+        shape = (self.layers, int(k.shape[1]), self.kv_heads, self.head_dim)
+        self._check_tensor("k", k, shape)
+        self._check_tensor("v", v, shape)
+        if v.device != k.device:
+            raise ValueError(f"k and v must be on one device, got {k.device} and {v.device}")
+        if self.backend != "auto" and k.is_cuda != self.backend.startswith("cuda"):
+            raise ValueError(f"the decoder runs on {self.backend!r}: tensors must be on "
+                             f"{'a CUDA device' if self.backend.startswith('cuda') else 'the CPU'}, got {k.device}")
+        stream = ctypes.c_void_p(torch.cuda.current_stream(k.device).cuda_stream) if k.is_cuda else None
+        _check(_native.lib().kvshade_local_decoder_extend(
+            self._h, int(sequence), int(k.shape[1]), ctypes.c_void_p(k.data_ptr()), ctypes.c_void_p(v.data_ptr()),
+            stream))
+
     def advance(self) -> None:
         """Ends a step whose attend() calls gave k_new / v_new: its tokens join the local tail."""
         _check(_native.lib().kvshade_local_decoder_advance(self._h))

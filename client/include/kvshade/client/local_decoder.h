@@ -130,6 +130,17 @@ class LocalDecoder {
                             kernels::Stream stream = {}, float* lse = nullptr);
   // Ends a step: the tokens given to every layer's Attend join the local tail.
   absl::Status Advance();
+  // Adds n exact tokens at the end of sequence b's local tail, between steps: tokens the
+  // session does not hold (a prompt's last part, e.g. a question after a shared document
+  // the session covers), so that the sequence decodes over them at once instead of after
+  // an ingest. k, v: [L, n, h, d] bf16, post-RoPE keys, layer-major, in the decoder's memory
+  // space; copied in `stream`'s order (they may be reused once that stream has passed the
+  // call). The next step attends them as it attends the tokens of earlier steps (tokens()
+  // counts them; Refresh drops those a later generation covers). InvalidArgument for a bad
+  // b, n < 1 or null rows; ResourceExhausted when they do not fit in local_capacity
+  // (nothing is added).
+  absl::Status Extend(int b, int n, const kernels::bf16* k, const kernels::bf16* v,
+                      kernels::Stream stream = {});
   // Maps the daemon's current generation of every session (after appends or a new turn),
   // drops each sequence's local tokens it covers (sequences may have appended different
   // counts), resets the slot tables, releases the old generations.
