@@ -599,6 +599,18 @@ absl::Status UcxServer::AddLayerPart(Engine::IngestStream& stream, const v1::Dat
                   size_t{layer.has_observation_queries()};
   KVSHADE_ASSIGN_OR_RETURN(std::vector<std::string_view> bytes,
                            transport::SplitParts(h, payload, n, "Ingest"));
+  if (layer.k().has_cuda_ipc() || layer.v().has_cuda_ipc()) {
+    // A part in the worker's GPU memory: the message carries where it is (cuda_ipc), read
+    // by the message path as on gRPC; inline bytes beside it are refused there.
+    v1::IngestRequest msg;
+    *msg.mutable_layer() = layer;
+    size_t j = 0;
+    for (v1::Tensor* t : transport::BodyTensors(&msg)) {
+      t->set_data(bytes[j].data(), bytes[j].size());
+      ++j;
+    }
+    return stream.Add(msg);
+  }
   IngestLayerView part;
   part.layer = layer.layer();
   part.token_offset = layer.token_offset();

@@ -723,38 +723,46 @@ namespace {
 // it: the part is refused with the reason, the stream commits nothing, and the session
 // can still be ingested inline.
 TEST(SameNodeIngest, CudaIpcPartsNeedAGpuDaemon) {
+  // Over gRPC and over the UCX data plane (which takes the same message path for a part
+  // in GPU memory): the same refusal, the session left ingesting and still usable.
+  TempDir dir;
   ServerProcess server;
-  KV_ASSERT_OK(server.Start({"--backend", "cpu"}));
-  auto c = server.Connect();
-  synthetic::Document doc(SmallDoc(1024));
+  KV_ASSERT_OK(server.Start({"--backend", "cpu", "-c", UcxConfig(dir, "tcp,self", "")}));
   v1::Profile profile = ShadowProfile(16, 8, 4);
-  KV_ASSERT_OK_AND_ASSIGN(created, c->CreateSession(synthetic::MakeCreate(doc, profile, 0)));
-  {
-    KV_ASSERT_OK_AND_ASSIGN(w, c->StartIngest(created.session_id()));
-    v1::IngestLayer part;
-    part.set_layer(0);
-    part.set_last_part(true);
-    const int64_t n = static_cast<int64_t>(created.tokens_to_ingest());
-    for (v1::Tensor* t : {part.mutable_k(), part.mutable_v()}) {
-      t->add_shape(n);
-      t->add_shape(doc.spec().kv_heads);
-      t->add_shape(doc.spec().head_dim);
-      t->set_dtype(v1::DTYPE_BF16);
-      t->mutable_cuda_ipc()->set_handle(std::string(64, '\x01'));
+  for (bool ucx : {false, true}) {
+    SCOPED_TRACE(ucx ? "ucx" : "grpc");
+    synthetic::Document doc(SmallDoc(1024, ucx ? 61 : 60));  // no prefix to reuse
+    auto c = ucx ? server.Connect(UcxClientOptions("tcp,self")) : server.Connect();
+    KV_ASSERT_OK_AND_ASSIGN(created, c->CreateSession(synthetic::MakeCreate(doc, profile, 0)));
+    {
+      KV_ASSERT_OK_AND_ASSIGN(w, c->StartIngest(created.session_id()));
+      EXPECT_EQ(c->ucx_connected(), ucx);
+      v1::IngestLayer part;
+      part.set_layer(0);
+      part.set_last_part(true);
+      const int64_t n = static_cast<int64_t>(created.tokens_to_ingest());
+      for (v1::Tensor* t : {part.mutable_k(), part.mutable_v()}) {
+        t->add_shape(n);
+        t->add_shape(doc.spec().kv_heads);
+        t->add_shape(doc.spec().head_dim);
+        t->set_dtype(v1::DTYPE_BF16);
+        t->mutable_cuda_ipc()->set_handle(std::string(64, '\x01'));
+      }
+      absl::Status st = w->Write(part);
+      absl::StatusOr<v1::IngestResponse> r = st.ok() ? w->Commit() : absl::StatusOr<v1::IngestResponse>(st);
+      ASSERT_FALSE(r.ok());
+      EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+      EXPECT_NE(r.status().message().find("GPU backend"), std::string::npos) << r.status();
     }
-    absl::Status st = w->Write(part);
-    absl::StatusOr<v1::IngestResponse> r = st.ok() ? w->Commit() : absl::StatusOr<v1::IngestResponse>(st);
-    ASSERT_FALSE(r.ok());
-    EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
-    EXPECT_NE(r.status().message().find("GPU backend"), std::string::npos) << r.status();
+    KV_ASSERT_OK_AND_ASSIGN(info, c->GetSession(created.session_id()));
+    EXPECT_EQ(info.state(), "ingesting");
+    KV_ASSERT_OK(synthetic::IngestRange(*c, doc, created.session_id(), 0, created.reused_tokens(),
+                                        static_cast<int64_t>(doc.SessionTokens(0).size()))
+                     .status());
+    KV_ASSERT_OK_AND_ASSIGN(ready, c->GetSession(created.session_id()));
+    EXPECT_EQ(ready.state(), "ready");
+    KV_ASSERT_OK(c->CloseSession(created.session_id()));
   }
-  KV_ASSERT_OK_AND_ASSIGN(info, c->GetSession(created.session_id()));
-  EXPECT_EQ(info.state(), "ingesting");
-  KV_ASSERT_OK(synthetic::IngestRange(*c, doc, created.session_id(), 0, created.reused_tokens(),
-                                      static_cast<int64_t>(doc.SessionTokens(0).size()))
-                   .status());
-  KV_ASSERT_OK_AND_ASSIGN(ready, c->GetSession(created.session_id()));
-  EXPECT_EQ(ready.state(), "ready");
   EXPECT_EQ(server.Stop(), 0) << server.log();
 }
 
