@@ -254,9 +254,13 @@ struct LocalDecoder::Impl {
   std::thread renewer;
 
   absl::Status MapGeneration(Seq& seq, v1::SessionExport exp);
-  // (Re)allocates a sequence layer's slot table (empty) and slot buffers at a budget of
-  // `budget` chunks per head (budget*C/u slots with selection units).
-  absl::Status AllocSlots(SeqLayer& sl, int budget);
+  // (Re)allocates sequence layers' slot tables (empty) and slot buffers, each at its
+  // budget of chunks per head (budget*C/u slots with selection units): one backend
+  // allocation, one fill and one copy for all the layers given (a join allocates every
+  // layer of its sequence at once; the device allocator and its synchronisation are paid
+  // once, not per layer and buffer).
+  absl::Status AllocSlots(absl::Span<const std::pair<SeqLayer*, int>> layers);
+  absl::Status AllocSlots(SeqLayer& sl, int budget) { return AllocSlots({{&sl, budget}}); }
   // Fills every slot of the layer with a selectable chunk (a selection of a zero query):
   // a step that selects fewer than k chunks (a mass budget, model-native ids) then still
   // attends only chunks, never an empty slot. In `stream`'s order, in the decoder's
@@ -416,6 +420,7 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
   KVSHADE_ASSIGN_OR_RETURN(const size_t chunk_bytes, kernels::ValueChunkBytes(codec, C, d));
   seq.layers.clear();
   seq.layers.resize(L);
+  std::vector<std::pair<SeqLayer*, int>> slot_layers;  // layers that select, their budgets
   for (int l = 0; l < L; ++l) {
     const v1::ExportedLayer& el = exp.layers(l);
     SeqLayer& sl = seq.layers[l];
@@ -464,8 +469,7 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
         seq.guard.Adopt(l, static_cast<int>(el.guard_budget()),
                         static_cast<decode::RecallAction>(static_cast<int>(el.guard_fallback())));
       }
-      KVSHADE_RETURN_IF_ERROR(
-          AllocSlots(sl, seq.guard.Budget(l, sl.base_budget, sl.view.total_chunks())));
+      slot_layers.emplace_back(&sl, seq.guard.Budget(l, sl.base_budget, sl.view.total_chunks()));
     }
     sl.s = static_cast<int>(el.static_rows());
     if (sl.s > 0) {
@@ -488,6 +492,7 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
       sl.tail_v = static_cast<const bf16*>(p);
     }
   }
+  KVSHADE_RETURN_IF_ERROR(AllocSlots(slot_layers));
   seq.session_tokens = exp.tokens();
   seq.lease_expires_ms = static_cast<int64_t>(exp.lease_expires_unix_ms());
   seq.exp = std::move(exp);
@@ -495,21 +500,61 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
   return absl::OkStatus();
 }
 
-absl::Status LocalDecoder::Impl::AllocSlots(SeqLayer& sl, int budget) {
-  sl.budget = budget;
-  const int k = policy.Slots(budget, C);
-  sl.k = k;
-  sl.primed = false;
-  sl.slot_len_host.resize(h);
-  for (int hh = 0; hh < h; ++hh) sl.slot_len_host[hh] = std::min<int>(k, sl.selectable[hh] * upc) * U;
-  const size_t hk = size_t(h) * k;
-  KVSHADE_ASSIGN_OR_RETURN(sl.slots, be->Allocate(hk * 4));
-  KVSHADE_RETURN_IF_ERROR(be->Fill(sl.slots.data(), 0xff, hk * 4));  // -1: empty
-  KVSHADE_ASSIGN_OR_RETURN(sl.slot_len, be->Allocate(size_t(h) * 4));
-  KVSHADE_RETURN_IF_ERROR(be->CopyFromHost(sl.slot_len.data(), sl.slot_len_host.data(), size_t(h) * 4));
-  KVSHADE_ASSIGN_OR_RETURN(sl.slot_k, be->Allocate(hk * U * d * 2));
-  KVSHADE_ASSIGN_OR_RETURN(sl.slot_v, be->Allocate(hk * U * d * 2));
-  KVSHADE_ASSIGN_OR_RETURN(sl.outs, be->Allocate(decode::SelectOutputWords(h, k) * 4));
+absl::Status LocalDecoder::Impl::AllocSlots(absl::Span<const std::pair<SeqLayer*, int>> layers) {
+  if (layers.empty()) return absl::OkStatus();
+  constexpr size_t kAlign = 256;
+  const auto up = [](size_t x) { return (x + kAlign - 1) / kAlign * kAlign; };
+  // Layout: every layer's slot table (one fill), every layer's lengths back to back (one
+  // copy), then per layer its K and V slot rows and select outputs.
+  struct At {
+    size_t slots, len, k, v, outs;
+  };
+  std::vector<At> at(layers.size());
+  std::vector<int32_t> lengths;
+  size_t off = 0;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    SeqLayer& sl = *layers[i].first;
+    sl.budget = layers[i].second;
+    sl.k = policy.Slots(sl.budget, C);
+    sl.primed = false;
+    sl.slot_len_host.resize(h);
+    for (int hh = 0; hh < h; ++hh) {
+      sl.slot_len_host[hh] = std::min<int>(sl.k, sl.selectable[hh] * upc) * U;
+    }
+    lengths.insert(lengths.end(), sl.slot_len_host.begin(), sl.slot_len_host.end());
+    at[i].slots = off;
+    off += up(size_t(h) * sl.k * 4);
+  }
+  const size_t slots_end = off;
+  for (size_t i = 0; i < layers.size(); ++i) at[i].len = off + i * size_t(h) * 4;
+  off = up(off + lengths.size() * 4);
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const size_t hk = size_t(h) * layers[i].first->k;
+    at[i].k = off;
+    off += up(hk * U * d * 2);
+    at[i].v = off;
+    off += up(hk * U * d * 2);
+    at[i].outs = off;
+    off += up(decode::SelectOutputWords(h, layers[i].first->k) * 4);
+  }
+  KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer one, be->Allocate(off));
+  auto block = std::make_shared<kernels::Buffer>(std::move(one));
+  char* base = static_cast<char*>(block->data());
+  if (slots_end > 0) KVSHADE_RETURN_IF_ERROR(be->Fill(base, 0xff, slots_end));  // -1: empty
+  KVSHADE_RETURN_IF_ERROR(be->CopyFromHost(base + at[0].len, lengths.data(), lengths.size() * 4));
+  // Each buffer is a view of the block; the block is freed with the last of them.
+  const auto carve = [&](size_t offset, size_t bytes) {
+    return bytes == 0 ? kernels::Buffer() : kernels::Buffer(base + offset, bytes, [block](void*) {});
+  };
+  for (size_t i = 0; i < layers.size(); ++i) {
+    SeqLayer& sl = *layers[i].first;
+    const size_t hk = size_t(h) * sl.k;
+    sl.slots = carve(at[i].slots, hk * 4);
+    sl.slot_len = carve(at[i].len, size_t(h) * 4);
+    sl.slot_k = carve(at[i].k, hk * U * d * 2);
+    sl.slot_v = carve(at[i].v, hk * U * d * 2);
+    sl.outs = carve(at[i].outs, decode::SelectOutputWords(h, sl.k) * 4);
+  }
   return absl::OkStatus();
 }
 
