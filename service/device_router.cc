@@ -235,7 +235,11 @@ absl::StatusOr<v1::LookupPrefixResponse> DeviceRouter::LookupPrefix(
 
 absl::StatusOr<v1::SessionInfo> DeviceRouter::GetSession(const Tenant& t,
                                                          const v1::GetSessionRequest& r) {
-  if (std::optional<TpGroup> g = FindGroup(t, r.session_id())) return LogicalInfo(t, *g);
+  if (std::optional<TpGroup> g = FindGroup(t, r.session_id())) {
+    absl::StatusOr<v1::SessionInfo> info = LogicalInfo(t, *g);
+    if (absl::IsNotFound(info.status())) ForgetGoneGroup(g->id);
+    return info;
+  }
   return EngineFor(r.session_id()).GetSession(t, r);
 }
 
@@ -262,6 +266,7 @@ absl::StatusOr<v1::ListSessionsResponse> DeviceRouter::ListSessions(
   for (const TpGroup& g : groups) {
     absl::StatusOr<v1::SessionInfo> info = LogicalInfo(t, g);
     if (info.ok()) *out.add_sessions() = *std::move(info);
+    if (absl::IsNotFound(info.status())) ForgetGoneGroup(g.id);
   }
   return out;
 }

@@ -340,6 +340,16 @@ absl::StatusOr<v1::SessionInfo> DeviceRouter::LogicalInfo(const Tenant& t, const
   return info;
 }
 
+void DeviceRouter::ForgetGoneGroup(const std::string& id) {
+  base::MutexLock lock(&tp_mu_);
+  auto it = tp_groups_.find(id);
+  if (it == tp_groups_.end()) return;
+  for (const TpRank& x : it->second->rank) {
+    if (x.joining) return;  // a rank joins: not gone
+  }
+  tp_groups_.erase(it);
+}
+
 absl::StatusOr<v1::ForkSessionResponse> DeviceRouter::ForkLogical(const Tenant& t,
                                                                   const TpGroup& g,
                                                                   const v1::ForkSessionRequest& r) {

@@ -52,7 +52,7 @@ bool Contains(const absl::Status& s, const std::string& text) {
 
 class Tp {
  public:
-  explicit Tp(std::string spill_path = "") {
+  explicit Tp(std::string spill_path = "", uint32_t idle_ttl_s = 0) {
     config.backend = "cpu:0,cpu:1";
     config.device_budget_bytes = 256ull << 20;
     config.host_budget_bytes = 512ull << 20;
@@ -60,12 +60,13 @@ class Tp {
     config.profile.outliers = 4;
     config.profile.rank = 64;
     config.profile.min_tokens = 256;
+    config.limits.session_idle_ttl_s = idle_ttl_s;
     EXPECT_TRUE(ValidateConfig(config).ok());
     EXPECT_TRUE(Start().ok());
   }
   absl::Status Start() {
     DeviceRouterOptions o;
-    o.clock = [] { return int64_t{1'700'000'000'000}; };
+    o.clock = [this] { return now_ms.load(); };
     o.background_thread = false;
     auto r = DeviceRouter::Open(config, &metrics, o);
     if (!r.ok()) return r.status();
@@ -174,6 +175,7 @@ class Tp {
 
   ServerConfig config;
   Metrics metrics;
+  std::atomic<int64_t> now_ms{1'700'000'000'000};
   std::unique_ptr<DeviceRouter> router;
   Tenant tenant{"alice", TenantSalt("alice", "")};
   v1::ModelSpec model = TestModel(kLayers, kHeads, kGroup, kDim);
@@ -467,6 +469,33 @@ TEST(TensorParallel, ForkForksEveryRankAtOneTokenAndCloseClosesEvery) {
   ASSERT_TRUE(tp.Close(child->session_id()).ok());
   EXPECT_EQ(tp.Listed(), 0u);
   EXPECT_EQ(tp.router->Stats(tp.tenant, v1::StatsRequest())->sessions(), 0u);
+}
+
+// Idle expiry acts per shard: a logical session one of whose shards expired is damaged
+// (that rank's shard missing); one whose shards all expired is gone.
+TEST(TensorParallel, IdleExpiryOfAShardDamagesTheLogicalSessionAndOfAllRemovesIt) {
+  Tp tp("", /*idle_ttl_s=*/10);
+  ASSERT_TRUE(tp.router);
+  const Stream s = MakeStream(256, tp.model, 71);
+  const Tp::Logical lg = tp.OpenTp(s, SmallShadowProfile());
+  ASSERT_FALSE(lg.shard[1].empty());
+  tp.now_ms += 6000;
+  ASSERT_TRUE(tp.Info(lg.shard[0]).ok());  // rank 0's shard is used; rank 1's is not
+  tp.now_ms += 6000;
+  tp.router->RunMaintenance();
+  auto info = tp.Info(lg.id);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->state(), "damaged");
+  EXPECT_EQ(info->tensor_parallel().shards(1).state(), "missing");
+  EXPECT_TRUE(info->damage().find("rank 1's shard") != std::string::npos) << info->damage();
+  EXPECT_EQ(info->tensor_parallel().shards(0).state(), "ready");
+  tp.now_ms += 20000;
+  tp.router->RunMaintenance();
+  EXPECT_EQ(tp.Info(lg.id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(tp.Listed(), 0u);
+  // The id is forgotten: a per-shard call naming it is an unknown session's.
+  EXPECT_EQ(tp.router->AppendTokens(tp.tenant, AppendOf(lg.id, s, 0, 1)).status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 TEST(TensorParallel, PrefixesAreReusedPerRank) {

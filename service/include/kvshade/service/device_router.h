@@ -182,7 +182,10 @@ class DeviceRouter {
   // FAILED_PRECONDITION when `id` is one of the tenant's logical sessions (`call` is a
   // per-shard call); OK otherwise.
   absl::Status CheckNotLogical(const Tenant& t, std::string_view id, std::string_view call) const;
+  // The logical SessionInfo; NOT_FOUND when every shard is gone (e.g. idle expiry) and no
+  // rank is joining, after which the caller forgets it (ForgetGoneGroup).
   absl::StatusOr<v1::SessionInfo> LogicalInfo(const Tenant& t, const TpGroup& g);
+  void ForgetGoneGroup(const std::string& id);
   absl::StatusOr<v1::ForkSessionResponse> ForkLogical(const Tenant& t, const TpGroup& g,
                                                       const v1::ForkSessionRequest& r);
   absl::StatusOr<v1::CloseSessionResponse> CloseLogical(const Tenant& t, const std::string& id);
