@@ -432,6 +432,14 @@ int kvshade_create_session_ex(kvshade_client* c, const kvshade_model* model, con
                               const int32_t* token_ids, size_t n_tokens, int32_t durable, const char* label,
                               const uint64_t* segment_ends, size_t n_segment_ends, const char* device,
                               kvshade_session_created* out) {
+  return kvshade_create_session_tp(c, model, profile, token_ids, n_tokens, durable, label, segment_ends,
+                                   n_segment_ends, device, nullptr, out);
+}
+
+int kvshade_create_session_tp(kvshade_client* c, const kvshade_model* model, const kvshade_profile* profile,
+                              const int32_t* token_ids, size_t n_tokens, int32_t durable, const char* label,
+                              const uint64_t* segment_ends, size_t n_segment_ends, const char* device,
+                              const kvshade_tensor_parallel* tp, kvshade_session_created* out) {
   return Guard([&] {
     if (c == nullptr || model == nullptr || out == nullptr) return Bad("client, model and out must not be NULL");
     if (n_tokens > 0 && token_ids == nullptr) return Bad("token_ids is NULL but n_tokens > 0");
@@ -450,6 +458,19 @@ int kvshade_create_session_ex(kvshade_client* c, const kvshade_model* model, con
     if (label != nullptr) req.set_label(label);
     if (n_segment_ends > 0) req.mutable_segment_ends()->Add(segment_ends, segment_ends + n_segment_ends);
     if (device != nullptr) req.set_device(device);
+    if (tp != nullptr) {
+      if (std::memchr(tp->session_id, 0, sizeof(tp->session_id)) == nullptr) {
+        return Bad("tp->session_id is not NUL-terminated");
+      }
+      v1::TensorParallel* t = req.mutable_tensor_parallel();
+      t->set_ranks(tp->ranks);
+      t->set_rank(tp->rank);
+      t->set_kv_head_begin(tp->kv_head_begin);
+      t->set_kv_head_end(tp->kv_head_end);
+      t->set_query_head_begin(tp->query_head_begin);
+      t->set_query_head_end(tp->query_head_end);
+      t->set_session_id(tp->session_id);
+    }
     auto r = c->impl->CreateSession(req);
     if (!r.ok()) return Report(r.status());
     std::memset(out, 0, sizeof(*out));
@@ -462,6 +483,43 @@ int kvshade_create_session_ex(kvshade_client* c, const kvshade_model* model, con
     for (int i = 0; i < n_ends; ++i) out->segment_ends[i] = r->segment_ends(i);
     out->automatic_segment_end = r->automatic_segment_end();
     CopyId(r->device(), out->device, sizeof(out->device));
+    if (r->has_tensor_parallel()) {
+      CopyId(r->tensor_parallel().session_id(), out->tp_session_id, sizeof(out->tp_session_id));
+      out->tp_ranks = r->tensor_parallel().ranks();
+      out->tp_rank = r->tensor_parallel().rank();
+      out->tp_ranks_joined = r->tensor_parallel().ranks_joined();
+    }
+    return Report(absl::OkStatus());
+  });
+}
+
+int kvshade_get_tensor_parallel_shards(kvshade_client* c, const char* session_id,
+                                       kvshade_tensor_parallel_shard* out, size_t cap, size_t* n) {
+  return Guard([&] {
+    if (c == nullptr || n == nullptr) return Bad("client and n must not be NULL");
+    if (cap > 0 && out == nullptr) return Bad("out is NULL but cap > 0");
+    if (!IdOk(session_id)) return Bad("session_id is NULL or too long");
+    auto r = c->impl->GetSession(session_id);
+    if (!r.ok()) return Report(r.status());
+    if (!r->has_tensor_parallel() || r->tensor_parallel().session_id() != r->session_id()) {
+      return Bad(absl::StrCat("session '", r->session_id(),
+                              "' is not a tensor-parallel logical session"));
+    }
+    const auto& shards = r->tensor_parallel().shards();
+    *n = static_cast<size_t>(shards.size());
+    for (size_t i = 0; i < std::min<size_t>(cap, shards.size()); ++i) {
+      const v1::TensorParallelShard& x = shards[static_cast<int>(i)];
+      kvshade_tensor_parallel_shard& o = out[i];
+      std::memset(&o, 0, sizeof(o));
+      o.rank = x.rank();
+      o.kv_head_begin = x.kv_head_begin();
+      o.kv_head_end = x.kv_head_end();
+      CopyId(x.session_id(), o.session_id, sizeof(o.session_id));
+      CopyId(x.device(), o.device, sizeof(o.device));
+      CopyId(x.state(), o.state, sizeof(o.state));
+      o.tokens = x.tokens();
+      o.reused_tokens = x.reused_tokens();
+    }
     return Report(absl::OkStatus());
   });
 }
@@ -529,6 +587,16 @@ int kvshade_get_session(kvshade_client* c, const char* session_id, kvshade_sessi
     out->ingest_parts_taken = r->ingest_parts_taken();
     out->selection_unit = r->selection_unit();
     CopyId(r->device(), out->device, sizeof(out->device));
+    if (r->has_tensor_parallel()) {
+      const v1::TensorParallelInfo& tp = r->tensor_parallel();
+      CopyId(tp.session_id(), out->tp_session_id, sizeof(out->tp_session_id));
+      out->tp_ranks = tp.ranks();
+      out->tp_rank = tp.rank();
+      out->tp_kv_head_begin = tp.kv_head_begin();
+      out->tp_kv_head_end = tp.kv_head_end();
+      out->tp_num_kv_heads = tp.num_kv_heads();
+      out->tp_ranks_joined = tp.ranks_joined();
+    }
     return Report(absl::OkStatus());
   });
 }

@@ -149,6 +149,30 @@ absl::StatusOr<v1::CreateSessionResponse> Client::CreateSession(const v1::Create
   return Unary<v1::CreateSessionRequest, v1::CreateSessionResponse>(&v1::KvShade::Stub::CreateSession, req);
 }
 
+absl::StatusOr<v1::CreateSessionResponse> Client::CreateTensorParallelRank(
+    v1::CreateSessionRequest req, uint32_t ranks, uint32_t rank, uint32_t kv_head_begin,
+    uint32_t kv_head_end, const std::string& join) {
+  v1::TensorParallel* tp = req.mutable_tensor_parallel();
+  tp->set_ranks(ranks);
+  tp->set_rank(rank);
+  tp->set_kv_head_begin(kv_head_begin);
+  tp->set_kv_head_end(kv_head_end);
+  tp->set_session_id(join);
+  return CreateSession(req);
+}
+
+absl::StatusOr<std::vector<v1::TensorParallelShard>> Client::TensorParallelShards(
+    const std::string& session_id) {
+  auto info = GetSession(session_id);
+  if (!info.ok()) return info.status();
+  if (!info->has_tensor_parallel() || info->tensor_parallel().session_id() != info->session_id()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session '", info->session_id(), "' is not a tensor-parallel logical session"));
+  }
+  return std::vector<v1::TensorParallelShard>(info->tensor_parallel().shards().begin(),
+                                              info->tensor_parallel().shards().end());
+}
+
 absl::StatusOr<v1::ForkSessionResponse> Client::ForkSession(const std::string& parent,
                                                             uint64_t at_token) {
   v1::ForkSessionRequest req;

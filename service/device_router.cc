@@ -157,6 +157,7 @@ absl::StatusOr<std::unique_ptr<DeviceRouter>> DeviceRouter::Open(const ServerCon
     }
     d.engine = *std::move(engine);
   }
+  r->RestoreTensorParallel();
   return r;
 }
 
@@ -215,12 +216,14 @@ absl::StatusOr<int> DeviceRouter::BatchDevice(const Ids& ids) const {
 
 absl::StatusOr<v1::CreateSessionResponse> DeviceRouter::CreateSession(
     const Tenant& t, const v1::CreateSessionRequest& r) {
+  if (r.has_tensor_parallel()) return CreateTensorParallel(t, r);
   KVSHADE_ASSIGN_OR_RETURN(const int d, Resolve(r.device()));
   return devices_[d].engine->CreateSession(t, r);
 }
 
 absl::StatusOr<v1::ForkSessionResponse> DeviceRouter::ForkSession(const Tenant& t,
                                                                   const v1::ForkSessionRequest& r) {
+  if (std::optional<TpGroup> g = FindGroup(t, r.parent_session_id())) return ForkLogical(t, *g, r);
   return EngineFor(r.parent_session_id()).ForkSession(t, r);
 }
 
@@ -232,42 +235,69 @@ absl::StatusOr<v1::LookupPrefixResponse> DeviceRouter::LookupPrefix(
 
 absl::StatusOr<v1::SessionInfo> DeviceRouter::GetSession(const Tenant& t,
                                                          const v1::GetSessionRequest& r) {
+  if (std::optional<TpGroup> g = FindGroup(t, r.session_id())) {
+    absl::StatusOr<v1::SessionInfo> info = LogicalInfo(t, *g);
+    if (absl::IsNotFound(info.status())) ForgetGoneGroup(g->id);
+    return info;
+  }
   return EngineFor(r.session_id()).GetSession(t, r);
 }
 
 absl::StatusOr<v1::ListSessionsResponse> DeviceRouter::ListSessions(
     const Tenant& t, const v1::ListSessionsRequest& r) {
-  if (devices_.size() == 1) return devices_[0].engine->ListSessions(t, r);
   v1::ListSessionsResponse out;
   for (const Device& d : devices_) {
     KVSHADE_ASSIGN_OR_RETURN(v1::ListSessionsResponse part, d.engine->ListSessions(t, r));
-    for (v1::SessionInfo& s : *part.mutable_sessions()) *out.add_sessions() = std::move(s);
+    for (v1::SessionInfo& s : *part.mutable_sessions()) {
+      // A shard is listed within its logical session (below).
+      if (!s.has_tensor_parallel()) *out.add_sessions() = std::move(s);
+    }
+  }
+  std::vector<TpGroup> groups;
+  {
+    base::MutexLock lock(&tp_mu_);
+    for (const auto& [id, g] : tp_groups_) {
+      if (g->tenant == t.name) groups.push_back(*g);
+    }
+  }
+  std::sort(groups.begin(), groups.end(),
+            [](const TpGroup& a, const TpGroup& b) { return a.id < b.id; });
+  SessionManager::UntouchedScope listing;  // listing keeps no shard from idle expiry
+  for (const TpGroup& g : groups) {
+    absl::StatusOr<v1::SessionInfo> info = LogicalInfo(t, g);
+    if (info.ok()) *out.add_sessions() = *std::move(info);
+    if (absl::IsNotFound(info.status())) ForgetGoneGroup(g.id);
   }
   return out;
 }
 
 absl::StatusOr<v1::CloseSessionResponse> DeviceRouter::CloseSession(
     const Tenant& t, const v1::CloseSessionRequest& r) {
+  if (FindGroup(t, r.session_id())) return CloseLogical(t, r.session_id());
   return EngineFor(r.session_id()).CloseSession(t, r);
 }
 
 absl::StatusOr<std::unique_ptr<Engine::IngestStream>> DeviceRouter::BeginIngest(
     const Tenant& t, const v1::IngestRequest& header) {
+  KVSHADE_RETURN_IF_ERROR(CheckNotLogical(t, header.header().session_id(), "Ingest"));
   return EngineFor(header.header().session_id()).BeginIngest(t, header);
 }
 
 absl::StatusOr<v1::IngestResponse> DeviceRouter::Ingest(const Tenant& t,
                                                         absl::Span<const v1::IngestRequest> stream) {
   const std::string_view id = stream.empty() ? std::string_view() : stream[0].header().session_id();
+  KVSHADE_RETURN_IF_ERROR(CheckNotLogical(t, id, "Ingest"));
   return EngineFor(id).Ingest(t, stream);
 }
 
 absl::StatusOr<v1::AppendTokensResponse> DeviceRouter::AppendTokens(
     const Tenant& t, const v1::AppendTokensRequest& r) {
+  KVSHADE_RETURN_IF_ERROR(CheckNotLogical(t, r.session_id(), "AppendTokens"));
   return EngineFor(r.session_id()).AppendTokens(t, r);
 }
 
 absl::StatusOr<v1::AttachResponse> DeviceRouter::Attach(const Tenant& t, const v1::AttachRequest& r) {
+  KVSHADE_RETURN_IF_ERROR(CheckNotLogical(t, r.session_id(), "Attach"));
   const int d = DeviceOf(r.session_id());
   if (!r.device().empty()) {
     KVSHADE_ASSIGN_OR_RETURN(const int worker, Resolve(r.device()));

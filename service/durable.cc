@@ -20,8 +20,10 @@
 //            codes, scale, min).
 //   session "KVSHSES1": id, tenant, version, ModelSpec, Profile, label, prompt, reused,
 //            tokens, created, chain ids, appended tokens, tail length, append_fsync (one
-//            byte; absent in records written before it: the config's); factors kOther per
-//            layer: tail k_pre, k, v.
+//            byte; absent in records written before it: the config's), then, for a
+//            tensor-parallel shard only, "KVSHTP01", its logical session's id, ranks, rank,
+//            kv_head_begin, kv_head_end and the whole model's num_kv_heads (uint32 each;
+//            ModelSpec is the shard's slice); factors kOther per layer: tail k_pre, k, v.
 //   logged append "KVSHAPP1": append_log.cc.
 // The exact tail needs nothing more: its remainder part is the chain's remainder rows that
 // no chunk covers (implied by the segments' first_position and n_chunks, a sealed open
@@ -49,6 +51,7 @@ using storage::FactorKind;
 
 constexpr char kSegMagic[] = "KVSHSEG1";
 constexpr char kSesMagic[] = "KVSHSES1";
+constexpr char kTensorParallelMagic[] = "KVSHTP01";  // a session record's shard trailer
 
 using durable::Reader;
 using durable::Writer;
@@ -243,6 +246,15 @@ absl::Status EngineImpl::PersistSession(Session& s) {
   const uint32_t t = s.tail.empty() ? 0 : static_cast<uint32_t>(s.tail[0].k.size() / tok);
   w.Put<uint32_t>(t);
   w.Put<uint8_t>(static_cast<uint8_t>(s.append_fsync));  // absent in older records: config's
+  if (s.tp) {  // a tensor-parallel shard: its logical session, rank and heads
+    w.out().append(kTensorParallelMagic);
+    w.Str(s.tp->logical_id);
+    w.Put<uint32_t>(static_cast<uint32_t>(s.tp->ranks));
+    w.Put<uint32_t>(static_cast<uint32_t>(s.tp->rank));
+    w.Put<uint32_t>(static_cast<uint32_t>(s.model.tp_kv_begin));
+    w.Put<uint32_t>(static_cast<uint32_t>(s.model.tp_kv_end));
+    w.Put<uint32_t>(static_cast<uint32_t>(s.model.tp_kv_heads));
+  }
   storage::SegmentWrite rec;
   rec.id = *storage::Id128::FromHex(SessionManager::NewId());
   rec.layout = EmptyLayout(s.model.layers);
@@ -681,6 +693,21 @@ ParsedRecords EngineImpl::ParseRecords(const std::vector<storage::SegmentMeta>& 
     rd.Get(&rec.tail);
     uint8_t fsync = 0;  // a trailing byte since append_fsync; older records: the config's
     if (rd.ok() && !rd.empty()) rd.Get(&fsync);
+    // A tensor-parallel shard's membership (after append_fsync; absent for other sessions).
+    std::optional<TensorParallelMembership> tp;
+    uint32_t tp_begin = 0, tp_end = 0, tp_heads = 0;
+    if (rd.ok() && rd.StartsWith(kTensorParallelMagic) && rd.Magic(kTensorParallelMagic)) {
+      tp.emplace();
+      uint32_t ranks = 0, rank = 0;
+      rd.Str(&tp->logical_id);
+      rd.Get(&ranks);
+      rd.Get(&rank);
+      rd.Get(&tp_begin);
+      rd.Get(&tp_end);
+      rd.Get(&tp_heads);
+      tp->ranks = static_cast<int>(ranks);
+      tp->rank = static_cast<int>(rank);
+    }
     v1::ModelSpec ms;
     v1::Profile pp;
     if (!rd.ok() || !ms.ParseFromString(spec) || !pp.ParseFromString(prof)) {
@@ -689,6 +716,14 @@ ParsedRecords EngineImpl::ParseRecords(const std::vector<storage::SegmentMeta>& 
     }
     auto model = ResolveModel(ms, config_->limits);
     if (!model.ok()) continue;
+    if (tp) {
+      if (tp_begin >= tp_end || tp_end > tp_heads || tp_end - tp_begin != ms.num_kv_heads() ||
+          tp->rank >= tp->ranks) {
+        continue;
+      }
+      MarkSlice(&*model, int(tp_begin), int(tp_end), int(tp_heads));
+      s->tp = std::move(tp);
+    }
     auto profile = ResolveProfile(pp, config_->profile, *model, s->prompt.size());
     if (!profile.ok()) continue;
     s->model = *model;

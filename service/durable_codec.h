@@ -107,6 +107,8 @@ class Reader {
     return true;
   }
   bool Id(storage::Id128* id) { return Get(&id->hi) && Get(&id->lo); }
+  // Whether the unread bytes start with `m` (nothing is read).
+  bool StartsWith(std::string_view m) const { return s_.substr(0, m.size()) == m; }
   bool Magic(std::string_view m) {
     if (s_.substr(0, m.size()) != m) return ok_ = false;
     s_.remove_prefix(m.size());

@@ -138,6 +138,22 @@ absl::StatusOr<v1::CloseSessionResponse> Engine::CloseSession(const Tenant& t,
                                                               const v1::CloseSessionRequest& r) {
   return impl_->CloseSession(t, r);
 }
+absl::StatusOr<v1::ForkSessionResponse> Engine::ForkShard(const Tenant& t,
+                                                          const v1::ForkSessionRequest& r,
+                                                          const std::string& logical_id) {
+  return impl_->ForkSession(t, r, &logical_id);
+}
+absl::StatusOr<v1::CloseSessionResponse> Engine::CloseShard(const Tenant& t,
+                                                            const v1::CloseSessionRequest& r) {
+  return impl_->CloseSession(t, r, /*shard_ok=*/true);
+}
+std::vector<Engine::ShardRecord> Engine::TensorParallelShards() {
+  return impl_->TensorParallelShards();
+}
+absl::Status Engine::MarkShardDamaged(const Tenant& t, const std::string& session_id,
+                                      const std::string& what) {
+  return impl_->MarkShardDamaged(t, session_id, what);
+}
 absl::StatusOr<std::unique_ptr<Engine::IngestStream>> Engine::BeginIngest(
     const Tenant& t, const v1::IngestRequest& header) {
   return impl_->BeginIngest(t, header);

@@ -132,14 +132,23 @@ class EngineImpl {
   // --- sessions.cc ---
   absl::StatusOr<v1::CreateSessionResponse> CreateSession(const Tenant& t,
                                                           const v1::CreateSessionRequest& r);
+  // logical_id: fork a tensor-parallel shard into a shard of that logical session (null:
+  // a shard parent is refused).
   absl::StatusOr<v1::ForkSessionResponse> ForkSession(const Tenant& t,
-                                                      const v1::ForkSessionRequest& r);
+                                                      const v1::ForkSessionRequest& r,
+                                                      const std::string* logical_id = nullptr);
   absl::StatusOr<v1::LookupPrefixResponse> LookupPrefix(const Tenant& t,
                                                         const v1::LookupPrefixRequest& r);
   absl::StatusOr<v1::SessionInfo> GetSession(const Tenant& t, const v1::GetSessionRequest& r);
   absl::StatusOr<v1::ListSessionsResponse> ListSessions(const Tenant& t);
+  // shard_ok: close a tensor-parallel shard too (else refused: its logical session is
+  // closed as a whole).
   absl::StatusOr<v1::CloseSessionResponse> CloseSession(const Tenant& t,
-                                                        const v1::CloseSessionRequest& r);
+                                                        const v1::CloseSessionRequest& r,
+                                                        bool shard_ok = false);
+  std::vector<Engine::ShardRecord> TensorParallelShards();
+  absl::Status MarkShardDamaged(const Tenant& t, const std::string& session_id,
+                                const std::string& what);
   // --- attachments.cc ---
   absl::StatusOr<v1::AttachResponse> Attach(const Tenant& t, const v1::AttachRequest& r);
   absl::StatusOr<v1::DetachResponse> Detach(const Tenant& t, const v1::DetachRequest& r);

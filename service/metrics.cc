@@ -248,7 +248,8 @@ Metrics::Metrics() : registry_(std::make_shared<prometheus::Registry>()) {
                                 "wal (acknowledged appends dropped with a damaged write-ahead "
                                 "log), record (a record failed its checksum or could not be read "
                                 "at start), read (values failed their checksum where they were "
-                                "read)")
+                                "read), tensor_parallel (a shard whose tensor-parallel session "
+                                "lost another rank's shard)")
                           .Register(r);
   factorize_fallbacks_ = &BuildCounter()
                              .Name("kvshade_factorize_fallbacks_total")

@@ -42,7 +42,10 @@ std::string ModelInfo::Fingerprint() const {
                       ";d=", shape.d, ";rope=", r.theta, ",", r.rotary_dim, ",",
                       static_cast<int>(r.scaling), ",", static_cast<int>(r.pairing), ",",
                       r.factor, ",", r.low_freq_factor, ",", r.high_freq_factor, ",",
-                      r.original_max_position, ",", r.beta_fast, ",", r.beta_slow);
+                      r.original_max_position, ",", r.beta_fast, ",", r.beta_slow,
+                      // Only for a slice: whole models' fingerprints are unchanged.
+                      sliced() ? absl::StrCat(";tp=", tp_kv_begin, "-", tp_kv_end, "/", tp_kv_heads)
+                               : std::string());
 }
 
 std::string ProfileInfo::Fingerprint() const {
@@ -96,6 +99,62 @@ v1::Profile ProfileInfo::ToProto() const {
   p.set_recall_action(recall_action);
   p.set_selection_unit(selection_unit);
   return p;
+}
+
+absl::StatusOr<ModelInfo> SliceModel(const ModelInfo& whole, const v1::TensorParallel& tp) {
+  const uint32_t h = static_cast<uint32_t>(whole.shape.h);
+  const uint32_t g = static_cast<uint32_t>(whole.shape.g);
+  if (whole.sliced()) return Bad("tensor_parallel", "the model is already a slice");
+  if (tp.ranks() < 1 || tp.ranks() > h) {
+    return Bad("tensor_parallel.ranks",
+               absl::StrCat("must be in [1, num_kv_heads = ", h, "] (each rank holds at least one "
+                            "KV head), got ", tp.ranks()));
+  }
+  if (tp.rank() >= tp.ranks()) {
+    return Bad("tensor_parallel.rank", absl::StrCat("must be < ranks = ", tp.ranks(), ", got ", tp.rank()));
+  }
+  const uint32_t b = tp.kv_head_begin(), e = tp.kv_head_end();
+  if (b >= e || e > h) {
+    return Bad("tensor_parallel.kv_head_begin/kv_head_end",
+               absl::StrCat("must be a non-empty range of the model's num_kv_heads = ", h,
+                            " KV heads (begin < end <= ", h, "), got [", b, ", ", e, ")"));
+  }
+  if (tp.rank() == 0 && b != 0) {
+    return Bad("tensor_parallel.kv_head_begin",
+               absl::StrCat("rank 0 must start at KV head 0 (else KV heads [0, ", b,
+                            ") are left uncovered), got ", b));
+  }
+  if (tp.rank() + 1 == tp.ranks() && e != h) {
+    return Bad("tensor_parallel.kv_head_end",
+               absl::StrCat("the last rank (", tp.rank(), ") must end at num_kv_heads = ", h,
+                            " (else KV heads [", e, ", ", h, ") are left uncovered), got ", e));
+  }
+  if (b < tp.rank() || h - e < tp.ranks() - 1 - tp.rank()) {
+    return Bad("tensor_parallel.kv_head_begin/kv_head_end",
+               absl::StrCat("rank ", tp.rank(), " of ", tp.ranks(), " holding KV heads [", b, ", ", e,
+                            ") leaves the ", tp.rank(), " ranks before it and the ",
+                            tp.ranks() - 1 - tp.rank(), " after it fewer than one KV head each"));
+  }
+  if (tp.query_head_begin() != 0 || tp.query_head_end() != 0) {
+    if (tp.query_head_begin() != b * g || tp.query_head_end() != e * g) {
+      return Bad("tensor_parallel.query_head_begin/query_head_end",
+                 absl::StrCat("must be the query heads of KV heads [", b, ", ", e, ")'s GQA groups of ", g,
+                              ", [", b * g, ", ", e * g, "), got [", tp.query_head_begin(), ", ",
+                              tp.query_head_end(), "): a rank holds whole GQA groups"));
+    }
+  }
+  ModelInfo m = whole;
+  m.shape.h = static_cast<int>(e - b);
+  m.spec.set_num_kv_heads(e - b);
+  m.spec.set_num_query_heads((e - b) * g);
+  MarkSlice(&m, static_cast<int>(b), static_cast<int>(e), static_cast<int>(h));
+  return m;
+}
+
+void MarkSlice(ModelInfo* m, int begin, int end, int kv_heads) {
+  m->tp_kv_begin = begin;
+  m->tp_kv_end = end;
+  m->tp_kv_heads = kv_heads;
 }
 
 absl::StatusOr<ModelInfo> ResolveModel(const v1::ModelSpec& spec, const LimitsConfig& limits) {

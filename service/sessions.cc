@@ -24,6 +24,24 @@ namespace kvshade::service {
 // ---------------------------------------------------------------------------------------
 // Sessions
 
+// A shard's tensor-parallel side (SessionInfo, CreateSessionResponse, ForkSessionResponse).
+static void FillShardInfo(const Session& s, v1::TensorParallelInfo* out) {
+  out->set_session_id(s.tp->logical_id);
+  out->set_ranks(static_cast<uint32_t>(s.tp->ranks));
+  out->set_rank(static_cast<uint32_t>(s.tp->rank));
+  out->set_kv_head_begin(static_cast<uint32_t>(s.model.tp_kv_begin));
+  out->set_kv_head_end(static_cast<uint32_t>(s.model.tp_kv_end));
+  out->set_num_kv_heads(static_cast<uint32_t>(s.model.tp_kv_heads));
+  out->set_num_query_heads(static_cast<uint32_t>(s.model.tp_kv_heads * s.model.shape.g));
+}
+
+// The refusal of a call that a shard takes only through its logical session.
+static absl::Status ShardRefused(const Session& s, std::string_view call) {
+  return absl::FailedPreconditionError(absl::StrCat(
+      "session '", s.id, "' is rank ", s.tp->rank, "'s shard of tensor-parallel session '",
+      s.tp->logical_id, "': ", std::string(call), " the logical session (every rank together)"));
+}
+
 void ReleaseClosedSession(Session& s) {
   std::vector<std::shared_ptr<const Segment>> chain;
   std::shared_ptr<Segment> open;
@@ -157,6 +175,17 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
   KVSHADE_RETURN_IF_ERROR(CheckNotDraining("CreateSession"));
   if (!r.has_model()) return absl::InvalidArgumentError("model is required");
   KVSHADE_ASSIGN_OR_RETURN(ModelInfo model, ResolveModel(r.model(), config_->limits));
+  std::optional<TensorParallelMembership> tp;
+  if (r.has_tensor_parallel()) {
+    if (r.tensor_parallel().session_id().empty()) {
+      return absl::InvalidArgumentError(
+          "tensor_parallel.session_id must name the logical session the shard belongs to");
+    }
+    KVSHADE_ASSIGN_OR_RETURN(model, SliceModel(model, r.tensor_parallel()));
+    tp = TensorParallelMembership{r.tensor_parallel().session_id(),
+                                  static_cast<int>(r.tensor_parallel().ranks()),
+                                  static_cast<int>(r.tensor_parallel().rank())};
+  }
   if (r.token_ids().empty()) {
     return absl::InvalidArgumentError("token_ids must not be empty (the prompt to cache)");
   }
@@ -192,6 +221,7 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
   s->id = SessionManager::NewId(options_.device_index);
   s->tenant = t.name;
   s->model = model;
+  s->tp = tp;
   s->profile = profile;
   s->durable = r.durable();
   s->append_fsync = ResolveAppendFsync(s->durable, r.append_fsync());
@@ -249,6 +279,7 @@ absl::StatusOr<v1::CreateSessionResponse> EngineImpl::CreateSession(
   resp.set_tokens_to_ingest(tokens.size() - s->reused_tokens);
   for (uint64_t e : s->segment_ends) resp.add_segment_ends(e);
   resp.set_automatic_segment_end(ends.automatic);
+  if (s->tp) FillShardInfo(*s, resp.mutable_tensor_parallel());
   log::Event(spdlog::level::info, "session_created")
       .Str("session", s->id)
       .Str("tenant", t.name)
@@ -266,6 +297,9 @@ absl::StatusOr<v1::LookupPrefixResponse> EngineImpl::LookupPrefix(
     const Tenant& t, const v1::LookupPrefixRequest& r) {
   if (!r.has_model()) return absl::InvalidArgumentError("model is required");
   KVSHADE_ASSIGN_OR_RETURN(ModelInfo model, ResolveModel(r.model(), config_->limits));
+  if (r.has_tensor_parallel()) {
+    KVSHADE_ASSIGN_OR_RETURN(model, SliceModel(model, r.tensor_parallel()));
+  }
   const absl::Span<const int32_t> tokens(r.token_ids().data(), r.token_ids().size());
   KVSHADE_RETURN_IF_ERROR(ValidateTokens(tokens, 0, config_->limits, "token_ids"));
   KVSHADE_ASSIGN_OR_RETURN(ProfileInfo profile,
@@ -284,11 +318,17 @@ absl::StatusOr<v1::LookupPrefixResponse> EngineImpl::LookupPrefix(
 }
 
 absl::StatusOr<v1::ForkSessionResponse> EngineImpl::ForkSession(const Tenant& t,
-                                                                const v1::ForkSessionRequest& r) {
+                                                                const v1::ForkSessionRequest& r,
+                                                                const std::string* logical_id) {
   KVSHADE_RETURN_IF_ERROR(CheckNotDraining("ForkSession"));
   KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> parent,
                            sessions_.FindSession(t.name, r.parent_session_id()));
   KVSHADE_RETURN_IF_ERROR(CheckNotDamaged(*parent, "ForkSession"));
+  if (parent->tp && logical_id == nullptr) return ShardRefused(*parent, "fork");
+  if (!parent->tp && logical_id != nullptr) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session '", parent->id, "' is not a tensor-parallel shard"));
+  }
   auto child = std::make_shared<Session>();
   {
     std::unique_lock lock(parent->mu);
@@ -339,6 +379,9 @@ absl::StatusOr<v1::ForkSessionResponse> EngineImpl::ForkSession(const Tenant& t,
     child->id = SessionManager::NewId(options_.device_index);
     child->tenant = t.name;
     child->model = parent->model;
+    if (logical_id) {
+      child->tp = TensorParallelMembership{*logical_id, parent->tp->ranks, parent->tp->rank};
+    }
     child->profile = parent->profile;
     child->durable = parent->durable;
     child->append_fsync = parent->append_fsync;
@@ -374,6 +417,7 @@ absl::StatusOr<v1::ForkSessionResponse> EngineImpl::ForkSession(const Tenant& t,
   v1::ForkSessionResponse resp;
   resp.set_session_id(child->id);
   resp.set_shared_tokens(child->tokens);
+  if (child->tp) FillShardInfo(*child, resp.mutable_tensor_parallel());
   log::Event(spdlog::level::info, "session_forked")
       .Str("session", child->id)
       .Str("parent", r.parent_session_id())
@@ -426,6 +470,7 @@ absl::StatusOr<v1::SessionInfo> EngineImpl::GetSession(const Tenant& t,
   info.set_value_codec(CodecToProto(s->profile.codec.codec));
   info.set_selection_unit(static_cast<uint32_t>(s->profile.selection_unit));
   info.set_device(device_name());
+  if (s->tp) FillShardInfo(*s, info.mutable_tensor_parallel());
   if (r.include_selection()) FillSelectionHealth(s->selection, info.mutable_selection());
   return info;
 }
@@ -443,7 +488,11 @@ absl::StatusOr<v1::ListSessionsResponse> EngineImpl::ListSessions(const Tenant& 
 }
 
 absl::StatusOr<v1::CloseSessionResponse> EngineImpl::CloseSession(
-    const Tenant& t, const v1::CloseSessionRequest& r) {
+    const Tenant& t, const v1::CloseSessionRequest& r, bool shard_ok) {
+  if (!shard_ok) {
+    auto found = sessions_.FindSession(t.name, r.session_id());
+    if (found.ok() && (*found)->tp) return ShardRefused(**found, "close");
+  }
   // A durable session's record goes first, while the session is still registered: when the
   // delete fails (a storage fault), the close answers its error and the session stays as
   // it was, so that a restart never brings back a session whose close was acknowledged.
@@ -470,6 +519,44 @@ absl::StatusOr<v1::CloseSessionResponse> EngineImpl::CloseSession(
   UpdateGauges();
   log::Event(spdlog::level::info, "session_closed").Str("session", s->id).Str("tenant", t.name);
   return v1::CloseSessionResponse();
+}
+
+// ---------------------------------------------------------------------------------------
+// Tensor-parallel shards (docs/DESIGN.md "Tensor-parallel sessions"; DeviceRouter keeps the
+// logical sessions)
+
+std::vector<Engine::ShardRecord> EngineImpl::TensorParallelShards() {
+  std::vector<Engine::ShardRecord> out;
+  for (const auto& s : sessions_.AllSessions()) {
+    if (!s->tp) continue;
+    Engine::ShardRecord r;
+    r.tenant = s->tenant;
+    r.session_id = s->id;
+    r.logical_id = s->tp->logical_id;
+    r.ranks = s->tp->ranks;
+    r.rank = s->tp->rank;
+    r.kv_head_begin = s->model.tp_kv_begin;
+    r.kv_head_end = s->model.tp_kv_end;
+    r.kv_heads = s->model.tp_kv_heads;
+    r.query_heads = s->model.tp_kv_heads * s->model.shape.g;
+    if (s->damaged.load()) {
+      std::lock_guard<std::mutex> lock(s->damage_mu);
+      r.damage = s->damage;
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+absl::Status EngineImpl::MarkShardDamaged(const Tenant& t, const std::string& session_id,
+                                          const std::string& what) {
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Session> s, sessions_.FindSession(t.name, session_id));
+  if (!s->tp) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session '", s->id, "' is not a tensor-parallel shard"));
+  }
+  MarkDamaged(*s, "tensor_parallel", what, 0, /*persist=*/false);
+  return absl::OkStatus();
 }
 
 }  // namespace kvshade::service

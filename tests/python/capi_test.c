@@ -5,7 +5,9 @@
  * stats, the recall guard's figures (kvshade_get_session_selection), segment ends
  * (kvshade_create_session_ex: a second prompt reuses the first's document), per-device
  * statistics (kvshade_get_device_stats; with $KVSHADE_TEST_DEVICES the daemon has that many
- * CPU devices: `run_with_server.py --backend cpu:0,cpu:1`), the error contract
+ * CPU devices: `run_with_server.py --backend cpu:0,cpu:1`), a tensor-parallel session of two
+ * ranks (kvshade_create_session_tp, kvshade_get_tensor_parallel_shards, the tp_* fields; on
+ * the last device, or one rank per device with two), the error contract
  * (codes and messages, NULL arguments), and the UCX options and status: with
  * $KVSHADE_UCX_TRANSPORTS set the server offers a UCX data plane (started with
  * `run_with_server.py --ucx ...`) and a use_ucx client must connect with no fallback;
@@ -189,6 +191,76 @@ static int test_device_stats(kvshade_client* c, const kvshade_model* m, const kv
   CHECK(host_budget <= st.host_bytes_budget && host_budget > st.host_bytes_budget / 2);
   fprintf(stderr, "device stats: %zu device(s), a session placed on %s\n", count, last);
   REQUIRE_OK(kvshade_close_session(c, sc.session_id));
+  return 0;
+}
+
+/* A tensor-parallel session of two ranks, one KV head each (the first rank's on the daemon's
+ * first device, the second's on its last): create and join, the created and info fields, the
+ * shards, a range that overlaps refused, ingest of a rank's head, close of the whole. */
+static int test_tensor_parallel(kvshade_client* c, const kvshade_model* m, const int32_t* tokens,
+                                const char* first, const char* last) {
+  kvshade_model tm = *m;
+  tm.model_id = "capi-tp";
+  kvshade_profile ex;
+  kvshade_profile_init(&ex);
+  ex.kind = KVSHADE_PROFILE_EXACT;
+  kvshade_tensor_parallel tp;
+  memset(&tp, 0, sizeof(tp));
+  tp.ranks = 2;
+  tp.rank = 0;
+  tp.kv_head_begin = 0;
+  tp.kv_head_end = 1;
+  kvshade_session_created r0, r1;
+  REQUIRE_OK(kvshade_create_session_tp(c, &tm, &ex, tokens, N, 0, "capi-tp", NULL, 0, first, &tp, &r0));
+  CHECK(r0.tp_ranks == 2 && r0.tp_rank == 0 && r0.tp_ranks_joined == 1);
+  CHECK(strlen(r0.tp_session_id) > 0 && strcmp(r0.tp_session_id, r0.session_id) != 0);
+  CHECK(strcmp(r0.device, first) == 0);
+  snprintf(tp.session_id, sizeof(tp.session_id), "%s", r0.tp_session_id);
+  tp.rank = 1;
+  tp.kv_head_begin = 0; /* rank 0's head too: none left for rank 0 */
+  tp.kv_head_end = 2;
+  CHECK(kvshade_create_session_tp(c, &tm, &ex, tokens, N, 0, "capi-tp", NULL, 0, last, &tp, &r1) ==
+        KVSHADE_INVALID_ARGUMENT);
+  CHECK(strstr(kvshade_last_error(), "fewer than one KV head") != NULL);
+  tp.kv_head_begin = 1;
+  REQUIRE_OK(kvshade_create_session_tp(c, &tm, &ex, tokens, N, 0, "capi-tp", NULL, 0, last, &tp, &r1));
+  CHECK(r1.tp_rank == 1 && r1.tp_ranks_joined == 2 && strcmp(r1.tp_session_id, r0.tp_session_id) == 0);
+  /* Each rank ingests its head: K/V [N, 1, D]. */
+  static uint16_t k[N * D], v[N * D];
+  for (size_t i = 0; i < (size_t)N * D; ++i) {
+    k[i] = rand_bf16();
+    v[i] = rand_bf16();
+  }
+  for (int r = 0; r < 2; ++r) {
+    kvshade_ingest* ing = NULL;
+    REQUIRE_OK(kvshade_ingest_begin(c, r == 0 ? r0.session_id : r1.session_id, &ing));
+    for (int l = 0; l < L; ++l) {
+      REQUIRE_OK(kvshade_ingest_layer(ing, (uint32_t)l, KVSHADE_DTYPE_BF16, N, 1, D, k, v, NULL, 0, 0));
+    }
+    uint64_t committed = 0;
+    REQUIRE_OK(kvshade_ingest_commit(ing, &committed));
+    kvshade_ingest_free(ing);
+  }
+  kvshade_session_info info;
+  REQUIRE_OK(kvshade_get_session(c, r0.tp_session_id, &info));
+  CHECK(strcmp(info.state, "ready") == 0 && info.tokens == N);
+  CHECK(strcmp(info.tp_session_id, r0.tp_session_id) == 0 && info.tp_ranks == 2 && info.tp_ranks_joined == 2);
+  CHECK(info.tp_kv_head_begin == 0 && info.tp_kv_head_end == H && info.tp_num_kv_heads == H);
+  REQUIRE_OK(kvshade_get_session(c, r1.session_id, &info));
+  CHECK(info.tp_rank == 1 && info.tp_kv_head_begin == 1 && info.tp_kv_head_end == 2);
+  CHECK(strcmp(info.device, last) == 0);
+  size_t n = 0;
+  CHECK(kvshade_get_tensor_parallel_shards(c, r0.tp_session_id, NULL, 1, &n) == KVSHADE_INVALID_ARGUMENT);
+  REQUIRE_OK(kvshade_get_tensor_parallel_shards(c, r0.tp_session_id, NULL, 0, &n));
+  CHECK(n == 2);
+  kvshade_tensor_parallel_shard shards[2];
+  REQUIRE_OK(kvshade_get_tensor_parallel_shards(c, r0.tp_session_id, shards, 2, &n));
+  CHECK(strcmp(shards[0].session_id, r0.session_id) == 0 && strcmp(shards[1].session_id, r1.session_id) == 0);
+  CHECK(strcmp(shards[1].device, last) == 0 && shards[1].kv_head_begin == 1 && shards[1].tokens == N);
+  CHECK(kvshade_get_tensor_parallel_shards(c, r0.session_id, shards, 2, &n) == KVSHADE_INVALID_ARGUMENT);
+  CHECK(kvshade_close_session(c, r0.session_id) == KVSHADE_FAILED_PRECONDITION);
+  REQUIRE_OK(kvshade_close_session(c, r0.tp_session_id));
+  CHECK(kvshade_get_session(c, r1.session_id, &info) == KVSHADE_NOT_FOUND);
   return 0;
 }
 
@@ -603,6 +675,12 @@ int main(void) {
   CHECK(stats.sessions >= 1);
   CHECK(strlen(stats.backend) > 0);
   if (test_device_stats(c, &m, &p, tokens) != 0) return 1;
+  {
+    kvshade_device_stats ds[MAX_TEST_DEVICES];
+    size_t nd = 0;
+    REQUIRE_OK(kvshade_get_device_stats(c, ds, MAX_TEST_DEVICES, &nd));
+    if (test_tensor_parallel(c, &m, tokens, ds[0].device, ds[nd - 1].device) != 0) return 1;
+  }
 
   REQUIRE_OK(kvshade_detach(c, att.attachment_id));
   CHECK(kvshade_detach(c, att.attachment_id) == KVSHADE_NOT_FOUND);

@@ -29,6 +29,8 @@ STRUCTS = {
     "Stats": "kvshade_stats",
     "DeviceStats": "kvshade_device_stats",
     "LayerSelection": "kvshade_layer_selection",
+    "TensorParallel": "kvshade_tensor_parallel",
+    "TensorParallelShard": "kvshade_tensor_parallel_shard",
 }
 
 

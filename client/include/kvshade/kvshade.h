@@ -34,7 +34,7 @@ extern "C" {
 #define KVSHADE_API
 #endif
 
-#define KVSHADE_ABI_VERSION 10 /* 2: UCX options and status, attachment data-plane fields;
+#define KVSHADE_ABI_VERSION 11 /* 2: UCX options and status, attachment data-plane fields;
                                  3: profile selection options, ucx_busy_poll_us, slot delta
                                  fallback and tokens, the _ex decode calls;
                                  4: slot delta positions, static set positions, held
@@ -51,7 +51,12 @@ extern "C" {
                                  kvshade_attach_options.device,
                                  kvshade_create_session_on, kvshade_lookup_prefix_on;
                                  10: per-device statistics: kvshade_device_stats,
-                                 kvshade_get_device_stats */
+                                 kvshade_get_device_stats;
+                                 11: tensor-parallel sessions: kvshade_tensor_parallel,
+                                 kvshade_create_session_tp,
+                                 kvshade_tensor_parallel_shard,
+                                 kvshade_get_tensor_parallel_shards, the tp_* fields of
+                                 kvshade_session_created and kvshade_session_info */
 #define KVSHADE_ID_CAP 128
 /* The most segment ends a CreateSession takes (docs/DESIGN.md "Segment ends"). */
 #define KVSHADE_MAX_SEGMENT_ENDS 5
@@ -209,6 +214,11 @@ typedef struct kvshade_session_created {
   uint64_t segment_ends[KVSHADE_MAX_SEGMENT_ENDS];
   uint64_t automatic_segment_end;
   char device[KVSHADE_DEVICE_CAP]; /* the daemon device it was placed on ("cuda:1") */
+  /* A tensor-parallel rank's create (kvshade_create_session_tp): the logical session's id,
+   * its ranks, this rank and the ranks joined so far; session_id above is this rank's
+   * shard. tp_session_id "" and the others 0 for any other session. */
+  char tp_session_id[KVSHADE_ID_CAP];
+  uint32_t tp_ranks, tp_rank, tp_ranks_joined;
 } kvshade_session_created;
 
 typedef struct kvshade_session_info {
@@ -233,8 +243,16 @@ typedef struct kvshade_session_info {
   /* Tokens per selection unit of the session's resolved profile (docs/ALGORITHM.md
    * "Selection units"); 0 = whole chunks. */
   uint32_t selection_unit;
-  /* The daemon device the session lives on ("cpu", "cuda:0", "cpu:1"). */
+  /* The daemon device the session lives on ("cpu", "cuda:0", "cpu:1"); "" for a
+   * tensor-parallel logical session (its shards': kvshade_get_tensor_parallel_shards). */
   char device[KVSHADE_DEVICE_CAP];
+  /* Tensor-parallel sessions (docs/DESIGN.md "Tensor-parallel sessions"): tp_ranks 0 for
+   * any other session. A shard: its logical session (tp_session_id), rank and KV heads
+   * [tp_kv_head_begin, tp_kv_head_end) of the model's tp_num_kv_heads. The logical session
+   * (tp_session_id == session_id): tokens the fewest any rank has committed, state
+   * "joining" until every rank joined, tp_ranks_joined, KV heads [0, tp_num_kv_heads). */
+  char tp_session_id[KVSHADE_ID_CAP];
+  uint32_t tp_ranks, tp_rank, tp_kv_head_begin, tp_kv_head_end, tp_num_kv_heads, tp_ranks_joined;
 } kvshade_session_info;
 
 KVSHADE_API int kvshade_create_session(kvshade_client* client, const kvshade_model* model,
@@ -270,7 +288,53 @@ KVSHADE_API int kvshade_lookup_prefix_on(kvshade_client* client, const kvshade_m
                                          const kvshade_profile* profile, const int32_t* token_ids,
                                          size_t n_tokens, const char* device,
                                          uint64_t* reusable_tokens, uint64_t* cached_segments);
-/* out_session_id: KVSHADE_ID_CAP bytes. shared_tokens may be NULL. */
+/* ---- Tensor-parallel sessions (docs/DESIGN.md "Tensor-parallel sessions") ----------- */
+/* A rank of a tensor-parallel session: KV heads [kv_head_begin, kv_head_end) of the
+ * model's num_kv_heads (rank 0 from head 0, the last rank to the end, each rank where the
+ * one before it ends) and their GQA groups' query heads. session_id: the logical session
+ * to join (its tp_session_id); "" creates a new one. query_head_begin/end: an optional
+ * check of the rank's query heads (both 0: none). */
+typedef struct kvshade_tensor_parallel {
+  uint32_t ranks, rank, kv_head_begin, kv_head_end;
+  uint32_t query_head_begin, query_head_end;
+  char session_id[KVSHADE_ID_CAP];
+} kvshade_tensor_parallel;
+
+/* kvshade_create_session_ex as rank tp->rank of a tensor-parallel session: creates (or
+ * joins) the logical session and this rank's shard on `device` (the rank's GPU). Every
+ * rank passes the same model (the whole model's geometry), profile, tokens, durable, label
+ * and segment ends. out->session_id is the shard's, which every per-session call
+ * (ingest, append, attach, decode) takes, with the shard's heads only (K/V [n,
+ * kv_head_end - kv_head_begin, d]); out->tp_session_id the logical session's, which
+ * kvshade_get_session, kvshade_fork_session and kvshade_close_session take. A bad range, a
+ * rank that joined already or a mismatch with the other ranks: KVSHADE_INVALID_ARGUMENT /
+ * KVSHADE_FAILED_PRECONDITION, nothing created. */
+KVSHADE_API int kvshade_create_session_tp(kvshade_client* client, const kvshade_model* model,
+                                          const kvshade_profile* profile, const int32_t* token_ids,
+                                          size_t n_tokens, int32_t durable, const char* label,
+                                          const uint64_t* segment_ends, size_t n_segment_ends,
+                                          const char* device, const kvshade_tensor_parallel* tp,
+                                          kvshade_session_created* out);
+
+/* One rank's shard of a logical session. state: the shard's ("ready", ...), "joining"
+ * before the rank joined (session_id ""), "missing" when it is gone. */
+typedef struct kvshade_tensor_parallel_shard {
+  uint32_t rank, kv_head_begin, kv_head_end;
+  char session_id[KVSHADE_ID_CAP];
+  char device[KVSHADE_DEVICE_CAP];
+  char state[32];
+  uint64_t tokens, reused_tokens;
+} kvshade_tensor_parallel_shard;
+
+/* The shards of logical session `session_id` in rank order: writes min(cap, ranks) of them
+ * to out and the number of ranks to *n (out may be NULL when cap is 0). A session that is
+ * no logical session: KVSHADE_INVALID_ARGUMENT. */
+KVSHADE_API int kvshade_get_tensor_parallel_shards(kvshade_client* client, const char* session_id,
+                                                   kvshade_tensor_parallel_shard* out, size_t cap,
+                                                   size_t* n);
+
+/* out_session_id: KVSHADE_ID_CAP bytes. shared_tokens may be NULL. A tensor-parallel logical
+ * session forks every rank's shard at at_token: out_session_id is the child logical session. */
 KVSHADE_API int kvshade_fork_session(kvshade_client* client, const char* parent_session_id,
                                      uint64_t at_token, char* out_session_id,
                                      uint64_t* shared_tokens);

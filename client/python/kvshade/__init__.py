@@ -8,7 +8,8 @@ numpy is required; torch is optional (kvshade.torch_hook, kvshade.local, kvshade
 kvshade.testing need it). kvshade.Decoder is the protocol the decoders follow.
 """
 from .client import (AttachmentInfo, AttendFuture, Client, CreatedSession, Ingest, ModelSpec, Profile,
-                     SelectFuture, SlotDelta, StaticSet, bf16_bits_to_f32, f32_to_bf16_bits, to_wire)
+                     SelectFuture, SlotDelta, StaticSet, TensorParallel, bf16_bits_to_f32, f32_to_bf16_bits,
+                     to_wire)
 from .decoder import Decoder
 from .routing import Placement
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition,
@@ -17,7 +18,7 @@ from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceed
 
 __all__ = [
     "AttachmentInfo", "AttendFuture", "Client", "CreatedSession", "Ingest", "ModelSpec", "Profile", "SelectFuture",
-    "SlotDelta", "StaticSet", "bf16_bits_to_f32", "f32_to_bf16_bits", "to_wire", "Decoder", "Placement",
+    "SlotDelta", "StaticSet", "TensorParallel", "bf16_bits_to_f32", "f32_to_bf16_bits", "to_wire", "Decoder", "Placement",
     "Aborted", "AlreadyExists", "Cancelled", "DataLoss", "DeadlineExceeded", "FailedPrecondition", "Internal",
     "InvalidArgument", "KvShadeError", "NotFound", "OutOfRange", "PermissionDenied", "ResourceExhausted",
     "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "library_path",

@@ -18,7 +18,8 @@ import os
 from . import _native_abi as _abi
 # The structures callers fill and read, as kvshade.h declares them (generated: _native_abi.py).
 from ._native_abi import (Attachment, AttachOptions, ClientOptions, DeviceStats, LayerSelection, Model,  # noqa: F401
-                          NewTokens, Profile, SessionCreated, SessionInfo, SlotDelta, Stats)
+                          NewTokens, Profile, SessionCreated, SessionInfo, SlotDelta, Stats,
+                          TensorParallel, TensorParallelShard)
 
 ABI_VERSION = _abi.KVSHADE_ABI_VERSION
 ID_CAP = _abi.KVSHADE_ID_CAP

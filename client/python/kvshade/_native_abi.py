@@ -5,7 +5,7 @@ argtypes of each function (SIGNATURES). kvshade._native loads the library with t
 """
 import ctypes
 
-KVSHADE_ABI_VERSION = 10
+KVSHADE_ABI_VERSION = 11
 KVSHADE_ID_CAP = 128
 KVSHADE_MAX_SEGMENT_ENDS = 5
 KVSHADE_DEVICE_CAP = 64
@@ -128,6 +128,10 @@ class SessionCreated(ctypes.Structure):
         ("segment_ends", ctypes.c_uint64 * 5),  # uint64_t segment_ends[KVSHADE_MAX_SEGMENT_ENDS]
         ("automatic_segment_end", ctypes.c_uint64),  # uint64_t automatic_segment_end
         ("device", ctypes.c_char * 64),  # char device[KVSHADE_DEVICE_CAP]
+        ("tp_session_id", ctypes.c_char * 128),  # char tp_session_id[KVSHADE_ID_CAP]
+        ("tp_ranks", ctypes.c_uint32),  # uint32_t tp_ranks
+        ("tp_rank", ctypes.c_uint32),  # uint32_t tp_rank
+        ("tp_ranks_joined", ctypes.c_uint32),  # uint32_t tp_ranks_joined
     ]
 
 
@@ -152,6 +156,40 @@ class SessionInfo(ctypes.Structure):
         ("ingest_parts_taken", ctypes.c_uint64),  # uint64_t ingest_parts_taken
         ("selection_unit", ctypes.c_uint32),  # uint32_t selection_unit
         ("device", ctypes.c_char * 64),  # char device[KVSHADE_DEVICE_CAP]
+        ("tp_session_id", ctypes.c_char * 128),  # char tp_session_id[KVSHADE_ID_CAP]
+        ("tp_ranks", ctypes.c_uint32),  # uint32_t tp_ranks
+        ("tp_rank", ctypes.c_uint32),  # uint32_t tp_rank
+        ("tp_kv_head_begin", ctypes.c_uint32),  # uint32_t tp_kv_head_begin
+        ("tp_kv_head_end", ctypes.c_uint32),  # uint32_t tp_kv_head_end
+        ("tp_num_kv_heads", ctypes.c_uint32),  # uint32_t tp_num_kv_heads
+        ("tp_ranks_joined", ctypes.c_uint32),  # uint32_t tp_ranks_joined
+    ]
+
+
+class TensorParallel(ctypes.Structure):
+    """kvshade_tensor_parallel"""
+    _fields_ = [
+        ("ranks", ctypes.c_uint32),  # uint32_t ranks
+        ("rank", ctypes.c_uint32),  # uint32_t rank
+        ("kv_head_begin", ctypes.c_uint32),  # uint32_t kv_head_begin
+        ("kv_head_end", ctypes.c_uint32),  # uint32_t kv_head_end
+        ("query_head_begin", ctypes.c_uint32),  # uint32_t query_head_begin
+        ("query_head_end", ctypes.c_uint32),  # uint32_t query_head_end
+        ("session_id", ctypes.c_char * 128),  # char session_id[KVSHADE_ID_CAP]
+    ]
+
+
+class TensorParallelShard(ctypes.Structure):
+    """kvshade_tensor_parallel_shard"""
+    _fields_ = [
+        ("rank", ctypes.c_uint32),  # uint32_t rank
+        ("kv_head_begin", ctypes.c_uint32),  # uint32_t kv_head_begin
+        ("kv_head_end", ctypes.c_uint32),  # uint32_t kv_head_end
+        ("session_id", ctypes.c_char * 128),  # char session_id[KVSHADE_ID_CAP]
+        ("device", ctypes.c_char * 64),  # char device[KVSHADE_DEVICE_CAP]
+        ("state", ctypes.c_char * 32),  # char state[32]
+        ("tokens", ctypes.c_uint64),  # uint64_t tokens
+        ("reused_tokens", ctypes.c_uint64),  # uint64_t reused_tokens
     ]
 
 
@@ -281,6 +319,8 @@ STRUCTS = {
     "kvshade_profile": Profile,
     "kvshade_session_created": SessionCreated,
     "kvshade_session_info": SessionInfo,
+    "kvshade_tensor_parallel": TensorParallel,
+    "kvshade_tensor_parallel_shard": TensorParallelShard,
     "kvshade_layer_selection": LayerSelection,
     "kvshade_attachment": Attachment,
     "kvshade_attach_options": AttachOptions,
@@ -380,6 +420,27 @@ SIGNATURES = {
         ctypes.c_char_p,  # const char* device
         ctypes.POINTER(ctypes.c_uint64),  # uint64_t* reusable_tokens
         ctypes.POINTER(ctypes.c_uint64),  # uint64_t* cached_segments
+    ]),
+    "kvshade_create_session_tp": (ctypes.c_int, [  # returns int
+        ctypes.c_void_p,  # kvshade_client* client
+        ctypes.POINTER(Model),  # const kvshade_model* model
+        ctypes.POINTER(Profile),  # const kvshade_profile* profile
+        ctypes.POINTER(ctypes.c_int32),  # const int32_t* token_ids
+        ctypes.c_size_t,  # size_t n_tokens
+        ctypes.c_int32,  # int32_t durable
+        ctypes.c_char_p,  # const char* label
+        ctypes.POINTER(ctypes.c_uint64),  # const uint64_t* segment_ends
+        ctypes.c_size_t,  # size_t n_segment_ends
+        ctypes.c_char_p,  # const char* device
+        ctypes.POINTER(TensorParallel),  # const kvshade_tensor_parallel* tp
+        ctypes.POINTER(SessionCreated),  # kvshade_session_created* out
+    ]),
+    "kvshade_get_tensor_parallel_shards": (ctypes.c_int, [  # returns int
+        ctypes.c_void_p,  # kvshade_client* client
+        ctypes.c_char_p,  # const char* session_id
+        ctypes.POINTER(TensorParallelShard),  # kvshade_tensor_parallel_shard* out
+        ctypes.c_size_t,  # size_t cap
+        ctypes.POINTER(ctypes.c_size_t),  # size_t* n
     ]),
     "kvshade_fork_session": (ctypes.c_int, [  # returns int
         ctypes.c_void_p,  # kvshade_client* client

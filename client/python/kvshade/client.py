@@ -294,6 +294,43 @@ class CreatedSession:
     automatic_segment_end: int = 0
     # The daemon device it was placed on ("cpu", "cuda:1"; docs/OPERATIONS.md "Devices").
     device: str = ""
+    # A tensor-parallel rank's create (create_session(tensor_parallel=...)): the logical
+    # session's id, its ranks, this rank and the ranks joined so far; session_id is this
+    # rank's shard. "" and 0 for any other session.
+    tp_session_id: str = ""
+    tp_ranks: int = 0
+    tp_rank: int = 0
+    tp_ranks_joined: int = 0
+
+
+@dataclass
+class TensorParallel:
+    """A rank of a tensor-parallel session (docs/DESIGN.md "Tensor-parallel sessions"): KV
+    heads [kv_head_begin, kv_head_end) of the model's num_kv_heads (rank 0 from head 0, the
+    last rank to the end, each rank where the one before it ends) and their GQA groups'
+    query heads. session_id: the logical session to join (CreatedSession.tp_session_id of
+    the rank that created it); "" creates a new one. query_head_begin/query_head_end: an
+    optional check of the rank's query heads (both 0: none)."""
+    ranks: int
+    rank: int
+    kv_head_begin: int
+    kv_head_end: int
+    session_id: str = ""
+    query_head_begin: int = 0
+    query_head_end: int = 0
+
+    def _c(self) -> Any:
+        t = _native.TensorParallel()
+        for name in ("ranks", "rank", "kv_head_begin", "kv_head_end", "query_head_begin", "query_head_end"):
+            v = int(getattr(self, name))
+            if not 0 <= v < 2 ** 32:
+                raise InvalidArgument("TensorParallel.%s must be in [0, 2^32), got %d" % (name, v))
+            setattr(t, name, v)
+        sid = _b(self.session_id) or b""
+        if len(sid) >= _native.ID_CAP:
+            raise InvalidArgument("TensorParallel.session_id must be < %d bytes" % _native.ID_CAP)
+        t.session_id = sid
+        return t
 
 
 @dataclass
@@ -683,26 +720,35 @@ class Client(_NativeHandle):
 
     def create_session(self, model: ModelSpec, profile: Profile, token_ids: Any, durable: bool = False,
                        label: str = "", segment_ends: Sequence[int] = (),
-                       device: Optional[str] = None) -> "CreatedSession":
+                       device: Optional[str] = None,
+                       tensor_parallel: Optional[TensorParallel] = None) -> "CreatedSession":
         """segment_ends: token positions where the ingested prompt is cut into separately cached
         segments (e.g. the end of a shared document before the question), so that a later prompt
         sharing only that part reuses it; docs/DESIGN.md "Segment ends" has the rules.
         device: on a daemon with several devices (docs/OPERATIONS.md "Devices"), the one to
         place the session on, the worker's GPU: the daemon's name of it ("cuda:1") or its PCI
-        bus id (kvshade.routing.local_gpu_pci_bus_id()); None = the daemon's first device."""
+        bus id (kvshade.routing.local_gpu_pci_bus_id()); None = the daemon's first device.
+        tensor_parallel: create (or join) a tensor-parallel session as one of its ranks
+        (docs/DESIGN.md "Tensor-parallel sessions"): `model` is the whole model, the session
+        created is the rank's shard (session_id; every per-session call takes it and the
+        rank's heads only), tp_session_id the logical session (get_session,
+        tensor_parallel_shards, fork_session, close_session)."""
         a, p = self._tokens(token_ids)
         ends = [int(e) for e in segment_ends]
         if any(e < 0 for e in ends):
             raise InvalidArgument("segment_ends must not be negative, got %s" % (ends,))
         ends_c = (ctypes.c_uint64 * max(len(ends), 1))(*ends)
         out = _native.SessionCreated()
-        _check(_native.lib().kvshade_create_session_ex(self._handle(), ctypes.byref(model._c()),
+        tp = ctypes.byref(tensor_parallel._c()) if tensor_parallel is not None else None
+        _check(_native.lib().kvshade_create_session_tp(self._handle(), ctypes.byref(model._c()),
                                                        ctypes.byref(profile._c()), p, a.size, int(durable),
-                                                       _b(label), ends_c, len(ends), _b(device), ctypes.byref(out)))
+                                                       _b(label), ends_c, len(ends), _b(device), tp,
+                                                       ctypes.byref(out)))
         return CreatedSession(out.session_id.decode(), out.reused_tokens, out.tokens_to_ingest,
                               PROFILE_NAMES.get(out.effective_profile, str(out.effective_profile)),
                               tuple(out.segment_ends[:out.n_segment_ends]), out.automatic_segment_end,
-                              out.device.decode())
+                              out.device.decode(), out.tp_session_id.decode(), out.tp_ranks, out.tp_rank,
+                              out.tp_ranks_joined)
 
     def lookup_prefix(self, model: ModelSpec, profile: Profile, token_ids: Any,
                       device: Optional[str] = None) -> Tuple[int, int]:
@@ -716,7 +762,9 @@ class Client(_NativeHandle):
         return r.value, s.value
 
     def fork_session(self, parent_session_id: str, at_token: int) -> Tuple[str, int]:
-        """(child session id, shared_tokens)."""
+        """(child session id, shared_tokens). A tensor-parallel logical session forks every
+        rank's shard at at_token (each rank must have committed it): the child is a logical
+        session (its shards: tensor_parallel_shards)."""
         buf = ctypes.create_string_buffer(_native.ID_CAP)
         shared = ctypes.c_uint64()
         _check(_native.lib().kvshade_fork_session(self._handle(), _b(parent_session_id), at_token, buf,
@@ -733,7 +781,31 @@ class Client(_NativeHandle):
                 "reused_tokens": i.reused_tokens, "gpu_bytes": i.gpu_bytes, "host_bytes": i.host_bytes,
                 "damaged": bool(i.damaged), "damage": i.damage.decode(errors="replace"),
                 "tokens_lost": i.tokens_lost, "ingest_parts_taken": i.ingest_parts_taken,
-                "selection_unit": i.selection_unit, "device": i.device.decode()}
+                "selection_unit": i.selection_unit, "device": i.device.decode(),
+                "tensor_parallel": None if i.tp_ranks == 0 else {
+                    "session_id": i.tp_session_id.decode(), "ranks": i.tp_ranks, "rank": i.tp_rank,
+                    "kv_head_begin": i.tp_kv_head_begin, "kv_head_end": i.tp_kv_head_end,
+                    "num_kv_heads": i.tp_num_kv_heads, "ranks_joined": i.tp_ranks_joined}}
+
+    def tensor_parallel_shards(self, session_id: str) -> List[Dict[str, Any]]:
+        """The shards of logical session `session_id` in rank order (docs/DESIGN.md
+        "Tensor-parallel sessions"), each a dict: rank, kv_head_begin, kv_head_end,
+        session_id (the shard's; "" before the rank joined), device, state ("joining" before
+        the rank joined, "missing" when its shard is gone), tokens, reused_tokens.
+        InvalidArgument for a session that is no logical session."""
+        lib = _native.lib()
+        n = ctypes.c_size_t()
+        _check(lib.kvshade_get_tensor_parallel_shards(self._handle(), _b(session_id), None, 0, ctypes.byref(n)))
+        while True:
+            cap = n.value
+            arr = (_native.TensorParallelShard * max(cap, 1))()
+            _check(lib.kvshade_get_tensor_parallel_shards(self._handle(), _b(session_id), arr, cap,
+                                                          ctypes.byref(n)))
+            if n.value <= cap:
+                break
+        return [{"rank": x.rank, "kv_head_begin": x.kv_head_begin, "kv_head_end": x.kv_head_end,
+                 "session_id": x.session_id.decode(), "device": x.device.decode(), "state": x.state.decode(),
+                 "tokens": x.tokens, "reused_tokens": x.reused_tokens} for x in arr[:n.value]]
 
     def session_selection(self, session_id: str) -> List[Dict[str, Any]]:
         """The recall guard's figures of a session, per layer with sampled decode steps

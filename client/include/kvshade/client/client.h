@@ -90,6 +90,20 @@ class Client {
   absl::StatusOr<v1::ListSessionsResponse> ListSessions();
   absl::Status CloseSession(const std::string& session_id);
 
+  // Tensor-parallel sessions (docs/DESIGN.md "Tensor-parallel sessions"). CreateSession of
+  // `req` (the whole model's geometry, req.device the rank's GPU) as rank `rank` of `ranks`
+  // holding KV heads [kv_head_begin, kv_head_end), joining logical session `join` (empty:
+  // create a new one). The response's session_id is the rank's shard (every per-session
+  // call takes it, with the rank's heads only); tensor_parallel().session_id() the logical
+  // session (GetSession, ForkSession, CloseSession).
+  absl::StatusOr<v1::CreateSessionResponse> CreateTensorParallelRank(
+      v1::CreateSessionRequest req, uint32_t ranks, uint32_t rank, uint32_t kv_head_begin,
+      uint32_t kv_head_end, const std::string& join = "");
+  // The shards of logical session `session_id`, in rank order; INVALID_ARGUMENT for a
+  // session that is no logical session.
+  absl::StatusOr<std::vector<v1::TensorParallelShard>> TensorParallelShards(
+      const std::string& session_id);
+
   // --- Data ---
   // Raw stream: sends every message in order, then closes the stream. Over UCX the
   // messages are pipelined (ucx_ingest_window ahead) and their tensors go by rendezvous

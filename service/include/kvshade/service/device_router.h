@@ -19,12 +19,16 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kvshade/base/sync.h"
 #include "kvshade/kernels/backend.h"
 #include "kvshade/service/config.h"
 #include "kvshade/service/engine.h"
@@ -82,6 +86,15 @@ class DeviceRouter {
   Engine& EngineFor(std::string_view id) const { return *devices_[DeviceOf(id)].engine; }
 
   // The Engine's operations (engine.h), routed.
+  //
+  // Tensor-parallel sessions (docs/DESIGN.md "Tensor-parallel sessions"; tensor_parallel.cc):
+  // the router keeps each logical session (its ranks, their shards' ids and devices) and
+  // checks the ranks against each other; each shard is an engine session on its rank's
+  // device. CreateSession with tensor_parallel creates or joins; GetSession, ListSessions,
+  // ForkSession and CloseSession take the logical id (and refuse a shard's own fork and
+  // close); Ingest, AppendTokens and Attach of a logical id are FAILED_PRECONDITION naming
+  // the shards. Open rebuilds the logical sessions of restored shards; one missing a rank
+  // (or holding a damaged shard) is damaged as a whole.
   absl::StatusOr<v1::CreateSessionResponse> CreateSession(const Tenant& t,
                                                           const v1::CreateSessionRequest& r);
   absl::StatusOr<v1::ForkSessionResponse> ForkSession(const Tenant& t,
@@ -133,8 +146,54 @@ class DeviceRouter {
   // Starts the injected spill faults of every device (SpillStorage::ArmFaults).
   void ArmFaults();
 
+  // A tensor-parallel logical session (tensor_parallel.cc).
+  struct TpRank {
+    std::string session_id;  // the shard; empty: not joined
+    bool joining = false;    // a create for this rank is under way
+    int device = -1;
+    uint32_t kv_begin = 0, kv_end = 0;
+  };
+  // What every rank of a logical session sends alike (CreateSessionRequest less device
+  // and tensor_parallel's own range).
+  struct TpCommon {
+    std::string model, profile, label;
+    uint64_t tokens_hash = 0;
+    size_t tokens = 0;
+    bool durable = false;
+    int append_fsync = 0;
+    std::vector<uint64_t> segment_ends;
+  };
+  struct TpGroup {
+    std::string id, tenant;
+    uint32_t ranks = 0, kv_heads = 0, query_heads = 0;
+    std::optional<TpCommon> common;  // unset for a restored or forked group (complete)
+    std::vector<TpRank> rank;
+    std::string damage;  // found at restore: the group is not whole
+    bool closing = false;
+  };
  private:
   DeviceRouter() = default;
+  // --- tensor_parallel.cc ---
+
+  absl::StatusOr<v1::CreateSessionResponse> CreateTensorParallel(const Tenant& t,
+                                                                 const v1::CreateSessionRequest& r);
+  // A copy of the tenant's logical session `id`; nullopt when there is none.
+  std::optional<TpGroup> FindGroup(const Tenant& t, const std::string& id) const;
+  // FAILED_PRECONDITION when `id` is one of the tenant's logical sessions (`call` is a
+  // per-shard call); OK otherwise.
+  absl::Status CheckNotLogical(const Tenant& t, std::string_view id, std::string_view call) const;
+  // The logical SessionInfo; NOT_FOUND when every shard is gone (e.g. idle expiry) and no
+  // rank is joining, after which the caller forgets it (ForgetGoneGroup).
+  absl::StatusOr<v1::SessionInfo> LogicalInfo(const Tenant& t, const TpGroup& g);
+  void ForgetGoneGroup(const std::string& id);
+  absl::StatusOr<v1::ForkSessionResponse> ForkLogical(const Tenant& t, const TpGroup& g,
+                                                      const v1::ForkSessionRequest& r);
+  absl::StatusOr<v1::CloseSessionResponse> CloseLogical(const Tenant& t, const std::string& id);
+  // At Open: the logical sessions of the shards the engines restored.
+  void RestoreTensorParallel();
+
+  mutable base::Mutex tp_mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<TpGroup>> tp_groups_ ABSL_GUARDED_BY(tp_mu_);
   // The device of a batch's attachments, or INVALID_ARGUMENT for a mixed batch.
   template <typename Ids>
   absl::StatusOr<int> BatchDevice(const Ids& ids) const;

@@ -77,8 +77,13 @@ class Engine {
                                                         EngineOptions options = {});
   ~Engine();
 
+  // With r.tensor_parallel, the session is a tensor-parallel shard: rank
+  // tensor_parallel.rank's slice of r.model (SliceModel) in logical session
+  // tensor_parallel.session_id, which must be set (DeviceRouter assigns it and checks the
+  // ranks against each other).
   absl::StatusOr<v1::CreateSessionResponse> CreateSession(const Tenant& t,
                                                           const v1::CreateSessionRequest& r);
+  // A shard as the parent is FAILED_PRECONDITION: ForkShard forks it.
   absl::StatusOr<v1::ForkSessionResponse> ForkSession(const Tenant& t,
                                                       const v1::ForkSessionRequest& r);
   absl::StatusOr<v1::LookupPrefixResponse> LookupPrefix(const Tenant& t,
@@ -86,8 +91,31 @@ class Engine {
   absl::StatusOr<v1::SessionInfo> GetSession(const Tenant& t, const v1::GetSessionRequest& r);
   absl::StatusOr<v1::ListSessionsResponse> ListSessions(const Tenant& t,
                                                         const v1::ListSessionsRequest& r);
+  // A shard is FAILED_PRECONDITION: CloseShard closes it.
   absl::StatusOr<v1::CloseSessionResponse> CloseSession(const Tenant& t,
                                                         const v1::CloseSessionRequest& r);
+
+  // Tensor-parallel shards (docs/DESIGN.md "Tensor-parallel sessions"), for DeviceRouter,
+  // which keeps the logical sessions. ForkShard forks the shard parent_session_id (the
+  // rules of ForkSession) into a shard of the same rank and heads of logical session
+  // `logical_id`; CloseShard closes a shard (or any session) as CloseSession does.
+  absl::StatusOr<v1::ForkSessionResponse> ForkShard(const Tenant& t, const v1::ForkSessionRequest& r,
+                                                    const std::string& logical_id);
+  absl::StatusOr<v1::CloseSessionResponse> CloseShard(const Tenant& t,
+                                                      const v1::CloseSessionRequest& r);
+  // Every tenant's shards, as restored or created.
+  struct ShardRecord {
+    std::string tenant, session_id, logical_id;
+    int ranks = 0, rank = 0;
+    int kv_head_begin = 0, kv_head_end = 0, kv_heads = 0;
+    int query_heads = 0;  // the whole model's
+    std::string damage;   // non-empty: the shard is damaged (what it lost)
+  };
+  std::vector<ShardRecord> TensorParallelShards();
+  // Marks a shard damaged (not served from then on; DATA_LOSS naming `what`): its logical
+  // session is not whole. Not written to the spill tier (every start finds it again).
+  absl::Status MarkShardDamaged(const Tenant& t, const std::string& session_id,
+                                const std::string& what);
 
   // One Ingest stream: Begin with the header, Add each following message (layer parts,
   // then the commit), then Finish once the stream has ended cleanly (gRPC: the client

@@ -27,8 +27,17 @@ struct ModelInfo {
   kernels::RopeSpec rope;
   v1::DType dtype = v1::DTYPE_BF16;  // wire dtype of K/V/Q tensors
   v1::ModelSpec spec;                // as given (normalized: dtype filled in)
+  // A tensor-parallel shard's slice of the whole model (docs/DESIGN.md "Tensor-parallel
+  // sessions"): KV heads [tp_kv_begin, tp_kv_end) of the model's tp_kv_heads, whose GQA
+  // groups' query heads it holds; `shape` and `spec` are the slice's (h = tp_kv_end -
+  // tp_kv_begin). tp_kv_heads 0: the whole model.
+  int tp_kv_begin = 0;
+  int tp_kv_end = 0;
+  int tp_kv_heads = 0;
+  bool sliced() const { return tp_kv_heads > 0; }
 
-  // Identity of everything that makes two caches interchangeable (part of prefix keys).
+  // Identity of everything that makes two caches interchangeable (part of prefix keys; a
+  // slice's includes its head range, so that only the same heads share a prefix).
   std::string Fingerprint() const;
 };
 
@@ -78,6 +87,18 @@ struct ProfileInfo {
 };
 
 absl::StatusOr<ModelInfo> ResolveModel(const v1::ModelSpec& spec, const LimitsConfig& limits);
+
+// The slice of the whole model `whole` that a tensor-parallel rank holds (ModelInfo's tp_*
+// fields set, shape and spec narrowed to its heads), after checking what one request can
+// check of `tp`: ranks in [1, num_kv_heads], rank < ranks, a non-empty head range inside
+// the model, rank 0 starting at head 0 and the last rank ending at num_kv_heads, room for
+// the ranks before and after it (a head each), and the query heads (when given) exactly
+// those of its KV heads' GQA groups. INVALID_ARGUMENT naming the field otherwise. (That the
+// ranks' ranges tile the heads is checked against the ranks that joined: DeviceRouter.)
+absl::StatusOr<ModelInfo> SliceModel(const ModelInfo& whole, const v1::TensorParallel& tp);
+// Marks `m` (a slice's own geometry, as a durable record keeps it) as KV heads
+// [begin, end) of `kv_heads`.
+void MarkSlice(ModelInfo* m, int begin, int end, int kv_heads);
 
 // Resolves `profile` for a session of `n_tokens` prompt tokens (AUTO: MINI below
 // min_tokens, SHADOW at or above) and checks it against the model.

@@ -189,10 +189,21 @@ struct StaticCache {
 enum class SessionState { kIngesting, kReady, kClosed };
 const char* SessionStateName(SessionState s);
 
+// A tensor-parallel shard's membership (docs/DESIGN.md "Tensor-parallel sessions"): the
+// logical session it is rank `rank` of `ranks` of. Its head range is its model's slice
+// (ModelInfo::tp_*).
+struct TensorParallelMembership {
+  std::string logical_id;
+  int ranks = 0;
+  int rank = 0;
+};
+
 struct Session {
   std::string id;
   std::string tenant;
   ModelInfo model;
+  // Set for a tensor-parallel shard (at create, fork or restore; never changed after).
+  std::optional<TensorParallelMembership> tp;
   ProfileInfo profile;
   bool durable = false;
   std::string label;
