@@ -13,35 +13,15 @@
 namespace kvshade::service::testing {
 namespace {
 
-// A DeviceRouter over `backend` with the engine tests' small budgets, a fake clock and no
-// background thread; Restart() reopens it on the same spill path, like a process restart.
-class Devices {
+// The router harness at rank 128 (RouterHarness).
+class Devices : public RouterHarness {
  public:
   explicit Devices(std::string backend = "cpu:0,cpu:1", std::string spill_path = "",
-                   uint64_t device_budget = 256ull << 20) {
-    config.backend = std::move(backend);
-    config.device_budget_bytes = device_budget;
-    config.host_budget_bytes = 512ull << 20;
-    config.spill_path = std::move(spill_path);
-    config.profile.outliers = 4;
+                   uint64_t device_budget = 256ull << 20)
+      : RouterHarness(std::move(backend), std::move(spill_path), device_budget) {
     config.profile.rank = 128;
-    config.profile.min_tokens = 256;
-    EXPECT_TRUE(ValidateConfig(config).ok()) << ValidateConfig(config);
     absl::Status s = Start();
     EXPECT_TRUE(s.ok()) << s;
-  }
-  absl::Status Start() {
-    DeviceRouterOptions o;
-    o.clock = [this] { return now_ms.load(); };
-    o.background_thread = false;
-    auto r = DeviceRouter::Open(config, &metrics, o);
-    if (!r.ok()) return r.status();
-    router = *std::move(r);
-    return absl::OkStatus();
-  }
-  absl::Status Restart() {
-    router.reset();
-    return Start();
   }
 
   // Creates a session for `s` on `device`, ingests it and attaches (as `worker_device`
@@ -110,11 +90,6 @@ class Devices {
     return s.ok() ? *s : v1::StatsResponse();
   }
 
-  ServerConfig config;
-  Metrics metrics;
-  std::unique_ptr<DeviceRouter> router;
-  std::atomic<int64_t> now_ms{1'700'000'000'000};
-  Tenant tenant{"alice", TenantSalt("alice", "")};
   v1::ModelSpec model = TestModel();
 };
 

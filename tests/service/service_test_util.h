@@ -22,6 +22,7 @@
 #include "kvshade/kernels/rope.h"
 #include "kvshade/service/auth.h"
 #include "kvshade/service/config.h"
+#include "kvshade/service/device_router.h"
 #include "kvshade/service/engine.h"
 #include "kvshade/service/metrics.h"
 #include "kvshade/storage/fault_injection.h"
@@ -512,6 +513,41 @@ class ForwardingSpillTier : public storage::SpillTier {
 
  protected:
   storage::SpillTier& base_;
+};
+
+// A DeviceRouter over `config` with the engine tests' small budgets on two CPU devices, a
+// fake clock and no background thread; the caller adjusts `config` and calls Start();
+// Restart() reopens it on the same spill path, like a process restart.
+struct RouterHarness {
+  explicit RouterHarness(std::string backend = "cpu:0,cpu:1", std::string spill_path = "",
+                         uint64_t device_budget = 256ull << 20) {
+    config.backend = std::move(backend);
+    config.device_budget_bytes = device_budget;
+    config.host_budget_bytes = 512ull << 20;
+    config.spill_path = std::move(spill_path);
+    config.profile.outliers = 4;
+    config.profile.min_tokens = 256;
+  }
+  absl::Status Start() {
+    if (absl::Status v = ValidateConfig(config); !v.ok()) return v;
+    DeviceRouterOptions o;
+    o.clock = [this] { return now_ms.load(); };
+    o.background_thread = false;
+    auto r = DeviceRouter::Open(config, &metrics, o);
+    if (!r.ok()) return r.status();
+    router = *std::move(r);
+    return absl::OkStatus();
+  }
+  absl::Status Restart() {
+    router.reset();
+    return Start();
+  }
+
+  ServerConfig config;
+  Metrics metrics;
+  std::atomic<int64_t> now_ms{1'700'000'000'000};
+  std::unique_ptr<DeviceRouter> router;
+  Tenant tenant{"alice", TenantSalt("alice", "")};
 };
 
 }  // namespace kvshade::service::testing

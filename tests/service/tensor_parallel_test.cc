@@ -50,32 +50,15 @@ bool Contains(const absl::Status& s, const std::string& text) {
   return std::string(s.message()).find(text) != std::string::npos;
 }
 
-class Tp {
+// The router harness at rank 64 (RouterHarness), with an idle TTL when given.
+class Tp : public RouterHarness {
  public:
-  explicit Tp(std::string spill_path = "", uint32_t idle_ttl_s = 0) {
-    config.backend = "cpu:0,cpu:1";
-    config.device_budget_bytes = 256ull << 20;
-    config.host_budget_bytes = 512ull << 20;
-    config.spill_path = std::move(spill_path);
-    config.profile.outliers = 4;
+  explicit Tp(std::string spill_path = "", uint32_t idle_ttl_s = 0)
+      : RouterHarness("cpu:0,cpu:1", std::move(spill_path)) {
     config.profile.rank = 64;
-    config.profile.min_tokens = 256;
     config.limits.session_idle_ttl_s = idle_ttl_s;
-    EXPECT_TRUE(ValidateConfig(config).ok());
-    EXPECT_TRUE(Start().ok());
-  }
-  absl::Status Start() {
-    DeviceRouterOptions o;
-    o.clock = [this] { return now_ms.load(); };
-    o.background_thread = false;
-    auto r = DeviceRouter::Open(config, &metrics, o);
-    if (!r.ok()) return r.status();
-    router = *std::move(r);
-    return absl::OkStatus();
-  }
-  absl::Status Restart() {
-    router.reset();
-    return Start();
+    absl::Status s = Start();
+    EXPECT_TRUE(s.ok()) << s;
   }
 
   v1::CreateSessionRequest Request(const Stream& s, const v1::Profile& p, bool durable = false) {
@@ -173,11 +156,6 @@ class Tp {
     return out;
   }
 
-  ServerConfig config;
-  Metrics metrics;
-  std::atomic<int64_t> now_ms{1'700'000'000'000};
-  std::unique_ptr<DeviceRouter> router;
-  Tenant tenant{"alice", TenantSalt("alice", "")};
   v1::ModelSpec model = TestModel(kLayers, kHeads, kGroup, kDim);
 };
 
