@@ -1501,7 +1501,7 @@ __device__ __forceinline__ uint64_t CandidateKey(float sc, int c) {
          (0xffffffffu - static_cast<uint32_t>(c));
 }
 
-// Shared memory of FinalKernel and FinalUnitKernel: keys [max_pow2] u64, the slot diff's
+// Shared memory of FinalKernel: keys [max_pow2] u64, the slot diff's
 // sp [pow2(k)] u64, then ids, claimed, free and miss [k] int each.
 size_t FinalSmemBytes(int max_pow2, int k) {
   return size_t(max_pow2) * 8 + size_t(NextPow2(std::max(k, 1))) * 8 + size_t(4) * k * sizeof(int);
@@ -2138,7 +2138,7 @@ size_t FinalUnitSmemBytes(int max_units, int k) {
   return (size_t(max_units) * 4 + 7) / 8 * 8 + p2k * 12 + size_t(4) * k * sizeof(int);
 }
 
-// Block (hh, item); dynamic shared memory as FinalUnitKernelSmemBytes says (claimed holds
+// Block (hh, item); dynamic shared memory as FinalUnitSmemBytes says (claimed holds
 // the masses w of the first k ranks before the slot diff). LSE_n over every candidate unit
 // (all threads: per-thread sums in unit order, then warps, then the block), each unit's
 // score m into hi as CandidateKey's high word, the k best keys by RadixSelectTop, sorted
