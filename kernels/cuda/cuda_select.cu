@@ -1413,8 +1413,9 @@ __device__ __forceinline__ float OrderFloat(uint32_t k) {
   return __uint_as_float(b);
 }
 
-// Ascending bitonic sort of n (power of two) u64 in shared memory, block-cooperative.
-__device__ void BitonicSortAsc(uint64_t* a, int n) {
+// Ascending bitonic sort of n (power of two) u64 in shared memory, block-cooperative; with
+// `payload` ([n] int), each key's int moves with it.
+__device__ void BitonicSortAsc(uint64_t* a, int n, int* payload = nullptr) {
   for (int size = 2; size <= n; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
       __syncthreads();
@@ -1426,6 +1427,11 @@ __device__ void BitonicSortAsc(uint64_t* a, int n) {
         if ((x > y) == up) {
           a[lo] = y;
           a[hi] = x;
+          if (payload != nullptr) {
+            const int t = payload[lo];
+            payload[lo] = payload[hi];
+            payload[hi] = t;
+          }
         }
       }
     }
@@ -2106,30 +2112,6 @@ __device__ void RadixSelectTop(int n, int kk, const KeyFn& key, uint64_t* prefix
   *mask_out = s_mask;
 }
 
-// Ascending bitonic sort of n (power of two) u64 keys in shared memory with an int payload
-// each, block-cooperative.
-__device__ void BitonicSortAscPairs(uint64_t* a, int* v, int n) {
-  for (int size = 2; size <= n; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      __syncthreads();
-      for (int i = threadIdx.x; i < n / 2; i += blockDim.x) {
-        const int lo = 2 * i - (i & (stride - 1));
-        const int hi = lo + stride;
-        const bool up = (lo & size) == 0;
-        const uint64_t x = a[lo], y = a[hi];
-        if ((x > y) == up) {
-          a[lo] = y;
-          a[hi] = x;
-          const int t = v[lo];
-          v[lo] = v[hi];
-          v[hi] = t;
-        }
-      }
-    }
-  }
-  __syncthreads();
-}
-
 // Shared memory of FinalUnitKernel: the units' score bits hi [max_units] u32 (rounded up
 // to 8 bytes), the ranked keys rk [pow2(k)] u64 (then the slot diff's sp), their positions
 // ri [pow2(k)] int, then ids, claimed, free and miss [k] int each.
@@ -2269,7 +2251,7 @@ __global__ void __launch_bounds__(kUnitFinalThreads)
       }
     }
   }
-  BitonicSortAscPairs(rk, ri, p2);
+  BitonicSortAsc(rk, p2, ri);
   // With a budget: the masses w of ranks [0, k_cap) into wrank.
   float* wrank = reinterpret_cast<float*>(claimed);
   if (top_p > 0.0f) {
