@@ -202,9 +202,11 @@ def run_kvshade(c, model, prompts, arrivals, args):
             "first_gap_ms_p50": pct(first, 50) and pct(first, 50) * 1e3,
             "first_gap_ms_max": max(first) * 1e3 if first else None,
             "first_gap_ms_per_request": [round(g * 1e3, 1) for g in first],
-            # What the first gap spans: the session's commit after the first token, and the
-            # step's join of it (the decoder mapping it; its attach ran beside the steps).
+            # What the first gap spans: the session's commit after the first token, the
+            # join's calls to the daemon and mapping (on the request's thread, beside the
+            # steps) and the step's join of it (adding it to the batch).
             "commit_ms_per_request": [r.commit_s and round(r.commit_s * 1e3, 1) for r in reqs],
+            "prepare_ms_per_request": [r.prepare_s and round(r.prepare_s * 1e3, 1) for r in reqs],
             "join_ms_per_request": [r.join_s and round(r.join_s * 1e3, 1) for r in reqs],
             "itl_after_first_gap_p50_ms": pct(later, 50) and pct(later, 50) * 1e3,
             "itl_after_first_gap_p99_ms": pct(later, 99) and pct(later, 99) * 1e3,

@@ -31,6 +31,10 @@ struct kvshade_local_decoder {
   std::unique_ptr<kvshade::client::LocalDecoder> impl;
 };
 
+struct kvshade_prepared_sequence {
+  std::unique_ptr<kvshade::client::PreparedSequence> impl;
+};
+
 struct kvshade_ingest {
   std::unique_ptr<kvshade::client::IngestWriter> writer;
   bool committed = false;
@@ -958,6 +962,34 @@ int kvshade_local_decoder_join(kvshade_local_decoder* dec, const char* attachmen
     return int(KVSHADE_OK);
   });
 }
+
+int kvshade_local_decoder_prepare(kvshade_local_decoder* dec, const char* attachment_id,
+                                  kvshade_prepared_sequence** out) {
+  return Guard([&] {
+    if (dec == nullptr || out == nullptr) return Bad("decoder and out must not be NULL");
+    if (!IdOk(attachment_id)) return Bad("attachment_id is NULL or too long");
+    *out = nullptr;
+    auto p = dec->impl->Prepare(attachment_id);
+    if (!p.ok()) return Report(p.status());
+    *out = new kvshade_prepared_sequence{std::move(*p)};
+    return int(KVSHADE_OK);
+  });
+}
+
+int kvshade_local_decoder_join_prepared(kvshade_local_decoder* dec, kvshade_prepared_sequence* prepared,
+                                        int32_t* index) {
+  std::unique_ptr<kvshade_prepared_sequence> owned(prepared);  // taken whatever happens
+  return Guard([&] {
+    if (dec == nullptr) return Bad("decoder must not be NULL");
+    if (owned == nullptr) return Bad("prepared must not be NULL");
+    auto b = dec->impl->Join(std::move(owned->impl));
+    if (!b.ok()) return Report(b.status());
+    if (index) *index = *b;
+    return int(KVSHADE_OK);
+  });
+}
+
+void kvshade_prepared_sequence_free(kvshade_prepared_sequence* prepared) { delete prepared; }
 
 int kvshade_local_decoder_leave(kvshade_local_decoder* dec, uint32_t index) {
   return Guard([&] {

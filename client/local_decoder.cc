@@ -133,6 +133,17 @@ absl::StatusOr<WorkerContext*> ContextFor(const std::string& name) {
   return c.get();
 }
 
+// Lets the daemon free a generation this process no longer reads (best effort: a detach
+// releases every generation of the attachment too).
+void ReleaseGeneration(Client* client, const std::string& attachment_id, uint64_t generation) {
+  if (generation == 0) return;
+  v1::ExportSessionRequest rel;
+  rel.set_attachment_id(attachment_id);
+  rel.set_renew_only(true);
+  rel.add_release_generations(generation);
+  (void)client->ExportSession(rel);
+}
+
 kernels::RopeSpec FromWire(const v1::RopeSpec& r) {
   kernels::RopeSpec k;
   k.theta = r.theta();
@@ -219,7 +230,11 @@ struct LocalDecoder::Impl {
   // The batch, in batch order (Join appends, Leave removes and closes the gap). Shared
   // with the renewal thread, which copies the list under renew_mu.
   std::vector<std::shared_ptr<Seq>> seqs;
-  bool geometry = false;  // set by the first sequence's export
+  // Set by the first sequence's export (SetGeometry, under geom_mu, with the fields it
+  // sets); Prepare reads it under geom_mu, and the fields once it is true (they no longer
+  // change).
+  bool geometry = false;
+  std::mutex geom_mu;
   bool probed = false;    // the first step's kernels ran (Probe)
   int L = 0, h = 0, hq = 0, g = 0, d = 0, C = 0;
   int U = 0;    // tokens per slot: C, or the profile's selection unit
@@ -291,7 +306,15 @@ struct LocalDecoder::Impl {
   absl::Status UploadCounters(kernels::Stream stream);
   // Adds a sequence (its attachment's current generation) at the end of the batch.
   absl::StatusOr<int> Join(const std::string& attachment_id, v1::SessionExport exp);
-  absl::Status CheckNotMember(const std::string& attachment_id) const;
+  // Join's mapping, without the batch: the geometry checked (or set, with set_geometry),
+  // the generation mapped and its slot memory allocated. On failure nothing of it stays
+  // (mappings and generation released). Without set_geometry it may run on another thread
+  // than the steps' (Prepare), once the geometry is set.
+  absl::StatusOr<std::shared_ptr<Seq>> MapNew(const std::string& attachment_id, v1::SessionExport exp,
+                                              bool set_geometry);
+  // Adds a mapped sequence at the end of the batch; returns its index.
+  absl::StatusOr<int> Add(std::shared_ptr<Seq> seq);
+  absl::Status CheckNotMember(const std::string& attachment_id) const;  // under renew_mu
   // One step of layer 0 with a zero query over the whole batch, so that a geometry this
   // backend's kernels do not take fails at the first Open/Join, where a caller can still
   // pick another path, and not at the first decode step. The slot tables it filled are
@@ -359,13 +382,40 @@ absl::Status LocalDecoder::Impl::UploadCounters(kernels::Stream stream) {
 }
 
 
-void LocalDecoder::Impl::UnmapRegions(Seq& seq) {
+void UnmapRegions(WorkerContext* ctx, Seq& seq, size_t idle_mapped_bytes) {
+  if (ctx == nullptr) return;
   std::lock_guard<std::mutex> lock(ctx->mu);
   for (const auto& key : seq.regions) {
-    ctx->Unref(key, options.idle_mapped_bytes);
+    ctx->Unref(key, idle_mapped_bytes);
   }
   seq.regions.clear();
 }
+
+void LocalDecoder::Impl::UnmapRegions(Seq& seq) { client::UnmapRegions(ctx, seq, options.idle_mapped_bytes); }
+
+struct PreparedSequence::State {
+  const LocalDecoder::Impl* owner = nullptr;  // the decoder that prepared it
+  Client* client = nullptr;
+  std::string attachment_id;
+  uint64_t generation = 0;  // held until it joins (then 0) or this is destroyed
+  // Mapped (the decoder had its geometry): the sequence, and where its regions are mapped.
+  std::shared_ptr<Seq> seq;
+  WorkerContext* ctx = nullptr;
+  size_t idle_mapped_bytes = 0;
+  // Not mapped (the decoder's first sequence): its export, mapped by Join.
+  v1::SessionExport exp;
+};
+
+PreparedSequence::PreparedSequence(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+PreparedSequence::~PreparedSequence() {
+  if (state_ == nullptr) return;
+  State& s = *state_;
+  if (s.seq != nullptr) UnmapRegions(s.ctx, *s.seq, s.idle_mapped_bytes);
+  ReleaseGeneration(s.client, s.attachment_id, s.generation);
+}
+
+const std::string& PreparedSequence::attachment_id() const { return state_->attachment_id; }
 
 absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) {
   // Map every region (once per process), then translate every reference.
@@ -732,13 +782,7 @@ LocalDecoder::~LocalDecoder() {
   if (m.be != nullptr) (void)m.be->Synchronize(m.last_stream);
   for (auto& s : m.seqs) {
     m.UnmapRegions(*s);
-    if (s->exp.generation() != 0) {
-      v1::ExportSessionRequest req;
-      req.set_attachment_id(s->attachment_id);
-      req.set_renew_only(true);
-      req.add_release_generations(s->exp.generation());
-      (void)m.client->ExportSession(req);  // best effort: detach releases everything too
-    }
+    ReleaseGeneration(m.client, s->attachment_id, s->exp.generation());
   }
 }
 
@@ -823,33 +867,70 @@ absl::Status LocalDecoder::Impl::CheckNotMember(const std::string& attachment_id
   return absl::OkStatus();
 }
 
-absl::StatusOr<int> LocalDecoder::Impl::Join(const std::string& attachment_id, v1::SessionExport exp) {
+absl::StatusOr<std::shared_ptr<Seq>> LocalDecoder::Impl::MapNew(const std::string& attachment_id,
+                                                                 v1::SessionExport exp, bool set_geometry) {
   auto seq = std::make_shared<Seq>();
   seq->attachment_id = attachment_id;
   const uint64_t generation = exp.generation();
-  absl::Status st = CheckNotMember(attachment_id);
-  if (st.ok()) st = geometry ? CheckCompatible(exp, attachment_id) : SetGeometry(exp);
-  if (st.ok()) st = be->Synchronize(last_stream);  // the last step may still read
+  absl::Status st;
+  if (set_geometry) {
+    std::lock_guard<std::mutex> lock(geom_mu);
+    st = geometry ? CheckCompatible(exp, attachment_id) : SetGeometry(exp);
+  } else {
+    st = CheckCompatible(exp, attachment_id);
+  }
   if (st.ok()) st = MapGeneration(*seq, std::move(exp));
-  if (st.ok()) st = EnsureCapacity(static_cast<int>(seqs.size()) + 1);
   if (!st.ok()) {
     // Nothing of the sequence stays: its mappings and its generation are released.
     if (ctx != nullptr) UnmapRegions(*seq);
-    v1::ExportSessionRequest rel;
-    rel.set_attachment_id(attachment_id);
-    rel.set_renew_only(true);
-    rel.add_release_generations(generation);
-    (void)client->ExportSession(rel);
+    ReleaseGeneration(client, attachment_id, generation);
     return st;
   }
+  return seq;
+}
+
+absl::StatusOr<int> LocalDecoder::Impl::Add(std::shared_ptr<Seq> seq) {
+  {
+    std::lock_guard<std::mutex> lock(renew_mu);
+    KVSHADE_RETURN_IF_ERROR(CheckNotMember(seq->attachment_id));
+  }
+  KVSHADE_RETURN_IF_ERROR(be->Synchronize(last_stream));  // the last step may still read
+  KVSHADE_RETURN_IF_ERROR(EnsureCapacity(static_cast<int>(seqs.size()) + 1));
   {
     std::lock_guard<std::mutex> lock(renew_mu);
     seqs.push_back(std::move(seq));
   }
-  KVSHADE_RETURN_IF_ERROR(UploadCounters({}));
-  KVSHADE_RETURN_IF_ERROR(SizeWorkspace());
-  KVSHADE_RETURN_IF_ERROR(be->Synchronize());
+  absl::Status st = UploadCounters({});
+  if (st.ok()) st = SizeWorkspace();
+  if (st.ok()) st = be->Synchronize();
+  if (!st.ok()) {
+    // Not added: the caller still owns the sequence's mappings and generation.
+    {
+      std::lock_guard<std::mutex> lock(renew_mu);
+      seqs.pop_back();
+    }
+    (void)UploadCounters({});
+    return st;
+  }
   return static_cast<int>(seqs.size()) - 1;
+}
+
+absl::StatusOr<int> LocalDecoder::Impl::Join(const std::string& attachment_id, v1::SessionExport exp) {
+  {
+    std::lock_guard<std::mutex> lock(renew_mu);
+    if (absl::Status st = CheckNotMember(attachment_id); !st.ok()) {
+      ReleaseGeneration(client, attachment_id, exp.generation());
+      return st;
+    }
+  }
+  KVSHADE_ASSIGN_OR_RETURN(std::shared_ptr<Seq> seq, MapNew(attachment_id, std::move(exp), /*set_geometry=*/true));
+  const uint64_t generation = seq->exp.generation();
+  absl::StatusOr<int> b = Add(seq);
+  if (!b.ok()) {
+    UnmapRegions(*seq);
+    ReleaseGeneration(client, attachment_id, generation);
+  }
+  return b;
 }
 
 absl::Status LocalDecoder::Impl::Probe(LocalDecoder& dec) {
@@ -897,13 +978,7 @@ absl::Status LocalDecoder::Impl::RemoveSeq(int b) {
   KVSHADE_RETURN_IF_ERROR(UploadCounters({}));
   KVSHADE_RETURN_IF_ERROR(be->Synchronize());
   UnmapRegions(*gone);
-  if (gone->exp.generation() != 0) {
-    v1::ExportSessionRequest rel;
-    rel.set_attachment_id(gone->attachment_id);
-    rel.set_renew_only(true);
-    rel.add_release_generations(gone->exp.generation());
-    (void)client->ExportSession(rel);  // best effort: a detach releases it too
-  }
+  ReleaseGeneration(client, gone->attachment_id, gone->exp.generation());
   return absl::OkStatus();
 }
 
@@ -940,15 +1015,66 @@ absl::StatusOr<std::unique_ptr<LocalDecoder>> LocalDecoder::Open(
 }
 
 absl::StatusOr<int> LocalDecoder::Join(const std::string& attachment_id) {
+  KVSHADE_ASSIGN_OR_RETURN(std::unique_ptr<PreparedSequence> p, Prepare(attachment_id));
+  return Join(std::move(p));
+}
+
+absl::StatusOr<std::unique_ptr<PreparedSequence>> LocalDecoder::Prepare(const std::string& attachment_id) {
   Impl& m = *impl_;
-  KVSHADE_RETURN_IF_ERROR(m.CheckNotMember(attachment_id));
+  {
+    std::lock_guard<std::mutex> lock(m.renew_mu);
+    KVSHADE_RETURN_IF_ERROR(m.CheckNotMember(attachment_id));
+  }
   v1::ExportSessionRequest req;
   req.set_attachment_id(attachment_id);
   KVSHADE_ASSIGN_OR_RETURN(v1::SessionExport e, m.client->ExportSession(req));
-  KVSHADE_ASSIGN_OR_RETURN(int b, m.Join(attachment_id, std::move(e)));
+  auto st = std::make_unique<PreparedSequence::State>();
+  st->owner = &m;
+  st->client = m.client;
+  st->attachment_id = attachment_id;
+  st->generation = e.generation();
+  bool geometry;
+  {
+    std::lock_guard<std::mutex> lock(m.geom_mu);
+    geometry = m.geometry;
+  }
+  if (!geometry) {
+    st->exp = std::move(e);
+  } else {
+    st->generation = 0;  // MapNew releases it on failure
+    KVSHADE_ASSIGN_OR_RETURN(st->seq, m.MapNew(attachment_id, std::move(e), /*set_geometry=*/false));
+    st->generation = st->seq->exp.generation();
+    st->ctx = m.ctx;
+    st->idle_mapped_bytes = m.options.idle_mapped_bytes;
+  }
+  return std::unique_ptr<PreparedSequence>(new PreparedSequence(std::move(st)));
+}
+
+absl::StatusOr<int> LocalDecoder::Join(std::unique_ptr<PreparedSequence> prepared) {
+  Impl& m = *impl_;
+  if (prepared == nullptr || prepared->state_ == nullptr) {
+    return absl::InvalidArgumentError("Join: the prepared sequence is null");
+  }
+  PreparedSequence::State& p = *prepared->state_;
+  if (p.owner != &m) {
+    return absl::InvalidArgumentError(absl::StrCat("Join: attachment '", p.attachment_id,
+                                                   "' was prepared by another decoder"));
+  }
+  absl::StatusOr<int> b;
+  if (p.seq != nullptr) {
+    b = m.Add(p.seq);  // on failure `prepared` lets go of the sequence
+    if (b.ok()) {
+      p.seq.reset();  // the batch holds its mappings and generation now
+      p.generation = 0;
+    }
+  } else {
+    p.generation = 0;  // Impl::Join holds or releases it
+    b = m.Join(p.attachment_id, std::move(p.exp));
+  }
+  if (!b.ok()) return b;
   absl::Status probe = m.Probe(*this);
   if (!probe.ok()) {
-    (void)m.RemoveSeq(b);
+    (void)m.RemoveSeq(*b);
     return probe;
   }
   return b;

@@ -114,6 +114,9 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
                                   [gen](const auto& g) { return g->generation == gen; }),
                    live.end());
       }
+      if (r.release_generations_size() > 0) {
+        metrics_->SetExportGenerations(double(CountExportGenerationsLocked()), options_.metrics_gpu);
+      }
       if (live.size() >= kMaxGenerationsPerAttachment) {
         return absl::ResourceExhaustedError(absl::StrCat(
             "attachment '", a->id, "' holds ", live.size(),

@@ -23,6 +23,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "kvshade/client/tensor.h"
 
 extern char** environ;
@@ -390,6 +391,20 @@ double RpcCount(const ServerProcess& server, const std::string& method, const st
   const std::string key = "kvshade_rpc_total{code=\"" + code + "\",method=\"" + method + "\"} ";
   const size_t at = body->find(key);
   return at == std::string::npos ? 0 : std::atof(body->c_str() + at + key.size());
+}
+
+double MetricSum(const ServerProcess& server, const std::string& name) {
+  auto body = HttpGet(server.metrics_port(), "/metrics");
+  if (!body.ok()) return 0;
+  double sum = 0;
+  for (absl::string_view line : absl::StrSplit(*body, '\n')) {
+    if (!absl::StartsWith(line, name) || line.size() == name.size()) continue;
+    const char next = line[name.size()];
+    if (next != '{' && next != ' ') continue;  // another metric whose name starts the same
+    const size_t space = line.rfind(' ');
+    sum += std::atof(std::string(line.substr(space + 1)).c_str());
+  }
+  return sum;
 }
 
 }  // namespace kvshade::integration

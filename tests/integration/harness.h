@@ -152,6 +152,8 @@ v1::IngestRequest LayerPart(const synthetic::Document& doc, uint32_t layer, int6
 
 // kvshade_rpc_total{method=`method`, code=`code`} on the server's /metrics (0 when absent).
 double RpcCount(const ServerProcess& server, const std::string& method, const std::string& code);
+// The sum of every series of metric `name` on the server's /metrics (0 when absent).
+double MetricSum(const ServerProcess& server, const std::string& name);
 
 }  // namespace kvshade::integration
 

@@ -366,6 +366,128 @@ TEST(LocalDecoder, SequencesJoinAndLeaveBetweenSteps) {
   EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
 }
 
+// A join in two parts: Prepare on another thread while the batch steps, then Join between
+// steps. The joined sequence attends exactly as one joined at once (a decoder of its own);
+// a prepared sequence that never joins lets go of its generation; Prepare fails as Join
+// does; before a decoder's first sequence it only exports and Join maps.
+TEST(LocalDecoder, PreparedJoinsEqualPlainJoins) {
+  Fixture f;
+  KV_ASSERT_OK(f.server.Start({"--backend", "cpu"}));
+  f.c = f.server.Connect();
+  const v1::Profile profile = ShadowProfile(16, 8, 4);
+  std::vector<synthetic::Document> docs;
+  for (int i = 0; i < 3; ++i) docs.emplace_back(SmallDoc(1024 + 256 * i, 40 + i));
+  std::vector<std::string> batch_att(3), solo_att(3);
+  for (int i = 0; i < 3; ++i) {
+    KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, docs[i], profile, -1));
+    v1::AttachRequest ar;
+    ar.set_session_id(cs.session_id());
+    KV_ASSERT_OK_AND_ASSIGN(a, f.c->Attach(ar));
+    KV_ASSERT_OK_AND_ASSIGN(b, f.c->Attach(ar));
+    batch_att[i] = a.attachment_id();
+    solo_att[i] = b.attachment_id();
+  }
+  client::LocalDecoderOptions opt;
+  opt.backend = "cpu";
+  opt.local_capacity = 16;
+  const auto& spec = docs[0].spec();
+  const int L = spec.layers, hq = spec.q_heads, d = spec.head_dim, hd = spec.kv_heads * d;
+  // One step of `dec` over sequences `members` (doc ids, batch order); returns the outputs.
+  const auto step = [&](client::LocalDecoder& dec, const std::vector<int>& members, int at,
+                        std::vector<std::vector<float>>* out) {
+    const int B = static_cast<int>(members.size());
+    out->assign(L, std::vector<float>(size_t(B) * hq * d));
+    for (int l = 0; l < L; ++l) {
+      std::vector<bf16> qs, ks, vs;
+      for (int i : members) {
+        const std::vector<bf16> q = QueryBf16(docs[i], l, 0, at, spec.doc_tokens);
+        const std::vector<bf16> k = StepToken(hd, i, at * L + l, 0.5f), v = StepToken(hd, i + 7, at * L + l, 1.0f);
+        qs.insert(qs.end(), q.begin(), q.end());
+        ks.insert(ks.end(), k.begin(), k.end());
+        vs.insert(vs.end(), v.begin(), v.end());
+      }
+      ASSERT_TRUE(dec.Attend(l, qs.data(), ks.data(), vs.data(), (*out)[l].data()).ok());
+    }
+    ASSERT_TRUE(dec.Advance().ok());
+  };
+  // Prepared before the decoder's first sequence: exported only; Join maps it.
+  KV_ASSERT_OK_AND_ASSIGN(dec, client::LocalDecoder::Open(f.c.get(), {}, opt));
+  KV_ASSERT_OK_AND_ASSIGN(first, dec->Prepare(batch_att[0]));
+  EXPECT_EQ(first->attachment_id(), batch_att[0]);
+  KV_ASSERT_OK_AND_ASSIGN(b0, dec->Join(std::move(first)));
+  EXPECT_EQ(b0, 0);
+  EXPECT_TRUE(absl::IsAlreadyExists(dec->Prepare(batch_att[0]).status()));
+  // Sequence 1 is prepared on another thread while sequence 0 decodes.
+  absl::StatusOr<std::unique_ptr<client::PreparedSequence>> prepared = absl::UnknownError("not run");
+  std::vector<std::vector<float>> out;
+  {
+    std::thread t([&] { prepared = dec->Prepare(batch_att[1]); });
+    for (int s = 0; s < 3; ++s) step(*dec, {0}, s, &out);
+    t.join();
+  }
+  KV_ASSERT_OK(prepared.status());
+  // Held until it joins: one generation more than the batch's.
+  const double held = MetricSum(f.server, "kvshade_export_generations");
+  EXPECT_GE(held, 2);
+  KV_ASSERT_OK_AND_ASSIGN(b1, dec->Join(std::move(*prepared)));
+  EXPECT_EQ(b1, 1);
+  EXPECT_EQ(dec->attachment_ids(), (std::vector<std::string>{batch_att[0], batch_att[1]}));
+  EXPECT_EQ(MetricSum(f.server, "kvshade_export_generations"), held) << "the join keeps the generation it prepared";
+  // Its steps equal a decoder of its own given the same tokens, bit for bit.
+  KV_ASSERT_OK_AND_ASSIGN(solo, client::LocalDecoder::Open(f.c.get(), {solo_att[1]}, opt));
+  for (int s = 0; s < 3; ++s) {
+    std::vector<std::vector<float>> want;
+    step(*solo, {1}, s, &want);
+    // Sequence 0 is at its step 3 + s; the batch's step gives each its own tokens.
+    const int B = 2;
+    out.assign(L, std::vector<float>(size_t(B) * hq * d));
+    for (int l = 0; l < L; ++l) {
+      std::vector<bf16> qs, ks, vs;
+      const int at[2] = {3 + s, s};
+      for (int b = 0; b < B; ++b) {
+        const std::vector<bf16> q = QueryBf16(docs[b], l, 0, at[b], spec.doc_tokens);
+        const std::vector<bf16> k = StepToken(hd, b, at[b] * L + l, 0.5f), v = StepToken(hd, b + 7, at[b] * L + l, 1.0f);
+        qs.insert(qs.end(), q.begin(), q.end());
+        ks.insert(ks.end(), k.begin(), k.end());
+        vs.insert(vs.end(), v.begin(), v.end());
+      }
+      KV_ASSERT_OK(dec->Attend(l, qs.data(), ks.data(), vs.data(), out[l].data()));
+      for (size_t x = 0; x < want[l].size(); ++x) {
+        ASSERT_EQ(want[l][x], out[l][size_t(hq) * d + x]) << "step " << s << " layer " << l << " element " << x;
+      }
+    }
+    KV_ASSERT_OK(dec->Advance());
+  }
+  // A prepared sequence that never joins lets go of its generation (its attachment stays).
+  const double before = MetricSum(f.server, "kvshade_export_generations");
+  {
+    KV_ASSERT_OK_AND_ASSIGN(unused, dec->Prepare(batch_att[2]));
+    EXPECT_EQ(MetricSum(f.server, "kvshade_export_generations"), before + 1);
+  }
+  EXPECT_EQ(MetricSum(f.server, "kvshade_export_generations"), before);
+  // Joined by another decoder than the one that prepared it: refused, and released.
+  KV_ASSERT_OK_AND_ASSIGN(other, client::LocalDecoder::Open(f.c.get(), {}, opt));
+  KV_ASSERT_OK_AND_ASSIGN(foreign, dec->Prepare(batch_att[2]));
+  EXPECT_TRUE(absl::IsInvalidArgument(other->Join(std::move(foreign)).status()));
+  EXPECT_EQ(MetricSum(f.server, "kvshade_export_generations"), before);
+  EXPECT_TRUE(absl::IsInvalidArgument(dec->Join(std::unique_ptr<client::PreparedSequence>()).status()));
+  // Another geometry fails at Prepare, as at Join.
+  synthetic::DocSpec wide = SmallDoc(1024, 90);
+  wide.head_dim = 2 * spec.head_dim;
+  wide.model_id = "synthetic/doc-qa-wide";
+  const synthetic::Document odd(wide);
+  KV_ASSERT_OK_AND_ASSIGN(ocs, CreateAndIngest(*f.c, odd, profile, -1));
+  v1::AttachRequest oar;
+  oar.set_session_id(ocs.session_id());
+  KV_ASSERT_OK_AND_ASSIGN(oatt, f.c->Attach(oar));
+  EXPECT_TRUE(absl::IsInvalidArgument(dec->Prepare(oatt.attachment_id()).status()));
+  EXPECT_EQ(MetricSum(f.server, "kvshade_export_generations"), before);
+  other.reset();
+  solo.reset();
+  dec.reset();
+  EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
+}
+
 // Extend: tokens added to one sequence's local tail between steps are attended as if
 // earlier steps had given them (against a decoder stepped through the same tokens: the same
 // rows, merged in another order where its earlier selections left the slots in another

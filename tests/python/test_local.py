@@ -7,6 +7,7 @@ Tolerance: the same kernels over the same bf16 inputs; only the order in which a
 blocks are merged differs (fp32 online softmax): 1e-5 of the output's largest magnitude on
 the CPU, 1e-4 on CUDA (its split-K merge order differs too)."""
 import os
+import threading
 import time
 import unittest
 
@@ -338,6 +339,50 @@ class LocalDecoderTest(unittest.TestCase):
                     solo.advance()
             with self.assertRaises(IndexError):
                 dec.leave(3)
+
+    def test_a_sequence_prepared_beside_the_steps_joins_as_a_plain_join(self):
+        # prepare() on another thread while the batch steps, join() between steps: the new
+        # sequence attends as a decoder of it alone; a prepared sequence is taken by its
+        # join, and one that never joins is closed without harm.
+        a0, a1, a2, s1 = self.attach(0), self.attach(1), self.attach(0), self.attach(1)
+        g = torch.Generator().manual_seed(23)
+        with LocalDecoder(self.client, [a0], backend=BACKEND) as dec, \
+                LocalDecoder(self.client, [s1], backend=BACKEND) as solo:
+            box = {}
+
+            def prepare():
+                try:
+                    box["p"] = dec.prepare(a1)
+                except BaseException as e:  # noqa: BLE001 - checked below
+                    box["e"] = e
+            t = threading.Thread(target=prepare)
+            t.start()
+            for _ in range(3):
+                for layer in range(L):
+                    q = torch.randn(1, HQ, D, generator=g).to(torch.bfloat16).to(DEVICE)
+                    k = torch.randn(1, H, D, generator=g).to(torch.bfloat16).to(DEVICE)
+                    dec.attend(layer, q, k, k.clone())
+                dec.advance()
+            t.join()
+            self.assertNotIn("e", box)
+            prepared = box["p"]
+            self.assertEqual(prepared.attachment_id, a1)
+            self.assertEqual(dec.join(prepared), 1)
+            self.assertEqual(dec.attachment_ids, [a0, a1])
+            with self.assertRaises(ValueError):
+                dec.join(prepared)  # taken by the join
+            for layer in range(L):
+                q = torch.randn(2, HQ, D, generator=g).to(torch.bfloat16).to(DEVICE)
+                k = torch.randn(2, H, D, generator=g).to(torch.bfloat16).to(DEVICE)
+                out = dec.attend(layer, q, k, k.clone()).cpu().numpy()
+                ref = solo.attend(layer, q[1:].contiguous(), k[1:].contiguous(), k[1:].clone()).cpu().numpy()
+                self.assertLess(self.rel(ref[0], out[1]), TOL, f"layer {layer}")
+            with self.assertRaises(kvshade.AlreadyExists):
+                dec.prepare(a0)
+            unused = dec.prepare(a2)
+            unused.close()
+            unused.close()
+            self.assertEqual(dec.batch, 2)
 
     def test_extend_attends_the_tokens_as_steps_would(self):
         # Tokens added by extend() are attended as a decoder stepped through them attends

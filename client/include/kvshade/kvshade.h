@@ -34,7 +34,7 @@ extern "C" {
 #define KVSHADE_API
 #endif
 
-#define KVSHADE_ABI_VERSION 11 /* 2: UCX options and status, attachment data-plane fields;
+#define KVSHADE_ABI_VERSION 12 /* 2: UCX options and status, attachment data-plane fields;
                                  3: profile selection options, ucx_busy_poll_us, slot delta
                                  fallback and tokens, the _ex decode calls;
                                  4: slot delta positions, static set positions, held
@@ -56,7 +56,10 @@ extern "C" {
                                  kvshade_create_session_tp,
                                  kvshade_tensor_parallel_shard,
                                  kvshade_get_tensor_parallel_shards, the tp_* fields of
-                                 kvshade_session_created and kvshade_session_info */
+                                 kvshade_session_created and kvshade_session_info;
+                                 12: prepared joins: kvshade_prepared_sequence,
+                                 kvshade_local_decoder_prepare,
+                                 kvshade_local_decoder_join_prepared */
 #define KVSHADE_ID_CAP 128
 /* The most segment ends a CreateSession takes (docs/DESIGN.md "Segment ends"). */
 #define KVSHADE_MAX_SEGMENT_ENDS 5
@@ -529,6 +532,19 @@ KVSHADE_API int kvshade_local_decoder_info(kvshade_local_decoder* dec, int32_t* 
 KVSHADE_API int kvshade_local_decoder_join(kvshade_local_decoder* dec, const char* attachment_id,
                                            int32_t* index);
 KVSHADE_API int kvshade_local_decoder_leave(kvshade_local_decoder* dec, uint32_t index);
+/* A join in two parts, so that the steps go on while a sequence gets ready: _prepare makes
+ * the daemon's calls and maps the session (it may run on another thread while the decoder
+ * steps; not while this process captures a CUDA graph); _join_prepared then adds it between
+ * steps, on the stepping thread, and takes `prepared` whatever it returns. A prepared
+ * sequence holds its generation until it joins or is freed (kvshade_prepared_sequence_free;
+ * before the client). Errors as kvshade_local_decoder_join's. */
+typedef struct kvshade_prepared_sequence kvshade_prepared_sequence;
+KVSHADE_API int kvshade_local_decoder_prepare(kvshade_local_decoder* dec, const char* attachment_id,
+                                              kvshade_prepared_sequence** out);
+KVSHADE_API int kvshade_local_decoder_join_prepared(kvshade_local_decoder* dec,
+                                                    kvshade_prepared_sequence* prepared,
+                                                    int32_t* index);
+KVSHADE_API void kvshade_prepared_sequence_free(kvshade_prepared_sequence* prepared);
 /* Between steps, adds n exact tokens at the end of sequence `index`'s local tail: tokens
  * its session does not hold (a prompt's last part, e.g. a question after a shared document
  * the session covers), attended by the next steps as the tokens of earlier steps are.

@@ -5,7 +5,7 @@ argtypes of each function (SIGNATURES). kvshade._native loads the library with t
 """
 import ctypes
 
-KVSHADE_ABI_VERSION = 11
+KVSHADE_ABI_VERSION = 12
 KVSHADE_ID_CAP = 128
 KVSHADE_MAX_SEGMENT_ENDS = 5
 KVSHADE_DEVICE_CAP = 64
@@ -666,6 +666,19 @@ SIGNATURES = {
     "kvshade_local_decoder_leave": (ctypes.c_int, [  # returns int
         ctypes.c_void_p,  # kvshade_local_decoder* dec
         ctypes.c_uint32,  # uint32_t index
+    ]),
+    "kvshade_local_decoder_prepare": (ctypes.c_int, [  # returns int
+        ctypes.c_void_p,  # kvshade_local_decoder* dec
+        ctypes.c_char_p,  # const char* attachment_id
+        ctypes.POINTER(ctypes.c_void_p),  # kvshade_prepared_sequence** out
+    ]),
+    "kvshade_local_decoder_join_prepared": (ctypes.c_int, [  # returns int
+        ctypes.c_void_p,  # kvshade_local_decoder* dec
+        ctypes.c_void_p,  # kvshade_prepared_sequence* prepared
+        ctypes.POINTER(ctypes.c_int32),  # int32_t* index
+    ]),
+    "kvshade_prepared_sequence_free": (None, [  # returns void
+        ctypes.c_void_p,  # kvshade_prepared_sequence* prepared
     ]),
     "kvshade_local_decoder_extend": (ctypes.c_int, [  # returns int
         ctypes.c_void_p,  # kvshade_local_decoder* dec

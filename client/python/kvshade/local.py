@@ -40,6 +40,24 @@ def _typed_ptr(t, ctype):
     return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctype))
 
 
+class PreparedSequence(_NativeHandle):
+    """A sequence made ready to join a LocalDecoder (LocalDecoder.prepare); join() takes it.
+    close() lets go of one that never joined (its attachment stays)."""
+
+    _free = "kvshade_prepared_sequence_free"
+
+    def __init__(self, client: Client, attachment_id: str, handle: ctypes.c_void_p) -> None:
+        self._h = handle
+        self.attachment_id = attachment_id
+        client._depend(self)  # freed before the client: freeing it calls the daemon
+
+    def _take(self) -> ctypes.c_void_p:
+        if not self._h:
+            raise ValueError("the prepared sequence %s was joined or closed" % self.attachment_id)
+        h, self._h = self._h, ctypes.c_void_p()
+        return h
+
+
 class LocalDecoder(_NativeHandle):
     def __init__(self, client: Client, attachment_ids: Sequence[str], backend: str = "auto",
                  local_capacity: int = 1024, count_hits: bool = False) -> None:
@@ -71,14 +89,30 @@ class LocalDecoder(_NativeHandle):
         else:
             self.device = "cpu" if name == "cpu" else ("cuda:%s" % backend.split(":")[1] if ":" in backend else "cuda")
 
-    def join(self, attachment_id: str) -> int:
-        """Continuous batching: adds the attachment's session at the end of the batch between
-        steps and returns its batch index (the batch order is the join order)."""
+    def join(self, sequence: Union[str, "PreparedSequence"]) -> int:
+        """Continuous batching: adds an attachment's session (its id, or what prepare() made
+        of it) at the end of the batch between steps and returns its batch index (the batch
+        order is the join order). A PreparedSequence is taken whatever happens."""
         index = ctypes.c_int32()
-        _check(_native.lib().kvshade_local_decoder_join(self._h, _b(attachment_id), ctypes.byref(index)))
+        if isinstance(sequence, PreparedSequence):
+            attachment_id, handle = sequence.attachment_id, sequence._take()
+            _check(_native.lib().kvshade_local_decoder_join_prepared(self._h, handle, ctypes.byref(index)))
+        else:
+            attachment_id = sequence
+            _check(_native.lib().kvshade_local_decoder_join(self._h, _b(attachment_id), ctypes.byref(index)))
         self.attachment_ids.append(attachment_id)
         self._read_info()
         return index.value
+
+    def prepare(self, attachment_id: str) -> "PreparedSequence":
+        """The first part of join(), which may run on another thread while this decoder steps:
+        the daemon's calls and the mapping of the session (its memory opened, its slot tables
+        allocated), so that join(prepared) between steps only adds it to the batch. Errors as
+        join()'s. The prepared sequence holds the session's generation until it joins or is
+        closed; not while this process captures a CUDA graph (it allocates device memory)."""
+        h = ctypes.c_void_p()
+        _check(_native.lib().kvshade_local_decoder_prepare(self._h, _b(attachment_id), ctypes.byref(h)))
+        return PreparedSequence(self._client, attachment_id, h)
 
     def leave(self, sequence: Union[int, str]) -> None:
         """Removes a sequence (batch index or attachment id) between steps: its local tokens

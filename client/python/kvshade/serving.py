@@ -69,7 +69,7 @@ import torch
 from . import hf_cache
 from .client import Client, Profile
 from .errors import FailedPrecondition, KvShadeError
-from .local import LocalDecoder
+from .local import LocalDecoder, PreparedSequence
 from .routing import session_device
 
 # A `device=` of the adapters: the daemon's name of a device (str), or a GPU of this process
@@ -176,9 +176,10 @@ class BatchCache(Cache):
         return self.join_prepared(self.prepare_join(session_id))
 
     def prepare_join(self, session_id: str) -> "PreparedJoin":
-        """join()'s calls to the daemon (the session checked, an attachment made), which may run
-        on another thread than the steps' (the Generator runs them while the batch decodes);
-        join_prepared() then adds the session between steps, or release() lets it go."""
+        """join()'s calls to the daemon and its mapping (the session checked, an attachment
+        made, the decoder's LocalDecoder.prepare), which may run on another thread than the
+        steps' (the Generator runs them while the batch decodes); join_prepared() then adds
+        the session between steps, or release() lets it go."""
         info = self.client.get_session(session_id)
         if info["state"] != "ready":
             raise FailedPrecondition("session %s is %s, not ready" % (session_id, info["state"]))
@@ -186,13 +187,18 @@ class BatchCache(Cache):
             raise FailedPrecondition("session %s holds K/V of model %r, not %r" % (session_id, info["model_id"],
                                                                                    self.model_id))
         att = self.client.attach(session_id, self.worker_id, device=self.session_device or None)
-        return PreparedJoin(session_id, att.attachment_id, int(info["tokens"]))
+        try:
+            sequence = self.decoder.prepare(att.attachment_id)
+        except BaseException:
+            self.client.detach(att.attachment_id)
+            raise
+        return PreparedJoin(session_id, att.attachment_id, int(info["tokens"]), sequence)
 
     def join_prepared(self, prepared: "PreparedJoin") -> int:
-        """Adds a session prepared by prepare_join() at the end of the batch (between steps):
-        the decoder maps its state; returns its index. On failure the attachment is released."""
+        """Adds a session prepared by prepare_join() at the end of the batch (between steps);
+        returns its index. On failure the attachment is released."""
         try:
-            index = self.decoder.join(prepared.attachment_id)
+            index = self.decoder.join(prepared.sequence)
         except BaseException:
             self.release(prepared)
             raise
@@ -202,6 +208,7 @@ class BatchCache(Cache):
 
     def release(self, prepared: "PreparedJoin") -> None:
         """Lets go of a prepared join's attachment (the session stays open)."""
+        prepared.sequence.close()
         self.client.detach(prepared.attachment_id)
 
     def leave(self, sequence: Union[int, str], close_session: bool = False) -> None:
@@ -324,12 +331,14 @@ class PreparedJoin:
     session_id: str
     attachment_id: str
     tokens: int
+    sequence: PreparedSequence  # the decoder's part (LocalDecoder.prepare)
 
 
 class _Committing:
     """A prefilled request whose session is committing: on a thread of its own, waits for the
-    commit, then makes the batch's calls to the daemon for it (BatchCache.prepare_join), so
-    that the step that joins it only maps the session. `ready` once that thread is done."""
+    commit, then makes the batch's calls to the daemon and maps the session for it
+    (BatchCache.prepare_join), so that the step that joins it only adds it to the batch.
+    `ready` once that thread is done."""
 
     def __init__(self, cache: "BatchCache", req: "Request", kc: "hf_cache.KvShadeCache") -> None:
         self.req, self.kc = req, kc
@@ -344,7 +353,9 @@ class _Committing:
         try:
             self.session = ready_session(self.kc)
             if not self.req.done:  # decided at the first token, before this thread started
+                t0 = time.perf_counter()
                 self.prepared = cache.prepare_join(self.session[0])
+                self.req.prepare_s = time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - handed to the step that admits it
             self.error = e
 
@@ -373,8 +384,9 @@ class Request:
     prefill_skipped: int = 0  # prompt tokens not run through the model (a kept prefix's K/V)
     segment_ends: Sequence[int] = ()  # where the daemon cuts the prompt into cached segments
     commit_s: Optional[float] = None  # from the first token to the end of its session's commit
-    join_s: Optional[float] = None  # the step's join of its session (the decoder mapping it; the
-    # calls to the daemon ran on the request's own thread after the commit)
+    join_s: Optional[float] = None  # the step's join of its session (adding it to the batch)
+    prepare_s: Optional[float] = None  # the calls to the daemon and the mapping for the join, on
+    # the request's own thread after the commit (the batch decodes meanwhile)
 
     @property
     def done(self) -> bool:

@@ -36,7 +36,8 @@
 // FAILED_PRECONDITION once a lease is within `lease_margin` of expiring (renewal failing,
 // daemon gone): the decoder never reads memory the daemon may have freed.
 //
-// Threading: one thread drives Attend/Advance/Refresh; the renewal thread is internal.
+// Threading: one thread drives Attend/Advance/Refresh/Join/Leave; the renewal thread is
+// internal. Prepare() may run on other threads meanwhile (see there).
 #pragma once
 
 #include <cstdint>
@@ -77,6 +78,24 @@ struct LocalDecoderStats {
   uint64_t steps = 0;
 };
 
+// A sequence made ready to join a batch (LocalDecoder::Prepare): its attachment's current
+// generation exported and, once the decoder has its geometry, mapped with its slot memory
+// allocated. Destroying one that never joined lets go of all that (its attachment stays).
+// Free it before the client, as a decoder.
+class PreparedSequence {
+ public:
+  ~PreparedSequence();
+  PreparedSequence(const PreparedSequence&) = delete;
+  PreparedSequence& operator=(const PreparedSequence&) = delete;
+  const std::string& attachment_id() const;
+  struct State;
+
+ private:
+  friend class LocalDecoder;
+  explicit PreparedSequence(std::unique_ptr<State> state);
+  std::unique_ptr<State> state_;
+};
+
 class LocalDecoder {
  public:
   // attachment_ids may be empty: sequences then Join later (the first one sets the model
@@ -92,6 +111,17 @@ class LocalDecoder {
   // local tokens yet) and returns its batch index. Between steps. InvalidArgument when its
   // model, profile or backend differ from the batch's; AlreadyExists when it is in it.
   absl::StatusOr<int> Join(const std::string& attachment_id);
+  // Join in two parts, so that a runtime keeps its steps going while a sequence gets ready:
+  // Prepare makes the daemon's calls and the mapping (ExportSession, opening its memory,
+  // allocating its slot tables) and may run on another thread while this decoder steps;
+  // Join(prepared) then only adds it to the batch, between steps, on the stepping thread.
+  // Prepare fails as Join would (InvalidArgument for another geometry, AlreadyExists for a
+  // member); before the decoder's first sequence it only exports (the first Join sets the
+  // geometry and maps). Prepare allocates device memory: not while this process captures a
+  // CUDA graph. A prepared sequence holds its generation (the daemon keeps that memory)
+  // until it joins or is destroyed; join it within the attachment's lease.
+  absl::StatusOr<std::unique_ptr<PreparedSequence>> Prepare(const std::string& attachment_id);
+  absl::StatusOr<int> Join(std::unique_ptr<PreparedSequence> prepared);
   // Removes sequence b (or the attachment's) from the batch between steps: its local tokens
   // are dropped (append them to the session first to keep them), its memory is freed and
   // its generation released. Later sequences move down one index.
