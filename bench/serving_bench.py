@@ -157,6 +157,7 @@ def run_kvshade(c, model, prompts, arrivals, args):
         raise warm.error
     gen.chunk_times.clear()  # the workload's alone
     gen.prefill_forwards.clear()
+    gen.steps.clear()
     reqs, memory, steps = [], [], []
     stages0 = stage_seconds()
     prefix0 = c.stats()
@@ -223,6 +224,12 @@ def run_kvshade(c, model, prompts, arrivals, args):
             "worker_chunk_seconds": {k: round(v, 3) for k, v in gen.chunk_times.items()},
             # Tokens of each prefill forward while sequences decoded (decode_stall sizes them).
             "prefill_tokens_while_decoding": [n for n, decoding in gen.prefill_forwards if decoding],
+            # The ten slowest steps and what their time went to (Generator.steps).
+            "slowest_steps": [{"at_s": round(r.started - t0, 3), "ms": round(r.seconds * 1e3, 1),
+                               "admit_ms": round(r.admit_s * 1e3, 1), "prefill_ms": round(r.prefill_s * 1e3, 1),
+                               "decode_ms": round(r.decode_s * 1e3, 1), "batch": r.batch, "joined": r.joined,
+                               "prefill_tokens": r.prefill_tokens}
+                              for r in sorted(gen.steps, key=lambda r: -r.seconds)[:10]],
             "memory_over_time": memory}
 
 

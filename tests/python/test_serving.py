@@ -127,6 +127,16 @@ class ServingTest(_WithServer):
         self.assertEqual(steps_prefilling, 330 // 64)  # chunks before the one that completes it
         self.assertEqual(a.tokens, refs[0])
         self.assertEqual(b.tokens, refs[1])
+        # The Generator's record of its steps: every prefill token, both joins (each prepared
+        # on its request's thread), the parts within the step's time.
+        self.assertEqual(sum(r.prefill_tokens for r in gen.steps), 96 + 330)
+        self.assertEqual(sum(r.joined for r in gen.steps), 2)
+        self.assertLessEqual(max(r.batch for r in gen.steps), 2)
+        for r in gen.steps:
+            self.assertLessEqual(r.admit_s + r.prefill_s + r.decode_s, r.seconds + 1e-6)
+        for req in (a, b):
+            self.assertIsNotNone(req.prepare_s)
+            self.assertIsNotNone(req.join_s)
         gen.close()
 
     def test_decode_stall_sizes_chunks_from_step_times(self):

@@ -368,6 +368,20 @@ class _Committing:
 
 
 @dataclass
+class StepRecord:
+    """One Generator.step: when it started (time.perf_counter()), its seconds in all and in
+    its parts, what it carried."""
+    started: float
+    seconds: float
+    admit_s: float  # joining the requests whose sessions got ready
+    prefill_s: float  # prefill forwards (and their first tokens)
+    decode_s: float  # the batch's decode step
+    batch: int  # sequences decoded
+    joined: int  # sequences that joined the batch
+    prefill_tokens: int  # tokens through prefill forwards
+
+
+@dataclass
 class Request:
     """One generation request and what happened to it (times from time.perf_counter())."""
     id: int
@@ -491,6 +505,9 @@ class Generator:
         # Tokens of each of the last 10,000 prefill forwards, and whether sequences were
         # decoding meanwhile (what decode_stall sized, for a benchmark to report).
         self.prefill_forwards: Deque[Tuple[int, bool]] = deque(maxlen=10000)
+        # The last 10,000 steps: StepRecord each (what a step's time went to).
+        self.steps: Deque[StepRecord] = deque(maxlen=10000)
+        self._prefill_tokens = 0  # tokens through prefill forwards so far
         self._next_id = 0
 
     @property
@@ -638,6 +655,7 @@ class Generator:
         n = ids.shape[1]
         end = self._next_chunk_end(req, at, n, chunk)
         self.prefill_forwards.append((end - at, bool(self.running)))
+        self._prefill_tokens += end - at
         try:
             with torch.no_grad():
                 out = self.model(input_ids=ids[:, at:end], past_key_values=kc, use_cache=True, logits_to_keep=1)
@@ -700,7 +718,11 @@ class Generator:
         the running sequences keep decoding meanwhile."""
         finished: List[Request] = []
         started = time.perf_counter()
+        batch_before = len(self.running)
         self._admit_committed(finished)
+        joined = len(self.running) - batch_before
+        admitted = time.perf_counter()
+        prefill_tokens = self._prefill_tokens
         forwards = 0
         chunk = self._chunk_tokens()
         # With decode_stall, one prefill forward per step while sequences decode.
@@ -735,6 +757,9 @@ class Generator:
             finished.append(req)
         if not self.running and self._committing and not forwards:
             self._admit_committed(finished, block=True)  # nothing else to do meanwhile
+        prefilled = time.perf_counter()
+        batch = len(self.running)
+        prefill_tokens = self._prefill_tokens - prefill_tokens
         if self.running:
             last = torch.tensor([r.tokens[-1] for r in self.running], dtype=torch.long)
             tokens = self.sampler(self.cache.decode(self.model, last)).tolist()
@@ -746,6 +771,9 @@ class Generator:
                     req = self.running.pop(i)
                     self._finish(req, i)
                     finished.append(req)
+        done = time.perf_counter()
+        self.steps.append(StepRecord(started, done - started, admitted - started, prefilled - admitted,
+                                     done - prefilled, batch, joined, prefill_tokens))
         return finished
 
     def _finish(self, req, index):
