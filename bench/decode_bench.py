@@ -321,6 +321,7 @@ def e2e_table(c, args, ucx_client=None):
         with torch.no_grad():
             out = model(input_ids=prompt, past_key_values=kc, use_cache=True, logits_to_keep=1)
         torch.cuda.synchronize()
+        forward_end = time.perf_counter()
         kc.wait_ready()  # the commit and the decoder open may still run after the forward
         torch.cuda.synchronize()
         ready_s = time.perf_counter() - t0
@@ -361,6 +362,10 @@ def e2e_table(c, args, ucx_client=None):
         # (the adapter ingests each layer while the prefill computes the next).
         rows[-1]["ready_after_prefill_s"] = ready_s - prefill_s
         rows[-1]["ingest_stage_seconds"] = ingest_stages
+        # Where the time after the forward went: each milestone of the ingest's end, in
+        # seconds after the forward ended (negative: before it).
+        rows[-1]["ready_milestones_s"] = {k: round(v - forward_end, 4) for k, v in kc.ready_times.items()}
+        print("ready milestones (s after the forward):", rows[-1]["ready_milestones_s"])
         print("daemon ingest stages (s, summed over layers):", ingest_stages)
         print(f"e2e {n} x{B}: {name} {rows[-1]['ms_median']:.2f} ms/step = "
               f"{B * 1e3 / rows[-1]['ms_median']:.0f} tokens/s "

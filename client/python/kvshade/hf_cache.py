@@ -71,7 +71,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -961,6 +961,11 @@ class KvShadeCache(Cache):
         # Host path: {"copy_s", "send_s", "bytes"}, the sender's seconds copying the prompt's
         # layers off the GPU and sending them, and the bytes sent (None on the device path).
         self.host_ingest_times = None
+        # When each part of the end of a prompt's ingest ended (time.perf_counter(); filled by
+        # the thread that finishes it): "started" (inside the prompt's last layer), "parts"
+        # (the same-node parts handed to the daemon), "committed" (the host path's last
+        # layers sent too), "attached", "decoder" (opened).
+        self.ready_times: Dict[str, float] = {}
         # Seconds of the chunked prefill's own work on this thread, by phase (a profile of
         # where a chunk's time goes beside the model's): "send" (each part to the daemon: on
         # the same node, queueing it for the sender thread and waiting while the parts queued
@@ -1571,6 +1576,7 @@ class KvShadeCache(Cache):
 
     def _finish_ingest(self, n, B):
         client, spec, profile, worker_id = self._hook_args
+        self.ready_times = {"started": time.perf_counter()}
         if self._part_sender is not None:
             sender, self._part_sender = self._part_sender, None
             try:
@@ -1582,6 +1588,7 @@ class KvShadeCache(Cache):
                 self._streams = None
                 self._close_created_sessions()
                 raise
+        self.ready_times["parts"] = time.perf_counter()
         if self._streams is not None:
             try:
                 for ing in self._streams:
@@ -1597,6 +1604,7 @@ class KvShadeCache(Cache):
             except BaseException:
                 self._close_created_sessions()
                 raise
+        self.ready_times["committed"] = time.perf_counter()
         for b in range(B):
             self.hooks[b].effective_profile = self.created_all[b].effective_profile
             self.hooks[b].reused_tokens = self.created_all[b].reused_tokens
@@ -1610,6 +1618,7 @@ class KvShadeCache(Cache):
         self._v = [None] * len(self._v)
         self._sent_layers = []
         self._decoding = True
+        self.ready_times["attached"] = time.perf_counter()
         if self._decode_mode is None:
             return
         device = next(iter(self._model_params_device))
@@ -1628,6 +1637,7 @@ class KvShadeCache(Cache):
             self.remote = RemoteDecoder(client, self.session_ids, self.spec, device=device, delivery=self._delivery,
                                         worker_id=worker_id, speculate=self._speculate[0],
                                         correct_below=self._speculate[1])
+        self.ready_times["decoder"] = time.perf_counter()
 
     def _decode_attention(self, layer, query, key, value, scaling):
         """One decode step of one layer through kvshade: [B, hq, 1, d] -> [B, 1, hq, d]."""
