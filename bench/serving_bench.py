@@ -18,7 +18,8 @@ Rows (--configs, run in this order):
                    segment of its own and every later question over it reuses the document
                    and ingests only the question (docs/DESIGN.md "Segment ends"); the
                    Generator keeps the document's exact K/V in host memory
-                   (--prefix-cache-gib), so a later question's prefill starts after it.
+                   (--prefix-device-gib on the GPU, --prefix-cache-gib in host memory), so a
+                   later question's prefill starts after it.
   kvshade-cb       kvshade behind transformers' own ContinuousBatchingManager
                    (kvshade.hf_batching), requests added at their arrival times.
   transformers-cb  stock transformers continuous batching (ContinuousBatchingManager: paged
@@ -147,6 +148,8 @@ def run_kvshade(c, model, prompts, arrivals, args):
                             model_id="bench/serving-%d" % args.seed, local_capacity=max(64, args.max_new_tokens),
                             prefill_chunk_tokens=args.prefill_chunk or None,
                             prefix_cache_bytes=int(args.prefix_cache_gib * GIB),
+                            prefix_cache_device_bytes=int(args.prefix_device_gib * GIB),
+                            history_device_bytes=int(args.history_device_gib * GIB),
                             decode_stall=args.decode_stall or None)
     # Warm-up: one request of the workload's length (kernel selection, allocator, the
     # decoder's first mapping; a shorter prompt could resolve another value codec).
@@ -414,7 +417,13 @@ def main():
                     help="kvshade rows: a shadow profile setting (kvshade.Profile field), e.g. "
                          "refactor_threshold=1; repeatable")
     ap.add_argument("--prefix-cache-gib", type=float, default=8.0,
-                    help="kvshade: serving.Generator's prefix_cache_bytes, in GiB (0: off)")
+                    help="kvshade: serving.Generator's prefix_cache_bytes (host memory), in GiB")
+    ap.add_argument("--prefix-device-gib", type=float, default=8.0,
+                    help="kvshade: serving.Generator's prefix_cache_device_bytes, in GiB (with "
+                         "--prefix-cache-gib 0: no prefix cache)")
+    ap.add_argument("--history-device-gib", type=float, default=8.0,
+                    help="kvshade: serving.Generator's history_device_bytes (a chunked prefill's "
+                         "earlier chunks on the GPU), in GiB")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--configs", default="kvshade,kvshade-cb,transformers-cb,dynamic",
                     help="rows, in this order: kvshade (serving.Generator), kvshade-cb (kvshade.hf_batching "

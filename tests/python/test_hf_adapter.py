@@ -198,10 +198,11 @@ class HfAdapterTest(unittest.TestCase):
         model.set_attn_implementation("sdpa")
         return self.generate(model, ids, Bf16DynamicCache() if cache is None else cache, steps)
 
-    def kvshade_cache(self, model, ids, profile, name, decode="auto", ingest="auto"):
+    def kvshade_cache(self, model, ids, profile, name, decode="auto", ingest="auto", **kwargs):
         hf_cache.enable(model)
         return hf_cache.KvShadeCache(self.client, model, profile, prompt_ids=ids if ids.shape[0] > 1 else ids[0],
-                                     model_id=self.model_id(name), decode=decode, count_hits=True, ingest=ingest)
+                                     model_id=self.model_id(name), decode=decode, count_hits=True, ingest=ingest,
+                                     **kwargs)
 
     # --- ModelSpec derivation ---
     def test_model_spec_matches_the_models_rope(self):
@@ -504,6 +505,31 @@ class HfAdapterTest(unittest.TestCase):
                       % (name, err, decode_err))
                 for c_ in caches:
                     c_.close(close_session=True)
+        # history_device_bytes: the earlier chunks' K/V stay on the GPU while they fit (here
+        # the first chunk of every layer), the rest in host memory; the same logits, bit for
+        # bit, as with all of them in host memory, and the GPU's share is let go at the end.
+        if DEV.type == "cuda":
+            first_chunk = LAYERS * 2 * H * chunk * D * 2
+            logits, where = [], []
+            for budget in (0, first_chunk):
+                cache = self.kvshade_cache(model, ids[:, :-1], kvshade.Profile("exact"), "chunked-dev-%d" % budget,
+                                           history_device_bytes=budget)
+                spy = model.model.layers[-1].self_attn.k_proj.register_forward_hook(
+                    lambda mod, inp, out, cache=cache, budget=budget: where.append(
+                        (budget, [hk.device.type for hk, _ in (cache._history or [[]])[0]], cache.history_device_bytes)))
+                try:
+                    logits.append(cache.prefill(model, chunk_tokens=chunk)[0])
+                finally:
+                    spy.remove()
+                cache.wait_ready()
+                self.assertEqual(cache.history_device_bytes, 0)
+                cache.close(close_session=True)
+            self.assertEqual(where, [(0, [], 0), (0, ["cpu"], 0), (0, ["cpu", "cpu"], 0),
+                                     (first_chunk, [], 0), (first_chunk, ["cuda"], first_chunk),
+                                     (first_chunk, ["cuda", "cpu"], first_chunk)])
+            self.assertTrue(torch.equal(logits[0], logits[1]))
+            with self.assertRaises(ValueError):
+                self.kvshade_cache(model, ids, kvshade.Profile("exact"), "chunked-dev-bad", history_device_bytes=-1)
         # A chunk past the prompt, and a second multi-token forward of a cache without
         # prompt_ids naming the whole prompt, are refused.
         cache = self.kvshade_cache(model, ids[:, :100], kvshade.Profile("exact"), "chunked-refusals")

@@ -27,7 +27,7 @@ import unittest
 import kvshade_testutil  # noqa: F401  (puts client/python on sys.path)
 
 import kvshade
-from test_hf_adapter import HAVE_TRANSFORMERS, REQUIRE_GPU, WHY, WithServerAndSeed
+from test_hf_adapter import D, H, HAVE_TRANSFORMERS, LAYERS, REQUIRE_GPU, WHY, WithServerAndSeed
 
 if HAVE_TRANSFORMERS:  # test_hf_adapter defines these only where transformers imports
     import torch
@@ -195,27 +195,59 @@ class ServingTest(_WithServer):
 
     def test_a_kept_prefix_is_not_prefilled_again(self):
         # Two questions over one document (a segment end at the document's end): the first
-        # request keeps the document's exact K/V in host memory, the second starts its prefill
-        # after the document (the daemon reusing its segment) and decodes the tokens of its
-        # prompt decoded alone. Without a prefix cache both are prefilled whole.
+        # request keeps the document's exact K/V, the second starts its prefill after the
+        # document (the daemon reusing its segment) and decodes the tokens of its prompt
+        # decoded alone. Kept on the GPU (where the prefill's history held them) while they
+        # fit prefix_cache_device_bytes, else in host memory; without a prefix cache both
+        # are prefilled whole.
         model = tiny_llama(self.seed)
         doc = self.prompt(256)
         p1, p2 = doc + self.prompt(40), doc + self.prompt(72)
         refs = [self.reference(model, p, 5, "kept%d" % i, segment_ends=(256,)) for i, p in enumerate((p1, p2))]
-        for budget in (1 << 30, 0):
+        gpu = next(model.parameters()).is_cuda
+        GIB = 1 << 30
+        # (host bytes, device bytes, history on the device, where the prefix is kept)
+        for host, dev, hist, kept in ((GIB, 0, GIB, "host"), (GIB, GIB, GIB, "device" if gpu else "host"),
+                                      (GIB, GIB, 0, "host"), (0, 0, GIB, None)):
+            name = "%d-%d-%d" % (host, dev, hist)
             gen = serving.Generator(self.client, model, self.profile(), prefill_chunk_tokens=96,
-                                    prefix_cache_bytes=budget, model_id="serving-kept-%d-%d" % (budget, self.seed))
+                                    prefix_cache_bytes=host, prefix_cache_device_bytes=dev, history_device_bytes=hist,
+                                    model_id="serving-kept-%s-%d" % (name, self.seed))
             a = gen.submit(p1, 5, segment_ends=(256,))
             gen.run()
             self.assertEqual(a.prefill_skipped, 0)
-            self.assertEqual(gen.prefix_bytes > 0, budget > 0)
+            self.assertEqual((gen.prefix_bytes > 0, gen.prefix_device_bytes > 0),
+                             (kept == "host", kept == "device"), name)
             b = gen.submit(p2, 5, segment_ends=(256,))
             gen.run()
             self.assertGreaterEqual(b.reused_tokens, 256)
-            self.assertEqual(b.prefill_skipped, 256 if budget else 0)
-            self.assertEqual(a.tokens, refs[0], "budget %d" % budget)
-            self.assertEqual(b.tokens, refs[1], "budget %d" % budget)
+            self.assertEqual(b.prefill_skipped, 256 if kept else 0, name)
+            self.assertEqual(a.tokens, refs[0], name)
+            self.assertEqual(b.tokens, refs[1], name)
             gen.close()
+        if not gpu:
+            return
+        # A second document's prefix takes the GPU's room: the first one moves to host memory
+        # (still reused there), the newest stays on the GPU.
+        doc2 = self.prompt(256)
+        q1, q2 = doc2 + self.prompt(40), doc + self.prompt(56)
+        refs = [self.reference(model, p, 4, "kept-lru%d" % i, segment_ends=(256,)) for i, p in enumerate((q1, q2))]
+        one = 2 * LAYERS * H * 256 * D * 2  # one document's K and V, bf16
+        gen = serving.Generator(self.client, model, self.profile(), prefill_chunk_tokens=96, prefix_cache_bytes=GIB,
+                                prefix_cache_device_bytes=one, history_device_bytes=GIB,
+                                model_id="serving-kept-lru-%d" % self.seed)
+        gen.submit(p1, 2, segment_ends=(256,))
+        gen.run()
+        self.assertEqual((gen.prefix_device_bytes, gen.prefix_bytes), (one, 0))
+        c = gen.submit(q1, 4, segment_ends=(256,))
+        gen.run()
+        self.assertEqual((gen.prefix_device_bytes, gen.prefix_bytes), (one, one))
+        d = gen.submit(q2, 4, segment_ends=(256,))
+        gen.run()
+        self.assertEqual(d.prefill_skipped, 256)  # from host memory
+        self.assertEqual(c.tokens, refs[0])
+        self.assertEqual(d.tokens, refs[1])
+        gen.close()
 
     def test_eos_ends_a_request_and_frees_its_sequence(self):
         model = tiny_llama(self.seed)

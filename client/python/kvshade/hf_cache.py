@@ -893,6 +893,12 @@ class KvShadeCache(Cache):
     segment_ends: token positions where the daemon cuts each prompt into separately cached
                segments (Client.create_session), e.g. the end of a shared document before
                the question, so that the next question over it reuses the document
+    history_device_bytes: a chunked prefill keeps the earlier chunks' exact K/V (what the
+               later chunks attend to) on the GPU up to this many bytes, the rest in pinned host
+               memory, brought back one layer ahead of each chunk's attention (default 0: all
+               in host memory, so the GPU holds only the layers in flight). On the GPU a small
+               chunk after a long history does not wait for the host link (about 128 MiB per
+               layer of 32K Llama-3-8B tokens); the bytes count against the worker's GPU.
     device   : where the daemon places the sessions (docs/OPERATIONS.md "Devices"). None
                (default): the model's GPU, found among the daemon's devices by PCI bus id
                (kvshade.routing.session_device), so a daemon serving every GPU of the node
@@ -906,7 +912,8 @@ class KvShadeCache(Cache):
 
     def __init__(self, client, model, profile, prompt_ids=None, model_id=None, worker_id="hf-cache",
                  prefill_attention="sdpa", decode="auto", count_hits=False, ingest="auto", delivery="auto",
-                 speculate=False, correct_below=0.9, ingest_window_bytes=2 << 30, segment_ends=(), device=None):
+                 speculate=False, correct_below=0.9, ingest_window_bytes=2 << 30, segment_ends=(), device=None,
+                 history_device_bytes=0):
         config = require_attention(model)
         if model_id is None:
             model_id = model_id_of(model, "hf-%s-%s" % (getattr(config, "model_type", "model"), uuid.uuid4().hex[:12]))
@@ -933,6 +940,10 @@ class KvShadeCache(Cache):
         if int(ingest_window_bytes) <= 0:
             raise ValueError("ingest_window_bytes must be > 0, got %r" % (ingest_window_bytes,))
         self._ingest_window = int(ingest_window_bytes)
+        if int(history_device_bytes) < 0:
+            raise ValueError("history_device_bytes must be >= 0, got %r" % (history_device_bytes,))
+        self._history_device_budget = int(history_device_bytes)
+        self.history_device_bytes = 0  # earlier chunks' K/V kept on the GPU now (history_device_bytes)
         self._sent_layers = []  # device path: prompt layers in the order sent
         self._part_sender = None  # device path of a chunked prefill: _DevicePartSender
         self._keep_prefix_tokens = 0  # keep_prefix()
@@ -940,9 +951,10 @@ class KvShadeCache(Cache):
         # prompt's first keep_prefix tokens, once the prefill is done (None: nothing kept).
         self.kept_prefix = None
         # Chunked prefill (a prompt in several forwards): per layer, the earlier chunks' exact
-        # post-RoPE keys and values in host memory ([(k, v)] of [B, h, c, d] bf16, pinned on a
-        # GPU), for the later chunks' attention; a side stream for their copies; the next
-        # layer's K/V already on their way to the GPU ({layer: (k, v, event)}).
+        # post-RoPE keys and values ([(k, v)] of [B, h, c, d] bf16: on the GPU while they fit
+        # history_device_bytes, else in pinned host memory), for the later chunks' attention;
+        # a side stream for their copies; the next layer's K/V already on their way
+        # ({layer: (k, v, event)}).
         self._chunked = False
         self._history = None
         self._history_stream = None
@@ -1335,9 +1347,16 @@ class KvShadeCache(Cache):
         self._part_sender = _DevicePartSender(self._streams, self._ingest_window)
 
     def _keep_history(self, li, k, v):
-        """This chunk's exact post-RoPE keys and values [B, h, c, d] into host memory (bf16:
-        they are bf16 values already), copied on a stream of their own on a GPU."""
+        """This chunk's exact post-RoPE keys and values [B, h, c, d] for the later chunks (bf16:
+        they are bf16 values already): kept on the GPU while the history there stays within
+        history_device_bytes (a later chunk then reads them at device speed), else copied to
+        pinned host memory on a stream of their own."""
         kb, vb = k.to(STORE_DTYPE), v.to(STORE_DTYPE)
+        size = 2 * kb.numel() * kb.element_size()
+        if kb.is_cuda and self.history_device_bytes + size <= self._history_device_budget:
+            self.history_device_bytes += size
+            self._history[li].append((kb.clone(), vb.clone()))
+            return
         if kb.is_cuda:
             stream = self._side_stream(kb.device)
             hk = torch.empty(kb.shape, dtype=STORE_DTYPE, pin_memory=True)
@@ -1407,6 +1426,7 @@ class KvShadeCache(Cache):
     def _drop_history(self):
         self._history = None
         self._prefetched = {}
+        self.history_device_bytes = 0
 
     def prefill(self, model, chunk_tokens=None):
         """Runs the prompt (prompt_ids) through `model` into this cache, in forwards of at most

@@ -310,6 +310,15 @@ class BatchCache(Cache):
         return out.to(query.dtype).reshape(b, 1, hq, d)
 
 
+def _to_host(kept):
+    """Per-layer [(k, v)] copied into pinned host memory."""
+    def host(t):
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t)
+        return out
+    return [[(host(k), host(v)) for k, v in layer] for layer in kept]
+
+
 def ready_session(kc: "hf_cache.KvShadeCache") -> Tuple[str, int]:
     """The session of a prefill-only hf_cache.KvShadeCache (decode=None, one sequence) once
     its prompt is committed: waits for the commit, lets go of the cache (the session stays
@@ -436,8 +445,15 @@ class Generator:
                       segment_ends: a document before its questions), least recently used
                       first out. A request whose prompt starts with a kept prefix that the
                       daemon also still caches is prefilled from the prefix's end: the
-                      forward over the prefix is not run again (its K/V come back from host
-                      memory, one layer ahead, for the rest of the prompt's attention). 0: off
+                      forward over the prefix is not run again (its K/V are read back, one
+                      layer ahead, for the rest of the prompt's attention)
+    prefix_cache_device_bytes: GPU memory for kept prefixes (read back at device speed
+                      rather than over the host link; the least recently used move to host
+                      memory when they do not fit). Both 0: no prefix cache
+    history_device_bytes: GPU memory for each chunked prefill's earlier chunks
+                      (hf_cache.KvShadeCache history_device_bytes; a kept prefix stays where
+                      its prefill held it). Counted with the model's own memory: with 8 GiB
+                      of each, a worker holds at most 16 GiB of exact K/V beside its batch
     device          : the daemon device of the requests' sessions, as hf_cache.KvShadeCache's
                       (None: the model's GPU among the daemon's devices), found once
     decode_stall    : with prefill_chunk_tokens, while sequences decode, size each prefill
@@ -452,7 +468,8 @@ class Generator:
                  local_capacity: int = 1024, sampler: Optional[Callable] = None, close_sessions: bool = True,
                  cache_kwargs: Optional[Dict[str, Any]] = None, prefill_chunk_tokens: Optional[int] = None,
                  prefix_cache_bytes: int = 8 << 30, device: Optional[DeviceArg] = None,
-                 decode_stall: Optional[float] = None) -> None:
+                 decode_stall: Optional[float] = None, prefix_cache_device_bytes: int = 8 << 30,
+                 history_device_bytes: int = 8 << 30) -> None:
         if max_batch < 1 or prefills_per_step < 1:
             raise ValueError("max_batch and prefills_per_step must be >= 1")
         if decode_stall is not None:
@@ -468,13 +485,20 @@ class Generator:
         if prefill_chunk_tokens is not None and int(prefill_chunk_tokens) < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1 or None, got %r" % (prefill_chunk_tokens,))
         self.prefill_chunk_tokens = None if prefill_chunk_tokens is None else int(prefill_chunk_tokens)
-        if int(prefix_cache_bytes) < 0:
-            raise ValueError("prefix_cache_bytes must be >= 0, got %r" % (prefix_cache_bytes,))
+        for name, value in (("prefix_cache_bytes", prefix_cache_bytes),
+                            ("prefix_cache_device_bytes", prefix_cache_device_bytes),
+                            ("history_device_bytes", history_device_bytes)):
+            if int(value) < 0:
+                raise ValueError("%s must be >= 0, got %r" % (name, value))
         self.prefix_cache_bytes = int(prefix_cache_bytes)
-        # Exact K/V of shared prefixes: {prefix tokens (tuple): (per-layer K/V, bytes)}, oldest
-        # use first; and their bytes.
+        self.prefix_cache_device_bytes = int(prefix_cache_device_bytes)
+        self._prefix_cache_on = self.prefix_cache_bytes + self.prefix_cache_device_bytes > 0
+        self.history_device_bytes = int(history_device_bytes)
+        # Exact K/V of shared prefixes: {prefix tokens (tuple): (per-layer K/V, bytes, on the
+        # GPU)}, oldest use first; and their bytes in host memory and on the GPU.
         self._prefixes: "OrderedDict[tuple, tuple]" = OrderedDict()
         self.prefix_bytes = 0
+        self.prefix_device_bytes = 0
         # The prompt being prefilled chunk by chunk: (request, its KvShadeCache, ids, next position).
         self._prefilling: Optional[list] = None
         hf_cache.enable(model)
@@ -547,12 +571,13 @@ class Generator:
         daemon reuses), and asked to keep the longest one that is not."""
         ids = torch.tensor([req.prompt], dtype=torch.long, device=self.cache.device)
         kwargs = dict(self.cache_kwargs)
+        kwargs.setdefault("history_device_bytes", self.history_device_bytes)
         if req.segment_ends:
             kwargs["segment_ends"] = req.segment_ends
         kc = hf_cache.KvShadeCache(self.client, self.model, self.profile, prompt_ids=req.prompt,
                                    model_id=self.model_id, worker_id=self.worker_id, decode=None, **kwargs)
         at = 0
-        ends = [e for e in req.segment_ends if 0 < e < len(req.prompt)] if self.prefix_cache_bytes else []
+        ends = [e for e in req.segment_ends if 0 < e < len(req.prompt)] if self._prefix_cache_on else []
         for end in sorted(ends, reverse=True):
             kept = self._prefixes.get(tuple(req.prompt[:end]))
             if kept is None:
@@ -581,7 +606,7 @@ class Generator:
         the longest shared prefix of its prompt kept here is that of a request whose session
         is still committing (the daemon registers the prefix at that commit; see
         _prefill_begin). The step then decodes instead of blocking on it."""
-        if not self.prefix_cache_bytes:
+        if not self._prefix_cache_on:
             return False
         for end in sorted((e for e in req.segment_ends if 0 < e < len(req.prompt)), reverse=True):
             if tuple(req.prompt[:end]) not in self._prefixes:
@@ -622,27 +647,55 @@ class Generator:
         (None: the prompt's end), and never past a segment end (a kept prefix ends on a
         chunk boundary)."""
         end = n if chunk is None else min(n, at + chunk)
-        if self.prefix_cache_bytes:
+        if self._prefix_cache_on:
             end = min([end] + [e for e in req.segment_ends if at < e < end])
         return end
 
     def _keep_prefix(self, req, kc):
         """The exact K/V of the longest new shared prefix the prefill kept, into the prefix
-        cache (least recently used ones out while it holds more than prefix_cache_bytes)."""
+        cache: on the GPU (where the prefill's history_device_bytes left them) while kept
+        prefixes there fit prefix_cache_device_bytes, the least recently used moved to host
+        memory to make room; in host memory up to prefix_cache_bytes, the least recently used
+        dropped."""
         kept, kc.kept_prefix = kc.kept_prefix, None
         if kept is None:
             return
         size = sum(2 * k.numel() * k.element_size() for layer in kept for k, _ in layer)
-        if size > self.prefix_cache_bytes:
+        if size > max(self.prefix_cache_bytes, self.prefix_cache_device_bytes):
             return
         tokens = sum(k.shape[2] for k, _ in kept[0])
         key = tuple(req.prompt[:tokens])
         if key in self._prefixes:
             return
-        self._prefixes[key] = (kept, size)
+        on_gpu = all(k.is_cuda for layer in kept for k, _ in layer)
+        if on_gpu and size <= self.prefix_cache_device_bytes:
+            for old_key in list(self._prefixes):
+                if self.prefix_device_bytes + size <= self.prefix_cache_device_bytes:
+                    break
+                if self._prefixes[old_key][2]:
+                    self._prefix_to_host(old_key)
+        elif size > self.prefix_cache_bytes:
+            return
+        else:
+            kept, on_gpu = (_to_host(kept) if on_gpu else kept), False
+        self._prefixes[key] = (kept, size, on_gpu)
+        if on_gpu:
+            self.prefix_device_bytes += size
+        else:
+            self.prefix_bytes += size
+        self._trim_host_prefixes()
+
+    def _prefix_to_host(self, key):
+        """A kept prefix moved from the GPU to host memory (keeping its place in the order)."""
+        kept, size, _ = self._prefixes[key]
+        self._prefixes[key] = (_to_host(kept), size, False)
+        self.prefix_device_bytes -= size
         self.prefix_bytes += size
+
+    def _trim_host_prefixes(self):
         while self.prefix_bytes > self.prefix_cache_bytes:
-            _, (_, old) = self._prefixes.popitem(last=False)
+            old_key = next(k for k, e in self._prefixes.items() if not e[2])
+            _, old, _ = self._prefixes.pop(old_key)
             self.prefix_bytes -= old
 
     def _prefill_advance(self, state, chunk=None):
@@ -807,7 +860,7 @@ class Generator:
             else:
                 c.kc.close(close_session=True)
         self._committing = []
-        self._prefixes.clear()  # the kept prefixes' host memory
-        self.prefix_bytes = 0
+        self._prefixes.clear()  # the kept prefixes' memory
+        self.prefix_bytes = self.prefix_device_bytes = 0
         self.running.clear()
         self.cache.close(close_sessions=self.close_sessions)
