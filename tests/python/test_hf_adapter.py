@@ -487,16 +487,17 @@ class HfAdapterTest(unittest.TestCase):
                 self.assertLess(decode_err, 1e-3)
                 if name == "exact":
                     # The chunks' forwards round in another order (GEMMs of other shapes, the
-                    # attention over other tiles), so an element may round to the neighbouring
-                    # bf16 value (on the H100: 4 of 25472 values of layer 1).
+                    # attention over other tiles), so an element may round to a neighbouring
+                    # bf16 value (on the H100: 4 of 25472 values of layer 1; once two steps
+                    # away, layer 0's rounding carried into layer 1's keys).
                     flips = 0
                     for layer in range(LAYERS):
                         a, b = caches[0].hook._static[layer], caches[1].hook._static[layer]
                         for got, want in ((b.tail_k, a.tail_k), (b.tail_v, a.tail_v)):
                             diff = np.abs(got - want)
-                            # One bf16 step of the element, or (an element that cancels to
+                            # Two bf16 steps of the element, or (an element that cancels to
                             # near zero) a small share of the layer's largest.
-                            bound = np.abs(want) * 2.0 ** -7 + np.abs(want).max() * 2.0 ** -12
+                            bound = np.abs(want) * 2.0 ** -6 + np.abs(want).max() * 2.0 ** -12
                             self.assertTrue((diff <= bound).all(), "layer %d: K/V differ by up to %g (largest %g)"
                                             % (layer, float(diff.max()), float(np.abs(want).max())))
                             flips += int((diff > 0).sum())
@@ -524,8 +525,11 @@ class HfAdapterTest(unittest.TestCase):
                 cache.wait_ready()
                 self.assertEqual(cache.history_device_bytes, 0)
                 cache.close(close_session=True)
-            self.assertEqual(where, [(0, [], 0), (0, ["cpu"], 0), (0, ["cpu", "cpu"], 0),
-                                     (first_chunk, [], 0), (first_chunk, ["cuda"], first_chunk),
+            # At each chunk's last layer: layer 0's earlier chunks, and the bytes on the GPU
+            # (the last layer's chunk is kept after that layer's attention).
+            partial = first_chunk // LAYERS * (LAYERS - 1)
+            self.assertEqual(where, [(0, ["cpu"], 0), (0, ["cpu", "cpu"], 0), (0, ["cpu", "cpu"], 0),
+                                     (first_chunk, ["cuda"], partial), (first_chunk, ["cuda", "cpu"], first_chunk),
                                      (first_chunk, ["cuda", "cpu"], first_chunk)])
             self.assertTrue(torch.equal(logits[0], logits[1]))
             with self.assertRaises(ValueError):

@@ -731,8 +731,9 @@ class Generator:
         for the oldest first); a request already done (its first token was its last) is
         finished instead. A failed commit ends its request with finish_reason "error". The
         commit and the batch's calls to the daemon for the session ran on the request's own
-        thread (_Committing); the step maps the session into the decoder."""
-        keep = []
+        thread (_Committing); the step adds the prepared session to the decoder's batch.
+        Returns how many joined."""
+        keep, joined = [], 0
         for i, c in enumerate(self._committing):
             if not (c.ready or (block and i == 0)):
                 keep.append(c)
@@ -762,7 +763,9 @@ class Generator:
                 finished.append(req)
             else:
                 self.running.append(req)
+                joined += 1
         self._committing = keep
+        return joined
 
     def step(self) -> List[Request]:
         """Joins the requests whose sessions have committed, prefills waiting ones (first token,
@@ -771,9 +774,7 @@ class Generator:
         the running sequences keep decoding meanwhile."""
         finished: List[Request] = []
         started = time.perf_counter()
-        batch_before = len(self.running)
-        self._admit_committed(finished)
-        joined = len(self.running) - batch_before
+        joined = self._admit_committed(finished)
         admitted = time.perf_counter()
         prefill_tokens = self._prefill_tokens
         forwards = 0
@@ -809,7 +810,7 @@ class Generator:
             self._finish(req, None)
             finished.append(req)
         if not self.running and self._committing and not forwards:
-            self._admit_committed(finished, block=True)  # nothing else to do meanwhile
+            joined += self._admit_committed(finished, block=True)  # nothing else to do meanwhile
         prefilled = time.perf_counter()
         batch = len(self.running)
         prefill_tokens = self._prefill_tokens - prefill_tokens
