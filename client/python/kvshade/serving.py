@@ -382,7 +382,8 @@ class StepRecord:
     its parts, what it carried."""
     started: float
     seconds: float
-    admit_s: float  # joining the requests whose sessions got ready
+    admit_s: float  # joining the requests whose sessions got ready (and, with nothing
+    # decoding or prefilling, waiting for the oldest one's commit)
     prefill_s: float  # prefill forwards (and their first tokens)
     decode_s: float  # the batch's decode step
     batch: int  # sequences decoded
@@ -809,9 +810,11 @@ class Generator:
                 raise
             self._finish(req, None)
             finished.append(req)
+        prefilled = time.perf_counter()
         if not self.running and self._committing and not forwards:
             joined += self._admit_committed(finished, block=True)  # nothing else to do meanwhile
-        prefilled = time.perf_counter()
+            waited = time.perf_counter() - prefilled
+            admitted, prefilled = admitted + waited, prefilled + waited  # the wait counts as admitting
         batch = len(self.running)
         prefill_tokens = self._prefill_tokens - prefill_tokens
         if self.running:
