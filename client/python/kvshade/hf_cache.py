@@ -945,7 +945,7 @@ class KvShadeCache(Cache):
         self._history_device_budget = int(history_device_bytes)
         self.history_device_bytes = 0  # earlier chunks' K/V kept on the GPU now (history_device_bytes)
         self._sent_layers = []  # device path: prompt layers in the order sent
-        self._part_sender = None  # device path of a chunked prefill: _DevicePartSender
+        self._part_sender = None  # device path, after the first part: _DevicePartSender
         self._keep_prefix_tokens = 0  # keep_prefix()
         # keep_prefix: per layer, [(k, v)] of [1, h, c, d] bf16 in host memory covering the
         # prompt's first keep_prefix tokens, once the prefill is done (None: nothing kept).
@@ -1134,9 +1134,22 @@ class KvShadeCache(Cache):
             return self._update_chunk(layer_obj, k, v, pk, pv, start, total)
         if self._streams is None and self._sender is None and self._device_ingest_wanted(key_states):
             self._begin_device_ingest(n, pk.shape[0])
-        if self._streams is not None:
+        if self._streams is not None and self._part_sender is not None:
+            # Same node, after the first layer: handed to the sending thread with an event, so
+            # that the forward goes on launching the next layers' kernels instead of waiting
+            # for this layer's to finish (and for the call to the daemon) before each layer.
+            parts = [(b, pk[b, self.created_all[b].reused_tokens:].contiguous(),
+                      pv[b, self.created_all[b].reused_tokens:].contiguous(), 0)
+                     for b, ing in enumerate(self._streams) if ing is not None]
+            if parts:
+                self._part_sender.put(li, parts, True)
+            del pk, pv, parts
+            self._pre_k[li] = self._v[li] = _TAKEN
+        elif self._streams is not None:
             # Same node: the daemon reads this layer from the GPU while the model computes
-            # the next one; nothing goes through host memory here.
+            # the next one; nothing goes through host memory here. The first layer goes on
+            # this thread: a daemon that cannot read this GPU's memory fails it, and "auto"
+            # then takes the host path.
             self._pre_k[li], self._v[li] = pk, pv
             try:
                 for b, ing in enumerate(self._streams):
@@ -1149,6 +1162,8 @@ class KvShadeCache(Cache):
                 del pk, pv
                 self._sent_layers.append(li)
                 self._release_taken_layers()
+                if len(self._pre_k) > 1:
+                    self._part_sender = _DevicePartSender(self._streams, self._ingest_window)
         else:
             # Host path: this layer goes to the daemon over the wire while the model computes
             # the next one (the sender copies it off the GPU on a stream of its own).
