@@ -270,6 +270,22 @@ std::vector<bf16> StepToken(int hd, int seq, int step, float scale) {
   return t;
 }
 
+// Each document ingested as a session of `profile` and attached twice: once for a batch
+// (batch[i]) and once for a decoder of that sequence alone (solo[i]).
+void IngestAndAttachTwice(client::Client& c, const std::vector<synthetic::Document>& docs,
+                          const v1::Profile& profile, std::vector<std::string>* batch,
+                          std::vector<std::string>* solo) {
+  for (const synthetic::Document& doc : docs) {
+    KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(c, doc, profile, -1));
+    v1::AttachRequest ar;
+    ar.set_session_id(cs.session_id());
+    KV_ASSERT_OK_AND_ASSIGN(a, c.Attach(ar));
+    KV_ASSERT_OK_AND_ASSIGN(b, c.Attach(ar));
+    batch->push_back(a.attachment_id());
+    solo->push_back(b.attachment_id());
+  }
+}
+
 // Continuous batching: sequences of different sessions and lengths join and leave a
 // decoder between steps; every step, each sequence's output equals a decoder of that
 // sequence alone fed the same tokens since it joined (bit for bit on the CPU backend:
@@ -281,16 +297,8 @@ TEST(LocalDecoder, SequencesJoinAndLeaveBetweenSteps) {
   const v1::Profile profile = ShadowProfile(16, 8, 4);
   std::vector<synthetic::Document> docs;
   for (int i = 0; i < 3; ++i) docs.emplace_back(SmallDoc(1024 + 512 * i, 20 + i));
-  std::vector<std::string> batch_att(3), solo_att(3);
-  for (int i = 0; i < 3; ++i) {
-    KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, docs[i], profile, -1));
-    v1::AttachRequest ar;
-    ar.set_session_id(cs.session_id());
-    KV_ASSERT_OK_AND_ASSIGN(a, f.c->Attach(ar));
-    KV_ASSERT_OK_AND_ASSIGN(b, f.c->Attach(ar));
-    batch_att[i] = a.attachment_id();
-    solo_att[i] = b.attachment_id();
-  }
+  std::vector<std::string> batch_att, solo_att;
+  ASSERT_NO_FATAL_FAILURE(IngestAndAttachTwice(*f.c, docs, profile, &batch_att, &solo_att));
   client::LocalDecoderOptions opt;
   opt.backend = "cpu";
   opt.local_capacity = 16;
@@ -377,31 +385,25 @@ TEST(LocalDecoder, PreparedJoinsEqualPlainJoins) {
   const v1::Profile profile = ShadowProfile(16, 8, 4);
   std::vector<synthetic::Document> docs;
   for (int i = 0; i < 3; ++i) docs.emplace_back(SmallDoc(1024 + 256 * i, 40 + i));
-  std::vector<std::string> batch_att(3), solo_att(3);
-  for (int i = 0; i < 3; ++i) {
-    KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, docs[i], profile, -1));
-    v1::AttachRequest ar;
-    ar.set_session_id(cs.session_id());
-    KV_ASSERT_OK_AND_ASSIGN(a, f.c->Attach(ar));
-    KV_ASSERT_OK_AND_ASSIGN(b, f.c->Attach(ar));
-    batch_att[i] = a.attachment_id();
-    solo_att[i] = b.attachment_id();
-  }
+  std::vector<std::string> batch_att, solo_att;
+  ASSERT_NO_FATAL_FAILURE(IngestAndAttachTwice(*f.c, docs, profile, &batch_att, &solo_att));
   client::LocalDecoderOptions opt;
   opt.backend = "cpu";
   opt.local_capacity = 16;
   const auto& spec = docs[0].spec();
   const int L = spec.layers, hq = spec.q_heads, d = spec.head_dim, hd = spec.kv_heads * d;
-  // One step of `dec` over sequences `members` (doc ids, batch order); returns the outputs.
-  const auto step = [&](client::LocalDecoder& dec, const std::vector<int>& members, int at,
+  // One step of `dec` over sequences `members` (doc ids, batch order), each at its own step
+  // number `at[b]` (its query and new token); out[l] holds layer l's outputs, batch-major.
+  const auto step = [&](client::LocalDecoder& dec, const std::vector<int>& members, const std::vector<int>& at,
                         std::vector<std::vector<float>>* out) {
     const int B = static_cast<int>(members.size());
     out->assign(L, std::vector<float>(size_t(B) * hq * d));
     for (int l = 0; l < L; ++l) {
       std::vector<bf16> qs, ks, vs;
-      for (int i : members) {
-        const std::vector<bf16> q = QueryBf16(docs[i], l, 0, at, spec.doc_tokens);
-        const std::vector<bf16> k = StepToken(hd, i, at * L + l, 0.5f), v = StepToken(hd, i + 7, at * L + l, 1.0f);
+      for (int b = 0; b < B; ++b) {
+        const int i = members[b], t = at[b];
+        const std::vector<bf16> q = QueryBf16(docs[i], l, 0, t, spec.doc_tokens);
+        const std::vector<bf16> k = StepToken(hd, i, t * L + l, 0.5f), v = StepToken(hd, i + 7, t * L + l, 1.0f);
         qs.insert(qs.end(), q.begin(), q.end());
         ks.insert(ks.end(), k.begin(), k.end());
         vs.insert(vs.end(), v.begin(), v.end());
@@ -422,7 +424,7 @@ TEST(LocalDecoder, PreparedJoinsEqualPlainJoins) {
   std::vector<std::vector<float>> out;
   {
     std::thread t([&] { prepared = dec->Prepare(batch_att[1]); });
-    for (int s = 0; s < 3; ++s) step(*dec, {0}, s, &out);
+    for (int s = 0; s < 3; ++s) step(*dec, {0}, {s}, &out);
     t.join();
   }
   KV_ASSERT_OK(prepared.status());
@@ -437,26 +439,13 @@ TEST(LocalDecoder, PreparedJoinsEqualPlainJoins) {
   KV_ASSERT_OK_AND_ASSIGN(solo, client::LocalDecoder::Open(f.c.get(), {solo_att[1]}, opt));
   for (int s = 0; s < 3; ++s) {
     std::vector<std::vector<float>> want;
-    step(*solo, {1}, s, &want);
-    // Sequence 0 is at its step 3 + s; the batch's step gives each its own tokens.
-    const int B = 2;
-    out.assign(L, std::vector<float>(size_t(B) * hq * d));
+    step(*solo, {1}, {s}, &want);
+    step(*dec, {0, 1}, {3 + s, s}, &out);  // sequence 0 is at its step 3 + s
     for (int l = 0; l < L; ++l) {
-      std::vector<bf16> qs, ks, vs;
-      const int at[2] = {3 + s, s};
-      for (int b = 0; b < B; ++b) {
-        const std::vector<bf16> q = QueryBf16(docs[b], l, 0, at[b], spec.doc_tokens);
-        const std::vector<bf16> k = StepToken(hd, b, at[b] * L + l, 0.5f), v = StepToken(hd, b + 7, at[b] * L + l, 1.0f);
-        qs.insert(qs.end(), q.begin(), q.end());
-        ks.insert(ks.end(), k.begin(), k.end());
-        vs.insert(vs.end(), v.begin(), v.end());
-      }
-      KV_ASSERT_OK(dec->Attend(l, qs.data(), ks.data(), vs.data(), out[l].data()));
       for (size_t x = 0; x < want[l].size(); ++x) {
         ASSERT_EQ(want[l][x], out[l][size_t(hq) * d + x]) << "step " << s << " layer " << l << " element " << x;
       }
     }
-    KV_ASSERT_OK(dec->Advance());
   }
   // A prepared sequence that never joins lets go of its generation (its attachment stays).
   const double before = MetricSum(f.server, "kvshade_export_generations");
