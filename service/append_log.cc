@@ -31,7 +31,7 @@ namespace {
 using kernels::bf16;
 using storage::FactorKind;
 
-constexpr char kAppendMagic[] = "KVSHAPP1";
+using durable::kAppendMagic;
 
 struct AppendRecord {
   storage::SegmentMeta meta;

@@ -87,9 +87,9 @@ absl::Status ReadBytes(const YAML::Node& node, std::string_view key, uint64_t* o
 // key in errors (limits.max_batch). The tables of readers are built once (static) and take
 // that object as an argument, so loading a config builds no table.
 template <typename Target>
-using Reader = std::function<absl::Status(const YAML::Node&, std::string_view path, Target&)>;
+using KeyReader = std::function<absl::Status(const YAML::Node&, std::string_view path, Target&)>;
 template <typename Target>
-using Readers = std::map<std::string, Reader<Target>>;
+using Readers = std::map<std::string, KeyReader<Target>>;
 
 // A map of key -> reader; keys not in the table are rejected.
 template <typename Target>
@@ -366,8 +366,8 @@ struct Loading : ServerConfig {
 // limits, ...) with a reader per key. The YAML loader and the environment overlay both
 // walk this one table, so a key added here is at once a YAML key and a KVSHADE_* variable.
 struct SchemaEntry {
-  Reader<Loading> read;     // leaf keys
-  Readers<Loading> section;  // sections
+  KeyReader<Loading> read;  // leaf keys
+  Readers<Loading> section;   // sections
 };
 using Schema = std::map<std::string, SchemaEntry>;
 

@@ -31,9 +31,9 @@
 namespace kvshade::service {
 namespace {
 
-constexpr char kDamageMagic[] = "KVSHDMG1";
-constexpr char kAppendMagic[] = "KVSHAPP1";   // append_log.cc
-constexpr char kSessionMagic[] = "KVSHSES1";  // durable.cc
+using durable::kAppendMagic;
+using durable::kDamageMagic;
+using durable::kSessionMagic;
 
 // The leading fields of a logged append record (append_log.cc).
 struct AppendHead {

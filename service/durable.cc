@@ -49,9 +49,9 @@ using kernels::bf16;
 using storage::ArenaKind;
 using storage::FactorKind;
 
-constexpr char kSegMagic[] = "KVSHSEG1";
-constexpr char kSesMagic[] = "KVSHSES1";
-constexpr char kTensorParallelMagic[] = "KVSHTP01";  // a session record's shard trailer
+using durable::kSegmentMagic;
+using durable::kSessionMagic;
+using durable::kTensorParallelMagic;
 
 using durable::Reader;
 using durable::Writer;
@@ -73,7 +73,7 @@ absl::StatusOr<DeviceBlock> Put(EngineImpl& e, const std::byte* src, size_t byte
 
 std::string EngineImpl::SegmentMetadata(const Segment& seg, const ModelInfo& m) const {
   Writer w;
-  w.out().append(kSegMagic);
+  w.out().append(kSegmentMagic);
   w.Put<int32_t>(seg.kind);
   w.Put<int64_t>(seg.first_position);
   w.Put<int64_t>(seg.n_tokens);
@@ -224,7 +224,7 @@ absl::Status EngineImpl::PersistSession(Session& s) {
         "durable session '", s.id, "' holds a segment that is not durable"));
   }
   Writer w;
-  w.out().append(kSesMagic);
+  w.out().append(kSessionMagic);
   w.Str(s.id);
   w.Str(s.tenant);
   // The version advances only once the record is written: logged appends name the record
@@ -344,7 +344,7 @@ struct SegRecord {
 
 bool ParseSegment(const storage::SegmentMeta& meta, SegRecord* r) {
   Reader rd(meta.user_metadata);
-  if (!rd.Magic(kSegMagic)) return false;
+  if (!rd.Magic(kSegmentMagic)) return false;
   r->meta = meta;
   uint8_t hk = 0, hb = 0;
   rd.Get(&r->kind);
@@ -656,7 +656,7 @@ ParsedRecords EngineImpl::ParseRecords(const std::vector<storage::SegmentMeta>& 
     SegRecord r;
     if (ParseSegment(m, &r)) {
       out.segments.push_back(std::move(r));
-    } else if (m.user_metadata.rfind(kSesMagic, 0) == 0) {
+    } else if (m.user_metadata.rfind(kSessionMagic, 0) == 0) {
       out.session_metas.push_back(&m);
     }
   }
@@ -668,7 +668,7 @@ ParsedRecords EngineImpl::ParseRecords(const std::vector<storage::SegmentMeta>& 
   // of each session wins.
   for (const storage::SegmentMeta* m : out.session_metas) {
     Reader rd(m->user_metadata);
-    rd.Magic(kSesMagic);
+    rd.Magic(kSessionMagic);
     auto s = std::make_shared<Session>();
     SesRecord rec;
     std::string spec, prof;

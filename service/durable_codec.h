@@ -17,6 +17,16 @@
 
 namespace kvshade::service::durable {
 
+// The magic that opens each durable record's metadata: a segment and a session record
+// (durable.cc), a logged append (append_log.cc) and a damage record (damage.cc, which
+// also reads the other two); and the one that opens a session record's tensor-parallel
+// shard trailer (durable.cc).
+inline constexpr char kSegmentMagic[] = "KVSHSEG1";
+inline constexpr char kSessionMagic[] = "KVSHSES1";
+inline constexpr char kTensorParallelMagic[] = "KVSHTP01";
+inline constexpr char kAppendMagic[] = "KVSHAPP1";
+inline constexpr char kDamageMagic[] = "KVSHDMG1";
+
 template <size_t N>
 struct UintOf;
 template <> struct UintOf<1> { using type = uint8_t; };

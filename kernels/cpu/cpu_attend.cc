@@ -1,5 +1,5 @@
 // CPU decode attention: per query head, softmax(q K^T * scale) V over the union of the
-// item's KV blocks (in block order), with an fp32 online softmax in tiles of kTile tokens:
+// item's KV blocks (in block order), with an fp32 online softmax in tiles of kTokenTile tokens:
 // one rescale of the running sum and accumulator per tile. The output row itself is the
 // accumulator, so no workspace is needed. A head with no attended tokens outputs zeros.
 #include <algorithm>
@@ -13,7 +13,7 @@
 namespace kvshade::kernels {
 namespace {
 
-constexpr int kTile = 64;
+constexpr int kTokenTile = 64;
 
 void AttendHead(const LayerShape& shape, float scale, const AttendItem& item, int qh) {
   const int d = shape.d;
@@ -23,7 +23,7 @@ void AttendHead(const LayerShape& shape, float scale, const AttendItem& item, in
   std::fill(acc, acc + d, 0.0f);
   float m = -std::numeric_limits<float>::infinity();
   float l = 0.0f;
-  float logits[kTile];
+  float logits[kTokenTile];
   for (int bi = 0; bi < item.n_blocks; ++bi) {
     const KvBlock& blk = item.blocks[bi];
     const int64_t len =
@@ -31,8 +31,8 @@ void AttendHead(const LayerShape& shape, float scale, const AttendItem& item, in
     if (len == 0) continue;
     const bf16* kb = blk.k + int64_t(hh) * blk.head_stride;
     const bf16* vb = blk.v + int64_t(hh) * blk.head_stride;
-    for (int64_t t0 = 0; t0 < len; t0 += kTile) {
-      const int n = int(std::min<int64_t>(kTile, len - t0));
+    for (int64_t t0 = 0; t0 < len; t0 += kTokenTile) {
+      const int n = int(std::min<int64_t>(kTokenTile, len - t0));
       float tile_max = -std::numeric_limits<float>::infinity();
       for (int t = 0; t < n; ++t) {
         const bf16* kt = kb + (t0 + t) * blk.token_stride;

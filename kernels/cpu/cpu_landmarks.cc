@@ -17,7 +17,7 @@
 
 namespace kvshade::kernels {
 namespace {
-constexpr int kTile = 256;
+constexpr int kChannelTile = 256;
 constexpr int kTokenGroup = 64;
 }
 
@@ -35,18 +35,18 @@ absl::Status CpuBackend::BuildLandmarks(absl::Span<const bf16> kr, int n, int h,
     const int hh = static_cast<int>(job % h);
     const bf16* first = kr.data() + j * C * token_stride + int64_t{hh} * d;
     bf16* lm = landmarks.data() + j * token_stride + int64_t{hh} * d;
-    // Channels in tiles of kTile (the fp32 mean of a tile lives on the stack) and tokens
+    // Channels in tiles of kChannelTile (the fp32 mean of a tile lives on the stack) and tokens
     // in groups of kTokenGroup (their dot products and norms live on the stack); the mean
     // is recomputed per token group only when C > kTokenGroup, with the same arithmetic.
-    float mean[kTile];
+    float mean[kChannelTile];
     double dot[kTokenGroup], key_sq[kTokenGroup];
     double mean_sq = 0;
     float worst = 1.0f;
     for (int t0 = 0; t0 < C; t0 += kTokenGroup) {
       const int t1 = std::min(C, t0 + kTokenGroup);
       for (int t = t0; t < t1; ++t) dot[t - t0] = key_sq[t - t0] = 0;
-      for (int c0 = 0; c0 < d; c0 += kTile) {
-        const int c1 = std::min(d, c0 + kTile);
+      for (int c0 = 0; c0 < d; c0 += kChannelTile) {
+        const int c1 = std::min(d, c0 + kChannelTile);
         for (int c = c0; c < c1; ++c) mean[c - c0] = 0.0f;
         for (int t = 0; t < C; ++t) {
           const bf16* key = first + t * token_stride;

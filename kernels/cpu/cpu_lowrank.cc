@@ -44,22 +44,22 @@
 #include "common/subspace.h"
 #include "common/validate.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/cpu_workspace.h"
 #include "kvshade/base/status_macros.h"
 
 namespace kvshade::kernels {
 namespace {
 
 constexpr int kRowBlock = 256;  // rows of K converted to fp32 at a time
-constexpr size_t kAlign = 64;
-
-size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+using cpu_internal::kWorkspaceAlign;
+using cpu_internal::AlignUp;
 
 // Sequential carving of a workspace into aligned arrays.
 class Carver {
  public:
   explicit Carver(void* base)
       : base_(reinterpret_cast<std::byte*>(
-            (reinterpret_cast<uintptr_t>(base) + kAlign - 1) / kAlign * kAlign)) {}
+            AlignUp(reinterpret_cast<uintptr_t>(base)))) {}
   template <typename T>
   T* Take(size_t count) {
     T* p = reinterpret_cast<T*>(base_ + offset_);
@@ -75,7 +75,7 @@ class Carver {
 // Byte counts of the arrays each op carves, in carving order; they include the slack
 // for aligning the workspace base.
 size_t Bytes(std::initializer_list<size_t> sizes) {
-  size_t total = kAlign;  // base alignment slack
+  size_t total = kWorkspaceAlign;  // base alignment slack
   for (size_t s : sizes) total += AlignUp(s);
   return total;
 }

@@ -26,13 +26,14 @@
 
 #include "common/validate.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/cpu_workspace.h"
 #include "kvshade/base/status_macros.h"
 
 namespace kvshade::kernels {
 namespace {
 
-constexpr size_t kAlign = 64;
-size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+using cpu_internal::kWorkspaceAlign;
+using cpu_internal::AlignUp;
 
 struct ObsLayout {
   size_t qf = 0, kf = 0, row_max = 0, row_sum = 0, total = 0;  // byte offsets / size
@@ -45,7 +46,7 @@ ObsLayout Layout(int w, int n, const LayerShape& shape) {
   l.kf = l.qf + AlignUp(size_t(w) * hg * shape.d * sizeof(float));
   l.row_max = l.kf + AlignUp(size_t(n) * shape.h * shape.d * sizeof(float));
   l.row_sum = l.row_max + AlignUp(size_t(w) * hg * sizeof(float));
-  l.total = l.row_sum + AlignUp(size_t(w) * hg * sizeof(double)) + kAlign;  // + base slack
+  l.total = l.row_sum + AlignUp(size_t(w) * hg * sizeof(double)) + kWorkspaceAlign;  // + base slack
   return l;
 }
 
@@ -74,7 +75,7 @@ absl::Status CpuBackend::ObservationMass(absl::Span<const bf16> qobs,
   const int h = shape.h, g = shape.g, d = shape.d, hg = shape.query_heads();
   const ObsLayout l = Layout(w, n, shape);
   std::byte* base = reinterpret_cast<std::byte*>(
-      (reinterpret_cast<uintptr_t>(ws.data) + kAlign - 1) / kAlign * kAlign);
+      AlignUp(reinterpret_cast<uintptr_t>(ws.data)));
   float* qf = reinterpret_cast<float*>(base + l.qf);
   float* kf = reinterpret_cast<float*>(base + l.kf);
   float* row_max = reinterpret_cast<float*>(base + l.row_max);
