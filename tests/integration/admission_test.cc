@@ -22,6 +22,7 @@
 #include "kvshade/client/ucx_data_plane.h"
 
 namespace kvshade::integration {
+namespace admission_test {
 namespace {
 
 constexpr char kAlpha[] = "alpha-token-1";
@@ -767,4 +768,5 @@ TEST(Admission, ATrickleUcxStreamIsCutByTheMinimumProgressRule) {
 }
 
 }  // namespace
+}  // namespace admission_test
 }  // namespace kvshade::integration

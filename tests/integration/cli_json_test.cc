@@ -14,6 +14,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace cli_json_test {
 namespace {
 
 using JsonRun = CommandRun;
@@ -92,4 +93,5 @@ TEST(CliJson, StatusAndSessionsListPrintIntegersAsNumbers) {
 }
 
 }  // namespace
+}  // namespace cli_json_test
 }  // namespace kvshade::integration

@@ -20,6 +20,7 @@
 extern char** environ;
 
 namespace kvshade::integration {
+namespace cli_test {
 namespace {
 
 using CliRun = CommandRun;
@@ -154,4 +155,5 @@ TEST(CliDemo, DaemonWithUcxRunsOverUcxWithAndWithoutTheFlag) {
 }
 
 }  // namespace
+}  // namespace cli_test
 }  // namespace kvshade::integration

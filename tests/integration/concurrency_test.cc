@@ -16,6 +16,7 @@
 #include "kvshade/client/tensor.h"
 
 namespace kvshade::integration {
+namespace concurrency_test {
 namespace {
 
 struct StepRecord {
@@ -331,4 +332,5 @@ TEST(Concurrency, TheCallCapIsPerTenantAndCountsStreams) {
 }
 
 }  // namespace
+}  // namespace concurrency_test
 }  // namespace kvshade::integration

@@ -39,6 +39,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace crash_test {
 namespace {
 
 constexpr int64_t kAppend = 8;  // tokens per append (one chunk)
@@ -386,4 +387,5 @@ TEST(CrashTest, RandomKillsAndStorageFaultsLoseNoAcknowledgedWrite) {
 }
 
 }  // namespace
+}  // namespace crash_test
 }  // namespace kvshade::integration

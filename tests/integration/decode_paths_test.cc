@@ -16,6 +16,7 @@
 #include "kvshade/kernels/types.h"
 
 namespace kvshade::integration {
+namespace decode_paths_test {
 namespace {
 
 using kernels::bf16;
@@ -329,4 +330,5 @@ TEST(DecodePathsNative, RefusedWithSelectionUnits) {
 }
 
 }  // namespace
+}  // namespace decode_paths_test
 }  // namespace kvshade::integration

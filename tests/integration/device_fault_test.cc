@@ -11,6 +11,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace device_fault_test {
 namespace {
 
 TEST(DeviceFault, RefusesCallsExitsWithAnErrorAndARestartRestoresDurableSessions) {
@@ -50,4 +51,5 @@ TEST(DeviceFault, RefusesCallsExitsWithAnErrorAndARestartRestoresDurableSessions
 }
 
 }  // namespace
+}  // namespace device_fault_test
 }  // namespace kvshade::integration

@@ -11,6 +11,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace device_memory_test {
 namespace {
 
 v1::Profile MiniProfile() {
@@ -90,4 +91,5 @@ TEST(DeviceMemory, BudgetStaysEnforcedAndGrowthZeroReservesIt) {
 }
 
 }  // namespace
+}  // namespace device_memory_test
 }  // namespace kvshade::integration

@@ -11,6 +11,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace doctor_test {
 namespace {
 
 using CliRun = CommandRun;
@@ -86,4 +87,5 @@ TEST(Doctor, NoDaemonFailsAndLocalChecksStillRun) {
 }
 
 }  // namespace
+}  // namespace doctor_test
 }  // namespace kvshade::integration

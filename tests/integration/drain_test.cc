@@ -12,6 +12,7 @@
 #include "kvshade/client/tensor.h"
 
 namespace kvshade::integration {
+namespace drain_test {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -109,4 +110,5 @@ TEST(Drain, EndsOnceNoAttachmentIsLive) {
 }
 
 }  // namespace
+}  // namespace drain_test
 }  // namespace kvshade::integration

@@ -14,6 +14,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace environment_test {
 namespace {
 
 
@@ -82,4 +83,5 @@ TEST(Environment, TheCliTakesTheServerAddressFromKvshadeTarget) {
 }
 
 }  // namespace
+}  // namespace environment_test
 }  // namespace kvshade::integration

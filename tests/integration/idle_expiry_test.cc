@@ -8,6 +8,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace idle_expiry_test {
 namespace {
 
 TEST(IdleExpiry, AnUntouchedSessionIsClosedAfterTheTtlAndCounted) {
@@ -37,4 +38,5 @@ TEST(IdleExpiry, AnUntouchedSessionIsClosedAfterTheTtlAndCounted) {
 }
 
 }  // namespace
+}  // namespace idle_expiry_test
 }  // namespace kvshade::integration

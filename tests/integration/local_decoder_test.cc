@@ -23,6 +23,7 @@
 #include "kvshade/kernels/types.h"
 
 namespace kvshade::integration {
+namespace local_decoder_test {
 namespace {
 
 using kernels::bf16;
@@ -737,9 +738,11 @@ TEST(LocalDecoder, GenerationHoldsThroughMemoryPressure) {
 }
 
 }  // namespace
+}  // namespace local_decoder_test
 }  // namespace kvshade::integration
 
 namespace kvshade::integration {
+namespace local_decoder_test {
 namespace {
 
 // The daemon's descriptor broker: every host region of an export names it, the socket is
@@ -825,9 +828,11 @@ TEST(LocalDecoder, ExportOffIsRefusedAndTheRpcPathServes) {
 }
 
 }  // namespace
+}  // namespace local_decoder_test
 }  // namespace kvshade::integration
 
 namespace kvshade::integration {
+namespace local_decoder_test {
 namespace {
 
 // Same-node ingest names the worker's GPU memory; a daemon on the cpu backend cannot read
@@ -878,4 +883,5 @@ TEST(SameNodeIngest, CudaIpcPartsNeedAGpuDaemon) {
 }
 
 }  // namespace
+}  // namespace local_decoder_test
 }  // namespace kvshade::integration

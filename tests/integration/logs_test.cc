@@ -17,6 +17,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace logs_test {
 namespace {
 
 using google::protobuf::Struct;
@@ -217,4 +218,5 @@ TEST(Logs, GrpcMessagesGoThroughTheSameLogger) {
 }
 
 }  // namespace
+}  // namespace logs_test
 }  // namespace kvshade::integration

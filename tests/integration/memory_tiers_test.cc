@@ -12,6 +12,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace memory_tiers_test {
 namespace {
 
 // The value of the /metrics sample line `series` (exact name and labels); -1 when absent.
@@ -112,4 +113,5 @@ TEST(MemoryTiers, WithoutASpillTierClosedSessionsAreEvictedAndAFullTierRefuses) 
 }
 
 }  // namespace
+}  // namespace memory_tiers_test
 }  // namespace kvshade::integration

@@ -24,6 +24,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace metrics_test {
 namespace {
 
 // Every sample line of a scrape: "name{labels}" (or "name") -> value.
@@ -491,4 +492,5 @@ TEST(Metrics, PrefixLookupPagesSpilledSegmentsInAndCountsReadFailures) {
 }
 
 }  // namespace
+}  // namespace metrics_test
 }  // namespace kvshade::integration

@@ -19,6 +19,7 @@
 #include "kvshade/kernels/reference.h"
 
 namespace kvshade::integration {
+namespace reference_test {
 namespace {
 
 using kernels::bf16;
@@ -196,4 +197,5 @@ TEST(Reference, SelectAndAttendOverGrpcEqualTheKernelReference) {
 }
 
 }  // namespace
+}  // namespace reference_test
 }  // namespace kvshade::integration

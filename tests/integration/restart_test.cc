@@ -13,6 +13,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace restart_test {
 namespace {
 
 struct Snapshot {
@@ -290,4 +291,5 @@ TEST(Restart, ADamagedWalIsReportedAtRestart) {
 }
 
 }  // namespace
+}  // namespace restart_test
 }  // namespace kvshade::integration

@@ -15,6 +15,7 @@
 #include "kvshade/client/router.h"
 
 namespace kvshade::integration {
+namespace router_test {
 namespace {
 
 using client::Router;
@@ -379,4 +380,5 @@ TEST_F(RouterTest, DownEndpointFailsOverToNextRanked) {
 }
 
 }  // namespace
+}  // namespace router_test
 }  // namespace kvshade::integration

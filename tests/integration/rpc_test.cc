@@ -19,6 +19,7 @@
 #include "kvshade/client/tensor.h"
 
 namespace kvshade::integration {
+namespace rpc_test {
 namespace {
 
 using client::MakeBf16Tensor;
@@ -704,4 +705,5 @@ TEST(Rpc, OversizedIdsGetInvalidArgumentWithAShortMessage) {
 }
 
 }  // namespace
+}  // namespace rpc_test
 }  // namespace kvshade::integration

@@ -10,6 +10,7 @@
 #include "kvshade/client/tensor.h"
 
 namespace kvshade::integration {
+namespace sessions_test {
 namespace {
 
 std::string Attach(client::Client& c, const std::string& sid, uint32_t lease_ms = 0) {
@@ -213,4 +214,5 @@ TEST(Sessions, LeasesExpireUnlessRenewedByUse) {
 }
 
 }  // namespace
+}  // namespace sessions_test
 }  // namespace kvshade::integration

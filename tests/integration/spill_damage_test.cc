@@ -23,6 +23,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace spill_damage_test {
 namespace {
 
 namespace fs = std::filesystem;
@@ -197,4 +198,5 @@ TEST(SpillDamage, AFlippedByteInAnyFileKindNeverServesWrongBytesOrHidesADamagedS
 }
 
 }  // namespace
+}  // namespace spill_damage_test
 }  // namespace kvshade::integration

@@ -20,6 +20,7 @@
 extern char** environ;
 
 namespace kvshade::integration {
+namespace startup_test {
 namespace {
 
 using ServerRun = CommandRun;
@@ -141,4 +142,5 @@ TEST(Startup, WarnsWhenServingBeyondLoopbackWithNeitherTlsNorTokens) {
 }
 
 }  // namespace
+}  // namespace startup_test
 }  // namespace kvshade::integration

@@ -28,6 +28,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace storage_fault_test {
 namespace {
 
 // The defect report's model: 2 layers, 4 query heads, 2 KV heads, head dim 64.
@@ -226,4 +227,5 @@ TEST(StorageFaults, SpillFileSizeLimitFailsDurableCommitsWithUnavailable) {
 }
 
 }  // namespace
+}  // namespace storage_fault_test
 }  // namespace kvshade::integration

@@ -8,6 +8,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace tls_test {
 namespace {
 
 bool HaveOpenssl() { return std::system("openssl version >/dev/null 2>&1") == 0; }
@@ -126,4 +127,5 @@ TEST(Tls, MutualTlsRefusesAClientCertificateFromAnotherCa) {
 }
 
 }  // namespace
+}  // namespace tls_test
 }  // namespace kvshade::integration

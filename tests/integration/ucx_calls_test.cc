@@ -14,6 +14,7 @@
 #include "kvshade/client/ucx_data_plane.h"
 
 namespace kvshade::integration {
+namespace ucx_calls_test {
 namespace {
 
 v1::AttendRequest MakeAttend(const synthetic::Document& doc, uint32_t layer,
@@ -412,4 +413,5 @@ TEST(UcxConcurrency, SixtyFourClientsEqualASequentialGrpcClient) {
 }
 
 }  // namespace
+}  // namespace ucx_calls_test
 }  // namespace kvshade::integration

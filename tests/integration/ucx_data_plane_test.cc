@@ -14,6 +14,7 @@
 #include "kvshade/transport/ucx_core.h"
 
 namespace kvshade::integration {
+namespace ucx_data_plane_test {
 namespace {
 
 // Writes a config enabling the data plane with `transports`; returns its path.
@@ -514,4 +515,5 @@ TEST(UcxCore, RegisteredMemoryTakesAnRmaPutThroughRaiiHandles) {
 }
 
 }  // namespace
+}  // namespace ucx_data_plane_test
 }  // namespace kvshade::integration

@@ -8,6 +8,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace ucx_mismatch_test {
 namespace {
 
 struct Pair {
@@ -93,4 +94,5 @@ INSTANTIATE_TEST_SUITE_P(Pairs, UcxMismatchTest,
                          });
 
 }  // namespace
+}  // namespace ucx_mismatch_test
 }  // namespace kvshade::integration

@@ -13,6 +13,7 @@
 #include "kvshade/transport/ucx_core.h"
 
 namespace kvshade::integration {
+namespace ucx_receive_pool_test {
 namespace {
 
 namespace ucx = transport::ucx;
@@ -170,4 +171,5 @@ INSTANTIATE_TEST_SUITE_P(Transports, PooledReceive, ::testing::Values("tcp,self"
                          });
 
 }  // namespace
+}  // namespace ucx_receive_pool_test
 }  // namespace kvshade::integration

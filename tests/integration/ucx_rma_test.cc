@@ -14,6 +14,7 @@
 #include "kvshade/transport/ucx_core.h"
 
 namespace kvshade::integration {
+namespace ucx_rma_test {
 namespace {
 
 // Slot-buffer geometry of an attachment ([L, h, k, C, d] bf16).
@@ -221,4 +222,5 @@ INSTANTIATE_TEST_SUITE_P(Transports, UcxRmaTest,
                          });
 
 }  // namespace
+}  // namespace ucx_rma_test
 }  // namespace kvshade::integration

@@ -15,6 +15,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace version_test {
 namespace {
 
 using VersionRun = CommandRun;
@@ -73,4 +74,5 @@ TEST(Version, EveryBinaryPrintsItsNameTheVersionAndTheCommit) {
 }
 
 }  // namespace
+}  // namespace version_test
 }  // namespace kvshade::integration

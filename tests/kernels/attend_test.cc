@@ -11,6 +11,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace attend_test {
 namespace {
 
 using testing::Cpu;
@@ -231,9 +232,11 @@ TEST(Reference, ExactAttentionSmallCase) {
 }
 
 }  // namespace
+}  // namespace attend_test
 }  // namespace kvshade::kernels
 
 namespace kvshade::kernels {
+namespace attend_test {
 namespace {
 
 // AttendItem.lse: log(sum_j exp(q.k_j * scale)) per query head against a double reference;
@@ -295,4 +298,5 @@ TEST(Attend, LogSumExpMatchesReferenceAndMerges) {
 }
 
 }  // namespace
+}  // namespace attend_test
 }  // namespace kvshade::kernels

@@ -13,6 +13,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace codec_test {
 namespace {
 
 using testing::Cpu;
@@ -405,4 +406,5 @@ TEST(ValueChunks, BadArgumentsRejected) {
 }
 
 }  // namespace
+}  // namespace codec_test
 }  // namespace kvshade::kernels

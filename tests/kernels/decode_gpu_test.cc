@@ -34,6 +34,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace decode_gpu_test {
 namespace {
 
 using testing::Cpu;
@@ -1246,9 +1247,11 @@ TEST(DecodeGpuTest, Copy2DMatchesCpu) {
 }
 
 }  // namespace
+}  // namespace decode_gpu_test
 }  // namespace kvshade::kernels
 
 namespace kvshade::kernels {
+namespace decode_gpu_test {
 namespace {
 
 TEST(DecodeGpuTest, FirstNonFiniteMatchesCpu) {
@@ -1287,4 +1290,5 @@ TEST(DecodeGpuTest, FirstNonFiniteMatchesCpu) {
 }
 
 }  // namespace
+}  // namespace decode_gpu_test
 }  // namespace kvshade::kernels

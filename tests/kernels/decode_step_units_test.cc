@@ -12,6 +12,7 @@
 #include "test_util.h"
 
 namespace kvshade::decode {
+namespace decode_step_units_test {
 namespace {
 
 using kernels::testing::Cpu;
@@ -167,4 +168,5 @@ TEST(DecodeStepUnits, OracleOverUnitsAndGuardBudgetsInChunks) {
 }
 
 }  // namespace
+}  // namespace decode_step_units_test
 }  // namespace kvshade::decode

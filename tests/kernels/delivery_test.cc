@@ -12,6 +12,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace delivery_test {
 namespace {
 
 using testing::Cpu;
@@ -116,4 +117,5 @@ TEST(DeliveryTest, CpuBackendRefusesPeerBuffers) {
 }
 
 }  // namespace
+}  // namespace delivery_test
 }  // namespace kvshade::kernels

@@ -15,6 +15,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace device_fault_gpu_test {
 namespace {
 
 // In the child: exit 0 when the expectations hold, else a code naming the first that did not.
@@ -47,4 +48,5 @@ TEST(DeviceFaultGpu, AnIllegalAddressIsADeviceFaultAndAFailedAllocationIsNot) {
 }
 
 }  // namespace
+}  // namespace device_fault_gpu_test
 }  // namespace kvshade::kernels

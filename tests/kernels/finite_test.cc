@@ -12,6 +12,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace finite_test {
 namespace {
 
 using testing::Cpu;
@@ -64,4 +65,5 @@ TEST(FirstNonFinite, RefusesAResultThatIsNotOneValue) {
 }
 
 }  // namespace
+}  // namespace finite_test
 }  // namespace kvshade::kernels

@@ -3,6 +3,7 @@
 #include "kvshade/kernels/footprint.h"
 
 namespace kvshade::kernels {
+namespace footprint_test {
 namespace {
 
 TEST(AlgorithmVectors, T6Memory) {
@@ -50,4 +51,5 @@ TEST(Footprint, FractionalLandmarkShareAndBadArguments) {
 }
 
 }  // namespace
+}  // namespace footprint_test
 }  // namespace kvshade::kernels

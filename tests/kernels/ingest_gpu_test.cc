@@ -22,6 +22,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace ingest_gpu_test {
 namespace {
 
 using testing::MakeRng;
@@ -852,4 +853,5 @@ TEST(IngestGpu, DestroyingTheDefaultStreamIsRejected) {
 }
 
 }  // namespace
+}  // namespace ingest_gpu_test
 }  // namespace kvshade::kernels

@@ -10,6 +10,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace landmarks_test {
 namespace {
 
 using testing::Cpu;
@@ -127,4 +128,5 @@ TEST(Landmarks, BadArgumentsRejected) {
 }
 
 }  // namespace
+}  // namespace landmarks_test
 }  // namespace kvshade::kernels

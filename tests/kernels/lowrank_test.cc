@@ -15,6 +15,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace lowrank_test {
 namespace {
 
 using testing::Cpu;
@@ -522,4 +523,5 @@ TEST(LowRank, BadInputsRejected) {
 }
 
 }  // namespace
+}  // namespace lowrank_test
 }  // namespace kvshade::kernels

@@ -9,6 +9,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace observation_test {
 namespace {
 
 using testing::Cpu;
@@ -174,4 +175,5 @@ TEST(Observation, BadArgumentsRejected) {
 }
 
 }  // namespace
+}  // namespace observation_test
 }  // namespace kvshade::kernels

@@ -20,6 +20,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace pipeline_test {
 namespace {
 
 using testing::Cpu;
@@ -780,4 +781,5 @@ TEST(ShadowLayer, BadArgumentsRejected) {
 }
 
 }  // namespace
+}  // namespace pipeline_test
 }  // namespace kvshade::kernels

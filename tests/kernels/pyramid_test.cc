@@ -5,6 +5,7 @@
 #include "kvshade/kernels/pyramid.h"
 
 namespace kvshade::kernels {
+namespace pyramid_test {
 namespace {
 
 TEST(AlgorithmVectors, T5Pyramid) {
@@ -40,4 +41,5 @@ TEST(Pyramid, BadArgumentsRejected) {
 }
 
 }  // namespace
+}  // namespace pyramid_test
 }  // namespace kvshade::kernels

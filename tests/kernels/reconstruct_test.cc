@@ -15,6 +15,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace reconstruct_test {
 namespace {
 
 using testing::Cpu;
@@ -420,4 +421,5 @@ TEST(Reconstruct, BadSlotRejectedBeforeAnyWrite) {
 }
 
 }  // namespace
+}  // namespace reconstruct_test
 }  // namespace kvshade::kernels

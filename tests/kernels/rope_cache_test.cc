@@ -11,6 +11,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace rope_cache_test {
 namespace {
 
 using testing::Cpu;
@@ -87,4 +88,5 @@ TEST(RopeCache, ScatteredAndHugePositionsMatchReference) {
 }
 
 }  // namespace
+}  // namespace rope_cache_test
 }  // namespace kvshade::kernels

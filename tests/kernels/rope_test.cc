@@ -12,6 +12,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace rope_test {
 namespace {
 
 using testing::Cpu;
@@ -322,4 +323,5 @@ TEST(Rope, CpuApplyRopeEqualsReference) {
 }
 
 }  // namespace
+}  // namespace rope_test
 }  // namespace kvshade::kernels

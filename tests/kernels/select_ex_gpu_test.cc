@@ -17,6 +17,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace select_ex_gpu_test {
 namespace {
 
 using testing::Cpu;
@@ -454,4 +455,5 @@ TEST(SelectExGpu, UnitsWithNoItemsNeedNoWorkspace) {
 }
 
 }  // namespace
+}  // namespace select_ex_gpu_test
 }  // namespace kvshade::kernels

@@ -20,6 +20,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace select_ex_test {
 namespace {
 
 using testing::Cpu;
@@ -717,4 +718,5 @@ TEST(AssignSlots, ServesTheGivenChunksExactly) {
 }
 
 }  // namespace
+}  // namespace select_ex_test
 }  // namespace kvshade::kernels

@@ -13,6 +13,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace select_test {
 namespace {
 
 using testing::Cpu;
@@ -508,4 +509,5 @@ TEST(Select, BadArgumentsRejected) {
 }
 
 }  // namespace
+}  // namespace select_test
 }  // namespace kvshade::kernels

@@ -21,6 +21,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace select_units_test {
 namespace {
 
 using testing::Cpu;
@@ -671,4 +672,5 @@ TEST(SelectUnits, RejectsBadUnitsAndBudgets) {
 }
 
 }  // namespace
+}  // namespace select_units_test
 }  // namespace kvshade::kernels

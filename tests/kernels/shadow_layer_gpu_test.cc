@@ -15,6 +15,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace shadow_layer_gpu_test {
 namespace {
 
 using testing::Cpu;
@@ -102,4 +103,5 @@ TEST(ShadowLayerGpu, CompressMatchesCpuWithDeviceGathersAndStoreValues) {
 }
 
 }  // namespace
+}  // namespace shadow_layer_gpu_test
 }  // namespace kvshade::kernels

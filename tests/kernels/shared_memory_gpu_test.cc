@@ -15,6 +15,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace shared_memory_gpu_test {
 namespace {
 
 // What the driver says about device 0, asked directly (not through the backend).
@@ -141,4 +142,5 @@ TEST(SharedHostMemoryGpu, ADescriptorOfAMissingProcessIsRefusedClearly) {
 }
 
 }  // namespace
+}  // namespace shared_memory_gpu_test
 }  // namespace kvshade::kernels

@@ -18,6 +18,7 @@
 #include "kvshade/kernels/shared_memory.h"
 
 namespace kvshade::kernels {
+namespace shared_memory_test {
 namespace {
 
 constexpr int64_t kNoSuchProcess = 0x3fffffff;
@@ -204,4 +205,5 @@ TEST(DescriptorBroker, AnotherUserIsRefused) {
 }
 
 }  // namespace
+}  // namespace shared_memory_test
 }  // namespace kvshade::kernels

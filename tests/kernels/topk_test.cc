@@ -11,6 +11,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace topk_test {
 namespace {
 
 using testing::Cpu;
@@ -135,4 +136,5 @@ TEST(TopK, BadArgumentsRejected) {
 }
 
 }  // namespace
+}  // namespace topk_test
 }  // namespace kvshade::kernels

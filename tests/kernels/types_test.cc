@@ -13,6 +13,7 @@
 #include "test_util.h"
 
 namespace kvshade::kernels {
+namespace types_test {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
@@ -199,4 +200,5 @@ TEST(Fp8E4M3, RandomFloatsRoundToNearestEven) {
 }
 
 }  // namespace
+}  // namespace types_test
 }  // namespace kvshade::kernels

@@ -20,6 +20,7 @@
 #include "stream_pace.h"
 
 namespace kvshade::service {
+namespace admission_test {
 namespace {
 
 using std::chrono::milliseconds;
@@ -406,4 +407,5 @@ TEST(CallExecutor, DestructionRunsWhatIsQueued) {
 }
 
 }  // namespace
+}  // namespace admission_test
 }  // namespace kvshade::service

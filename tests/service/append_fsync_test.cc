@@ -9,6 +9,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace append_fsync_test {
 namespace {
 
 
@@ -123,4 +124,5 @@ TEST(AppendFsync, ACommitFoldsTheLogAndACloseDeletesIt) {
 }
 
 }  // namespace
+}  // namespace append_fsync_test
 }  // namespace kvshade::service::testing

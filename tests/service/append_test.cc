@@ -4,6 +4,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace append_test {
 namespace {
 
 constexpr int kG = 2, kH = 2, kD = 64;
@@ -179,4 +180,5 @@ TEST(AppendTest, OneWriterAtATime) {
 }
 
 }  // namespace
+}  // namespace append_test
 }  // namespace kvshade::service::testing

@@ -19,6 +19,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace attend_decode_test {
 namespace {
 
 constexpr int kH = 2, kD = 64;
@@ -386,4 +387,5 @@ TEST(AttendDecode, HeldStagedTokenWaitsForCommitStaged) {
 }
 
 }  // namespace
+}  // namespace attend_decode_test
 }  // namespace kvshade::service::testing

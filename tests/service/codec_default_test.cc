@@ -8,6 +8,7 @@
 #include "kvshade/service/model.h"
 
 namespace kvshade::service {
+namespace codec_default_test {
 namespace {
 
 v1::ModelSpec Llama8bShape() {
@@ -122,4 +123,5 @@ TEST(ProfilePresence, ZeroIsAValueWhereItMeansSomethingAndUnsetIsTheDefault) {
 }
 
 }  // namespace
+}  // namespace codec_default_test
 }  // namespace kvshade::service

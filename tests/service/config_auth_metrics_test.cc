@@ -22,6 +22,7 @@
 #include "kvshade/service/metrics.h"
 
 namespace kvshade::service {
+namespace config_auth_metrics_test {
 namespace {
 
 class TempFile {
@@ -646,4 +647,5 @@ TEST(Metrics, BuildInfoBudgetsTierTotalsAndProcessMetrics) {
 }
 
 }  // namespace
+}  // namespace config_auth_metrics_test
 }  // namespace kvshade::service

@@ -18,6 +18,7 @@
 #include "kvshade/service/config.h"
 
 namespace kvshade::service {
+namespace config_env_test {
 namespace {
 
 using Env = std::vector<std::pair<std::string, std::string>>;
@@ -148,4 +149,5 @@ TEST(ConfigEnv, TheRuleAndThePrecedenceAreDocumentedInDeployReadme) {
 }
 
 }  // namespace
+}  // namespace config_env_test
 }  // namespace kvshade::service

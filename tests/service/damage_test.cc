@@ -15,6 +15,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace damage_test {
 namespace {
 
 #define ASSIGN_OK(lhs, expr)                       \
@@ -234,4 +235,5 @@ TEST(Damage, AppendsDroppedWithADamagedWalDamageTheSessionsThatLostThem) {
 }
 
 }  // namespace
+}  // namespace damage_test
 }  // namespace kvshade::service::testing

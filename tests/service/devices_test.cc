@@ -11,6 +11,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace devices_test {
 namespace {
 
 // The router harness at rank 128 (RouterHarness).
@@ -523,4 +524,5 @@ TEST(Devices, DurableSessionsAreRestoredOntoTheirDevices) {
 }
 
 }  // namespace
+}  // namespace devices_test
 }  // namespace kvshade::service::testing

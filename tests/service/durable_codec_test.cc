@@ -7,6 +7,7 @@
 #include "gtest/gtest.h"
 
 namespace kvshade::service::durable {
+namespace durable_codec_test {
 namespace {
 
 TEST(DurableCodec, WritesAKnownLittleEndianByteImage) {
@@ -68,4 +69,5 @@ TEST(DurableCodec, LoadsWhatItStores) {
 }
 
 }  // namespace
+}  // namespace durable_codec_test
 }  // namespace kvshade::service::durable

@@ -6,6 +6,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace durable_refactor_test {
 namespace {
 
 constexpr int kG = 2;
@@ -218,4 +219,5 @@ TEST(RefactorTest, ShortSuffixDoesNotRefitTheWholeSession) {
 }
 
 }  // namespace
+}  // namespace durable_refactor_test
 }  // namespace kvshade::service::testing

@@ -10,6 +10,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace fork_compaction_test {
 namespace {
 
 absl::StatusOr<std::string> ForkAtEnd(Harness& hx, const std::string& parent, uint64_t at) {
@@ -222,4 +223,5 @@ TEST(ForkCompaction, DurableForksComeBackTheSameAfterRestarts) {
 }
 
 }  // namespace
+}  // namespace fork_compaction_test
 }  // namespace kvshade::service::testing

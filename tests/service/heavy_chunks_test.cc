@@ -8,6 +8,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace heavy_chunks_test {
 namespace {
 
 constexpr int kL = 4, kH = 2, kG = 2, kD = 64;
@@ -349,4 +350,5 @@ TEST(HeavyChunksService, HeavyChunksNeedInt2GroupsWithInt4Values) {
 }
 
 }  // namespace
+}  // namespace heavy_chunks_test
 }  // namespace kvshade::service::testing

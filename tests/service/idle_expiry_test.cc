@@ -8,6 +8,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace idle_expiry_test {
 namespace {
 
 constexpr int64_t kTtlS = 100;
@@ -212,4 +213,5 @@ TEST(IdleExpiry, DurableSessionsGoWithTheirRecord) {
 }
 
 }  // namespace
+}  // namespace idle_expiry_test
 }  // namespace kvshade::service::testing

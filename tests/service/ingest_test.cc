@@ -16,6 +16,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace ingest_test {
 namespace {
 
 constexpr int kG = 2;  // query heads per KV head of TestModel()
@@ -817,9 +818,11 @@ TEST(IngestTest, AStreamDroppedAtAnyPartLeavesNoBytesBehind) {
   EXPECT_GT(TierTotal(hx, "host"), host0);
 }
 
+}  // namespace ingest_test
 }  // namespace kvshade::service::testing
 
 namespace kvshade::service::testing {
+namespace ingest_test {
 namespace {
 
 // Bytes of one layer's raw K (or V) in the test model: n tokens x h x d bf16.
@@ -966,4 +969,5 @@ TEST(IngestTest, AChunkedPrefillHoldsOneIncompleteLayerInDeviceMemory) {
 }
 
 }  // namespace
+}  // namespace ingest_test
 }  // namespace kvshade::service::testing

@@ -11,6 +11,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace key_signatures_test {
 namespace {
 
 constexpr int kC = 8;
@@ -385,4 +386,5 @@ TEST(KeySignatures, TheServerDefaultAppliesToShadowSessions) {
 }
 
 }  // namespace
+}  // namespace key_signatures_test
 }  // namespace kvshade::service::testing

@@ -4,6 +4,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace lease_renewal_test {
 namespace {
 
 constexpr int64_t kLeaseMs = 30'000;  // the default lease (limits.default_lease_ms)
@@ -79,4 +80,5 @@ TEST(LeaseRenewal, AppendTokensRenewsTheWritersLease) {
 }
 
 }  // namespace
+}  // namespace lease_renewal_test
 }  // namespace kvshade::service::testing

@@ -11,6 +11,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace positions_test {
 namespace {
 
 constexpr int kC = 8;
@@ -158,4 +159,5 @@ TEST(Positions, MiniAndExactRowsNameTheirTokens) {
 }
 
 }  // namespace
+}  // namespace positions_test
 }  // namespace kvshade::service::testing

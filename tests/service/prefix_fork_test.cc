@@ -4,6 +4,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace prefix_fork_test {
 namespace {
 
 constexpr int kG = 2;
@@ -155,4 +156,5 @@ TEST(PrefixForkTest, ForksAtTheEndStayWithinTheSegmentLimit) {
 }
 
 }  // namespace
+}  // namespace prefix_fork_test
 }  // namespace kvshade::service::testing

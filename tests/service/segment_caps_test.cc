@@ -9,6 +9,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace segment_caps_test {
 namespace {
 
 using ::testing::HasSubstr;
@@ -103,4 +104,5 @@ TEST(SegmentCaps, ADurableSessionAppendingAcrossRestartsStaysWithinTheCap) {
 }
 
 }  // namespace
+}  // namespace segment_caps_test
 }  // namespace kvshade::service::testing

@@ -7,6 +7,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace segment_ends_test {
 namespace {
 
 using ::testing::HasSubstr;
@@ -342,4 +343,5 @@ TEST(SegmentEnds, AForkAtAnEndIsTheDocumentAlone) {
 }
 
 }  // namespace
+}  // namespace segment_ends_test
 }  // namespace kvshade::service::testing

@@ -10,6 +10,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace select_test {
 namespace {
 
 constexpr int kG = 2, kH = 2, kD = 64, kC = 8;
@@ -486,4 +487,5 @@ TEST(SelectTest, AttachDeliveryModesAndSlotGeometry) {
 }
 
 }  // namespace
+}  // namespace select_test
 }  // namespace kvshade::service::testing

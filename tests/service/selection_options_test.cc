@@ -12,6 +12,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace selection_options_test {
 namespace {
 
 constexpr int kC = 8;
@@ -285,4 +286,5 @@ TEST(RecallGuard, NoActionAboveTheFloorAndNoSamplingWhenOff) {
 }
 
 }  // namespace
+}  // namespace selection_options_test
 }  // namespace kvshade::service::testing

@@ -11,6 +11,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace selection_units_test {
 namespace {
 
 constexpr int kC = 8;
@@ -267,4 +268,5 @@ TEST(SelectionUnits, RecallGuardCountsUnits) {
 }
 
 }  // namespace
+}  // namespace selection_units_test
 }  // namespace kvshade::service::testing

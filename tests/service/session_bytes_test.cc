@@ -4,6 +4,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace session_bytes_test {
 namespace {
 
 TEST(SessionBytes, AFreshlyIngestedSessionReportsItsBytes) {
@@ -30,4 +31,5 @@ TEST(SessionBytes, AFreshlyIngestedSessionReportsItsBytes) {
 }
 
 }  // namespace
+}  // namespace session_bytes_test
 }  // namespace kvshade::service::testing

@@ -4,6 +4,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace sessions_test {
 namespace {
 
 TEST(SessionManagerTest, LeasesAreRenewedByUseAndExpire) {
@@ -281,4 +282,5 @@ TEST(SessionsTest, StatsCountOnlyTheCallersSessions) {
 }
 
 }  // namespace
+}  // namespace sessions_test
 }  // namespace kvshade::service::testing

@@ -5,6 +5,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace slot_table_test {
 namespace {
 
 v1::Profile Sparse(int budget) {
@@ -154,4 +155,5 @@ TEST(SlotLayoutTest, RowsAreRowMajorAndFillTheBuffer) {
 }
 
 }  // namespace
+}  // namespace slot_table_test
 }  // namespace kvshade::service::testing

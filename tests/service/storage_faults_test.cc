@@ -13,6 +13,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace storage_faults_test {
 namespace {
 
 #define ASSIGN_OK(lhs, expr)                         \
@@ -397,4 +398,5 @@ TEST(EngineStorageFaults, ReadErrorsAtRestoreRefuseTheStartAndDropNothing) {
 }
 
 }  // namespace
+}  // namespace storage_faults_test
 }  // namespace kvshade::service::testing

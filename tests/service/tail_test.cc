@@ -29,6 +29,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace tail_test {
 namespace {
 
 constexpr int kLocal = 32, kC = 8, kG = 2;
@@ -435,4 +436,5 @@ TEST(TailTest, DurableRestartKeepsTheTail) {
 }
 
 }  // namespace
+}  // namespace tail_test
 }  // namespace kvshade::service::testing

@@ -6,6 +6,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace validation_test {
 namespace {
 
 struct Case {
@@ -336,4 +337,5 @@ TEST(ValidationTest, IdsOverTheLimitAreRefusedAndEchoedIdsAreBounded) {
 }
 
 }  // namespace
+}  // namespace validation_test
 }  // namespace kvshade::service::testing

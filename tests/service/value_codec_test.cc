@@ -10,6 +10,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace value_codec_test {
 namespace {
 
 constexpr int kN = 512, kC = 8, kLocal = 32, kOutliers = 2;
@@ -132,4 +133,5 @@ TEST(ValueCodecService, SelectedValuesWithinTheCodecsBoundAndHostBytesShrink) {
 }
 
 }  // namespace
+}  // namespace value_codec_test
 }  // namespace kvshade::service::testing

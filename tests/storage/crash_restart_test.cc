@@ -28,6 +28,7 @@
 #include "storage_test_util.h"
 
 namespace kvshade::storage {
+namespace crash_restart_test {
 namespace {
 
 using testing::FillBytes;
@@ -318,6 +319,7 @@ TEST(WarmRestart, KilledWriterLeavesOnlyWholeSegments) {
 }
 
 }  // namespace
+}  // namespace crash_restart_test
 }  // namespace kvshade::storage
 
 // The writer child when re-executed by WarmRestart, else the tests.

@@ -14,6 +14,7 @@
 #include "storage_test_util.h"
 
 namespace kvshade::storage {
+namespace device_arena_test {
 namespace {
 
 TEST(DeviceArena, RejectsBadOptions) {
@@ -282,4 +283,5 @@ TEST(DeviceArena, ConcurrentAllocationsNeverOverlap) {
 }
 
 }  // namespace
+}  // namespace device_arena_test
 }  // namespace kvshade::storage

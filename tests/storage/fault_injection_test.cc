@@ -14,6 +14,7 @@
 #include "storage_test_util.h"
 
 namespace kvshade::storage {
+namespace fault_injection_test {
 namespace {
 
 using kernels::ValueCodec;
@@ -188,4 +189,5 @@ TEST(FaultInjection, ErrorsNeverCorruptCommittedData) {
 }
 
 }  // namespace
+}  // namespace fault_injection_test
 }  // namespace kvshade::storage

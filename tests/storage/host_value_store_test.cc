@@ -16,6 +16,7 @@
 #include "storage_test_util.h"
 
 namespace kvshade::storage {
+namespace host_value_store_test {
 namespace {
 
 using kernels::ValueCodec;
@@ -561,4 +562,5 @@ TEST(HostValueStore, ConcurrentReadersUnderSpillPressure) {
 }
 
 }  // namespace
+}  // namespace host_value_store_test
 }  // namespace kvshade::storage

@@ -20,6 +20,7 @@
 #include "storage_test_util.h"
 
 namespace kvshade::storage {
+namespace prefix_index_test {
 namespace {
 
 PrefixScope Scope(std::string salt = "tenant-a") {
@@ -374,4 +375,5 @@ TEST(PrefixIndex, RefsOutliveTheIndexObject) {
 }
 
 }  // namespace
+}  // namespace prefix_index_test
 }  // namespace kvshade::storage

@@ -18,6 +18,7 @@
 #include "storage_test_util.h"
 
 namespace kvshade::storage {
+namespace spill_faults_test {
 namespace {
 
 using kernels::ValueCodec;
@@ -332,4 +333,5 @@ TEST(SpillTierFaults, HostStoreKeepsServingWhileTheSpillDiskIsFull) {
 }
 
 }  // namespace
+}  // namespace spill_faults_test
 }  // namespace kvshade::storage

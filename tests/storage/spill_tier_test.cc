@@ -14,6 +14,7 @@
 #include "storage_test_util.h"
 
 namespace kvshade::storage {
+namespace spill_tier_test {
 namespace {
 
 using kernels::ValueCodec;
@@ -398,4 +399,5 @@ TEST(RecordFormat, MetadataParserRejectsEveryTruncation) {
 }
 
 }  // namespace
+}  // namespace spill_tier_test
 }  // namespace kvshade::storage

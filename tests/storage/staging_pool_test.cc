@@ -14,6 +14,7 @@
 #include "kernels/test_util.h"
 
 namespace kvshade::storage {
+namespace staging_pool_test {
 namespace {
 
 constexpr size_t kMiB = size_t(1) << 20;
@@ -124,4 +125,5 @@ TEST(StagingPool, ConcurrentLeasesNeverShareMemory) {
 }
 
 }  // namespace
+}  // namespace staging_pool_test
 }  // namespace kvshade::storage

@@ -11,6 +11,7 @@
 #include "storage_test_util.h"
 
 namespace kvshade::storage {
+namespace storage_gpu_test {
 namespace {
 
 using kernels::ValueCodec;
@@ -93,4 +94,5 @@ TEST(StorageGpu, HostStoreBlocksFeedTheDeviceDecoder) {
 }
 
 }  // namespace
+}  // namespace storage_gpu_test
 }  // namespace kvshade::storage

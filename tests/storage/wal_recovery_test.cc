@@ -14,6 +14,7 @@
 #include "storage_test_util.h"
 
 namespace kvshade::storage {
+namespace wal_recovery_test {
 namespace {
 
 using kernels::ValueCodec;
@@ -205,4 +206,5 @@ TEST(SpillTierWal, DroppedWalRecordsAreReportedAndNeverServedWrong) {
 }
 
 }  // namespace
+}  // namespace wal_recovery_test
 }  // namespace kvshade::storage
