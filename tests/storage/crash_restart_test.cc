@@ -324,7 +324,9 @@ TEST(WarmRestart, KilledWriterLeavesOnlyWholeSegments) {
 
 // The writer child when re-executed by WarmRestart, else the tests.
 int main(int argc, char** argv) {
-  if (const char* db = std::getenv("KVSHADE_CRASH_CHILD_DB")) kvshade::storage::WriterLoop(db);
+  if (const char* db = std::getenv("KVSHADE_CRASH_CHILD_DB")) {
+    kvshade::storage::crash_restart_test::WriterLoop(db);
+  }
   ::testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }
