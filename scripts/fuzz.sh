@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # libFuzzer targets of fuzz/ (fuzz/README.md, tests/README.md "Fuzzing").
 #
-#   scripts/fuzz.sh build [DIR]             configure (clang, -DKVSHADE_FUZZ=ON) and build
+#   scripts/fuzz.sh build [DIR]             configure (clang, -DKVSHADE_FUZZ=ON, libraries
+#                                           as unity builds: -DKVSHADE_UNITY=ON) and build
 #                                           the fuzzers and service_test (the same ASan +
 #                                           UBSan objects) in DIR (default build-fuzz)
 #   scripts/fuzz.sh run DIR TARGET [ARGS]   run TARGET from DIR over its checked-in corpus
@@ -37,7 +38,7 @@ case "$cmd" in
     if [ ! -f "$dir/CMakeCache.txt" ]; then
       CC="$cc" CXX="$cxx" cmake -S "$ROOT" -B "$dir" -G Ninja -DKVSHADE_FUZZ=ON \
         -DKVSHADE_CUDA=OFF -DKVSHADE_BUILD_TESTS=ON -DKVSHADE_BUILD_BENCH=OFF \
-        -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+        -DKVSHADE_UNITY=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
     elif ! grep -q '^KVSHADE_BUILD_TESTS:BOOL=ON' "$dir/CMakeCache.txt"; then
       cmake -S "$ROOT" -B "$dir" -DKVSHADE_BUILD_TESTS=ON >/dev/null  # a tree made before
     fi
@@ -103,7 +104,7 @@ case "$cmd" in
     KVSHADE_FUZZ_WRITE_SEED="$ROOT/fuzz/corpus/durable_fuzzer/sessions" "$dir/fuzz/durable_fuzzer"
     ;;
   *)
-    sed -n '2,16p' "$0"
+    sed -n '2,17p' "$0"
     exit 2
     ;;
 esac

@@ -5,7 +5,8 @@
 # libraries work with it). Any report fails the run.
 #
 #   scripts/sanitize.sh build address|thread DIR [TARGETS...]
-#        configure DIR with -DKVSHADE_SANITIZE=<kind> (no CUDA, no benchmarks) and build
+#        configure DIR with -DKVSHADE_SANITIZE=<kind> (no CUDA, no benchmarks, libraries
+#        as unity builds: -DKVSHADE_UNITY=ON) and build
 #        TARGETS (default: service_test integration_test)
 #   scripts/sanitize.sh run DIR BINARY [GTEST ARGS...]
 #        run DIR/tests/BINARY (service_test or integration_test) with the sanitizer options
@@ -29,7 +30,7 @@ case "$cmd" in
     [ ${#targets[@]} -gt 0 ] || targets=(service_test integration_test)
     if [ ! -f "$dir/CMakeCache.txt" ]; then
       cmake -S "$ROOT" -B "$dir" -G Ninja -DKVSHADE_SANITIZE="$kind" -DKVSHADE_CUDA=OFF \
-        -DKVSHADE_BUILD_BENCH=OFF >/dev/null
+        -DKVSHADE_BUILD_BENCH=OFF -DKVSHADE_UNITY=ON >/dev/null
     fi
     cmake --build "$dir" --target "${targets[@]}" -j "${JOBS:-$(nproc)}"
     ;;
@@ -64,7 +65,7 @@ case "$cmd" in
     exec "$exe" "$@"
     ;;
   *)
-    sed -n '2,18p' "$0"
+    sed -n '2,19p' "$0"
     exit 2
     ;;
 esac
