@@ -1,7 +1,8 @@
 # kvshade developer entry points.
 #   make test   install Debian build deps, configure, build, run every test that this
 #               machine can run (GPU tests skip themselves without a device and are
-#               reported as skipped)
+#               reported as skipped); the three trees (main, fuzz, TSan) build at once,
+#               their compile jobs sharing the cores, then ctest runs
 #   make check  the same run without the two extra trees (clang fuzz, ThreadSanitizer) and
 #               without the tests that need them: one tree compiled instead of three
 #   make demo   the main job (see README)
@@ -11,7 +12,7 @@ BUILD ?= build
 JOBS ?= $(shell nproc)
 CMAKE_FLAGS ?=
 
-.PHONY: deps configure build fuzz-build sanitize-build test check demo native clean
+.PHONY: deps configure build fuzz-build sanitize-build trees test check demo native clean
 
 deps:
 	./scripts/install-deps.sh
@@ -26,16 +27,21 @@ build: configure
 # entries run for 20 s each (tests/README.md "Fuzzing"), and the service unit tests built
 # from the same objects.
 fuzz-build: deps
-	./scripts/fuzz.sh build $(BUILD)/fuzz
+	NINJA_STATUS='[fuzz %f/%t] ' ./scripts/fuzz.sh build $(BUILD)/fuzz
 
 # The short sanitizer runs (tests/README.md "Sanitizers"): the service unit tests under
 # ASan + UBSan come from the fuzz tree above, under TSan from $(BUILD)/tsan.
 sanitize-build: deps
-	./scripts/sanitize.sh build thread $(BUILD)/tsan service_test
+	NINJA_STATUS='[tsan %f/%t] ' ./scripts/sanitize.sh build thread $(BUILD)/tsan service_test
+
+# The three trees at once: each tree's serial stretches (configure, its last translation
+# units, its links) overlap the other trees' compiles instead of leaving a core idle.
+trees:
+	$(MAKE) --no-print-directory -j3 build fuzz-build sanitize-build
 
 # ctest's own summary, then one line: how many tests passed, failed and were skipped, and
 # why (tests/ctest-summary.sh). Skipped tests are listed by ctest as "(Skipped)".
-test: build fuzz-build sanitize-build
+test: trees
 	rc=0; ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS) \
 	  --output-log $(BUILD)/Testing/make-test.log || rc=$$?; \
 	./tests/ctest-summary.sh $(BUILD)/Testing/make-test.log; exit $$rc

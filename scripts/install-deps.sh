@@ -47,9 +47,13 @@ if [ "${1:-}" = "--build-only" ]; then
   PACKAGES=("${kept[@]}")
 fi
 
+# One dpkg-query for the whole list (one per package took seconds); it exits 1 when any
+# package is unknown to dpkg (never installed).
+installed=" $({ dpkg-query -W -f='${Package} ${Status}\n' "${PACKAGES[@]}" 2>/dev/null || true; } |
+  awk '/ install ok installed$/ {print $1}' | tr '\n' ' ') "
 missing=()
 for p in "${PACKAGES[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  case "$installed" in *" $p "*) ;; *) missing+=("$p") ;; esac
 done
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
