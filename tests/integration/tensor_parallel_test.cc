@@ -9,6 +9,7 @@
 #include "harness.h"
 
 namespace kvshade::integration {
+namespace tensor_parallel_test {
 namespace {
 
 // KV heads [b, e) of a bf16 [n, h, d] tensor.
@@ -117,4 +118,5 @@ TEST(TensorParallel, TwoRanksOnTwoDevicesAttendAsTheWholeAndSurviveKillNine) {
 }
 
 }  // namespace
+}  // namespace tensor_parallel_test
 }  // namespace kvshade::integration

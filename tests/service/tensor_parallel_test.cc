@@ -10,6 +10,7 @@
 #include "service_test_util.h"
 
 namespace kvshade::service::testing {
+namespace tensor_parallel_test {
 namespace {
 
 constexpr int kHeads = 4, kGroup = 2, kDim = 64, kLayers = 2;
@@ -593,4 +594,5 @@ TEST(TensorParallel, DurableSessionsRestoreWholeOrDamagedAsAWhole) {
 }
 
 }  // namespace
+}  // namespace tensor_parallel_test
 }  // namespace kvshade::service::testing
