@@ -21,7 +21,8 @@ Two pieces, each usable alone:
     `hf_cache.KvShadeCache(decode=None)`: its layers stream to the daemon during the prefill
     and leave the GPU as soon as the daemon took them), picks the first token, and joins the
     session to the batch at the first step after its commit finished (the batch does not
-    wait for a commit: it runs on a thread of the prompt's cache); a request that reached
+    wait for a commit, nor for the join's calls to the daemon and its mapping: they run on
+    a thread of the request's own, BatchCache.prepare_join); a request that reached
     max_new_tokens or an end token leaves the batch in the same step. It records, per request, the time to the first token
     and each later token's time.
 
@@ -30,9 +31,10 @@ value_codec "auto" (int4 from int4_from_tokens prompt tokens, bf16 below) a requ
 prompt resolves another codec than the batch's ends with finish_reason "error" (its error
 says why) and the others go on; give the profile an explicit value_codec to mix lengths.
 
-Shared prefixes (prefix_cache_bytes): a request's segment_ends mark the end of a shared part
-of its prompt (a document before its question); the Generator keeps that part's exact K/V
-in host memory after its prefill, and a later request over the same part (which the daemon
+Shared prefixes (prefix_cache_device_bytes, prefix_cache_bytes): a request's segment_ends
+mark the end of a shared part of its prompt (a document before its question); the
+Generator keeps that part's exact K/V after its prefill (on the GPU within its budget, else
+in host memory), and a later request over the same part (which the daemon
 reuses too) is prefilled from the part's end only (Request.prefill_skipped). Such a
 request waits in the queue while the request that kept the part is still committing (the
 daemon registers the part at that commit); the batch decodes meanwhile instead of waiting
