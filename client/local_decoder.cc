@@ -223,6 +223,11 @@ struct Seq {
 };
 
 struct LocalDecoder::Impl {
+  // Unique in the process (never reused, unlike an address): what a PreparedSequence names.
+  const uint64_t id = [] {
+    static std::atomic<uint64_t> next{1};
+    return next.fetch_add(1);
+  }();
   Client* client = nullptr;
   LocalDecoderOptions options;
   WorkerContext* ctx = nullptr;
@@ -394,7 +399,7 @@ void UnmapRegions(WorkerContext* ctx, Seq& seq, size_t idle_mapped_bytes) {
 void LocalDecoder::Impl::UnmapRegions(Seq& seq) { client::UnmapRegions(ctx, seq, options.idle_mapped_bytes); }
 
 struct PreparedSequence::State {
-  const LocalDecoder::Impl* owner = nullptr;  // the decoder that prepared it
+  uint64_t owner = 0;  // the id of the decoder that prepared it (Impl::id)
   Client* client = nullptr;
   std::string attachment_id;
   uint64_t generation = 0;  // held until it joins (then 0) or this is destroyed
@@ -1029,7 +1034,7 @@ absl::StatusOr<std::unique_ptr<PreparedSequence>> LocalDecoder::Prepare(const st
   req.set_attachment_id(attachment_id);
   KVSHADE_ASSIGN_OR_RETURN(v1::SessionExport e, m.client->ExportSession(req));
   auto st = std::make_unique<PreparedSequence::State>();
-  st->owner = &m;
+  st->owner = m.id;
   st->client = m.client;
   st->attachment_id = attachment_id;
   st->generation = e.generation();
@@ -1056,7 +1061,7 @@ absl::StatusOr<int> LocalDecoder::Join(std::unique_ptr<PreparedSequence> prepare
     return absl::InvalidArgumentError("Join: the prepared sequence is null");
   }
   PreparedSequence::State& p = *prepared->state_;
-  if (p.owner != &m) {
+  if (p.owner != m.id) {
     return absl::InvalidArgumentError(absl::StrCat("Join: attachment '", p.attachment_id,
                                                    "' was prepared by another decoder"));
   }
