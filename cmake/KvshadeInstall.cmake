@@ -1,6 +1,7 @@
 # `cmake --install build [--prefix DIR]`: what a deployment needs, nothing else.
 #   bin/kvshade-server, bin/kvshade                         (component runtime)
-#   lib/libkvshade.so.1 (+ libkvshade.so), include/kvshade/kvshade.h,
+#   lib/libkvshade.so.1 (+ libkvshade.so, and libkvshade_cuda.so: its CUDA backend, in a
+#   build with CUDA), include/kvshade/kvshade.h,
 #   lib/cmake/kvshade/ (find_package(kvshade) -> kvshade::client, the C ABI),
 #   lib/pkgconfig/kvshade.pc                               (component client)
 #   the Python package kvshade in KVSHADE_INSTALL_PYTHONDIR (component python)
@@ -23,6 +24,11 @@ set_target_properties(kvshade_c PROPERTIES EXPORT_NAME client)
 install(TARGETS kvshade_c EXPORT kvshadeTargets
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT client
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+# The CUDA backend plugin beside it (libkvshade.so loads it from its own directory at the
+# first use of a CUDA backend; common/cuda_plugin_abi.h).
+if(TARGET kvshade_cuda)
+  install(TARGETS kvshade_cuda LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR} COMPONENT client)
+endif()
 install(FILES ${PROJECT_SOURCE_DIR}/client/include/kvshade/kvshade.h
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/kvshade COMPONENT client)
 

@@ -34,6 +34,8 @@ for t in "${TARGETS[@]}"; do
 done
 # The C ABI (for the Python package) and the Python package itself.
 cp -L "$BUILD/client/libkvshade.so" "$BUNDLE/lib/"
+# Its CUDA backend, which it loads from its own directory.
+cp -L "$BUILD/client/libkvshade_cuda.so" "$BUNDLE/lib/"
 mkdir -p "$BUNDLE/python"
 cp -r client/python/kvshade "$BUNDLE/python/"
 rm -rf "$BUNDLE/python/kvshade/__pycache__"
@@ -41,7 +43,7 @@ mkdir -p "$BUNDLE/lib/ucx"
 cp -L /usr/lib/x86_64-linux-gnu/ucx/libuc[mst]_*.so* "$BUNDLE/lib/ucx/" 2>/dev/null || true
 # Shared libraries named by ldd, minus the ones the GPU machine has.
 skip='^(linux-vdso|ld-linux|libc\.so|libm\.so|libdl|librt|libpthread|libstdc\+\+|libgcc_s|libcuda\.so|libcudart|libcublas|libcublasLt|libcusolver|libcusparse|libnvJitLink|libcufft|libcurand)'
-for bin in "$BUNDLE"/bin/* "$BUNDLE/lib/libkvshade.so" "$BUNDLE"/lib/ucx/*; do
+for bin in "$BUNDLE"/bin/* "$BUNDLE/lib/libkvshade.so" "$BUNDLE/lib/libkvshade_cuda.so" "$BUNDLE"/lib/ucx/*; do
   ldd "$bin" | awk '/=>/ {print $1, $3}' | while read -r name path; do
     [[ "$name" =~ $skip ]] && continue
     [ -f "$path" ] && cp -L -n "$path" "$BUNDLE/lib/" || true

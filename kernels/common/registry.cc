@@ -16,15 +16,133 @@
 #include "kvshade/kernels/devices.h"
 #if KVSHADE_HAVE_CUDA
 #include "cuda/cuda_backend.h"
+#elif KVSHADE_CUDA_PLUGIN
+#include <dlfcn.h>
+
+#include <cstdlib>
+
+#include "common/cuda_plugin_abi.h"
 #endif
 
 namespace kvshade::kernels {
 
+// The CUDA backend as this build reaches it: linked in (KVSHADE_HAVE_CUDA: the daemon, the
+// tests), through the plugin libkvshade_cuda.so (KVSHADE_CUDA_PLUGIN: libkvshade.so), or
+// not at all.
+namespace {
+
+#if KVSHADE_CUDA_PLUGIN
+// The plugin, loaded once: from $KVSHADE_CUDA_PLUGIN when set, else beside the library this
+// code is in, else by the loader's search path. Not found (no CUDA here, or a build
+// without the backend): no CUDA device, and `why` says what was tried.
+struct CudaPlugin {
+  kvshade_cuda_device_count_fn count = nullptr;
+  kvshade_cuda_pci_bus_id_fn bus_id = nullptr;
+  kvshade_cuda_create_backend_fn create = nullptr;
+  std::string why;  // why it is not loaded
+};
+
+const CudaPlugin& Plugin() {
+  static const CudaPlugin* plugin = [] {
+    auto* p = new CudaPlugin();
+    std::vector<std::string> paths;
+    if (const char* env = std::getenv("KVSHADE_CUDA_PLUGIN"); env != nullptr && *env != '\0') {
+      paths.push_back(env);
+    } else {
+      Dl_info info;
+      if (dladdr(reinterpret_cast<const void*>(&Plugin), &info) != 0 && info.dli_fname != nullptr) {
+        std::string dir(info.dli_fname);
+        const size_t slash = dir.rfind('/');
+        if (slash != std::string::npos) paths.push_back(dir.substr(0, slash + 1) + KVSHADE_CUDA_PLUGIN_FILE);
+      }
+      paths.push_back(KVSHADE_CUDA_PLUGIN_FILE);
+    }
+    std::vector<std::string> tried;
+    for (const std::string& path : paths) {
+      void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+      if (h == nullptr) {
+        const char* e = dlerror();
+        tried.push_back(e != nullptr ? std::string(e) : path);
+        continue;
+      }
+      auto abi = reinterpret_cast<kvshade_cuda_plugin_abi_fn>(dlsym(h, "kvshade_cuda_plugin_abi"));
+      if (abi == nullptr || abi() != KVSHADE_CUDA_PLUGIN_ABI) {
+        tried.push_back(absl::StrCat(path, ": not a kvshade CUDA plugin of this build (ABI ",
+                                     abi == nullptr ? -1 : abi(), ", want ", KVSHADE_CUDA_PLUGIN_ABI, ")"));
+        dlclose(h);
+        continue;
+      }
+      p->count = reinterpret_cast<kvshade_cuda_device_count_fn>(dlsym(h, "kvshade_cuda_device_count"));
+      p->bus_id = reinterpret_cast<kvshade_cuda_pci_bus_id_fn>(dlsym(h, "kvshade_cuda_pci_bus_id"));
+      p->create = reinterpret_cast<kvshade_cuda_create_backend_fn>(dlsym(h, "kvshade_cuda_create_backend"));
+      if (p->count != nullptr && p->bus_id != nullptr && p->create != nullptr) return p;  // kept open
+      tried.push_back(absl::StrCat(path, ": entry points missing"));
+      p->count = nullptr;
+      p->bus_id = nullptr;
+      p->create = nullptr;
+      dlclose(h);
+    }
+    p->why = absl::StrCat("the CUDA backend plugin " KVSHADE_CUDA_PLUGIN_FILE " could not be loaded (",
+                          absl::StrJoin(tried, "; "), ")");
+    return p;
+  }();
+  return *plugin;
+}
+#endif
+
+bool BuildHasCuda() {
+#if KVSHADE_HAVE_CUDA || KVSHADE_CUDA_PLUGIN
+  return true;
+#else
+  return false;
+#endif
+}
+
+int CudaCount() {
+#if KVSHADE_HAVE_CUDA
+  return CudaDeviceCount();
+#elif KVSHADE_CUDA_PLUGIN
+  return Plugin().count != nullptr ? Plugin().count() : 0;
+#else
+  return 0;
+#endif
+}
+
+std::string CudaBusId(int device) {
+#if KVSHADE_HAVE_CUDA
+  return CudaDevicePciBusId(device);
+#elif KVSHADE_CUDA_PLUGIN
+  if (Plugin().bus_id == nullptr) return {};
+  char buf[64];
+  return Plugin().bus_id(device, buf, sizeof(buf)) > 0 ? std::string(buf) : std::string();
+#else
+  (void)device;
+  return {};
+#endif
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> CudaCreate(int device) {
+#if KVSHADE_HAVE_CUDA
+  return CreateCudaBackend(device);
+#elif KVSHADE_CUDA_PLUGIN
+  const CudaPlugin& p = Plugin();
+  if (p.create == nullptr) return absl::UnavailableError(absl::StrCat("backend 'cuda': ", p.why));
+  int code = static_cast<int>(absl::StatusCode::kUnknown);
+  char msg[1024] = {0};
+  void* b = p.create(device, &code, msg, sizeof(msg));
+  if (b == nullptr) return absl::Status(static_cast<absl::StatusCode>(code), msg);
+  return std::unique_ptr<Backend>(static_cast<Backend*>(b));
+#else
+  (void)device;
+  return absl::UnavailableError("backend 'cuda': this build has no CUDA backend");
+#endif
+}
+
+}  // namespace
+
 std::vector<std::string> AvailableBackends() {
   std::vector<std::string> out = {"cpu"};
-#if KVSHADE_HAVE_CUDA
-  if (CudaDeviceCount() > 0) out.push_back("cuda");
-#endif
+  if (CudaCount() > 0) out.push_back("cuda");
   return out;
 }
 
@@ -58,11 +176,7 @@ absl::StatusOr<std::vector<DeviceName>> ParseDeviceList(std::string_view value, 
   std::vector<DeviceName> out;
   if (value == "cuda:all") {
     if (!count_devices) return out;
-#if KVSHADE_HAVE_CUDA
-    const int n = CudaDeviceCount();
-#else
-    const int n = 0;
-#endif
+    const int n = CudaCount();
     if (n == 0) {
       return absl::UnavailableError(
           "backend 'cuda:all': no CUDA device is visible (or this build has no CUDA backend)");
@@ -116,46 +230,32 @@ std::string NormalizePciBusId(std::string_view id) {
 }
 
 int CudaOrdinalOfPciBusId(std::string_view id) {
-#if KVSHADE_HAVE_CUDA
   const std::string want = NormalizePciBusId(id);
-  for (int i = 0; i < CudaDeviceCount(); ++i) {
-    const std::string have = CudaDevicePciBusId(i);
+  for (int i = 0; i < CudaCount(); ++i) {
+    const std::string have = CudaBusId(i);
     if (!have.empty() && NormalizePciBusId(have) == want) return i;
   }
-#else
-  (void)id;
-#endif
   return -1;
 }
 
-std::string CudaPciBusId(int device) {
-#if KVSHADE_HAVE_CUDA
-  return CudaDevicePciBusId(device);
-#else
-  (void)device;
-  return {};
-#endif
-}
+std::string CudaPciBusId(int device) { return CudaBusId(device); }
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(std::string_view name) {
   KVSHADE_ASSIGN_OR_RETURN(const BackendName b, ParseBackendName(name));
   if (b.kind == "cpu") return std::unique_ptr<Backend>(std::make_unique<CpuBackend>());
   if (b.kind == "auto") {
-#if KVSHADE_HAVE_CUDA
-    if (CudaDeviceCount() > 0) return CreateCudaBackend(0);
-#endif
+    if (CudaCount() > 0) return CudaCreate(0);
     return std::unique_ptr<Backend>(std::make_unique<CpuBackend>());
   }
-#if KVSHADE_HAVE_CUDA
-  if (CudaDeviceCount() <= b.device) {
-    return absl::UnavailableError(absl::StrCat("backend '", std::string(name), "': CUDA device ",
-                                               b.device, " not present (", CudaDeviceCount(),
-                                               " visible)"));
-  }
-  return CreateCudaBackend(b.device);
-#else
-  return absl::UnavailableError("backend 'cuda': this build has no CUDA backend");
+  if (!BuildHasCuda()) return CudaCreate(b.device);  // this build has no CUDA backend
+#if KVSHADE_CUDA_PLUGIN
+  if (Plugin().create == nullptr) return CudaCreate(b.device);  // why the plugin is missing
 #endif
+  if (CudaCount() <= b.device) {
+    return absl::UnavailableError(absl::StrCat("backend '", std::string(name), "': CUDA device ",
+                                               b.device, " not present (", CudaCount(), " visible)"));
+  }
+  return CudaCreate(b.device);
 }
 
 }  // namespace kvshade::kernels

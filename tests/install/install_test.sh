@@ -16,6 +16,13 @@ for f in bin/kvshade-server bin/kvshade include/kvshade/kvshade.h; do
 done
 lib=$(dirname "$(find "$prefix" -name libkvshade.so.1 | head -1)")
 [ -n "$lib" ] && [ -e "$lib/libkvshade.so" ] || fail "libkvshade.so.1 and its libkvshade.so link not installed"
+# A build with CUDA: the CUDA backend's plugin beside the library, which links no CUDA library.
+if [ -e "$build/client/libkvshade_cuda.so" ]; then
+  [ -e "$lib/libkvshade_cuda.so" ] || fail "libkvshade_cuda.so (the CUDA backend plugin) not installed"
+fi
+if readelf -d "$lib/libkvshade.so.1" | grep -E '\(NEEDED\)' | grep -qE 'lib(cudart|cublas|cusolver)'; then
+  fail "libkvshade.so.1 links a CUDA library"
+fi
 [ -e "$lib/pkgconfig/kvshade.pc" ] || fail "kvshade.pc not installed"
 [ -e "$lib/cmake/kvshade/kvshadeConfig.cmake" ] || fail "kvshadeConfig.cmake not installed"
 pkgdir=$(dirname "$(find "$prefix" -path '*dist-packages/kvshade/__init__.py' | head -1)")

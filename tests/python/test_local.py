@@ -7,6 +7,9 @@ Tolerance: the same kernels over the same bf16 inputs; only the order in which a
 blocks are merged differs (fp32 online softmax): 1e-5 of the output's largest magnitude on
 the CPU, 1e-4 on CUDA (its split-K merge order differs too)."""
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 import unittest
@@ -17,6 +20,7 @@ import torch
 from kvshade_testutil import Server
 
 import kvshade
+from kvshade import _native
 from kvshade.decoder import Decoder
 from kvshade.local import LocalDecoder
 
@@ -339,6 +343,40 @@ class LocalDecoderTest(unittest.TestCase):
                     solo.advance()
             with self.assertRaises(IndexError):
                 dec.leave(3)
+
+    def test_the_library_links_no_cuda_library(self):
+        # libkvshade.so reaches the CUDA backend through the plugin libkvshade_cuda.so (loaded
+        # at the first use), so a worker without CUDA loads it as it is.
+        lib = _native.lib()
+        path = _native._dlpath(lib) or getattr(lib, "_kvshade_path", None)
+        if not path or not os.path.exists(path):
+            self.skipTest("the library's file is not known here")
+        out = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True).stdout
+        needed = re.findall(r"\(NEEDED\).*\[(.*)\]", out)
+        self.assertTrue(needed, out[:500])
+        cuda = [n for n in needed if re.match(r"lib(cuda|cudart|cublas|cublasLt|cusolver|cusparse|nvJitLink)\b", n)]
+        self.assertEqual(cuda, [], "libkvshade.so needs %s" % cuda)
+
+    def test_a_missing_cuda_plugin_is_a_clear_error(self):
+        # Without the plugin (here: a path where there is none) the CPU backend still serves
+        # and a CUDA decoder is refused, saying what was not found.
+        code = ("import kvshade, sys\n"
+                "from kvshade.local import LocalDecoder\n"
+                "c = kvshade.Client(sys.argv[1])\n"
+                "try:\n"
+                "    LocalDecoder(c, [], backend='cuda')\n"
+                "except kvshade.Unavailable as e:\n"
+                "    print('refused:', e)\n"
+                "LocalDecoder(c, [], backend='cpu').close()\n"
+                "c.close()\n")
+        env = dict(os.environ, KVSHADE_CUDA_PLUGIN="/nonexistent/libkvshade_cuda.so",
+                   PYTHONPATH=os.pathsep.join(sys.path))
+        r = subprocess.run([sys.executable, "-c", code, self.server.target], capture_output=True, text=True,
+                           env=env, timeout=60)
+        self.assertEqual(r.returncode, 0, r.stderr[-2000:])
+        self.assertIn("refused:", r.stdout)
+        self.assertIn("libkvshade_cuda.so could not be loaded", r.stdout)
+        self.assertIn("/nonexistent/libkvshade_cuda.so", r.stdout)
 
     def test_a_sequence_prepared_beside_the_steps_joins_as_a_plain_join(self):
         # prepare() on another thread while the batch steps, join() between steps: the new
