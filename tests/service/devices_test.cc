@@ -284,13 +284,7 @@ TEST(Devices, EveryCallIsServedByTheSessionsDevice) {
   // must reach its own session (a close on one leaves the other).
   const int n = 256, extra = 16;
   Stream s = MakeStream(n + extra, dx.model, 31);
-  Stream prompt = s;
-  prompt.tokens.resize(n);
-  const size_t tok = size_t(s.h) * s.d;
-  for (int l = 0; l < s.L; ++l) {
-    prompt.k[l].resize(n * tok);
-    prompt.v[l].resize(n * tok);
-  }
+  const Stream prompt = FirstTokens(s, n);
   Devices::Opened o[2] = {dx.Open(prompt, "cpu:0"), dx.Open(prompt, "cpu:1")};
   const std::vector<bf16> q = dx.Query(5);
   std::vector<float> before[2];
@@ -303,12 +297,7 @@ TEST(Devices, EveryCallIsServedByTheSessionsDevice) {
   // Select, static set, slot table, append, fork, on each device.
   for (int d = 0; d < 2; ++d) {
     const v1::StatsResponse st0 = dx.Stats();
-    v1::SelectAndReconstructRequest sr;
-    sr.set_layer(0);
-    auto* sq = sr.add_queries();
-    sq->set_attachment_id(o[d].attachment);
-    *sq->mutable_q() = ToTensor(q, {int64_t(dx.model.num_query_heads()), dx.model.head_dim()});
-    auto sel = dx.router->SelectAndReconstruct(dx.tenant, sr);
+    auto sel = dx.router->SelectAndReconstruct(dx.tenant, OneSelect(o[d].attachment, 0, q, dx.model.head_dim()));
     ASSERT_TRUE(sel.ok()) << sel.status();
     EXPECT_GT(sel->deltas(0).selected(), 0u);
     // Counted on the device that selected, and there alone; the total is their sum.

@@ -81,6 +81,38 @@ struct Stream {
   int n() const { return static_cast<int>(tokens.size()); }
 };
 
+// Tokens [0, n) of `s`.
+inline Stream FirstTokens(const Stream& s, int n) {
+  Stream o = s;
+  o.tokens.resize(n);
+  const size_t tok = size_t(s.h) * s.d;
+  for (int l = 0; l < s.L; ++l) {
+    o.k[l].resize(n * tok);
+    o.v[l].resize(n * tok);
+  }
+  return o;
+}
+
+// One query of `layer` for `attachment`: q holds its heads' rows of d channels.
+inline v1::SelectAndReconstructRequest OneSelect(const std::string& attachment, int layer,
+                                                 const std::vector<bf16>& q, int d) {
+  v1::SelectAndReconstructRequest r;
+  r.set_layer(layer);
+  auto* sq = r.add_queries();
+  sq->set_attachment_id(attachment);
+  *sq->mutable_q() = ToTensor(q, {int64_t(q.size() / d), d});
+  return r;
+}
+inline v1::AttendRequest OneAttend(const std::string& attachment, int layer, const std::vector<bf16>& q,
+                                   int d) {
+  v1::AttendRequest r;
+  r.set_layer(layer);
+  auto* aq = r.add_queries();
+  aq->set_attachment_id(attachment);
+  *aq->mutable_q() = ToTensor(q, {int64_t(q.size() / d), d});
+  return r;
+}
+
 inline Stream MakeStream(int n, const v1::ModelSpec& m, uint64_t seed_stream, int key_rank = 16,
                          int token_base = 1000, float noise = 0.01f) {
   Stream s;
@@ -386,12 +418,7 @@ class Harness {
   }
   absl::StatusOr<std::vector<float>> Attend(const std::string& attachment, int layer,
                                             const std::vector<bf16>& q) {
-    v1::AttendRequest r;
-    r.set_layer(layer);
-    auto* aq = r.add_queries();
-    aq->set_attachment_id(attachment);
-    *aq->mutable_q() = ToTensor(q, {int64_t(model.num_query_heads()), model.head_dim()});
-    auto resp = engine->Attend(tenant, r);
+    auto resp = engine->Attend(tenant, OneAttend(attachment, layer, q, model.head_dim()));
     if (!resp.ok()) return resp.status();
     return TensorF32(resp->outputs(0));
   }
@@ -405,12 +432,7 @@ class Harness {
   }
   absl::StatusOr<v1::SlotDelta> Select(const std::string& attachment, int layer,
                                        const std::vector<bf16>& q) {
-    v1::SelectAndReconstructRequest r;
-    r.set_layer(layer);
-    auto* sq = r.add_queries();
-    sq->set_attachment_id(attachment);
-    *sq->mutable_q() = ToTensor(q, {int64_t(model.num_query_heads()), model.head_dim()});
-    auto resp = engine->SelectAndReconstruct(tenant, r);
+    auto resp = engine->SelectAndReconstruct(tenant, OneSelect(attachment, layer, q, model.head_dim()));
     if (!resp.ok()) return resp.status();
     return resp->deltas(0);
   }

@@ -35,17 +35,6 @@ Stream SliceHeads(const Stream& s, int b, int e) {
   return o;
 }
 
-// Tokens [0, n) of `s`.
-Stream Prefix(const Stream& s, int n) {
-  Stream o = s;
-  o.tokens.resize(n);
-  const size_t tok = size_t(s.h) * s.d;
-  for (int l = 0; l < s.L; ++l) {
-    o.k[l].resize(n * tok);
-    o.v[l].resize(n * tok);
-  }
-  return o;
-}
 
 bool Contains(const absl::Status& s, const std::string& text) {
   return std::string(s.message()).find(text) != std::string::npos;
@@ -114,21 +103,11 @@ class Tp : public RouterHarness {
   }
   absl::StatusOr<v1::AttendResponse> Attend(const std::string& attachment, int layer,
                                             const std::vector<bf16>& q) {
-    v1::AttendRequest r;
-    r.set_layer(layer);
-    auto* aq = r.add_queries();
-    aq->set_attachment_id(attachment);
-    *aq->mutable_q() = ToTensor(q, {int64_t(q.size() / kDim), kDim});
-    return router->Attend(tenant, r);
+    return router->Attend(tenant, OneAttend(attachment, layer, q, kDim));
   }
   absl::StatusOr<v1::SlotDelta> Select(const std::string& attachment, int layer,
                                        const std::vector<bf16>& q) {
-    v1::SelectAndReconstructRequest r;
-    r.set_layer(layer);
-    auto* sq = r.add_queries();
-    sq->set_attachment_id(attachment);
-    *sq->mutable_q() = ToTensor(q, {int64_t(q.size() / kDim), kDim});
-    auto resp = router->SelectAndReconstruct(tenant, r);
+    auto resp = router->SelectAndReconstruct(tenant, OneSelect(attachment, layer, q, kDim));
     if (!resp.ok()) return resp.status();
     return resp->deltas(0);
   }
@@ -263,7 +242,7 @@ void ExpectRanksDecodeAsTheWhole(const v1::Profile& profile, bool exact_rows) {
   ASSERT_TRUE(tp.router);
   const int n = 512, extra = 24;
   const Stream all = MakeStream(n + extra, tp.model, 21);
-  const Stream s = Prefix(all, n);
+  const Stream s = FirstTokens(all, n);
   auto wc = tp.router->CreateSession(tp.tenant, tp.Request(s, profile));
   ASSERT_TRUE(wc.ok()) << wc.status();
   ASSERT_TRUE(tp.IngestAll(*wc, s).ok());
@@ -392,7 +371,7 @@ TEST(TensorParallel, ForkForksEveryRankAtOneTokenAndCloseClosesEvery) {
   ASSERT_TRUE(tp.router);
   const int n = 256;
   const Stream all = MakeStream(n + 8, tp.model, 41);
-  const Tp::Logical lg = tp.OpenTp(Prefix(all, n), SmallShadowProfile());
+  const Tp::Logical lg = tp.OpenTp(FirstTokens(all, n), SmallShadowProfile());
   ASSERT_FALSE(lg.shard[1].empty());
   const v1::StatsResponse st0 = *tp.router->Stats(tp.tenant, v1::StatsRequest());
   // A shard is forked and closed only with its logical session.
@@ -532,7 +511,7 @@ TEST(TensorParallel, DurableSessionsRestoreWholeOrDamagedAsAWhole) {
     Tp tp(spill);
     ASSERT_TRUE(tp.router);
     const Stream all = MakeStream(n + extra, tp.model, 61);
-    whole = tp.OpenTp(Prefix(all, n), SmallShadowProfile(), /*durable=*/true);
+    whole = tp.OpenTp(FirstTokens(all, n), SmallShadowProfile(), /*durable=*/true);
     ASSERT_FALSE(whole.shard[1].empty());
     for (int r = 0; r < 2; ++r) {
       ASSERT_TRUE(tp.router->AppendTokens(tp.tenant, AppendOf(whole.shard[r], SliceHeads(all, 2 * r, 2 * r + 2), n, n + extra)).ok());
