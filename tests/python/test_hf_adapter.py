@@ -517,13 +517,13 @@ class HfAdapterTest(unittest.TestCase):
                                            history_device_bytes=budget)
                 spy = model.model.layers[-1].self_attn.k_proj.register_forward_hook(
                     lambda mod, inp, out, cache=cache, budget=budget: where.append(
-                        (budget, [hk.device.type for hk, _ in (cache._history or [[]])[0]], cache.history_device_bytes)))
+                        (budget, [hk.device.type for hk, _ in (cache._history or [[]])[0]], cache.history_bytes_on_device)))
                 try:
                     logits.append(cache.prefill(model, chunk_tokens=chunk)[0])
                 finally:
                     spy.remove()
                 cache.wait_ready()
-                self.assertEqual(cache.history_device_bytes, 0)
+                self.assertEqual(cache.history_bytes_on_device, 0)
                 cache.close(close_session=True)
             # At each chunk's last layer: layer 0's earlier chunks, and the bytes on the GPU
             # (the last layer's chunk is kept after that layer's attention).

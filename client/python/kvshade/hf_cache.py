@@ -943,7 +943,7 @@ class KvShadeCache(Cache):
         if int(history_device_bytes) < 0:
             raise ValueError("history_device_bytes must be >= 0, got %r" % (history_device_bytes,))
         self._history_device_budget = int(history_device_bytes)
-        self.history_device_bytes = 0  # earlier chunks' K/V kept on the GPU now (history_device_bytes)
+        self.history_bytes_on_device = 0  # earlier chunks' K/V on the GPU now (within history_device_bytes)
         self._sent_layers = []  # device path: prompt layers in the order sent
         self._part_sender = None  # device path, after the first part: _DevicePartSender
         self._keep_prefix_tokens = 0  # keep_prefix()
@@ -1368,8 +1368,8 @@ class KvShadeCache(Cache):
         pinned host memory on a stream of their own."""
         kb, vb = k.to(STORE_DTYPE), v.to(STORE_DTYPE)
         size = 2 * kb.numel() * kb.element_size()
-        if kb.is_cuda and self.history_device_bytes + size <= self._history_device_budget:
-            self.history_device_bytes += size
+        if kb.is_cuda and self.history_bytes_on_device + size <= self._history_device_budget:
+            self.history_bytes_on_device += size
             self._history[li].append((kb.clone(), vb.clone()))
             return
         if kb.is_cuda:
@@ -1441,7 +1441,7 @@ class KvShadeCache(Cache):
     def _drop_history(self):
         self._history = None
         self._prefetched = {}
-        self.history_device_bytes = 0
+        self.history_bytes_on_device = 0
 
     def prefill(self, model, chunk_tokens=None):
         """Runs the prompt (prompt_ids) through `model` into this cache, in forwards of at most
