@@ -33,6 +33,15 @@
 // the commit), naming the layer. On a device backend the parts go up on the stream's own
 // non-blocking device stream, so they do not queue behind the compression's kernels.
 //
+// Ranges apart: with segment ends, a range that is not the last compresses as soon as its
+// rows are in, before the layer's later ranges arrive, when the profile allows it
+// (ProfileIngest::compresses_ranges_early: shadow, whose range needs only its own rows and
+// the basis of the range before it). Its rows are copied into blocks of their own
+// (LayerBuf::apart) and handed to the compression thread like a layer; the layer's blocks,
+// when it gets them, then start at the first range not yet compressed (IngestLayer::base).
+// So the chunked prefill of a document and a question after it compresses each layer's
+// document range while the document's last chunk is computed, not after the question.
+//
 // Interleaved layers (chunked prefill: every layer's part for one chunk of tokens, then the
 // next chunk's): at most one incomplete layer holds device memory. A part of another layer
 // moves that layer's received rows to host memory (outside the device arena: page-locked
@@ -203,6 +212,18 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
     storage::StagingPool::Lease hk, hv;
     int received = 0;
     bool done = false;        // every part arrived (caller's thread)
+    // Ranges of this layer handed to the compression thread before the layer was complete
+    // ("Ranges apart"; caller's thread), the last one's rows in `apart` while it compresses.
+    size_t ranges_done = 0;
+    IngestLayer apart;
+  };
+
+  // The compression thread's work: a complete layer from range `range` on, or (apart)
+  // range `range` of a layer from its rows in LayerBuf::apart.
+  struct Work {
+    int layer = -1;
+    int range = 0;
+    bool apart = false;
   };
 
   // One segment the commit adds: the range of the prompt between two of the session's
@@ -288,14 +309,16 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
     }
     // The part's slice of the layer (a failed part fails the stream, so a half-written slice
     // is never read).
-    const size_t row = size_t(h) * d, off = size_t(b.received) * row, len = size_t(n_part) * row;
+    const size_t row = size_t(h) * d, len = size_t(n_part) * row;
     // At most one incomplete layer in device memory ("Overlap"): another one that holds
     // blocks goes down to host memory first, which also makes room for this layer's.
     if (device_partial_ >= 0 && device_partial_ != l) {
       KVSHADE_RETURN_IF_ERROR(MoveToHost(device_partial_));
     }
     if (!b.kd && (!b.hk || completes)) {
-      KVSHADE_RETURN_IF_ERROR(AllocLayer(b, Bf16Bytes(size_t(n_) * row)));
+      // The rows of ranges already compressed apart are not needed again.
+      b.base = ranges_[b.ranges_done].offset;
+      KVSHADE_RETURN_IF_ERROR(AllocRows(&b.kd, &b.vd, Bf16Bytes(size_t(n_ - b.base) * row)));
       // A layer that waited in host memory: its rows go up beside its last part.
       if (b.hk) KVSHADE_RETURN_IF_ERROR(MoveToDevice(l));
     }
@@ -303,6 +326,8 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
     // the last one).
     const bool on_host = static_cast<bool>(b.hk);
     device_partial_ = (on_host || completes) ? -1 : l;
+    // The host copy holds every row of the layer; its blocks, the rows from b.base on.
+    const size_t off = size_t(b.received - (on_host ? 0 : b.base)) * row;
     bf16* const kbase = on_host ? reinterpret_cast<bf16*>(b.hk.get()) : static_cast<bf16*>(b.kd.data());
     bf16* const vbase = on_host ? reinterpret_cast<bf16*>(b.hv.get()) : static_cast<bf16*>(b.vd.data());
     const absl::Span<bf16> kdst(kbase + off, len);
@@ -338,7 +363,7 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
       KVSHADE_RETURN_IF_ERROR(DecodeTensorInto(m.v, shape, model.dtype, absl::StrCat(name, " v"), vdst));
     } else {
       // On the stream's own device stream, so that neither waits for the compression's
-      // kernels (AllocLayer orders it after earlier users of the layer's memory). bf16
+      // kernels (AllocRows orders it after earlier users of the layer's memory). bf16
       // parts go up unread and their values are checked on the device. The caller's bytes
       // (and the staging buffers) may be reused once this returns, an error included.
       absl::Status st = UploadPart(m.k, shape, absl::StrCat(name, " k"), kdst, &staging_);
@@ -361,9 +386,52 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
     // The part has been read from where it was (a peer's GPU memory included: its copies
     // are synchronized above): GetSession's ingest_parts_taken lets the worker free it.
     ++s_->ingest_parts_taken;
-    if (!completes) return absl::OkStatus();
+    if (!completes) {
+      // A range (not the last) whose rows are all in compresses now, apart from the layer.
+      while (profile_->compresses_ranges_early() && b.ranges_done + 1 < ranges_.size() &&
+             b.received >= ranges_[b.ranges_done].offset + ranges_[b.ranges_done].n) {
+        KVSHADE_RETURN_IF_ERROR(HandRangeApart(l));
+      }
+      return absl::OkStatus();
+    }
     b.done = true;
     return HandToCompressor(l);
+  }
+
+  // Hands range ranges_done of incomplete layer l to the compression thread, with a copy
+  // of its rows in blocks of their own (b.apart), taken from where the layer's rows are
+  // (its blocks or its host copy), so that the layer's later parts and a move of the layer
+  // to or from host memory never touch what the compression reads.
+  absl::Status HandRangeApart(int l) {
+    LayerBuf& b = bufs_[l];
+    const size_t r = b.ranges_done;
+    const Range& rg = ranges_[r];
+    const size_t row = size_t(s_->model.shape.D());
+    const size_t bytes = Bf16Bytes(size_t(rg.n) * row);
+    KVSHADE_RETURN_IF_ERROR(WaitCompressorIdle());  // b.apart is free again
+    {
+      StageTimer timer(e_.metrics(), "ingest_parts");
+      KVSHADE_RETURN_IF_ERROR(AllocRows(&b.apart.kd, &b.apart.vd, bytes));
+      b.apart.base = rg.offset;
+      absl::Status st;
+      if (b.hk) {
+        const size_t at = Bf16Bytes(size_t(rg.offset) * row);
+        st = e_.backend().CopyFromHost(b.apart.kd.data(), b.hk.get() + at, bytes, upload_);
+        if (st.ok()) st = e_.backend().CopyFromHost(b.apart.vd.data(), b.hv.get() + at, bytes, upload_);
+      } else {
+        const size_t at = Bf16Bytes(size_t(rg.offset - b.base) * row);
+        const auto* kb = static_cast<const std::byte*>(b.kd.data());
+        const auto* vb = static_cast<const std::byte*>(b.vd.data());
+        st = e_.backend().Copy(b.apart.kd.data(), kb + at, bytes, upload_);
+        if (st.ok()) st = e_.backend().Copy(b.apart.vd.data(), vb + at, bytes, upload_);
+      }
+      // The parts' uploads on upload_ came first; the compression runs on another stream.
+      absl::Status sync = e_.backend().Synchronize(upload_);
+      if (st.ok()) st = sync;
+      KVSHADE_RETURN_IF_ERROR(st);
+    }
+    b.ranges_done = r + 1;
+    return Hand(Work{l, static_cast<int>(r), /*apart=*/true});
   }
 
   // The layer's raw K and V blocks. While a layer is being compressed they are taken only
@@ -371,10 +439,10 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
   // stream (not known before the first layer is done: then the caller waits); otherwise,
   // and when the allocation fails for the budget, the compressing layer is waited for (its
   // raw blocks are freed when it is done). So a tight budget ingests one layer at a time.
-  absl::Status AllocLayer(LayerBuf& b, size_t bytes) {
+  absl::Status AllocRows(DeviceBlock* kd, DeviceBlock* vd, size_t bytes) {
     {
       std::unique_lock lock(cmu_);
-      const bool busy = pending_ >= 0 || compressing_;
+      const bool busy = pending_.layer >= 0 || compressing_;
       // Before a layer is done: the working copy of the keys, the factors and the rest.
       const size_t reserve = peak_known_ ? compression_peak_ : 3 * bytes;
       if (busy && e_.DeviceFreeBytes() < 2 * bytes + reserve) {
@@ -391,8 +459,8 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
       v = e_.Alloc(bytes, ArenaKind::kStatic);
     }
     if (!v.ok()) return v.status();
-    b.kd = *std::move(k);
-    b.vd = *std::move(v);
+    *kd = *std::move(k);
+    *vd = *std::move(v);
     if (!host_space_) {
       if (!finite_) {
         KVSHADE_ASSIGN_OR_RETURN(finite_, e_.Alloc(2 * sizeof(int64_t), ArenaKind::kOther));
@@ -417,7 +485,8 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
     LayerBuf& b = bufs_[l];
     StageTimer timer(e_.metrics(), "ingest_parts");
     const size_t row = size_t(s_->model.shape.h) * s_->model.shape.d;
-    const size_t layer_bytes = Bf16Bytes(size_t(n_) * row), bytes = Bf16Bytes(size_t(b.received) * row);
+    const size_t layer_bytes = Bf16Bytes(size_t(n_) * row);
+    const size_t at = Bf16Bytes(size_t(b.base) * row), bytes = Bf16Bytes(size_t(b.received - b.base) * row);
     // Host memory for every row, so that the later parts land there and the layer goes up
     // in one copy; uninitialized, since only received rows are ever read. Page-locked and
     // kept for reuse (the staging pool): copies to and from it run at full rate, and a
@@ -433,8 +502,8 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
     b.hk = *std::move(hk);
     b.hv = *std::move(hv);
     KVSHADE_RETURN_IF_ERROR(e_.backend().Synchronize(upload_));
-    absl::Status st = e_.backend().CopyToHost(b.hk.get(), b.kd.data(), bytes, upload_);
-    if (st.ok()) st = e_.backend().CopyToHost(b.hv.get(), b.vd.data(), bytes, upload_);
+    absl::Status st = e_.backend().CopyToHost(b.hk.get() + at, b.kd.data(), bytes, upload_);
+    if (st.ok()) st = e_.backend().CopyToHost(b.hv.get() + at, b.vd.data(), bytes, upload_);
     // Nothing may still read the blocks once they are freed, an error included.
     absl::Status sync = e_.backend().Synchronize(upload_);
     if (st.ok()) st = sync;
@@ -445,16 +514,17 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
     return absl::OkStatus();
   }
 
-  // Copies the received rows of layer l's host copy into its new blocks (AllocLayer) and
-  // frees the host copy. Those rows were checked when they arrived (decoded on the host,
+  // Copies the received rows of layer l's host copy from b.base on into its new blocks
+  // (AllocRows) and frees the host copy. Those rows were checked when they arrived (decoded on the host,
   // or peer rows checked on the device before their copy down), so they are not checked
   // again.
   absl::Status MoveToDevice(int l) {
     LayerBuf& b = bufs_[l];
     StageTimer timer(e_.metrics(), "ingest_parts");
-    const size_t bytes = Bf16Bytes(size_t(b.received) * s_->model.shape.h * s_->model.shape.d);
-    absl::Status st = e_.backend().CopyFromHost(b.kd.data(), b.hk.get(), bytes, upload_);
-    if (st.ok()) st = e_.backend().CopyFromHost(b.vd.data(), b.hv.get(), bytes, upload_);
+    const size_t row = size_t(s_->model.shape.h) * s_->model.shape.d;
+    const size_t at = Bf16Bytes(size_t(b.base) * row), bytes = Bf16Bytes(size_t(b.received - b.base) * row);
+    absl::Status st = e_.backend().CopyFromHost(b.kd.data(), b.hk.get() + at, bytes, upload_);
+    if (st.ok()) st = e_.backend().CopyFromHost(b.vd.data(), b.hv.get() + at, bytes, upload_);
     // The host copy is freed only once the copies have read it, an error included.
     absl::Status sync = e_.backend().Synchronize(upload_);
     if (st.ok()) st = sync;
@@ -470,7 +540,7 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
   absl::Status WaitCompressorIdle() {
     StageTimer timer(e_.metrics(), "ingest_wait");
     std::unique_lock lock(cmu_);
-    ccv_.wait(lock, [&] { return pending_ < 0 && !compressing_; });
+    ccv_.wait(lock, [&] { return pending_.layer < 0 && !compressing_; });
     return compressor_status_;
   }
 
@@ -485,22 +555,29 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
     return compressor_status_;
   }
 
-  // Hands a complete layer over once the previous one is compressed.
+  // Hands a complete layer over once the previous work is done: its ranges from the
+  // first one not compressed apart (HandRangeApart).
   absl::Status HandToCompressor(int l) {
     KVSHADE_RETURN_IF_ERROR(WaitCompressorIdle());
+    return Hand(Work{l, static_cast<int>(bufs_[l].ranges_done), /*apart=*/false});
+  }
+
+  // Gives the compression thread its next work (the thread is idle), starting it at the
+  // first.
+  absl::Status Hand(Work w) {
     if (!compressor_.joinable()) {
       try {
         compressor_ = std::thread([this] { CompressLoop(); });
       } catch (const std::system_error& e) {
-        // No thread to be had (a process or memory limit): this layer, and the next ones,
-        // are compressed on the caller's thread.
+        // No thread to be had (a process or memory limit): this work, and the later one,
+        // is done on the caller's thread.
         spdlog::warn("session '{}': ingest compresses inline, no compression thread: {}", s_->id, e.what());
-        return CompressInline(l);
+        return CompressInline(w);
       }
     }
     {
       std::lock_guard lock(cmu_);
-      pending_ = l;
+      pending_ = w;
     }
     ccv_.notify_all();
     return absl::OkStatus();
@@ -508,16 +585,16 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
 
   void CompressLoop() {
     for (;;) {
-      int l;
+      Work w;
       {
         std::unique_lock lock(cmu_);
-        ccv_.wait(lock, [&] { return stop_ || pending_ >= 0; });
+        ccv_.wait(lock, [&] { return stop_ || pending_.layer >= 0; });
         if (stop_) return;
-        l = pending_;
-        pending_ = -1;
+        w = pending_;
+        pending_ = Work{};
         compressing_ = true;
       }
-      absl::Status st = Compress(l);
+      absl::Status st = Compress(w);
       {
         std::lock_guard lock(cmu_);
         compressing_ = false;
@@ -527,20 +604,29 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
     }
   }
 
-  // Compresses layer l and frees its raw K/V; an error names the layer.
-  absl::Status Compress(int l) {
-    absl::Status st = profile_->CompressLayer(l);
+  // Compresses the work's rows and frees them: range w.range of layer w.layer apart, or
+  // the complete layer's ranges from w.range on. An error names the layer.
+  absl::Status Compress(const Work& w) {
+    const int l = w.layer;
     LayerBuf& b = bufs_[l];
-    b.kd = DeviceBlock();
-    b.vd = DeviceBlock();
-    std::vector<bf16>().swap(b.qobs);
+    absl::Status st;
+    if (w.apart) {
+      st = profile_->CompressRange(b.apart, l, static_cast<size_t>(w.range));
+      b.apart.kd = DeviceBlock();
+      b.apart.vd = DeviceBlock();
+    } else {
+      st = profile_->CompressLayer(l, static_cast<size_t>(w.range));
+      b.kd = DeviceBlock();
+      b.vd = DeviceBlock();
+      std::vector<bf16>().swap(b.qobs);
+    }
     if (!st.ok()) return absl::Status(st.code(), absl::StrCat("layer ", l, ": ", st.message()));
-    ++s_->layers_ingested;
+    if (!w.apart) ++s_->layers_ingested;
     return absl::OkStatus();
   }
 
-  absl::Status CompressInline(int l) {
-    absl::Status st = Compress(l);
+  absl::Status CompressInline(const Work& w) {
+    absl::Status st = Compress(w);
     std::lock_guard lock(cmu_);
     if (compressor_status_.ok()) compressor_status_ = st;
     return st;
@@ -607,25 +693,26 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
   }
 
   // A range's rows [rg.n, h, d] of the layer's keys or values.
-  absl::Span<const bf16> Rows(const DeviceBlock& block, const Range& rg) const override {
+  absl::Span<const bf16> Rows(const IngestLayer& b, const DeviceBlock& block,
+                              const Range& rg) const override {
     const size_t row = size_t(s_->model.shape.D());
-    return absl::Span<const bf16>(static_cast<const bf16*>(block.data()) + size_t(rg.offset) * row,
+    return absl::Span<const bf16>(static_cast<const bf16*>(block.data()) + size_t(rg.offset - b.base) * row,
                                   size_t(rg.n) * row);
   }
 
-  // The range's K and V rows as blocks of their own: the layer's blocks themselves when the
-  // stream has one range, else copies.
+  // The range's K and V rows as blocks of their own: b's blocks themselves when they hold
+  // the range's rows and nothing else, else copies.
   absl::Status TakeRows(IngestLayer& b, const Range& rg, DeviceBlock* k, DeviceBlock* v) override {
-    if (ranges_.size() == 1) {
+    const size_t bytes = Bf16Bytes(size_t(rg.n) * s_->model.shape.D());
+    if (b.base == rg.offset && b.kd.bytes() == bytes) {
       *k = std::move(b.kd);
       *v = std::move(b.vd);
       return absl::OkStatus();
     }
-    const size_t bytes = Bf16Bytes(size_t(rg.n) * s_->model.shape.D());
     KVSHADE_ASSIGN_OR_RETURN(*k, e_.Alloc(bytes, ArenaKind::kOther));
     KVSHADE_ASSIGN_OR_RETURN(*v, e_.Alloc(bytes, ArenaKind::kStatic));
-    KVSHADE_RETURN_IF_ERROR(e_.backend().Copy(k->data(), Rows(b.kd, rg).data(), bytes));
-    KVSHADE_RETURN_IF_ERROR(e_.backend().Copy(v->data(), Rows(b.vd, rg).data(), bytes));
+    KVSHADE_RETURN_IF_ERROR(e_.backend().Copy(k->data(), Rows(b, b.kd, rg).data(), bytes));
+    KVSHADE_RETURN_IF_ERROR(e_.backend().Copy(v->data(), Rows(b, b.vd, rg).data(), bytes));
     return e_.backend().Synchronize();
   }
 
@@ -859,8 +946,8 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
   std::thread compressor_;
   std::mutex cmu_;
   std::condition_variable ccv_;
-  int pending_ = -1;          // a complete layer waiting for the thread
-  bool compressing_ = false;  // the thread is compressing a layer
+  Work pending_;               // work waiting for the thread (layer -1: none)
+  bool compressing_ = false;  // the thread is at work
   bool stop_ = false;
   absl::Status compressor_status_;  // its first error
   size_t compression_peak_ = 0;     // the most device bytes one layer's compression held

@@ -52,9 +52,12 @@ struct IngestRange {
   std::vector<LayerData> out;  // [L]
 };
 
-// A complete layer of an ingest stream as a profile compresses it.
+// Rows of an ingest stream's layer as a profile compresses them: the whole layer once it
+// is complete, or one range's rows compressed before the layer is complete
+// (ProfileIngest::CompressRange).
 struct IngestLayer {
-  DeviceBlock kd, vd;       // [n, h, d] backend memory; kd is post-RoPE when direct
+  DeviceBlock kd, vd;       // [n - base, h, d] backend memory; kd is post-RoPE when direct
+  int64_t base = 0;         // the stream's row that kd's and vd's first row holds
   std::vector<kernels::bf16> qobs;   // [w, hq, d] observation queries
   int w = 0;
 };
@@ -73,11 +76,11 @@ class IngestContext {
   // Reserves the range's value block in the store (every profile: it is also where a
   // durable segment is written through).
   virtual absl::Status EnsureStoreSegment(IngestRange& rg, int n_chunks) = 0;
-  // The layer's keys [n, h, d], and a range's rows of a layer block.
+  // The layer's keys [n, h, d], and a range's rows of b.kd or b.vd (`block`).
   virtual absl::Span<const kernels::bf16> Keys(const IngestLayer& b) const = 0;
-  virtual absl::Span<const kernels::bf16> Rows(const DeviceBlock& block,
+  virtual absl::Span<const kernels::bf16> Rows(const IngestLayer& b, const DeviceBlock& block,
                                                const IngestRange& rg) const = 0;
-  // The range's K and V rows as blocks of their own.
+  // The range's K and V rows of b as blocks of their own.
   virtual absl::Status TakeRows(IngestLayer& b, const IngestRange& rg, DeviceBlock* k,
                                 DeviceBlock* v) = 0;
   // Rotates keys [n, h, d] at positions [first, first + n) in place.
@@ -110,8 +113,18 @@ class IngestContext {
 class ProfileIngest {
  public:
   virtual ~ProfileIngest() = default;
-  // Compresses complete layer l into every range's out[l] (the compression thread).
-  virtual absl::Status CompressLayer(int l) = 0;
+  // Compresses complete layer l into out[l] of the ranges from first_range on (the
+  // compression thread); the ranges before it were compressed by CompressRange.
+  virtual absl::Status CompressLayer(int l, size_t first_range) = 0;
+  // Whether a range that is not the stream's last may be compressed as soon as its rows
+  // are in, before the layer's later ranges arrive (a document's segment during the
+  // chunked prefill of the question after it). Range r of a layer follows range r - 1.
+  virtual bool compresses_ranges_early() const { return false; }
+  // Compresses range r of layer l into its out[l] from `rows` (that range's rows alone, of
+  // the compression thread); r is not the last range.
+  virtual absl::Status CompressRange(IngestLayer& /*rows*/, int /*l*/, size_t /*r*/) {
+    return absl::UnimplementedError("this profile compresses whole layers only");
+  }
   // At the commit: the layers' reporting in the response and the metrics.
   virtual void Report(Metrics*, v1::IngestResponse*, absl::Span<const double> /*captured*/,
                       absl::Span<const double> /*residual*/, bool /*projected*/) const {}

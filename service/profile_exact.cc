@@ -16,11 +16,11 @@ class ExactIngest final : public ProfileIngest {
  public:
   explicit ExactIngest(IngestContext& context) : cx(context) {}
 
-  absl::Status CompressLayer(int l) override {
+  absl::Status CompressLayer(int l, size_t first_range) override {
     IngestLayer& b = cx.layer(l);
     if (!cx.direct()) KVSHADE_RETURN_IF_ERROR(cx.RopeInPlace(b.kd, cx.first(), cx.n()));  // direct: rotated part by part
     cx.NoteCompressionPeak(size_t(cx.n()) * sizeof(int64_t));   // the positions
-    for (size_t r = 0; r < cx.range_count(); ++r) {
+    for (size_t r = first_range; r < cx.range_count(); ++r) {
       IngestRange& rg = cx.range(r);
       KVSHADE_RETURN_IF_ERROR(cx.EnsureStoreSegment(rg, 0));
       LayerData& out = rg.out[l];

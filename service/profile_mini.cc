@@ -34,7 +34,7 @@ class MiniIngest final : public ProfileIngest {
     mini_heavy_ = b.ok() ? *b : std::vector<double>(L, s.profile.mini_heavy_ratio);
   }
 
-  absl::Status CompressLayer(int l) override {
+  absl::Status CompressLayer(int l, size_t /*first_range: 0, one range*/) override {
     IngestLayer& b = cx.layer(l);
     const ModelInfo& m = cx.session().model;
     const ProfileInfo& p = cx.session().profile;

@@ -96,16 +96,23 @@ class ShadowIngest final : public ProfileIngest {
     }
   }
 
-  absl::Status CompressLayer(int l) override {
-    for (size_t r = 0; r < cx.range_count(); ++r) KVSHADE_RETURN_IF_ERROR(ProcessShadowRange(l, r));
+  absl::Status CompressLayer(int l, size_t first_range) override {
+    for (size_t r = first_range; r < cx.range_count(); ++r) {
+      KVSHADE_RETURN_IF_ERROR(ProcessShadowRange(cx.layer(l), l, r));
+    }
     return absl::OkStatus();
+  }
+
+  // A range needs only its own rows and the basis of the range before it.
+  bool compresses_ranges_early() const override { return true; }
+  absl::Status CompressRange(IngestLayer& rows, int l, size_t r) override {
+    return ProcessShadowRange(rows, l, r);
   }
 
   // One range of a shadow layer: its own basis when nothing comes before it in the
   // session, else projected onto the basis of the segment before it (a reused prefix's or
   // the range before it).
-  absl::Status ProcessShadowRange(int l, size_t r) {
-    IngestLayer& b = cx.layer(l);
+  absl::Status ProcessShadowRange(IngestLayer& b, int l, size_t r) {
     IngestRange& rg = cx.range(r);
     const ModelInfo& m = cx.session().model;
     const ProfileInfo& p = cx.session().profile;
@@ -116,7 +123,7 @@ class ShadowIngest final : public ProfileIngest {
     LayerData& out = rg.out[l];
     const std::shared_ptr<const Basis> pb =
         r > 0 ? cx.range(r - 1).out[l].basis : prefix_basis_.empty() ? nullptr : prefix_basis_[l];
-    const absl::Span<const bf16> keys = cx.Rows(b.kd, rg);
+    const absl::Span<const bf16> keys = cx.Rows(b, b.kd, rg);
 
     if (n < p.local_window + C) {
       // Too short to chunk: every token is exact tail (CreateSession guarantees a basis
@@ -180,7 +187,7 @@ class ShadowIngest final : public ProfileIngest {
       // A range projected onto a basis it was given compresses without factorizing.
       StageTimer timer(e.metrics(), pb ? "ingest_compress" : "ingest_factorize");
       absl::StatusOr<kernels::ShadowLayer> r = kernels::CompressShadowLayer(
-          e.backend(), m.shape, m.rope, sp, keys, cx.Rows(b.vd, rg), n, first,
+          e.backend(), m.shape, m.rope, sp, keys, cx.Rows(b, b.vd, rg), n, first,
           use_obs ? &obs : nullptr, kernels::Stream{}, &allocator, values_out);
       cx.NoteCompressionPeak(allocator.peak_bytes());
       if (!r.ok()) return r.status();

@@ -342,6 +342,72 @@ TEST(SegmentEnds, AForkAtAnEndIsTheDocumentAlone) {
   ExpectSameBits(*parent_before, *hx.Attend(a.attachment, 0, q));
 }
 
+// Samples of kvshade_stage_duration_seconds{stage}: how many times the stage ran.
+uint64_t StageRuns(Harness& hx, const std::string& stage) {
+  for (const auto& family : hx.metrics.registry()->Collect()) {
+    if (family.name != "kvshade_stage_duration_seconds") continue;
+    for (const auto& m : family.metric) {
+      for (const auto& label : m.label) {
+        if (label.name == "stage" && label.value == stage) return m.histogram.sample_count;
+      }
+    }
+  }
+  return 0;
+}
+
+// A range that is not the last compresses as soon as its rows are in, before the layer's
+// later parts arrive (docs/DESIGN.md "Ingest: compression beside arrival"): a chunked
+// prefill of a document and its question has every layer's document range factorized
+// once the document's chunks are in, before any part of the question is sent. The session
+// is the one the same K/V give in one part per layer, bit for bit, whether the chunks end
+// at the document's end (the ranges' rows wait in host memory, all but one layer's) or a
+// chunk holds the document's end and the question's start, and in two parts per layer.
+TEST(SegmentEnds, ADocumentRangeCompressesBeforeTheQuestionArrives) {
+  const int n = 620;
+  Harness ref;
+  Stream s = MakeStream(n, ref.model, 82);
+  auto whole = [&](Harness& hx) {
+    v1::CreateSessionRequest cr;
+    *cr.mutable_model() = hx.model;
+    *cr.mutable_profile() = DocProfile();
+    cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+    cr.add_segment_ends(kDoc);
+    auto c = hx.engine->CreateSession(hx.tenant, cr);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return c.ok() ? c->session_id() : std::string();
+  };
+  // One part per layer: no layer is incomplete when its document range is.
+  const std::string ref_id = whole(ref);
+  auto ref_ingest = ref.engine->Ingest(ref.tenant, IngestStreamOf(ref_id, s, 0, n, nullptr, 0, n));
+  ASSERT_TRUE(ref_ingest.ok()) << ref_ingest.status();
+  for (const int chunk : {128, 200, 0}) {
+    SCOPED_TRACE(chunk == 0 ? std::string("two parts per layer") : absl::StrCat("chunks of ", chunk));
+    Harness hx;
+    const std::string id = whole(hx);
+    const auto msgs = IngestStreamOf(id, s, 0, n, nullptr, 0, chunk);
+    auto st = hx.engine->BeginIngest(hx.tenant, msgs[0]);
+    ASSERT_TRUE(st.ok()) << st.status();
+    size_t i = 1;
+    if (chunk == 128) {
+      // Every part of the document: then each layer's document range is factorized
+      // (the compression thread's, waited for here) while no question token was sent.
+      for (; i <= size_t(kDoc / chunk) * s.L; ++i) ASSERT_TRUE((*st)->Add(msgs[i]).ok()) << i;
+      for (int wait = 0; wait < 500 && StageRuns(hx, "ingest_factorize") < uint64_t(s.L); ++wait) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      EXPECT_EQ(StageRuns(hx, "ingest_factorize"), uint64_t(s.L));
+    }
+    for (; i < msgs.size(); ++i) ASSERT_TRUE((*st)->Add(msgs[i]).ok()) << i;
+    auto r = (*st)->Finish();
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->SerializeAsString(), ref_ingest->SerializeAsString());
+    // (Fresh attachments: a selection is what the attachment does not hold yet.)
+    ExpectSameAnswers(ref, ref.AttachTo(ref_id), hx, hx.AttachTo(id), 83);
+    // Each layer's document range, once.
+    EXPECT_EQ(StageRuns(hx, "ingest_factorize"), uint64_t(s.L));
+  }
+}
+
 }  // namespace
 }  // namespace segment_ends_test
 }  // namespace kvshade::service::testing
