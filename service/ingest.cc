@@ -213,7 +213,8 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
     int received = 0;
     bool done = false;        // every part arrived (caller's thread)
     // Ranges of this layer handed to the compression thread before the layer was complete
-    // ("Ranges apart"; caller's thread), the last one's rows in `apart` while it compresses.
+    // ("Ranges apart"; caller's thread), the last one's rows in `apart` (blocks lent by
+    // an apart_slots_ entry) while it compresses.
     size_t ranges_done = 0;
     IngestLayer apart;
   };
@@ -224,6 +225,11 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
     int layer = -1;
     int range = 0;
     bool apart = false;
+    int slot = 0;  // apart: the apart_slots_ entry its rows are in
+  };
+  // A pair of blocks for a range's K and V rows (HandRangeApart).
+  struct ApartSlot {
+    DeviceBlock k, v;
   };
 
   // One segment the commit adds: the range of the prompt between two of the session's
@@ -399,39 +405,53 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
   }
 
   // Hands range ranges_done of incomplete layer l to the compression thread, with a copy
-  // of its rows in blocks of their own (b.apart), taken from where the layer's rows are
-  // (its blocks or its host copy), so that the layer's later parts and a move of the layer
-  // to or from host memory never touch what the compression reads.
+  // of its rows taken from where the layer's rows are (its blocks or its host copy), so
+  // that the layer's later parts and a move of the layer to or from host memory never
+  // touch what the compression reads. The copies take turns in two pairs of blocks the
+  // stream keeps (apart_slots_): the rows of this layer's range go up into one while the
+  // previous layer's range compresses from the other, which the compression before that
+  // one left idle (it synchronizes its device work before it ends). So the copy does not
+  // wait for the compressing layer, as blocks fresh from the arena would (AllocRows).
   absl::Status HandRangeApart(int l) {
     LayerBuf& b = bufs_[l];
     const size_t r = b.ranges_done;
     const Range& rg = ranges_[r];
     const size_t row = size_t(s_->model.shape.D());
     const size_t bytes = Bf16Bytes(size_t(rg.n) * row);
-    KVSHADE_RETURN_IF_ERROR(WaitCompressorIdle());  // b.apart is free again
+    const int slot = apart_next_;
+    apart_next_ ^= 1;
+    ApartSlot& as = apart_slots_[slot];
     {
       StageTimer timer(e_.metrics(), "ingest_parts");
-      KVSHADE_RETURN_IF_ERROR(AllocRows(&b.apart.kd, &b.apart.vd, bytes));
-      b.apart.base = rg.offset;
+      if (as.k.bytes() < bytes) {
+        as = ApartSlot{};
+        // (The first use of a slot, or one whose blocks a short range took, or a longer
+        // range than the slot holds.)
+        KVSHADE_RETURN_IF_ERROR(AllocRows(&as.k, &as.v, bytes));
+      }
       absl::Status st;
       if (b.hk) {
         const size_t at = Bf16Bytes(size_t(rg.offset) * row);
-        st = e_.backend().CopyFromHost(b.apart.kd.data(), b.hk.get() + at, bytes, upload_);
-        if (st.ok()) st = e_.backend().CopyFromHost(b.apart.vd.data(), b.hv.get() + at, bytes, upload_);
+        st = e_.backend().CopyFromHost(as.k.data(), b.hk.get() + at, bytes, upload_);
+        if (st.ok()) st = e_.backend().CopyFromHost(as.v.data(), b.hv.get() + at, bytes, upload_);
       } else {
         const size_t at = Bf16Bytes(size_t(rg.offset - b.base) * row);
         const auto* kb = static_cast<const std::byte*>(b.kd.data());
         const auto* vb = static_cast<const std::byte*>(b.vd.data());
-        st = e_.backend().Copy(b.apart.kd.data(), kb + at, bytes, upload_);
-        if (st.ok()) st = e_.backend().Copy(b.apart.vd.data(), vb + at, bytes, upload_);
+        st = e_.backend().Copy(as.k.data(), kb + at, bytes, upload_);
+        if (st.ok()) st = e_.backend().Copy(as.v.data(), vb + at, bytes, upload_);
       }
       // The parts' uploads on upload_ came first; the compression runs on another stream.
       absl::Status sync = e_.backend().Synchronize(upload_);
       if (st.ok()) st = sync;
       KVSHADE_RETURN_IF_ERROR(st);
     }
+    KVSHADE_RETURN_IF_ERROR(WaitCompressorIdle());  // b.apart is free again
+    b.apart.kd = std::move(as.k);
+    b.apart.vd = std::move(as.v);
+    b.apart.base = rg.offset;
     b.ranges_done = r + 1;
-    return Hand(Work{l, static_cast<int>(r), /*apart=*/true});
+    return Hand(Work{l, static_cast<int>(r), /*apart=*/true, slot});
   }
 
   // The layer's raw K and V blocks. While a layer is being compressed they are taken only
@@ -612,6 +632,11 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
     absl::Status st;
     if (w.apart) {
       st = profile_->CompressRange(b.apart, l, static_cast<size_t>(w.range));
+      // The blocks go back to their slot (unless a short range took them as its tail).
+      if (b.apart.kd) {
+        apart_slots_[w.slot].k = std::move(b.apart.kd);
+        apart_slots_[w.slot].v = std::move(b.apart.vd);
+      }
       b.apart.kd = DeviceBlock();
       b.apart.vd = DeviceBlock();
     } else {
@@ -793,6 +818,7 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
   absl::Status AcceptCommit() {
     // Every layer compressed (or the compressor's error).
     KVSHADE_RETURN_IF_ERROR(WaitCompressorIdle());
+    for (ApartSlot& slot : apart_slots_) slot = ApartSlot{};
     std::vector<int> missing;
     for (int l = 0; l < L_; ++l) {
       if (!bufs_[l].done) missing.push_back(l);
@@ -947,6 +973,10 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
   std::mutex cmu_;
   std::condition_variable ccv_;
   Work pending_;               // work waiting for the thread (layer -1: none)
+  // HandRangeApart's two pairs of blocks (caller's thread, but for the compression
+  // thread's giving back the pair of the work it ends) and which one it takes next.
+  ApartSlot apart_slots_[2];
+  int apart_next_ = 0;
   bool compressing_ = false;  // the thread is at work
   bool stop_ = false;
   absl::Status compressor_status_;  // its first error

@@ -365,6 +365,7 @@ uint64_t StageRuns(Harness& hx, const std::string& stage) {
 TEST(SegmentEnds, ADocumentRangeCompressesBeforeTheQuestionArrives) {
   const int n = 620;
   Harness ref;
+  ref.model = TestModel(5);  // the copies' two pairs of blocks each serve several layers
   Stream s = MakeStream(n, ref.model, 82);
   auto whole = [&](Harness& hx) {
     v1::CreateSessionRequest cr;
@@ -383,6 +384,7 @@ TEST(SegmentEnds, ADocumentRangeCompressesBeforeTheQuestionArrives) {
   for (const int chunk : {128, 200, 0}) {
     SCOPED_TRACE(chunk == 0 ? std::string("two parts per layer") : absl::StrCat("chunks of ", chunk));
     Harness hx;
+    hx.model = ref.model;
     const std::string id = whole(hx);
     const auto msgs = IngestStreamOf(id, s, 0, n, nullptr, 0, chunk);
     auto st = hx.engine->BeginIngest(hx.tenant, msgs[0]);
