@@ -25,7 +25,7 @@ namespace kvshade::service {
 // ---------------------------------------------------------------------------------------
 // Attachments
 
-absl::StatusOr<std::shared_ptr<PeerSlots>> PeerSlots::Open(kernels::Backend& backend,
+absl::StatusOr<std::shared_ptr<PeerSlots>> PeerSlots::Open(kernels::DeviceRuntime& backend,
                                                            const v1::CudaIpcSlotBuffers& b,
                                                            uint64_t need_bytes) {
   if (b.bytes() < need_bytes) {

@@ -9,7 +9,7 @@
 
 namespace kvshade::service {
 
-absl::Status DeviceFault(const kernels::Backend& backend) {
+absl::Status DeviceFault(const kernels::DeviceRuntime& backend) {
   if (absl::Status st = backend.DeviceFault(); !st.ok()) return st;
   static const std::string failpoint = [] {
     const char* v = std::getenv("KVSHADE_FAILPOINT_DEVICE_FAULT");

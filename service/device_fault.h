@@ -15,6 +15,6 @@
 
 namespace kvshade::service {
 
-absl::Status DeviceFault(const kernels::Backend& backend);
+absl::Status DeviceFault(const kernels::DeviceRuntime& backend);
 
 }  // namespace kvshade::service

@@ -64,11 +64,11 @@ class StageTimer {
 // DELIVERY_MODE_CUDA_IPC: a worker's K and V slot buffers (v1.CudaIpcSlotBuffers) mapped
 // into this process for as long as its attachment lives.
 struct PeerSlots {
-  static absl::StatusOr<std::shared_ptr<PeerSlots>> Open(kernels::Backend& backend,
+  static absl::StatusOr<std::shared_ptr<PeerSlots>> Open(kernels::DeviceRuntime& backend,
                                                          const v1::CudaIpcSlotBuffers& b,
                                                          uint64_t need_bytes);
   ~PeerSlots();
-  kernels::Backend* backend = nullptr;
+  kernels::DeviceRuntime* backend = nullptr;
   std::vector<kernels::PeerBuffer> maps;  // one per distinct handle
   kernels::bf16* k = nullptr;             // [L, h, slots_per_head, C, d]
   kernels::bf16* v = nullptr;

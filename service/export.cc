@@ -34,7 +34,7 @@ namespace {
 // Regions of one response, deduplicated by id.
 class RegionTable {
  public:
-  RegionTable(kernels::Backend& backend, v1::SessionExport* out, bool transient_device)
+  RegionTable(kernels::DeviceRuntime& backend, v1::SessionExport* out, bool transient_device)
       : backend_(backend), out_(out), transient_device_(transient_device) {}
 
   absl::Status Ref(const void* p, v1::RegionRef* ref) {
@@ -58,7 +58,7 @@ class RegionTable {
   }
 
  private:
-  kernels::Backend& backend_;
+  kernels::DeviceRuntime& backend_;
   v1::SessionExport* out_;
   bool transient_device_;
   std::vector<uint64_t> ids_;

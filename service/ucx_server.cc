@@ -90,7 +90,7 @@ UcxServer::UcxServer(const ServerConfig& config, DeviceRouter* engine, Metrics* 
 absl::StatusOr<std::unique_ptr<UcxServer>> UcxServer::Start(const ServerConfig& config,
                                                             DeviceRouter* engine, Metrics* metrics,
                                                             TenantAdmission* admission,
-                                                            kernels::Backend* backend) {
+                                                            kernels::DeviceRuntime* backend) {
   if (engine == nullptr || metrics == nullptr || admission == nullptr) {
     return absl::InvalidArgumentError("ucx data plane: engine, metrics and admission must be set");
   }

@@ -158,7 +158,7 @@ absl::StatusOr<std::shared_ptr<internal::ArenaPool>> DeviceArena::NewPool(size_t
   return std::make_shared<internal::ArenaPool>(std::move(buffer).value(), bytes, alignment_, usage_);
 }
 
-absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::Create(kernels::Backend& backend,
+absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::Create(kernels::DeviceRuntime& backend,
                                                                  size_t budget_bytes,
                                                                  size_t alignment) {
   if (budget_bytes == 0) {
@@ -176,7 +176,7 @@ absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::Create(kernels::Backen
   return arena;
 }
 
-absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::CreateOnDemand(kernels::Backend& backend,
+absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::CreateOnDemand(kernels::DeviceRuntime& backend,
                                                                          size_t budget_bytes,
                                                                          size_t growth_bytes,
                                                                          size_t alignment) {
@@ -193,7 +193,7 @@ absl::StatusOr<std::unique_ptr<DeviceArena>> DeviceArena::CreateOnDemand(kernels
       new DeviceArena(&backend, budget_bytes, growth_bytes, backend.space(), alignment));
 }
 
-DeviceArena::DeviceArena(kernels::Backend* backend, size_t budget, size_t growth,
+DeviceArena::DeviceArena(kernels::DeviceRuntime* backend, size_t budget, size_t growth,
                          kernels::MemorySpace space, size_t alignment)
     : backend_(backend), budget_(budget), growth_(growth), space_(space), alignment_(alignment),
       usage_(std::make_shared<internal::ArenaUsage>()) {}

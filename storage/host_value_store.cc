@@ -97,7 +97,7 @@ struct SegmentPin::Entry {
 using Entry = SegmentPin::Entry;
 
 struct HostValueStore::Impl {
-  kernels::Backend* backend = nullptr;
+  kernels::DeviceRuntime* backend = nullptr;
   HostValueStoreOptions opts;
   SpillTier* spill = nullptr;
   // Host-visible memory held (slabs + dedicated buffers, live or cached, excluding
@@ -478,7 +478,7 @@ HostValueStore::~HostValueStore() {
 }
 
 absl::StatusOr<std::unique_ptr<HostValueStore>> HostValueStore::Create(
-    kernels::Backend& backend, const HostValueStoreOptions& o, SpillTier* spill) {
+    kernels::DeviceRuntime& backend, const HostValueStoreOptions& o, SpillTier* spill) {
   const size_t a = o.block_alignment;
   if (a < 16 || a > 4096 || (a & (a - 1)) != 0) {
     return absl::InvalidArgumentError(absl::StrCat(

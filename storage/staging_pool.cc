@@ -9,7 +9,7 @@
 namespace kvshade::storage {
 
 struct StagingPool::State {
-  kernels::Backend* backend = nullptr;
+  kernels::DeviceRuntime* backend = nullptr;
   size_t max_kept = 0;
   mutable std::mutex mu;
   std::multimap<size_t, kernels::Buffer> free;  // by size
@@ -56,7 +56,7 @@ void StagingPool::Lease::reset() {
   state_.reset();
 }
 
-StagingPool::StagingPool(kernels::Backend& backend, size_t max_kept_bytes)
+StagingPool::StagingPool(kernels::DeviceRuntime& backend, size_t max_kept_bytes)
     : state_(std::make_shared<State>()) {
   state_->backend = &backend;
   state_->max_kept = max_kept_bytes;

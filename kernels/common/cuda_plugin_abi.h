@@ -8,7 +8,7 @@
 
 #include <stddef.h>
 
-#define KVSHADE_CUDA_PLUGIN_ABI 1
+#define KVSHADE_CUDA_PLUGIN_ABI 2  // 2: Backend is DeviceRuntime + KernelOps
 #define KVSHADE_CUDA_PLUGIN_FILE "libkvshade_cuda.so"
 
 extern "C" {

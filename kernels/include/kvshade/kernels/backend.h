@@ -403,9 +403,14 @@ class Allocator {
 };
 
 // ---------------------------------------------------------------------------------------
-class Backend {
+// A backend is two interfaces. DeviceRuntime: the device's memory, copies and streams,
+// and memory shared with other processes: what the storage tiers, the transports and the
+// same-node plumbing use. KernelOps: the algorithm's operations over that memory (RoPE,
+// factorization, landmarks, selection, reconstruction, attention). Code that only moves
+// or holds bytes takes a DeviceRuntime.
+class DeviceRuntime {
  public:
-  virtual ~Backend() = default;
+  virtual ~DeviceRuntime() = default;
 
   virtual std::string_view name() const = 0;  // "cpu" or "cuda"
   virtual MemorySpace space() const = 0;
@@ -439,6 +444,35 @@ class Backend {
   virtual absl::StatusOr<Stream> CreateStream() = 0;
   virtual absl::Status DestroyStream(Stream stream) = 0;
   virtual absl::Status Synchronize(Stream stream = {}) = 0;
+
+  // --- Another process's device memory ---
+  // Maps another process's device allocation, named by its CUDA IPC handle (the 64 bytes
+  // of a cudaIpcMemHandle_t), into this process. FailedPrecondition on backends without
+  // inter-process device memory (cpu).
+  virtual absl::StatusOr<PeerBuffer> OpenPeerBuffer(std::string_view handle) = 0;
+  virtual absl::Status ClosePeerBuffer(const PeerBuffer& buffer) = 0;
+
+  // --- Same-node export of a daemon's state to worker processes (shared_memory.h) ---
+  // Called once at start-up by a process that exports its memory: from then on,
+  // host-visible memory (and on the CPU backend every Allocate) is shareable. Memory
+  // allocated before stays private.
+  virtual void EnableSharedMemory(SharedHostMemory how) = 0;
+  // Names the allocation that holds p (this backend's memory, or host-visible memory) for
+  // another process on this node. FailedPrecondition for memory that cannot be shared.
+  virtual absl::StatusOr<ExportedMemory> ExportMemory(const void* p) = 0;
+  // Maps a region another process exported into this one, readable by this backend's
+  // kernels (a CUDA backend registers host regions and opens IPC handles); released with
+  // ReleaseImported. FailedPrecondition for a kind this backend cannot map.
+  virtual absl::StatusOr<ImportedMemory> ImportMemory(const ExportedMemory& m) = 0;
+  virtual absl::Status ReleaseImported(const ImportedMemory& m) = 0;
+};
+
+// The algorithm's operations, over the memory of the DeviceRuntime they come with.
+class KernelOps {
+ public:
+  virtual ~KernelOps() = default;
+
+  // --- Checks ---
   // first [1] int64 (backend memory) = the flat index of the first non-finite value (NaN
   // or infinity) of x, or x.size() when every value is finite: how a device backend checks
   // bytes it was handed without reading them on the host.
@@ -591,26 +625,10 @@ class Backend {
   virtual absl::Status CopyRows(const void* src, void* dst, size_t row_bytes, int n,
                                 const int64_t* src_rows, const int64_t* dst_rows,
                                 Stream stream = {}) = 0;
-  // Maps another process's device allocation, named by its CUDA IPC handle (the 64 bytes
-  // of a cudaIpcMemHandle_t), into this process. FailedPrecondition on backends without
-  // inter-process device memory (cpu).
-  virtual absl::StatusOr<PeerBuffer> OpenPeerBuffer(std::string_view handle) = 0;
-  virtual absl::Status ClosePeerBuffer(const PeerBuffer& buffer) = 0;
-
-  // --- Same-node export of a daemon's state to worker processes (shared_memory.h) ---
-  // Called once at start-up by a process that exports its memory: from then on,
-  // host-visible memory (and on the CPU backend every Allocate) is shareable. Memory
-  // allocated before stays private.
-  virtual void EnableSharedMemory(SharedHostMemory how) = 0;
-  // Names the allocation that holds p (this backend's memory, or host-visible memory) for
-  // another process on this node. FailedPrecondition for memory that cannot be shared.
-  virtual absl::StatusOr<ExportedMemory> ExportMemory(const void* p) = 0;
-  // Maps a region another process exported into this one, readable by this backend's
-  // kernels (a CUDA backend registers host regions and opens IPC handles); released with
-  // ReleaseImported. FailedPrecondition for a kind this backend cannot map.
-  virtual absl::StatusOr<ImportedMemory> ImportMemory(const ExportedMemory& m) = 0;
-  virtual absl::Status ReleaseImported(const ImportedMemory& m) = 0;
 };
+
+// A backend: a device runtime and the operations that run on it ("cpu", "cuda").
+class Backend : public DeviceRuntime, public KernelOps {};
 
 // Backends compiled into this build, by name ("cpu" always; "cuda" when built and a device
 // is visible).

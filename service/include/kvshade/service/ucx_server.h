@@ -83,7 +83,7 @@ class UcxServer {
   static absl::StatusOr<std::unique_ptr<UcxServer>> Start(const ServerConfig& config,
                                                           DeviceRouter* engine, Metrics* metrics,
                                                           TenantAdmission* admission,
-                                                          kernels::Backend* backend = nullptr);
+                                                          kernels::DeviceRuntime* backend = nullptr);
   ~UcxServer();  // Stop()
   void Stop();
 

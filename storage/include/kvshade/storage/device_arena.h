@@ -96,13 +96,13 @@ class DeviceArena {
   // Allocates the pool (one Backend::Allocate of budget_bytes). alignment: a power of two
   // in [16, 1 MiB]. InvalidArgument for a zero budget or a bad alignment; the backend's
   // error (ResourceExhausted) when the pool cannot be made.
-  static absl::StatusOr<std::unique_ptr<DeviceArena>> Create(kernels::Backend& backend,
+  static absl::StatusOr<std::unique_ptr<DeviceArena>> Create(kernels::DeviceRuntime& backend,
                                                              size_t budget_bytes,
                                                              size_t alignment = 256);
   // On demand: no pool at first; pools of at least growth_bytes (a multiple of the
   // alignment, > 0) as blocks need them, up to budget_bytes. The backend must outlive the
   // arena and its blocks.
-  static absl::StatusOr<std::unique_ptr<DeviceArena>> CreateOnDemand(kernels::Backend& backend,
+  static absl::StatusOr<std::unique_ptr<DeviceArena>> CreateOnDemand(kernels::DeviceRuntime& backend,
                                                                      size_t budget_bytes,
                                                                      size_t growth_bytes,
                                                                      size_t alignment = 256);
@@ -131,11 +131,11 @@ class DeviceArena {
   bool on_demand() const { return growth_ > 0; }
 
  private:
-  DeviceArena(kernels::Backend* backend, size_t budget, size_t growth, kernels::MemorySpace space,
+  DeviceArena(kernels::DeviceRuntime* backend, size_t budget, size_t growth, kernels::MemorySpace space,
               size_t alignment);
   absl::StatusOr<std::shared_ptr<internal::ArenaPool>> NewPool(size_t bytes);
 
-  kernels::Backend* backend_;
+  kernels::DeviceRuntime* backend_;
   const size_t budget_;
   const size_t growth_;  // 0: reserved (one pool)
   kernels::MemorySpace space_;

@@ -165,7 +165,7 @@ class SegmentPin {
 class HostValueStore {
  public:
   // `spill` may be null (then the budget is a hard limit). InvalidArgument on bad options.
-  static absl::StatusOr<std::unique_ptr<HostValueStore>> Create(kernels::Backend& backend,
+  static absl::StatusOr<std::unique_ptr<HostValueStore>> Create(kernels::DeviceRuntime& backend,
                                                                 const HostValueStoreOptions& options,
                                                                 SpillTier* spill);
   ~HostValueStore();

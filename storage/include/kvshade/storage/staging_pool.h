@@ -57,7 +57,7 @@ class StagingPool {
     kernels::Buffer buffer_;
   };
 
-  StagingPool(kernels::Backend& backend, size_t max_kept_bytes);
+  StagingPool(kernels::DeviceRuntime& backend, size_t max_kept_bytes);
   ~StagingPool();
   StagingPool(const StagingPool&) = delete;
   StagingPool& operator=(const StagingPool&) = delete;
