@@ -712,23 +712,6 @@ TEST(IngestTest, ShadowLayersAreAllocatedFromTheDeviceBudget) {
 }
 
 }  // namespace
-// Server-wide bytes of a tier (kvshade_tier_bytes{tier, kind="total"}), as of the last
-// gauge update (every Stats call makes one).
-double TierTotal(Harness& hx, const std::string& tier) {
-  auto st = hx.engine->Stats(hx.tenant, v1::StatsRequest());
-  EXPECT_TRUE(st.ok()) << st.status();
-  for (const auto& family : hx.metrics.registry()->Collect()) {
-    if (family.name != "kvshade_tier_bytes") continue;
-    for (const auto& m : family.metric) {
-      std::map<std::string, std::string> labels;
-      for (const auto& l : m.label) labels[l.name] = l.value;
-      if (labels["tier"] == tier && labels["kind"] == "total") return m.gauge.value;
-    }
-  }
-  ADD_FAILURE() << "no kvshade_tier_bytes{tier=" << tier << ", kind=total}";
-  return -1;
-}
-
 #if defined(__has_feature)
 #if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
 #define KVSHADE_TEST_SANITIZED 1

@@ -3,6 +3,7 @@
 // document reuses the document; the reuse answers bit for bit as a fresh ingest with the
 // same ends; bad ends are refused and create nothing; the automatic end at the divergence
 // point; the cap; durable restarts and forks at the new boundaries.
+#include "engine_internals.h"
 #include "gmock/gmock.h"
 #include "service_test_util.h"
 
@@ -408,6 +409,45 @@ TEST(SegmentEnds, ADocumentRangeCompressesBeforeTheQuestionArrives) {
     // Each layer's document range, once.
     EXPECT_EQ(StageRuns(hx, "ingest_factorize"), uint64_t(s.L));
   }
+}
+
+// A chunked prefill with a document range compressed apart, dropped after any of its
+// messages (the compression thread at work on a range or not), leaves the session
+// ingesting with 0 tokens and the device and host tiers and the staging pool as they were
+// before it; then the whole stream still commits.
+TEST(SegmentEnds, AStreamDroppedWhileARangeCompressesApartLeavesNothingBehind) {
+  const int n = 620;
+  Harness hx;
+  hx.model = TestModel(3);
+  Stream s = MakeStream(n, hx.model, 84);
+  v1::CreateSessionRequest cr;
+  *cr.mutable_model() = hx.model;
+  *cr.mutable_profile() = DocProfile();
+  cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
+  cr.add_segment_ends(kDoc);
+  auto c = hx.engine->CreateSession(hx.tenant, cr);
+  ASSERT_TRUE(c.ok()) << c.status();
+  const auto msgs = IngestStreamOf(c->session_id(), s, 0, n, nullptr, 0, 128);
+  const double device0 = TierTotal(hx, "device"), host0 = TierTotal(hx, "host");
+  v1::GetSessionRequest gr;
+  gr.set_session_id(c->session_id());
+  for (size_t cut = 1; cut <= msgs.size(); ++cut) {
+    {
+      auto st = hx.engine->BeginIngest(hx.tenant, msgs[0]);
+      ASSERT_TRUE(st.ok()) << "cut " << cut << ": " << st.status();
+      for (size_t i = 1; i < cut; ++i) ASSERT_TRUE((*st)->Add(msgs[i]).ok()) << cut << " " << i;
+    }  // dropped without an end
+    auto info = hx.engine->GetSession(hx.tenant, gr);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->state(), "ingesting") << "cut " << cut;
+    EXPECT_EQ(info->tokens(), 0u) << "cut " << cut;
+    EXPECT_EQ(TierTotal(hx, "device"), device0) << "cut " << cut;
+    EXPECT_EQ(TierTotal(hx, "host"), host0) << "cut " << cut;
+    EXPECT_EQ(EngineInternals(*hx.engine).staging().leased_bytes(), 0u) << "cut " << cut;
+  }
+  auto ing = hx.engine->Ingest(hx.tenant, msgs);
+  ASSERT_TRUE(ing.ok()) << ing.status();
+  EXPECT_EQ(ing->tokens(), uint64_t(n));
 }
 
 }  // namespace

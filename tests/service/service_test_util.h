@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -571,5 +572,22 @@ struct RouterHarness {
   std::unique_ptr<DeviceRouter> router;
   Tenant tenant{"alice", TenantSalt("alice", "")};
 };
+
+// Server-wide bytes of a tier (kvshade_tier_bytes{tier, kind="total"}), as of the last
+// gauge update (every Stats call makes one).
+inline double TierTotal(Harness& hx, const std::string& tier) {
+  auto st = hx.engine->Stats(hx.tenant, v1::StatsRequest());
+  EXPECT_TRUE(st.ok()) << st.status();
+  for (const auto& family : hx.metrics.registry()->Collect()) {
+    if (family.name != "kvshade_tier_bytes") continue;
+    for (const auto& m : family.metric) {
+      std::map<std::string, std::string> labels;
+      for (const auto& l : m.label) labels[l.name] = l.value;
+      if (labels["tier"] == tier && labels["kind"] == "total") return m.gauge.value;
+    }
+  }
+  ADD_FAILURE() << "no kvshade_tier_bytes{tier=" << tier << ", kind=total}";
+  return -1;
+}
 
 }  // namespace kvshade::service::testing
