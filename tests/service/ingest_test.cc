@@ -12,8 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "engine_internals.h"
-#include "service_test_util.h"
+#include "ingest_test_util.h"
 
 namespace kvshade::service::testing {
 namespace ingest_test {
@@ -752,8 +751,6 @@ TEST(IngestTest, AStreamDroppedAtAnyPartLeavesNoBytesBehind) {
   // One layer's K and V in host memory: 512 tokens x h x d bf16, twice.
   const size_t host_copy = 2 * size_t(512) * hx.model.num_kv_heads() * hx.model.head_dim() * sizeof(bf16);
   const double device0 = TierTotal(hx, "device"), host0 = TierTotal(hx, "host");
-  v1::GetSessionRequest gr;
-  gr.set_session_id(c->session_id());
   // The heap is compared from the second whole stream of each order on: the first
   // layer-by-layer one leaves allocations that the process keeps for good (about 270 KiB
   // here) and that no later stream repeats.
@@ -778,16 +775,10 @@ TEST(IngestTest, AStreamDroppedAtAnyPartLeavesNoBytesBehind) {
         held_bytes_while_open |= TierTotal(hx, "device") > device0;
         held_host_copy_while_open |= EngineInternals(*hx.engine).staging().leased_bytes() >= host_copy;
       }  // dropped without an end
-      auto info = hx.engine->GetSession(hx.tenant, gr);
-      ASSERT_TRUE(info.ok()) << info.status();
-      EXPECT_EQ(info->state(), "ingesting") << "cut " << cut;
-      EXPECT_EQ(info->tokens(), 0u) << "cut " << cut;
-      EXPECT_EQ(TierTotal(hx, "device"), device0) << "cut " << cut;
-      EXPECT_EQ(TierTotal(hx, "host"), host0) << "cut " << cut;
+      ExpectDroppedStreamLeftNothing(hx, c->session_id(), device0, host0, absl::StrCat("cut ", cut));
       // (A quarter of one layer's host copy: anything the process keeps on the way is far
       // smaller.)
       if (heap0) EXPECT_LT(*HeapBytesInUse(), *heap0 + host_copy / 4) << "cut " << cut;
-      EXPECT_EQ(EngineInternals(*hx.engine).staging().leased_bytes(), 0u) << "cut " << cut;
       EXPECT_LE(EngineInternals(*hx.engine).staging().kept_bytes(), hx.config.host_budget_bytes / 8)
           << "cut " << cut;
     }
