@@ -3,6 +3,8 @@
 // document reuses the document; the reuse answers bit for bit as a fresh ingest with the
 // same ends; bad ends are refused and create nothing; the automatic end at the divergence
 // point; the cap; durable restarts and forks at the new boundaries.
+#include <optional>
+
 #include "gmock/gmock.h"
 #include "ingest_test_util.h"
 
@@ -93,18 +95,25 @@ v1::LookupPrefixResponse Lookup(Harness& hx, const Stream& s, const v1::Profile&
   return r.ok() ? *r : v1::LookupPrefixResponse();
 }
 
-// kvshade_prefix_splits_total{source}.
-double Splits(Harness& hx, const std::string& source) {
-  for (const auto& family : hx.metrics.registry()->Collect()) {
-    if (family.name != "kvshade_prefix_splits_total") continue;
-    for (const auto& m : family.metric) {
+// The sample of metric `family` whose label `name` is `value`, if there is one.
+std::optional<prometheus::ClientMetric> Sample(Harness& hx, const std::string& family,
+                                               const std::string& name, const std::string& value) {
+  for (const auto& f : hx.metrics.registry()->Collect()) {
+    if (f.name != family) continue;
+    for (const auto& m : f.metric) {
       for (const auto& label : m.label) {
-        if (label.name == "source" && label.value == source) return m.counter.value;
+        if (label.name == name && label.value == value) return m;
       }
     }
   }
-  ADD_FAILURE() << "no kvshade_prefix_splits_total{source=\"" << source << "\"}";
-  return -1;
+  return std::nullopt;
+}
+
+// kvshade_prefix_splits_total{source}.
+double Splits(Harness& hx, const std::string& source) {
+  const auto m = Sample(hx, "kvshade_prefix_splits_total", "source", source);
+  if (!m) ADD_FAILURE() << "no kvshade_prefix_splits_total{source=\"" << source << "\"}";
+  return m ? m->counter.value : -1;
 }
 
 // Both layers' attention and selection of two attachments, bit for bit.
@@ -342,17 +351,11 @@ TEST(SegmentEnds, AForkAtAnEndIsTheDocumentAlone) {
   ExpectSameBits(*parent_before, *hx.Attend(a.attachment, 0, q));
 }
 
-// Samples of kvshade_stage_duration_seconds{stage}: how many times the stage ran.
+// Samples of kvshade_stage_duration_seconds{stage}: how many times the stage ran (0 for
+// a stage that has not run yet).
 uint64_t StageRuns(Harness& hx, const std::string& stage) {
-  for (const auto& family : hx.metrics.registry()->Collect()) {
-    if (family.name != "kvshade_stage_duration_seconds") continue;
-    for (const auto& m : family.metric) {
-      for (const auto& label : m.label) {
-        if (label.name == "stage" && label.value == stage) return m.histogram.sample_count;
-      }
-    }
-  }
-  return 0;
+  const auto m = Sample(hx, "kvshade_stage_duration_seconds", "stage", stage);
+  return m ? m->histogram.sample_count : 0;
 }
 
 // A range that is not the last compresses as soon as its rows are in, before the layer's
