@@ -2,7 +2,8 @@
 // segment per range, each cached on its own, so that a second question over the same
 // document reuses the document; the reuse answers bit for bit as a fresh ingest with the
 // same ends; bad ends are refused and create nothing; the automatic end at the divergence
-// point; the cap; durable restarts and forks at the new boundaries.
+// point; the cap; durable restarts and forks at the new boundaries; a document range
+// compressed apart from its layer during a chunked prefill, dropped streams included.
 #include <optional>
 
 #include "gmock/gmock.h"
