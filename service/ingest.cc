@@ -535,9 +535,9 @@ class IngestStreamImpl final : public Engine::IngestStream, public IngestContext
   }
 
   // Copies the received rows of layer l's host copy from b.base on into its new blocks
-  // (AllocRows) and frees the host copy. Those rows were checked when they arrived (decoded on the host,
-  // or peer rows checked on the device before their copy down), so they are not checked
-  // again.
+  // (AllocRows) and frees the host copy. Those rows were checked when they arrived
+  // (decoded on the host, or peer rows checked on the device before their copy down), so
+  // they are not checked again.
   absl::Status MoveToDevice(int l) {
     LayerBuf& b = bufs_[l];
     StageTimer timer(e_.metrics(), "ingest_parts");
