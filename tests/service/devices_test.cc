@@ -96,15 +96,8 @@ class Devices : public RouterHarness {
 
 // The value of `name`'s series with exactly these labels; -1 when there is none.
 double Series(Metrics& m, const std::string& name, const std::map<std::string, std::string>& labels) {
-  for (const auto& family : m.registry()->Collect()) {
-    if (family.name != name) continue;
-    for (const auto& metric : family.metric) {
-      std::map<std::string, std::string> have;
-      for (const auto& l : metric.label) have[l.name] = l.value;
-      if (have == labels) return metric.gauge.value;
-    }
-  }
-  return -1;
+  const auto sample = MetricSample(m, name, labels);
+  return sample ? sample->gauge.value : -1;
 }
 
 bool Contains(const absl::Status& s, const std::string& text) {

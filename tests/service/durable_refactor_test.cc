@@ -111,15 +111,7 @@ TEST(DurableTest, DrainFlushesAppendedTokens) {
   EXPECT_EQ(std::memcmp(after->data(), before->data(), before->size() * 4), 0);
 }
 
-double PageIns(Harness& hx) {
-  for (const auto& family : hx.metrics.registry()->Collect()) {
-    if (family.name == "kvshade_page_ins_total" && !family.metric.empty()) {
-      return family.metric[0].counter.value;
-    }
-  }
-  ADD_FAILURE() << "no kvshade_page_ins_total";
-  return -1;
-}
+double PageIns(Harness& hx) { return MetricValue(hx, "kvshade_page_ins_total"); }
 
 // A restored session's values are on the spill tier only; Attach pages them in before it
 // answers (synchronously, the store has no prefetch thread): when it returns the page-in

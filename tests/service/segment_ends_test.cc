@@ -4,8 +4,6 @@
 // same ends; bad ends are refused and create nothing; the automatic end at the divergence
 // point; the cap; durable restarts and forks at the new boundaries; a document range
 // compressed apart from its layer during a chunked prefill, dropped streams included.
-#include <optional>
-
 #include "gmock/gmock.h"
 #include "ingest_test_util.h"
 
@@ -96,23 +94,9 @@ v1::LookupPrefixResponse Lookup(Harness& hx, const Stream& s, const v1::Profile&
   return r.ok() ? *r : v1::LookupPrefixResponse();
 }
 
-// The sample of metric `family` whose label `name` is `value`, if there is one.
-std::optional<prometheus::ClientMetric> Sample(Harness& hx, const std::string& family,
-                                               const std::string& name, const std::string& value) {
-  for (const auto& f : hx.metrics.registry()->Collect()) {
-    if (f.name != family) continue;
-    for (const auto& m : f.metric) {
-      for (const auto& label : m.label) {
-        if (label.name == name && label.value == value) return m;
-      }
-    }
-  }
-  return std::nullopt;
-}
-
 // kvshade_prefix_splits_total{source}.
 double Splits(Harness& hx, const std::string& source) {
-  const auto m = Sample(hx, "kvshade_prefix_splits_total", "source", source);
+  const auto m = MetricSample(hx.metrics, "kvshade_prefix_splits_total", {{"source", source}});
   if (!m) ADD_FAILURE() << "no kvshade_prefix_splits_total{source=\"" << source << "\"}";
   return m ? m->counter.value : -1;
 }
@@ -355,7 +339,7 @@ TEST(SegmentEnds, AForkAtAnEndIsTheDocumentAlone) {
 // Samples of kvshade_stage_duration_seconds{stage}: how many times the stage ran (0 for
 // a stage that has not run yet).
 uint64_t StageRuns(Harness& hx, const std::string& stage) {
-  const auto m = Sample(hx, "kvshade_stage_duration_seconds", "stage", stage);
+  const auto m = MetricSample(hx.metrics, "kvshade_stage_duration_seconds", {{"stage", stage}});
   return m ? m->histogram.sample_count : 0;
 }
 

@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -469,6 +470,30 @@ inline double MetricValue(Harness& hx, const std::string& name) {
   return -1;
 }
 
+// The sample of metric `name` whose labels are exactly `labels`, if there is one.
+inline std::optional<prometheus::ClientMetric> MetricSample(
+    Metrics& metrics, const std::string& name, const std::map<std::string, std::string>& labels) {
+  for (const auto& family : metrics.registry()->Collect()) {
+    if (family.name != name) continue;
+    for (const auto& m : family.metric) {
+      std::map<std::string, std::string> have;
+      for (const auto& l : m.label) have[l.name] = l.value;
+      if (have == labels) return m;
+    }
+  }
+  return std::nullopt;
+}
+
+// Server-wide bytes of a tier (kvshade_tier_bytes{tier, kind="total"}), as of the last
+// gauge update (every Stats call makes one).
+inline double TierTotal(Harness& hx, const std::string& tier) {
+  auto st = hx.engine->Stats(hx.tenant, v1::StatsRequest());
+  EXPECT_TRUE(st.ok()) << st.status();
+  const auto m = MetricSample(hx.metrics, "kvshade_tier_bytes", {{"tier", tier}, {"kind", "total"}});
+  if (!m) ADD_FAILURE() << "no kvshade_tier_bytes{tier=" << tier << ", kind=total}";
+  return m ? m->gauge.value : -1;
+}
+
 inline v1::Profile ProfileOf(v1::ProfileKind kind) {
   v1::Profile p;
   p.set_kind(kind);
@@ -572,22 +597,5 @@ struct RouterHarness {
   std::unique_ptr<DeviceRouter> router;
   Tenant tenant{"alice", TenantSalt("alice", "")};
 };
-
-// Server-wide bytes of a tier (kvshade_tier_bytes{tier, kind="total"}), as of the last
-// gauge update (every Stats call makes one).
-inline double TierTotal(Harness& hx, const std::string& tier) {
-  auto st = hx.engine->Stats(hx.tenant, v1::StatsRequest());
-  EXPECT_TRUE(st.ok()) << st.status();
-  for (const auto& family : hx.metrics.registry()->Collect()) {
-    if (family.name != "kvshade_tier_bytes") continue;
-    for (const auto& m : family.metric) {
-      std::map<std::string, std::string> labels;
-      for (const auto& l : m.label) labels[l.name] = l.value;
-      if (labels["tier"] == tier && labels["kind"] == "total") return m.gauge.value;
-    }
-  }
-  ADD_FAILURE() << "no kvshade_tier_bytes{tier=" << tier << ", kind=total}";
-  return -1;
-}
 
 }  // namespace kvshade::service::testing
