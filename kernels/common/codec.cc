@@ -12,6 +12,7 @@
 #include <cctype>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -167,19 +168,54 @@ void SignatureEncodeReference(const bf16* key, const bf16* landmark, int d, int 
   std::memcpy(record + size_t(d) * bits / 8, &scale, sizeof(float));
 }
 
-float SignatureDotReference(const bf16* q, const std::byte* record, int d, int bits,
-                            float* scale) {
-  const int levels = (1 << bits) - 1;
-  const float half = float(levels) / 2.0f;
-  const int per_word = 32 / bits;
-  const auto* words = reinterpret_cast<const uint32_t*>(record);
-  float dot = 0.0f;
+float SignatureQueryReference(const bf16* q, int d, int8_t* q8) {
+  float amax = 0.0f;
+  bool finite = true;
   for (int i = 0; i < d; ++i) {
-    const uint32_t code = (words[i / per_word] >> (bits * (i % per_word))) & uint32_t(levels);
-    dot += Bf16ToFloat(q[i]) * (float(code) - half);
+    const float x = Bf16ToFloat(q[i]);
+    finite = finite && std::isfinite(x);
+    amax = std::fmax(amax, std::fabs(x));
+  }
+  std::fill(q8, q8 + d, int8_t{0});
+  if (!finite) return std::numeric_limits<float>::quiet_NaN();
+  if (amax == 0.0f) return 0.0f;
+  const float inv = 127.0f / amax;
+  for (int i = 0; i < d; ++i) {
+    q8[i] = static_cast<int8_t>(std::nearbyint(Bf16ToFloat(q[i]) * inv));
+  }
+  return amax / 127.0f;
+}
+
+void SignatureUnpackReference(const std::byte* record, int d, int bits, uint8_t* codes,
+                              float* scale) {
+  const int per_word = 32 / bits;
+  const uint32_t levels = (1u << bits) - 1u;
+  for (int w = 0; w < d / per_word; ++w) {
+    uint32_t word = 0;
+    std::memcpy(&word, record + size_t(w) * 4, 4);
+    for (int j = 0; j < per_word; ++j) {
+      codes[w * per_word + j] = uint8_t((word >> (bits * j)) & levels);
+    }
   }
   std::memcpy(scale, record + size_t(d) * bits / 8, sizeof(float));
-  return dot;
+}
+
+float SignatureDotReference(const int8_t* q8, float q_scale, const uint8_t* codes, int d,
+                            int bits) {
+  int32_t dot = 0, sum = 0;
+  for (int i = 0; i < d; ++i) {
+    dot += int32_t(q8[i]) * int32_t(codes[i]);
+    sum += q8[i];
+  }
+  const int32_t levels = (1 << bits) - 1;
+  return float(2 * dot - levels * sum) * (q_scale * 0.5f);
+}
+
+float SignatureBaseReference(const bf16* q, const bf16* landmark, int d) {
+  float lo = 0.0f, hi = 0.0f;
+  for (int i = 0; i < d / 2; ++i) lo += Bf16ToFloat(q[i]) * Bf16ToFloat(landmark[i]);
+  for (int i = d / 2; i < d; ++i) hi += Bf16ToFloat(q[i]) * Bf16ToFloat(landmark[i]);
+  return lo + hi;
 }
 
 }  // namespace kvshade::kernels

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/validate.h"
@@ -211,44 +212,34 @@ inline void ResetStats(float* stats, int64_t n_stats) {
 }
 
 // ChunkStats from the key signatures (SelectOptions::signatures): per query head n,
-// base_n = dot(q_n, L[c]) once, then per token l = (base_n + scale_t * dot(q_n, code_t -
-// half)) / sqrt(d) (SignatureDotReference's arithmetic: the codes unpacked once per token
-// into acc [d], fp32 dots in channel order), folded in token order as below, token t into
-// the stats of its unit t / u. base [g] scratch (the row's lse, which StageTwoScores fills
-// only after every candidate).
+// base_n = SignatureBaseReference(q_n, L[c]) once, then per token
+// l = (base_n + scale_t * SignatureDotReference(q8_n, code_t)) / sqrt(d), folded in token
+// order as below, token t into the stats of its unit t / u. q8 [g, d] and q_scale [g]: the
+// group's int8 query rows (SignatureQueryReference); codes [d] scratch; base [g] scratch
+// (the row's lse, which StageTwoScores fills only after every candidate).
 void ChunkStatsSig(const LayerShape& shape, const SelectOptions& o, const SelectItem& item,
-                   int hh, int c, float* acc, float* base, float* stats) {
+                   int hh, int c, const int8_t* q8, const float* q_scale, uint8_t* codes,
+                   float* base, float* stats) {
   const int h = shape.h, g = shape.g, d = shape.d, C = o.C, u = o.unit_tokens();
   const SessionLayerView& view = item.view;
   int local = c, si = 0;
   while (local >= view.segments[si].n_chunks) local -= view.segments[si++].n_chunks;
   const SegmentView& seg = view.segments[si];
   const float scale = 1.0f / std::sqrt(float(d));
-  const int bits = view.sig_bits, levels = (1 << bits) - 1, per_word = 32 / bits;
-  const float half = float(levels) / 2.0f;
+  const int bits = view.sig_bits;
   const size_t rec = SignatureRecordBytes(bits, d);
   const bf16* lm = seg.landmarks + (int64_t(local) * h + hh) * d;
   ResetStats(stats, int64_t(C / u) * g);
   for (int n = 0; n < g; ++n) {
-    const bf16* qv = item.q + int64_t(hh * g + n) * d;
-    float b = 0.0f;
-    for (int ch = 0; ch < d; ++ch) b += Bf16ToFloat(qv[ch]) * Bf16ToFloat(lm[ch]);
-    base[n] = b;
+    base[n] = SignatureBaseReference(item.q + int64_t(hh * g + n) * d, lm, d);
   }
   for (int t = 0; t < C; ++t) {
-    const std::byte* r = seg.sig + ((int64_t(local) * C + t) * h + hh) * int64_t(rec);
-    uint32_t word = 0;
-    for (int ch = 0; ch < d; ++ch) {
-      if (ch % per_word == 0) std::memcpy(&word, r + size_t(ch / per_word) * 4, 4);
-      acc[ch] = float((word >> (bits * (ch % per_word))) & uint32_t(levels)) - half;
-    }
     float sc = 0.0f;
-    std::memcpy(&sc, r + size_t(d) * bits / 8, sizeof(float));
+    SignatureUnpackReference(seg.sig + ((int64_t(local) * C + t) * h + hh) * int64_t(rec), d,
+                             bits, codes, &sc);
     float* unit_stats = stats + int64_t(2) * g * (t / u);
     for (int n = 0; n < g; ++n) {
-      const bf16* qv = item.q + int64_t(hh * g + n) * d;
-      float dot = 0.0f;
-      for (int ch = 0; ch < d; ++ch) dot += Bf16ToFloat(qv[ch]) * acc[ch];
+      const float dot = SignatureDotReference(q8 + int64_t(n) * d, q_scale[n], codes, d, bits);
       FoldLogit((base[n] + sc * dot) * scale, unit_stats + 2 * n);
     }
   }
@@ -386,10 +377,21 @@ void SelectExHead(const LayerShape& shape, int k, const SelectOptions& o, const 
     float* m = lse + g + units;
     float* w = m + units;
     int32_t* order = reinterpret_cast<int32_t*>(w + units);
+    std::vector<int8_t> q8;
+    std::vector<float> q_scale;
+    if (o.signatures) {
+      q8.resize(size_t(g) * d);
+      q_scale.resize(size_t(g));
+      for (int n = 0; n < g; ++n) {
+        q_scale[n] = SignatureQueryReference(item.q + int64_t(hh * g + n) * d, d,
+                                             q8.data() + int64_t(n) * d);
+      }
+    }
     for (int i = 0; i < n_cand; ++i) {
       float* chunk_stats = stats + int64_t(2) * g * per * i;
       if (o.signatures) {
-        ChunkStatsSig(shape, o, item, hh, cand[i], acc, lse, chunk_stats);
+        ChunkStatsSig(shape, o, item, hh, cand[i], q8.data(), q_scale.data(),
+                      reinterpret_cast<uint8_t*>(acc), lse, chunk_stats);
       } else {
         ChunkStats(shape, o, *table, item, hh, cand[i], acc, chunk_stats);
       }

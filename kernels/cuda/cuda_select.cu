@@ -921,7 +921,8 @@ absl::Status CudaBackend::Select(const LayerShape& shape, int k, absl::Span<cons
 //   Stage2SigTokenKernel (two stages, `signatures`; Stage2SigKernel, a warp per candidate,
 //     when C is not a power of two <= 32 or g > 16): the same stats, each token's logit
 //     from its chunk's landmark and its key signature instead of a reconstructed key, a
-//     lane per token.
+//     lane per token: the CPU's logits bit for bit (an int8 query's integer dot with the
+//     codes, __dp4a where specialised, and the base's two channel-order halves).
 //   FinalKernel (block per item and head): in one stage the score is Select's landmark
 //     probability s (from the stage-1 logits and softmax partials); in two, per query head
 //     LSE_n = log sum over the candidates of S exp(M) (warp n: the max of M + log S, then
@@ -1109,15 +1110,145 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
   if (lane < g) stats[lane] = make_float2(run_m, run_s);
 }
 
+// The group's query rows for stage 2 from key signatures, in shared memory (LoadSigQuery):
+// per (query head n, channel half) a row of the bf16 query as f32, for the base
+// dot(q_n, L[c]) (SignatureBaseReference: the two halves' fp32 sums), rows of d/2 + 4
+// floats (16-byte aligned; the 8 rows a candidate's lanes read at once fall in different
+// banks); then the int8 rows of SignatureQueryReference, in channel order ([g, d]) or, for
+// the kernels specialised for kBits, packed as the codes unpack (SigPackedIndex); then per
+// head hs = query scale / 2 (NaN for a non-finite row) and qsum = the sum of its int8 row.
+struct SigQuery {
+  const float* qf;
+  const int8_t* q8;
+  const float* hs;
+  const int* qsum;
+  int hq;  // floats per row of qf
+
+  __host__ __device__ static int HalfStride(int d) { return d / 2 + 4; }
+  __host__ __device__ static size_t Bytes(int g, int d) {
+    return size_t(2) * g * HalfStride(d) * sizeof(float) + size_t(g) * d + size_t(g) * 8;
+  }
+  // The row of query head n, channel half (0 or 1).
+  __device__ const float* Row(int n, int half) const { return qf + (2 * n + half) * hq; }
+  // Query head n's signature dot from its integer sum D = sum q8 * code:
+  // float(2*D - levels*qsum) * hs, one rounding (SignatureDotReference).
+  __device__ float Dot(int n, int dot, int levels) const {
+    return __fmul_rn(static_cast<float>(2 * dot - levels * qsum[n]), hs[n]);
+  }
+};
+
+// Byte index of query head n's int8 at channel ch in the packed layout of kBits-bit codes:
+// record word w holds channels [w*P, (w+1)*P) (P = 32 / kBits); shifting it right by
+// kBits*s and masking every byte's low kBits gives 4 codes, byte j holding channel
+// w*P + j*(8/kBits) + s; the int8 rows are packed in the same order, one int32 per
+// (n, w, s), so that one __dp4a takes 4 products.
+template <int kBits>
+__device__ __forceinline__ int SigPackedIndex(int n, int ch, int d) {
+  constexpr int kP = 32 / kBits, kS = 8 / kBits;
+  const int w = ch / kP, p = ch - w * kP;
+  return ((n * (d / kP) + w) * kS + p % kS) * 4 + p / kS;
+}
+
+// Fills the SigQuery of KV head hh's query group (rows q [g, d] bf16) in smem (SigQuery::
+// Bytes) with the block, the int8 rows as SignatureQueryReference forms them (the maximum
+// and flags by warp reductions, which are exact). Ends with a block barrier.
+template <int kBits>
+__device__ SigQuery LoadSigQuery(const __nv_bfloat16* q, int g, int d, uint8_t* smem) {
+  SigQuery s;
+  s.hq = SigQuery::HalfStride(d);
+  float* qf = reinterpret_cast<float*>(smem);
+  int8_t* q8 = reinterpret_cast<int8_t*>(smem + size_t(2) * g * s.hq * sizeof(float));
+  float* hs = reinterpret_cast<float*>(q8 + size_t(g) * d);
+  int* qsum = reinterpret_cast<int*>(hs + g);
+  const int half_d = d / 2;
+  for (int x = threadIdx.x; x < g * d; x += blockDim.x) {
+    const int n = x / d, ch = x - n * d, half = ch >= half_d;
+    qf[(2 * n + half) * s.hq + ch - half * half_d] = __bfloat162float(q[x]);
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int n = warp; n < g; n += warps) {
+    auto at = [&](int ch) {
+      const int half = ch >= half_d;
+      return qf[(2 * n + half) * s.hq + ch - half * half_d];
+    };
+    float amax = 0.0f;
+    bool finite = true;
+    for (int ch = lane; ch < d; ch += 32) {
+      const float x = at(ch);
+      finite = finite && isfinite(x);
+      amax = fmaxf(amax, fabsf(x));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    finite = __all_sync(0xffffffffu, finite);
+    const bool zero = !finite || amax == 0.0f;
+    const float inv = zero ? 0.0f : __fdiv_rn(127.0f, amax);
+    int sum = 0;
+    for (int ch = lane; ch < d; ch += 32) {
+      const int v = zero ? 0 : __float2int_rn(__fmul_rn(at(ch), inv));
+      if constexpr (kBits > 0) {
+        q8[SigPackedIndex<kBits>(n, ch, d)] = static_cast<int8_t>(v);
+      } else {
+        q8[n * d + ch] = static_cast<int8_t>(v);
+      }
+      sum += v;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (lane == 0) {
+      hs[n] = !finite ? __int_as_float(0x7fc00000)
+                      : (amax == 0.0f ? 0.0f : __fmul_rn(__fdiv_rn(amax, 127.0f), 0.5f));
+      qsum[n] = sum;
+    }
+  }
+  __syncthreads();
+  s.qf = qf;
+  s.q8 = q8;
+  s.hs = hs;
+  s.qsum = qsum;
+  return s;
+}
+
+// One half of a signature base (SignatureBaseReference): the fp32 sum of row[i] * lm[i]
+// over i in [0, n) in order, each product and sum rounded. kVec: lm 16-byte aligned and n
+// a multiple of 8 (read 8 channels at a time; the same sum).
+template <bool kVec>
+__device__ __forceinline__ float SigBaseHalf(const float* row, const __nv_bfloat16* lm, int n) {
+  float b = 0.0f;
+  if constexpr (kVec) {
+    for (int i = 0; i < n; i += 8) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(lm + i);
+      const __nv_bfloat162* xb = reinterpret_cast<const __nv_bfloat162*>(&raw);
+      const float4 q0 = *reinterpret_cast<const float4*>(row + i);
+      const float4 q1 = *reinterpret_cast<const float4*>(row + i + 4);
+      b = __fadd_rn(b, __fmul_rn(q0.x, __low2float(xb[0])));
+      b = __fadd_rn(b, __fmul_rn(q0.y, __high2float(xb[0])));
+      b = __fadd_rn(b, __fmul_rn(q0.z, __low2float(xb[1])));
+      b = __fadd_rn(b, __fmul_rn(q0.w, __high2float(xb[1])));
+      b = __fadd_rn(b, __fmul_rn(q1.x, __low2float(xb[2])));
+      b = __fadd_rn(b, __fmul_rn(q1.y, __high2float(xb[2])));
+      b = __fadd_rn(b, __fmul_rn(q1.z, __low2float(xb[3])));
+      b = __fadd_rn(b, __fmul_rn(q1.w, __high2float(xb[3])));
+    }
+  } else {
+    for (int i = 0; i < n; ++i) b = __fadd_rn(b, __fmul_rn(row[i], __bfloat162float(lm[i])));
+  }
+  return b;
+}
+
 // Stage 2 from key signatures (SelectOptions::signatures; cpu_select.cc ChunkStatsSig):
-// same grid and outputs as Stage2Kernel. Per query head n the warp reduces
-// base = dot(q_n, L[c]) once, then per token t the signature dot(q_n, code_t - half) (lane
-// l reads channels l, l+32, ..); lane n folds l = (base + scale_t * dot) * scale in token
-// order. No shared memory.
+// same grid and outputs as Stage2Kernel, for the shapes the token-per-lane kernels do not
+// take. Per query head n, lanes 0 and 1 form the base's two halves and the warp sums each
+// token's integer dot (lane l reads channels l, l+32, ..; integer sums are exact in any
+// order); lane n folds l = (base + scale_t * dot) * scale in token order. Dynamic shared
+// memory: the SigQuery (channel order).
 __global__ void __launch_bounds__(32 * kStage2Warps)
     Stage2SigKernel(const ExDesc* __restrict__ descs, int g, int d, int C, float scale) {
+  extern __shared__ __align__(16) uint8_t sigw_smem[];
   const ExDesc& e = descs[blockIdx.z];
   const int hh = blockIdx.y, h = gridDim.y;
+  const SigQuery sq = LoadSigQuery<0>(e.q + static_cast<long long>(hh) * g * d, g, d, sigw_smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int i = blockIdx.x * kStage2Warps + warp;
   if (i >= e.width) return;
@@ -1132,33 +1263,27 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
   const DevSegment& sg = v.seg[cuda::SegmentOf(v, c)];
   const int local = c - sg.begin;
   const int bits = v.sig_bits, levels = (1 << bits) - 1, per_word = 32 / bits;
-  const float half = static_cast<float>(levels) / 2.0f;
   const long long rec = static_cast<long long>(d) * bits / 8 + 4;
   const __nv_bfloat16* lm = sg.landmarks + (static_cast<long long>(local) * h + hh) * d;
   float run_m = -INFINITY, run_s = 0.0f;  // this lane's query head (lane < g)
   for (int n = 0; n < g; ++n) {
-    const __nv_bfloat16* qv = e.q + static_cast<long long>(hh * g + n) * d;
-    float base = 0.0f;
-    for (int ch = lane; ch < d; ch += 32) {
-      base = __fadd_rn(base, __fmul_rn(__bfloat162float(qv[ch]), __bfloat162float(lm[ch])));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) base += __shfl_xor_sync(0xffffffffu, base, o);
+    float part = lane < 2 ? SigBaseHalf<false>(sq.Row(n, lane), lm + lane * (d / 2), d / 2) : 0.0f;
+    const float base = __fadd_rn(__shfl_sync(0xffffffffu, part, 0),
+                                 __shfl_sync(0xffffffffu, part, 1));
+    const int8_t* q8 = sq.q8 + n * d;
     for (int t = 0; t < C; ++t) {
-      const uint8_t* r =
-          sg.sig + ((static_cast<long long>(local) * C + t) * h + hh) * rec;
+      const uint8_t* r = sg.sig + ((static_cast<long long>(local) * C + t) * h + hh) * rec;
       const uint32_t* words = reinterpret_cast<const uint32_t*>(r);
-      float part = 0.0f;
+      int dot = 0;
       for (int ch = lane; ch < d; ch += 32) {
-        const uint32_t code = (words[ch / per_word] >> (bits * (ch % per_word))) &
-                              static_cast<uint32_t>(levels);
-        part = __fadd_rn(part, __fmul_rn(__bfloat162float(qv[ch]),
-                                         __fsub_rn(static_cast<float>(code), half)));
+        const int code = static_cast<int>((words[ch / per_word] >> (bits * (ch % per_word))) &
+                                          static_cast<uint32_t>(levels));
+        dot += static_cast<int>(q8[ch]) * code;
       }
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+      for (int o = 16; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
       const float sc = *reinterpret_cast<const float*>(r + static_cast<long long>(d) * bits / 8);
-      const float logit = __fmul_rn(__fadd_rn(base, __fmul_rn(sc, part)), scale);
+      const float logit = __fmul_rn(__fadd_rn(base, __fmul_rn(sc, sq.Dot(n, dot, levels))), scale);
       if (lane == n) FoldLogit(logit, &run_m, &run_s);
     }
   }
@@ -1167,18 +1292,12 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
 
 // Stage 2 from key signatures, token-parallel (C a power of two <= 32, g <= kMaxG; the
 // launcher falls back to Stage2SigKernel otherwise): each lane scores one token, a warp
-// 32 / C candidates. Block (candidate group, hh, item) of kSigWarps warps; the group's query
-// rows [g, d] sit in shared memory as floats. Per lane and query head n it forms the same
-// logit as the reference, l = (base_n + scale_t * dot(q_n, code_t - half)) / sqrt(d), where
-// the C lanes of a candidate share base_n = dot(q_n, L[c]) (each sums d / C channels, then a
-// reduction over the group); (M, S) over the candidate's tokens by group max and sum. Sums
-// run in another order than the CPU's (fp32 rounding differs).
+// 32 / C candidates, with the CPU's arithmetic (so the same stats, bit for bit). Block
+// (candidate group, hh, item) of kSigWarps warps, the group's SigQuery in shared memory.
 constexpr int kSigWarps = 8;
 
-// The start the token-per-lane stage-2 kernels share: the group's query rows [g, d] into
-// shared memory as floats (qs; a block barrier), then this lane's candidate (a warp holds
-// 32 / kC of them) and token, the signature layout, and where the candidate's landmark and
-// the token's signature record are.
+// This lane's candidate (a warp holds 32 / kC of them) and token, the signature layout,
+// and where the candidate's landmark and the token's signature record are.
 template <int kC>
 struct SigLane {
   int t;           // the lane's token in its candidate
@@ -1186,21 +1305,12 @@ struct SigLane {
   long long at;    // the candidate's index in cand (0 for an inactive lane)
   int c;           // the candidate chunk (-1: padding or inactive)
   int bits, levels, per_word;
-  float half;      // the codes' midpoint
-  long long rec;   // bytes of one token's signature record
   // For a candidate (c >= 0): its landmark row of head hh, the token's record and scale.
   const __nv_bfloat16* lm = nullptr;
   const uint32_t* words = nullptr;
   float sc = 0.0f;
 
-  // qd: the row stride of qs in floats (0: d).
-  __device__ SigLane(const ExDesc& e, int hh, int h, int g, int d, float* qs, int qd = 0) {
-    const int stride = qd > 0 ? qd : d;
-    for (int x = threadIdx.x; x < g * d; x += blockDim.x) {
-      const int n = x / d;
-      qs[n * stride + (x - n * d)] = __bfloat162float(e.q[static_cast<long long>(hh * g) * d + x]);
-    }
-    __syncthreads();
+  __device__ SigLane(const ExDesc& e, int hh, int h, int d) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int i = (blockIdx.x * kSigWarps + warp) * (32 / kC) + lane / kC;
     t = lane % kC;
@@ -1210,8 +1320,7 @@ struct SigLane {
     bits = e.view.sig_bits;
     levels = (1 << bits) - 1;
     per_word = 32 / bits;
-    half = static_cast<float>(levels) / 2.0f;
-    rec = static_cast<long long>(d) * bits / 8 + 4;
+    const long long rec = static_cast<long long>(d) * bits / 8 + 4;
     if (c >= 0) {
       const DevSegment& sg = e.view.seg[cuda::SegmentOf(e.view, c)];
       const int local = c - sg.begin;
@@ -1221,108 +1330,105 @@ struct SigLane {
       sc = *reinterpret_cast<const float*>(r + static_cast<long long>(d) * bits / 8);
     }
   }
-
-  // Channel j of a record word, centred: code - half.
-  __device__ float Code(uint32_t word, int j) const {
-    return __fsub_rn(static_cast<float>((word >> (bits * j)) & static_cast<uint32_t>(levels)),
-                     half);
-  }
 };
 
-// The per-lane sums of the token-parallel stage-2 kernels over key signatures, with the
-// candidate group, the code width and the GQA width fixed at compile time: dot[n] =
-// dot(q_n, code_t - half) for every query head n, and own[o] = dot(q_n, L[c]) for the heads
-// n = t + o*kC that this lane forms for its candidate (each head's base is formed once per
-// candidate, by one lane; Base(n) hands it to the candidate's lanes). fp32 sums in channel
-// order, each product and sum rounded, no FMA: the arithmetic of the CPU's ChunkStatsSig.
-// qs holds the query rows [kG, qd] (qd a multiple of 4: float4 reads), the landmark row is
-// read 8 channels at a time (d a multiple of 8).
+// The per-lane sums of the token-per-lane kernels, g <= kG query heads: dot[n] = the
+// integer sum q8_n . code_t of this lane's token, and the base halves (SigQuery::Row) this
+// lane forms for its candidate: job j = 2n + half is lane j % kC's own[j / kC], so each
+// half is formed once per candidate and Base(n) hands it to the candidate's lanes. kBits
+// 2 or 4: the packed int8 rows, one __dp4a per 4 channels, landmarks read 8 channels at a
+// time (d a multiple of 32, landmark rows 16-byte aligned); kBits 0: the view's bits at
+// run time, channel order.
 template <int kC, int kBits, int kG>
 struct SigSums {
-  static constexpr int kPerWord = 32 / kBits;
-  static constexpr int kOwn = (kG + kC - 1) / kC;
-  static constexpr uint32_t kLevels = (1u << kBits) - 1u;
-  static constexpr float kHalf = static_cast<float>(kLevels) / 2.0f;
-  static_assert(kPerWord % 8 == 0, "a record word covers whole 8-channel landmark loads");
-  float dot[kG], own[kOwn];
+  static constexpr int kOwn = (2 * kG + kC - 1) / kC;
+  int dot[kG];
+  float own[kOwn];
 
-  __device__ void Run(const SigLane<kC>& sl, const float* qs, int qd, int d) {
+  __device__ void Run(const SigLane<kC>& sl, const SigQuery& q, int g, int d) {
 #pragma unroll
-    for (int n = 0; n < kG; ++n) dot[n] = 0.0f;
+    for (int n = 0; n < kG; ++n) dot[n] = 0;
 #pragma unroll
     for (int o = 0; o < kOwn; ++o) own[o] = 0.0f;
     if (sl.c < 0) return;
-    for (int w = 0; w < d / kPerWord; ++w) {
-      const uint32_t word = sl.words[w];
+    const int half_d = d / 2;
 #pragma unroll
-      for (int v8 = 0; v8 < kPerWord / 8; ++v8) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(sl.lm + w * kPerWord + v8 * 8);
-        const __nv_bfloat162* xb = reinterpret_cast<const __nv_bfloat162*>(&raw);
+    for (int o = 0; o < kOwn; ++o) {
+      const int j = sl.t + o * kC;
+      if (j < 2 * g) own[o] = SigBaseHalf<(kBits > 0)>(q.Row(j >> 1, j & 1), sl.lm + (j & 1) * half_d, half_d);
+    }
+    if constexpr (kBits > 0) {
+      constexpr int kP = 32 / kBits, kS = 8 / kBits;
+      constexpr uint32_t kMask = kBits == 4 ? 0x0f0f0f0fu : 0x03030303u;
+      const int n_words = d / kP;
+      const int* qp = reinterpret_cast<const int*>(q.q8);
+      for (int w = 0; w < n_words; ++w) {
+        const uint32_t word = sl.words[w];
 #pragma unroll
-        for (int quad = 0; quad < 2; ++quad) {
-          const int j0 = v8 * 8 + quad * 4;  // the first of 4 channels, in the word
-          const int ch0 = w * kPerWord + j0;
-          float x[4], cf[4];
-          x[0] = __low2float(xb[quad * 2]);
-          x[1] = __high2float(xb[quad * 2]);
-          x[2] = __low2float(xb[quad * 2 + 1]);
-          x[3] = __high2float(xb[quad * 2 + 1]);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            cf[j] = __fsub_rn(static_cast<float>((word >> (kBits * (j0 + j))) & kLevels), kHalf);
+        for (int n = 0; n < kG; ++n) {
+          const int* qw = qp + (n * n_words + w) * kS;
+          if constexpr (kS == 2) {
+            const int2 qq = *reinterpret_cast<const int2*>(qw);
+            dot[n] = __dp4a(qq.x, static_cast<int>(word & kMask), dot[n]);
+            dot[n] = __dp4a(qq.y, static_cast<int>((word >> kBits) & kMask), dot[n]);
+          } else {
+            const int4 qq = *reinterpret_cast<const int4*>(qw);
+            dot[n] = __dp4a(qq.x, static_cast<int>(word & kMask), dot[n]);
+            dot[n] = __dp4a(qq.y, static_cast<int>((word >> kBits) & kMask), dot[n]);
+            dot[n] = __dp4a(qq.z, static_cast<int>((word >> (2 * kBits)) & kMask), dot[n]);
+            dot[n] = __dp4a(qq.w, static_cast<int>((word >> (3 * kBits)) & kMask), dot[n]);
           }
+        }
+      }
+    } else {
+      for (int w = 0; w < d / sl.per_word; ++w) {
+        const uint32_t word = sl.words[w];
+        for (int jj = 0; jj < sl.per_word; ++jj) {
+          const int ch = w * sl.per_word + jj;
+          const int code = static_cast<int>((word >> (sl.bits * jj)) & static_cast<uint32_t>(sl.levels));
 #pragma unroll
           for (int n = 0; n < kG; ++n) {
-            const float4 q = *reinterpret_cast<const float4*>(qs + n * qd + ch0);
-            dot[n] = __fadd_rn(dot[n], __fmul_rn(q.x, cf[0]));
-            dot[n] = __fadd_rn(dot[n], __fmul_rn(q.y, cf[1]));
-            dot[n] = __fadd_rn(dot[n], __fmul_rn(q.z, cf[2]));
-            dot[n] = __fadd_rn(dot[n], __fmul_rn(q.w, cf[3]));
-          }
-#pragma unroll
-          for (int o = 0; o < kOwn; ++o) {
-            const int n = sl.t + o * kC;
-            if (n < kG) {
-              const float4 q = *reinterpret_cast<const float4*>(qs + n * qd + ch0);
-              own[o] = __fadd_rn(own[o], __fmul_rn(q.x, x[0]));
-              own[o] = __fadd_rn(own[o], __fmul_rn(q.y, x[1]));
-              own[o] = __fadd_rn(own[o], __fmul_rn(q.z, x[2]));
-              own[o] = __fadd_rn(own[o], __fmul_rn(q.w, x[3]));
-            }
+            if (n < g) dot[n] += static_cast<int>(q.q8[n * d + ch]) * code;
           }
         }
       }
     }
   }
 
-  // dot(q_n, L[c]) of this lane's candidate; every lane of the warp calls it with the same n.
+  // dot(q_n, L[c]) of this lane's candidate: its two halves summed; every lane of the warp
+  // calls it with the same n (an unrolled index).
   __device__ float Base(int n) const {
-    const int src = ((threadIdx.x & 31) & ~(kC - 1)) + n % kC;
-    return __shfl_sync(0xffffffffu, own[n / kC], src);
+    const int group = (threadIdx.x & 31) & ~(kC - 1);
+    const float lo = __shfl_sync(0xffffffffu, own[(2 * n) / kC], group + (2 * n) % kC);
+    const float hi = __shfl_sync(0xffffffffu, own[(2 * n + 1) / kC], group + (2 * n + 1) % kC);
+    return __fadd_rn(lo, hi);
+  }
+
+  // The logit of query head n for this lane's token.
+  __device__ float Logit(int n, const SigQuery& q, const SigLane<kC>& sl, float scale) const {
+    const float b = Base(n);
+    return __fmul_rn(__fadd_rn(b, __fmul_rn(sl.sc, q.Dot(n, dot[n], sl.levels))), scale);
   }
 };
 
-// The row stride of the query rows in shared memory for the specialised kernels: d + 4 (a
-// multiple of 4 for float4 reads; the lanes forming different heads' bases at one channel
-// fall in different banks).
-__host__ __device__ constexpr int SigQueryStride(int d) { return d + 4; }
-
-// Stage2SigTokenKernel specialised for (kC, kBits, kG) (SigSums): the same outputs, with
-// each head's base formed by one lane in channel order (the generic kernel splits it over
-// the candidate's lanes and reduces).
+// Stage 2 over whole chunks from key signatures, a lane per token, the CPU's logits
+// (SigSums); (M, S) of each query head over the candidate's tokens by the group's max and
+// sum of expf, not the CPU's fold in token order (M the same, S may differ in its last
+// bits). kBits and kG as SigSums.
 template <int kC, int kBits, int kG>
 __global__ void __launch_bounds__(32 * kSigWarps)
-    Stage2SigTokenKernelT(const ExDesc* __restrict__ descs, int g, int d, float scale) {
-  extern __shared__ __align__(16) float qs[];  // [kG, d + 4]
+    Stage2SigTokenKernel(const ExDesc* __restrict__ descs, int g, int d, float scale) {
+  extern __shared__ __align__(16) uint8_t sigt_smem[];
   const ExDesc& e = descs[blockIdx.z];
-  const int qd = SigQueryStride(d);
-  const SigLane<kC> sl(e, blockIdx.y, gridDim.y, kG, d, qs, qd);
+  const SigQuery q =
+      LoadSigQuery<kBits>(e.q + static_cast<long long>(blockIdx.y) * g * d, g, d, sigt_smem);
+  const SigLane<kC> sl(e, blockIdx.y, gridDim.y, d);
   SigSums<kC, kBits, kG> s;
-  s.Run(sl, qs, qd, d);
+  s.Run(sl, q, g, d);
 #pragma unroll
   for (int n = 0; n < kG; ++n) {
-    const float b = s.Base(n);
-    float l = __fmul_rn(__fadd_rn(b, __fmul_rn(sl.sc, s.dot[n])), scale);
+    if (n >= g) break;
+    float l = s.Logit(n, q, sl, scale);
     if (sl.c < 0 || !isfinite(l)) l = -INFINITY;
     float m = l;
 #pragma unroll
@@ -1331,58 +1437,8 @@ __global__ void __launch_bounds__(32 * kSigWarps)
 #pragma unroll
     for (int o = kC / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
     if (sl.active && sl.t == 0) {
-      e.stats[sl.at * kG + n] = make_float2(m, m == -INFINITY ? 0.0f : x);
+      e.stats[sl.at * g + n] = make_float2(m, m == -INFINITY ? 0.0f : x);
     }
-  }
-}
-
-template <int kC>
-__global__ void __launch_bounds__(32 * kSigWarps)
-    Stage2SigTokenKernel(const ExDesc* __restrict__ descs, int g, int d, float scale) {
-  extern __shared__ __align__(16) float qs[];  // [g, d]
-  const ExDesc& e = descs[blockIdx.z];
-  const SigLane<kC> sl(e, blockIdx.y, gridDim.y, g, d, qs);
-  float base[kMaxG], dot[kMaxG];
-#pragma unroll
-  for (int n = 0; n < kMaxG; ++n) base[n] = dot[n] = 0.0f;
-  if (sl.c >= 0) {
-    for (int ch = sl.t; ch < d; ch += kC) {
-      const float x = __bfloat162float(sl.lm[ch]);
-#pragma unroll
-      for (int n = 0; n < kMaxG; ++n) {
-        if (n < g) base[n] = __fadd_rn(base[n], __fmul_rn(qs[n * d + ch], x));
-      }
-    }
-    for (int w = 0; w < d / sl.per_word; ++w) {
-      const uint32_t word = sl.words[w];
-      for (int j = 0; j < sl.per_word; ++j) {
-        const int ch = w * sl.per_word + j;
-        const float cf = sl.Code(word, j);
-#pragma unroll
-        for (int n = 0; n < kMaxG; ++n) {
-          if (n < g) dot[n] = __fadd_rn(dot[n], __fmul_rn(qs[n * d + ch], cf));
-        }
-      }
-    }
-  }
-  const int c = sl.c, t = sl.t;
-  const float sc = sl.sc;
-  // The candidate's lanes are an aligned group of kC: xor offsets below kC stay inside it.
-#pragma unroll
-  for (int n = 0; n < kMaxG; ++n) {
-    if (n >= g) break;
-    float b = base[n];
-#pragma unroll
-    for (int o = kC / 2; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
-    float l = __fmul_rn(__fadd_rn(b, __fmul_rn(sc, dot[n])), scale);
-    if (c < 0 || !isfinite(l)) l = -INFINITY;
-    float m = l;
-#pragma unroll
-    for (int o = kC / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float x = m == -INFINITY ? 0.0f : expf(l - m);
-#pragma unroll
-    for (int o = kC / 2; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    if (sl.active && t == 0) e.stats[sl.at * g + n] = make_float2(m, m == -INFINITY ? 0.0f : x);
   }
 }
 
@@ -1719,13 +1775,13 @@ __global__ void __launch_bounds__(256)
 // A path of its own beside the whole-chunk one above, which it leaves as it is:
 //   Stage 1 is the same: items whose total chunks <= k1 = max(candidates, ceil(k*u/C)) take
 //     every selectable chunk (FillAllKernel), the others Select's kernels at width k1.
-//   Stage2SigUnitTokenKernel<C> (signatures, C a power of two <= 32): the same logits and
+//   Stage2SigUnitTokenKernel (signatures, C a power of two <= 32): the same logits and
 //     folds with a lane per token (the first lane of each unit folds the unit's logits).
 //   Stage2UnitKernel<kSig>: a warp per candidate chunk, its C tokens in order; the key of
 //     token t reconstructed as Stage2Kernel does (or, kSig, its signature unpacked as the
 //     CPU's ChunkStatsSig does), then lane n (< g) forms query head n's logit with the
-//     CPU's arithmetic (fp32 dot in channel order, each product and sum rounded, no FMA)
-//     and folds it into the running (M, S) of the token's unit, in token order with the
+//     CPU's arithmetic (fp32 dot in channel order, each product and sum rounded, no FMA;
+//     for signatures the int8 query's integer dot and the base's halves) and folds it into the running (M, S) of the token's unit, in token order with the
 //     CPU's rescaling sequence; the unit's pair is stored after its last token and the fold
 //     restarts: stats [h, width * C/u, g], unit p of candidate i at i * C/u + p.
 //   FinalUnitKernel (block per head and item): LSE_n over every candidate unit (the whole
@@ -1777,8 +1833,8 @@ size_t PlanSelectExUnits(const LayerShape& shape, int k, const SelectOptions& o,
 
 // Grid (candidate groups, h, items); warp w scores candidate chunk blockIdx.x*kStage2Warps
 // + w, unit by unit (u tokens each). Dynamic shared memory: the head's query rows [g, d+1]
-// f32 (padded: lanes read different rows), then kStage2Warps rows of d f32 (the current
-// token's key, or its signature codes minus half).
+// f32 (padded: lanes read different rows; kSig: the SigQuery instead), then kStage2Warps
+// rows of d f32 (the current token's key, or its signature codes as int).
 template <bool kSig>
 __global__ void __launch_bounds__(32 * kStage2Warps)
     Stage2UnitKernel(const ExDesc* __restrict__ descs, int g, int d, int C, int u, float scale,
@@ -1789,11 +1845,18 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
   const int qd = d + 1;
   float* qs = unit_smem;
   float* rows = unit_smem + g * qd;
-  for (int x = threadIdx.x; x < g * d; x += blockDim.x) {
-    const int n = x / d, ch = x - n * d;
-    qs[n * qd + ch] = __bfloat162float(e.q[static_cast<long long>(hh * g) * d + x]);
+  SigQuery sq{};
+  if constexpr (kSig) {
+    sq = LoadSigQuery<0>(e.q + static_cast<long long>(hh) * g * d, g, d,
+                         reinterpret_cast<uint8_t*>(unit_smem));
+    rows = unit_smem + SigQuery::Bytes(g, d) / sizeof(float);
+  } else {
+    for (int x = threadIdx.x; x < g * d; x += blockDim.x) {
+      const int n = x / d, ch = x - n * d;
+      qs[n * qd + ch] = __bfloat162float(e.q[static_cast<long long>(hh * g) * d + x]);
+    }
+    __syncthreads();
   }
-  __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int i = blockIdx.x * kStage2Warps + warp;
   if (i >= e.width) return;
@@ -1812,19 +1875,17 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
   const float* qn = qs + (lane < g ? lane : 0) * qd;
   // kSig: the signature layout and base = dot(q_n, L[c]) of this lane's query head.
   int bits = 0, levels = 0, per_word = 1;
-  float half = 0.0f, base = 0.0f;
+  float base = 0.0f;
   long long rec = 0;
   if constexpr (kSig) {
     bits = v.sig_bits;
     levels = (1 << bits) - 1;
     per_word = 32 / bits;
-    half = static_cast<float>(levels) / 2.0f;
     rec = static_cast<long long>(d) * bits / 8 + 4;
     const __nv_bfloat16* lm = sg.landmarks + (static_cast<long long>(local) * h + hh) * d;
     if (lane < g) {
-      for (int ch = 0; ch < d; ++ch) {
-        base = __fadd_rn(base, __fmul_rn(qn[ch], __bfloat162float(lm[ch])));
-      }
+      base = __fadd_rn(SigBaseHalf<false>(sq.Row(lane, 0), lm, d / 2),
+                       SigBaseHalf<false>(sq.Row(lane, 1), lm + d / 2, d / 2));
     }
   }
   float run_m = -INFINITY, run_s = 0.0f;  // this lane's query head (lane < g), current unit
@@ -1833,10 +1894,10 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
     if constexpr (kSig) {
       const uint8_t* r = sg.sig + ((static_cast<long long>(local) * C + t) * h + hh) * rec;
       const uint32_t* words = reinterpret_cast<const uint32_t*>(r);
+      int* codes = reinterpret_cast<int*>(acc);
       for (int ch = lane; ch < d; ch += 32) {
-        const uint32_t code = (words[ch / per_word] >> (bits * (ch % per_word))) &
-                              static_cast<uint32_t>(levels);
-        acc[ch] = __fsub_rn(static_cast<float>(code), half);
+        codes[ch] = static_cast<int>((words[ch / per_word] >> (bits * (ch % per_word))) &
+                                     static_cast<uint32_t>(levels));
       }
       sc = *reinterpret_cast<const float*>(r + static_cast<long long>(d) * bits / 8);
     } else {
@@ -1866,10 +1927,18 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
     }
     __syncwarp();
     if (lane < g) {
-      float dot = 0.0f;
-      for (int ch = 0; ch < d; ++ch) dot = __fadd_rn(dot, __fmul_rn(qn[ch], acc[ch]));
-      const float logit =
-          kSig ? __fmul_rn(__fadd_rn(base, __fmul_rn(sc, dot)), scale) : __fmul_rn(dot, scale);
+      float logit;
+      if constexpr (kSig) {
+        const int* codes = reinterpret_cast<const int*>(acc);
+        const int8_t* q8 = sq.q8 + lane * d;
+        int dot = 0;
+        for (int ch = 0; ch < d; ++ch) dot += static_cast<int>(q8[ch]) * codes[ch];
+        logit = __fmul_rn(__fadd_rn(base, __fmul_rn(sc, sq.Dot(lane, dot, levels))), scale);
+      } else {
+        float dot = 0.0f;
+        for (int ch = 0; ch < d; ++ch) dot = __fadd_rn(dot, __fmul_rn(qn[ch], acc[ch]));
+        logit = __fmul_rn(dot, scale);
+      }
       FoldLogitRef(logit, &run_m, &run_s);
       if ((t + 1) % u == 0) {
         stats[(t / u) * g + lane] = make_float2(run_m, run_s);
@@ -1881,87 +1950,34 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
   }
 }
 
-// Stage2UnitKernel<true>, token-parallel (C a power of two <= 32, g <= kMaxG; the launcher
-// falls back to Stage2UnitKernel<true> otherwise): each lane scores one token, a warp 32 / C
-// candidates, with the CPU's arithmetic as Stage2UnitKernel does it (so the same stats, bit
-// for bit): per query head n, base_n = dot(q_n, L[c]) and the token's dot(q_n, code_t -
-// half) as fp32 sums in channel order, each product and sum rounded, no FMA (every lane of
-// the candidate forms base_n itself, in the same order); then the first lane of each unit
-// folds its unit's u logits in token order (FoldLogitRef) and stores the unit's (M, S).
-// Block (candidate group, hh, item) of kSigWarps warps; the query rows [g, d] sit in shared
-// memory as floats (every lane reads the same channel at once: a broadcast).
-template <int kC>
-__global__ void __launch_bounds__(32 * kSigWarps)
-    Stage2SigUnitTokenKernel(const ExDesc* __restrict__ descs, int g, int d, int u, float scale) {
-  extern __shared__ __align__(16) float qs[];  // [g, d]
-  const ExDesc& e = descs[blockIdx.z];
-  const SigLane<kC> sl(e, blockIdx.y, gridDim.y, g, d, qs);
-  float base[kMaxG], dot[kMaxG];
-#pragma unroll
-  for (int n = 0; n < kMaxG; ++n) base[n] = dot[n] = 0.0f;
-  if (sl.c >= 0) {
-    for (int w = 0; w < d / sl.per_word; ++w) {
-      const uint32_t word = sl.words[w];
-      for (int j = 0; j < sl.per_word; ++j) {
-        const int ch = w * sl.per_word + j;
-        const float x = __bfloat162float(sl.lm[ch]);
-        const float cf = sl.Code(word, j);
-#pragma unroll
-        for (int n = 0; n < kMaxG; ++n) {
-          if (n < g) {
-            const float qv = qs[n * d + ch];
-            base[n] = __fadd_rn(base[n], __fmul_rn(qv, x));
-            dot[n] = __fadd_rn(dot[n], __fmul_rn(qv, cf));
-          }
-        }
-      }
-    }
-  }
-  const int c = sl.c, t = sl.t;
-  const float sc = sl.sc;
-  const bool active = sl.active;
-  const long long at = sl.at;
-  const int per = kC / u;
-  const bool first = t % u == 0;  // this lane folds its unit
-  float2* stats = e.stats + (at * per + t / u) * g;
-#pragma unroll
-  for (int n = 0; n < kMaxG; ++n) {
-    if (n >= g) break;
-    const float l =
-        c >= 0 ? __fmul_rn(__fadd_rn(base[n], __fmul_rn(sc, dot[n])), scale) : -INFINITY;
-    float run_m = -INFINITY, run_s = 0.0f;
-    for (int j = 0; j < u; ++j) {
-      // Lanes of one unit are consecutive and inside the candidate's group of kC.
-      const float x = __shfl_down_sync(0xffffffffu, l, j);
-      if (first) FoldLogitRef(x, &run_m, &run_s);
-    }
-    if (active && first) stats[n] = make_float2(run_m, run_s);
-  }
-}
-
-// Stage2SigUnitTokenKernel specialised for (kC, kBits, kG) (SigSums): the same stats, bit
-// for bit.
+// Stage 2 over units from key signatures, a lane per token (C a power of two <= 32,
+// g <= kMaxG; the launcher falls back to Stage2UnitKernel<true> otherwise), with the CPU's
+// arithmetic (SigSums), so the same stats bit for bit: the first lane of each unit folds
+// its unit's u logits in token order (FoldLogitRef) and stores the unit's (M, S). Block
+// (candidate group, hh, item) of kSigWarps warps, the group's SigQuery in shared memory.
 template <int kC, int kBits, int kG>
 __global__ void __launch_bounds__(32 * kSigWarps)
-    Stage2SigUnitTokenKernelT(const ExDesc* __restrict__ descs, int g, int d, int u,
-                              float scale) {
-  extern __shared__ __align__(16) float qs[];  // [kG, d + 4]
+    Stage2SigUnitTokenKernel(const ExDesc* __restrict__ descs, int g, int d, int u,
+                             float scale) {
+  extern __shared__ __align__(16) uint8_t sigu_smem[];
   const ExDesc& e = descs[blockIdx.z];
-  const int qd = SigQueryStride(d);
-  const SigLane<kC> sl(e, blockIdx.y, gridDim.y, kG, d, qs, qd);
+  const SigQuery q =
+      LoadSigQuery<kBits>(e.q + static_cast<long long>(blockIdx.y) * g * d, g, d, sigu_smem);
+  const SigLane<kC> sl(e, blockIdx.y, gridDim.y, d);
   SigSums<kC, kBits, kG> s;
-  s.Run(sl, qs, qd, d);
+  s.Run(sl, q, g, d);
   const int t = sl.t;
   const int per = kC / u;
   const bool first = t % u == 0;  // this lane folds its unit
-  float2* stats = e.stats + (sl.at * per + t / u) * kG;
+  float2* stats = e.stats + (sl.at * per + t / u) * g;
 #pragma unroll
   for (int n = 0; n < kG; ++n) {
-    const float b = s.Base(n);
-    const float l =
-        sl.c >= 0 ? __fmul_rn(__fadd_rn(b, __fmul_rn(sl.sc, s.dot[n])), scale) : -INFINITY;
+    if (n >= g) break;
+    const float logit = s.Logit(n, q, sl, scale);
+    const float l = sl.c >= 0 ? logit : -INFINITY;
     float run_m = -INFINITY, run_s = 0.0f;
     for (int j = 0; j < u; ++j) {
+      // Lanes of one unit are consecutive and inside the candidate's group of kC.
       const float x = __shfl_down_sync(0xffffffffu, l, j);
       if (first) FoldLogitRef(x, &run_m, &run_s);
     }
@@ -1969,30 +1985,52 @@ __global__ void __launch_bounds__(32 * kSigWarps)
   }
 }
 
-// The specialised token-parallel kernels (C, bits, g): the common shapes (chunks of 8 or 16
-// tokens, 2- or 4-bit signatures, 4 or 8 query heads per KV head); nullptr for the others,
-// which the generic kernels serve.
+// The token-per-lane stage-2 kernels from key signatures for (C, bits, g, d): specialised
+// for chunks of 8 or 16 tokens, 2- or 4-bit codes and 4 or 8 query heads per KV head with
+// d a multiple of 32 (bits: the items' common bits, CommonSigBits; 0 when they differ or
+// a landmark row is not 16-byte aligned), else the generic ones (bits read at run time) for
+// C a power of two <= 32 and g <= kMaxG; nullptr for the other shapes, which the
+// warp-per-candidate kernels serve.
 using SigTokenKernel = void (*)(const ExDesc*, int, int, float);
 using SigUnitTokenKernel = void (*)(const ExDesc*, int, int, int, float);
 template <int kC, int kBits>
-void PickSigKernels(int g, SigTokenKernel* chunk, SigUnitTokenKernel* unit) {
+void PickSigKernelsG(int g, SigTokenKernel* chunk, SigUnitTokenKernel* unit) {
   if (g == 4) {
-    *chunk = Stage2SigTokenKernelT<kC, kBits, 4>;
-    *unit = Stage2SigUnitTokenKernelT<kC, kBits, 4>;
-  } else if (g == 8) {
-    *chunk = Stage2SigTokenKernelT<kC, kBits, 8>;
-    *unit = Stage2SigUnitTokenKernelT<kC, kBits, 8>;
+    *chunk = Stage2SigTokenKernel<kC, kBits, 4>;
+    *unit = Stage2SigUnitTokenKernel<kC, kBits, 4>;
+  } else {
+    *chunk = Stage2SigTokenKernel<kC, kBits, 8>;
+    *unit = Stage2SigUnitTokenKernel<kC, kBits, 8>;
   }
 }
-void SpecialisedSigKernels(int C, int bits, int g, int d, SigTokenKernel* chunk,
-                           SigUnitTokenKernel* unit) {
+template <int kC>
+void PickSigKernels(int bits, int g, int d, SigTokenKernel* chunk, SigUnitTokenKernel* unit) {
+  if constexpr (kC == 8 || kC == 16) {
+    if (d % 32 == 0 && (g == 4 || g == 8) && (bits == 2 || bits == 4)) {
+      if (bits == 4) {
+        PickSigKernelsG<kC, 4>(g, chunk, unit);
+      } else {
+        PickSigKernelsG<kC, 2>(g, chunk, unit);
+      }
+      return;
+    }
+  }
+  *chunk = Stage2SigTokenKernel<kC, 0, kMaxG>;
+  *unit = Stage2SigUnitTokenKernel<kC, 0, kMaxG>;
+}
+void SigKernels(int C, int bits, int g, int d, SigTokenKernel* chunk, SigUnitTokenKernel* unit) {
   *chunk = nullptr;
   *unit = nullptr;
-  if (d % 32 != 0) return;
-  if (C == 8 && bits == 4) PickSigKernels<8, 4>(g, chunk, unit);
-  if (C == 8 && bits == 2) PickSigKernels<8, 2>(g, chunk, unit);
-  if (C == 16 && bits == 4) PickSigKernels<16, 4>(g, chunk, unit);
-  if (C == 16 && bits == 2) PickSigKernels<16, 2>(g, chunk, unit);
+  if (g > kMaxG) return;
+  switch (C) {
+    case 1: return PickSigKernels<1>(bits, g, d, chunk, unit);
+    case 2: return PickSigKernels<2>(bits, g, d, chunk, unit);
+    case 4: return PickSigKernels<4>(bits, g, d, chunk, unit);
+    case 8: return PickSigKernels<8>(bits, g, d, chunk, unit);
+    case 16: return PickSigKernels<16>(bits, g, d, chunk, unit);
+    case 32: return PickSigKernels<32>(bits, g, d, chunk, unit);
+    default: return;
+  }
 }
 
 // The items' signature bits when they all share them and every segment's landmark rows
@@ -2384,7 +2422,9 @@ absl::Status SelectExUnits(int device, const LayerShape& shape, int k, const Sel
   KVSHADE_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   const size_t final_smem = FinalUnitSmemBytes(max_units, k);
-  const size_t stage2_smem = (size_t(g) * (d + 1) + size_t(kStage2Warps) * d) * sizeof(float);
+  const size_t stage2_smem =
+      (o.signatures ? SigQuery::Bytes(g, d) : size_t(g) * (d + 1) * sizeof(float)) +
+      size_t(kStage2Warps) * d * sizeof(float);
   if (final_smem > size_t(optin) || stage2_smem > size_t(optin)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "SelectEx: selection units at k = ", k, " over ", max_units,
@@ -2417,34 +2457,19 @@ absl::Status SelectExUnits(int device, const LayerShape& shape, int k, const Sel
     return absl::OkStatus();
   };
   // Signatures with C a power of two <= 32: a lane per token (the same arithmetic).
-  auto sig_token = [&](auto kernel, int c, int qd = 0) -> absl::Status {
-    const int per_block = kSigWarps * (32 / c);
+  SigTokenKernel unused = nullptr;
+  SigUnitTokenKernel sig_unit = nullptr;
+  if (o.signatures) SigKernels(o.C, CommonSigBits(items), g, d, &unused, &sig_unit);
+  if (sig_unit != nullptr) {
+    const int per_block = kSigWarps * (32 / o.C);
     const dim3 grid(cuda::CeilDiv(max_width, per_block), h, n_items);
-    const size_t smem = size_t(g) * (qd > 0 ? qd : d) * sizeof(float);
+    const size_t smem = SigQuery::Bytes(g, d);
     if (smem > (48 << 10)) {
       KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+          sig_unit, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     }
-    kernel<<<grid, 32 * kSigWarps, smem, st>>>(plan.dev_descs, g, d, o.unit, scale);
+    sig_unit<<<grid, 32 * kSigWarps, smem, st>>>(plan.dev_descs, g, d, o.unit, scale);
     KVSHADE_CUDA_LAUNCH_CHECK();
-    return absl::OkStatus();
-  };
-  const bool token_parallel = o.signatures && g <= kMaxG && o.C <= 32 && (o.C & (o.C - 1)) == 0;
-  SigTokenKernel unused = nullptr;
-  SigUnitTokenKernel fast = nullptr;
-  if (o.signatures) SpecialisedSigKernels(o.C, CommonSigBits(items), g, d, &unused, &fast);
-  if (fast != nullptr) {
-    KVSHADE_RETURN_IF_ERROR(sig_token(fast, o.C, SigQueryStride(d)));
-  } else if (token_parallel && o.C == 32) {
-    KVSHADE_RETURN_IF_ERROR(sig_token(Stage2SigUnitTokenKernel<32>, 32));
-  } else if (token_parallel && o.C == 16) {
-    KVSHADE_RETURN_IF_ERROR(sig_token(Stage2SigUnitTokenKernel<16>, 16));
-  } else if (token_parallel && o.C == 8) {
-    KVSHADE_RETURN_IF_ERROR(sig_token(Stage2SigUnitTokenKernel<8>, 8));
-  } else if (token_parallel && o.C == 4) {
-    KVSHADE_RETURN_IF_ERROR(sig_token(Stage2SigUnitTokenKernel<4>, 4));
-  } else if (token_parallel && o.C == 2) {
-    KVSHADE_RETURN_IF_ERROR(sig_token(Stage2SigUnitTokenKernel<2>, 2));
   } else if (o.signatures) {
     KVSHADE_RETURN_IF_ERROR(stage2(Stage2UnitKernel<true>));
   } else {
@@ -2565,39 +2590,28 @@ absl::Status CudaBackend::SelectEx(const LayerShape& shape, int k, const SelectO
   if (options.two_stage() && options.signatures) {
     const float scale = 1.0f / std::sqrt(static_cast<float>(d));
     const int C = options.C;
-    auto token_kernel = [&](auto kernel, int c, int qd = 0) -> absl::Status {
-      const int per_block = kSigWarps * (32 / c);
+    const size_t smem = SigQuery::Bytes(g, d);
+    SigTokenKernel sig_chunk = nullptr;
+    SigUnitTokenKernel unused = nullptr;
+    SigKernels(C, CommonSigBits(items), g, d, &sig_chunk, &unused);
+    if (sig_chunk != nullptr) {
+      const int per_block = kSigWarps * (32 / C);
       const dim3 grid(cuda::CeilDiv(max_width, per_block), h, n_items);
-      const size_t smem = size_t(g) * (qd > 0 ? qd : d) * sizeof(float);
       if (smem > (48 << 10)) {
         KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+            sig_chunk, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
       }
-      kernel<<<grid, 32 * kSigWarps, smem, st>>>(plan.dev_descs, g, d, scale);
+      sig_chunk<<<grid, 32 * kSigWarps, smem, st>>>(plan.dev_descs, g, d, scale);
       KVSHADE_CUDA_LAUNCH_CHECK();
-      return absl::OkStatus();
-    };
-    SigTokenKernel fast = nullptr;
-    SigUnitTokenKernel unused = nullptr;
-    SpecialisedSigKernels(C, CommonSigBits(items), g, d, &fast, &unused);
-    if (fast != nullptr) {
-      KVSHADE_RETURN_IF_ERROR(token_kernel(fast, C, SigQueryStride(d)));
-    } else if (g > kMaxG || C > 32 || (C & (C - 1)) != 0) {
-      const dim3 grid(cuda::CeilDiv(max_width, kStage2Warps), h, n_items);
-      Stage2SigKernel<<<grid, 32 * kStage2Warps, 0, st>>>(plan.dev_descs, g, d, C, scale);
-      KVSHADE_CUDA_LAUNCH_CHECK();
-    } else if (C == 32) {
-      KVSHADE_RETURN_IF_ERROR(token_kernel(Stage2SigTokenKernel<32>, 32));
-    } else if (C == 16) {
-      KVSHADE_RETURN_IF_ERROR(token_kernel(Stage2SigTokenKernel<16>, 16));
-    } else if (C == 8) {
-      KVSHADE_RETURN_IF_ERROR(token_kernel(Stage2SigTokenKernel<8>, 8));
-    } else if (C == 4) {
-      KVSHADE_RETURN_IF_ERROR(token_kernel(Stage2SigTokenKernel<4>, 4));
-    } else if (C == 2) {
-      KVSHADE_RETURN_IF_ERROR(token_kernel(Stage2SigTokenKernel<2>, 2));
     } else {
-      KVSHADE_RETURN_IF_ERROR(token_kernel(Stage2SigTokenKernel<1>, 1));
+      const dim3 grid(cuda::CeilDiv(max_width, kStage2Warps), h, n_items);
+      if (smem > (48 << 10)) {
+        KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+            Stage2SigKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+            static_cast<int>(smem)));
+      }
+      Stage2SigKernel<<<grid, 32 * kStage2Warps, smem, st>>>(plan.dev_descs, g, d, C, scale);
+      KVSHADE_CUDA_LAUNCH_CHECK();
     }
   } else if (options.two_stage()) {
     const dim3 grid(cuda::CeilDiv(max_width, kStage2Warps), h, n_items);

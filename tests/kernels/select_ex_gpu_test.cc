@@ -9,6 +9,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -232,15 +233,18 @@ TEST(SelectExGpu, AssignSlotsParity) {
 
 // Key signatures: the GPU's records equal the CPU's byte for byte, and stage 2 from them
 // selects as the CPU does (two stages over stage-1 candidates, and over every chunk).
-// g = 4 runs the kernels specialised for (C, bits, g), g = 3 the generic ones.
 TEST(SelectExGpu, SignaturesParity) {
   KVSHADE_CUDA_OR_SKIP(gpu);
   auto cpu = Cpu();
-  const std::pair<int, int> bits_g[] = {{2, 4}, {2, 3}, {4, 4}, {4, 3}};
-  for (const auto& [bits, g] : bits_g) {
-    SCOPED_TRACE("bits " + std::to_string(bits) + " g " + std::to_string(g));
-    auto rng = MakeRng(900 + bits + 10 * g);
-    LowRankCase c = RandomLowRank(rng, {4, g, 64}, 8, 32, 300, /*static_every=*/9);
+  // (bits, g, C): the kernels specialised for (C, bits, g), the generic token-per-lane ones
+  // (g 3), and the warp-per-candidate one (C 6, not a power of two).
+  const std::tuple<int, int, int> cases[] = {{2, 4, 8}, {2, 3, 8}, {4, 4, 8}, {4, 3, 8},
+                                             {4, 8, 16}, {4, 3, 6}};
+  for (const auto& [bits, g, C] : cases) {
+    SCOPED_TRACE("bits " + std::to_string(bits) + " g " + std::to_string(g) + " C " +
+                 std::to_string(C));
+    auto rng = MakeRng(900 + bits + 10 * g + 100 * C);
+    LowRankCase c = RandomLowRank(rng, {4, g, 64}, C, 32, 300, /*static_every=*/9);
     testing::BuildSignatures(c, bits);
     // The backend encoder from the same keys and landmarks.
     const int h = c.shape.h, d = c.shape.d, tokens = c.n_chunks * c.C;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <set>
 #include <utility>
 #include <vector>
@@ -595,6 +596,70 @@ TEST(SelectEx, RejectsSignaturesItCannotRead) {
   c.sig_bits = 3;
   RunEx(*be, c, 4, &o, std::vector<int32_t>(4, -1), nullptr, &st);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The int8 query of stage 2 from signatures: its largest channel maps to +-127, every
+// channel to the nearest step (ties to even), the scale reads it back within half a step;
+// a zero row gives scale 0, a non-finite one NaN, both with q8 all 0. The dot is the exact
+// integer sum scaled once, and the base is the sum of its two halves.
+TEST(Signatures, QueryDotAndBaseReferences) {
+  const int d = 16, bits = 4;
+  std::vector<bf16> q(d);
+  const float xs[d] = {0.5f, -1.0f, 0.25f, 0.0f, 2.0f, -2.0f, 1.0f / 127.0f, 0.75f,
+                       -0.125f, 1.5f, -0.5f, 0.0625f, 0.3f, -0.7f, 1.25f, -1.75f};
+  for (int i = 0; i < d; ++i) q[i] = FloatToBf16(xs[i]);
+  std::vector<int8_t> q8(d);
+  const float s = SignatureQueryReference(q.data(), d, q8.data());
+  EXPECT_EQ(s, 2.0f / 127.0f);
+  EXPECT_EQ(q8[4], 127);
+  EXPECT_EQ(q8[5], -127);
+  EXPECT_EQ(q8[3], 0);
+  for (int i = 0; i < d; ++i) {
+    const float x = Bf16ToFloat(q[i]);
+    EXPECT_EQ(q8[i], int8_t(std::nearbyint(x * (127.0f / 2.0f)))) << i;
+    EXPECT_LE(std::fabs(q8[i] * s - x), 0.5f * s * 1.0001f) << i;
+  }
+  std::vector<bf16> zero(d, FloatToBf16(0.0f));
+  EXPECT_EQ(SignatureQueryReference(zero.data(), d, q8.data()), 0.0f);
+  EXPECT_TRUE(std::all_of(q8.begin(), q8.end(), [](int8_t v) { return v == 0; }));
+  std::vector<bf16> bad = q;
+  bad[7] = FloatToBf16(std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isnan(SignatureQueryReference(bad.data(), d, q8.data())));
+  EXPECT_TRUE(std::all_of(q8.begin(), q8.end(), [](int8_t v) { return v == 0; }));
+
+  // A record with codes 0..15 and scale 0.5.
+  std::vector<std::byte> rec(SignatureRecordBytes(bits, d));
+  for (int w = 0; w < d / 8; ++w) {
+    uint32_t word = 0;
+    for (int j = 0; j < 8; ++j) word |= uint32_t(w * 8 + j) << (4 * j);
+    std::memcpy(rec.data() + 4 * w, &word, 4);
+  }
+  const float half_scale = 0.5f;
+  std::memcpy(rec.data() + d * bits / 8, &half_scale, 4);
+  std::vector<uint8_t> codes(d);
+  float sc = 0.0f;
+  SignatureUnpackReference(rec.data(), d, bits, codes.data(), &sc);
+  EXPECT_EQ(sc, 0.5f);
+  for (int i = 0; i < d; ++i) EXPECT_EQ(codes[i], i);
+  const float s2 = SignatureQueryReference(q.data(), d, q8.data());
+  int64_t exact = 0;
+  for (int i = 0; i < d; ++i) exact += int64_t(q8[i]) * (2 * codes[i] - 15);
+  EXPECT_EQ(SignatureDotReference(q8.data(), s2, codes.data(), d, bits),
+            float(exact) * (s2 * 0.5f));
+  // Against the unquantized dot, within what the int8 steps allow.
+  double ref = 0, err = 0;
+  for (int i = 0; i < d; ++i) {
+    ref += double(Bf16ToFloat(q[i])) * (codes[i] - 7.5);
+    err += 0.5 * s2 * std::fabs(codes[i] - 7.5);
+  }
+  EXPECT_NEAR(SignatureDotReference(q8.data(), s2, codes.data(), d, bits), ref, err * 1.001);
+
+  std::vector<bf16> lm(d);
+  for (int i = 0; i < d; ++i) lm[i] = FloatToBf16(0.1f * float(i) - 0.7f);
+  float lo = 0.0f, hi = 0.0f;
+  for (int i = 0; i < d / 2; ++i) lo += Bf16ToFloat(q[i]) * Bf16ToFloat(lm[i]);
+  for (int i = d / 2; i < d; ++i) hi += Bf16ToFloat(q[i]) * Bf16ToFloat(lm[i]);
+  EXPECT_EQ(SignatureBaseReference(q.data(), lm.data(), d), lo + hi);
 }
 
 // The encoder: the backend's records equal the reference's; each channel reads back within

@@ -81,22 +81,26 @@ inline void BuildSignatures(LowRankCase& c, int bits) {
   }
 }
 
-// The key a signature stands for (landmark + (code - half) * scale), in double.
-inline std::vector<double> SignatureKeyOf(const LowRankCase& c, int hh, int t) {
-  const int h = c.shape.h, d = c.shape.d, bits = c.sig_bits, levels = (1 << bits) - 1;
+// q_n . k_t as stage 2 from signatures defines it (SelectOptions::signatures), in double:
+// q_n . L[c] + scale_t * q_scale_n * sum_i q8_n[i] * (code_t[i] - half), with the int8 query
+// row q8_n and its scale (SignatureQueryReference).
+inline double SignatureDotOf(const LowRankCase& c, int hh, int n, int t) {
+  const int h = c.shape.h, g = c.shape.g, d = c.shape.d, bits = c.sig_bits;
   const size_t rec = SignatureRecordBytes(bits, d);
-  const std::byte* r = c.sig.data() + (size_t(t) * h + hh) * rec;
+  const bf16* q = c.q.data() + size_t(hh * g + n) * d;
+  const bf16* lm = c.landmarks.data() + (size_t(t / c.C) * h + hh) * d;
+  std::vector<int8_t> q8(d);
+  const double q_scale = SignatureQueryReference(q, d, q8.data());
+  std::vector<uint8_t> codes(d);
   float scale = 0.0f;
-  std::memcpy(&scale, r + size_t(d) * bits / 8, sizeof(float));
-  std::vector<double> k(d);
+  SignatureUnpackReference(c.sig.data() + (size_t(t) * h + hh) * rec, d, bits, codes.data(),
+                           &scale);
+  double base = 0, res = 0;
   for (int ch = 0; ch < d; ++ch) {
-    uint32_t word = 0;
-    std::memcpy(&word, r + size_t(ch / (32 / bits)) * 4, 4);
-    const uint32_t code = (word >> (bits * (ch % (32 / bits)))) & uint32_t(levels);
-    k[ch] = double(Bf16ToFloat(c.landmarks[(size_t(t / c.C) * h + hh) * d + ch])) +
-            (double(code) - levels / 2.0) * double(scale);
+    base += double(Bf16ToFloat(q[ch])) * double(Bf16ToFloat(lm[ch]));
+    res += double(q8[ch]) * (double(codes[ch]) - ((1 << bits) - 1) / 2.0);
   }
-  return k;
+  return base + double(scale) * q_scale * res;
 }
 
 // A random case: Gaussian factors and query, no static chunks unless `static_every` > 0
@@ -252,7 +256,7 @@ struct OracleScores {
   }
 };
 
-// With `signatures` the keys are the ones the signatures stand for (SignatureKeyOf).
+// With `signatures` the dots are the ones the signatures stand for (SignatureDotOf).
 inline OracleScores ScoreCandidates(const LowRankCase& c, int hh,
                                     const std::vector<int32_t>& cands, bool signatures = false) {
   const int g = c.shape.g, d = c.shape.d;
@@ -263,17 +267,20 @@ inline OracleScores ScoreCandidates(const LowRankCase& c, int hh,
   for (size_t i = 0; i < n_cand; ++i) {
     l[i].assign(c.C, std::vector<double>(g));
     for (int t = 0; t < c.C; ++t) {
+      const int token = cands[i] * c.C + t;
       std::vector<double> k(d);
-      if (signatures) {
-        k = SignatureKeyOf(c, hh, cands[i] * c.C + t);
-      } else {
-        const std::vector<float> kf = KeyOf(c, hh, cands[i] * c.C + t);
+      if (!signatures) {
+        const std::vector<float> kf = KeyOf(c, hh, token);
         for (int ch = 0; ch < d; ++ch) k[ch] = Bf16ToFloat(FloatToBf16(kf[ch]));
       }
       for (int n = 0; n < g; ++n) {
         double dot = 0;
-        for (int ch = 0; ch < d; ++ch) {
-          dot += double(Bf16ToFloat(c.q[size_t(hh * g + n) * d + ch])) * k[ch];
+        if (signatures) {
+          dot = SignatureDotOf(c, hh, n, token);
+        } else {
+          for (int ch = 0; ch < d; ++ch) {
+            dot += double(Bf16ToFloat(c.q[size_t(hh * g + n) * d + ch])) * k[ch];
+          }
         }
         l[i][t][n] = dot / std::sqrt(double(d));
         mx[n] = std::max(mx[n], l[i][t][n]);

@@ -85,9 +85,10 @@ struct UnitScore {
 };
 
 // The reference: per-token logits of every token of the candidate chunks straight from the
-// definition (double dots with the bf16 keys Reconstruct would write, or with the keys the
-// signatures stand for), each query head's log-softmax over all of them, then per unit of u
-// tokens log m = max_n max_t and log w = max_n logsumexp_t; ranked by (m desc, id asc).
+// definition (double dots with the bf16 keys Reconstruct would write, or the dots the
+// signatures stand for, SignatureDotOf), each query head's log-softmax over all of them,
+// then per unit of u tokens log m = max_n max_t and log w = max_n logsumexp_t; ranked by
+// (m desc, id asc).
 std::vector<UnitScore> RankUnits(const LowRankCase& c, int hh, const std::vector<int32_t>& cands,
                                  int u, bool signatures) {
   const int g = c.shape.g, d = c.shape.d, C = c.C, per = C / u;
@@ -97,16 +98,18 @@ std::vector<UnitScore> RankUnits(const LowRankCase& c, int hh, const std::vector
     for (int t = 0; t < C; ++t) {
       const int token = cands[i] * C + t;
       std::vector<double> key(d);
-      if (signatures) {
-        key = testing::SignatureKeyOf(c, hh, token);
-      } else {
+      if (!signatures) {
         const std::vector<float> kf = testing::KeyOf(c, hh, token);
         for (int ch = 0; ch < d; ++ch) key[ch] = Bf16ToFloat(FloatToBf16(kf[ch]));
       }
       for (int n = 0; n < g; ++n) {
         double dot = 0;
-        for (int ch = 0; ch < d; ++ch)
-          dot += double(Bf16ToFloat(c.q[size_t(hh * g + n) * d + ch])) * key[ch];
+        if (signatures) {
+          dot = testing::SignatureDotOf(c, hh, n, token);
+        } else {
+          for (int ch = 0; ch < d; ++ch)
+            dot += double(Bf16ToFloat(c.q[size_t(hh * g + n) * d + ch])) * key[ch];
+        }
         l[i * C + t][n] = dot / std::sqrt(double(d));
       }
     }

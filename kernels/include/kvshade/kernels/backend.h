@@ -224,11 +224,15 @@ struct SelectItem {
 //   signatures : stage 2 scores the candidates' tokens from their key signatures
 //                (SegmentView::sig) instead of reconstructing their keys: the logit of token
 //                t of chunk c for query head n is
-//                  l_n(t) = (dot(q[n], L[c]) + scale_t * dot(q[n], code_t - half)) / sqrt(d)
+//                  l_n(t) = (dot(q[n], L[c]) + scale_t * s_n * dot(q8[n], code_t - half))
+//                           / sqrt(d)
 //                (L[c] the chunk's landmark, code_t and scale_t the token's signature record,
-//                half = (2^bits - 1) / 2; fp32, each dot in channel order, then the same
-//                normalisation and ranking as above). Needs view.sig_bits > 0 and every
-//                segment's sig; no basis, RoPE or token coordinates are read.
+//                half = (2^bits - 1) / 2, q8[n] and s_n the int8 query row and its scale;
+//                fp32 with the arithmetic of codec.h's SignatureQueryReference,
+//                SignatureDotReference and SignatureBaseReference, which every backend
+//                reproduces bit for bit; then the same normalisation and ranking as
+//                above). Needs view.sig_bits > 0 and every segment's sig; no basis, RoPE or
+//                token coordinates are read.
 //   unit       : selection units of u = unit tokens (u = 1: token-granular selection);
 //                0 or C selects whole chunks as above, bit for bit. With 0 < u < C (u must
 //                divide C, and two stages are needed) the view's tokens are cut into units:

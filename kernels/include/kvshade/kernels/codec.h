@@ -75,9 +75,25 @@ void KiviQuantizeGroupReference(const float* x, int G, int bits, uint32_t* words
 // (SignatureRecordBytes(bits, d) bytes). Both backends reproduce these bytes exactly.
 void SignatureEncodeReference(const bf16* key, const bf16* landmark, int d, int bits,
                               std::byte* record);
-// The record's scale and dot(q, code - half) in fp32, channels in order (the signature
-// part of a stage-2 logit, SelectOptions::signatures).
-float SignatureDotReference(const bf16* q, const std::byte* record, int d, int bits,
-                            float* scale);
+
+// Stage 2 from signatures (SelectOptions::signatures) scores with the query row quantized
+// to int8 (docs/ALGORITHM.md "Key signatures"), so that its dot with a record's codes is an
+// exact integer on every backend, in any order: amax = max |q[i]|; inv = 127 / amax and
+// q8[i] = rint(q[i] * inv) (fp32, ties to even); returns the query scale amax / 127. A row
+// of zeros gives 0 (q8 all 0); a row with a non-finite channel gives NaN (q8 all 0), so
+// its logits carry no weight.
+float SignatureQueryReference(const bf16* q, int d, int8_t* q8);
+// A record's codes, one per channel, and its scale.
+void SignatureUnpackReference(const std::byte* record, int d, int bits, uint8_t* codes,
+                              float* scale);
+// dot(q, code - half) of a record's codes from the int8 query of SignatureQueryReference:
+// D = sum q8[i] * code[i] and S = sum q8[i] (exact integers), then
+// float(2*D - (2^bits - 1)*S) * (q_scale / 2), one fp32 rounding.
+float SignatureDotReference(const int8_t* q8, float q_scale, const uint8_t* codes, int d,
+                            int bits);
+// dot(q, L) of a query row and a landmark row for a signature logit: the fp32 sum of
+// channels [0, d/2) in order plus the fp32 sum of [d/2, d) in order (each product and sum
+// rounded), so that two lanes of a GPU form it the same way.
+float SignatureBaseReference(const bf16* q, const bf16* landmark, int d);
 
 }  // namespace kvshade::kernels
