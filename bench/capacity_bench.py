@@ -14,7 +14,7 @@ Model: a randomly initialised Llama-3-8B shape (transformers, bf16, 32 layers, h
                           layer's cache at each step)
   kvshade               : sessions held by a daemon on the same GPU (shadow profile,
                           value_codec auto: int4 values in host memory at these lengths),
-                          decoded by kvshade.serving.BatchCache (one same-node LocalDecoder)
+                          decoded by kvshade.integrations.serving.BatchCache (one same-node LocalDecoder)
 
 Each configuration's batch grows until the GPU (or, for kvshade, the daemon's budgets)
 cannot take another sequence, then decodes --steps steps at that batch ("largest batch";
@@ -145,7 +145,7 @@ def time_steps(step, steps):
 def dense_row(model, kind, n, B, steps):
     """Decode steps at batch B; None when B does not fit."""
     from transformers import AttentionInterface
-    from kvshade.hf_cache import register_sdpa_mask
+    from kvshade.integrations.hf_cache import register_sdpa_mask
     AttentionInterface.register("dense_sdpa", dense_sdpa)
     register_sdpa_mask("dense_sdpa")
     cache = None
@@ -213,8 +213,8 @@ def ingest_random(c, spec, profile, n, seed):
 
 
 def kvshade_rows(c, model, n, steps, max_batch, time_limit_s, budget):
-    from kvshade import hf_cache, serving
-    from kvshade.hf_cache import model_spec_from_config, _text_config, find_rotary_embedding
+    from kvshade.integrations import hf_cache, serving
+    from kvshade.integrations.hf_cache import model_spec_from_config, _text_config, find_rotary_embedding
     hf_cache.enable(model)
     spec = model_spec_from_config(_text_config(model.config), "bench/capacity-%d" % n, find_rotary_embedding(model))
     profile = kvshade.Profile("shadow", sparse_budget=budget)  # value_codec: the server default (auto)

@@ -5,7 +5,7 @@ Two tables (bench/RESULTS.md "Decode attention: kvshade against stock SDPA" and 
 decode against `DynamicCache`"):
 
   attention: one layer of Llama-3-8B shape (8 KV heads, 32 query heads, head dim 128) at a
-    long context, batch B: kvshade same-node (kvshade.local.LocalDecoder: select +
+    long context, batch B: kvshade same-node (kvshade.decoders.local.LocalDecoder: select +
     reconstruct into slot buffers + attend, in this process, over state the daemon
     exports) against stock torch SDPA over a GPU-resident bf16 cache (cuDNN, flash and
     memory-efficient backends each forced; the best is the baseline). Every figure beside
@@ -15,9 +15,9 @@ decode against `DynamicCache`"):
 
   e2e: `model(...)` decode steps of a randomly initialised Llama-3-8B-shaped model
     (transformers, bf16, 32 layers, hidden 4096, 32/8 heads, head dim 128) after a prompt
-    of --e2e-tokens, batch --e2e-batch: DynamicCache + SDPA, kvshade.hf_cache with
+    of --e2e-tokens, batch --e2e-batch: DynamicCache + SDPA, kvshade.integrations.hf_cache with
     decode="local", and with decode="rpc" (mode "rpc-spec": with speculate=True)
-    (kvshade.remote.RemoteDecoder: one select per
+    (kvshade.decoders.remote.RemoteDecoder: one select per
     layer over the UCX data plane (--ucx, busy polling --busy-poll-us on both sides), misses
     delivered by --e2e-delivery, attention in this process). ms/token median and p90.
     Modes ingest-device, ingest-ucx, ingest-grpc: the same prompt's session for a remote
@@ -47,7 +47,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import kvshade  # noqa: E402
-from kvshade.local import LocalDecoder  # noqa: E402
+from kvshade.decoders.local import LocalDecoder  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
 
@@ -253,7 +253,7 @@ def decode_loop(model, cache, first_logits, steps, n_prompt):
 
 def e2e_table(c, args, ucx_client=None):
     from transformers import DynamicCache
-    from kvshade import hf_cache
+    from kvshade.integrations import hf_cache
     model = build_model(args)
     n, B = args.e2e_tokens, args.e2e_batch
     # B > 1: B copies of one prompt (many questions over one document, decoded together):

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 
 import decode_bench  # noqa: E402
 import kvshade.client  # noqa: E402
-import kvshade.hf_cache  # noqa: E402
-import kvshade.local  # noqa: E402
+import kvshade.integrations.hf_cache  # noqa: E402
+import kvshade.decoders.local  # noqa: E402
 
 EVENTS = []
 
@@ -51,10 +51,10 @@ def main():
     ap.add_argument("--server", required=True)
     ap.add_argument("--tokens", type=int, default=131072)
     args = ap.parse_args()
-    wrap(kvshade.hf_cache.KvShadeCache, "_begin_device_ingest", "create sessions + open streams")
+    wrap(kvshade.integrations.hf_cache.KvShadeCache, "_begin_device_ingest", "create sessions + open streams")
     wrap(kvshade.client.Ingest, "layer_cuda", "layer")
     wrap(kvshade.client.Ingest, "commit", "commit")
-    wrap(kvshade.local.LocalDecoder, "__init__", "open same-node decoder", sync=True)
+    wrap(kvshade.decoders.local.LocalDecoder, "__init__", "open same-node decoder", sync=True)
     wrap(decode_bench, "decode_loop", "decode loop")
     sys.argv = [sys.argv[0], "--server", args.server, "--skip-attn", "--e2e-tokens", str(args.tokens),
                 "--e2e-steps", "4", "--e2e-modes", "local"]

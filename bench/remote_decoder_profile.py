@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where a decode layer's time goes in kvshade.remote.RemoteDecoder (the transformers
+"""Where a decode layer's time goes in kvshade.decoders.remote.RemoteDecoder (the transformers
 adapter's decode="rpc" path), per delivery: the select call (Python + C ABI + data plane +
 the daemon's select, reconstruct and delivery), applying its deltas, and the whole attend()
 including attention, each median over the steps after the first two. Then a cProfile of
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 import decode_bench  # noqa: E402
 import kvshade  # noqa: E402
-from kvshade.remote import RemoteDecoder  # noqa: E402
+from kvshade.decoders.remote import RemoteDecoder  # noqa: E402
 
 L, HQ, H, D = 32, 32, 8, 128
 

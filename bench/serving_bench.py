@@ -8,7 +8,7 @@ generates --max-new-tokens tokens greedily. Requests arrive as a Poisson process
 per second (seeded). Model: randomly initialised Llama-3-8B shape, bf16 (bench/capacity_bench.py).
 
 Rows (--configs, run in this order):
-  kvshade          kvshade.serving.Generator: each prompt is prefilled through
+  kvshade          kvshade.integrations.serving.Generator: each prompt is prefilled through
                    hf_cache.KvShadeCache (its layers streamed to a daemon on the same GPU,
                    in chunks of --prefill-chunk between decode steps) and joins one decode
                    batch between steps once its session has committed. Each request passes
@@ -21,7 +21,7 @@ Rows (--configs, run in this order):
                    (--prefix-device-gib on the GPU, --prefix-cache-gib in host memory), so a
                    later question's prefill starts after it.
   kvshade-cb       kvshade behind transformers' own ContinuousBatchingManager
-                   (kvshade.hf_batching), requests added at their arrival times.
+                   (kvshade.integrations.hf_batching), requests added at their arrival times.
   transformers-cb  stock transformers continuous batching (ContinuousBatchingManager: paged
                    attention, its own scheduler and chunked prefill), requests added at their
                    arrival times: the strongest dense runtime.
@@ -143,7 +143,7 @@ def workload(args):
 
 
 def run_kvshade(c, model, prompts, arrivals, args):
-    from kvshade import serving
+    from kvshade.integrations import serving
     gen = serving.Generator(c, model, profile_of(args), max_batch=args.max_batch,
                             model_id="bench/serving-%d" % args.seed, local_capacity=max(64, args.max_new_tokens),
                             prefill_chunk_tokens=args.prefill_chunk or None,
@@ -307,17 +307,17 @@ def run_transformers_cb_arrivals(model, prompts, arrivals, args):
 
 
 def run_kvshade_cb_arrivals(c, model, prompts, arrivals, args):
-    """kvshade behind transformers' continuous batching (kvshade.hf_batching) under the same
+    """kvshade behind transformers' continuous batching (kvshade.integrations.hf_batching) under the same
     arrivals."""
     from transformers import GenerationConfig
-    from kvshade import hf_batching
+    from kvshade.integrations import hf_batching
     cfg = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
     manager = hf_batching.enable(model, c, profile_of(args), generation_config=cfg,
                                  model_id="bench/serving-cb-%d" % args.seed,
                                  local_capacity=max(64, args.max_new_tokens))
     try:
         return run_manager_arrivals(manager, prompts, arrivals, args,
-                                    "kvshade.hf_batching (transformers' manager), arrivals")
+                                    "kvshade.integrations.hf_batching (transformers' manager), arrivals")
     finally:
         hf_batching.disable(model)
         model.set_attn_implementation("sdpa")
@@ -426,7 +426,7 @@ def main():
                          "earlier chunks on the GPU), in GiB")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--configs", default="kvshade,kvshade-cb,transformers-cb,dynamic",
-                    help="rows, in this order: kvshade (serving.Generator), kvshade-cb (kvshade.hf_batching "
+                    help="rows, in this order: kvshade (serving.Generator), kvshade-cb (kvshade.integrations.hf_batching "
                          "under transformers' manager), transformers-cb (stock ContinuousBatchingManager), "
                          "dynamic (DynamicCache generate, one request at a time), transformers "
                          "(generate_batch, every request submitted at once)")

@@ -61,7 +61,7 @@ if has python; then
   # Same-node decode over a CUDA daemon's exported state (CUDA IPC, CUDA graphs).
   (cd tests/python && KVSHADE_TEST_BACKEND=cuda python3 run_unittest.py test_local) 2>&1 \
     | tee "$OUTDIR/py_test_local_cuda.log" || rc=1
-  # Continuous batching (kvshade.serving) and the device ingest path's window.
+  # Continuous batching (kvshade.integrations.serving) and the device ingest path's window.
   (cd tests/python && KVSHADE_TEST_BACKEND=cuda KVSHADE_TEST_HEAD_DIM=64 python3 run_unittest.py test_serving) \
     2>&1 | tee "$OUTDIR/py_test_serving_cuda.log" || rc=1
   # The CUDA kernels take head dims 64, 80, 96, 128 and 256: the tiny model gets d = 64.

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Selection-fidelity harness: decodes the evaluation tasks (tasks.py) with a model whose
 prompt cache is held by kvshade (through the public Python package: kvshade.Client and
-kvshade.torch_hook.KvShadeKVCache) and compares the answers with full attention and with
+kvshade.integrations.torch_hook.KvShadeKVCache) and compares the answers with full attention and with
 the oracle chunk choice at the same budget.
 
 For each sample the model prefills the prompt minus its last token with full attention
@@ -16,7 +16,7 @@ are decoded greedily one token at a time, each layer's attention coming from:
   exact / shadow / mini   kvshade: KvShadeKVCache.attend (static set, select deltas, tail,
            decoded tokens), one session per sample and profile
   shadow, option rpc / rpc-spec   the same shadow session (bf16 values) decoded by
-           kvshade.remote.RemoteDecoder, the data-path worker: synchronous selection, or
+           kvshade.decoders.remote.RemoteDecoder, the data-path worker: synchronous selection, or
            speculate-and-correct (each layer attends over the chunks selected with the
            previous step's query unless the query drifted below --correct-below)
 
@@ -212,7 +212,7 @@ def sync(device):
 
 
 def kvshade_attend_class():
-    from kvshade.torch_hook import KvShadeKVCache
+    from kvshade.integrations.torch_hook import KvShadeKVCache
 
     class TrackedCache(KvShadeKVCache):
         """KvShadeKVCache that also remembers which chunk each slot holds, to measure recall."""
@@ -296,12 +296,12 @@ class KvShadeAttend:
 
 
 class RemoteAttend:
-    """Decode attention through kvshade.remote.RemoteDecoder (the worker of the data path)
+    """Decode attention through kvshade.decoders.remote.RemoteDecoder (the worker of the data path)
     for one sample: synchronous selection, or speculate-and-correct."""
 
     def __init__(self, client, spec, profile, pf, prompt_ids, device, speculate, correct_below, worker_id="eval"):
-        from kvshade.remote import RemoteDecoder
-        from kvshade.torch_hook import KvShadeKVCache
+        from kvshade.decoders.remote import RemoteDecoder
+        from kvshade.integrations.torch_hook import KvShadeKVCache
         client = self.client = TimedClient(client)
         self.device, self.attend_s = device, 0.0
         self.cache = KvShadeKVCache(client, spec, profile, worker_id=worker_id)
@@ -637,7 +637,7 @@ def main(argv=None):
                     help="do not add the shadow variants kvshade.Profile offers (rerank_factor 4: two-stage "
                          "selection; mass_top_p 0.9 with mass_min_chunks 4: budgets by attention mass)")
     ap.add_argument("--decoders", default="rpc,rpc-spec",
-                    help="shadow (bf16) also decoded by kvshade.remote.RemoteDecoder: rpc (synchronous), rpc-spec "
+                    help="shadow (bf16) also decoded by kvshade.decoders.remote.RemoteDecoder: rpc (synchronous), rpc-spec "
                          "(speculate-and-correct); empty for none")
     ap.add_argument("--correct-below", type=float, default=0.9, help="rpc-spec: RemoteDecoder correct_below")
     ap.add_argument("--rank", type=int, default=32)

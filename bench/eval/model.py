@@ -262,7 +262,7 @@ class HFBackbone:
         self.d = int(getattr(tc, "head_dim", None) or tc.hidden_size // self.hq)
 
     def spec(self, model_id):
-        from kvshade import hf_cache
+        from kvshade.integrations import hf_cache
         return hf_cache.model_spec_from_config(self.model.config, model_id,
                                                rotary=hf_cache.find_rotary_embedding(self.model))
 

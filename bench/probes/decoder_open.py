@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from kvshade_testutil import Server  # noqa: E402
 
 import kvshade  # noqa: E402
-from kvshade.local import LocalDecoder  # noqa: E402
+from kvshade.decoders.local import LocalDecoder  # noqa: E402
 
 L, HQ, H, D, N = 32, 32, 8, 128, 4096
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Greedy decoding of a Hugging Face transformers Llama-style model with kvshade holding its
-prompt cache (kvshade.hf_cache): the prompt runs through the model once (its own attention),
+prompt cache (kvshade.integrations.hf_cache): the prompt runs through the model once (its own attention),
 its K/V go to kvshade, and every decode step attends through kvshade (select-and-reconstruct
 for `shadow`). Prints each token and the running slot hit ratio (selected chunks already in
 a slot / selected chunks), and with --compare the same decode with the model's DynamicCache.

@@ -27,6 +27,8 @@ fi
 [ -e "$lib/cmake/kvshade/kvshadeConfig.cmake" ] || fail "kvshadeConfig.cmake not installed"
 pkgdir=$(dirname "$(find "$prefix" -path '*dist-packages/kvshade/__init__.py' | head -1)")
 [ -n "$pkgdir" ] && [ -e "$pkgdir/_native.py" ] || fail "Python package not installed"
+[ -e "$pkgdir/decoders/local.py" ] && [ -e "$pkgdir/integrations/hf_cache.py" ] \
+  || fail "the Python package's subpackages not installed"
 # The installed binaries run from the prefix (no build-tree RPATH left behind).
 v=$("$prefix/bin/kvshade-server" --version) || fail "kvshade-server --version exited $?"
 case "$v" in "kvshade-server "*) ;; *) fail "kvshade-server --version printed '$v'";; esac

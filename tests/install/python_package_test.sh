@@ -34,6 +34,9 @@ PY
 "$py" -m pip install --no-deps --no-build-isolation --target "$tmp/target" "$tmp/src" > "$tmp/pip-target.log" 2>&1 \
   || { cat "$tmp/pip-target.log"; fail "pip install --target"; }
 [ -e "$tmp/target/kvshade/__init__.py" ] || fail "--target holds no kvshade/"
+for f in decoders/__init__.py decoders/local.py integrations/__init__.py integrations/hf_cache.py py.typed; do
+  [ -e "$tmp/target/kvshade/$f" ] || fail "--target holds no kvshade/$f"
+done
 check "$py" "$tmp/target" || fail "the --target install does not work"
 
 "$py" -m venv --system-site-packages "$tmp/venv" || fail "python3 -m venv"

@@ -19,7 +19,7 @@ from kvshade.routing import choose_device, session_device
 
 try:
     import torch
-    from kvshade.torch_hook import KvShadeKVCache
+    from kvshade.integrations.torch_hook import KvShadeKVCache
 except ImportError:  # torch is optional for the package
     torch = None
 

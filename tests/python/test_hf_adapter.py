@@ -1,4 +1,4 @@
-"""kvshade.hf_cache with Hugging Face transformers: a tiny random LlamaForCausalLM (RoPE none,
+"""kvshade.integrations.hf_cache with Hugging Face transformers: a tiny random LlamaForCausalLM (RoPE none,
 linear, llama3, yarn; GQA 4 query / 2 KV heads; head_dim 32) decodes through `generate`
 with a real kvshade-server holding its prompt cache. Skipped when transformers is not
 importable (Debian has none); with KVSHADE_REQUIRE_GPU=1 (scripts/gpu-run.sh) that, or a
@@ -42,11 +42,11 @@ try:
     import torch
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
     HAVE_TRANSFORMERS, WHY = True, ""
-except ImportError as e:  # Debian: no transformers; the CPU suite covers kvshade.torch_hook
+except ImportError as e:  # Debian: no transformers; the CPU suite covers kvshade.integrations.torch_hook
     HAVE_TRANSFORMERS, WHY = False, "transformers is not importable: %s" % e
 
 if HAVE_TRANSFORMERS:
-    from kvshade import hf_cache
+    from kvshade.integrations import hf_cache
     DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # KVSHADE_REQUIRE_GPU=1 (scripts/gpu-run.sh, on the GPU machine, where this suite is meant to
@@ -396,7 +396,7 @@ class HfAdapterTest(unittest.TestCase):
 
     def test_local_decode_equals_rpc_decode(self):
         # The same session state, attended in this process (LocalDecoder over the daemon's
-        # exported memory) or through the daemon's data path (kvshade.remote.RemoteDecoder:
+        # exported memory) or through the daemon's data path (kvshade.decoders.remote.RemoteDecoder:
         # one select per layer, attention here over the delivered misses): the same chunks
         # are selected, so logits agree to fp32 rounding and greedy tokens match.
         n, steps = 192, 6

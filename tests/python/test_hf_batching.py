@@ -1,4 +1,4 @@
-"""kvshade.hf_batching: transformers' continuous batching (generate_batch and the
+"""kvshade.integrations.hf_batching: transformers' continuous batching (generate_batch and the
 ContinuousBatchingManager) with kvshade holding every request's context, on the tiny random
 Llama of test_hf_adapter and a real kvshade-server.
 
@@ -35,9 +35,9 @@ if HAVE_TRANSFORMERS:  # test_hf_adapter defines these only where transformers i
     try:
         from transformers import GenerationConfig
 
-        from kvshade import hf_batching, hf_cache, serving
+        from kvshade.integrations import hf_batching, hf_cache, serving
     except ImportError as e:  # a transformers without continuous batching
-        HAVE_TRANSFORMERS, WHY = False, "kvshade.hf_batching does not import: %s" % e
+        HAVE_TRANSFORMERS, WHY = False, "kvshade.integrations.hf_batching does not import: %s" % e
     from test_hf_adapter import tiny_llama
 
 
@@ -63,7 +63,7 @@ class HfBatchingTest(_WithServer):
         return kvshade.Profile("shadow", rank=16, chunk_size=8, sparse_budget=6, outliers=2, local_window=32)
 
     def generator_tokens(self, model, prompts, steps, name):
-        """Each prompt's greedy tokens through kvshade.serving.Generator (its own model id)."""
+        """Each prompt's greedy tokens through kvshade.integrations.serving.Generator (its own model id)."""
         gen = serving.Generator(self.client, model, self.profile(), max_batch=len(prompts),
                                 model_id="cb-ref-%s-%d" % (name, self.seed))
         reqs = [gen.submit(p, s) for p, s in zip(prompts, steps)]

@@ -1,4 +1,4 @@
-"""kvshade.local.LocalDecoder (same-node decode) through the C ABI and the Python package,
+"""kvshade.decoders.local.LocalDecoder (same-node decode) through the C ABI and the Python package,
 against the daemon's Attend RPC on the same inputs. The daemon's backend comes from
 KVSHADE_TEST_BACKEND (cpu here; cuda on a GPU machine, where the decoder maps the daemon's
 device memory by CUDA IPC and runs on CUDA tensors).
@@ -21,8 +21,8 @@ from kvshade_testutil import Server
 
 import kvshade
 from kvshade import _native
-from kvshade.decoder import Decoder
-from kvshade.local import LocalDecoder
+from kvshade.decoders.base import Decoder
+from kvshade.decoders.local import LocalDecoder
 
 L, HQ, H, D, N = 2, 4, 2, 64, 512
 BACKEND = os.environ.get("KVSHADE_TEST_BACKEND", "cpu")
@@ -361,7 +361,7 @@ class LocalDecoderTest(unittest.TestCase):
         # Without the plugin (here: a path where there is none) the CPU backend still serves
         # and a CUDA decoder is refused, saying what was not found.
         code = ("import kvshade, sys\n"
-                "from kvshade.local import LocalDecoder\n"
+                "from kvshade.decoders.local import LocalDecoder\n"
                 "c = kvshade.Client(sys.argv[1])\n"
                 "try:\n"
                 "    LocalDecoder(c, [], backend='cuda')\n"

@@ -1,12 +1,12 @@
-"""kvshade.remote.RemoteDecoder against real kvshade-servers: for every slot delivery the
+"""kvshade.decoders.remote.RemoteDecoder against real kvshade-servers: for every slot delivery the
 daemon can grant here ("inline" over gRPC; "ucx_rma" over a UCX data plane on tcp; and
 "cuda_ipc" where a CUDA daemon and a GPU are at hand), its batched attention equals the
-per-head reference of kvshade.torch_hook (same session, same queries, same new tokens) and,
+per-head reference of kvshade.integrations.torch_hook (same session, same queries, same new tokens) and,
 without new tokens, the daemon's own Attend; a batch equals each session alone; exact
 sessions in the batch are served from their tail; a layer the recall guard puts under a
 fallback is attended through the daemon's Attend merged with the tokens decoded here
 (equal to kvshade.testing's reference over the daemon's own rows); the decoder follows
-kvshade.decoder.Decoder; sequences join and leave between steps (each equal to a decoder
+kvshade.decoders.base.Decoder; sequences join and leave between steps (each equal to a decoder
 over its session alone); bad calls are refused."""
 import contextlib
 import os
@@ -22,10 +22,10 @@ import torch
 from kvshade_testutil import Server, seed
 
 import kvshade
-from kvshade.decoder import Decoder
-from kvshade.remote import RemoteDecoder
+from kvshade.decoders.base import Decoder
+from kvshade.decoders.remote import RemoteDecoder
 from kvshade.testing import attention, merge_attention
-from kvshade.torch_hook import KvShadeKVCache
+from kvshade.integrations.torch_hook import KvShadeKVCache
 
 L, HQ, H, D, N = 2, 4, 2, 64, 512  # d 64: a head dim the CUDA backend has kernels for
 

@@ -1,4 +1,4 @@
-"""kvshade.serving and the bounded prefill of kvshade.hf_cache, with a tiny random Llama
+"""kvshade.integrations.serving and the bounded prefill of kvshade.integrations.hf_cache, with a tiny random Llama
 (the model of test_hf_adapter) and a real kvshade-server.
 
   * Generator (continuous batching): requests of different prompt lengths and lengths of
@@ -32,7 +32,7 @@ from test_hf_adapter import D, H, HAVE_TRANSFORMERS, LAYERS, REQUIRE_GPU, WHY, W
 if HAVE_TRANSFORMERS:  # test_hf_adapter defines these only where transformers imports
     import torch
 
-    from kvshade import hf_cache, serving
+    from kvshade.integrations import hf_cache, serving
     from test_hf_adapter import DEV, Bf16DynamicCache, tiny_llama
 
 BACKEND = os.environ.get("KVSHADE_TEST_BACKEND", "cpu")

@@ -2,7 +2,7 @@
 and kvshade.Client, against a kvshade-server with two CPU devices (cpu:0,cpu:1): two ranks,
 each creating or joining the logical session with its half of the KV heads on its own
 device, ingesting and appending its heads; per rank, remote select and attend and same-node
-decode (kvshade.local.LocalDecoder) equal a whole-model session on the same heads; the
+decode (kvshade.decoders.local.LocalDecoder) equal a whole-model session on the same heads; the
 logical session's info and shards; fork and close of the logical session; refusals that
 create nothing."""
 import unittest
@@ -13,7 +13,7 @@ import torch
 from kvshade_testutil import Server, seed
 
 import kvshade
-from kvshade.local import LocalDecoder
+from kvshade.decoders.local import LocalDecoder
 
 L, HQ, H, D, N = 2, 8, 4, 32, 512
 G = HQ // H

@@ -1,4 +1,4 @@
-"""kvshade.torch_hook on a tiny self-contained Llama-style model (random weights, RMSNorm,
+"""kvshade.integrations.torch_hook on a tiny self-contained Llama-style model (random weights, RMSNorm,
 half-split RoPE, GQA, SwiGLU): the prompt's cache goes to a real kvshade-server and decode
 attends through the hook. `exact` must match the model's own dense cache (same bf16 K/V);
 `shadow` with a budget covering every chunk and full rank must match within tolerance; at a
@@ -13,7 +13,7 @@ import torch
 from kvshade_testutil import WithServer, seed
 
 import kvshade
-from kvshade.torch_hook import KvShadeKVCache
+from kvshade.integrations.torch_hook import KvShadeKVCache
 
 VOCAB, HIDDEN, LAYERS, HQ, H, D, FFN, THETA = 101, 64, 2, 4, 2, 16, 128, 10000.0
 

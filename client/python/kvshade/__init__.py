@@ -4,13 +4,13 @@
     with kvshade.Client("127.0.0.1:50551") as c:
         s = c.create_session(kvshade.ModelSpec("m", 32, 32, 8, 128), kvshade.Profile("shadow"), ids)
 
-numpy is required; torch is optional (kvshade.torch_hook, kvshade.local, kvshade.remote and
+numpy is required; torch is optional (kvshade.integrations.torch_hook, kvshade.decoders.local, kvshade.decoders.remote and
 kvshade.testing need it). kvshade.Decoder is the protocol the decoders follow.
 """
 from .client import (AttachmentInfo, AttendFuture, Client, CreatedSession, Ingest, ModelSpec, Profile,
                      SelectFuture, SlotDelta, StaticSet, TensorParallel, bf16_bits_to_f32, f32_to_bf16_bits,
                      to_wire)
-from .decoder import Decoder
+from .decoders.base import Decoder
 from .routing import Placement
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition,
                      Internal, InvalidArgument, KvShadeError, NotFound, OutOfRange, PermissionDenied,

@@ -7,9 +7,9 @@ softmax(q K^T / sqrt(d)) V in float32, per KV head over the concatenation of blo
 keys and values (e.g. static set | slots | exact tail | tokens decoded locally), with
 grouped-query attention: query head j attends with KV head j // (hq / h). Nothing is
 fused, nothing is approximated: the scores are materialized, masked rows get -inf, and the
-softmax and the products run in torch's fp32. kvshade.remote.RemoteDecoder (fp32 queries,
-and every query on the CPU) and kvshade.torch_hook.KvShadeKVCache attend with it, so what
-the tests compare (the daemon's Attend, kvshade.local.LocalDecoder, the slot paths) is
+softmax and the products run in torch's fp32. kvshade.decoders.remote.RemoteDecoder (fp32 queries,
+and every query on the CPU) and kvshade.integrations.torch_hook.KvShadeKVCache attend with it, so what
+the tests compare (the daemon's Attend, kvshade.decoders.local.LocalDecoder, the slot paths) is
 measured against one definition.
 
 The log-sum-exp of each query head's scaled scores (return_lse=True) is what merges
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Tuple, Union
 if TYPE_CHECKING:
     import torch
 
-# (torch is imported where used: importing kvshade.remote needs no torch until it decodes.)
+# (torch is imported where used: importing kvshade.decoders.remote needs no torch until it decodes.)
 Blocks = Union["torch.Tensor", Sequence["torch.Tensor"]]
 Masks = Union[None, "torch.Tensor", Sequence[Optional["torch.Tensor"]]]
 
