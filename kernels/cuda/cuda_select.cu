@@ -1807,10 +1807,13 @@ __device__ __forceinline__ float LogRef(float x) {
 }
 
 // cpu_select.cc FoldLogit with ExpRef.
+// The first finite logit (m = -inf, sum = 0) sets sum = 1 without an exp: the value
+// 0 * exp(-inf) + 1 the CPU computes.
 __device__ __forceinline__ void FoldLogitRef(float logit, float* m, float* sum) {
   if (!isfinite(logit)) return;
   if (logit > *m) {
-    *sum = __fadd_rn(__fmul_rn(*sum, ExpRef(__fsub_rn(*m, logit))), 1.0f);
+    *sum = *m == -INFINITY ? 1.0f
+                           : __fadd_rn(__fmul_rn(*sum, ExpRef(__fsub_rn(*m, logit))), 1.0f);
     *m = logit;
   } else {
     *sum = __fadd_rn(*sum, ExpRef(__fsub_rn(logit, *m)));
