@@ -46,7 +46,7 @@ except ImportError as e:  # Debian: no transformers; the CPU suite covers kvshad
     HAVE_TRANSFORMERS, WHY = False, "transformers is not importable: %s" % e
 
 if HAVE_TRANSFORMERS:
-    from kvshade.integrations import hf_cache
+    from kvshade.integrations import hf_cache, hf_ingest
     DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 # KVSHADE_REQUIRE_GPU=1 (scripts/gpu-run.sh, on the GPU machine, where this suite is meant to
@@ -583,7 +583,7 @@ class HfAdapterTest(unittest.TestCase):
         if DEV.type != "cuda":
             self.skipTest("pinned host memory needs CUDA")
         pair = 2 * 64 * 4 * 2  # a [64, 4] bf16 pair
-        pool = hf_cache._PinnedPool(max_bytes=pair + pair // 2)
+        pool = hf_ingest._PinnedPool(max_bytes=pair + pair // 2)
         a = pool.get((64, 4), torch.bfloat16)
         got = []
         waiter = threading.Thread(target=lambda: got.append(pool.get((64, 4), torch.bfloat16)))
@@ -609,14 +609,14 @@ class HfAdapterTest(unittest.TestCase):
         model = tiny_llama(self.seed)
         ids = self.prompt(n)
         ref_seq, _ = self.reference(model, ids, steps)
-        saved = hf_cache._pinned_pool
-        hf_cache._pinned_pool = small = hf_cache._PinnedPool(max_bytes=1)
+        saved = hf_ingest._pinned_pool
+        hf_ingest._pinned_pool = small = hf_ingest._PinnedPool(max_bytes=1)
         try:
             cache = self.kvshade_cache(model, ids, kvshade.Profile("exact"), "host-pool", ingest="host")
             seq, _ = self.generate(model, ids, cache, steps)
             cache.wait_ready()
         finally:
-            hf_cache._pinned_pool = saved
+            hf_ingest._pinned_pool = saved
         self.assertEqual(seq.tolist(), ref_seq.tolist())
         self.assertEqual(sum(len(v) for v in small._free.values()), 1)  # one pair, returned
         self.assertEqual(cache.host_ingest_times["bytes"], 2 * n * H * D * 2 * LAYERS)
