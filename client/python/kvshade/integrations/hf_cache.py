@@ -517,19 +517,21 @@ class KvShadeCache(Cache):
     def effective_profile(self):
         return self.hook.effective_profile
 
-    @property
-    def hits(self):
+    def _decode_count(self, name):
+        """A decoder's running count ("hits", "selected"): the local decoder's stats, the
+        remote decoder's attribute, 0 before either."""
         self.wait_ready()
         if self.local is not None:
-            return self.local.stats()["hits"]
-        return self.remote.hits if self.remote is not None else 0
+            return self.local.stats()[name]
+        return getattr(self.remote, name) if self.remote is not None else 0
+
+    @property
+    def hits(self):
+        return self._decode_count("hits")
 
     @property
     def selected(self):
-        self.wait_ready()
-        if self.local is not None:
-            return self.local.stats()["selected"]
-        return self.remote.selected if self.remote is not None else 0
+        return self._decode_count("selected")
 
     @property
     def hit_ratio(self):
