@@ -21,7 +21,7 @@
 // those units; they have no recall@k against the chunk oracle.
 //
 // The `sig` options run stage 2 from key signatures (docs/ALGORITHM.md "Key signatures"),
-// encoded by the backend from the keys and landmarks as ingest does: over 4k or 16k
+// encoded by the backend from the keys and landmarks as ingest does: over 4k, 8k or 16k
 // stage-1 candidates, or over every chunk (no stage 1).
 //
 // The one-stage row runs Backend::Select (what a decode step without options runs); every
@@ -343,12 +343,14 @@ int main(int argc, char** argv) {
                       {"sig2 x16", 16, 0, 0, 2},
                       {"sig2 every chunk", 0, 0, 0, 2},
                       {"sig4 x4", 4, 0, 0, 4},
+                      {"sig4 x8", 8, 0, 0, 4},
                       {"sig4 x16", 16, 0, 0, 4},
                       {"sig4 every chunk", 0, 0, 0, 4},
                       {"two-stage x4, units of 1", 4, 0, 0, 0, 1},
                       {"sig4 x4, units of 4", 4, 0, 0, 4, 4},
                       {"sig4 x4, units of 2", 4, 0, 0, 4, 2},
                       {"sig4 x4, units of 1", 4, 0, 0, 4, 1},
+                      {"sig4 x8, units of 2", 8, 0, 0, 4, 2},
                       {"sig4 x16, units of 2", 16, 0, 0, 4, 2}};
   const int n_opts = int(sizeof(opts) / sizeof(opts[0]));
   std::vector<bool> run(n_opts, x.only.empty());
