@@ -1292,7 +1292,7 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
 
 // Stage 2 from key signatures, token-parallel (C a power of two <= 32, g <= kMaxG; the
 // launcher falls back to Stage2SigKernel otherwise): each lane scores one token, a warp
-// 32 / C candidates, with the CPU's arithmetic (so the same stats, bit for bit). Block
+// 32 / C candidates, each logit the CPU's bit for bit (SigSums). Block
 // (candidate group, hh, item) of kSigWarps warps, the group's SigQuery in shared memory.
 constexpr int kSigWarps = 8;
 
