@@ -169,6 +169,7 @@ void SignatureEncodeReference(const bf16* key, const bf16* landmark, int d, int 
 }
 
 float SignatureQueryReference(const bf16* q, int d, int8_t* q8) {
+  if (d <= 0) return 0.0f;
   float amax = 0.0f;
   bool finite = true;
   for (int i = 0; i < d; ++i) {
