@@ -1355,7 +1355,9 @@ struct SigSums {
 #pragma unroll
     for (int o = 0; o < kOwn; ++o) {
       const int j = sl.t + o * kC;
-      if (j < 2 * g) own[o] = SigBaseHalf<(kBits > 0)>(q.Row(j >> 1, j & 1), sl.lm + (j & 1) * half_d, half_d);
+      if (j < 2 * g) {
+        own[o] = SigBaseHalf<(kBits > 0)>(q.Row(j >> 1, j & 1), sl.lm + (j & 1) * half_d, half_d);
+      }
     }
     if constexpr (kBits > 0) {
       constexpr int kP = 32 / kBits, kS = 8 / kBits;
@@ -1385,7 +1387,8 @@ struct SigSums {
         const uint32_t word = sl.words[w];
         for (int jj = 0; jj < sl.per_word; ++jj) {
           const int ch = w * sl.per_word + jj;
-          const int code = static_cast<int>((word >> (sl.bits * jj)) & static_cast<uint32_t>(sl.levels));
+          const int code =
+              static_cast<int>((word >> (sl.bits * jj)) & static_cast<uint32_t>(sl.levels));
 #pragma unroll
           for (int n = 0; n < kG; ++n) {
             if (n < g) dot[n] += static_cast<int>(q.q8[n * d + ch]) * code;
@@ -1781,8 +1784,9 @@ __global__ void __launch_bounds__(256)
 //     token t reconstructed as Stage2Kernel does (or, kSig, its signature unpacked as the
 //     CPU's ChunkStatsSig does), then lane n (< g) forms query head n's logit with the
 //     CPU's arithmetic (fp32 dot in channel order, each product and sum rounded, no FMA;
-//     for signatures the int8 query's integer dot and the base's halves) and folds it into the running (M, S) of the token's unit, in token order with the
-//     CPU's rescaling sequence; the unit's pair is stored after its last token and the fold
+//     for signatures the int8 query's integer dot and the base's halves) and folds it
+//     into the running (M, S) of the token's unit, in token order with the CPU's
+//     rescaling sequence; the unit's pair is stored after its last token and the fold
 //     restarts: stats [h, width * C/u, g], unit p of candidate i at i * C/u + p.
 //   FinalUnitKernel (block per head and item): LSE_n over every candidate unit (the whole
 //     block), m per unit as cpu_select.cc StageTwoScores, the k best by (m desc, unit id
