@@ -4,8 +4,9 @@
     with kvshade.Client("127.0.0.1:50551") as c:
         s = c.create_session(kvshade.ModelSpec("m", 32, 32, 8, 128), kvshade.Profile("shadow"), ids)
 
-numpy is required; torch is optional (kvshade.integrations.torch_hook, kvshade.decoders.local, kvshade.decoders.remote and
-kvshade.testing need it). kvshade.Decoder is the protocol the decoders follow.
+numpy is required; torch is optional (kvshade.decoders.local, kvshade.decoders.remote,
+kvshade.integrations and kvshade.testing need it). kvshade.Decoder is the protocol the
+decoders follow (kvshade.decoders.base).
 """
 from .client import (AttachmentInfo, AttendFuture, Client, CreatedSession, Ingest, ModelSpec, Profile,
                      SelectFuture, SlotDelta, StaticSet, TensorParallel, bf16_bits_to_f32, f32_to_bf16_bits,
