@@ -1879,7 +1879,6 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
   const DevSegment& sg = v.seg[cuda::SegmentOf(v, c)];
   const int local = c - sg.begin;
   float* acc = rows + warp * d;
-  const float* qn = qs + (lane < g ? lane : 0) * qd;
   // kSig: the signature layout and base = dot(q_n, L[c]) of this lane's query head.
   int bits = 0, levels = 0, per_word = 1;
   float base = 0.0f;
@@ -1942,6 +1941,7 @@ __global__ void __launch_bounds__(32 * kStage2Warps)
         for (int ch = 0; ch < d; ++ch) dot += static_cast<int>(q8[ch]) * codes[ch];
         logit = __fmul_rn(__fadd_rn(base, __fmul_rn(sc, sq.Dot(lane, dot, levels))), scale);
       } else {
+        const float* qn = qs + lane * qd;  // this lane's query row
         float dot = 0.0f;
         for (int ch = 0; ch < d; ++ch) dot = __fadd_rn(dot, __fmul_rn(qn[ch], acc[ch]));
         logit = __fmul_rn(dot, scale);
