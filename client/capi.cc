@@ -12,8 +12,10 @@
 #include <future>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -40,9 +42,64 @@ struct kvshade_ingest {
   bool committed = false;
 };
 
+namespace {
+
+// Rows of K or V as the server sent them (the wire tensor's bytes and dtype, checked against
+// its shape when the reply is decoded), widened to fp32 only when a caller asks for fp32.
+struct WireRows {
+  int32_t dtype = 0;  // KVSHADE_DTYPE_* once taken
+  std::string bytes;  // n elements of dtype, zero-padded to n when the server sent fewer rows
+  size_t n = 0;
+  mutable std::vector<float> f32;  // filled by Floats(), under the owner's mutex
+  mutable bool widened = false;
+
+  // Keeps t's rows padded to n elements (n >= the tensor's elements); t must have passed
+  // kvshade::client::TensorToFloats's checks (ValidRows).
+  void Take(kvshade::v1::Tensor* t, size_t elements) {
+    n = elements;
+    // No tensor (no rows): fp32 zeros.
+    dtype = t->dtype() == kvshade::v1::DTYPE_UNSPECIFIED ? KVSHADE_DTYPE_FP32 : static_cast<int32_t>(t->dtype());
+    bytes = std::move(*t->mutable_data());
+    bytes.resize(n * (dtype == KVSHADE_DTYPE_FP32 ? 4 : 2), '\0');
+  }
+  const float* Floats() const {
+    if (!widened) {
+      kvshade::v1::Tensor t;
+      t.add_shape(static_cast<int64_t>(n));
+      t.set_dtype(static_cast<kvshade::v1::DType>(dtype));
+      t.set_data(bytes);
+      auto f = kvshade::client::TensorToFloats(t);
+      f32 = f.ok() ? *std::move(f) : std::vector<float>(n, 0.0f);  // checked when taken
+      widened = true;
+    }
+    return f32.data();
+  }
+};
+
+// Whether t is a float tensor whose bytes match its shape (what TensorToFloats accepts).
+absl::Status ValidRows(const kvshade::v1::Tensor& t) {
+  if (t.dtype() != kvshade::v1::DTYPE_BF16 && t.dtype() != kvshade::v1::DTYPE_FP16 && t.dtype() != kvshade::v1::DTYPE_FP32) {
+    return absl::InternalError(absl::StrCat("tensor dtype ", t.dtype(), " from the server is not a float type"));
+  }
+  int64_t n = 1;
+  for (int64_t x : t.shape()) {
+    if (x < 0) return absl::InternalError("tensor from the server has a negative dimension");
+    n *= x;
+  }
+  const int64_t eb = t.dtype() == kvshade::v1::DTYPE_FP32 ? 4 : 2;
+  if (static_cast<int64_t>(t.data().size()) != n * eb) {
+    return absl::InternalError(absl::StrCat("tensor from the server has ", t.data().size(),
+                                            " bytes; its shape and dtype need ", n * eb));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 struct kvshade_static_set {
   int64_t h = 0, s_max = 0, d = 0, t = 0;
-  std::vector<float> k, v, tail_k, tail_v;
+  mutable std::mutex mu;  // guards the lazy fp32 widening of the rows
+  WireRows k, v, tail_k, tail_v;
   std::vector<uint32_t> lengths;
   std::vector<int64_t> positions, tail_positions;
 };
@@ -53,12 +110,13 @@ struct kvshade_select_result {
     std::vector<uint32_t> head, slot;
     std::vector<int32_t> chunk;
     std::vector<int64_t> position;
-    std::vector<float> keys, values;
+    WireRows keys, values;
     int64_t chunk_size = 0, head_dim = 0;
     uint32_t hits = 0, selected = 0;
     bool delivered = false, fallback = false;
     uint64_t tokens = 0;
   };
+  mutable std::mutex mu;  // guards the lazy fp32 widening of the deltas' rows
   std::vector<Delta> deltas;
 };
 
@@ -261,9 +319,11 @@ void AddNewToken(const kvshade_new_tokens* t, size_t i, int32_t dtype, int32_t d
 }
 
 // Decodes a select response into a result handle (*out), reporting the outcome.
-int DecodeSelect(const v1::SelectAndReconstructResponse& r, kvshade_select_result** out) {
+// Takes the deltas out of *r (their row bytes move into the result).
+int DecodeSelect(v1::SelectAndReconstructResponse* r, kvshade_select_result** out) {
   auto res = std::make_unique<kvshade_select_result>();
-  for (const v1::SlotDelta& sd : r.deltas()) {
+  res->deltas.reserve(static_cast<size_t>(r->deltas_size()));
+  for (v1::SlotDelta& sd : *r->mutable_deltas()) {
     kvshade_select_result::Delta dl;
     dl.attachment_id = sd.attachment_id();
     dl.head.assign(sd.head().begin(), sd.head().end());
@@ -287,18 +347,18 @@ int DecodeSelect(const v1::SelectAndReconstructResponse& r, kvshade_select_resul
         dl.head_dim = sd.keys().shape(2);
       }
     } else if (!dl.head.empty()) {
-      auto kf = kvshade::client::TensorToFloats(sd.keys());
-      if (!kf.ok()) return Report(kf.status());
-      auto vf = kvshade::client::TensorToFloats(sd.values());
-      if (!vf.ok()) return Report(vf.status());
+      if (absl::Status st = ValidRows(sd.keys()); !st.ok()) return Report(st);
+      if (absl::Status st = ValidRows(sd.values()); !st.ok()) return Report(st);
       if (sd.keys().shape_size() != 3 || sd.keys().shape(0) != static_cast<int64_t>(dl.head.size()) ||
-          vf->size() != kf->size()) {
+          sd.values().dtype() != sd.keys().dtype() ||
+          sd.values().data().size() != sd.keys().data().size()) {
         return Report(absl::InternalError("malformed SlotDelta from the server (shapes disagree)"));
       }
       dl.chunk_size = sd.keys().shape(1);
       dl.head_dim = sd.keys().shape(2);
-      dl.keys = *std::move(kf);
-      dl.values = *std::move(vf);
+      const size_t n = dl.head.size() * static_cast<size_t>(dl.chunk_size * dl.head_dim);
+      dl.keys.Take(sd.mutable_keys(), n);
+      dl.values.Take(sd.mutable_values(), n);
     }
     res->deltas.push_back(std::move(dl));
   }
@@ -1077,16 +1137,9 @@ int kvshade_get_static_set(kvshade_client* c, const char* attachment_id, uint32_
     auto r = c->impl->GetStaticSet(attachment_id, layer);
     if (!r.ok()) return Report(r.status());
     auto s = std::make_unique<kvshade_static_set>();
-    auto decode = [](const v1::Tensor& t, std::vector<float>* dst) -> absl::Status {
-      if (t.shape_size() == 0 && t.data().empty()) return absl::OkStatus();
-      auto f = kvshade::client::TensorToFloats(t);
-      if (!f.ok()) return f.status();
-      *dst = *std::move(f);
-      return absl::OkStatus();
-    };
-    for (auto [t, dst] : {std::pair{&r->k(), &s->k}, {&r->v(), &s->v}, {&r->tail_k(), &s->tail_k},
-                          {&r->tail_v(), &s->tail_v}}) {
-      if (absl::Status st = decode(*t, dst); !st.ok()) return Report(st);
+    for (const v1::Tensor* t : {&r->k(), &r->v(), &r->tail_k(), &r->tail_v()}) {
+      if (t->shape_size() == 0 && t->data().empty()) continue;  // none
+      if (absl::Status st = ValidRows(*t); !st.ok()) return Report(st);
     }
     if (r->k().shape_size() == 3) {
       s->h = r->k().shape(0);
@@ -1098,10 +1151,17 @@ int kvshade_get_static_set(kvshade_client* c, const char* attachment_id, uint32_
       if (s->h == 0) s->h = r->tail_k().shape(1);
       if (s->d == 0) s->d = r->tail_k().shape(2);
     }
+    // Consumers index k/v by [h, s_max, d]: the rows keep that size even when empty.
+    const size_t n_static = static_cast<size_t>(s->h * s->s_max * s->d);
+    const size_t n_tail = static_cast<size_t>(s->t * s->h * s->d);
+    for (auto [t, dst, n] : {std::tuple{r->mutable_k(), &s->k, n_static}, {r->mutable_v(), &s->v, n_static},
+                             {r->mutable_tail_k(), &s->tail_k, n_tail}, {r->mutable_tail_v(), &s->tail_v, n_tail}}) {
+      if (static_cast<size_t>(t->data().size()) > n * (t->dtype() == v1::DTYPE_FP32 ? 4 : 2)) {
+        return Report(absl::InternalError("malformed static set from the server (shapes disagree)"));
+      }
+      dst->Take(t, n);
+    }
     s->lengths.assign(r->lengths().begin(), r->lengths().end());
-    // Consumers index k/v by [h, s_max, d]; keep the buffers that size even when empty.
-    s->k.resize(static_cast<size_t>(s->h * s->s_max * s->d));
-    s->v.resize(s->k.size());
     s->lengths.resize(static_cast<size_t>(s->h));
     s->positions.assign(r->positions().begin(), r->positions().end());
     s->positions.resize(static_cast<size_t>(s->h * s->s_max), -1);
@@ -1123,11 +1183,23 @@ void kvshade_static_set_shape(const kvshade_static_set* s, int64_t* h, int64_t* 
 void kvshade_static_set_data(const kvshade_static_set* s, const float** k, const float** v, const uint32_t** lengths,
                              const float** tail_k, const float** tail_v) {
   if (s == nullptr) return;
-  if (k != nullptr) *k = s->k.data();
-  if (v != nullptr) *v = s->v.data();
+  std::lock_guard<std::mutex> lock(s->mu);
+  if (k != nullptr) *k = s->k.Floats();
+  if (v != nullptr) *v = s->v.Floats();
   if (lengths != nullptr) *lengths = s->lengths.data();
-  if (tail_k != nullptr) *tail_k = s->tail_k.data();
-  if (tail_v != nullptr) *tail_v = s->tail_v.data();
+  if (tail_k != nullptr) *tail_k = s->tail_k.Floats();
+  if (tail_v != nullptr) *tail_v = s->tail_v.Floats();
+}
+
+void kvshade_static_set_rows(const kvshade_static_set* s, int32_t* dtype, const void** k, const void** v,
+                             const void** tail_k, const void** tail_v) {
+  if (s == nullptr) return;
+  // The static rows and the tail share the session's dtype; an empty set says fp32.
+  if (dtype != nullptr) *dtype = s->k.n > 0 ? s->k.dtype : s->tail_k.dtype;
+  if (k != nullptr) *k = s->k.bytes.data();
+  if (v != nullptr) *v = s->v.bytes.data();
+  if (tail_k != nullptr) *tail_k = s->tail_k.bytes.data();
+  if (tail_v != nullptr) *tail_v = s->tail_v.bytes.data();
 }
 
 void kvshade_static_set_positions(const kvshade_static_set* s, const int64_t** positions,
@@ -1166,24 +1238,24 @@ int kvshade_select_chunks(kvshade_client* c, uint32_t layer, size_t n, const cha
     }
     auto r = c->impl->SelectAndReconstruct(req);
     if (!r.ok()) return Report(r.status());
-    return DecodeSelect(*r, out);
+    return DecodeSelect(&*r, out);
   });
 }
 
 size_t kvshade_select_count(const kvshade_select_result* r) { return r == nullptr ? 0 : r->deltas.size(); }
 
-int kvshade_select_delta(const kvshade_select_result* r, size_t i, kvshade_slot_delta* out) {
-  if (r == nullptr || out == nullptr) return Bad("result and out must not be NULL");
-  if (i >= r->deltas.size()) return Report(absl::OutOfRangeError(absl::StrCat("delta index ", i, " >= count ", r->deltas.size())));
-  const auto& dl = r->deltas[i];
+namespace {
+
+// *out from delta dl, its keys and values left NULL.
+void FillDelta(const kvshade_select_result::Delta& dl, kvshade_slot_delta* out) {
   out->attachment_id = dl.attachment_id.c_str();
   out->m = dl.head.size();
   out->head = dl.head.data();
   out->slot = dl.slot.data();
   out->chunk = dl.chunk.data();
   out->position = dl.position.data();
-  out->keys = dl.delivered ? nullptr : dl.keys.data();
-  out->values = dl.delivered ? nullptr : dl.values.data();
+  out->keys = nullptr;
+  out->values = nullptr;
   out->chunk_size = dl.chunk_size;
   out->head_dim = dl.head_dim;
   out->hits = dl.hits;
@@ -1191,6 +1263,40 @@ int kvshade_select_delta(const kvshade_select_result* r, size_t i, kvshade_slot_
   out->delivered = dl.delivered ? 1 : 0;
   out->fallback = dl.fallback ? 1 : 0;
   out->tokens = dl.tokens;
+}
+
+int CheckDeltaIndex(const kvshade_select_result* r, size_t i) {
+  if (i >= r->deltas.size()) {
+    return Report(absl::OutOfRangeError(absl::StrCat("delta index ", i, " >= count ", r->deltas.size())));
+  }
+  return KVSHADE_OK;
+}
+
+}  // namespace
+
+int kvshade_select_delta(const kvshade_select_result* r, size_t i, kvshade_slot_delta* out) {
+  if (r == nullptr || out == nullptr) return Bad("result and out must not be NULL");
+  if (int rc = CheckDeltaIndex(r, i); rc != KVSHADE_OK) return rc;
+  const auto& dl = r->deltas[i];
+  FillDelta(dl, out);
+  if (!dl.delivered) {
+    std::lock_guard<std::mutex> lock(r->mu);
+    out->keys = dl.keys.Floats();
+    out->values = dl.values.Floats();
+  }
+  return Report(absl::OkStatus());
+}
+
+int kvshade_select_delta_rows(const kvshade_select_result* r, size_t i, kvshade_slot_delta* out, int32_t* dtype,
+                              const void** keys, const void** values) {
+  if (r == nullptr || out == nullptr) return Bad("result and out must not be NULL");
+  if (int rc = CheckDeltaIndex(r, i); rc != KVSHADE_OK) return rc;
+  const auto& dl = r->deltas[i];
+  FillDelta(dl, out);
+  const bool rows = !dl.delivered && dl.keys.n > 0;
+  if (dtype != nullptr) *dtype = rows ? dl.keys.dtype : 0;
+  if (keys != nullptr) *keys = rows ? dl.keys.bytes.data() : nullptr;
+  if (values != nullptr) *values = rows ? dl.values.bytes.data() : nullptr;
   return Report(absl::OkStatus());
 }
 
@@ -1225,7 +1331,7 @@ int kvshade_select_ex(kvshade_client* c, uint32_t layer, size_t n, const char* c
     if (int rc = MakeSelectEx(layer, n, ids, dtype, hq, d, q, tokens, purpose, &req); rc != KVSHADE_OK) return rc;
     auto r = c->impl->SelectAndReconstruct(req);
     if (!r.ok()) return Report(r.status());
-    return DecodeSelect(*r, out);
+    return DecodeSelect(&*r, out);
   });
 }
 
@@ -1305,7 +1411,7 @@ int kvshade_select_future_wait(kvshade_select_future* f, kvshade_select_result**
     f->waited = true;
     auto r = f->f.get();
     if (!r.ok()) return Report(r.status());
-    return DecodeSelect(*r, out);
+    return DecodeSelect(&*r, out);
   });
 }
 

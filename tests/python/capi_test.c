@@ -452,6 +452,18 @@ int main(void) {
   int v_mismatch = 0;
   for (int i = 0; i < N * H * D; ++i) v_mismatch += tv[i] != bf16_to_f32(v[1][i]);
   CHECK(v_mismatch == 0);
+  /* The same rows as the server sent them: a bf16 session's, bit for bit, no conversion. */
+  {
+    int32_t rows_dtype = 0;
+    const void *rk = NULL, *rv = NULL, *rtk = NULL, *rtv = NULL;
+    kvshade_static_set_rows(st, &rows_dtype, &rk, &rv, &rtk, &rtv);
+    CHECK(rows_dtype == KVSHADE_DTYPE_BF16);
+    CHECK(rtv != NULL && memcmp(rtv, v[1], sizeof(uint16_t) * N * H * D) == 0);
+    const uint16_t* rtk16 = (const uint16_t*)rtk;
+    int k_mismatch = 0;
+    for (int i = 0; i < N * H * D; ++i) k_mismatch += tk[i] != bf16_to_f32(rtk16[i]);
+    CHECK(k_mismatch == 0);
+  }
   /* Row t of the tail is token t. */
   const int64_t *spos = NULL, *tpos = NULL;
   kvshade_static_set_positions(st, &spos, &tpos);
@@ -496,6 +508,14 @@ int main(void) {
   CHECK(strcmp(delta.attachment_id, att.attachment_id) == 0);
   CHECK(delta.m == 0);
   CHECK(kvshade_select_delta(sel, 1, &delta) == KVSHADE_OUT_OF_RANGE);
+  {
+    kvshade_slot_delta rd;
+    int32_t rows_dtype = -1;
+    const void *rk = &rd, *rv = &rd;
+    REQUIRE_OK(kvshade_select_delta_rows(sel, 0, &rd, &rows_dtype, &rk, &rv));
+    CHECK(rd.m == 0 && rows_dtype == 0 && rk == NULL && rv == NULL && rd.keys == NULL);
+    CHECK(kvshade_select_delta_rows(sel, 1, &rd, &rows_dtype, &rk, &rv) == KVSHADE_OUT_OF_RANGE);
+  }
   CHECK(delta.delivered == 0);
   kvshade_select_free(sel);
 

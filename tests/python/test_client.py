@@ -397,6 +397,22 @@ class ClientTest(unittest.TestCase):
         (d2,) = self.c.select(0, [att.attachment_id], q)
         self.assertEqual(len(d2.head), 0)
         self.assertEqual(d2.hits, d2.selected)
+        # A second attachment misses the same chunks; rows="wire" gives their rows as the
+        # daemon sent them (bf16 bits, no widening), the same values.
+        att2 = self.c.attach(child, "py-fork-wire")
+        (dw,) = self.c.select(0, [att2.attachment_id], q, rows="wire")
+        self.assertEqual(dw.rows_dtype, "bf16")
+        self.assertEqual(dw.keys.dtype, np.uint16)
+        np.testing.assert_array_equal(dw.chunk, d1.chunk)
+        np.testing.assert_array_equal(kvshade.bf16_bits_to_f32(dw.keys), d1.keys)
+        np.testing.assert_array_equal(kvshade.bf16_bits_to_f32(dw.values), d1.values)
+        st, sw = self.c.static_set(att.attachment_id, 0), self.c.static_set(att2.attachment_id, 0, rows="wire")
+        self.assertEqual((st.rows_dtype, sw.rows_dtype), ("float32", "bf16"))
+        for a, b in ((st.k, sw.k), (st.v, sw.v), (st.tail_k, sw.tail_k), (st.tail_v, sw.tail_v)):
+            np.testing.assert_array_equal(kvshade.bf16_bits_to_f32(b), a)
+        with self.assertRaises(kvshade.InvalidArgument):
+            self.c.select(0, [att2.attachment_id], q, rows="bf16")
+        self.c.detach(att2.attachment_id)
         self.c.detach(att.attachment_id)
         self.c.close_session(child)
         self.c.close_session(created.session_id)

@@ -34,7 +34,7 @@ extern "C" {
 #define KVSHADE_API
 #endif
 
-#define KVSHADE_ABI_VERSION 12 /* 2: UCX options and status, attachment data-plane fields;
+#define KVSHADE_ABI_VERSION 13 /* 2: UCX options and status, attachment data-plane fields;
                                  3: profile selection options, ucx_busy_poll_us, slot delta
                                  fallback and tokens, the _ex decode calls;
                                  4: slot delta positions, static set positions, held
@@ -59,7 +59,9 @@ extern "C" {
                                  kvshade_session_created and kvshade_session_info;
                                  12: prepared joins: kvshade_prepared_sequence,
                                  kvshade_local_decoder_prepare,
-                                 kvshade_local_decoder_join_prepared */
+                                 kvshade_local_decoder_join_prepared;
+                                 13: rows in the session's dtype:
+                                 kvshade_select_delta_rows, kvshade_static_set_rows */
 #define KVSHADE_ID_CAP 128
 /* The most segment ends a CreateSession takes (docs/DESIGN.md "Segment ends"). */
 #define KVSHADE_MAX_SEGMENT_ENDS 5
@@ -474,7 +476,10 @@ KVSHADE_API int kvshade_register_slot_buffers(kvshade_client* client, const char
 KVSHADE_API int kvshade_detach(kvshade_client* client, const char* attachment_id);
 
 /* The static set of one layer: k, v [h, s_max, d] post-RoPE; lengths [h] valid rows per
- * head; tail_k, tail_v [t, h, d] post-RoPE exact tail. All fp32, owned by the handle. */
+ * head; tail_k, tail_v [t, h, d] post-RoPE exact tail. kvshade_static_set_data gives them
+ * as fp32 (widened on its first call), kvshade_static_set_rows as the server sent them, in
+ * the session's dtype (KVSHADE_DTYPE_BF16: raw bf16 bits, 2 bytes an element), with no
+ * conversion. All owned by the handle. */
 KVSHADE_API int kvshade_get_static_set(kvshade_client* client, const char* attachment_id,
                                        uint32_t layer, kvshade_static_set** out);
 KVSHADE_API void kvshade_static_set_shape(const kvshade_static_set* s, int64_t* h,
@@ -485,6 +490,9 @@ KVSHADE_API void kvshade_static_set_data(const kvshade_static_set* s, const floa
 /* positions [h, s_max]: the absolute token position of each static row (-1 past
  * lengths[hh], or unknown for a durable session restored from an older record);
  * tail_positions [t]: each tail row's. */
+KVSHADE_API void kvshade_static_set_rows(const kvshade_static_set* s, int32_t* dtype,
+                                         const void** k, const void** v, const void** tail_k,
+                                         const void** tail_v);
 KVSHADE_API void kvshade_static_set_positions(const kvshade_static_set* s, const int64_t** positions,
                                               const int64_t** tail_positions);
 KVSHADE_API void kvshade_static_set_free(kvshade_static_set* s);
@@ -596,7 +604,9 @@ KVSHADE_API int kvshade_select_chunks(kvshade_client* client, uint32_t layer, si
                                       const int32_t* chunks, kvshade_select_result** out);
 
 /* The slot-table delta of query i: m misses, each (head, slot, chunk) with its
- * reconstructed keys and values [m, C, d] fp32. Pointers owned by the result. When
+ * reconstructed keys and values [m, C, d] fp32 (widened from the session's dtype on the
+ * first call; kvshade_select_delta_rows gives them without conversion). Pointers owned by
+ * the result. When
  * `delivered` is 1 the misses' K and V were written into the attachment's registered slot
  * buffers instead: keys and values are NULL (C and d still given). With selection units
  * (profile selection_unit = u) each miss is a unit: `chunk` holds unit ids, chunk_size is u
@@ -624,6 +634,14 @@ typedef struct kvshade_slot_delta {
 
 KVSHADE_API int kvshade_select_delta(const kvshade_select_result* r, size_t i,
                                      kvshade_slot_delta* out);
+/* Delta i as kvshade_select_delta gives it, but out->keys and out->values NULL: its keys
+ * and values [m, C, d] come in *keys and *values as the server sent them, in the session's
+ * dtype (*dtype a KVSHADE_DTYPE_*; KVSHADE_DTYPE_BF16: raw bf16 bits, 2 bytes an element),
+ * with no conversion; NULL and *dtype = 0 when the delta has no rows (m == 0, or
+ * delivered). Owned by the result. */
+KVSHADE_API int kvshade_select_delta_rows(const kvshade_select_result* r, size_t i,
+                                          kvshade_slot_delta* out, int32_t* dtype,
+                                          const void** keys, const void** values);
 KVSHADE_API void kvshade_select_free(kvshade_select_result* r);
 
 /* Attention inside the service: out [n, hq, d] fp32 (caller-allocated). */

@@ -10,7 +10,7 @@ decoders follow (kvshade.decoders.base).
 """
 from .client import (AttachmentInfo, AttendFuture, Client, CreatedSession, Ingest, ModelSpec, Profile,
                      SelectFuture, SlotDelta, StaticSet, TensorParallel, bf16_bits_to_f32, f32_to_bf16_bits,
-                     to_wire)
+                     rows_to_torch, to_wire)
 from .decoders.base import Decoder
 from .routing import Placement
 from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceeded, FailedPrecondition,
@@ -19,7 +19,7 @@ from .errors import (Aborted, AlreadyExists, Cancelled, DataLoss, DeadlineExceed
 
 __all__ = [
     "AttachmentInfo", "AttendFuture", "Client", "CreatedSession", "Ingest", "ModelSpec", "Profile", "SelectFuture",
-    "SlotDelta", "StaticSet", "TensorParallel", "bf16_bits_to_f32", "f32_to_bf16_bits", "to_wire", "Decoder", "Placement",
+    "SlotDelta", "StaticSet", "TensorParallel", "bf16_bits_to_f32", "f32_to_bf16_bits", "rows_to_torch", "to_wire", "Decoder", "Placement",
     "Aborted", "AlreadyExists", "Cancelled", "DataLoss", "DeadlineExceeded", "FailedPrecondition", "Internal",
     "InvalidArgument", "KvShadeError", "NotFound", "OutOfRange", "PermissionDenied", "ResourceExhausted",
     "Unauthenticated", "Unavailable", "Unimplemented", "Unknown", "library_path",

@@ -5,7 +5,7 @@ argtypes of each function (SIGNATURES). kvshade._native loads the library with t
 """
 import ctypes
 
-KVSHADE_ABI_VERSION = 12
+KVSHADE_ABI_VERSION = 13
 KVSHADE_ID_CAP = 128
 KVSHADE_MAX_SEGMENT_ENDS = 5
 KVSHADE_DEVICE_CAP = 64
@@ -605,6 +605,14 @@ SIGNATURES = {
         ctypes.POINTER(ctypes.POINTER(ctypes.c_float)),  # const float** tail_k
         ctypes.POINTER(ctypes.POINTER(ctypes.c_float)),  # const float** tail_v
     ]),
+    "kvshade_static_set_rows": (None, [  # returns void
+        ctypes.c_void_p,  # const kvshade_static_set* s
+        ctypes.POINTER(ctypes.c_int32),  # int32_t* dtype
+        ctypes.POINTER(ctypes.c_void_p),  # const void** k
+        ctypes.POINTER(ctypes.c_void_p),  # const void** v
+        ctypes.POINTER(ctypes.c_void_p),  # const void** tail_k
+        ctypes.POINTER(ctypes.c_void_p),  # const void** tail_v
+    ]),
     "kvshade_static_set_positions": (None, [  # returns void
         ctypes.c_void_p,  # const kvshade_static_set* s
         ctypes.POINTER(ctypes.POINTER(ctypes.c_int64)),  # const int64_t** positions
@@ -749,6 +757,14 @@ SIGNATURES = {
         ctypes.c_void_p,  # const kvshade_select_result* r
         ctypes.c_size_t,  # size_t i
         ctypes.POINTER(SlotDelta),  # kvshade_slot_delta* out
+    ]),
+    "kvshade_select_delta_rows": (ctypes.c_int, [  # returns int
+        ctypes.c_void_p,  # const kvshade_select_result* r
+        ctypes.c_size_t,  # size_t i
+        ctypes.POINTER(SlotDelta),  # kvshade_slot_delta* out
+        ctypes.POINTER(ctypes.c_int32),  # int32_t* dtype
+        ctypes.POINTER(ctypes.c_void_p),  # const void** keys
+        ctypes.POINTER(ctypes.c_void_p),  # const void** values
     ]),
     "kvshade_select_free": (None, [  # returns void
         ctypes.c_void_p,  # kvshade_select_result* r

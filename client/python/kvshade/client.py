@@ -177,6 +177,36 @@ def _copy_f32(ptr, count, shape):
     return np.ctypeslib.as_array(ptr, shape=(count,)).copy().reshape(shape)
 
 
+# Rows as the server sent them: KVSHADE_DTYPE_* -> (name, numpy dtype of the elements; bf16
+# as its raw 16 bits).
+_ROW_DTYPES = {1: ("bf16", np.uint16), 2: ("fp16", np.float16), 3: ("float32", np.float32)}
+
+
+def _copy_rows(ptr, code, count, shape):
+    """A copy of `count` elements of dtype code `code` at address ptr (a c_void_p) as an
+    array of `shape`, and the dtype's name."""
+    name, np_t = _ROW_DTYPES.get(code, _ROW_DTYPES[3])
+    if count == 0 or not ptr.value:
+        return np.zeros(shape, dtype=np_t), name
+    buf = (ctypes.c_char * (count * np.dtype(np_t).itemsize)).from_address(ptr.value)
+    return np.frombuffer(buf, dtype=np_t, count=count).copy().reshape(shape), name
+
+
+def _check_rows(rows):
+    if rows not in ("float32", "wire"):
+        raise InvalidArgument('rows must be "float32" or "wire", got %r' % (rows,))
+
+
+def rows_to_torch(rows: np.ndarray, rows_dtype: str) -> Any:
+    """A torch tensor of rows that a call with rows="wire" returned (SlotDelta.keys/values,
+    StaticSet.k/v/tail_k/tail_v, with their rows_dtype): bf16 bits become torch.bfloat16
+    without a conversion; fp16 and float32 keep their dtype."""
+    import torch
+    if rows_dtype == "bf16":
+        return torch.from_numpy(np.ascontiguousarray(rows).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(rows)
+
+
 @dataclass
 class ModelSpec:
     """The attention geometry of the model (kvshade.v1.ModelSpec)."""
@@ -352,9 +382,11 @@ class AttachmentInfo:
 @dataclass
 class StaticSet:
     """One layer's always-attended set: k, v [h, s_max, d] (rows < lengths[h] valid),
-    tail_k, tail_v [t, h, d]; float32, keys post-RoPE. positions [h, s_max] and
-    tail_positions [t]: each row's absolute token position (-1 past lengths[h], or unknown
-    for a durable session restored from a record written before positions were kept)."""
+    tail_k, tail_v [t, h, d]; float32 (with rows="wire" in the session's dtype as the
+    server sent them, rows_dtype: "bf16" as the raw bits in uint16), keys post-RoPE.
+    positions [h, s_max] and tail_positions [t]: each row's absolute token position (-1
+    past lengths[h], or unknown for a durable session restored from a record written before
+    positions were kept)."""
     k: np.ndarray
     v: np.ndarray
     lengths: np.ndarray
@@ -362,6 +394,7 @@ class StaticSet:
     tail_v: np.ndarray
     positions: Optional[np.ndarray] = None       # [h, s_max] int64
     tail_positions: Optional[np.ndarray] = None  # [t] int64
+    rows_dtype: str = "float32"
 
 
 @dataclass
@@ -373,8 +406,10 @@ class SlotDelta:
     head: np.ndarray    # [m] uint32
     slot: np.ndarray    # [m] uint32
     chunk: np.ndarray   # [m] int32
-    keys: Optional[np.ndarray]    # [m, C, d] float32, post-RoPE ([m, u, d]: selection units)
-    values: Optional[np.ndarray]  # [m, C, d] float32
+    # [m, C, d] post-RoPE ([m, u, d]: selection units), float32; with rows="wire" in the
+    # session's dtype as the server sent them (rows_dtype; "bf16": the raw bits as uint16)
+    keys: Optional[np.ndarray]
+    values: Optional[np.ndarray]
     hits: int = 0
     selected: int = 0
     delivered: bool = False
@@ -384,24 +419,36 @@ class SlotDelta:
     tokens: int = 0  # the session's length after the call (one more once a staged token landed)
     # [m] int64: absolute position of the first of each miss's C (u) tokens
     position: Optional[np.ndarray] = None
+    rows_dtype: str = "float32"  # the dtype of keys and values: "float32", "bf16" or "fp16"
 
 
-def _decode_select(lib, r):
-    """The SlotDeltas of a kvshade_select_result handle (copied out; the handle stays owned)."""
+def _decode_select(lib, r, rows="float32"):
+    """The SlotDeltas of a kvshade_select_result handle (copied out; the handle stays owned):
+    rows "float32" (widened) or "wire" (as the server sent them)."""
     out = []
     for i in range(lib.kvshade_select_count(r)):
         d = _native.SlotDelta()
-        _check(lib.kvshade_select_delta(r, i, ctypes.byref(d)))
+        rows_dtype = "float32"
+        if rows == "wire":
+            code, kp, vp = ctypes.c_int32(), ctypes.c_void_p(), ctypes.c_void_p()
+            _check(lib.kvshade_select_delta_rows(r, i, ctypes.byref(d), ctypes.byref(code), ctypes.byref(kp),
+                                                 ctypes.byref(vp)))
+        else:
+            _check(lib.kvshade_select_delta(r, i, ctypes.byref(d)))
         m, C, D = d.m, d.chunk_size, d.head_dim
         u32 = lambda p: np.ctypeslib.as_array(p, shape=(m,)).copy() if m else np.zeros(0, np.uint32)
         chunk = np.ctypeslib.as_array(d.chunk, shape=(m,)).copy() if m else np.zeros(0, np.int32)
         position = np.ctypeslib.as_array(d.position, shape=(m,)).copy() if m else np.zeros(0, np.int64)
         if d.delivered:
             keys = values = None
+        elif rows == "wire":
+            keys, rows_dtype = _copy_rows(kp, code.value, m * C * D, (m, C, D))
+            values, _ = _copy_rows(vp, code.value, m * C * D, (m, C, D))
         else:
             keys, values = _copy_f32(d.keys, m * C * D, (m, C, D)), _copy_f32(d.values, m * C * D, (m, C, D))
         out.append(SlotDelta(d.attachment_id.decode(), u32(d.head), u32(d.slot), chunk, keys, values,
-                             d.hits, d.selected, bool(d.delivered), bool(d.fallback), d.tokens, position))
+                             d.hits, d.selected, bool(d.delivered), bool(d.fallback), d.tokens, position,
+                             rows_dtype))
     return out
 
 
@@ -555,9 +602,10 @@ class SelectFuture(_NativeHandle):
 
     _free = "kvshade_select_future_free"
 
-    def __init__(self, client: "Client", handle: Any) -> None:
+    def __init__(self, client: "Client", handle: Any, rows: str = "float32") -> None:
         self._client = client  # the client must outlive the call
         self._h = handle
+        self._rows = rows
         self._result: Optional[List[SlotDelta]] = None
 
     def done(self) -> bool:
@@ -576,7 +624,7 @@ class SelectFuture(_NativeHandle):
             try:
                 _check(lib.kvshade_select_future_wait(self._h, ctypes.byref(r)))
                 try:
-                    self._result = _decode_select(lib, r)
+                    self._result = _decode_select(lib, r, self._rows)
                 finally:
                     lib.kvshade_select_free(r)
             finally:
@@ -913,27 +961,40 @@ class Client(_NativeHandle):
         _check(_native.lib().kvshade_detach(self._handle(), _b(attachment_id)))
         self._slot_buffers.pop(attachment_id, None)
 
-    def static_set(self, attachment_id: str, layer: int) -> StaticSet:
+    def static_set(self, attachment_id: str, layer: int, rows: str = "float32") -> StaticSet:
+        """One layer's static set and exact tail. rows: "float32" (widened) or "wire" (in
+        the session's dtype as the server sent them; StaticSet.rows_dtype says which)."""
+        _check_rows(rows)
         lib = _native.lib()
         h = ctypes.c_void_p()
         _check(lib.kvshade_get_static_set(self._handle(), _b(attachment_id), layer, ctypes.byref(h)))
         try:
             dims = [ctypes.c_int64() for _ in range(4)]
             lib.kvshade_static_set_shape(h, *(ctypes.byref(x) for x in dims))
-            fp = ctypes.POINTER(ctypes.c_float)
-            k, v, tk, tv = fp(), fp(), fp(), fp()
             lens = ctypes.POINTER(ctypes.c_uint32)()
-            lib.kvshade_static_set_data(h, ctypes.byref(k), ctypes.byref(v), ctypes.byref(lens), ctypes.byref(tk),
-                                        ctypes.byref(tv))
+            lib.kvshade_static_set_data(h, None, None, ctypes.byref(lens), None, None)
             H, S, D, T = (int(x.value) for x in dims)
+            if rows == "wire":
+                code = ctypes.c_int32()
+                rk, rv, rtk, rtv = (ctypes.c_void_p() for _ in range(4))
+                lib.kvshade_static_set_rows(h, ctypes.byref(code), ctypes.byref(rk), ctypes.byref(rv),
+                                            ctypes.byref(rtk), ctypes.byref(rtv))
+                (sk, name), (sv, _) = (_copy_rows(p, code.value, H * S * D, (H, S, D)) for p in (rk, rv))
+                (stk, _), (stv, _) = (_copy_rows(p, code.value, T * H * D, (T, H, D)) for p in (rtk, rtv))
+            else:
+                fp = ctypes.POINTER(ctypes.c_float)
+                k, v, tk, tv = fp(), fp(), fp(), fp()
+                lib.kvshade_static_set_data(h, ctypes.byref(k), ctypes.byref(v), None, ctypes.byref(tk),
+                                            ctypes.byref(tv))
+                sk, sv = _copy_f32(k, H * S * D, (H, S, D)), _copy_f32(v, H * S * D, (H, S, D))
+                stk, stv = _copy_f32(tk, T * H * D, (T, H, D)), _copy_f32(tv, T * H * D, (T, H, D))
+                name = "float32"
             lengths = (np.ctypeslib.as_array(lens, shape=(H,)).copy() if H else np.zeros(0, np.uint32))
             pos, tpos = ctypes.POINTER(ctypes.c_int64)(), ctypes.POINTER(ctypes.c_int64)()
             lib.kvshade_static_set_positions(h, ctypes.byref(pos), ctypes.byref(tpos))
             i64 = lambda p, shape, n: (np.ctypeslib.as_array(p, shape=(n,)).copy().reshape(shape)  # noqa: E731
                                        if n else np.zeros(shape, np.int64))
-            return StaticSet(_copy_f32(k, H * S * D, (H, S, D)), _copy_f32(v, H * S * D, (H, S, D)), lengths,
-                             _copy_f32(tk, T * H * D, (T, H, D)), _copy_f32(tv, T * H * D, (T, H, D)),
-                             i64(pos, (H, S), H * S), i64(tpos, (T,), T))
+            return StaticSet(sk, sv, lengths, stk, stv, i64(pos, (H, S), H * S), i64(tpos, (T,), T), name)
         finally:
             lib.kvshade_static_set_free(h)
 
@@ -980,13 +1041,16 @@ class Client(_NativeHandle):
 
     def select(self, layer: int, attachment_ids: Sequence[str], q: Any, dtype: str = "bf16", k_new: Any = None,
                v_new: Any = None, stage_token_ids: Any = None, purpose: str = "synchronous",
-               stage_hold: bool = False) -> List[SlotDelta]:
+               stage_hold: bool = False, rows: str = "float32") -> List[SlotDelta]:
         """One decode step of one layer for a batch: q [n, hq, d] post-RoPE. With k_new,
         v_new [n, h, d] (pre-RoPE keys) and stage_token_ids [n] (< 0: none for that query)
         the step's new tokens are staged as Attend stages them; each delta's `tokens` is the
         session's length after the call. stage_hold=True keeps each token, once its last
         layer is staged, until commit_staged(). purpose: "synchronous", "speculative" or
-        "correction" (counted by the daemon, kvshade_decode_selects_total)."""
+        "correction" (counted by the daemon, kvshade_decode_selects_total). rows: the
+        deltas' keys and values as "float32" (widened) or "wire" (in the session's dtype as
+        the server sent them: SlotDelta.rows_dtype; rows_to_torch makes tensors of them)."""
+        _check_rows(rows)
         lib = _native.lib()
         ids, qw = self._queries(attachment_ids, q, dtype)
         nt, _keep = self._new_tokens(len(ids), qw.shape[2], k_new, v_new, stage_token_ids, dtype, True, stage_hold)
@@ -995,14 +1059,17 @@ class Client(_NativeHandle):
                                      qw.shape[2], _ptr(qw), None if nt is None else ctypes.byref(nt),
                                      _purpose_code(purpose), ctypes.byref(r)))
         try:
-            return _decode_select(lib, r)
+            return _decode_select(lib, r, rows)
         finally:
             lib.kvshade_select_free(r)
 
-    def select_chunks(self, layer: int, attachment_ids: Sequence[str], chunks: Any) -> List[SlotDelta]:
+    def select_chunks(self, layer: int, attachment_ids: Sequence[str], chunks: Any,
+                      rows: str = "float32") -> List[SlotDelta]:
         """Model-native selection: the chunks to attend, chosen by the caller (a model's own
         indexer), served through the attachments' slot tables like select()'s: chunks
-        [n, h, m] (or [h, m] for one attachment) int, -1 = none, m <= slots_per_head."""
+        [n, h, m] (or [h, m] for one attachment) int, -1 = none, m <= slots_per_head. rows
+        as select()'s."""
+        _check_rows(rows)
         lib = _native.lib()
         ids = [_b(i) for i in attachment_ids]
         cw = np.asarray(chunks)
@@ -1017,21 +1084,22 @@ class Client(_NativeHandle):
                                          cw.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)),
                                          ctypes.byref(r)))
         try:
-            return _decode_select(lib, r)
+            return _decode_select(lib, r, rows)
         finally:
             lib.kvshade_select_free(r)
 
     def select_async(self, layer: int, attachment_ids: Sequence[str], q: Any, dtype: str = "bf16",
-                     purpose: str = "synchronous") -> SelectFuture:
+                     purpose: str = "synchronous", rows: str = "float32") -> SelectFuture:
         """select() without waiting: .result() of the returned future gives the deltas (e.g.
         issue layer l+1 while applying layer l, or the next step's select: purpose
-        "speculative")."""
+        "speculative"); rows as select()'s."""
+        _check_rows(rows)
         ids, qw = self._queries(attachment_ids, q, dtype)
         h = ctypes.c_void_p()
         _check(_native.lib().kvshade_select_async_ex(self._handle(), layer, len(ids), ids, _dtype_code(dtype),
                                                      qw.shape[1], qw.shape[2], _ptr(qw), None,
                                                      _purpose_code(purpose), ctypes.byref(h)))
-        return SelectFuture(self, h)
+        return SelectFuture(self, h, rows)
 
     def attend_async(self, layer: int, attachment_ids: Sequence[str], q: Any, dtype: str = "bf16") -> AttendFuture:
         """attend() without waiting: .result() gives float32 [n, hq, d]."""

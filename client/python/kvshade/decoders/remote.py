@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 
-from ..client import Client, ModelSpec, cuda_ipc_ref
+from ..client import Client, ModelSpec, cuda_ipc_ref, rows_to_torch
 from ..errors import FailedPrecondition, InvalidArgument
 from ..testing import attention, merge_attention
 
@@ -340,15 +340,17 @@ class RemoteDecoder:
         return a
 
     def _load_base(self, a):
-        """Per layer the static set and exact tail of one attachment: (k, v [h, n, d] float32,
-        mask [h, n] bool) on the host."""
+        """Per layer the static set and exact tail of one attachment: (k, v [h, n, d] torch
+        bfloat16, mask [h, n] bool) on the host, the rows as the daemon sent them (no fp32
+        round trip for a bf16 session)."""
+        torch = _torch()
         h, d = self.kv_heads, self.head_dim
         out = []
         for layer in range(self.layers):
-            s = self.client.static_set(a.attachment_id, layer)
+            s = self.client.static_set(a.attachment_id, layer, rows="wire")
             m, t = s.k.shape[1], s.tail_k.shape[0]
-            k = np.zeros((h, m + t, d), np.float32)
-            v = np.zeros((h, m + t, d), np.float32)
+            k = np.zeros((h, m + t, d), s.k.dtype)
+            v = np.zeros((h, m + t, d), s.k.dtype)
             mask = np.zeros((h, m + t), bool)
             if m:
                 k[:, :m] = s.k
@@ -357,7 +359,8 @@ class RemoteDecoder:
             k[:, m:] = s.tail_k.transpose(1, 0, 2)
             v[:, m:] = s.tail_v.transpose(1, 0, 2)
             mask[:, m:] = True
-            out.append((k, v, mask))
+            out.append((rows_to_torch(k, s.rows_dtype).to(torch.bfloat16),
+                        rows_to_torch(v, s.rows_dtype).to(torch.bfloat16), mask))
         return out
 
     def _rebuild(self, keep, fresh):
@@ -396,8 +399,8 @@ class RemoteDecoder:
                 j = len(keep) + i
                 k, v, mask = f[layer]
                 m = k.shape[1]
-                wk[j, :, :m] = torch.from_numpy(k).to(dev, torch.bfloat16)
-                wv[j, :, :m] = torch.from_numpy(v).to(dev, torch.bfloat16)
+                wk[j, :, :m] = k.to(dev)
+                wv[j, :, :m] = v.to(dev)
                 wm[j, :, 0, :m] = torch.from_numpy(mask).to(dev)
                 wm[j, :, 0, at:at + n] = False
             self._work_k[layer], self._work_v[layer], self._work_mask[layer] = wk, wv, wm
@@ -458,8 +461,8 @@ class RemoteDecoder:
             dev = self.device
             hs = torch.from_numpy(dl.head.astype(np.int64)).to(dev)
             ss = torch.from_numpy(dl.slot.astype(np.int64)).to(dev)
-            kk = torch.from_numpy(dl.keys).to(dev, torch.bfloat16)
-            vv = torch.from_numpy(dl.values).to(dev, torch.bfloat16)
+            kk = rows_to_torch(dl.keys, dl.rows_dtype).to(dev, torch.bfloat16)
+            vv = rows_to_torch(dl.values, dl.rows_dtype).to(dev, torch.bfloat16)
             self._slot_k[self._rows[b], layer, hs, ss] = kk
             self._slot_v[self._rows[b], layer, hs, ss] = vv
 
@@ -496,7 +499,7 @@ class RemoteDecoder:
             return None
         qs = (q[sel] if len(sel) < self.batch else q).detach()
         if not self.speculate:
-            self._apply(layer, sel, self.client.select(layer, self._ids(sel), qs.to(torch.bfloat16)))
+            self._apply(layer, sel, self.client.select(layer, self._ids(sel), qs.to(torch.bfloat16), rows="wire"))
             return None
         qf = qs.float().cpu()  # [n, hq, d] on the host: the drift test and the next select
         redo = list(sel)
@@ -521,9 +524,10 @@ class RemoteDecoder:
                                     q_prev[rows].reshape(len(rows), h, hq // h, d)).reshape(len(rows), hq, d)
                 # (float32 on the host, as the speculative select was sent: the kept heads'
                 # rows convert to the same bf16 query.)
-                self._apply(layer, redo, self.client.select(layer, self._ids(redo), mixed, purpose="correction"))
+                self._apply(layer, redo, self.client.select(layer, self._ids(redo), mixed, purpose="correction",
+                                                            rows="wire"))
             return sel, qf
-        self._apply(layer, redo, self.client.select(layer, self._ids(redo), qs.to(torch.bfloat16)))
+        self._apply(layer, redo, self.client.select(layer, self._ids(redo), qs.to(torch.bfloat16), rows="wire"))
         return sel, qf
 
     def _speculate(self, layer, selected):
@@ -541,7 +545,7 @@ class RemoteDecoder:
             # copy read (ucx_rma) as soon as it has the request: this layer's reads of them
             # (the copy into the working buffer, queued before the attention) first.
             self._slots_read.synchronize()
-        self._pending[layer] = (self.client.select_async(layer, self._ids(sel), qf, purpose="speculative"),
+        self._pending[layer] = (self.client.select_async(layer, self._ids(sel), qf, purpose="speculative", rows="wire"),
                                 qf, sel)
 
     def attend(self, layer: int, q: "torch.Tensor", k_new: Optional["torch.Tensor"] = None,
