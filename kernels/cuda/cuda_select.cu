@@ -18,6 +18,7 @@
 //      order (ties at the threshold key go to the lowest chunk ids), sorts them by
 //      (score desc, id asc) for `selected`, and does the slot diff with a sort of the slot
 //      table and binary searches (docs/ALGORITHM.md T3; duplicate slot entries: first one hits).
+//      As SelectEx's stage 1 it stops after the gather: the candidates, in chunk-id order.
 // Arithmetic follows the CPU reference (cpu_select.cc): logit = dot * (1/sqrtf(d)), a NaN
 // logit ranks as -inf, ranking by p = exp(x - max) / sum with NaN p last and underflowed
 // p = 0 tied (ids break ties). The GPU ranks by log p = x - (max + log sum), which orders
@@ -352,26 +353,6 @@ __device__ void BitonicSort2(uint64_t* a, uint64_t* b, int n) {
   }
 }
 
-// Descending bitonic sort of n (power of two) u64 in shared memory, block-cooperative
-// (BitonicSort2's first array alone).
-__device__ void BitonicSortDesc(uint64_t* a, int n) {
-  for (int size = 2; size <= n; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int i = threadIdx.x; i < n / 2; i += blockDim.x) {
-        const int lo = 2 * i - (i & (stride - 1));
-        const int hi = lo + stride;
-        const bool up = (lo & size) != 0;
-        const uint64_t x = a[lo], y = a[hi];
-        if ((x > y) == up) {
-          a[lo] = y;
-          a[hi] = x;
-        }
-      }
-      __syncthreads();
-    }
-  }
-}
-
 // Whether sorted ids[0, n) contain v.
 __device__ __forceinline__ bool SortedContains(const int* ids, int n, int v) {
   int lo = 0, hi = n;
@@ -495,16 +476,17 @@ __device__ void SlotDiffSorted(const int* ids, int kk, int k, const DevView& v, 
   if (tid == 0) *miss_count = static_cast<int>(n_miss);
 }
 
-// Bytes of TopKKernel's fixed shared arrays (the keys follow, 16-byte aligned).
-__host__ __device__ inline int TopKArraysBytes(int k, int kpow2) {
-  return (kpow2 * 16 + k * 20 + 15) / 16 * 16;
+// Bytes of TopKKernel's fixed shared arrays (the keys follow, 16-byte aligned). Without
+// the slot diff (diff = 0) only sel_id is used.
+__host__ __device__ inline int TopKArraysBytes(int k, int kpow2, int diff) {
+  return diff ? (kpow2 * 16 + k * 20 + 15) / 16 * 16 : (k * 4 + 15) / 16 * 16;
 }
 
 // Block (hh, item): scores, top-k and slot diff of one KV head of one item (diff = 0:
 // `selected` only, slots and miss lists untouched: SelectEx's stage 1).
 // Dynamic shared memory: buf [kpow2] u64, sp [kpow2] u64, sel_id [k], sel_key [k],
 // free_flag [k], free_list [k], miss_flag [k] (32-bit), then the order keys [total] u32
-// when `smem_keys` (else they live in the workspace). Warp w owns the contiguous chunk
+// when `smem_keys` (else they live in the workspace); diff = 0: sel_id [k], then the keys. Warp w owns the contiguous chunk
 // range [w*per_warp, (w+1)*per_warp) and lane l reads chunk base + 32*i + l, so the
 // passes over the keys need no block barrier and the warps' ranges are in chunk order.
 template <int kThreads>
@@ -521,7 +503,7 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) uint8_t smem[];
   uint64_t* buf = reinterpret_cast<uint64_t*>(smem);
   uint64_t* sp = buf + kpow2;
-  int* sel_id = reinterpret_cast<int*>(sp + kpow2);
+  int* sel_id = diff ? reinterpret_cast<int*>(sp + kpow2) : reinterpret_cast<int*>(smem);
   uint32_t* sel_key = reinterpret_cast<uint32_t*>(sel_id + k);
   int* free_flag = reinterpret_cast<int*>(sel_key + k);
   int* free_list = free_flag + k;
@@ -532,7 +514,7 @@ __global__ void __launch_bounds__(kThreads)
   const int total = it.view.total;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nb = it.n_blocks;
-  uint32_t* keys = smem_keys ? reinterpret_cast<uint32_t*>(smem + TopKArraysBytes(k, kpow2))
+  uint32_t* keys = smem_keys ? reinterpret_cast<uint32_t*>(smem + TopKArraysBytes(k, kpow2, diff))
                              : it.keys + static_cast<long long>(hh) * total;
   const int per_warp = cuda::CeilDiv(total, kWarps * 128) * 128;  // 4 rounds of 32 at once
   const int w0 = warp * per_warp;
@@ -688,7 +670,7 @@ __global__ void __launch_bounds__(kThreads)
       if (gt || (eq && eq_before < need_eq)) {
         const uint32_t pos = gt_before + min(eq_before, need_eq);
         sel_id[pos] = c;
-        sel_key[pos] = key;
+        if (diff) sel_key[pos] = key;
       }
       gt_off += __popc(bg);
       eq_off += __popc(be);
@@ -696,30 +678,31 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
 
-  // 5. `selected`: (score desc, id asc), -1 padded.
+  // 5. `selected`: (score desc, id asc), -1 padded. SelectEx's stage 1 (no diff) keeps its
+  // candidates in chunk-id order instead: every consumer ranks them again, and the sort of
+  // k1 (up to 4096) keys would be most of this kernel's time.
+  if (!diff) {
+    int* cand = it.selected + static_cast<long long>(hh) * k;
+    for (int i = tid; i < k; i += blockDim.x) cand[i] = i < kk ? sel_id[i] : -1;
+    return;
+  }
   for (int i = tid; i < kpow2; i += blockDim.x) {
     buf[i] = i < kk ? (static_cast<uint64_t>(sel_key[i]) << 32) |
                           (0xffffffffu - static_cast<uint32_t>(sel_id[i]))
                     : 0ull;
   }
-  int* slots = diff ? it.slots + static_cast<long long>(hh) * k : nullptr;  // null in stage 1
-  if (diff) {
-    for (int i = tid; i < kpow2; i += blockDim.x) {
-      sp[i] = i < k ? (static_cast<uint64_t>(static_cast<uint32_t>(slots[i]) ^ 0x80000000u) << 32) |
-                          static_cast<uint32_t>(i)
-                    : ~0ull;
-    }
-    __syncthreads();
-    BitonicSort2(buf, sp, kpow2);
-  } else {
-    __syncthreads();
-    BitonicSortDesc(buf, kpow2);
+  int* slots = it.slots + static_cast<long long>(hh) * k;
+  for (int i = tid; i < kpow2; i += blockDim.x) {
+    sp[i] = i < k ? (static_cast<uint64_t>(static_cast<uint32_t>(slots[i]) ^ 0x80000000u) << 32) |
+                        static_cast<uint32_t>(i)
+                  : ~0ull;
   }
+  __syncthreads();
+  BitonicSort2(buf, sp, kpow2);
   int* selected = it.selected + static_cast<long long>(hh) * k;
   for (int i = tid; i < k; i += blockDim.x) {
     selected[i] = i < kk ? static_cast<int>(0xffffffffu - static_cast<uint32_t>(buf[i])) : -1;
   }
-  if (!diff) return;
 
   // 6. Slot diff (sp sorted above with the selection).
   SlotDiffSorted<kThreads>(sel_id, kk, k, it.view, hh, 1, slots,
@@ -794,8 +777,8 @@ absl::Status CheckSelectLimits(const LayerShape& shape, int k, absl::Span<const 
 
 // Select's kernels over validated items (ws sized by PlanSelect); `out` receives the
 // item descriptors (workspace pointers) when given.
-// diff = false: `selected` only (SelectEx's stage 1: the items' slots and miss lists are
-// neither read nor written).
+// diff = false: `selected` only, in chunk-id order (SelectEx's stage 1: the items' slots and
+// miss lists are neither read nor written, and the candidates are ranked again after it).
 absl::Status LaunchSelect(int device_, const LayerShape& shape, int k,
                           absl::Span<const SelectItem> items, void* ws_data, cudaStream_t st,
                           std::vector<SelectDesc>* out, bool diff = true) {
@@ -872,7 +855,7 @@ absl::Status LaunchSelect(int device_, const LayerShape& shape, int k,
   const int kpow2 = NextPow2(k);
   int max_total = 0;
   for (const SelectDesc& o : descs) max_total = std::max(max_total, o.view.total);
-  const size_t arrays = size_t(TopKArraysBytes(k, kpow2));
+  const size_t arrays = size_t(TopKArraysBytes(k, kpow2, diff ? 1 : 0));
   const size_t keys_bytes = size_t(max_total) * 4;
   const bool smem_keys = arrays + keys_bytes <= std::min<size_t>(kTopKSmemKeysLimit, optin);
   const size_t topk_smem = arrays + (smem_keys ? keys_bytes : 0);
@@ -923,19 +906,20 @@ absl::Status CudaBackend::Select(const LayerShape& shape, int k, absl::Span<cons
 //     from its chunk's landmark and its key signature instead of a reconstructed key, a
 //     lane per token: the CPU's logits bit for bit (an int8 query's integer dot with the
 //     codes, __dp4a where specialised, and the base's two channel-order halves).
-//   FinalKernel (block per item and head): in one stage the score is Select's landmark
-//     probability s (from the stage-1 logits and softmax partials); in two, per query head
-//     LSE_n = log sum over the candidates of S exp(M) (warp n: the max of M + log S, then
-//     the sum) and the score m = max_n exp(M - LSE_n), the mass w = max_n exp(M + log S -
-//     LSE_n) (cpu_select.cc StageTwoScores). Ranks the candidates by (score desc, id asc)
-//     with a bitonic sort in shared memory, cuts at the mass budget (thread 0 sums in rank
-//     order, as the CPU does), writes `selected`, and does the slot diff on thread 0
-//     exactly as the CPU (sorted ids, binary search, first slot hits).
+//   One stage: FinalKernel (block per item and head) scores each candidate by Select's
+//     landmark probability s (from the stage-1 logits and softmax partials), ranks them by
+//     (score desc, id asc) with a bitonic sort in shared memory, cuts at the mass budget
+//     (thread 0 sums in rank order, as the CPU does), writes `selected`, and does the slot
+//     diff exactly as the CPU (sorted ids, binary search, first slot hits).
+//   Two stages: LsePartKernel and FinalUnitKernel (below, with the selection units: whole
+//     chunks are units of C tokens, one per candidate) form per query head LSE_n = log sum
+//     over the candidates of S exp(M), score m = max_n exp(M - LSE_n) and mass w = max_n
+//     exp(M + log S - LSE_n) (cpu_select.cc StageTwoScores), and rank by (m desc, id asc).
 //   Sums run in a different order than the CPU's, so ids whose scores tie to within fp32
 //   rounding can swap (the parity tests allow it). Limits: Select's, plus k1 <= 4096 and,
 //   for "all" items, total <= 16384 chunks (the shared-memory sort).
-//   Selection units (SelectOptions::unit below C) take a path of their own (SelectExUnits,
-//   below the whole-chunk kernels).
+//   Selection units (SelectOptions::unit below C) have stage-2 kernels of their own
+//   (SelectExUnits, below the whole-chunk kernels).
 namespace {
 
 constexpr int kMaxAllChunks = 16384;
@@ -947,6 +931,9 @@ struct ExDesc {
   int* cand;            // [h, width] candidate ids (-1 = none)
   float2* stats;        // [h, width, g] stage-2 (M, S) per candidate and query head (two
                         // stages)
+  float2* lse_part;     // [h, lse_blocks, g] (max, sum) of M + log S per block of
+                        // candidate units and query head (two stages; LsePartKernel)
+  int lse_blocks;
   const float* logits;  // stage 1: [h, total, g] (one stage only)
   const float2* partials;
   int n_blocks;
@@ -970,6 +957,16 @@ struct ExPlan {
 
 int ExK1(int k, const SelectOptions& o) { return o.two_stage() ? std::max(o.candidates, k) : k; }
 
+// LsePartKernel: a block reduces kLseElems (candidate unit, query head) statistics.
+constexpr int kLseThreads = 256;
+constexpr int kLseElems = 4096;
+
+// Blocks of LsePartKernel per head row of `units` candidate units (at least one).
+int LseBlocks(int64_t units, int64_t g) {
+  const int64_t span = kLseElems / std::max<int64_t>(g, 1);
+  return static_cast<int>(std::max<int64_t>(1, (units + span - 1) / span));
+}
+
 // Carves SelectEx's workspace (whole chunks: per = 1; units: per = C/u units per chunk,
 // stage-2 statistics per unit) for stage-1 width k1; with base set, fills descs (host)
 // and plan. An item is "all" (no stage 1: every selectable chunk is a candidate) when two
@@ -989,10 +986,14 @@ size_t PlanCandidates(const LayerShape& shape, int k1, int64_t per, bool two_sta
     const int64_t width = all ? total : k1;
     int* cand = c.Take<int>(size_t(h * width));
     float2* stats = two_stage ? c.Take<float2>(size_t(h * width * per * g)) : nullptr;
+    const int lse_blocks = two_stage ? LseBlocks(width * per, g) : 0;
+    float2* lse_part = two_stage ? c.Take<float2>(size_t(h * lse_blocks * g)) : nullptr;
     if (descs != nullptr) {
       ExDesc& e = (*descs)[i];
       e.cand = cand;
       e.stats = stats;
+      e.lse_part = lse_part;
+      e.lse_blocks = lse_blocks;
       e.width = static_cast<int>(width);
       e.all = all ? 1 : 0;
     }
@@ -1445,22 +1446,6 @@ __global__ void __launch_bounds__(32 * kSigWarps)
   }
 }
 
-// Stage-2 score m and mass w of one candidate from its stats [g] and the heads' LSE
-// (cpu_select.cc StageTwoScores): over the heads with a finite M, m = max exp(M - LSE),
-// w = max exp(M + log S - LSE); 0 for a candidate without any.
-__device__ __forceinline__ float StageTwoScore(const float2* st, int g, const float* lse,
-                                               float* w) {
-  float best = 0.0f, mass = 0.0f;
-  for (int n = 0; n < g; ++n) {
-    const float2 x = st[n];
-    if (x.x == -INFINITY) continue;
-    best = fmaxf(best, expf(x.x - lse[n]));
-    mass = fmaxf(mass, expf(x.x + logf(x.y) - lse[n]));
-  }
-  *w = mass;
-  return best;
-}
-
 // Order-preserving bits of a float (NaN -> 0, below every number).
 __device__ __forceinline__ uint32_t FloatOrder(float x) {
   if (isnan(x)) return 0u;
@@ -1574,15 +1559,13 @@ size_t FinalSmemBytes(int max_pow2, int k) {
 
 constexpr int kFinalThreads = 256;
 
-// Block (hh, item). Dynamic shared memory (FinalSmemBytes): keys [max_pow2] u64, sp
-// [pow2(k)] u64, then ids [k], claimed [k], free [k], miss [k] int (claimed holds the
-// masses w of the first k ranks before the slot diff).
+// Block (hh, item), one stage. Dynamic shared memory (FinalSmemBytes): keys [max_pow2] u64,
+// sp [pow2(k)] u64, then ids [k], claimed [k], free [k], miss [k] int.
 __global__ void __launch_bounds__(kFinalThreads)
-    FinalKernel(const ExDesc* __restrict__ descs, int g, int k, int two_stage, float top_p,
-                int min_k, int max_pow2) {
+    FinalKernel(const ExDesc* __restrict__ descs, int g, int k, float top_p, int min_k,
+                int max_pow2) {
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ float s_m[kMaxG], s_z[kMaxG];  // one stage: each query head's (max, sum)
-  __shared__ float s_lse[kMaxG];             // two stages: each query head's LSE_n
+  __shared__ float s_m[kMaxG], s_z[kMaxG];  // each query head's (max, sum)
   __shared__ int s_valid, s_kk;
   __shared__ typename cub::BlockScan<uint32_t, kFinalThreads>::TempStorage scan;
   int p2k = 1;
@@ -1598,114 +1581,58 @@ __global__ void __launch_bounds__(kFinalThreads)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int total = e.view.total;
   const long long row = static_cast<long long>(hh) * e.width;
-  if (!two_stage) {
-    // Each query head's softmax (max, sum) from Select's partials, as TopKKernel does.
-    if (warp < g) {
-      float m = -INFINITY, z = 0.0f;
-      const float2* part = e.partials + (static_cast<long long>(hh) * g + warp) * e.n_blocks;
-      for (int b = lane; b < e.n_blocks; b += 32) MergeSoftmax(m, z, part[b].x, part[b].y);
+  // Each query head's softmax (max, sum) from Select's partials, as TopKKernel does.
+  if (warp < g) {
+    float m = -INFINITY, z = 0.0f;
+    const float2* part = e.partials + (static_cast<long long>(hh) * g + warp) * e.n_blocks;
+    for (int b = lane; b < e.n_blocks; b += 32) MergeSoftmax(m, z, part[b].x, part[b].y);
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
-        const float z2 = __shfl_xor_sync(0xffffffffu, z, o);
-        MergeSoftmax(m, z, m2, z2);
-      }
-      if (lane == 0) {
-        s_m[warp] = m;
-        s_z[warp] = z;
-      }
+    for (int o = 16; o > 0; o >>= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, m, o);
+      const float z2 = __shfl_xor_sync(0xffffffffu, z, o);
+      MergeSoftmax(m, z, m2, z2);
     }
-  } else {
-    // LSE_n over the candidates' tokens: the max of M + log S (candidates with a
-    // finite M; padding has M = -inf), then the sum of exp(M + log S - max); warp n.
-    for (int n = warp; n < g; n += blockDim.x / 32) {
-      float mx = -INFINITY;
-      for (int i = lane; i < e.width; i += 32) {
-        const float2 x = e.stats[(row + i) * g + n];
-        if (x.x != -INFINITY) mx = fmaxf(mx, x.x + logf(x.y));
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      float z = 0.0f;
-      if (mx != -INFINITY) {
-        for (int i = lane; i < e.width; i += 32) {
-          const float2 x = e.stats[(row + i) * g + n];
-          if (x.x != -INFINITY) z += expf(x.x + logf(x.y) - mx);
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
-      }
-      if (lane == 0) s_lse[n] = mx == -INFINITY ? -INFINITY : mx + logf(z);
+    if (lane == 0) {
+      s_m[warp] = m;
+      s_z[warp] = z;
     }
   }
-  // Masses of the first k ranks (two stages), filled after the sort; zero until then.
-  float* wrank = reinterpret_cast<float*>(claimed);
-  for (int i = tid; i < k; i += blockDim.x) wrank[i] = 0.0f;
+  if (tid == 0) s_valid = 0;
   __syncthreads();
   const int kpow2 = e.kpow2;
+  int valid = 0;
   for (int i = tid; i < kpow2; i += blockDim.x) {
     uint64_t key = 0;
     if (i < e.width) {
       const int c = e.cand[row + i];
       if (c >= 0) {
-        float sc;
-        if (two_stage) {
-          float w;
-          sc = StageTwoScore(e.stats + (row + i) * g, g, s_lse, &w);
-        } else {
-          // s = max over the group of exp(x - max) / sum, NaN -> -inf (the CPU's rule).
-          sc = -INFINITY;
-          const float* x = e.logits + (static_cast<long long>(hh) * total + c) * g;
-          for (int n = 0; n < g; ++n) {
-            const float mx = s_m[n];
-            float p = (mx == -INFINITY ? 0.0f : expf(x[n] - mx)) / s_z[n];
-            if (isnan(p)) p = -INFINITY;
-            sc = fmaxf(sc, p);
-          }
+        // s = max over the group of exp(x - max) / sum, NaN -> -inf (the CPU's rule).
+        float sc = -INFINITY;
+        const float* x = e.logits + (static_cast<long long>(hh) * total + c) * g;
+        for (int n = 0; n < g; ++n) {
+          const float mx = s_m[n];
+          float p = (mx == -INFINITY ? 0.0f : expf(x[n] - mx)) / s_z[n];
+          if (isnan(p)) p = -INFINITY;
+          sc = fmaxf(sc, p);
         }
         key = CandidateKey(sc, c);
+        ++valid;
       }
     }
     keys[i] = ~key;  // ascending sort of ~key: best first
   }
-  BitonicSortAsc(keys, kpow2);
-  if (tid == 0) {
-    int n_valid = 0;
-    while (n_valid < kpow2 && ~keys[n_valid] != 0ull) ++n_valid;
-    s_valid = n_valid;
-  }
-  __syncthreads();
-  const int n_valid = s_valid;
-  const int k_cap = min(k, n_valid);
-  // Two stages with a budget: the masses w of ranks [0, k_cap) into wrank, each candidate
-  // finding its rank by a binary search of its key among the sorted keys (distinct ids).
-  if (two_stage && top_p > 0.0f && k_cap > 0) {
-    for (int i = tid; i < e.width; i += blockDim.x) {
-      const int c = e.cand[row + i];
-      if (c < 0) continue;
-      float w;
-      const float sc = StageTwoScore(e.stats + (row + i) * g, g, s_lse, &w);
-      const uint64_t key = ~CandidateKey(sc, c);
-      int lo = 0, hi = n_valid;
-      while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (keys[mid] < key)
-          lo = mid + 1;
-        else
-          hi = mid;
-      }
-      if (lo < k_cap) wrank[lo] = w;
-    }
-    __syncthreads();
-  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) valid += __shfl_xor_sync(0xffffffffu, valid, o);
+  if (lane == 0 && valid > 0) atomicAdd(&s_valid, valid);
+  BitonicSortAsc(keys, kpow2);  // starts and ends with a barrier
+  const int k_cap = min(k, s_valid);
   if (tid == 0) {
     int kk = k_cap;
     if (top_p > 0.0f && kk > 0) {
       float cum = 0.0f;
       int n = kk;
       for (int i = 0; i < kk; ++i) {
-        const float w =
-            two_stage ? wrank[i] : OrderFloat(static_cast<uint32_t>((~keys[i]) >> 32) - 1u);
+        const float w = OrderFloat(static_cast<uint32_t>((~keys[i]) >> 32) - 1u);
         cum += isfinite(w) && w > 0.0f ? w : 0.0f;
         if (cum >= top_p) {
           n = i + 1;
@@ -1788,8 +1715,9 @@ __global__ void __launch_bounds__(256)
 //     into the running (M, S) of the token's unit, in token order with the CPU's
 //     rescaling sequence; the unit's pair is stored after its last token and the fold
 //     restarts: stats [h, width * C/u, g], unit p of candidate i at i * C/u + p.
-//   FinalUnitKernel (block per head and item): LSE_n over every candidate unit (the whole
-//     block), m per unit as cpu_select.cc StageTwoScores, the k best by (m desc, unit id
+//   LsePartKernel (blocks of kLseElems statistics per head row): partial LSE_n sums, which
+//     FinalUnitKernel (block per head and item) merges into LSE_n over every candidate
+//     unit; then m per unit as cpu_select.cc StageTwoScores, the k best by (m desc, unit id
 //     asc, NaN last) with a radix select in shared memory (RadixSelectTop) and a sort of
 //     those k only, w of the ranks kept for the mass budget (thread 0, in rank order),
 //     `selected`, and the CPU's slot diff on unit ids (SlotDiffBlock).
@@ -2089,10 +2017,11 @@ __device__ __forceinline__ int UnitAt(const ExDesc& e, long long row, int per, i
 // keys), block-wide: an MSD radix select, 8 bits a pass (a 256-bin histogram of the keys
 // that still match the prefix, warp-aggregated), stopping once the boundary bin's keys are
 // all taken. Key i is among the kk largest iff (key(i) & *mask) >= *prefix. kk = 0 leaves
-// *mask = *prefix = 0 (the caller takes nothing).
-template <int kThreads, typename KeyFn>
-__device__ void RadixSelectTop(int n, int kk, const KeyFn& key, uint64_t* prefix_out,
-                               uint64_t* mask_out) {
+// *mask = *prefix = 0 (the caller takes nothing). key_hi(i) is key(i)'s high word, which
+// the passes over the high word read instead (it may be cheaper to form).
+template <int kThreads, typename KeyFn, typename HiFn>
+__device__ void RadixSelectTop(int n, int kk, const KeyFn& key, const HiFn& key_hi,
+                               uint64_t* prefix_out, uint64_t* mask_out) {
   __shared__ uint32_t hist[256];
   __shared__ uint64_t s_prefix, s_mask;
   __shared__ uint32_t s_need;
@@ -2113,7 +2042,7 @@ __device__ void RadixSelectTop(int n, int kk, const KeyFn& key, uint64_t* prefix
       const int i = base + tid;
       int digit = -1;
       if (i < n) {
-        const uint64_t kv = key(i);
+        const uint64_t kv = shift >= 32 ? static_cast<uint64_t>(key_hi(i)) << 32 : key(i);
         if (kv != 0 && (kv & mask) == prefix) digit = static_cast<int>((kv >> shift) & 0xff);
       }
       const unsigned peers = __match_any_sync(0xffffffffu, digit);
@@ -2157,6 +2086,64 @@ __device__ void RadixSelectTop(int n, int kk, const KeyFn& key, uint64_t* prefix
   *mask_out = s_mask;
 }
 
+// Grid (LSE blocks, h, items), two stages: block b of head row hh reduces the statistics of
+// candidate units [b*span, (b+1)*span), span = kLseElems / g, per query head n (thread t
+// serves head t % g): with L = M + log S over the units with a finite M, the block's max
+// and sum of exp(L - max) into lse_part[hh, b, n] ((-inf, 0) without any). FinalUnitKernel
+// merges the blocks into LSE_n. Elements are [unit, g] in the row, so a block's span is
+// contiguous and its L values stay in shared memory between the two passes.
+__global__ void __launch_bounds__(kLseThreads) LsePartKernel(const ExDesc* __restrict__ descs,
+                                                             int g, int per) {
+  __shared__ float sl[kLseElems];
+  __shared__ float red[kLseThreads];
+  __shared__ float s_mx[kMaxG];
+  const ExDesc& e = descs[blockIdx.z];
+  const int b = blockIdx.x, hh = blockIdx.y, tid = threadIdx.x;
+  if (b >= e.lse_blocks) return;
+  const long long units = static_cast<long long>(e.width) * per;
+  const long long span = kLseElems / g;
+  const long long lo = b * span;
+  const int n = static_cast<int>(max(0ll, min(span, units - lo))) * g;
+  const float2* st = e.stats + (static_cast<long long>(hh) * units + lo) * g;
+  const int active = kLseThreads / g * g;  // thread t < active: head t % g, stride active
+  float mx = -INFINITY;
+  if (tid < active) {
+    for (int j = tid; j < n; j += active) {
+      const float2 x = st[j];
+      float l = -INFINITY;  // no finite M: not counted
+      if (x.x != -INFINITY) {
+        l = __fadd_rn(x.x, LogRef(x.y));
+        mx = fmaxf(mx, l);
+      }
+      sl[j] = l;
+    }
+  }
+  red[tid] = mx;
+  __syncthreads();
+  if (tid < g) {
+    float m = -INFINITY;
+    for (int j = tid; j < active; j += g) m = fmaxf(m, red[j]);
+    s_mx[tid] = m;
+  }
+  __syncthreads();
+  float z = 0.0f;
+  if (tid < active) {
+    const float m = s_mx[tid % g];
+    for (int j = tid; j < n; j += active) {
+      const float l = sl[j];
+      if (l != -INFINITY) z = __fadd_rn(z, ExpRef(__fsub_rn(l, m)));
+    }
+  }
+  red[tid] = z;
+  __syncthreads();
+  if (tid < g) {
+    float zz = 0.0f;
+    for (int j = tid; j < active; j += g) zz = __fadd_rn(zz, red[j]);
+    e.lse_part[(static_cast<long long>(hh) * e.lse_blocks + b) * g + tid] =
+        make_float2(s_mx[tid], s_mx[tid] == -INFINITY ? 0.0f : zz);
+  }
+}
+
 // Shared memory of FinalUnitKernel: the units' score bits hi [max_units] u32 (rounded up
 // to 8 bytes), the ranked keys rk [pow2(k)] u64 (then the slot diff's sp), their positions
 // ri [pow2(k)] int, then ids, claimed, free and miss [k] int each.
@@ -2166,17 +2153,14 @@ size_t FinalUnitSmemBytes(int max_units, int k) {
 }
 
 // Block (hh, item); dynamic shared memory as FinalUnitSmemBytes says (claimed holds
-// the masses w of the first k ranks before the slot diff). LSE_n over every candidate unit
-// (all threads: per-thread sums in unit order, then warps, then the block), each unit's
-// score m into hi as CandidateKey's high word, the k best keys by RadixSelectTop, sorted
+// the masses w of the first k ranks before the slot diff). LSE_n from LsePartKernel's
+// blocks (merged in block order by thread n), each unit's score m into hi as CandidateKey's high word, the k best keys by RadixSelectTop, sorted
 // (bitonic, k entries), w of those ranks for the mass budget, `selected`, the slot diff.
 __global__ void __launch_bounds__(kUnitFinalThreads)
     FinalUnitKernel(const ExDesc* __restrict__ descs, int g, int k, int per, float top_p,
                     int min_k, int max_units) {
   extern __shared__ __align__(16) uint8_t smem[];
-  constexpr int kWarps = kUnitFinalThreads / 32;
   __shared__ float s_lse[kMaxG];
-  __shared__ float s_part[kWarps][kMaxG];
   __shared__ int s_valid, s_kk, s_count;
   __shared__ typename cub::BlockScan<uint32_t, kUnitFinalThreads>::TempStorage scan;
   int p2k = 1;
@@ -2190,64 +2174,23 @@ __global__ void __launch_bounds__(kUnitFinalThreads)
   int* miss = free_slots + k;
   const ExDesc& e = descs[blockIdx.y];
   const int hh = blockIdx.x;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31;
   const long long row = static_cast<long long>(hh) * e.width;  // of cand
   const int n_units = e.width * per;
   const float2* stats = e.stats + row * per * g;                // [n_units, g]
-  // LSE_n over every candidate unit with a finite M: the max of M + log S, then the sum of
-  // exp(M + log S - max).
-  float acc[kMaxG];
-#pragma unroll
-  for (int n = 0; n < kMaxG; ++n) acc[n] = -INFINITY;
-  for (int i = tid; i < n_units; i += kUnitFinalThreads) {
-#pragma unroll
-    for (int n = 0; n < kMaxG; ++n) {
-      if (n >= g) break;
-      const float2 x = stats[static_cast<long long>(i) * g + n];
-      if (x.x != -INFINITY) acc[n] = fmaxf(acc[n], __fadd_rn(x.x, LogRef(x.y)));
-    }
-  }
-#pragma unroll
-  for (int n = 0; n < kMaxG; ++n) {
-    if (n >= g) break;
-    float mx = acc[n];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-    if (lane == 0) s_part[warp][n] = mx;
-  }
+  // LSE_n from LsePartKernel's blocks, merged in block order.
   if (tid == 0) s_valid = 0;
-  __syncthreads();
   if (tid < g) {
+    const float2* part = e.lse_part + static_cast<long long>(hh) * e.lse_blocks * g + tid;
     float mx = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, s_part[w][tid]);
-    s_lse[tid] = mx;  // the max for now
-  }
-  __syncthreads();
-#pragma unroll
-  for (int n = 0; n < kMaxG; ++n) acc[n] = 0.0f;
-  for (int i = tid; i < n_units; i += kUnitFinalThreads) {
-#pragma unroll
-    for (int n = 0; n < kMaxG; ++n) {
-      if (n >= g) break;
-      const float2 x = stats[static_cast<long long>(i) * g + n];
-      if (x.x != -INFINITY) {
-        acc[n] = __fadd_rn(acc[n], ExpRef(__fsub_rn(__fadd_rn(x.x, LogRef(x.y)), s_lse[n])));
+    for (int b = 0; b < e.lse_blocks; ++b) mx = fmaxf(mx, part[b * g].x);
+    float z = 0.0f;
+    if (mx != -INFINITY) {
+      for (int b = 0; b < e.lse_blocks; ++b) {
+        const float2 p = part[b * g];
+        if (p.x != -INFINITY) z = __fadd_rn(z, __fmul_rn(p.y, ExpRef(__fsub_rn(p.x, mx))));
       }
     }
-  }
-#pragma unroll
-  for (int n = 0; n < kMaxG; ++n) {
-    if (n >= g) break;
-    float z = acc[n];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) z = __fadd_rn(z, __shfl_xor_sync(0xffffffffu, z, o));
-    if (lane == 0) s_part[warp][n] = z;
-  }
-  __syncthreads();
-  if (tid < g) {
-    const float mx = s_lse[tid];
-    float z = 0.0f;
-    for (int w = 0; w < kWarps; ++w) z = __fadd_rn(z, s_part[w][tid]);
     s_lse[tid] = mx == -INFINITY ? -INFINITY : __fadd_rn(mx, LogRef(z));
   }
   __syncthreads();
@@ -2275,7 +2218,8 @@ __global__ void __launch_bounds__(kUnitFinalThreads)
            (0xffffffffu - static_cast<uint32_t>(UnitAt(e, row, per, i)));
   };
   uint64_t prefix = 0, mask = 0;
-  RadixSelectTop<kUnitFinalThreads>(n_units, k_cap, key, &prefix, &mask);
+  RadixSelectTop<kUnitFinalThreads>(n_units, k_cap, key, [&](int i) { return hi[i]; }, &prefix,
+                                    &mask);
   // The k_cap best keys (as ~key, so that an ascending sort ranks them best first) with
   // their candidate positions, then sorted.
   int p2 = 1;
@@ -2288,8 +2232,13 @@ __global__ void __launch_bounds__(kUnitFinalThreads)
   __syncthreads();
   if (k_cap > 0) {
     for (int i = tid; i < n_units; i += kUnitFinalThreads) {
+      // The high word alone rules out most keys (with any low word they stay below).
+      const uint32_t hv = hi[i];
+      if (hv == 0 || (((static_cast<uint64_t>(hv) << 32) | 0xffffffffull) & mask) < prefix) {
+        continue;
+      }
       const uint64_t kv = key(i);
-      if (kv != 0 && (kv & mask) >= prefix) {
+      if ((kv & mask) >= prefix) {
         const int at = atomicAdd(&s_count, 1);
         rk[at] = ~kv;
         ri[at] = i;
@@ -2345,6 +2294,24 @@ __global__ void __launch_bounds__(kUnitFinalThreads)
                                    e.miss_slot + static_cast<long long>(hh) * k,
                                    e.miss_chunk + static_cast<long long>(hh) * k,
                                    e.miss_count + hh, rk, p2k, claimed, free_slots, miss, scan);
+}
+
+// After stage 2 (stats filled for every item): LsePartKernel, then FinalUnitKernel at
+// `per` units per candidate chunk (1: whole chunks), over at most max_units candidate units
+// per head row.
+absl::Status LaunchStageTwoFinal(const ExDesc* dev_descs, int h, unsigned n_items, int g, int k,
+                                 int per, const SelectOptions& o, int max_units,
+                                 cudaStream_t st) {
+  LsePartKernel<<<dim3(LseBlocks(max_units, g), h, n_items), kLseThreads, 0, st>>>(dev_descs, g,
+                                                                                  per);
+  KVSHADE_CUDA_LAUNCH_CHECK();
+  const size_t smem = FinalUnitSmemBytes(max_units, k);
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      FinalUnitKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  FinalUnitKernel<<<dim3(h, n_items), kUnitFinalThreads, smem, st>>>(dev_descs, g, k, per,
+                                                                      o.top_p, o.min_k, max_units);
+  KVSHADE_CUDA_LAUNCH_CHECK();
+  return absl::OkStatus();
 }
 
 // SelectEx with selection units (options.units()): checks, stage 1, stage 2 per unit, the
@@ -2482,12 +2449,7 @@ absl::Status SelectExUnits(int device, const LayerShape& shape, int k, const Sel
   } else {
     KVSHADE_RETURN_IF_ERROR(stage2(Stage2UnitKernel<false>));
   }
-  KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      FinalUnitKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(final_smem)));
-  FinalUnitKernel<<<dim3(h, n_items), kUnitFinalThreads, final_smem, st>>>(
-      plan.dev_descs, g, k, per, o.top_p, o.min_k, max_units);
-  KVSHADE_CUDA_LAUNCH_CHECK();
-  return absl::OkStatus();
+  return LaunchStageTwoFinal(plan.dev_descs, h, n_items, g, k, per, o, max_units, st);
 }
 
 }  // namespace
@@ -2627,12 +2589,14 @@ absl::Status CudaBackend::SelectEx(const LayerShape& shape, int k, const SelectO
         plan.dev_descs, g, d, options.C, 1.0f / std::sqrt(static_cast<float>(d)), rope);
     KVSHADE_CUDA_LAUNCH_CHECK();
   }
+  if (options.two_stage()) {
+    return LaunchStageTwoFinal(plan.dev_descs, h, n_items, g, k, 1, options, max_width, st);
+  }
   const size_t smem = FinalSmemBytes(max_pow2, k);
   KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       FinalKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  FinalKernel<<<dim3(h, n_items), kFinalThreads, smem, st>>>(plan.dev_descs, g, k,
-                                                    options.two_stage() ? 1 : 0, options.top_p,
-                                                    options.min_k, max_pow2);
+  FinalKernel<<<dim3(h, n_items), kFinalThreads, smem, st>>>(plan.dev_descs, g, k, options.top_p,
+                                                             options.min_k, max_pow2);
   KVSHADE_CUDA_LAUNCH_CHECK();
   return absl::OkStatus();
 }
