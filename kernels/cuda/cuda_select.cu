@@ -486,13 +486,13 @@ __host__ __device__ inline int TopKArraysBytes(int k, int kpow2, int diff) {
 // `selected` only, slots and miss lists untouched: SelectEx's stage 1).
 // Dynamic shared memory: buf [kpow2] u64, sp [kpow2] u64, sel_id [k], sel_key [k],
 // free_flag [k], free_list [k], miss_flag [k] (32-bit), then the order keys [total] u32
-// when `smem_keys` (else they live in the workspace); diff = 0: sel_id [k], then the keys. Warp w owns the contiguous chunk
-// range [w*per_warp, (w+1)*per_warp) and lane l reads chunk base + 32*i + l, so the
-// passes over the keys need no block barrier and the warps' ranges are in chunk order.
-template <int kThreads>
-__global__ void __launch_bounds__(kThreads)
-    TopKKernel(const SelectDesc* __restrict__ descs, int g, int k, int kpow2, int smem_keys,
-               int diff) {
+// when `smem_keys` (else they live in the workspace); kDiff false: sel_id [k], then the
+// keys. Warp w owns the contiguous chunk range [w*per_warp, (w+1)*per_warp) and lane l reads
+// chunk base + 32*i + l, so the passes over the keys need no block barrier and the warps'
+// ranges are in chunk order. Two blocks of 512 threads fit an SM (at most 64 registers).
+template <int kThreads, bool kDiff>
+__global__ void __launch_bounds__(kThreads, kThreads <= 512 ? 2 : 1)
+    TopKKernel(const SelectDesc* __restrict__ descs, int g, int k, int kpow2, int smem_keys) {
   constexpr int kWarps = kThreads / 32;
   using BlockScan = cub::BlockScan<uint32_t, kThreads>;
   __shared__ typename BlockScan::TempStorage scan_tmp;
@@ -503,7 +503,7 @@ __global__ void __launch_bounds__(kThreads)
   extern __shared__ __align__(16) uint8_t smem[];
   uint64_t* buf = reinterpret_cast<uint64_t*>(smem);
   uint64_t* sp = buf + kpow2;
-  int* sel_id = diff ? reinterpret_cast<int*>(sp + kpow2) : reinterpret_cast<int*>(smem);
+  int* sel_id = kDiff ? reinterpret_cast<int*>(sp + kpow2) : reinterpret_cast<int*>(smem);
   uint32_t* sel_key = reinterpret_cast<uint32_t*>(sel_id + k);
   int* free_flag = reinterpret_cast<int*>(sel_key + k);
   int* free_list = free_flag + k;
@@ -514,7 +514,7 @@ __global__ void __launch_bounds__(kThreads)
   const int total = it.view.total;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nb = it.n_blocks;
-  uint32_t* keys = smem_keys ? reinterpret_cast<uint32_t*>(smem + TopKArraysBytes(k, kpow2, diff))
+  uint32_t* keys = smem_keys ? reinterpret_cast<uint32_t*>(smem + TopKArraysBytes(k, kpow2, kDiff))
                              : it.keys + static_cast<long long>(hh) * total;
   const int per_warp = cuda::CeilDiv(total, kWarps * 128) * 128;  // 4 rounds of 32 at once
   const int w0 = warp * per_warp;
@@ -670,7 +670,7 @@ __global__ void __launch_bounds__(kThreads)
       if (gt || (eq && eq_before < need_eq)) {
         const uint32_t pos = gt_before + min(eq_before, need_eq);
         sel_id[pos] = c;
-        if (diff) sel_key[pos] = key;
+        if constexpr (kDiff) sel_key[pos] = key;
       }
       gt_off += __popc(bg);
       eq_off += __popc(be);
@@ -681,34 +681,34 @@ __global__ void __launch_bounds__(kThreads)
   // 5. `selected`: (score desc, id asc), -1 padded. SelectEx's stage 1 (no diff) keeps its
   // candidates in chunk-id order instead: every consumer ranks them again, and the sort of
   // k1 (up to 4096) keys would be most of this kernel's time.
-  if (!diff) {
+  if constexpr (!kDiff) {
     int* cand = it.selected + static_cast<long long>(hh) * k;
     for (int i = tid; i < k; i += blockDim.x) cand[i] = i < kk ? sel_id[i] : -1;
-    return;
-  }
-  for (int i = tid; i < kpow2; i += blockDim.x) {
-    buf[i] = i < kk ? (static_cast<uint64_t>(sel_key[i]) << 32) |
-                          (0xffffffffu - static_cast<uint32_t>(sel_id[i]))
-                    : 0ull;
-  }
-  int* slots = it.slots + static_cast<long long>(hh) * k;
-  for (int i = tid; i < kpow2; i += blockDim.x) {
-    sp[i] = i < k ? (static_cast<uint64_t>(static_cast<uint32_t>(slots[i]) ^ 0x80000000u) << 32) |
-                        static_cast<uint32_t>(i)
-                  : ~0ull;
-  }
-  __syncthreads();
-  BitonicSort2(buf, sp, kpow2);
-  int* selected = it.selected + static_cast<long long>(hh) * k;
-  for (int i = tid; i < k; i += blockDim.x) {
-    selected[i] = i < kk ? static_cast<int>(0xffffffffu - static_cast<uint32_t>(buf[i])) : -1;
-  }
+  } else {
+    for (int i = tid; i < kpow2; i += blockDim.x) {
+      buf[i] = i < kk ? (static_cast<uint64_t>(sel_key[i]) << 32) |
+                            (0xffffffffu - static_cast<uint32_t>(sel_id[i]))
+                      : 0ull;
+    }
+    int* slots = it.slots + static_cast<long long>(hh) * k;
+    for (int i = tid; i < kpow2; i += blockDim.x) {
+      sp[i] = i < k ? (static_cast<uint64_t>(static_cast<uint32_t>(slots[i]) ^ 0x80000000u) << 32) |
+                          static_cast<uint32_t>(i)
+                    : ~0ull;
+    }
+    __syncthreads();
+    BitonicSort2(buf, sp, kpow2);
+    int* selected = it.selected + static_cast<long long>(hh) * k;
+    for (int i = tid; i < k; i += blockDim.x) {
+      selected[i] = i < kk ? static_cast<int>(0xffffffffu - static_cast<uint32_t>(buf[i])) : -1;
+    }
 
-  // 6. Slot diff (sp sorted above with the selection).
-  SlotDiffSorted<kThreads>(sel_id, kk, k, it.view, hh, 1, slots,
-                           it.miss_slot + static_cast<long long>(hh) * k,
-                           it.miss_chunk + static_cast<long long>(hh) * k, it.miss_count + hh, sp,
-                           free_flag, free_list, miss_flag, scan_tmp);
+    // 6. Slot diff (sp sorted above with the selection).
+    SlotDiffSorted<kThreads>(sel_id, kk, k, it.view, hh, 1, slots,
+                             it.miss_slot + static_cast<long long>(hh) * k,
+                             it.miss_chunk + static_cast<long long>(hh) * k, it.miss_count + hh, sp,
+                             free_flag, free_list, miss_flag, scan_tmp);
+  }
 }
 
 size_t ScoreSmemBytes(int hb, int g, int d, int chunks_per_block) {
@@ -727,15 +727,21 @@ absl::Status LaunchScore(dim3 grid, int hb, size_t smem, cudaStream_t st, const 
   return absl::OkStatus();
 }
 
+template <int kThreads, bool kDiff>
+absl::Status LaunchTopKAs(dim3 grid, size_t smem, cudaStream_t st, const SelectDesc* descs, int g,
+                          int k, int kpow2, bool smem_keys) {
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      TopKKernel<kThreads, kDiff>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  TopKKernel<kThreads, kDiff><<<grid, kThreads, smem, st>>>(descs, g, k, kpow2, smem_keys ? 1 : 0);
+  KVSHADE_CUDA_LAUNCH_CHECK();
+  return absl::OkStatus();
+}
+
 template <int kThreads>
 absl::Status LaunchTopK(dim3 grid, size_t smem, cudaStream_t st, const SelectDesc* descs, int g,
                         int k, int kpow2, bool smem_keys, bool diff) {
-  KVSHADE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      TopKKernel<kThreads>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  TopKKernel<kThreads><<<grid, kThreads, smem, st>>>(descs, g, k, kpow2, smem_keys ? 1 : 0,
-                                                     diff ? 1 : 0);
-  KVSHADE_CUDA_LAUNCH_CHECK();
-  return absl::OkStatus();
+  return diff ? LaunchTopKAs<kThreads, true>(grid, smem, st, descs, g, k, kpow2, smem_keys)
+              : LaunchTopKAs<kThreads, false>(grid, smem, st, descs, g, k, kpow2, smem_keys);
 }
 
 int NextPow2(int x) {
