@@ -54,11 +54,10 @@ struct WireRows {
   mutable bool widened = false;
 
   // Keeps t's rows padded to n elements (n >= the tensor's elements); t must have passed
-  // kvshade::client::TensorToFloats's checks (ValidRows).
-  void Take(kvshade::v1::Tensor* t, size_t elements) {
+  // ValidRows. A tensor without a dtype (no rows) takes `none` (a KVSHADE_DTYPE_*).
+  void Take(kvshade::v1::Tensor* t, size_t elements, int32_t none = KVSHADE_DTYPE_FP32) {
     n = elements;
-    // No tensor (no rows): fp32 zeros.
-    dtype = t->dtype() == kvshade::v1::DTYPE_UNSPECIFIED ? KVSHADE_DTYPE_FP32 : static_cast<int32_t>(t->dtype());
+    dtype = t->dtype() == kvshade::v1::DTYPE_UNSPECIFIED ? none : static_cast<int32_t>(t->dtype());
     bytes = std::move(*t->mutable_data());
     bytes.resize(n * (dtype == KVSHADE_DTYPE_FP32 ? 4 : 2), '\0');
   }
@@ -1137,9 +1136,14 @@ int kvshade_get_static_set(kvshade_client* c, const char* attachment_id, uint32_
     auto r = c->impl->GetStaticSet(attachment_id, layer);
     if (!r.ok()) return Report(r.status());
     auto s = std::make_unique<kvshade_static_set>();
+    v1::DType rows_dtype = v1::DTYPE_UNSPECIFIED;  // one for all four (kvshade_static_set_rows)
     for (const v1::Tensor* t : {&r->k(), &r->v(), &r->tail_k(), &r->tail_v()}) {
       if (t->shape_size() == 0 && t->data().empty()) continue;  // none
       if (absl::Status st = ValidRows(*t); !st.ok()) return Report(st);
+      if (rows_dtype != v1::DTYPE_UNSPECIFIED && t->dtype() != rows_dtype) {
+        return Report(absl::InternalError("malformed static set from the server (rows of two dtypes)"));
+      }
+      rows_dtype = t->dtype();
     }
     if (r->k().shape_size() == 3) {
       s->h = r->k().shape(0);
@@ -1159,7 +1163,8 @@ int kvshade_get_static_set(kvshade_client* c, const char* attachment_id, uint32_
       if (static_cast<size_t>(t->data().size()) > n * (t->dtype() == v1::DTYPE_FP32 ? 4 : 2)) {
         return Report(absl::InternalError("malformed static set from the server (shapes disagree)"));
       }
-      dst->Take(t, n);
+      // Rows a set lacks (no static rows, or no tail) read as its other rows' dtype.
+      dst->Take(t, n, rows_dtype == v1::DTYPE_UNSPECIFIED ? KVSHADE_DTYPE_FP32 : static_cast<int32_t>(rows_dtype));
     }
     s->lengths.assign(r->lengths().begin(), r->lengths().end());
     s->lengths.resize(static_cast<size_t>(s->h));
@@ -1194,8 +1199,8 @@ void kvshade_static_set_data(const kvshade_static_set* s, const float** k, const
 void kvshade_static_set_rows(const kvshade_static_set* s, int32_t* dtype, const void** k, const void** v,
                              const void** tail_k, const void** tail_v) {
   if (s == nullptr) return;
-  // The static rows and the tail share the session's dtype; an empty set says fp32.
-  if (dtype != nullptr) *dtype = s->k.n > 0 ? s->k.dtype : s->tail_k.dtype;
+  // The static rows and the tail share the session's dtype (fp32 for a set without rows).
+  if (dtype != nullptr) *dtype = s->k.dtype;
   if (k != nullptr) *k = s->k.bytes.data();
   if (v != nullptr) *v = s->v.bytes.data();
   if (tail_k != nullptr) *tail_k = s->tail_k.bytes.data();
