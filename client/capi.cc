@@ -63,11 +63,8 @@ struct WireRows {
   }
   const float* Floats() const {
     if (!widened) {
-      kvshade::v1::Tensor t;
-      t.add_shape(static_cast<int64_t>(n));
-      t.set_dtype(static_cast<kvshade::v1::DType>(dtype));
-      t.set_data(bytes);
-      auto f = kvshade::client::TensorToFloats(t);
+      auto f = kvshade::client::BytesToFloats(static_cast<kvshade::v1::DType>(dtype), bytes,
+                                              static_cast<int64_t>(n));
       f32 = f.ok() ? *std::move(f) : std::vector<float>(n, 0.0f);  // checked when taken
       widened = true;
     }

@@ -762,9 +762,12 @@ absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& t) {
     if (s < 0) return absl::InvalidArgumentError("tensor has a negative dimension");
     n *= s;
   }
+  return BytesToFloats(t.dtype(), t.data(), n);
+}
+
+absl::StatusOr<std::vector<float>> BytesToFloats(v1::DType dtype, absl::string_view data, int64_t n) {
   std::vector<float> out(static_cast<size_t>(n));
-  const std::string& data = t.data();
-  switch (t.dtype()) {
+  switch (dtype) {
     case v1::DTYPE_FP32:
       if (data.size() != static_cast<size_t>(n) * 4) break;
       std::memcpy(out.data(), data.data(), data.size());
@@ -791,10 +794,10 @@ absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& t) {
       }
       return out;
     default:
-      return absl::InvalidArgumentError(absl::StrCat("tensor dtype ", t.dtype(), " is not a float type"));
+      return absl::InvalidArgumentError(absl::StrCat("tensor dtype ", dtype, " is not a float type"));
   }
   return absl::InvalidArgumentError(absl::StrCat("tensor data has ", data.size(), " bytes; shape and dtype need ",
-                                                 n * (t.dtype() == v1::DTYPE_FP32 ? 4 : 2)));
+                                                 n * (dtype == v1::DTYPE_FP32 ? 4 : 2)));
 }
 
 }  // namespace kvshade::client

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "kvshade/base/bf16.h"
 #include "absl/types/span.h"
 #include "kvshade/v1/kvshade.pb.h"
@@ -31,5 +32,7 @@ v1::Tensor MakeFp32Tensor(std::vector<int64_t> shape, absl::Span<const float> va
 // Decodes a BF16, FP16 or FP32 tensor to fp32; InvalidArgument when the byte count does
 // not match the shape.
 absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& t);
+// The same for n elements of `dtype` in `data` (a tensor's data without the tensor).
+absl::StatusOr<std::vector<float>> BytesToFloats(v1::DType dtype, absl::string_view data, int64_t n);
 
 }  // namespace kvshade::client
