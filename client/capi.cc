@@ -54,7 +54,7 @@ struct WireRows {
   mutable bool widened = false;
 
   // Keeps t's rows padded to n elements (n >= the tensor's elements); t must have passed
-  // ValidRows. A tensor without a dtype (no rows) takes `none` (a KVSHADE_DTYPE_*).
+  // ValidRows (kvshade::client::CheckFloatTensor). A tensor without a dtype (no rows) takes `none` (a KVSHADE_DTYPE_*).
   void Take(kvshade::v1::Tensor* t, size_t elements, int32_t none = KVSHADE_DTYPE_FP32) {
     n = elements;
     dtype = t->dtype() == kvshade::v1::DTYPE_UNSPECIFIED ? none : static_cast<int32_t>(t->dtype());
@@ -72,22 +72,11 @@ struct WireRows {
   }
 };
 
-// Whether t is a float tensor whose bytes match its shape (what TensorToFloats accepts).
+// A row tensor of a reply: what CheckFloatTensor accepts, a malformed reply otherwise.
 absl::Status ValidRows(const kvshade::v1::Tensor& t) {
-  if (t.dtype() != kvshade::v1::DTYPE_BF16 && t.dtype() != kvshade::v1::DTYPE_FP16 && t.dtype() != kvshade::v1::DTYPE_FP32) {
-    return absl::InternalError(absl::StrCat("tensor dtype ", t.dtype(), " from the server is not a float type"));
-  }
-  int64_t n = 1;
-  for (int64_t x : t.shape()) {
-    if (x < 0) return absl::InternalError("tensor from the server has a negative dimension");
-    n *= x;
-  }
-  const int64_t eb = t.dtype() == kvshade::v1::DTYPE_FP32 ? 4 : 2;
-  if (static_cast<int64_t>(t.data().size()) != n * eb) {
-    return absl::InternalError(absl::StrCat("tensor from the server has ", t.data().size(),
-                                            " bytes; its shape and dtype need ", n * eb));
-  }
-  return absl::OkStatus();
+  absl::Status st = kvshade::client::CheckFloatTensor(t);
+  if (st.ok()) return st;
+  return absl::InternalError(absl::StrCat("malformed reply from the server: ", st.message()));
 }
 
 }  // namespace

@@ -756,13 +756,26 @@ v1::Tensor MakeFp32Tensor(std::vector<int64_t> shape, absl::Span<const float> va
   return t;
 }
 
-absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& t) {
+absl::Status CheckFloatTensor(const v1::Tensor& t) {
+  if (t.dtype() != v1::DTYPE_BF16 && t.dtype() != v1::DTYPE_FP16 && t.dtype() != v1::DTYPE_FP32) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor dtype ", t.dtype(), " is not a float type"));
+  }
   int64_t n = 1;
   for (int64_t s : t.shape()) {
     if (s < 0) return absl::InvalidArgumentError("tensor has a negative dimension");
     n *= s;
   }
-  return BytesToFloats(t.dtype(), t.data(), n);
+  const int64_t eb = t.dtype() == v1::DTYPE_FP32 ? 4 : 2;
+  if (static_cast<int64_t>(t.data().size()) != n * eb) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor data has ", t.data().size(), " bytes; shape and dtype need ", n * eb));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& t) {
+  if (absl::Status st = CheckFloatTensor(t); !st.ok()) return st;
+  return BytesToFloats(t.dtype(), t.data(), NumElements(t.shape()));
 }
 
 absl::StatusOr<std::vector<float>> BytesToFloats(v1::DType dtype, absl::string_view data, int64_t n) {

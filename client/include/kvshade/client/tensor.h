@@ -29,8 +29,10 @@ v1::Tensor MakeBf16Tensor(std::vector<int64_t> shape, absl::Span<const uint16_t>
 v1::Tensor MakeBf16Tensor(std::vector<int64_t> shape, absl::Span<const float> values);
 v1::Tensor MakeFp32Tensor(std::vector<int64_t> shape, absl::Span<const float> values);
 
-// Decodes a BF16, FP16 or FP32 tensor to fp32; InvalidArgument when the byte count does
-// not match the shape.
+// OK when t is a BF16, FP16 or FP32 tensor whose byte count matches its shape, else
+// InvalidArgument saying what is wrong.
+absl::Status CheckFloatTensor(const v1::Tensor& t);
+// Decodes a tensor that CheckFloatTensor accepts to fp32 (its error otherwise).
 absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& t);
 // The same for n elements of `dtype` in `data` (a tensor's data without the tensor).
 absl::StatusOr<std::vector<float>> BytesToFloats(v1::DType dtype, absl::string_view data, int64_t n);
