@@ -11,7 +11,7 @@ BUNDLE=${1:-.gpu}
 BUILD=${2:-build-gpu}
 # KVSHADE_BUNDLE_TARGETS (space-separated) narrows the bundle to some binaries.
 read -r -a TARGETS <<< "${KVSHADE_BUNDLE_TARGETS:-kernels_gpu_test storage_gpu_test delivery_gpu_test \
-kvshade_kernel_bench kvshade_delivery_bench kvshade_ucx_bench kvshade-server kvshade kvshade_c}"
+kvshade_kernel_bench kvshade_select_bench kvshade_delivery_bench kvshade_ucx_bench kvshade-server kvshade kvshade_c}"
 
 # KVSHADE_BUNDLE_REUSE=1 builds the targets in an existing CUDA-enabled build folder as it is
 # configured (e.g. `make build`'s, which already compiles sm_90) instead of configuring a
