@@ -7,10 +7,10 @@
 //   2. Eigendecomposition of G with LAPACKE_ssyevd_work (work arrays carved from the
 //      workspace: 1 + 6D + 2D^2 floats and 3 + 5D ints); eigenvalues reported descending
 //      (raw, may be slightly negative from rounding). With options.subspace_iterations > 0
-//      only the top rank eigenpairs, by block subspace iteration (common/subspace.h:
-//      cblas_ssymm, shifted CholeskyQR3 with ssyrk + spotrf + strsm, Rayleigh-Ritz with
-//      ssyevd on P x P);
-//      the full solve remains the fallback.
+//      only the top rank eigenpairs, by block subspace iteration (common/subspace_host.h,
+//      the solver the CUDA backend runs on the host too: cblas_ssymm, shifted CholeskyQR3
+//      with ssyrk + spotrf + strsm, Rayleigh-Ritz with ssyevd on P x P); the full solve
+//      remains the fallback.
 //   3. Rank: options.rank, or with energy_target > 0 the smallest multiple of 8 whose
 //      captured energy sum(top r eigenvalues, each clamped at 0) / trace(G) reaches the
 //      target, capped at options.rank. trace(G) is the sum of G's diagonal (double).
@@ -42,6 +42,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/subspace.h"
+#include "common/subspace_host.h"
 #include "common/validate.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/cpu_workspace.h"
@@ -93,53 +94,6 @@ void ToFloatRows(const bf16* k, int64_t t0, int rows, int D, float* out) {
   }
 }
 
-// Top-r eigenpairs of G [D, D] (lower triangle, column-major) by block subspace iteration
-// with P columns (common/subspace.h). On success the Ritz vectors are in columns D-r..D-1
-// of G and the Ritz values in evals[D-r..D-1], ascending like ssyevd, zeros below; false
-// (G untouched) when the block is rank deficient.
-bool SubspaceEigen(float* G, int D, int P, int r, int iterations, float* evals, float* Q,
-                   float* Y, float* S, float* theta, float* work, lapack_int lwork,
-                   lapack_int* iwork, lapack_int liwork) {
-  for (int64_t e = 0; e < int64_t{D} * P; ++e) Q[e] = SubspaceStart(uint64_t(e));
-  auto orth = [&](float* X) {
-    for (int pass = 0; pass < kSubspaceShiftedPasses + 2; ++pass) {
-      cblas_ssyrk(CblasColMajor, CblasUpper, CblasTrans, P, D, 1.0f, X, D, 0.0f, S, P);
-      if (pass < kSubspaceShiftedPasses) {  // shifted CholeskyQR
-        double trace = 0;
-        for (int j = 0; j < P; ++j) trace += S[int64_t{j} * P + j];
-        const float shift = float(SubspaceShift(D, P) * trace);
-        for (int j = 0; j < P; ++j) S[int64_t{j} * P + j] += shift;
-      }
-      if (LAPACKE_spotrf(LAPACK_COL_MAJOR, 'U', P, S, P) != 0) return false;
-      cblas_strsm(CblasColMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, D, P, 1.0f,
-                  S, P, X, D);
-    }
-    // Orthonormality check: max |X^T X - I|.
-    cblas_ssyrk(CblasColMajor, CblasUpper, CblasTrans, P, D, 1.0f, X, D, 0.0f, S, P);
-    float worst = 0;
-    for (int j = 0; j < P; ++j)
-      for (int i = 0; i <= j; ++i)
-        worst = std::max(worst, std::fabs(S[int64_t{j} * P + i] - (i == j ? 1.0f : 0.0f)));
-    return worst <= kSubspaceOrthTolerance;
-  };
-  for (int it = 0; it < iterations; ++it) {
-    cblas_ssymm(CblasColMajor, CblasLeft, CblasLower, D, P, 1.0f, G, D, Q, D, 0.0f, Y, D);
-    if (!orth(Y)) return false;
-    std::swap(Q, Y);
-  }
-  cblas_ssymm(CblasColMajor, CblasLeft, CblasLower, D, P, 1.0f, G, D, Q, D, 0.0f, Y, D);
-  cblas_sgemm(CblasColMajor, CblasTrans, CblasNoTrans, P, P, D, 1.0f, Q, D, Y, D, 0.0f, S, P);
-  if (LAPACKE_ssyevd_work(LAPACK_COL_MAJOR, 'V', 'L', P, S, P, theta, work, lwork, iwork,
-                          liwork) != 0) {
-    return false;
-  }
-  cblas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, D, r, P, 1.0f, Q, D,
-              S + int64_t{P - r} * P, P, 0.0f, G + int64_t{D - r} * D, D);
-  for (int i = 0; i < D - r; ++i) evals[i] = 0.0f;
-  for (int j = 0; j < r; ++j) evals[D - r + j] = theta[P - r + j];
-  return true;
-}
-
 }  // namespace
 
 size_t CpuBackend::FactorizeWorkspaceBytes(int n, const LayerShape& shape,
@@ -149,7 +103,8 @@ size_t CpuBackend::FactorizeWorkspaceBytes(int n, const LayerShape& shape,
   const size_t r = size_t(std::clamp(options.rank, 0, int(D)));
   const size_t nb = size_t(std::min(n, kRowBlock));
   const size_t P = size_t(SubspaceColumns(n, int(D), int(r), options.subspace_iterations));
-  return Bytes({2 * D * P * sizeof(float) + (P * P + P) * sizeof(float),  // subspace Q, Y, S, theta
+  return Bytes({P > 0 ? SubspaceHostFloats(int(D), int(P)) * sizeof(float) : 0,  // subspace solve
+                P > 0 ? SubspaceHostInts(int(P)) * sizeof(int) : 0,
                 D * D * sizeof(float),            // G, then its eigenvectors
                 D * sizeof(float),                // eigenvalues, ascending
                 r * D * sizeof(float),            // W^T [r, D]
@@ -176,7 +131,8 @@ absl::StatusOr<FactorizeResult> CpuBackend::Factorize(absl::Span<const bf16> k, 
   const int nb_max = std::min(n, kRowBlock);
   Carver carve(ws.data);
   const int P = SubspaceColumns(n, D, options.rank, options.subspace_iterations);
-  float* sub = carve.Take<float>(2 * size_t(D) * P + size_t(P) * P + P);
+  float* sub = carve.Take<float>(P > 0 ? SubspaceHostFloats(D, P) : 0);
+  int* isub = carve.Take<int>(P > 0 ? SubspaceHostInts(P) : 0);
   float* G = carve.Take<float>(size_t(D) * D);
   float* evals = carve.Take<float>(D);
   float* wt = carve.Take<float>(size_t(options.rank) * D);
@@ -200,9 +156,8 @@ absl::StatusOr<FactorizeResult> CpuBackend::Factorize(absl::Span<const bf16> k, 
   // 2. Eigendecomposition: ascending eigenvalues; eigenvector j is column j (column-major),
   //    i.e. the contiguous D floats at G + j*D.
   const bool subspace =
-      P > 0 && SubspaceEigen(G, D, P, options.rank, options.subspace_iterations, evals, sub,
-                             sub + size_t(D) * P, sub + 2 * size_t(D) * P,
-                             sub + 2 * size_t(D) * P + size_t(P) * P, work, lwork, iwork, liwork);
+      P > 0 && SubspaceEigenHost(G, D, P, options.rank, options.subspace_iterations, evals, sub,
+                                 isub);
   const bool fallback = P > 0 && !subspace;
   if (!subspace) {
     const lapack_int info = LAPACKE_ssyevd_work(LAPACK_COL_MAJOR, 'V', 'L', D, G, D, evals, work,
