@@ -10,9 +10,10 @@ a kvshade session of the profile under test; then the last prompt token and the 
 are decoded greedily one token at a time, each layer's attention coming from:
 
   full     the model's own dense cache (local)
-  oracle   sink chunk + the k chunks of highest true max logit (over the chunk's tokens and
-           the KV head's query heads) + the exact tail + the decoded tokens (local, exact
-           keys and values); k = budget
+  oracle   sink chunk + the k best chunks by exact keys (--oracle-score softmax, the default:
+           the maximum over the chunk's tokens and the KV head's query heads of each query
+           head's attention probability over the prompt; max-logit: of the raw logit) + the
+           exact tail + the decoded tokens (local, exact keys and values); k = budget
   exact / shadow / mini   kvshade: KvShadeKVCache.attend (static set, select deltas, tail,
            decoded tokens), one session per sample and profile
   shadow, option rpc / rpc-spec   the same shadow session (bf16 values) decoded by
@@ -69,6 +70,24 @@ def chunk_max_logits(q, k_post, n_chunks, chunk=CHUNK):
     kk = k_post[:n_chunks * chunk].float()                               # [t, h, d]
     s = torch.einsum("hgd,thd->htg", q.float().reshape(h, g, d), kk) / math.sqrt(d)
     return s.reshape(h, n_chunks, chunk * g).amax(-1)
+
+
+def chunk_softmax_max(q, k_post, n_chunks, chunk=CHUNK):
+    """q [hq, d], k_post [n, h, d] -> [h, n_chunks]: per KV head and chunk, the maximum over the
+    chunk's tokens and the head's query heads of log p_n(t), p_n the query head's softmax over
+    every prompt token in k_post. Each query head is normalised before the group's maximum,
+    as two-stage selection's stage 2 and the recall guard rank (docs/ALGORITHM.md "Selection
+    options"): a query head with large logits everywhere does not decide alone."""
+    hq, d = q.shape
+    h = k_post.shape[1]
+    g = hq // h
+    s = torch.einsum("hgd,thd->hgt", q.float().reshape(h, g, d), k_post.float()) / math.sqrt(d)
+    logp = s - torch.logsumexp(s, dim=-1, keepdim=True)                 # [h, g, n]
+    logp = logp[:, :, :n_chunks * chunk].reshape(h, g, n_chunks, chunk)
+    return logp.amax(-1).amax(1)
+
+
+ORACLE_SCORES = {"softmax": chunk_softmax_max, "max-logit": chunk_max_logits}
 
 
 def oracle_topk(scores, k, exclude=None):
@@ -141,10 +160,10 @@ def attend_tokens(q, keys, values):
 
 class LocalAttend:
     """Full attention over the prefill cache plus decoded tokens, or (budget k) the oracle:
-    sink chunk + top-k chunks by true max logit + the tail + decoded tokens."""
+    sink chunk + top-k chunks by the oracle score (exact keys) + the tail + decoded tokens."""
 
-    def __init__(self, pf, budget=None, local_window=32, chunk=CHUNK):
-        self.pf, self.k, self.C = pf, budget, chunk
+    def __init__(self, pf, budget=None, local_window=32, chunk=CHUNK, score=chunk_softmax_max):
+        self.pf, self.k, self.C, self.score = pf, budget, chunk, score
         n = pf.k_post[0].shape[0]
         self.n_chunks = max(0, (n - local_window) // chunk)
         self.new_k = [[] for _ in pf.k_post]
@@ -171,7 +190,7 @@ class LocalAttend:
             vals = [torch.cat([vp[:, j], nv[:, j]]) for j in range(h)]
             return attend_tokens(q, keys, vals)
         C, nc = self.C, self.n_chunks
-        scores = chunk_max_logits(q, kp, nc, C)
+        scores = self.score(q, kp, nc, C)
         top = oracle_topk(scores, self.k, [{0}] * h)
         keys, vals = [], []
         for j in range(h):
@@ -235,8 +254,9 @@ class KvShadeAttend:
     """Decode attention through kvshade (KvShadeKVCache) for one sample and profile; for
     shadow sessions, recall@k of each selection against the oracle."""
 
-    def __init__(self, client, spec, profile, pf, prompt_ids, budget, worker_id="eval"):
+    def __init__(self, client, spec, profile, pf, prompt_ids, budget, worker_id="eval", score=chunk_softmax_max):
         self.client = TimedClient(client)
+        self.score = score
         self.cache = kvshade_attend_class()(self.client, spec, profile, worker_id=worker_id)
         self.pf, self.k = pf, budget
         self.cache.prefill(np.asarray(prompt_ids, np.int64), [t.cpu() for t in pf.k_pre],
@@ -283,7 +303,7 @@ class KvShadeAttend:
             u = self.cache.attachment.slot_tokens or C
             per = C // u if 0 < u < C else 1
             excluded = [set(j for c in (s | {0}) for j in range(c * per, (c + 1) * per)) for s in static]
-            scores = chunk_max_logits(q.cpu(), self._k_cpu(layer), nc * per, C // per)
+            scores = self.score(q.cpu(), self._k_cpu(layer), nc * per, C // per)
             top = oracle_topk(scores, self.k * per, excluded)
             sel = [set(int(c) for c in row if c >= 0) for row in self.cache.slot_chunk[layer]]
             r = recall_at_k(sel, top, self.k * per)
@@ -640,6 +660,10 @@ def main(argv=None):
                     help="shadow (bf16) also decoded by kvshade.decoders.remote.RemoteDecoder: rpc (synchronous), rpc-spec "
                          "(speculate-and-correct); empty for none")
     ap.add_argument("--correct-below", type=float, default=0.9, help="rpc-spec: RemoteDecoder correct_below")
+    ap.add_argument("--oracle-score", choices=sorted(ORACLE_SCORES), default="softmax",
+                    help="how the oracle (and recall@k) ranks chunks: softmax, each query head normalised "
+                         "before the group's maximum (as stage 2 ranks); max-logit, the raw maximum logit "
+                         "over the group (the evaluation's runs before 2026-12-06)")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--outliers", type=int, default=2)
     ap.add_argument("--local-window", type=int, default=32)
@@ -706,13 +730,13 @@ def main(argv=None):
                 for name, kind, b, k, opt, prof in configs:
                     t1 = time.time()
                     if prof is None:
-                        att = LocalAttend(pf, k, a.local_window)
+                        att = LocalAttend(pf, k, a.local_window, score=ORACLE_SCORES[a.oracle_score])
                     elif opt in REMOTE_OPTIONS:
                         att = RemoteAttend(client, spec, kvshade.Profile(**prof), pf, ids_np[:-1], dev,
                                            REMOTE_OPTIONS[opt], a.correct_below, worker_id="eval-%d" % si)
                     else:
                         att = KvShadeAttend(client, spec, kvshade.Profile(**prof), pf, ids_np[:-1], k,
-                                            worker_id="eval-%d" % si)
+                                            worker_id="eval-%d" % si, score=ORACLE_SCORES[a.oracle_score])
                     try:
                         gen = decode(backbone, ids_np, n_new, att)
                     finally:

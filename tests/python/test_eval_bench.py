@@ -3,6 +3,7 @@ tasks' too: distinct words, no chunk locality), the oracle chunk choice, recall@
 per-layer aggregation on planted cases, the shadow options' parsing, and the evaluation
 model's decode path against its own training forward. No server; a few seconds on the CPU."""
 import dataclasses
+import math
 import os
 import sys
 import unittest
@@ -12,7 +13,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "eval"))
 import tasks as T  # noqa: E402
-from evaluate import (LocalAttend, attend_tokens, by_config, chunk_max_logits, layers_worst_first,  # noqa: E402
+from evaluate import (LocalAttend, attend_tokens, by_config, chunk_max_logits, chunk_softmax_max,  # noqa: E402
+                      layers_worst_first,
                       markdown, match_static_chunks, mean_by_layer, option_value, oracle_topk,
                       parse_shadow_option, profile_fields, recall_at_k, summarize)
 from model import EvalLM, ModelConfig, OwnBackbone  # noqa: E402
@@ -290,6 +292,26 @@ class Oracle(unittest.TestCase):
         # Excluded chunks (sink, outliers) leave the pool; ties go to the lower chunk id.
         self.assertEqual(oracle_topk(s, 2, [{3}, {6}]), [{5, 0}, {2, 0}])
 
+    def test_softmax_score_normalises_each_query_head(self):
+        # One KV head, two query heads, 4 chunks of 8. Query head 0 sees a logit of 5 on every
+        # token and 5.5 on one token of chunk 1; query head 1 sees 0 everywhere but 3 on one
+        # token of chunk 2. The raw maximum picks chunk 1 (5.5); normalised per query head,
+        # chunk 2 holds the larger attention probability (0.39 against 0.05).
+        n, d = 32, 4
+        k = torch.zeros(n, 1, d)
+        k[:, 0, 0] = 10.0
+        k[8, 0, 0] = 11.0
+        k[16, 0, 1] = 6.0
+        q = torch.zeros(2, d)
+        q[0, 0] = 1.0
+        q[1, 1] = 1.0
+        self.assertEqual(oracle_topk(chunk_max_logits(q, k, 4), 1), [{1}])
+        s = chunk_softmax_max(q, k, 4)
+        self.assertEqual(tuple(s.shape), (1, 4))
+        self.assertEqual(oracle_topk(s, 1), [{2}])
+        p2 = math.exp(3.0) / (31 + math.exp(3.0))      # logit 6 / sqrt(d) = 3 against 31 zeros
+        self.assertAlmostEqual(float(s[0, 2]), math.log(p2), places=5)
+
     def test_recall(self):
         self.assertEqual(recall_at_k([{3, 5}, {2, 6}], [{3, 5}, {6, 2}], 2), 1.0)
         self.assertEqual(recall_at_k([{3, 7}, {1, 4}], [{3, 5}, {6, 2}], 2), 0.25)
@@ -360,7 +382,7 @@ class Oracle(unittest.TestCase):
         torch.testing.assert_close(allk, full, rtol=1e-5, atol=1e-6)
         # Budget 2: sink + the 2 best chunks + tail (64..98) + the new token, per head.
         got = LocalAttend(pf, budget=2).attend(0, q, kn, vn)
-        top = oracle_topk(chunk_max_logits(q, k, 8), 2, [{0}, {0}])
+        top = oracle_topk(chunk_softmax_max(q, k, 8), 2, [{0}, {0}])
         keys, vals = [], []
         for j in range(h):
             idx = [t for c in sorted({0} | top[j]) for t in range(c * 8, c * 8 + 8)] + list(range(64, n))
@@ -368,6 +390,16 @@ class Oracle(unittest.TestCase):
             vals.append(torch.cat([v[idx, j], vn[None, j]]))
         torch.testing.assert_close(got, attend_tokens(q, keys, vals), rtol=1e-5, atol=1e-6)
         self.assertFalse(torch.allclose(got, full, atol=1e-3), "a partial budget must differ from full attention")
+        # The raw-logit oracle of the earlier runs ranks with chunk_max_logits.
+        raw = LocalAttend(pf, budget=2, score=chunk_max_logits).attend(0, q, kn, vn)
+        top_raw = oracle_topk(chunk_max_logits(q, k, 8), 2, [{0}, {0}])
+        keys = []
+        vals = []
+        for j in range(h):
+            idx = [t for c in sorted({0} | top_raw[j]) for t in range(c * 8, c * 8 + 8)] + list(range(64, n))
+            keys.append(torch.cat([k[idx, j], kn[None, j]]))
+            vals.append(torch.cat([v[idx, j], vn[None, j]]))
+        torch.testing.assert_close(raw, attend_tokens(q, keys, vals), rtol=1e-5, atol=1e-6)
 
 
 class ShadowOptions(unittest.TestCase):
