@@ -26,7 +26,6 @@ daemon's included) read from cudaMemGetInfo; the worker's share is torch's reser
 Usage (GPU machine, daemon binary from the bundle):
   python3 bench/capacity_bench.py --server .gpu/bin/kvshade-server [--tokens 131072,32768]
       [--configs prealloc,dynamic,kvshade] [--steps 12] [--max-batch 64] [--json out.json]
-      [--kvshade-profile kivi_group=32]  (more Profile knobs for the kvshade row)
 """
 import argparse
 import json
@@ -213,28 +212,12 @@ def ingest_random(c, spec, profile, n, seed):
     return created.session_id
 
 
-def profile_knobs(text):
-    """--kvshade-profile "kivi_group=32,value_codec=int4" as Profile keyword arguments."""
-    knobs = {}
-    for item in [x for x in text.split(",") if x]:
-        key, _, value = item.partition("=")
-        for cast in (int, float):
-            try:
-                value = cast(value)
-                break
-            except ValueError:
-                pass
-        knobs[key.strip()] = value
-    return knobs
-
-
-def kvshade_rows(c, model, n, steps, max_batch, time_limit_s, budget, knobs=None):
+def kvshade_rows(c, model, n, steps, max_batch, time_limit_s, budget):
     from kvshade.integrations import hf_cache, serving
     from kvshade.integrations.hf_cache import model_spec_from_config, _text_config, find_rotary_embedding
     hf_cache.enable(model)
     spec = model_spec_from_config(_text_config(model.config), "bench/capacity-%d" % n, find_rotary_embedding(model))
-    # value_codec: the server default (auto) unless --kvshade-profile names one
-    profile = kvshade.Profile("shadow", sparse_budget=budget, **(knobs or {}))
+    profile = kvshade.Profile("shadow", sparse_budget=budget)  # value_codec: the server default (auto)
     cache = serving.BatchCache(c, model, model_id=spec.model_id, local_capacity=64)
     sessions, ingest_s, why = [], [], "max_batch"
     t_start = time.perf_counter()
@@ -312,8 +295,6 @@ def main():
                     help="seconds of ingest before kvshade's batch stops growing")
     ap.add_argument("--device-budget", default="120GiB")
     ap.add_argument("--host-budget", default="100GiB")
-    ap.add_argument("--kvshade-profile", default="",
-                    help="more kvshade Profile knobs, key=value,... (e.g. kivi_group=32)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     configs = args.configs.split(",")
@@ -337,10 +318,9 @@ def main():
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
             if "kvshade" in configs:
-                r = kvshade_rows(c, model, n, args.steps, args.max_batch, args.kvshade_time_limit, args.budget,
-                                 profile_knobs(args.kvshade_profile))
+                r = kvshade_rows(c, model, n, args.steps, args.max_batch, args.kvshade_time_limit, args.budget)
                 big = r.get("largest", {})
-                row = {"config": "kvshade" + (" " + args.kvshade_profile if args.kvshade_profile else ""), "tokens": n, "batch1_ms": r.get("batch1", {}).get("ms_median"),
+                row = {"config": "kvshade", "tokens": n, "batch1_ms": r.get("batch1", {}).get("ms_median"),
                        "largest_batch": big.get("batch"), "largest_ms": big.get("ms_median"),
                        "largest_p90_ms": big.get("ms_p90"),
                        "tokens_per_s": big["batch"] * 1e3 / big["ms_median"] if big.get("ms_median") else None,
