@@ -59,7 +59,6 @@ using cuda::UseDevice;
 CudaBackend::~CudaBackend() {
   // Destruction must not fail; errors here mean the context is already gone.
   if (cudaSetDevice(device_) != cudaSuccess) return;
-  for (const HostScratch& scratch : host_scratch_) cudaFreeHost(scratch.data);
   if (cusolver_ != nullptr) cusolverDnDestroy(cusolver_);
   if (cublas_ != nullptr) cublasDestroy(cublas_);
 }

@@ -144,16 +144,13 @@ class CudaBackend final : public Backend {
   SharedHostMemory shared_how_ = SharedHostMemory::kAuto;
   explicit CudaBackend(int device) : device_(device) {}
   int device_ = 0;
-  // Page-locked host memory of Factorize's host eigensolve (common/subspace_host.h), kept for
-  // reuse: a call takes a buffer and gives it back, so concurrent calls never share one.
-  struct HostScratch {
-    void* data = nullptr;
-    size_t bytes = 0;
-  };
-  absl::StatusOr<HostScratch> TakeHostScratch(size_t bytes);
-  void ReturnHostScratch(HostScratch scratch);
+  // Staging memory (AllocateStaging) of Factorize's host eigensolve (common/subspace_host.h),
+  // kept for reuse: a call takes a buffer and gives it back, so concurrent calls never share
+  // one. A call that fails on the way simply frees its buffer.
+  absl::StatusOr<Buffer> TakeHostScratch(size_t bytes);
+  void ReturnHostScratch(Buffer scratch);
   std::mutex host_scratch_mu_;
-  std::vector<HostScratch> host_scratch_;
+  std::vector<Buffer> host_scratch_;
   // Handles bound to the default stream; ops on other streams rebind with
   // cublasSetStream / cusolverDnSetStream (filled in by Create).
   cublasHandle_t cublas_ = nullptr;

@@ -333,27 +333,23 @@ size_t CudaBackend::FactorizeWorkspaceBytes(int n, const LayerShape& shape,
   return PlanLowRank(nullptr, n, shape.D(), options.rank, /*factorize=*/true, lwork).bytes;
 }
 
-absl::StatusOr<CudaBackend::HostScratch> CudaBackend::TakeHostScratch(size_t bytes) {
+absl::StatusOr<Buffer> CudaBackend::TakeHostScratch(size_t bytes) {
   {
     std::lock_guard<std::mutex> lock(host_scratch_mu_);
-    for (size_t i = 0; i < host_scratch_.size(); ++i) {
-      if (host_scratch_[i].bytes >= bytes) {
-        HostScratch found = host_scratch_[i];
-        host_scratch_.erase(host_scratch_.begin() + i);
+    for (auto it = host_scratch_.begin(); it != host_scratch_.end(); ++it) {
+      if (it->bytes() >= bytes) {
+        Buffer found = std::move(*it);
+        host_scratch_.erase(it);
         return found;
       }
     }
   }
-  HostScratch fresh;
-  KVSHADE_CUDA_RETURN_IF_ERROR(cudaMallocHost(&fresh.data, bytes));
-  fresh.bytes = bytes;
-  return fresh;
+  return AllocateStaging(bytes);
 }
 
-void CudaBackend::ReturnHostScratch(HostScratch scratch) {
-  if (scratch.data == nullptr) return;
+void CudaBackend::ReturnHostScratch(Buffer scratch) {
   std::lock_guard<std::mutex> lock(host_scratch_mu_);
-  host_scratch_.push_back(scratch);
+  host_scratch_.push_back(std::move(scratch));
 }
 
 absl::StatusOr<FactorizeResult> CudaBackend::Factorize(
@@ -368,22 +364,13 @@ absl::StatusOr<FactorizeResult> CudaBackend::Factorize(
   const cudaStream_t s = cuda::ToCudaStream(stream);
   const int P = SubspaceColumns(n, D, options.rank, options.subspace_iterations);
 
-  // The host side of the subspace solve, returned to the backend's scratch on every exit.
-  HostScratch scratch;
+  // The host side of the subspace solve, given back to the backend once the Ritz vectors are
+  // up (an early return frees it instead).
+  Buffer scratch;
   HostSolvePlan host;
-  struct Giveback {
-    CudaBackend* backend;
-    HostScratch* scratch;
-    cudaStream_t stream;
-    ~Giveback() {
-      if (scratch->data == nullptr) return;
-      cudaStreamSynchronize(stream);  // an early return may leave a copy reading it
-      backend->ReturnHostScratch(*scratch);
-    }
-  } giveback{this, &scratch, s};
   if (P > 0) {
     KVSHADE_ASSIGN_OR_RETURN(scratch, TakeHostScratch(PlanHostSolve(nullptr, D, P).bytes));
-    host = PlanHostSolve(scratch.data, D, P);
+    host = PlanHostSolve(scratch.data(), D, P);
   }
 
   const __nv_bfloat16* kd = cuda::AsNv(k.data());
@@ -441,7 +428,10 @@ absl::StatusOr<FactorizeResult> CudaBackend::Factorize(
                                                  cudaMemcpyHostToDevice, s));
     std::copy(host.evals, host.evals + D, evals.begin());
     trace = *host.trace;
-  } else {
+    KVSHADE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));  // the copy has read the scratch
+  }
+  if (P > 0) ReturnHostScratch(std::move(scratch));
+  if (!solved) {
     KVSHADE_RETURN_IF_ERROR(SolveEigen(cusolver_, D, p, lwork));
     int info = 0;
     KVSHADE_CUDA_RETURN_IF_ERROR(
@@ -485,8 +475,7 @@ absl::StatusOr<FactorizeResult> CudaBackend::Factorize(
   KVSHADE_CUDA_LAUNCH_CHECK();
   KVSHADE_RETURN_IF_ERROR(ProjectRows(cublas_, s, kd, n, D, p.wt_hi, p.wt_lo, rp, p.staging,
                                       cuda::AsNv(a.data()), /*partial=*/nullptr));
-  // Synchronous op: also keeps the library lock until the handles' work is done (and the host
-  // scratch until the Ritz vectors' copy has read it).
+  // Synchronous op: also keeps the library lock until the handles' work is done.
   KVSHADE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
   return result;
 }
