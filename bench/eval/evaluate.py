@@ -61,15 +61,18 @@ CHUNK = T.CHUNK
 
 # --- Oracle and recall (pure functions; tests/python/test_eval_bench.py checks them) -------
 
+def group_logits(q, k_post):
+    """q [hq, d], k_post [n, h, d] -> [h, g, n]: q.k / sqrt(d) of each KV head's g query heads."""
+    hq, d = q.shape
+    h = k_post.shape[1]
+    return torch.einsum("hgd,thd->hgt", q.float().reshape(h, hq // h, d), k_post.float()) / math.sqrt(d)
+
+
 def chunk_max_logits(q, k_post, n_chunks, chunk=CHUNK):
     """q [hq, d], k_post [n, h, d] -> [h, n_chunks]: per KV head and chunk, the maximum over
     the chunk's tokens and the head's query heads of q.k / sqrt(d)."""
-    hq, d = q.shape
-    h = k_post.shape[1]
-    g = hq // h
-    kk = k_post[:n_chunks * chunk].float()                               # [t, h, d]
-    s = torch.einsum("hgd,thd->htg", q.float().reshape(h, g, d), kk) / math.sqrt(d)
-    return s.reshape(h, n_chunks, chunk * g).amax(-1)
+    s = group_logits(q, k_post[:n_chunks * chunk])
+    return s.reshape(s.shape[0], s.shape[1], n_chunks, chunk).amax(-1).amax(1)
 
 
 def chunk_softmax_max(q, k_post, n_chunks, chunk=CHUNK):
@@ -78,13 +81,9 @@ def chunk_softmax_max(q, k_post, n_chunks, chunk=CHUNK):
     every prompt token in k_post. Each query head is normalised before the group's maximum,
     as two-stage selection's stage 2 and the recall guard rank (docs/ALGORITHM.md "Selection
     options"): a query head with large logits everywhere does not decide alone."""
-    hq, d = q.shape
-    h = k_post.shape[1]
-    g = hq // h
-    s = torch.einsum("hgd,thd->hgt", q.float().reshape(h, g, d), k_post.float()) / math.sqrt(d)
-    logp = s - torch.logsumexp(s, dim=-1, keepdim=True)                 # [h, g, n]
-    logp = logp[:, :, :n_chunks * chunk].reshape(h, g, n_chunks, chunk)
-    return logp.amax(-1).amax(1)
+    s = group_logits(q, k_post)
+    logp = (s - torch.logsumexp(s, dim=-1, keepdim=True))[:, :, :n_chunks * chunk]
+    return logp.reshape(s.shape[0], s.shape[1], n_chunks, chunk).amax(-1).amax(1)
 
 
 ORACLE_SCORES = {"softmax": chunk_softmax_max, "max-logit": chunk_max_logits}
