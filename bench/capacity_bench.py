@@ -25,7 +25,7 @@ daemon's included) read from cudaMemGetInfo; the worker's share is torch's reser
 
 Usage (GPU machine, daemon binary from the bundle):
   python3 bench/capacity_bench.py --server .gpu/bin/kvshade-server [--tokens 131072,32768]
-      [--configs prealloc,dynamic,kvshade] [--steps 12] [--max-batch 64] [--json out.json]
+      [--configs prealloc,dynamic,kvshade] [--steps 12] [--max-batch 64] [--kivi-group 32] [--json out.json]
 """
 import argparse
 import json
@@ -212,12 +212,13 @@ def ingest_random(c, spec, profile, n, seed):
     return created.session_id
 
 
-def kvshade_rows(c, model, n, steps, max_batch, time_limit_s, budget):
+def kvshade_rows(c, model, n, steps, max_batch, time_limit_s, budget, kivi_group=0):
     from kvshade.integrations import hf_cache, serving
     from kvshade.integrations.hf_cache import model_spec_from_config, _text_config, find_rotary_embedding
     hf_cache.enable(model)
     spec = model_spec_from_config(_text_config(model.config), "bench/capacity-%d" % n, find_rotary_embedding(model))
-    profile = kvshade.Profile("shadow", sparse_budget=budget)  # value_codec: the server default (auto)
+    # value_codec: the server default (auto); kivi_group 0: the server default (16)
+    profile = kvshade.Profile("shadow", sparse_budget=budget, kivi_group=kivi_group)
     cache = serving.BatchCache(c, model, model_id=spec.model_id, local_capacity=64)
     sessions, ingest_s, why = [], [], "max_batch"
     t_start = time.perf_counter()
@@ -293,6 +294,8 @@ def main():
     ap.add_argument("--budget", type=int, default=256, help="kvshade sparse_budget (chunks per KV head)")
     ap.add_argument("--kvshade-time-limit", type=float, default=240.0,
                     help="seconds of ingest before kvshade's batch stops growing")
+    ap.add_argument("--kivi-group", type=int, default=0,
+                    help="kvshade's value quantization group (tokens' channels per scale); 0: the server default")
     ap.add_argument("--device-budget", default="120GiB")
     ap.add_argument("--host-budget", default="100GiB")
     ap.add_argument("--json", default="")
@@ -318,9 +321,10 @@ def main():
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
             if "kvshade" in configs:
-                r = kvshade_rows(c, model, n, args.steps, args.max_batch, args.kvshade_time_limit, args.budget)
+                r = kvshade_rows(c, model, n, args.steps, args.max_batch, args.kvshade_time_limit, args.budget,
+                                args.kivi_group)
                 big = r.get("largest", {})
-                row = {"config": "kvshade", "tokens": n, "batch1_ms": r.get("batch1", {}).get("ms_median"),
+                row = {"config": "kvshade", "tokens": n, "kivi_group": args.kivi_group or None, "batch1_ms": r.get("batch1", {}).get("ms_median"),
                        "largest_batch": big.get("batch"), "largest_ms": big.get("ms_median"),
                        "largest_p90_ms": big.get("ms_p90"),
                        "tokens_per_s": big["batch"] * 1e3 / big["ms_median"] if big.get("ms_median") else None,
