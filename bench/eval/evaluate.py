@@ -27,7 +27,10 @@ and KV head, |chunks kvshade selected ∩ the oracle's top-k| / k, the oracle ra
 chunks kvshade could select (not the sink, the session's outlier chunks or the tail; a
 session that selects units of u tokens: its units against the oracle's top k*C/u units);
 reported as the mean and per layer, worst layer first (a single layer that misses its
-chunks loses the answer however well the others do). Selection cost: seconds per decode
+chunks loses the answer however well the others do). Mass recall (shadow), beside it: the
+attention probability (each query head's softmax over the prompt, summed over the KV head's
+query heads) in the selected chunks over that in the oracle's top k; it tells a layer whose
+misses are near-ties of a thinly spread attention from one that loses what it attends. Selection cost: seconds per decode
 step (all layers) spent in Client.select and in the whole attention call of each config.
 
   python3 bench/eval/evaluate.py --weights bench/eval/weights/evallm.pt --spawn build/service/kvshade-server
@@ -101,6 +104,30 @@ def oracle_topk(scores, k, exclude=None):
         order = torch.sort(s, descending=True, stable=True).indices[:kk].tolist()   # ties: lower id
         out.append(set(int(i) for i in order))
     return out
+
+
+def unit_mass(q, k_post, n_units, unit=CHUNK):
+    """q [hq, d], k_post [n, h, d] -> [h, g, n_units]: each query head's attention probability
+    (softmax over every prompt token in k_post) summed over each unit's tokens."""
+    s = group_logits(q, k_post)
+    p = torch.softmax(s, dim=-1)[:, :, :n_units * unit]
+    return p.reshape(s.shape[0], s.shape[1], n_units, unit).sum(-1)
+
+
+def mass_recall(selected, oracle, mass):
+    """selected, oracle: per KV head sets of unit ids; mass [h, g, units] (unit_mass) -> mean
+    over KV heads of the attention mass (summed over the head's query heads) in the selected
+    units over the mass in the oracle's. Where the oracle's k units hold most of the mass this
+    is close to recall@k; where the mass is spread thin (near-ties decide the oracle's top k) it
+    says how much of what the oracle keeps the selection keeps (it may exceed 1: the oracle
+    ranks by the group's maximum, not by its sum)."""
+    out = []
+    for j, (s, o) in enumerate(zip(selected, oracle)):
+        den = float(mass[j, :, sorted(o)].sum()) if o else 0.0
+        if den > 0:
+            num = float(mass[j, :, sorted(s)].sum()) if s else 0.0
+            out.append(num / den)
+    return float(np.mean(out)) if out else float("nan")
 
 
 def recall_at_k(selected, oracle, k):
@@ -263,6 +290,7 @@ class KvShadeAttend:
         self.kind = self.cache.effective_profile
         self.recalls = []
         self.recalls_by_layer = defaultdict(list)
+        self.mass_by_layer = defaultdict(list)
         self._static_chunks = {}
         self._nc = {}
         self.attend_s = 0.0
@@ -271,10 +299,11 @@ class KvShadeAttend:
     def select_s(self):
         return self.client.select_s
 
-    def recall_by_layer(self):
-        """Per layer the mean recall@k over the decode steps (None for a layer without)."""
-        n = self.cache.model.num_layers
-        return [float(np.mean(self.recalls_by_layer[i])) if self.recalls_by_layer.get(i) else None for i in range(n)]
+    def recall_by_layer(self, mass=False):
+        """Per layer the mean recall@k (mass: mass recall) over the decode steps (None for a
+        layer without)."""
+        n, by = self.cache.model.num_layers, (self.mass_by_layer if mass else self.recalls_by_layer)
+        return [float(np.mean(by[i])) if by.get(i) else None for i in range(n)]
 
     def _k_cpu(self, layer):
         if not hasattr(self.pf, "k_post_cpu"):
@@ -308,6 +337,9 @@ class KvShadeAttend:
             r = recall_at_k(sel, top, self.k * per)
             self.recalls.append(r)
             self.recalls_by_layer[layer].append(r)
+            m = mass_recall(sel, top, unit_mass(q.cpu(), self._k_cpu(layer), nc * per, C // per))
+            if m == m:
+                self.mass_by_layer[layer].append(m)
         return out
 
     def close(self):
@@ -512,6 +544,8 @@ def summarize(rows):
         agree = [r["agrees_full"] for r in rs if r.get("agrees_full") is not None]
         by_layer = mean_by_layer([r["recall_by_layer"] for r in rs if r.get("recall_by_layer")])
         worst = layers_worst_first(by_layer)
+        mass_by = mean_by_layer([r["mass_recall_by_layer"] for r in rs if r.get("mass_recall_by_layer")])
+        mass = layers_worst_first(mass_by)
         steps = sum(r.get("steps", 0) for r in rs)
         out.append(dict(config=cfg, budget_pct=b, option=opt, task=task, locality=loc, n=n,
                         accuracy=100.0 * sum(r["correct"] for r in rs) / n,
@@ -519,6 +553,8 @@ def summarize(rows):
                         recall_by_layer=by_layer or None,
                         recall_worst_layer=(worst[0][1] if worst else None),
                         recall_layers_worst_first=[[i, v] for i, v in worst] or None,
+                        mass_recall_by_layer=mass_by or None,
+                        mass_recall_worst_layer=(mass[0][1] if mass else None),
                         agrees_full=(100.0 * sum(agree) / len(agree) if agree else None),
                         steps=steps,
                         attend_s_per_step=(sum(r.get("attend_s", 0.0) for r in rs) / steps if steps else None),
@@ -540,6 +576,8 @@ def by_config(summary, cell_order):
         acc = _mean([c["accuracy"] for c in present])
         by_layer = mean_by_layer([c["recall_by_layer"] for c in present if c.get("recall_by_layer")])
         worst = layers_worst_first(by_layer)
+        mass = layers_worst_first(mean_by_layer([c["mass_recall_by_layer"] for c in present
+                                                 if c.get("mass_recall_by_layer")]))
         steps = sum(c["steps"] for c in present)
 
         def per_step(field):
@@ -552,6 +590,7 @@ def by_config(summary, cell_order):
                         recall_by_layer=by_layer or None,
                         recall_worst_layer=(worst[0][1] if worst else None),
                         recall_layers_worst_first=[[i, v] for i, v in worst] or None,
+                        mass_recall_layers_worst_first=[[i, v] for i, v in mass] or None,
                         steps=steps, attend_s_per_step=per_step("attend_s_per_step"),
                         select_s_per_step=per_step("select_s_per_step"))
     for key, g in out.items():
@@ -575,7 +614,7 @@ def markdown(summary, cell_order, title=""):
         lines.append(title)
         lines.append("")
     extra = ["mean", "% of oracle", "= full", "recall@k", "worst-layer recall@k", "recall@k by layer, worst first",
-             "select ms/step", "attend ms/step"]
+             "worst-layer mass recall", "select ms/step", "attend ms/step"]
     lines.append("| config | budget | option | " + " | ".join(cols + extra) + " |")
     lines.append("|" + "---|" * (len(cols) + len(extra) + 3))
 
@@ -591,9 +630,11 @@ def markdown(summary, cell_order, title=""):
         worst = g["recall_layers_worst_first"]
         wl = "%.3f (L%d)" % (worst[0][1], worst[0][0]) if worst else "-"
         layers = ", ".join("L%d %.2f" % (i, v) for i, v in worst) if worst else "-"
+        mw = g["mass_recall_layers_worst_first"]
+        mwl = "%.3f (L%d)" % (mw[0][1], mw[0][0]) if mw else "-"
         lines.append("| %s | %s | %s | %s | %s |" % (
             cfg, "-" if b is None else "%g%%" % b, opt, " | ".join(vals),
-            " | ".join(["%.1f" % g["accuracy"] if g["accuracy"] is not None else "-", vs, ag, r, wl, layers,
+            " | ".join(["%.1f" % g["accuracy"] if g["accuracy"] is not None else "-", vs, ag, r, wl, layers, mwl,
                         ms(g["select_s_per_step"]), ms(g["attend_s_per_step"])])))
     return "\n".join(lines) + "\n"
 
@@ -756,6 +797,7 @@ def main(argv=None):
                                      answer=[int(t) for t in s.answer],
                                      recall=(float(np.mean(rec)) if rec else None),
                                      recall_by_layer=(att.recall_by_layer() if rec else None),
+                                     mass_recall_by_layer=(att.recall_by_layer(mass=True) if rec else None),
                                      steps=len(gen), attend_s=att.attend_s, select_s=getattr(att, "select_s", None)))
                     timing[(name, opt)] += time.time() - t1
                 if si % 6 == 5:
@@ -767,7 +809,8 @@ def main(argv=None):
     cell_order = [(t, l) for t in a.tasks.split(",") for l in T.task_localities(t)]
     title = ("Selection fidelity: %s, %d-token prompts, %d samples per cell, rank %d, %d outliers, local %d, "
              "C %d; accuracy %% (exact match of the answer); = full: %% of samples decoded exactly as with full "
-             "attention; recall@k by layer: L<layer> <recall>, worst first; ms/step: milliseconds per decode step "
+             "attention; recall@k by layer: L<layer> <recall>, worst first; mass recall: the attention mass in the "
+             "selected units over the mass in the oracle's; ms/step: milliseconds per decode step "
              "(all layers) in Client.select and in the config's whole attention call" % (
                  os.path.basename(src_name), a.length, a.per_cell, a.rank, a.outliers, a.local_window, CHUNK))
     md = markdown(summary, cell_order, title) + speculation_note(rows)

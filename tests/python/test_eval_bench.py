@@ -14,9 +14,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "eval"))
 import tasks as T  # noqa: E402
 from evaluate import (LocalAttend, attend_tokens, by_config, chunk_max_logits, chunk_softmax_max,  # noqa: E402
-                      layers_worst_first,
-                      markdown, match_static_chunks, mean_by_layer, option_value, oracle_topk,
-                      parse_shadow_option, profile_fields, recall_at_k, summarize)
+                      layers_worst_first, markdown, mass_recall, match_static_chunks, mean_by_layer,
+                      option_value, oracle_topk, parse_shadow_option, profile_fields, recall_at_k, summarize,
+                      unit_mass)
 from model import EvalLM, ModelConfig, OwnBackbone  # noqa: E402
 
 
@@ -312,6 +312,30 @@ class Oracle(unittest.TestCase):
         p2 = math.exp(3.0) / (31 + math.exp(3.0))      # logit 6 / sqrt(d) = 3 against 31 zeros
         self.assertAlmostEqual(float(s[0, 2]), math.log(p2), places=5)
 
+    def test_mass_recall_weighs_what_each_unit_holds(self):
+        # One KV head, one query head, 4 chunks of 8 and a tail of 8 tokens: chunk 1 holds one
+        # token of logit 4 (its mass dominates), chunks 0, 2, 3 and the tail near-uniform.
+        n, d = 40, 4
+        k = torch.zeros(n, 1, d)
+        k[12, 0, 0] = 8.0                      # q.k / sqrt(d) = 4
+        k[20, 0, 0] = 0.2                      # chunk 2 a hair above chunks 0 and 3
+        q = torch.zeros(1, d)
+        q[0, 0] = 1.0
+        m = unit_mass(q, k, 4)
+        self.assertEqual(tuple(m.shape), (1, 1, 4))
+        z = 38 + math.exp(4.0) + math.exp(0.1)    # every prompt token, the tail's 8 included
+        self.assertAlmostEqual(float(m[0, 0, 1]), (7 + math.exp(4.0)) / z, places=5)
+        self.assertAlmostEqual(float(m.sum()), (z - 8) / z, places=5)
+        top = oracle_topk(chunk_softmax_max(q, k, 4), 2)
+        self.assertEqual(top, [{1, 2}])
+        # Missing the near-tie (chunk 3 for 2) costs recall@k half and almost no mass.
+        self.assertEqual(recall_at_k([{1, 3}], top, 2), 0.5)
+        self.assertGreater(mass_recall([{1, 3}], top, m), 0.99)
+        # Missing the chunk that holds the mass costs most of it.
+        self.assertLess(mass_recall([{0, 2}], top, m), 0.3)
+        self.assertAlmostEqual(mass_recall([{1, 2}], top, m), 1.0)
+        self.assertEqual(mass_recall([set()], top, m), 0.0)
+
     def test_recall(self):
         self.assertEqual(recall_at_k([{3, 5}, {2, 6}], [{3, 5}, {6, 2}], 2), 1.0)
         self.assertEqual(recall_at_k([{3, 7}, {1, 4}], [{3, 5}, {6, 2}], 2), 0.25)
@@ -339,6 +363,7 @@ class Oracle(unittest.TestCase):
                                  attend_s=0.004))
                 rows.append(dict(base, config="shadow", budget_pct=1.5, option="bf16", correct=si, agrees_full=si,
                                  recall=0.85, recall_by_layer=[1.0, 0.95, 0.5 - 0.1 * si, 0.95],
+                                 mass_recall_by_layer=[1.0, 0.7, 0.99, 0.95],
                                  attend_s=0.010, select_s=0.006))
         summary = summarize(rows)
         cell = [c for c in summary if c["config"] == "shadow" and c["task"] == "kv"][0]
@@ -357,6 +382,7 @@ class Oracle(unittest.TestCase):
         line = [ln for ln in md.splitlines() if ln.startswith("| shadow ")][0]
         self.assertIn("0.450 (L2)", line)
         self.assertIn("L2 0.45, L1 0.95, L3 0.95, L0 1.00", line)
+        self.assertIn("0.700 (L1)", line)                 # the worst layer by mass is another one
         self.assertIn("| 3.00 | 5.00 |", line)    # select and attend ms per decode step
 
     def test_static_chunks_found_by_key(self):
