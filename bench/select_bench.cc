@@ -351,7 +351,13 @@ int main(int argc, char** argv) {
                       {"sig4 x4, units of 2", 4, 0, 0, 4, 2},
                       {"sig4 x4, units of 1", 4, 0, 0, 4, 1},
                       {"sig4 x8, units of 2", 8, 0, 0, 4, 2},
-                      {"sig4 x16, units of 2", 16, 0, 0, 4, 2}};
+                      {"sig4 x16, units of 2", 16, 0, 0, 4, 2},
+                      {"sig8 x4", 4, 0, 0, 8},
+                      {"sig8 x8", 8, 0, 0, 8},
+                      {"sig8 x16", 16, 0, 0, 8},
+                      {"sig8 every chunk", 0, 0, 0, 8},
+                      {"sig8 x8, units of 2", 8, 0, 0, 8, 2},
+                      {"sig8 x16, units of 2", 16, 0, 0, 8, 2}};
   const int n_opts = int(sizeof(opts) / sizeof(opts[0]));
   std::vector<bool> run(n_opts, x.only.empty());
   run[0] = true;  // the one-stage baseline of every row's ratio
@@ -378,9 +384,9 @@ int main(int argc, char** argv) {
     oracle.candidates = x.chunks;
     oracle.C = x.C;
     const Out orc = RunSelectEx(be, x, L, x.k, &oracle, 1);
-    // Key signatures of 2 and 4 bits, encoded by the backend as ingest does.
-    Buffer sigs[5];
-    for (int bits : {2, 4}) {
+    // Key signatures of each width, encoded by the backend as ingest does.
+    Buffer sigs[9];
+    for (int bits : kSignatureBits) {
       Buffer kr = Up(be, L.kr), lm = Up(be, L.landmarks);
       const size_t bytes = size_t(x.chunks) * x.C * x.h * SignatureRecordBytes(bits, x.d);
       sigs[bits] = be.Allocate(bytes).value();
@@ -451,8 +457,8 @@ int main(int argc, char** argv) {
   std::printf("reconstruct of k chunks per head: %.3f ms; of the same tokens in units of 1 / 2 / 4: "
               "%.3f / %.3f / %.3f ms\n", rec_ms, rec_unit_ms[1], rec_unit_ms[2], rec_unit_ms[4]);
   std::printf("device bytes per token and layer: low-rank keys %d (rank %d, bf16), key signatures "
-              "%zu (2 bits) / %zu (4 bits)\n",
+              "%zu (2 bits) / %zu (4 bits) / %zu (8 bits)\n",
               2 * x.r, x.r, size_t(x.h) * SignatureRecordBytes(2, x.d),
-              size_t(x.h) * SignatureRecordBytes(4, x.d));
+              size_t(x.h) * SignatureRecordBytes(4, x.d), size_t(x.h) * SignatureRecordBytes(8, x.d));
   return 0;
 }

@@ -751,8 +751,9 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   if (p.rerank_factor == 0 || p.rerank_factor > 64) {
     return bad("profile.rerank_factor must be in [1, 64] (1 = one stage), got ", p.rerank_factor);
   }
-  if (p.key_signature_bits != 0 && p.key_signature_bits != 2 && p.key_signature_bits != 4) {
-    return bad("profile.key_signature_bits must be 0 (none), 2 or 4, got ", p.key_signature_bits);
+  if (p.key_signature_bits != 0 && !kernels::ValidSignatureBits(static_cast<int>(p.key_signature_bits))) {
+    return bad("profile.key_signature_bits must be 0 (none), ", kernels::kSignatureBitsText, ", got ",
+               p.key_signature_bits);
   }
   if (p.selection_unit > 0 && p.selection_unit < p.chunk_size &&
       (p.chunk_size % p.selection_unit != 0 || p.rerank_factor < 2)) {

@@ -500,12 +500,12 @@ absl::Status ReadSegmentLayers(EngineImpl& e, const SegRecord& r, const ModelInf
         // The width from the size: rows * h * (d*bits/8 + 4) bytes.
         const size_t rows = size_t(lr.n_chunks) * r.C * h;
         int bits = 0;
-        for (int b : {2, 4}) {
+        for (int b : kernels::kSignatureBits) {
           if (buf.size() == rows * kernels::SignatureRecordBytes(b, d)) bits = b;
         }
         if (bits == 0) {
           return absl::DataLossError(absl::StrCat("key signatures of layer ", l, " hold ", buf.size(),
-                                                  " bytes, not a record of 2 or 4 bits per channel for ",
+                                                  " bytes, not a record of ", kernels::kSignatureBitsText, " bits per channel for ",
                                                   lr.n_chunks, " chunks"));
         }
         KVSHADE_ASSIGN_OR_RETURN(ld.sig, Put(e, buf.data(), buf.size(), ArenaKind::kSignatures));

@@ -59,7 +59,7 @@ absl::Status ResolveKeySignatureBits(const ProfileRequest& r, bool takes, Profil
     const uint32_t bits = r.proto.key_signature_bits();
     if (bits != 0 && !kernels::ValidSignatureBits(static_cast<int>(bits))) {
       return BadProfileField("profile.key_signature_bits",
-                             absl::StrCat("must be 0 (none), 2 or 4, got ", bits));
+                             absl::StrCat("must be 0 (none), ", kernels::kSignatureBitsText, ", got ", bits));
     }
     if (bits != 0 && !r.auto_kind && !takes) {
       return BadProfileField("profile.key_signature_bits",

@@ -17,7 +17,8 @@ absl::StatusOr<double> ShadowGpuBytesPerToken(const LayerShape& shape, int r, in
   if (C < 1) return absl::InvalidArgumentError(absl::StrCat("footprint: C must be >= 1, got ", C));
   if (signature_bits != 0 && !ValidSignatureBits(signature_bits)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("footprint: signature_bits must be 0, 2 or 4, got ", signature_bits));
+        absl::StrCat("footprint: signature_bits must be 0 or ", kSignatureBitsText, ", got ",
+                     signature_bits));
   }
   const double D = static_cast<double>(shape.D());
   const double sig = signature_bits > 0

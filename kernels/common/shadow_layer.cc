@@ -233,7 +233,7 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
   if (p.outliers < 0) return Bad(absl::StrCat("params.outliers must be >= 0, got ", p.outliers));
   if (p.signature_bits != 0 &&
       (!ValidSignatureBits(p.signature_bits) || (int64_t{d} * p.signature_bits) % 32 != 0)) {
-    return Bad(absl::StrCat("params.signature_bits must be 0, 2 or 4 (with d*bits a multiple "
+    return Bad(absl::StrCat("params.signature_bits must be 0 or ", kSignatureBitsText, " (with d*bits a multiple "
                             "of 32), got ", p.signature_bits));
   }
   if (p.heavy_chunks < 0) {

@@ -165,7 +165,7 @@ absl::Status EncodeSignatures(size_t kr, size_t landmarks, int h, int d, int C, 
   KVSHADE_RETURN_IF_ERROR(AtLeast(op, "C", C, 1));
   KVSHADE_RETURN_IF_ERROR(AtLeast(op, "n_chunks", n_chunks, 0));
   if (!ValidSignatureBits(bits)) {
-    return Invalid(op, absl::StrCat("bits must be 2 or 4, got ", bits));
+    return Invalid(op, absl::StrCat("bits must be ", kSignatureBitsText, ", got ", bits));
   }
   if ((int64_t{d} * bits) % 32 != 0) {
     return Invalid(op, absl::StrCat("d*bits = ", int64_t{d} * bits, " must be a multiple of 32"));

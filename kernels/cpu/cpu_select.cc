@@ -496,7 +496,8 @@ absl::Status CheckOptions(const LayerShape& shape, int k, const SelectOptions& o
       if (!ValidSignatureBits(v.sig_bits) || (int64_t{shape.d} * v.sig_bits) % 32 != 0) {
         return absl::InvalidArgumentError(absl::StrCat(
             "SelectEx: items[", i, "].view.sig_bits = ", v.sig_bits,
-            " (stage 2 from key signatures needs 2 or 4, with d*bits a multiple of 32)"));
+            " (stage 2 from key signatures needs ", kSignatureBitsText,
+            ", with d*bits a multiple of 32)"));
       }
       for (int s = 0; s < v.n_segments; ++s) {
         if (v.segments[s].n_chunks > 0 && v.segments[s].sig == nullptr) {

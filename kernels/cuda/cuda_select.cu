@@ -1343,9 +1343,10 @@ struct SigLane {
 // integer sum q8_n . code_t of this lane's token, and the base halves (SigQuery::Row) this
 // lane forms for its candidate: job j = 2n + half is lane j % kC's own[j / kC], so each
 // half is formed once per candidate and Base(n) hands it to the candidate's lanes. kBits
-// 2 or 4: the packed int8 rows, one __dp4a per 4 channels, landmarks read 8 channels at a
-// time (d a multiple of 32, landmark rows 16-byte aligned); kBits 0: the view's bits at
-// run time, channel order.
+// 2, 4 or 8: the packed int8 rows, one __dp4a per 4 channels, landmarks read 8 channels at
+// a time (d a multiple of 32, landmark rows 16-byte aligned); 8-bit codes (0..255) go in
+// as signed bytes code - 128 (the word XOR 0x80808080), the sum corrected by 128 * qsum;
+// kBits 0: the view's bits at run time, channel order.
 template <int kC, int kBits, int kG>
 struct SigSums {
   static constexpr int kOwn = (2 * kG + kC - 1) / kC;
@@ -1366,7 +1367,19 @@ struct SigSums {
         own[o] = SigBaseHalf<(kBits > 0)>(q.Row(j >> 1, j & 1), sl.lm + (j & 1) * half_d, half_d);
       }
     }
-    if constexpr (kBits > 0) {
+    if constexpr (kBits == 8) {
+      const int n_words = d / 4;
+      const int* qp = reinterpret_cast<const int*>(q.q8);
+      for (int w = 0; w < n_words; ++w) {
+        const int word = static_cast<int>(sl.words[w] ^ 0x80808080u);
+#pragma unroll
+        for (int n = 0; n < kG; ++n) dot[n] = __dp4a(qp[n * n_words + w], word, dot[n]);
+      }
+#pragma unroll
+      for (int n = 0; n < kG; ++n) {
+        if (n < g) dot[n] += 128 * q.qsum[n];
+      }
+    } else if constexpr (kBits > 0) {
       constexpr int kP = 32 / kBits, kS = 8 / kBits;
       constexpr uint32_t kMask = kBits == 4 ? 0x0f0f0f0fu : 0x03030303u;
       const int n_words = d / kP;
@@ -1947,8 +1960,10 @@ void PickSigKernelsG(int g, SigTokenKernel* chunk, SigUnitTokenKernel* unit) {
 template <int kC>
 void PickSigKernels(int bits, int g, int d, SigTokenKernel* chunk, SigUnitTokenKernel* unit) {
   if constexpr (kC == 8 || kC == 16) {
-    if (d % 32 == 0 && (g == 4 || g == 8) && (bits == 2 || bits == 4)) {
-      if (bits == 4) {
+    if (d % 32 == 0 && (g == 4 || g == 8) && ValidSignatureBits(bits)) {
+      if (bits == 8) {
+        PickSigKernelsG<kC, 8>(g, chunk, unit);
+      } else if (bits == 4) {
         PickSigKernelsG<kC, 4>(g, chunk, unit);
       } else {
         PickSigKernelsG<kC, 2>(g, chunk, unit);
@@ -2370,7 +2385,8 @@ absl::Status SelectExUnits(int device, const LayerShape& shape, int k, const Sel
       if (!ValidSignatureBits(v.sig_bits) || (int64_t{d} * v.sig_bits) % 32 != 0) {
         return absl::InvalidArgumentError(absl::StrCat(
             "SelectEx: items[", i, "].view.sig_bits = ", v.sig_bits,
-            " (stage 2 from key signatures needs 2 or 4, with d*bits a multiple of 32)"));
+            " (stage 2 from key signatures needs ", kSignatureBitsText,
+            ", with d*bits a multiple of 32)"));
       }
       for (int sgi = 0; sgi < v.n_segments; ++sgi) {
         if (v.segments[sgi].n_chunks > 0 && v.segments[sgi].sig == nullptr) {
@@ -2514,7 +2530,8 @@ absl::Status CudaBackend::SelectEx(const LayerShape& shape, int k, const SelectO
       if (!ValidSignatureBits(v.sig_bits) || (int64_t{d} * v.sig_bits) % 32 != 0) {
         return absl::InvalidArgumentError(absl::StrCat(
             "SelectEx: items[", i, "].view.sig_bits = ", v.sig_bits,
-            " (stage 2 from key signatures needs 2 or 4, with d*bits a multiple of 32)"));
+            " (stage 2 from key signatures needs ", kSignatureBitsText,
+            ", with d*bits a multiple of 32)"));
       }
       for (int sgi = 0; sgi < v.n_segments; ++sgi) {
         if (v.segments[sgi].n_chunks > 0 && v.segments[sgi].sig == nullptr) {

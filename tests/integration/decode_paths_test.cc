@@ -159,7 +159,8 @@ INSTANTIATE_TEST_SUITE_P(Options, DecodePaths,
                                            Options{"rerank4_unit2", 4, 0, 0, 0, 2},
                                            Options{"rerank2_unit1", 2, 0, 0, 0, 1},
                                            Options{"rerank4_unit4_top_p", 4, 0.6f, 4, 0, 4},
-                                           Options{"rerank4_sig2_unit2", 4, 0, 0, 2, 2}),
+                                           Options{"rerank4_sig2_unit2", 4, 0, 0, 2, 2},
+                                           Options{"rerank8_sig8_unit2", 8, 0, 0, 8, 2}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // The recall guard acts alike on both paths: same samples, same recall, same widened

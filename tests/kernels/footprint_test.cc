@@ -23,13 +23,15 @@ TEST(Footprint, KeySignatures) {
   const LayerShape shape{8, 4, 128};
   auto two = ShadowGpuBytesPerToken(shape, 160, 8, 2);
   auto four = ShadowGpuBytesPerToken(shape, 160, 8, 4);
-  ASSERT_TRUE(two.ok() && four.ok());
+  auto eight = ShadowGpuBytesPerToken(shape, 160, 8, 8);
+  ASSERT_TRUE(two.ok() && four.ok() && eight.ok());
   EXPECT_EQ(*two, 576.0 + 288.0);
   EXPECT_EQ(*four, 576.0 + 544.0);
+  EXPECT_EQ(*eight, 576.0 + 1056.0);
   auto ratio = ShadowCompressionRatio(shape, 160, 8, 2);
   ASSERT_TRUE(ratio.ok());
   EXPECT_NEAR(*ratio, 4096.0 / 864.0, 1e-12);
-  for (int bad : {1, 3, 8, -2}) {
+  for (int bad : {1, 3, 5, 16, -2}) {
     EXPECT_EQ(ShadowGpuBytesPerToken(shape, 160, 8, bad).status().code(),
               absl::StatusCode::kInvalidArgument)
         << bad;

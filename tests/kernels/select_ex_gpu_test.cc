@@ -239,7 +239,8 @@ TEST(SelectExGpu, SignaturesParity) {
   // (bits, g, C): the kernels specialised for (C, bits, g), the generic token-per-lane ones
   // (g 3), and the warp-per-candidate one (C 6, not a power of two).
   const std::tuple<int, int, int> cases[] = {{2, 4, 8}, {2, 3, 8}, {4, 4, 8}, {4, 3, 8},
-                                             {4, 8, 16}, {4, 3, 6}};
+                                             {4, 8, 16}, {4, 3, 6}, {8, 4, 8}, {8, 8, 16},
+                                             {8, 3, 8}};
   for (const auto& [bits, g, C] : cases) {
     SCOPED_TRACE("bits " + std::to_string(bits) + " g " + std::to_string(g) + " C " +
                  std::to_string(C));
@@ -322,9 +323,10 @@ TEST(SelectExGpu, UnitsParityWithTheCpuReference) {
     int sig_bits;
   };
   // The first three run the stage-2 kernels specialised for (C, bits, g) (the last at the
-  // Llama-3-8B shape), the fourth the generic ones.
-  const Shape shapes[] = {{{4, 4, 64}, 4}, {{2, 8, 128}, 2}, {{2, 4, 128}, 4}, {{4, 2, 64}, 4}};
-  for (int si = 0; si < 4; ++si) {
+  // Llama-3-8B shape), the fourth the generic ones, the fifth the 8-bit specialised ones.
+  const Shape shapes[] = {{{4, 4, 64}, 4}, {{2, 8, 128}, 2}, {{2, 4, 128}, 4}, {{4, 2, 64}, 4},
+                          {{2, 4, 128}, 8}};
+  for (int si = 0; si < 5; ++si) {
     auto rng = MakeRng(1100 + si);
     const LowRankCase base = [&] {
       LowRankCase c = RandomLowRank(rng, shapes[si].shape, 8, 32, 160, /*static_every=*/9);

@@ -519,7 +519,7 @@ TEST(SelectEx, RejectsBadOptions) {
 
 TEST(SelectEx, SignaturesOverEveryChunkRankAsTheirKeys) {
   auto be = Cpu();
-  for (int bits : {2, 4}) {
+  for (int bits : {2, 4, 8}) {
     for (int seed = 0; seed < 3; ++seed) {
       auto rng = MakeRng(700 + 10 * bits + seed);
       LowRankCase c = RandomLowRank(rng, {2, 2, 16}, 4, 16, 30, /*static_every=*/5);
@@ -547,7 +547,7 @@ TEST(SelectEx, SignaturesFindPlantedNeedlesThatLandmarksMiss) {
   LowRankCase c = Planted(rng, 80, needles, decoys);
   const int k = 8;
   const std::vector<int32_t> oracle = OracleTopK(c, 0, k);
-  for (int bits : {2, 4}) {
+  for (int bits : {2, 4, 8}) {
     testing::BuildSignatures(c, bits);
     SelectOptions o;
     o.candidates = 4 * k;
@@ -675,7 +675,7 @@ TEST(Signatures, BackendEncodesTheReference) {
   std::vector<float> min_cos(size_t(h) * n_chunks);
   ASSERT_TRUE(be->BuildLandmarks(kr, n, h, d, C, n_chunks, absl::MakeSpan(lm),
                                  absl::MakeSpan(min_cos)).ok());
-  for (int bits : {2, 4}) {
+  for (int bits : {2, 4, 8}) {
     const size_t rec = SignatureRecordBytes(bits, d);
     std::vector<std::byte> sig(size_t(n_chunks) * C * h * rec);
     ASSERT_TRUE(be->EncodeSignatures(kr, lm, h, d, C, n_chunks, bits, absl::MakeSpan(sig)).ok());

@@ -258,7 +258,7 @@ class ClientTest(unittest.TestCase):
         base = dict(rank=16, chunk_size=8, sparse_budget=4, outliers=2, local_window=16, rerank_factor=4)
         q = bf16(self.rng.standard_normal((1, HQ, D)).astype(np.float32))
         gpu = {}
-        for bits in (0, 2):
+        for bits in (0, 2, 8):
             created, _, _, _ = self.make_session(kvshade.Profile("shadow", key_signature_bits=bits, **base), n,
                                                  name="py-sig-%d" % bits)
             gpu[bits] = self.c.get_session(created.session_id)["gpu_bytes"]
@@ -269,9 +269,10 @@ class ClientTest(unittest.TestCase):
             self.c.close_session(created.session_id)
         chunked_rows = (n - 16) // 8 * 8
         self.assertEqual(gpu[2] - gpu[0], L * chunked_rows * H * (D * 2 // 8 + 4))
-        # 1, 3 and 8 bits are refused, and so is a mini profile asking for signatures.
+        self.assertEqual(gpu[8] - gpu[0], L * chunked_rows * H * (D + 4))
+        # 1, 3 and 5 bits are refused, and so is a mini profile asking for signatures.
         for bad in (dict(key_signature_bits=1, **base), dict(key_signature_bits=3, **base),
-                    dict(key_signature_bits=8, **base)):
+                    dict(key_signature_bits=5, **base)):
             with self.assertRaisesRegex(kvshade.InvalidArgument, "key_signature_bits"):
                 self.c.create_session(model("bf16", "py-sig-bad"), kvshade.Profile("shadow", **bad),
                                       self.rng.integers(0, 30000, 64))

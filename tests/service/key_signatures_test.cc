@@ -254,34 +254,38 @@ void ExpectSignaturesOfTheKeys(Harness& hs, const Stream& s, const std::string& 
   EXPECT_GE(with_chunks, 2 * hs.model.num_layers()) << "the prompt's and the appended chunks";
 }
 
+// Each width restores as it was written (the restore reads the width from the record size).
 TEST(KeySignatures, ADurableRestartRestoresThem) {
-  TempDir dir;
-  Harness hs(dir.path());
-  const Stream s = MakeStream(768, hs.model, 23);
-  auto o = hs.Open(s, SigProfile(4), 512, /*durable=*/true);
-  for (int at = 512; at < 768; at += 32) {
-    auto a = hs.engine->AppendTokens(hs.tenant, AppendOf(o.session, s, at, at + 32));
-    ASSERT_TRUE(a.ok()) << a.status();
+  for (int bits : {4, 8}) {
+    SCOPED_TRACE(bits);
+    TempDir dir;
+    Harness hs(dir.path());
+    const Stream s = MakeStream(768, hs.model, 23);
+    auto o = hs.Open(s, SigProfile(bits), 512, /*durable=*/true);
+    for (int at = 512; at < 768; at += 32) {
+      auto a = hs.engine->AppendTokens(hs.tenant, AppendOf(o.session, s, at, at + 32));
+      ASSERT_TRUE(a.ok()) << a.status();
+    }
+    v1::ForkSessionRequest fr;  // seals the open segment (durable: written through)
+    fr.set_parent_session_id(o.session);
+    fr.set_at_token(768);
+    ASSERT_TRUE(hs.engine->ForkSession(hs.tenant, fr).ok());
+    ExpectSignaturesOfTheKeys(hs, s, o.session, bits);
+    std::vector<Picks> picks;
+    for (int layer = 0; layer < hs.model.num_layers(); ++layer) {
+      picks.push_back(DaemonPicks(hs, o.session, layer, hs.Query(50 + layer, 2.0f)));
+    }
+    ASSERT_TRUE(hs.engine->Drain().ok());  // the appended tokens' record, then a restart
+    hs.Restart();
+    std::shared_ptr<Session> ss = SessionOf(hs, o.session);
+    ASSERT_TRUE(ss);
+    EXPECT_EQ(ss->profile.key_signature_bits, uint32_t(bits));
+    ExpectSignaturesOfTheKeys(hs, s, o.session, bits);
+    for (int layer = 0; layer < hs.model.num_layers(); ++layer) {
+      EXPECT_EQ(DaemonPicks(hs, o.session, layer, hs.Query(50 + layer, 2.0f)), picks[layer]);
+    }
+    ExpectDaemonUsesSignatures(hs, o.session, 500);
   }
-  v1::ForkSessionRequest fr;  // seals the open segment (durable: written through)
-  fr.set_parent_session_id(o.session);
-  fr.set_at_token(768);
-  ASSERT_TRUE(hs.engine->ForkSession(hs.tenant, fr).ok());
-  ExpectSignaturesOfTheKeys(hs, s, o.session, 4);
-  std::vector<Picks> picks;
-  for (int layer = 0; layer < hs.model.num_layers(); ++layer) {
-    picks.push_back(DaemonPicks(hs, o.session, layer, hs.Query(50 + layer, 2.0f)));
-  }
-  ASSERT_TRUE(hs.engine->Drain().ok());  // the appended tokens' record, then a restart
-  hs.Restart();
-  std::shared_ptr<Session> ss = SessionOf(hs, o.session);
-  ASSERT_TRUE(ss);
-  EXPECT_EQ(ss->profile.key_signature_bits, 4);
-  ExpectSignaturesOfTheKeys(hs, s, o.session, 4);
-  for (int layer = 0; layer < hs.model.num_layers(); ++layer) {
-    EXPECT_EQ(DaemonPicks(hs, o.session, layer, hs.Query(50 + layer, 2.0f)), picks[layer]);
-  }
-  ExpectDaemonUsesSignatures(hs, o.session, 500);
 }
 
 // A tier in front of the RocksDB tier that writes segments as a version before key
@@ -344,7 +348,7 @@ TEST(KeySignatures, BadValuesAreRefused) {
     cr.mutable_token_ids()->Add(s.tokens.begin(), s.tokens.end());
     return hs.engine->CreateSession(hs.tenant, cr);
   };
-  for (int bits : {1, 3, 8, 16}) {
+  for (int bits : {1, 3, 5, 16}) {
     auto c = create(SigProfile(bits));
     EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << bits;
     EXPECT_TRUE(absl::StrContains(c.status().message(), "key_signature_bits")) << c.status();
@@ -358,17 +362,19 @@ TEST(KeySignatures, BadValuesAreRefused) {
     p.set_key_signature_bits(0);  // none is fine for every kind
     EXPECT_TRUE(create(p).ok()) << kind;
   }
-  // The server's default: 0, 2 or 4.
-  for (uint32_t bits : {1u, 3u, 8u}) {
+  // The server's default: 0, 2, 4 or 8.
+  for (uint32_t bits : {1u, 3u, 5u, 16u}) {
     ServerConfig c = hs.config;
     c.profile.key_signature_bits = bits;
     const absl::Status st = ValidateConfig(c);
     EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bits;
     EXPECT_TRUE(absl::StrContains(st.message(), "key_signature_bits")) << st;
   }
-  ServerConfig c = hs.config;
-  c.profile.key_signature_bits = 4;
-  EXPECT_TRUE(ValidateConfig(c).ok());
+  for (uint32_t bits : {2u, 4u, 8u}) {
+    ServerConfig c = hs.config;
+    c.profile.key_signature_bits = bits;
+    EXPECT_TRUE(ValidateConfig(c).ok()) << bits;
+  }
 }
 
 // The server's default applies to shadow sessions (and only to them).

@@ -190,7 +190,7 @@ typedef struct kvshade_profile {
   uint32_t mass_min_chunks;
   float recall_sample_rate, recall_floor;
   int32_t recall_action;      /* KVSHADE_RECALL_*; 0 = server default */
-  uint32_t key_signature_bits; /* shadow: 2 or 4-bit key signatures of the chunked tokens
+  uint32_t key_signature_bits; /* shadow: 2, 4 or 8-bit key signatures of the chunked tokens
                                 * (docs/ALGORITHM.md "Key signatures"), which two-stage
                                 * selection scores; 0 = none; KVSHADE_UNSET_U32 = server default */
   uint32_t selection_unit;     /* shadow: select units of this many tokens instead of whole

@@ -257,7 +257,7 @@ class Profile:
     sparse_budget), recall_sample_rate / recall_floor / recall_action ("report", "widen" or
     "exact"; the recall guard).
 
-    key_signature_bits (shadow only; docs/ALGORITHM.md "Key signatures"): 2 or 4-bit key
+    key_signature_bits (shadow only; docs/ALGORITHM.md "Key signatures"): 2, 4 or 8-bit key
     signatures of every chunked token, h * (head_dim*bits/8 + 4) device bytes per token and
     layer, which two-stage selection (rerank_factor > 1) scores instead of reconstructing
     keys; 0 = none, None = the server's default.

@@ -156,7 +156,7 @@ struct SessionLayerView {
   int n_segments = 0;
   const bf16* b = nullptr;  // [h, r, d] bf16 basis shared by all segments
   int r = 0;
-  int sig_bits = 0;  // bits of the segments' key signatures (2 or 4); 0: none
+  int sig_bits = 0;  // bits of the segments' key signatures (2, 4 or 8); 0: none
   int total_chunks() const {
     int t = 0;
     for (int i = 0; i < n_segments; ++i) t += segments[i].n_chunks;
@@ -285,7 +285,10 @@ struct SelectOptions {
 // Record of one (token, head): d*bits/32 uint32 words (channel i in bits
 // [bits*(i % (32/bits)), ...) of word i / (32/bits), least significant first), then the
 // float scale. Both backends produce the same bytes.
-inline bool ValidSignatureBits(int bits) { return bits == 2 || bits == 4; }
+// Widths a signature may have, and how messages name them.
+inline constexpr int kSignatureBits[] = {2, 4, 8};
+inline constexpr const char* kSignatureBitsText = "2, 4 or 8";
+inline bool ValidSignatureBits(int bits) { return bits == 2 || bits == 4 || bits == 8; }
 inline size_t SignatureRecordBytes(int bits, int d) { return size_t(d) * bits / 8 + 4; }
 
 
@@ -521,7 +524,7 @@ class KernelOps {
   // Key signatures of the chunked tokens (SignatureRecordBytes above):
   //   kr [n_chunks*C or more, h, d] bf16 post-RoPE keys, landmarks [n_chunks, h, d] bf16 (as
   //   BuildLandmarks wrote them) -> sig [n_chunks*C, h, SignatureRecordBytes(bits, d)].
-  // InvalidArgument unless bits is 2 or 4 and d*bits is a multiple of 32.
+  // InvalidArgument unless bits is 2, 4 or 8 and d*bits is a multiple of 32.
   virtual absl::Status EncodeSignatures(absl::Span<const bf16> kr, absl::Span<const bf16> landmarks,
                                         int h, int d, int C, int n_chunks, int bits,
                                         absl::Span<std::byte> sig, Stream stream = {}) = 0;

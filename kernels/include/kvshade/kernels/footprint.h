@@ -20,8 +20,8 @@
 namespace kvshade::kernels {
 
 // 2*r + 2*D/C (may be fractional when C does not divide D), plus h*SignatureRecordBytes(
-// signature_bits, d) when signature_bits is 2 or 4. InvalidArgument for a bad shape, r < 1,
-// C < 1 or signature_bits other than 0, 2, 4.
+// signature_bits, d) when signature_bits is 2, 4 or 8. InvalidArgument for a bad shape,
+// r < 1, C < 1 or signature_bits other than 0, 2, 4, 8.
 absl::StatusOr<double> ShadowGpuBytesPerToken(const LayerShape& shape, int r, int C,
                                               int signature_bits = 0);
 

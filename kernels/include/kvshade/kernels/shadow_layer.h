@@ -53,7 +53,7 @@ struct ShadowParams {
   int heavy_chunks = 0;        // H_l: heavy chunks per head (needs observation queries)
   int heavy_group = kDefaultKiviGroup;  // KIVI group of the INT2 heavy chunks
   ValueCodecSpec codec;        // host value store codec
-  int signature_bits = 0;      // 2 or 4: key signatures of every chunked token (backend.h,
+  int signature_bits = 0;      // 2, 4 or 8: key signatures of every chunked token (backend.h,
                                // EncodeSignatures); 0: none
   bool factorize = true;       // false: no step 1 (a, b and eigenvalues stay empty, r = 0;
                                // rank and energy_target are not used): the caller projects

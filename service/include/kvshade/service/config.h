@@ -77,7 +77,7 @@ struct ProfileDefaults {
   // steps checked against the oracle, 0 = off; recall_floor; recall_action report | widen |
   // exact).
   uint32_t rerank_factor = 1, mass_min_chunks = 32;
-  // Key signatures of shadow sessions (docs/ALGORITHM.md "Key signatures"): 0 = none, 2 or 4
+  // Key signatures of shadow sessions (docs/ALGORITHM.md "Key signatures"): 0 = none, 2, 4 or 8
   // bits per channel.
   uint32_t key_signature_bits = 0;
   // Selection units of shadow sessions (docs/ALGORITHM.md "Selection units"): tokens per

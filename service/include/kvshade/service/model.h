@@ -59,7 +59,7 @@ struct ProfileInfo {
   float mini_recent_ratio = 0.1f;
   float mini_heavy_ratio = 0.1f;
   int kivi_group = 16;
-  // Key signatures of the chunked tokens (shadow; 2 or 4 bits, 0 = none): stored with the
+  // Key signatures of the chunked tokens (shadow; 2, 4 or 8 bits, 0 = none): stored with the
   // segments (part of the fingerprint when on), read by two-stage selection.
   int key_signature_bits = 0;
   // Selection options (not part of the fingerprint: they change what a decode step
