@@ -463,7 +463,8 @@ const ConfigSchema& TheSchema() {
            {"recall_sample_rate", Scalar(&C::profile, &P::recall_sample_rate)},
            {"recall_floor", Scalar(&C::profile, &P::recall_floor)},
            {"recall_action", Scalar(&C::profile, &P::recall_action)},
-           {"factorize_iterations", Scalar(&C::profile, &P::factorize_iterations)}}}},
+           {"factorize_iterations", Scalar(&C::profile, &P::factorize_iterations)},
+           {"factorize_host_min_tokens", Scalar(&C::profile, &P::factorize_host_min_tokens)}}}},
         {"log",
          {nullptr,
           {{"level", Scalar(&C::log, &LogConfig::level)},
@@ -778,6 +779,10 @@ absl::Status ValidateConfig(const ServerConfig& c) {
   }
   if (p.factorize_iterations > 64) {
     return bad("profile.factorize_iterations must be in [0, 64], got ", p.factorize_iterations);
+  }
+  if (p.factorize_host_min_tokens > uint32_t(std::numeric_limits<int>::max())) {
+    return bad("profile.factorize_host_min_tokens must be at most ", std::numeric_limits<int>::max(),
+               ", got ", p.factorize_host_min_tokens);
   }
   if (p.kivi_group == 0 || (p.kivi_group & (p.kivi_group - 1)) != 0) {
     return bad("profile.kivi_group must be a power of two, got ", p.kivi_group);

@@ -166,6 +166,7 @@ class ShadowIngest final : public ProfileIngest {
     sp.rank = std::min({p.rank, m.shape.D(), n / 8 * 8});
     sp.energy_target = pb ? 0.0 : p.energy_target;
     sp.subspace_iterations = static_cast<int>(e.config().profile.factorize_iterations);
+    sp.host_subspace_min_tokens = static_cast<int>(e.config().profile.factorize_host_min_tokens);
     sp.outliers = p.outliers;
     sp.keep_sink = p.keep_sink && first == 0;  // the sink is the session's first chunk
     sp.local_min = p.local_window;

@@ -85,6 +85,7 @@ bool EngineImpl::Refactor(const std::shared_ptr<Session>& sp) {
     kernels::FactorizeOptions fo;
     fo.rank = std::min({s.profile.rank, D, n / 8 * 8});
     fo.subspace_iterations = static_cast<int>(config_->profile.factorize_iterations);
+    fo.host_subspace_min_tokens = static_cast<int>(config_->profile.factorize_host_min_tokens);
     auto kd = Upload(k_all.data(), Bf16Bytes(k_all.size()), ArenaKind::kOther);
     auto ad = Alloc(Bf16Bytes(size_t(n) * fo.rank), ArenaKind::kOther);
     auto bd = Alloc(Bf16Bytes(size_t(h) * fo.rank * d), ArenaKind::kB);

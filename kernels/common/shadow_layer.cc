@@ -295,6 +295,7 @@ absl::StatusOr<ShadowLayer> CompressShadowLayer(Backend& be, const LayerShape& s
     fo.rank = p.rank;
     fo.energy_target = p.energy_target;
     fo.subspace_iterations = p.subspace_iterations;
+    fo.host_subspace_min_tokens = p.host_subspace_min_tokens;
     const size_t alloc_rank = size_t(std::max(p.rank, 0));
     KVSHADE_ASSIGN_OR_RETURN(L.a, AllocElems<bf16>(mem, size_t(n) * alloc_rank, BufferKind::kFactorA));
     KVSHADE_ASSIGN_OR_RETURN(L.b, AllocElems<bf16>(mem, size_t(h) * alloc_rank * d, BufferKind::kFactorB));

@@ -103,6 +103,10 @@ absl::Status Factorize(size_t k, int n, const LayerShape& shape, const Factorize
     return Invalid(op, absl::StrCat("options.energy_target must be in [0, 1], got ",
                                     options.energy_target));
   }
+  if (options.host_subspace_min_tokens < 0) {
+    return Invalid(op, absl::StrCat("options.host_subspace_min_tokens must be >= 0, got ",
+                                    options.host_subspace_min_tokens));
+  }
   if (options.subspace_iterations < 0 || options.subspace_iterations > 64) {
     return Invalid(op, absl::StrCat("options.subspace_iterations must be in [0, 64], got ",
                                     options.subspace_iterations));

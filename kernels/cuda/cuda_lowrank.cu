@@ -10,15 +10,21 @@
 //   2. trace(G) in double from the diagonal (before the solver overwrites G).
 //   3. cusolverDnSsyevd on G (lower triangle): all D eigenvalues (ascending) and
 //      eigenvectors, in place. Or, with options.subspace_iterations > 0, only the top rank
-//      eigenpairs by block subspace iteration on the host (common/subspace_host.h, the CPU
-//      backend's solver): G and the trace come down to page-locked host memory, the host
-//      solves while the library lock is free, and the Ritz vectors go back up into the
-//      columns Ssyevd would fill. The iteration is a chain of small dependent solver calls
-//      (four Cholesky QR passes per iteration, each an syrk, a potrf and a trsm on a D x P
-//      block) that on the GPU took 3-6 ms per layer while using a few SMs; a model's prefill
-//      sharing the GPU lost that time slice for slice. A rank-deficient block falls back to
-//      the full solve on the device (G there is untouched). The host picks the rank
-//      (adaptive or fixed) and the captured energy from the eigenvalues and the trace.
+//      eigenpairs by block subspace iteration (common/subspace.h), in one of two places:
+//      - on the device (n below options.host_subspace_min_tokens, or that 0): SGEMM with G,
+//        shifted CholeskyQR3 with Ssyrk + Spotrf + Strsm, Rayleigh-Ritz with Ssyevd on
+//        P x P; failures are flagged on the device and read once. About 5.7 ms per 128K
+//        layer, a chain of small dependent calls on a few SMs.
+//      - on the host (n >= options.host_subspace_min_tokens > 0; common/subspace_host.h, the
+//        CPU backend's solver): G and the trace come down to page-locked host memory, the
+//        host solves while the library lock is free, and the Ritz vectors go back up into
+//        the columns Ssyevd would fill. A model prefilling on the same GPU then keeps the
+//        time slices the device solve would take; the host's time (50-120 ms per layer on
+//        an H100 machine's host, against a 128K layer's 365 ms of prefill) is off the GPU.
+//      Either way the Ritz vectors land where Ssyevd puts the top eigenvectors, and a
+//      rank-deficient block falls back to the full solve on the device (G there is
+//      untouched). The host picks the rank (adaptive or fixed) and the captured energy from
+//      the eigenvalues and the trace.
 //   4. The top r' eigenvectors, sign-normalized like the CPU backend (the entry of largest
 //      |.|, lowest index on ties, made positive), become B [h, r', d] bf16 and W^T split
 //      into bf16 hi + lo parts (W = hi + lo to ~2^-17 relative).
@@ -71,12 +77,25 @@ struct LowRankPlan {
   float* staging = nullptr;       // [min(n, kRowTile), rank] f32
   double* partial = nullptr;      // [2, kSumBlocks] f64: ||K||^2, ||KW||^2 per block
   void* blas_ws = nullptr;        // kCublasWorkspaceBytes
+  // The subspace block when the iteration runs on the device (P = its columns, else 0).
+  float* sub_q = nullptr;         // [D, P] f32
+  float* sub_y = nullptr;         // [D, P] f32
+  float* sub_s = nullptr;         // [P, P] f32 Cholesky factor / Rayleigh quotient
+  float* sub_theta = nullptr;     // [P] f32 Ritz values, ascending
+  int* sub_fail = nullptr;        // [1] nonzero when a Cholesky or the orthonormality failed
   size_t bytes = 0;
 };
 
-LowRankPlan PlanLowRank(void* base, int n, int D, int rank, bool factorize, int lwork) {
+LowRankPlan PlanLowRank(void* base, int n, int D, int rank, bool factorize, int lwork, int P = 0) {
   WorkspaceCarver c(base);
   LowRankPlan p;
+  if (factorize && P > 0) {
+    p.sub_q = c.Take<float>(size_t(D) * P);
+    p.sub_y = c.Take<float>(size_t(D) * P);
+    p.sub_s = c.Take<float>(size_t(P) * P);
+    p.sub_theta = c.Take<float>(P);
+    p.sub_fail = c.Take<int>(1);
+  }
   if (factorize) {
     p.gram = c.Take<float>(size_t(D) * D);
     p.evals = c.Take<float>(D);
@@ -110,6 +129,24 @@ int SyevdLwork(cusolverDnHandle_t solver, int D) {
                                   placeholder, D, placeholder, &lwork) !=
       CUSOLVER_STATUS_SUCCESS) {
     return 0;
+  }
+  return lwork;
+}
+
+// Solver work size of Factorize: Ssyevd on D x D, and with a subspace block of P columns
+// also Spotrf and Ssyevd on P x P (0 when a query fails).
+int FactorizeLwork(cusolverDnHandle_t solver, int D, int P) {
+  int lwork = SyevdLwork(solver, D);
+  if (P > 0 && lwork > 0) {
+    alignas(16) static float placeholder[4] = {};
+    int lp = 0;
+    if (cusolverDnSpotrf_bufferSize(solver, CUBLAS_FILL_MODE_UPPER, P, placeholder, P, &lp) !=
+        CUSOLVER_STATUS_SUCCESS) {
+      return 0;
+    }
+    const int ls = SyevdLwork(solver, P);
+    if (ls <= 0) return 0;
+    lwork = std::max({lwork, lp, ls});
   }
   return lwork;
 }
@@ -313,6 +350,117 @@ absl::Status ProjectRows(cublasHandle_t blas, cudaStream_t stream, const __nv_bf
   return absl::OkStatus();
 }
 
+// The subspace iteration on the device (FactorizeOptions::host_subspace_min_tokens not
+// reached): the same steps as SubspaceEigenHost, as cuBLAS/cuSOLVER calls and small kernels.
+__global__ void SubspaceStartKernel(float* q, int64_t count) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    q[i] = SubspaceStart(uint64_t(i));
+  }
+}
+
+__global__ void AccumulateFailKernel(const int* info, int* fail) {
+  if (*info != 0) *fail = 1;
+}
+
+// Flags the block as failed when max |S - I| over S's upper triangle exceeds the tolerance
+// (NaN included). One block.
+__global__ void OrthCheckKernel(const float* S, int P, int* fail) {
+  __shared__ int bad;
+  if (threadIdx.x == 0) bad = 0;
+  __syncthreads();
+  for (int64_t e = threadIdx.x; e < int64_t(P) * P; e += blockDim.x) {
+    const int j = int(e / P), i = int(e % P);
+    if (i > j) continue;
+    const float dev = fabsf(S[e] - (i == j ? 1.0f : 0.0f));
+    if (!(dev <= kSubspaceOrthTolerance)) bad = 1;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && bad) *fail = 1;
+}
+
+// S [P, P] += factor * trace(S) * I (the shifted CholeskyQR pass; P <= 1024, one block;
+// the trace in double, summed in a fixed order).
+__global__ void ShiftDiagonalKernel(float* S, int P, float factor) {
+  __shared__ double part[1024];
+  double t = 0;
+  for (int j = threadIdx.x; j < P; j += blockDim.x) t += S[size_t(j) * P + j];
+  part[threadIdx.x] = t;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (int(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  const float add = float(double(factor) * part[0]);
+  for (int j = threadIdx.x; j < P; j += blockDim.x) S[size_t(j) * P + j] += add;
+}
+
+// Top-r eigenpairs of G by subspace iteration (common/subspace.h). Returns false, with G
+// untouched, when the block was rank deficient; true with the Ritz vectors in columns
+// D-r..D-1 of G and the Ritz values in evals[D-r..D-1] (zeros below).
+absl::StatusOr<bool> SubspaceEigen(cublasHandle_t blas, cusolverDnHandle_t solver,
+                                   cudaStream_t s, int D, int P, int r, int iterations,
+                                   const LowRankPlan& p, int lwork) {
+  const float one = 1.0f, zero = 0.0f;
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.sub_fail, 0, sizeof(int), s));
+  SubspaceStartKernel<<<256, 256, 0, s>>>(p.sub_q, int64_t(D) * P);
+  KVSHADE_CUDA_LAUNCH_CHECK();
+  float* Q = p.sub_q;
+  float* Y = p.sub_y;
+  const float shift = float(SubspaceShift(D, P));
+  auto orth = [&](float* X) -> absl::Status {
+    for (int pass = 0; pass < kSubspaceShiftedPasses + 2; ++pass) {
+      KVSHADE_CUBLAS_RETURN_IF_ERROR(cublasSsyrk(blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_T, P, D,
+                                                 &one, X, D, &zero, p.sub_s, P));
+      if (pass < kSubspaceShiftedPasses) {  // shifted CholeskyQR
+        ShiftDiagonalKernel<<<1, 1024, 0, s>>>(p.sub_s, P, shift);
+        KVSHADE_CUDA_LAUNCH_CHECK();
+      }
+      KVSHADE_CUSOLVER_RETURN_IF_ERROR(cusolverDnSpotrf(solver, CUBLAS_FILL_MODE_UPPER, P, p.sub_s,
+                                                        P, p.solver_work, lwork, p.info));
+      AccumulateFailKernel<<<1, 1, 0, s>>>(p.info, p.sub_fail);
+      KVSHADE_CUDA_LAUNCH_CHECK();
+      KVSHADE_CUBLAS_RETURN_IF_ERROR(cublasStrsm(blas, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER,
+                                                 CUBLAS_OP_N, CUBLAS_DIAG_NON_UNIT, D, P, &one,
+                                                 p.sub_s, P, X, D));
+    }
+    return absl::OkStatus();
+  };
+  for (int it = 0; it < iterations; ++it) {
+    KVSHADE_CUBLAS_RETURN_IF_ERROR(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, D, P, D, &one,
+                                               p.gram, D, Q, D, &zero, Y, D));
+    KVSHADE_RETURN_IF_ERROR(orth(Y));
+    std::swap(Q, Y);
+  }
+  KVSHADE_CUBLAS_RETURN_IF_ERROR(cublasSsyrk(blas, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_T, P, D, &one,
+                                             Q, D, &zero, p.sub_s, P));
+  OrthCheckKernel<<<1, 1024, 0, s>>>(p.sub_s, P, p.sub_fail);
+  KVSHADE_CUDA_LAUNCH_CHECK();
+  // Rayleigh-Ritz.
+  KVSHADE_CUBLAS_RETURN_IF_ERROR(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, D, P, D, &one, p.gram,
+                                             D, Q, D, &zero, Y, D));
+  KVSHADE_CUBLAS_RETURN_IF_ERROR(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, P, P, D, &one, Q, D,
+                                             Y, D, &zero, p.sub_s, P));
+  KVSHADE_CUSOLVER_RETURN_IF_ERROR(cusolverDnSsyevd(solver, CUSOLVER_EIG_MODE_VECTOR,
+                                                    CUBLAS_FILL_MODE_LOWER, P, p.sub_s, P,
+                                                    p.sub_theta, p.solver_work, lwork, p.info));
+  AccumulateFailKernel<<<1, 1, 0, s>>>(p.info, p.sub_fail);
+  KVSHADE_CUDA_LAUNCH_CHECK();
+  int fail = 0;
+  KVSHADE_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&fail, p.sub_fail, sizeof(int), cudaMemcpyDeviceToHost, s));
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+  if (fail != 0) return false;
+  KVSHADE_CUBLAS_RETURN_IF_ERROR(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, D, r, P, &one, Q, D,
+                                             p.sub_s + size_t(P - r) * P, P, &zero,
+                                             p.gram + size_t(D - r) * D, D));
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.evals, 0, sizeof(float) * (D - r), s));
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(p.evals + (D - r), p.sub_theta + (P - r),
+                                               sizeof(float) * r, cudaMemcpyDeviceToDevice, s));
+  // p.info was last written by the successful Ssyevd: 0, as the caller expects.
+  return true;
+}
+
 absl::Status SolveEigen(cusolverDnHandle_t solver, int D, const LowRankPlan& p, int lwork) {
   KVSHADE_CUSOLVER_RETURN_IF_ERROR(cusolverDnSsyevd(solver, CUSOLVER_EIG_MODE_VECTOR,
                                                     CUBLAS_FILL_MODE_LOWER, D, p.gram, D,
@@ -320,17 +468,29 @@ absl::Status SolveEigen(cusolverDnHandle_t solver, int D, const LowRankPlan& p, 
   return absl::OkStatus();
 }
 
+// Whether Factorize runs its subspace iteration on the host (FactorizeOptions::
+// host_subspace_min_tokens), and the columns of the block it then needs on the device (0
+// on the host or without the iteration).
+bool SubspaceOnHost(int n, int D, const FactorizeOptions& o) {
+  return SubspaceColumns(n, D, o.rank, o.subspace_iterations) > 0 &&
+         o.host_subspace_min_tokens > 0 && n >= o.host_subspace_min_tokens;
+}
+int DeviceSubspaceColumns(int n, int D, const FactorizeOptions& o) {
+  return SubspaceOnHost(n, D, o) ? 0 : SubspaceColumns(n, D, o.rank, o.subspace_iterations);
+}
+
 }  // namespace
 
 size_t CudaBackend::FactorizeWorkspaceBytes(int n, const LayerShape& shape,
                                             const FactorizeOptions& options) const {
   if (!Plannable(n, shape, options.rank)) return 0;
+  const int P = DeviceSubspaceColumns(n, shape.D(), options);
   int lwork = 0;
   {
     std::lock_guard<std::mutex> lock(cuda::LibraryHandleMutex());
-    if (cuda::UseDevice(device_).ok()) lwork = SyevdLwork(cusolver_, shape.D());
+    if (cuda::UseDevice(device_).ok()) lwork = FactorizeLwork(cusolver_, shape.D(), P);
   }
-  return PlanLowRank(nullptr, n, shape.D(), options.rank, /*factorize=*/true, lwork).bytes;
+  return PlanLowRank(nullptr, n, shape.D(), options.rank, /*factorize=*/true, lwork, P).bytes;
 }
 
 absl::StatusOr<Buffer> CudaBackend::TakeHostScratch(size_t bytes) {
@@ -363,12 +523,14 @@ absl::StatusOr<FactorizeResult> CudaBackend::Factorize(
   const int D = shape.D();
   const cudaStream_t s = cuda::ToCudaStream(stream);
   const int P = SubspaceColumns(n, D, options.rank, options.subspace_iterations);
+  const bool on_host = SubspaceOnHost(n, D, options);
+  const int P_device = on_host ? 0 : P;
 
   // The host side of the subspace solve, given back to the backend once the Ritz vectors are
   // up (an early return frees it instead).
   Buffer scratch;
   HostSolvePlan host;
-  if (P > 0) {
+  if (on_host) {
     KVSHADE_ASSIGN_OR_RETURN(scratch, TakeHostScratch(PlanHostSolve(nullptr, D, P).bytes));
     host = PlanHostSolve(scratch.data(), D, P);
   }
@@ -377,11 +539,12 @@ absl::StatusOr<FactorizeResult> CudaBackend::Factorize(
   const float one = 1.0f, zero = 0.0f;
   int lwork = 0;
   LowRankPlan p;
+  bool solved = false;  // on the device: the Ritz vectors are in p.gram's top columns
   {
     cuda::ScopedLibraryStream lib(cublas_, cusolver_);
-    lwork = SyevdLwork(cusolver_, D);
+    lwork = FactorizeLwork(cusolver_, D, P_device);
     if (lwork <= 0) return absl::InternalError("Factorize: cuSOLVER work size query failed");
-    p = PlanLowRank(ws.data, n, D, options.rank, /*factorize=*/true, lwork);
+    p = PlanLowRank(ws.data, n, D, options.rank, /*factorize=*/true, lwork, P_device);
     if (p.bytes > ws.bytes) {  // the solver's size query changed between calls
       return absl::InternalError(absl::StrCat("Factorize: workspace plan needs ", p.bytes,
                                               " bytes, have ", ws.bytes));
@@ -402,25 +565,28 @@ absl::StatusOr<FactorizeResult> CudaBackend::Factorize(
     }
     TraceKernel<<<1, 1024, 0, s>>>(p.gram, D, p.trace);
     KVSHADE_CUDA_LAUNCH_CHECK();
-    if (P > 0) {
+    if (on_host) {
       KVSHADE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(host.gram, p.gram, sizeof(float) * D * D,
                                                    cudaMemcpyDeviceToHost, s));
       KVSHADE_CUDA_RETURN_IF_ERROR(
           cudaMemcpyAsync(host.trace, p.trace, sizeof(double), cudaMemcpyDeviceToHost, s));
       // Also keeps the library lock until the handles' work is done.
       KVSHADE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
+    } else if (P > 0) {
+      KVSHADE_ASSIGN_OR_RETURN(solved, SubspaceEigen(cublas_, cusolver_, s, D, P, options.rank,
+                                                     options.subspace_iterations, p, lwork));
     }
   }
   // The host solve, with the library lock free for other streams' ops.
-  const bool solved = P > 0 && SubspaceEigenHost(host.gram, D, P, options.rank,
-                                                 options.subspace_iterations, host.evals,
-                                                 host.scratch, host.iscratch);
+  const bool host_solved = on_host && SubspaceEigenHost(host.gram, D, P, options.rank,
+                                                        options.subspace_iterations, host.evals,
+                                                        host.scratch, host.iscratch);
 
   cuda::ScopedLibraryStream lib(cublas_, cusolver_);
   KVSHADE_RETURN_IF_ERROR(lib.Bind(s, p.blas_ws, cuda::kCublasWorkspaceBytes));
   std::vector<float> evals(D);
   double trace = 0;
-  if (solved) {
+  if (host_solved) {
     // The Ritz vectors go where Ssyevd puts the top eigenvectors: columns D-rank..D-1.
     const size_t at = size_t(D - options.rank) * D;
     KVSHADE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(p.gram + at, host.gram + at,
@@ -430,9 +596,9 @@ absl::StatusOr<FactorizeResult> CudaBackend::Factorize(
     trace = *host.trace;
     KVSHADE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));  // the copy has read the scratch
   }
-  if (P > 0) ReturnHostScratch(std::move(scratch));
-  if (!solved) {
-    KVSHADE_RETURN_IF_ERROR(SolveEigen(cusolver_, D, p, lwork));
+  if (on_host) ReturnHostScratch(std::move(scratch));
+  if (!host_solved) {
+    if (!solved) KVSHADE_RETURN_IF_ERROR(SolveEigen(cusolver_, D, p, lwork));
     int info = 0;
     KVSHADE_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(evals.data(), p.evals, sizeof(float) * D, cudaMemcpyDeviceToHost, s));

@@ -458,6 +458,10 @@ TEST(LowRank, SubspaceFallsBackToTheFullSolveOnDeficientKeys) {
   bad.subspace_iterations = -1;
   EXPECT_EQ(RunFactorize(*cpu, std::vector<bf16>(size_t(n) * D), n, s, bad).status.code(),
             absl::StatusCode::kInvalidArgument);
+  bad.subspace_iterations = 4;
+  bad.host_subspace_min_tokens = -1;
+  EXPECT_EQ(RunFactorize(*cpu, std::vector<bf16>(size_t(n) * D), n, s, bad).status.code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(LowRank, BadInputsRejected) {

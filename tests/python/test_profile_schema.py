@@ -29,7 +29,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
 NO_SERVER_DEFAULT = {"kind": "the profile kind is the session's choice",
                      "energy_target": "adaptive rank is per session (0 = the fixed rank)"}
 # Server-wide settings of the YAML's profile that a session does not set.
-SERVER_ONLY = {"int4_from_tokens", "factorize_iterations"}
+SERVER_ONLY = {"int4_from_tokens", "factorize_iterations", "factorize_host_min_tokens"}
 # kvshade.Profile._c() sets these by name (conversions), not through its list of numbers.
 CONVERTED = {"kind", "keep_sink", "value_codec", "recall_action"}
 

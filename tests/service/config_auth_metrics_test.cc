@@ -118,6 +118,7 @@ profile:
   mini_recent_ratio: 0.2
   mini_heavy_ratio: 0.05
   value_codec: fp8
+  factorize_host_min_tokens: 32768
 )");
   auto c = LoadConfigFile(f.path());
   ASSERT_TRUE(c.ok()) << c.status();
@@ -159,6 +160,7 @@ profile:
   EXPECT_FLOAT_EQ(c->profile.mini_recent_ratio, 0.2f);
   EXPECT_FLOAT_EQ(c->profile.mini_heavy_ratio, 0.05f);
   EXPECT_EQ(c->profile.value_codec, "fp8");
+  EXPECT_EQ(c->profile.factorize_host_min_tokens, 32768u);
   EXPECT_TRUE(ValidateConfig(*c).ok()) << ValidateConfig(*c);
 
   // An empty file is every default, and the defaults are valid.
@@ -238,6 +240,8 @@ TEST(Config, RejectsTyposBadValuesAndBadFiles) {
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.value_codec = "int3"; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.kivi_group = 12; }), C::kInvalidArgument);
   EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.refactor_threshold = 0; }), C::kInvalidArgument);
+  EXPECT_EQ(invalid([](ServerConfig& c) { c.profile.factorize_host_min_tokens = 1u << 31; }),
+            C::kInvalidArgument);
   // A per-tenant call cap at or above the thread cap would let one tenant hold every thread.
   EXPECT_EQ(invalid([](ServerConfig& c) {
               c.worker_threads = 8;

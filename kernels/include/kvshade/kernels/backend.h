@@ -109,6 +109,11 @@ struct FactorizeOptions {
   // by q steps of block subspace iteration and a Rayleigh-Ritz step (kernels/common/
   // subspace.h); eigenvalues past the top `rank` are then reported as 0.
   int subspace_iterations = 0;
+  // Backends with a device: the subspace iteration runs on the host, leaving the device to
+  // whatever shares it (a model's prefill), when n >= host_subspace_min_tokens > 0, else on
+  // the device. The CPU backend always solves on the host. The same eigenpairs either way,
+  // to rounding.
+  int host_subspace_min_tokens = 0;
 };
 
 struct FactorizeResult {

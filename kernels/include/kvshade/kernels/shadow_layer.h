@@ -47,6 +47,7 @@ struct ShadowParams {
   int rank = 160;              // multiple of 8, <= min(D, n); the cap under energy_target
   double energy_target = 0;    // (0, 1]: adaptive rank (FactorizeOptions)
   int subspace_iterations = 0; // FactorizeOptions::subspace_iterations (0 = full solve)
+  int host_subspace_min_tokens = 0;  // FactorizeOptions::host_subspace_min_tokens
   int outliers = 48;           // outlier chunks per head (fewer when fewer chunks exist)
   bool keep_sink = true;       // chunk 0 static for every head
   int local_min = 32;          // exact local tail, at least this many tokens

@@ -69,6 +69,10 @@ struct ProfileDefaults {
   // Shadow factorization: 0 = full eigendecomposition of the key Gram matrix; q > 0 = the
   // top rank eigenpairs by q steps of subspace iteration (docs/ALGORITHM.md).
   uint32_t factorize_iterations = 4;
+  // Backends with a device: the subspace iteration runs on the host for a layer of at least
+  // this many tokens (leaving the GPU to a model prefilling on it), on the device below;
+  // 0 = always on the device (docs/ALGORITHM.md, step 1).
+  uint32_t factorize_host_min_tokens = 65536;
   bool keep_sink = true;
   float refactor_threshold = 0.05f, mini_recent_ratio = 0.1f, mini_heavy_ratio = 0.1f;
   // Selection options (docs/ALGORITHM.md "Selection options"): two-stage re-ranking
