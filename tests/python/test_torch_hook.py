@@ -138,6 +138,8 @@ class TorchHookTest(WithServer):
         dense = DenseCache(ks_rot, vs)
         hook = KvShadeKVCache(self.client, spec(model_id), profile)
         created = hook.prefill(tokens.tolist(), ks_pre, vs)
+        # The static sets come on first use, not with the attach.
+        self.assertEqual(hook._static.loaded(), 0)
         self.assertEqual(created.effective_profile, profile.kind)
         tok = int(torch.argmax(logits0))
         dense_logits, hook_logits = [], []
@@ -148,6 +150,7 @@ class TorchHookTest(WithServer):
             dense_logits.append(ld)
             hook_logits.append(lh)
             tok = int(torch.argmax(ld))
+            self.assertEqual(hook._static.loaded(), LAYERS)  # each fetched once, then kept
         return dense_logits, hook_logits, hook, ks_rot, vs
 
     def test_exact_matches_dense_cache(self):

@@ -25,9 +25,33 @@ from typing import Any, List, Optional
 import numpy as np
 import torch
 
-from ..client import Client, ModelSpec, Profile
+from ..client import Client, ModelSpec, Profile, StaticSet
 from ..routing import session_device
 from ..testing import attention
+
+
+class StaticSets:
+    """Each layer's static set and exact tail (GetStaticSet) for one attachment, fetched on
+    first use: a cache whose decode runs elsewhere (a same-node LocalDecoder reads them from
+    the daemon's memory) never pays the per-layer calls, 0.2-0.4 s for a 32-layer model
+    between the commit and the first step."""
+
+    def __init__(self, client: Client, attachment_id: str, num_layers: int) -> None:
+        self._client, self._attachment_id = client, attachment_id
+        self._sets: List[Optional[StaticSet]] = [None] * num_layers
+
+    def __len__(self) -> int:
+        return len(self._sets)
+
+    def __getitem__(self, layer: int) -> StaticSet:
+        st = self._sets[layer]
+        if st is None:
+            st = self._sets[layer] = self._client.static_set(self._attachment_id, layer)
+        return st
+
+    def loaded(self) -> int:
+        """How many layers have been fetched."""
+        return sum(st is not None for st in self._sets)
 
 
 class KvShadeKVCache:
@@ -85,7 +109,7 @@ class KvShadeKVCache:
 
     def reload_static(self) -> None:
         m, a = self.model, self.attachment
-        self._static = [self.client.static_set(a.attachment_id, l) for l in range(m.num_layers)]
+        self._static = StaticSets(self.client, a.attachment_id, m.num_layers)
         # Rows per slot: the chunk size, or the profile's selection unit.
         h, d, C, S = m.num_kv_heads, m.head_dim, a.slot_tokens or a.chunk_size, a.slots_per_head
         self._slot_k = [np.zeros((h, S, C, d), np.float32) for _ in range(m.num_layers)]
