@@ -293,7 +293,12 @@ struct SelectOptions {
 // Widths a signature may have, and how messages name them.
 inline constexpr int kSignatureBits[] = {2, 4, 8};
 inline constexpr const char* kSignatureBitsText = "2, 4 or 8";
-inline bool ValidSignatureBits(int bits) { return bits == 2 || bits == 4 || bits == 8; }
+inline bool ValidSignatureBits(int bits) {
+  for (int b : kSignatureBits) {
+    if (b == bits) return true;
+  }
+  return false;
+}
 inline size_t SignatureRecordBytes(int bits, int d) { return size_t(d) * bits / 8 + 4; }
 
 
