@@ -71,20 +71,21 @@ def group_logits(q, k_post):
     return torch.einsum("hgd,thd->hgt", q.float().reshape(h, hq // h, d), k_post.float()) / math.sqrt(d)
 
 
-def chunk_max_logits(q, k_post, n_chunks, chunk=CHUNK):
+def chunk_max_logits(q, k_post, n_chunks, chunk=CHUNK, logits=None):
     """q [hq, d], k_post [n, h, d] -> [h, n_chunks]: per KV head and chunk, the maximum over
-    the chunk's tokens and the head's query heads of q.k / sqrt(d)."""
-    s = group_logits(q, k_post[:n_chunks * chunk])
+    the chunk's tokens and the head's query heads of q.k / sqrt(d). logits: group_logits(q,
+    k_post) when the caller has it (every score below takes it alike)."""
+    s = (group_logits(q, k_post) if logits is None else logits)[:, :, :n_chunks * chunk]
     return s.reshape(s.shape[0], s.shape[1], n_chunks, chunk).amax(-1).amax(1)
 
 
-def chunk_softmax_max(q, k_post, n_chunks, chunk=CHUNK):
+def chunk_softmax_max(q, k_post, n_chunks, chunk=CHUNK, logits=None):
     """q [hq, d], k_post [n, h, d] -> [h, n_chunks]: per KV head and chunk, the maximum over the
     chunk's tokens and the head's query heads of log p_n(t), p_n the query head's softmax over
     every prompt token in k_post. Each query head is normalised before the group's maximum,
     as two-stage selection's stage 2 and the recall guard rank (docs/ALGORITHM.md "Selection
     options"): a query head with large logits everywhere does not decide alone."""
-    s = group_logits(q, k_post)
+    s = group_logits(q, k_post) if logits is None else logits
     logp = (s - torch.logsumexp(s, dim=-1, keepdim=True))[:, :, :n_chunks * chunk]
     return logp.reshape(s.shape[0], s.shape[1], n_chunks, chunk).amax(-1).amax(1)
 
@@ -106,10 +107,10 @@ def oracle_topk(scores, k, exclude=None):
     return out
 
 
-def unit_mass(q, k_post, n_units, unit=CHUNK):
+def unit_mass(q, k_post, n_units, unit=CHUNK, logits=None):
     """q [hq, d], k_post [n, h, d] -> [h, g, n_units]: each query head's attention probability
     (softmax over every prompt token in k_post) summed over each unit's tokens."""
-    s = group_logits(q, k_post)
+    s = group_logits(q, k_post) if logits is None else logits
     p = torch.softmax(s, dim=-1)[:, :, :n_units * unit]
     return p.reshape(s.shape[0], s.shape[1], n_units, unit).sum(-1)
 
@@ -331,13 +332,15 @@ class KvShadeAttend:
             u = self.cache.attachment.slot_tokens or C
             per = C // u if 0 < u < C else 1
             excluded = [set(j for c in (s | {0}) for j in range(c * per, (c + 1) * per)) for s in static]
-            scores = self.score(q.cpu(), self._k_cpu(layer), nc * per, C // per)
+            qc, kp = q.cpu(), self._k_cpu(layer)
+            logits = group_logits(qc, kp)   # the oracle's score and the mass share them
+            scores = self.score(qc, kp, nc * per, C // per, logits=logits)
             top = oracle_topk(scores, self.k * per, excluded)
             sel = [set(int(c) for c in row if c >= 0) for row in self.cache.slot_chunk[layer]]
             r = recall_at_k(sel, top, self.k * per)
             self.recalls.append(r)
             self.recalls_by_layer[layer].append(r)
-            m = mass_recall(sel, top, unit_mass(q.cpu(), self._k_cpu(layer), nc * per, C // per))
+            m = mass_recall(sel, top, unit_mass(qc, kp, nc * per, C // per, logits=logits))
             if m == m:
                 self.mass_by_layer[layer].append(m)
         return out

@@ -14,7 +14,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "bench", "eval"))
 import tasks as T  # noqa: E402
 from evaluate import (LocalAttend, attend_tokens, by_config, chunk_max_logits, chunk_softmax_max,  # noqa: E402
-                      layers_worst_first, markdown, mass_recall, match_static_chunks, mean_by_layer,
+                      group_logits, layers_worst_first, markdown, mass_recall, match_static_chunks, mean_by_layer,
                       option_value, oracle_topk, parse_shadow_option, profile_fields, recall_at_k, summarize,
                       unit_mass)
 from model import EvalLM, ModelConfig, OwnBackbone  # noqa: E402
@@ -323,6 +323,10 @@ class Oracle(unittest.TestCase):
         q[0, 0] = 1.0
         m = unit_mass(q, k, 4)
         self.assertEqual(tuple(m.shape), (1, 1, 4))
+        logits = group_logits(q, k)   # handed in by a caller that has them: the same results
+        self.assertTrue(torch.equal(unit_mass(q, k, 4, logits=logits), m))
+        self.assertTrue(torch.equal(chunk_softmax_max(q, k, 4, logits=logits), chunk_softmax_max(q, k, 4)))
+        self.assertTrue(torch.equal(chunk_max_logits(q, k, 4, logits=logits), chunk_max_logits(q, k, 4)))
         z = 38 + math.exp(4.0) + math.exp(0.1)    # every prompt token, the tail's 8 included
         self.assertAlmostEqual(float(m[0, 0, 1]), (7 + math.exp(4.0)) / z, places=5)
         self.assertAlmostEqual(float(m.sum()), (z - 8) / z, places=5)
