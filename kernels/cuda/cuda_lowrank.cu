@@ -19,7 +19,7 @@
 //        CPU backend's solver): G and the trace come down to page-locked host memory, the
 //        host solves while the library lock is free, and the Ritz vectors go back up into
 //        the columns Ssyevd would fill. A model prefilling on the same GPU then keeps the
-//        time slices the device solve would take; the host's time (50-120 ms per layer on
+//        time slices the device solve would take; the host's time (49-124 ms per layer on
 //        an H100 machine's host, against a 128K layer's 365 ms of prefill) is off the GPU.
 //      Either way the Ritz vectors land where Ssyevd puts the top eigenvectors, and a
 //      rank-deficient block falls back to the full solve on the device (G there is
