@@ -22,6 +22,8 @@ tokens/s = B / step time), and at batch 1. The K/V are random (keys low-rank plu
 values Gaussian), distinct per sequence (no prefix sharing): decode cost and memory do not
 depend on what the tokens are. GPU memory is the device's whole use (every process: the
 daemon's included) read from cudaMemGetInfo; the worker's share is torch's reserved memory.
+kvshade's row also gives what the daemon's device tier holds (its growth steps, used or not)
+and each process's GPU memory as nvidia-smi counts it (CUDA contexts included).
 
 Usage (GPU machine, daemon binary from the bundle):
   python3 bench/capacity_bench.py --server .gpu/bin/kvshade-server [--tokens 131072,32768]
@@ -31,6 +33,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -50,6 +53,23 @@ GIB = 2 ** 30
 def gpu_used_gib():
     free, total = torch.cuda.mem_get_info()
     return (total - free) / GIB
+
+
+def gpu_by_process():
+    """GiB of GPU memory each process holds, as the driver counts it ({pid: GiB}; the CUDA
+    context included, which neither torch's reserved bytes nor the daemon's stats count);
+    {} where nvidia-smi is missing or fails."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    used = {}
+    for line in out.splitlines():
+        parts = [x.strip() for x in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            used[int(parts[0])] = used.get(int(parts[0]), 0) + int(parts[1]) / 1024  # MiB -> GiB
+    return used
 
 
 def build_model(max_pos):
@@ -212,7 +232,7 @@ def ingest_random(c, spec, profile, n, seed):
     return created.session_id
 
 
-def kvshade_rows(c, model, n, steps, max_batch, time_limit_s, budget, kivi_group=0):
+def kvshade_rows(c, model, n, steps, max_batch, time_limit_s, budget, kivi_group=0, daemon_pid=None):
     from kvshade.integrations import hf_cache, serving
     from kvshade.integrations.hf_cache import model_spec_from_config, _text_config, find_rotary_embedding
     hf_cache.enable(model)
@@ -263,6 +283,7 @@ def kvshade_rows(c, model, n, steps, max_batch, time_limit_s, budget, kivi_group
                 break
         B = len(sessions)
         st = c.stats()
+        by_pid = gpu_by_process()
         ms = p90 = None  # no session fitted at all
         while B >= 1:
             try:
@@ -276,6 +297,9 @@ def kvshade_rows(c, model, n, steps, max_batch, time_limit_s, budget, kivi_group
         rows["largest"] = {"batch": B, "ms_median": ms, "ms_p90": p90, "stopped_by": why,
                            "gpu_used_gib": gpu_used_gib(), "worker_reserved_gib": torch.cuda.memory_reserved() / GIB,
                            "daemon_device_bytes_used_gib": st["device_bytes_used"] / GIB,
+                           # what the daemon's device tier holds (its growth steps), used or not
+                           "daemon_device_bytes_held_gib": sum(d["device_bytes_held"] for d in c.device_stats()) / GIB,
+                           "gpu_by_process_gib": {"daemon": by_pid.get(daemon_pid), "runtime": by_pid.get(os.getpid())},
                            "daemon_host_bytes_used_gib": st["host_bytes_used"] / GIB,
                            "ingest_s_median": statistics.median(ingest_s) if ingest_s else None}
     finally:
@@ -322,7 +346,7 @@ def main():
                 print(json.dumps(row), flush=True)
             if "kvshade" in configs:
                 r = kvshade_rows(c, model, n, args.steps, args.max_batch, args.kvshade_time_limit, args.budget,
-                                args.kivi_group)
+                                args.kivi_group, daemon_pid=proc.pid)
                 big = r.get("largest", {})
                 row = {"config": "kvshade", "tokens": n, "kivi_group": args.kivi_group or None, "batch1_ms": r.get("batch1", {}).get("ms_median"),
                        "largest_batch": big.get("batch"), "largest_ms": big.get("ms_median"),
