@@ -8,6 +8,8 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -15,6 +17,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "kvshade/base/status_macros.h"
 #include "kvshade/kernels/decode_step.h"
 #include "kvshade/kernels/devices.h"
@@ -23,6 +26,52 @@ namespace kvshade::client {
 namespace {
 
 using kernels::bf16;
+
+// KVSHADE_DECODER_TRACE=1 (docs/OPERATIONS.md "Diagnostics"): Open, Prepare and Join print
+// one line each to stderr with where their time went: the daemon's export call, mapping
+// the exported regions (how many were imported and their bytes), the slot memory, adding
+// to the batch and the first step's probe. A trace belongs to the thread that opened it;
+// the steps in between mark their phases on the innermost open trace of their thread.
+class PhaseTrace {
+ public:
+  explicit PhaseTrace(const char* what) : what_(what) {
+    const char* v = std::getenv("KVSHADE_DECODER_TRACE");
+    if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return;
+    on_ = true;
+    start_ = last_ = Clock::now();
+    outer_ = current_;
+    current_ = this;
+  }
+  ~PhaseTrace() {
+    if (!on_) return;
+    current_ = outer_;
+    std::fprintf(stderr, "kvshade decoder %s: %.2f ms:%s\n", what_, Ms(Clock::now() - start_), line_.c_str());
+  }
+  PhaseTrace(const PhaseTrace&) = delete;
+  PhaseTrace& operator=(const PhaseTrace&) = delete;
+
+  // The time since the last mark (or the start) as `phase`, on the thread's open trace.
+  static void Mark(const char* phase, const std::string& detail = "") {
+    PhaseTrace* t = current_;
+    if (t == nullptr) return;
+    const auto now = Clock::now();
+    absl::StrAppend(&t->line_, " ", phase, " ", absl::StrFormat("%.2f", Ms(now - t->last_)),
+                    detail.empty() ? "" : " (", detail, detail.empty() ? "" : ")");
+    t->last_ = now;
+  }
+  static bool On() { return current_ != nullptr; }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  static double Ms(Clock::duration d) { return std::chrono::duration<double, std::milli>(d).count(); }
+  static thread_local PhaseTrace* current_;
+  bool on_ = false;
+  const char* what_;
+  Clock::time_point start_, last_;
+  PhaseTrace* outer_ = nullptr;
+  std::string line_;
+};
+thread_local PhaseTrace* PhaseTrace::current_ = nullptr;
 
 int64_t NowMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -426,6 +475,8 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
   // Map every region (once per process), then translate every reference.
   std::map<uint64_t, char*> base;
   std::vector<std::pair<std::string, uint64_t>> held;
+  int imported_device = 0, imported_host = 0;
+  size_t imported_bytes = 0;
   {
     std::lock_guard<std::mutex> lock(ctx->mu);
     ctx->DropIdleOfOtherDaemons(exp.daemon_instance());
@@ -449,6 +500,8 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
           return im.status();
         }
         it = ctx->mappings.emplace(key, WorkerContext::Mapping{*im, 0, 0, r.transient()}).first;
+        ++(r.device() ? imported_device : imported_host);
+        imported_bytes += r.bytes();
       }
       ctx->Ref(it->second);
       held.push_back(key);
@@ -456,6 +509,11 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
     }
   }
   seq.regions = std::move(held);
+  if (PhaseTrace::On()) {
+    PhaseTrace::Mark("map", absl::StrFormat("%d regions, imported %d device + %d host, %.1f MiB",
+                                            exp.regions_size(), imported_device, imported_host,
+                                            imported_bytes / 1048576.0));
+  }
   auto ptr = [&](const v1::RegionRef& ref, size_t bytes) -> absl::StatusOr<const void*> {
     auto it = base.find(ref.region());
     const v1::SharedRegion* r = nullptr;
@@ -547,7 +605,9 @@ absl::Status LocalDecoder::Impl::MapGeneration(Seq& seq, v1::SessionExport exp) 
       sl.tail_v = static_cast<const bf16*>(p);
     }
   }
+  PhaseTrace::Mark("translate");
   KVSHADE_RETURN_IF_ERROR(AllocSlots(slot_layers));
+  PhaseTrace::Mark("slots");
   seq.session_tokens = exp.tokens();
   seq.lease_expires_ms = static_cast<int64_t>(exp.lease_expires_unix_ms());
   seq.exp = std::move(exp);
@@ -881,6 +941,7 @@ absl::StatusOr<std::shared_ptr<Seq>> LocalDecoder::Impl::MapNew(const std::strin
   if (set_geometry) {
     std::lock_guard<std::mutex> lock(geom_mu);
     st = geometry ? CheckCompatible(exp, attachment_id) : SetGeometry(exp);
+    PhaseTrace::Mark("geometry");
   } else {
     st = CheckCompatible(exp, attachment_id);
   }
@@ -908,6 +969,7 @@ absl::StatusOr<int> LocalDecoder::Impl::Add(std::shared_ptr<Seq> seq) {
   absl::Status st = UploadCounters({});
   if (st.ok()) st = SizeWorkspace();
   if (st.ok()) st = be->Synchronize();
+  PhaseTrace::Mark("add");
   if (!st.ok()) {
     // Not added: the caller still owns the sequence's mappings and generation.
     {
@@ -957,6 +1019,7 @@ absl::Status LocalDecoder::Impl::Probe(LocalDecoder& dec) {
   }
   KVSHADE_RETURN_IF_ERROR(be->Synchronize());
   probed = true;
+  PhaseTrace::Mark("probe");
   return absl::OkStatus();
 }
 
@@ -991,6 +1054,7 @@ absl::StatusOr<std::unique_ptr<LocalDecoder>> LocalDecoder::Open(
     Client* client, const std::vector<std::string>& attachment_ids,
     const LocalDecoderOptions& options) {
   if (client == nullptr) return absl::InvalidArgumentError("LocalDecoder::Open: client is null");
+  PhaseTrace trace("open");
   if (options.local_capacity < 1) {
     return absl::InvalidArgumentError(absl::StrCat("local_capacity must be >= 1, got ",
                                                    options.local_capacity));
@@ -1006,6 +1070,7 @@ absl::StatusOr<std::unique_ptr<LocalDecoder>> LocalDecoder::Open(
     KVSHADE_ASSIGN_OR_RETURN(v1::SessionExport e, client->ExportSession(req));
     exports.push_back(std::move(e));
   }
+  PhaseTrace::Mark("export");
   std::unique_ptr<LocalDecoder> dec(new LocalDecoder(std::move(impl)));
   if (options.backend != "auto") {
     KVSHADE_ASSIGN_OR_RETURN(m.ctx, ContextFor(options.backend));
@@ -1016,6 +1081,7 @@ absl::StatusOr<std::unique_ptr<LocalDecoder>> LocalDecoder::Open(
   }
   KVSHADE_RETURN_IF_ERROR(m.Probe(*dec));
   if (options.renew_leases) m.renewer = std::thread([&m] { m.RenewLoop(); });
+  PhaseTrace::Mark("renewer");
   return dec;
 }
 
@@ -1026,6 +1092,7 @@ absl::StatusOr<int> LocalDecoder::Join(const std::string& attachment_id) {
 
 absl::StatusOr<std::unique_ptr<PreparedSequence>> LocalDecoder::Prepare(const std::string& attachment_id) {
   Impl& m = *impl_;
+  PhaseTrace trace("prepare");
   {
     std::lock_guard<std::mutex> lock(m.renew_mu);
     KVSHADE_RETURN_IF_ERROR(m.CheckNotMember(attachment_id));
@@ -1033,6 +1100,7 @@ absl::StatusOr<std::unique_ptr<PreparedSequence>> LocalDecoder::Prepare(const st
   v1::ExportSessionRequest req;
   req.set_attachment_id(attachment_id);
   KVSHADE_ASSIGN_OR_RETURN(v1::SessionExport e, m.client->ExportSession(req));
+  PhaseTrace::Mark("export");
   auto st = std::make_unique<PreparedSequence::State>();
   st->owner = m.id;
   st->client = m.client;
@@ -1057,6 +1125,7 @@ absl::StatusOr<std::unique_ptr<PreparedSequence>> LocalDecoder::Prepare(const st
 
 absl::StatusOr<int> LocalDecoder::Join(std::unique_ptr<PreparedSequence> prepared) {
   Impl& m = *impl_;
+  PhaseTrace trace("join");
   if (prepared == nullptr || prepared->state_ == nullptr) {
     return absl::InvalidArgumentError("Join: the prepared sequence is null");
   }

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <thread>
 
@@ -171,6 +172,69 @@ TEST(LocalDecoder, KeptMappingsServeLaterSessionsExactly) {
       KV_ASSERT_OK(f.c->Detach(att.attachment_id()));
       KV_ASSERT_OK(f.c->CloseSession(cs.session_id()));
     }
+  }
+  EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
+}
+
+// KVSHADE_DECODER_TRACE=1: Open, Prepare and Join each print one line naming where their
+// time went (docs/OPERATIONS.md "Worker-side trace"); unset, they print nothing.
+TEST(LocalDecoder, TraceNamesWhereOpenPrepareAndJoinSpendTheirTime) {
+  Fixture f;
+  KV_ASSERT_OK(f.server.Start({"--backend", "cpu"}));
+  f.c = f.server.Connect();
+  const v1::Profile profile = ShadowProfile(16, 8, 4);
+  std::vector<std::string> ids;
+  for (uint64_t seed = 61; seed < 63; ++seed) {
+    const synthetic::Document doc(SmallDoc(1024, seed));
+    KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, doc, profile, 0));
+    v1::AttachRequest ar;
+    ar.set_session_id(cs.session_id());
+    KV_ASSERT_OK_AND_ASSIGN(att, f.c->Attach(ar));
+    ids.push_back(att.attachment_id());
+  }
+  client::LocalDecoderOptions opt;
+  opt.backend = "cpu";
+  opt.idle_mapped_bytes = 0;  // every open maps its regions afresh
+  for (const bool on : {true, false}) {
+    if (on) {
+      ASSERT_EQ(setenv("KVSHADE_DECODER_TRACE", "1", 1), 0);
+    } else {
+      ASSERT_EQ(unsetenv("KVSHADE_DECODER_TRACE"), 0);
+    }
+    testing::internal::CaptureStderr();
+    {
+      auto dec = client::LocalDecoder::Open(f.c.get(), {ids[0]}, opt);
+      ASSERT_TRUE(dec.ok()) << dec.status();
+      auto prepared = (*dec)->Prepare(ids[1]);
+      ASSERT_TRUE(prepared.ok()) << prepared.status();
+      auto joined = (*dec)->Join(std::move(*prepared));
+      ASSERT_TRUE(joined.ok()) << joined.status();
+      EXPECT_EQ(*joined, 1);
+    }
+    const std::string err = testing::internal::GetCapturedStderr();
+    if (!on) {
+      EXPECT_EQ(err.find("kvshade decoder"), std::string::npos) << err;
+      continue;
+    }
+    const auto line = [&](const std::string& what) {
+      const size_t at = err.find("kvshade decoder " + what + ": ");
+      if (at == std::string::npos) return std::string();
+      return err.substr(at, err.find('\n', at) - at);
+    };
+    const std::string open = line("open"), prepare = line("prepare"), join = line("join");
+    for (const char* phase : {" export ", " geometry ", " map ", " translate ", " slots ", " add ", " probe "}) {
+      EXPECT_NE(open.find(phase), std::string::npos) << phase << " missing from: " << err;
+    }
+    // The first open maps the daemon's regions (none kept: idle_mapped_bytes 0).
+    EXPECT_NE(open.find("imported 0 device + "), std::string::npos) << open;
+    EXPECT_EQ(open.find("imported 0 device + 0 host"), std::string::npos) << open;
+    for (const char* phase : {" export ", " map ", " slots "}) {
+      EXPECT_NE(prepare.find(phase), std::string::npos) << phase << " missing from: " << err;
+    }
+    // A prepared sequence joins without the daemon or the mapping; the probe ran at open.
+    EXPECT_NE(join.find(" add "), std::string::npos) << err;
+    EXPECT_EQ(join.find(" export "), std::string::npos) << err;
+    EXPECT_EQ(join.find(" probe "), std::string::npos) << err;
   }
   EXPECT_EQ(f.server.Stop(), 0) << f.server.log();
 }
