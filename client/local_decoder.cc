@@ -13,6 +13,8 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -105,6 +107,9 @@ struct WorkerContext {
     bool transient = false;
   };
   std::map<Key, Mapping> mappings;
+  // Decoder geometries whose probe (LocalDecoder::Impl::Probe) passed on this backend: a
+  // later decoder of the same geometry and profile skips it.
+  std::set<std::string> probed;
   size_t idle_bytes = 0;
   uint64_t releases = 0;
 
@@ -372,7 +377,8 @@ struct LocalDecoder::Impl {
   // One step of layer 0 with a zero query over the whole batch, so that a geometry this
   // backend's kernels do not take fails at the first Open/Join, where a caller can still
   // pick another path, and not at the first decode step. The slot tables it filled are
-  // reset; the recall guard does not sample it.
+  // reset; the recall guard does not sample it. Once per process for a geometry and
+  // profile (WorkerContext::probed): a later decoder of the same skips it.
   absl::Status Probe(LocalDecoder& dec);
   // Closes the gap a sequence leaves at batch index b in the local tails.
   absl::Status RemoveSeq(int b);
@@ -1002,6 +1008,20 @@ absl::StatusOr<int> LocalDecoder::Impl::Join(const std::string& attachment_id, v
 
 absl::Status LocalDecoder::Impl::Probe(LocalDecoder& dec) {
   if (probed || seqs.empty()) return absl::OkStatus();
+  // What the kernels' acceptance depends on: the model geometry, chunk and slot widths,
+  // value codec, RoPE, the profile's selection options and the local tail's capacity.
+  const std::string key =
+      absl::StrCat(h, "/", hq, "/", d, "/", C, "/", U, "/", static_cast<int>(codec.codec), "/", codec.group, "/",
+                   options.local_capacity, "/", first_export.rope().SerializeAsString(), "/",
+                   first_export.profile().SerializeAsString());
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    if (ctx->probed.count(key) != 0) {
+      probed = true;
+      PhaseTrace::Mark("probe", "passed earlier in this process");
+      return absl::OkStatus();
+    }
+  }
   const size_t qn = seqs.size() * size_t(hq) * d;
   KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer q0, be->Allocate(qn * 2));
   KVSHADE_ASSIGN_OR_RETURN(kernels::Buffer o0, be->Allocate(qn * 4));
@@ -1019,6 +1039,10 @@ absl::Status LocalDecoder::Impl::Probe(LocalDecoder& dec) {
   }
   KVSHADE_RETURN_IF_ERROR(be->Synchronize());
   probed = true;
+  {
+    std::lock_guard<std::mutex> lock(ctx->mu);
+    ctx->probed.insert(key);
+  }
   PhaseTrace::Mark("probe");
   return absl::OkStatus();
 }

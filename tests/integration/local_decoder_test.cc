@@ -211,6 +211,11 @@ TEST(LocalDecoder, TraceNamesWhereOpenPrepareAndJoinSpendTheirTime) {
       ASSERT_TRUE(joined.ok()) << joined.status();
       EXPECT_EQ(*joined, 1);
     }
+    if (on) {
+      // A second decoder of the same geometry and profile: the probe passed already.
+      auto again = client::LocalDecoder::Open(f.c.get(), {ids[0]}, opt);
+      ASSERT_TRUE(again.ok()) << again.status();
+    }
     const std::string err = testing::internal::GetCapturedStderr();
     if (!on) {
       EXPECT_EQ(err.find("kvshade decoder"), std::string::npos) << err;
@@ -231,6 +236,10 @@ TEST(LocalDecoder, TraceNamesWhereOpenPrepareAndJoinSpendTheirTime) {
     for (const char* phase : {" export ", " map ", " slots "}) {
       EXPECT_NE(prepare.find(phase), std::string::npos) << phase << " missing from: " << err;
     }
+    const size_t second = err.rfind("kvshade decoder open: ");
+    ASSERT_NE(second, err.find("kvshade decoder open: ")) << err;
+    EXPECT_NE(err.find(" probe ", second), std::string::npos) << err;
+    EXPECT_NE(err.find("(passed earlier in this process)", second), std::string::npos) << err;
     // A prepared sequence joins without the daemon or the mapping; the probe ran at open.
     EXPECT_NE(join.find(" add "), std::string::npos) << err;
     EXPECT_EQ(join.find(" export "), std::string::npos) << err;
