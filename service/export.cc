@@ -133,6 +133,7 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
         static_cast<uint64_t>(options_.clock ? options_.clock() : SystemNowMs()) + a->lease_ms);
     return renewed;
   }
+  StageTimer timer(metrics_, "export");
   auto gen = std::make_unique<ExportGeneration>();
   v1::SessionExport out;
   RegionTable regions(*backend_, &out, arena_->on_demand());

@@ -47,7 +47,7 @@ const std::set<std::string, std::less<>>& KnownStages() {
   static const auto* s = new std::set<std::string, std::less<>>{
       "ingest_rope", "ingest_factorize", "ingest_compress", "ingest_project", "ingest_landmarks", "ingest_values",
       "ingest_heavy", "ingest_commit", "ingest_parts", "ingest_wait", "select", "reconstruct", "attend", "append", "compact", "spill",
-      "page_in", "refactorize", "static_set", "decode_prepare", "deliver"};
+      "page_in", "refactorize", "static_set", "decode_prepare", "deliver", "export"};
   return *s;
 }
 

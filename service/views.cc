@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstddef>
 #include <numeric>
+#include <optional>
 #include <tuple>
 
 #include <spdlog/spdlog.h>
@@ -91,6 +92,10 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer) {
   const int h = s.model.shape.h, d = s.model.shape.d;
   const size_t row = size_t(d);
   bool rebuilt = false;
+  // The rebuild below (a session's first export or static-set read of the layer, or the
+  // first after an append) counts as the static_set stage.
+  std::optional<StageTimer> timer;
+  if (c.static_version != s.static_version || c.tail_version != s.tail_version) timer.emplace(metrics_, "static_set");
   if (c.static_version != s.static_version) {
     // Per head: every segment's static rows (exact, or dequantized INT2), in chain order.
     std::vector<std::vector<kernels::bf16>> hk(h), hv(h);

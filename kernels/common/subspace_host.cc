@@ -23,13 +23,6 @@ size_t SubspaceHostFloats(int D, int P) {
   return 2 * size_t(D) * P + size_t(P) * P + size_t(P) + SyevdFloats(P);
 }
 size_t SubspaceHostInts(int P) { return SyevdInts(P); }
-size_t RitzHostFloats(int P) { return SyevdFloats(P); }
-size_t RitzHostInts(int P) { return SyevdInts(P); }
-
-bool RitzEigenHost(float* T, int P, float* theta, float* work, int* iwork) {
-  return LAPACKE_ssyevd_work(LAPACK_COL_MAJOR, 'V', 'L', P, T, P, theta, work,
-                             lapack_int(SyevdFloats(P)), iwork, lapack_int(SyevdInts(P))) == 0;
-}
 
 bool SubspaceEigenHost(float* G, int D, int P, int r, int iterations, float* evals,
                        float* scratch, int* iscratch) {
@@ -70,7 +63,10 @@ bool SubspaceEigenHost(float* G, int D, int P, int r, int iterations, float* eva
   }
   cblas_ssymm(CblasColMajor, CblasLeft, CblasLower, D, P, 1.0f, G, D, Q, D, 0.0f, Y, D);
   cblas_sgemm(CblasColMajor, CblasTrans, CblasNoTrans, P, P, D, 1.0f, Q, D, Y, D, 0.0f, S, P);
-  if (!RitzEigenHost(S, P, theta, work, iscratch)) return false;
+  if (LAPACKE_ssyevd_work(LAPACK_COL_MAJOR, 'V', 'L', P, S, P, theta, work,
+                          lapack_int(SyevdFloats(P)), iscratch, lapack_int(SyevdInts(P))) != 0) {
+    return false;
+  }
   cblas_sgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, D, r, P, 1.0f, Q, D,
               S + int64_t{P - r} * P, P, 0.0f, G + int64_t{D - r} * D, D);
   for (int i = 0; i < D - r; ++i) evals[i] = 0.0f;

@@ -25,13 +25,4 @@ size_t SubspaceHostInts(int P);
 bool SubspaceEigenHost(float* G, int D, int P, int r, int iterations, float* evals,
                        float* scratch, int* iscratch);
 
-// The Rayleigh-Ritz step's eigensolve (LAPACK ssyevd), which the CUDA backend's device
-// iteration also runs here: a P x P eigensolve is a long chain of tiny dependent steps that
-// would hold the GPU for about a millisecond per layer. T [P, P] (lower triangle,
-// column-major) becomes its eigenvectors, theta [P] its eigenvalues ascending; `work` and
-// `iwork` hold RitzHostFloats(P) floats and RitzHostInts(P) ints. False when it fails.
-size_t RitzHostFloats(int P);
-size_t RitzHostInts(int P);
-bool RitzEigenHost(float* T, int P, float* theta, float* work, int* iwork);
-
 }  // namespace kvshade::kernels

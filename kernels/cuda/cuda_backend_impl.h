@@ -6,6 +6,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include <cublas_v2.h>
@@ -134,6 +135,10 @@ class CudaBackend final : public Backend {
     struct Allocation {
       size_t bytes = 0;
       uint64_t id = 0;  // never reused (a later allocation at the same address gets another)
+      // Its CUDA IPC handle once ExportMemory has asked for it (empty before): an export
+      // names the same allocation for many pointers, and a handle holds for the
+      // allocation's life.
+      std::string ipc_handle;
     };
     std::mutex mu;
     std::map<uintptr_t, Allocation> by_base;

@@ -94,6 +94,7 @@ absl::StatusOr<ExportedMemory> CudaBackend::ExportMemory(const void* p) {
   uintptr_t base = 0;
   size_t bytes = 0;
   uint64_t id = 0;
+  std::string handle;
   {
     const uintptr_t a = reinterpret_cast<uintptr_t>(p);
     std::lock_guard<std::mutex> lock(allocs_->mu);
@@ -104,6 +105,7 @@ absl::StatusOr<ExportedMemory> CudaBackend::ExportMemory(const void* p) {
         base = it->first;
         bytes = it->second.bytes;
         id = it->second.id;
+        handle = it->second.ipc_handle;
       }
     }
   }
@@ -113,15 +115,21 @@ absl::StatusOr<ExportedMemory> CudaBackend::ExportMemory(const void* p) {
         " is neither an allocation of this backend nor shared host memory; it cannot be "
         "exported to another process"));
   }
-  cudaIpcMemHandle_t h;
-  KVSHADE_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)));
+  if (handle.empty()) {
+    cudaIpcMemHandle_t h;
+    KVSHADE_CUDA_RETURN_IF_ERROR(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)));
+    handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+    std::lock_guard<std::mutex> lock(allocs_->mu);
+    auto it = allocs_->by_base.find(base);
+    if (it != allocs_->by_base.end() && it->second.id == id) it->second.ipc_handle = handle;
+  }
   ExportedMemory m;
   m.kind = ExportedMemory::Kind::kDeviceIpc;
   // Never reused within this process (a worker may keep the mapping while the region is
   // idle); the top bit keeps device ids apart from host region ids.
   m.region_id = id | (uint64_t{1} << 63);
   m.pid = getpid();
-  m.ipc_handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  m.ipc_handle = std::move(handle);
   m.region_bytes = bytes;
   m.offset = size_t(reinterpret_cast<uintptr_t>(p) - base);
   return m;

@@ -12,12 +12,9 @@
 //      eigenvectors, in place. Or, with options.subspace_iterations > 0, only the top rank
 //      eigenpairs by block subspace iteration (common/subspace.h), in one of two places:
 //      - on the device (n below options.host_subspace_min_tokens, or that 0): SGEMM with G,
-//        shifted CholeskyQR3 with Ssyrk + Spotrf + Strsm, and the Rayleigh quotient
-//        T = Q^T G Q [P, P], which comes down (with the failure flag, read once) for its
-//        eigensolve on the host (RitzEigenHost, LAPACK ssyevd: cuSOLVER's Ssyevd on so small
-//        a matrix is a chain of tiny dependent steps that held the GPU for about a
-//        millisecond); the Ritz vectors Q U are formed on the device. A chain of small
-//        dependent calls on a few SMs (5.7 ms per 128K layer with Ssyevd on the device).
+//        shifted CholeskyQR3 with Ssyrk + Spotrf + Strsm, Rayleigh-Ritz with Ssyevd on
+//        P x P; failures are flagged on the device and read once. About 5.7 ms per 128K
+//        layer, a chain of small dependent calls on a few SMs.
 //      - on the host (n >= options.host_subspace_min_tokens > 0; common/subspace_host.h, the
 //        CPU backend's solver): G and the trace come down to page-locked host memory, the
 //        host solves while the library lock is free, and the Ritz vectors go back up into
@@ -84,6 +81,7 @@ struct LowRankPlan {
   float* sub_q = nullptr;         // [D, P] f32
   float* sub_y = nullptr;         // [D, P] f32
   float* sub_s = nullptr;         // [P, P] f32 Cholesky factor / Rayleigh quotient
+  float* sub_theta = nullptr;     // [P] f32 Ritz values, ascending
   int* sub_fail = nullptr;        // [1] nonzero when a Cholesky or the orthonormality failed
   size_t bytes = 0;
 };
@@ -95,6 +93,7 @@ LowRankPlan PlanLowRank(void* base, int n, int D, int rank, bool factorize, int 
     p.sub_q = c.Take<float>(size_t(D) * P);
     p.sub_y = c.Take<float>(size_t(D) * P);
     p.sub_s = c.Take<float>(size_t(P) * P);
+    p.sub_theta = c.Take<float>(P);
     p.sub_fail = c.Take<int>(1);
   }
   if (factorize) {
@@ -135,7 +134,7 @@ int SyevdLwork(cusolverDnHandle_t solver, int D) {
 }
 
 // Solver work size of Factorize: Ssyevd on D x D, and with a subspace block of P columns
-// also Spotrf on P x P (0 when a query fails; the P x P eigensolve runs on the host).
+// also Spotrf and Ssyevd on P x P (0 when a query fails).
 int FactorizeLwork(cusolverDnHandle_t solver, int D, int P) {
   int lwork = SyevdLwork(solver, D);
   if (P > 0 && lwork > 0) {
@@ -145,7 +144,9 @@ int FactorizeLwork(cusolverDnHandle_t solver, int D, int P) {
         CUSOLVER_STATUS_SUCCESS) {
       return 0;
     }
-    lwork = std::max(lwork, lp);
+    const int ls = SyevdLwork(solver, P);
+    if (ls <= 0) return 0;
+    lwork = std::max({lwork, lp, ls});
   }
   return lwork;
 }
@@ -394,35 +395,12 @@ __global__ void ShiftDiagonalKernel(float* S, int P, float factor) {
   for (int j = threadIdx.x; j < P; j += blockDim.x) S[size_t(j) * P + j] += add;
 }
 
-// Host side of the device iteration's Rayleigh-Ritz step (page-locked, from the backend's
-// scratch): the Rayleigh quotient T [P, P] (then its eigenvectors), the Ritz values [P] and
-// ssyevd's work.
-struct HostRitzPlan {
-  float* t = nullptr;
-  float* theta = nullptr;
-  float* work = nullptr;
-  int* iwork = nullptr;
-  size_t bytes = 0;
-};
-
-HostRitzPlan PlanHostRitz(void* base, int P) {
-  WorkspaceCarver c(base);
-  HostRitzPlan h;
-  h.t = c.Take<float>(size_t(P) * P);
-  h.theta = c.Take<float>(P);
-  h.work = c.Take<float>(RitzHostFloats(P));
-  h.iwork = c.Take<int>(RitzHostInts(P));
-  h.bytes = c.bytes();
-  return h;
-}
-
-// The device part of the top-r eigenpairs of G by subspace iteration (common/subspace.h):
-// the iterations and the Rayleigh quotient T = Q^T G Q, which comes down to host.t; waits
-// for it. Returns false, with G untouched, when the block was rank deficient. The caller
-// solves T on the host (RitzEigenHost) and hands the result to SubspaceRitzVectors.
-absl::StatusOr<bool> SubspaceIterate(cublasHandle_t blas, cusolverDnHandle_t solver,
-                                     cudaStream_t s, int D, int P, int iterations,
-                                     const LowRankPlan& p, int lwork, const HostRitzPlan& host) {
+// Top-r eigenpairs of G by subspace iteration (common/subspace.h). Returns false, with G
+// untouched, when the block was rank deficient; true with the Ritz vectors in columns
+// D-r..D-1 of G and the Ritz values in evals[D-r..D-1] (zeros below).
+absl::StatusOr<bool> SubspaceEigen(cublasHandle_t blas, cusolverDnHandle_t solver,
+                                   cudaStream_t s, int D, int P, int r, int iterations,
+                                   const LowRankPlan& p, int lwork) {
   const float one = 1.0f, zero = 0.0f;
   KVSHADE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.sub_fail, 0, sizeof(int), s));
   SubspaceStartKernel<<<256, 256, 0, s>>>(p.sub_q, int64_t(D) * P);
@@ -463,38 +441,24 @@ absl::StatusOr<bool> SubspaceIterate(cublasHandle_t blas, cusolverDnHandle_t sol
                                              D, Q, D, &zero, Y, D));
   KVSHADE_CUBLAS_RETURN_IF_ERROR(cublasSgemm(blas, CUBLAS_OP_T, CUBLAS_OP_N, P, P, D, &one, Q, D,
                                              Y, D, &zero, p.sub_s, P));
+  KVSHADE_CUSOLVER_RETURN_IF_ERROR(cusolverDnSsyevd(solver, CUSOLVER_EIG_MODE_VECTOR,
+                                                    CUBLAS_FILL_MODE_LOWER, P, p.sub_s, P,
+                                                    p.sub_theta, p.solver_work, lwork, p.info));
+  AccumulateFailKernel<<<1, 1, 0, s>>>(p.info, p.sub_fail);
+  KVSHADE_CUDA_LAUNCH_CHECK();
   int fail = 0;
-  KVSHADE_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(host.t, p.sub_s, sizeof(float) * P * P, cudaMemcpyDeviceToHost, s));
   KVSHADE_CUDA_RETURN_IF_ERROR(
       cudaMemcpyAsync(&fail, p.sub_fail, sizeof(int), cudaMemcpyDeviceToHost, s));
   KVSHADE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
-  // The last iteration's Q stays where SubspaceRitzVectors reads it.
-  if (Q != p.sub_q) {
-    KVSHADE_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(p.sub_q, Q, sizeof(float) * size_t(D) * P, cudaMemcpyDeviceToDevice, s));
-  }
-  return fail == 0;
-}
-
-// After RitzEigenHost on host.t: the top r Ritz vectors Q U into columns D-r..D-1 of G, the
-// Ritz values into evals[D-r..D-1] (zeros below), and p.info = 0, as after the full solve.
-// In `s`'s order; the caller waits before it reuses `host`.
-absl::Status SubspaceRitzVectors(cublasHandle_t blas, cudaStream_t s, int D, int P, int r,
-                                 const LowRankPlan& p, const HostRitzPlan& host) {
-  const float one = 1.0f, zero = 0.0f;
-  // U's top r columns (P x r, contiguous in column-major order) into the device's S.
-  KVSHADE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(p.sub_s, host.t + size_t(P - r) * P,
-                                               sizeof(float) * size_t(P) * r,
-                                               cudaMemcpyHostToDevice, s));
-  KVSHADE_CUBLAS_RETURN_IF_ERROR(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, D, r, P, &one,
-                                             p.sub_q, D, p.sub_s, P, &zero,
+  if (fail != 0) return false;
+  KVSHADE_CUBLAS_RETURN_IF_ERROR(cublasSgemm(blas, CUBLAS_OP_N, CUBLAS_OP_N, D, r, P, &one, Q, D,
+                                             p.sub_s + size_t(P - r) * P, P, &zero,
                                              p.gram + size_t(D - r) * D, D));
   KVSHADE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.evals, 0, sizeof(float) * (D - r), s));
-  KVSHADE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(p.evals + (D - r), host.theta + (P - r),
-                                               sizeof(float) * r, cudaMemcpyHostToDevice, s));
-  KVSHADE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.info, 0, sizeof(int), s));
-  return absl::OkStatus();
+  KVSHADE_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(p.evals + (D - r), p.sub_theta + (P - r),
+                                               sizeof(float) * r, cudaMemcpyDeviceToDevice, s));
+  // p.info was last written by the successful Ssyevd: 0, as the caller expects.
+  return true;
 }
 
 absl::Status SolveEigen(cusolverDnHandle_t solver, int D, const LowRankPlan& p, int lwork) {
@@ -562,18 +526,13 @@ absl::StatusOr<FactorizeResult> CudaBackend::Factorize(
   const bool on_host = SubspaceOnHost(n, D, options);
   const int P_device = on_host ? 0 : P;
 
-  // The host side of the subspace solve (all of it, or the device iteration's Rayleigh-Ritz
-  // eigensolve), given back to the backend once the Ritz vectors are up (an early return
-  // frees it instead).
+  // The host side of the subspace solve, given back to the backend once the Ritz vectors are
+  // up (an early return frees it instead).
   Buffer scratch;
   HostSolvePlan host;
-  HostRitzPlan ritz;
   if (on_host) {
     KVSHADE_ASSIGN_OR_RETURN(scratch, TakeHostScratch(PlanHostSolve(nullptr, D, P).bytes));
     host = PlanHostSolve(scratch.data(), D, P);
-  } else if (P > 0) {
-    KVSHADE_ASSIGN_OR_RETURN(scratch, TakeHostScratch(PlanHostRitz(nullptr, P).bytes));
-    ritz = PlanHostRitz(scratch.data(), P);
   }
 
   const __nv_bfloat16* kd = cuda::AsNv(k.data());
@@ -581,7 +540,6 @@ absl::StatusOr<FactorizeResult> CudaBackend::Factorize(
   int lwork = 0;
   LowRankPlan p;
   bool solved = false;  // on the device: the Ritz vectors are in p.gram's top columns
-  bool iterated = false;  // on the device: the iteration's T is in ritz.t
   {
     cuda::ScopedLibraryStream lib(cublas_, cusolver_);
     lwork = FactorizeLwork(cusolver_, D, P_device);
@@ -615,24 +573,17 @@ absl::StatusOr<FactorizeResult> CudaBackend::Factorize(
       // Also keeps the library lock until the handles' work is done.
       KVSHADE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));
     } else if (P > 0) {
-      KVSHADE_ASSIGN_OR_RETURN(iterated, SubspaceIterate(cublas_, cusolver_, s, D, P,
-                                                         options.subspace_iterations, p, lwork,
-                                                         ritz));
+      KVSHADE_ASSIGN_OR_RETURN(solved, SubspaceEigen(cublas_, cusolver_, s, D, P, options.rank,
+                                                     options.subspace_iterations, p, lwork));
     }
   }
-  // The host solves, with the library lock free for other streams' ops.
+  // The host solve, with the library lock free for other streams' ops.
   const bool host_solved = on_host && SubspaceEigenHost(host.gram, D, P, options.rank,
                                                         options.subspace_iterations, host.evals,
                                                         host.scratch, host.iscratch);
-  const bool ritz_solved = iterated && RitzEigenHost(ritz.t, P, ritz.theta, ritz.work, ritz.iwork);
 
   cuda::ScopedLibraryStream lib(cublas_, cusolver_);
   KVSHADE_RETURN_IF_ERROR(lib.Bind(s, p.blas_ws, cuda::kCublasWorkspaceBytes));
-  if (ritz_solved) {
-    KVSHADE_RETURN_IF_ERROR(SubspaceRitzVectors(cublas_, s, D, P, options.rank, p, ritz));
-    KVSHADE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));  // the copies have read the scratch
-    solved = true;
-  }
   std::vector<float> evals(D);
   double trace = 0;
   if (host_solved) {
@@ -645,7 +596,7 @@ absl::StatusOr<FactorizeResult> CudaBackend::Factorize(
     trace = *host.trace;
     KVSHADE_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(s));  // the copy has read the scratch
   }
-  if (scratch.data() != nullptr) ReturnHostScratch(std::move(scratch));
+  if (on_host) ReturnHostScratch(std::move(scratch));
   if (!host_solved) {
     if (!solved) KVSHADE_RETURN_IF_ERROR(SolveEigen(cusolver_, D, p, lwork));
     int info = 0;
