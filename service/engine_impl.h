@@ -321,7 +321,9 @@ class EngineImpl {
   // Builds the decode view of `layer` (caller holds the session lock, shared at least).
   absl::StatusOr<LayerViewHold> BuildView(const Session& s, int layer);
   // The attention working set of `layer`, rebuilt when stale (caller holds s.mu shared).
-  absl::StatusOr<const StaticCache*> GetCache(Session& s, int layer);
+  // The layer's static-set and exact-tail cache, rebuilt if the session changed since; with
+  // host_rows also its rows on the host (GetStaticSet).
+  absl::StatusOr<const StaticCache*> GetCache(Session& s, int layer, bool host_rows = false);
 
   // --- append.cc ---
   // The append itself (s.mu held exclusively; tokens validated, k pre-RoPE [n, h, d]).

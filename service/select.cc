@@ -735,7 +735,7 @@ absl::StatusOr<v1::GetStaticSetResponse> EngineImpl::GetStaticSet(const Tenant& 
     EncodeBf16(hv, {int64_t(hv.size() / tok), h, d}, resp.mutable_tail_v());
     return resp;
   }
-  KVSHADE_ASSIGN_OR_RETURN(const StaticCache* c, GetCache(s, layer));
+  KVSHADE_ASSIGN_OR_RETURN(const StaticCache* c, GetCache(s, layer, /*host_rows=*/true));
   if (Bf16Bytes(c->host_k.size() + c->host_tk.size()) * 2 > config_->limits.max_message_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "the static set does not fit one response (max_message_bytes = ",

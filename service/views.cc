@@ -86,113 +86,155 @@ absl::StatusOr<LayerViewHold> EngineImpl::BuildView(const Session& s, int layer)
   return hold;
 }
 
-absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer) {
+absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer, bool host_rows) {
   std::lock_guard<std::mutex> lock(s.cache_mu);
   StaticCache& c = s.cache[layer];
   const int h = s.model.shape.h, d = s.model.shape.d;
   const size_t row = size_t(d);
-  bool rebuilt = false;
-  // The rebuild below (a session's first export or static-set read of the layer, or the
-  // first after an append) counts as the static_set stage.
+  const size_t tok = size_t(h) * d;
+  // A rebuild (a session's first export or static-set read of the layer, or the first
+  // after an append) counts as the static_set stage. The rows move between backend buffers
+  // only; the host copies GetStaticSet sends are made when it asks (host_rows).
   std::optional<StageTimer> timer;
-  if (c.static_version != s.static_version || c.tail_version != s.tail_version) timer.emplace(metrics_, "static_set");
+  if (c.static_version != s.static_version || c.tail_version != s.tail_version) {
+    timer.emplace(metrics_, "static_set");
+  }
+  bool rebuilt = false;
   if (c.static_version != s.static_version) {
     // Per head: every segment's static rows (exact, or dequantized INT2), in chain order.
-    std::vector<std::vector<kernels::bf16>> hk(h), hv(h);
-    std::vector<std::vector<int64_t>> hp(h);
-    auto add_segment = [&](const Segment& seg) -> absl::Status {
-      const LayerData& ld = seg.data(layer);
-      if (ld.s_cap == 0) return absl::OkStatus();
-      std::vector<kernels::bf16> k(size_t(h) * ld.s_cap * d), v(k.size());
-      KVSHADE_RETURN_IF_ERROR(Download(k.data(), ld.sk.data(), Bf16Bytes(k.size())));
-      KVSHADE_RETURN_IF_ERROR(Download(v.data(), ld.sv.data(), Bf16Bytes(v.size())));
-      for (int hh = 0; hh < h; ++hh) {
-        const size_t off = size_t(hh) * ld.s_cap * row;
-        const size_t len = size_t(ld.s_len[hh]) * row;
-        hk[hh].insert(hk[hh].end(), k.begin() + off, k.begin() + off + len);
-        hv[hh].insert(hv[hh].end(), v.begin() + off, v.begin() + off + len);
-        const size_t prow = size_t(hh) * ld.s_cap;
-        for (int i = 0; i < ld.s_len[hh]; ++i) {
-          hp[hh].push_back(prow + i < ld.s_pos.size() ? ld.s_pos[prow + i] : -1);
-        }
-      }
-      return absl::OkStatus();
-    };
-    for (const auto& seg : s.chain) KVSHADE_RETURN_IF_ERROR(add_segment(*seg));
-    if (s.open) KVSHADE_RETURN_IF_ERROR(add_segment(*s.open));
-    int sn = 0;
+    std::vector<const Segment*> segs;
+    for (const auto& seg : s.chain) segs.push_back(seg.get());
+    if (s.open) segs.push_back(s.open.get());
     c.host_lengths.assign(h, 0);
-    for (int hh = 0; hh < h; ++hh) {
-      c.host_lengths[hh] = static_cast<int32_t>(hk[hh].size() / row);
-      sn = std::max(sn, c.host_lengths[hh]);
+    for (const Segment* seg : segs) {
+      const LayerData& ld = seg->data(layer);
+      if (ld.s_cap == 0) continue;
+      for (int hh = 0; hh < h; ++hh) c.host_lengths[hh] += ld.s_len[hh];
     }
+    const int sn = h > 0 ? *std::max_element(c.host_lengths.begin(), c.host_lengths.end()) : 0;
     c.s = sn;
-    c.host_k.assign(size_t(h) * sn * row, kernels::bf16{});
-    c.host_v.assign(c.host_k.size(), kernels::bf16{});
     c.host_pos.assign(size_t(h) * sn, -1);
-    for (int hh = 0; hh < h; ++hh) {
-      std::copy(hk[hh].begin(), hk[hh].end(), c.host_k.begin() + size_t(hh) * sn * row);
-      std::copy(hv[hh].begin(), hv[hh].end(), c.host_v.begin() + size_t(hh) * sn * row);
-      std::copy(hp[hh].begin(), hp[hh].end(), c.host_pos.begin() + size_t(hh) * sn);
-    }
     c.k = DeviceBlock();
     c.v = DeviceBlock();
     c.lengths = DeviceBlock();
     if (sn > 0) {
-      KVSHADE_ASSIGN_OR_RETURN(c.k, Upload(c.host_k.data(), Bf16Bytes(c.host_k.size()), ArenaKind::kStatic));
-      KVSHADE_ASSIGN_OR_RETURN(c.v, Upload(c.host_v.data(), Bf16Bytes(c.host_v.size()), ArenaKind::kStatic));
+      const size_t bytes = Bf16Bytes(size_t(h) * sn * row);
+      KVSHADE_ASSIGN_OR_RETURN(c.k, Alloc(bytes, ArenaKind::kStatic));
+      KVSHADE_ASSIGN_OR_RETURN(c.v, Alloc(bytes, ArenaKind::kStatic));
+      // Rows past a head's length are zeros, as the host copies show them.
+      KVSHADE_RETURN_IF_ERROR(backend_->Fill(c.k.data(), 0, bytes));
+      KVSHADE_RETURN_IF_ERROR(backend_->Fill(c.v.data(), 0, bytes));
+      std::vector<int> at(h, 0);
+      for (const Segment* seg : segs) {
+        const LayerData& ld = seg->data(layer);
+        if (ld.s_cap == 0) continue;
+        for (int hh = 0; hh < h; ++hh) {
+          const int n = ld.s_len[hh];
+          if (n == 0) continue;
+          const size_t src = size_t(hh) * ld.s_cap * row, dst = (size_t(hh) * sn + at[hh]) * row;
+          KVSHADE_RETURN_IF_ERROR(backend_->Copy(static_cast<kernels::bf16*>(c.k.data()) + dst,
+                                                 static_cast<const kernels::bf16*>(ld.sk.data()) + src,
+                                                 Bf16Bytes(size_t(n) * row)));
+          KVSHADE_RETURN_IF_ERROR(backend_->Copy(static_cast<kernels::bf16*>(c.v.data()) + dst,
+                                                 static_cast<const kernels::bf16*>(ld.sv.data()) + src,
+                                                 Bf16Bytes(size_t(n) * row)));
+          const size_t prow = size_t(hh) * ld.s_cap;
+          for (int i = 0; i < n; ++i) {
+            c.host_pos[size_t(hh) * sn + at[hh] + i] = prow + i < ld.s_pos.size() ? ld.s_pos[prow + i] : -1;
+          }
+          at[hh] += n;
+        }
+      }
       KVSHADE_ASSIGN_OR_RETURN(c.lengths, Upload(c.host_lengths.data(), h * 4, ArenaKind::kStatic));
     }
     c.static_version = s.static_version;
+    c.host_static_rows = false;
     rebuilt = true;
     c.tail_version = ~0ull;  // segment remainders live in the tail part: rebuild it too
   }
   if (c.tail_version != s.tail_version) {
-    c.host_tk.clear();
-    c.host_tv.clear();
     c.host_tail_pos.clear();
-    const size_t tok = size_t(h) * d;
-    // A remainder's rows that chunks of a later (open) segment cover left the tail.
-    auto add_tail = [&](const Segment& seg) -> absl::Status {
+    // A remainder's rows that chunks of a later (open) segment cover left the tail; the
+    // remainder is the segment's tokens after its chunks.
+    struct Part {
+      const kernels::bf16* k;
+      const kernels::bf16* v;
+      size_t rows;
+    };
+    std::vector<Part> parts;
+    auto add_tail = [&](const Segment& seg) {
       const LayerData& ld = seg.data(layer);
       const int skip = CoveredRemainderRows(s, seg, layer);
-      if (ld.n_tail - skip <= 0) return absl::OkStatus();
-      const size_t n = size_t(ld.n_tail - skip) * tok, off = size_t(skip) * tok;
-      // The remainder is the segment's tokens after its chunks.
+      if (ld.n_tail - skip <= 0) return;
       const int64_t first = seg.first_position + int64_t(ld.n_chunks) * seg.chunk_size;
       for (int i = skip; i < ld.n_tail; ++i) c.host_tail_pos.push_back(first + i);
-      const size_t at = c.host_tk.size();
-      c.host_tk.resize(at + n);
-      c.host_tv.resize(at + n);
-      KVSHADE_RETURN_IF_ERROR(Download(c.host_tk.data() + at,
-                                       static_cast<const kernels::bf16*>(ld.tk.data()) + off, Bf16Bytes(n)));
-      return Download(c.host_tv.data() + at, static_cast<const kernels::bf16*>(ld.tv.data()) + off,
-                      Bf16Bytes(n));
+      parts.push_back({static_cast<const kernels::bf16*>(ld.tk.data()) + size_t(skip) * tok,
+                       static_cast<const kernels::bf16*>(ld.tv.data()) + size_t(skip) * tok,
+                       size_t(ld.n_tail - skip)});
     };
     if (!ProfileOf(s.profile.kind).all_exact()) {
-      for (const auto& seg : s.chain) KVSHADE_RETURN_IF_ERROR(add_tail(*seg));
-      if (s.open) KVSHADE_RETURN_IF_ERROR(add_tail(*s.open));
+      for (const auto& seg : s.chain) add_tail(*seg);
+      if (s.open) add_tail(*s.open);
     }
     const TailLayer& tl = s.tail[layer];
-    c.host_tk.insert(c.host_tk.end(), tl.k.begin(), tl.k.end());
-    c.host_tv.insert(c.host_tv.end(), tl.v.begin(), tl.v.end());
-    c.t = static_cast<int>(c.host_tk.size() / tok);
     // The appended tail is the session's newest tokens.
     const int64_t appended = static_cast<int64_t>(tl.k.size() / tok);
     for (int64_t i = 0; i < appended; ++i) {
       c.host_tail_pos.push_back(static_cast<int64_t>(s.tokens) - appended + i);
     }
+    c.t = static_cast<int>(c.host_tail_pos.size());
     c.tk = DeviceBlock();
     c.tv = DeviceBlock();
     if (c.t > 0) {
-      KVSHADE_ASSIGN_OR_RETURN(c.tk, Upload(c.host_tk.data(), Bf16Bytes(c.host_tk.size()), ArenaKind::kStatic));
-      KVSHADE_ASSIGN_OR_RETURN(c.tv, Upload(c.host_tv.data(), Bf16Bytes(c.host_tv.size()), ArenaKind::kStatic));
+      const size_t bytes = Bf16Bytes(size_t(c.t) * tok);
+      KVSHADE_ASSIGN_OR_RETURN(c.tk, Alloc(bytes, ArenaKind::kStatic));
+      KVSHADE_ASSIGN_OR_RETURN(c.tv, Alloc(bytes, ArenaKind::kStatic));
+      auto* tk = static_cast<kernels::bf16*>(c.tk.data());
+      auto* tv = static_cast<kernels::bf16*>(c.tv.data());
+      size_t at = 0;
+      for (const Part& part : parts) {
+        KVSHADE_RETURN_IF_ERROR(backend_->Copy(tk + at * tok, part.k, Bf16Bytes(part.rows * tok)));
+        KVSHADE_RETURN_IF_ERROR(backend_->Copy(tv + at * tok, part.v, Bf16Bytes(part.rows * tok)));
+        at += part.rows;
+      }
+      if (appended > 0) {
+        KVSHADE_RETURN_IF_ERROR(backend_->CopyFromHost(tk + at * tok, tl.k.data(), Bf16Bytes(tl.k.size())));
+        KVSHADE_RETURN_IF_ERROR(backend_->CopyFromHost(tv + at * tok, tl.v.data(), Bf16Bytes(tl.v.size())));
+      }
     }
     c.tail_version = s.tail_version;
+    c.host_tail_rows = false;
     rebuilt = true;
   }
-  // The uploads ran on the default stream; decode requests read the cache on their own.
+  // The copies ran on the default stream; decode requests read the cache on their own.
   if (rebuilt) KVSHADE_RETURN_IF_ERROR(backend_->Synchronize());
+  if (host_rows && !c.host_static_rows) {
+    c.host_k.assign(size_t(h) * c.s * row, kernels::bf16{});
+    c.host_v.assign(c.host_k.size(), kernels::bf16{});
+    if (c.s > 0) {
+      KVSHADE_RETURN_IF_ERROR(Download(c.host_k.data(), c.k.data(), Bf16Bytes(c.host_k.size())));
+      KVSHADE_RETURN_IF_ERROR(Download(c.host_v.data(), c.v.data(), Bf16Bytes(c.host_v.size())));
+    }
+    c.host_static_rows = true;
+  }
+  if (host_rows && !c.host_tail_rows) {
+    c.host_tk.assign(size_t(c.t) * tok, kernels::bf16{});
+    c.host_tv.assign(c.host_tk.size(), kernels::bf16{});
+    if (c.t > 0) {
+      KVSHADE_RETURN_IF_ERROR(Download(c.host_tk.data(), c.tk.data(), Bf16Bytes(c.host_tk.size())));
+      KVSHADE_RETURN_IF_ERROR(Download(c.host_tv.data(), c.tv.data(), Bf16Bytes(c.host_tv.size())));
+    }
+    c.host_tail_rows = true;
+  }
+  // Host copies of an earlier version are stale: their memory goes.
+  if (!c.host_static_rows) {
+    std::vector<kernels::bf16>().swap(c.host_k);
+    std::vector<kernels::bf16>().swap(c.host_v);
+  }
+  if (!c.host_tail_rows) {
+    std::vector<kernels::bf16>().swap(c.host_tk);
+    std::vector<kernels::bf16>().swap(c.host_tv);
+  }
   return &c;
 }
 
