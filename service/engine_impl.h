@@ -87,6 +87,7 @@ struct ExportGeneration {
   std::vector<std::shared_ptr<const Segment>> segments;
   std::vector<storage::SegmentPin> pins;
   std::vector<DeviceBlock> copies;
+  std::vector<std::shared_ptr<const DeviceBlock>> shared;  // the static-set and tail caches
 };
 
 struct AttachmentExports {
@@ -508,6 +509,10 @@ size_t Bf16Bytes(size_t elements);
 template <typename T>
 T* Ptr(const DeviceBlock& b) {
   return static_cast<T*>(b.data());
+}
+template <typename T>
+T* Ptr(const std::shared_ptr<const DeviceBlock>& b) {
+  return b ? static_cast<T*>(b->data()) : nullptr;
 }
 std::vector<int64_t> Positions(int64_t first, int64_t n);
 

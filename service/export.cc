@@ -9,8 +9,9 @@
 //     immutable once sealed; a refactorization swaps in new segments and leaves these),
 //   - a SegmentPin on each segment's values (pinned segments are never spilled or moved),
 //   - its own copies, in the arena, of what can still change in place: the open segment's
-//     chunks (its blocks grow and are reallocated as tokens are appended), the static set
-//     and the exact tail (rebuilt by GetCache when the session changes).
+//     chunks (its blocks grow and are reallocated as tokens are appended),
+//   - the static set and the exact tail: GetCache's blocks themselves (shared_ptr: a
+//     rebuild allocates new ones and never writes these in place).
 #include <algorithm>
 #include <cstring>
 
@@ -246,28 +247,22 @@ absl::StatusOr<v1::SessionExport> EngineImpl::ExportSession(const Tenant& t,
       }
       for (uint32_t n : selectable) L->add_selectable_per_head(n);
       if (k == 0) L->clear_segments();
-      // The static set and the exact tail, copied: GetCache rebuilds them in place.
+      // The static set and the exact tail: the cache's blocks, held by the generation.
       KVSHADE_ASSIGN_OR_RETURN(const StaticCache* c, GetCache(s, layer));
       L->set_static_rows(static_cast<uint32_t>(c->s));
       for (int32_t len : c->host_lengths) L->add_static_lengths_host(static_cast<uint32_t>(len));
       if (c->s > 0) {
-        const size_t sb = Bf16Bytes(size_t(h) * c->s * d);
-        const void* p;
-        KVSHADE_ASSIGN_OR_RETURN(p, CopyInto(*this, *gen, c->k.data(), sb));
-        KVSHADE_RETURN_IF_ERROR(regions.Ref(p, L->mutable_static_k()));
-        KVSHADE_ASSIGN_OR_RETURN(p, CopyInto(*this, *gen, c->v.data(), sb));
-        KVSHADE_RETURN_IF_ERROR(regions.Ref(p, L->mutable_static_v()));
-        KVSHADE_ASSIGN_OR_RETURN(p, CopyInto(*this, *gen, c->lengths.data(), size_t(h) * 4));
-        KVSHADE_RETURN_IF_ERROR(regions.Ref(p, L->mutable_static_lengths()));
+        for (const auto& b : {c->k, c->v, c->lengths}) gen->shared.push_back(b);
+        KVSHADE_RETURN_IF_ERROR(regions.Ref(c->k->data(), L->mutable_static_k()));
+        KVSHADE_RETURN_IF_ERROR(regions.Ref(c->v->data(), L->mutable_static_v()));
+        KVSHADE_RETURN_IF_ERROR(regions.Ref(c->lengths->data(), L->mutable_static_lengths()));
       }
       L->set_tail_tokens(static_cast<uint32_t>(c->t));
       if (c->t > 0) {
-        const size_t tb = Bf16Bytes(size_t(c->t) * h * d);
-        const void* p;
-        KVSHADE_ASSIGN_OR_RETURN(p, CopyInto(*this, *gen, c->tk.data(), tb));
-        KVSHADE_RETURN_IF_ERROR(regions.Ref(p, L->mutable_tail_k()));
-        KVSHADE_ASSIGN_OR_RETURN(p, CopyInto(*this, *gen, c->tv.data(), tb));
-        KVSHADE_RETURN_IF_ERROR(regions.Ref(p, L->mutable_tail_v()));
+        gen->shared.push_back(c->tk);
+        gen->shared.push_back(c->tv);
+        KVSHADE_RETURN_IF_ERROR(regions.Ref(c->tk->data(), L->mutable_tail_k()));
+        KVSHADE_RETURN_IF_ERROR(regions.Ref(c->tv->data(), L->mutable_tail_v()));
       }
     }
     if (s.open) gen->segments.push_back(s.open);

@@ -114,16 +114,16 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer, b
     const int sn = h > 0 ? *std::max_element(c.host_lengths.begin(), c.host_lengths.end()) : 0;
     c.s = sn;
     c.host_pos.assign(size_t(h) * sn, -1);
-    c.k = DeviceBlock();
-    c.v = DeviceBlock();
-    c.lengths = DeviceBlock();
+    c.k.reset();
+    c.v.reset();
+    c.lengths.reset();
     if (sn > 0) {
       const size_t bytes = Bf16Bytes(size_t(h) * sn * row);
-      KVSHADE_ASSIGN_OR_RETURN(c.k, Alloc(bytes, ArenaKind::kStatic));
-      KVSHADE_ASSIGN_OR_RETURN(c.v, Alloc(bytes, ArenaKind::kStatic));
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock kb, Alloc(bytes, ArenaKind::kStatic));
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock vb, Alloc(bytes, ArenaKind::kStatic));
       // Rows past a head's length are zeros, as the host copies show them.
-      KVSHADE_RETURN_IF_ERROR(backend_->Fill(c.k.data(), 0, bytes));
-      KVSHADE_RETURN_IF_ERROR(backend_->Fill(c.v.data(), 0, bytes));
+      KVSHADE_RETURN_IF_ERROR(backend_->Fill(kb.data(), 0, bytes));
+      KVSHADE_RETURN_IF_ERROR(backend_->Fill(vb.data(), 0, bytes));
       std::vector<int> at(h, 0);
       for (const Segment* seg : segs) {
         const LayerData& ld = seg->data(layer);
@@ -132,10 +132,10 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer, b
           const int n = ld.s_len[hh];
           if (n == 0) continue;
           const size_t src = size_t(hh) * ld.s_cap * row, dst = (size_t(hh) * sn + at[hh]) * row;
-          KVSHADE_RETURN_IF_ERROR(backend_->Copy(static_cast<kernels::bf16*>(c.k.data()) + dst,
+          KVSHADE_RETURN_IF_ERROR(backend_->Copy(static_cast<kernels::bf16*>(kb.data()) + dst,
                                                  static_cast<const kernels::bf16*>(ld.sk.data()) + src,
                                                  Bf16Bytes(size_t(n) * row)));
-          KVSHADE_RETURN_IF_ERROR(backend_->Copy(static_cast<kernels::bf16*>(c.v.data()) + dst,
+          KVSHADE_RETURN_IF_ERROR(backend_->Copy(static_cast<kernels::bf16*>(vb.data()) + dst,
                                                  static_cast<const kernels::bf16*>(ld.sv.data()) + src,
                                                  Bf16Bytes(size_t(n) * row)));
           const size_t prow = size_t(hh) * ld.s_cap;
@@ -145,7 +145,10 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer, b
           at[hh] += n;
         }
       }
-      KVSHADE_ASSIGN_OR_RETURN(c.lengths, Upload(c.host_lengths.data(), h * 4, ArenaKind::kStatic));
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock lb, Upload(c.host_lengths.data(), h * 4, ArenaKind::kStatic));
+      c.k = std::make_shared<const DeviceBlock>(std::move(kb));
+      c.v = std::make_shared<const DeviceBlock>(std::move(vb));
+      c.lengths = std::make_shared<const DeviceBlock>(std::move(lb));
     }
     c.static_version = s.static_version;
     c.host_static_rows = false;
@@ -183,14 +186,14 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer, b
       c.host_tail_pos.push_back(static_cast<int64_t>(s.tokens) - appended + i);
     }
     c.t = static_cast<int>(c.host_tail_pos.size());
-    c.tk = DeviceBlock();
-    c.tv = DeviceBlock();
+    c.tk.reset();
+    c.tv.reset();
     if (c.t > 0) {
       const size_t bytes = Bf16Bytes(size_t(c.t) * tok);
-      KVSHADE_ASSIGN_OR_RETURN(c.tk, Alloc(bytes, ArenaKind::kStatic));
-      KVSHADE_ASSIGN_OR_RETURN(c.tv, Alloc(bytes, ArenaKind::kStatic));
-      auto* tk = static_cast<kernels::bf16*>(c.tk.data());
-      auto* tv = static_cast<kernels::bf16*>(c.tv.data());
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock tkb, Alloc(bytes, ArenaKind::kStatic));
+      KVSHADE_ASSIGN_OR_RETURN(DeviceBlock tvb, Alloc(bytes, ArenaKind::kStatic));
+      auto* tk = static_cast<kernels::bf16*>(tkb.data());
+      auto* tv = static_cast<kernels::bf16*>(tvb.data());
       size_t at = 0;
       for (const Part& part : parts) {
         KVSHADE_RETURN_IF_ERROR(backend_->Copy(tk + at * tok, part.k, Bf16Bytes(part.rows * tok)));
@@ -201,6 +204,8 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer, b
         KVSHADE_RETURN_IF_ERROR(backend_->CopyFromHost(tk + at * tok, tl.k.data(), Bf16Bytes(tl.k.size())));
         KVSHADE_RETURN_IF_ERROR(backend_->CopyFromHost(tv + at * tok, tl.v.data(), Bf16Bytes(tl.v.size())));
       }
+      c.tk = std::make_shared<const DeviceBlock>(std::move(tkb));
+      c.tv = std::make_shared<const DeviceBlock>(std::move(tvb));
     }
     c.tail_version = s.tail_version;
     c.host_tail_rows = false;
@@ -212,8 +217,8 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer, b
     c.host_k.assign(size_t(h) * c.s * row, kernels::bf16{});
     c.host_v.assign(c.host_k.size(), kernels::bf16{});
     if (c.s > 0) {
-      KVSHADE_RETURN_IF_ERROR(Download(c.host_k.data(), c.k.data(), Bf16Bytes(c.host_k.size())));
-      KVSHADE_RETURN_IF_ERROR(Download(c.host_v.data(), c.v.data(), Bf16Bytes(c.host_v.size())));
+      KVSHADE_RETURN_IF_ERROR(Download(c.host_k.data(), c.k->data(), Bf16Bytes(c.host_k.size())));
+      KVSHADE_RETURN_IF_ERROR(Download(c.host_v.data(), c.v->data(), Bf16Bytes(c.host_v.size())));
     }
     c.host_static_rows = true;
   }
@@ -221,8 +226,8 @@ absl::StatusOr<const StaticCache*> EngineImpl::GetCache(Session& s, int layer, b
     c.host_tk.assign(size_t(c.t) * tok, kernels::bf16{});
     c.host_tv.assign(c.host_tk.size(), kernels::bf16{});
     if (c.t > 0) {
-      KVSHADE_RETURN_IF_ERROR(Download(c.host_tk.data(), c.tk.data(), Bf16Bytes(c.host_tk.size())));
-      KVSHADE_RETURN_IF_ERROR(Download(c.host_tv.data(), c.tv.data(), Bf16Bytes(c.host_tv.size())));
+      KVSHADE_RETURN_IF_ERROR(Download(c.host_tk.data(), c.tk->data(), Bf16Bytes(c.host_tk.size())));
+      KVSHADE_RETURN_IF_ERROR(Download(c.host_tv.data(), c.tv->data(), Bf16Bytes(c.host_tv.size())));
     }
     c.host_tail_rows = true;
   }

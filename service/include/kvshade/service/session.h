@@ -176,15 +176,17 @@ struct StaticCache {
   uint64_t tail_version = ~0ull;
   int s = 0;                   // static rows per head (max over heads)
   std::vector<int32_t> host_lengths;  // [h] valid rows per head
-  DeviceBlock k, v;            // [h, s, d] bf16
-  DeviceBlock lengths;         // [h] int32
+  // The rows in backend memory, shared with the export generations that name them: a
+  // rebuild allocates new blocks and never writes these in place.
+  std::shared_ptr<const DeviceBlock> k, v;  // [h, s, d] bf16 (null when s = 0)
+  std::shared_ptr<const DeviceBlock> lengths;  // [h] int32
   // Host copies of the rows for GetStaticSet, made when it asks (GetCache's host_rows):
   // current while host_static_rows / host_tail_rows hold.
   std::vector<kernels::bf16> host_k, host_v;
   bool host_static_rows = false;
   std::vector<int64_t> host_pos;               // [h, s] positions of the static rows (-1: none)
   int t = 0;                   // exact tokens (uncovered segment remainders + appended tail)
-  DeviceBlock tk, tv;          // [t, h, d] bf16
+  std::shared_ptr<const DeviceBlock> tk, tv;  // [t, h, d] bf16 (null when t = 0)
   std::vector<kernels::bf16> host_tk, host_tv;
   bool host_tail_rows = false;
   std::vector<int64_t> host_tail_pos;  // [t] positions of the tail rows
