@@ -99,7 +99,11 @@ class PreparedSequence {
 class LocalDecoder {
  public:
   // attachment_ids may be empty: sequences then Join later (the first one sets the model
-  // geometry, the profile's selection options and, for backend "auto", the backend).
+  // geometry, the profile's selection options and, for backend "auto", the backend). The
+  // first sequence is probed (one step of layer 0) so that a geometry the backend's kernels
+  // do not take fails here; once per process for a geometry and profile. With
+  // KVSHADE_DECODER_TRACE=1, Open, Prepare and Join print where their time went to stderr
+  // (docs/OPERATIONS.md "Worker-side trace").
   static absl::StatusOr<std::unique_ptr<LocalDecoder>> Open(
       Client* client, const std::vector<std::string>& attachment_ids,
       const LocalDecoderOptions& options = {});
