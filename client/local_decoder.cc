@@ -29,7 +29,7 @@ namespace {
 
 using kernels::bf16;
 
-// KVSHADE_DECODER_TRACE=1 (docs/OPERATIONS.md "Diagnostics"): Open, Prepare and Join print
+// KVSHADE_DECODER_TRACE=1 (docs/OPERATIONS.md "Worker-side trace"): Open, Prepare and Join print
 // one line each to stderr with where their time went: the daemon's export call, mapping
 // the exported regions (how many were imported and their bytes), the slot memory, adding
 // to the batch and the first step's probe. A trace belongs to the thread that opened it;
