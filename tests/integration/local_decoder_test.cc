@@ -35,6 +35,19 @@ struct Fixture {
   synthetic::Document doc{SmallDoc(1024)};
 };
 
+// A session of `doc` (its question `question`; -1: the document alone) created, ingested
+// with `profile` and attached as a reader: the attachment's id.
+absl::StatusOr<std::string> IngestAndAttach(client::Client& c, const synthetic::Document& doc,
+                                            const v1::Profile& profile, int question) {
+  absl::StatusOr<v1::CreateSessionResponse> cs = CreateAndIngest(c, doc, profile, question);
+  if (!cs.ok()) return cs.status();
+  v1::AttachRequest ar;
+  ar.set_session_id(cs->session_id());
+  absl::StatusOr<v1::AttachResponse> att = c.Attach(ar);
+  if (!att.ok()) return att.status();
+  return att->attachment_id();
+}
+
 // Appends token `pos` of `question` to the session, then reads back its post-RoPE K and V
 // for every layer from the daemon's exact tail (GetStaticSet): [L][h*d] each.
 void AppendAndReadNew(client::Client& c, const synthetic::Document& doc, const std::string& session,
@@ -185,12 +198,8 @@ TEST(LocalDecoder, TraceNamesWhereOpenPrepareAndJoinSpendTheirTime) {
   const v1::Profile profile = ShadowProfile(16, 8, 4);
   std::vector<std::string> ids;
   for (uint64_t seed = 61; seed < 63; ++seed) {
-    const synthetic::Document doc(SmallDoc(1024, seed));
-    KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, doc, profile, 0));
-    v1::AttachRequest ar;
-    ar.set_session_id(cs.session_id());
-    KV_ASSERT_OK_AND_ASSIGN(att, f.c->Attach(ar));
-    ids.push_back(att.attachment_id());
+    KV_ASSERT_OK_AND_ASSIGN(id, IngestAndAttach(*f.c, synthetic::Document(SmallDoc(1024, seed)), profile, 0));
+    ids.push_back(id);
   }
   client::LocalDecoderOptions opt;
   opt.backend = "cpu";
@@ -294,11 +303,8 @@ TEST(LocalDecoder, BatchEqualsEachSequenceAlone) {
   v1::Profile profile = ShadowProfile(16, 8, 4);
   std::vector<std::string> atts;
   for (int q = 0; q < 2; ++q) {
-    KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*f.c, f.doc, profile, q));
-    v1::AttachRequest ar;
-    ar.set_session_id(cs.session_id());
-    KV_ASSERT_OK_AND_ASSIGN(att, f.c->Attach(ar));
-    atts.push_back(att.attachment_id());
+    KV_ASSERT_OK_AND_ASSIGN(id, IngestAndAttach(*f.c, f.doc, profile, q));
+    atts.push_back(id);
   }
   client::LocalDecoderOptions opt;
   opt.backend = "cpu";
