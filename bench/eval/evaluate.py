@@ -406,6 +406,7 @@ def profile_fields(profile_cls=None):
 
 
 HARNESS_FIELDS = ("kind", "sparse_budget")   # set by the harness for every shadow config
+MINI_HARNESS_FIELDS = ("kind", "mini_recent_ratio", "mini_heavy_ratio")   # ... and every mini config
 
 
 def option_value(text):
@@ -423,23 +424,24 @@ def option_value(text):
     return text
 
 
-def parse_shadow_option(spec, fields):
+def parse_shadow_option(spec, fields, flag="--shadow-option", harness=HARNESS_FIELDS):
     """'NAME:field=value,...' -> (NAME, {field: value}); fields: kvshade.Profile's names
-    (profile_fields()). kind and sparse_budget are the harness's (the budget is swept)."""
+    (profile_fields()). kind and sparse_budget are the harness's (the budget is swept); for
+    --mini-option, kind and the two mini ratios."""
     name, sep, kv = spec.partition(":")
     if not name or not sep:
-        raise SystemExit("--shadow-option %r: expected NAME:field=value,..." % spec)
+        raise SystemExit("%s %r: expected NAME:field=value,..." % (flag, spec))
     extra = {}
     for item in filter(None, kv.split(",")):
         key, eq, val = item.partition("=")
         key = key.strip()
         if not eq:
-            raise SystemExit("--shadow-option %s: %r is not field=value" % (spec, item))
-        if key in HARNESS_FIELDS:
-            raise SystemExit("--shadow-option %s: %s is set by the harness (--budgets)" % (spec, key))
+            raise SystemExit("%s %s: %r is not field=value" % (flag, spec, item))
+        if key in harness:
+            raise SystemExit("%s %s: %s is set by the harness (--budgets)" % (flag, spec, key))
         if key not in fields:
-            raise SystemExit("--shadow-option %s: kvshade.Profile has no field %r (fields: %s)" %
-                             (spec, key, ", ".join(sorted(fields))))
+            raise SystemExit("%s %s: kvshade.Profile has no field %r (fields: %s)" %
+                             (flag, spec, key, ", ".join(sorted(fields))))
         extra[key] = option_value(val)
     return name, extra
 
@@ -481,8 +483,12 @@ def build_configs(a, n_chunks, n_tokens):
                     for b in budgets]
     if "mini" in want:
         recent = max(a.local_window / float(n_tokens), 1e-4)
-        out += [("mini", "mini", b, None, "bf16", dict(kind="mini", mini_recent_ratio=recent,
-                                                       mini_heavy_ratio=b / 100.0)) for b in budgets]
+        minis = [("bf16", {})] + [parse_shadow_option(spec, fields, "--mini-option", MINI_HARNESS_FIELDS)
+                                  for spec in a.mini_option]
+        for opt, kw in minis:
+            out += [("mini", "mini", b, None, opt, dict(dict(kind="mini", mini_recent_ratio=recent,
+                                                             mini_heavy_ratio=b / 100.0), **kw))
+                    for b in budgets]
     return out
 
 
@@ -696,6 +702,9 @@ def main(argv=None):
                     help="NAME:field=value,... another shadow variant (any field of kvshade.Profile but kind and "
                          "sparse_budget; values int, float, true/false, none or a string), at every budget, e.g. "
                          "rerank8:rerank_factor=8, guard:recall_sample_rate=0.25,recall_floor=0.8,recall_action=widen")
+    ap.add_argument("--mini-option", action="append", default=[],
+                    help="NAME:field=value,... another mini variant (any field of kvshade.Profile but kind, "
+                         "mini_recent_ratio and mini_heavy_ratio), at every budget, e.g. g32:kivi_group=32")
     ap.add_argument("--no-auto-options", dest="auto_options", action="store_false",
                     help="do not add the shadow variants kvshade.Profile offers (rerank_factor 4: two-stage "
                          "selection; mass_top_p 0.9 with mass_min_chunks 4: budgets by attention mass)")
