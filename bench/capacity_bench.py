@@ -237,7 +237,7 @@ def kvshade_rows(c, model, n, steps, max_batch, time_limit_s, budget, kivi_group
     from kvshade.integrations.hf_cache import model_spec_from_config, _text_config, find_rotary_embedding
     hf_cache.enable(model)
     spec = model_spec_from_config(_text_config(model.config), "bench/capacity-%d" % n, find_rotary_embedding(model))
-    # value_codec: the server default (auto); kivi_group 0: the server default (16)
+    # value_codec: the server default (auto); kivi_group 0: the server default (32)
     profile = kvshade.Profile("shadow", sparse_budget=budget, kivi_group=kivi_group)
     cache = serving.BatchCache(c, model, model_id=spec.model_id, local_capacity=64)
     sessions, ingest_s, why = [], [], "max_batch"

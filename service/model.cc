@@ -285,6 +285,11 @@ absl::StatusOr<ProfileInfo> ResolveProfile(const v1::Profile& p, const ProfileDe
   o.heavy_chunks = static_cast<int>(p.has_heavy_chunks() ? p.heavy_chunks() : def.heavy_chunks);
   o.min_tokens = static_cast<int>(p.has_min_tokens() ? p.min_tokens() : def.min_tokens);
   o.kivi_group = pick(p.kivi_group(), def.kivi_group);
+  if (p.kivi_group() == 0) {
+    // The server's group, halved down to 16 until it divides the head dim (80 -> 16); a
+    // group asked for is taken as it is and checked by the profile.
+    while (o.kivi_group > 16 && model.shape.d > 0 && model.shape.d % o.kivi_group != 0) o.kivi_group /= 2;
+  }
   for (auto [name, v] : {std::pair{"refactor_threshold", p.refactor_threshold()},
                          {"energy_target", p.energy_target()},
                          {"mini_recent_ratio", p.mini_recent_ratio()},

@@ -81,7 +81,7 @@ TEST(AppendTest, ExactAndMiniAppend) {
   const std::vector<bf16> tk = TensorBf16(st->tail_k()), tv = TensorBf16(st->tail_v());
   const std::vector<float> kr = PostRope(s, 0);
   const size_t tok = size_t(kH) * kD;
-  constexpr int kGroup = 16;  // the KIVI group (ProfileOf leaves kivi_group at its default)
+  constexpr int kGroup = 16;  // the KIVI group of a mini profile that names none
   // The INT2 rows' error bound, from the codec (docs/ALGORITHM.md "INT2 / INT4 codec"): a
   // group of G values with range [lo, hi] stores lo and scale = (hi - lo) / 3 in fp16 and
   // 2-bit codes rounded to nearest, so a decoded element is within scale/2 of its input;

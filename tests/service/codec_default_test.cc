@@ -63,6 +63,49 @@ TEST(CodecDefault, ExplicitChoicesWin) {
   EXPECT_EQ(Resolve(p, low, 1000), kernels::ValueCodec::kINT4);
 }
 
+// The KIVI group: the server's (32) where it divides the head dim, halved down to 16 until
+// it does; the mini profile's at most 16 (INT2 keys and values); a group asked for is taken
+// as it is (and refused by the profile if it does not fit).
+TEST(KiviGroupDefault, TheServersGroupHalvedUntilItDividesTheHeadDim) {
+  ProfileDefaults def;
+  ASSERT_EQ(def.kivi_group, 32u);
+  auto group = [&](int head_dim, uint32_t asked, v1::ProfileKind kind) -> absl::StatusOr<int> {
+    v1::ModelSpec m = Llama8bShape();
+    m.set_head_dim(head_dim);
+    auto model = ResolveModel(m, LimitsConfig());
+    if (!model.ok()) return model.status();
+    v1::Profile p;
+    p.set_kind(kind);
+    if (kind == v1::PROFILE_KIND_SHADOW) p.set_value_codec(v1::VALUE_CODEC_INT4);
+    if (asked != 0) p.set_kivi_group(asked);
+    auto r = ResolveProfile(p, def, *model, 131072);
+    if (!r.ok()) return r.status();
+    return r->kivi_group;
+  };
+  for (v1::ProfileKind kind : {v1::PROFILE_KIND_SHADOW, v1::PROFILE_KIND_MINI}) {
+    SCOPED_TRACE(v1::ProfileKind_Name(kind));
+    const int unset = kind == v1::PROFILE_KIND_MINI ? 16 : 32;
+    EXPECT_EQ(group(128, 0, kind).value_or(-1), unset);
+    EXPECT_EQ(group(64, 0, kind).value_or(-1), unset);
+    EXPECT_EQ(group(96, 0, kind).value_or(-1), unset);
+    EXPECT_EQ(group(80, 0, kind).value_or(-1), 16);  // 80 = 5 x 16
+    EXPECT_EQ(group(48, 0, kind).value_or(-1), 16);
+    EXPECT_EQ(group(128, 16, kind).value_or(-1), 16);  // asked for: kept
+    EXPECT_EQ(group(128, 64, kind).value_or(-1), 64);
+    auto bad = group(80, 32, kind);  // asked for and not dividing d: refused, not changed
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument) << bad.status();
+  }
+  ProfileDefaults g16;  // a server configured with 16 keeps 16
+  g16.kivi_group = 16;
+  v1::Profile p;
+  p.set_kind(v1::PROFILE_KIND_SHADOW);
+  auto model = ResolveModel(Llama8bShape(), LimitsConfig());
+  ASSERT_TRUE(model.ok()) << model.status();
+  auto r = ResolveProfile(p, g16, *model, 131072);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->kivi_group, 16);
+}
+
 TEST(ProfilePresence, ZeroIsAValueWhereItMeansSomethingAndUnsetIsTheDefault) {
   ProfileDefaults def;
   auto model = ResolveModel(Llama8bShape(), LimitsConfig());

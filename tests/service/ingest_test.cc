@@ -327,7 +327,7 @@ double L2Dist(const std::vector<float>& a, const std::vector<double>& b) {
 
 TEST(IngestTest, MiniKeepsRecentWindowAndHeavyHittersInt2) {
   Harness hx;
-  const int n = 200, G = 16, d = 64;
+  const int n = 200, G = 16, d = 64;  // G: the KIVI group of a mini profile that names none
   Stream s = MakeStream(n, hx.model, 4);
   // Values that differ mostly between tokens and between groups of G channels (a per
   // (token, group) level plus 0.1 noise): INT2's error, 1/6 of a group's range, is then

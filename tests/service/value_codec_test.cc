@@ -55,6 +55,9 @@ TEST(ValueCodecService, SelectedValuesWithinTheCodecsBoundAndHostBytesShrink) {
   Harness hx;
   const Stream s = MakeStream(kN, hx.model, 41);
   const int L = hx.model.num_layers(), h = hx.model.num_kv_heads(), d = hx.model.head_dim();
+  // The profiles leave kivi_group unset: the server's default group, which divides d here.
+  const int G = int(ProfileDefaults().kivi_group);
+  ASSERT_EQ(d % G, 0);
   // Per codec: the values every select delta carried, by (layer, head, chunk).
   std::map<ValueCodec, std::map<ChunkKey, std::vector<float>>> got;
   std::map<ValueCodec, uint64_t> host_bytes;
@@ -92,7 +95,7 @@ TEST(ValueCodecService, SelectedValuesWithinTheCodecsBoundAndHostBytesShrink) {
       const std::vector<float> want = ExactChunk(s, l, hh, chunk);
       for (const CodecCase& bound : kCodecs) {
         double& w = worst[data.codec][bound.codec];
-        w = std::max(w, WorstRatio(v, want, ValueChunkBounds(bound.codec, want, kC, d)));
+        w = std::max(w, WorstRatio(v, want, ValueChunkBounds(bound.codec, want, kC, d, G)));
       }
     }
   }
@@ -122,14 +125,17 @@ TEST(ValueCodecService, SelectedValuesWithinTheCodecsBoundAndHostBytesShrink) {
 
   // Host bytes (docs/ALGORITHM.md "Values"): every chunk of every head and layer, C*d values,
   // in slots of the codec's chunk bytes rounded up to 16: bf16 2 bytes a value; fp8 1 byte
-  // plus a 4-byte scale; int4 at G = 16 12 bytes per 16 values (3/8 of bf16); int2 8 bytes
-  // per 16 (1/4 of bf16).
+  // plus a 4-byte scale; int4 and int2 their codes plus an fp16 scale and minimum per group
+  // of G values (at G = 32: 5/16 and 3/16 of bf16; at 16: 3/8 and 1/4).
   const uint64_t chunks = uint64_t(L) * h * kChunks;
   const uint64_t bf16_bytes = chunks * kC * d * 2;
+  auto kivi = [&](int bits) { return chunks * ((kC * d * bits / 8 + kC * (d / G) * 4 + 15) / 16 * 16); };
   EXPECT_EQ(host_bytes[ValueCodec::kBF16], bf16_bytes);
   EXPECT_EQ(host_bytes[ValueCodec::kFP8], chunks * ((4 + kC * d + 15) / 16 * 16));
-  EXPECT_EQ(host_bytes[ValueCodec::kINT4], bf16_bytes * 3 / 8);
-  EXPECT_EQ(host_bytes[ValueCodec::kINT2], bf16_bytes / 4);
+  EXPECT_EQ(host_bytes[ValueCodec::kINT4], kivi(4));
+  EXPECT_EQ(host_bytes[ValueCodec::kINT2], kivi(2));
+  EXPECT_LE(host_bytes[ValueCodec::kINT4], bf16_bytes * 3 / 8);
+  EXPECT_LT(host_bytes[ValueCodec::kINT2], host_bytes[ValueCodec::kINT4]);
 }
 
 }  // namespace

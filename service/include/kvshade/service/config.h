@@ -62,9 +62,12 @@ struct LimitsConfig {
 // Server-side defaults for every Profile field a request leaves at zero.
 struct ProfileDefaults {
   uint32_t rank = 160, chunk_size = 8, sparse_budget = 256, outliers = 48, local_window = 32,
-           heavy_chunks = 0, min_tokens = 8192, kivi_group = 16;
+           heavy_chunks = 0, min_tokens = 8192, kivi_group = 32;
+  // kivi_group: KIVI's own group size. A request that leaves it at 0 gets it where it
+  // divides the model's head dim, else the largest power of two below it that does, down
+  // to 16 (ResolveProfile): head dims of 80 or 48 get 16; a mini request at most 16.
   // value_codec "auto": int4 for shadow sessions whose prompt has at least this many
-  // tokens (host RAM per 128K Llama-3-8B sequence: 3 GiB instead of 8 GiB), bf16 below.
+  // tokens (host RAM per 128K Llama-3-8B sequence: 2.5 GiB instead of 8 GiB), bf16 below.
   uint32_t int4_from_tokens = 32768;
   // Shadow factorization: 0 = full eigendecomposition of the key Gram matrix; q > 0 = the
   // top rank eigenpairs by q steps of subspace iteration (docs/ALGORITHM.md).

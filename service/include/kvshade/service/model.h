@@ -58,7 +58,7 @@ struct ProfileInfo {
   float energy_target = 0;
   float mini_recent_ratio = 0.1f;
   float mini_heavy_ratio = 0.1f;
-  int kivi_group = 16;
+  int kivi_group = 32;
   // Key signatures of the chunked tokens (shadow; 2, 4 or 8 bits, 0 = none): stored with the
   // segments (part of the fingerprint when on), read by two-stage selection.
   int key_signature_bits = 0;
