@@ -23,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include "kvshade/base/stats.h"
+
 extern char** environ;
 
 namespace kvshade::bench {
@@ -86,12 +88,7 @@ inline std::optional<SpawnedServer> SpawnServer(const std::string& binary,
 }
 
 // The p-quantile (0 <= p <= 1) of `v`, linearly interpolated between order statistics.
-inline double Percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  const double idx = p * (v.size() - 1);
-  const size_t lo = static_cast<size_t>(idx), hi = std::min(lo + 1, v.size() - 1);
-  return v[lo] + (v[hi] - v[lo]) * (idx - lo);
-}
+using base::Percentile;
 
 // Stops the server with SIGTERM (a graceful drain), waits for it, and removes its
 // temporary directory. Returns the child's wait status.

@@ -15,6 +15,7 @@
 #include <set>
 
 #include "absl/strings/str_format.h"
+#include "kvshade/base/stats.h"
 #include "kvshade/client/tensor.h"
 #include "synthetic.h"
 #include "ucx_probe.h"
@@ -23,6 +24,7 @@ namespace kvshade::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using base::Percentile;
 using synthetic::FormatBytes;
 double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
@@ -31,14 +33,6 @@ double Since(Clock::time_point t) { return std::chrono::duration<double>(Clock::
 // demo (exit 4); without either flag the demo uses UCX when the daemon offers it and
 // reports the transport it used.
 bool ucx_required = false;
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const double idx = p * (v.size() - 1);
-  const size_t lo = static_cast<size_t>(std::floor(idx)), hi = static_cast<size_t>(std::ceil(idx));
-  return v[lo] + (v[hi] - v[lo]) * (idx - lo);
-}
 
 // A one-line progress bar on stderr when it is a terminal; silent otherwise (the phase
 // summaries on stdout are the record).

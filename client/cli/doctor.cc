@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "kvshade/base/stats.h"
 #include "kvshade/client/tensor.h"
 #include "kvshade/client/ucx_data_plane.h"
 #include "kvshade/transport/ucx_core.h"
@@ -31,6 +32,7 @@ namespace kvshade::cli {
 namespace {
 
 namespace ucx = kvshade::transport::ucx;
+using base::Percentile;
 using synthetic::FormatBytes;
 using Clock = std::chrono::steady_clock;
 
@@ -46,12 +48,6 @@ struct Report {
   void Info(const std::string& s) { std::printf("        %s\n", s.c_str()); }
   void Section(const char* name) { std::printf("[%s]\n", name); }
 };
-
-double Percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[static_cast<size_t>(p * (v.size() - 1) + 0.5)];
-}
 
 // --- UCX ------------------------------------------------------------------------------
 

@@ -838,7 +838,9 @@ TEST(LocalDecoder, DescriptorsComeFromTheDaemonsBrokerOrProc) {
     KV_ASSERT_OK(server.Start({"--backend", "cpu", "-c", cfg}));
     struct stat st;
     ASSERT_EQ(lstat(sock.c_str(), &st) == 0, broker);
-    if (broker) EXPECT_EQ(st.st_mode & 0777, 0600u);
+    if (broker) {
+      EXPECT_EQ(st.st_mode & 0777, 0600u);
+    }
     auto c = server.Connect();
     synthetic::Document doc(SmallDoc(1024));
     KV_ASSERT_OK_AND_ASSIGN(cs, CreateAndIngest(*c, doc, ShadowProfile(16, 8, 4), 0));
