@@ -13,7 +13,7 @@ JOBS ?= $(shell nproc)
 # ctest runs twice as many tests as there are cores: most tests spend their time waiting on
 # a daemon, a socket or a timer (on 2 cores the main tree's tests kept 0.9 cores busy at
 # -j 2, 339 s, and finished in 190 s at -j 4; bench/RESULTS.md "make test"). The sanitizer
-# runs start first and take one slot each (tests/hardening/CMakeLists.txt).
+# runs take two slots each (PROCESSORS 2, tests/hardening/CMakeLists.txt).
 TEST_JOBS ?= $(shell echo $$((2 * $(JOBS))))
 CMAKE_FLAGS ?=
 
