@@ -65,6 +65,13 @@ uint32_t TenantAdmission::calls(std::string_view tenant) const {
   return it == held_.end() ? 0 : it->second.calls;
 }
 
+uint32_t TenantAdmission::calls() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint32_t n = 0;
+  for (const auto& [tenant, held] : held_) n += held.calls;
+  return n;
+}
+
 uint32_t TenantAdmission::streams(std::string_view tenant) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = held_.find(tenant);

@@ -52,6 +52,8 @@ class TenantAdmission {
   // What `tenant` holds now.
   uint32_t calls(std::string_view tenant) const;
   uint32_t streams(std::string_view tenant) const;
+  // Calls in flight over every tenant, both transports.
+  uint32_t calls() const;
 
  private:
   struct Held {

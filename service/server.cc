@@ -307,16 +307,23 @@ absl::Status Server::Shutdown(absl::Duration grace) {
   }
   const absl::Time t2 = absl::Now();
   // 4. Stop: calls still in flight get what is left of the grace (at least 1 s), then are
-  // cancelled. gRPC also waits for connected clients to acknowledge its GOAWAY; an idle
-  // client that nothing polls adds a few seconds here (bounded by gRPC, not by `grace`).
-  const absl::Duration left = std::max(end - absl::Now(), absl::Seconds(1));
+  // cancelled. With none in flight the stop is not held to the grace: gRPC's own stop also
+  // waits for every connected client to acknowledge its GOAWAY, which an idle client (one
+  // that holds a channel but makes no call) does only once the deadline closes its
+  // connection, so a daemon with idle clients took its whole grace to exit. A call that
+  // gRPC accepted in this very instant, before it was admitted, still gets kStopSlack.
+  constexpr absl::Duration kStopSlack = absl::Milliseconds(200);
+  const uint32_t calls = admission_ ? admission_->calls() : 0;
+  const absl::Duration left =
+      calls > 0 ? std::max(end - absl::Now(), absl::Seconds(1)) : kStopSlack;
   server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(left));
   server_->Wait();
   if (ucx_) ucx_->Stop();  // data-plane requests in flight finish; new ones are dropped
   exposer_.reset();
-  spdlog::info("kvshade-server stopped (drain {}, reads served {}{}, gRPC stop {})",
+  spdlog::info("kvshade-server stopped (drain {}, reads served {}{}, gRPC stop {}, {} calls in flight)",
                absl::FormatDuration(t1 - t0), absl::FormatDuration(t2 - t1),
-               attachments > 0 ? " until the grace ended" : "", absl::FormatDuration(absl::Now() - t2));
+               attachments > 0 ? " until the grace ended" : "", absl::FormatDuration(absl::Now() - t2),
+               calls);
   return drained;
 }
 

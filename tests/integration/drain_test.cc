@@ -109,6 +109,23 @@ TEST(Drain, EndsOnceNoAttachmentIsLive) {
   EXPECT_LT(Clock::now() - t0, std::chrono::seconds(60));  // not the 120 s grace
 }
 
+// Idle clients (connected, no call in flight) do not hold the stop: gRPC's own stop waits for
+// each of them to acknowledge its GOAWAY, which they do only seconds later (or at the
+// grace's end), so the daemon stops its gRPC server at once when no call is in flight.
+TEST(Drain, IdleClientsDoNotHoldTheStop) {
+  ServerProcess server;
+  KV_ASSERT_OK(server.Start({"--grace", "30"}));
+  // A client that created and ingested a session, then went idle (no call in flight).
+  auto c = server.Connect();
+  ASSERT_NE(c, nullptr);
+  const synthetic::Document doc(SmallDoc(512));
+  KV_ASSERT_OK(CreateAndIngest(*c, doc, ShadowProfile(), -1).status());
+  const auto t0 = Clock::now();
+  EXPECT_EQ(server.Stop(absl::Seconds(40)), 0) << server.log();
+  EXPECT_LT(Clock::now() - t0, std::chrono::seconds(3)) << server.log();
+  EXPECT_TRUE(absl::StrContains(server.log(), "0 calls in flight")) << server.log();
+}
+
 }  // namespace
 }  // namespace drain_test
 }  // namespace kvshade::integration

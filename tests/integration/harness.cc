@@ -118,13 +118,24 @@ absl::Status ServerProcess::StartOnce(const std::vector<std::string>& given,
     args.push_back("cpu");
   }
   if (!has("--grace")) {
-    // A SIGTERM serves reads while attachments are live, up to the grace: keep stops short.
+    // A SIGTERM serves reads while attachments are live, up to the grace: keep stops short
+    // (a test of the drain gives its own).
     args.push_back("--grace");
-    args.push_back("2");
+    args.push_back("0.5");
   }
-  args_ = args;
   if (!log_dir_) log_dir_ = std::make_unique<TempDir>();
   log_path_ = log_dir_->path() + "/server.log";
+  // The port file is written once the server listens: the health poll waits for it, since a
+  // gRPC channel whose first connect is refused backs off for a second before its next.
+  std::string port_file = log_dir_->path() + "/port";
+  if (auto it = std::find(args.begin(), args.end(), "--port-file"); it != args.end() && it + 1 != args.end()) {
+    port_file = *(it + 1);
+  } else {
+    args.push_back("--port-file");
+    args.push_back(port_file);
+  }
+  unlink(port_file.c_str());
+  args_ = args;
 
   // Passive OpenMP waiting: tests share 2 cores with other work, where spinning OpenMP
   // barriers make the CPU backend many times slower (see deploy/README.md).
@@ -159,11 +170,15 @@ absl::Status ServerProcess::StartOnce(const std::vector<std::string>& given,
       return absl::UnavailableError(absl::StrCat("kvshade-server exited during start-up (status ", status,
                                                  "); log:\n", log()));
     }
-    auto h = (*c)->CheckHealth();
-    if (h.ok() && *h == client::HealthStatus::kServing) return absl::OkStatus();
-    seen = h.ok() ? std::string(client::HealthStatusName(*h)) : h.status().ToString();
+    if (access(port_file.c_str(), F_OK) == 0) {
+      auto h = (*c)->CheckHealth();
+      if (h.ok() && *h == client::HealthStatus::kServing) return absl::OkStatus();
+      seen = h.ok() ? std::string(client::HealthStatusName(*h)) : h.status().ToString();
+    } else {
+      seen = "not listening yet (no --port-file)";
+    }
     std::this_thread::sleep_for(absl::ToChronoMilliseconds(std::min(backoff, end - absl::Now())));
-    backoff = std::min(backoff * 2, absl::Milliseconds(100));
+    backoff = std::min(backoff * 2, absl::Milliseconds(25));
   }
   Kill9();
   return absl::DeadlineExceededError(absl::StrCat("kvshade-server not SERVING within ", absl::FormatDuration(ready),

@@ -43,9 +43,10 @@ class ServerProcess {
   ServerProcess() = default;
   ~ServerProcess();  // SIGKILL if still running
 
-  // Starts kvshade-server with `args` plus --listen 127.0.0.1:<free port>,
-  // --metrics-port <free port> and --grace 2 (unless given), waits up to `ready` for SERVING. Extra
-  // client options (TLS, token) are used for the health poll.
+  // Starts kvshade-server with `args` plus --listen 127.0.0.1:<free port>, and unless given
+  // --metrics-port <free port>, --grace 0.5 and --port-file (in the log's directory); waits up
+  // to `ready` for the port file, then for SERVING. Extra client options (TLS, token) are
+  // used for the health poll.
   absl::Status Start(std::vector<std::string> args,
                      const client::ClientOptions& health_options = {},
                      absl::Duration ready = absl::Seconds(30));

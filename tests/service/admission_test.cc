@@ -110,6 +110,24 @@ TEST(TenantAdmission, OneCountWhicheverTransportAsks) {
   EXPECT_TRUE(a.Admit("Ingest", "alpha", true).ok());
 }
 
+// calls() is every tenant's calls in flight together (what a shutdown waits for); a refused
+// call holds nothing.
+TEST(TenantAdmission, CallsCountsEveryTenantsCallsInFlight) {
+  TenantAdmission a(/*max_calls=*/2, /*max_streams=*/0);
+  EXPECT_EQ(a.calls(), 0u);
+  auto a1 = a.Admit("Ingest", "alpha", true);
+  auto a2 = a.Admit("GetSession", "alpha", false);
+  auto b1 = a.Admit("ucx SelectAndReconstruct", "beta", false);
+  ASSERT_TRUE(a1.ok() && a2.ok() && b1.ok());
+  EXPECT_FALSE(a.Admit("GetSession", "alpha", false).ok());
+  EXPECT_EQ(a.calls(), 3u);
+  a2->Reset();
+  EXPECT_EQ(a.calls(), 2u);
+  a1->Reset();
+  b1->Reset();
+  EXPECT_EQ(a.calls(), 0u);
+}
+
 // --- StreamPace -----------------------------------------------------------------------------
 
 TEST(StreamPace, IdleTimeoutCountsOneWaitAndNamesTheLimit) {
