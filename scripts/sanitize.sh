@@ -53,6 +53,9 @@ case "$cmd" in
     # UCX's memory-event hooks (libucm) intercept madvise and mmap; under TSan they crash
     # in thread teardown, and sanitizers track memory themselves: off.
     export UCX_MEM_EVENTS=no
+    # Passive OpenMP waiting (unless set): under ctest other tests share the cores, which
+    # spinning OpenMP threads take from them (tests/CMakeLists.txt, kvshade_add_test).
+    export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-passive}"
     # OpenMP (libgomp) and OpenBLAS threads synchronize in uninstrumented code (barriers),
     # so TSan would report their hand-offs as races: one thread each under TSan (our own
     # threads are what it checks).
