@@ -4,9 +4,12 @@
 // acknowledged durable segment (they are flushed into table files before they are
 // acknowledged), and whatever the WAL reader drops is reported, never silent; a segment is
 // either intact or absent, never wrong.
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
+#include <thread>
 
 #include "gtest/gtest.h"
 #include "kernels/test_util.h"
@@ -58,17 +61,38 @@ absl::Status Check(SpillTier& tier, const Seg& s) {
   return absl::OkStatus();
 }
 
-// A crash image of a live database: RocksDB may delete an obsolete file meanwhile, which
-// the image then simply lacks (as a kill -9 during the deletion could leave it).
-void CopyDir(const std::string& from, const std::string& to) {
-  fs::create_directories(to);
+// A crash image of a live database: what a kill -9 would leave on disk. A plain copy of the
+// directory is not always one: a background flush or compaction that writes a table file
+// and records it in the MANIFEST while the copy runs can leave the copied MANIFEST naming a
+// file the copy lacks, which no crash produces (a file is on disk before the MANIFEST names
+// it). So the copy is taken again until the directory (names and sizes) did not change
+// while it was copied.
+std::map<std::string, uintmax_t> Listing(const std::string& dir) {
+  std::map<std::string, uintmax_t> out;
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(from, ec)) {
-    std::error_code copy_ec;
-    fs::copy_file(e.path(), fs::path(to) / e.path().filename(), copy_ec);
-    ASSERT_TRUE(!copy_ec || !fs::exists(e.path())) << e.path() << ": " << copy_ec.message();
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    std::error_code size_ec;
+    const uintmax_t size = fs::file_size(e.path(), size_ec);
+    out[e.path().filename().string()] = size_ec ? uintmax_t(-1) : size;
   }
-  ASSERT_FALSE(ec) << ec.message();
+  return out;
+}
+
+void CopyDir(const std::string& from, const std::string& to) {
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    fs::remove_all(to);
+    fs::create_directories(to);
+    const auto before = Listing(from);
+    bool copied = true;
+    for (const auto& [name, size] : before) {
+      std::error_code ec;
+      fs::copy_file(fs::path(from) / name, fs::path(to) / name, ec);
+      copied = copied && !ec;
+    }
+    if (copied && Listing(from) == before) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  FAIL() << from << " kept changing: no consistent copy in 200 attempts";
 }
 
 std::vector<fs::path> WalFiles(const std::string& dir) {
