@@ -309,9 +309,10 @@ absl::Status Server::Shutdown(absl::Duration grace) {
   // 4. Stop: calls still in flight get what is left of the grace (at least 1 s), then are
   // cancelled. With none in flight the stop is not held to the grace: gRPC's own stop also
   // waits for every connected client to acknowledge its GOAWAY, which an idle client (one
-  // that holds a channel but makes no call) does only once the deadline closes its
-  // connection, so a daemon with idle clients took its whole grace to exit. A call that
-  // gRPC accepted in this very instant, before it was admitted, still gets kStopSlack.
+  // that holds a channel but makes no call) does only when its channel is next polled,
+  // seconds later, or once the deadline closes its connection: a daemon with idle clients
+  // took up to its whole grace to exit. A call that gRPC accepted in this very instant,
+  // before it was admitted, still gets kStopSlack.
   constexpr absl::Duration kStopSlack = absl::Milliseconds(200);
   const uint32_t calls = admission_ ? admission_->calls() : 0;
   const absl::Duration left =

@@ -111,7 +111,7 @@ TEST(Drain, EndsOnceNoAttachmentIsLive) {
 
 // Idle clients (connected, no call in flight) do not hold the stop: gRPC's own stop waits for
 // each of them to acknowledge its GOAWAY, which they do only seconds later (or at the
-// grace's end), so the daemon stops its gRPC server at once when no call is in flight.
+// grace's end), so with no call in flight the daemon gives its gRPC server's stop 0.2 s.
 TEST(Drain, IdleClientsDoNotHoldTheStop) {
   ServerProcess server;
   KV_ASSERT_OK(server.Start({"--grace", "30"}));
