@@ -175,7 +175,7 @@ absl::Status ServerProcess::StartOnce(const std::vector<std::string>& given,
       if (h.ok() && *h == client::HealthStatus::kServing) return absl::OkStatus();
       seen = h.ok() ? std::string(client::HealthStatusName(*h)) : h.status().ToString();
     } else {
-      seen = "not listening yet (no --port-file)";
+      seen = "not listening yet (no port file)";
     }
     std::this_thread::sleep_for(absl::ToChronoMilliseconds(std::min(backoff, end - absl::Now())));
     backoff = std::min(backoff * 2, absl::Milliseconds(25));
