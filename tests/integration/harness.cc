@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <random>
 #include <sstream>
 #include <thread>
@@ -99,12 +100,16 @@ absl::Status ServerProcess::StartOnce(const std::vector<std::string>& given,
                                       const client::ClientOptions& health, absl::Duration ready) {
   if (pid_ > 0) return absl::FailedPreconditionError("server already running");
   std::vector<std::string> args = given;
-  auto has = [&](std::string_view flag) {
-    for (const auto& a : args) {
-      if (a == flag || absl::StartsWith(a, absl::StrCat(std::string(flag), "="))) return true;
+  // A flag's value as given ("--flag value" or "--flag=value"), if it is.
+  auto value_of = [&](std::string_view flag) -> std::optional<std::string> {
+    const std::string eq = absl::StrCat(std::string(flag), "=");
+    for (size_t i = 0; i < args.size(); ++i) {
+      if (args[i] == flag && i + 1 < args.size()) return args[i + 1];
+      if (absl::StartsWith(args[i], eq)) return args[i].substr(eq.size());
     }
-    return false;
+    return std::nullopt;
   };
+  auto has = [&](std::string_view flag) { return value_of(flag).has_value(); };
   port_ = FreePort();
   args.push_back("--listen");
   args.push_back(absl::StrCat("127.0.0.1:", port_));
@@ -127,10 +132,8 @@ absl::Status ServerProcess::StartOnce(const std::vector<std::string>& given,
   log_path_ = log_dir_->path() + "/server.log";
   // The port file is written once the server listens: the health poll waits for it, since a
   // gRPC channel whose first connect is refused backs off for a second before its next.
-  std::string port_file = log_dir_->path() + "/port";
-  if (auto it = std::find(args.begin(), args.end(), "--port-file"); it != args.end() && it + 1 != args.end()) {
-    port_file = *(it + 1);
-  } else {
+  std::string port_file = value_of("--port-file").value_or(log_dir_->path() + "/port");
+  if (!has("--port-file")) {
     args.push_back("--port-file");
     args.push_back(port_file);
   }
